@@ -1,0 +1,444 @@
+"""The host arena: one POSIX shared-memory segment per engine, divided into fixed-size slots.
+
+::
+
+    /dev/shm/<name>
+    ┌──────────── header page (4096 bytes) ────────────┐┌── slot 0 ──┐┌── slot 1 ──┐ ... ┌── slot N-1 ──┐
+    │ magic, version, state, owner pid, nonce, shape   ││ row_bytes  ││ row_bytes  │     │  row_bytes   │
+    └──────────────────────────────────────────────────┘└────────────┘└────────────┘     └──────────────┘
+
+The engine process that creates the segment is its *owner*. It reserves every byte up front with
+``posix_fallocate`` (a /dev/shm too small for the arena fails at creation with :class:`ArenaSpaceError`,
+never with SIGBUS on a later write) and holds an exclusive ``flock`` on the segment for as long as it
+lives. The kernel drops that lock when the owner dies, however it dies, so "unlocked" means "owner dead":
+:func:`sweep` and the next :meth:`Arena.create` with the same name remove such segments. Tier workers and
+accelerator workers :meth:`Arena.attach` by name and check the header's nonce, so they never mistake a
+stale segment that happens to carry the same name for the live one.
+
+Views (:attr:`Arena.rows`, :meth:`Arena.torch_rows`, :meth:`Arena.memoryview`) are zero-copy and keep the
+mapping alive: they are built with ``np.frombuffer`` on the ``mmap`` object (``torch.frombuffer`` does
+not keep an mmap alive). This module imports nothing of the project and no torch at import time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import mmap
+import os
+import re
+import secrets
+import struct
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import posix_ipc
+
+SHM_DIR = "/dev/shm"
+NAME_PREFIX = "kvoffload"
+HEADER_BYTES = 4096
+PAGE_BYTES = mmap.PAGESIZE
+
+_MAGIC = b"KVOARENA"
+_VERSION = 1
+_STATE_INIT = 0
+_STATE_READY = 1
+# magic, version, state, owner pid, created (ns), num_slots, row_bytes, nonce, engine id
+_HEADER = struct.Struct("<8sIIQQQQ16s128s")
+# A segment that never reached the ready state is presumed abandoned after this long (seconds).
+_STALE_INIT_AGE_S = 30.0
+_NAME_RE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+class ArenaError(RuntimeError):
+    """A host arena could not be created or attached."""
+
+
+class ArenaSpaceError(ArenaError):
+    """/dev/shm has too little free space for the requested arena."""
+
+
+class ArenaBusyError(ArenaError):
+    """The arena name is held by a live owner."""
+
+
+@dataclass(frozen=True)
+class ArenaInfo:
+    """The header of an arena segment, as read from /dev/shm."""
+
+    name: str
+    owner_pid: int
+    created_ns: int
+    num_slots: int
+    row_bytes: int
+    nonce: bytes
+    engine_id: str
+    ready: bool
+    size_bytes: int
+
+
+def default_name(engine_id: str) -> str:
+    """Deterministic arena name for an engine: ``kvoffload_<engine id>``.
+
+    The engine id is reduced to ``[A-Za-z0-9_.-]`` and 100 characters, so the name is a valid
+    /dev/shm file name. Every process of one engine derives the same name.
+    """
+    safe = _NAME_RE.sub("_", engine_id)[:100] or "engine"
+    return f"{NAME_PREFIX}_{safe}"
+
+
+def round_up_to_page(nbytes: int) -> int:
+    """``nbytes`` rounded up to a multiple of the page size (bytes)."""
+    return -(-nbytes // PAGE_BYTES) * PAGE_BYTES
+
+
+def _posix_name(name: str) -> str:
+    if "/" in name or not name or len(name) > 200:
+        raise ArenaError(f"invalid arena name {name!r}: 1-200 characters, no '/'")
+    return "/" + name
+
+
+def _read_header(fd: int) -> tuple[bytes, int, int, int, int, int, int, bytes, str] | None:
+    raw = os.pread(fd, _HEADER.size, 0)
+    if len(raw) < _HEADER.size:
+        return None
+    magic, version, state, pid, created, num_slots, row_bytes, nonce, engine = _HEADER.unpack(raw)
+    if magic != _MAGIC or version != _VERSION:
+        return None
+    return magic, version, state, pid, created, num_slots, row_bytes, nonce, engine.rstrip(
+        b"\0"
+    ).decode("utf-8", "replace")
+
+
+def _owner_alive(fd: int) -> bool:
+    """True when some process holds the owner lock on this segment."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return True
+        raise
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+
+
+def _same_inode(name: str, fd: int) -> bool:
+    try:
+        return os.stat(os.path.join(SHM_DIR, name)).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def _remove_if_stale(name: str) -> bool:
+    """Unlink arena segment ``name`` if its owner is dead. Returns True if it was removed."""
+    try:
+        shm = posix_ipc.SharedMemory(_posix_name(name))
+    except (posix_ipc.ExistentialError, ArenaError):
+        return False
+    fd = shm.fd
+    try:
+        if _owner_alive(fd):
+            return False
+        header = _read_header(fd)
+        if header is None or header[2] != _STATE_READY:
+            # A creator between shm_open and flock looks unlocked for a few microseconds: only a
+            # segment that stayed unready for a long time is abandoned.
+            age = time.time() - os.fstat(fd).st_mtime
+            if age < _STALE_INIT_AGE_S:
+                return False
+        # Hold the lock while unlinking so a concurrent sweeper cannot race us onto a new segment.
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if not _same_inode(name, fd):
+            return False
+        with contextlib.suppress(posix_ipc.ExistentialError):
+            posix_ipc.unlink_shared_memory(_posix_name(name))
+        return True
+    except OSError:
+        return False
+    finally:
+        shm.close_fd()
+
+
+def list_arenas(prefix: str = NAME_PREFIX) -> list[ArenaInfo]:
+    """Headers of every arena segment in /dev/shm whose name starts with ``prefix``."""
+    out = []
+    try:
+        names = sorted(os.listdir(SHM_DIR))
+    except FileNotFoundError:
+        return out
+    for name in names:
+        if not name.startswith(prefix):
+            continue
+        try:
+            shm = posix_ipc.SharedMemory(_posix_name(name))
+        except (posix_ipc.ExistentialError, ArenaError, PermissionError):
+            continue
+        try:
+            header = _read_header(shm.fd)
+            size = os.fstat(shm.fd).st_size
+        finally:
+            shm.close_fd()
+        if header is None:
+            out.append(ArenaInfo(name, 0, 0, 0, 0, b"", "", False, size))
+            continue
+        _, _, state, pid, created, num_slots, row_bytes, nonce, engine = header
+        out.append(
+            ArenaInfo(name, pid, created, num_slots, row_bytes, nonce, engine, state == _STATE_READY, size)
+        )
+    return out
+
+
+def sweep(prefix: str = NAME_PREFIX) -> list[str]:
+    """Remove every arena segment under ``prefix`` whose owner process is dead.
+
+    Liveness is the owner's ``flock``, which the kernel releases when the owner dies (SIGKILL
+    included), so a live instance's segment is never touched and PID reuse cannot fool it.
+
+    Returns:
+        The names removed.
+    """
+    removed = []
+    try:
+        names = sorted(os.listdir(SHM_DIR))
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        if name.startswith(prefix) and _remove_if_stale(name):
+            removed.append(name)
+    return removed
+
+
+class Arena:
+    """A mapped host arena: ``num_slots`` rows of ``row_bytes`` (a page multiple) after a header page.
+
+    Use :meth:`create` in the owning engine process and :meth:`attach` everywhere else. ``close()``
+    unmaps (and, for the owner, unlinks the name); views handed out earlier keep their pages mapped
+    until they are garbage-collected.
+    """
+
+    def __init__(self, name: str, shm_fd: int, mm: mmap.mmap, num_slots: int, row_bytes: int,
+                 nonce: bytes, owner: bool):
+        self.name = name
+        self.num_slots = num_slots
+        self.row_bytes = row_bytes
+        self.nonce = nonce
+        self.owner = owner
+        self._fd: int | None = shm_fd if owner else None
+        self._mmap: mmap.mmap | None = mm
+        self.rows: np.ndarray = np.frombuffer(
+            mm, dtype=np.uint8, count=num_slots * row_bytes, offset=HEADER_BYTES
+        ).reshape(num_slots, row_bytes)
+        """Zero-copy ``(num_slots, row_bytes)`` uint8 view of the slots; keeps the mapping alive."""
+
+    # -- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def create(cls, name: str, num_slots: int, row_bytes: int, engine_id: str = "",
+               size_hint_key: str = "cpu_bytes_to_use") -> "Arena":
+        """Create and own a new arena, reserving ``HEADER_BYTES + num_slots * row_bytes`` bytes.
+
+        A segment of the same name whose owner is dead is removed first; one whose owner lives
+        raises :class:`ArenaBusyError`.
+
+        Args:
+            name: /dev/shm file name (no slash).
+            num_slots: number of slots (rows), > 0.
+            row_bytes: bytes per slot, a positive multiple of the page size.
+            engine_id: recorded in the header for ``kvoffload sweep --list``.
+            size_hint_key: the configuration key to name when /dev/shm is too small.
+
+        Raises:
+            ArenaSpaceError: /dev/shm cannot hold the arena (checked before any byte is written).
+            ArenaBusyError: ``name`` belongs to a live owner.
+            ArenaError: invalid shape or name.
+        """
+        if num_slots <= 0:
+            raise ArenaError(f"arena {name!r}: num_slots must be > 0, got {num_slots}")
+        if row_bytes <= 0 or row_bytes % PAGE_BYTES:
+            raise ArenaError(
+                f"arena {name!r}: row_bytes must be a positive multiple of {PAGE_BYTES}, got {row_bytes}"
+            )
+        total = HEADER_BYTES + num_slots * row_bytes
+        pname = _posix_name(name)
+        _remove_if_stale(name)
+        st = os.statvfs(SHM_DIR)
+        free = st.f_bavail * st.f_frsize
+        if total > free:
+            raise ArenaSpaceError(
+                f"{size_hint_key}: the host arena needs {total / 2**30:.2f} GiB but {SHM_DIR} has "
+                f"{free / 2**30:.2f} GiB free; lower {size_hint_key} or enlarge {SHM_DIR}"
+            )
+        try:
+            shm = posix_ipc.SharedMemory(pname, posix_ipc.O_CREX, mode=0o600)
+        except posix_ipc.ExistentialError:
+            info = next((a for a in list_arenas(name) if a.name == name), None)
+            pid = info.owner_pid if info else "?"
+            raise ArenaBusyError(
+                f"arena {name!r} is in use by a live process (pid {pid}); choose another arena_name "
+                f"or stop that engine"
+            ) from None
+        fd = shm.fd
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            try:
+                os.posix_fallocate(fd, 0, total)
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.ENOMEM):
+                    raise ArenaSpaceError(
+                        f"{size_hint_key}: could not reserve {total / 2**30:.2f} GiB in {SHM_DIR} "
+                        f"({os.strerror(e.errno)}); lower {size_hint_key} or enlarge {SHM_DIR}"
+                    ) from None
+                raise
+            mm = mmap.mmap(fd, total, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            nonce = secrets.token_bytes(16)
+            header = _HEADER.pack(_MAGIC, _VERSION, _STATE_INIT, os.getpid(), time.time_ns(),
+                                  num_slots, row_bytes, nonce,
+                                  engine_id.encode("utf-8")[:128])
+            mm[: _HEADER.size] = header
+            # Publish readiness last: attachers wait for it.
+            mm[8:16] = struct.pack("<II", _VERSION, _STATE_READY)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                posix_ipc.unlink_shared_memory(pname)
+            os.close(fd)
+            raise
+        return cls(name, fd, mm, num_slots, row_bytes, nonce, owner=True)
+
+    @classmethod
+    def attach(cls, name: str, nonce: bytes | None = None, timeout_s: float = 30.0) -> "Arena":
+        """Map an existing arena by name.
+
+        Args:
+            name: the arena's /dev/shm file name.
+            nonce: when given, the header must carry this nonce (guards against a stale segment
+                that reuses the name).
+            timeout_s: how long to wait for a segment that is still being initialized (seconds).
+
+        Raises:
+            ArenaError: missing segment, bad header, nonce mismatch or a dead owner.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                shm = posix_ipc.SharedMemory(_posix_name(name))
+            except posix_ipc.ExistentialError:
+                raise ArenaError(f"arena {name!r} does not exist in {SHM_DIR}") from None
+            fd = shm.fd
+            try:
+                header = _read_header(fd)
+                if header is not None and header[2] == _STATE_READY:
+                    _, _, _, pid, _, num_slots, row_bytes, hnonce, _ = header
+                    if nonce is not None and hnonce != nonce:
+                        raise ArenaError(f"arena {name!r} was recreated (nonce mismatch); not attaching")
+                    if not _owner_alive(fd):
+                        raise ArenaError(f"arena {name!r}: its owner (pid {pid}) is dead; not attaching")
+                    total = HEADER_BYTES + num_slots * row_bytes
+                    if os.fstat(fd).st_size < total:
+                        raise ArenaError(f"arena {name!r} is truncated")
+                    mm = mmap.mmap(fd, total, flags=mmap.MAP_SHARED,
+                                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                    return cls(name, fd, mm, num_slots, row_bytes, hnonce, owner=False)
+            finally:
+                shm.close_fd()
+            if time.monotonic() > deadline:
+                raise ArenaError(f"arena {name!r} did not become ready within {timeout_s:.0f} s")
+            time.sleep(0.005)
+
+    @classmethod
+    def open_or_create(cls, name: str, num_slots: int, row_bytes: int, engine_id: str = "",
+                       size_hint_key: str = "cpu_bytes_to_use") -> "Arena":
+        """Attach to ``name`` if a live owner has it, else create it (the caller becomes owner).
+
+        Used where several processes of one engine race to open the engine's arena and any of them
+        may come first. The shape must match the existing segment.
+
+        Raises:
+            ArenaError: shape mismatch, or the errors of :meth:`create` / :meth:`attach`.
+        """
+        for _ in range(50):
+            try:
+                arena = cls.create(name, num_slots, row_bytes, engine_id, size_hint_key)
+                return arena
+            except ArenaBusyError:
+                pass
+            try:
+                arena = cls.attach(name)
+            except ArenaError:
+                time.sleep(0.01)  # the owner died or unlinked between our two calls: retry
+                continue
+            if (arena.num_slots, arena.row_bytes) != (num_slots, row_bytes):
+                shape = (arena.num_slots, arena.row_bytes)
+                arena.close()
+                raise ArenaError(
+                    f"arena {name!r} exists with shape {shape}, expected {(num_slots, row_bytes)}"
+                )
+            return arena
+        raise ArenaError(f"arena {name!r}: could not create or attach")
+
+    # -- views --------------------------------------------------------------------------------
+
+    def memoryview(self) -> memoryview:
+        """Zero-copy 2-D memoryview ``(num_slots, row_bytes)`` of the slots; ``strides[0]`` is the
+        row size in bytes."""
+        return memoryview(self.rows)
+
+    def torch_rows(self):
+        """Zero-copy ``(num_slots, row_bytes)`` int8 torch tensor of the slots (imports torch)."""
+        import torch
+
+        return torch.from_numpy(self.rows.view(np.int8))
+
+    def base_address(self) -> int:
+        """Virtual address of slot 0 in this process."""
+        return self.rows.ctypes.data
+
+    # -- lifetime -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Unmap; the owner also unlinks the name and releases its lock. Idempotent."""
+        if self.owner and self._fd is not None:
+            if _same_inode(self.name, self._fd):
+                with contextlib.suppress(posix_ipc.ExistentialError):
+                    posix_ipc.unlink_shared_memory(_posix_name(self.name))
+        mm, self._mmap = self._mmap, None
+        self.rows = np.empty((0, self.row_bytes), dtype=np.uint8)
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                pass  # views still exported: the mapping goes when the last one is collected
+        if self._fd is not None:
+            os.close(self._fd)  # drops the owner lock
+            self._fd = None
+
+    @property
+    def closed(self) -> bool:
+        return self._mmap is None
+
+    def __enter__(self) -> "Arena":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        role = "owner" if self.owner else "attached"
+        return f"Arena({self.name!r}, {self.num_slots} x {self.row_bytes} B, {role})"
+
+
+def unlink_if_orphaned(name: str, nonce: bytes) -> bool:
+    """Called by a worker whose engine died: unlink ``name`` if it is still the arena with ``nonce``
+    and no owner holds it. Returns True if it was removed."""
+    try:
+        shm = posix_ipc.SharedMemory(_posix_name(name))
+    except (posix_ipc.ExistentialError, ArenaError):
+        return False
+    try:
+        header = _read_header(shm.fd)
+        if header is None or header[7] != nonce:
+            return False
+    finally:
+        shm.close_fd()
+    return _remove_if_stale(name)

@@ -1,0 +1,132 @@
+"""ZMQ channels between one tier's engine-side manager and its worker processes.
+
+::
+
+    engine (TierChannels)                                  worker (WorkerChannels)
+      ROUTER  loads   ◀── bind ── connect ──▶ DEALER  (reader workers: tasks in, Hello out)
+      ROUTER  stores  ◀── bind ── connect ──▶ DEALER  (writer workers: tasks in, Hello out)
+      PULL    results ◀── bind ── connect ─── PUSH    (every worker: TaskResult out)
+
+Per tier, one socket carries loads and one carries stores, so a reload never queues behind a burst of
+stores. The jobs sockets are ROUTERs rather than plain PUSH sockets so the engine addresses each task to
+one named worker: it always knows which worker holds which task, and when a worker dies it fails or
+re-runs exactly that worker's tasks (a PUSH socket would hide where a task went). Endpoints are Linux
+abstract-namespace IPC sockets (``ipc://@...``): nothing to clean up on disk, gone when the engine dies.
+
+This module owns every socket of the project: nothing else opens one.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+
+import zmq
+
+LOADS = "loads"
+STORES = "stores"
+
+
+def _endpoint(tag: str) -> str:
+    return f"ipc://@kvoffload-{os.getpid()}-{secrets.token_hex(6)}-{tag}"
+
+
+class TierChannels:
+    """Engine-side sockets of one tier. Not thread-safe: use from the engine thread only."""
+
+    def __init__(self, ctx: zmq.Context, tier_name: str):
+        self.endpoints: dict[str, str] = {}
+        self.jobs: dict[str, zmq.Socket] = {}
+        for kind in (LOADS, STORES):
+            sock = ctx.socket(zmq.ROUTER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+            ep = _endpoint(f"{tier_name}-{kind}")
+            sock.bind(ep)
+            self.jobs[kind] = sock
+            self.endpoints[kind] = ep
+        self.results = ctx.socket(zmq.PULL)
+        self.results.setsockopt(zmq.LINGER, 0)
+        self.results.setsockopt(zmq.RCVHWM, 0)
+        ep = _endpoint(f"{tier_name}-results")
+        self.results.bind(ep)
+        self.endpoints["results"] = ep
+
+    def send_task(self, kind: str, worker_identity: bytes, payload: bytes) -> bool:
+        """Send one encoded task to a worker. False when the worker is not connected."""
+        try:
+            self.jobs[kind].send_multipart((worker_identity, payload), flags=zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.ZMQError as e:
+            if e.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+                return False
+            raise
+
+    def recv_hellos(self, kind: str) -> list[tuple[bytes, bytes]]:
+        """Drain ``(identity, payload)`` messages workers sent on a jobs socket. Never blocks."""
+        out = []
+        sock = self.jobs[kind]
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            frames = sock.recv_multipart(flags=zmq.NOBLOCK)
+            if len(frames) == 2:
+                out.append((frames[0], frames[1]))
+        return out
+
+    def results_pending(self) -> bool:
+        """True when at least one result is waiting (one cheap getsockopt)."""
+        return bool(self.results.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+
+    def recv_results(self, limit: int = 100_000) -> list[bytes]:
+        """Drain waiting result messages. Never blocks."""
+        out = []
+        sock = self.results
+        while len(out) < limit:
+            try:
+                out.append(sock.recv(flags=zmq.NOBLOCK))
+            except zmq.Again:
+                break
+        return out
+
+    def wait_results(self, timeout_s: float) -> bool:
+        """Block up to ``timeout_s`` seconds for a result (standalone callers only, never the
+        scheduler step)."""
+        return bool(self.results.poll(int(timeout_s * 1000)))
+
+    def close(self) -> None:
+        for sock in (*self.jobs.values(), self.results):
+            sock.close(linger=0)
+
+
+class WorkerChannels:
+    """Worker-side sockets: a DEALER on the tier's jobs socket for one kind, a PUSH for results."""
+
+    def __init__(self, ctx: zmq.Context, jobs_endpoint: str, results_endpoint: str, identity: bytes):
+        self.jobs = ctx.socket(zmq.DEALER)
+        self.jobs.setsockopt(zmq.LINGER, 0)
+        self.jobs.setsockopt(zmq.ROUTING_ID, identity)
+        self.jobs.setsockopt(zmq.RCVHWM, 0)
+        self.jobs.connect(jobs_endpoint)
+        self.results = ctx.socket(zmq.PUSH)
+        self.results.setsockopt(zmq.LINGER, 2000)
+        self.results.setsockopt(zmq.SNDHWM, 0)
+        self.results.connect(results_endpoint)
+        self.poller = zmq.Poller()
+        self.poller.register(self.jobs, zmq.POLLIN)
+
+    def say_hello(self, payload: bytes) -> None:
+        self.jobs.send(payload)
+
+    def next_task(self, timeout_s: float) -> bytes | None:
+        """The next task's bytes, or None after ``timeout_s`` seconds without one."""
+        if self.poller.poll(int(timeout_s * 1000)):
+            return self.jobs.recv()
+        return None
+
+    def send_result(self, payload: bytes) -> None:
+        self.results.send(payload)
+
+    def close(self) -> None:
+        self.jobs.close(linger=0)
+        self.results.close()

@@ -1,0 +1,240 @@
+"""Configuration: vLLM's ``kv_connector_extra_config`` dict parsed into typed msgspec structs.
+
+Every struct forbids unknown fields. An unknown key, a wrong type or an impossible size raises
+:class:`ConfigError` whose message names the full key path (``secondary_tiers[0].max_byte``), suggests
+the closest valid key for a near miss and lists the allowed keys, before any process or segment is
+created. Sizes are integers in bytes: ``"10GB"`` is rejected, not guessed.
+
+Example (the same JSON serves vLLM and ``kvoffload stress --config``)::
+
+    {"cpu_bytes_to_use": 8589934592, "eviction_policy": "arc",
+     "secondary_tiers": [{"type": "fs", "root_dir": "/mnt/nvme/kv", "max_bytes": 500000000000}]}
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import re
+from typing import Annotated, Any
+
+import msgspec
+
+Positive = Annotated[int, msgspec.Meta(gt=0)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+
+
+class ConfigError(ValueError):
+    """Invalid configuration; the message names the offending key path."""
+
+
+class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Top-level settings (``kv_connector_extra_config``).
+
+    Attributes:
+        cpu_bytes_to_use: host-tier (arena) size in bytes. Required.
+        blocks_per_chunk: engine blocks per chunk (default 1). Read by vLLM too.
+        block_size: tokens per chunk instead of ``blocks_per_chunk`` (a multiple of the engine
+            block size). Read by vLLM too.
+        eviction_policy: ``lru`` or ``arc``, or an out-of-tree policy class name.
+        cache_policy_module_path: module of an out-of-tree eviction policy.
+        secondary_tiers: ordered list of tier configs (``{"type": "fs", ...}``); lookups ask them
+            in this order, stores go to all of them.
+        arena_name: fixed /dev/shm name for the host arena (default: derived from the engine id).
+        cache_salt: part of the namespace: instances with different salts never share chunks.
+        model_revision: model revision for the namespace when the engine does not report one.
+        offload_prompt_only: offload prompt blocks only (vLLM's setting, default True).
+        canonical_layout: store rows in vLLM's canonical (parallelism-free) layout.
+        self_describing_kv_events: vLLM's KV-event payload option.
+        spec_name, spec_module_path: how vLLM found this spec.
+        lock, config_info, expedited: accepted for vLLM 0.33 compatibility; unused.
+    """
+
+    cpu_bytes_to_use: Positive
+    blocks_per_chunk: Positive | None = None
+    block_size: Positive | None = None
+    eviction_policy: str = "lru"
+    cache_policy_module_path: str | None = None
+    secondary_tiers: list[dict[str, Any]] = []
+    arena_name: str | None = None
+    cache_salt: str = ""
+    model_revision: str | None = None
+    offload_prompt_only: bool = True
+    canonical_layout: bool = False
+    self_describing_kv_events: bool = False
+    spec_name: str = "KVOffloadSpec"
+    spec_module_path: str = "kvoffload.vllm"
+    lock: Any = None
+    config_info: Any = None
+    expedited: Any = None
+
+
+_PATH_RE = re.compile(r"`\$(?P<path>[^`]*)`")
+_UNKNOWN_RE = re.compile(r"unknown field `(?P<field>[^`]+)`")
+
+
+def _fields_of(struct_type: type[msgspec.Struct]) -> list[str]:
+    return list(struct_type.__struct_fields__)
+
+
+def _struct_at(root: type[msgspec.Struct], path: str) -> type[msgspec.Struct] | None:
+    """The struct type found by following ``path`` (``.a[0].b``) from ``root``, when it can be told."""
+    typ: Any = root
+    for part in re.findall(r"\.([A-Za-z_][A-Za-z0-9_]*)|\[\d+\]", path):
+        if not part:
+            continue
+        if not (isinstance(typ, type) and issubclass(typ, msgspec.Struct)):
+            return None
+        info = msgspec.inspect.type_info(typ)
+        field = next((f for f in info.fields if f.name == part), None)
+        if field is None:
+            return None
+        t = field.type
+        while isinstance(t, (msgspec.inspect.ListType, msgspec.inspect.UnionType)):
+            if isinstance(t, msgspec.inspect.ListType):
+                t = t.item_type
+            else:
+                structs = [x for x in t.types if isinstance(x, msgspec.inspect.StructType)]
+                t = structs[0] if structs else t.types[0]
+                break
+        typ = t.cls if isinstance(t, msgspec.inspect.StructType) else None
+    return typ if isinstance(typ, type) else None
+
+
+def convert(data: Any, struct_type: type[msgspec.Struct], where: str) -> Any:
+    """``msgspec.convert`` with errors rewritten to name ``where`` + the key path.
+
+    Args:
+        data: the raw dict.
+        struct_type: the struct to build.
+        where: prefix for key paths in messages (e.g. ``kv_connector_extra_config``).
+
+    Raises:
+        ConfigError: naming the key path, the closest valid key for unknown keys, and the allowed
+            keys.
+    """
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected an object (dict), got {type(data).__name__}")
+    try:
+        return msgspec.convert(data, struct_type, strict=True)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        m = _PATH_RE.search(msg)
+        sub = m.group("path") if m else ""
+        unknown = _UNKNOWN_RE.search(msg)
+        if unknown:
+            field = unknown.group("field")
+            owner = _struct_at(struct_type, sub) or struct_type
+            allowed = _fields_of(owner)
+            close = difflib.get_close_matches(field, allowed, n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(
+                f"{where}{sub}: unknown key {field!r}{hint}; allowed keys: {', '.join(allowed)}"
+            ) from None
+        detail = _PATH_RE.sub("", msg).replace(" - at ", "").strip(" -")
+        raise ConfigError(f"{where}{sub}: {detail}") from None
+
+
+def parse_config(extra_config: dict[str, Any]) -> OffloadConfig:
+    """Parse and validate the whole configuration, secondary tiers included.
+
+    Raises:
+        ConfigError: anything invalid, named by key path.
+    """
+    cfg = convert(dict(extra_config), OffloadConfig, "kv_connector_extra_config")
+    if cfg.blocks_per_chunk is not None and cfg.block_size is not None:
+        raise ConfigError(
+            "kv_connector_extra_config: set only one of 'blocks_per_chunk' and 'block_size'"
+        )
+    if cfg.cache_policy_module_path is None:
+        from kvoffload.policies import BUILTIN_POLICIES
+
+        if cfg.eviction_policy not in BUILTIN_POLICIES:
+            close = difflib.get_close_matches(cfg.eviction_policy, list(BUILTIN_POLICIES), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(
+                f"kv_connector_extra_config.eviction_policy: unknown policy "
+                f"{cfg.eviction_policy!r}{hint}; allowed: {', '.join(BUILTIN_POLICIES)}, or a class "
+                f"name together with cache_policy_module_path"
+            )
+    names = set()
+    for i, tier in enumerate(cfg.secondary_tiers):
+        name, _, _ = parse_tier_config(tier, f"kv_connector_extra_config.secondary_tiers[{i}]")
+        if name in names:
+            raise ConfigError(
+                f"kv_connector_extra_config.secondary_tiers[{i}].name: duplicate tier name {name!r}"
+            )
+        names.add(name)
+    return cfg
+
+
+BUILTIN_TIERS = {
+    "fs": "kvoffload.tiers.fs:FsTier",
+    "memory": "kvoffload.tiers.memory:MemoryTier",
+}
+
+
+def tier_class(type_name: str, module_path: str | None, where: str) -> type:
+    """Resolve a tier type: a built-in name, or a class named ``type_name`` in ``module_path``.
+
+    Raises:
+        ConfigError: unknown type, unimportable module, or not a ``SecondaryTierManager``.
+    """
+    from kvoffload.tiers.base import SecondaryTierManager
+
+    if module_path is None:
+        target = BUILTIN_TIERS.get(type_name)
+        if target is None:
+            close = difflib.get_close_matches(type_name, list(BUILTIN_TIERS), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(
+                f"{where}.type: unknown tier type {type_name!r}{hint}; built-in types: "
+                f"{', '.join(BUILTIN_TIERS)}; an out-of-tree tier needs 'module_path'"
+            )
+        mod_name, cls_name = target.split(":")
+    else:
+        mod_name, cls_name = module_path, type_name
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ConfigError(f"{where}.module_path: cannot import {mod_name!r}: {e}") from None
+    cls = getattr(mod, cls_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, SecondaryTierManager)):
+        raise ConfigError(f"{where}.type: {mod_name}.{cls_name} is not a SecondaryTierManager subclass")
+    return cls
+
+
+def parse_tier_config(raw: dict[str, Any], where: str) -> tuple[str, type, msgspec.Struct]:
+    """Validate one ``secondary_tiers`` entry.
+
+    Returns:
+        ``(tier name, tier class, config struct)``.
+
+    Raises:
+        ConfigError: naming the key path.
+    """
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected an object with a 'type', got {type(raw).__name__}")
+    body = dict(raw)
+    type_name = body.pop("type", None)
+    if not isinstance(type_name, str):
+        raise ConfigError(f"{where}.type: required, a string such as 'fs'")
+    module_path = body.pop("module_path", None)
+    name = body.pop("name", type_name)
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,40}", name):
+        raise ConfigError(f"{where}.name: 1-40 characters of [A-Za-z0-9_.-], got {name!r}")
+    cls = tier_class(type_name, module_path, where)
+    config = convert(body, cls.config_class, where)
+    validate = getattr(config, "validate", None)
+    if validate is not None:
+        try:
+            validate()
+        except ValueError as e:
+            raise ConfigError(f"{where}.{e}") from None
+    return name, cls, config
+
+
+def describe(cfg: OffloadConfig) -> str:
+    """One-line JSON of the effective configuration, defaults included (logged once at start)."""
+    return msgspec.json.encode(cfg).decode()

@@ -1,0 +1,241 @@
+"""The host tier's slot table: which chunk is in which arena slot, in what state, pinned how often.
+
+Slot states (DESIGN.md §4 "Host tier")::
+
+    FREE ──allocate──▶ WRITING ──complete_write(ok)──▶ READY ⇄ pinned (ref count > 0)
+      ▲                   │ complete_write(failed)       │ evict (only READY, unpinned, not protected)
+      └───────────────────┴──────────────────────────────┘
+
+Only READY, unpinned slots are evictable, and never a key of the batch being stored. Per stored chunk
+the table costs one dict entry and one reference to the key, plus 13 bytes in flat columns
+(``array``/``bytearray``), so the engine-side footprint stays small (BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable, Sequence
+
+from kvoffload.policies import EvictionPolicy
+from kvoffload.tiers.base import LookupResult, TierEvent
+
+FREE, WRITING, READY = 0, 1, 2
+_HIT, _MISS, _PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
+
+
+class StorePlan:
+    """Result of :meth:`HostTier.allocate`: the keys that need writing, their slots, and the keys
+    evicted to make room."""
+
+    __slots__ = ("keys", "slots", "evicted")
+
+    def __init__(self, keys: list[bytes], slots: list[int], evicted: list[bytes]):
+        self.keys = keys
+        self.slots = slots
+        self.evicted = evicted
+
+
+class HostTier:
+    """Slot table and eviction policy of the host arena (engine process only, not thread-safe).
+
+    Args:
+        num_slots: arena slots.
+        policy: an :class:`~kvoffload.policies.EvictionPolicy` over those slots.
+        record_events: keep stored/removed :class:`TierEvent` s for :meth:`take_events`.
+    """
+
+    def __init__(self, num_slots: int, policy: EvictionPolicy, record_events: bool = True):
+        self.num_slots = num_slots
+        self.policy = policy
+        self.index: dict[bytes, int] = {}
+        self.keys: list[bytes | None] = [None] * num_slots
+        self.state = bytearray(num_slots)
+        self.refs = array("i", bytes(4 * num_slots))
+        self._free = list(range(num_slots - 1, -1, -1))
+        self.num_evictable = 0
+        self.num_writing = 0
+        self.num_pinned = 0  # slots with ref count > 0
+        self.evictions = 0
+        self._events: list[TierEvent] | None = [] if record_events else None
+
+    # -- queries --------------------------------------------------------------------------------
+
+    def lookup(self, key: bytes) -> LookupResult:
+        """HIT (READY), HIT_PENDING (WRITING) or MISS."""
+        slot = self.index.get(key)
+        if slot is None:
+            return _MISS
+        return _HIT if self.state[slot] == READY else _PENDING
+
+    def slot_of(self, key: bytes) -> int | None:
+        return self.index.get(key)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_slots - len(self._free)
+
+    # -- writes ---------------------------------------------------------------------------------
+
+    def allocate(self, keys: Sequence[bytes]) -> StorePlan | None:
+        """Reserve WRITING slots for the keys not yet present, evicting as needed.
+
+        Keys already present (in any state) are skipped and, with every other key of ``keys``,
+        protected from eviction. Returns None, changing nothing, when not enough slots can be freed.
+        """
+        index = self.index
+        new: list[bytes] = []
+        seen: set[bytes] = set()
+        for k in keys:
+            if k not in index and k not in seen:
+                new.append(k)
+                seen.add(k)
+        if not new:
+            return StorePlan([], [], [])
+        self.policy.prepare(new)
+        need = len(new) - len(self._free)
+        evicted: list[bytes] = []
+        if need > 0:
+            if need > self.num_evictable:
+                return None
+            protected = {index[k] for k in keys if k in index}
+            victims = self.policy.evict(need, protected, self.keys)
+            if victims is None:
+                return None
+            for slot in victims:
+                key = self.keys[slot]
+                del index[key]
+                self.keys[slot] = None
+                self.state[slot] = FREE
+                self._free.append(slot)
+                evicted.append(key)
+            self.num_evictable -= len(victims)
+            self.evictions += len(victims)
+            if self._events is not None:
+                self._events.append(TierEvent(evicted, True))
+        slots = []
+        for k in new:
+            slot = self._free.pop()
+            index[k] = slot
+            self.keys[slot] = k
+            self.state[slot] = WRITING
+            self.policy.admit(slot, k)
+            slots.append(slot)
+        self.num_writing += len(new)
+        return StorePlan(new, slots, evicted)
+
+    def complete_write(self, keys: Iterable[bytes], success: bool) -> list[bytes]:
+        """Finish writes of WRITING keys: READY on success, freed on failure. Other keys are
+        ignored. Returns the keys that changed state."""
+        done = []
+        index, state = self.index, self.state
+        for k in keys:
+            slot = index.get(k)
+            if slot is None or state[slot] != WRITING:
+                continue
+            self.num_writing -= 1
+            if success:
+                state[slot] = READY
+                if self.refs[slot] == 0:
+                    self.num_evictable += 1
+                    self.policy.make_evictable(slot)
+            else:
+                self._release(slot)
+            done.append(k)
+        if success and done and self._events is not None:
+            self._events.append(TierEvent(done, False))
+        return done
+
+    def _release(self, slot: int) -> None:
+        key = self.keys[slot]
+        del self.index[key]
+        self.keys[slot] = None
+        self.state[slot] = FREE
+        self.policy.remove(slot)
+        self._free.append(slot)
+
+    # -- pins -----------------------------------------------------------------------------------
+
+    def pin(self, keys: Iterable[bytes]) -> list[int]:
+        """Pin READY keys (ref count + 1) and return their slots.
+
+        Raises:
+            KeyError: a key is not present and READY.
+        """
+        slots = []
+        index, state, refs = self.index, self.state, self.refs
+        for k in keys:
+            slot = index.get(k)
+            if slot is None or state[slot] != READY:
+                raise KeyError(f"chunk {k.hex()[:16]} is not ready in the host tier")
+            self._pin_slot(slot)
+            slots.append(slot)
+        return slots
+
+    def _pin_slot(self, slot: int) -> None:
+        refs = self.refs
+        if refs[slot] == 0:
+            self.num_pinned += 1
+            if self.state[slot] == READY:
+                self.num_evictable -= 1
+                self.policy.make_pinned(slot)
+        refs[slot] += 1
+
+    def unpin(self, keys: Iterable[bytes]) -> None:
+        """Drop one pin of each key. Unknown or unpinned keys are ignored."""
+        index = self.index
+        for k in keys:
+            slot = index.get(k)
+            if slot is not None:
+                self.unpin_slot(slot)
+
+    def unpin_slot(self, slot: int) -> None:
+        refs = self.refs
+        if refs[slot] <= 0:
+            return
+        refs[slot] -= 1
+        if refs[slot] == 0:
+            self.num_pinned -= 1
+            if self.state[slot] == READY:
+                self.num_evictable += 1
+                self.policy.make_evictable(slot)
+
+    # -- use, removal ---------------------------------------------------------------------------
+
+    def access(self, keys: Iterable[bytes]) -> None:
+        """Record a use of each present key (recency / frequency)."""
+        index = self.index
+        for k in keys:
+            slot = index.get(k)
+            if slot is not None:
+                self.policy.access(slot)
+
+    def remove(self, keys: Iterable[bytes]) -> list[bytes]:
+        """Remove READY, unpinned keys (explicit removal); returns those removed."""
+        removed = []
+        for k in keys:
+            slot = self.index.get(k)
+            if slot is None or self.state[slot] != READY or self.refs[slot]:
+                continue
+            self.num_evictable -= 1
+            self._release(slot)
+            removed.append(k)
+        if removed and self._events is not None:
+            self._events.append(TierEvent(removed, True))
+        return removed
+
+    def clear(self) -> None:
+        """Forget every chunk (reset_cache). Callers must have no transfer in flight."""
+        keys = list(self.index)
+        self.__init__(self.num_slots, self.policy, self._events is not None)
+        self.policy.clear()
+        if keys and self._events is not None:
+            self._events.append(TierEvent(keys, True))
+
+    def take_events(self) -> list[TierEvent]:
+        if not self._events:
+            return []
+        out, self._events = self._events, []
+        return out

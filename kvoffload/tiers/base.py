@@ -1,0 +1,159 @@
+"""The secondary-tier contract (DESIGN.md §4) and the types that cross it.
+
+A secondary tier holds chunks below the host tier: a filesystem, an object store, peers, memory. It
+never touches accelerator memory; every byte passes through host-arena slots. The tiering manager
+drives it with four calls, all of which must return in microseconds whatever the tier's latency:
+
+- :meth:`SecondaryTierManager.lookup`: HIT, MISS or RETRY (an answer is being fetched; ask again).
+- :meth:`SecondaryTierManager.submit_store`: copy pinned host slots into the tier, asynchronously.
+- :meth:`SecondaryTierManager.submit_load`: copy chunks into reserved host slots, asynchronously.
+- :meth:`SecondaryTierManager.get_finished_jobs`: drain finished jobs, never blocking.
+
+Every submitted job yields exactly one :class:`JobResult`: success, partial success (which keys), or
+failure with a reason, even when a worker dies, a server hangs or the disk fills. A tier whose load of a
+key failed answers MISS for that key afterwards, so no request waits on it forever.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import msgspec
+
+
+class LookupResult(enum.Enum):
+    """Answer to a chunk lookup (the same four values as vLLM's ``LookupResult``)."""
+
+    MISS = 0
+    HIT = 1
+    HIT_PENDING = 2  # present but not yet readable (a write or promotion is in flight)
+    RETRY = 3  # unknown yet (an existence probe is in flight): ask again next step
+
+
+class JobMetadata(msgspec.Struct, kw_only=True):
+    """A transfer between host slots and a tier.
+
+    Attributes:
+        job_id: unique per tiering manager.
+        keys: chunk keys (bytes), one per slot.
+        slots: host-arena slot indices (rows of the arena), same order as ``keys``.
+        is_promotion: True for tier → host loads, False for host → tier stores.
+        req_id: the request that caused it ("" when none).
+    """
+
+    job_id: int
+    keys: list[bytes]
+    slots: list[int]
+    is_promotion: bool
+    req_id: str = ""
+
+
+class JobResult(msgspec.Struct, kw_only=True):
+    """The one result of a submitted job.
+
+    Attributes:
+        job_id: the job's id.
+        success: True when every key succeeded.
+        successful_keys: on partial failure, the keys that succeeded; None means all keys share the
+            fate given by ``success``.
+        reason: on failure, a summary such as ``"corrupt=1 missing=2"``.
+        failed: per failed key, its cause (``missing``, ``corrupt``, ``io_error``, ``no_space``,
+            ``timeout``, ``worker_died``, ``cancelled``, ``rejected``, ``dropped``).
+        transfer_bytes: bytes moved (bytes).
+        transfer_seconds: wall time from submit to completion (seconds).
+        status: protocol status per failed key where one exists (e.g. HTTP status), else empty.
+    """
+
+    job_id: int
+    success: bool
+    successful_keys: list[bytes] | None = None
+    reason: str = ""
+    failed: dict[bytes, str] = {}
+    transfer_bytes: int = 0
+    transfer_seconds: float = 0.0
+    status: dict[bytes, int] = {}
+
+
+class TierEvent(msgspec.Struct, array_like=True):
+    """A change of what a tier holds: ``keys`` were stored (``removed=False``) or removed."""
+
+    keys: list[bytes]
+    removed: bool
+
+
+class SecondaryTierManager(ABC):
+    """One secondary tier, engine side. Subclasses add files, not branches elsewhere.
+
+    Construction: ``cls(name=..., arena_view=..., namespace=..., config=...)`` where ``arena_view`` is a
+    zero-copy 2-D ``memoryview`` ``(num_slots, row_bytes)`` of the host arena, ``namespace`` the
+    :class:`~kvoffload.namespace.Namespace` of the chunks, and ``config`` an instance of
+    ``config_class`` (validated from the tier's entry in ``secondary_tiers``).
+
+    Capabilities (class attributes) instead of special cases in callers:
+        medium: ``"STORAGE"``, ``"CPU"`` or ``"PEER"`` (reported in KV events).
+        locality: ``"LOCAL"`` or ``"REMOTE"``.
+        shared: chunks may be read by other processes or instances, so chunk keys must be
+            deterministic across processes.
+    """
+
+    config_class: ClassVar[type[msgspec.Struct]]
+    medium: ClassVar[str] = "STORAGE"
+    locality: ClassVar[str] = "LOCAL"
+    shared: ClassVar[bool] = False
+
+    def __init__(self, *, name: str, arena_view: memoryview, namespace: Any, config: msgspec.Struct):
+        self.name = name
+        self.arena_view = arena_view
+        self.namespace = namespace
+        self.config = config
+        self.counters: dict[str, int] = {}
+        self.record_events = True
+
+    def count(self, counter: str, n: int = 1) -> None:
+        """Add ``n`` to one of this tier's counters (exposed as ``kvoffload_tier_<counter>``)."""
+        self.counters[counter] = self.counters.get(counter, 0) + n
+
+    @abstractmethod
+    def lookup(self, key: bytes, req_id: str = "") -> LookupResult:
+        """HIT, MISS or RETRY for one chunk. Never blocks, never raises."""
+
+    @abstractmethod
+    def submit_store(self, job: JobMetadata) -> None:
+        """Start copying ``job.slots`` (pinned until the job's result) into the tier."""
+
+    @abstractmethod
+    def submit_load(self, job: JobMetadata) -> None:
+        """Start copying ``job.keys`` into the reserved slots ``job.slots``."""
+
+    @abstractmethod
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        """Results of jobs finished since the last call. Never blocks."""
+
+    def accepts_store(self, num_chunks: int) -> bool:
+        """False when the tier is too backed up to take ``num_chunks`` more (the store is dropped)."""
+        return True
+
+    def flush(self) -> None:
+        """Send work batched during this scheduler step (e.g. existence probes)."""
+
+    def has_pending_work(self) -> bool:
+        """True while jobs or probes are in flight."""
+        return False
+
+    def touch(self, keys: Iterable[bytes]) -> None:
+        """The keys were used: refresh them in the tier's own eviction order."""
+
+    def take_events(self) -> list[TierEvent]:
+        """Stored/removed events since the last call."""
+        return []
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block up to ``timeout_s`` for a job to finish (standalone tools, never the scheduler).
+        Returns True if something may be ready."""
+        return True
+
+    def shutdown(self) -> None:
+        """Fail or finish in-flight jobs and release processes, sockets and memory."""

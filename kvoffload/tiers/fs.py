@@ -1,0 +1,234 @@
+"""The filesystem tier (``type: "fs"``): one file per chunk under ``root_dir``, I/O in worker processes.
+
+Layout, format and atomicity are described in :mod:`kvoffload.workers.fs_io` and
+:mod:`kvoffload.workers.chunkfile`. Several engines may share one ``root_dir`` (local disk, NFS,
+Lustre...): chunk names depend only on the namespace and the chunk key, so they share chunks, and
+writes are atomic renames, so no reader sees a torn file.
+
+Capacity: with ``max_bytes`` set, the tier keeps an LRU index of the namespace's files (the files
+found at start are adopted, oldest first, and counted) and deletes the least recently used chunks
+to stay within ``max_bytes`` of file bytes, headers included. The cap applies per namespace, as seen
+by this instance: chunks that another instance writes into the same directory after this one started
+are not counted here. Without ``max_bytes`` the tier never deletes anything but corrupt files.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from typing import Any
+
+from kvoffload.config import Positive
+from kvoffload.ipc import messages as m
+from kvoffload.tiers.process import ProcessTierConfig, ProcessTierManager, _TaskRec
+from kvoffload.tiers.base import TierEvent
+from kvoffload.workers import chunkfile as cf
+
+_SCAN_TIMEOUT_S = 600.0
+
+
+class FsTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True):
+    """``{"type": "fs", "root_dir": ..., ...}`` (plus :class:`ProcessTierConfig`'s fields).
+
+    Attributes:
+        root_dir: directory holding the tier (created if missing; must be writable).
+        max_bytes: cap on this namespace's file bytes; LRU chunks are deleted to stay under it.
+            None (default): no cap.
+        fsync: fsync every chunk file and directory before reporting it stored.
+        o_direct: read payloads with O_DIRECT where the filesystem supports it.
+    """
+
+    root_dir: str
+    max_bytes: Positive | None = None
+    fsync: bool = False
+    o_direct: bool = False
+
+    def validate(self) -> None:
+        if not self.root_dir:
+            raise ValueError("root_dir: must be a directory path")
+
+
+class FsTier(ProcessTierManager):
+    """Filesystem secondary tier; see the module docstring."""
+
+    config_class = FsTierConfig
+    io_module = "kvoffload.workers.fs_io"
+    medium = "STORAGE"
+    shared = True
+
+    def __init__(self, *, name: str, arena_view: memoryview, namespace: Any,
+                 config: FsTierConfig, arena: Any):
+        super().__init__(name=name, arena_view=arena_view, namespace=namespace, config=config,
+                         arena=arena)
+        self.ns_id = namespace.id()
+        self.ns_dir = os.path.join(config.root_dir, self.ns_id)
+        self.file_bytes = cf.HEADER_BYTES + self.row_bytes
+        if config.max_bytes is not None and config.max_bytes < self.file_bytes:
+            raise ValueError(
+                f"max_bytes: {config.max_bytes} is smaller than one chunk file "
+                f"({self.file_bytes} bytes)"
+            )
+        self._write_namespace_config()
+        # Capacity accounting (only with max_bytes): LRU of known files -> stored bytes.
+        self._index: OrderedDict[bytes, int] | None = (
+            OrderedDict() if config.max_bytes is not None else None
+        )
+        self.used_bytes = 0
+        self._reserved: dict[bytes, int] = {}
+        self._loading: dict[bytes, int] = {}
+        self._delete_queue: list[bytes] = []
+        self.start()
+        if self._index is not None:
+            tid = self._next_task_id()
+            self._send(self._writers, _TaskRec("scan", None, [], self._writers), m.ScanTask(tid),
+                       timeout_s=_SCAN_TIMEOUT_S)
+
+    def io_config(self) -> dict:
+        c = self.config
+        return {"root_dir": c.root_dir, "namespace_id": self.ns_id, "row_bytes": self.row_bytes,
+                "fsync": c.fsync, "o_direct": c.o_direct}
+
+    def _write_namespace_config(self) -> None:
+        try:
+            os.makedirs(self.ns_dir, exist_ok=True)
+            path = os.path.join(self.ns_dir, "config.json")
+            if not os.path.exists(path):
+                tmp = f"{path}.{os.getpid()}.tmp"
+                with open(tmp, "wb") as f:
+                    f.write(self.namespace.to_json())
+                os.rename(tmp, path)
+            probe = os.path.join(self.ns_dir, f".write-test.{os.getpid()}")
+            with open(probe, "wb"):
+                pass
+            os.unlink(probe)
+        except OSError as e:
+            raise ValueError(f"root_dir: {self.config.root_dir!r} is not usable: {e}") from None
+
+    # -- capacity hooks -------------------------------------------------------------------------
+
+    def _admit_store(self, keys: list[bytes]) -> tuple[list[int], dict[bytes, int]]:
+        index = self._index
+        if index is None:
+            return list(range(len(keys))), {}
+        cap = self.config.max_bytes
+        fb = self.file_bytes
+        admitted: list[int] = []
+        rejected: dict[bytes, int] = {}
+        for i, k in enumerate(keys):
+            if k in index:
+                index.move_to_end(k)
+                admitted.append(i)  # the worker sees the file and skips the write
+                continue
+            if k in self._reserved:
+                rejected[k] = m.REJECTED  # the same chunk is being written by an earlier job
+                continue
+            while self.used_bytes + self._reserved_bytes() + fb > cap:
+                if not self._evict_one(protect=set(keys)):
+                    break
+            if self.used_bytes + self._reserved_bytes() + fb > cap:
+                rejected[k] = m.NO_SPACE
+                continue
+            self._reserved[k] = fb
+            admitted.append(i)
+        self._flush_deletes()
+        return admitted, rejected
+
+    def _reserved_bytes(self) -> int:
+        return len(self._reserved) * self.file_bytes
+
+    def _evict_one(self, protect: set[bytes]) -> bool:
+        index = self._index
+        for k in index:
+            if k in self._loading or k in protect:
+                continue
+            self.used_bytes -= index.pop(k)
+            self._present.pop(k, None)
+            self._delete_queue.append(k)
+            self.count("evictions")
+            return True
+        return False
+
+    def _flush_deletes(self) -> None:
+        if not self._delete_queue:
+            return
+        keys, self._delete_queue = self._delete_queue, []
+        if self.record_events:
+            self._events.append(TierEvent(list(keys), True))
+        for start in range(0, len(keys), 256):
+            batch = keys[start:start + 256]
+            tid = self._next_task_id()
+            self._send(self._writers, _TaskRec("delete", None, batch, self._writers),
+                       m.DeleteTask(tid, batch))
+
+    def _on_store_done(self, key: bytes, ok: bool) -> None:
+        if self._index is None:
+            return
+        fb = self._reserved.pop(key, None)
+        if ok and key not in self._index:
+            self._index[key] = fb or self.file_bytes
+            self.used_bytes += self._index[key]
+
+    def submit_load(self, job) -> None:
+        if self._index is not None:
+            for k in job.keys:
+                self._loading[k] = self._loading.get(k, 0) + 1
+        super().submit_load(job)
+
+    def _on_load_done(self, key: bytes, code: int) -> None:
+        if self._index is None:
+            return
+        n = self._loading.get(key, 0) - 1
+        if n > 0:
+            self._loading[key] = n
+        else:
+            self._loading.pop(key, None)
+        if code == m.OK:
+            # A successful read does not prove the file is still there (it may have been removed
+            # while open), so only refresh keys already counted.
+            if key in self._index:
+                self._index.move_to_end(key)
+        elif code in (m.MISSING, m.CORRUPT) and key in self._index:
+            self.used_bytes -= self._index.pop(key)
+
+    def _on_scan(self, entries: list[tuple[bytes, int, float]]) -> None:
+        index = self._index
+        if index is None:
+            return
+        adopted = 0
+        for key, size, _mtime in sorted(entries, key=lambda e: e[2], reverse=True):
+            if key in index or key in self._reserved:
+                continue
+            index[key] = size
+            index.move_to_end(key, last=False)  # older than anything this instance wrote
+            self.used_bytes += size
+            adopted += 1
+        self.count("adopted_chunks", adopted)
+        self._enforce_cap()
+
+    def _enforce_cap(self) -> None:
+        cap = self.config.max_bytes
+        while self.used_bytes + self._reserved_bytes() > cap:
+            if not self._evict_one(protect=set()):
+                break
+        self._flush_deletes()
+
+    def remove(self, keys: list[bytes]) -> None:
+        """Delete chunks from the tier (explicit removal); in-flight loads of them still finish with
+        the whole chunk or a clean miss."""
+        for k in keys:
+            if self._index is not None and k in self._index:
+                self.used_bytes -= self._index.pop(k)
+            self._present.pop(k, None)
+            self._mark_absent(k, self.config.negative_ttl_s)
+            self._delete_queue.append(k)
+        self._flush_deletes()
+
+    @property
+    def accounted_bytes(self) -> int:
+        """Bytes this tier counts against ``max_bytes`` (0 without a cap)."""
+        return self.used_bytes
+
+    def flush(self) -> None:
+        super().flush()
+        self._flush_deletes()
+

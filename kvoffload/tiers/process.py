@@ -1,0 +1,428 @@
+"""Engine side of a tier whose I/O runs in worker processes (the fs tier; the obj tier reuses it).
+
+::
+
+    lookup(key) ─▶ verdict cache ── known ──▶ HIT / MISS
+                        └─ unknown ─▶ queue an existence probe, answer RETRY
+    flush() ──────▶ ProbeTask batches ─────────▶ reader workers ─┐
+    submit_load ──▶ LoadTask(s) ───────────────▶ reader workers ─┤ results socket
+    submit_store ─▶ StoreTask(s) ──────────────▶ writer workers ─┤
+    get_finished_jobs() ◀── drain results, check worker health ◀─┘
+
+Nothing here blocks: tasks are encoded and handed to ZMQ, results are drained with non-blocking reads,
+and worker health is checked by ``poll()`` on the child processes at most every 20 ms. A job is split
+into tasks of ``chunks_per_task`` chunks spread over the workers; its one :class:`JobResult` comes when
+the last task answers. Verdicts: a probe or a successful store makes a key present; a probe that finds
+nothing makes it absent for ``negative_ttl_s``; a failed load makes it absent for ``failed_load_ttl_s``,
+so a request never spins on a chunk that cannot be read (CASES C07).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Annotated, Any, ClassVar
+
+import msgspec
+import zmq
+
+from kvoffload.config import Positive, PositiveFloat
+from kvoffload.ipc import messages as m
+from kvoffload.ipc.channels import LOADS, STORES, TierChannels
+from kvoffload.tiers.base import JobMetadata, JobResult, LookupResult, SecondaryTierManager, TierEvent
+from kvoffload.workerpool import PoolTask, WorkerPool
+
+_HIT, _MISS, _RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
+_CHECK_INTERVAL_S = 0.02
+_PROBE_BATCH = 256
+
+
+class ProcessTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Settings shared by worker-backed tiers.
+
+    Attributes:
+        read_workers: reader processes (loads and existence probes).
+        write_workers: writer processes (stores, deletes, scans).
+        job_timeout_s: a task unanswered this long kills its worker and fails (seconds).
+        max_inflight_per_worker: tasks queued inside one worker at a time.
+        chunks_per_task: chunks per task a job is split into.
+        max_pending_store_chunks: chunks of stores in flight beyond which new stores are dropped
+            (and counted) instead of pinning more host slots.
+        negative_ttl_s: how long a "not found" probe verdict is trusted (seconds).
+        failed_load_ttl_s: how long a key whose load failed answers MISS (seconds).
+        lookup_cache_entries: bound on remembered "present" verdicts.
+        worker_nice: niceness added to worker processes (0-19).
+        faults: fault injection for tests and ``kvoffload stress`` (see ``Fault``).
+    """
+
+    read_workers: Positive = 2
+    write_workers: Positive = 2
+    job_timeout_s: PositiveFloat = 30.0
+    max_inflight_per_worker: Positive = 4
+    chunks_per_task: Positive = 8
+    max_pending_store_chunks: Positive = 4096
+    negative_ttl_s: Annotated[float, msgspec.Meta(ge=0)] = 2.0
+    failed_load_ttl_s: Annotated[float, msgspec.Meta(ge=0)] = 60.0
+    lookup_cache_entries: Positive = 1_000_000
+    worker_nice: Annotated[int, msgspec.Meta(ge=0, le=19)] = 10
+    faults: list[m.Fault] = []
+
+
+class _Job:
+    __slots__ = ("meta", "pending", "failed", "status", "nbytes", "t0", "is_load")
+
+    def __init__(self, meta: JobMetadata, is_load: bool):
+        self.meta = meta
+        self.pending = 0
+        self.failed: dict[bytes, int] = {}
+        self.status: dict[bytes, int] = {}
+        self.nbytes = 0
+        self.t0 = time.monotonic()
+        self.is_load = is_load
+
+
+class _TaskRec:
+    __slots__ = ("kind", "job", "keys", "pool")
+
+    def __init__(self, kind: str, job: _Job | None, keys: list[bytes], pool: WorkerPool):
+        self.kind = kind
+        self.job = job
+        self.keys = keys
+        self.pool = pool
+
+
+def summarize(codes: Iterable[int]) -> str:
+    counts: dict[str, int] = {}
+    for c in codes:
+        name = m.CODE_NAMES.get(c, str(c))
+        counts[name] = counts.get(name, 0) + 1
+    return " ".join(f"{k}={v}" for k, v in sorted(counts.items()))
+
+
+class ProcessTierManager(SecondaryTierManager):
+    """Base for tiers whose I/O runs in :mod:`kvoffload.workers` processes.
+
+    Subclasses set ``io_module`` (the worker-side module with ``make_io``) and implement
+    :meth:`io_config`; they may override the ``_admit_store`` / ``_on_*`` hooks for capacity
+    accounting.
+    """
+
+    config_class: ClassVar[type[msgspec.Struct]] = ProcessTierConfig
+    io_module: ClassVar[str]
+    shared = True
+
+    def __init__(self, *, name: str, arena_view: memoryview, namespace: Any,
+                 config: ProcessTierConfig, arena: Any):
+        super().__init__(name=name, arena_view=arena_view, namespace=namespace, config=config)
+        self.arena = arena
+        self.row_bytes = arena_view.strides[0]
+        cfg = config
+        self._present: OrderedDict[bytes, None] = OrderedDict()
+        self._absent: dict[bytes, float] = {}
+        self._probing: set[bytes] = set()
+        self._probe_queue: list[bytes] = []
+        self._finished: list[JobResult] = []
+        self._events: list[TierEvent] = []
+        self._task_ids = 0
+        self._job_count = 0
+        self._pending_store_chunks = 0
+        self._last_check = 0.0
+        self._closed = False
+        self._ctx = zmq.Context(1)
+        self._chans = TierChannels(self._ctx, name)
+        common = dict(channels=self._chans, task_timeout_s=cfg.job_timeout_s,
+                      max_inflight=cfg.max_inflight_per_worker, on_event=self._on_pool_event)
+        self._readers = WorkerPool(tier_name=name, kind=LOADS, count=cfg.read_workers,
+                                   make_spec=lambda wid, ident: self._spec(wid, ident, LOADS), **common)
+        self._writers = WorkerPool(tier_name=name, kind=STORES, count=cfg.write_workers,
+                                   make_spec=lambda wid, ident: self._spec(wid, ident, STORES), **common)
+        self._pools = (self._readers, self._writers)
+
+    def start(self) -> None:
+        """Start the worker processes (called once the subclass is fully set up)."""
+        for pool in self._pools:
+            pool.start()
+
+    # -- subclass interface ---------------------------------------------------------------------
+
+    def io_config(self) -> dict:
+        """The ``io_config`` dict handed to worker processes."""
+        raise NotImplementedError  # pragma: no cover - abstract in every concrete tier
+
+    def _admit_store(self, keys: list[bytes]) -> tuple[list[int], dict[bytes, int]]:
+        """Which positions of ``keys`` to write; the rest fail with the returned codes."""
+        return list(range(len(keys))), {}
+
+    def _on_store_done(self, key: bytes, ok: bool) -> None:
+        pass
+
+    def _on_load_done(self, key: bytes, code: int) -> None:
+        pass
+
+    def _on_scan(self, entries: list[tuple[bytes, int, float]]) -> None:
+        pass
+
+    # -- plumbing ---------------------------------------------------------------------------------
+
+    def _spec(self, wid: int, identity: bytes, kind: str) -> m.WorkerSpec:
+        import os
+
+        return m.WorkerSpec(
+            tier_name=self.name, worker_id=wid, identity=identity, kind=kind,
+            arena_name=self.arena.name, arena_nonce=self.arena.nonce,
+            jobs_endpoint=self._chans.endpoints[kind], results_endpoint=self._chans.endpoints["results"],
+            parent_pid=os.getpid(), nice=self.config.worker_nice, io_module=self.io_module,
+            io_config=self.io_config(), faults=list(self.config.faults),
+        )
+
+    def _on_pool_event(self, what: str) -> None:
+        self.count({"restart": "worker_restarts", "timeout": "job_timeouts"}[what])
+
+    def _next_task_id(self) -> int:
+        self._task_ids += 1
+        return self._task_ids
+
+    def _send(self, pool: WorkerPool, rec: _TaskRec, msg: msgspec.Struct,
+              timeout_s: float | None = None) -> None:
+        pool.submit(PoolTask(msg.task_id, m.encode(msg), rec, timeout_s))
+
+    def worker_pids(self) -> dict[str, list[int]]:
+        """PIDs of the live worker processes, by kind."""
+        return {LOADS: self._readers.pids(), STORES: self._writers.pids()}
+
+    # -- verdicts -------------------------------------------------------------------------------
+
+    def _mark_present(self, key: bytes) -> None:
+        present = self._present
+        present[key] = None
+        present.move_to_end(key)
+        if len(present) > self.config.lookup_cache_entries:
+            present.popitem(last=False)
+        self._absent.pop(key, None)
+
+    def _mark_absent(self, key: bytes, ttl: float) -> None:
+        self._present.pop(key, None)
+        if ttl > 0:
+            absent = self._absent
+            if len(absent) >= self.config.lookup_cache_entries:
+                now = time.monotonic()
+                for k in [k for k, exp in absent.items() if exp <= now]:
+                    del absent[k]
+                if len(absent) >= self.config.lookup_cache_entries:
+                    absent.clear()
+            absent[key] = time.monotonic() + ttl
+
+    def lookup(self, key: bytes, req_id: str = "") -> LookupResult:
+        if key in self._present:
+            return _HIT
+        exp = self._absent.get(key)
+        if exp is not None:
+            if time.monotonic() < exp:
+                return _MISS
+            del self._absent[key]
+        if key not in self._probing:
+            self._probing.add(key)
+            self._probe_queue.append(key)
+            if len(self._probe_queue) >= _PROBE_BATCH:
+                self.flush()
+        return _RETRY
+
+    def flush(self) -> None:
+        queue = self._probe_queue
+        while queue:
+            batch, queue[:] = queue[:_PROBE_BATCH], queue[_PROBE_BATCH:]
+            tid = self._next_task_id()
+            self._send(self._readers, _TaskRec("probe", None, batch, self._readers),
+                       m.ProbeTask(tid, batch))
+
+    # -- jobs -----------------------------------------------------------------------------------
+
+    def accepts_store(self, num_chunks: int) -> bool:
+        return self._pending_store_chunks + num_chunks <= self.config.max_pending_store_chunks
+
+    def submit_store(self, job: JobMetadata) -> None:
+        rec_job = _Job(job, is_load=False)
+        keys, slots = job.keys, job.slots
+        todo = [i for i, k in enumerate(keys) if k not in self._present]
+        if len(todo) < len(keys):
+            for k in keys:
+                if k in self._present:
+                    self._present.move_to_end(k)
+        if todo:
+            sub_keys = [keys[i] for i in todo]
+            admitted, rejected = self._admit_store(sub_keys)
+            for k, code in rejected.items():
+                rec_job.failed[k] = code
+            todo = [todo[i] for i in admitted]
+        self._dispatch(rec_job, todo, self._writers, m.StoreTask, "store")
+
+    def submit_load(self, job: JobMetadata) -> None:
+        self._dispatch(_Job(job, is_load=True), list(range(len(job.keys))), self._readers,
+                       m.LoadTask, "load")
+
+    def _dispatch(self, job: _Job, positions: list[int], pool: WorkerPool, task_type, kind: str) -> None:
+        self._job_count += 1
+        keys, slots = job.meta.keys, job.meta.slots
+        step = self.config.chunks_per_task
+        for start in range(0, len(positions), step):
+            part = positions[start:start + step]
+            tkeys = [keys[i] for i in part]
+            tid = self._next_task_id()
+            job.pending += 1
+            if kind == "store":
+                self._pending_store_chunks += len(tkeys)
+            self._send(pool, _TaskRec(kind, job, tkeys, pool),
+                       task_type(tid, [int(slots[i]) for i in part], tkeys))
+        if job.pending == 0:
+            self._finish(job)
+
+    def _finish(self, job: _Job) -> None:
+        self._job_count -= 1
+        meta = job.meta
+        failed = job.failed
+        if job.is_load:
+            for k in meta.keys:
+                code = failed.get(k, m.OK)
+                self._on_load_done(k, code)
+                if code == m.OK:
+                    self._mark_present(k)
+                else:
+                    self._mark_absent(k, self.config.failed_load_ttl_s)
+            self.count("load_chunks", len(meta.keys) - len(failed))
+            if failed:
+                self.count("load_failures", len(failed))
+        else:
+            stored = [k for k in meta.keys if k not in failed]
+            for k in meta.keys:
+                ok = k not in failed
+                self._on_store_done(k, ok)
+                if ok:
+                    self._mark_present(k)
+            if stored and self.record_events:
+                self._events.append(TierEvent(stored, False))
+            self.count("store_chunks", len(stored))
+            if failed:
+                self.count("store_failures", len(failed))
+        for code in failed.values():
+            if code == m.CORRUPT:
+                self.count("checksum_failures")
+        if failed:
+            ok_keys = [k for k in meta.keys if k not in failed]
+            result = JobResult(job_id=meta.job_id, success=False, successful_keys=ok_keys,
+                               reason=summarize(failed.values()),
+                               failed={k: m.CODE_NAMES.get(c, str(c)) for k, c in failed.items()},
+                               transfer_bytes=job.nbytes,
+                               transfer_seconds=time.monotonic() - job.t0,
+                               status=dict(job.status))
+        else:
+            result = JobResult(job_id=meta.job_id, success=True, transfer_bytes=job.nbytes,
+                               transfer_seconds=time.monotonic() - job.t0)
+        self.count("bytes_read" if job.is_load else "bytes_written", job.nbytes)
+        self._finished.append(result)
+
+    def _apply(self, rec: _TaskRec, codes: list[int], nbytes: int, status: list[int]) -> None:
+        if rec.kind == "probe":
+            neg = self.config.negative_ttl_s
+            for key, code in zip(rec.keys, codes):
+                self._probing.discard(key)
+                if code == m.OK:
+                    self._mark_present(key)
+                else:
+                    self._mark_absent(key, neg if code == m.MISSING else min(neg, 1.0))
+            self.count("probes", len(rec.keys))
+            return
+        if rec.kind in ("store", "load"):
+            job = rec.job
+            for i, (key, code) in enumerate(zip(rec.keys, codes)):
+                if code != m.OK:
+                    job.failed[key] = code
+                    if i < len(status) and status[i]:
+                        job.status[key] = status[i]
+            job.nbytes += nbytes
+            if rec.kind == "store":
+                self._pending_store_chunks -= len(rec.keys)
+            job.pending -= 1
+            if job.pending == 0:
+                self._finish(job)
+            return
+        if rec.kind == "delete":
+            self.count("deletes", len(rec.keys))
+            return
+        if rec.kind == "scan":
+            return
+
+    def get_finished_jobs(self) -> list[JobResult]:
+        chans = self._chans
+        if chans.results_pending():
+            for data in chans.recv_results():
+                try:
+                    res = m.decode_reply(data)
+                except msgspec.DecodeError:
+                    continue
+                if not isinstance(res, m.TaskResult):
+                    continue
+                self._on_result(res)
+        for pool in self._pools:
+            if pool.awaiting_hello:
+                for identity, _ in chans.recv_hellos(pool.kind):
+                    pool.on_hello(identity)
+        now = time.monotonic()
+        if now - self._last_check >= _CHECK_INTERVAL_S:
+            self._last_check = now
+            for pool in self._pools:
+                if pool.workers or pool.queue:
+                    for task, code in pool.check(now):
+                        rec = task.owner
+                        if rec.kind == "load" and code == m.TIMEOUT:
+                            self.count("pending_deadline_expired")
+                        self._apply(rec, [code] * len(rec.keys), 0, [])
+        if not self._finished:
+            return []
+        out, self._finished = self._finished, []
+        return out
+
+    def _on_result(self, res: m.TaskResult) -> None:
+        # Task ids are unique per tier: find the pool that holds it.
+        for pool in self._pools:
+            task = pool.take(res.task_id, res.worker_id) if pool.inflight_count else None
+            if task is not None:
+                rec = task.owner
+                if rec.kind == "scan":
+                    self._on_scan(res.entries)
+                self._apply(rec, res.codes, res.nbytes, res.status)
+                return
+
+    def has_pending_work(self) -> bool:
+        return bool(self._probe_queue or self._probing or self._job_count
+                    or self._readers.busy() or self._writers.busy())
+
+    def touch(self, keys: Iterable[bytes]) -> None:
+        present = self._present
+        for k in keys:
+            if k in present:
+                present.move_to_end(k)
+
+    def take_events(self) -> list[TierEvent]:
+        if not self._events:
+            return []
+        out, self._events = self._events, []
+        return out
+
+    def wait(self, timeout_s: float) -> bool:
+        return self._chans.wait_results(timeout_s)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.get_finished_jobs()
+        except Exception:  # noqa: BLE001 - shutting down regardless
+            pass
+        for pool in self._pools:
+            for task in pool.shutdown():
+                rec = task.owner
+                self._apply(rec, [m.CANCELLED] * len(rec.keys), 0, [])
+        self._chans.close()
+        self._ctx.term()

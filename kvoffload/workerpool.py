@@ -1,0 +1,277 @@
+"""Engine-side pool of tier worker processes for one direction (loads or stores) of one tier.
+
+::
+
+    tier manager ──submit(task)──▶ queue ──dispatch──▶ worker k (least loaded, ≤ max_inflight tasks)
+                 ◀──take(result)── (the tier manager drains the results socket and hands results here)
+    check(now): worker exited → its tasks re-run (attempt 2) or fail WORKER_DIED; replacement started
+                task past its deadline → worker SIGKILLed; once it has exited, that task fails TIMEOUT
+                and the worker's other tasks re-run
+
+Tasks are addressed to one worker each, so the pool always knows which tasks a worker holds. A task
+belonging to a killed worker is reported only after the process has exited: until then the worker
+might still write into the task's arena slots, so the slots must not be reused. Workers are started
+with ``subprocess`` (a fresh interpreter, never a fork of the engine).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from kvoffload.ipc import messages as m
+from kvoffload.ipc.channels import TierChannels
+
+log = logging.getLogger("kvoffload.workerpool")
+
+_SPEC_ENV = "KVOFFLOAD_WORKER"
+_RESTART_BACKOFF_S = 0.5
+_BROKEN_AFTER_FAILED_STARTS = 3
+_BROKEN_RETRY_S = 10.0
+
+
+class PoolTask:
+    """One task in the pool. ``owner`` is the tier manager's record for it."""
+
+    __slots__ = ("task_id", "payload", "attempt", "deadline", "worker", "owner", "timed_out",
+                 "timeout_s")
+
+    def __init__(self, task_id: int, payload: bytes, owner: Any, timeout_s: float | None = None):
+        self.task_id = task_id
+        self.payload = payload
+        self.owner = owner
+        self.timeout_s = timeout_s
+        self.attempt = 0
+        self.deadline = 0.0
+        self.worker: _WorkerProc | None = None
+        self.timed_out = False
+
+
+class _WorkerProc:
+    __slots__ = ("wid", "identity", "proc", "ready", "inflight", "killed", "started")
+
+    def __init__(self, wid: int, identity: bytes, proc: subprocess.Popen):
+        self.wid = wid
+        self.identity = identity
+        self.proc = proc
+        self.ready = False
+        self.inflight: dict[int, PoolTask] = {}
+        self.killed = False
+        self.started = time.monotonic()
+
+
+class WorkerPool:
+    """Worker processes of one kind (``loads`` or ``stores``) for one tier.
+
+    Args:
+        tier_name: for process titles and messages.
+        kind: ``"loads"`` or ``"stores"`` (the channel it reads tasks from).
+        count: number of worker processes (>= 1).
+        channels: the tier's :class:`TierChannels`.
+        make_spec: ``(worker_id, identity) -> WorkerSpec`` for a new worker.
+        task_timeout_s: a task not answered after this long kills its worker (seconds).
+        max_inflight: tasks sent to one worker at a time; the rest wait in the engine.
+        on_event: called with ``"restart"`` / ``"timeout"`` for the tier's counters.
+    """
+
+    def __init__(self, *, tier_name: str, kind: str, count: int, channels: TierChannels,
+                 make_spec: Callable[[int, bytes], m.WorkerSpec], task_timeout_s: float,
+                 max_inflight: int = 4, max_attempts: int = 2,
+                 on_event: Callable[[str], None] | None = None):
+        self.tier_name = tier_name
+        self.kind = kind
+        self.count = count
+        self.channels = channels
+        self.make_spec = make_spec
+        self.task_timeout_s = task_timeout_s
+        self.max_inflight = max_inflight
+        self.max_attempts = max_attempts
+        self.on_event = on_event or (lambda what: None)
+        self.queue: deque[PoolTask] = deque()
+        self.workers: dict[bytes, _WorkerProc] = {}
+        self._next_wid = 0
+        self._failed_starts = 0
+        self._broken_since: float | None = None
+        self._last_start = 0.0
+        self._closed = False
+        self.awaiting_hello = 0
+        self.inflight_count = 0
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        for _ in range(self.count):
+            self._spawn()
+
+    def _spawn(self) -> None:
+        wid = self._next_wid
+        self._next_wid += 1
+        identity = f"{self.kind[0]}{wid}-{os.getpid()}".encode()
+        spec = self.make_spec(wid, identity)
+        env = dict(os.environ)
+        env[_SPEC_ENV] = msgspec.json.encode(spec).decode()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvoffload.workers.main"],
+            env=env, stdin=subprocess.DEVNULL, close_fds=True,
+        )
+        self.workers[identity] = _WorkerProc(wid, identity, proc)
+        self.awaiting_hello += 1
+        self._last_start = time.monotonic()
+
+    def on_hello(self, identity: bytes) -> None:
+        w = self.workers.get(identity)
+        if w is None or w.ready:
+            return
+        w.ready = True
+        self.awaiting_hello -= 1
+        self._failed_starts = 0
+        self._broken_since = None
+        self.dispatch()
+
+    @property
+    def broken(self) -> bool:
+        """True after workers repeatedly died before becoming ready (tasks then fail at once)."""
+        return self._broken_since is not None
+
+    def pids(self) -> list[int]:
+        return [w.proc.pid for w in self.workers.values()]
+
+    # -- tasks ----------------------------------------------------------------------------------
+
+    def submit(self, task: PoolTask) -> None:
+        self.queue.append(task)
+        self.dispatch()
+
+    def dispatch(self) -> None:
+        queue = self.queue
+        if not queue:
+            return
+        for w in sorted(self.workers.values(), key=lambda w: len(w.inflight)):
+            if not w.ready or w.killed:
+                continue
+            while queue and len(w.inflight) < self.max_inflight:
+                task = queue.popleft()
+                if not self.channels.send_task(self.kind, w.identity, task.payload):
+                    queue.appendleft(task)
+                    break
+                task.attempt += 1
+                task.worker = w
+                task.deadline = time.monotonic() + (task.timeout_s or self.task_timeout_s)
+                w.inflight[task.task_id] = task
+                self.inflight_count += 1
+            if not queue:
+                return
+
+    def take(self, task_id: int, identity_wid: int) -> PoolTask | None:
+        """Claim the task a result answers. None when the result is stale (the task was already
+        failed, re-run elsewhere, or belongs to a killed worker)."""
+        for w in self.workers.values():
+            if w.wid == identity_wid:
+                if w.killed:
+                    return None
+                task = w.inflight.pop(task_id, None)
+                if task is not None:
+                    self.inflight_count -= 1
+                    if self.queue:
+                        self.dispatch()
+                return task
+        return None
+
+    def busy(self) -> bool:
+        return bool(self.queue) or self.inflight_count > 0
+
+    def check(self, now: float) -> list[tuple[PoolTask, int]]:
+        """Find dead and hung workers. Returns ``(task, code)`` for tasks that failed for good."""
+        failed: list[tuple[PoolTask, int]] = []
+        for identity, w in list(self.workers.items()):
+            if w.proc.poll() is not None:
+                del self.workers[identity]
+                if not w.ready:
+                    self.awaiting_hello -= 1
+                    self._failed_starts += 1
+                    if self._failed_starts >= _BROKEN_AFTER_FAILED_STARTS and self._broken_since is None:
+                        self._broken_since = now
+                        log.error("kvoffload tier %s: %s workers exit before becoming ready "
+                                  "(exit code %s); failing its tasks", self.tier_name, self.kind,
+                                  w.proc.returncode)
+                elif not w.killed:
+                    log.warning("kvoffload tier %s: %s worker %d (pid %d) died with code %s; "
+                                "replacing it", self.tier_name, self.kind, w.wid, w.proc.pid,
+                                w.proc.returncode)
+                for task in w.inflight.values():
+                    self.inflight_count -= 1
+                    task.worker = None
+                    if task.timed_out:
+                        failed.append((task, m.TIMEOUT))
+                    elif task.attempt < self.max_attempts:
+                        self.queue.appendleft(task)
+                    else:
+                        failed.append((task, m.WORKER_DIED))
+                w.inflight.clear()
+                if not self._closed:
+                    self.on_event("restart")
+            elif not w.killed:
+                hung = [t for t in w.inflight.values() if now > t.deadline]
+                if hung:
+                    for t in hung:
+                        t.timed_out = True
+                    log.warning("kvoffload tier %s: %s worker %d (pid %d) did not answer within "
+                                "%.1f s; killing it", self.tier_name, self.kind, w.wid, w.proc.pid,
+                                self.task_timeout_s)
+                    w.killed = True
+                    self.on_event("timeout")
+                    try:
+                        w.proc.send_signal(signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+        if not self._closed:
+            live = len(self.workers)
+            if self._broken_since is not None:
+                while self.queue:
+                    failed.append((self.queue.popleft(), m.WORKER_DIED))
+                if now - self._broken_since > _BROKEN_RETRY_S and live < self.count:
+                    self._broken_since = now
+                    self._spawn()
+            elif live < self.count and now - self._last_start > (
+                    _RESTART_BACKOFF_S if self._failed_starts else 0):
+                for _ in range(self.count - live):
+                    self._spawn()
+        if self.queue:
+            self.dispatch()
+        return failed
+
+    # -- shutdown -------------------------------------------------------------------------------
+
+    def shutdown(self, timeout_s: float = 5.0) -> list[PoolTask]:
+        """Stop every worker (SIGTERM, then SIGKILL after ``timeout_s``) and return the tasks that
+        never got an answer, for the caller to fail with CANCELLED."""
+        self._closed = True
+        leftover = list(self.queue)
+        self.queue.clear()
+        for w in self.workers.values():
+            leftover.extend(w.inflight.values())
+            w.inflight.clear()
+            if w.proc.poll() is None:
+                try:
+                    w.proc.terminate()
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + timeout_s
+        for w in self.workers.values():
+            try:
+                w.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                w.proc.kill()
+                w.proc.wait()
+        self.workers.clear()
+        self.inflight_count = 0
+        return leftover

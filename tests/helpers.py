@@ -1,0 +1,116 @@
+"""Test rig: a real arena, a real TieringManager, real tier worker processes."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+
+import numpy as np
+import xxhash
+
+from kvoffload.config import parse_config
+from kvoffload.ipc.arena import Arena
+from kvoffload.namespace import Namespace, chunk_keys
+from kvoffload.tiering import TieringManager
+from kvoffload.tiers.base import LookupResult
+
+HIT, MISS, PENDING, RETRY = (LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING,
+                             LookupResult.RETRY)
+ROW = 16384
+_names = itertools.count()
+
+
+def arena_name() -> str:
+    return f"kvoffload_test_{os.getpid()}_{next(_names)}"
+
+
+def payload(key: bytes, nbytes: int = ROW) -> np.ndarray:
+    """Deterministic pseudo-random bytes derived from the key."""
+    rng = np.random.default_rng(xxhash.xxh3_64_intdigest(key))
+    return rng.integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def keys_for(n: int, seed: int = 0, tokens_per_chunk: int = 16) -> list[bytes]:
+    return chunk_keys(np.arange(seed * 1_000_000, seed * 1_000_000 + n * tokens_per_chunk),
+                      tokens_per_chunk)
+
+
+def namespace(**overrides) -> Namespace:
+    fields = dict(model="test/model", kv_dtype="bfloat16", layout="raw-v1", tokens_per_chunk=16,
+                  row_bytes=ROW)
+    fields.update(overrides)
+    return Namespace(**fields)
+
+
+def fs_tier(root: str, **extra) -> dict:
+    cfg = {"type": "fs", "root_dir": str(root), "read_workers": 1, "write_workers": 1,
+           "job_timeout_s": 10.0}
+    cfg.update(extra)
+    return cfg
+
+
+class Rig:
+    """One engine: arena + tiering manager. Use as a context manager."""
+
+    def __init__(self, tiers: list[dict] | None = None, *, num_slots: int = 16, row_bytes: int = ROW,
+                 policy: str = "lru", ns: Namespace | None = None, name: str | None = None, **cfg):
+        self.row_bytes = row_bytes
+        self.config = parse_config({"cpu_bytes_to_use": num_slots * row_bytes,
+                                    "eviction_policy": policy,
+                                    "secondary_tiers": tiers or [], **cfg})
+        self.arena = Arena.create(name or arena_name(), num_slots, row_bytes)
+        self.ns = ns or namespace(row_bytes=row_bytes)
+        try:
+            self.tm = TieringManager(self.arena, self.ns, self.config)
+        except BaseException:
+            self.arena.close()
+            raise
+
+    def __enter__(self) -> "Rig":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.tm.shutdown()
+        self.arena.close()
+
+    @property
+    def fs(self):
+        return self.tm.tiers[0]
+
+    def store(self, keys, fill=None, wait: bool = True) -> list[bytes]:
+        """Accelerator → host store of ``keys`` with their payloads, then write-through."""
+        plan = self.tm.prepare_store(list(keys))
+        assert plan is not None, "host tier refused the store"
+        for k, s in zip(plan.keys, plan.slots):
+            self.arena.rows[s] = payload(k, self.row_bytes) if fill is None else fill
+        self.tm.complete_store(plan.keys, True)
+        if wait:
+            assert self.tm.wait_idle(30), "tier jobs did not finish"
+        return plan.evicted
+
+    def resolve(self, keys, timeout_s: float = 20.0, step_sleep: float = 0.002) -> list[LookupResult]:
+        """Look up ``keys`` every step until none is RETRY or HIT_PENDING (or the timeout)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            res = [self.tm.lookup(k, "req") for k in keys]
+            if not any(r in (RETRY, PENDING) for r in res) or time.monotonic() > deadline:
+                return res
+            self.tm.step()
+            time.sleep(step_sleep)
+
+    def read(self, keys) -> list[np.ndarray]:
+        """Copy the host rows of READY keys out (pin, copy, unpin)."""
+        slots = self.tm.prepare_load(list(keys), "req")
+        out = [self.arena.rows[s].copy() for s in slots]
+        self.tm.complete_load(keys, "req")
+        return out
+
+    def evict_all(self, seed: int = 99) -> None:
+        """Push every current chunk out of the host tier by storing as many fresh ones."""
+        fresh = keys_for(self.arena.num_slots, seed=seed)
+        for i in range(0, len(fresh), 4):
+            self.store(fresh[i:i + 4])

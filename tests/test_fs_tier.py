@@ -1,0 +1,441 @@
+"""Filesystem tier with real worker processes and real files: round trips, integrity, liveness."""
+
+import os
+import signal
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from kvoffload.workers.chunkfile import HEADER_BYTES, relative_name
+
+from helpers import HIT, MISS, PENDING, ROW, Rig, fs_tier, keys_for, payload
+
+
+def chunk_path(rig: Rig, root, key: bytes) -> str:
+    return os.path.join(str(root), rig.ns.id(), relative_name(key))
+
+
+def test_round_trip_host_fs_host_is_bit_exact(tmp_path):
+    with Rig([fs_tier(tmp_path)], num_slots=8) as rig:
+        keys = keys_for(8)
+        rig.store(keys)
+        rig.evict_all()
+        assert all(rig.tm.host.lookup(k) is MISS for k in keys)
+        assert rig.resolve(keys) == [HIT] * 8
+        for k, row in zip(keys, rig.read(keys)):
+            assert np.array_equal(row, payload(k))
+        assert rig.tm.stats.loads_from["fs"] == 8
+        files = [chunk_path(rig, tmp_path, k) for k in keys]
+        assert all(os.path.getsize(f) == HEADER_BYTES + ROW for f in files)
+        assert os.path.exists(os.path.join(tmp_path, rig.ns.id(), "config.json"))
+
+
+def test_lookup_never_blocks_retry_while_probing(tmp_path):
+    with Rig([fs_tier(tmp_path)], num_slots=4) as a:
+        keys = keys_for(2)
+        a.store(keys)
+    with Rig([fs_tier(tmp_path)], num_slots=4) as b:  # a fresh instance knows nothing yet
+        first = [b.tm.lookup(k, "r") for k in keys]
+        assert first == [PENDING, PENDING] or all(r.name in ("RETRY", "HIT_PENDING") for r in first)
+        assert b.resolve(keys) == [HIT, HIT]
+
+
+def test_c06_same_length_corruption_is_a_miss_and_the_file_is_removed(tmp_path):
+    with Rig([fs_tier(tmp_path)], num_slots=4) as rig:
+        k = keys_for(1)[0]
+        rig.store([k])
+        rig.evict_all()
+        path = chunk_path(rig, tmp_path, k)
+        size = os.path.getsize(path)
+        with open(path, "r+b") as f:
+            f.seek(HEADER_BYTES + ROW // 2)
+            b = f.read(1)
+            f.seek(HEADER_BYTES + ROW // 2)
+            f.write(bytes([b[0] ^ 0xFF]))
+        assert os.path.getsize(path) == size
+        assert rig.resolve([k]) == [MISS]
+        assert not os.path.exists(path)
+        assert rig.fs.counters["checksum_failures"] == 1
+        assert rig.tm.stats.promotion_failures["fs"] == 1
+        assert rig.resolve([k]) == [MISS]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "header", "empty"])
+def test_damaged_files_are_misses_never_wrong_bytes(tmp_path, damage):
+    with Rig([fs_tier(tmp_path)], num_slots=4) as rig:
+        k = keys_for(1)[0]
+        rig.store([k])
+        rig.evict_all()
+        path = chunk_path(rig, tmp_path, k)
+        if damage == "truncate":
+            os.truncate(path, HEADER_BYTES + ROW // 2)
+        elif damage == "header":
+            with open(path, "r+b") as f:
+                f.write(b"XXXXXXXX")
+        else:
+            os.truncate(path, 0)
+        assert rig.resolve([k]) == [MISS]
+        assert not os.path.exists(path)
+
+
+def test_c08_file_deleted_outside_the_library_is_a_clean_miss(tmp_path):
+    with Rig([fs_tier(tmp_path)], num_slots=4) as rig:
+        k1, k2, k3 = keys_for(3)
+        rig.store([k1, k2, k3])
+        rig.evict_all()
+        os.unlink(chunk_path(rig, tmp_path, k2))
+        res = rig.resolve([k1, k2, k3])
+        assert res[0] is HIT and res[1] is MISS  # K3 loads or is skipped by the prefix rule
+        assert np.array_equal(rig.read([k1])[0], payload(k1))
+        pids = rig.fs.worker_pids()
+        assert all(psutil.pid_exists(p) for ps in pids.values() for p in ps)
+        k4 = keys_for(1, seed=7)[0]
+        rig.store([k4])  # later jobs still succeed
+        assert rig.tm.stats.cascade_failures["fs"] == 0
+
+
+@pytest.mark.parametrize("variant", ["truncate", "eio"])
+def test_c07_failed_load_does_not_livelock_the_request(tmp_path, variant):
+    keys = keys_for(4)
+    k3 = keys[2]
+    faults = []
+    if variant == "eio":
+        faults = [{"point": "read_payload", "action": "raise", "arg": 5, "key_hex": k3.hex(),
+                   "count": -1}]
+    with Rig([fs_tier(tmp_path, faults=faults)], num_slots=4) as rig:
+        rig.store(keys)
+        rig.evict_all()
+        assert rig.resolve(keys) is not None  # 1. cached positive verdicts ... then evict again
+        rig.evict_all(seed=98)
+        path = chunk_path(rig, tmp_path, k3)
+        if variant == "truncate":
+            os.truncate(path, HEADER_BYTES + ROW // 2)
+        for _ in range(100):  # 3. drive the coordinator for 100 steps
+            res = [rig.tm.lookup(k, "r") for k in keys]
+            rig.tm.step()
+            time.sleep(0.002)
+        res = rig.resolve(keys)
+        assert res[0] is HIT and res[1] is HIT and res[2] is MISS
+        usable = next(i for i, r in enumerate(res) if r is not HIT)
+        assert usable == 2  # the longest usable prefix is K1..K2
+        assert rig.tm.stats.promotion_failures["fs"] == 1  # exactly one read attempt for K3
+        assert rig.fs.counters["load_failures"] == 1
+        if variant == "eio":
+            assert os.path.exists(path), "a transient EIO must not delete a valid file"
+        else:
+            assert not os.path.exists(path)
+
+
+def test_c10_eviction_racing_a_load_gives_whole_bytes_or_clean_miss(tmp_path):
+    gate = tmp_path / "go"
+    k = keys_for(1)[0]
+    fault = {"point": "after_metadata_before_read", "action": "wait_file", "arg": str(gate),
+             "count": 1}
+    with Rig([fs_tier(tmp_path / "root", faults=[fault])], num_slots=4) as rig:
+        rig.store([k])
+        rig.evict_all()
+        assert rig.tm.lookup(k, "r") is PENDING  # promotion starts; the worker pauses after metadata
+        rig.tm.step()
+        time.sleep(0.3)
+        rig.fs.remove([k])  # explicit removal while the load is paused
+        time.sleep(0.2)
+        gate.touch()
+        res = rig.resolve([k])
+        if res == [HIT]:
+            assert np.array_equal(rig.read([k])[0], payload(k))
+        else:
+            assert res == [MISS]
+        assert rig.tm.host.num_pinned == 0
+
+
+def test_c10_thousand_randomized_load_remove_races(tmp_path):
+    rng = np.random.default_rng(1)
+    with Rig([fs_tier(tmp_path, max_bytes=64 * (HEADER_BYTES + ROW))], num_slots=4) as rig:
+        k = keys_for(1)[0]
+        full, clean = 0, 0
+        for i in range(1000):
+            if rig.tm.host.lookup(k) is not MISS:
+                rig.tm.host.remove([k])
+            rig.store([k], wait=False)
+            rig.tm.wait_idle(10)
+            rig.tm.host.remove([k])
+            assert rig.tm.lookup(k, "r") in (PENDING, MISS)
+            rig.tm.step()
+            if rng.random() < 0.5:
+                time.sleep(rng.random() * 0.002)
+            rig.fs.remove([k])
+            res = rig.resolve([k])
+            if res == [HIT]:
+                assert np.array_equal(rig.read([k])[0], payload(k))
+                full += 1
+            else:
+                assert res == [MISS]
+                clean += 1
+            rig.fs._absent.clear()
+            assert rig.tm.host.num_pinned == 0
+            assert rig.tm.wait_idle(10)
+            # never an index entry whose file is missing
+            assert (k in rig.fs._index) <= os.path.exists(chunk_path(rig, tmp_path, k))
+        assert full + clean == 1000
+
+
+def test_c16_dropped_load_turns_pending_into_miss_after_the_deadline(tmp_path):
+    k = keys_for(1)[0]
+    faults = [{"point": "load", "action": "drop", "key_hex": k.hex(), "count": 1}]
+    with Rig([fs_tier(tmp_path, job_timeout_s=1.0, faults=faults)], num_slots=2) as rig:
+        rig.store([k])
+        rig.evict_all()
+        assert rig.tm.lookup(k, "r2") is PENDING
+        t0 = time.monotonic()
+        res = None
+        while time.monotonic() - t0 < 10:
+            rig.tm.step()
+            res = rig.tm.lookup(k, "r2")
+            if res is not PENDING:
+                break
+            time.sleep(0.01)
+        waited = time.monotonic() - t0
+        assert res is MISS and waited < 3.0, (res, waited)
+        assert rig.fs.counters["pending_deadline_expired"] == 1
+        assert rig.tm.host.num_writing == 0 and rig.tm.host.lookup(k) is MISS  # reservation released
+        assert rig.tm.host.allocate(keys_for(1, seed=3)) is not None  # the slot is reusable
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_c17_worker_that_dies_or_goes_silent_fails_or_reruns_its_jobs(tmp_path, how):
+    gate = tmp_path / "gate"
+    fault = {"point": "before_read_slot", "action": "wait_file", "arg": str(gate), "count": -1}
+    cfg = fs_tier(tmp_path / "root", write_workers=2, read_workers=2, job_timeout_s=2.0,
+                  chunks_per_task=1, faults=[fault])
+    with Rig([cfg], num_slots=32) as rig:
+        writers = rig.fs.worker_pids()["stores"]
+        keys = keys_for(8)
+        rig.store(keys, wait=False)  # 8 store tasks across the 2 writers, all paused
+        victim = writers[0]
+
+        def held():
+            return [t for w in rig.fs._writers.workers.values() if w.proc.pid == victim
+                    for t in w.inflight.values()]
+
+        deadline = time.monotonic() + 10
+        while not held() and time.monotonic() < deadline:
+            rig.tm.poll()
+            time.sleep(0.02)
+        assert held(), "the victim holds tasks"
+        os.kill(victim, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+        t0 = time.monotonic()
+        gate.touch()  # let the surviving worker (and re-runs) proceed
+        assert rig.tm.wait_idle(10)
+        elapsed = time.monotonic() - t0
+        assert elapsed < 2.0 + 2.5, elapsed
+        new_writers = rig.fs.worker_pids()["stores"]
+        assert victim not in new_writers and len(new_writers) == 2
+        assert all(psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in new_writers)
+        assert rig.tm.host.num_pinned == 0
+        stats = rig.tm.stats
+        assert stats.cascaded["fs"] + stats.cascade_failures["fs"] == 8
+        if how == "stop":
+            with pytest.raises(psutil.NoSuchProcess):
+                psutil.Process(victim).status()  # the silent worker was killed, never revived
+        rig.evict_all()
+        res = rig.resolve(keys)
+        stored = [k for k, r in zip(keys, res) if r is HIT]
+        for k, row in zip(stored, rig.read(stored)):
+            assert np.array_equal(row, payload(k))  # no half-written chunk is ever loadable
+        assert rig.fs._readers.inflight_count == 0
+
+
+def test_c22_store_source_slot_is_not_reused_while_the_writer_reads_it(tmp_path):
+    gate = tmp_path / "gate"
+    k1 = keys_for(1)[0]
+    fault = {"point": "before_read_slot", "action": "wait_file", "arg": str(gate),
+             "key_hex": k1.hex()}
+    with Rig([fs_tier(tmp_path / "root", faults=[fault])], num_slots=1) as rig:
+        rig.store([k1], fill=0x11, wait=False)
+        time.sleep(0.3)
+        # Free slot X (only slot): the store job pins it, so no room is made for K2.
+        k2 = keys_for(1, seed=2)[0]
+        assert rig.tm.prepare_store([k2]) is None
+        assert rig.tm.host.remove([k1]) == []
+        gate.touch()
+        assert rig.tm.wait_idle(10)
+        plan = rig.tm.prepare_store([k2])
+        assert plan is not None
+        rig.arena.rows[plan.slots[0]] = 0x22
+        rig.tm.complete_store(plan.keys, True)
+        assert rig.tm.wait_idle(10)
+        with open(chunk_path(rig, tmp_path / "root", k1), "rb") as f:
+            data = f.read()[HEADER_BYTES:]
+        assert data == bytes([0x11]) * ROW
+
+
+def test_c06_hung_read_fails_within_the_deadline_and_other_loads_complete(tmp_path):
+    keys = keys_for(4)
+    hung = keys[0]
+    fault = {"point": "read_payload", "action": "sleep", "arg": 60, "key_hex": hung.hex()}
+    with Rig([fs_tier(tmp_path, read_workers=2, job_timeout_s=2.0, faults=[fault])],
+             num_slots=8) as rig:
+        rig.store(keys)
+        rig.evict_all()
+        t0 = time.monotonic()
+        assert rig.tm.lookup(hung, "a") is PENDING
+        rig.tm.step()
+        others = rig.resolve(keys[1:], timeout_s=10)
+        assert others == [HIT] * 3 and time.monotonic() - t0 < 2.0  # not starved by the hung call
+        res = rig.resolve([hung], timeout_s=10)
+        assert res == [MISS] and time.monotonic() - t0 < 2.0 + 2.0
+        assert rig.fs.counters["job_timeouts"] == 1
+
+
+def test_c13_repeated_puts_of_a_resident_chunk_are_not_double_counted(tmp_path):
+    fb = HEADER_BYTES + ROW
+    with Rig([fs_tier(tmp_path, max_bytes=2 * fb)], num_slots=8) as rig:
+        a, b, c = keys_for(3)
+        rig.store([a])
+        path_a = chunk_path(rig, tmp_path, a)
+        st = os.stat(path_a)
+        rig.tm.host.remove([a])
+        rig.store([a])  # put a again
+        rig.store([b])
+        assert rig.fs.accounted_bytes == 2 * fb == sum(
+            os.path.getsize(chunk_path(rig, tmp_path, k)) for k in (a, b))
+        st2 = os.stat(path_a)
+        assert (st2.st_ino, st2.st_mtime_ns) == (st.st_ino, st.st_mtime_ns)
+        assert rig.fs.counters.get("evictions", 0) == 0
+        # variant: remove a through the public API, then put c
+        rig.fs.remove([a])
+        assert rig.fs.accounted_bytes == fb
+        rig.store([c])
+        rig.tm.wait_idle(5)
+        time.sleep(0.2)
+        rig.tm.poll()
+        assert rig.fs.accounted_bytes == 2 * fb
+        assert not os.path.exists(path_a)
+
+
+def _files(root) -> list[str]:
+    out = []
+    for d, _, names in os.walk(root):
+        out.extend(os.path.join(d, n) for n in names if n.endswith(".kv"))
+    return out
+
+
+def test_c21_capacity_setting_is_enforced(tmp_path):
+    fb = HEADER_BYTES + ROW
+    with Rig([fs_tier(tmp_path, max_bytes=10 * fb)], num_slots=4) as rig:
+        keys = keys_for(30)
+        for i in range(0, 30, 3):
+            rig.store(keys[i:i + 3])
+            rig.tm.wait_idle(5)
+        rig.tm.wait_idle(5)
+        time.sleep(0.3)
+        rig.tm.poll()
+        assert sum(os.path.getsize(f) for f in _files(tmp_path)) <= 10 * fb
+        assert rig.fs.counters["evictions"] >= 20
+
+
+def test_c14_chunks_from_earlier_runs_are_adopted_and_counted(tmp_path):
+    fb = HEADER_BYTES + ROW
+    ns_a_dir = None
+    # Orphan temp file from a killed writer (dead pid) must be cleaned at startup.
+    with Rig([fs_tier(tmp_path, max_bytes=10 * fb)], num_slots=4) as run1:
+        first = keys_for(8)
+        run1.store(first[:4])
+        run1.store(first[4:])
+        ns_a_dir = os.path.join(tmp_path, run1.ns.id())
+        ns = run1.ns
+    orphan = os.path.join(ns_a_dir, "00", "00", f".deadbeef.{2**22 - 3}.0.tmp")
+    os.makedirs(os.path.dirname(orphan), exist_ok=True)
+    with open(orphan, "wb") as f:
+        f.write(b"x" * 100)
+    with Rig([fs_tier(tmp_path, max_bytes=10 * fb)], num_slots=4, ns=ns) as run2:
+        for i in range(0, 10, 2):
+            run2.store(keys_for(10, seed=1)[i:i + 2])
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and run2.fs.counters.get("adopted_chunks") is None:
+            run2.tm.poll()
+            time.sleep(0.05)
+        run2.tm.wait_idle(5)
+        time.sleep(0.2)
+        run2.tm.poll()
+        assert sum(os.path.getsize(f) for f in _files(ns_a_dir)) <= 10 * fb
+        assert run2.fs.accounted_bytes == sum(os.path.getsize(f) for f in _files(ns_a_dir))
+        assert not os.path.exists(orphan)
+    from helpers import namespace
+    other = namespace(model="another/model")
+    with Rig([fs_tier(tmp_path, max_bytes=10 * fb)], num_slots=4, ns=other) as run3:
+        for i in range(0, 10, 2):
+            run3.store(keys_for(10, seed=2)[i:i + 2])
+        ns_b_dir = os.path.join(tmp_path, other.id())
+        assert sum(os.path.getsize(f) for f in _files(ns_b_dir)) <= 10 * fb  # per namespace
+    assert sum(os.path.getsize(f) for f in _files(ns_a_dir)) <= 10 * fb
+
+
+def test_two_managers_on_one_root_share_chunks(tmp_path):
+    with Rig([fs_tier(tmp_path)], num_slots=8) as a, Rig([fs_tier(tmp_path)], num_slots=8) as b:
+        keys = keys_for(6)
+        a.store(keys)
+        assert b.resolve(keys) == [HIT] * 6
+        for k, row in zip(keys, b.read(keys)):
+            assert np.array_equal(row, payload(k))
+
+
+def test_two_managers_writing_and_reading_the_same_chunks_never_see_a_torn_file(tmp_path):
+    with Rig([fs_tier(tmp_path, write_workers=2)], num_slots=64) as a, \
+            Rig([fs_tier(tmp_path, write_workers=2, negative_ttl_s=0)], num_slots=64) as b:
+        keys = keys_for(48)
+        for i in range(0, 48, 8):
+            a.store(keys[i:i + 8], wait=False)
+            b.store(keys[i:i + 8], wait=False)
+        c_res = []
+        with Rig([fs_tier(tmp_path, negative_ttl_s=0)], num_slots=64) as c:
+            for _ in range(3):
+                res = c.resolve(keys, timeout_s=10)
+                hits = [k for k, r in zip(keys, res) if r is HIT]
+                for k, row in zip(hits, c.read(hits)):
+                    assert np.array_equal(row, payload(k))
+                c_res.append(len(hits))
+                c.tm._load_source.clear()
+        a.tm.wait_idle(10)
+        b.tm.wait_idle(10)
+        assert a.tm.stats.cascade_failures["fs"] == 0 and b.tm.stats.cascade_failures["fs"] == 0
+
+
+def test_worker_processes_import_no_torch_run_at_lower_priority_and_exit_with_the_engine(tmp_path):
+    import subprocess
+    import sys
+    import textwrap
+
+    with Rig([fs_tier(tmp_path)], num_slots=2) as rig:
+        rig.store(keys_for(1))
+        me = psutil.Process()
+        for pid in (p for ps in rig.fs.worker_pids().values() for p in ps):
+            with open(f"/proc/{pid}/maps") as f:
+                maps = f.read()
+            assert "libtorch" not in maps and "torch/_C" not in maps
+            assert psutil.Process(pid).nice() > me.nice()
+            assert psutil.Process(pid).memory_info().rss < 200 * 2**20
+    script = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from helpers import Rig, fs_tier, keys_for
+        rig = Rig([fs_tier({str(tmp_path)!r})], num_slots=2, name=sys.argv[1])
+        rig.store(keys_for(1))
+        print(" ".join(str(p) for ps in rig.fs.worker_pids().values() for p in ps), flush=True)
+        time.sleep(600)
+    """)
+    name = f"kvoffload_test_orphan_{os.getpid()}"
+    p = subprocess.Popen([sys.executable, "-c", script, name], stdout=subprocess.PIPE)
+    pids = [int(x) for x in p.stdout.readline().split()]
+    assert os.path.exists(f"/dev/shm/{name}")
+    p.kill()
+    p.wait()
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline and (any(psutil.pid_exists(x) for x in pids)
+                                           or os.path.exists(f"/dev/shm/{name}")):
+        time.sleep(0.05)
+    assert not any(psutil.pid_exists(x) and psutil.Process(x).status() != psutil.STATUS_ZOMBIE
+                   for x in pids)
+    assert not os.path.exists(f"/dev/shm/{name}"), "orphaned arena left behind"

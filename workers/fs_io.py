@@ -1,0 +1,263 @@
+"""Filesystem tier I/O, run inside tier worker processes: arena slot ↔ one file per chunk.
+
+::
+
+    <root_dir>/<namespace id>/config.json          namespace fields (written by the engine at start)
+    <root_dir>/<namespace id>/<hh>/<hh>/<key hex>.kv   header page + payload (see chunkfile.py)
+
+- Stores write a unique temporary file in the chunk's own directory, then ``rename`` it over the final
+  name: readers see the whole chunk or nothing, and two instances writing the same chunk at once are
+  both safe (the last rename wins; the bytes are the same). A chunk already on disk is not rewritten.
+- Loads read the header, check it, read the payload straight into the arena slot and verify its
+  checksum. Verified corruption (short file, wrong header, bad checksum) removes the file; transient
+  errors (EIO, EINTR, ...) leave it alone.
+- Scans list the namespace's chunks for capacity accounting and remove temporary files left by dead
+  writers.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import mmap
+import os
+import time
+
+import msgspec
+import psutil
+
+from kvoffload.ipc import messages as m
+from kvoffload.workers import chunkfile as cf
+from kvoffload.workers.faults import Faults
+
+_NO_SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+_ORPHAN_TMP_AGE_S = 3600.0
+
+
+class FsIOConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """What a worker needs to do filesystem-tier I/O.
+
+    Attributes:
+        root_dir: the tier's root directory.
+        namespace_id: hex id of the namespace (its directory name).
+        row_bytes: payload bytes per chunk (one arena row).
+        fsync: fsync each chunk file and its directory before the chunk counts as stored.
+        o_direct: read payloads with O_DIRECT where the filesystem supports it.
+    """
+
+    root_dir: str
+    namespace_id: str
+    row_bytes: int
+    fsync: bool = False
+    o_direct: bool = False
+
+
+class FsIO:
+    def __init__(self, config: FsIOConfig, faults: Faults):
+        self.cfg = config
+        self.faults = faults
+        self.ns_bytes = bytes.fromhex(config.namespace_id)
+        self.ns_dir = os.path.join(config.root_dir, config.namespace_id)
+        self.file_bytes = cf.HEADER_BYTES + config.row_bytes
+        self._dirs: set[str] = set()
+        self._tmp_counter = itertools.count()
+        self._pid = os.getpid()
+        # Page-aligned scratch for headers (O_DIRECT needs aligned buffers).
+        self._hbuf = mmap.mmap(-1, cf.HEADER_BYTES)
+        self._direct_ok = config.o_direct
+
+    def path(self, key: bytes) -> str:
+        return os.path.join(self.ns_dir, cf.relative_name(key))
+
+    # -- store ---------------------------------------------------------------------------------
+
+    def store(self, key: bytes, src: memoryview) -> tuple[int, int, str]:
+        """Write one chunk. Returns ``(code, bytes written, detail)``."""
+        final = self.path(key)
+        if os.path.exists(final):
+            return m.OK, 0, ""
+        tmp = None
+        try:
+            self.faults.hit("before_read_slot", key)
+            header = cf.build_header(self.ns_bytes, key, src)
+            d = os.path.dirname(final)
+            if d not in self._dirs:
+                os.makedirs(d, exist_ok=True)
+                self._dirs.add(d)
+            tmp = os.path.join(d, f".{key.hex()}.{self._pid}.{next(self._tmp_counter)}{cf.TMP_SUFFIX}")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                _write_all(fd, [header, src])
+                if self.cfg.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            self.faults.hit("before_publish", key)
+            os.rename(tmp, final)
+            tmp = None
+            if self.cfg.fsync:
+                dfd = os.open(d, os.O_RDONLY)
+                try:
+                    os.fsync(dfd)
+                finally:
+                    os.close(dfd)
+            return m.OK, self.file_bytes, ""
+        except OSError as e:
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+            code = m.NO_SPACE if e.errno in _NO_SPACE_ERRNOS else m.IO_ERROR
+            if e.errno == errno.ENOENT:
+                self._dirs.discard(os.path.dirname(final))
+            return code, 0, f"store {key.hex()[:16]}: {e}"
+
+    # -- load ----------------------------------------------------------------------------------
+
+    def load(self, key: bytes, dst: memoryview) -> tuple[int, int, str]:
+        """Read one chunk into ``dst`` (an arena row). Returns ``(code, bytes read, detail)``."""
+        path = self.path(key)
+        try:
+            fd = self._open_for_read(path)
+        except FileNotFoundError:
+            return m.MISSING, 0, f"{key.hex()[:16]}: missing"
+        except OSError as e:
+            return m.IO_ERROR, 0, f"open {key.hex()[:16]}: {e}"
+        try:
+            size = os.fstat(fd).st_size
+            if size != self.file_bytes:
+                self._remove_corrupt(path, fd)
+                return m.CORRUPT, 0, f"{key.hex()[:16]}: size {size}, expected {self.file_bytes}"
+            n = os.preadv(fd, [self._hbuf], 0)
+            if n != cf.HEADER_BYTES:
+                self._remove_corrupt(path, fd)
+                return m.CORRUPT, 0, f"{key.hex()[:16]}: short header"
+            try:
+                checksum = cf.parse_header(self._hbuf[:], self.ns_bytes, key, self.cfg.row_bytes)
+            except cf.ChunkFormatError as e:
+                self._remove_corrupt(path, fd)
+                return m.CORRUPT, 0, f"{key.hex()[:16]}: {e}"
+            self.faults.hit("after_metadata_before_read", key)
+            self.faults.hit("read_payload", key)
+            n = _read_all(fd, dst, cf.HEADER_BYTES)
+            if n != self.cfg.row_bytes:
+                self._remove_corrupt(path, fd)
+                return m.CORRUPT, 0, f"{key.hex()[:16]}: short payload ({n} bytes)"
+            if cf.payload_checksum(dst) != checksum:
+                self._remove_corrupt(path, fd)
+                return m.CORRUPT, 0, f"{key.hex()[:16]}: checksum mismatch"
+            return m.OK, self.file_bytes, ""
+        except OSError as e:
+            return m.IO_ERROR, 0, f"read {key.hex()[:16]}: {e}"
+        finally:
+            os.close(fd)
+
+    def _open_for_read(self, path: str) -> int:
+        if self._direct_ok:
+            try:
+                return os.open(path, os.O_RDONLY | os.O_DIRECT)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self._direct_ok = False  # this filesystem refuses O_DIRECT
+        return os.open(path, os.O_RDONLY)
+
+    @staticmethod
+    def _remove_corrupt(path: str, fd: int) -> None:
+        """Unlink ``path`` if it is still the file we verified (a writer may have replaced it)."""
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                os.unlink(path)
+        except OSError:
+            pass
+
+    # -- probe / delete / scan ---------------------------------------------------------------
+
+    def probe(self, key: bytes) -> int:
+        self.faults.hit("probe", key)
+        try:
+            os.stat(self.path(key))
+            return m.OK
+        except FileNotFoundError:
+            return m.MISSING
+        except OSError:
+            return m.IO_ERROR
+
+    def delete(self, key: bytes) -> int:
+        try:
+            os.unlink(self.path(key))
+        except FileNotFoundError:
+            pass
+        except OSError:
+            return m.IO_ERROR
+        return m.OK
+
+    def scan(self) -> list[tuple[bytes, int, float]]:
+        entries = []
+        now = time.time()
+        try:
+            level1 = os.scandir(self.ns_dir)
+        except FileNotFoundError:
+            return entries
+        with level1:
+            for d1 in level1:
+                if not d1.is_dir(follow_symlinks=False):
+                    continue
+                with os.scandir(d1.path) as level2:
+                    for d2 in level2:
+                        if not d2.is_dir(follow_symlinks=False):
+                            continue
+                        with os.scandir(d2.path) as files:
+                            for f in files:
+                                self._scan_file(f, now, entries)
+        return entries
+
+    @staticmethod
+    def _scan_file(f: os.DirEntry, now: float, entries: list) -> None:
+        name = f.name
+        try:
+            st = f.stat(follow_symlinks=False)
+        except OSError:
+            return
+        if name.endswith(cf.TMP_SUFFIX):
+            parts = name.split(".")
+            pid = int(parts[2]) if len(parts) >= 5 and parts[2].isdigit() else -1
+            if (pid > 0 and not psutil.pid_exists(pid)) or now - st.st_mtime > _ORPHAN_TMP_AGE_S:
+                try:
+                    os.unlink(f.path)
+                except OSError:
+                    pass
+            return
+        key = cf.key_from_name(name)
+        if key is not None:
+            entries.append((key, st.st_size, st.st_mtime))
+
+
+def _write_all(fd: int, buffers: list) -> None:
+    views = [memoryview(b).cast("B") for b in buffers]
+    offset = 0
+    while views:
+        n = os.pwritev(fd, views, offset)
+        offset += n
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+
+
+def _read_all(fd: int, dst: memoryview, offset: int) -> int:
+    view = memoryview(dst).cast("B")
+    total = 0
+    while total < view.nbytes:
+        n = os.preadv(fd, [view[total:]], offset + total)
+        if n == 0:
+            break
+        total += n
+    return total
+
+
+def make_io(config: dict, faults: Faults) -> FsIO:
+    """Entry point the worker calls with the tier's ``io_config``."""
+    return FsIO(msgspec.convert(config, FsIOConfig), faults)

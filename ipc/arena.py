@@ -22,6 +22,7 @@ not keep an mmap alive). This module imports nothing of the project and no torch
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import fcntl
@@ -31,6 +32,7 @@ import re
 import secrets
 import struct
 import time
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -304,7 +306,10 @@ class Arena:
                 posix_ipc.unlink_shared_memory(pname)
             os.close(fd)
             raise
-        return cls(name, fd, mm, num_slots, row_bytes, nonce, owner=True)
+        arena = cls(name, fd, mm, num_slots, row_bytes, nonce, owner=True)
+        ref = weakref.ref(arena)
+        atexit.register(lambda: (a := ref()) is not None and a.close())
+        return arena
 
     @classmethod
     def attach(cls, name: str, nonce: bytes | None = None, timeout_s: float = 30.0) -> "Arena":
@@ -428,17 +433,29 @@ class Arena:
         return f"Arena({self.name!r}, {self.num_slots} x {self.row_bytes} B, {role})"
 
 
-def unlink_if_orphaned(name: str, nonce: bytes) -> bool:
-    """Called by a worker whose engine died: unlink ``name`` if it is still the arena with ``nonce``
-    and no owner holds it. Returns True if it was removed."""
-    try:
-        shm = posix_ipc.SharedMemory(_posix_name(name))
-    except (posix_ipc.ExistentialError, ArenaError):
-        return False
-    try:
-        header = _read_header(shm.fd)
-        if header is None or header[7] != nonce:
+def unlink_if_orphaned(name: str, nonce: bytes, wait_s: float = 0.0) -> bool:
+    """Called by a tier worker whose engine process died: unlink ``name`` once no owner holds it,
+    if it is still the arena with ``nonce``.
+
+    The owner may be another process of the same engine (vLLM's model runner creates the arena, the
+    scheduler spawns the tier workers) that dies a moment later, so this waits up to ``wait_s``
+    seconds for the owner to go. Returns True if the segment was removed.
+    """
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            shm = posix_ipc.SharedMemory(_posix_name(name))
+        except (posix_ipc.ExistentialError, ArenaError):
             return False
-    finally:
-        shm.close_fd()
-    return _remove_if_stale(name)
+        try:
+            header = _read_header(shm.fd)
+            if header is None or header[7] != nonce:
+                return False
+            alive = _owner_alive(shm.fd)
+        finally:
+            shm.close_fd()
+        if not alive:
+            return _remove_if_stale(name)
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)

@@ -2,7 +2,7 @@
 
 ::
 
-    engine ──Task (StoreTask | LoadTask | ProbeTask | DeleteTask | ScanTask)──▶ worker   (jobs socket)
+    engine ──Task (StoreTask | LoadTask | ProbeTask | DeleteTask | ScanTask | StopTask)──▶ worker
     worker ──Hello──────────────────────────────────────────────────────────▶ engine   (jobs socket)
     worker ──TaskResult─────────────────────────────────────────────────────▶ engine   (results socket)
 
@@ -78,7 +78,13 @@ class ScanTask(msgspec.Struct, tag="scan", array_like=True):
     task_id: int
 
 
-Task = StoreTask | LoadTask | ProbeTask | DeleteTask | ScanTask
+class StopTask(msgspec.Struct, tag="stop", array_like=True):
+    """The engine is shutting down this worker: exit now (no result)."""
+
+    task_id: int = 0
+
+
+Task = StoreTask | LoadTask | ProbeTask | DeleteTask | ScanTask | StopTask
 
 
 class Hello(msgspec.Struct, tag="hello", array_like=True):

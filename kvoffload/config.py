@@ -74,6 +74,18 @@ _PATH_RE = re.compile(r"`\$(?P<path>[^`]*)`")
 _UNKNOWN_RE = re.compile(r"unknown field `(?P<field>[^`]+)`")
 
 
+def closest(word: str, candidates: list[str]) -> str | None:
+    """The candidate a misspelled or truncated ``word`` most likely meant, or None."""
+    close = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
+    if close:
+        return close[0]
+    if len(word) >= 4:
+        prefixed = [c for c in candidates if c.startswith(word) or word.startswith(c)]
+        if len(prefixed) == 1:
+            return prefixed[0]
+    return None
+
+
 def _fields_of(struct_type: type[msgspec.Struct]) -> list[str]:
     return list(struct_type.__struct_fields__)
 
@@ -127,8 +139,8 @@ def convert(data: Any, struct_type: type[msgspec.Struct], where: str) -> Any:
             field = unknown.group("field")
             owner = _struct_at(struct_type, sub) or struct_type
             allowed = _fields_of(owner)
-            close = difflib.get_close_matches(field, allowed, n=1, cutoff=0.6)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            close = closest(field, allowed)
+            hint = f" (did you mean {close!r}?)" if close else ""
             raise ConfigError(
                 f"{where}{sub}: unknown key {field!r}{hint}; allowed keys: {', '.join(allowed)}"
             ) from None
@@ -151,8 +163,8 @@ def parse_config(extra_config: dict[str, Any]) -> OffloadConfig:
         from kvoffload.policies import BUILTIN_POLICIES
 
         if cfg.eviction_policy not in BUILTIN_POLICIES:
-            close = difflib.get_close_matches(cfg.eviction_policy, list(BUILTIN_POLICIES), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            close = closest(cfg.eviction_policy, list(BUILTIN_POLICIES))
+            hint = f" (did you mean {close!r}?)" if close else ""
             raise ConfigError(
                 f"kv_connector_extra_config.eviction_policy: unknown policy "
                 f"{cfg.eviction_policy!r}{hint}; allowed: {', '.join(BUILTIN_POLICIES)}, or a class "
@@ -186,8 +198,8 @@ def tier_class(type_name: str, module_path: str | None, where: str) -> type:
     if module_path is None:
         target = BUILTIN_TIERS.get(type_name)
         if target is None:
-            close = difflib.get_close_matches(type_name, list(BUILTIN_TIERS), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            close = closest(type_name, list(BUILTIN_TIERS))
+            hint = f" (did you mean {close!r}?)" if close else ""
             raise ConfigError(
                 f"{where}.type: unknown tier type {type_name!r}{hint}; built-in types: "
                 f"{', '.join(BUILTIN_TIERS)}; an out-of-tree tier needs 'module_path'"

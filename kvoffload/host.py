@@ -126,6 +126,14 @@ class HostTier:
         self.num_writing += len(new)
         return StorePlan(new, slots, evicted)
 
+    def room_for(self, keys: Sequence[bytes]) -> int:
+        """How many slots could be filled right now for a batch of ``keys``: free slots plus
+        evictable ones that are not keys of the batch."""
+        index, state, refs = self.index, self.state, self.refs
+        protected = sum(1 for k in set(keys) if (s := index.get(k)) is not None
+                        and state[s] == READY and refs[s] == 0)
+        return len(self._free) + self.num_evictable - protected
+
     def complete_write(self, keys: Iterable[bytes], success: bool) -> list[bytes]:
         """Finish writes of WRITING keys: READY on success, freed on failure. Other keys are
         ignored. Returns the keys that changed state."""

@@ -32,6 +32,7 @@ from kvoffload.host import READY, HostTier, StorePlan
 from kvoffload.policies import make_policy
 from kvoffload.tiers import create_tier
 from kvoffload.tiers.base import JobMetadata, LookupResult, SecondaryTierManager, TierEvent
+from kvoffload.workerpool import spawn_janitor
 
 log = logging.getLogger("kvoffload")
 
@@ -64,6 +65,7 @@ class Stats:
         self.cascade_failures = {n: 0 for n in tier_names}
         self.dropped_stores = {n: 0 for n in tier_names}
         self.store_rejections = 0
+        self.store_truncations = 0
         self.loads_from = {HOST: 0, **{n: 0 for n in tier_names}}
 
     def snapshot(self) -> dict[str, Any]:
@@ -79,6 +81,8 @@ class TieringManager:
         config: parsed :class:`~kvoffload.config.OffloadConfig`.
         tiers: prebuilt tiers (tests); by default they are built from ``config.secondary_tiers``.
         record_events: keep host/tier events for :meth:`take_events`.
+        janitor: start the detached process that removes the arena from /dev/shm if this process
+            dies without closing it.
 
     Raises:
         ConfigError: a tier config is invalid or a tier cannot start.
@@ -86,7 +90,7 @@ class TieringManager:
 
     def __init__(self, arena: Any, namespace: Any, config: OffloadConfig, *,
                  tiers: list[SecondaryTierManager] | None = None, record_events: bool = True,
-                 poll_interval_s: float = 0.0005):
+                 poll_interval_s: float = 0.0005, janitor: bool = True):
         self.arena = arena
         self.namespace = namespace
         self.config = config
@@ -114,6 +118,8 @@ class TieringManager:
         self._next_job = 0
         self._promotions: dict[int, dict[str, tuple[list[bytes], list[int]]]] = {}
         self._load_source: dict[str, dict[bytes, int]] = {}
+        if janitor:
+            spawn_janitor(arena)
         self._poll_interval = poll_interval_s
         self._last_poll = 0.0
         self._closed = False
@@ -166,6 +172,9 @@ class TieringManager:
             for req_id, (keys, slots) in per_req.items():
                 meta = JobMetadata(job_id=self._job_id(), keys=keys, slots=slots, is_promotion=True,
                                    req_id=req_id)
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("promotion job %d: %d chunk(s) from %s for %s", meta.job_id, len(keys),
+                              tier.name, req_id)
                 self._jobs[meta.job_id] = _Job(tier_idx, meta)
                 tier.submit_load(meta)
 
@@ -211,9 +220,20 @@ class TieringManager:
         eviction decision. Returns None when the host tier cannot make room (everything pinned).
         """
         self.poll()
-        plan = self.host.allocate(keys)
+        host = self.host
+        plan = host.allocate(keys)
         if plan is None:
-            self.stats.store_rejections += 1
+            new = [k for k in dict.fromkeys(keys) if k not in host.index]
+            if len(new) > host.num_slots:
+                # The batch can never fit: keep its longest prefix that fits now (lookups are
+                # prefix-ordered, so a prefix is what can be reused) rather than nothing.
+                room = host.room_for(keys)
+                if room > 0:
+                    cut = keys.index(new[room - 1]) + 1 if room < len(new) else len(keys)
+                    plan = host.allocate(keys[:cut])
+                    self.stats.store_truncations += 1
+            if plan is None:
+                self.stats.store_rejections += 1
         return plan
 
     def complete_store(self, keys: Iterable[bytes], success: bool = True, req_id: str = "") -> None:
@@ -273,6 +293,10 @@ class TieringManager:
                         log.info("promotion from %s failed for %d chunk(s): %s", tier.name,
                                  len(failed), res.reason)
                     stats.promotions[tier.name] += len(ok)
+                    if log.isEnabledFor(logging.DEBUG):
+                        log.debug("promotion job %d done: %d/%d chunk(s), %.1f MB in %.1f ms",
+                                  res.job_id, len(ok), len(meta.keys), res.transfer_bytes / 1e6,
+                                  res.transfer_seconds * 1e3)
                 else:
                     for slot in meta.slots:
                         host.unpin_slot(slot)

@@ -22,6 +22,7 @@ import logging
 from collections.abc import Collection, Iterable
 from typing import Any
 
+from kvoffload import logs
 from kvoffload.config import ConfigError, OffloadConfig, describe, parse_config
 from kvoffload.ipc.arena import Arena, default_name, round_up_to_page, sweep
 from kvoffload.namespace import GroupShape, Namespace, model_fingerprint
@@ -68,6 +69,7 @@ class KVOffloadSpec(OffloadingSpec):
 
     def __init__(self, config: OffloadingConfig, *args: Any, **kwargs: Any):
         drop_tolerated(kwargs)
+        logs.setup()
         super().__init__(config)
         self.settings: OffloadConfig = parse_config(dict(config.extra_config))
         s = self.settings
@@ -156,6 +158,7 @@ class KVOffloadSpec(OffloadingSpec):
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
+            logs.setup()
             arena = self._open_arena()
             rank = 0 if self.replicated else self.config.parallel.rank
             self._worker = KVOffloadWorker(

@@ -79,11 +79,43 @@ def _positions(group_size: int, block_idx: int, bpc: int, chunk_ids: np.ndarray)
     return chunk_ids[logical // bpc], logical % bpc, -(-(group_size + skip) // bpc)
 
 
+def _uniform_layers(plan: _Plan) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(device (L, num_blocks, page), host (num_slots, L, bpc, page))`` views covering every layer
+    at once, when all layers are equally sized pages evenly spaced in one allocation (vLLM-CPU lays
+    its KV cache out that way) and one group copies whole pages of every layer. None otherwise."""
+    dev = plan.device_tensors
+    if plan.canonical or len(plan.refs) != 1 or len(dev) < 2:
+        return None
+    page = dev[0].shape[1]
+    refs = plan.refs[0]
+    if sorted(r.tensor_idx for r in refs) != list(range(len(dev))):
+        return None
+    if any(r.page_size_bytes != page for r in refs):
+        return None
+    if any(t.shape != dev[0].shape or t.stride() != dev[0].stride() or
+           t.untyped_storage().data_ptr() != dev[0].untyped_storage().data_ptr() for t in dev):
+        return None
+    spacing = dev[1].data_ptr() - dev[0].data_ptr()
+    if spacing <= 0 or any(t.data_ptr() != dev[0].data_ptr() + i * spacing for i, t in enumerate(dev)):
+        return None
+    device_all = dev[0].as_strided((len(dev), dev[0].shape[0], page), (spacing, dev[0].stride(0), 1),
+                                   dev[0].storage_offset())
+    h0 = plan.host_views[0]
+    host_all = h0.as_strided((h0.shape[0], len(dev), plan.bpc, page),
+                             (h0.stride(0), plan.bpc * page, page, 1), h0.storage_offset())
+    return device_all, host_all
+
+
 class CpuKVCopier:
-    """Synchronous copies between CPU KV tensors and arena rows."""
+    """Synchronous copies between CPU KV tensors and arena rows.
+
+    Fast path: one strided copy per (block, slot) pair covering every layer (see
+    :func:`_uniform_layers`); otherwise one copy per (layer, block).
+    """
 
     def __init__(self, plan: _Plan):
         self.plan = plan
+        self.uniform = _uniform_layers(plan)
 
     def copy(self, device_spec: GPULoadStoreSpec, host_spec: BlockIDsLoadStoreSpec,
              to_host: bool) -> int:
@@ -99,31 +131,46 @@ class CpuKVCopier:
                 continue
             slots, subs, n_chunks = _positions(group_size, block_idx, bpc,
                                                chunk_ids[host_off:])
-            ids = torch.from_numpy(block_ids[dev_off:dev_off + group_size])
-            t_slots, t_subs = torch.from_numpy(slots), torch.from_numpy(subs)
-            for ref in plan.refs[g_idx]:
-                dev = plan.device_tensors[ref.tensor_idx]
-                host = plan.host_views[ref.tensor_idx]
-                if plan.canonical and ref.mapping is not None:
-                    nbytes += self._copy_canonical(ref.mapping, dev, host, ids, t_slots, t_subs,
-                                                   slots, subs, to_host)
-                    continue
-                n = ref.page_size_bytes
-                if to_host:
-                    host[t_slots, t_subs, :n] = dev[ids, :n]
-                else:
-                    dev[ids, :n] = host[t_slots, t_subs, :n]
-                nbytes += group_size * n
+            ids = block_ids[dev_off:dev_off + group_size]
+            if self.uniform is not None:
+                nbytes += self._copy_uniform(ids, slots, subs, to_host)
+            else:
+                for ref in plan.refs[g_idx]:
+                    nbytes += self._copy_ref(ref, ids, slots, subs, to_host)
             dev_off += group_size
             host_off += n_chunks
         return nbytes
 
+    def _copy_uniform(self, ids, slots, subs, to_host: bool) -> int:
+        device_all, host_all = self.uniform
+        for b, s, j in zip(ids.tolist(), slots.tolist(), subs.tolist()):
+            if to_host:
+                host_all[s, :, j].copy_(device_all[:, b])
+            else:
+                device_all[:, b].copy_(host_all[s, :, j])
+        return len(ids) * device_all.shape[0] * device_all.shape[2]
+
+    def _copy_ref(self, ref, ids, slots, subs, to_host: bool) -> int:
+        plan = self.plan
+        dev = plan.device_tensors[ref.tensor_idx]
+        host = plan.host_views[ref.tensor_idx]
+        if plan.canonical and ref.mapping is not None:
+            return self._copy_canonical(ref.mapping, dev, host, ids, slots, subs, to_host)
+        n = ref.page_size_bytes
+        for b, s, j in zip(ids.tolist(), slots.tolist(), subs.tolist()):
+            if to_host:
+                host[s, j, :n].copy_(dev[b, :n])
+            else:
+                dev[b, :n].copy_(host[s, j, :n])
+        return len(ids) * n
+
     @staticmethod
-    def _copy_canonical(mapping, dev, host, ids, t_slots, t_subs, slots, subs, to_host) -> int:
+    def _copy_canonical(mapping, dev, host, ids, slots, subs, to_host) -> int:
         if to_host and mapping.num_writers > 1:
             page_ids = slots * host.shape[1] + subs
-            keep = torch.from_numpy(page_ids % mapping.num_writers == mapping.writer_index)
-            ids, t_slots, t_subs = ids[keep], t_slots[keep], t_subs[keep]
+            keep = page_ids % mapping.num_writers == mapping.writer_index
+            ids, slots, subs = ids[keep], slots[keep], subs[keep]
+        t_ids, t_slots, t_subs = (torch.from_numpy(np.ascontiguousarray(a)) for a in (ids, slots, subs))
         nbytes = 0
         for run in mapping.runs:
             for i in range(run.num_fragments):
@@ -131,9 +178,9 @@ class CpuKVCopier:
                 co = run.canonical_offset + i * run.canonical_stride
                 size = run.fragment_size
                 if to_host:
-                    host[t_slots, t_subs, co:co + size] = dev[ids, lo:lo + size]
+                    host[t_slots, t_subs, co:co + size] = dev[t_ids, lo:lo + size]
                 else:
-                    dev[ids, lo:lo + size] = host[t_slots, t_subs, co:co + size]
+                    dev[t_ids, lo:lo + size] = host[t_slots, t_subs, co:co + size]
                 nbytes += len(ids) * size
         return nbytes
 
@@ -173,8 +220,12 @@ class KVOffloadWorker(OffloadingWorker):
         except Exception:  # noqa: BLE001 - a failed copy is a failed job, not a dead engine
             log.exception("kvoffload: KV copy for job %d failed", job_id)
             nbytes, ok = 0, False
+        elapsed = time.perf_counter() - t0
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s job %d: %.1f MB in %.1f ms", "store" if to_host else "load", job_id,
+                      nbytes / 1e6, elapsed * 1e3)
         self._finished.append(TransferResult(job_id=job_id, success=ok, transfer_size=nbytes,
-                                             transfer_time=time.perf_counter() - t0))
+                                             transfer_time=elapsed))
         return True
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec,

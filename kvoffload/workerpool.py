@@ -252,17 +252,19 @@ class WorkerPool:
     # -- shutdown -------------------------------------------------------------------------------
 
     def shutdown(self, timeout_s: float = 5.0) -> list[PoolTask]:
-        """Stop every worker (SIGTERM, then SIGKILL after ``timeout_s``) and return the tasks that
+        """Stop every worker (a StopTask, then SIGKILL after ``timeout_s``) and return the tasks that
         never got an answer, for the caller to fail with CANCELLED."""
         self._closed = True
         leftover = list(self.queue)
         self.queue.clear()
+        stop = m.encode(m.StopTask())
         for w in self.workers.values():
             leftover.extend(w.inflight.values())
             w.inflight.clear()
-            if w.proc.poll() is None:
+            if w.proc.poll() is None and not (w.ready and self.channels.send_task(
+                    self.kind, w.identity, stop)):
                 try:
-                    w.proc.terminate()
+                    w.proc.kill()  # not connected yet, or gone: nothing to finish
                 except ProcessLookupError:
                     pass
         deadline = time.monotonic() + timeout_s
@@ -270,8 +272,23 @@ class WorkerPool:
             try:
                 w.proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                w.proc.kill()
+                w.proc.kill()  # busy in a task past the deadline
                 w.proc.wait()
         self.workers.clear()
         self.inflight_count = 0
         return leftover
+
+
+def spawn_janitor(arena: Any) -> None:
+    """Start the detached process that removes ``arena`` from /dev/shm once this process is gone
+    (see :mod:`kvoffload.workers.janitor`). Returns once the janitor has detached."""
+    import psutil
+
+    me = psutil.Process()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvoffload.workers.janitor", arena.name, arena.nonce.hex(),
+         str(me.pid), repr(me.create_time())],
+        stdin=subprocess.DEVNULL, close_fds=True,
+    )
+    proc.wait()  # the first process exits as soon as its detached child has forked
+

@@ -10,7 +10,7 @@ def _our_segments() -> list[str]:
 
 
 def _our_workers() -> list[str]:
-    out = subprocess.run(["pgrep", "-af", "kvoffload.workers.main"], capture_output=True, text=True)
+    out = subprocess.run(["pgrep", "-af", "kvoffload.workers"], capture_output=True, text=True)
     return [line for line in out.stdout.splitlines() if "pgrep" not in line]
 
 

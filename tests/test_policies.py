@@ -188,3 +188,21 @@ def test_host_tier_invariants_under_random_operations(ops, policy):
         for k, c in pins.items():
             if c:
                 assert k in h.index
+
+
+def test_store_batch_larger_than_the_host_tier_keeps_its_longest_prefix(tmp_path):
+    from helpers import Rig
+
+    with Rig([], num_slots=4) as rig:
+        keys = keys_for(10)
+        plan = rig.tm.prepare_store(keys)
+        assert plan is not None and plan.keys == keys[:4]
+        rig.tm.complete_store(plan.keys)
+        rig.tm.host.pin(keys[:1])  # one slot pinned: only 3 fit now
+        plan = rig.tm.prepare_store(keys_for(10, seed=1))
+        assert plan.keys == keys_for(10, seed=1)[:3]
+        assert rig.tm.stats.store_truncations == 2
+        # A batch that fits the tier but not right now is refused whole (vLLM retries it).
+        rig.tm.complete_store(plan.keys)
+        rig.tm.host.pin(plan.keys)
+        assert rig.tm.prepare_store(keys_for(2, seed=2)) is None

@@ -9,8 +9,8 @@
 Started by the engine-side worker pool as ``python -m kvoffload.workers.main`` (a fresh interpreter:
 spawn, never fork) with its :class:`~kvoffload.ipc.messages.WorkerSpec` as JSON in ``KVOFFLOAD_WORKER``.
 It imports no torch, lowers its own CPU and I/O priority so tier I/O does not steal the scheduler's
-core, and exits within a poll interval once its engine process is gone (unlinking the engine's arena if
-nobody owns it any more).
+core, and exits within a poll interval once its engine process is gone (the engine's janitor, see
+``janitor.py``, removes the arena).
 """
 
 from __future__ import annotations
@@ -25,12 +25,13 @@ import psutil
 import zmq
 
 from kvoffload.ipc import messages as m
-from kvoffload.ipc.arena import Arena, ArenaError, unlink_if_orphaned
+from kvoffload.ipc.arena import Arena, ArenaError
 from kvoffload.ipc.channels import WorkerChannels
 from kvoffload.workers.faults import DropTask, Faults
 
 SPEC_ENV = "KVOFFLOAD_WORKER"
 _POLL_S = 0.2
+
 
 
 def _lower_priority(nice: int) -> None:
@@ -64,14 +65,15 @@ class Worker:
         while True:
             data = self.chans.next_task(_POLL_S)
             if not self.parent_alive():
-                unlink_if_orphaned(self.spec.arena_name, self.spec.arena_nonce)
-                return
+                return  # the engine is gone; its janitor removes the arena
             if data is None:
                 continue
             try:
                 task = m.decode_task(data)
             except msgspec.DecodeError:
                 continue  # not ours to answer: the engine fails tasks it never hears back about
+            if isinstance(task, m.StopTask):
+                return
             try:
                 result = self.handle(task)
             except DropTask:

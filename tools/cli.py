@@ -3,6 +3,7 @@
 ::
 
     kvoffload demo     serve a real model with tiered offloading and show that it helps
+    kvoffload bench    measurements for BENCHMARKS.md
     kvoffload sweep    remove host arenas of dead engines from /dev/shm (``--list`` to show them)
     kvoffload check    validate a kv_connector_extra_config JSON file and print the resolved config
 """
@@ -66,9 +67,11 @@ def check(config_file) -> None:
 
 
 def _register_tools() -> None:
+    from kvoffload.tools.bench import bench
     from kvoffload.tools.demo import demo
 
     main.add_command(demo)
+    main.add_command(bench)
 
 
 _register_tools()

@@ -20,6 +20,7 @@ so a request never spins on a chunk that cannot be read (CASES C07).
 from __future__ import annotations
 
 import time
+from abc import abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Annotated, Any, ClassVar
@@ -146,9 +147,9 @@ class ProcessTierManager(SecondaryTierManager):
 
     # -- subclass interface ---------------------------------------------------------------------
 
+    @abstractmethod
     def io_config(self) -> dict:
         """The ``io_config`` dict handed to worker processes."""
-        raise NotImplementedError  # pragma: no cover - abstract in every concrete tier
 
     def _admit_store(self, keys: list[bytes]) -> tuple[list[int], dict[bytes, int]]:
         """Which positions of ``keys`` to write; the rest fail with the returned codes."""

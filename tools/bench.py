@@ -1,0 +1,413 @@
+"""``kvoffload bench``: measurements for BENCHMARKS.md, each against a baseline run in the same
+invocation, printed as a markdown table with the command and machine facts.
+
+- ``tier``:   host ↔ fs store and load throughput against raw sequential disk I/O (fio, O_DIRECT,
+              libaio, iodepth 4, block size = chunk size), repetitions interleaved.
+- ``engine``: engine-thread cost per host-hit lookup and per chunk handed to a tier and completed,
+              as the number of stored chunks grows.
+- ``memory``: engine-side bytes per stored chunk (tracemalloc) and per tier worker process (USS).
+- ``ttft``:   time to first token on vLLM-CPU for a ≥2k-token history reloaded from the fs tier
+              against the same history recomputed, and against a device-cache hit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+
+import click
+import numpy as np
+
+from kvoffload.config import parse_config
+from kvoffload.ipc.arena import Arena
+from kvoffload.namespace import Namespace, chunk_keys
+from kvoffload.tiering import TieringManager
+from kvoffload.tiers.base import LookupResult
+
+
+def machine_facts() -> str:
+    import psutil
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return (f"{psutil.cpu_count()} vCPU ({cpu}), {psutil.virtual_memory().total / 2**30:.0f} GiB RAM, "
+            f"Linux {platform.release()}, Python {platform.python_version()}")
+
+
+def _arena_name(tag: str) -> str:
+    return f"kvoffload_bench_{tag}_{os.getpid()}"
+
+
+def _namespace(row_bytes: int) -> Namespace:
+    return Namespace(model="bench", kv_dtype="bfloat16", layout="raw-v1", tokens_per_chunk=16,
+                     row_bytes=row_bytes)
+
+
+def _drop_caches() -> bool:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def _fio(path: str, rw: str, bs: int, size: int) -> float:
+    """fio sequential throughput in GB/s (O_DIRECT, libaio, iodepth 4)."""
+    out = subprocess.run(
+        ["fio", "--name=raw", f"--filename={path}", f"--rw={rw}", f"--bs={bs}", f"--size={size}",
+         "--direct=1", "--ioengine=libaio", "--iodepth=4", "--numjobs=1", "--output-format=json"],
+        capture_output=True, text=True, check=True)
+    job = json.loads(out.stdout)["jobs"][0]
+    return job["write" if rw == "write" else "read"]["bw_bytes"] / 1e9
+
+
+# -- tier throughput ----------------------------------------------------------------------------
+
+def tier_throughput(chunk_bytes: int, total_bytes: int, workdir: Path, reps: int, readers: int,
+                    writers: int) -> dict:
+    n = total_bytes // chunk_bytes
+    root = workdir / "fs"
+    cfg = parse_config({"cpu_bytes_to_use": n * chunk_bytes, "secondary_tiers": [
+        {"type": "fs", "root_dir": str(root), "read_workers": readers, "write_workers": writers,
+         "max_pending_store_chunks": n + 1, "chunks_per_task": max(1, (8 << 20) // chunk_bytes)}]})
+    arena = Arena.create(_arena_name("tier"), n, chunk_bytes)
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 256, chunk_bytes, dtype=np.uint8)
+    for i in range(n):
+        arena.rows[i] = base
+        arena.rows[i, :8] = np.frombuffer(i.to_bytes(8, "little"), dtype=np.uint8)
+    keys = chunk_keys(np.arange(n * 16), 16)
+    fio_file = str(workdir / "fio.dat")
+    res = {"raw_write": [], "store": [], "raw_read": [], "load": []}
+    try:
+        for _ in range(reps):
+            res["raw_write"].append(_fio(fio_file, "write", chunk_bytes, total_bytes))
+            shutil.rmtree(root, ignore_errors=True)
+            tm = TieringManager(arena, _namespace(chunk_bytes), cfg)
+            try:
+                tm.wait_idle(10)
+                for pool in tm.tiers[0]._pools:  # workers up before the clock starts
+                    while pool.awaiting_hello:
+                        tm.poll()
+                        time.sleep(0.01)
+                plan = tm.prepare_store(keys)
+                assert plan is not None and len(plan.keys) == n
+                # The rows already hold the payloads (the accelerator copy is not measured).
+                _drop_caches()
+                t0 = time.perf_counter()
+                tm.complete_store(keys)
+                assert tm.wait_idle(600)
+                os.sync()
+                res["store"].append(total_bytes / (time.perf_counter() - t0) / 1e9)
+                assert tm.stats.cascaded["fs"] == n
+                res["raw_read"].append(_fio(fio_file, "read", chunk_bytes, total_bytes))
+                tm.host.remove(keys)
+                _drop_caches()
+                t0 = time.perf_counter()
+                pending = list(keys)
+                while pending:
+                    pending = [k for k in pending if tm.lookup(k) is not LookupResult.HIT]
+                    tm.step()
+                    if pending:
+                        tm.tiers[0].wait(0.002)
+                res["load"].append(total_bytes / (time.perf_counter() - t0) / 1e9)
+                assert tm.stats.promotion_failures["fs"] == 0
+            finally:
+                tm.shutdown()
+    finally:
+        arena.close()
+        shutil.rmtree(root, ignore_errors=True)
+        if os.path.exists(fio_file):
+            os.unlink(fio_file)
+    med = {k: statistics.median(v) for k, v in res.items()}
+    return {"chunk_bytes": chunk_bytes, "total_bytes": total_bytes, "reps": reps, **med,
+            "store_ratio": med["store"] / med["raw_write"], "load_ratio": med["load"] / med["raw_read"],
+            "runs": res}
+
+
+# -- engine-side cost -----------------------------------------------------------------------------
+
+def engine_cost(n_chunks: int, batch: int, workdir: Path) -> dict:
+    """µs per host-hit lookup with ``n_chunks`` stored, and per chunk handed to / completed by the fs
+    tier (engine thread only: the workers run in other processes)."""
+    out: dict = {"stored_chunks": n_chunks}
+    row = 4096
+    cfg = parse_config({"cpu_bytes_to_use": n_chunks * row})
+    with Arena.create(_arena_name("cost"), n_chunks, row) as arena:
+        tm = TieringManager(arena, _namespace(row), cfg, record_events=False)
+        keys = [os.urandom(32) + b"\0\0\0\0" for _ in range(n_chunks)]
+        for i in range(0, n_chunks, 4096):
+            plan = tm.prepare_store(keys[i:i + 4096])
+            tm.complete_store(plan.keys)
+        sample = keys[:: max(1, n_chunks // 20000)]
+        t0 = time.perf_counter()
+        for k in sample:
+            tm.lookup(k)
+        out["lookup_us"] = (time.perf_counter() - t0) / len(sample) * 1e6
+        try:
+            from vllm.v1.kv_offload.base import ReqContext
+
+            from kvoffload.vllm import KVOffloadManager
+
+            mgr = KVOffloadManager(tm)
+            ctx = ReqContext(req_id="bench")
+            t0 = time.perf_counter()
+            for k in sample:
+                mgr.lookup(k, ctx)
+            out["vllm_lookup_us"] = (time.perf_counter() - t0) / len(sample) * 1e6
+        except ImportError:
+            out["vllm_lookup_us"] = None
+        tm.shutdown()
+    # Hand-off to a real fs tier with worker processes.
+    n = 8192
+    cfg = parse_config({"cpu_bytes_to_use": n * row, "secondary_tiers": [
+        {"type": "fs", "root_dir": str(workdir / "fs-cost"), "max_pending_store_chunks": n + 1}]})
+    with Arena.create(_arena_name("handoff"), n, row) as arena:
+        tm = TieringManager(arena, _namespace(row), cfg, record_events=False)
+        try:
+            tier = tm.tiers[0]
+            for pool in tier._pools:
+                while pool.awaiting_hello:
+                    tm.poll()
+                    time.sleep(0.01)
+            keys = chunk_keys(np.arange(n * 16), 16)
+            plan = tm.prepare_store(keys)
+            handoff = complete = publish = 0.0
+            for i in range(0, n, batch):
+                part = keys[i:i + batch]
+                t0 = time.perf_counter()
+                done = tm.host.complete_write(part, True)
+                t1 = time.perf_counter()
+                tm._cascade(done, "bench")
+                t2 = time.perf_counter()
+                publish += t1 - t0
+                handoff += t2 - t1
+            while tm.has_pending_work():
+                tier.wait(0.01)
+                t0 = time.perf_counter()
+                tm.poll()
+                complete += time.perf_counter() - t0
+            assert tm.stats.cascaded["fs"] == n, tm.stats.cascaded
+            out.update(handoff_us_per_chunk=handoff / n * 1e6, completion_us_per_chunk=complete / n * 1e6,
+                       publish_us_per_chunk=publish / n * 1e6, batch=batch)
+            assert plan is not None
+        finally:
+            tm.shutdown()
+            shutil.rmtree(workdir / "fs-cost", ignore_errors=True)
+    return out
+
+
+# -- memory ---------------------------------------------------------------------------------------
+
+def memory_per_chunk(n_chunks: int, workdir: Path) -> dict:
+    import psutil
+
+    row = 4096
+    out: dict = {"chunks": n_chunks}
+    cfg = parse_config({"cpu_bytes_to_use": n_chunks * row})
+    with Arena.create(_arena_name("mem"), n_chunks, row) as arena:
+        for policy in ("lru", "arc"):
+            tracemalloc.start()
+            base = tracemalloc.get_traced_memory()[0]
+            tm = TieringManager(arena, _namespace(row), parse_config(
+                {"cpu_bytes_to_use": n_chunks * row, "eviction_policy": policy}),
+                record_events=False, janitor=False)
+            empty = tracemalloc.get_traced_memory()[0]
+            keys = [os.urandom(32) + b"\0\0\0\0" for _ in range(n_chunks)]
+            for i in range(0, n_chunks, 4096):
+                plan = tm.prepare_store(keys[i:i + 4096])
+                tm.complete_store(plan.keys)
+            full = tracemalloc.get_traced_memory()[0]
+            tracemalloc.stop()
+            out[f"{policy}_bytes_per_chunk"] = (full - empty) / n_chunks
+            out[f"{policy}_fixed_bytes"] = empty - base
+            tm.shutdown()
+            del tm, keys
+    del cfg
+    cfg = parse_config({"cpu_bytes_to_use": 64 * row, "secondary_tiers": [
+        {"type": "fs", "root_dir": str(workdir / "fs-mem")}]})
+    with Arena.create(_arena_name("memw"), 64, row) as arena:
+        tm = TieringManager(arena, _namespace(row), cfg)
+        try:
+            keys = chunk_keys(np.arange(64 * 16), 16)
+            plan = tm.prepare_store(keys)
+            tm.complete_store(plan.keys)
+            tm.wait_idle(30)
+            pids = [p for ps in tm.tiers[0].worker_pids().values() for p in ps]
+            uss, rss, torch_loaded = [], [], False
+            for pid in pids:
+                info = psutil.Process(pid).memory_full_info()
+                uss.append(info.uss)
+                rss.append(info.rss)
+                with open(f"/proc/{pid}/maps") as f:
+                    torch_loaded |= "libtorch" in f.read()
+            out.update(worker_uss_mib=statistics.mean(uss) / 2**20,
+                       worker_rss_mib=statistics.mean(rss) / 2**20, worker_imports_torch=torch_loaded)
+        finally:
+            tm.shutdown()
+            shutil.rmtree(workdir / "fs-mem", ignore_errors=True)
+    return out
+
+
+# -- TTFT on vLLM ---------------------------------------------------------------------------------
+
+def ttft(pairs: int, doc_tokens: int, workdir: Path) -> dict:
+    from transformers import AutoTokenizer
+
+    from kvoffload.tools.demo import SYSTEM, chat, maintenance_log
+    from kvoffload.tools.model import prepare_model
+    from kvoffload.tools.vllm_server import BLOCK_BYTES_PER_TOKEN_F32, ServerSpec, VLLMServer
+
+    model = str(prepare_model())
+    tok = AutoTokenizer.from_pretrained(model)
+    docs = [maintenance_log(tok, 1000 + i, doc_tokens) for i in range(2 * pairs + 2)]
+    offload = {"spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.vllm",
+               "cpu_bytes_to_use": (doc_tokens + 512) * BLOCK_BYTES_PER_TOKEN_F32,
+               "secondary_tiers": [{"type": "fs", "root_dir": str(workdir / "fs-ttft")}]}
+    max_len = -(-(doc_tokens + 256) // 32) * 32
+    spec = ServerSpec(model=model, kv_cache_tokens=max_len + 32, block_size=32, max_model_len=max_len,
+                      offload=offload, log_path=str(workdir / "ttft-server.log"))
+
+    def convo(doc, follow=None):
+        m = [{"role": "system", "content": SYSTEM},
+             {"role": "user", "content": f"{doc}\n\nQuestion: Which site is mentioned first?"}]
+        if follow:
+            m += [{"role": "assistant", "content": "North Yard."}, {"role": "user", "content": follow}]
+        return m
+
+    rows = []
+    with VLLMServer(spec) as server:
+        chat(server.url, convo(docs[-1]), 4)  # warm-up
+        for i in range(pairs):
+            a, b, c = docs[2 * i], docs[2 * i + 1], docs[-2]
+            chat(server.url, convo(a), 4)  # computed, offloaded to host and fs
+            chat(server.url, convo(c), 4)  # evicts a from the device cache and the host tier
+            reload = chat(server.url, convo(a, "Name one part."), 4)
+            device = chat(server.url, convo(a, "Name one site."), 4)
+            recompute = chat(server.url, convo(b, "Name one part."), 4)
+            rows.append({"prompt_tokens": reload.prompt_tokens, "reload_cached": reload.cached_tokens,
+                         "reload_s": reload.ttft_s, "device_s": device.ttft_s,
+                         "recompute_s": recompute.ttft_s, "recompute_cached": recompute.cached_tokens})
+    med = {k: statistics.median(r[k] for r in rows) for k in ("reload_s", "device_s", "recompute_s")}
+    return {"pairs": pairs, "doc_tokens": doc_tokens, **med,
+            "reload_vs_recompute": med["reload_s"] / med["recompute_s"],
+            "device_vs_recompute": med["device_s"] / med["recompute_s"], "rows": rows}
+
+
+# -- command line ---------------------------------------------------------------------------------
+
+@click.group()
+def bench() -> None:
+    """Benchmarks for BENCHMARKS.md (each against a baseline from the same run)."""
+
+
+def _workdir(path: str | None) -> Path:
+    p = Path(path) if path else Path(tempfile.mkdtemp(prefix="kvoffload-bench-", dir="."))
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def _header() -> None:
+    click.echo(f"command: kvoffload bench {' '.join(sys.argv[2:])}")
+    click.echo(f"machine: {machine_facts()}")
+
+
+@bench.command("tier")
+@click.option("--chunk-kib", "chunk_kib", multiple=True, type=int, default=(256, 2048),
+              show_default=True)
+@click.option("--total-mib", default=1024, show_default=True, help="Bytes moved per measurement.")
+@click.option("--reps", default=3, show_default=True)
+@click.option("--readers", default=2, show_default=True)
+@click.option("--writers", default=2, show_default=True)
+@click.option("--dir", "workdir", default=None, help="Directory on the disk to measure (default: a "
+              "new directory under the current one).")
+def bench_tier(chunk_kib, total_mib, reps, readers, writers, workdir) -> None:
+    """host ↔ fs store/load GB/s against fio on the same disk (needs fio and root for drop_caches)."""
+    if shutil.which("fio") is None:
+        raise click.ClickException("fio is not installed (apt-get install fio)")
+    wd = _workdir(workdir)
+    _header()
+    click.echo("\n| chunk | raw write GB/s | store GB/s | store / raw | raw read GB/s | load GB/s | "
+               "load / raw |\n|---|---|---|---|---|---|---|")
+    try:
+        for kib in chunk_kib:
+            r = tier_throughput(kib << 10, total_mib << 20, wd, reps, readers, writers)
+            click.echo(f"| {kib} KiB | {r['raw_write']:.2f} | {r['store']:.2f} | "
+                       f"{r['store_ratio']:.2f}x | {r['raw_read']:.2f} | {r['load']:.2f} | "
+                       f"{r['load_ratio']:.2f}x |")
+            click.echo(f"<!-- runs {json.dumps(r['runs'])} -->", err=True)
+    finally:
+        if workdir is None:
+            shutil.rmtree(wd, ignore_errors=True)
+
+
+@bench.command("engine")
+@click.option("--chunks", multiple=True, type=int, default=(10_000, 100_000, 1_000_000),
+              show_default=True)
+@click.option("--batch", default=64, show_default=True, help="Chunks per store job.")
+def bench_engine(chunks, batch) -> None:
+    """Engine-thread µs per host-hit lookup and per chunk handed to / completed by the fs tier."""
+    wd = _workdir(None)
+    _header()
+    click.echo("\n| stored chunks | lookup µs | lookup via vLLM manager µs | hand-off µs/chunk | "
+               "completion µs/chunk | publish µs/chunk |\n|---|---|---|---|---|---|")
+    try:
+        for n in chunks:
+            r = engine_cost(n, batch, wd)
+            vl = f"{r['vllm_lookup_us']:.2f}" if r["vllm_lookup_us"] is not None else "-"
+            click.echo(f"| {n:,} | {r['lookup_us']:.2f} | {vl} | {r['handoff_us_per_chunk']:.2f} | "
+                       f"{r['completion_us_per_chunk']:.2f} | {r['publish_us_per_chunk']:.2f} |")
+    finally:
+        shutil.rmtree(wd, ignore_errors=True)
+
+
+@bench.command("memory")
+@click.option("--chunks", default=200_000, show_default=True)
+def bench_memory(chunks) -> None:
+    """Engine-side bytes per stored chunk and tier worker process memory."""
+    wd = _workdir(None)
+    _header()
+    try:
+        r = memory_per_chunk(chunks, wd)
+    finally:
+        shutil.rmtree(wd, ignore_errors=True)
+    click.echo(f"\n| what | value |\n|---|---|\n"
+               f"| bytes per stored chunk, lru ({chunks:,} chunks, 36-byte keys included) | "
+               f"{r['lru_bytes_per_chunk']:.0f} |\n"
+               f"| bytes per stored chunk, arc | {r['arc_bytes_per_chunk']:.0f} |\n"
+               f"| tier worker USS / RSS | {r['worker_uss_mib']:.1f} MiB / {r['worker_rss_mib']:.1f} MiB |\n"
+               f"| torch loaded in a worker | {'yes' if r['worker_imports_torch'] else 'no'} |")
+
+
+@bench.command("ttft")
+@click.option("--pairs", default=3, show_default=True)
+@click.option("--doc-tokens", default=2048, show_default=True)
+def bench_ttft(pairs, doc_tokens) -> None:
+    """TTFT on vLLM-CPU: history reloaded from the fs tier vs recomputed vs a device-cache hit."""
+    wd = _workdir(None)
+    _header()
+    try:
+        r = ttft(pairs, doc_tokens, wd)
+    finally:
+        shutil.rmtree(wd, ignore_errors=True)
+    click.echo(f"\n| history | recompute TTFT | fs reload TTFT | device-hit TTFT | reload / recompute "
+               f"| device / recompute |\n|---|---|---|---|---|---|\n"
+               f"| {r['rows'][0]['prompt_tokens']} tokens | {r['recompute_s']:.3f} s | "
+               f"{r['reload_s']:.3f} s | {r['device_s']:.3f} s | {r['reload_vs_recompute']:.3f}x | "
+               f"{r['device_vs_recompute']:.3f}x |")
+    click.echo(f"<!-- rows {json.dumps(r['rows'])} -->", err=True)

@@ -72,10 +72,11 @@ class DeleteTask(msgspec.Struct, tag="delete", array_like=True):
 
 
 class ScanTask(msgspec.Struct, tag="scan", array_like=True):
-    """List the tier's chunks of this namespace (for capacity accounting) and remove orphaned
-    temporary files; answered with ``TaskResult.entries``."""
+    """Remove orphaned temporary files of dead writers and, with ``list_entries``, list the tier's
+    chunks of this namespace (for capacity accounting) in ``TaskResult.entries``."""
 
     task_id: int
+    list_entries: bool = True
 
 
 class StopTask(msgspec.Struct, tag="stop", array_like=True):

@@ -31,9 +31,9 @@ class GroupShape(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     Attributes:
         tokens_per_block: tokens per engine block of this group.
         num_layers: layers in the group.
-        page_bytes: per-layer bytes of one block, as the engine lays them out (all TP ranks of this
-            row included).
-        kind: the group's attention kind (e.g. ``full``, ``sliding_window``, ``mamba``).
+        page_bytes: bytes of one block as the engine lays it out (for vLLM: one worker's bytes per
+            block across the group's layers).
+        kind: the group's identity or attention kind (e.g. ``group0``, ``full``, ``mamba``).
     """
 
     tokens_per_block: int

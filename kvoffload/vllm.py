@@ -110,7 +110,7 @@ class KVOffloadSpec(OffloadingSpec):
             layout += ":replicated"
         groups = tuple(
             GroupShape(tokens_per_block=g.tokens_per_block, num_layers=len(g.layer_names),
-                       page_bytes=0, kind=str(g.group_id))
+                       page_bytes=cfg.worker_kv_bytes_per_block, kind=f"group{g.group_id}")
             for g in cfg.groups
         )
         par = cfg.parallel

@@ -246,6 +246,7 @@ def test_c17_worker_that_dies_or_goes_silent_fails_or_reruns_its_jobs(tmp_path, 
         for k, row in zip(stored, rig.read(stored)):
             assert np.array_equal(row, payload(k))  # no half-written chunk is ever loadable
         assert rig.fs._readers.inflight_count == 0
+        assert not rig.tm._jobs and not rig.fs._job_count  # request-state maps back to empty
 
 
 def test_c22_store_source_slot_is_not_reused_while_the_writer_reads_it(tmp_path):

@@ -390,6 +390,8 @@ def bench_memory(chunks) -> None:
                f"| bytes per stored chunk, lru ({chunks:,} chunks, 36-byte keys included) | "
                f"{r['lru_bytes_per_chunk']:.0f} |\n"
                f"| bytes per stored chunk, arc | {r['arc_bytes_per_chunk']:.0f} |\n"
+               f"| fixed bytes per arena slot (flat columns), lru / arc | "
+               f"{r['lru_fixed_bytes'] / chunks:.0f} / {r['arc_fixed_bytes'] / chunks:.0f} |\n"
                f"| tier worker USS / RSS | {r['worker_uss_mib']:.1f} MiB / {r['worker_rss_mib']:.1f} MiB |\n"
                f"| torch loaded in a worker | {'yes' if r['worker_imports_torch'] else 'no'} |")
 

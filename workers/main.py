@@ -118,7 +118,7 @@ class Worker:
             return m.TaskResult(task.task_id, wid, codes, seconds=time.perf_counter() - t0)
         if isinstance(task, m.ScanTask):
             entries = self.io.scan()
-            return m.TaskResult(task.task_id, wid, [], entries=entries,
+            return m.TaskResult(task.task_id, wid, [], entries=entries if task.list_entries else [],
                                 seconds=time.perf_counter() - t0)
         raise TypeError(f"unknown task {type(task).__name__}")
 

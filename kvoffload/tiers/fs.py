@@ -78,10 +78,10 @@ class FsTier(ProcessTierManager):
         self._loading: dict[bytes, int] = {}
         self._delete_queue: list[bytes] = []
         self.start()
-        if self._index is not None:
-            tid = self._next_task_id()
-            self._send(self._writers, _TaskRec("scan", None, [], self._writers), m.ScanTask(tid),
-                       timeout_s=_SCAN_TIMEOUT_S)
+        # Clean up temporary files of writers that died; with a cap, also adopt existing chunks.
+        tid = self._next_task_id()
+        self._send(self._writers, _TaskRec("scan", None, [], self._writers),
+                   m.ScanTask(tid, list_entries=self._index is not None), timeout_s=_SCAN_TIMEOUT_S)
 
     def io_config(self) -> dict:
         c = self.config
@@ -120,7 +120,7 @@ class FsTier(ProcessTierManager):
                 admitted.append(i)  # the worker sees the file and skips the write
                 continue
             if k in self._reserved:
-                rejected[k] = m.REJECTED  # the same chunk is being written by an earlier job
+                admitted.append(i)  # an earlier job is writing it; the worker skips or rewrites it
                 continue
             while self.used_bytes + self._reserved_bytes() + fb > cap:
                 if not self._evict_one(protect=set(keys)):

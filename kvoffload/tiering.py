@@ -217,21 +217,23 @@ class TieringManager:
         """Reserve host slots for the keys not yet present (accelerator → host copy).
 
         Completions are processed first, so pins released by finished tier jobs count before any
-        eviction decision. Returns None when the host tier cannot make room (everything pinned).
+        eviction decision. When the whole batch does not fit, its longest prefix that fits is
+        reserved; returns None only when not a single slot can be freed (everything pinned).
         """
         self.poll()
         host = self.host
         plan = host.allocate(keys)
         if plan is None:
+            # Not enough room for the whole batch (slots pinned by in-flight transfers, or a batch
+            # larger than the tier): keep its longest prefix that fits now. Lookups are prefix
+            # ordered, so the head of a request is what later requests can reuse; the engine does
+            # not offer the rest again.
             new = [k for k in dict.fromkeys(keys) if k not in host.index]
-            if len(new) > host.num_slots:
-                # The batch can never fit: keep its longest prefix that fits now (lookups are
-                # prefix-ordered, so a prefix is what can be reused) rather than nothing.
-                room = host.room_for(keys)
-                if room > 0:
-                    cut = keys.index(new[room - 1]) + 1 if room < len(new) else len(keys)
-                    plan = host.allocate(keys[:cut])
-                    self.stats.store_truncations += 1
+            room = min(host.room_for(keys), len(new))
+            if room > 0:
+                cut = keys.index(new[room - 1]) + 1
+                plan = host.allocate(keys[:cut])
+                self.stats.store_truncations += 1
             if plan is None:
                 self.stats.store_rejections += 1
         return plan

@@ -190,7 +190,7 @@ def test_host_tier_invariants_under_random_operations(ops, policy):
                 assert k in h.index
 
 
-def test_store_batch_larger_than_the_host_tier_keeps_its_longest_prefix(tmp_path):
+def test_store_batch_that_does_not_fit_keeps_its_longest_prefix(tmp_path):
     from helpers import Rig
 
     with Rig([], num_slots=4) as rig:
@@ -202,7 +202,8 @@ def test_store_batch_larger_than_the_host_tier_keeps_its_longest_prefix(tmp_path
         plan = rig.tm.prepare_store(keys_for(10, seed=1))
         assert plan.keys == keys_for(10, seed=1)[:3]
         assert rig.tm.stats.store_truncations == 2
-        # A batch that fits the tier but not right now is refused whole (vLLM retries it).
+        # Nothing can be freed at all: refused.
         rig.tm.complete_store(plan.keys)
         rig.tm.host.pin(plan.keys)
         assert rig.tm.prepare_store(keys_for(2, seed=2)) is None
+        assert rig.tm.stats.store_rejections == 1

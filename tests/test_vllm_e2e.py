@@ -34,12 +34,12 @@ def tokenizer(model_dir):
 
 @pytest.fixture(scope="session")
 def server(model_dir, tmp_path_factory):
-    """Device cache of 2,048 tokens (fits one ~1,250-token prompt), host tier of 1,536 tokens (one
+    """Device cache of 2,048 tokens (fits one ~1,250-token prompt), host tier of 2,048 tokens (one
     prompt), fs tier for the rest."""
     root = tmp_path_factory.mktemp("fs-tier")
     logs = tmp_path_factory.mktemp("logs")
     offload = {"spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.vllm",
-               "cpu_bytes_to_use": 1536 * BLOCK_BYTES_PER_TOKEN_F32,
+               "cpu_bytes_to_use": 2048 * BLOCK_BYTES_PER_TOKEN_F32,
                "secondary_tiers": [{"type": "fs", "root_dir": str(root)}]}
     spec = ServerSpec(model=model_dir, kv_cache_tokens=2048, block_size=32, max_model_len=2016,
                       offload=offload, log_path=str(logs / "server.log"))

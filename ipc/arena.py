@@ -79,6 +79,7 @@ class ArenaInfo:
     engine_id: str
     ready: bool
     size_bytes: int
+    owner_alive: bool = False
 
 
 def default_name(engine_id: str) -> str:
@@ -180,15 +181,15 @@ def list_arenas(prefix: str = NAME_PREFIX) -> list[ArenaInfo]:
         try:
             header = _read_header(shm.fd)
             size = os.fstat(shm.fd).st_size
+            alive = _owner_alive(shm.fd)
         finally:
             shm.close_fd()
         if header is None:
-            out.append(ArenaInfo(name, 0, 0, 0, 0, b"", "", False, size))
+            out.append(ArenaInfo(name, 0, 0, 0, 0, b"", "", False, size, alive))
             continue
         _, _, state, pid, created, num_slots, row_bytes, nonce, engine = header
-        out.append(
-            ArenaInfo(name, pid, created, num_slots, row_bytes, nonce, engine, state == _STATE_READY, size)
-        )
+        out.append(ArenaInfo(name, pid, created, num_slots, row_bytes, nonce, engine,
+                             state == _STATE_READY, size, alive))
     return out
 
 
@@ -238,7 +239,7 @@ class Arena:
 
     @classmethod
     def create(cls, name: str, num_slots: int, row_bytes: int, engine_id: str = "",
-               size_hint_key: str = "cpu_bytes_to_use") -> "Arena":
+               size_hint_key: str = "cpu_bytes_to_use", janitor: bool = True) -> "Arena":
         """Create and own a new arena, reserving ``HEADER_BYTES + num_slots * row_bytes`` bytes.
 
         A segment of the same name whose owner is dead is removed first; one whose owner lives
@@ -250,6 +251,8 @@ class Arena:
             row_bytes: bytes per slot, a positive multiple of the page size.
             engine_id: recorded in the header for ``kvoffload sweep --list``.
             size_hint_key: the configuration key to name when /dev/shm is too small.
+            janitor: start a detached janitor process (``kvoffload.workers.janitor``) that removes
+                the segment if this process dies without closing it, SIGKILL included.
 
         Raises:
             ArenaSpaceError: /dev/shm cannot hold the arena (checked before any byte is written).
@@ -309,6 +312,8 @@ class Arena:
         arena = cls(name, fd, mm, num_slots, row_bytes, nonce, owner=True)
         ref = weakref.ref(arena)
         atexit.register(lambda: (a := ref()) is not None and a.close())
+        if janitor:
+            _spawn_janitor(name, nonce)
         return arena
 
     @classmethod
@@ -459,3 +464,20 @@ def unlink_if_orphaned(name: str, nonce: bytes, wait_s: float = 0.0) -> bool:
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.1)
+
+
+def _spawn_janitor(name: str, nonce: bytes) -> None:
+    """Start the detached process that unlinks arena ``name`` once this process (its owner) is
+    gone. Returns when the janitor has detached (its first process exits at once)."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    me = psutil.Process()
+    subprocess.run(
+        [sys.executable, "-m", "kvoffload.workers.janitor", name, nonce.hex(), str(me.pid),
+         repr(me.create_time())],
+        stdin=subprocess.DEVNULL, close_fds=True, check=False,
+    )
+

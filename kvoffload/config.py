@@ -5,7 +5,7 @@ Every struct forbids unknown fields. An unknown key, a wrong type or an impossib
 the closest valid key for a near miss and lists the allowed keys, before any process or segment is
 created. Sizes are integers in bytes: ``"10GB"`` is rejected, not guessed.
 
-Example (the same JSON serves vLLM and ``kvoffload stress --config``)::
+Example::
 
     {"cpu_bytes_to_use": 8589934592, "eviction_policy": "arc",
      "secondary_tiers": [{"type": "fs", "root_dir": "/mnt/nvme/kv", "max_bytes": 500000000000}]}
@@ -20,7 +20,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-Positive = Annotated[int, msgspec.Meta(gt=0)]
+Positive = Annotated[int, msgspec.Meta(gt=0, le=2**63 - 1)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
 
@@ -57,7 +57,7 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     eviction_policy: str = "lru"
     cache_policy_module_path: str | None = None
     secondary_tiers: list[dict[str, Any]] = []
-    arena_name: str | None = None
+    arena_name: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,200}$")] | None = None
     cache_salt: str = ""
     model_revision: str | None = None
     offload_prompt_only: bool = True
@@ -76,6 +76,9 @@ _UNKNOWN_RE = re.compile(r"unknown field `(?P<field>[^`]+)`")
 
 def closest(word: str, candidates: list[str]) -> str | None:
     """The candidate a misspelled or truncated ``word`` most likely meant, or None."""
+    lowered = {c.lower(): c for c in candidates}
+    if word.lower() in lowered:
+        return lowered[word.lower()]
     close = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
     if close:
         return close[0]
@@ -154,12 +157,22 @@ def parse_config(extra_config: dict[str, Any]) -> OffloadConfig:
     Raises:
         ConfigError: anything invalid, named by key path.
     """
+    if not isinstance(extra_config, dict):
+        raise ConfigError(f"kv_connector_extra_config: expected an object (dict), got "
+                          f"{type(extra_config).__name__}")
     cfg = convert(dict(extra_config), OffloadConfig, "kv_connector_extra_config")
     if cfg.blocks_per_chunk is not None and cfg.block_size is not None:
         raise ConfigError(
             "kv_connector_extra_config: set only one of 'blocks_per_chunk' and 'block_size'"
         )
-    if cfg.cache_policy_module_path is None:
+    if cfg.cache_policy_module_path is not None:
+        from kvoffload.policies import make_policy
+
+        try:
+            make_policy(cfg.eviction_policy, 1, cfg.cache_policy_module_path)
+        except (ImportError, ValueError) as e:
+            raise ConfigError(f"kv_connector_extra_config.cache_policy_module_path: {e}") from None
+    else:
         from kvoffload.policies import BUILTIN_POLICIES
 
         if cfg.eviction_policy not in BUILTIN_POLICIES:
@@ -248,5 +261,12 @@ def parse_tier_config(raw: dict[str, Any], where: str) -> tuple[str, type, msgsp
 
 
 def describe(cfg: OffloadConfig) -> str:
-    """One-line JSON of the effective configuration, defaults included (logged once at start)."""
-    return msgspec.json.encode(cfg).decode()
+    """One-line JSON of the effective configuration, tier defaults included (logged once at start)."""
+    resolved = msgspec.to_builtins(cfg)
+    tiers = []
+    for i, raw in enumerate(cfg.secondary_tiers):
+        name, _, tier_cfg = parse_tier_config(raw, f"secondary_tiers[{i}]")
+        extra = {k: raw[k] for k in ("type", "module_path") if k in raw}
+        tiers.append({**extra, "name": name, **msgspec.to_builtins(tier_cfg)})
+    resolved["secondary_tiers"] = tiers
+    return msgspec.json.encode(resolved).decode()

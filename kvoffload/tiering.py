@@ -32,7 +32,6 @@ from kvoffload.host import READY, HostTier, StorePlan
 from kvoffload.policies import make_policy
 from kvoffload.tiers import create_tier
 from kvoffload.tiers.base import JobMetadata, LookupResult, SecondaryTierManager, TierEvent
-from kvoffload.workerpool import spawn_janitor
 
 log = logging.getLogger("kvoffload")
 
@@ -81,8 +80,6 @@ class TieringManager:
         config: parsed :class:`~kvoffload.config.OffloadConfig`.
         tiers: prebuilt tiers (tests); by default they are built from ``config.secondary_tiers``.
         record_events: keep host/tier events for :meth:`take_events`.
-        janitor: start the detached process that removes the arena from /dev/shm if this process
-            dies without closing it.
 
     Raises:
         ConfigError: a tier config is invalid or a tier cannot start.
@@ -90,7 +87,7 @@ class TieringManager:
 
     def __init__(self, arena: Any, namespace: Any, config: OffloadConfig, *,
                  tiers: list[SecondaryTierManager] | None = None, record_events: bool = True,
-                 poll_interval_s: float = 0.0005, janitor: bool = True):
+                 poll_interval_s: float = 0.0005):
         self.arena = arena
         self.namespace = namespace
         self.config = config
@@ -118,8 +115,6 @@ class TieringManager:
         self._next_job = 0
         self._promotions: dict[int, dict[str, tuple[list[bytes], list[int]]]] = {}
         self._load_source: dict[str, dict[bytes, int]] = {}
-        if janitor:
-            spawn_janitor(arena)
         self._poll_interval = poll_interval_s
         self._last_poll = 0.0
         self._closed = False

@@ -153,6 +153,13 @@ class KVOffloadSpec(OffloadingSpec):
                                 record_events=self.kv_events_config.enable_kv_cache_events)
             log.info("kvoffload: arena %s (%d slots x %d bytes), namespace %s, tiers %s",
                      arena.name, arena.num_slots, arena.row_bytes, ns.id(), tm.tier_names)
+            host_tokens = arena.num_slots * ns.tokens_per_chunk
+            max_len = getattr(current_model_config(), "max_model_len", None)
+            if max_len and host_tokens < max_len:
+                log.warning("kvoffload: the host tier holds %d tokens, less than max_model_len %d: "
+                            "every offloaded chunk passes through it, so longer requests are only "
+                            "partly offloaded (their first %d tokens); raise cpu_bytes_to_use",
+                            host_tokens, max_len, host_tokens)
             self._manager = KVOffloadManager(tm)
         return self._manager
 

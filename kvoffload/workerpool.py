@@ -278,17 +278,3 @@ class WorkerPool:
         self.inflight_count = 0
         return leftover
 
-
-def spawn_janitor(arena: Any) -> None:
-    """Start the detached process that removes ``arena`` from /dev/shm once this process is gone
-    (see :mod:`kvoffload.workers.janitor`). Returns once the janitor has detached."""
-    import psutil
-
-    me = psutil.Process()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvoffload.workers.janitor", arena.name, arena.nonce.hex(),
-         str(me.pid), repr(me.create_time())],
-        stdin=subprocess.DEVNULL, close_fds=True,
-    )
-    proc.wait()  # the first process exits as soon as its detached child has forked
-

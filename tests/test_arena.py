@@ -78,21 +78,33 @@ def test_live_owner_name_is_busy_and_attach_checks_nonce():
 _OWNER = textwrap.dedent("""
     import sys, time
     from kvoffload.ipc.arena import Arena
-    a = Arena.create(sys.argv[1], 16384, 4096)   # 64 MiB
+    a = Arena.create(sys.argv[1], 16384, 4096, janitor=sys.argv[2] == "1")   # 64 MiB
     a.rows[:, 0] = 0xAB
     print("ready", flush=True)
     time.sleep(600)
 """)
 
 
-def _start_owner(name: str) -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, "-c", _OWNER, name], stdout=subprocess.PIPE,
-                         start_new_session=True)
+def _start_owner(name: str, janitor: bool = False) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", _OWNER, name, "1" if janitor else "0"],
+                         stdout=subprocess.PIPE, start_new_session=True)
     assert p.stdout.readline().strip() == b"ready"
     return p
 
 
+def test_c15_shm_segment_of_sigkilled_owner_is_removed_by_its_janitor():
+    name = arena_name()
+    p = _start_owner(name, janitor=True)
+    os.killpg(p.pid, signal.SIGKILL)  # the owner's whole process group
+    p.wait()
+    deadline = time.monotonic() + 5
+    while os.path.exists(f"/dev/shm/{name}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(f"/dev/shm/{name}")
+
+
 def test_c15_shm_segment_of_sigkilled_owner_is_reclaimed():
+    # Without a janitor (killed too, e.g. with the whole cgroup) the next start must cope.
     # 1-2: fixed name, owner SIGKILLed with its whole process group, next start reclaims the name.
     name = arena_name()
     p = _start_owner(name)

@@ -226,7 +226,7 @@ def memory_per_chunk(n_chunks: int, workdir: Path) -> dict:
             base = tracemalloc.get_traced_memory()[0]
             tm = TieringManager(arena, _namespace(row), parse_config(
                 {"cpu_bytes_to_use": n_chunks * row, "eviction_policy": policy}),
-                record_events=False, janitor=False)
+                record_events=False)
             empty = tracemalloc.get_traced_memory()[0]
             keys = [os.urandom(32) + b"\0\0\0\0" for _ in range(n_chunks)]
             for i in range(0, n_chunks, 4096):

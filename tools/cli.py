@@ -40,7 +40,8 @@ def sweep(list_only: bool) -> None:
         if not arenas:
             click.echo("no kvoffload arenas in /dev/shm")
         for a in arenas:
-            click.echo(f"{a.name}  owner pid {a.owner_pid}  engine {a.engine_id or '-'}  "
+            state = "live" if a.owner_alive else "owner dead (sweep removes it)"
+            click.echo(f"{a.name}  owner pid {a.owner_pid} ({state})  engine {a.engine_id or '-'}  "
                        f"{a.num_slots} x {a.row_bytes} B  {a.size_bytes / 2**20:.1f} MiB"
                        f"{'' if a.ready else '  (not initialized)'}")
         return
@@ -59,11 +60,11 @@ def check(config_file) -> None:
     try:
         raw = json.load(config_file)
         cfg = parse_config(raw)
+        click.echo(describe(cfg))
     except json.JSONDecodeError as e:
         raise click.ClickException(f"{config_file.name}: not JSON: {e}") from None
     except ConfigError as e:
         raise click.ClickException(str(e)) from None
-    click.echo(describe(cfg))
 
 
 def _register_tools() -> None:

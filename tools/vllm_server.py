@@ -112,10 +112,15 @@ class VLLMServer:
         raise RuntimeError(f"vLLM server not healthy after {timeout_s:.0f} s:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 40) -> str:
+        """The server log's error lines (or its last ``lines`` lines when it has none)."""
         if not self.spec.log_path or not os.path.exists(self.spec.log_path):
             return "(no log)"
         with open(self.spec.log_path, "rb") as f:
-            return b"\n".join(f.read().splitlines()[-lines:]).decode("utf-8", "replace")
+            text = f.read().decode("utf-8", "replace").splitlines()
+        errors = [line for line in text if any(
+            m in line for m in ("Error:", "ConfigError", "ValueError", "RuntimeError:"))]
+        shown = errors[-8:] if errors else text[-lines:]
+        return "\n".join(shown) + f"\n(full log: {self.spec.log_path})"
 
     def metrics(self) -> dict[tuple[str, tuple], float]:
         """Every sample on ``/metrics`` as ``{(name, sorted labels): value}``."""

@@ -1,19 +1,19 @@
-"""Arena janitor: removes an engine's host arena from /dev/shm once the engine is gone.
+"""Arena janitor: removes a host arena from /dev/shm once the process that created it is gone.
 
 ::
 
-    engine process ──spawn──▶ janitor ──fork──▶ janitor' (detached: own session, parent exits)
-                                                   │ every 0.5 s: is the engine process alive?
-                                                   ▼ engine gone
-                                   wait until no process owns the arena, then unlink it; exit
+    arena owner ──spawn──▶ janitor ──fork──▶ janitor' (detached: own session, parent exits)
+                                                │ every 0.5 s: is the owner alive? is the arena still there?
+                                                ▼ owner gone
+                                 unlink the arena once no process holds its owner lock; exit
 
-Engines such as vLLM kill their whole process tree with SIGKILL on shutdown (tier workers included)
-and the arena's owner may be another engine process (vLLM's model runner), so nothing inside the
-engine's tree is sure to outlive it. The janitor detaches (double fork, new session) to escape both
-process-tree and process-group kills. It exits on its own when the arena is closed normally (the name
-is gone or belongs to a newer arena). Imports nothing but :mod:`kvoffload.ipc`.
+Engines such as vLLM kill their whole process tree with SIGKILL on shutdown (tier workers and the
+model runner that owns the arena included), so nothing inside the engine's tree is sure to outlive
+it. The janitor detaches (double fork, new session) to escape both process-tree and process-group
+kills. It exits on its own when the arena is closed normally (the name is gone or belongs to a newer
+arena). Imports nothing but :mod:`kvoffload.ipc`.
 
-Usage: ``python -m kvoffload.workers.janitor <arena name> <nonce hex> <engine pid> <engine start time>``
+Usage: ``python -m kvoffload.workers.janitor <arena name> <nonce hex> <owner pid> <owner start time>``
 """
 
 from __future__ import annotations
@@ -22,15 +22,13 @@ import os
 import sys
 import time
 
-import psutil
-
-from kvoffload.ipc.arena import unlink_if_orphaned
-
 _POLL_S = 0.5
 _OWNER_WAIT_S = 60.0
 
 
 def _alive(pid: int, create_time: float) -> bool:
+    import psutil
+
     try:
         p = psutil.Process(pid)
         return abs(p.create_time() - create_time) < 1.0 and p.status() != psutil.STATUS_ZOMBIE
@@ -44,9 +42,20 @@ def _arena_present(name: str, nonce: bytes) -> bool:
     return any(a.name == name and a.nonce == nonce for a in list_arenas(name))
 
 
+def watch(name: str, nonce: bytes, pid: int, create_time: float) -> int:
+    from kvoffload.ipc.arena import unlink_if_orphaned
+
+    while _alive(pid, create_time):
+        time.sleep(_POLL_S)
+        if not _arena_present(name, nonce):
+            return 0
+    unlink_if_orphaned(name, nonce, wait_s=_OWNER_WAIT_S)
+    return 0
+
+
 def main(argv: list[str]) -> int:
     name, nonce_hex, pid, create_time = argv[0], argv[1], int(argv[2]), float(argv[3])
-    nonce = bytes.fromhex(nonce_hex)
+    # Detach before any heavy import, so the spawner returns at once.
     if os.fork() > 0:
         os._exit(0)  # the spawner reaps this parent; the child is re-parented away from the engine
     os.setsid()
@@ -57,12 +66,7 @@ def main(argv: list[str]) -> int:
         os.nice(19)
     except OSError:
         pass
-    while _alive(pid, create_time):
-        time.sleep(_POLL_S)
-        if not _arena_present(name, nonce):
-            return 0
-    unlink_if_orphaned(name, nonce, wait_s=_OWNER_WAIT_S)
-    return 0
+    return watch(name, bytes.fromhex(nonce_hex), pid, create_time)
 
 
 if __name__ == "__main__":

@@ -44,8 +44,25 @@ class FsTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True):
     o_direct: bool = False
 
     def validate(self) -> None:
+        """Static checks of ``root_dir`` (the tier re-checks by writing a file at start).
+
+        Raises:
+            ValueError: ``"<key>: <why>"``.
+        """
         if not self.root_dir:
             raise ValueError("root_dir: must be a directory path")
+        path = os.path.abspath(self.root_dir)
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise ValueError(f"root_dir: {self.root_dir!r} exists and is not a directory")
+        probe = path
+        while not os.path.exists(probe):
+            probe = os.path.dirname(probe)
+        if not os.access(probe, os.W_OK | os.X_OK):
+            raise ValueError(f"root_dir: {probe!r} is not writable")
+        if os.statvfs(probe).f_flag & os.ST_RDONLY:
+            raise ValueError(f"root_dir: {probe!r} is on a read-only filesystem")
+        if os.path.realpath(probe).startswith(("/proc", "/sys")):
+            raise ValueError(f"root_dir: {self.root_dir!r} is on a pseudo filesystem")
 
 
 class FsTier(ProcessTierManager):

@@ -41,7 +41,7 @@ CODE_NAMES = {
 }
 
 
-class StoreTask(msgspec.Struct, tag="store", array_like=True):
+class StoreTask(msgspec.Struct, tag="store", array_like=True, gc=False):
     """Copy arena rows ``slots[i]`` to the tier under ``keys[i]``."""
 
     task_id: int
@@ -49,7 +49,7 @@ class StoreTask(msgspec.Struct, tag="store", array_like=True):
     keys: list[bytes]
 
 
-class LoadTask(msgspec.Struct, tag="load", array_like=True):
+class LoadTask(msgspec.Struct, tag="load", array_like=True, gc=False):
     """Copy the tier's chunk ``keys[i]`` into arena row ``slots[i]``, verified."""
 
     task_id: int
@@ -57,21 +57,21 @@ class LoadTask(msgspec.Struct, tag="load", array_like=True):
     keys: list[bytes]
 
 
-class ProbeTask(msgspec.Struct, tag="probe", array_like=True):
+class ProbeTask(msgspec.Struct, tag="probe", array_like=True, gc=False):
     """Report whether each of ``keys`` exists in the tier (``OK`` present, ``MISSING`` absent)."""
 
     task_id: int
     keys: list[bytes]
 
 
-class DeleteTask(msgspec.Struct, tag="delete", array_like=True):
+class DeleteTask(msgspec.Struct, tag="delete", array_like=True, gc=False):
     """Remove ``keys`` from the tier (eviction). Missing keys are not an error."""
 
     task_id: int
     keys: list[bytes]
 
 
-class ScanTask(msgspec.Struct, tag="scan", array_like=True):
+class ScanTask(msgspec.Struct, tag="scan", array_like=True, gc=False):
     """Remove orphaned temporary files of dead writers and, with ``list_entries``, list the tier's
     chunks of this namespace (for capacity accounting) in ``TaskResult.entries``."""
 
@@ -79,7 +79,7 @@ class ScanTask(msgspec.Struct, tag="scan", array_like=True):
     list_entries: bool = True
 
 
-class StopTask(msgspec.Struct, tag="stop", array_like=True):
+class StopTask(msgspec.Struct, tag="stop", array_like=True, gc=False):
     """The engine is shutting down this worker: exit now (no result)."""
 
     task_id: int = 0
@@ -88,14 +88,14 @@ class StopTask(msgspec.Struct, tag="stop", array_like=True):
 Task = StoreTask | LoadTask | ProbeTask | DeleteTask | ScanTask | StopTask
 
 
-class Hello(msgspec.Struct, tag="hello", array_like=True):
+class Hello(msgspec.Struct, tag="hello", array_like=True, gc=False):
     """First message of a worker on its jobs socket: it is ready for tasks."""
 
     worker_id: int
     pid: int
 
 
-class TaskResult(msgspec.Struct, tag="result", array_like=True):
+class TaskResult(msgspec.Struct, tag="result", array_like=True, gc=False):
     """Outcome of one task.
 
     Attributes:

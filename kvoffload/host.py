@@ -199,6 +199,20 @@ class HostTier:
             if slot is not None:
                 self.unpin_slot(slot)
 
+    def unpin_slots(self, slots: Iterable[int]) -> None:
+        """Drop one pin of each slot (batch form of :meth:`unpin_slot`)."""
+        refs, state, policy = self.refs, self.state, self.policy
+        for slot in slots:
+            r = refs[slot]
+            if r <= 0:
+                continue
+            refs[slot] = r - 1
+            if r == 1:
+                self.num_pinned -= 1
+                if state[slot] == READY:
+                    self.num_evictable += 1
+                    policy.make_evictable(slot)
+
     def unpin_slot(self, slot: int) -> None:
         refs = self.refs
         if refs[slot] <= 0:

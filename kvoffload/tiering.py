@@ -295,8 +295,7 @@ class TieringManager:
                                   res.job_id, len(ok), len(meta.keys), res.transfer_bytes / 1e6,
                                   res.transfer_seconds * 1e3)
                 else:
-                    for slot in meta.slots:
-                        host.unpin_slot(slot)
+                    host.unpin_slots(meta.slots)
                     if res.success:
                         stats.cascaded[tier.name] += len(meta.keys)
                     else:

@@ -98,6 +98,7 @@ class WorkerPool:
         self.on_event = on_event or (lambda what: None)
         self.queue: deque[PoolTask] = deque()
         self.workers: dict[bytes, _WorkerProc] = {}
+        self._by_wid: dict[int, _WorkerProc] = {}
         self._next_wid = 0
         self._failed_starts = 0
         self._broken_since: float | None = None
@@ -123,7 +124,7 @@ class WorkerPool:
             [sys.executable, "-m", "kvoffload.workers.main"],
             env=env, stdin=subprocess.DEVNULL, close_fds=True,
         )
-        self.workers[identity] = _WorkerProc(wid, identity, proc)
+        self.workers[identity] = self._by_wid[wid] = _WorkerProc(wid, identity, proc)
         self.awaiting_hello += 1
         self._last_start = time.monotonic()
 
@@ -152,39 +153,41 @@ class WorkerPool:
         self.dispatch()
 
     def dispatch(self) -> None:
+        """Send queued tasks, each to the ready worker holding the fewest."""
         queue = self.queue
         if not queue:
             return
-        for w in sorted(self.workers.values(), key=lambda w: len(w.inflight)):
-            if not w.ready or w.killed:
-                continue
-            while queue and len(w.inflight) < self.max_inflight:
-                task = queue.popleft()
-                if not self.channels.send_task(self.kind, w.identity, task.payload):
-                    queue.appendleft(task)
-                    break
-                task.attempt += 1
-                task.worker = w
-                task.deadline = time.monotonic() + (task.timeout_s or self.task_timeout_s)
-                w.inflight[task.task_id] = task
-                self.inflight_count += 1
-            if not queue:
+        ready = [w for w in self.workers.values() if w.ready and not w.killed]
+        limit = self.max_inflight
+        now = time.monotonic()
+        send = self.channels.send_task
+        while queue and ready:
+            w = min(ready, key=lambda w: len(w.inflight))
+            if len(w.inflight) >= limit:
                 return
+            task = queue.popleft()
+            if not send(self.kind, w.identity, task.payload):
+                queue.appendleft(task)
+                ready.remove(w)
+                continue
+            task.attempt += 1
+            task.worker = w
+            task.deadline = now + (task.timeout_s or self.task_timeout_s)
+            w.inflight[task.task_id] = task
+            self.inflight_count += 1
 
-    def take(self, task_id: int, identity_wid: int) -> PoolTask | None:
+    def take(self, task_id: int, wid: int) -> PoolTask | None:
         """Claim the task a result answers. None when the result is stale (the task was already
         failed, re-run elsewhere, or belongs to a killed worker)."""
-        for w in self.workers.values():
-            if w.wid == identity_wid:
-                if w.killed:
-                    return None
-                task = w.inflight.pop(task_id, None)
-                if task is not None:
-                    self.inflight_count -= 1
-                    if self.queue:
-                        self.dispatch()
-                return task
-        return None
+        w = self._by_wid.get(wid)
+        if w is None or w.killed:
+            return None
+        task = w.inflight.pop(task_id, None)
+        if task is not None:
+            self.inflight_count -= 1
+            if self.queue:
+                self.dispatch()
+        return task
 
     def busy(self) -> bool:
         return bool(self.queue) or self.inflight_count > 0
@@ -195,6 +198,7 @@ class WorkerPool:
         for identity, w in list(self.workers.items()):
             if w.proc.poll() is not None:
                 del self.workers[identity]
+                del self._by_wid[w.wid]
                 if not w.ready:
                     self.awaiting_hello -= 1
                     self._failed_starts += 1
@@ -275,6 +279,7 @@ class WorkerPool:
                 w.proc.kill()  # busy in a task past the deadline
                 w.proc.wait()
         self.workers.clear()
+        self._by_wid.clear()
         self.inflight_count = 0
         return leftover
 

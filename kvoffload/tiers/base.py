@@ -33,7 +33,7 @@ class LookupResult(enum.Enum):
     RETRY = 3  # unknown yet (an existence probe is in flight): ask again next step
 
 
-class JobMetadata(msgspec.Struct, kw_only=True):
+class JobMetadata(msgspec.Struct, kw_only=True, gc=False):
     """A transfer between host slots and a tier.
 
     Attributes:
@@ -51,7 +51,7 @@ class JobMetadata(msgspec.Struct, kw_only=True):
     req_id: str = ""
 
 
-class JobResult(msgspec.Struct, kw_only=True):
+class JobResult(msgspec.Struct, kw_only=True, gc=False):
     """The one result of a submitted job.
 
     Attributes:
@@ -77,7 +77,7 @@ class JobResult(msgspec.Struct, kw_only=True):
     status: dict[bytes, int] = {}
 
 
-class TierEvent(msgspec.Struct, array_like=True):
+class TierEvent(msgspec.Struct, array_like=True, gc=False):
     """A change of what a tier holds: ``keys`` were stored (``removed=False``) or removed."""
 
     keys: list[bytes]

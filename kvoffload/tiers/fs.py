@@ -177,13 +177,15 @@ class FsTier(ProcessTierManager):
             self._send(self._writers, _TaskRec("delete", None, batch, self._writers),
                        m.DeleteTask(tid, batch))
 
-    def _on_store_done(self, key: bytes, ok: bool) -> None:
-        if self._index is None:
+    def _on_stores_done(self, keys: list[bytes], failed: dict[bytes, int]) -> None:
+        index = self._index
+        if index is None:
             return
-        fb = self._reserved.pop(key, None)
-        if ok and key not in self._index:
-            self._index[key] = fb or self.file_bytes
-            self.used_bytes += self._index[key]
+        for key in keys:
+            fb = self._reserved.pop(key, None)
+            if key not in failed and key not in index:
+                index[key] = fb or self.file_bytes
+                self.used_bytes += index[key]
 
     def submit_load(self, job) -> None:
         if self._index is not None:
@@ -191,21 +193,24 @@ class FsTier(ProcessTierManager):
                 self._loading[k] = self._loading.get(k, 0) + 1
         super().submit_load(job)
 
-    def _on_load_done(self, key: bytes, code: int) -> None:
-        if self._index is None:
+    def _on_loads_done(self, keys: list[bytes], failed: dict[bytes, int]) -> None:
+        index = self._index
+        if index is None:
             return
-        n = self._loading.get(key, 0) - 1
-        if n > 0:
-            self._loading[key] = n
-        else:
-            self._loading.pop(key, None)
-        if code == m.OK:
-            # A successful read does not prove the file is still there (it may have been removed
-            # while open), so only refresh keys already counted.
-            if key in self._index:
-                self._index.move_to_end(key)
-        elif code in (m.MISSING, m.CORRUPT) and key in self._index:
-            self.used_bytes -= self._index.pop(key)
+        for key in keys:
+            n = self._loading.get(key, 0) - 1
+            if n > 0:
+                self._loading[key] = n
+            else:
+                self._loading.pop(key, None)
+            code = failed.get(key, m.OK)
+            if code == m.OK:
+                # A successful read does not prove the file is still there (it may have been
+                # removed while open), so only refresh keys already counted.
+                if key in index:
+                    index.move_to_end(key)
+            elif code in (m.MISSING, m.CORRUPT) and key in index:
+                self.used_bytes -= index.pop(key)
 
     def _on_scan(self, entries: list[tuple[bytes, int, float]]) -> None:
         index = self._index

@@ -47,7 +47,8 @@ class ProcessTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
         write_workers: writer processes (stores, deletes, scans).
         job_timeout_s: a task unanswered this long kills its worker and fails (seconds).
         max_inflight_per_worker: tasks queued inside one worker at a time.
-        chunks_per_task: chunks per task a job is split into.
+        chunks_per_task: chunks per task a job is split into; None (default) sizes tasks to about
+            8 MiB (between 1 and 64 chunks), so small chunks do not pay one message each.
         max_pending_store_chunks: chunks of stores in flight beyond which new stores are dropped
             (and counted) instead of pinning more host slots.
         negative_ttl_s: how long a "not found" probe verdict is trusted (seconds).
@@ -60,8 +61,8 @@ class ProcessTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     read_workers: Positive = 2
     write_workers: Positive = 2
     job_timeout_s: PositiveFloat = 30.0
-    max_inflight_per_worker: Positive = 4
-    chunks_per_task: Positive = 8
+    max_inflight_per_worker: Positive = 8
+    chunks_per_task: Positive | None = None
     max_pending_store_chunks: Positive = 4096
     negative_ttl_s: Annotated[float, msgspec.Meta(ge=0)] = 2.0
     failed_load_ttl_s: Annotated[float, msgspec.Meta(ge=0)] = 60.0
@@ -119,6 +120,7 @@ class ProcessTierManager(SecondaryTierManager):
         self.arena = arena
         self.row_bytes = arena_view.strides[0]
         cfg = config
+        self.chunks_per_task = cfg.chunks_per_task or max(1, min(64, (8 << 20) // self.row_bytes))
         self._present: OrderedDict[bytes, None] = OrderedDict()
         self._absent: dict[bytes, float] = {}
         self._probing: set[bytes] = set()
@@ -155,11 +157,11 @@ class ProcessTierManager(SecondaryTierManager):
         """Which positions of ``keys`` to write; the rest fail with the returned codes."""
         return list(range(len(keys))), {}
 
-    def _on_store_done(self, key: bytes, ok: bool) -> None:
-        pass
+    def _on_stores_done(self, keys: list[bytes], failed: dict[bytes, int]) -> None:
+        """A store job finished: ``failed`` maps the keys that failed to their codes."""
 
-    def _on_load_done(self, key: bytes, code: int) -> None:
-        pass
+    def _on_loads_done(self, keys: list[bytes], failed: dict[bytes, int]) -> None:
+        """A load job finished: ``failed`` maps the keys that failed to their codes."""
 
     def _on_scan(self, entries: list[tuple[bytes, int, float]]) -> None:
         pass
@@ -195,12 +197,19 @@ class ProcessTierManager(SecondaryTierManager):
     # -- verdicts -------------------------------------------------------------------------------
 
     def _mark_present(self, key: bytes) -> None:
-        present = self._present
-        present[key] = None
-        present.move_to_end(key)
-        if len(present) > self.config.lookup_cache_entries:
+        self._mark_present_many((key,))
+
+    def _mark_present_many(self, keys) -> None:
+        present, absent = self._present, self._absent
+        for key in keys:
+            if key in present:
+                present.move_to_end(key)
+            else:
+                present[key] = None
+            if absent:
+                absent.pop(key, None)
+        while len(present) > self.config.lookup_cache_entries:
             present.popitem(last=False)
-        self._absent.pop(key, None)
 
     def _mark_absent(self, key: bytes, ttl: float) -> None:
         self._present.pop(key, None)
@@ -265,7 +274,7 @@ class ProcessTierManager(SecondaryTierManager):
     def _dispatch(self, job: _Job, positions: list[int], pool: WorkerPool, task_type, kind: str) -> None:
         self._job_count += 1
         keys, slots = job.meta.keys, job.meta.slots
-        step = self.config.chunks_per_task
+        step = self.chunks_per_task
         for start in range(0, len(positions), step):
             part = positions[start:start + step]
             tkeys = [keys[i] for i in part]
@@ -282,27 +291,20 @@ class ProcessTierManager(SecondaryTierManager):
         self._job_count -= 1
         meta = job.meta
         failed = job.failed
+        ok_keys = [k for k in meta.keys if k not in failed] if failed else meta.keys
+        self._mark_present_many(ok_keys)
         if job.is_load:
-            for k in meta.keys:
-                code = failed.get(k, m.OK)
-                self._on_load_done(k, code)
-                if code == m.OK:
-                    self._mark_present(k)
-                else:
-                    self._mark_absent(k, self.config.failed_load_ttl_s)
-            self.count("load_chunks", len(meta.keys) - len(failed))
+            self._on_loads_done(meta.keys, failed)
+            for k in failed:
+                self._mark_absent(k, self.config.failed_load_ttl_s)
+            self.count("load_chunks", len(ok_keys))
             if failed:
                 self.count("load_failures", len(failed))
         else:
-            stored = [k for k in meta.keys if k not in failed]
-            for k in meta.keys:
-                ok = k not in failed
-                self._on_store_done(k, ok)
-                if ok:
-                    self._mark_present(k)
-            if stored and self.record_events:
-                self._events.append(TierEvent(stored, False))
-            self.count("store_chunks", len(stored))
+            self._on_stores_done(meta.keys, failed)
+            if ok_keys and self.record_events:
+                self._events.append(TierEvent(list(ok_keys), False))
+            self.count("store_chunks", len(ok_keys))
             if failed:
                 self.count("store_failures", len(failed))
         for code in failed.values():
@@ -335,11 +337,12 @@ class ProcessTierManager(SecondaryTierManager):
             return
         if rec.kind in ("store", "load"):
             job = rec.job
-            for i, (key, code) in enumerate(zip(rec.keys, codes)):
-                if code != m.OK:
-                    job.failed[key] = code
-                    if i < len(status) and status[i]:
-                        job.status[key] = status[i]
+            if any(codes):
+                for i, (key, code) in enumerate(zip(rec.keys, codes)):
+                    if code != m.OK:
+                        job.failed[key] = code
+                        if i < len(status) and status[i]:
+                            job.status[key] = status[i]
             job.nbytes += nbytes
             if rec.kind == "store":
                 self._pending_store_chunks -= len(rec.keys)

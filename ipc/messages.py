@@ -185,6 +185,7 @@ class WorkerSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     results_endpoint: str
     parent_pid: int
     nice: int = 10
+    io_threads: int = 1
     io_module: str
     io_config: dict = {}
     faults: list[Fault] = []

@@ -80,12 +80,12 @@ def _fio(path: str, rw: str, bs: int, size: int) -> float:
 # -- tier throughput ----------------------------------------------------------------------------
 
 def tier_throughput(chunk_bytes: int, total_bytes: int, workdir: Path, reps: int, readers: int,
-                    writers: int) -> dict:
+                    writers: int, direct_io: str = "both", io_threads: int = 8) -> dict:
     n = total_bytes // chunk_bytes
     root = workdir / "fs"
     cfg = parse_config({"cpu_bytes_to_use": n * chunk_bytes, "secondary_tiers": [
         {"type": "fs", "root_dir": str(root), "read_workers": readers, "write_workers": writers,
-         "max_pending_store_chunks": n + 1, "chunks_per_task": max(1, (8 << 20) // chunk_bytes)}]})
+         "max_pending_store_chunks": n + 1, "direct_io": direct_io, "io_threads": io_threads}]})
     arena = Arena.create(_arena_name("tier"), n, chunk_bytes)
     rng = np.random.default_rng(0)
     base = rng.integers(0, 256, chunk_bytes, dtype=np.uint8)
@@ -350,9 +350,12 @@ def _header() -> None:
 @click.option("--reps", default=3, show_default=True)
 @click.option("--readers", default=2, show_default=True)
 @click.option("--writers", default=2, show_default=True)
+@click.option("--direct-io", default="both", show_default=True,
+              type=click.Choice(["none", "writes", "reads", "both"]))
+@click.option("--io-threads", default=8, show_default=True)
 @click.option("--dir", "workdir", default=None, help="Directory on the disk to measure (default: a "
               "new directory under the current one).")
-def bench_tier(chunk_kib, total_mib, reps, readers, writers, workdir) -> None:
+def bench_tier(chunk_kib, total_mib, reps, readers, writers, direct_io, io_threads, workdir) -> None:
     """host ↔ fs store/load GB/s against fio on the same disk (needs fio and root for drop_caches)."""
     if shutil.which("fio") is None:
         raise click.ClickException("fio is not installed (apt-get install fio)")
@@ -362,7 +365,8 @@ def bench_tier(chunk_kib, total_mib, reps, readers, writers, workdir) -> None:
                "load / raw |\n|---|---|---|---|---|---|---|")
     try:
         for kib in chunk_kib:
-            r = tier_throughput(kib << 10, total_mib << 20, wd, reps, readers, writers)
+            r = tier_throughput(kib << 10, total_mib << 20, wd, reps, readers, writers, direct_io,
+                                io_threads)
             click.echo(f"| {kib} KiB | {r['raw_write']:.2f} | {r['store']:.2f} | "
                        f"{r['store_ratio']:.2f}x | {r['raw_read']:.2f} | {r['load']:.2f} | "
                        f"{r['load_ratio']:.2f}x |")

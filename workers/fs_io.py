@@ -21,6 +21,7 @@ import errno
 import itertools
 import mmap
 import os
+import threading
 import time
 
 import msgspec
@@ -42,14 +43,16 @@ class FsIOConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         namespace_id: hex id of the namespace (its directory name).
         row_bytes: payload bytes per chunk (one arena row).
         fsync: fsync each chunk file and its directory before the chunk counts as stored.
-        o_direct: read payloads with O_DIRECT where the filesystem supports it.
+        direct_io: which transfers bypass the page cache with O_DIRECT (where the filesystem
+            supports it; otherwise they fall back to buffered I/O): ``none``, ``writes``, ``reads``
+            or ``both``.
     """
 
     root_dir: str
     namespace_id: str
     row_bytes: int
     fsync: bool = False
-    o_direct: bool = False
+    direct_io: str = "both"
 
 
 class FsIO:
@@ -62,9 +65,16 @@ class FsIO:
         self._dirs: set[str] = set()
         self._tmp_counter = itertools.count()
         self._pid = os.getpid()
-        # Page-aligned scratch for headers (O_DIRECT needs aligned buffers).
-        self._hbuf = mmap.mmap(-1, cf.HEADER_BYTES)
-        self._direct_ok = config.o_direct
+        # Page-aligned scratch for headers (O_DIRECT needs aligned buffers), one per I/O thread.
+        self._local = threading.local()
+        self._direct_reads = config.direct_io in ("reads", "both")
+        self._direct_writes = config.direct_io in ("writes", "both")
+
+    def _scratch(self) -> mmap.mmap:
+        buf = getattr(self._local, "buf", None)
+        if buf is None:
+            buf = self._local.buf = mmap.mmap(-1, cf.HEADER_BYTES)
+        return buf
 
     def path(self, key: bytes) -> str:
         return os.path.join(self.ns_dir, cf.relative_name(key))
@@ -85,9 +95,11 @@ class FsIO:
                 os.makedirs(d, exist_ok=True)
                 self._dirs.add(d)
             tmp = os.path.join(d, f".{key.hex()}.{self._pid}.{next(self._tmp_counter)}{cf.TMP_SUFFIX}")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = self._open_for_write(tmp)
             try:
-                _write_all(fd, [header, src])
+                hbuf = self._scratch()
+                hbuf[:] = header  # aligned copy: O_DIRECT needs aligned buffers
+                _write_all(fd, [hbuf, src])
                 if self.cfg.fsync:
                     os.fsync(fd)
             finally:
@@ -129,12 +141,13 @@ class FsIO:
             if size != self.file_bytes:
                 self._remove_corrupt(path, fd)
                 return m.CORRUPT, 0, f"{key.hex()[:16]}: size {size}, expected {self.file_bytes}"
-            n = os.preadv(fd, [self._hbuf], 0)
+            hbuf = self._scratch()
+            n = os.preadv(fd, [hbuf], 0)
             if n != cf.HEADER_BYTES:
                 self._remove_corrupt(path, fd)
                 return m.CORRUPT, 0, f"{key.hex()[:16]}: short header"
             try:
-                checksum = cf.parse_header(self._hbuf[:], self.ns_bytes, key, self.cfg.row_bytes)
+                checksum = cf.parse_header(hbuf[:], self.ns_bytes, key, self.cfg.row_bytes)
             except cf.ChunkFormatError as e:
                 self._remove_corrupt(path, fd)
                 return m.CORRUPT, 0, f"{key.hex()[:16]}: {e}"
@@ -154,14 +167,25 @@ class FsIO:
             os.close(fd)
 
     def _open_for_read(self, path: str) -> int:
-        if self._direct_ok:
+        if self._direct_reads:
             try:
                 return os.open(path, os.O_RDONLY | os.O_DIRECT)
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
-                self._direct_ok = False  # this filesystem refuses O_DIRECT
+                self._direct_reads = False  # this filesystem refuses O_DIRECT
         return os.open(path, os.O_RDONLY)
+
+    def _open_for_write(self, path: str) -> int:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        if self._direct_writes:
+            try:
+                return os.open(path, flags | os.O_DIRECT, 0o644)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self._direct_writes = False  # this filesystem refuses O_DIRECT
+        return os.open(path, flags, 0o644)
 
     @staticmethod
     def _remove_corrupt(path: str, fd: int) -> None:

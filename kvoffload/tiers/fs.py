@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Literal
 
 from kvoffload.config import Positive
 from kvoffload.ipc import messages as m
@@ -35,13 +35,16 @@ class FsTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True):
         max_bytes: cap on this namespace's file bytes; LRU chunks are deleted to stay under it.
             None (default): no cap.
         fsync: fsync every chunk file and directory before reporting it stored.
-        o_direct: read payloads with O_DIRECT where the filesystem supports it.
+        direct_io: transfers that bypass the page cache with O_DIRECT: ``both`` (default: chunks
+            stream between the arena and the disk without page-cache copies or dirty-page
+            throttling; the host tier is the cache), ``writes``, ``reads`` or ``none``. Falls back
+            to buffered I/O where the filesystem refuses O_DIRECT (tmpfs).
     """
 
     root_dir: str
     max_bytes: Positive | None = None
     fsync: bool = False
-    o_direct: bool = False
+    direct_io: Literal["none", "writes", "reads", "both"] = "both"
 
     def validate(self) -> None:
         """Static checks of ``root_dir`` (the tier re-checks by writing a file at start).
@@ -103,7 +106,7 @@ class FsTier(ProcessTierManager):
     def io_config(self) -> dict:
         c = self.config
         return {"root_dir": c.root_dir, "namespace_id": self.ns_id, "row_bytes": self.row_bytes,
-                "fsync": c.fsync, "o_direct": c.o_direct}
+                "fsync": c.fsync, "direct_io": c.direct_io}
 
     def _write_namespace_config(self) -> None:
         try:

@@ -54,6 +54,7 @@ class ProcessTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
         negative_ttl_s: how long a "not found" probe verdict is trusted (seconds).
         failed_load_ttl_s: how long a key whose load failed answers MISS (seconds).
         lookup_cache_entries: bound on remembered "present" verdicts.
+        io_threads: chunks of one task each worker moves at once (threads inside the worker).
         worker_nice: niceness added to worker processes (0-19).
         faults: fault injection for tests and ``kvoffload stress`` (see ``Fault``).
     """
@@ -67,6 +68,7 @@ class ProcessTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     negative_ttl_s: Annotated[float, msgspec.Meta(ge=0)] = 2.0
     failed_load_ttl_s: Annotated[float, msgspec.Meta(ge=0)] = 60.0
     lookup_cache_entries: Positive = 1_000_000
+    io_threads: Annotated[int, msgspec.Meta(ge=1, le=64)] = 8
     worker_nice: Annotated[int, msgspec.Meta(ge=0, le=19)] = 10
     faults: list[m.Fault] = []
 
@@ -175,7 +177,8 @@ class ProcessTierManager(SecondaryTierManager):
             tier_name=self.name, worker_id=wid, identity=identity, kind=kind,
             arena_name=self.arena.name, arena_nonce=self.arena.nonce,
             jobs_endpoint=self._chans.endpoints[kind], results_endpoint=self._chans.endpoints["results"],
-            parent_pid=os.getpid(), nice=self.config.worker_nice, io_module=self.io_module,
+            parent_pid=os.getpid(), nice=self.config.worker_nice,
+            io_threads=self.config.io_threads, io_module=self.io_module,
             io_config=self.io_config(), faults=list(self.config.faults),
         )
 

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from kvoffload.config import Positive
 from kvoffload.ipc import messages as m
-from kvoffload.tiers.process import ProcessTierConfig, ProcessTierManager, _TaskRec
+from kvoffload.tiers.process import ProcessTierConfig, ProcessTierManager
 from kvoffload.tiers.base import TierEvent
 from kvoffload.workers import chunkfile as cf
 
@@ -100,7 +100,7 @@ class FsTier(ProcessTierManager):
         self.start()
         # Clean up temporary files of writers that died; with a cap, also adopt existing chunks.
         tid = self._next_task_id()
-        self._send(self._writers, _TaskRec("scan", None, [], self._writers),
+        self._send(self._writers, "scan", None, [],
                    m.ScanTask(tid, list_entries=self._index is not None), timeout_s=_SCAN_TIMEOUT_S)
 
     def io_config(self) -> dict:
@@ -177,8 +177,7 @@ class FsTier(ProcessTierManager):
         for start in range(0, len(keys), 256):
             batch = keys[start:start + 256]
             tid = self._next_task_id()
-            self._send(self._writers, _TaskRec("delete", None, batch, self._writers),
-                       m.DeleteTask(tid, batch))
+            self._send(self._writers, "delete", None, batch, m.DeleteTask(tid, batch))
 
     def _on_stores_done(self, keys: list[bytes], failed: dict[bytes, int]) -> None:
         index = self._index

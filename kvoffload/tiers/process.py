@@ -19,6 +19,7 @@ so a request never spins on a chunk that cannot be read (CASES C07).
 
 from __future__ import annotations
 
+import os
 import time
 from abc import abstractmethod
 from collections import OrderedDict
@@ -87,13 +88,12 @@ class _Job:
 
 
 class _TaskRec:
-    __slots__ = ("kind", "job", "keys", "pool")
+    __slots__ = ("kind", "job", "keys")
 
-    def __init__(self, kind: str, job: _Job | None, keys: list[bytes], pool: WorkerPool):
+    def __init__(self, kind: str, job: _Job | None, keys: list[bytes]):
         self.kind = kind
         self.job = job
         self.keys = keys
-        self.pool = pool
 
 
 def summarize(codes: Iterable[int]) -> str:
@@ -171,8 +171,6 @@ class ProcessTierManager(SecondaryTierManager):
     # -- plumbing ---------------------------------------------------------------------------------
 
     def _spec(self, wid: int, identity: bytes, kind: str) -> m.WorkerSpec:
-        import os
-
         return m.WorkerSpec(
             tier_name=self.name, worker_id=wid, identity=identity, kind=kind,
             arena_name=self.arena.name, arena_nonce=self.arena.nonce,
@@ -189,9 +187,9 @@ class ProcessTierManager(SecondaryTierManager):
         self._task_ids += 1
         return self._task_ids
 
-    def _send(self, pool: WorkerPool, rec: _TaskRec, msg: msgspec.Struct,
-              timeout_s: float | None = None) -> None:
-        pool.submit(PoolTask(msg.task_id, m.encode(msg), rec, timeout_s))
+    def _send(self, pool: WorkerPool, kind: str, job: _Job | None, keys: list[bytes],
+              msg: msgspec.Struct, timeout_s: float | None = None) -> None:
+        pool.submit(PoolTask(msg.task_id, m.encode(msg), _TaskRec(kind, job, keys), timeout_s))
 
     def worker_pids(self) -> dict[str, list[int]]:
         """PIDs of the live worker processes, by kind."""
@@ -246,8 +244,7 @@ class ProcessTierManager(SecondaryTierManager):
         while queue:
             batch, queue[:] = queue[:_PROBE_BATCH], queue[_PROBE_BATCH:]
             tid = self._next_task_id()
-            self._send(self._readers, _TaskRec("probe", None, batch, self._readers),
-                       m.ProbeTask(tid, batch))
+            self._send(self._readers, "probe", None, batch, m.ProbeTask(tid, batch))
 
     # -- jobs -----------------------------------------------------------------------------------
 
@@ -285,8 +282,7 @@ class ProcessTierManager(SecondaryTierManager):
             job.pending += 1
             if kind == "store":
                 self._pending_store_chunks += len(tkeys)
-            self._send(pool, _TaskRec(kind, job, tkeys, pool),
-                       task_type(tid, [int(slots[i]) for i in part], tkeys))
+            self._send(pool, kind, job, tkeys, task_type(tid, [int(slots[i]) for i in part], tkeys))
         if job.pending == 0:
             self._finish(job)
 

@@ -81,6 +81,14 @@ class Rig:
     def fs(self):
         return self.tm.tiers[0]
 
+    def wait_workers_ready(self, timeout_s: float = 20.0) -> None:
+        """Until every worker process of the first tier has said hello."""
+        deadline = time.monotonic() + timeout_s
+        while any(p.awaiting_hello for p in self.fs._pools):
+            assert time.monotonic() < deadline, "tier workers did not start"
+            self.tm.poll()
+            time.sleep(0.01)
+
     def store(self, keys, fill=None, wait: bool = True) -> list[bytes]:
         """Accelerator → host store of ``keys`` with their payloads, then write-through."""
         plan = self.tm.prepare_store(list(keys))

@@ -412,6 +412,7 @@ def test_worker_processes_import_no_torch_run_at_lower_priority_and_exit_with_th
 
     with Rig([fs_tier(tmp_path)], num_slots=2) as rig:
         rig.store(keys_for(1))
+        rig.wait_workers_ready()
         me = psutil.Process()
         for pid in (p for ps in rig.fs.worker_pids().values() for p in ps):
             with open(f"/proc/{pid}/maps") as f:

@@ -148,14 +148,14 @@ def decode_reply(data: bytes) -> Hello | TaskResult:
 
 
 class Fault(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """A fault to inject at a named point of a tier worker (tests and ``kvoffload stress``).
+    """A fault to inject at a named point of a tier worker (tests).
 
     Attributes:
         point: where: ``task`` (any task, before any work), ``store`` / ``load`` / ``probe`` /
-            ``delete`` / ``scan`` (a task of that kind, before any work), ``before_read_slot`` (store, before the arena
-            is read), ``before_publish`` (store, before the atomic rename), ``after_metadata_before_read``
-            (load, after the header was checked), ``read_payload`` (load, the payload read),
-            ``probe``.
+            ``delete`` / ``scan`` (a task of that kind, before any work), ``before_read_slot``
+            (store, before the arena is read), ``before_publish`` (store, before the atomic
+            rename), ``after_metadata_before_read`` (load, after the header was checked),
+            ``read_payload`` (load, the payload read), ``probe_key`` (each key of a probe).
         action: ``sleep`` (``arg`` seconds), ``raise`` (OSError with errno ``arg``, e.g. 5 = EIO),
             ``drop`` (never answer the task), ``exit`` (the worker process exits at once),
             ``wait_file`` (block until the file ``arg`` exists, at most 120 s).

@@ -173,7 +173,7 @@ class HostTier:
             KeyError: a key is not present and READY.
         """
         slots = []
-        index, state, refs = self.index, self.state, self.refs
+        index, state = self.index, self.state
         for k in keys:
             slot = index.get(k)
             if slot is None or state[slot] != READY:

@@ -264,7 +264,7 @@ class TieringManager:
         self._flush_promotions()
         host = self.host
         stats = self.stats
-        for i, tier in enumerate(self.tiers):
+        for tier in self.tiers:
             tier.flush()
             for res in tier.get_finished_jobs():
                 job = self._jobs.pop(res.job_id, None)

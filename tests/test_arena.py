@@ -66,7 +66,7 @@ def test_bad_shape_rejected():
 
 def test_live_owner_name_is_busy_and_attach_checks_nonce():
     name = arena_name()
-    with Arena.create(name, 2, 4096) as a:
+    with Arena.create(name, 2, 4096):
         with pytest.raises(ArenaBusyError, match="live process"):
             Arena.create(name, 2, 4096)
         with pytest.raises(ArenaError, match="nonce"):

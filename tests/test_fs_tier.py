@@ -155,7 +155,7 @@ def test_c10_thousand_randomized_load_remove_races(tmp_path):
     with Rig([fs_tier(tmp_path, max_bytes=64 * (HEADER_BYTES + ROW))], num_slots=4) as rig:
         k = keys_for(1)[0]
         full, clean = 0, 0
-        for i in range(1000):
+        for _ in range(1000):
             if rig.tm.host.lookup(k) is not MISS:
                 rig.tm.host.remove([k])
             rig.store([k], wait=False)

@@ -12,8 +12,9 @@
 The workload: several conversations about generated maintenance logs (about 2,000 tokens each), run
 in rounds (forwards, then backwards); every turn re-sends the growing history with a short follow-up
 question, so the prefix is reusable if its KV survives. The device cache holds about two conversations
-and the small host tier about three, so most of the history is evicted between turns. Later configurations replay the reference's replies as history, so each
-sends exactly the prompts the reference sent. Tokens per tier come from vLLM's own counter
+and the small host tier about three, so most of the history is evicted between turns. Later
+configurations replay the reference's replies as history, so each sends exactly the prompts the
+reference sent. Tokens per tier come from vLLM's own counter
 ``vllm:prompt_tokens_cached_by_source`` (device, host, disk = the fs tier).
 """
 

@@ -199,7 +199,7 @@ class FsIO:
     # -- probe / delete / scan ---------------------------------------------------------------
 
     def probe(self, key: bytes) -> int:
-        self.faults.hit("probe", key)
+        self.faults.hit("probe_key", key)
         try:
             os.stat(self.path(key))
             return m.OK

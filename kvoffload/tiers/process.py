@@ -253,7 +253,7 @@ class ProcessTierManager(SecondaryTierManager):
 
     def submit_store(self, job: JobMetadata) -> None:
         rec_job = _Job(job, is_load=False)
-        keys, slots = job.keys, job.slots
+        keys = job.keys
         todo = [i for i, k in enumerate(keys) if k not in self._present]
         if len(todo) < len(keys):
             for k in keys:

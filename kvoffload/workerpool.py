@@ -182,9 +182,17 @@ class WorkerPool:
         w = self._by_wid.get(wid)
         if w is None or w.killed:
             return None
-        task = w.inflight.pop(task_id, None)
+        inflight = w.inflight
+        was_head = bool(inflight) and next(iter(inflight)) == task_id
+        task = inflight.pop(task_id, None)
         if task is not None:
             self.inflight_count -= 1
+            if was_head and inflight:
+                # A worker runs its tasks in order: the next one starts now, and its deadline
+                # counts from now rather than from when it was queued behind this one.
+                head = next(iter(inflight.values()))
+                head.deadline = max(head.deadline,
+                                    time.monotonic() + (head.timeout_s or self.task_timeout_s))
             if self.queue:
                 self.dispatch()
         return task
@@ -211,23 +219,26 @@ class WorkerPool:
                     log.warning("kvoffload tier %s: %s worker %d (pid %d) died with code %s; "
                                 "replacing it", self.tier_name, self.kind, w.wid, w.proc.pid,
                                 w.proc.returncode)
+                rerun = []
                 for task in w.inflight.values():
                     self.inflight_count -= 1
                     task.worker = None
                     if task.timed_out:
                         failed.append((task, m.TIMEOUT))
                     elif task.attempt < self.max_attempts:
-                        self.queue.appendleft(task)
+                        rerun.append(task)
                     else:
                         failed.append((task, m.WORKER_DIED))
+                self.queue.extendleft(reversed(rerun))  # first in line, in their original order
                 w.inflight.clear()
                 if not self._closed:
                     self.on_event("restart")
-            elif not w.killed:
-                hung = [t for t in w.inflight.values() if now > t.deadline]
-                if hung:
-                    for t in hung:
-                        t.timed_out = True
+            elif not w.killed and w.inflight:
+                # Only the task the worker is running (the oldest it holds) can be late; the ones
+                # queued behind it are re-run elsewhere when the worker is killed.
+                head = next(iter(w.inflight.values()))
+                if now > head.deadline:
+                    head.timed_out = True
                     log.warning("kvoffload tier %s: %s worker %d (pid %d) did not answer within "
                                 "%.1f s; killing it", self.tier_name, self.kind, w.wid, w.proc.pid,
                                 self.task_timeout_s)

@@ -281,6 +281,7 @@ def test_c06_hung_read_fails_within_the_deadline_and_other_loads_complete(tmp_pa
              num_slots=8) as rig:
         rig.store(keys)
         rig.evict_all()
+        rig.wait_workers_ready()
         t0 = time.monotonic()
         assert rig.tm.lookup(hung, "a") is PENDING
         rig.tm.step()
@@ -442,3 +443,22 @@ def test_worker_processes_import_no_torch_run_at_lower_priority_and_exit_with_th
     assert not any(psutil.pid_exists(x) and psutil.Process(x).status() != psutil.STATUS_ZOMBIE
                    for x in pids)
     assert not os.path.exists(f"/dev/shm/{name}"), "orphaned arena left behind"
+
+
+def test_tasks_queued_behind_a_hung_task_are_rerun_not_failed(tmp_path):
+    keys = keys_for(3)
+    hung = keys[0]
+    fault = {"point": "read_payload", "action": "sleep", "arg": 60, "key_hex": hung.hex()}
+    # One reader: the other loads queue behind the hung one in the same worker.
+    with Rig([fs_tier(tmp_path, read_workers=1, job_timeout_s=1.5, faults=[fault])],
+             num_slots=8) as rig:
+        rig.store(keys)
+        rig.evict_all()
+        rig.wait_workers_ready()
+        assert rig.tm.lookup(hung, "a") is PENDING
+        rig.tm.step()
+        time.sleep(0.1)
+        res = rig.resolve(keys[1:], timeout_s=15)
+        assert res == [HIT, HIT]  # re-run on the replacement worker, not failed with the hung one
+        assert rig.resolve([hung], timeout_s=15) == [MISS]
+        assert rig.fs.counters["job_timeouts"] == 1

@@ -196,6 +196,7 @@ def parse_config(extra_config: dict[str, Any]) -> OffloadConfig:
 
 BUILTIN_TIERS = {
     "fs": "kvoffload.tiers.fs:FsTier",
+    "obj": "kvoffload.tiers.obj:ObjTier",
     "memory": "kvoffload.tiers.memory:MemoryTier",
 }
 
@@ -260,8 +261,29 @@ def parse_tier_config(raw: dict[str, Any], where: str) -> tuple[str, type, msgsp
     return name, cls, config
 
 
+_SECRET_RE = re.compile(r"secret|token|password|credential", re.IGNORECASE)
+
+
+def _mask(obj: Any) -> Any:
+    """Copy of ``obj`` with secrets replaced (``***``) and access key ids shortened."""
+    if isinstance(obj, dict):
+        out = {}
+        for k, v in obj.items():
+            if isinstance(v, str) and v and _SECRET_RE.search(k):
+                out[k] = "***"
+            elif isinstance(v, str) and v and k == "access_key_id":
+                out[k] = v[:4] + "***"
+            else:
+                out[k] = _mask(v)
+        return out
+    if isinstance(obj, list):
+        return [_mask(v) for v in obj]
+    return obj
+
+
 def describe(cfg: OffloadConfig) -> str:
-    """One-line JSON of the effective configuration, tier defaults included (logged once at start)."""
+    """One-line JSON of the effective configuration, tier defaults included and secrets masked
+    (logged once at start)."""
     resolved = msgspec.to_builtins(cfg)
     tiers = []
     for i, raw in enumerate(cfg.secondary_tiers):
@@ -269,4 +291,4 @@ def describe(cfg: OffloadConfig) -> str:
         extra = {k: raw[k] for k in ("type", "module_path") if k in raw}
         tiers.append({**extra, "name": name, **msgspec.to_builtins(tier_cfg)})
     resolved["secondary_tiers"] = tiers
-    return msgspec.json.encode(resolved).decode()
+    return msgspec.json.encode(_mask(resolved)).decode()

@@ -96,7 +96,7 @@ class Worker:
             op = self.io.store if isinstance(task, m.StoreTask) else self.io.load
             rows = self.rows
 
-            def one(slot_key: tuple[int, bytes]) -> tuple[int, int, str]:
+            def one(slot_key: tuple[int, bytes]) -> tuple:
                 slot, key = slot_key
                 if not 0 <= slot < len(rows):
                     return m.REJECTED, 0, f"slot {slot} out of range"
@@ -110,10 +110,13 @@ class Worker:
                 outcomes = list(self.pool.map(one, pairs))
             else:
                 outcomes = [one(p) for p in pairs]
-            codes = [c for c, _, _ in outcomes]
-            nbytes = sum(n for _, n, _ in outcomes)
-            detail = next((why for _, _, why in outcomes if why), "")
-            return m.TaskResult(task.task_id, wid, codes, detail, nbytes, time.perf_counter() - t0)
+            # I/O modules answer (code, bytes, detail) or (code, bytes, detail, protocol status).
+            codes = [o[0] for o in outcomes]
+            nbytes = sum(o[1] for o in outcomes)
+            detail = next((o[2] for o in outcomes if o[2]), "")
+            status = [o[3] if len(o) > 3 else 0 for o in outcomes]
+            return m.TaskResult(task.task_id, wid, codes, detail, nbytes, time.perf_counter() - t0,
+                                status=status if any(status) else [])
         if isinstance(task, m.ProbeTask):
             codes = []
             for key in task.keys:

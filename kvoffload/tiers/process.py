@@ -19,6 +19,7 @@ so a request never spins on a chunk that cannot be read (CASES C07).
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from abc import abstractmethod
@@ -34,6 +35,8 @@ from kvoffload.ipc import messages as m
 from kvoffload.ipc.channels import LOADS, STORES, TierChannels
 from kvoffload.tiers.base import JobMetadata, JobResult, LookupResult, SecondaryTierManager, TierEvent
 from kvoffload.workerpool import PoolTask, WorkerPool
+
+log = logging.getLogger("kvoffload.tiers")
 
 _HIT, _MISS, _RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
 _CHECK_INTERVAL_S = 0.02
@@ -57,7 +60,13 @@ class ProcessTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
         lookup_cache_entries: bound on remembered "present" verdicts.
         io_threads: chunks of one task each worker moves at once (threads inside the worker).
         worker_nice: niceness added to worker processes (0-19).
-        faults: fault injection for tests and ``kvoffload stress`` (see ``Fault``).
+        breaker_failures: consecutive failed tasks (transport errors, 5xx, timeouts, dead workers)
+            that open the circuit breaker: lookups then answer MISS and stores are dropped (and
+            counted) for ``breaker_cooldown_s``, after which the next tasks probe the tier again.
+            None disables the breaker.
+        breaker_cooldown_s: how long the breaker stays open (seconds; doubles while the tier keeps
+            failing, up to 16 times).
+        faults: fault injection for tests (see ``Fault``).
     """
 
     read_workers: Positive = 2
@@ -71,6 +80,8 @@ class ProcessTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     lookup_cache_entries: Positive = 1_000_000
     io_threads: Annotated[int, msgspec.Meta(ge=1, le=64)] = 8
     worker_nice: Annotated[int, msgspec.Meta(ge=0, le=19)] = 10
+    breaker_failures: Positive | None = None
+    breaker_cooldown_s: PositiveFloat = 5.0
     faults: list[m.Fault] = []
 
 
@@ -134,6 +145,9 @@ class ProcessTierManager(SecondaryTierManager):
         self._pending_store_chunks = 0
         self._last_check = 0.0
         self._closed = False
+        self._failures = 0  # consecutive failed tasks
+        self._open_until = 0.0  # breaker open while monotonic() < this
+        self._open_count = 0  # consecutive openings (for the cooldown's back-off)
         self._ctx = zmq.Context(1)
         self._chans = TierChannels(self._ctx, name)
         common = dict(channels=self._chans, task_timeout_s=cfg.job_timeout_s,
@@ -224,9 +238,52 @@ class ProcessTierManager(SecondaryTierManager):
                     absent.clear()
             absent[key] = time.monotonic() + ttl
 
+    # -- circuit breaker --------------------------------------------------------------------------
+
+    @property
+    def breaker_state(self) -> str:
+        """``closed``, ``open`` or ``half_open`` (the cooldown passed; the next tasks decide)."""
+        if self._open_until == 0.0:
+            return "closed"
+        return "open" if time.monotonic() < self._open_until else "half_open"
+
+    def _breaker_open(self) -> bool:
+        return self._open_until != 0.0 and time.monotonic() < self._open_until
+
+    def _on_task_codes(self, codes: list[int], status: list[int]) -> None:
+        limit = self.config.breaker_failures
+        if limit is None or not codes:
+            return
+        failed = all(
+            c in (m.TIMEOUT, m.WORKER_DIED) or (c == m.IO_ERROR and (
+                i >= len(status) or status[i] == 0 or status[i] >= 500))
+            for i, c in enumerate(codes))
+        if not failed:
+            if self._open_until:
+                self.count("breaker_closes")
+            self._failures = 0
+            self._open_until = 0.0
+            self._open_count = 0
+            return
+        self._failures += 1
+        half_open = self._open_until != 0.0 and not self._breaker_open()
+        if self._failures >= limit or half_open:
+            cooldown = self.config.breaker_cooldown_s * (2 ** min(self._open_count, 4))
+            self._open_until = time.monotonic() + cooldown
+            self._open_count += 1
+            self.count("breaker_opens")
+            log.warning("kvoffload tier %s: %d failed tasks in a row; breaker open for %.1f s "
+                        "(lookups miss, stores are dropped)", self.name, self._failures, cooldown)
+
     def lookup(self, key: bytes, req_id: str = "") -> LookupResult:
         if key in self._present:
+            if self._open_until and self._breaker_open():
+                self.count("breaker_misses")
+                return _MISS
             return _HIT
+        if self._open_until and self._breaker_open():
+            self.count("breaker_misses")
+            return _MISS
         exp = self._absent.get(key)
         if exp is not None:
             if time.monotonic() < exp:
@@ -249,6 +306,9 @@ class ProcessTierManager(SecondaryTierManager):
     # -- jobs -----------------------------------------------------------------------------------
 
     def accepts_store(self, num_chunks: int) -> bool:
+        if self._open_until and self._breaker_open():
+            self.count("breaker_dropped_stores", num_chunks)
+            return False
         return self._pending_store_chunks + num_chunks <= self.config.max_pending_store_chunks
 
     def submit_store(self, job: JobMetadata) -> None:
@@ -324,6 +384,8 @@ class ProcessTierManager(SecondaryTierManager):
         self._finished.append(result)
 
     def _apply(self, rec: _TaskRec, codes: list[int], nbytes: int, status: list[int]) -> None:
+        if rec.kind in ("probe", "store", "load"):
+            self._on_task_codes(codes, status)
         if rec.kind == "probe":
             neg = self.config.negative_ttl_s
             for key, code in zip(rec.keys, codes):

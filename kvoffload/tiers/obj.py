@@ -1,0 +1,137 @@
+"""The object-store tier (``type: "obj"``): one object per chunk in any S3-compatible store.
+
+Same worker-pool machinery as the fs tier (:mod:`kvoffload.tiers.process`): readers GET and probe
+(HEAD), writers PUT and delete, in worker processes that move bytes between arena slots and objects
+with boto3 (:mod:`kvoffload.workers.obj_io`); the same content-based names and namespace
+``config.json`` under ``prefix``; the same self-describing header and checksum, verified on every
+load. Instances that share a bucket and prefix share chunks.
+
+At start the tier checks the bucket from the engine process (one HeadBucket): a bucket that does not
+exist, refused credentials or an unreachable endpoint fail the start with a message naming the key to
+fix. A circuit breaker (on by default here) stops hammering a dead or throttling endpoint: lookups
+miss and stores are dropped and counted until the endpoint answers again.
+
+Credentials: explicit ``access_key_id`` / ``secret_access_key`` / ``session_token`` fields, or the
+standard boto3 chain (environment, shared config and credentials files, instance or container role).
+They are never logged (the effective configuration shows them masked).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from kvoffload.config import Positive, PositiveFloat
+from kvoffload.tiers.process import ProcessTierConfig, ProcessTierManager
+from kvoffload.workers.obj_io import ObjIOConfig, classify, make_client, object_prefix
+
+_START_TIMEOUT_S = 5.0
+
+
+class ObjTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True):
+    """``{"type": "obj", "bucket": ..., ...}`` (plus :class:`ProcessTierConfig`'s fields).
+
+    Attributes:
+        bucket: the bucket (must exist).
+        prefix: key prefix for this deployment's chunks ("" for the bucket root).
+        endpoint_override: endpoint URL of an S3-compatible store (``http://host:port``); None for
+            AWS S3.
+        region: region name (None: from the boto3 chain).
+        access_key_id, secret_access_key, session_token: explicit credentials (None: boto3 chain).
+        io_workers: reader and writer processes each (overrides ``read_workers``/``write_workers``).
+        max_attempts: attempts per request, retries with exponential backoff and jitter (botocore
+            "standard" mode) for throttling, 5xx and connection errors.
+        connect_timeout_s, read_timeout_s: per attempt (seconds).
+        verify_tls: check the endpoint's TLS certificate.
+        addressing_style: ``auto``, ``path`` (MinIO and most self-hosted stores) or ``virtual``.
+    """
+
+    bucket: str
+    prefix: str = ""
+    endpoint_override: str | None = None
+    region: str | None = None
+    access_key_id: str | None = None
+    secret_access_key: str | None = None
+    session_token: str | None = None
+    io_workers: Positive | None = None
+    max_attempts: Positive = 3
+    connect_timeout_s: PositiveFloat = 2.0
+    read_timeout_s: PositiveFloat = 10.0
+    verify_tls: bool = True
+    addressing_style: Literal["auto", "path", "virtual"] = "auto"
+    breaker_failures: Positive | None = 5
+    job_timeout_s: PositiveFloat = 60.0
+
+    def validate(self) -> None:
+        if not self.bucket:
+            raise ValueError("bucket: required, the name of an existing bucket")
+        if (self.access_key_id is None) != (self.secret_access_key is None):
+            raise ValueError("access_key_id: set both access_key_id and secret_access_key, or "
+                             "neither (to use the boto3 credential chain)")
+        if self.endpoint_override is not None and not self.endpoint_override.startswith(
+                ("http://", "https://")):
+            raise ValueError(f"endpoint_override: {self.endpoint_override!r} is not an http(s) URL")
+
+
+class ObjTier(ProcessTierManager):
+    """Object-store secondary tier; see the module docstring."""
+
+    config_class = ObjTierConfig
+    io_module = "kvoffload.workers.obj_io"
+    medium = "STORAGE"
+    locality = "REMOTE"
+    shared = True
+
+    def __init__(self, *, name: str, arena_view: memoryview, namespace: Any,
+                 config: ObjTierConfig, arena: Any):
+        if config.io_workers is not None:
+            config = msgspec.structs.replace(config, read_workers=config.io_workers,
+                                             write_workers=config.io_workers)
+        super().__init__(name=name, arena_view=arena_view, namespace=namespace, config=config,
+                         arena=arena)
+        self.ns_id = namespace.id()
+        self.base = object_prefix(config.prefix, self.ns_id)
+        self._check_bucket_and_write_namespace()
+        self.start()
+
+    def io_config(self) -> dict:
+        return msgspec.to_builtins(self._io_config())
+
+    def _io_config(self, **overrides) -> ObjIOConfig:
+        c = self.config
+        fields = dict(
+            bucket=c.bucket, prefix=c.prefix, namespace_id=self.ns_id, row_bytes=self.row_bytes,
+            endpoint_url=c.endpoint_override, region=c.region, access_key_id=c.access_key_id,
+            secret_access_key=c.secret_access_key, session_token=c.session_token,
+            max_attempts=c.max_attempts, connect_timeout_s=c.connect_timeout_s,
+            read_timeout_s=c.read_timeout_s, verify_tls=c.verify_tls,
+            addressing_style=c.addressing_style, max_connections=c.io_threads + 2)
+        fields.update(overrides)
+        return ObjIOConfig(**fields)
+
+    def _check_bucket_and_write_namespace(self) -> None:
+        c = self.config
+        where = c.endpoint_override or "AWS S3"
+        client = make_client(self._io_config(max_attempts=1, connect_timeout_s=_START_TIMEOUT_S,
+                                              read_timeout_s=_START_TIMEOUT_S))
+        try:
+            client.head_bucket(Bucket=c.bucket)
+        except Exception as e:  # noqa: BLE001 - every failure is reported as a config error
+            code, status, detail = classify(e)
+            if status == 404:
+                raise ValueError(f"bucket: {c.bucket!r} does not exist at {where}") from None
+            if status in (400, 401, 403):
+                raise ValueError(
+                    f"access_key_id: the credentials were refused by {where} for bucket "
+                    f"{c.bucket!r} (HTTP {status}); check access_key_id / secret_access_key or the "
+                    f"boto3 credential chain") from None
+            raise ValueError(f"endpoint_override: cannot use {where} for bucket {c.bucket!r}: "
+                             f"{detail}") from None
+        config_key = self.base + "config.json"
+        try:
+            client.put_object(Bucket=c.bucket, Key=config_key, Body=self.namespace.to_json())
+        except Exception as e:  # noqa: BLE001
+            _, status, detail = classify(e)
+            raise ValueError(f"bucket: cannot write {config_key!r} in {c.bucket!r} at {where} "
+                             f"({detail})") from None

@@ -1,0 +1,240 @@
+"""Object-store tier I/O, run inside tier worker processes: arena slot ↔ one object per chunk (boto3).
+
+::
+
+    s3://<bucket>/<prefix><namespace id>/config.json               namespace fields (engine, at start)
+    s3://<bucket>/<prefix><namespace id>/<hh>/<hh>/<key hex>.kv    header page + payload (chunkfile.py)
+
+- Stores PUT header + payload straight from the arena slot (a file-like view over both, read by the
+  SDK for signing and sending; no copy of the payload is made first).
+- Loads GET the object, check the header (namespace, key, length) and the payload checksum, and copy
+  the payload into the arena slot. A bad object is verified corruption: it is deleted and the load is
+  a miss. A missing object is a miss; anything else (throttling, 5xx, timeouts, refused connections)
+  is an I/O error that leaves the object alone.
+- Retries: botocore's "standard" retry mode (bounded attempts, exponential backoff with jitter, for
+  throttling, 5xx and connection errors); timeouts bound every attempt; the engine bounds the whole
+  task with the tier's job timeout.
+- Every outcome carries the HTTP status where there is one (0 for connection-level failures).
+
+One boto3 client per worker process, shared by its I/O threads (clients are thread-safe).
+Credentials come from explicit config fields or the standard boto3 chain; they are never logged.
+"""
+
+from __future__ import annotations
+
+import io
+
+import msgspec
+
+from kvoffload.ipc import messages as m
+from kvoffload.workers import chunkfile as cf
+from kvoffload.workers.faults import Faults
+
+
+class ObjIOConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """What a worker needs to talk to the object store (see the tier config for meanings)."""
+
+    bucket: str
+    prefix: str = ""
+    namespace_id: str
+    row_bytes: int
+    endpoint_url: str | None = None
+    region: str | None = None
+    access_key_id: str | None = None
+    secret_access_key: str | None = None
+    session_token: str | None = None
+    max_attempts: int = 3
+    connect_timeout_s: float = 2.0
+    read_timeout_s: float = 10.0
+    verify_tls: bool = True
+    addressing_style: str = "auto"
+    max_connections: int = 16
+
+
+def make_client(cfg: ObjIOConfig):
+    """A boto3 S3 client for ``cfg`` (also used by the engine to check the bucket at start)."""
+    import boto3
+    from botocore.config import Config
+
+    session = boto3.session.Session(
+        aws_access_key_id=cfg.access_key_id, aws_secret_access_key=cfg.secret_access_key,
+        aws_session_token=cfg.session_token, region_name=cfg.region)
+    config = Config(
+        retries={"max_attempts": cfg.max_attempts, "mode": "standard"},
+        connect_timeout=cfg.connect_timeout_s, read_timeout=cfg.read_timeout_s,
+        max_pool_connections=cfg.max_connections, signature_version="s3v4",
+        s3={"addressing_style": cfg.addressing_style},
+        # Payload integrity is ours (xxh3 in the header); SDK-side checksums cost a pass and some
+        # S3-compatible servers reject or mangle them.
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+    )
+    return session.client("s3", endpoint_url=cfg.endpoint_url, config=config,
+                          verify=cfg.verify_tls)
+
+
+def object_prefix(prefix: str, namespace_id: str) -> str:
+    """``<prefix>/<namespace id>/`` with exactly one slash between parts."""
+    p = prefix.strip("/")
+    return f"{p}/{namespace_id}/" if p else f"{namespace_id}/"
+
+
+def classify(exc: BaseException) -> tuple[int, int, str]:
+    """``(code, HTTP status, detail)`` for an exception raised by a boto3 call."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    if isinstance(exc, ClientError):
+        meta = exc.response.get("ResponseMetadata", {})
+        status = int(meta.get("HTTPStatusCode") or 0)
+        err = exc.response.get("Error", {}).get("Code", "")
+        if status == 404 or err in ("NoSuchKey", "404", "NotFound"):
+            return m.MISSING, status, f"{err or status}"
+        if status in (400, 401, 403) or err in ("AccessDenied", "InvalidAccessKeyId",
+                                                  "SignatureDoesNotMatch"):
+            return m.REJECTED, status, f"HTTP {status} {err}"
+        return m.IO_ERROR, status, f"HTTP {status} {err}"
+    if isinstance(exc, BotoCoreError):
+        return m.IO_ERROR, 0, f"{type(exc).__name__}: {exc}"
+    return m.IO_ERROR, 0, f"{type(exc).__name__}: {exc}"
+
+
+class _Body(io.RawIOBase):
+    """Read-only, seekable file over ``header + payload`` without joining them."""
+
+    def __init__(self, header: bytes, payload: memoryview):
+        self._parts = (memoryview(header), memoryview(payload).cast("B"))
+        self._len = len(header) + self._parts[1].nbytes
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
+        self._pos = max(0, min(self._len, base + offset))
+        return self._pos
+
+    def readinto(self, b) -> int:
+        out = memoryview(b).cast("B")
+        n = 0
+        head = self._parts[0]
+        while n < out.nbytes and self._pos < self._len:
+            if self._pos < head.nbytes:
+                src = head[self._pos:]
+            else:
+                src = self._parts[1][self._pos - head.nbytes:]
+            k = min(out.nbytes - n, src.nbytes)
+            out[n:n + k] = src[:k]
+            n += k
+            self._pos += k
+        return n
+
+    def __len__(self) -> int:
+        return self._len
+
+
+class ObjIO:
+    def __init__(self, config: ObjIOConfig, faults: Faults):
+        self.cfg = config
+        self.faults = faults
+        self.ns_bytes = bytes.fromhex(config.namespace_id)
+        self.base = object_prefix(config.prefix, config.namespace_id)
+        self.object_bytes = cf.HEADER_BYTES + config.row_bytes
+        self._client = make_client(config)
+
+    def name(self, key: bytes) -> str:
+        return self.base + cf.relative_name(key)
+
+    def store(self, key: bytes, src: memoryview) -> tuple[int, int, str, int]:
+        """PUT one chunk. Returns ``(code, bytes sent, detail, HTTP status)``."""
+        try:
+            self.faults.hit("before_read_slot", key)
+            header = cf.build_header(self.ns_bytes, key, src)
+            self.faults.hit("before_publish", key)
+            body = _Body(header, src)
+            resp = self._client.put_object(Bucket=self.cfg.bucket, Key=self.name(key), Body=body,
+                                           ContentLength=len(body))
+            status = int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode") or 200)
+            return m.OK, self.object_bytes, "", status
+        except OSError as e:
+            return m.IO_ERROR, 0, f"store {key.hex()[:16]}: {e}", 0
+        except Exception as e:  # noqa: BLE001 - every SDK failure becomes a classified result
+            code, status, detail = classify(e)
+            return code, 0, f"store {key.hex()[:16]}: {detail}", status
+
+    def load(self, key: bytes, dst: memoryview) -> tuple[int, int, str, int]:
+        """GET one chunk into ``dst`` (an arena row), verified."""
+        name = self.name(key)
+        try:
+            resp = self._client.get_object(Bucket=self.cfg.bucket, Key=name)
+            status = int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode") or 200)
+            self.faults.hit("after_metadata_before_read", key)
+            self.faults.hit("read_payload", key)
+            data = resp["Body"].read()
+        except OSError as e:
+            return m.IO_ERROR, 0, f"load {key.hex()[:16]}: {e}", 0
+        except Exception as e:  # noqa: BLE001
+            code, status, detail = classify(e)
+            return code, 0, f"load {key.hex()[:16]}: {detail}", status
+        why = None
+        if len(data) != self.object_bytes:
+            why = f"size {len(data)}, expected {self.object_bytes}"
+        else:
+            try:
+                checksum = cf.parse_header(data[:cf.HEADER_BYTES], self.ns_bytes, key,
+                                           self.cfg.row_bytes)
+                payload = memoryview(data)[cf.HEADER_BYTES:]
+                if cf.payload_checksum(payload) != checksum:
+                    why = "checksum mismatch"
+                else:
+                    memoryview(dst).cast("B")[:] = payload
+            except cf.ChunkFormatError as e:
+                why = str(e)
+        if why is not None:
+            self._delete_quietly(name)
+            return m.CORRUPT, 0, f"{key.hex()[:16]}: {why}", status
+        return m.OK, self.object_bytes, "", status
+
+    def _delete_quietly(self, name: str) -> None:
+        try:
+            self._client.delete_object(Bucket=self.cfg.bucket, Key=name)
+        except Exception:  # noqa: BLE001 - best effort: the load already failed as corrupt
+            pass
+
+    def probe(self, key: bytes) -> int:
+        self.faults.hit("probe_key", key)
+        try:
+            self._client.head_object(Bucket=self.cfg.bucket, Key=self.name(key))
+            return m.OK
+        except Exception as e:  # noqa: BLE001
+            return classify(e)[0]
+
+    def delete(self, key: bytes) -> int:
+        try:
+            self._client.delete_object(Bucket=self.cfg.bucket, Key=self.name(key))
+            return m.OK
+        except Exception as e:  # noqa: BLE001
+            code = classify(e)[0]
+            return m.OK if code == m.MISSING else code
+
+    def scan(self) -> list[tuple[bytes, int, float]]:
+        entries = []
+        pages = self._client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.cfg.bucket, Prefix=self.base)
+        for page in pages:
+            for obj in page.get("Contents", []):
+                key = cf.key_from_name(obj["Key"].rsplit("/", 1)[-1])
+                if key is not None:
+                    entries.append((key, int(obj["Size"]), obj["LastModified"].timestamp()))
+        return entries
+
+
+def make_io(config: dict, faults: Faults) -> ObjIO:
+    """Entry point the worker calls with the tier's ``io_config``."""
+    return ObjIO(msgspec.convert(config, ObjIOConfig), faults)

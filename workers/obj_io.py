@@ -60,7 +60,7 @@ def make_client(cfg: ObjIOConfig):
         aws_access_key_id=cfg.access_key_id, aws_secret_access_key=cfg.secret_access_key,
         aws_session_token=cfg.session_token, region_name=cfg.region)
     config = Config(
-        retries={"max_attempts": cfg.max_attempts, "mode": "standard"},
+        retries={"total_max_attempts": cfg.max_attempts, "mode": "standard"},
         connect_timeout=cfg.connect_timeout_s, read_timeout=cfg.read_timeout_s,
         max_pool_connections=cfg.max_connections, signature_version="s3v4",
         s3={"addressing_style": cfg.addressing_style},

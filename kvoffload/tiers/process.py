@@ -148,18 +148,22 @@ class ProcessTierManager(SecondaryTierManager):
         self._failures = 0  # consecutive failed tasks
         self._open_until = 0.0  # breaker open while monotonic() < this
         self._open_count = 0  # consecutive openings (for the cooldown's back-off)
-        self._ctx = zmq.Context(1)
-        self._chans = TierChannels(self._ctx, name)
-        common = dict(channels=self._chans, task_timeout_s=cfg.job_timeout_s,
-                      max_inflight=cfg.max_inflight_per_worker, on_event=self._on_pool_event)
-        self._readers = WorkerPool(tier_name=name, kind=LOADS, count=cfg.read_workers,
-                                   make_spec=lambda wid, ident: self._spec(wid, ident, LOADS), **common)
-        self._writers = WorkerPool(tier_name=name, kind=STORES, count=cfg.write_workers,
-                                   make_spec=lambda wid, ident: self._spec(wid, ident, STORES), **common)
-        self._pools = (self._readers, self._writers)
+        self._ctx: zmq.Context | None = None
+        self._pools: tuple[WorkerPool, ...] = ()
 
     def start(self) -> None:
-        """Start the worker processes (called once the subclass is fully set up)."""
+        """Open the tier's sockets and start its worker processes. Subclasses call it last in
+        their constructor, once their own checks passed (nothing is left to clean up before)."""
+        cfg = self.config
+        self._ctx = zmq.Context(1)
+        self._chans = TierChannels(self._ctx, self.name)
+        common = dict(channels=self._chans, task_timeout_s=cfg.job_timeout_s,
+                      max_inflight=cfg.max_inflight_per_worker, on_event=self._on_pool_event)
+        self._readers = WorkerPool(tier_name=self.name, kind=LOADS, count=cfg.read_workers,
+                                   make_spec=lambda wid, ident: self._spec(wid, ident, LOADS), **common)
+        self._writers = WorkerPool(tier_name=self.name, kind=STORES, count=cfg.write_workers,
+                                   make_spec=lambda wid, ident: self._spec(wid, ident, STORES), **common)
+        self._pools = (self._readers, self._writers)
         for pool in self._pools:
             pool.start()
 
@@ -369,6 +373,8 @@ class ProcessTierManager(SecondaryTierManager):
         for code in failed.values():
             if code == m.CORRUPT:
                 self.count("checksum_failures")
+        for status in job.status.values():
+            self.count(f"failures_http_{status}")
         if failed:
             ok_keys = [k for k in meta.keys if k not in failed]
             result = JobResult(job_id=meta.job_id, success=False, successful_keys=ok_keys,
@@ -489,5 +495,6 @@ class ProcessTierManager(SecondaryTierManager):
             for task in pool.shutdown():
                 rec = task.owner
                 self._apply(rec, [m.CANCELLED] * len(rec.keys), 0, [])
-        self._chans.close()
-        self._ctx.term()
+        if self._ctx is not None:
+            self._chans.close()
+            self._ctx.term()

@@ -1,0 +1,196 @@
+"""Object-store tier against real S3-compatible servers on loopback (moto; nanio with SigV4)."""
+
+import time
+
+import numpy as np
+import pytest
+
+from kvoffload.config import ConfigError
+from kvoffload.workers.chunkfile import HEADER_BYTES, relative_name
+
+from helpers import HIT, MISS, PENDING, ROW, Rig, keys_for, namespace, payload
+from s3 import FaultProxy, Nanio, Rule, client, new_bucket, obj_tier, start_moto
+
+
+@pytest.fixture(scope="module")
+def moto():
+    srv, endpoint = start_moto()
+    yield endpoint
+    srv.stop()
+
+
+@pytest.fixture
+def bucket(moto):
+    return new_bucket(moto)
+
+
+def object_name(rig, key):
+    return f"{rig.ns.id()}/{relative_name(key)}"
+
+
+def test_round_trip_through_the_object_store_is_bit_exact(moto, bucket):
+    with Rig([obj_tier(moto, bucket)], num_slots=8) as rig:
+        keys = keys_for(8)
+        rig.store(keys)
+        rig.evict_all()
+        assert rig.resolve(keys) == [HIT] * 8
+        for k, row in zip(keys, rig.read(keys)):
+            assert np.array_equal(row, payload(k))
+        head = client(moto).head_object(Bucket=bucket, Key=object_name(rig, keys[0]))
+        assert head["ContentLength"] == HEADER_BYTES + ROW
+        body = client(moto).get_object(Bucket=bucket, Key=f"{rig.ns.id()}/config.json")["Body"]
+        assert b'"kv_dtype"' in body.read()
+
+
+def test_two_managers_share_chunks_through_one_bucket(moto, bucket):
+    keys = keys_for(6)
+    with Rig([obj_tier(moto, bucket)], num_slots=8) as a:
+        a.store(keys)
+    with Rig([obj_tier(moto, bucket)], num_slots=8) as b:
+        assert b.resolve(keys) == [HIT] * 6
+        for k, row in zip(keys, b.read(keys)):
+            assert np.array_equal(row, payload(k))
+
+
+def test_prefix_and_namespace_separate_deployments(moto, bucket):
+    keys = keys_for(2)
+    with Rig([obj_tier(moto, bucket, prefix="team-a")], num_slots=4) as a:
+        a.store(keys)
+    with Rig([obj_tier(moto, bucket, prefix="team-b")], num_slots=4) as b:
+        assert b.resolve(keys) == [MISS, MISS]
+    with Rig([obj_tier(moto, bucket, prefix="team-a")], num_slots=4,
+             ns=namespace(kv_dtype="float8_e4m3")) as c:
+        assert c.resolve(keys) == [MISS, MISS]
+
+
+def test_corrupted_object_is_a_miss_and_is_deleted(moto, bucket):
+    k = keys_for(1)[0]
+    with Rig([obj_tier(moto, bucket)], num_slots=4) as rig:
+        rig.store([k])
+        rig.evict_all()
+        s3 = client(moto)
+        name = object_name(rig, k)
+        data = bytearray(s3.get_object(Bucket=bucket, Key=name)["Body"].read())
+        data[HEADER_BYTES + 100] ^= 0xFF
+        s3.put_object(Bucket=bucket, Key=name, Body=bytes(data))
+        assert rig.resolve([k]) == [MISS]
+        assert rig.fs.counters["checksum_failures"] == 1
+        with pytest.raises(Exception):
+            s3.head_object(Bucket=bucket, Key=name)
+        assert rig.resolve([k]) == [MISS]
+
+
+def test_c09_s3_errors_are_never_swallowed(moto, bucket):
+    k1, k2 = keys_for(2)
+    proxy = FaultProxy(moto)
+    try:
+        with Rig([obj_tier(proxy.endpoint, bucket, max_attempts=3, breaker_failures=None)],
+                 num_slots=4) as rig:
+            rig.store([k2])  # pre-seed K2 through the tier
+            rig.evict_all()
+            put_k1 = proxy.add(Rule("PUT", k1.hex(), ("status", 500, "InternalError")))
+            get_k2 = proxy.add(Rule("GET", k2.hex(), ("status", 503, "SlowDown")))
+            rig.arena.rows[:] = 0xEE
+            rig.store([k1])
+            stats = rig.tm.stats
+            assert stats.cascade_failures["obj"] == 1 and put_k1.hits == 3  # bounded retries
+            assert rig.fs.counters["failures_http_500"] == 1
+            assert k1 not in rig.fs._present
+            rig.tm.host.remove([k1])  # only the host copy remains: drop it
+            assert rig.resolve([k1]) == [MISS]  # a failed upload is never recorded as present
+            assert rig.tm.lookup(k2, "r") is PENDING
+            res = rig.resolve([k2])
+            assert res == [MISS] and get_k2.hits == 3
+            assert stats.promotion_failures["obj"] == 1
+            assert rig.fs.counters["failures_http_503"] == 1
+            assert rig.tm.host.lookup(k2) is MISS  # the 0xEE slot was never published
+    finally:
+        proxy.stop()
+
+
+def test_throttling_is_retried_and_then_succeeds(moto, bucket):
+    k = keys_for(1)[0]
+    proxy = FaultProxy(moto)
+    try:
+        with Rig([obj_tier(proxy.endpoint, bucket, max_attempts=4)], num_slots=4) as rig:
+            rule = proxy.add(Rule("PUT", k.hex(), ("status", 503, "SlowDown"), count=2))
+            rig.store([k])
+            assert rule.hits == 2 and rig.tm.stats.cascaded["obj"] == 1
+            rig.evict_all()
+            assert rig.resolve([k]) == [HIT]
+    finally:
+        proxy.stop()
+
+
+def test_hanging_endpoint_fails_jobs_within_the_deadline(moto, bucket):
+    k = keys_for(1)[0]
+    proxy = FaultProxy(moto)
+    try:
+        with Rig([obj_tier(proxy.endpoint, bucket, max_attempts=1, read_timeout_s=1.0,
+                           job_timeout_s=3.0)], num_slots=4) as rig:
+            rig.store([k])
+            rig.evict_all()
+            proxy.add(Rule("GET", k.hex(), ("hang", 30)))
+            t0 = time.monotonic()
+            assert rig.tm.lookup(k, "r") is PENDING
+            assert rig.resolve([k], timeout_s=15) == [MISS]
+            assert time.monotonic() - t0 < 3.0 + 1.5
+    finally:
+        proxy.stop()
+
+
+def test_dead_endpoint_opens_the_breaker_which_closes_when_it_answers_again(moto, bucket):
+    proxy = FaultProxy(moto)
+    try:
+        cfg = obj_tier(proxy.endpoint, bucket, max_attempts=1, connect_timeout_s=0.5,
+                       breaker_failures=3, breaker_cooldown_s=1.0)
+        with Rig([cfg], num_slots=16) as rig:
+            rig.store(keys_for(1))
+            proxy.stop()  # the server is killed: connections are refused
+            t0 = time.monotonic()
+            for i in range(3):
+                rig.store(keys_for(1, seed=10 + i))
+            assert time.monotonic() - t0 < 10
+            tier = rig.fs
+            assert tier.breaker_state == "open" and tier.counters["breaker_opens"] == 1
+            assert rig.tm.stats.cascade_failures["obj"] == 3
+            # While open: lookups miss at once, stores are dropped and counted.
+            assert rig.tm.lookup(keys_for(1, seed=99)[0], "r") is MISS
+            rig.store(keys_for(1, seed=20))
+            assert rig.tm.stats.dropped_stores["obj"] == 1
+            assert tier.counters["breaker_dropped_stores"] == 1
+            proxy.start()  # the endpoint answers again
+            time.sleep(1.2)
+            assert tier.breaker_state == "half_open"
+            rig.store(keys_for(1, seed=30))
+            assert tier.breaker_state == "closed" and tier.counters["breaker_closes"] == 1
+            rig.evict_all()
+            assert rig.resolve(keys_for(1, seed=30)) == [HIT]
+    finally:
+        proxy.stop()
+
+
+def test_missing_bucket_and_unreachable_endpoint_fail_at_start(moto):
+    with pytest.raises(ConfigError, match="bucket: 'no-such-bucket' does not exist"):
+        Rig([obj_tier(moto, "no-such-bucket")])
+    with pytest.raises(ConfigError, match="endpoint_override: cannot use"):
+        Rig([obj_tier("http://127.0.0.1:9", "kvcache")])
+
+
+@pytest.mark.slow
+def test_sigv4_server_round_trip_and_refused_credentials(tmp_path):
+    server = Nanio(str(tmp_path / "nanio-data"))
+    try:
+        bucket = new_bucket(server.endpoint)
+        keys = keys_for(4)
+        with Rig([obj_tier(server.endpoint, bucket)], num_slots=8) as rig:
+            rig.store(keys)
+            rig.evict_all()
+            assert rig.resolve(keys) == [HIT] * 4
+            for k, row in zip(keys, rig.read(keys)):
+                assert np.array_equal(row, payload(k))
+        with pytest.raises(ConfigError, match="credentials were refused") as e:
+            Rig([obj_tier(server.endpoint, bucket, secret_access_key="wrong-secret")])
+        assert "wrong-secret" not in str(e.value)
+    finally:
+        server.stop()

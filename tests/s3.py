@@ -10,10 +10,7 @@
 from __future__ import annotations
 
 import http.client
-import os
 import socket
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -22,14 +19,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import boto3
 from botocore.config import Config
 
+from kvoffload.tools.s3_server import Nanio as _Nanio
+from kvoffload.tools.s3_server import free_port, start_moto  # noqa: F401 - used by the tests
+
 ACCESS = "kvoffload-test"
 SECRET = "kvoffload-secret-key-0123456789"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def client(endpoint: str, access: str = ACCESS, secret: str = SECRET):
@@ -46,15 +40,6 @@ def new_bucket(endpoint: str) -> str:
     return name
 
 
-def start_moto():
-    from moto.server import ThreadedMotoServer
-
-    srv = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    srv.start()
-    host, port = srv.get_host_and_port()
-    return srv, f"http://{host}:{port}"
-
-
 def obj_tier(endpoint: str, bucket: str, **extra) -> dict:
     cfg = {"type": "obj", "bucket": bucket, "endpoint_override": endpoint, "region": "us-east-1",
            "access_key_id": ACCESS, "secret_access_key": SECRET, "addressing_style": "path",
@@ -63,35 +48,11 @@ def obj_tier(endpoint: str, bucket: str, **extra) -> dict:
     return cfg
 
 
-class Nanio:
-    """``nanio serve`` on 127.0.0.1 with one SigV4 user."""
+class Nanio(_Nanio):
+    """nanio with the test credentials."""
 
     def __init__(self, data_dir: str):
-        self.port = free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, NANIO_ACCESS_KEY=ACCESS, NANIO_SECRET_KEY=SECRET)
-        exe = os.path.join(os.path.dirname(sys.executable), "nanio")
-        self.proc = subprocess.Popen(
-            [exe, "serve", "--host", "127.0.0.1", "--port", str(self.port), "--data-dir", data_dir,
-             "--no-access-log", "--log-level", "warning"],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
-                    return
-            except OSError:
-                time.sleep(0.1)
-        self.stop()
-        raise RuntimeError("nanio did not start")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        super().__init__(data_dir, ACCESS, SECRET)
 
 
 class Rule:

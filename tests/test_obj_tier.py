@@ -122,7 +122,7 @@ def test_throttling_is_retried_and_then_succeeds(moto, bucket):
         proxy.stop()
 
 
-def test_hanging_endpoint_fails_jobs_within_the_deadline(moto, bucket):
+def test_c06_hanging_endpoint_fails_jobs_within_the_deadline(moto, bucket):
     k = keys_for(1)[0]
     proxy = FaultProxy(moto)
     try:
@@ -139,7 +139,7 @@ def test_hanging_endpoint_fails_jobs_within_the_deadline(moto, bucket):
         proxy.stop()
 
 
-def test_dead_endpoint_opens_the_breaker_which_closes_when_it_answers_again(moto, bucket):
+def test_c09_dead_endpoint_opens_the_breaker_which_closes_when_it_answers_again(moto, bucket):
     proxy = FaultProxy(moto)
     try:
         cfg = obj_tier(proxy.endpoint, bucket, max_attempts=1, connect_timeout_s=0.5,
@@ -194,3 +194,32 @@ def test_sigv4_server_round_trip_and_refused_credentials(tmp_path):
         assert "wrong-secret" not in str(e.value)
     finally:
         server.stop()
+
+
+def test_c17_obj_worker_killed_mid_upload_is_replaced_and_its_job_rerun(moto, bucket):
+    import os
+    import signal
+
+    k = keys_for(1)[0]
+    proxy = FaultProxy(moto)
+    try:
+        with Rig([obj_tier(proxy.endpoint, bucket, job_timeout_s=20.0)], num_slots=4) as rig:
+            rig.wait_workers_ready()
+            rule = proxy.add(Rule("PUT", k.hex(), ("hang", 5), count=1))  # the upload stalls
+            rig.store([k], wait=False)
+            deadline = time.monotonic() + 10
+            while rule.hits == 0 and time.monotonic() < deadline:
+                rig.tm.poll()
+                time.sleep(0.02)
+            writer = rig.fs.worker_pids()["stores"][0]
+            os.kill(writer, signal.SIGKILL)  # dies holding the job
+            t0 = time.monotonic()
+            assert rig.tm.wait_idle(10)
+            assert time.monotonic() - t0 < 2.0  # re-run at once on the replacement
+            assert rig.tm.stats.cascaded["obj"] == 1 and rig.tm.host.num_pinned == 0
+            assert writer not in rig.fs.worker_pids()["stores"]
+            assert rig.fs.counters["worker_restarts"] == 1
+            rig.evict_all()
+            assert rig.resolve([k]) == [HIT]
+    finally:
+        proxy.stop()

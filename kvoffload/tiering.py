@@ -27,6 +27,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from kvoffload import metrics as _metrics
 from kvoffload.config import OffloadConfig
 from kvoffload.host import READY, HostTier, StorePlan
 from kvoffload.policies import make_policy
@@ -53,6 +54,8 @@ class Stats:
     name to its own counters."""
 
     def __init__(self, tier_names: Sequence[str]):
+        # Lookups are counted at their verdict (HIT, HIT_PENDING, MISS), never at a RETRY; every
+        # verdict passes the host tier, so host_queries is the number of chunks looked up.
         self.host_queries = 0
         self.host_hits = 0
         self.tier_queries = {n: 0 for n in tier_names}
@@ -66,6 +69,7 @@ class Stats:
         self.store_rejections = 0
         self.store_truncations = 0
         self.loads_from = {HOST: 0, **{n: 0 for n in tier_names}}
+        self.failed: dict[tuple[str, str, str], int] = {}  # (tier, direction, reason) -> chunks
 
     def snapshot(self) -> dict[str, Any]:
         return {k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(self).items()}
@@ -79,7 +83,12 @@ class TieringManager:
         namespace: :class:`~kvoffload.namespace.Namespace` of the chunks.
         config: parsed :class:`~kvoffload.config.OffloadConfig`.
         tiers: prebuilt tiers (tests); by default they are built from ``config.secondary_tiers``.
-        record_events: keep host/tier events for :meth:`take_events`.
+        record_events: keep host/tier events for :meth:`take_events` (vLLM's KV events).
+        keep_metric_samples: keep histogram samples for :meth:`take_metric_stats` (vLLM's metrics).
+
+    Metrics: :meth:`refresh_metrics` (also called by :func:`kvoffload.metrics.serve`'s endpoint,
+    where this manager is exported under its ``instance`` label). KV events: with
+    ``config.kv_events`` set, each :meth:`step` publishes that step's events (:mod:`kvoffload.events`).
 
     Raises:
         ConfigError: a tier config is invalid or a tier cannot start.
@@ -87,7 +96,7 @@ class TieringManager:
 
     def __init__(self, arena: Any, namespace: Any, config: OffloadConfig, *,
                  tiers: list[SecondaryTierManager] | None = None, record_events: bool = True,
-                 poll_interval_s: float = 0.0005):
+                 poll_interval_s: float = 0.0005, keep_metric_samples: bool = False):
         self.arena = arena
         self.namespace = namespace
         self.config = config
@@ -107,9 +116,48 @@ class TieringManager:
                 for t in self.tiers:
                     t.shutdown()
                 raise
+        self._vllm_events = record_events
+        self._publisher = None
+        record_events = record_events or config.kv_events is not None
+        self.host._events = [] if record_events else None
         for t in self.tiers:
             t.record_events = record_events
         self.tier_names = [t.name for t in self.tiers]
+        defs = list(_metrics.CORE_METRICS)
+        for t in self.tiers:
+            defs.extend(type(t).metric_definitions)
+        self.metrics = _metrics.MetricSet(defs, keep_samples=keep_metric_samples)
+        for t in self.tiers:
+            t.metrics = self.metrics
+        for name in [HOST, *self.tier_names]:  # series created up front: scrapes never see them grow
+            self.metrics.values["kvoffload_lookup_latency_seconds"].setdefault(
+                (name,), _metrics.HistogramValue(_metrics.LATENCY_BUCKETS, keep_metric_samples))
+            if name != HOST:
+                for d in ("load", "store"):
+                    self.metrics.values["kvoffload_tier_transfer_latency_seconds"].setdefault(
+                        (name, d), _metrics.HistogramValue(_metrics.LATENCY_BUCKETS,
+                                                          keep_metric_samples))
+        self.instance = _metrics.register_source(self, config.instance_id)
+        self._taken_events: list[tuple[str, TierEvent]] = []
+        self._engine_events: list = []
+        self._moves: list | None = None
+        self._lookup_sample = 0
+        if config.kv_events is not None:
+            from kvoffload.events import EventPublisher
+
+            try:
+                self._publisher = EventPublisher(config.kv_events, self.instance)
+            except Exception as e:
+                for t in self.tiers:
+                    t.shutdown()
+                from kvoffload.config import ConfigError
+
+                raise ConfigError(f"kv_connector_extra_config.kv_events.endpoint: cannot bind "
+                                  f"{config.kv_events.endpoint!r} / "
+                                  f"{config.kv_events.replay_endpoint!r}: {e}") from None
+            self._moves = []
+            self._localities = {HOST: "local", **{t.name: t.locality.lower() for t in self.tiers}}
+            self._media = {HOST: "CPU", **{t.name: t.medium for t in self.tiers}}
         self.stats = Stats(self.tier_names)
         self._jobs: dict[int, _Job] = {}
         self._next_job = 0
@@ -127,24 +175,44 @@ class TieringManager:
         host = self.host
         slot = host.index.get(key)
         stats = self.stats
-        stats.host_queries += 1
         if slot is not None:
+            stats.host_queries += 1
             stats.host_hits += 1
+            self._lookup_sample += 1
+            if self._lookup_sample & 63 == 0:  # time 1 in 64 host lookups (the histogram's cost)
+                t0 = time.perf_counter()
+                r = _HIT if host.state[host.index[key]] == READY else _PENDING
+                self.metrics.observe("kvoffload_lookup_latency_seconds",
+                                     time.perf_counter() - t0, HOST)
+                return r
             return _HIT if host.state[slot] == READY else _PENDING
         now = time.monotonic()
         if now - self._last_poll >= self._poll_interval:
             self.poll()
         any_retry = False
         for i, tier in enumerate(self.tiers):
-            name = tier.name
-            stats.tier_queries[name] += 1
             r = tier.lookup(key, req_id)
             if r is _HIT:
-                stats.tier_hits[name] += 1
-                return self._start_promotion(i, key, req_id)
+                result = self._start_promotion(i, key, req_id)
+                self._count_verdict(i + 1, i if result is _PENDING else -1)
+                return result
             if r is _RETRY:
                 any_retry = True
-        return _RETRY if any_retry else _MISS
+        if any_retry:
+            return _RETRY
+        self._count_verdict(len(self.tiers), -1)
+        return _MISS
+
+    def _count_verdict(self, num_tiers: int, hit_tier: int) -> None:
+        """A host miss got its verdict after asking the first ``num_tiers`` tiers (``hit_tier``
+        answered with a hit, -1 for none)."""
+        stats = self.stats
+        stats.host_queries += 1
+        tq = stats.tier_queries
+        for name in self.tier_names[:num_tiers]:
+            tq[name] += 1
+        if hit_tier >= 0:
+            stats.tier_hits[self.tier_names[hit_tier]] += 1
 
     def _start_promotion(self, tier_idx: int, key: bytes, req_id: str) -> LookupResult:
         plan = self.host.allocate([key])
@@ -191,6 +259,8 @@ class TieringManager:
         """
         slots = self.host.pin(keys)
         self.host.access(keys)
+        if self._moves is not None:
+            self._moved(keys, HOST, "device", "local")
         loads_from = self.stats.loads_from
         src = self._load_source.get(req_id)
         for k in keys:
@@ -237,6 +307,8 @@ class TieringManager:
         """The accelerator → host copy finished: publish the chunks (or free their slots on
         failure) and write them through to every secondary tier."""
         done = self.host.complete_write(keys, success)
+        if success and done and self._moves is not None:
+            self._moved(done, "device", HOST, "local")
         if success and done and self.tiers:
             self._cascade(done, req_id)
 
@@ -272,6 +344,15 @@ class TieringManager:
                     log.warning("tier %s reported unknown job %d", tier.name, res.job_id)
                     continue
                 meta = job.meta
+                direction = "load" if meta.is_promotion else "store"
+                self.metrics.observe("kvoffload_tier_transfer_latency_seconds",
+                                     res.transfer_seconds, tier.name, direction)
+                if not res.success:
+                    failed_stats = stats.failed
+                    for reason in (res.failed.values() if res.failed else
+                                   ["unknown"] * (len(meta.keys) - len(res.successful_keys or ()))):
+                        k3 = (tier.name, direction, reason)
+                        failed_stats[k3] = failed_stats.get(k3, 0) + 1
                 if meta.is_promotion:
                     if res.success:
                         ok, failed = meta.keys, []
@@ -280,6 +361,8 @@ class TieringManager:
                         ok = [k for k in meta.keys if k in ok_set]
                         failed = [k for k in meta.keys if k not in ok_set]
                     host.complete_write(ok, True)
+                    if ok and self._moves is not None:
+                        self._moved(ok, tier.name, HOST, self._localities[tier.name])
                     if failed:
                         host.complete_write(failed, False)
                         src = self._load_source.get(meta.req_id)
@@ -298,14 +381,121 @@ class TieringManager:
                     host.unpin_slots(meta.slots)
                     if res.success:
                         stats.cascaded[tier.name] += len(meta.keys)
+                        stored = meta.keys
                     else:
-                        n_ok = len(res.successful_keys or ())
-                        stats.cascaded[tier.name] += n_ok
-                        stats.cascade_failures[tier.name] += len(meta.keys) - n_ok
+                        stored = res.successful_keys or []
+                        stats.cascaded[tier.name] += len(stored)
+                        stats.cascade_failures[tier.name] += len(meta.keys) - len(stored)
+                    if stored and self._moves is not None:
+                        self._moved(stored, HOST, tier.name, self._localities[tier.name])
 
     def step(self) -> None:
-        """End of a scheduler step: submit this step's promotions and probes, apply completions."""
+        """End of a scheduler step: submit this step's promotions and probes, apply completions,
+        publish the step's KV events."""
         self.poll()
+        if self._publisher is not None:
+            self._drain_events()
+            if self._engine_events or self._moves:
+                self._publisher.publish(self._engine_events, self._moves)
+                self._engine_events, self._moves = [], []
+
+    # -- events ---------------------------------------------------------------------------------
+
+    def _moved(self, keys: Iterable[bytes], src: str, dst: str, locality: str) -> None:
+        from kvoffload.events import Movement
+
+        nbytes = self.arena.row_bytes
+        self._moves.extend(Movement(k, src, dst, locality, nbytes) for k in keys)
+
+    def _drain_events(self) -> None:
+        """Collect host and tier events: kept for :meth:`take_events` (vLLM) and turned into
+        published events (``BlockStored`` / ``BlockRemoved``, evictions as movements)."""
+        got = [(HOST, e) for e in self.host.take_events()]
+        for tier in self.tiers:
+            got.extend((tier.name, e) for e in tier.take_events())
+        if not got:
+            return
+        if self._vllm_events:
+            self._taken_events.extend(got)
+        if self._publisher is None:
+            return
+        from kvoffload.events import BlockRemoved, BlockStored
+
+        bsize = self.namespace.tokens_per_chunk
+        for name, ev in got:
+            medium = self._media[name]
+            locality = self._localities[name].upper()
+            owner = None if name == HOST else name
+            if ev.removed:
+                self._engine_events.append(BlockRemoved(block_hashes=list(ev.keys), medium=medium,
+                                                        locality=locality, ownership=owner))
+                self._moved(ev.keys, name, "none", self._localities[name])
+            else:
+                self._engine_events.append(BlockStored(
+                    block_hashes=list(ev.keys), parent_block_hash=None, token_ids=[],
+                    block_size=bsize, lora_id=None, medium=medium, lora_name=None,
+                    locality=locality, ownership=owner))
+
+    # -- metrics --------------------------------------------------------------------------------
+
+    def refresh_metrics(self) -> _metrics.MetricSet:
+        """Bring :attr:`metrics` up to date from the manager's counters, its tiers and the
+        accelerator workers' counts in the arena header; returns it. Safe from another thread
+        (it only reads engine state)."""
+        m = self.metrics
+        st = self.stats
+        host = self.host
+        with m.lock:
+            n = host.num_slots
+            used = host.num_used
+            m.set("kvoffload_host_slots", n)
+            m.set("kvoffload_host_slot_bytes", self.arena.row_bytes)
+            m.set("kvoffload_host_slots_used", used)
+            m.set("kvoffload_host_slots_pinned", host.num_pinned)
+            m.set("kvoffload_host_usage_ratio", used / n if n else 0.0)
+            tier_hits = dict(st.tier_hits)
+            tier_queries = dict(st.tier_queries)
+            m.set_total("kvoffload_lookup_requested_chunks", st.host_queries)
+            m.set_total("kvoffload_lookup_hit_chunks", st.host_hits + sum(tier_hits.values()))
+            m.set_total("kvoffload_tier_queries", st.host_queries, HOST)
+            m.set_total("kvoffload_tier_hits", st.host_hits, HOST)
+            m.set_total("kvoffload_host_evictions", host.evictions)
+            dev = self.arena.device_stats.sum(axis=0)
+            m.set_total("kvoffload_device_transfer_bytes", float(dev[0]), "load")
+            m.set_total("kvoffload_device_transfer_seconds", float(dev[1]), "load")
+            m.set_total("kvoffload_device_transfer_bytes", float(dev[2]), "store")
+            m.set_total("kvoffload_device_transfer_seconds", float(dev[3]), "store")
+            for (tname, direction, reason), v in list(st.failed.items()):
+                m.set_total("kvoffload_tier_failed_chunks", v, tname, direction, reason)
+            row = self.arena.row_bytes
+            for tier in self.tiers:
+                name = tier.name
+                c = dict(tier.counters)
+                m.set_total("kvoffload_tier_queries", tier_queries[name], name)
+                m.set_total("kvoffload_tier_hits", tier_hits[name], name)
+                # payload bytes (chunks x row bytes); the workers' own byte counts, with headers,
+                # are the tier events bytes_read / bytes_written
+                m.set_total("kvoffload_tier_transfer_bytes", st.promotions[name] * row, name, "load")
+                m.set_total("kvoffload_tier_transfer_bytes", st.cascaded[name] * row, name, "store")
+                m.set_total("kvoffload_tier_transfer_chunks", st.promotions[name], name, "load")
+                m.set_total("kvoffload_tier_transfer_chunks", st.cascaded[name], name, "store")
+                m.set_total("kvoffload_tier_worker_restarts", c.get("worker_restarts", 0), name)
+                m.set_total("kvoffload_tier_evictions", c.get("evictions", 0), name)
+                m.set_total("kvoffload_dropped_stores", st.dropped_stores[name], name)
+                for event, v in c.items():
+                    m.set_total("kvoffload_tier_events", v, name, event)
+                tier.report_metrics(m)
+            if self._publisher is not None:
+                for stream, v in self._publisher.published.items():
+                    m.set_total("kvoffload_kv_events_published", v, stream)
+        return m
+
+    def take_metric_stats(self) -> dict[str, Any] | None:
+        """Metric changes since the last call in vLLM's stats layout (see
+        :meth:`kvoffload.metrics.MetricSet.take_stats`)."""
+        self.refresh_metrics()
+        with self.metrics.lock:
+            return self.metrics.take_stats()
 
     def has_pending_work(self) -> bool:
         """True while promotions, tier jobs or probes are in flight (the engine should keep
@@ -340,9 +530,8 @@ class TieringManager:
 
     def take_events(self) -> list[tuple[str, TierEvent]]:
         """``(tier name, event)`` pairs since the last call, host first (tier name ``"host"``)."""
-        out = [(HOST, e) for e in self.host.take_events()]
-        for tier in self.tiers:
-            out.extend((tier.name, e) for e in tier.take_events())
+        self._drain_events()
+        out, self._taken_events = self._taken_events, []
         return out
 
     def reset_cache(self, timeout_s: float = 60.0) -> None:
@@ -358,6 +547,13 @@ class TieringManager:
         if self._closed:
             return
         self._closed = True
+        _metrics.unregister_source(self.instance)
+        if self._publisher is not None:
+            try:
+                self.step()
+            except Exception:  # noqa: BLE001 - publishing the last events is best effort
+                log.exception("kvoffload: publishing the last KV events failed")
+            self._publisher.close()
         for tier in self.tiers:
             try:
                 tier.shutdown()

@@ -19,11 +19,12 @@ vLLM resolves those from its own registry and never reads ``spec_module_path`` f
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Collection, Iterable
 from typing import Any
 
-from kvoffload import logs
-from kvoffload.config import ConfigError, OffloadConfig, describe, parse_config
+from kvoffload import logs, metrics
+from kvoffload.config import ConfigError, OffloadConfig, describe, parse_config, parse_tier_config
 from kvoffload.ipc.arena import Arena, default_name, round_up_to_page, sweep
 from kvoffload.namespace import GroupShape, Namespace, model_fingerprint
 from kvoffload.tiering import HOST, TieringManager
@@ -35,6 +36,7 @@ from kvoffload.vllm_compat import (
     LookupResult,
     Medium,
     OffloadingConfig,
+    OffloadingConnectorStats,
     OffloadingEvent,
     OffloadingManager,
     OffloadingSpec,
@@ -50,6 +52,7 @@ from kvoffload.vllm_compat import (
 from kvoffload.vllm_worker import KVOffloadWorker
 
 log = logging.getLogger("kvoffload.vllm")
+_STATS_INTERVAL_S = 0.5
 
 _TO_VLLM = {
     KVLookup.HIT: LookupResult.HIT,
@@ -66,6 +69,21 @@ class KVOffloadSpec(OffloadingSpec):
     Raises (at construction, before any process or segment exists):
         ConfigError: an invalid ``kv_connector_extra_config``, naming the key.
     """
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's metric hook (frontend process): every ``kvoffload_*`` metric, plus those the
+        configured tiers declare, so they appear on vLLM's ``/metrics``.
+
+        Raises:
+            ConfigError: the config is invalid (the same error the engine would raise).
+        """
+        cfg = parse_config(dict(extra_config))
+        defs = list(metrics.CORE_METRICS)
+        for i, raw in enumerate(cfg.secondary_tiers):
+            _, tier_cls, _ = parse_tier_config(raw, f"kv_connector_extra_config.secondary_tiers[{i}]")
+            defs.extend(tier_cls.metric_definitions)
+        return metrics.vllm_metric_definitions(metrics.MetricSet(defs).defs.values())
 
     def __init__(self, config: OffloadingConfig, *args: Any, **kwargs: Any):
         drop_tolerated(kwargs)
@@ -150,7 +168,8 @@ class KVOffloadSpec(OffloadingSpec):
             log.info("kvoffload: %s", describe(self.settings))
             ns = self.namespace()
             tm = TieringManager(arena, ns, self.settings,
-                                record_events=self.kv_events_config.enable_kv_cache_events)
+                                record_events=self.kv_events_config.enable_kv_cache_events,
+                                keep_metric_samples=True)
             log.info("kvoffload: arena %s (%d slots x %d bytes), namespace %s, tiers %s",
                      arena.name, arena.num_slots, arena.row_bytes, ns.id(), tm.tier_names)
             host_tokens = arena.num_slots * ns.tokens_per_chunk
@@ -170,7 +189,7 @@ class KVOffloadSpec(OffloadingSpec):
             rank = 0 if self.replicated else self.config.parallel.rank
             self._worker = KVOffloadWorker(
                 kv_caches, arena, self.row_bytes, rank * self.worker_page_bytes,
-                self.blocks_per_chunk, canonical=bool(self.config.canonical_layout),
+                self.blocks_per_chunk, canonical=bool(self.config.canonical_layout), rank=rank,
             )
         return self._worker
 
@@ -180,6 +199,7 @@ class KVOffloadManager(OffloadingManager):
 
     def __init__(self, tiering: TieringManager):
         self.tm = tiering
+        self._stats_at = 0.0
         self._medium = {HOST: "CPU", **{t.name: t.medium for t in tiering.tiers}}
 
     def lookup(self, key, req_context: ReqContext, **kwargs) -> LookupResult:
@@ -231,6 +251,16 @@ class KVOffloadManager(OffloadingManager):
                 keys=list(ev.keys), medium=medium, removed=ev.removed,
                 locality=Locality.LOCAL, ownership=None if tier_name == HOST else tier_name,
             )
+
+    def get_stats(self):
+        """Metric changes since the last call (vLLM's ``OffloadingConnectorStats``), at most every
+        ``_STATS_INTERVAL_S`` (vLLM asks every step; counters accumulate in between)."""
+        now = time.monotonic()
+        if now - self._stats_at < _STATS_INTERVAL_S:
+            return None
+        self._stats_at = now
+        data = self.tm.take_metric_stats()
+        return None if data is None else OffloadingConnectorStats(data=data)
 
     def reset_cache(self) -> None:
         self.tm.reset_cache()

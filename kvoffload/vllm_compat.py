@@ -27,6 +27,9 @@ from vllm.v1.kv_offload.base import (  # noqa: F401 - re-exported for kvoffload.
     RequestOffloadingContext,
     TransferResult,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (  # noqa: F401
+    OffloadingConnectorStats,
+)
 from vllm.v1.kv_offload.config import OffloadingConfig  # noqa: F401
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: F401
 

@@ -198,8 +198,9 @@ class KVOffloadWorker(OffloadingWorker):
     """
 
     def __init__(self, kv_caches: CanonicalKVCaches, arena, row_bytes: int, rank_offset: int,
-                 blocks_per_chunk: int, canonical: bool = False):
+                 blocks_per_chunk: int, canonical: bool = False, rank: int = 0):
         self.arena = arena
+        self._stats_row = arena.device_stats[rank % len(arena.device_stats)]
         self._rows = arena.torch_rows()
         self._plan = _Plan(kv_caches, self._rows, row_bytes, rank_offset, blocks_per_chunk,
                            canonical)
@@ -226,7 +227,15 @@ class KVOffloadWorker(OffloadingWorker):
                       nbytes / 1e6, elapsed * 1e3)
         self._finished.append(TransferResult(job_id=job_id, success=ok, transfer_size=nbytes,
                                              transfer_time=elapsed))
+        self._account(nbytes, elapsed, to_host)
         return True
+
+    def _account(self, nbytes: int, seconds: float, to_host: bool) -> None:
+        # kvoffload_device_transfer_{bytes,seconds}{direction}: read by the scheduler process.
+        row = self._stats_row
+        i = 2 if to_host else 0
+        row[i] += nbytes
+        row[i + 1] += seconds
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec,
                      **kwargs) -> bool:
@@ -242,7 +251,12 @@ class KVOffloadWorker(OffloadingWorker):
 
     def get_finished(self) -> list[TransferResult]:
         if self._cuda is not None:
-            return self._cuda.store.get_finished() + self._cuda.load.get_finished()
+            stores = self._cuda.store.get_finished()
+            loads = self._cuda.load.get_finished()
+            for results, to_host in ((stores, True), (loads, False)):
+                for r in results:
+                    self._account(r.transfer_size or 0, r.transfer_time or 0.0, to_host)
+            return stores + loads
         out, self._finished = self._finished, []
         return out
 

@@ -73,6 +73,12 @@ def _register_tools() -> None:
 
     main.add_command(demo)
     main.add_command(bench)
+    for module, name in (("stress", "stress"), ("top", "top")):
+        try:
+            mod = __import__(f"kvoffload.tools.{module}", fromlist=[name])
+        except ImportError:  # the module is being written
+            continue
+        main.add_command(getattr(mod, name))
 
 
 _register_tools()

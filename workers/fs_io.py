@@ -29,6 +29,7 @@ import psutil
 
 from kvoffload.ipc import messages as m
 from kvoffload.workers import chunkfile as cf
+from kvoffload.workers import counters
 from kvoffload.workers.faults import Faults
 
 _NO_SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
@@ -85,6 +86,7 @@ class FsIO:
         """Write one chunk. Returns ``(code, bytes written, detail)``."""
         final = self.path(key)
         if os.path.exists(final):
+            counters.count("store_already_present")
             return m.OK, 0, ""
         tmp = None
         try:
@@ -190,6 +192,7 @@ class FsIO:
     @staticmethod
     def _remove_corrupt(path: str, fd: int) -> None:
         """Unlink ``path`` if it is still the file we verified (a writer may have replaced it)."""
+        counters.count("corrupt_removed")
         try:
             if os.stat(path).st_ino == os.fstat(fd).st_ino:
                 os.unlink(path)

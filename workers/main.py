@@ -28,6 +28,7 @@ import zmq
 from kvoffload.ipc import messages as m
 from kvoffload.ipc.arena import Arena, ArenaError
 from kvoffload.ipc.channels import WorkerChannels
+from kvoffload.workers import counters
 from kvoffload.workers.faults import DropTask, Faults
 
 SPEC_ENV = "KVOFFLOAD_WORKER"
@@ -83,6 +84,7 @@ class Worker:
                 result = self.handle(task)
             except DropTask:
                 continue
+            result.counters = counters.take()
             self.chans.send_result(m.encode(result))
 
     def handle(self, task: m.Task) -> m.TaskResult:

@@ -28,6 +28,7 @@ import msgspec
 
 from kvoffload.ipc import messages as m
 from kvoffload.workers import chunkfile as cf
+from kvoffload.workers import counters
 from kvoffload.workers.faults import Faults
 
 
@@ -160,7 +161,10 @@ class ObjIO:
             body = _Body(header, src)
             resp = self._client.put_object(Bucket=self.cfg.bucket, Key=self.name(key), Body=body,
                                            ContentLength=len(body))
-            status = int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode") or 200)
+            meta = resp.get("ResponseMetadata", {})
+            status = int(meta.get("HTTPStatusCode") or 200)
+            if meta.get("RetryAttempts"):
+                counters.count("retries", meta["RetryAttempts"])
             return m.OK, self.object_bytes, "", status
         except OSError as e:
             return m.IO_ERROR, 0, f"store {key.hex()[:16]}: {e}", 0
@@ -173,7 +177,10 @@ class ObjIO:
         name = self.name(key)
         try:
             resp = self._client.get_object(Bucket=self.cfg.bucket, Key=name)
-            status = int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode") or 200)
+            meta = resp.get("ResponseMetadata", {})
+            status = int(meta.get("HTTPStatusCode") or 200)
+            if meta.get("RetryAttempts"):
+                counters.count("retries", meta["RetryAttempts"])
             self.faults.hit("after_metadata_before_read", key)
             self.faults.hit("read_payload", key)
             data = resp["Body"].read()
@@ -197,6 +204,7 @@ class ObjIO:
             except cf.ChunkFormatError as e:
                 why = str(e)
         if why is not None:
+            counters.count("corrupt_removed")
             self._delete_quietly(name)
             return m.CORRUPT, 0, f"{key.hex()[:16]}: {why}", status
         return m.OK, self.object_bytes, "", status

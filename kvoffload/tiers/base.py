@@ -23,6 +23,8 @@ from typing import Any, ClassVar
 
 import msgspec
 
+from kvoffload.metrics import CORE_METRICS, MetricDef, MetricSet
+
 
 class LookupResult(enum.Enum):
     """Answer to a chunk lookup (the same four values as vLLM's ``LookupResult``)."""
@@ -97,24 +99,43 @@ class SecondaryTierManager(ABC):
         locality: ``"LOCAL"`` or ``"REMOTE"``.
         shared: chunks may be read by other processes or instances, so chunk keys must be
             deterministic across processes.
+        metric_definitions: the tier's own Prometheus metrics (:func:`kvoffload.metrics.Counter`,
+            ``Gauge``, ``Histogram``), exported standalone and under vLLM with no other wiring.
+            Record them with ``self.metrics.inc / set / observe(name, value, *labels)``; a counter
+            counted with :meth:`count` (engine side) or ``kvoffload.workers.counters.count`` (in
+            a worker) under a declared counter's name goes to that counter (label ``tier``).
+
+    Metrics: ``self.metrics`` is the manager's :class:`~kvoffload.metrics.MetricSet` once the tier
+    joins a tiering manager; :meth:`report_metrics` sets gauges (queue depths, live workers) at each
+    scrape. Counters of :meth:`count` appear as ``kvoffload_tier_events_total{tier, event}``.
     """
 
     config_class: ClassVar[type[msgspec.Struct]]
     medium: ClassVar[str] = "STORAGE"
     locality: ClassVar[str] = "LOCAL"
     shared: ClassVar[bool] = False
+    metric_definitions: ClassVar[tuple[MetricDef, ...]] = ()
 
     def __init__(self, *, name: str, arena_view: memoryview, namespace: Any, config: msgspec.Struct):
         self.name = name
         self.arena_view = arena_view
         self.namespace = namespace
         self.config = config
-        self.counters: dict[str, int] = {}
+        self.counters: dict[str, float] = {}
         self.record_events = True
+        self.metrics = MetricSet(CORE_METRICS + type(self).metric_definitions)
+        self._own_counters = {d.name for d in type(self).metric_definitions if d.kind == "counter"}
 
-    def count(self, counter: str, n: int = 1) -> None:
-        """Add ``n`` to one of this tier's counters (exposed as ``kvoffload_tier_<counter>``)."""
+    def count(self, counter: str, n: float = 1) -> None:
+        """Add ``n`` to one of this tier's counters: a declared counter of ``metric_definitions``
+        (label ``tier``), else ``kvoffload_tier_events_total{tier, event=counter}``."""
+        if counter in self._own_counters:
+            self.metrics.inc(counter, n, self.name)
+            return
         self.counters[counter] = self.counters.get(counter, 0) + n
+
+    def report_metrics(self, metrics: MetricSet) -> None:
+        """Set this tier's gauges (called at each scrape, from the scraping thread: read only)."""
 
     @abstractmethod
     def lookup(self, key: bytes, req_id: str = "") -> LookupResult:

@@ -99,12 +99,13 @@ class _Job:
 
 
 class _TaskRec:
-    __slots__ = ("kind", "job", "keys")
+    __slots__ = ("kind", "job", "keys", "t0")
 
     def __init__(self, kind: str, job: _Job | None, keys: list[bytes]):
         self.kind = kind
         self.job = job
         self.keys = keys
+        self.t0 = time.monotonic()
 
 
 def summarize(codes: Iterable[int]) -> str:
@@ -243,6 +244,16 @@ class ProcessTierManager(SecondaryTierManager):
             absent[key] = time.monotonic() + ttl
 
     # -- circuit breaker --------------------------------------------------------------------------
+
+    def report_metrics(self, metrics) -> None:
+        name = self.name
+        for pool, direction in ((self._readers, "load"), (self._writers, "store")):
+            metrics.set("kvoffload_tier_queue_depth", len(pool.queue), name, direction)
+        metrics.set("kvoffload_tier_inflight_jobs", self._job_count, name)
+        metrics.set("kvoffload_tier_workers_alive",
+                    sum(w.proc.poll() is None for p in self._pools for w in list(p.workers.values())),
+                    name)
+        metrics.set("kvoffload_tier_breaker_open", 1 if self._breaker_open() else 0, name)
 
     @property
     def breaker_state(self) -> str:
@@ -401,6 +412,8 @@ class ProcessTierManager(SecondaryTierManager):
                 else:
                     self._mark_absent(key, neg if code == m.MISSING else min(neg, 1.0))
             self.count("probes", len(rec.keys))
+            self.metrics.observe("kvoffload_lookup_latency_seconds", time.monotonic() - rec.t0,
+                                 self.name)
             return
         if rec.kind in ("store", "load"):
             job = rec.job
@@ -455,6 +468,9 @@ class ProcessTierManager(SecondaryTierManager):
 
     def _on_result(self, res: m.TaskResult) -> None:
         # Task ids are unique per tier: find the pool that holds it.
+        if res.counters:
+            for name, n in res.counters.items():
+                self.count(name, n)
         for pool in self._pools:
             task = pool.take(res.task_id, res.worker_id) if pool.inflight_count else None
             if task is not None:

@@ -1,0 +1,221 @@
+"""KV events for cache-aware routers (llm-d, Dynamo) on a ZMQ PUB socket.
+
+Two streams on one socket, each message three frames ``(topic, seq, payload)`` with ``seq`` an
+8-byte big-endian counter from 0, gap-free per topic:
+
+- ``topic``: vLLM's own wire format. ``payload`` is the msgpack of a ``KVEventBatch``
+  (array-like ``[ts, events, data_parallel_rank]``) whose events are ``BlockStored`` /
+  ``BlockRemoved`` tagged structs with a ``medium`` per tier (``CPU`` for the host tier, the tier's
+  medium, e.g. ``STORAGE``, for the others), ``locality`` and ``ownership`` (the secondary tier's
+  name). The structs below mirror ``vllm/distributed/kv_events.py`` (vLLM 0.32) field for field,
+  so a consumer built for vLLM's events decodes ours with vLLM's own decoder.
+- ``movements_topic``: one :class:`Movement` per chunk moved between tiers (``device`` → ``host``
+  offload, ``host`` → tier write-through, tier → ``host`` promotion, ``host`` → ``device`` reload,
+  tier → ``none`` eviction), in a :class:`MovementBatch` msgpack map.
+
+Replay (vLLM's protocol): a DEALER on ``replay_endpoint`` sends ``(b"", start_seq)``; the publisher
+answers ``(b"", topic, seq, payload)`` for each buffered engine batch with ``seq >= start_seq``, then
+``(b"", b"", END_SEQ, b"")``. ``(b"", start_seq, topic)`` replays the named topic instead.
+
+The engine thread only queues Python objects (:meth:`EventPublisher.publish`); encoding, sending and
+replay run in the publisher's own thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import msgspec
+import zmq
+
+log = logging.getLogger("kvoffload.events")
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+# -- vLLM's KV event format (vllm/distributed/kv_events.py) ---------------------------------------
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """Base of vLLM's KV cache events (tag field ``type``, the class name)."""
+
+
+class BlockStored(KVCacheEvent):
+    """Chunks stored in a medium. ``block_hashes`` are kvoffload chunk keys (bytes)."""
+
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    """Chunks removed from a medium."""
+
+    block_hashes: list[bytes | int]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+# -- chunk movements ------------------------------------------------------------------------------
+
+class Movement(msgspec.Struct, gc=False):
+    """One chunk moved: ``src`` → ``dst`` (``device``, ``host``, a tier name, or ``none`` for an
+    eviction); ``locality`` ``local`` / ``remote`` (of the tier side); ``nbytes`` payload bytes."""
+
+    key: bytes
+    src: str
+    dst: str
+    locality: str
+    nbytes: int
+
+
+class MovementBatch(msgspec.Struct, gc=False):
+    """A step's movements. ``ts`` wall-clock seconds; ``instance`` the publishing manager."""
+
+    ts: float
+    instance: str
+    events: list[Movement]
+
+
+class EventPublisher:
+    """The PUB socket (and optional replay ROUTER) with its sending thread.
+
+    Args:
+        config: :class:`~kvoffload.config.KVEventsConfig`.
+        instance: instance label carried by movement batches.
+
+    Raises:
+        zmq.ZMQError: an endpoint cannot be bound (at construction, in the caller's thread).
+    """
+
+    def __init__(self, config: Any, instance: str = ""):
+        self.config = config
+        self.instance = instance
+        self._ctx = zmq.Context(1)
+        self._topics = (config.topic.encode(), config.movements_topic.encode())
+        self.published = {"engine": 0, "movements": 0}
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._seq = {t: 0 for t in self._topics}
+        self._buffers = {t: deque(maxlen=config.buffer_steps) for t in self._topics}
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._replay = None
+        try:
+            self._pub.setsockopt(zmq.SNDHWM, config.hwm)
+            self._pub.setsockopt(zmq.LINGER, 500)
+            self._pub.bind(config.endpoint)
+            self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            self.replay_endpoint = None
+            if config.replay_endpoint:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.bind(config.replay_endpoint)
+                self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError:
+            self._close_sockets()
+            raise
+        self._thread = threading.Thread(target=self._run, name="kvoffload-events", daemon=True)
+        self._thread.start()
+
+    # -- engine thread ----------------------------------------------------------------------------
+
+    def publish(self, engine_events: list, movements: list[Movement]) -> None:
+        """Queue one step's events (either list may be empty). Never blocks."""
+        if engine_events or movements:
+            self._queue.put((time.time(), engine_events, movements))
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Send what is queued, then close the sockets. Idempotent."""
+        if self._thread is None:
+            return
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+        self._thread = None
+        if self._pub is not None:
+            self._close_sockets()
+
+    # -- publisher thread -------------------------------------------------------------------------
+
+    def _close_sockets(self) -> None:
+        for s in (self._pub, self._replay):
+            if s is not None:
+                s.close()
+        self._pub = self._replay = None
+        self._ctx.term()
+
+    def _send(self, topic: bytes, payload: bytes) -> None:
+        seq = self._seq[topic]
+        self._seq[topic] = seq + 1
+        self._pub.send_multipart((topic, seq.to_bytes(8, "big"), payload), copy=False)
+        self._buffers[topic].append((seq, payload))
+
+    def _run(self) -> None:
+        enc = msgspec.msgpack.Encoder()
+        engine_topic, moves_topic = self._topics
+        while True:
+            if self._replay is not None and self._replay.poll(0):
+                try:
+                    self._serve_replay()
+                except zmq.ZMQError as e:
+                    log.warning("kvoffload events: replay request failed: %s", e)
+            try:
+                item = self._queue.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if item is None:
+                break
+            ts, engine_events, movements = item
+            try:
+                if engine_events:
+                    self._send(engine_topic, enc.encode(KVEventBatch(ts=ts, events=engine_events)))
+                    self.published["engine"] += 1
+                if movements:
+                    self._send(moves_topic, enc.encode(
+                        MovementBatch(ts=ts, instance=self.instance, events=movements)))
+                    self.published["movements"] += 1
+            except zmq.ZMQError as e:  # a full HWM drops, as ZMQ PUB does; never stop the thread
+                log.warning("kvoffload events: publish failed: %s", e)
+        self._close_sockets()
+
+    def _serve_replay(self) -> None:
+        frames = self._replay.recv_multipart()
+        if len(frames) not in (3, 4) or len(frames[2]) != 8:
+            log.warning("kvoffload events: malformed replay request (%d frames)", len(frames))
+            return
+        client = frames[0]
+        start = int.from_bytes(frames[2], "big")
+        topic = frames[3] if len(frames) == 4 else self._topics[0]
+        for seq, payload in list(self._buffers.get(topic, ())):
+            if seq >= start:
+                self._replay.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))

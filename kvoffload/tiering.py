@@ -70,6 +70,7 @@ class Stats:
         self.store_truncations = 0
         self.loads_from = {HOST: 0, **{n: 0 for n in tier_names}}
         self.failed: dict[tuple[str, str, str], int] = {}  # (tier, direction, reason) -> chunks
+        self.failed_jobs: dict[tuple[str, str], int] = {}  # (tier, direction) -> jobs
 
     def snapshot(self) -> dict[str, Any]:
         return {k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(self).items()}
@@ -348,6 +349,8 @@ class TieringManager:
                 self.metrics.observe("kvoffload_tier_transfer_latency_seconds",
                                      res.transfer_seconds, tier.name, direction)
                 if not res.success:
+                    k2 = (tier.name, direction)
+                    stats.failed_jobs[k2] = stats.failed_jobs.get(k2, 0) + 1
                     failed_stats = stats.failed
                     for reason in (res.failed.values() if res.failed else
                                    ["unknown"] * (len(meta.keys) - len(res.successful_keys or ()))):
@@ -465,6 +468,8 @@ class TieringManager:
             m.set_total("kvoffload_device_transfer_seconds", float(dev[1]), "load")
             m.set_total("kvoffload_device_transfer_bytes", float(dev[2]), "store")
             m.set_total("kvoffload_device_transfer_seconds", float(dev[3]), "store")
+            for (tname, direction), v in list(st.failed_jobs.items()):
+                m.set_total("kvoffload_tier_failed_jobs", v, tname, direction)
             for (tname, direction, reason), v in list(st.failed.items()):
                 m.set_total("kvoffload_tier_failed_chunks", v, tname, direction, reason)
             row = self.arena.row_bytes

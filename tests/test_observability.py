@@ -124,7 +124,7 @@ def test_every_metric_is_exported_with_plausible_values(tmp_path, endpoint):
         if d.name == "kvoffload_kv_events_published":
             continue  # only with kv_events configured (see the events tests)
         exposed = {"counter": d.name + "_total", "gauge": d.name, "histogram": d.name + "_count"}
-        if d.name == "kvoffload_tier_failed_chunks":
+        if d.name in ("kvoffload_tier_failed_chunks", "kvoffload_tier_failed_jobs"):
             continue  # no failure in a clean run
         assert exposed[d.kind] in names, d.name
     v = lambda name, **kw: value(got, name, inst, **kw)  # noqa: E731
@@ -190,6 +190,7 @@ def test_counts_made_in_worker_processes_reach_the_endpoint(tmp_path, endpoint):
         ev = lambda e: value(got, "kvoffload_tier_events_total", inst, tier="fs", event=e)  # noqa: E731
         assert ev("store_already_present") == 2
         assert ev("corrupt_removed") == 1
+        assert value(got, "kvoffload_tier_failed_jobs_total", inst, tier="fs", direction="load") == 1
         assert value(got, "kvoffload_tier_failed_chunks_total", inst, tier="fs", direction="load",
                      reason="corrupt") == 1
 
@@ -405,7 +406,8 @@ def test_a_real_prometheus_scrapes_a_stress_run(tmp_path):
             series = prom.query('{__name__=~"kvoffload_.+"}')
             names = {r["metric"]["__name__"] for r in series}
             for d in CORE_METRICS:
-                if d.name in ("kvoffload_kv_events_published", "kvoffload_tier_failed_chunks"):
+                if d.name in ("kvoffload_kv_events_published", "kvoffload_tier_failed_chunks",
+                              "kvoffload_tier_failed_jobs"):
                     continue  # no KV events configured, no failure in a clean run
                 want = {"counter": d.name + "_total", "gauge": d.name,
                         "histogram": d.name + "_bucket"}[d.kind]

@@ -143,6 +143,7 @@ class Report:
     failures: dict[str, int] = field(default_factory=dict)
     dropped_stores: dict[str, int] = field(default_factory=dict)
     worker_restarts: dict[str, int] = field(default_factory=dict)
+    injected: dict[str, int] = field(default_factory=dict)
     corrupt_loads: int = 0
     hung_requests: int = 0
     hung_jobs: int = 0
@@ -248,7 +249,7 @@ class Stress:
     # -- the loop --------------------------------------------------------------------------------
 
     def run(self, workload: Workload, duration_s: float, concurrency: int,
-            progress=None, stop_requested=lambda: False) -> Report:
+            progress=None, stop_requested=lambda: False, injector=None) -> Report:
         tm = self.tm
         active: deque[_Request] = deque()
         n = 0
@@ -277,6 +278,8 @@ class Stress:
                     continue
                 active.append(req)
             tm.step()
+            if injector is not None and not stopping:
+                injector.tick(now)
             if not progressed and active:
                 for tier in tm.tiers:
                     if tier.has_pending_work():
@@ -284,7 +287,7 @@ class Stress:
                         break
             if progress is not None and now - last_progress >= 0.5:
                 last_progress = now
-                progress(self._snapshot(now - t_start))
+                progress(self._snapshot(now - t_start, injector))
             if stopping and now > t_end + self.hang_after_s:
                 rep.hung_requests += len(active)
                 break
@@ -294,13 +297,15 @@ class Stress:
         self._summarize()
         return rep
 
-    def _snapshot(self, elapsed: float) -> dict[str, Any]:
+    def _snapshot(self, elapsed: float, injector=None) -> dict[str, Any]:
         st = self.tm.stats
         found = st.host_hits + sum(st.tier_hits.values())
         return {"elapsed_s": elapsed, "requests": self.report.requests,
                 "hit_rate": found / st.host_queries if st.host_queries else 0.0,
-                "loaded": self.report.chunks_loaded, "stored": self.report.chunks_stored,
-                "corrupt": self.report.corrupt_loads}
+                "tier_hits": dict(st.tier_hits), "loaded": self.report.chunks_loaded,
+                "stored": self.report.chunks_stored, "corrupt": self.report.corrupt_loads,
+                "failed": sum(st.failed.values()),
+                "injected": dict(injector.injected) if injector is not None else {}}
 
     def _summarize(self) -> None:
         rep, tm, st = self.report, self.tm, self.tm.stats
@@ -363,12 +368,27 @@ def _print_summary(rep: Report, console) -> None:
     for k, v in rep.worker_restarts.items():
         if v:
             rows.append((f"worker restarts {k}", str(v)))
+    for k, v in sorted(rep.injected.items()):
+        rows.append((f"injected {k}", str(v)))
     rows.append(("corrupt loads", f"[{'red' if rep.corrupt_loads else 'green'}]{rep.corrupt_loads}"))
     rows.append(("hung requests / jobs", f"[{'red' if rep.hung_requests or rep.hung_jobs else 'green'}]"
                  f"{rep.hung_requests} / {rep.hung_jobs}"))
     for r in rows:
         t.add_row(*r)
     console.print(t)
+
+
+def _live_view(s: dict[str, Any]):
+    from rich.table import Table
+
+    t = Table.grid(padding=(0, 2))
+    t.add_row(f"[bold]{s['elapsed_s']:6.1f} s", f"requests {s['requests']}",
+              f"hit rate {s['hit_rate']:.3f}", f"loaded {s['loaded']}", f"stored {s['stored']}",
+              f"failed chunks {s['failed']}",
+              f"corrupt loads [{'red' if s['corrupt'] else 'green'}]{s['corrupt']}")
+    if s["injected"]:
+        t.add_row("injected", *[f"{k} {v}" for k, v in sorted(s["injected"].items())])
+    return t
 
 
 @click.command()
@@ -386,6 +406,18 @@ def _print_summary(rep: Report, console) -> None:
 @click.option("--doc-chunks", default=16, show_default=True, help="zipf/random: chunks per document.")
 @click.option("--zipf-a", default=1.1, show_default=True, help="zipf: exponent.")
 @click.option("--seed", default=0, show_default=True)
+@click.option("--obj", "add_obj", is_flag=True,
+              help="Add an obj tier on an S3-compatible server started in this process (moto).")
+@click.option("--kill-workers", is_flag=True, help="SIGKILL a random tier worker every ~2 s.")
+@click.option("--corrupt", is_flag=True,
+              help="Corrupt, truncate or delete a random stored chunk (file or object) every ~0.5 s.")
+@click.option("--fill-disk", is_flag=True,
+              help="Run the fs tiers in a small tmpfs (root only) that a ballast file fills every ~6 s "
+                   "for 2 s.")
+@click.option("--fill-disk-mib", default=128, show_default=True, help="--fill-disk: tmpfs size.")
+@click.option("--flaky-s3", is_flag=True,
+              help="Obj tiers talk through a proxy injecting 503/500, delays, dropped connections and "
+                   "a 3 s outage every ~15 s.")
 @click.option("--hang-after", default=30.0, show_default=True,
               help="Seconds after which a waiting request or an unfinished job counts as hung.")
 @click.option("--metrics-port", type=int, default=None,
@@ -396,71 +428,125 @@ def _print_summary(rep: Report, console) -> None:
                    "the config's kv_events.endpoint.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
 def stress(config_file, duration, workload, concurrency, chunk_kib, turn_chunks, conversations,
-           documents, doc_chunks, zipf_a, seed, hang_after, metrics_port, metrics_addr,
-           events_endpoint, as_json) -> None:
+           documents, doc_chunks, zipf_a, seed, add_obj, kill_workers, corrupt, fill_disk,
+           fill_disk_mib, flaky_s3, hang_after, metrics_port, metrics_addr, events_endpoint,
+           as_json) -> None:
     """Run the tiering manager under generated load, verifying every load bit-exact.
 
     Exit status 1 when a load was corrupt or a request or job hung, 2 on a bad config.
     """
+    import contextlib
+
     from rich.console import Console
+    from rich.live import Live
 
     from kvoffload import logs, metrics
+    from kvoffload.tools import stress_faults as sf
 
+    os.environ.setdefault("KVOFFLOAD_LOG_LEVEL", "WARNING")  # injected faults would flood INFO
     logs.setup()
     err = Console(stderr=True)
-    tmp = None
-    if config_file is not None:
-        try:
-            config = json.load(config_file)
-        except json.JSONDecodeError as e:
-            raise click.ClickException(f"{config_file.name}: not JSON: {e}") from None
-    else:
-        tmp = tempfile.TemporaryDirectory(prefix="kvoffload-stress-")
-        config = default_config(os.path.join(tmp.name, "fs"))
-    if events_endpoint:
-        if not isinstance(config, dict):
-            raise click.ClickException("the config must be a JSON object")
-        config = dict(config)
-        config["kv_events"] = {**(config.get("kv_events") or {}), "endpoint": events_endpoint}
-    stop = {"now": False}
-
-    def on_signal(signum, frame):
-        stop["now"] = True
-
-    old = signal.signal(signal.SIGTERM, on_signal)
-    run = None
+    stack = contextlib.ExitStack()
+    run = injector = None
+    proxies: dict[str, Any] = {}
     try:
+        if config_file is not None:
+            try:
+                config = json.load(config_file)
+            except json.JSONDecodeError as e:
+                raise click.ClickException(f"{config_file.name}: not JSON: {e}") from None
+            if not isinstance(config, dict):
+                raise click.ClickException(f"{config_file.name}: expected a JSON object")
+        else:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvoffload-stress-"))
+            config = default_config(os.path.join(tmp, "fs"))
+        config = json.loads(json.dumps(config))  # a private copy to adjust
+        tiers = config.setdefault("secondary_tiers", [])
+        if not isinstance(tiers, list):
+            raise click.ClickException("secondary_tiers: expected a list")
+        if add_obj:
+            from kvoffload.tools.s3_server import start_moto
+
+            server, endpoint = start_moto()
+            stack.callback(server.stop)
+            import boto3
+
+            boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="stress",
+                         aws_secret_access_key="stress-secret", region_name="us-east-1"
+                         ).create_bucket(Bucket="kvoffload-stress")
+            tiers.append({"type": "obj", "bucket": "kvoffload-stress", "endpoint_override": endpoint,
+                          "region": "us-east-1", "access_key_id": "stress",
+                          "secret_access_key": "stress-secret"})
+        if events_endpoint:
+            config["kv_events"] = {**(config.get("kv_events") or {}), "endpoint": events_endpoint}
+        fill_dir = None
+        if fill_disk:
+            fs_tiers = [t for t in tiers if isinstance(t, dict) and t.get("type") == "fs"]
+            if not fs_tiers:
+                raise click.ClickException("--fill-disk needs an fs tier")
+            try:
+                fill_dir = stack.enter_context(sf.small_tmpfs(fill_disk_mib << 20))
+            except sf.FaultError as e:
+                raise click.ClickException(str(e)) from None
+            for i, t in enumerate(fs_tiers):  # the fs tiers move into the tmpfs, capped at half of it
+                t["root_dir"] = os.path.join(fill_dir, f"tier{i}")
+                t["max_bytes"] = min(int(t.get("max_bytes") or 1 << 62),
+                                     (fill_disk_mib << 20) // (2 * len(fs_tiers)))
+        upstreams: dict[str, str] = {}
+        if flaky_s3:
+            from kvoffload.tools.s3_server import FaultProxy
+
+            obj_tiers = [t for t in tiers if isinstance(t, dict) and t.get("type") == "obj"]
+            if not obj_tiers:
+                raise click.ClickException("--flaky-s3 needs an obj tier (add --obj)")
+            for t in obj_tiers:
+                if not t.get("endpoint_override"):
+                    raise click.ClickException("--flaky-s3: an obj tier without endpoint_override "
+                                               "(AWS S3) cannot be put behind the fault proxy")
+                proxy = FaultProxy(t["endpoint_override"], seed=seed)
+                stack.callback(proxy.stop)
+                name = t.get("name", "obj")
+                proxies[name] = proxy
+                upstreams[name] = t["endpoint_override"]
+                t["endpoint_override"] = proxy.endpoint
         try:
             run = Stress(config, chunk_bytes=chunk_kib << 10, hang_after_s=hang_after)
         except ConfigError as e:
-            err.print(f"[red]kvoffload stress: {e}")
+            err.print(f"[red]kvoffload stress: {e}", highlight=False)
             sys.exit(2)
+        for proxy in proxies.values():  # after the tier's start-up check of the bucket
+            proxy.rules.extend(sf.flaky_rules())
+        injector = sf.FaultInjector(run.tm, kill_workers=kill_workers, corrupt=corrupt,
+                                    fill_disk_dir=fill_dir, proxies=proxies, upstreams=upstreams,
+                                    seed=seed)
         if metrics_port is not None:
             port = metrics.serve(metrics_port, metrics_addr)
-            err.print(f"metrics on http://{metrics_addr}:{port}/metrics")
+            err.print(f"metrics on http://{metrics_addr}:{port}/metrics", highlight=False)
         if run.tm._publisher is not None:
-            err.print(f"KV events on {run.tm._publisher.endpoint}")
+            err.print(f"KV events on {run.tm._publisher.endpoint}", highlight=False)
         rng = np.random.default_rng(seed)
         wl = Workload(workload, rng, conversations=conversations, turn_chunks=turn_chunks,
                       system_chunks=2, max_turns=max(1, math.ceil(64 / turn_chunks)),
                       documents=documents, doc_chunks=doc_chunks, zipf_a=zipf_a)
-        progress = None
+        stop = {"now": False}
+        old = signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(now=True))
+        stack.callback(signal.signal, signal.SIGTERM, old)
+        live = None
         if not as_json and err.is_terminal:
-            def progress(s):
-                err.print(f"{s['elapsed_s']:6.1f}s  requests {s['requests']}  hit rate "
-                          f"{s['hit_rate']:.3f}  loaded {s['loaded']}  stored {s['stored']}  "
-                          f"corrupt {s['corrupt']}", highlight=False)
+            live = stack.enter_context(Live(console=err, refresh_per_second=4, transient=True))
+        progress = (lambda snap: live.update(_live_view(snap))) if live is not None else None
         try:
-            rep = run.run(wl, duration, concurrency, progress, lambda: stop["now"])
+            rep = run.run(wl, duration, concurrency, progress, lambda: stop["now"], injector)
         except KeyboardInterrupt:
             rep = run.report
     finally:
-        signal.signal(signal.SIGTERM, old)
+        if injector is not None:
+            injector.close()
         if run is not None:
             run.close()
         metrics.stop_serving()
-        if tmp is not None:
-            tmp.cleanup()
+        stack.close()
+    rep.injected = dict(injector.injected)
     if as_json:
         out = {k: v for k, v in vars(rep).items()}
         out["ok"] = rep.ok

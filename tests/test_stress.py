@@ -1,0 +1,61 @@
+"""``kvoffload stress``: a short run with every fault injected, as CI's version of the long one."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def _stress(*args: str, timeout: float = 240) -> tuple[int, dict | None, str]:
+    proc = subprocess.run([sys.executable, "-m", "kvoffload.tools.cli", "stress", *args],
+                          capture_output=True, text=True, timeout=timeout)
+    try:
+        out = json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        out = None
+    return proc.returncode, out, proc.stderr
+
+
+def test_stress_with_every_fault_runs_clean():
+    """fs and obj tiers; workers killed, chunks corrupted / truncated / deleted, the disk filled,
+    the object store flaky and dead for a while: zero corrupt loads, zero hung requests or jobs,
+    and every injected fault visible in the summary."""
+    faults = ["--kill-workers", "--corrupt", "--obj", "--flaky-s3"]
+    root = os.geteuid() == 0
+    if root:
+        faults.append("--fill-disk")
+    rc, out, err = _stress("--duration", "20", "--chunk-kib", "64", *faults, "--json")
+    assert out is not None, err[-3000:]
+    assert rc == 0 and out["ok"], (out, err[-3000:])
+    assert out["corrupt_loads"] == 0 and out["hung_requests"] == 0 and out["hung_jobs"] == 0
+    assert out["requests"] > 100 and out["chunks_loaded"] > 0
+    inj = out["injected"]
+    assert inj["worker_killed"] > 0 and sum(out["worker_restarts"].values()) > 0
+    assert inj.get("chunk_corrupted", 0) + inj.get("chunk_truncated", 0) + inj.get("chunk_deleted", 0) > 0
+    assert inj["s3_outage"] > 0 and inj["s3_503"] > 0
+    assert out["dropped_stores"]["obj"] > 0  # the breaker dropped stores while the store was dead
+    if root:
+        assert inj["disk_filled"] > 0 and out["failures"].get("fs.store.no_space", 0) > 0
+    failure_causes = {k.rsplit(".", 1)[1] for k in out["failures"]}
+    assert failure_causes & {"corrupt", "missing"}, out["failures"]
+
+
+def test_stress_refuses_a_bad_config(tmp_path):
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"cpu_bytes_to_use": 1 << 24, "secondary_tiers": [
+        {"type": "fs", "root_dir": str(tmp_path), "max_byte": 5}]}))
+    rc, out, err = _stress("--config", str(cfg), "--duration", "1")
+    assert rc == 2
+    assert "secondary_tiers[0]" in err and "max_byte" in err
+
+
+@pytest.mark.parametrize("flag", ["--flaky-s3", "--fill-disk"])
+def test_fault_flags_without_their_tier_are_refused(flag, tmp_path):
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"cpu_bytes_to_use": 1 << 24}))
+    rc, out, err = _stress("--config", str(cfg), "--duration", "1", flag)
+    assert rc != 0 and ("needs an obj tier" in err or "needs an fs tier" in err or "root" in err)

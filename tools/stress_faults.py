@@ -1,0 +1,254 @@
+"""Faults that ``kvoffload stress`` injects while it runs, and the setup some of them need.
+
+- ``kill_workers``: SIGKILL a random tier worker process every ``kill_every_s`` (the pool must fail or
+  re-run its jobs and start a replacement).
+- ``corrupt``: every ``corrupt_every_s``, damage one stored chunk of a random fs or obj tier: flip
+  payload bytes, truncate it, or delete it (loads must turn into misses, never wrong bytes).
+- ``fill_disk``: the fs tiers run in a small tmpfs (:func:`small_tmpfs`, root only); every
+  ``fill_every_s`` a ballast file takes all its free space for ``fill_hold_s`` seconds (stores fail
+  with ``no_space`` and are dropped; nothing crashes; space comes back).
+- ``flaky_s3``: each obj tier talks to its endpoint through a
+  :class:`~kvoffload.tools.s3_server.FaultProxy` that answers some requests with 503 SlowDown or
+  500, delays some, drops some connections, and goes dead for ``s3_outage_s`` every
+  ``s3_outage_every_s`` (the breaker must open, and close again).
+
+Every injected fault is counted in :attr:`FaultInjector.injected` for the stress summary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import tempfile
+import time
+from collections import Counter
+from typing import Any
+
+from kvoffload.workers import chunkfile as cf
+
+
+class FaultError(RuntimeError):
+    """A fault cannot be set up here (e.g. ``--fill-disk`` without root)."""
+
+
+@contextlib.contextmanager
+def small_tmpfs(size_bytes: int):
+    """Mount a tmpfs of ``size_bytes`` on a new temporary directory; unmount and remove it after.
+
+    Raises:
+        FaultError: not root, or the mount failed.
+    """
+    if os.geteuid() != 0:
+        raise FaultError("--fill-disk mounts a small tmpfs for the fs tiers, which needs root")
+    path = tempfile.mkdtemp(prefix="kvoffload-stress-tmpfs-")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", path],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        os.rmdir(path)
+        raise FaultError(f"--fill-disk: mount -t tmpfs failed: {r.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        for _ in range(50):
+            if subprocess.run(["umount", path], capture_output=True).returncode == 0:
+                break
+            time.sleep(0.1)  # a worker still closing a file
+        else:
+            subprocess.run(["umount", "-l", path], capture_output=True)
+        with contextlib.suppress(OSError):
+            os.rmdir(path)
+
+
+class FaultInjector:
+    """Injects the enabled faults into a running :class:`~kvoffload.tiering.TieringManager`.
+
+    Call :meth:`tick` from the stress loop (it returns at once unless a fault is due).
+    """
+
+    def __init__(self, tm: Any, *, kill_workers: bool = False, corrupt: bool = False,
+                 fill_disk_dir: str | None = None, proxies: dict[str, Any] | None = None,
+                 upstreams: dict[str, str] | None = None,
+                 seed: int = 0, kill_every_s: float = 2.0, corrupt_every_s: float = 0.5,
+                 fill_every_s: float = 6.0, fill_hold_s: float = 2.0,
+                 s3_outage_every_s: float = 15.0, s3_outage_s: float = 3.0):
+        self.tm = tm
+        self.rng = random.Random(seed)
+        self.injected: Counter[str] = Counter()
+        now = time.monotonic()
+        self._plan: list[list] = []  # [due, period, action]
+        if kill_workers:
+            self._plan.append([now + kill_every_s, kill_every_s, self._kill_worker])
+        if corrupt:
+            self._plan.append([now + corrupt_every_s, corrupt_every_s, self._corrupt_one])
+        self.fill_dir = fill_disk_dir
+        self._fill_hold_s = fill_hold_s
+        self._ballast: str | None = None
+        self._ballast_until = 0.0
+        if fill_disk_dir:
+            self._plan.append([now + fill_every_s / 2, fill_every_s, self._fill])
+        self.proxies = proxies or {}
+        self.upstreams = upstreams or {}  # obj tier name -> the store behind its proxy
+        self._outage_s = s3_outage_s
+        self._outage_until: float | None = None
+        if self.proxies:
+            self._plan.append([now + s3_outage_every_s / 2, s3_outage_every_s, self._s3_outage])
+        self._files: dict[str, list[str]] = {}
+        self._files_at = 0.0
+
+    def tick(self, now: float) -> None:
+        if self._ballast is not None and now >= self._ballast_until:
+            self._release_ballast()
+        if self._outage_until is not None and now >= self._outage_until:
+            for proxy in self.proxies.values():
+                proxy.start()
+            self._outage_until = None
+        for item in self._plan:
+            if now >= item[0]:
+                item[0] = now + item[1] * self.rng.uniform(0.5, 1.5)
+                item[2](now)
+
+    def close(self) -> None:
+        """Undo what is still in effect (ballast, an outage) and add the proxies' fault counts."""
+        self._release_ballast()
+        if self._outage_until is not None:
+            for proxy in self.proxies.values():
+                proxy.start()
+            self._outage_until = None
+        for proxy in self.proxies.values():
+            for rule in proxy.rules:
+                a = rule.action
+                what = f"s3_{a[1]}" if a[0] == "status" else f"s3_{a[0]}"
+                self.injected[what] += rule.hits
+            proxy.rules.clear()
+
+    # -- faults ---------------------------------------------------------------------------------
+
+    def _kill_worker(self, now: float) -> None:
+        pids = [(t.name, pid) for t in self.tm.tiers if hasattr(t, "worker_pids")
+                for pids in t.worker_pids().values() for pid in pids]
+        if not pids:
+            return
+        name, pid = self.rng.choice(pids)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+            self.injected["worker_killed"] += 1
+
+    def _chunk_files(self, root: str, now: float) -> list[str]:
+        if now - self._files_at > 2.0 or root not in self._files:
+            found = []
+            for d, _, files in os.walk(root):
+                found.extend(os.path.join(d, f) for f in files if f.endswith(cf.SUFFIX))
+                if len(found) > 5000:
+                    break
+            self._files[root] = found
+            self._files_at = now
+        return self._files[root]
+
+    def _corrupt_one(self, now: float) -> None:
+        targets = [t for t in self.tm.tiers if type(t).__name__ in ("FsTier", "ObjTier")]
+        if not targets:
+            return
+        tier = self.rng.choice(targets)
+        how = self.rng.choice(("corrupt", "truncate", "delete"))
+        if type(tier).__name__ == "FsTier":
+            files = self._chunk_files(tier.config.root_dir, now)
+            if not files:
+                return
+            path = files.pop(self.rng.randrange(len(files)))
+            try:
+                if how == "delete":
+                    os.unlink(path)
+                elif how == "truncate":
+                    os.truncate(path, os.path.getsize(path) // 2)
+                else:
+                    with open(path, "r+b") as f:
+                        f.seek(cf.HEADER_BYTES + self.rng.randrange(64))
+                        f.write(os.urandom(16))
+            except OSError:
+                return  # evicted or replaced meanwhile
+        else:
+            if not self._damage_object(tier, how):
+                return
+        self.injected[f"chunk_{how}d" if how != "corrupt" else "chunk_corrupted"] += 1
+
+    def _damage_object(self, tier: Any, how: str) -> bool:
+        clients = self.__dict__.setdefault("_s3", {})
+        if tier.name not in clients:
+            from kvoffload.workers.obj_io import make_client
+
+            io_cfg = tier._io_config(endpoint_url=self.upstreams.get(tier.name,
+                                                                     tier.config.endpoint_override),
+                                     max_attempts=1)
+            clients[tier.name] = (make_client(io_cfg), io_cfg)
+        client, cfg = clients[tier.name]
+        from kvoffload.workers.obj_io import object_prefix
+
+        prefix = object_prefix(cfg.prefix, cfg.namespace_id)
+        bucket = cfg.bucket
+        try:
+            listing = client.list_objects_v2(Bucket=bucket, Prefix=prefix, MaxKeys=200)
+            keys = [o["Key"] for o in listing.get("Contents", []) if o["Key"].endswith(cf.SUFFIX)]
+            if not keys:
+                return False
+            name = self.rng.choice(keys)
+            if how == "delete":
+                client.delete_object(Bucket=bucket, Key=name)
+            else:
+                body = client.get_object(Bucket=bucket, Key=name)["Body"].read()
+                if how == "truncate":
+                    body = body[:len(body) // 2]
+                else:
+                    body = body[:cf.HEADER_BYTES] + os.urandom(16) + body[cf.HEADER_BYTES + 16:]
+                client.put_object(Bucket=bucket, Key=name, Body=body)
+            return True
+        except Exception:  # noqa: BLE001 - the store may be down (flaky-s3): try again later
+            return False
+
+    def _fill(self, now: float) -> None:
+        if self._ballast is not None:
+            return
+        path = os.path.join(self.fill_dir, "ballast")
+        st = os.statvfs(self.fill_dir)
+        free = st.f_bavail * st.f_frsize
+        if free <= 0:
+            return
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_WRONLY, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, free)
+            except OSError:
+                pass  # took what it could
+            finally:
+                os.close(fd)
+        except OSError:
+            return
+        self._ballast = path
+        self._ballast_until = now + self._fill_hold_s
+        self.injected["disk_filled"] += 1
+
+    def _release_ballast(self) -> None:
+        if self._ballast is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._ballast)
+            self._ballast = None
+
+    def _s3_outage(self, now: float) -> None:
+        if self._outage_until is not None:
+            return
+        for proxy in self.proxies.values():
+            proxy.stop()
+        self._outage_until = now + self._outage_s
+        self.injected["s3_outage"] += 1
+
+
+def flaky_rules() -> list:
+    """The steady faults of ``--flaky-s3``: 3% 503 SlowDown, 1% 500, 2% delayed 0.3 s, 0.5% dropped."""
+    from kvoffload.tools.s3_server import Rule
+
+    return [Rule("*", "", ("status", 503, "SlowDown"), probability=0.03),
+            Rule("*", "", ("status", 500, "InternalError"), probability=0.01),
+            Rule("*", "", ("delay", 0.3), probability=0.02),
+            Rule("*", "", ("drop",), probability=0.005)]

@@ -6,6 +6,8 @@
     kvoffload bench    measurements for BENCHMARKS.md
     kvoffload sweep    remove host arenas of dead engines from /dev/shm (``--list`` to show them)
     kvoffload check    validate a kv_connector_extra_config JSON file and print the resolved config
+    kvoffload stress   the tiering manager under generated load and injected faults, loads verified
+    kvoffload top      live monitor of a running engine or stress run
 """
 
 from __future__ import annotations
@@ -70,15 +72,11 @@ def check(config_file) -> None:
 def _register_tools() -> None:
     from kvoffload.tools.bench import bench
     from kvoffload.tools.demo import demo
+    from kvoffload.tools.stress import stress
+    from kvoffload.tools.top import top
 
-    main.add_command(demo)
-    main.add_command(bench)
-    for module, name in (("stress", "stress"), ("top", "top")):
-        try:
-            mod = __import__(f"kvoffload.tools.{module}", fromlist=[name])
-        except ImportError:  # the module is being written
-            continue
-        main.add_command(getattr(mod, name))
+    for command in (demo, bench, stress, top):
+        main.add_command(command)
 
 
 _register_tools()

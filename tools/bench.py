@@ -552,3 +552,5 @@ def bench_ttft(pairs, doc_tokens) -> None:
                f"{r['reload_s']:.3f} s | {r['device_s']:.3f} s | {r['reload_vs_recompute']:.3f}x | "
                f"{r['device_vs_recompute']:.3f}x |")
     click.echo(f"<!-- rows {json.dumps(r['rows'])} -->", err=True)
+from kvoffload.tools.bench_peers import vllm_fs  # noqa: E402
+bench.add_command(vllm_fs)

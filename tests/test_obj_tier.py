@@ -171,6 +171,28 @@ def test_c09_dead_endpoint_opens_the_breaker_which_closes_when_it_answers_again(
         proxy.stop()
 
 
+def test_c09_a_burst_of_failures_opens_the_breaker_once_for_its_base_cooldown(moto, bucket):
+    """Tasks already in flight when the breaker opens fail after it: they must not reopen it and
+    double its cooldown again and again (one outage kept it open for minutes)."""
+    proxy = FaultProxy(moto)
+    try:
+        cfg = obj_tier(proxy.endpoint, bucket, max_attempts=1, connect_timeout_s=0.5,
+                       breaker_failures=3, breaker_cooldown_s=1.0, chunks_per_task=1)
+        with Rig([cfg], num_slots=32) as rig:
+            proxy.stop()
+            rig.store(keys_for(12))  # 12 tasks in flight at once, all failing
+            tier = rig.fs
+            assert tier.counters["breaker_opens"] == 1
+            assert 0 < tier._open_until - time.monotonic() <= 1.0
+            proxy.start()
+            time.sleep(1.1)
+            assert tier.breaker_state == "half_open"
+            rig.store(keys_for(1, seed=40))
+            assert tier.breaker_state == "closed"
+    finally:
+        proxy.stop()
+
+
 def test_missing_bucket_and_unreachable_endpoint_fail_at_start(moto):
     with pytest.raises(ConfigError, match="bucket: 'no-such-bucket' does not exist"):
         Rig([obj_tier(moto, "no-such-bucket")])

@@ -280,8 +280,10 @@ class ProcessTierManager(SecondaryTierManager):
             self._open_until = 0.0
             self._open_count = 0
             return
+        if self._breaker_open():
+            return  # tasks sent before the breaker opened, failing late: already counted
         self._failures += 1
-        half_open = self._open_until != 0.0 and not self._breaker_open()
+        half_open = self._open_until != 0.0
         if self._failures >= limit or half_open:
             cooldown = self.config.breaker_cooldown_s * (2 ** min(self._open_count, 4))
             self._open_until = time.monotonic() + cooldown

@@ -211,6 +211,10 @@ def parse_config(extra_config: dict[str, Any]) -> OffloadConfig:
                 f"name together with cache_policy_module_path"
             )
     ev = cfg.kv_events
+    if (ev is not None and ev.replay_endpoint == ev.endpoint
+            and not ev.endpoint.endswith(":0")):  # port 0: each socket gets its own free port
+        raise ConfigError("kv_connector_extra_config.kv_events.replay_endpoint: the same as endpoint "
+                          f"({ev.endpoint!r}); the replay socket needs its own address")
     if ev is not None:
         a, b = ev.topic, ev.movements_topic
         if a.startswith(b) or b.startswith(a):

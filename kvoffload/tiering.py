@@ -153,9 +153,11 @@ class TieringManager:
                     t.shutdown()
                 from kvoffload.config import ConfigError
 
+                ev = config.kv_events
+                where = repr(ev.endpoint) + (f" or replay_endpoint {ev.replay_endpoint!r}"
+                                             if ev.replay_endpoint else "")
                 raise ConfigError(f"kv_connector_extra_config.kv_events.endpoint: cannot bind "
-                                  f"{config.kv_events.endpoint!r} / "
-                                  f"{config.kv_events.replay_endpoint!r}: {e}") from None
+                                  f"{where}: {e}") from None
             self._moves = []
             self._localities = {HOST: "local", **{t.name: t.locality.lower() for t in self.tiers}}
             self._media = {HOST: "CPU", **{t.name: t.medium for t in self.tiers}}

@@ -416,3 +416,11 @@ def test_a_real_prometheus_scrapes_a_stress_run(tmp_path):
         proc.terminate()
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out.decode()[-2000:]
+
+
+def test_a_replay_endpoint_equal_to_the_endpoint_is_refused():
+    from kvoffload.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match="kv_events.replay_endpoint"):
+        parse_config({"cpu_bytes_to_use": 1 << 20,
+                      "kv_events": {"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5557"}})

@@ -58,4 +58,19 @@ def test_fault_flags_without_their_tier_are_refused(flag, tmp_path):
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps({"cpu_bytes_to_use": 1 << 24}))
     rc, out, err = _stress("--config", str(cfg), "--duration", "1", flag)
-    assert rc != 0 and ("needs an obj tier" in err or "needs an fs tier" in err or "root" in err)
+    assert rc == 2 and ("needs an obj tier" in err or "needs an fs tier" in err or "root" in err)
+
+
+def test_bad_json_and_a_taken_metrics_port_are_bad_input(tmp_path):
+    import socket
+
+    cfg = tmp_path / "c.json"
+    cfg.write_text("{not json")
+    rc, _, err = _stress("--config", str(cfg), "--duration", "1")
+    assert rc == 2 and "not JSON" in err
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        rc, _, err = _stress("--duration", "1", "--metrics-port", str(port))
+    assert rc == 2 and f"--metrics-port {port}" in err and "Traceback" not in err

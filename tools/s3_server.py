@@ -177,7 +177,13 @@ class FaultProxy:
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
 
-            do_GET = do_PUT = do_HEAD = do_DELETE = do_POST = _handle
+            def _handle_quietly(self):
+                try:
+                    self._handle()
+                except (BrokenPipeError, ConnectionResetError, TimeoutError, OSError):
+                    self.close_connection = True  # the client gave up (or the fault dropped it)
+
+            do_GET = do_PUT = do_HEAD = do_DELETE = do_POST = _handle_quietly
 
         self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
         self._server.daemon_threads = True

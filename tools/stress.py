@@ -46,9 +46,9 @@ _K1 = np.uint64(0x9E3779B97F4A7C15)
 
 
 def default_config(root_dir: str) -> dict[str, Any]:
-    """The embedded default: a 64 MiB host tier and an fs tier under ``root_dir``."""
+    """The embedded default: a 64 MiB host tier and an fs tier under ``root_dir`` capped at 2 GiB."""
     return {"cpu_bytes_to_use": 64 << 20, "eviction_policy": "lru",
-            "secondary_tiers": [{"type": "fs", "root_dir": root_dir}]}
+            "secondary_tiers": [{"type": "fs", "root_dir": root_dir, "max_bytes": 2 << 30}]}
 
 
 def payload(key: bytes, row_bytes: int) -> np.ndarray:
@@ -356,7 +356,7 @@ def _print_summary(rep: Report, console) -> None:
         ("hit rate", f"{rep.hit_rate:.3f}"),
     ]
     for name, r in rep.tier_hit_rate.items():
-        rows.append((f"  {name} hit rate", f"{r:.3f}"))
+        rows.append((f"  {name} hit rate (of lookups reaching it)", f"{r:.3f}"))
     for name, g in rep.tier_gbps.items():
         rows.append((f"  {name} load / store", f"{g['load']:.3f} / {g['store']:.3f} GB/s"))
     rows.append(("tokens from", ", ".join(f"{k} {v}" for k, v in rep.tokens_from.items())))
@@ -378,6 +378,13 @@ def _print_summary(rep: Report, console) -> None:
     console.print(t)
 
 
+def _bad_input(message: str):
+    """Exit with status 2 (bad input), as click does for bad options."""
+    e = click.ClickException(message)
+    e.exit_code = 2
+    raise e
+
+
 def _live_view(s: dict[str, Any]):
     from rich.table import Table
 
@@ -394,7 +401,7 @@ def _live_view(s: dict[str, Any]):
 @click.command()
 @click.option("--config", "config_file", type=click.File("r"),
               help="JSON file with the same content as vLLM's kv_connector_extra_config "
-                   "(default: 64 MiB host tier + fs tier in a temporary directory).")
+                   "(default: 64 MiB host tier + fs tier of at most 2 GiB in a temporary directory).")
 @click.option("--duration", default=30.0, show_default=True, help="Seconds of load.")
 @click.option("--workload", type=click.Choice(["multiturn", "zipf", "random"]), default="multiturn",
               show_default=True)
@@ -420,7 +427,7 @@ def _live_view(s: dict[str, Any]):
                    "a 3 s outage every ~15 s.")
 @click.option("--hang-after", default=30.0, show_default=True,
               help="Seconds after which a waiting request or an unfinished job counts as hung.")
-@click.option("--metrics-port", type=int, default=None,
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
               help="Serve Prometheus metrics on this port (0: any free port, printed).")
 @click.option("--metrics-addr", default="127.0.0.1", show_default=True)
 @click.option("--events-endpoint", default=None,
@@ -433,7 +440,8 @@ def stress(config_file, duration, workload, concurrency, chunk_kib, turn_chunks,
            as_json) -> None:
     """Run the tiering manager under generated load, verifying every load bit-exact.
 
-    Exit status 1 when a load was corrupt or a request or job hung, 2 on a bad config.
+    Exit status: 0 clean; 1 when a load was corrupt or a request or job hung; 2 on bad input (config,
+    options, a port in use) or a fault that cannot be set up here.
     """
     import contextlib
 
@@ -454,16 +462,16 @@ def stress(config_file, duration, workload, concurrency, chunk_kib, turn_chunks,
             try:
                 config = json.load(config_file)
             except json.JSONDecodeError as e:
-                raise click.ClickException(f"{config_file.name}: not JSON: {e}") from None
+                _bad_input(f"{config_file.name}: not JSON: {e}")
             if not isinstance(config, dict):
-                raise click.ClickException(f"{config_file.name}: expected a JSON object")
+                _bad_input(f"{config_file.name}: expected a JSON object")
         else:
             tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvoffload-stress-"))
             config = default_config(os.path.join(tmp, "fs"))
         config = json.loads(json.dumps(config))  # a private copy to adjust
         tiers = config.setdefault("secondary_tiers", [])
         if not isinstance(tiers, list):
-            raise click.ClickException("secondary_tiers: expected a list")
+            _bad_input("secondary_tiers: expected a list")
         if add_obj:
             from kvoffload.tools.s3_server import start_moto
 
@@ -483,11 +491,11 @@ def stress(config_file, duration, workload, concurrency, chunk_kib, turn_chunks,
         if fill_disk:
             fs_tiers = [t for t in tiers if isinstance(t, dict) and t.get("type") == "fs"]
             if not fs_tiers:
-                raise click.ClickException("--fill-disk needs an fs tier")
+                _bad_input("--fill-disk needs an fs tier")
             try:
                 fill_dir = stack.enter_context(sf.small_tmpfs(fill_disk_mib << 20))
             except sf.FaultError as e:
-                raise click.ClickException(str(e)) from None
+                _bad_input(str(e))
             for i, t in enumerate(fs_tiers):  # the fs tiers move into the tmpfs, capped at half of it
                 t["root_dir"] = os.path.join(fill_dir, f"tier{i}")
                 t["max_bytes"] = min(int(t.get("max_bytes") or 1 << 62),
@@ -498,11 +506,11 @@ def stress(config_file, duration, workload, concurrency, chunk_kib, turn_chunks,
 
             obj_tiers = [t for t in tiers if isinstance(t, dict) and t.get("type") == "obj"]
             if not obj_tiers:
-                raise click.ClickException("--flaky-s3 needs an obj tier (add --obj)")
+                _bad_input("--flaky-s3 needs an obj tier (add --obj)")
             for t in obj_tiers:
                 if not t.get("endpoint_override"):
-                    raise click.ClickException("--flaky-s3: an obj tier without endpoint_override "
-                                               "(AWS S3) cannot be put behind the fault proxy")
+                    _bad_input("--flaky-s3: an obj tier without endpoint_override (AWS S3) cannot be "
+                               "put behind the fault proxy")
                 proxy = FaultProxy(t["endpoint_override"], seed=seed)
                 stack.callback(proxy.stop)
                 name = t.get("name", "obj")
@@ -520,7 +528,11 @@ def stress(config_file, duration, workload, concurrency, chunk_kib, turn_chunks,
                                     fill_disk_dir=fill_dir, proxies=proxies, upstreams=upstreams,
                                     seed=seed)
         if metrics_port is not None:
-            port = metrics.serve(metrics_port, metrics_addr)
+            try:
+                port = metrics.serve(metrics_port, metrics_addr)
+            except OSError as e:
+                _bad_input(f"--metrics-port {metrics_port}: cannot serve on {metrics_addr}: "
+                           f"{e.strerror or e}")
             err.print(f"metrics on http://{metrics_addr}:{port}/metrics", highlight=False)
         if run.tm._publisher is not None:
             err.print(f"KV events on {run.tm._publisher.endpoint}", highlight=False)

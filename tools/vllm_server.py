@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,6 +93,9 @@ class VLLMServer:
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
         env.setdefault("VLLM_DO_NOT_TRACK", "1")
         env["VLLM_CPU_OMP_THREADS_BIND"] = self.spec.threads
+        # vLLM's IPC sockets go in a directory of this server's, removed at stop (not in /tmp).
+        self._rpc_dir = tempfile.mkdtemp(prefix="kvoffload-vllm-rpc-")
+        env["VLLM_RPC_BASE_PATH"] = self._rpc_dir
         if self.spec.log_path:
             Path(self.spec.log_path).parent.mkdir(parents=True, exist_ok=True)
             self._log = open(self.spec.log_path, "wb")
@@ -164,6 +169,9 @@ class VLLMServer:
             pass
         self.proc.wait()
         self.proc = None
+        if getattr(self, "_rpc_dir", None):
+            shutil.rmtree(self._rpc_dir, ignore_errors=True)
+            self._rpc_dir = None
         if self._log:
             self._log.close()
             self._log = None

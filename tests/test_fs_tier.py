@@ -462,3 +462,36 @@ def test_tasks_queued_behind_a_hung_task_are_rerun_not_failed(tmp_path):
         assert res == [HIT, HIT]  # re-run on the replacement worker, not failed with the hung one
         assert rig.resolve([hung], timeout_s=15) == [MISS]
         assert rig.fs.counters["job_timeouts"] == 1
+
+
+def test_c10_a_chunk_evicted_from_a_capped_tier_is_a_miss_while_its_delete_is_pending(tmp_path):
+    """An evicted chunk's file lives on until a writer deletes it. A probe answered in that window,
+    or a store of the same chunk that finds the old file and skips, must not make the tier believe
+    it holds the chunk: the delete then removes it and the load would find nothing."""
+    gate = tmp_path / "deletes-may-run"
+    fb = ROW + 4096
+    cfg = fs_tier(tmp_path / "fs", max_bytes=2 * fb, write_workers=2,
+                  faults=[{"point": "delete", "action": "wait_file", "arg": str(gate), "count": -1}])
+    with Rig([cfg], num_slots=8) as rig:
+        rig.wait_workers_ready()  # the blocked delete and the store of k3 go to different writers
+        k1, k2, k3 = keys_for(3)
+        rig.store([k1])
+        rig.store([k2])
+        rig.store([k3], wait=False)  # evicts k1 from the tier; its delete waits at the gate
+        deadline = time.monotonic() + 10
+        while rig.tm.stats.cascaded["fs"] < 3 and time.monotonic() < deadline:
+            rig.tm.step()
+            time.sleep(0.005)
+        assert rig.tm.stats.cascaded["fs"] == 3
+        assert rig.fs.counters["evictions"] == 1
+        rig.tm.host.remove([k1])
+        assert rig.resolve([k1]) == [MISS]  # the probe still saw the file
+        assert rig.fs.counters["stale_probes"] >= 1
+        rig.store([k1], wait=False)  # a store while the delete is pending is refused, not "skipped"
+        rig.tm.step()
+        gate.touch()
+        assert rig.tm.wait_idle(20)
+        assert rig.fs.counters.get("store_skipped_deleting", 0) == 1
+        rig.tm.host.remove([k1])
+        assert rig.resolve([k1]) == [MISS]
+        assert rig.tm.stats.promotion_failures["fs"] == 0  # no load went looking for a deleted file

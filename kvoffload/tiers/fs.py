@@ -15,6 +15,7 @@ are not counted here. Without ``max_bytes`` the tier never deletes anything but 
 from __future__ import annotations
 
 import os
+import time
 from collections import OrderedDict
 from typing import Any, Literal
 
@@ -25,6 +26,8 @@ from kvoffload.tiers.base import TierEvent
 from kvoffload.workers import chunkfile as cf
 
 _SCAN_TIMEOUT_S = 600.0
+# Evictions remembered to spot probes that saw a file just before it was deleted.
+_EVICTED_MEMORY = 65536
 
 
 class FsTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True):
@@ -97,6 +100,9 @@ class FsTier(ProcessTierManager):
         self._reserved: dict[bytes, int] = {}
         self._loading: dict[bytes, int] = {}
         self._delete_queue: list[bytes] = []
+        self._deleting: dict[bytes, int] = {}  # evicted keys whose delete task has not answered
+        self._evicted_at: OrderedDict[bytes, float] = OrderedDict()  # recent evictions (monotonic s)
+        self._last_eviction = 0.0
         self.start()
         # Clean up temporary files of writers that died; with a cap, also adopt existing chunks.
         tid = self._next_task_id()
@@ -142,6 +148,12 @@ class FsTier(ProcessTierManager):
             if k in self._reserved:
                 admitted.append(i)  # an earlier job is writing it; the worker skips or rewrites it
                 continue
+            if k in self._deleting:
+                # Evicted, its delete not yet done: a writer would find the old file, skip the
+                # write, and the delete would then remove the chunk we count as stored.
+                rejected[k] = m.REJECTED
+                self.count("store_skipped_deleting")
+                continue
             while self.used_bytes + self._reserved_bytes() + fb > cap:
                 if not self._evict_one(protect=set(keys)):
                     break
@@ -164,6 +176,11 @@ class FsTier(ProcessTierManager):
             self.used_bytes -= index.pop(k)
             self._present.pop(k, None)
             self._delete_queue.append(k)
+            evicted = self._evicted_at
+            evicted[k] = self._last_eviction = time.monotonic()
+            evicted.move_to_end(k)
+            if len(evicted) > _EVICTED_MEMORY:
+                evicted.popitem(last=False)
             self.count("evictions")
             return True
         return False
@@ -174,18 +191,40 @@ class FsTier(ProcessTierManager):
         keys, self._delete_queue = self._delete_queue, []
         if self.record_events:
             self._events.append(TierEvent(list(keys), True))
+        deleting = self._deleting
+        for k in keys:
+            deleting[k] = deleting.get(k, 0) + 1
         for start in range(0, len(keys), 256):
             batch = keys[start:start + 256]
             tid = self._next_task_id()
             self._send(self._writers, "delete", None, batch, m.DeleteTask(tid, batch))
 
-    def _on_stores_done(self, keys: list[bytes], failed: dict[bytes, int]) -> None:
+    def _removals_since(self, t: float) -> bool:
+        return self._last_eviction >= t or bool(self._deleting)
+
+    def _removed_since(self, key: bytes, t: float) -> bool:
+        if key in self._deleting:
+            return True  # its delete is queued or running: whatever a worker saw is going away
+        at = self._evicted_at.get(key)
+        return at is not None and at >= t
+
+    def _on_deletes_done(self, keys: list[bytes]) -> None:
+        deleting = self._deleting
+        for k in keys:
+            n = deleting.get(k, 0) - 1
+            if n > 0:
+                deleting[k] = n
+            else:
+                deleting.pop(k, None)
+
+    def _on_stores_done(self, keys: list[bytes], failed: dict[bytes, int],
+                        removed=()) -> None:
         index = self._index
         if index is None:
             return
         for key in keys:
             fb = self._reserved.pop(key, None)
-            if key not in failed and key not in index:
+            if key not in failed and key not in index and key not in removed:
                 index[key] = fb or self.file_bytes
                 self.used_bytes += index[key]
 

@@ -24,7 +24,7 @@ import os
 import time
 from abc import abstractmethod
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Annotated, Any, ClassVar
 
 import msgspec
@@ -178,11 +178,24 @@ class ProcessTierManager(SecondaryTierManager):
         """Which positions of ``keys`` to write; the rest fail with the returned codes."""
         return list(range(len(keys))), {}
 
-    def _on_stores_done(self, keys: list[bytes], failed: dict[bytes, int]) -> None:
+    def _on_stores_done(self, keys: list[bytes], failed: dict[bytes, int],
+                        removed: Collection[bytes] = ()) -> None:
         """A store job finished: ``failed`` maps the keys that failed to their codes."""
 
     def _on_loads_done(self, keys: list[bytes], failed: dict[bytes, int]) -> None:
         """A load job finished: ``failed`` maps the keys that failed to their codes."""
+
+    def _on_deletes_done(self, keys: list[bytes]) -> None:
+        """A delete task answered (done or failed)."""
+
+    def _removals_since(self, t: float) -> bool:
+        """True when this tier removed any chunk after monotonic time ``t``."""
+        return False
+
+    def _removed_since(self, key: bytes, t: float) -> bool:
+        """True when this tier removed ``key`` after monotonic time ``t`` (a probe sent before
+        then may have seen the file that is now gone)."""
+        return False
 
     def _on_scan(self, entries: list[tuple[bytes, int, float]]) -> None:
         pass
@@ -368,7 +381,14 @@ class ProcessTierManager(SecondaryTierManager):
         meta = job.meta
         failed = job.failed
         ok_keys = [k for k in meta.keys if k not in failed] if failed else meta.keys
-        self._mark_present_many(ok_keys)
+        if not job.is_load and self._removals_since(job.t0):
+            # Removed by this tier (evicted) while the job ran: a write that found the old file
+            # and skipped may be followed by the delete. Stored for the engine, not present here.
+            gone = {k for k in ok_keys if self._removed_since(k, job.t0)}
+            self._mark_present_many(k for k in ok_keys if k not in gone)
+        else:
+            gone = ()
+            self._mark_present_many(ok_keys)
         if job.is_load:
             self._on_loads_done(meta.keys, failed)
             for k in failed:
@@ -377,7 +397,7 @@ class ProcessTierManager(SecondaryTierManager):
             if failed:
                 self.count("load_failures", len(failed))
         else:
-            self._on_stores_done(meta.keys, failed)
+            self._on_stores_done(meta.keys, failed, gone)
             if ok_keys and self.record_events:
                 self._events.append(TierEvent(list(ok_keys), False))
             self.count("store_chunks", len(ok_keys))
@@ -409,8 +429,11 @@ class ProcessTierManager(SecondaryTierManager):
             neg = self.config.negative_ttl_s
             for key, code in zip(rec.keys, codes):
                 self._probing.discard(key)
-                if code == m.OK:
+                if code == m.OK and not self._removed_since(key, rec.t0):
                     self._mark_present(key)
+                elif code == m.OK:
+                    self.count("stale_probes")  # evicted while the probe was out: a miss
+                    self._mark_absent(key, min(neg, 1.0))
                 else:
                     self._mark_absent(key, neg if code == m.MISSING else min(neg, 1.0))
             self.count("probes", len(rec.keys))
@@ -434,6 +457,7 @@ class ProcessTierManager(SecondaryTierManager):
             return
         if rec.kind == "delete":
             self.count("deletes", len(rec.keys))
+            self._on_deletes_done(rec.keys)
             return
         if rec.kind == "scan":
             return

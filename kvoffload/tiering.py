@@ -162,6 +162,8 @@ class TieringManager:
             self._localities = {HOST: "local", **{t.name: t.locality.lower() for t in self.tiers}}
             self._media = {HOST: "CPU", **{t.name: t.medium for t in self.tiers}}
         self.stats = Stats(self.tier_names)
+        self._store_pins = [0] * len(self.tiers)  # host slots pinned by each tier's stores
+        self._pin_limit = max(1, int(config.tier_pin_fraction * arena.num_slots))
         self._jobs: dict[int, _Job] = {}
         self._next_job = 0
         self._promotions: dict[int, dict[str, tuple[list[bytes], list[int]]]] = {}
@@ -317,10 +319,13 @@ class TieringManager:
 
     def _cascade(self, keys: list[bytes], req_id: str) -> None:
         host = self.host
+        pins = self._store_pins
         for i, tier in enumerate(self.tiers):
-            if not tier.accepts_store(len(keys)):
+            if ((pins[i] and pins[i] + len(keys) > self._pin_limit)  # the first batch always goes
+                    or not tier.accepts_store(len(keys))):
                 self.stats.dropped_stores[tier.name] += len(keys)
                 continue
+            pins[i] += len(keys)
             slots = host.pin(keys)
             meta = JobMetadata(job_id=self._job_id(), keys=list(keys), slots=slots,
                                is_promotion=False, req_id=req_id)
@@ -384,6 +389,7 @@ class TieringManager:
                                   res.transfer_seconds * 1e3)
                 else:
                     host.unpin_slots(meta.slots)
+                    self._store_pins[job.tier] -= len(meta.slots)
                     if res.success:
                         stats.cascaded[tier.name] += len(meta.keys)
                         stored = meta.keys

@@ -495,3 +495,18 @@ def test_c10_a_chunk_evicted_from_a_capped_tier_is_a_miss_while_its_delete_is_pe
         rig.tm.host.remove([k1])
         assert rig.resolve([k1]) == [MISS]
         assert rig.tm.stats.promotion_failures["fs"] == 0  # no load went looking for a deleted file
+
+
+def test_a_slow_tier_pins_at_most_tier_pin_fraction_of_the_host_tier(tmp_path):
+    gate = tmp_path / "stores-may-run"
+    cfg = fs_tier(tmp_path / "fs", faults=[{"point": "store", "action": "wait_file",
+                                            "arg": str(gate), "count": -1}])
+    with Rig([cfg], num_slots=8, tier_pin_fraction=0.5) as rig:
+        keys = keys_for(6)
+        for k in keys:
+            rig.store([k], wait=False)
+        assert rig.tm.host.num_pinned == 4  # the tier holds half the host tier, no more
+        assert rig.tm.stats.dropped_stores["fs"] == 2
+        gate.touch()
+        assert rig.tm.wait_idle(20)
+        assert rig.tm.host.num_pinned == 0 and rig.tm.stats.cascaded["fs"] == 4

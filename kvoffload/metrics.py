@@ -188,14 +188,18 @@ class MetricSet:
             series = self.values[name]
         series[labels] = value
 
-    def observe(self, name: str, value: float, *labels: str) -> None:
-        """Add one observation to a histogram."""
+    def histogram(self, name: str, *labels: str) -> HistogramValue:
+        """The series of histogram ``name`` with ``labels``, created empty if new."""
         series = self.values.get(name)
         h = series.get(labels) if series is not None else None
         if h is None:
             d = self._check(name, labels)
             h = series[labels] = HistogramValue(d.buckets or LATENCY_BUCKETS, self.keep_samples)
-        h.observe(value)
+        return h
+
+    def observe(self, name: str, value: float, *labels: str) -> None:
+        """Add one observation to a histogram."""
+        self.histogram(name, *labels).observe(value)
 
     def get(self, name: str, *labels: str) -> float:
         """Current value of a counter or gauge series (0 when never set)."""

@@ -29,6 +29,7 @@ from typing import Any
 
 from kvoffload import metrics as _metrics
 from kvoffload.config import OffloadConfig
+from kvoffload.events import BlockRemoved, BlockStored, EventPublisher, Movement
 from kvoffload.host import READY, HostTier, StorePlan
 from kvoffload.policies import make_policy
 from kvoffload.tiers import create_tier
@@ -131,21 +132,16 @@ class TieringManager:
         for t in self.tiers:
             t.metrics = self.metrics
         for name in [HOST, *self.tier_names]:  # series created up front: scrapes never see them grow
-            self.metrics.values["kvoffload_lookup_latency_seconds"].setdefault(
-                (name,), _metrics.HistogramValue(_metrics.LATENCY_BUCKETS, keep_metric_samples))
+            self.metrics.histogram("kvoffload_lookup_latency_seconds", name)
             if name != HOST:
                 for d in ("load", "store"):
-                    self.metrics.values["kvoffload_tier_transfer_latency_seconds"].setdefault(
-                        (name, d), _metrics.HistogramValue(_metrics.LATENCY_BUCKETS,
-                                                          keep_metric_samples))
+                    self.metrics.histogram("kvoffload_tier_transfer_latency_seconds", name, d)
         self.instance = _metrics.register_source(self, config.instance_id)
         self._taken_events: list[tuple[str, TierEvent]] = []
         self._engine_events: list = []
         self._moves: list | None = None
         self._lookup_sample = 0
         if config.kv_events is not None:
-            from kvoffload.events import EventPublisher
-
             try:
                 self._publisher = EventPublisher(config.kv_events, self.instance)
             except Exception as e:
@@ -413,8 +409,6 @@ class TieringManager:
     # -- events ---------------------------------------------------------------------------------
 
     def _moved(self, keys: Iterable[bytes], src: str, dst: str, locality: str) -> None:
-        from kvoffload.events import Movement
-
         nbytes = self.arena.row_bytes
         self._moves.extend(Movement(k, src, dst, locality, nbytes) for k in keys)
 
@@ -430,8 +424,6 @@ class TieringManager:
             self._taken_events.extend(got)
         if self._publisher is None:
             return
-        from kvoffload.events import BlockRemoved, BlockStored
-
         bsize = self.namespace.tokens_per_chunk
         for name, ev in got:
             medium = self._media[name]

@@ -122,3 +122,29 @@ class Rig:
         fresh = keys_for(self.arena.num_slots, seed=seed)
         for i in range(0, len(fresh), 4):
             self.store(fresh[i:i + 4])
+
+
+def replay(endpoint: str, start: int = 0, topic: bytes | None = None,
+           timeout_s: float = 10.0) -> list[tuple[int, bytes]]:
+    """Ask a KV-event replay endpoint (vLLM's protocol) for the batches from ``start`` on, of the
+    engine topic or of ``topic``; returns ``(seq, payload)`` pairs until the end marker."""
+    import zmq
+
+    from kvoffload.events import END_SEQ
+
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(endpoint)
+    try:
+        dealer.send_multipart([b"", start.to_bytes(8, "big")] + ([topic] if topic else []))
+        out = []
+        while True:
+            assert dealer.poll(int(timeout_s * 1000)), f"no replay from {endpoint}"
+            _, _, seq, payload = dealer.recv_multipart()
+            if seq == END_SEQ:
+                return out
+            out.append((int.from_bytes(seq, "big"), payload))
+    finally:
+        dealer.close()
+        ctx.term()

@@ -29,7 +29,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -37,6 +36,8 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
+
+from kvoffload.tools.s3_server import free_port
 
 INSTALL_HINT = ("install it with `apt-get install prometheus` (Debian/Ubuntu; the tests use only the "
                 "prometheus and promtool binaries, the packaged service need not run), or point "
@@ -79,12 +80,6 @@ def require_prometheus() -> str:
 
     pytest.skip(msg)
     raise AssertionError("unreachable")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _duration(seconds: float) -> str:
@@ -248,7 +243,7 @@ def start_prometheus(targets: list[str], scrape_interval_s: float = 1.0, honor_l
         with open(cfg_path, "w") as f:
             f.write(_config(targets, scrape_interval_s, honor_labels))
         for attempt in range(5):  # the free port can be taken between probing and binding
-            port = _free_port()
+            port = free_port()
             log_path = os.path.join(workdir, f"prometheus-{attempt}.log")
             with open(log_path, "wb") as log:
                 proc = subprocess.Popen(

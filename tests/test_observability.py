@@ -11,10 +11,10 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvoffload import metrics
-from kvoffload.events import END_SEQ
 from kvoffload.metrics import CORE_METRICS
 
-from helpers import HIT, MISS, PENDING, ROW, Rig, fs_tier, keys_for, payload
+from helpers import HIT, MISS, PENDING, ROW, Rig, fs_tier, keys_for, payload, replay
+from s3 import free_port
 
 
 @pytest.fixture
@@ -232,24 +232,6 @@ def _sub(ctx, endpoint: str, topic: bytes):
     return sub
 
 
-def _replay(ctx, endpoint: str, start: int, topic: bytes | None = None) -> list[tuple[int, bytes]]:
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(endpoint)
-    try:
-        frames = [b"", start.to_bytes(8, "big")] + ([topic] if topic else [])
-        dealer.send_multipart(frames)
-        out = []
-        while True:
-            assert dealer.poll(5000), "replay did not answer"
-            _, t, seq, payload = dealer.recv_multipart()
-            if seq == END_SEQ:
-                return out
-            out.append((int.from_bytes(seq, "big"), payload))
-    finally:
-        dealer.close()
-
-
 def _events_cfg():
     return {"endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}
 
@@ -289,7 +271,7 @@ def test_c20_offloaded_copies_emit_kv_events(tmp_path):
                     batches.append(sub.recv_multipart())
                 elif batches:
                     break
-            replayed = _replay(ctx, pub.replay_endpoint, 0)
+            replayed = replay(pub.replay_endpoint)
         finally:
             sub.close()
             ctx.term()
@@ -317,7 +299,6 @@ def test_movement_events_match_the_movements_the_manager_made(tmp_path):
     cfg = {"cpu_bytes_to_use": 16 * ROW, "kv_events": _events_cfg(),
            "secondary_tiers": [fs_tier(tmp_path / "fs")]}
     run = Stress(cfg, chunk_bytes=ROW)
-    ctx = zmq.Context()
     try:
         wl = Workload("multiturn", np.random.default_rng(2), conversations=6, turn_chunks=2,
                       system_chunks=1, max_turns=5, documents=1, doc_chunks=1, zipf_a=1.0)
@@ -329,10 +310,9 @@ def test_movement_events_match_the_movements_the_manager_made(tmp_path):
         evictions = tm.host.evictions
         replay_ep = tm._publisher.replay_endpoint
         time.sleep(0.3)  # the publisher thread sends what was queued
-        batches = _replay(ctx, replay_ep, 0, b"kvoffload-movements")
+        batches = replay(replay_ep, 0, b"kvoffload-movements")
     finally:
         run.close()
-        ctx.term()
     assert [s for s, _ in batches] == list(range(len(batches)))
     moves: dict[tuple[str, str], int] = {}
     for _, body in batches:
@@ -356,14 +336,6 @@ def test_overlapping_topics_are_refused():
                       "kv_events": {"topic": "kv", "movements_topic": "kv-moves"}})
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_real_prometheus_scrapes_a_stress_run(tmp_path):
     """``kvoffload stress --metrics-port`` in its own process, scraped by Debian's Prometheus."""
     import subprocess
@@ -372,7 +344,7 @@ def test_a_real_prometheus_scrapes_a_stress_run(tmp_path):
 
     from prom import start_prometheus
 
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kvoffload.tools.cli", "stress", "--duration", "40",
                              "--workload", "zipf", "--chunk-kib", "64", "--metrics-port", str(port),
                              "--json"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -11,6 +11,7 @@ pytest.importorskip("vllm")
 
 from kvoffload.tools.demo import SYSTEM, chat, maintenance_log  # noqa: E402
 from kvoffload.tools.model import prepare_model  # noqa: E402
+from helpers import replay  # noqa: E402
 from kvoffload.tools.vllm_server import (  # noqa: E402
     BLOCK_BYTES_PER_TOKEN_F32,
     ServerSpec,
@@ -101,27 +102,6 @@ def test_multi_turn_conversation_reuses_the_growing_history(server, tokenizer):
     assert t2.ttft_s < t1.ttft_s
 
 
-def _replay(endpoint: str, topic: bytes | None = None) -> list[bytes]:
-    import zmq
-
-    ctx = zmq.Context()
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(endpoint)
-    try:
-        dealer.send_multipart([b"", (0).to_bytes(8, "big")] + ([topic] if topic else []))
-        out = []
-        while True:
-            assert dealer.poll(10_000), f"no replay from {endpoint}"
-            frames = dealer.recv_multipart()
-            if frames[2] == (-1).to_bytes(8, "big", signed=True):
-                return out
-            out.append(frames[3])
-    finally:
-        dealer.close()
-        ctx.term()
-
-
 def test_metrics_and_kv_events_under_vllm(server, tokenizer):
     """After the conversations above: kvoffload's metrics on vLLM's own /metrics, vLLM's own KV
     events naming the host (CPU) and fs (STORAGE) media, and kvoffload's movements."""
@@ -156,17 +136,17 @@ def test_metrics_and_kv_events_under_vllm(server, tokenizer):
 
     dec = msgspec.msgpack.Decoder(KVEventBatch)
     media = set()
-    for payload in _replay(server.vllm_events["replay_endpoint"]):
+    for _, payload in replay(server.vllm_events["replay_endpoint"]):
         for ev in dec.decode(payload).events:
             if isinstance(ev, BlockStored):
                 media.add(ev.medium)
     assert {"GPU", "CPU", "STORAGE"} <= media, media
 
     ours = set()
-    for payload in _replay(server.our_events["replay_endpoint"]):
+    for _, payload in replay(server.our_events["replay_endpoint"]):
         ours.update(ev.medium for ev in dec.decode(payload).events)
     assert {"CPU", "STORAGE"} <= ours
     moves = set()
-    for payload in _replay(server.our_events["replay_endpoint"], b"kvoffload-movements"):
+    for _, payload in replay(server.our_events["replay_endpoint"], 0, b"kvoffload-movements"):
         moves.update((mv["src"], mv["dst"]) for mv in msgspec.msgpack.decode(payload)["events"])
     assert {("device", "host"), ("host", "fs"), ("fs", "host"), ("host", "device")} <= moves, moves

@@ -79,6 +79,17 @@ def _fio(path: str, rw: str, bs: int, size: int) -> float:
 
 # -- tier throughput ----------------------------------------------------------------------------
 
+def _load_all(tm: TieringManager, keys: list[bytes]) -> None:
+    """Look ``keys`` up every step until all are readable in the host tier (promoted from the
+    manager's first tier)."""
+    pending = list(keys)
+    while pending:
+        pending = [k for k in pending if tm.lookup(k) is not LookupResult.HIT]
+        tm.step()
+        if pending:
+            tm.tiers[0].wait(0.002)
+
+
 def tier_throughput(chunk_bytes: int, total_bytes: int, workdir: Path, reps: int, readers: int,
                     writers: int, direct_io: str = "both", io_threads: int = 8) -> dict:
     n = total_bytes // chunk_bytes
@@ -120,12 +131,7 @@ def tier_throughput(chunk_bytes: int, total_bytes: int, workdir: Path, reps: int
                 tm.host.remove(keys)
                 _drop_caches()
                 t0 = time.perf_counter()
-                pending = list(keys)
-                while pending:
-                    pending = [k for k in pending if tm.lookup(k) is not LookupResult.HIT]
-                    tm.step()
-                    if pending:
-                        tm.tiers[0].wait(0.002)
+                _load_all(tm, keys)
                 res["load"].append(total_bytes / (time.perf_counter() - t0) / 1e9)
                 assert tm.stats.promotion_failures["fs"] == 0
             finally:
@@ -196,12 +202,7 @@ def obj_throughput(chunk_bytes: int, total_bytes: int, endpoint: str, bucket: st
                 assert tm.stats.cascaded["obj"] == n, tm.stats.cascaded
                 tm.host.remove(keys)
                 t0 = time.perf_counter()
-                pending = list(keys)
-                while pending:
-                    pending = [k for k in pending if tm.lookup(k) is not LookupResult.HIT]
-                    tm.step()
-                    if pending:
-                        tm.tiers[0].wait(0.002)
+                _load_all(tm, keys)
                 res["load"].append(total_bytes / (time.perf_counter() - t0) / 1e9)
                 assert tm.stats.promotion_failures["obj"] == 0
                 tm.host.remove(keys)

@@ -296,31 +296,25 @@ def _run_throughput(drv: _Driver) -> tuple[float, float, float, float]:
     here."""
     from kvoffload.tools.bench import _drop_caches
 
-    nbytes = drv.n * drv.arena.row_bytes
+    gb = drv.n * drv.arena.row_bytes / 1e9
+
+    def phase(stage, submit) -> tuple[float, float]:
+        """(GB/s, CPU s per GB) of handing every job over with ``submit`` until all are done."""
+        stage()
+        gc.collect()
+        _drop_caches()
+        c0 = drv.cpu_s()
+        t0 = time.perf_counter()
+        for j in range(len(drv.jobs)):
+            submit(j)
+        while drv.poll() < drv.n:
+            drv.wait()
+        return gb / (time.perf_counter() - t0), (drv.cpu_s() - c0) / gb
+
     try:
         drv.start()
-        drv.stage_stores()
-        gc.collect()
-        _drop_caches()
-        c0 = drv.cpu_s()
-        t0 = time.perf_counter()
-        for j in range(len(drv.jobs)):
-            drv.submit_store(j)
-        while drv.poll() < drv.n:
-            drv.wait()
-        store = nbytes / (time.perf_counter() - t0) / 1e9
-        store_cpu = (drv.cpu_s() - c0) / (nbytes / 1e9)
-        drv.stage_loads()
-        gc.collect()
-        _drop_caches()
-        c0 = drv.cpu_s()
-        t0 = time.perf_counter()
-        for j in range(len(drv.jobs)):
-            drv.submit_load(j)
-        while drv.poll() < drv.n:
-            drv.wait()
-        load = nbytes / (time.perf_counter() - t0) / 1e9
-        load_cpu = (drv.cpu_s() - c0) / (nbytes / 1e9)
+        store, store_cpu = phase(drv.stage_stores, drv.submit_store)
+        load, load_cpu = phase(drv.stage_loads, drv.submit_load)
         drv.verify()
         return store, load, store_cpu, load_cpu
     finally:

@@ -35,6 +35,7 @@ import numpy as np
 import xxhash
 
 from kvoffload.config import ConfigError, parse_config
+from kvoffload.host import READY
 from kvoffload.ipc.arena import Arena, round_up_to_page, sweep
 from kvoffload.namespace import Namespace
 from kvoffload.tiering import HOST, TieringManager
@@ -210,8 +211,6 @@ class Stress:
             req.pos += 1
         # keys [0, pos) are HIT or HIT_PENDING: wait until every one is readable
         state, index = tm.host.state, tm.host.index
-        from kvoffload.host import READY
-
         for k in keys[:req.pos]:
             slot = index.get(k)
             if slot is None:  # a promotion failed (or the chunk was evicted): look up again

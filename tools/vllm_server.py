@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,13 +23,9 @@ import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvoffload.tools.s3_server import free_port
+
 BLOCK_BYTES_PER_TOKEN_F32 = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M KV bytes per token in float32
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -102,7 +102,6 @@ class FsTier(ProcessTierManager):
         self._delete_queue: list[bytes] = []
         self._deleting: dict[bytes, int] = {}  # evicted keys whose delete task has not answered
         self._evicted_at: OrderedDict[bytes, float] = OrderedDict()  # recent evictions (monotonic s)
-        self._last_eviction = 0.0
         self.start()
         # Clean up temporary files of writers that died; with a cap, also adopt existing chunks.
         tid = self._next_task_id()
@@ -177,7 +176,7 @@ class FsTier(ProcessTierManager):
             self._present.pop(k, None)
             self._delete_queue.append(k)
             evicted = self._evicted_at
-            evicted[k] = self._last_eviction = time.monotonic()
+            evicted[k] = time.monotonic()
             evicted.move_to_end(k)
             if len(evicted) > _EVICTED_MEMORY:
                 evicted.popitem(last=False)
@@ -200,7 +199,10 @@ class FsTier(ProcessTierManager):
             self._send(self._writers, "delete", None, batch, m.DeleteTask(tid, batch))
 
     def _removals_since(self, t: float) -> bool:
-        return self._last_eviction >= t or bool(self._deleting)
+        if self._deleting:
+            return True
+        evicted = self._evicted_at
+        return bool(evicted) and next(reversed(evicted.values())) >= t
 
     def _removed_since(self, key: bytes, t: float) -> bool:
         if key in self._deleting:

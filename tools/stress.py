@@ -40,6 +40,7 @@ from kvoffload.ipc.arena import Arena, round_up_to_page, sweep
 from kvoffload.namespace import Namespace
 from kvoffload.tiering import HOST, TieringManager
 from kvoffload.tiers.base import LookupResult
+from kvoffload.tools.extras import require
 
 _HIT, _MISS, _PENDING, _RETRY = (LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING,
                                  LookupResult.RETRY)
@@ -472,6 +473,7 @@ def stress(config_file, duration, workload, concurrency, chunk_kib, turn_chunks,
         if not isinstance(tiers, list):
             _bad_input("secondary_tiers: expected a list")
         if add_obj:
+            require("stress --obj", "stress", modules=("moto",))
             from kvoffload.tools.s3_server import start_moto
 
             server, endpoint = start_moto()

@@ -160,7 +160,9 @@ class Fault(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             ``read_payload`` (load, the payload read), ``probe_key`` (each key of a probe).
         action: ``sleep`` (``arg`` seconds), ``raise`` (OSError with errno ``arg``, e.g. 5 = EIO),
             ``drop`` (never answer the task), ``exit`` (the worker process exits at once),
-            ``wait_file`` (block until the file ``arg`` exists, at most 120 s).
+            ``wait_file`` (block until the file ``arg`` exists, at most 120 s; on reaching the point
+            the worker first appends its pid to ``<arg>.reached``, so a test can wait until it is
+            paused there).
         key_hex: only for chunk keys whose hex starts with this; None matches all.
         count: how many times it fires; -1 for always.
         arg: the action's argument.

@@ -154,6 +154,18 @@ class EventPublisher:
         if engine_events or movements:
             self._queue.put((time.time(), engine_events, movements))
 
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Block until everything queued before this call has been sent and buffered for replay.
+
+        Returns False if the publisher thread did not get there within ``timeout_s`` seconds (or is
+        closed). For tools and tests; the engine thread never calls it.
+        """
+        if self._thread is None:
+            return False
+        done = threading.Event()
+        self._queue.put(done)
+        return done.wait(timeout_s)
+
     def close(self, timeout_s: float = 2.0) -> None:
         """Send what is queued, then close the sockets. Idempotent."""
         if self._thread is None:
@@ -194,6 +206,9 @@ class EventPublisher:
                 continue
             if item is None:
                 break
+            if isinstance(item, threading.Event):  # flush(): all before it is sent
+                item.set()
+                continue
             ts, engine_events, movements = item
             try:
                 if engine_events:

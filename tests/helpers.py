@@ -21,6 +21,39 @@ ROW = 16384
 _names = itertools.count()
 
 
+def wait_until(condition, timeout_s: float = 30.0, what: str = "the condition",
+               step=None, interval_s: float = 0.005):
+    """Call ``step`` (if given) and check ``condition`` until it returns a true value, which is
+    returned. ``timeout_s`` is a generous upper bound for a stuck run, never the thing tested: the
+    assertion fails only when the condition never comes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if step is not None:
+            step()
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(interval_s)
+
+
+def wait_paused(gate, count: int = 1, timeout_s: float = 30.0,
+                step=None) -> list[int]:
+    """Until ``count`` workers have reached a ``wait_file`` fault gated on ``gate`` (each appends its
+    pid to ``<gate>.reached``); returns their pids."""
+    marker = f"{gate}.reached"
+
+    def paused():
+        try:
+            with open(marker) as f:
+                pids = [int(x) for x in f.read().split()]
+        except FileNotFoundError:
+            return None
+        return pids if len(pids) >= count else None
+
+    return wait_until(paused, timeout_s, f"{count} worker(s) paused at {gate}", step)
+
+
 def arena_name() -> str:
     return f"kvoffload_test_{os.getpid()}_{next(_names)}"
 

@@ -10,7 +10,8 @@ import pytest
 
 from kvoffload.workers.chunkfile import HEADER_BYTES, relative_name
 
-from helpers import HIT, MISS, PENDING, ROW, Rig, fs_tier, keys_for, payload
+from helpers import (HIT, MISS, PENDING, ROW, Rig, fs_tier, keys_for, payload, wait_paused,
+                     wait_until)
 
 
 def chunk_path(rig: Rig, root, key: bytes) -> str:
@@ -138,9 +139,10 @@ def test_c10_eviction_racing_a_load_gives_whole_bytes_or_clean_miss(tmp_path):
         rig.evict_all()
         assert rig.tm.lookup(k, "r") is PENDING  # promotion starts; the worker pauses after metadata
         rig.tm.step()
-        time.sleep(0.3)
+        wait_paused(gate, step=rig.tm.poll)
+        path = chunk_path(rig, tmp_path / "root", k)
         rig.fs.remove([k])  # explicit removal while the load is paused
-        time.sleep(0.2)
+        wait_until(lambda: not os.path.exists(path), what="the chunk file deleted", step=rig.tm.poll)
         gate.touch()
         res = rig.resolve([k])
         if res == [HIT]:
@@ -187,17 +189,16 @@ def test_c16_dropped_load_turns_pending_into_miss_after_the_deadline(tmp_path):
     with Rig([fs_tier(tmp_path, job_timeout_s=1.0, faults=faults)], num_slots=2) as rig:
         rig.store([k])
         rig.evict_all()
-        assert rig.tm.lookup(k, "r2") is PENDING
         t0 = time.monotonic()
-        res = None
-        while time.monotonic() - t0 < 10:
+        assert rig.tm.lookup(k, "r2") is PENDING
+
+        def settled():
             rig.tm.step()
-            res = rig.tm.lookup(k, "r2")
-            if res is not PENDING:
-                break
-            time.sleep(0.01)
-        waited = time.monotonic() - t0
-        assert res is MISS and waited < 3.0, (res, waited)
+            return rig.tm.lookup(k, "r2") is not PENDING
+
+        wait_until(settled, what="the pending lookup to settle")
+        assert rig.tm.lookup(k, "r2") is MISS
+        assert time.monotonic() - t0 >= 1.0  # not given up before the job timeout
         assert rig.fs.counters["pending_deadline_expired"] == 1
         assert rig.tm.host.num_writing == 0 and rig.tm.host.lookup(k) is MISS  # reservation released
         assert rig.tm.host.allocate(keys_for(1, seed=3)) is not None  # the slot is reusable
@@ -207,8 +208,10 @@ def test_c16_dropped_load_turns_pending_into_miss_after_the_deadline(tmp_path):
 def test_c17_worker_that_dies_or_goes_silent_fails_or_reruns_its_jobs(tmp_path, how):
     gate = tmp_path / "gate"
     fault = {"point": "before_read_slot", "action": "wait_file", "arg": str(gate), "count": -1}
-    cfg = fs_tier(tmp_path / "root", write_workers=2, read_workers=2, job_timeout_s=2.0,
-                  chunks_per_task=1, faults=[fault])
+    # A killed worker is noticed by its exit, long before this job timeout; a stopped (silent) one
+    # only by the timeout.
+    cfg = fs_tier(tmp_path / "root", write_workers=2, read_workers=2,
+                  job_timeout_s=60.0 if how == "kill" else 2.0, chunks_per_task=1, faults=[fault])
     with Rig([cfg], num_slots=32) as rig:
         writers = rig.fs.worker_pids()["stores"]
         keys = keys_for(8)
@@ -219,18 +222,16 @@ def test_c17_worker_that_dies_or_goes_silent_fails_or_reruns_its_jobs(tmp_path, 
             return [t for w in rig.fs._writers.workers.values() if w.proc.pid == victim
                     for t in w.inflight.values()]
 
-        deadline = time.monotonic() + 10
-        while not held() and time.monotonic() < deadline:
-            rig.tm.poll()
-            time.sleep(0.02)
-        assert held(), "the victim holds tasks"
+        wait_until(held, what="the victim to hold tasks", step=rig.tm.poll)
         os.kill(victim, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
         t0 = time.monotonic()
         gate.touch()  # let the surviving worker (and re-runs) proceed
-        assert rig.tm.wait_idle(10)
-        elapsed = time.monotonic() - t0
-        # a dead worker is noticed at once; a silent one after the 2 s job timeout
-        assert elapsed < (2.0 if how == "kill" else 2.0 + 2.5), elapsed
+        assert rig.tm.wait_idle(50)
+        # a dead worker is noticed by its exit (no job timed out); a silent one by the job timeout
+        if how == "kill":
+            assert rig.fs.counters.get("job_timeouts", 0) == 0
+        else:
+            assert rig.fs.counters["job_timeouts"] >= 1 and time.monotonic() - t0 >= 2.0
         new_writers = rig.fs.worker_pids()["stores"]
         assert victim not in new_writers and len(new_writers) == 2
         assert all(psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in new_writers)
@@ -256,7 +257,7 @@ def test_c22_store_source_slot_is_not_reused_while_the_writer_reads_it(tmp_path)
              "key_hex": k1.hex()}
     with Rig([fs_tier(tmp_path / "root", faults=[fault])], num_slots=1) as rig:
         rig.store([k1], fill=0x11, wait=False)
-        time.sleep(0.3)
+        wait_paused(gate, step=rig.tm.poll)  # the writer holds slot X, before reading it
         # Free slot X (only slot): the store job pins it, so no room is made for K2.
         k2 = keys_for(1, seed=2)[0]
         assert rig.tm.prepare_store([k2]) is None
@@ -277,7 +278,8 @@ def test_c06_hung_read_fails_within_the_deadline_and_other_loads_complete(tmp_pa
     keys = keys_for(4)
     hung = keys[0]
     fault = {"point": "read_payload", "action": "sleep", "arg": 60, "key_hex": hung.hex()}
-    with Rig([fs_tier(tmp_path, read_workers=2, job_timeout_s=2.0, faults=[fault])],
+    timeout_s = 6.0
+    with Rig([fs_tier(tmp_path, read_workers=2, job_timeout_s=timeout_s, faults=[fault])],
              num_slots=8) as rig:
         rig.store(keys)
         rig.evict_all()
@@ -285,10 +287,11 @@ def test_c06_hung_read_fails_within_the_deadline_and_other_loads_complete(tmp_pa
         t0 = time.monotonic()
         assert rig.tm.lookup(hung, "a") is PENDING
         rig.tm.step()
-        others = rig.resolve(keys[1:], timeout_s=10)
-        assert others == [HIT] * 3 and time.monotonic() - t0 < 2.0  # not starved by the hung call
-        res = rig.resolve([hung], timeout_s=10)
-        assert res == [MISS] and time.monotonic() - t0 < 2.0 + 2.0
+        others = rig.resolve(keys[1:], timeout_s=30)
+        # not starved by the hung call: served by the other reader before the hung task's deadline
+        assert others == [HIT] * 3 and rig.fs.counters.get("job_timeouts", 0) == 0
+        res = rig.resolve([hung], timeout_s=60)
+        assert res == [MISS] and time.monotonic() - t0 >= timeout_s  # failed by its deadline
         assert rig.fs.counters["job_timeouts"] == 1
 
 
@@ -311,11 +314,9 @@ def test_c13_repeated_puts_of_a_resident_chunk_are_not_double_counted(tmp_path):
         rig.fs.remove([a])
         assert rig.fs.accounted_bytes == fb
         rig.store([c])
-        rig.tm.wait_idle(5)
-        time.sleep(0.2)
-        rig.tm.poll()
+        assert rig.tm.wait_idle(30)
+        wait_until(lambda: not os.path.exists(path_a), what="a's delete", step=rig.tm.poll)
         assert rig.fs.accounted_bytes == 2 * fb
-        assert not os.path.exists(path_a)
 
 
 def _files(root) -> list[str]:
@@ -332,10 +333,9 @@ def test_c21_capacity_setting_is_enforced(tmp_path):
         for i in range(0, 30, 3):
             rig.store(keys[i:i + 3])
             rig.tm.wait_idle(5)
-        rig.tm.wait_idle(5)
-        time.sleep(0.3)
-        rig.tm.poll()
-        assert sum(os.path.getsize(f) for f in _files(tmp_path)) <= 10 * fb
+        assert rig.tm.wait_idle(30)
+        wait_until(lambda: sum(os.path.getsize(f) for f in _files(tmp_path)) <= 10 * fb,
+                   what="evicted chunks deleted", step=rig.tm.poll)
         assert rig.fs.counters["evictions"] >= 20
 
 
@@ -356,14 +356,11 @@ def test_c14_chunks_from_earlier_runs_are_adopted_and_counted(tmp_path):
     with Rig([fs_tier(tmp_path, max_bytes=10 * fb)], num_slots=4, ns=ns) as run2:
         for i in range(0, 10, 2):
             run2.store(keys_for(10, seed=1)[i:i + 2])
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and run2.fs.counters.get("adopted_chunks") is None:
-            run2.tm.poll()
-            time.sleep(0.05)
-        run2.tm.wait_idle(5)
-        time.sleep(0.2)
-        run2.tm.poll()
-        assert sum(os.path.getsize(f) for f in _files(ns_a_dir)) <= 10 * fb
+        wait_until(lambda: run2.fs.counters.get("adopted_chunks") is not None,
+                   what="the earlier run's chunks adopted", step=run2.tm.poll)
+        assert run2.tm.wait_idle(30)
+        wait_until(lambda: sum(os.path.getsize(f) for f in _files(ns_a_dir)) <= 10 * fb,
+                   what="chunks past the cap deleted", step=run2.tm.poll)
         assert run2.fs.accounted_bytes == sum(os.path.getsize(f) for f in _files(ns_a_dir))
         assert not os.path.exists(orphan)
     from helpers import namespace
@@ -436,7 +433,7 @@ def test_worker_processes_import_no_torch_run_at_lower_priority_and_exit_with_th
     assert os.path.exists(f"/dev/shm/{name}")
     p.kill()
     p.wait()
-    deadline = time.monotonic() + 3
+    deadline = time.monotonic() + 30
     while time.monotonic() < deadline and (any(psutil.pid_exists(x) for x in pids)
                                            or os.path.exists(f"/dev/shm/{name}")):
         time.sleep(0.05)
@@ -448,16 +445,17 @@ def test_worker_processes_import_no_torch_run_at_lower_priority_and_exit_with_th
 def test_tasks_queued_behind_a_hung_task_are_rerun_not_failed(tmp_path):
     keys = keys_for(3)
     hung = keys[0]
-    fault = {"point": "read_payload", "action": "sleep", "arg": 60, "key_hex": hung.hex()}
+    gate = tmp_path / "never"  # the hung read waits for a file nobody creates
+    fault = {"point": "read_payload", "action": "wait_file", "arg": str(gate), "key_hex": hung.hex()}
     # One reader: the other loads queue behind the hung one in the same worker.
-    with Rig([fs_tier(tmp_path, read_workers=1, job_timeout_s=1.5, faults=[fault])],
+    with Rig([fs_tier(tmp_path / "root", read_workers=1, job_timeout_s=1.5, faults=[fault])],
              num_slots=8) as rig:
         rig.store(keys)
         rig.evict_all()
         rig.wait_workers_ready()
         assert rig.tm.lookup(hung, "a") is PENDING
         rig.tm.step()
-        time.sleep(0.1)
+        wait_paused(gate, step=rig.tm.poll)  # the reader is stuck in the hung read
         res = rig.resolve(keys[1:], timeout_s=15)
         assert res == [HIT, HIT]  # re-run on the replacement worker, not failed with the hung one
         assert rig.resolve([hung], timeout_s=15) == [MISS]
@@ -478,10 +476,7 @@ def test_c10_a_chunk_evicted_from_a_capped_tier_is_a_miss_while_its_delete_is_pe
         rig.store([k1])
         rig.store([k2])
         rig.store([k3], wait=False)  # evicts k1 from the tier; its delete waits at the gate
-        deadline = time.monotonic() + 10
-        while rig.tm.stats.cascaded["fs"] < 3 and time.monotonic() < deadline:
-            rig.tm.step()
-            time.sleep(0.005)
+        wait_until(lambda: rig.tm.stats.cascaded["fs"] >= 3, what="three stores", step=rig.tm.step)
         assert rig.tm.stats.cascaded["fs"] == 3
         assert rig.fs.counters["evictions"] == 1
         rig.tm.host.remove([k1])

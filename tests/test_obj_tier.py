@@ -9,7 +9,7 @@ import pytest
 from kvoffload.config import ConfigError
 from kvoffload.workers.chunkfile import HEADER_BYTES, relative_name
 
-from helpers import HIT, MISS, PENDING, ROW, Rig, keys_for, namespace, payload
+from helpers import HIT, MISS, PENDING, ROW, Rig, keys_for, namespace, payload, wait_until
 from s3 import FaultProxy, Nanio, Rule, client, new_bucket, obj_tier, start_moto
 
 
@@ -131,11 +131,9 @@ def test_c06_hanging_endpoint_fails_jobs_within_the_deadline(moto, bucket):
                            job_timeout_s=3.0)], num_slots=4) as rig:
             rig.store([k])
             rig.evict_all()
-            proxy.add(Rule("GET", k.hex(), ("hang", 30)))
-            t0 = time.monotonic()
+            proxy.add(Rule("GET", k.hex(), ("hang", 600)))  # answers long after the bound below
             assert rig.tm.lookup(k, "r") is PENDING
-            assert rig.resolve([k], timeout_s=15) == [MISS]
-            assert time.monotonic() - t0 < 3.0 + 1.5
+            assert rig.resolve([k], timeout_s=60) == [MISS]  # failed by a deadline, not answered
     finally:
         proxy.stop()
 
@@ -143,15 +141,14 @@ def test_c06_hanging_endpoint_fails_jobs_within_the_deadline(moto, bucket):
 def test_c09_dead_endpoint_opens_the_breaker_which_closes_when_it_answers_again(moto, bucket):
     proxy = FaultProxy(moto)
     try:
+        # The cooldown outlasts the few checks made while the breaker is open, on any machine.
         cfg = obj_tier(proxy.endpoint, bucket, max_attempts=1, connect_timeout_s=0.5,
-                       breaker_failures=3, breaker_cooldown_s=1.0)
+                       breaker_failures=3, breaker_cooldown_s=3.0)
         with Rig([cfg], num_slots=16) as rig:
             rig.store(keys_for(1))
             proxy.stop()  # the server is killed: connections are refused
-            t0 = time.monotonic()
             for i in range(3):
                 rig.store(keys_for(1, seed=10 + i))
-            assert time.monotonic() - t0 < 10
             tier = rig.fs
             assert tier.breaker_state == "open" and tier.counters["breaker_opens"] == 1
             assert rig.tm.stats.cascade_failures["obj"] == 3
@@ -161,8 +158,7 @@ def test_c09_dead_endpoint_opens_the_breaker_which_closes_when_it_answers_again(
             assert rig.tm.stats.dropped_stores["obj"] == 1
             assert tier.counters["breaker_dropped_stores"] == 1
             proxy.start()  # the endpoint answers again
-            time.sleep(1.2)
-            assert tier.breaker_state == "half_open"
+            wait_until(lambda: tier.breaker_state == "half_open", what="the cooldown to pass")
             rig.store(keys_for(1, seed=30))
             assert tier.breaker_state == "closed" and tier.counters["breaker_closes"] == 1
             rig.evict_all()
@@ -183,10 +179,10 @@ def test_c09_a_burst_of_failures_opens_the_breaker_once_for_its_base_cooldown(mo
             rig.store(keys_for(12))  # 12 tasks in flight at once, all failing
             tier = rig.fs
             assert tier.counters["breaker_opens"] == 1
-            assert 0 < tier._open_until - time.monotonic() <= 1.0
+            assert tier._open_count == 1  # opened once: the next cooldown is not doubled yet
+            assert tier._open_until - time.monotonic() <= 1.0  # for the base cooldown
             proxy.start()
-            time.sleep(1.1)
-            assert tier.breaker_state == "half_open"
+            wait_until(lambda: tier.breaker_state == "half_open", what="the cooldown to pass")
             rig.store(keys_for(1, seed=40))
             assert tier.breaker_state == "closed"
     finally:
@@ -230,15 +226,12 @@ def test_c17_obj_worker_killed_mid_upload_is_replaced_and_its_job_rerun(moto, bu
             rig.wait_workers_ready()
             rule = proxy.add(Rule("PUT", k.hex(), ("hang", 5), count=1))  # the upload stalls
             rig.store([k], wait=False)
-            deadline = time.monotonic() + 10
-            while rule.hits == 0 and time.monotonic() < deadline:
-                rig.tm.poll()
-                time.sleep(0.02)
+            wait_until(lambda: rule.hits > 0, what="the upload to reach the server", step=rig.tm.poll)
             writer = rig.fs.worker_pids()["stores"][0]
             os.kill(writer, signal.SIGKILL)  # dies holding the job
-            t0 = time.monotonic()
-            assert rig.tm.wait_idle(10)
-            assert time.monotonic() - t0 < 2.0  # re-run at once on the replacement
+            assert rig.tm.wait_idle(60)
+            # re-run on the replacement as soon as the death is seen, not after the job timeout
+            assert rig.fs.counters.get("job_timeouts", 0) == 0
             assert rig.tm.stats.cascaded["obj"] == 1 and rig.tm.host.num_pinned == 0
             assert writer not in rig.fs.worker_pids()["stores"]
             assert rig.fs.counters["worker_restarts"] == 1
@@ -253,19 +246,16 @@ def test_server_killed_mid_job_fails_the_job_within_its_deadline(moto, bucket):
     proxy = FaultProxy(moto)
     try:
         cfg = obj_tier(proxy.endpoint, bucket, max_attempts=2, connect_timeout_s=0.5,
-                       job_timeout_s=10.0, breaker_failures=None)
+                       job_timeout_s=60.0, breaker_failures=None)
         with Rig([cfg], num_slots=8) as rig:
             rig.wait_workers_ready()
-            rule = proxy.add(Rule("PUT", "/", ("hang", 3)))  # uploads stall...
+            rule = proxy.add(Rule("PUT", "/", ("hang", 600)))  # uploads stall...
             rig.store(keys, wait=False)
-            deadline = time.monotonic() + 10
-            while rule.hits == 0 and time.monotonic() < deadline:
-                rig.tm.poll()
-                time.sleep(0.02)
-            t0 = time.monotonic()
+            wait_until(lambda: rule.hits > 0, what="an upload to reach the server", step=rig.tm.poll)
             proxy.stop()  # ...and the server dies with them in flight
-            assert rig.tm.wait_idle(15)
-            assert time.monotonic() - t0 < 10.0
+            assert rig.tm.wait_idle(90)
+            # failed by the broken connections, not left hanging until the job deadline
+            assert rig.fs.counters.get("job_timeouts", 0) == 0
             stats = rig.tm.stats
             assert stats.cascade_failures["obj"] == 4 and stats.cascaded["obj"] == 0
             assert rig.tm.host.num_pinned == 0

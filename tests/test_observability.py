@@ -232,6 +232,30 @@ def _sub(ctx, endpoint: str, topic: bytes):
     return sub
 
 
+def _wait_subscribed(pub, sub, topic: bytes) -> None:
+    """Until ``sub``'s subscription to ``topic`` has reached the publisher (ZMQ drops what a PUB
+    sends before it knows of a subscriber). ``sub`` also subscribes to the movements topic, after
+    ``topic``: a probe movement arriving proves both subscriptions arrived, in order. Probes are
+    movement batches, so the engine topic's sequence numbers still start at 0."""
+    from kvoffload.events import Movement
+
+    moves = pub.config.movements_topic.encode()
+    sub.setsockopt(zmq.SUBSCRIBE, moves)
+    deadline = time.monotonic() + 30
+    while True:
+        pub.publish([], [Movement(key=b"probe", src="none", dst="none", locality="local",
+                                  nbytes=0)])
+        if sub.poll(50):
+            frames = sub.recv_multipart()
+            assert frames[0] == moves
+            break
+        assert time.monotonic() < deadline, "the subscription never reached the publisher"
+    pub.flush()
+    while sub.poll(0):  # the probes still queued
+        assert sub.recv_multipart()[0] == moves
+    sub.setsockopt(zmq.UNSUBSCRIBE, moves)
+
+
 def _events_cfg():
     return {"endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}
 
@@ -248,7 +272,7 @@ def test_c20_offloaded_copies_emit_kv_events(tmp_path):
         ctx = zmq.Context()
         sub = _sub(ctx, pub.endpoint, b"kv-events")
         try:
-            time.sleep(0.3)  # the subscription reaches the publisher
+            _wait_subscribed(pub, sub, b"kv-events")
             k1, *others = keys_for(8)
             store(rig, [k1])
             assert rig.tm.wait_idle(10)
@@ -264,13 +288,12 @@ def test_c20_offloaded_copies_emit_kv_events(tmp_path):
                 store(rig, [k])
                 assert rig.tm.wait_idle(10)
                 rig.tm.step()
+            pub.flush()  # everything published so far has been sent
             batches = []
-            deadline = time.monotonic() + 5
-            while time.monotonic() < deadline:
-                if sub.poll(200):
-                    batches.append(sub.recv_multipart())
-                elif batches:
-                    break
+            while sub.poll(5000 if not batches else 500):
+                frames = sub.recv_multipart()
+                if frames[0] == b"kv-events":  # (a probe sent just before the unsubscribe)
+                    batches.append(frames)
             replayed = replay(pub.replay_endpoint)
         finally:
             sub.close()
@@ -296,21 +319,26 @@ def test_c20_offloaded_copies_emit_kv_events(tmp_path):
 def test_movement_events_match_the_movements_the_manager_made(tmp_path):
     from kvoffload.tools.stress import Stress, Workload
 
-    cfg = {"cpu_bytes_to_use": 16 * ROW, "kv_events": _events_cfg(),
+    # A fixed number of requests (not a duration): the same work on any machine, and far fewer
+    # event batches than the replay buffer keeps, so a replay from 0 returns every one.
+    requests = 2000
+    cfg = {"cpu_bytes_to_use": 16 * ROW,
+           "kv_events": {**_events_cfg(), "buffer_steps": 100_000},
            "secondary_tiers": [fs_tier(tmp_path / "fs")]}
     run = Stress(cfg, chunk_bytes=ROW)
     try:
         wl = Workload("multiturn", np.random.default_rng(2), conversations=6, turn_chunks=2,
                       system_chunks=1, max_turns=5, documents=1, doc_chunks=1, zipf_a=1.0)
-        rep = run.run(wl, 2.0, 3)
+        rep = run.run(wl, 3600.0, 3, stop_requested=lambda: run.report.requests >= requests)
         tm = run.tm
         tm.step()
-        assert rep.ok
+        assert rep.ok and rep.requests >= requests
         stats = tm.stats.snapshot()
         evictions = tm.host.evictions
-        replay_ep = tm._publisher.replay_endpoint
-        time.sleep(0.3)  # the publisher thread sends what was queued
-        batches = replay(replay_ep, 0, b"kvoffload-movements")
+        publisher = tm._publisher
+        publisher.flush()  # the publisher thread has sent (and buffered) all that was queued
+        assert publisher.published["movements"] < publisher.config.buffer_steps
+        batches = replay(publisher.replay_endpoint, 0, b"kvoffload-movements")
     finally:
         run.close()
     assert [s for s, _ in batches] == list(range(len(batches)))
@@ -345,14 +373,15 @@ def test_a_real_prometheus_scrapes_a_stress_run(tmp_path):
     from prom import start_prometheus
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kvoffload.tools.cli", "stress", "--duration", "40",
+    # Runs until this test stops it (SIGTERM ends a stress run cleanly, exit 0).
+    proc = subprocess.Popen([sys.executable, "-m", "kvoffload.tools.cli", "stress", "--duration", "600",
                              "--workload", "zipf", "--chunk-kib", "64", "--metrics-port", str(port),
                              "--json"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120
         while True:
             try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10)
                 break
             except OSError:
                 assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
@@ -360,10 +389,10 @@ def test_a_real_prometheus_scrapes_a_stress_run(tmp_path):
         with start_prometheus([f"127.0.0.1:{port}"], scrape_interval_s=1.0) as prom:
             prom.wait_until_up()
             prom.wait_for('kvoffload_tier_hits_total{tier="fs"}',
-                          lambda r: r and float(r[0]["value"][1]) > 0, timeout_s=30)
+                          lambda r: r and float(r[0]["value"][1]) > 0, timeout_s=120)
             first = prom.value('sum(kvoffload_tier_transfer_bytes_total{direction="load"})')
             prom.wait_for('sum(kvoffload_tier_transfer_bytes_total{direction="load"})',
-                          lambda r: r and float(r[0]["value"][1]) > first, timeout_s=20)
+                          lambda r: r and float(r[0]["value"][1]) > first, timeout_s=60)
             hits = prom.value("sum(kvoffload_lookup_hit_chunks_total)")
             queries = prom.value("sum(kvoffload_lookup_requested_chunks_total)")
             assert 0 < hits <= queries

@@ -1,6 +1,5 @@
 """Host tier slot table and LRU / ARC eviction."""
 
-import time
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -100,12 +99,10 @@ def test_c23_full_tier_with_everything_pinned_answers_at_once():
 
     h.policy.evict = counting_evict
     new = b"new-chunk"
-    t0 = time.perf_counter()
     for _ in range(1000):
         assert h.allocate([new]) is None
-    elapsed = time.perf_counter() - t0
+    # O(1): the refusal comes from the pinned count alone (its cost per call is in `bench engine`)
     assert calls == 0, "a full, fully pinned tier must not even ask the policy"
-    assert elapsed < 0.05
     h.unpin([keys[123]])
     plan = h.allocate([new])
     assert plan.evicted == [keys[123]]

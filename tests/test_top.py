@@ -136,7 +136,7 @@ def test_feed_counts_lost_and_malformed_messages_and_ignores_other_topics():
     feed = MovementFeed(f"127.0.0.1:{port}", context=ctx)
     try:
         payload = _movements_payload("device", "host")
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while not feed.messages and time.monotonic() < deadline:  # a SUB misses what precedes it
             pub.send_multipart([TOPIC, (0).to_bytes(8, "big"), payload])
             time.sleep(0.05)
@@ -146,11 +146,11 @@ def test_feed_counts_lost_and_malformed_messages_and_ignores_other_topics():
         for seq in (1, 2, 5):
             pub.send_multipart([TOPIC, seq.to_bytes(8, "big"), payload])
         pub.send_multipart([TOPIC, (6).to_bytes(8, "big"), b"\xc1"])
-        while feed.messages < joined + 3 and time.monotonic() < deadline:
+        # the malformed message (seq 6) is the last one sent: once it is counted, all were seen
+        deadline = time.monotonic() + 30
+        while feed.malformed < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
             feed.poll()
-        time.sleep(0.1)
-        feed.poll()
         assert feed.connected and feed.error is None
         assert feed.messages == joined + 3 and feed.missed == 2 and feed.malformed == 1
     finally:
@@ -180,7 +180,7 @@ async def _until(pilot, condition: Callable[[], object], timeout_s: float, what:
         await pilot.pause(0.1)
 
 
-async def _until_banner(pilot, app: TopApp, which: str, timeout_s: float = 10) -> None:
+async def _until_banner(pilot, app: TopApp, which: str, timeout_s: float = 60) -> None:
     await _until(pilot, lambda: f"{which} endpoint unreachable" in _text(app, f"{which}-banner"),
                  timeout_s, f"the {which} banner")
 
@@ -197,8 +197,8 @@ def test_unreachable_endpoints_show_banners_and_the_app_keeps_running():
             assert "Connection refused" in banner and "last good scrape never" in banner
             await _until_banner(pilot, app, "events")
             failures = app.scrape_failures
-            await pilot.pause(1.0)
-            assert app.scrape_failures > failures  # still retrying
+            await _until(pilot, lambda: app.scrape_failures > failures, 60,
+                         "another scrape attempt")  # still retrying
             for key in ("2", "3", "tab", "p", "p"):
                 await pilot.press(key)
             assert app.query_one("#views", TabbedContent).active == "overview"
@@ -265,8 +265,8 @@ def test_top_shows_a_live_stress_run_and_outlives_it(stress_run, tmp_path):
                 return (s is not None and s.interval_s is not None
                         and any(r.tier == "fs" and r.bytes_per_s for r in s.throughput)
                         and app.feed.movements > 0)
-            await _until(pilot, live, 60, "rates, fs traffic and movements")
-            direct = fetch_snapshot(metrics_url, timeout=2)
+            await _until(pilot, live, 120, "rates, fs traffic and movements")
+            direct = fetch_snapshot(metrics_url, timeout=30)
 
             host = dict(_rows(app, "host"))
             assert host["capacity (slots)"] == fmt_num(direct.value("kvoffload_host_slots"))
@@ -290,7 +290,7 @@ def test_top_shows_a_live_stress_run_and_outlives_it(stress_run, tmp_path):
                 assert views.active == view
                 if view == "movements":  # a log fills once it is on screen
                     await _until(pilot, lambda: app.query_one("#movements-log", RichLog).lines,
-                                 10, "lines in the movements log")
+                                 60, "lines in the movements log")
                     assert {"device→host", "host→fs"} <= {row[0] for row in _rows(app, "routes")}
 
             await pilot.press("p")
@@ -304,7 +304,7 @@ def test_top_shows_a_live_stress_run_and_outlives_it(stress_run, tmp_path):
             # the host tier fills within seconds; from then on chunks come back from the fs tier
             await _until(pilot, lambda: any(r.tier == "fs" and r.direction == "load"
                                             and r.total_bytes for r in app.stats.throughput),
-                         30, "loads from the fs tier")
+                         120, "loads from the fs tier")
             await pilot.pause(1.0)
             app.save_screenshot(screenshot.name, str(screenshot.parent))
 

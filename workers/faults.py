@@ -59,6 +59,10 @@ class Faults:
         elif f.action == "exit":
             os._exit(70)
         elif f.action == "wait_file":
+            # Announce the pause (tests wait for this file instead of guessing how long the worker
+            # takes to get here), then block until the gate file exists.
+            with open(f"{f.arg}.reached", "a") as marker:
+                marker.write(f"{os.getpid()}\n")
             deadline = time.monotonic() + 120
             while not os.path.exists(str(f.arg)) and time.monotonic() < deadline:
                 time.sleep(0.005)

@@ -49,8 +49,9 @@ say() { printf '== %s\n' "$*"; }
 die() { printf 'gpu_check: %s\n' "$*" >&2; exit 2; }
 
 if [ -n "$FETCH" ]; then
-  # What the offline GPU image lacks for kvoffload's arena and plug-in imports (its own packages
-  # cover the rest): binary wheels for its Python (KVOFFLOAD_GPU_PYVER, 3.12) on x86-64 Linux.
+  # What an offline CUDA/PyTorch image lacks for kvoffload's arena and plug-in imports (its own
+  # packages cover the rest), and the build backend for the editable install: binary wheels for its
+  # Python (KVOFFLOAD_GPU_PYVER, 3.12) on x86-64 Linux.
   pyver=${KVOFFLOAD_GPU_PYVER:-3.12}
   platforms=()
   for p in manylinux_2_28_x86_64 manylinux_2_26_x86_64 manylinux_2_17_x86_64 \
@@ -60,7 +61,7 @@ if [ -n "$FETCH" ]; then
   mkdir -p "$FETCH" || exit 2
   timeout 300 "$PY" -m pip download --quiet --no-deps --only-binary=:all: \
     --python-version "$pyver" --implementation cp "${platforms[@]}" -d "$FETCH" \
-    posix_ipc msgspec pyzmq || die "downloading wheels into $FETCH failed"
+    posix_ipc msgspec pyzmq 'setuptools>=70.1' wheel || die "downloading wheels into $FETCH failed"
   ls -l "$FETCH"
   exit 0
 fi

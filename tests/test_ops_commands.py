@@ -93,7 +93,8 @@ def _unshare_pid_ns() -> list[str] | None:
     if exe is None or os.geteuid() != 0:
         return None
     cmd = [exe, "--pid", "--fork", "--mount-proc"]
-    probe = subprocess.run(cmd + ["sh", "-c", "echo $$"], capture_output=True, text=True, timeout=30)
+    probe = subprocess.run(cmd + ["sh", "-c", "echo $$"], capture_output=True, text=True,
+                           timeout=30, check=False)
     if probe.returncode != 0 or probe.stdout.strip() != "1":
         return None
     return cmd
@@ -101,7 +102,8 @@ def _unshare_pid_ns() -> list[str] | None:
 
 def _free_pid_window(width: int = 300) -> int:
     """A PID below which ``width`` consecutive PIDs are unused here."""
-    pid_max = int(open("/proc/sys/kernel/pid_max").read())
+    with open("/proc/sys/kernel/pid_max") as f:
+        pid_max = int(f.read())
     used = set(psutil.pids())
     for base in range(pid_max - width - 2, 300, -width):
         if not used.intersection(range(base + 1, base + width + 1)):
@@ -226,7 +228,7 @@ def test_inspect_fs_root_reports_identity_chunks_bytes_use_times_and_temp_files(
 
 def test_inspect_reads_no_chunk_payload(tmp_path):
     """Scanning stats chunk files and reads config.json only: no chunk's access time moves."""
-    ns_a, _ = _two_namespace_root(tmp_path)
+    _two_namespace_root(tmp_path)
     files = chunk_files(tmp_path)
     long_ago = time.time() - 3 * 86400
     for f in files:

@@ -126,12 +126,6 @@ def _check_identity(ns_id: str, raw: bytes) -> tuple[dict[str, Any] | None, str 
 # -- fs ------------------------------------------------------------------------------------------
 
 
-def _namespace_dirs(root: str) -> list[os.DirEntry]:
-    with os.scandir(root) as it:
-        return sorted((e for e in it if _NS_RE.match(e.name) and e.is_dir(follow_symlinks=False)),
-                      key=lambda e: e.name)
-
-
 def _fs_root_problem(root: str) -> str:
     """Why ``root`` holds no namespace directory (a message for the user)."""
     names = set(os.listdir(root))
@@ -192,6 +186,28 @@ def _scan_fs_namespace(entry: os.DirEntry, stale_age_s: float, now: float) -> Na
     return rep
 
 
+def namespace_dirs(root: str) -> list[os.DirEntry]:
+    """The namespace directories (``<32 hex digits>/``) of an fs tier root, by name.
+
+    Raises:
+        InspectError: ``root`` is missing, not a directory, unreadable, or holds no namespace.
+    """
+    if not os.path.exists(root):
+        raise InspectError(f"{root}: no such directory")
+    if not os.path.isdir(root):
+        raise InspectError(f"{root}: not a directory")
+    try:
+        with os.scandir(root) as it:
+            entries = sorted((e for e in it
+                              if _NS_RE.match(e.name) and e.is_dir(follow_symlinks=False)),
+                             key=lambda e: e.name)
+        if not entries:
+            raise InspectError(_fs_root_problem(root))
+    except PermissionError:
+        raise InspectError(f"{root}: cannot read it: permission denied") from None
+    return entries
+
+
 def inspect_fs(root: str, stale_temp_age_s: float = fs_io.STALE_TEMP_AGE_S) -> TierReport:
     """Scan an fs tier root.
 
@@ -203,18 +219,16 @@ def inspect_fs(root: str, stale_temp_age_s: float = fs_io.STALE_TEMP_AGE_S) -> T
     Raises:
         InspectError: ``root`` is missing, not a directory, unreadable, or holds no namespace.
     """
-    if not os.path.exists(root):
-        raise InspectError(f"{root}: no such directory")
-    if not os.path.isdir(root):
-        raise InspectError(f"{root}: not a directory")
     now = time.time()
-    try:
-        entries = _namespace_dirs(root)
-        if not entries:
-            raise InspectError(_fs_root_problem(root))
-        namespaces = [_scan_fs_namespace(e, stale_temp_age_s, now) for e in entries]
-    except PermissionError as e:
-        raise InspectError(f"{root}: cannot read {e.filename or root}: permission denied") from None
+    namespaces = []
+    for entry in namespace_dirs(root):
+        try:
+            namespaces.append(_scan_fs_namespace(entry, stale_temp_age_s, now))
+        except FileNotFoundError:
+            continue  # the namespace directory was removed while we looked
+        except PermissionError as e:
+            raise InspectError(f"{root}: cannot read {e.filename or entry.path}: permission "
+                               f"denied") from None
     return TierReport(root=root, kind="fs", scanned_at=now, stale_temp_age_s=stale_temp_age_s,
                       namespaces=namespaces)
 

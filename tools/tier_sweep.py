@@ -15,12 +15,11 @@ namespaces no engine is running for. Chunks and ``config.json`` are never touche
 
 from __future__ import annotations
 
-import os
 import time
 
 import msgspec
 
-from kvoffload.tools.tier_inspect import InspectError, inspect_fs
+from kvoffload.tools.tier_inspect import InspectError, namespace_dirs
 from kvoffload.workers import fs_io
 
 
@@ -69,15 +68,11 @@ def sweep_fs_root(root: str, older_than_s: float = fs_io.STALE_TEMP_AGE_S, *,
     """
     if not older_than_s > 0:
         raise ValueError(f"older_than_s: must be > 0 seconds, got {older_than_s}")
-    report = inspect_fs(root, older_than_s)  # validates the root; the temp counts size the work
     out = TempSweep(root=root, older_than_s=older_than_s)
     now = time.time()
-    for ns in report.namespaces:
-        if ns.temp is None or ns.temp.count == 0:
-            continue
+    for ns in namespace_dirs(root):
         try:
-            files = fs_io.namespace_files(ns.location)
-            for f in files:
+            for f in fs_io.namespace_files(ns.path):
                 if not fs_io.is_temp_name(f.name):
                     continue
                 try:
@@ -95,7 +90,7 @@ def sweep_fs_root(root: str, older_than_s: float = fs_io.STALE_TEMP_AGE_S, *,
         except FileNotFoundError:
             continue  # the namespace directory was removed meanwhile
         except PermissionError as e:
-            raise InspectError(f"{root}: cannot read {e.filename or ns.location}: permission "
+            raise InspectError(f"{root}: cannot read {e.filename or ns.path}: permission "
                                f"denied") from None
     return out
 

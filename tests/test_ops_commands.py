@@ -139,7 +139,7 @@ def test_c29_instance_starting_on_a_shared_root_keeps_another_namespaces_file_in
             for d, _, names in os.walk(ns_dir):
                 a_tmp = next((os.path.join(d, n) for n in names if n.startswith(prefix)), a_tmp)
             time.sleep(0.05)
-        writer_pid = int(os.path.basename(a_tmp).split(".")[2])
+        writer_pid = int(os.path.basename(a_tmp).split(".")[2].split("-")[0])
         assert not psutil.pid_exists(writer_pid), "A's writer PID exists here: not the C29 setup"
         with Rig([fs_tier(root)], num_slots=4) as b:
             assert b.tm.wait_idle(60)  # B's start-up scan of the root is done
@@ -436,3 +436,40 @@ def test_check_names_the_bad_key(tmp_path):
     res = run_cli("check", str(path))
     assert res.exit_code != 0
     assert "evicton_policy" in res.output and "eviction_policy" in res.output
+
+
+def test_c29_two_writers_with_one_pid_store_the_same_chunk_at_once(tmp_path):
+    """Writers in two containers often have the same PID (PID namespaces number alike). Both write
+    the same chunk at once: each uses its own temporary file and both stores succeed."""
+    import threading
+
+    from kvoffload.ipc.messages import Fault
+    from kvoffload.workers.faults import Faults
+    from kvoffload.workers.fs_io import make_io
+
+    ns = namespace()
+    io_cfg = {"root_dir": str(tmp_path), "namespace_id": ns.id(), "row_bytes": ROW,
+              "direct_io": "none"}
+    resume = tmp_path / "resume"
+    paused = make_io(io_cfg, Faults([Fault(point="before_publish", action="wait_file",
+                                           arg=str(resume))]))
+    other = make_io(io_cfg, Faults([]))
+    key = keys_for(1, seed=31)[0]
+    src = memoryview(payload(key))
+    results = {}
+    t = threading.Thread(target=lambda: results.setdefault("paused", paused.store(key, src)))
+    t.start()
+    try:
+        deadline = time.monotonic() + 60
+        d = os.path.dirname(paused.path(key))
+        while not (os.path.isdir(d) and any(n.endswith(".tmp") for n in os.listdir(d))):
+            assert time.monotonic() < deadline, "the paused writer never wrote its temporary file"
+            time.sleep(0.01)
+        results["other"] = other.store(key, src)
+    finally:
+        resume.touch()
+        t.join(60)
+    assert results["other"][0] == 0 and results["paused"][0] == 0, results
+    with open(paused.path(key), "rb") as f:
+        assert f.read()[HEADER_BYTES:] == payload(key).tobytes()
+    assert not [n for n in os.listdir(d) if n.endswith(".tmp")]

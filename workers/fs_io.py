@@ -5,8 +5,8 @@
     <root_dir>/<namespace id>/config.json          namespace fields (written by the engine at start)
     <root_dir>/<namespace id>/<hh>/<hh>/<key hex>.kv   header page + payload (see chunkfile.py)
 
-- Stores write a unique temporary file in the chunk's own directory, then ``rename`` it over the final
-  name: readers see the whole chunk or nothing, and two instances writing the same chunk at once are
+- Stores write a temporary file in the chunk's own directory, named apart from every other writer's
+  (PID plus a random tag: PIDs repeat across containers), then ``rename`` it over the final name: readers see the whole chunk or nothing, and two instances writing the same chunk at once are
   both safe (the last rename wins; the bytes are the same). A chunk already on disk is not rewritten.
 - Loads read the header, check it, read the payload straight into the arena slot and verify its
   checksum. Verified corruption (short file, wrong header, bad checksum) removes the file; transient
@@ -25,6 +25,7 @@ import errno
 import itertools
 import mmap
 import os
+import secrets
 import threading
 import time
 from collections.abc import Iterator
@@ -49,10 +50,17 @@ def stale_temp_age_s(job_timeout_s: float) -> float:
     return max(STALE_TEMP_AGE_S, 10.0 * job_timeout_s)
 
 
+def temp_tag() -> str:
+    """``<pid>-<8 random hex digits>``: the part of a temporary file's name that keeps one writer's
+    names apart from every other's. The PID alone does not: writers in two containers (PID
+    namespaces) sharing a root often have the same PID, and would open the same temporary file."""
+    return f"{os.getpid()}-{secrets.token_hex(4)}"
+
+
 def is_temp_name(name: str) -> bool:
     """True for the name of a temporary file of the fs tier: a chunk being written
-    (``.<key hex>.<pid>.<n>.tmp``), a namespace ``config.json.<pid>.tmp`` or a
-    ``.write-test.<pid>.tmp`` probe."""
+    (``.<key hex>.<tag>.<n>.tmp``), a namespace ``config.json.<tag>.tmp`` or a
+    ``.write-test.<tag>.tmp`` probe (``<tag>``: :func:`temp_tag`)."""
     return name.endswith(cf.TMP_SUFFIX)
 
 
@@ -134,7 +142,7 @@ class FsIO:
         self.file_bytes = cf.HEADER_BYTES + config.row_bytes
         self._dirs: set[str] = set()
         self._tmp_counter = itertools.count()
-        self._pid = os.getpid()
+        self._tmp_tag = temp_tag()
         # Page-aligned scratch for headers (O_DIRECT needs aligned buffers), one per I/O thread.
         self._local = threading.local()
         self._direct_reads = config.direct_io in ("reads", "both")
@@ -165,7 +173,8 @@ class FsIO:
             if d not in self._dirs:
                 os.makedirs(d, exist_ok=True)
                 self._dirs.add(d)
-            tmp = os.path.join(d, f".{key.hex()}.{self._pid}.{next(self._tmp_counter)}{cf.TMP_SUFFIX}")
+            tmp = os.path.join(
+                d, f".{key.hex()}.{self._tmp_tag}.{next(self._tmp_counter)}{cf.TMP_SUFFIX}")
             fd = self._open_for_write(tmp)
             try:
                 hbuf = self._scratch()

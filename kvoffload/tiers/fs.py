@@ -119,12 +119,13 @@ class FsTier(ProcessTierManager):
         try:
             os.makedirs(self.ns_dir, exist_ok=True)
             path = os.path.join(self.ns_dir, "config.json")
+            tag = fs_io.temp_tag()
             if not os.path.exists(path):
-                tmp = f"{path}.{os.getpid()}.tmp"
+                tmp = f"{path}.{tag}{cf.TMP_SUFFIX}"
                 with open(tmp, "wb") as f:
                     f.write(self.namespace.to_json())
                 os.rename(tmp, path)
-            probe = os.path.join(self.ns_dir, f".write-test.{os.getpid()}{cf.TMP_SUFFIX}")
+            probe = os.path.join(self.ns_dir, f".write-test.{tag}{cf.TMP_SUFFIX}")
             with open(probe, "wb"):
                 pass
             os.unlink(probe)

@@ -1,5 +1,5 @@
-"""Operator commands on real tier roots: ``kvoffload inspect`` (fs root, s3://bucket/prefix on moto),
-``kvoffload sweep --fs-root`` (orphaned temporary files, CASES C29), ``kvoffload check`` (table)."""
+"""Operator commands on real tier roots: ``kvoffload inspect`` (fs root; s3://bucket/prefix on
+moto), ``kvoffload sweep --fs-root`` (orphaned temporary files, CASES C29), ``kvoffload check``."""
 
 import json
 import os

@@ -29,21 +29,22 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--list", "list_only", is_flag=True, help="Show what would be removed instead of removing.")
+@click.option("--list", "list_only", is_flag=True,
+              help="Show what would be removed instead of removing it.")
 @click.option("--fs-root", "fs_roots", multiple=True, metavar="DIR",
               help="Also remove orphaned temporary files from this fs tier root (repeatable).")
 @click.option("--older-than", type=click.FloatRange(min=0, min_open=True), default=None,
               metavar="SECONDS",
-              help="With --fs-root: a temporary file last written longer ago than this is an orphan "
-                   "[default: 3600].")
+              help="With --fs-root: a temporary file last written longer ago than this is an "
+                   "orphan [default: 3600].")
 def sweep(list_only: bool, fs_roots: tuple[str, ...], older_than: float | None) -> None:
     """Remove host arenas (/dev/shm/kvoffload*) whose owning engine is dead, and with --fs-root the
     orphaned temporary files of fs tier roots.
 
     A live engine's arena is never touched: liveness is the owner's lock on the segment, which the
     kernel drops when the owner dies, SIGKILL included. A temporary file is an orphan only by age
-    (default one hour since its last write), never by its writer's PID, so files that engines in other
-    containers or on other hosts are writing are safe.
+    (default one hour since its last write), never by its writer's PID, so files that engines in
+    other containers or on other hosts are writing are safe.
     """
     from kvoffload.ipc.arena import list_arenas
     from kvoffload.ipc.arena import sweep as do_sweep
@@ -99,13 +100,13 @@ def check(config_file, as_json: bool) -> None:
     render(raw, cfg, Console(), title=f"{config_file.name}: valid")
 
 
-@main.command()
+@main.command("inspect")
 @click.argument("target", metavar="ROOT_OR_S3_URL")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of tables.")
 @click.option("--endpoint-url", default=None, metavar="URL",
               help="S3 endpoint for s3:// targets (default: AWS_ENDPOINT_URL or the boto3 chain).")
 @click.option("--region", default=None, help="S3 region for s3:// targets (default: boto3 chain).")
-def inspect(target: str, as_json: bool, endpoint_url: str | None, region: str | None) -> None:
+def inspect_tier(target: str, as_json: bool, endpoint_url: str | None, region: str | None) -> None:
     """Show what a tier holds, per namespace: identity fields (config.json), chunk count and bytes,
     oldest and newest use, temporary files. ROOT_OR_S3_URL is an fs tier's root_dir or
     s3://BUCKET/PREFIX of an obj tier. Reads listings and config.json only, never a chunk."""

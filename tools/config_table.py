@@ -1,10 +1,10 @@
 """``kvoffload check``: the resolved configuration as a table of key, value and where it came from.
 
-Rows follow the typed structs of :mod:`kvoffload.config` (top-level settings, ``kv_events.*``, then
-``secondary_tiers[i].*`` with each tier's own config struct), so every setting the engine will use is
-listed, defaults included. A value is ``set`` when the file names its key or it differs from the
-field's default (a key spelled with an accepted alias), else ``default``. Secrets are masked as in the
-start-up log line.
+Rows follow the typed structs of :mod:`kvoffload.config` (top-level settings, ``kv_events.*``,
+then ``secondary_tiers[i].*`` with each tier's own config struct), so every setting the engine will
+use is listed, defaults included. A value is ``set`` when the file names its key or it differs from
+the field's default (a key spelled with an accepted alias), else ``default``. Secrets are masked as
+in the start-up log line.
 """
 
 from __future__ import annotations

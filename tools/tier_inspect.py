@@ -2,14 +2,14 @@
 
 ::
 
-    fs root  ──os.scandir──▶ <namespace id>/config.json      identity fields (a few hundred bytes read)
+    fs root  ──os.scandir──▶ <namespace id>/config.json      identity fields (a few hundred bytes)
                              <namespace id>/<hh>/<hh>/*.kv   stat only: count, bytes, mtime range
                              .../*.tmp                       temporary files: count, bytes, oldest
     s3://bucket/prefix ──ListObjectsV2──▶ <prefix>/<namespace id>/config.json   one small GET
                                           <prefix>/<namespace id>/**.kv        listing only
 
-Layouts are the tiers' own (:mod:`kvoffload.workers.fs_io`, :mod:`kvoffload.workers.obj_io`). No chunk
-payload is read and nothing is held per chunk: a scan keeps running totals, so a root of 10^8 chunks
+Layouts are the tiers' own (:mod:`kvoffload.workers.fs_io`, :mod:`kvoffload.workers.obj_io`). No
+chunk payload is read and nothing is held per chunk: a scan keeps running totals, so a root of 10^8 chunks
 costs one directory walk (or one listing) and constant memory.
 
 "Use" times are the ones the tiers go by: a chunk file's mtime (fs; the time it was written: chunks
@@ -437,7 +437,8 @@ def render(report: TierReport, console) -> None:
                 text += f", oldest {_when(tmp.oldest, now)}"
             if tmp.stale:
                 text += (f", [yellow]{tmp.stale:,} stale[/yellow] (older than "
-                         f"{format_age(report.stale_temp_age_s)}: kvoffload sweep --fs-root removes them)")
+                         f"{format_age(report.stale_temp_age_s)}: "
+                         f"kvoffload sweep --fs-root removes them)")
             t.add_row("temp files", text)
         if ns.other_files:
             t.add_row("other files", f"{ns.other_files:,}")

@@ -24,7 +24,7 @@ from kvoffload.workers import fs_io
 
 
 class StaleTemp(msgspec.Struct, kw_only=True):
-    """One orphaned temporary file: ``path``, ``bytes``, ``age_s`` (seconds since its last write)."""
+    """One orphaned temporary file: ``path``, ``bytes``, ``age_s`` (seconds since last written)."""
 
     path: str
     bytes: int

@@ -6,16 +6,17 @@
     <root_dir>/<namespace id>/<hh>/<hh>/<key hex>.kv   header page + payload (see chunkfile.py)
 
 - Stores write a temporary file in the chunk's own directory, named apart from every other writer's
-  (PID plus a random tag: PIDs repeat across containers), then ``rename`` it over the final name: readers see the whole chunk or nothing, and two instances writing the same chunk at once are
-  both safe (the last rename wins; the bytes are the same). A chunk already on disk is not rewritten.
+  (PID plus a random tag: PIDs repeat across containers), then ``rename`` it over the final name:
+  readers see the whole chunk or nothing, and two instances writing the same chunk at once are both
+  safe (the last rename wins; the bytes are the same). A chunk already on disk is not rewritten.
 - Loads read the header, check it, read the payload straight into the arena slot and verify its
   checksum. Verified corruption (short file, wrong header, bad checksum) removes the file; transient
   errors (EIO, EINTR, ...) leave it alone.
 - Scans list the namespace's chunks for capacity accounting and remove orphaned temporary files.
   A temporary file is an orphan when it was last written more than ``stale_temp_age_s`` ago (default
   one hour, at least 10x the job deadline): a live writer renames or removes its file within its job
-  deadline, so an older one has no writer left. Age is the only test (CASES C29): the writer's PID in
-  the name means nothing to an instance in another PID namespace (container) or on another host
+  deadline, so an older one has no writer left. Age is the only test (CASES C29): the writer's PID
+  in the name means nothing to an instance in another PID namespace (container) or on another host
   sharing the directory, where that PID may be free or belong to an unrelated process.
 """
 

@@ -101,11 +101,16 @@ def _unshare_pid_ns() -> list[str] | None:
 
 
 def _free_pid_window(width: int = 300) -> int:
-    """A PID below which ``width`` consecutive PIDs are unused here."""
+    """A PID below which ``width`` consecutive PIDs are unused here, as far behind this namespace's
+    PID allocation cursor as can be (the last PIDs it hands out again)."""
     with open("/proc/sys/kernel/pid_max") as f:
         pid_max = int(f.read())
+    with open("/proc/sys/kernel/ns_last_pid") as f:
+        cursor = int(f.read())
     used = set(psutil.pids())
-    for base in range(pid_max - width - 2, 300, -width):
+    behind = list(range(cursor - width - 1000, 300, -width))
+    wrapped = list(range(pid_max - width - 2, cursor + 1000, -width))
+    for base in behind + wrapped:
         if not used.intersection(range(base + 1, base + width + 1)):
             return base
     raise AssertionError("no free PID window")

@@ -9,6 +9,7 @@ import psutil
 import pytest
 
 from kvoffload.workers.chunkfile import HEADER_BYTES, relative_name
+from kvoffload.workers.fs_io import STALE_TEMP_AGE_S
 
 from helpers import (HIT, MISS, PENDING, ROW, Rig, fs_tier, keys_for, payload, wait_paused,
                      wait_until)
@@ -342,7 +343,7 @@ def test_c21_capacity_setting_is_enforced(tmp_path):
 def test_c14_chunks_from_earlier_runs_are_adopted_and_counted(tmp_path):
     fb = HEADER_BYTES + ROW
     ns_a_dir = None
-    # Orphan temp file from a killed writer (dead pid) must be cleaned at startup.
+    # An orphaned temp file of a killed writer (last written long ago) is removed at start.
     with Rig([fs_tier(tmp_path, max_bytes=10 * fb)], num_slots=4) as run1:
         first = keys_for(8)
         run1.store(first[:4])
@@ -353,6 +354,8 @@ def test_c14_chunks_from_earlier_runs_are_adopted_and_counted(tmp_path):
     os.makedirs(os.path.dirname(orphan), exist_ok=True)
     with open(orphan, "wb") as f:
         f.write(b"x" * 100)
+    long_ago = time.time() - 2 * STALE_TEMP_AGE_S
+    os.utime(orphan, (long_ago, long_ago))
     with Rig([fs_tier(tmp_path, max_bytes=10 * fb)], num_slots=4, ns=ns) as run2:
         for i in range(0, 10, 2):
             run2.store(keys_for(10, seed=1)[i:i + 2])

@@ -4,8 +4,10 @@
 
     kvoffload demo     serve a real model with tiered offloading and show that it helps
     kvoffload bench    measurements for BENCHMARKS.md
-    kvoffload sweep    remove host arenas of dead engines from /dev/shm (``--list`` to show them)
+    kvoffload sweep    remove host arenas of dead engines from /dev/shm (``--list`` to show them),
+                       and orphaned temporary files of fs tier roots (``--fs-root``)
     kvoffload check    validate a kv_connector_extra_config JSON file and print the resolved config
+    kvoffload inspect  what an fs tier root or an s3://bucket/prefix holds, per namespace
     kvoffload stress   the tiering manager under generated load and injected faults, loads verified
     kvoffload top      live monitor of a running engine or stress run
 """
@@ -84,16 +86,28 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--list", "list_only", is_flag=True, help="Show the arenas instead of removing any.")
-def sweep(list_only: bool) -> None:
-    """Remove host arenas (/dev/shm/kvoffload*) whose owning engine is dead.
+@click.option("--list", "list_only", is_flag=True,
+              help="Show what would be removed instead of removing it.")
+@click.option("--fs-root", "fs_roots", multiple=True, metavar="DIR",
+              help="Also remove orphaned temporary files from this fs tier root (repeatable).")
+@click.option("--older-than", type=click.FloatRange(min=0, min_open=True), default=None,
+              metavar="SECONDS",
+              help="With --fs-root: a temporary file last written longer ago than this is an "
+                   "orphan [default: 3600].")
+def sweep(list_only: bool, fs_roots: tuple[str, ...], older_than: float | None) -> None:
+    """Remove host arenas (/dev/shm/kvoffload*) whose owning engine is dead, and with --fs-root the
+    orphaned temporary files of fs tier roots.
 
     A live engine's arena is never touched: liveness is the owner's lock on the segment, which the
-    kernel drops when the owner dies, SIGKILL included.
+    kernel drops when the owner dies, SIGKILL included. A temporary file is an orphan only by age
+    (default one hour since its last write), never by its writer's PID, so files that engines in
+    other containers or on other hosts are writing are safe.
     """
     from kvoffload.ipc.arena import list_arenas
     from kvoffload.ipc.arena import sweep as do_sweep
 
+    if older_than is not None and not fs_roots:
+        _bad_input("--older-than applies to --fs-root; name the tier root(s) to sweep")
     if list_only:
         arenas = list_arenas()
         if not arenas:
@@ -103,27 +117,75 @@ def sweep(list_only: bool) -> None:
             click.echo(f"{a.name}  owner pid {a.owner_pid} ({state})  engine {a.engine_id or '-'}  "
                        f"{a.num_slots} x {a.row_bytes} B  {a.size_bytes / 2**20:.1f} MiB"
                        f"{'' if a.ready else '  (not initialized)'}")
-        return
-    removed = do_sweep()
-    for name in removed:
-        click.echo(f"removed {name}")
-    click.echo(f"{len(removed)} arena(s) removed")
+    else:
+        removed = do_sweep()
+        for name in removed:
+            click.echo(f"removed {name}")
+        click.echo(f"{len(removed)} arena(s) removed")
+    if fs_roots:
+        from kvoffload.tools.tier_sweep import sweep_roots
+
+        try:
+            sweep_roots(fs_roots, older_than, listing=list_only)
+        except ValueError as e:
+            _bad_input(str(e))
 
 
 @main.command()
 @click.argument("config_file", type=click.File("r"))
-def check(config_file) -> None:
-    """Validate CONFIG_FILE (the JSON of kv_connector_extra_config) and print it with defaults."""
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the resolved config as one JSON line (as logged at start) instead.")
+def check(config_file, as_json: bool) -> None:
+    """Validate CONFIG_FILE (the JSON of kv_connector_extra_config) and print the resolved config:
+    every key, its value and whether it was set or is a default."""
     from kvoffload.config import ConfigError, describe, parse_config
 
     try:
         raw = json.load(config_file)
         cfg = parse_config(raw)
-        click.echo(describe(cfg))
     except json.JSONDecodeError as e:
         raise click.ClickException(f"{config_file.name}: not JSON: {e}") from None
     except ConfigError as e:
         raise click.ClickException(str(e)) from None
+    if as_json:
+        click.echo(describe(cfg))
+        return
+    from rich.console import Console
+
+    from kvoffload.tools.config_table import render
+
+    render(raw, cfg, Console(), title=f"{config_file.name}: valid")
+
+
+@main.command("inspect")
+@click.argument("target", metavar="ROOT_OR_S3_URL")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of tables.")
+@click.option("--endpoint-url", default=None, metavar="URL",
+              help="S3 endpoint for s3:// targets (default: AWS_ENDPOINT_URL or the boto3 chain).")
+@click.option("--region", default=None, help="S3 region for s3:// targets (default: boto3 chain).")
+def inspect_tier(target: str, as_json: bool, endpoint_url: str | None, region: str | None) -> None:
+    """Show what a tier holds, per namespace: identity fields (config.json), chunk count and bytes,
+    oldest and newest use, temporary files. ROOT_OR_S3_URL is an fs tier's root_dir or
+    s3://BUCKET/PREFIX of an obj tier. Reads listings and config.json only, never a chunk."""
+    from kvoffload.tools import tier_inspect
+
+    try:
+        report = tier_inspect.inspect_target(target, endpoint_url=endpoint_url, region=region)
+    except tier_inspect.InspectError as e:
+        _bad_input(str(e))
+    if as_json:
+        click.echo(tier_inspect.to_json(report))
+        return
+    from rich.console import Console
+
+    tier_inspect.render(report, Console())
+
+
+def _bad_input(message: str):
+    """Exit with status 2 (bad input), as click does for bad options."""
+    e = click.ClickException(message)
+    e.exit_code = 2
+    raise e
 
 
 if __name__ == "__main__":

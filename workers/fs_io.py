@@ -5,14 +5,19 @@
     <root_dir>/<namespace id>/config.json          namespace fields (written by the engine at start)
     <root_dir>/<namespace id>/<hh>/<hh>/<key hex>.kv   header page + payload (see chunkfile.py)
 
-- Stores write a unique temporary file in the chunk's own directory, then ``rename`` it over the final
-  name: readers see the whole chunk or nothing, and two instances writing the same chunk at once are
-  both safe (the last rename wins; the bytes are the same). A chunk already on disk is not rewritten.
+- Stores write a temporary file in the chunk's own directory, named apart from every other writer's
+  (PID plus a random tag: PIDs repeat across containers), then ``rename`` it over the final name:
+  readers see the whole chunk or nothing, and two instances writing the same chunk at once are both
+  safe (the last rename wins; the bytes are the same). A chunk already on disk is not rewritten.
 - Loads read the header, check it, read the payload straight into the arena slot and verify its
   checksum. Verified corruption (short file, wrong header, bad checksum) removes the file; transient
   errors (EIO, EINTR, ...) leave it alone.
-- Scans list the namespace's chunks for capacity accounting and remove temporary files left by dead
-  writers.
+- Scans list the namespace's chunks for capacity accounting and remove orphaned temporary files.
+  A temporary file is an orphan when it was last written more than ``stale_temp_age_s`` ago (default
+  one hour, at least 10x the job deadline): a live writer renames or removes its file within its job
+  deadline, so an older one has no writer left. Age is the only test (CASES C29): the writer's PID
+  in the name means nothing to an instance in another PID namespace (container) or on another host
+  sharing the directory, where that PID may be free or belong to an unrelated process.
 """
 
 from __future__ import annotations
@@ -21,11 +26,12 @@ import errno
 import itertools
 import mmap
 import os
+import secrets
 import threading
 import time
+from collections.abc import Iterator
 
 import msgspec
-import psutil
 
 from kvoffload.ipc import messages as m
 from kvoffload.workers import chunkfile as cf
@@ -33,7 +39,76 @@ from kvoffload.workers import counters
 from kvoffload.workers.faults import Faults
 
 _NO_SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
-_ORPHAN_TMP_AGE_S = 3600.0
+STALE_TEMP_AGE_S = 3600.0
+"""Default age (seconds since its last write) past which a temporary file is an orphan: 120x the
+default job deadline, with room for a writer stalled in fsync on a network filesystem and for clock
+skew between the hosts that share one (a file's mtime comes from the file server's clock)."""
+
+
+def stale_temp_age_s(job_timeout_s: float) -> float:
+    """The orphan age (seconds) for a tier whose jobs time out after ``job_timeout_s`` seconds:
+    :data:`STALE_TEMP_AGE_S`, or 10x the job deadline when that is longer."""
+    return max(STALE_TEMP_AGE_S, 10.0 * job_timeout_s)
+
+
+def temp_tag() -> str:
+    """``<pid>-<8 random hex digits>``: the part of a temporary file's name that keeps one writer's
+    names apart from every other's. The PID alone does not: writers in two containers (PID
+    namespaces) sharing a root often have the same PID, and would open the same temporary file."""
+    return f"{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def is_temp_name(name: str) -> bool:
+    """True for the name of a temporary file of the fs tier: a chunk being written
+    (``.<key hex>.<tag>.<n>.tmp``), a namespace ``config.json.<tag>.tmp`` or a
+    ``.write-test.<tag>.tmp`` probe (``<tag>``: :func:`temp_tag`)."""
+    return name.endswith(cf.TMP_SUFFIX)
+
+
+def remove_if_stale(path: str, mtime: float, now: float, older_than_s: float) -> bool:
+    """Unlink the temporary file ``path`` if it was last written (``mtime``, seconds since the
+    epoch) more than ``older_than_s`` seconds before ``now``. Returns True if this call removed it
+    (False when it is younger, or already gone: its writer renamed it, or another sweep won)."""
+    if now - mtime <= older_than_s:
+        return False
+    try:
+        os.unlink(path)
+    except OSError:
+        return False
+    return True
+
+
+def namespace_files(ns_dir: str) -> Iterator[os.DirEntry]:
+    """Every file of one namespace directory, streamed (``os.scandir``; nothing is collected): its
+    own files (``config.json``, temporary files), then those of each shard directory ``<hh>/<hh>/``.
+    A file may be gone by the time the caller stats it.
+
+    Raises:
+        FileNotFoundError: ``ns_dir`` does not exist.
+        PermissionError: a directory cannot be listed.
+    """
+    with os.scandir(ns_dir) as level1:
+        for d1 in level1:
+            if not d1.is_dir(follow_symlinks=False):
+                yield d1
+                continue
+            try:
+                level2 = os.scandir(d1.path)
+            except FileNotFoundError:
+                continue
+            with level2:
+                for d2 in level2:
+                    if not d2.is_dir(follow_symlinks=False):
+                        yield d2
+                        continue
+                    try:
+                        files = os.scandir(d2.path)
+                    except FileNotFoundError:
+                        continue
+                    with files:
+                        for f in files:
+                            if not f.is_dir(follow_symlinks=False):
+                                yield f
 
 
 class FsIOConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -47,6 +122,8 @@ class FsIOConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         direct_io: which transfers bypass the page cache with O_DIRECT (where the filesystem
             supports it; otherwise they fall back to buffered I/O): ``none``, ``writes``, ``reads``
             or ``both``.
+        stale_temp_age_s: scans remove temporary files last written longer ago than this
+            (seconds); see :func:`stale_temp_age_s`.
     """
 
     root_dir: str
@@ -54,6 +131,7 @@ class FsIOConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     row_bytes: int
     fsync: bool = False
     direct_io: str = "both"
+    stale_temp_age_s: float = STALE_TEMP_AGE_S
 
 
 class FsIO:
@@ -65,7 +143,7 @@ class FsIO:
         self.file_bytes = cf.HEADER_BYTES + config.row_bytes
         self._dirs: set[str] = set()
         self._tmp_counter = itertools.count()
-        self._pid = os.getpid()
+        self._tmp_tag = temp_tag()
         # Page-aligned scratch for headers (O_DIRECT needs aligned buffers), one per I/O thread.
         self._local = threading.local()
         self._direct_reads = config.direct_io in ("reads", "both")
@@ -96,7 +174,8 @@ class FsIO:
             if d not in self._dirs:
                 os.makedirs(d, exist_ok=True)
                 self._dirs.add(d)
-            tmp = os.path.join(d, f".{key.hex()}.{self._pid}.{next(self._tmp_counter)}{cf.TMP_SUFFIX}")
+            tmp = os.path.join(
+                d, f".{key.hex()}.{self._tmp_tag}.{next(self._tmp_counter)}{cf.TMP_SUFFIX}")
             fd = self._open_for_write(tmp)
             try:
                 hbuf = self._scratch()
@@ -221,40 +300,26 @@ class FsIO:
         return m.OK
 
     def scan(self) -> list[tuple[bytes, int, float]]:
-        entries = []
+        """``(key, bytes, mtime)`` of every chunk of the namespace; removes orphaned temporary files
+        on the way (counted as ``stale_temp_removed``)."""
+        entries: list[tuple[bytes, int, float]] = []
         now = time.time()
         try:
-            level1 = os.scandir(self.ns_dir)
+            for f in namespace_files(self.ns_dir):
+                self._scan_file(f, now, entries)
         except FileNotFoundError:
-            return entries
-        with level1:
-            for d1 in level1:
-                if not d1.is_dir(follow_symlinks=False):
-                    continue
-                with os.scandir(d1.path) as level2:
-                    for d2 in level2:
-                        if not d2.is_dir(follow_symlinks=False):
-                            continue
-                        with os.scandir(d2.path) as files:
-                            for f in files:
-                                self._scan_file(f, now, entries)
+            pass
         return entries
 
-    @staticmethod
-    def _scan_file(f: os.DirEntry, now: float, entries: list) -> None:
+    def _scan_file(self, f: os.DirEntry, now: float, entries: list) -> None:
         name = f.name
         try:
             st = f.stat(follow_symlinks=False)
         except OSError:
             return
-        if name.endswith(cf.TMP_SUFFIX):
-            parts = name.split(".")
-            pid = int(parts[2]) if len(parts) >= 5 and parts[2].isdigit() else -1
-            if (pid > 0 and not psutil.pid_exists(pid)) or now - st.st_mtime > _ORPHAN_TMP_AGE_S:
-                try:
-                    os.unlink(f.path)
-                except OSError:
-                    pass
+        if is_temp_name(name):
+            if remove_if_stale(f.path, st.st_mtime, now, self.cfg.stale_temp_age_s):
+                counters.count("stale_temp_removed")
             return
         key = cf.key_from_name(name)
         if key is not None:

@@ -24,6 +24,7 @@ from kvoffload.ipc import messages as m
 from kvoffload.tiers.process import ProcessTierConfig, ProcessTierManager
 from kvoffload.tiers.base import TierEvent
 from kvoffload.workers import chunkfile as cf
+from kvoffload.workers import fs_io
 
 _SCAN_TIMEOUT_S = 600.0
 # Evictions remembered to spot probes that saw a file just before it was deleted.
@@ -103,7 +104,7 @@ class FsTier(ProcessTierManager):
         self._deleting: dict[bytes, int] = {}  # evicted keys whose delete task has not answered
         self._evicted_at: OrderedDict[bytes, float] = OrderedDict()  # recent evictions (monotonic s)
         self.start()
-        # Clean up temporary files of writers that died; with a cap, also adopt existing chunks.
+        # Remove orphaned temporary files (by age only: CASES C29); with a cap, also adopt chunks.
         tid = self._next_task_id()
         self._send(self._writers, "scan", None, [],
                    m.ScanTask(tid, list_entries=self._index is not None), timeout_s=_SCAN_TIMEOUT_S)
@@ -111,18 +112,20 @@ class FsTier(ProcessTierManager):
     def io_config(self) -> dict:
         c = self.config
         return {"root_dir": c.root_dir, "namespace_id": self.ns_id, "row_bytes": self.row_bytes,
-                "fsync": c.fsync, "direct_io": c.direct_io}
+                "fsync": c.fsync, "direct_io": c.direct_io,
+                "stale_temp_age_s": fs_io.stale_temp_age_s(c.job_timeout_s)}
 
     def _write_namespace_config(self) -> None:
         try:
             os.makedirs(self.ns_dir, exist_ok=True)
             path = os.path.join(self.ns_dir, "config.json")
+            tag = fs_io.temp_tag()
             if not os.path.exists(path):
-                tmp = f"{path}.{os.getpid()}.tmp"
+                tmp = f"{path}.{tag}{cf.TMP_SUFFIX}"
                 with open(tmp, "wb") as f:
                     f.write(self.namespace.to_json())
                 os.rename(tmp, path)
-            probe = os.path.join(self.ns_dir, f".write-test.{os.getpid()}")
+            probe = os.path.join(self.ns_dir, f".write-test.{tag}{cf.TMP_SUFFIX}")
             with open(probe, "wb"):
                 pass
             os.unlink(probe)

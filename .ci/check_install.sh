@@ -47,11 +47,12 @@ plain() {
         "$tmp/tier" >"$tmp/config.json"
     cd "$tmp"   # not the checkout: the installed package must be what runs
     expect 0 "Commands:" "$bin/kvoffload" --help
-    for c in bench stress top check sweep; do   # demo's --help names its missing extra (below)
+    for c in bench stress top check sweep inspect; do   # demo's --help names its missing extra (below)
         expect 0 "Usage:" "$bin/kvoffload" "$c" --help
     done
     expect 0 "$tmp/tier" "$bin/kvoffload" check "$tmp/config.json"
     expect 0 "" "$bin/kvoffload" sweep --list
+    expect 2 "no such directory" "$bin/kvoffload" inspect "$tmp/no-such-root"
     expect 0 '"requests"' "$bin/kvoffload" stress --duration 3 --json
     expect 0 "Usage:" "$bin/kvoffload-stress" --help
     expect 0 "Usage:" "$bin/kvoffload-top" --help

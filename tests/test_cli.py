@@ -45,13 +45,13 @@ def _imported(proc: subprocess.CompletedProcess) -> list[str]:
 def test_help_lists_every_command_without_importing_any_tool():
     proc = _kvoffload(["--help"])
     assert proc.returncode == 0, proc.stderr
-    for command in ("bench", "check", "demo", "stress", "sweep", "top"):
+    for command in ("bench", "check", "demo", "inspect", "stress", "sweep", "top"):
         assert f"  {command} " in proc.stdout
     assert not set(_imported(proc)) & set(TOOL_MODULES)
 
 
 @pytest.mark.parametrize("args", [["check", "--help"], ["sweep", "--list"], ["stress", "--help"],
-                                  ["top", "--help"], ["bench", "--help"]])
+                                  ["top", "--help"], ["bench", "--help"], ["inspect", "--help"]])
 def test_base_commands_run_without_the_demo_and_bench_extras(args):
     proc = _kvoffload(args, blocked=("httpx", "vllm", "transformers", "matplotlib", "moto", "nanio"))
     assert proc.returncode == 0, proc.stderr

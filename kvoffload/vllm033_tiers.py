@@ -86,8 +86,9 @@ class _Job:
 def tiering_namespace(spec: Any, row_bytes: int, cache_salt: str, model_revision: str | None):
     """The namespace of chunks laid out as vLLM's tiering primary rows (``row_bytes`` each).
 
-    The layout id (``vllm-tiering-v1...``) differs from the one :class:`kvoffload.vllm.KVOffloadSpec`
-    uses for its own arena rows, so the two formats never share a chunk.
+    The layout id (``vllm-tiering-v1...``) differs from the one
+    :class:`kvoffload.vllm.KVOffloadSpec` uses for its own arena rows, so the two formats never
+    share a chunk.
     """
     from kvoffload.vllm import engine_namespace
 
@@ -128,14 +129,16 @@ class _KVOffloadTier(VLLMSecondaryTierManager):
         staging_bytes = config.pop("staging_bytes", DEFAULT_STAGING_BYTES)
         cache_salt = config.pop("cache_salt", "")
         model_revision = config.pop("model_revision", None)
-        if not isinstance(staging_bytes, int) or isinstance(staging_bytes, bool) or staging_bytes <= 0:
+        if type(staging_bytes) is not int or staging_bytes <= 0:
             raise ConfigError(f"{where}.staging_bytes: a positive integer of bytes, got "
                               f"{staging_bytes!r}")
         if not isinstance(cache_salt, str):
             raise ConfigError(f"{where}.cache_salt: a string, got {cache_salt!r}")
         raw = {"type": self.kvoffload_type, **config}
         name, tier_cls, tier_config = parse_tier_config(raw, where)
-        self._primary = np.asarray(primary_kv_view).reshape(-1, self.block_size_bytes)
+        # vLLM exposes the rows as int8 (its memoryview format "b"); bytes are bytes here.
+        primary = np.asarray(primary_kv_view).view(np.uint8)
+        self._primary = primary.reshape(-1, self.block_size_bytes)
         row_bytes = self.block_size_bytes
         num_slots = max(1, min(len(self._primary), staging_bytes // row_bytes))
         namespace = tiering_namespace(offloading_spec, row_bytes, cache_salt, model_revision)

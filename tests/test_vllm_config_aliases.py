@@ -190,8 +190,9 @@ def test_unknown_keys_still_fail_with_a_message(tmp_path):
 
 def test_vllm_tiering_settings_without_a_counterpart_are_accepted_and_reported(tmp_path):
     example = as_kvoffload(VLLM_MULTI_TIER)
-    example["secondary_tiers"][0].update(root_dir=str(tmp_path), enable_kv_events=True,
-                                         backpressure={"backpressure_cls": "EMABackpressureDetector"})
+    example["secondary_tiers"][0].update(
+        root_dir=str(tmp_path), enable_kv_events=True,
+        backpressure={"backpressure_cls": "EMABackpressureDetector"})
     example.update(tier_poll_interval_s=0.01, backpressure={}, store_threshold=1,
                    max_tracker_size=64000, sync_load_budget_bytes=1 << 20)
     parse_config(example)

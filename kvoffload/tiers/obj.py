@@ -107,8 +107,9 @@ class ObjTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True)
                         f"{', '.join(cls.store_config_keys)}")
                 ours = cls.vllm_aliases.get(key, key)
                 if key in body or ours in body:
-                    raise ConfigError(f"{where}: {'store_config.' + key!r} and "
-                                      f"{key if key in body else ours!r} set the same thing; keep one")
+                    other = key if key in body else ours
+                    raise ConfigError(f"{where}: {'store_config.' + key!r} and {other!r} set the "
+                                      f"same thing; keep one")
                 body[ours] = value
                 renamed[ours] = f"store_config.{key}"
                 vllm_given.add(ours)

@@ -121,7 +121,7 @@ class ProcessTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
         return self.io_threads if total is None else -(-total // workers)
 
     def check_io_threads(self, read_workers: int, write_workers: int) -> None:
-        """Raises ValueError (``"<key>: <why>"``) when a side would need over 64 threads a worker."""
+        """Raises ValueError (``"<key>: <why>"``) when a side needs over 64 threads a worker."""
         for key, total, workers, wkey in (
                 ("read_io_threads", self.read_io_threads, read_workers, "read_workers"),
                 ("write_io_threads", self.write_io_threads, write_workers, "write_workers")):

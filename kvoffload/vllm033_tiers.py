@@ -29,7 +29,8 @@ file is unlinked once vLLM's workers mapped it). So each chunk is copied once in
 process (a memcpy of ``block_size_bytes``) between vLLM's primary row and a staging row. The staging
 arena holds ``staging_bytes`` (default 256 MiB, at least one chunk); jobs that find it full wait in
 order and start as earlier jobs finish, so nothing fails for lack of room except a job larger than the
-whole staging arena (refused at once, logged).
+whole staging arena (refused at once, logged) and a store the tier would drop (too many stores in
+flight, ``max_pending_store_chunks``, or its circuit breaker open).
 
 Contract mapping: a job's keys and vLLM's ``job_id`` pass through unchanged; kvoffload's lookup
 answers HIT / MISS / RETRY (HIT_PENDING becomes RETRY); a failed load makes those chunks a miss
@@ -187,6 +188,11 @@ class _KVOffloadTier(VLLMSecondaryTierManager):
         rec = _Job(JobMetadata(job_id=job.job_id, keys=keys, slots=[], is_promotion=is_promotion,
                                req_id=job.req_context.req_id if job.req_context else ""),
                    np.asarray(job.chunk_ids, dtype=np.int64))
+        if not is_promotion and not self.tier.accepts_store(len(keys)):
+            # Backed up (max_pending_store_chunks) or its circuit breaker is open: dropped and
+            # counted by the tier, a failed cascade for vLLM (the chunks stay in its primary tier).
+            self._results.append(VLLMJobResult(job_id=job.job_id, success=False))
+            return
         if len(keys) > self._staging.num_slots:
             log.warning("kvoffload tier %s: a job of %d chunks is larger than the staging arena "
                         "(%d chunks); raise staging_bytes", self.tier.name, len(keys),

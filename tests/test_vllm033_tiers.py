@@ -247,6 +247,23 @@ def test_jobs_wait_for_staging_rows_and_a_job_larger_than_staging_fails(tmp_path
         mgr.shutdown()
 
 
+def test_stores_beyond_the_tiers_backlog_limit_fail_at_once(tmp_path):
+    mgr = tiering_manager(fs_entry(tmp_path))
+    tier = SecondaryTierFactory.create_secondary_tier(
+        fs_entry(tmp_path / "capped", max_pending_store_chunks=2),
+        mgr.primary_tier.get_kv_memoryview(), mgr_spec(mgr))
+    try:
+        ctx = ReqContext(req_id="r")
+        tier.submit_store(TransferJob(1, keys(3), np.array([0, 1, 2], np.int32), False, ctx))
+        assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(1, False)]
+        tier.submit_store(TransferJob(2, keys(2), np.array([0, 1], np.int32), False, ctx))
+        tier.drain_jobs()
+        assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(2, True)]
+    finally:
+        tier.shutdown()
+        mgr.shutdown()
+
+
 def mgr_spec(mgr):
     return mgr.secondary_tiers[0]._offloading_spec
 

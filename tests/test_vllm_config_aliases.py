@@ -138,8 +138,12 @@ def test_vllm_obj_store_config_against_a_real_s3_server():
                                                "scheme": "http", "access_key": ACCESS,
                                                "secret_key": SECRET, "region": "us-east-1"},
                "prefix": "vllm-shaped", "io_threads": 2, "addressing_style": "path",
-               "io_workers": 1}
+               "io_workers": 1, "n_read_threads": 5}
         with Rig([raw], num_slots=4) as rig:
+            obj = rig.fs
+            assert obj._spec(0, b"r0", LOADS).io_threads == 5
+            assert obj._spec(0, b"w0", STORES).io_threads == 2
+            assert obj.io_config()["max_connections"] == 7  # one per thread, plus 2
             keys = keys_for(3)
             rig.store(keys)
             rig.evict_all()

@@ -23,6 +23,7 @@ from typing import Any, ClassVar, Literal
 import msgspec
 
 from kvoffload.config import ConfigError, Positive, PositiveFloat, apply_aliases, closest
+from kvoffload.ipc.channels import LOADS, STORES
 from kvoffload.tiers.process import ProcessTierConfig, ProcessTierManager
 from kvoffload.workers.obj_io import ObjIOConfig, classify, make_client, object_prefix
 
@@ -53,7 +54,8 @@ class ObjTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True)
     top level, and ``io_threads``, ``prefix``, ``locality``, ``enable_kv_events``.
     """
 
-    vllm_aliases: ClassVar[dict[str, str]] = {"access_key": "access_key_id",
+    vllm_aliases: ClassVar[dict[str, str]] = {**ProcessTierConfig.vllm_aliases,
+                                              "access_key": "access_key_id",
                                               "secret_key": "secret_access_key"}
     # vLLM's ObjStoreConfig fields (vllm/v1/kv_offload/tiering/obj/config.py); "" means unset there.
     store_config_keys: ClassVar[tuple[str, ...]] = (
@@ -183,7 +185,8 @@ class ObjTier(ProcessTierManager):
             secret_access_key=c.secret_access_key, session_token=c.session_token,
             max_attempts=c.max_attempts, connect_timeout_s=c.connect_timeout_s,
             read_timeout_s=c.read_timeout_s, verify_tls=c.verify_tls, ca_bundle=c.ca_bundle,
-            addressing_style=c.addressing_style, max_connections=c.io_threads + 2)
+            addressing_style=c.addressing_style,
+            max_connections=max(self._io_threads(LOADS), self._io_threads(STORES)) + 2)
         fields.update(overrides)
         return ObjIOConfig(**fields)
 

@@ -78,6 +78,12 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             process id and a counter).
         spec_name, spec_module_path: how vLLM found this spec.
         lock, config_info, expedited: accepted for vLLM 0.33 compatibility; unused.
+        sync_load_budget_bytes: read by vLLM's offloading scheduler (0.33), whatever the spec.
+        tier_poll_interval_s, backpressure, store_threshold, max_tracker_size: settings of vLLM's
+            own ``TieringOffloadingSpec`` / ``CPUOffloadingSpec``, accepted so that a config
+            written for it works unchanged; they have no effect here (logged once at start, see
+            :func:`ineffective_vllm_keys`). ``store_threshold`` above 1 is refused, as vLLM's
+            tiering spec refuses it.
     """
 
     cpu_bytes_to_use: Positive
@@ -100,6 +106,26 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     lock: Any = None
     config_info: Any = None
     expedited: Any = None
+    sync_load_budget_bytes: NonNegative = 0
+    tier_poll_interval_s: float | None = None
+    backpressure: dict[str, Any] | None = None
+    store_threshold: Annotated[int, msgspec.Meta(ge=0, le=1)] = 0
+    max_tracker_size: Positive | None = None
+
+
+# Keys of vLLM's own tiering spec that kvoffload accepts (so a config written for it works after
+# changing only spec_name / spec_module_path) but does not act on, with what does that job here.
+VLLM_ONLY_KEYS = {
+    "tier_poll_interval_s": "tier workers report over sockets drained at every scheduler step",
+    "backpressure": "see tier_pin_fraction, and the tiers' max_pending_store_chunks and "
+                    "breaker_failures",
+    "max_tracker_size": "kvoffload offloads every stored chunk (store_threshold 0)",
+}
+VLLM_ONLY_TIER_KEYS = {
+    "backpressure": "see the tier's max_pending_store_chunks and breaker_failures, and "
+                    "tier_pin_fraction",
+    "enable_kv_events": "kvoffload reports every tier in KV events whenever events are on",
+}
 
 
 _PATH_RE = re.compile(r"`\$(?P<path>[^`]*)`")
@@ -173,7 +199,7 @@ def convert(data: Any, struct_type: type[msgspec.Struct], where: str) -> Any:
         if unknown:
             field = unknown.group("field")
             owner = _struct_at(struct_type, sub) or struct_type
-            allowed = _fields_of(owner)
+            allowed = _fields_of(owner) + list(getattr(owner, "vllm_aliases", {}))
             close = closest(field, allowed)
             hint = f" (did you mean {close!r}?)" if close else ""
             raise ConfigError(
@@ -295,14 +321,69 @@ def parse_tier_config(raw: dict[str, Any], where: str) -> tuple[str, type, msgsp
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,40}", name):
         raise ConfigError(f"{where}.name: 1-40 characters of [A-Za-z0-9_.-], got {name!r}")
     cls = tier_class(type_name, module_path, where)
-    config = convert(body, cls.config_class, where)
+    config_class = cls.config_class
+    renamed: dict[str, str] = {}
+    from_vllm = getattr(config_class, "from_vllm_keys", None)
+    if from_vllm is not None:
+        body, renamed = from_vllm(body, where)
+    try:
+        config = convert(body, config_class, where)
+    except ConfigError as e:
+        raise ConfigError(_name_given_keys(str(e), where, renamed)) from None
     validate = getattr(config, "validate", None)
     if validate is not None:
         try:
             validate()
         except ValueError as e:
-            raise ConfigError(f"{where}.{e}") from None
+            raise ConfigError(_name_given_keys(f"{where}.{e}", where, renamed)) from None
     return name, cls, config
+
+
+def _name_given_keys(msg: str, where: str, renamed: dict[str, str]) -> str:
+    """Rewrite an error about one of our keys to name the key the user wrote (a vLLM alias)."""
+    for ours, given in renamed.items():
+        if msg.startswith(f"{where}.{ours}:"):
+            return f"{where}.{given}:" + msg[len(f"{where}.{ours}:"):]
+    return msg
+
+
+def apply_aliases(body: dict[str, Any], aliases: dict[str, str], where: str,
+                  renamed: dict[str, str], origin: str = "") -> None:
+    """Rename vLLM's key names in ``body`` to ours, in place.
+
+    Args:
+        body: a tier's config dict (already a copy).
+        aliases: vLLM's name -> our name.
+        where: key path for error messages.
+        renamed: filled with our name -> the name as written (for error messages).
+        origin: prefix of the written name (``"store_config."`` for nested keys).
+
+    Raises:
+        ConfigError: both a vLLM name and our name (or two names for one setting) are given.
+    """
+    for alias, ours in aliases.items():
+        if alias not in body:
+            continue
+        if ours in body:
+            first = renamed.get(ours, ours)
+            what = f" ({ours!r})" if first != ours else ""
+            raise ConfigError(
+                f"{where}: {origin + alias!r} (vLLM's name) and {first!r} set the same "
+                f"thing{what}; keep one")
+        body[ours] = body.pop(alias)
+        renamed[ours] = origin + alias
+
+
+def ineffective_vllm_keys(extra_config: dict[str, Any]) -> list[str]:
+    """Keys of vLLM's own tiering spec present in ``extra_config`` that kvoffload accepts but
+    does not act on, each as ``"<key path>: <what does that job here>"``."""
+    out = [f"{k}: {why}" for k, why in VLLM_ONLY_KEYS.items() if extra_config.get(k) is not None]
+    tiers = extra_config.get("secondary_tiers") or []
+    for i, tier in enumerate(tiers if isinstance(tiers, list) else []):
+        if isinstance(tier, dict):
+            out += [f"secondary_tiers[{i}].{k}: {why}" for k, why in VLLM_ONLY_TIER_KEYS.items()
+                    if k in tier]
+    return out
 
 
 _SECRET_RE = re.compile(r"secret|token|password|credential", re.IGNORECASE)
@@ -315,7 +396,7 @@ def _mask(obj: Any) -> Any:
         for k, v in obj.items():
             if isinstance(v, str) and v and _SECRET_RE.search(k):
                 out[k] = "***"
-            elif isinstance(v, str) and v and k == "access_key_id":
+            elif isinstance(v, str) and v and k in ("access_key_id", "access_key"):
                 out[k] = v[:4] + "***"
             else:
                 out[k] = _mask(v)

@@ -24,7 +24,14 @@ from collections.abc import Collection, Iterable
 from typing import Any
 
 from kvoffload import logs, metrics
-from kvoffload.config import ConfigError, OffloadConfig, describe, parse_config, parse_tier_config
+from kvoffload.config import (
+    ConfigError,
+    OffloadConfig,
+    describe,
+    ineffective_vllm_keys,
+    parse_config,
+    parse_tier_config,
+)
 from kvoffload.ipc.arena import Arena, default_name, round_up_to_page, sweep
 from kvoffload.namespace import GroupShape, Namespace, model_fingerprint
 from kvoffload.tiering import HOST, TieringManager
@@ -53,6 +60,7 @@ from kvoffload.vllm_worker import KVOffloadWorker
 
 log = logging.getLogger("kvoffload.vllm")
 _STATS_INTERVAL_S = 0.5
+_NOTED: set[str] = set()  # vLLM-only keys already logged in this process
 
 _TO_VLLM = {
     KVLookup.HIT: LookupResult.HIT,
@@ -61,6 +69,43 @@ _TO_VLLM = {
     KVLookup.RETRY: LookupResult.RETRY,
 }
 _MEDIUM = {"CPU": Medium.CPU, "STORAGE": Medium.STORAGE}
+
+
+def engine_namespace(cfg: OffloadingConfig, *, layout: str, blocks_per_chunk: int, row_bytes: int,
+                     model_revision: str | None, cache_salt: str) -> Namespace:
+    """The namespace of one vLLM engine's chunks (DESIGN.md §4, "Keys and namespaces").
+
+    Args:
+        cfg: vLLM's ``OffloadingConfig`` (model, dtype, KV groups, parallel geometry).
+        layout: the row layout id (how bytes sit in a row), e.g. ``vllm-direct-v1:NHD``.
+        blocks_per_chunk: engine blocks per chunk.
+        row_bytes: bytes per chunk row.
+        model_revision: used when vLLM does not report the model's revision.
+        cache_salt: the ``cache_salt`` setting.
+    """
+    import os
+
+    mc = current_model_config()
+    revision = getattr(mc, "revision", None) or model_revision
+    model = cfg.model.name
+    path = os.path.realpath(model) if os.path.isdir(model) else None
+    agnostic = bool(cfg.canonical_layout) and cfg.parallel.is_parallelism_agnostic
+    groups = tuple(
+        GroupShape(tokens_per_block=g.tokens_per_block, num_layers=len(g.layer_names),
+                   page_bytes=cfg.worker_kv_bytes_per_block, kind=f"group{g.group_id}")
+        for g in cfg.groups
+    )
+    par = cfg.parallel
+    return Namespace(
+        model=model, revision=revision, model_path=path,
+        model_fingerprint=model_fingerprint(path) if path else None,
+        kv_dtype=cfg.model.dtype, layout=layout,
+        tokens_per_chunk=cfg.groups[0].tokens_per_block * blocks_per_chunk,
+        row_bytes=row_bytes, groups=groups,
+        tp_size=None if agnostic else par.tp_size, pp_size=None if agnostic else par.pp_size,
+        pcp_size=None if agnostic else par.pcp_size, dcp_size=None if agnostic else par.dcp_size,
+        cache_salt=cache_salt,
+    )
 
 
 class KVOffloadSpec(OffloadingSpec):
@@ -90,6 +135,11 @@ class KVOffloadSpec(OffloadingSpec):
         logs.setup()
         super().__init__(config)
         self.settings: OffloadConfig = parse_config(dict(config.extra_config))
+        for note in ineffective_vllm_keys(dict(config.extra_config)):
+            if note not in _NOTED:
+                _NOTED.add(note)
+                log.warning("kvoffload: kv_connector_extra_config.%s (a setting of vLLM's own "
+                            "tiering spec, accepted and not used here)", note)
         s = self.settings
         par = config.parallel
         self.replicated = bool(config.replicated_layout) and not config.canonical_layout
@@ -112,36 +162,15 @@ class KVOffloadSpec(OffloadingSpec):
 
     def namespace(self) -> Namespace:
         """The namespace of this engine's chunks (model, revision, dtype, layout, geometry...)."""
-        cfg = self.config
-        mc = current_model_config()
-        revision = getattr(mc, "revision", None) or self.settings.model_revision
-        model = cfg.model.name
-        import os
-
-        path = os.path.realpath(model) if os.path.isdir(model) else None
-        canonical = bool(cfg.canonical_layout)
-        agnostic = canonical and cfg.parallel.is_parallelism_agnostic
-        layout = ("vllm-canonical-v1" if canonical else "vllm-direct-v1")
-        if cfg.kv_cache_layout:
-            layout += f":{cfg.kv_cache_layout}"
+        layout = "vllm-canonical-v1" if self.config.canonical_layout else "vllm-direct-v1"
+        if self.config.kv_cache_layout:
+            layout += f":{self.config.kv_cache_layout}"
         if self.replicated:
             layout += ":replicated"
-        groups = tuple(
-            GroupShape(tokens_per_block=g.tokens_per_block, num_layers=len(g.layer_names),
-                       page_bytes=cfg.worker_kv_bytes_per_block, kind=f"group{g.group_id}")
-            for g in cfg.groups
-        )
-        par = cfg.parallel
-        return Namespace(
-            model=model, revision=revision, model_path=path,
-            model_fingerprint=model_fingerprint(path) if path else None,
-            kv_dtype=cfg.model.dtype, layout=layout,
-            tokens_per_chunk=cfg.groups[0].tokens_per_block * self.blocks_per_chunk,
-            row_bytes=self.row_bytes, groups=groups,
-            tp_size=None if agnostic else par.tp_size, pp_size=None if agnostic else par.pp_size,
-            pcp_size=None if agnostic else par.pcp_size, dcp_size=None if agnostic else par.dcp_size,
-            cache_salt=self.settings.cache_salt,
-        )
+        return engine_namespace(self.config, layout=layout, blocks_per_chunk=self.blocks_per_chunk,
+                                row_bytes=self.row_bytes,
+                                model_revision=self.settings.model_revision,
+                                cache_salt=self.settings.cache_salt)
 
     def _open_arena(self) -> Arena:
         if self._arena is None:

@@ -38,6 +38,41 @@ try:  # 0.32: the tier that served a hit; absent in older releases
 except ImportError:  # pragma: no cover - older vLLM
     CacheHitSource = None  # type: ignore[assignment]
 
+def require_tiering_api() -> Any:
+    """vLLM's secondary-tier API (0.33's ``vllm.v1.kv_offload.tiering.base``) for
+    :mod:`kvoffload.vllm033_tiers`, as a namespace of ``SecondaryTierManager``, ``JobResult``,
+    ``TransferJob``, ``Locality``, ``LookupResult``, ``Medium``, ``OffloadingEvent`` and
+    ``RequestOffloadingContext``.
+
+    Raises:
+        ImportError: this vLLM has no such API, or one whose ``SecondaryTierManager`` lacks what
+            the adapters implement (``drain_jobs``, ``on_new_request``); the message names it.
+    """
+    import types
+
+    try:
+        from vllm.v1.kv_offload.tiering.base import JobResult as TierJobResult
+        from vllm.v1.kv_offload.tiering.base import SecondaryTierManager, TransferJob
+    except ImportError as e:
+        import vllm
+
+        raise ImportError(
+            f"kvoffload.vllm033_tiers needs vLLM's secondary-tier API "
+            f"(vllm.v1.kv_offload.tiering.base, vLLM 0.33); vLLM {vllm.__version__} has none: "
+            f"{e}") from None
+    missing = [m for m in ("drain_jobs", "on_new_request", "get_finished_jobs", "lookup")
+               if not hasattr(SecondaryTierManager, m)]
+    if missing:
+        import vllm
+
+        raise ImportError(f"kvoffload.vllm033_tiers: vLLM {vllm.__version__}'s "
+                          f"SecondaryTierManager lacks {', '.join(missing)}")
+    return types.SimpleNamespace(
+        SecondaryTierManager=SecondaryTierManager, JobResult=TierJobResult,
+        TransferJob=TransferJob, Locality=Locality, LookupResult=LookupResult, Medium=Medium,
+        OffloadingEvent=OffloadingEvent, RequestOffloadingContext=RequestOffloadingContext)
+
+
 # Arguments newer releases may pass that this integration does not use.
 TOLERATED_KWARGS = ("lock", "config_info", "expedited")
 

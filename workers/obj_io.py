@@ -48,6 +48,7 @@ class ObjIOConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 10.0
     verify_tls: bool = True
+    ca_bundle: str | None = None
     addressing_style: str = "auto"
     max_connections: int = 16
 
@@ -71,7 +72,7 @@ def make_client(cfg: ObjIOConfig):
         response_checksum_validation="when_required",
     )
     return session.client("s3", endpoint_url=cfg.endpoint_url, config=config,
-                          verify=cfg.verify_tls)
+                          verify=(cfg.ca_bundle or True) if cfg.verify_tls else False)
 
 
 def object_prefix(prefix: str, namespace_id: str) -> str:

@@ -58,6 +58,7 @@ class FsTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True):
         """
         if not self.root_dir:
             raise ValueError("root_dir: must be a directory path")
+        self.check_io_threads(self.read_workers, self.write_workers)
         path = os.path.abspath(self.root_dir)
         if os.path.exists(path) and not os.path.isdir(path):
             raise ValueError(f"root_dir: {self.root_dir!r} exists and is not a directory")

@@ -18,11 +18,12 @@ They are never logged (the effective configuration shows them masked).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import msgspec
 
-from kvoffload.config import Positive, PositiveFloat
+from kvoffload.config import ConfigError, Positive, PositiveFloat, apply_aliases, closest
+from kvoffload.ipc.channels import LOADS, STORES
 from kvoffload.tiers.process import ProcessTierConfig, ProcessTierManager
 from kvoffload.workers.obj_io import ObjIOConfig, classify, make_client, object_prefix
 
@@ -44,8 +45,22 @@ class ObjTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True)
             "standard" mode) for throttling, 5xx and connection errors.
         connect_timeout_s, read_timeout_s: per attempt (seconds).
         verify_tls: check the endpoint's TLS certificate.
+        ca_bundle: path of a PEM bundle of CA certificates to check it against (None: the system's).
         addressing_style: ``auto``, ``path`` (MinIO and most self-hosted stores) or ``virtual``.
+
+    vLLM 0.33's obj-tier keys are accepted too (see :meth:`from_vllm_keys`): its nested
+    ``store_config`` (``bucket``, ``endpoint_override`` as a bare host, ``scheme``, ``access_key``,
+    ``secret_key``, ``session_token``, ``region``, ``ca_bundle``), the same names at the tier's
+    top level, and ``io_threads``, ``prefix``, ``locality``, ``enable_kv_events``.
     """
+
+    vllm_aliases: ClassVar[dict[str, str]] = {**ProcessTierConfig.vllm_aliases,
+                                              "access_key": "access_key_id",
+                                              "secret_key": "secret_access_key"}
+    # vLLM's ObjStoreConfig fields (vllm/v1/kv_offload/tiering/obj/config.py); "" means unset there.
+    store_config_keys: ClassVar[tuple[str, ...]] = (
+        "bucket", "endpoint_override", "access_key", "secret_key", "session_token", "region",
+        "scheme", "ca_bundle")
 
     bucket: str
     prefix: str = ""
@@ -59,13 +74,77 @@ class ObjTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True)
     connect_timeout_s: PositiveFloat = 2.0
     read_timeout_s: PositiveFloat = 10.0
     verify_tls: bool = True
+    ca_bundle: str | None = None
     addressing_style: Literal["auto", "path", "virtual"] = "auto"
     breaker_failures: Positive | None = 5
     job_timeout_s: PositiveFloat = 60.0
 
+    @classmethod
+    def from_vllm_keys(cls, body: dict[str, Any], where: str) -> tuple[dict, dict[str, str]]:
+        """Turn vLLM 0.33's obj-tier keys into ours.
+
+        ``store_config`` is flattened into the tier's keys; ``access_key`` / ``secret_key`` become
+        ``access_key_id`` / ``secret_access_key``; a bare-host ``endpoint_override`` gets
+        ``scheme`` (vLLM's default ``http`` when it comes from ``store_config``); vLLM's empty
+        strings for unset credentials, region, endpoint and CA bundle mean unset.
+
+        Raises:
+            ConfigError: a setting given twice (under two names or in and out of
+                ``store_config``), an unknown ``store_config`` key, a bad ``scheme``.
+        """
+        body = dict(body)
+        renamed: dict[str, str] = {}
+        vllm_given: set[str] = set()
+        nested = body.pop("store_config", None)
+        if nested is not None:
+            if not isinstance(nested, dict):
+                raise ConfigError(f"{where}.store_config: expected an object (dict), got "
+                                  f"{type(nested).__name__}")
+            for key, value in nested.items():
+                if key not in cls.store_config_keys:
+                    close = closest(key, list(cls.store_config_keys))
+                    hint = f" (did you mean {close!r}?)" if close else ""
+                    raise ConfigError(
+                        f"{where}.store_config: unknown key {key!r}{hint}; allowed keys: "
+                        f"{', '.join(cls.store_config_keys)}")
+                ours = cls.vllm_aliases.get(key, key)
+                if key in body or ours in body:
+                    other = key if key in body else ours
+                    raise ConfigError(f"{where}: {'store_config.' + key!r} and {other!r} set the "
+                                      f"same thing; keep one")
+                body[ours] = value
+                renamed[ours] = f"store_config.{key}"
+                vllm_given.add(ours)
+        for alias, ours in cls.vllm_aliases.items():
+            if alias in body:
+                vllm_given.add(ours)
+        apply_aliases(body, cls.vllm_aliases, where, renamed)
+        for ours in ("access_key_id", "secret_access_key", "session_token", "region", "ca_bundle",
+                     "endpoint_override"):
+            if ours in vllm_given and body.get(ours) == "":
+                del body[ours]
+        scheme_given = "scheme" in body
+        scheme = body.pop("scheme", "http" if nested is not None else None)
+        if scheme is not None:
+            given = renamed.get("scheme", "scheme")
+            if scheme not in ("http", "https"):
+                raise ConfigError(f"{where}.{given}: 'http' or 'https', got {scheme!r}")
+            endpoint = body.get("endpoint_override")
+            if isinstance(endpoint, str) and endpoint:
+                if "://" not in endpoint:
+                    body["endpoint_override"] = f"{scheme}://{endpoint}"
+                elif scheme_given and not endpoint.startswith(f"{scheme}://"):
+                    raise ConfigError(f"{where}.{given}: {scheme!r} contradicts endpoint_override "
+                                      f"{endpoint!r}")
+        return body, renamed
+
     def validate(self) -> None:
         if not self.bucket:
             raise ValueError("bucket: required, the name of an existing bucket")
+        workers = self.io_workers
+        self.check_io_threads(workers or self.read_workers, workers or self.write_workers)
+        if self.ca_bundle is not None and not self.verify_tls:
+            raise ValueError("ca_bundle: set, but verify_tls is false (nothing would be checked)")
         if (self.access_key_id is None) != (self.secret_access_key is None):
             raise ValueError("access_key_id: set both access_key_id and secret_access_key, or "
                              "neither (to use the boto3 credential chain)")
@@ -105,8 +184,9 @@ class ObjTier(ProcessTierManager):
             endpoint_url=c.endpoint_override, region=c.region, access_key_id=c.access_key_id,
             secret_access_key=c.secret_access_key, session_token=c.session_token,
             max_attempts=c.max_attempts, connect_timeout_s=c.connect_timeout_s,
-            read_timeout_s=c.read_timeout_s, verify_tls=c.verify_tls,
-            addressing_style=c.addressing_style, max_connections=c.io_threads + 2)
+            read_timeout_s=c.read_timeout_s, verify_tls=c.verify_tls, ca_bundle=c.ca_bundle,
+            addressing_style=c.addressing_style,
+            max_connections=max(self._io_threads(LOADS), self._io_threads(STORES)) + 2)
         fields.update(overrides)
         return ObjIOConfig(**fields)
 

@@ -25,12 +25,12 @@ import time
 from abc import abstractmethod
 from collections import OrderedDict
 from collections.abc import Collection, Iterable
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 import zmq
 
-from kvoffload.config import Positive, PositiveFloat
+from kvoffload.config import Positive, PositiveFloat, apply_aliases
 from kvoffload.ipc import messages as m
 from kvoffload.ipc.channels import LOADS, STORES, TierChannels
 from kvoffload.tiers.base import JobMetadata, JobResult, LookupResult, SecondaryTierManager, TierEvent
@@ -66,8 +66,19 @@ class ProcessTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
             None disables the breaker.
         breaker_cooldown_s: how long the breaker stays open (seconds; doubles while the tier keeps
             failing, up to 16 times).
+        read_io_threads, write_io_threads: chunks the reader / writer workers move at once, in
+            total (vLLM's ``n_read_threads`` / ``n_write_threads``); each worker of that side runs
+            ``ceil(total / workers)`` I/O threads. None (default): ``io_threads`` per worker.
+        locality: ``LOCAL`` or ``REMOTE`` (vLLM's key): where this tier's storage is, relative
+            to this instance, as reported in KV events; None: the tier type's own (fs local,
+            obj remote).
+        enable_kv_events, backpressure: vLLM's keys, accepted and not acted on (see
+            :data:`kvoffload.config.VLLM_ONLY_TIER_KEYS`).
         faults: fault injection for tests (see ``Fault``).
     """
+
+    vllm_aliases: ClassVar[dict[str, str]] = {"n_read_threads": "read_io_threads",
+                                              "n_write_threads": "write_io_threads"}
 
     read_workers: Positive = 2
     write_workers: Positive = 2
@@ -82,7 +93,41 @@ class ProcessTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     worker_nice: Annotated[int, msgspec.Meta(ge=0, le=19)] = 10
     breaker_failures: Positive | None = None
     breaker_cooldown_s: PositiveFloat = 5.0
+    read_io_threads: Positive | None = None
+    write_io_threads: Positive | None = None
+    locality: Literal["LOCAL", "REMOTE"] | None = None
+    enable_kv_events: bool = False
+    backpressure: dict[str, Any] | None = None
     faults: list[m.Fault] = []
+
+    @classmethod
+    def from_vllm_keys(cls, body: dict[str, Any], where: str) -> tuple[dict, dict[str, str]]:
+        """Rename vLLM 0.33's key names for this tier to ours (``n_read_threads`` ->
+        ``read_io_threads``, ...).
+
+        Returns:
+            ``(body with our names, our name -> the name as written)``.
+
+        Raises:
+            ConfigError: a setting given under both names.
+        """
+        renamed: dict[str, str] = {}
+        body = dict(body)
+        apply_aliases(body, cls.vllm_aliases, where, renamed)
+        return body, renamed
+
+    def io_threads_for(self, total: int | None, workers: int) -> int:
+        """I/O threads per worker of one side: ``ceil(total / workers)``, or ``io_threads``."""
+        return self.io_threads if total is None else -(-total // workers)
+
+    def check_io_threads(self, read_workers: int, write_workers: int) -> None:
+        """Raises ValueError (``"<key>: <why>"``) when a side needs over 64 threads a worker."""
+        for key, total, workers, wkey in (
+                ("read_io_threads", self.read_io_threads, read_workers, "read_workers"),
+                ("write_io_threads", self.write_io_threads, write_workers, "write_workers")):
+            if total is not None and self.io_threads_for(total, workers) > 64:
+                raise ValueError(f"{key}: {total} threads over {workers} {wkey} is more than 64 "
+                                 f"a worker; raise {wkey}")
 
 
 class _Job:
@@ -131,6 +176,8 @@ class ProcessTierManager(SecondaryTierManager):
     def __init__(self, *, name: str, arena_view: memoryview, namespace: Any,
                  config: ProcessTierConfig, arena: Any):
         super().__init__(name=name, arena_view=arena_view, namespace=namespace, config=config)
+        if config.locality is not None:
+            self.locality = config.locality
         self.arena = arena
         self.row_bytes = arena_view.strides[0]
         cfg = config
@@ -208,9 +255,15 @@ class ProcessTierManager(SecondaryTierManager):
             arena_name=self.arena.name, arena_nonce=self.arena.nonce,
             jobs_endpoint=self._chans.endpoints[kind], results_endpoint=self._chans.endpoints["results"],
             parent_pid=os.getpid(), nice=self.config.worker_nice,
-            io_threads=self.config.io_threads, io_module=self.io_module,
+            io_threads=self._io_threads(kind), io_module=self.io_module,
             io_config=self.io_config(), faults=list(self.config.faults),
         )
+
+    def _io_threads(self, kind: str) -> int:
+        c = self.config
+        if kind == LOADS:
+            return c.io_threads_for(c.read_io_threads, c.read_workers)
+        return c.io_threads_for(c.write_io_threads, c.write_workers)
 
     def _on_pool_event(self, what: str) -> None:
         self.count({"restart": "worker_restarts", "timeout": "job_timeouts"}[what])

@@ -420,11 +420,11 @@ def _live_view(s: dict[str, Any]):
               help="Corrupt, truncate or delete a random stored chunk (file or object) every ~0.5 s.")
 @click.option("--fill-disk", is_flag=True,
               help="Run the fs tiers in a small tmpfs (root only) that a ballast file fills every ~6 s "
-                   "for 2 s.")
+                   "for 2 s, and until a store has met the full disk (at most 30 s).")
 @click.option("--fill-disk-mib", default=128, show_default=True, help="--fill-disk: tmpfs size.")
 @click.option("--flaky-s3", is_flag=True,
               help="Obj tiers talk through a proxy injecting 503/500, delays, dropped connections and "
-                   "a 3 s outage every ~15 s.")
+                   "an outage every ~15 s: 3 s, and until the breaker has dropped a store (at most 30 s).")
 @click.option("--hang-after", default=30.0, show_default=True,
               help="Seconds after which a waiting request or an unfinished job counts as hung.")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,

@@ -5,12 +5,14 @@
 - ``corrupt``: every ``corrupt_every_s``, damage one stored chunk of a random fs or obj tier: flip
   payload bytes, truncate it, or delete it (loads must turn into misses, never wrong bytes).
 - ``fill_disk``: the fs tiers run in a small tmpfs (:func:`small_tmpfs`, root only); every
-  ``fill_every_s`` a ballast file takes all its free space for ``fill_hold_s`` seconds (stores fail
-  with ``no_space`` and are dropped; nothing crashes; space comes back).
+  ``fill_every_s`` a ballast file takes all its free space for ``fill_hold_s`` seconds, and on until
+  a store has met the full disk (at most ``max_hold_s``), so the fault is exercised however slow the
+  machine (stores fail with ``no_space`` and are dropped; nothing crashes; space comes back).
 - ``flaky_s3``: each obj tier talks to its endpoint through a
   :class:`~kvoffload.tools.s3_server.FaultProxy` that answers some requests with 503 SlowDown or
   500, delays some, drops some connections, and goes dead for ``s3_outage_s`` every
-  ``s3_outage_every_s`` (the breaker must open, and close again).
+  ``s3_outage_every_s``, and on until each obj tier's breaker has opened and dropped a store (at most
+  ``max_hold_s``; the breaker must open, and close again).
 
 Every injected fault is counted in :attr:`FaultInjector.injected` for the stress summary.
 """
@@ -73,8 +75,10 @@ class FaultInjector:
                  upstreams: dict[str, str] | None = None,
                  seed: int = 0, kill_every_s: float = 2.0, corrupt_every_s: float = 0.5,
                  fill_every_s: float = 6.0, fill_hold_s: float = 2.0,
-                 s3_outage_every_s: float = 15.0, s3_outage_s: float = 3.0):
+                 s3_outage_every_s: float = 15.0, s3_outage_s: float = 3.0,
+                 max_hold_s: float = 30.0):
         self.tm = tm
+        self._max_hold_s = max_hold_s
         self.rng = random.Random(seed)
         self.injected: Counter[str] = Counter()
         now = time.monotonic()
@@ -87,21 +91,28 @@ class FaultInjector:
         self._fill_hold_s = fill_hold_s
         self._ballast: str | None = None
         self._ballast_until = 0.0
+        self._ballast_max_until = 0.0
+        self._no_space_before = 0
         if fill_disk_dir:
             self._plan.append([now + fill_every_s / 2, fill_every_s, self._fill])
         self.proxies = proxies or {}
         self.upstreams = upstreams or {}  # obj tier name -> the store behind its proxy
         self._outage_s = s3_outage_s
         self._outage_until: float | None = None
+        self._outage_max_until = 0.0
+        self._dropped_before: dict[str, int] = {}
         if self.proxies:
             self._plan.append([now + s3_outage_every_s / 2, s3_outage_every_s, self._s3_outage])
         self._files: dict[str, list[str]] = {}
         self._files_at = 0.0
 
     def tick(self, now: float) -> None:
-        if self._ballast is not None and now >= self._ballast_until:
+        if self._ballast is not None and now >= self._ballast_until and (
+                self._no_space() > self._no_space_before or now >= self._ballast_max_until):
             self._release_ballast()
-        if self._outage_until is not None and now >= self._outage_until:
+        if self._outage_until is not None and now >= self._outage_until and (
+                all(self._breaker_dropped(n) > self._dropped_before.get(n, 0) for n in self.proxies)
+                or now >= self._outage_max_until):
             for proxy in self.proxies.values():
                 proxy.start()
             self._outage_until = None
@@ -227,6 +238,8 @@ class FaultInjector:
             return
         self._ballast = path
         self._ballast_until = now + self._fill_hold_s
+        self._ballast_max_until = now + max(self._fill_hold_s, self._max_hold_s)
+        self._no_space_before = self._no_space()
         self.injected["disk_filled"] += 1
 
     def _release_ballast(self) -> None:
@@ -241,7 +254,19 @@ class FaultInjector:
         for proxy in self.proxies.values():
             proxy.stop()
         self._outage_until = now + self._outage_s
+        self._outage_max_until = now + max(self._outage_s, self._max_hold_s)
+        self._dropped_before = {n: self._breaker_dropped(n) for n in self.proxies}
         self.injected["s3_outage"] += 1
+
+    def _no_space(self) -> int:
+        """Chunks whose store failed for want of disk space, all tiers, so far."""
+        return sum(v for (_, direction, reason), v in self.tm.stats.failed.items()
+                   if direction == "store" and reason == "no_space")
+
+    def _breaker_dropped(self, tier_name: str) -> int:
+        """Stores that tier ``tier_name``'s open breaker has dropped so far."""
+        return sum(int(t.counters.get("breaker_dropped_stores", 0)) for t in self.tm.tiers
+                   if t.name == tier_name)
 
 
 def flaky_rules() -> list:

@@ -114,7 +114,7 @@ class Rig:
     def fs(self):
         return self.tm.tiers[0]
 
-    def wait_workers_ready(self, timeout_s: float = 20.0) -> None:
+    def wait_workers_ready(self, timeout_s: float = 120.0) -> None:
         """Until every worker process of the first tier has said hello."""
         deadline = time.monotonic() + timeout_s
         while any(p.awaiting_hello for p in self.fs._pools):
@@ -130,10 +130,11 @@ class Rig:
             self.arena.rows[s] = payload(k, self.row_bytes) if fill is None else fill
         self.tm.complete_store(plan.keys, True)
         if wait:
-            assert self.tm.wait_idle(30), "tier jobs did not finish"
+            assert self.tm.wait_idle(120), "tier jobs did not finish"
         return plan.evicted
 
-    def resolve(self, keys, timeout_s: float = 20.0, step_sleep: float = 0.002) -> list[LookupResult]:
+    def resolve(self, keys, timeout_s: float = 120.0,
+                step_sleep: float = 0.002) -> list[LookupResult]:
         """Look up ``keys`` every step until none is RETRY or HIT_PENDING (or the timeout)."""
         deadline = time.monotonic() + timeout_s
         while True:

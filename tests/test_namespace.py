@@ -72,8 +72,8 @@ def test_c03_tensor_parallel_rank_is_part_of_the_identity(tmp_path):
             t = keys_for(1, seed=100 + i)
             a.store(t, fill=0x00, wait=False)
             b.store(t, fill=0x11, wait=False)
-        a.tm.wait_idle(30)
-        b.tm.wait_idle(30)
+        a.tm.wait_idle(120)
+        b.tm.wait_idle(120)
     assert len(files_under(tmp_path)) == 100  # two distinct files per T
     with Rig([fs_tier(tmp_path)], ns=r0, num_slots=64) as a, \
             Rig([fs_tier(tmp_path)], ns=r1, num_slots=64) as b:

@@ -133,7 +133,7 @@ def test_c06_hanging_endpoint_fails_jobs_within_the_deadline(moto, bucket):
             rig.evict_all()
             proxy.add(Rule("GET", k.hex(), ("hang", 600)))  # answers long after the bound below
             assert rig.tm.lookup(k, "r") is PENDING
-            assert rig.resolve([k], timeout_s=60) == [MISS]  # failed by a deadline, not answered
+            assert rig.resolve([k], timeout_s=120) == [MISS]  # failed by a deadline, not answered
     finally:
         proxy.stop()
 

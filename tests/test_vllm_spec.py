@@ -107,7 +107,7 @@ def test_manager_round_trip_through_vllm_types(tmp_path):
         spec_load = mgr.prepare_load(keys[:2], ctx)
         assert list(spec_load.block_ids) == list(out.store_spec.block_ids[:2])
         mgr.complete_load(keys[:2], ctx)
-        assert mgr.tm.wait_idle(20)
+        assert mgr.tm.wait_idle(120)
         out2 = mgr.prepare_store(keys[4:6], ctx)
         assert len(out2.evicted_keys) == 2
         mgr.complete_store(out2.keys_to_store, ctx)

@@ -146,6 +146,7 @@ class Report:
     dropped_stores: dict[str, int] = field(default_factory=dict)
     worker_restarts: dict[str, int] = field(default_factory=dict)
     injected: dict[str, int] = field(default_factory=dict)
+    unexercised: list[str] = field(default_factory=list)  # faults injected without visible effect
     corrupt_loads: int = 0
     hung_requests: int = 0
     hung_jobs: int = 0
@@ -370,6 +371,8 @@ def _print_summary(rep: Report, console) -> None:
             rows.append((f"worker restarts {k}", str(v)))
     for k, v in sorted(rep.injected.items()):
         rows.append((f"injected {k}", str(v)))
+    if rep.unexercised:
+        rows.append(("injected, no effect seen", ", ".join(rep.unexercised)))
     rows.append(("corrupt loads", f"[{'red' if rep.corrupt_loads else 'green'}]{rep.corrupt_loads}"))
     rows.append(("hung requests / jobs", f"[{'red' if rep.hung_requests or rep.hung_jobs else 'green'}]"
                  f"{rep.hung_requests} / {rep.hung_jobs}"))
@@ -425,6 +428,11 @@ def _live_view(s: dict[str, Any]):
 @click.option("--flaky-s3", is_flag=True,
               help="Obj tiers talk through a proxy injecting 503/500, delays, dropped connections and "
                    "an outage every ~15 s: 3 s, and until the breaker has dropped a store (at most 30 s).")
+@click.option("--until-exercised", default=0.0, show_default=True, type=click.FloatRange(min=0),
+              help="After --duration, go on until every injected fault has been seen to take effect "
+                   "(a worker replaced, a damaged chunk refused on load, a store meeting the full "
+                   "disk, S3 errors answered and the breaker dropping stores), for at most this many "
+                   "more seconds. What never took effect is listed as 'unexercised'.")
 @click.option("--hang-after", default=30.0, show_default=True,
               help="Seconds after which a waiting request or an unfinished job counts as hung.")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
@@ -436,8 +444,8 @@ def _live_view(s: dict[str, Any]):
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
 def stress(config_file, duration, workload, concurrency, chunk_kib, turn_chunks, conversations,
            documents, doc_chunks, zipf_a, seed, add_obj, kill_workers, corrupt, fill_disk,
-           fill_disk_mib, flaky_s3, hang_after, metrics_port, metrics_addr, events_endpoint,
-           as_json) -> None:
+           fill_disk_mib, flaky_s3, until_exercised, hang_after, metrics_port, metrics_addr,
+           events_endpoint, as_json) -> None:
     """Run the tiering manager under generated load, verifying every load bit-exact.
 
     Exit status: 0 clean; 1 when a load was corrupt or a request or job hung; 2 on bad input (config,
@@ -548,18 +556,29 @@ def stress(config_file, duration, workload, concurrency, chunk_kib, turn_chunks,
         if not as_json and err.is_terminal:
             live = stack.enter_context(Live(console=err, refresh_per_second=4, transient=True))
         progress = (lambda snap: live.update(_live_view(snap))) if live is not None else None
+        t_begin = time.monotonic()
+
+        def stop_requested() -> bool:
+            if stop["now"]:
+                return True
+            return (until_exercised > 0 and time.monotonic() - t_begin >= duration
+                    and not injector.unexercised())
+
         try:
-            rep = run.run(wl, duration, concurrency, progress, lambda: stop["now"], injector)
+            rep = run.run(wl, duration + until_exercised, concurrency, progress, stop_requested,
+                          injector)
         except KeyboardInterrupt:
             rep = run.report
     finally:
         if injector is not None:
+            unexercised = injector.unexercised()  # before close() folds the proxies' rules away
             injector.close()
         if run is not None:
             run.close()
         metrics.stop_serving()
         stack.close()
     rep.injected = dict(injector.injected)
+    rep.unexercised = unexercised
     if as_json:
         out = {k: v for k, v in vars(rep).items()}
         out["ok"] = rep.ok

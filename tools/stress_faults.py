@@ -79,6 +79,8 @@ class FaultInjector:
                  max_hold_s: float = 30.0):
         self.tm = tm
         self._max_hold_s = max_hold_s
+        self._enabled = {"kill-workers": kill_workers, "corrupt": corrupt,
+                         "fill-disk": bool(fill_disk_dir), "flaky-s3": bool(proxies)}
         self.rng = random.Random(seed)
         self.injected: Counter[str] = Counter()
         now = time.monotonic()
@@ -257,6 +259,23 @@ class FaultInjector:
         self._outage_max_until = now + max(self._outage_s, self._max_hold_s)
         self._dropped_before = {n: self._breaker_dropped(n) for n in self.proxies}
         self.injected["s3_outage"] += 1
+
+    def unexercised(self) -> list[str]:
+        """The enabled faults not yet seen to take effect, by their flag names: ``kill-workers`` until
+        a killed worker was replaced, ``corrupt`` until a load refused a damaged or missing chunk,
+        ``fill-disk`` until a store met the full disk, ``flaky-s3`` until an injected S3 error was
+        answered and every obj tier's breaker dropped a store during an outage."""
+        seen = {
+            "kill-workers": lambda: any(t.counters.get("worker_restarts", 0) for t in self.tm.tiers
+                                        if hasattr(t, "worker_pids")),
+            "corrupt": lambda: any(v for (_, direction, reason), v in self.tm.stats.failed.items()
+                                   if direction == "load" and reason in ("corrupt", "missing")),
+            "fill-disk": lambda: self._no_space() > 0,
+            "flaky-s3": lambda: (
+                any(r.hits for p in self.proxies.values() for r in p.rules if r.action[0] == "status")
+                and all(self._breaker_dropped(n) for n in self.proxies)),
+        }
+        return [name for name, on in self._enabled.items() if on and not seen[name]()]
 
     def _no_space(self) -> int:
         """Chunks whose store failed for want of disk space, all tiers, so far."""

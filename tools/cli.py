@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 
 import click
@@ -108,6 +109,9 @@ def sweep(list_only: bool, fs_roots: tuple[str, ...], older_than: float | None) 
 
     if older_than is not None and not fs_roots:
         _bad_input("--older-than applies to --fs-root; name the tier root(s) to sweep")
+    for root in fs_roots:  # checked before anything is swept
+        if not os.path.isdir(root):
+            _bad_input(f"--fs-root {root}: no such directory")
     if list_only:
         arenas = list_arenas()
         if not arenas:
@@ -142,9 +146,12 @@ def check(config_file, as_json: bool) -> None:
 
     try:
         raw = json.load(config_file)
+        _refuse_vllm_spec_names(raw)
         cfg = parse_config(raw)
     except json.JSONDecodeError as e:
         raise click.ClickException(f"{config_file.name}: not JSON: {e}") from None
+    except UnicodeDecodeError as e:
+        raise click.ClickException(f"{config_file.name}: not UTF-8 text (JSON): {e}") from None
     except ConfigError as e:
         raise click.ClickException(str(e)) from None
     if as_json:
@@ -155,6 +162,30 @@ def check(config_file, as_json: bool) -> None:
     from kvoffload.tools.config_table import render
 
     render(raw, cfg, Console(), title=f"{config_file.name}: valid")
+
+
+#: Spec names vLLM resolves from its own registry, never reading ``spec_module_path``.
+VLLM_SPEC_NAMES = ("CPUOffloadingSpec", "TieringOffloadingSpec")
+
+
+def _refuse_vllm_spec_names(raw: object) -> None:
+    """``kvoffload check`` validates configs of kvoffload's spec. One naming a spec of vLLM's own
+    registry would never reach kvoffload (vLLM ignores ``spec_module_path`` for those): say so.
+
+    Raises:
+        ConfigError: ``spec_name`` is one of :data:`VLLM_SPEC_NAMES`.
+    """
+    from kvoffload.config import ConfigError
+
+    name = raw.get("spec_name") if isinstance(raw, dict) else None
+    if name in VLLM_SPEC_NAMES:
+        raise ConfigError(
+            f"spec_name: '{name}' is vLLM's own spec: vLLM resolves it from its registry and never "
+            "loads kvoffload (spec_module_path is ignored). For kvoffload's spec use "
+            "\"spec_name\": \"KVOffloadSpec\", \"spec_module_path\": \"kvoffload.vllm\""
+            + (". To use kvoffload's tiers under vLLM's TieringOffloadingSpec, see README "
+               "'kvoffload's tiers inside vLLM's TieringOffloadingSpec' (vLLM validates that config)"
+               if name == "TieringOffloadingSpec" else ""))
 
 
 @main.command("inspect")

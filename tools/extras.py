@@ -53,5 +53,5 @@ def require(command: str, *extras: str, modules: tuple[str, ...] | None = None) 
     if missing:
         spec = ",".join(extras)
         raise MissingExtra(
-            f"`kvoffload {command}` needs kvoffload[{spec}] (missing: {', '.join(missing)}): "
-            f"pip install 'kvoffload[{spec}]' (from a checkout: pip install -e '.[{spec}]')")
+            f"`kvoffload {command}` needs the extra [{spec}] (missing: {', '.join(missing)}): "
+            f"from the kvoffload checkout, pip install -e '.[{spec}]'")

@@ -36,7 +36,7 @@ import xxhash
 
 from kvoffload.config import ConfigError, parse_config
 from kvoffload.host import READY
-from kvoffload.ipc.arena import Arena, round_up_to_page, sweep
+from kvoffload.ipc.arena import Arena, ArenaError, round_up_to_page, sweep
 from kvoffload.namespace import Namespace
 from kvoffload.tiering import HOST, TieringManager
 from kvoffload.tiers.base import LookupResult
@@ -405,15 +405,22 @@ def _live_view(s: dict[str, Any]):
 @click.option("--config", "config_file", type=click.File("r"),
               help="JSON file with the same content as vLLM's kv_connector_extra_config "
                    "(default: 64 MiB host tier + fs tier of at most 2 GiB in a temporary directory).")
-@click.option("--duration", default=30.0, show_default=True, help="Seconds of load.")
+@click.option("--duration", default=30.0, show_default=True,
+              type=click.FloatRange(min=0, min_open=True), help="Seconds of load.")
 @click.option("--workload", type=click.Choice(["multiturn", "zipf", "random"]), default="multiturn",
               show_default=True)
-@click.option("--concurrency", default=8, show_default=True, help="Requests in flight.")
-@click.option("--chunk-kib", default=256, show_default=True, help="KiB per chunk.")
-@click.option("--turn-chunks", default=4, show_default=True, help="multiturn: chunks added per turn.")
-@click.option("--conversations", default=32, show_default=True, help="multiturn: live conversations.")
-@click.option("--documents", default=200, show_default=True, help="zipf/random: distinct documents.")
-@click.option("--doc-chunks", default=16, show_default=True, help="zipf/random: chunks per document.")
+@click.option("--concurrency", default=8, show_default=True, type=click.IntRange(min=1),
+              help="Requests in flight.")
+@click.option("--chunk-kib", default=256, show_default=True, type=click.IntRange(min=1),
+              help="KiB per chunk.")
+@click.option("--turn-chunks", default=4, show_default=True, type=click.IntRange(min=1),
+              help="multiturn: chunks added per turn.")
+@click.option("--conversations", default=32, show_default=True, type=click.IntRange(min=1),
+              help="multiturn: live conversations.")
+@click.option("--documents", default=200, show_default=True, type=click.IntRange(min=1),
+              help="zipf/random: distinct documents.")
+@click.option("--doc-chunks", default=16, show_default=True, type=click.IntRange(min=1),
+              help="zipf/random: chunks per document.")
 @click.option("--zipf-a", default=1.1, show_default=True, help="zipf: exponent.")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--obj", "add_obj", is_flag=True,
@@ -471,6 +478,8 @@ def stress(config_file, duration, workload, concurrency, chunk_kib, turn_chunks,
                 config = json.load(config_file)
             except json.JSONDecodeError as e:
                 _bad_input(f"{config_file.name}: not JSON: {e}")
+            except UnicodeDecodeError as e:
+                _bad_input(f"{config_file.name}: not UTF-8 text (JSON): {e}")
             if not isinstance(config, dict):
                 _bad_input(f"{config_file.name}: expected a JSON object")
         else:
@@ -528,7 +537,7 @@ def stress(config_file, duration, workload, concurrency, chunk_kib, turn_chunks,
                 t["endpoint_override"] = proxy.endpoint
         try:
             run = Stress(config, chunk_bytes=chunk_kib << 10, hang_after_s=hang_after)
-        except ConfigError as e:
+        except (ConfigError, ArenaError) as e:  # a bad config, or a host tier /dev/shm cannot hold
             err.print(f"[red]kvoffload stress: {e}", highlight=False)
             sys.exit(2)
         for proxy in proxies.values():  # after the tier's start-up check of the bucket

@@ -257,8 +257,11 @@ def _s3_client(endpoint_url: str | None, region: str | None):
                     read_timeout=30, signature_version="s3v4",
                     request_checksum_calculation="when_required",
                     response_checksum_validation="when_required")
-    return boto3.session.Session(region_name=region).client("s3", endpoint_url=endpoint_url,
-                                                           config=config)
+    try:
+        return boto3.session.Session(region_name=region).client("s3", endpoint_url=endpoint_url,
+                                                               config=config)
+    except ValueError as e:  # botocore: "Invalid endpoint: ..."
+        raise InspectError(f"--endpoint-url {endpoint_url}: {e} (expected http(s)://host[:port])")
 
 
 def _s3_problem(exc: BaseException, bucket: str, where: str) -> str:

@@ -56,11 +56,11 @@ plain() {
     expect 0 '"requests"' "$bin/kvoffload" stress --duration 3 --json
     expect 0 "Usage:" "$bin/kvoffload-stress" --help
     expect 0 "Usage:" "$bin/kvoffload-top" --help
-    expect 2 "kvoffload[demo]" "$bin/kvoffload" demo
-    expect 2 "kvoffload[demo]" "$bin/kvoffload" demo --help
-    expect 2 "kvoffload[bench]" "$bin/kvoffload" bench tier
-    expect 2 "kvoffload[demo]" "$bin/kvoffload" bench ttft
-    expect 2 "kvoffload[stress]" "$bin/kvoffload" stress --obj --duration 1
+    expect 2 "extra [demo]" "$bin/kvoffload" demo
+    expect 2 "extra [demo]" "$bin/kvoffload" demo --help
+    expect 2 "extra [bench]" "$bin/kvoffload" bench tier
+    expect 2 "extra [demo]" "$bin/kvoffload" bench ttft
+    expect 2 "extra [stress]" "$bin/kvoffload" stress --obj --duration 1
     cd "$root"
     echo "plain install: every command runs or names its extra"
 }

@@ -50,7 +50,8 @@ plain() {
     for c in bench stress top check sweep inspect; do   # demo's --help names its missing extra (below)
         expect 0 "Usage:" "$bin/kvoffload" "$c" --help
     done
-    expect 0 "$tmp/tier" "$bin/kvoffload" check "$tmp/config.json"
+    expect 0 "valid" "$bin/kvoffload" check "$tmp/config.json"
+    expect 0 "$tmp/tier" "$bin/kvoffload" check --json "$tmp/config.json"
     expect 0 "" "$bin/kvoffload" sweep --list
     expect 2 "no such directory" "$bin/kvoffload" inspect "$tmp/no-such-root"
     expect 0 '"requests"' "$bin/kvoffload" stress --duration 3 --json

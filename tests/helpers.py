@@ -21,7 +21,7 @@ ROW = 16384
 _names = itertools.count()
 
 
-def wait_until(condition, timeout_s: float = 30.0, what: str = "the condition",
+def wait_until(condition, timeout_s: float = 120.0, what: str = "the condition",
                step=None, interval_s: float = 0.005):
     """Call ``step`` (if given) and check ``condition`` until it returns a true value, which is
     returned. ``timeout_s`` is a generous upper bound for a stuck run, never the thing tested: the
@@ -37,7 +37,7 @@ def wait_until(condition, timeout_s: float = 30.0, what: str = "the condition",
         time.sleep(interval_s)
 
 
-def wait_paused(gate, count: int = 1, timeout_s: float = 30.0,
+def wait_paused(gate, count: int = 1, timeout_s: float = 120.0,
                 step=None) -> list[int]:
     """Until ``count`` workers have reached a ``wait_file`` fault gated on ``gate`` (each appends its
     pid to ``<gate>.reached``); returns their pids."""

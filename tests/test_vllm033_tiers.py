@@ -87,6 +87,16 @@ def resolve(mgr, key, ctx, timeout_s=30.0):
         time.sleep(0.005)
 
 
+def store_to_files(root, ks):
+    """Store ``ks`` through a TieringOffloadingManager with an fs adapter on ``root``, then shut it
+    down: the chunks live on only in the files."""
+    writer = tiering_manager(fs_entry(root))
+    try:
+        store(writer, ks)
+    finally:
+        writer.shutdown()
+
+
 def store(mgr, ks):
     ctx = ReqContext(req_id="writer")
     mgr.on_new_request(ctx)
@@ -126,11 +136,7 @@ def test_vllm_builds_the_fs_tier_from_module_path(tmp_path):
 
 def test_fs_store_lookup_load_round_trip_is_byte_exact(tmp_path):
     ks = keys(5)
-    writer = tiering_manager(fs_entry(tmp_path))
-    try:
-        store(writer, ks)
-    finally:
-        writer.shutdown()
+    store_to_files(tmp_path, ks)
     files = [f for f in tmp_path.rglob("*.kv")]
     assert len(files) == 5 and all(f.stat().st_size == HEADER_BYTES + ROW for f in files)
     reader = tiering_manager(fs_entry(tmp_path))  # a fresh primary tier: every chunk from files
@@ -147,11 +153,7 @@ def test_fs_store_lookup_load_round_trip_is_byte_exact(tmp_path):
 
 def test_a_corrupt_chunk_file_is_a_miss_and_is_removed(tmp_path):
     ks = keys(2)
-    writer = tiering_manager(fs_entry(tmp_path))
-    try:
-        store(writer, ks)
-    finally:
-        writer.shutdown()
+    store_to_files(tmp_path, ks)
     victim = sorted(tmp_path.rglob("*.kv"))[0]
     data = bytearray(victim.read_bytes())
     data[HEADER_BYTES + 100] ^= 0xFF  # same length, one payload byte flipped

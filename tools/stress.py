@@ -401,6 +401,9 @@ def _live_view(s: dict[str, Any]):
     return t
 
 
+_AT_LEAST_ONE = click.IntRange(min=1)
+
+
 @click.command()
 @click.option("--config", "config_file", type=click.File("r"),
               help="JSON file with the same content as vLLM's kv_connector_extra_config "
@@ -409,17 +412,17 @@ def _live_view(s: dict[str, Any]):
               type=click.FloatRange(min=0, min_open=True), help="Seconds of load.")
 @click.option("--workload", type=click.Choice(["multiturn", "zipf", "random"]), default="multiturn",
               show_default=True)
-@click.option("--concurrency", default=8, show_default=True, type=click.IntRange(min=1),
+@click.option("--concurrency", default=8, show_default=True, type=_AT_LEAST_ONE,
               help="Requests in flight.")
-@click.option("--chunk-kib", default=256, show_default=True, type=click.IntRange(min=1),
+@click.option("--chunk-kib", default=256, show_default=True, type=_AT_LEAST_ONE,
               help="KiB per chunk.")
-@click.option("--turn-chunks", default=4, show_default=True, type=click.IntRange(min=1),
+@click.option("--turn-chunks", default=4, show_default=True, type=_AT_LEAST_ONE,
               help="multiturn: chunks added per turn.")
-@click.option("--conversations", default=32, show_default=True, type=click.IntRange(min=1),
+@click.option("--conversations", default=32, show_default=True, type=_AT_LEAST_ONE,
               help="multiturn: live conversations.")
-@click.option("--documents", default=200, show_default=True, type=click.IntRange(min=1),
+@click.option("--documents", default=200, show_default=True, type=_AT_LEAST_ONE,
               help="zipf/random: distinct documents.")
-@click.option("--doc-chunks", default=16, show_default=True, type=click.IntRange(min=1),
+@click.option("--doc-chunks", default=16, show_default=True, type=_AT_LEAST_ONE,
               help="zipf/random: chunks per document.")
 @click.option("--zipf-a", default=1.1, show_default=True, help="zipf: exponent.")
 @click.option("--seed", default=0, show_default=True)

@@ -87,28 +87,24 @@ def namespace_files(ns_dir: str) -> Iterator[os.DirEntry]:
         FileNotFoundError: ``ns_dir`` does not exist.
         PermissionError: a directory cannot be listed.
     """
-    with os.scandir(ns_dir) as level1:
-        for d1 in level1:
-            if not d1.is_dir(follow_symlinks=False):
-                yield d1
-                continue
-            try:
-                level2 = os.scandir(d1.path)
-            except FileNotFoundError:
-                continue
-            with level2:
-                for d2 in level2:
-                    if not d2.is_dir(follow_symlinks=False):
-                        yield d2
-                        continue
-                    try:
-                        files = os.scandir(d2.path)
-                    except FileNotFoundError:
-                        continue
-                    with files:
-                        for f in files:
-                            if not f.is_dir(follow_symlinks=False):
-                                yield f
+    yield from _files_below(ns_dir, shard_levels=2, missing_ok=False)
+
+
+def _files_below(path: str, shard_levels: int, missing_ok: bool = True) -> Iterator[os.DirEntry]:
+    """The files in ``path`` and, ``shard_levels`` directories deep, below it; a shard directory
+    removed meanwhile is skipped (``missing_ok``)."""
+    try:
+        entries = os.scandir(path)
+    except FileNotFoundError:
+        if missing_ok:
+            return
+        raise
+    with entries:
+        for e in entries:
+            if not e.is_dir(follow_symlinks=False):
+                yield e
+            elif shard_levels > 0:
+                yield from _files_below(e.path, shard_levels - 1)
 
 
 class FsIOConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -255,7 +255,9 @@ class _RequestChunks:
     """One request's chunks as :class:`~kvoffload.events.ChunkEventInfo`, computed per key when
     asked (:meth:`~kvoffload.tiering.TieringManager.prepare_store`'s ``chunk_info``): the
     request's block hashes and token ids over the key's token range (its end from the
-    ``ReqContext``), the values of vLLM's own ``BlockStored`` for those blocks."""
+    ``ReqContext``), the values of vLLM's own ``BlockStored`` for those blocks. Kept in the
+    context's state; :meth:`release` (request finished) drops both references, so neither the
+    request nor the context waits for the cyclic garbage collector."""
 
     __slots__ = ("req", "ctx", "geometry")
 
@@ -264,7 +266,12 @@ class _RequestChunks:
         self.ctx = ctx
         self.geometry = geometry
 
+    def release(self) -> None:
+        self.req = self.ctx = None
+
     def get(self, key: bytes) -> ChunkEventInfo | None:
+        if self.req is None:
+            return None
         end = self.ctx.get_offload_key_position(key)
         group = int.from_bytes(key[-4:], "big")
         shape = self.geometry.get(group)
@@ -342,6 +349,10 @@ class KVOffloadManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
+        if self._geometry:
+            chunks = req_context.get_state(_RequestChunks)
+            if chunks is not None:
+                chunks.release()
         self.tm.on_request_finished(req_context.req_id)
 
     def on_schedule_end(self, context) -> None:

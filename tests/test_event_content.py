@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from kvoffload.config import ConfigError
-from kvoffload.events import ChunkEventInfo
 from kvoffload.namespace import chunk_keys
 
 from helpers import ROW, Rig, arena_name, fs_tier, payload, replay
@@ -39,26 +38,29 @@ def _engine_events(endpoint: str) -> list:
     return [ev for _, body in replay(endpoint) for ev in dec.decode(body).events]
 
 
-def _per_block(events, medium: str) -> dict:
+def per_block(events, medium: str, described_only: bool = False) -> dict:
     """``block hash -> (parent hash, token ids, block size)`` from the ``BlockStored`` events of
     ``medium``; an event of n blocks contributes n entries, chained as the engine chains them
-    (an event without token ids, the plain form, gives empty ones)."""
+    (an event without token ids, the plain form, gives empty ones). A block stored again must
+    be described the same way; ``described_only`` skips plain events (a chunk promoted back)."""
     out = {}
     for ev in events:
         if type(ev).__name__ != "BlockStored" or ev.medium != medium:
+            continue
+        if described_only and not ev.token_ids:
             continue
         bs = ev.block_size
         assert bs > 0 and len(ev.token_ids) in (0, bs * len(ev.block_hashes)), ev
         parent = ev.parent_block_hash
         for i, h in enumerate(ev.block_hashes):
-            assert h not in out, f"{medium}: block stored twice"
-            out[h] = (parent, list(ev.token_ids[i * bs:(i + 1) * bs]), bs)
+            entry = (parent, list(ev.token_ids[i * bs:(i + 1) * bs]), bs)
+            assert out.setdefault(h, entry) == entry, f"{medium}: block described two ways"
             parent = h
     return out
 
 
 def _store(tm, arena, keys, info=None):
-    plan = tm.prepare_store(list(keys), "req", info)
+    plan = tm.prepare_store(list(keys), "req", *([info] if info is not None else []))
     assert plan is not None and list(plan.keys) == list(keys)
     for k, s in zip(plan.keys, plan.slots):
         arena.rows[s] = payload(k, arena.row_bytes)
@@ -74,6 +76,8 @@ def test_c34_stored_block_events_carry_parent_hash_and_token_ids(tmp_path):
     host (CPU) and fs (STORAGE) BlockStored of each chunk carry its hash, its parent (none for K1),
     its token ids and the block size, exactly as given; a chunk stored without them still gets
     its event."""
+    from kvoffload.events import ChunkEventInfo
+
     tokens = np.arange(1000, 1000 + 4 * BLOCK)
     keys = chunk_keys(tokens, BLOCK)
     k1, k2, k3, k4 = keys
@@ -89,7 +93,7 @@ def test_c34_stored_block_events_carry_parent_hash_and_token_ids(tmp_path):
         events = _engine_events(rig.tm._publisher.replay_endpoint)
     want = {k: (info[k].parent_block_hash, info[k].token_ids, BLOCK) for k in (k1, k2, k3)}
     for medium in ("CPU", "STORAGE"):
-        got = _per_block(events, medium)
+        got = per_block(events, medium)
         assert {k: got[k] for k in (k1, k2, k3)} == want, medium
         assert got[k1][0] is None and got[k2][0] == k1 and got[k3][0] == k2
         assert k4 in got  # stored, without parent or tokens
@@ -187,10 +191,10 @@ def test_c34_plugin_events_equal_vllm_gpu_events_for_the_same_blocks(tmp_path):
         ours = _engine_events(mgr.tm._publisher.replay_endpoint)
     finally:
         mgr.shutdown()
-    theirs = _per_block(gpu.take_events(), "GPU")
+    theirs = per_block(gpu.take_events(), "GPU")
     assert len(theirs) == 3 and list(theirs.values())[0][0] is None
     for medium in ("CPU", "STORAGE"):
-        assert _per_block(ours, medium) == theirs, medium
+        assert per_block(ours, medium) == theirs, medium
 
 
 # -- locality ---------------------------------------------------------------------------------------

@@ -24,7 +24,6 @@ from collections.abc import Collection, Iterable
 from typing import Any
 
 from kvoffload import logs, metrics
-from kvoffload.events import ChunkEventInfo
 from kvoffload.config import (
     ConfigError,
     OffloadConfig,
@@ -33,6 +32,7 @@ from kvoffload.config import (
     parse_config,
     parse_tier_config,
 )
+from kvoffload.events import ChunkEventInfo
 from kvoffload.ipc.arena import Arena, default_name, round_up_to_page, sweep
 from kvoffload.namespace import GroupShape, Namespace, model_fingerprint
 from kvoffload.tiering import HOST, TieringManager
@@ -259,7 +259,7 @@ class _RequestChunks:
     context's state; :meth:`release` (request finished) drops both references, so neither the
     request nor the context waits for the cyclic garbage collector."""
 
-    __slots__ = ("req", "ctx", "geometry")
+    __slots__ = ("ctx", "geometry", "req")
 
     def __init__(self, req: Any, ctx: ReqContext, geometry: dict[int, tuple[int, int]]):
         self.req = req

@@ -30,7 +30,7 @@ from vllm.v1.kv_offload.base import (  # noqa: F401 - re-exported for kvoffload.
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (  # noqa: F401
     OffloadingConnectorStats,
 )
-from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as convert_block_hash  # noqa: F401
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as convert_block_hash
 from vllm.v1.kv_offload.config import OffloadingConfig  # noqa: F401
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: F401
 

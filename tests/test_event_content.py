@@ -5,17 +5,17 @@ sockets; vLLM's own decoder, block hasher and block pool where vLLM is installed
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import socket
 
 import msgspec
 import numpy as np
 import pytest
+from helpers import Rig, arena_name, fs_tier, payload, replay
 
 from kvoffload.config import ConfigError
 from kvoffload.namespace import chunk_keys
-
-from helpers import ROW, Rig, arena_name, fs_tier, payload, replay
 
 BLOCK = 16  # tokens per block (and per chunk: blocks_per_chunk 1)
 
@@ -102,8 +102,8 @@ def test_c34_stored_block_events_carry_parent_hash_and_token_ids(tmp_path):
         ("CPU", None, "LOCAL"), ("STORAGE", "fs", "LOCAL")}
 
 
-vllm_only = pytest.mark.skipif(
-    not __import__("importlib").util.find_spec("vllm"), reason="needs vLLM (the vllm extra)")
+vllm_only = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                               reason="needs vLLM (the vllm extra)")
 
 
 def _vllm_request(req_id: str, prompt: list[int]):
@@ -192,7 +192,7 @@ def test_c34_plugin_events_equal_vllm_gpu_events_for_the_same_blocks(tmp_path):
     finally:
         mgr.shutdown()
     theirs = per_block(gpu.take_events(), "GPU")
-    assert len(theirs) == 3 and list(theirs.values())[0][0] is None
+    assert len(theirs) == 3 and next(iter(theirs.values()))[0] is None
     for medium in ("CPU", "STORAGE"):
         assert per_block(ours, medium) == theirs, medium
 
@@ -276,10 +276,10 @@ def test_c30_a_second_data_parallel_rank_starts_with_kv_events_on(tmp_path):
     A third rank whose port is taken fails with a config error naming the endpoint, and leaves no
     shared-memory segment behind."""
     import zmq
+    from vllm.v1.kv_offload.base import ReqContext
 
     from kvoffload.events import MovementBatch
     from kvoffload.vllm import KVOffloadSpec
-    from vllm.v1.kv_offload.base import ReqContext
 
     pub = _consecutive_free_ports(3)
     rep = _consecutive_free_ports(3)
@@ -313,7 +313,7 @@ def test_c30_a_second_data_parallel_rank_starts_with_kv_events_on(tmp_path):
             for _, body in moves:
                 assert msgspec.msgpack.decode(body, type=MovementBatch).data_parallel_rank == r
         blocker.bind(f"tcp://127.0.0.1:{pub + 2}")  # rank 2's port is taken
-        with pytest.raises(ConfigError, match=f"kv_events.endpoint.*data-parallel rank 2"):
+        with pytest.raises(ConfigError, match="kv_events.endpoint.*data-parallel rank 2"):
             specs[2].get_manager()
         names = [s.arena_name for s in specs]
         assert len(set(names)) == 3 and _segments(names) == set(names[:2])
@@ -328,18 +328,16 @@ def test_c30_rank_offsets_follow_vllm_publisher():
     """kvoffload's endpoint rule is vLLM's (``ZmqEventPublisher.offset_endpoint_port``)."""
     from kvoffload.events import offset_endpoint
 
-    cases = [("tcp://*:5557", 0), ("tcp://*:5557", 3), ("tcp://127.0.0.1:0", 2),
-             ("inproc://cache", 1), (None, 1)]
-    for ep, r in cases:
-        assert offset_endpoint(ep, r) == {
-            ("tcp://*:5557", 0): "tcp://*:5557", ("tcp://*:5557", 3): "tcp://*:5560",
-            ("tcp://127.0.0.1:0", 2): "tcp://127.0.0.1:0", ("inproc://cache", 1): "inproc://cache_dp1",
-            (None, 1): None}[(ep, r)]
+    cases = [("tcp://*:5557", 0, "tcp://*:5557"), ("tcp://*:5557", 3, "tcp://*:5560"),
+             ("tcp://127.0.0.1:0", 2, "tcp://127.0.0.1:0"),
+             ("inproc://cache", 1, "inproc://cache_dp1"), (None, 1, None)]
+    for endpoint, rank, want in cases:
+        assert offset_endpoint(endpoint, rank) == want
+    with pytest.raises(ValueError, match="ipc:///tmp/x"):
+        offset_endpoint("ipc:///tmp/x", 1)
     try:
         from vllm.distributed.kv_events import ZmqEventPublisher
     except ImportError:
         return
-    for ep, r in cases:
-        assert offset_endpoint(ep, r) == ZmqEventPublisher.offset_endpoint_port(ep, r)
-    with pytest.raises(ValueError, match="ipc:///tmp/x"):
-        offset_endpoint("ipc:///tmp/x", 1)
+    for endpoint, rank, want in cases:
+        assert ZmqEventPublisher.offset_endpoint_port(endpoint, rank) == want

@@ -71,7 +71,8 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             counted, so a slow tier cannot pin the whole host tier and starve new stores (default
             1.0: no limit; 0.5 suits a slow remote tier next to a fast local one).
         canonical_layout: store rows in vLLM's canonical (parallelism-free) layout.
-        self_describing_kv_events: vLLM's KV-event payload option.
+        self_describing_kv_events: vLLM's own KV events for offloaded chunks carry the request's
+            parent hash and token ids (vLLM's tracker; default on here, off in vLLM's own spec).
         kv_events: publish KV events and chunk movements on a ZMQ PUB socket (see
             :class:`KVEventsConfig`; None: off). Independent of vLLM's own ``--kv-events-config``.
         instance_id: the ``instance`` label of standalone metrics and movement events (default:
@@ -98,7 +99,7 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     offload_prompt_only: bool = True
     tier_pin_fraction: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
     canonical_layout: bool = False
-    self_describing_kv_events: bool = False
+    self_describing_kv_events: bool = True
     kv_events: KVEventsConfig | None = None
     instance_id: str | None = None
     spec_name: str = "KVOffloadSpec"

@@ -29,7 +29,7 @@ from typing import Any
 
 from kvoffload import metrics as _metrics
 from kvoffload.config import OffloadConfig
-from kvoffload.events import BlockRemoved, BlockStored, EventPublisher, Movement
+from kvoffload.events import BlockRemoved, BlockStored, ChunkEventInfo, EventPublisher, Movement
 from kvoffload.host import READY, HostTier, StorePlan
 from kvoffload.policies import make_policy
 from kvoffload.tiers import create_tier
@@ -91,6 +91,10 @@ class TieringManager:
         tiers: prebuilt tiers (tests); by default they are built from ``config.secondary_tiers``.
         record_events: keep host/tier events for :meth:`take_events` (vLLM's KV events).
         keep_metric_samples: keep histogram samples for :meth:`take_metric_stats` (vLLM's metrics).
+        data_parallel_rank: the engine's data-parallel rank: published KV events bind the
+            configured ports + this rank and carry it (:class:`~kvoffload.events.EventPublisher`).
+        event_block_hash: ``key -> block hash`` published for a chunk stored without a
+            :class:`~kvoffload.events.ChunkEventInfo` and in removals (default: the key itself).
 
     Metrics: :meth:`refresh_metrics` (also called by :func:`kvoffload.metrics.serve`'s endpoint,
     where this manager is exported under its ``instance`` label). KV events: with
@@ -102,7 +106,8 @@ class TieringManager:
 
     def __init__(self, arena: Any, namespace: Any, config: OffloadConfig, *,
                  tiers: list[SecondaryTierManager] | None = None, record_events: bool = True,
-                 poll_interval_s: float = 0.0005, keep_metric_samples: bool = False):
+                 poll_interval_s: float = 0.0005, keep_metric_samples: bool = False,
+                 data_parallel_rank: int = 0, event_block_hash: Any = None):
         self.arena = arena
         self.namespace = namespace
         self.config = config
@@ -147,7 +152,8 @@ class TieringManager:
         self._lookup_sample = 0
         if config.kv_events is not None:
             try:
-                self._publisher = EventPublisher(config.kv_events, self.instance)
+                self._publisher = EventPublisher(config.kv_events, self.instance,
+                                                 data_parallel_rank)
             except Exception as e:
                 for t in self.tiers:
                     t.shutdown()
@@ -156,11 +162,18 @@ class TieringManager:
                 ev = config.kv_events
                 where = repr(ev.endpoint) + (f" or replay_endpoint {ev.replay_endpoint!r}"
                                              if ev.replay_endpoint else "")
+                if data_parallel_rank:
+                    where += f" (+ {data_parallel_rank} for data-parallel rank {data_parallel_rank})"
                 raise ConfigError(f"kv_connector_extra_config.kv_events.endpoint: cannot bind "
                                   f"{where}: {e}") from None
             self._moves = []
             self._localities = {HOST: "local", **{t.name: t.locality.lower() for t in self.tiers}}
             self._media = {HOST: "CPU", **{t.name: t.medium for t in self.tiers}}
+        # What callers told prepare_store about each chunk (published events only), kept while
+        # the chunk is in the host tier: tier stores pin its slot, so their events come first.
+        self._chunk_info: dict[bytes, ChunkEventInfo] | None = (
+            {} if self._publisher is not None else None)
+        self._event_hash = event_block_hash
         self.stats = Stats(self.tier_names)
         self._store_pins = [0] * len(self.tiers)  # host slots pinned by each tier's stores
         self._pin_limit = max(1, int(config.tier_pin_fraction * arena.num_slots))
@@ -254,6 +267,11 @@ class TieringManager:
         idx = self._load_source.get(req_id, {}).get(key)
         return HOST if idx is None else self.tier_names[idx]
 
+    @property
+    def publishes_events(self) -> bool:
+        """True when this manager publishes KV events itself (``config.kv_events``)."""
+        return self._publisher is not None
+
     def tier_of(self, name: str) -> SecondaryTierManager | None:
         return next((t for t in self.tiers if t.name == name), None)
 
@@ -336,8 +354,14 @@ class TieringManager:
         for tier in self.tiers:
             tier.touch(keys)
 
-    def prepare_store(self, keys: Sequence[bytes], req_id: str = "") -> StorePlan | None:
+    def prepare_store(self, keys: Sequence[bytes], req_id: str = "",
+                      chunk_info: Any = None) -> StorePlan | None:
         """Reserve host slots for the keys not yet present (accelerator → host copy).
+
+        ``chunk_info``: optional, anything with ``get(key) -> ChunkEventInfo | None`` (a dict, or a
+        lazy view the caller computes per key): the block hashes, parent hash and token ids that
+        the chunk's ``BlockStored`` events carry. Read only for reserved keys, and only when KV
+        events are published.
 
         Completions are processed first, so pins released by finished tier jobs count before any
         eviction decision. When the whole batch does not fit, its longest prefix that fits is
@@ -359,12 +383,25 @@ class TieringManager:
                 self.stats.store_truncations += 1
             if plan is None:
                 self.stats.store_rejections += 1
+        if chunk_info is not None and plan is not None and self._chunk_info is not None:
+            infos = self._chunk_info
+            for k in plan.keys:
+                info = chunk_info.get(k)
+                if info is not None:
+                    infos[k] = info
         return plan
 
     def complete_store(self, keys: Iterable[bytes], success: bool = True, req_id: str = "") -> None:
         """The accelerator → host copy finished: publish the chunks (or free their slots on
         failure) and write them through to every secondary tier."""
+        forget = not success and self._chunk_info
+        if forget:
+            keys = list(keys)
         done = self.host.complete_write(keys, success)
+        if forget:
+            for k in keys:
+                if k not in self.host.index:
+                    self._chunk_info.pop(k, None)
         if success and done and self._moves is not None:
             self._moved(done, "device", HOST, "local")
         if success and done and self.tiers:
@@ -496,19 +533,54 @@ class TieringManager:
         if self._publisher is None:
             return
         bsize = self.namespace.tokens_per_chunk
+        infos = self._chunk_info
+        hash_of = self._event_hash
+        out = self._engine_events
+        left_host: list[bytes] = []
         for name, ev in got:
             medium = self._media[name]
             locality = self._localities[name].upper()
             owner = None if name == HOST else name
+            plain = ev.keys  # keys without a ChunkEventInfo share one event, as before
+            if infos:
+                plain = []
+                for k in ev.keys:
+                    info = infos.get(k)
+                    if info is None:
+                        plain.append(k)
+                    elif ev.removed:
+                        out.append(BlockRemoved(block_hashes=list(info.block_hashes),
+                                                medium=medium, group_idx=info.group_idx,
+                                                locality=locality, ownership=owner))
+                    else:
+                        out.append(BlockStored(
+                            block_hashes=list(info.block_hashes),
+                            parent_block_hash=info.parent_block_hash, token_ids=info.token_ids,
+                            block_size=info.block_size, lora_id=None, medium=medium,
+                            lora_name=None, group_idx=info.group_idx, locality=locality,
+                            ownership=owner))
+                if ev.removed and name == HOST:
+                    left_host.extend(ev.keys)
+            hashes = list(plain) if hash_of is None else [hash_of(k) for k in plain]
             if ev.removed:
-                self._engine_events.append(BlockRemoved(block_hashes=list(ev.keys), medium=medium,
-                                                        locality=locality, ownership=owner))
+                if hashes:
+                    out.append(BlockRemoved(block_hashes=hashes, medium=medium, locality=locality,
+                                            ownership=owner))
                 self._moved(ev.keys, name, "none", self._localities[name])
-            else:
-                self._engine_events.append(BlockStored(
-                    block_hashes=list(ev.keys), parent_block_hash=None, token_ids=[],
+            elif hashes:
+                out.append(BlockStored(
+                    block_hashes=hashes, parent_block_hash=None, token_ids=[],
                     block_size=bsize, lora_id=None, medium=medium, lora_name=None,
                     locality=locality, ownership=owner))
+        if left_host:  # after the whole batch: a tier's store of a key may follow its eviction
+            index = self.host.index
+            for k in left_host:
+                if k not in index:
+                    infos.pop(k, None)
+        if infos is not None and len(infos) > 2 * self.host.num_slots:
+            # bound it whatever happened (a cleared host tier, a store never completed)
+            index = self.host.index
+            self._chunk_info = {k: v for k, v in infos.items() if k in index}
 
     # -- metrics --------------------------------------------------------------------------------
 

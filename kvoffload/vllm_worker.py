@@ -115,7 +115,8 @@ def _canonical_pages(kv_caches: CanonicalKVCaches, copies: int | None,
                 raise ConfigError(
                     f"{key}: {where} has a topology-bound canonical page, but the namespace is "
                     f"shared across parallel sizes; remove canonical_layout")
-            if copies is not None and m.canonical_page_size_bytes != copies * m.local_page_size_bytes:
+            expected = None if copies is None else copies * m.local_page_size_bytes
+            if expected is not None and m.canonical_page_size_bytes != expected:
                 raise ConfigError(
                     f"{key}: {where}: a canonical page of {m.canonical_page_size_bytes} bytes is "
                     f"not {copies} x this worker's {m.local_page_size_bytes}-byte page, as the "

@@ -1,4 +1,4 @@
-"""Back-pressure: a slow secondary tier never stops the host tier from taking new chunks (CASES C37)."""
+"""Back-pressure: a slow secondary tier never stops the host tier taking new chunks (CASES C37)."""
 
 from helpers import Rig, fs_tier, keys_for, payload, wait_until
 
@@ -38,6 +38,7 @@ def test_c37_a_slow_tier_does_not_stop_the_host_tier_taking_new_chunks(tmp_path)
             assert (rig.arena.rows[slot] == payload(k, rig.row_bytes)).all()
         gate.touch()
         assert tm.wait_idle(120)
-        wait_until(lambda: tm.host.num_pinned == 0, what="the slow tier's pins to drop", step=tm.step)
+        wait_until(lambda: tm.host.num_pinned == 0, what="the slow tier's pins to drop",
+                   step=tm.step)
         assert tm.stats.cascaded["fs"] == pinned and tm.stats.cascade_failures["fs"] == 0
         assert tm.stats.cascaded["fs"] + tm.stats.dropped_stores["fs"] == 80

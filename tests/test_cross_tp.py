@@ -129,7 +129,7 @@ class Engine:
         return [t[:, :, :, rank * heads:(rank + 1) * heads] for t in kv]
 
     def store(self, keys, kv, req="store"):
-        """Every rank copies its heads of blocks 0..len(keys)-1 out; the chunks go to the fs tier."""
+        """Every rank copies its heads of blocks 0..len(keys)-1 out; the chunks go to fs."""
         for r in range(self.tp):
             for dev, src in zip(self.device[r], self.shard(kv, r)):
                 dev.copy_(src)
@@ -152,7 +152,8 @@ class Engine:
             res = [self.manager.lookup(k, ctx) for k in keys]
             return None if any(x in (LookupResult.RETRY, LookupResult.HIT_PENDING)
                                for x in res) else res
-        return wait_until(settled, what="lookups to settle", step=lambda: self.manager.on_schedule_end(None))
+        return wait_until(settled, what="lookups to settle",
+                          step=lambda: self.manager.on_schedule_end(None))
 
     def load(self, keys, req="load"):
         """Look ``keys`` up until they settle, then every rank loads them into zeroed blocks;
@@ -267,7 +268,8 @@ def test_c35_a_layout_the_engine_cannot_honour_fails_at_start_with_a_config_erro
                for _ in LAYERS]
         kv = CanonicalKVCaches(
             tensors=[CanonicalKVCacheTensor(t, engine.page) for t in dev],
-            group_data_refs=[[CanonicalKVCacheRef(li, engine.page, None) for li in range(len(LAYERS))]])
+            group_data_refs=[[CanonicalKVCacheRef(li, engine.page, None)
+                              for li in range(len(LAYERS))]])
         with pytest.raises(ConfigError, match="canonical_layout.*could not certify"):
             engine.specs[0].get_worker(kv)
         # Replicated KV heads (TP4 over 2 heads) sized as if each rank had its own heads (no model

@@ -1,6 +1,6 @@
 """Back-pressure: a slow secondary tier never stops the host tier taking new chunks (CASES C37)."""
 
-from helpers import Rig, fs_tier, keys_for, payload, wait_until
+from helpers import HIT, MISS, Rig, fs_tier, keys_for, payload, wait_until
 
 
 def test_c37_a_slow_tier_does_not_stop_the_host_tier_taking_new_chunks(tmp_path):
@@ -42,3 +42,22 @@ def test_c37_a_slow_tier_does_not_stop_the_host_tier_taking_new_chunks(tmp_path)
                    step=tm.step)
         assert tm.stats.cascaded["fs"] == pinned and tm.stats.cascade_failures["fs"] == 0
         assert tm.stats.cascaded["fs"] + tm.stats.dropped_stores["fs"] == 80
+
+
+def test_a_batch_over_a_tiers_pin_budget_gives_that_tier_its_longest_fitting_prefix(tmp_path):
+    gate = tmp_path / "stores-may-run"
+    slow = fs_tier(tmp_path / "fs", faults=[{"point": "store", "action": "wait_file",
+                                             "arg": str(gate), "count": -1}])
+    with Rig([slow], num_slots=8) as rig:  # default budget: half the host tier, 4 slots
+        first, second = keys_for(3, seed=1), keys_for(3, seed=2)
+        rig.store(first, wait=False)  # nothing in flight: the whole batch goes
+        rig.store(second, wait=False)  # one slot of budget left: the head of the batch goes
+        assert rig.tm.host.num_pinned == 4
+        assert rig.tm.stats.dropped_stores["fs"] == 2
+        gate.touch()
+        assert rig.tm.wait_idle(120)
+        assert rig.tm.stats.cascaded["fs"] == 4
+        rig.tm.host.remove(first + second)
+        assert rig.resolve(first + second[:1]) == [HIT] * 4
+        rig.tm.host.remove(first + second[:1])
+        assert rig.resolve(second[1:]) == [MISS] * 2

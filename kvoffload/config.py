@@ -68,8 +68,9 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         offload_prompt_only: offload prompt blocks only (vLLM's setting, default True).
         tier_pin_fraction: at most this fraction of the host slots may be pinned by one secondary
             tier's in-flight stores (write-through); beyond it, that tier's stores are dropped and
-            counted, so a slow tier cannot pin the whole host tier and starve new stores (default
-            1.0: no limit; 0.5 suits a slow remote tier next to a fast local one).
+            counted (``kvoffload_dropped_stores``), so a slow tier cannot pin the whole host tier
+            and starve new stores (CASES C37). Default 0.5, chosen by measurement (BENCHMARKS.md
+            §7); 1.0 lets one slow tier pin every host slot.
         canonical_layout: store rows in vLLM's canonical (parallelism-free) layout.
         self_describing_kv_events: vLLM's own KV events for offloaded chunks carry the request's
             parent hash and token ids (vLLM's tracker; default on here, off in vLLM's own spec).
@@ -97,7 +98,7 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     cache_salt: str = ""
     model_revision: str | None = None
     offload_prompt_only: bool = True
-    tier_pin_fraction: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    tier_pin_fraction: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.5
     canonical_layout: bool = False
     self_describing_kv_events: bool = True
     kv_events: KVEventsConfig | None = None

@@ -408,16 +408,27 @@ class TieringManager:
             self._cascade(done, req_id)
 
     def _cascade(self, keys: list[bytes], req_id: str) -> None:
+        """Write ``keys`` (just published in the host tier) through to every tier.
+
+        Each tier may pin at most ``tier_pin_fraction`` of the host slots with its in-flight
+        stores: of a batch that does not fit, the tier gets the longest prefix that does (lookups
+        are prefix ordered) and the rest is dropped and counted, never waited for, so a slow tier
+        cannot keep the host tier from taking new chunks (CASES C37). A tier with nothing in
+        flight takes the whole batch, so a batch larger than the limit still reaches every tier.
+        """
         host = self.host
         pins = self._store_pins
         for i, tier in enumerate(self.tiers):
-            if ((pins[i] and pins[i] + len(keys) > self._pin_limit)  # the first batch always goes
-                    or not tier.accepts_store(len(keys))):
-                self.stats.dropped_stores[tier.name] += len(keys)
+            take = keys[:max(0, self._pin_limit - pins[i])] if pins[i] else keys
+            if take and not tier.accepts_store(len(take)):
+                take = []
+            if len(take) < len(keys):
+                self.stats.dropped_stores[tier.name] += len(keys) - len(take)
+            if not take:
                 continue
-            pins[i] += len(keys)
-            slots = host.pin(keys)
-            meta = JobMetadata(job_id=self._job_id(), keys=list(keys), slots=slots,
+            pins[i] += len(take)
+            slots = host.pin(take)
+            meta = JobMetadata(job_id=self._job_id(), keys=list(take), slots=slots,
                                is_promotion=False, req_id=req_id)
             self._jobs[meta.job_id] = _Job(i, meta)
             tier.submit_store(meta)

@@ -96,9 +96,13 @@ def engine_namespace(cfg: OffloadingConfig, *, layout: str, blocks_per_chunk: in
     model = cfg.model.name
     path = os.path.realpath(model) if os.path.isdir(model) else None
     agnostic = bool(cfg.canonical_layout) and cfg.parallel.is_parallelism_agnostic
+    # A canonical page holds every rank's heads: its size, not one worker's share, is the same
+    # under every geometry (CASES C35).
+    page_bytes = cfg.worker_kv_bytes_per_block * (canonical_copies(cfg) if cfg.canonical_layout
+                                                  else 1)
     groups = tuple(
         GroupShape(tokens_per_block=g.tokens_per_block, num_layers=len(g.layer_names),
-                   page_bytes=cfg.worker_kv_bytes_per_block, kind=f"group{g.group_id}")
+                   page_bytes=page_bytes, kind=f"group{g.group_id}")
         for g in cfg.groups
     )
     par = cfg.parallel
@@ -112,6 +116,34 @@ def engine_namespace(cfg: OffloadingConfig, *, layout: str, blocks_per_chunk: in
         pcp_size=None if agnostic else par.pcp_size, dcp_size=None if agnostic else par.dcp_size,
         cache_salt=cache_salt,
     )
+
+
+def canonical_copies(cfg: OffloadingConfig) -> int:
+    """How many workers' pages of a block make one canonical page (vLLM's
+    ``CanonicalPageMapping.canonical_page_size_bytes`` / ``local_page_size_bytes``), known on the
+    scheduler side, before any worker has reported its mapping.
+
+    Attention KV is split by heads across TP ranks: ``min(tp_size, total KV heads)`` distinct head
+    shards (ranks beyond the head count hold replicas); an MLA latent is replicated on every rank
+    (one shard). Context parallelism splits a block's tokens over ``dcp_size * pcp_size`` ranks.
+    Without a model config in this process (standalone use) the head count is unknown and every
+    TP rank is taken to hold its own heads. The worker checks the figure against its mappings
+    (:class:`kvoffload.vllm_worker.KVOffloadWorker`) and refuses to start on a mismatch.
+    """
+    par = cfg.parallel
+    tp = max(par.tp_size, 1)
+    mc = current_model_config()
+    if cfg.replicated_layout or getattr(mc, "use_mla", False):
+        shards = 1
+    else:
+        shards = tp
+        try:
+            total_heads = int(mc.get_total_num_kv_heads()) if mc is not None else 0
+        except Exception:  # noqa: BLE001 - a config without a head count: assume one shard per rank
+            total_heads = 0
+        if 0 < total_heads < tp:
+            shards = total_heads
+    return shards * max(par.dcp_size, 1) * max(par.pcp_size, 1)
 
 
 class KVOffloadSpec(OffloadingSpec):
@@ -155,7 +187,12 @@ class KVOffloadSpec(OffloadingSpec):
                 self_describing_kv_events=s.self_describing_kv_events)
         par = config.parallel
         self.replicated = bool(config.replicated_layout) and not config.canonical_layout
-        num_copies = 1 if (self.replicated or config.canonical_layout) else max(par.world_size, 1)
+        if config.canonical_layout:
+            # One canonical area holding every rank's heads: the same row under any TP size.
+            num_copies = canonical_copies(config)
+        else:
+            num_copies = 1 if self.replicated else max(par.world_size, 1)
+        self.canonical_copies = num_copies if config.canonical_layout else None
         self.worker_page_bytes = config.worker_kv_bytes_per_block * self.blocks_per_chunk
         self.row_bytes = round_up_to_page(self.worker_page_bytes * num_copies) if (
             self.worker_page_bytes) else 0
@@ -244,9 +281,12 @@ class KVOffloadSpec(OffloadingSpec):
             logs.setup()
             arena = self._open_arena()
             rank = 0 if self.replicated else self.config.parallel.rank
+            canonical = bool(self.config.canonical_layout)
             self._worker = KVOffloadWorker(
                 kv_caches, arena, self.row_bytes, rank * self.worker_page_bytes,
-                self.blocks_per_chunk, canonical=bool(self.config.canonical_layout), rank=rank,
+                self.blocks_per_chunk, canonical=canonical, rank=rank,
+                canonical_copies=self.canonical_copies,
+                parallelism_agnostic=canonical and self.config.parallel.is_parallelism_agnostic,
             )
         return self._worker
 

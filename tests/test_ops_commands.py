@@ -418,7 +418,7 @@ def test_check_prints_every_setting_with_its_source_and_masks_secrets(tmp_path):
     assert rows["cpu_bytes_to_use"] == (str(1 << 30), "set")
     assert rows["eviction_policy"] == ("arc", "set")
     assert rows["blocks_per_chunk"] == ("null", "default")
-    assert rows["tier_pin_fraction"] == ("1.0", "default")
+    assert rows["tier_pin_fraction"] == ("0.5", "default")
     assert rows["kv_events.endpoint"] == ("tcp://*:0", "set")
     assert rows["kv_events.topic"] == ("kv-events", "default")
     assert rows["secondary_tiers[0].type"] == ("fs", "set")

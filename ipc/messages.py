@@ -106,7 +106,8 @@ class TaskResult(msgspec.Struct, tag="result", array_like=True, gc=False):
         nbytes: payload bytes moved (bytes).
         seconds: time spent in I/O (seconds).
         entries: ``ScanTask`` only: ``(key, stored bytes, mtime seconds)`` per chunk found.
-        status: optional per-key protocol status (e.g. HTTP status), 0 where not applicable.
+        status: optional per-key protocol status (e.g. HTTP status; for a failed delete, the
+            errno), 0 where not applicable.
         counters: the worker's own counts since its previous result (:mod:`kvoffload.workers.counters`).
     """
 
@@ -157,7 +158,8 @@ class Fault(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             ``delete`` / ``scan`` (a task of that kind, before any work), ``before_read_slot``
             (store, before the arena is read), ``before_publish`` (store, before the atomic
             rename), ``after_metadata_before_read`` (load, after the header was checked),
-            ``read_payload`` (load, the payload read), ``probe_key`` (each key of a probe).
+            ``read_payload`` (load, the payload read), ``probe_key`` (each key of a probe),
+            ``unlink`` (each key of a delete, before the file is removed).
         action: ``sleep`` (``arg`` seconds), ``raise`` (OSError with errno ``arg``, e.g. 5 = EIO),
             ``drop`` (never answer the task), ``exit`` (the worker process exits at once),
             ``wait_file`` (block until the file ``arg`` exists, at most 120 s; on reaching the point

@@ -166,10 +166,11 @@ class FsTier(ProcessTierManager):
                 "stays counted against the cap and its removal is retried later.",
                 ("tier", "errno")),
         Gauge("kvoffload_tier_used_bytes",
-              "Bytes of chunk files a capacity-bounded tier counts as its own (headers included)."),
+              "Bytes of chunk files a capacity-bounded tier counts as its own (headers included).",
+              ("tier",)),
         Gauge("kvoffload_tier_capacity_bytes",
               "A capacity-bounded tier's cap in bytes now: max_bytes (or the default bound), "
-              "lowered while the filesystem is full."),
+              "lowered while the filesystem is full.", ("tier",)),
     )
 
     def __init__(self, *, name: str, arena_view: memoryview, namespace: Any,

@@ -303,22 +303,34 @@ def test_c36_zero_failed_load_ttl_the_request_gets_miss_after_its_load_failed(tm
 BASE = {"cpu_bytes_to_use": 1 << 20}
 
 
-@pytest.mark.parametrize("key,value,expected", [
-    ("job_timeout_s", float("inf"), "<= 86400"),
-    ("breaker_cooldown_s", float("inf"), "<= 86400"),
-    ("negative_ttl_s", float("inf"), "<= 86400"),
-    ("negative_ttl_s", -1.0, ">= 0"),
-    ("failed_load_ttl_s", float("nan"), ""),
-    ("min_free_fraction", 1.0, "< 1"),
-    ("max_bytes", "unbound", ""),
-])
-def test_c36_settings_that_cannot_work_are_refused_naming_key_and_range(tmp_path, key, value,
-                                                                        expected):
+def _refused(tmp_path, key, value) -> str:
     tier = {"type": "fs", "root_dir": str(tmp_path), key: value}
     with pytest.raises(ConfigError) as e:
         parse_config({**BASE, "secondary_tiers": [tier]})
     assert f"secondary_tiers[0].{key}:" in str(e.value)
-    assert expected in str(e.value)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("key,value,expected", [
+    ("job_timeout_s", float("inf"), "<= 86400"),  # a hung worker would never be replaced
+    ("breaker_cooldown_s", float("inf"), "<= 86400"),  # an open breaker would never close
+    ("negative_ttl_s", float("inf"), "<= 86400"),  # another instance's chunks never seen
+    ("failed_load_ttl_s", float("inf"), "<= 86400"),
+    ("min_free_fraction", 1.0, "< 1"),  # nothing could ever be written
+])
+def test_c36_settings_that_cannot_work_are_refused_naming_key_and_range(tmp_path, key, value,
+                                                                        expected):
+    assert expected in _refused(tmp_path, key, value)
+
+
+@pytest.mark.parametrize("key,value,expected", [
+    ("negative_ttl_s", -1.0, ">= 0"),
+    ("failed_load_ttl_s", float("nan"), ""),
+    ("max_bytes", "unbound", ""),
+    ("max_bytes", 0, ""),
+])
+def test_settings_out_of_their_range_are_refused_naming_the_key(tmp_path, key, value, expected):
+    assert expected in _refused(tmp_path, key, value)
 
 
 @pytest.mark.parametrize("key", ["connect_timeout_s", "read_timeout_s", "job_timeout_s"])

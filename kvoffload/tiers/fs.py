@@ -308,8 +308,8 @@ class FsTier(ProcessTierManager):
             self.count("store_refused_no_room", refused)
             self._warn(f"store of {refused} chunk(s) refused (no_space): no room under the cap "
                        f"({self.capacity_bytes} bytes) {self._why_no_room()}")
-            if self._cautious():
-                self._headroom = max(self._headroom, refused * fb)
+            if self._cautious():  # evict ahead for as much, so the next store finds room
+                self._headroom = max(self._headroom, min(refused * fb, self.capacity_bytes // 2))
         self._enforce_cap()
         return admitted, rejected
 
@@ -475,7 +475,9 @@ class FsTier(ProcessTierManager):
             return
         self._sample_seen = sample
         room = max(0, sample[0] - self.min_free_bytes)
-        allowed = self.used_bytes + self._unconfirmed_bytes + room
+        # Files being written or deleted when the sample was taken may be on disk uncounted, never
+        # counted twice: this errs low (more eviction), never towards another ENOSPC.
+        allowed = self.used_bytes + room
         if allowed > self._disk_cap:
             self._disk_cap = allowed
         if self._disk_cap >= self.max_bytes:

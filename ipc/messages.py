@@ -27,6 +27,7 @@ TIMEOUT = 5  # the job ran past its deadline (set by the engine, never by a work
 WORKER_DIED = 6  # the worker holding the job died (set by the engine)
 CANCELLED = 7  # the tier shut down before the job ran (set by the engine)
 REJECTED = 8  # the request was refused (HTTP 4xx other than 404, permissions)
+BAD_REPLY = 10  # the worker's reply did not answer this key (set by the engine, CASES C24)
 
 CODE_NAMES = {
     OK: "ok",
@@ -38,6 +39,7 @@ CODE_NAMES = {
     WORKER_DIED: "worker_died",
     CANCELLED: "cancelled",
     REJECTED: "rejected",
+    BAD_REPLY: "bad_reply",
 }
 
 
@@ -159,12 +161,16 @@ class Fault(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             (store, before the arena is read), ``before_publish`` (store, before the atomic
             rename), ``after_metadata_before_read`` (load, after the header was checked),
             ``read_payload`` (load, the payload read), ``probe_key`` (each key of a probe),
-            ``unlink`` (each key of a delete, before the file is removed).
+            ``unlink`` (each key of a delete, before the file is removed),
+            ``reply`` / ``store_reply`` / ``load_reply`` / ``probe_reply`` / ``delete_reply`` (a
+            task's result, before it is sent; any task or one kind).
         action: ``sleep`` (``arg`` seconds), ``raise`` (OSError with errno ``arg``, e.g. 5 = EIO),
             ``drop`` (never answer the task), ``exit`` (the worker process exits at once),
             ``wait_file`` (block until the file ``arg`` exists, at most 120 s; on reaching the point
             the worker first appends its pid to ``<arg>.reached``, so a test can wait until it is
-            paused there).
+            paused there); at point ``reply`` (the task's result, before it is sent):
+            ``reply_short``, ``reply_empty``, ``reply_long``, ``reply_bad_code``, ``reply_stray``
+            (malformed replies, see :meth:`kvoffload.workers.faults.Faults.reply`).
         key_hex: only for chunk keys whose hex starts with this; None matches all.
         count: how many times it fires; -1 for always.
         arg: the action's argument.

@@ -85,6 +85,12 @@ class Worker:
             except DropTask:
                 continue
             result.counters = counters.take()
+            if self.faults:
+                first = task.keys[0] if getattr(task, "keys", None) else None
+                kind = type(task).__name__.removesuffix("Task").lower()
+                for msg in self.faults.reply(result, first, kind):
+                    self.chans.send_result(m.encode(msg))
+                continue
             self.chans.send_result(m.encode(result))
 
     def handle(self, task: m.Task) -> m.TaskResult:

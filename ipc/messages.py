@@ -108,7 +108,8 @@ class TaskResult(msgspec.Struct, tag="result", array_like=True, gc=False):
         nbytes: payload bytes moved (bytes).
         seconds: time spent in I/O (seconds).
         entries: ``ScanTask`` only: ``(key, stored bytes, mtime seconds)`` per chunk found.
-        status: optional per-key protocol status (e.g. HTTP status), 0 where not applicable.
+        status: optional per-key protocol status (e.g. HTTP status; for a failed delete, the
+            errno), 0 where not applicable.
         counters: the worker's own counts since its previous result (:mod:`kvoffload.workers.counters`).
     """
 
@@ -160,6 +161,7 @@ class Fault(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             (store, before the arena is read), ``before_publish`` (store, before the atomic
             rename), ``after_metadata_before_read`` (load, after the header was checked),
             ``read_payload`` (load, the payload read), ``probe_key`` (each key of a probe),
+            ``unlink`` (each key of a delete, before the file is removed),
             ``reply`` / ``store_reply`` / ``load_reply`` / ``probe_reply`` / ``delete_reply`` (a
             task's result, before it is sent; any task or one kind).
         action: ``sleep`` (``arg`` seconds), ``raise`` (OSError with errno ``arg``, e.g. 5 = EIO),

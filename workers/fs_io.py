@@ -120,6 +120,8 @@ class FsIOConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             or ``both``.
         stale_temp_age_s: scans remove temporary files last written longer ago than this
             (seconds); see :func:`stale_temp_age_s`.
+        min_free_bytes: a store that would leave less free space than this (bytes) on the
+            filesystem answers ``NO_SPACE`` without writing (0: no floor).
     """
 
     root_dir: str
@@ -128,6 +130,7 @@ class FsIOConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     fsync: bool = False
     direct_io: str = "both"
     stale_temp_age_s: float = STALE_TEMP_AGE_S
+    min_free_bytes: int = 0
 
 
 class FsIO:
@@ -162,6 +165,10 @@ class FsIO:
         if os.path.exists(final):
             counters.count("store_already_present")
             return m.OK, 0, ""
+        if self.cfg.min_free_bytes and self._below_floor():
+            counters.count("below_free_floor")
+            return m.NO_SPACE, 0, (f"store {key.hex()[:16]}: free space on {self.cfg.root_dir} below "
+                                   f"the tier's floor ({self.cfg.min_free_bytes} bytes)")
         tmp = None
         try:
             self.faults.hit("before_read_slot", key)
@@ -201,6 +208,15 @@ class FsIO:
             if e.errno == errno.ENOENT:
                 self._dirs.discard(os.path.dirname(final))
             return code, 0, f"store {key.hex()[:16]}: {e}"
+
+    def _below_floor(self) -> bool:
+        """True when writing one more chunk file would leave less than ``min_free_bytes`` free
+        (``f_bavail``: what an unprivileged writer may still use) on the tier's filesystem."""
+        try:
+            st = os.statvfs(self.ns_dir)
+        except OSError:
+            return False  # the write itself will tell
+        return st.f_bavail * st.f_frsize - self.file_bytes < self.cfg.min_free_bytes
 
     # -- load ----------------------------------------------------------------------------------
 
@@ -286,14 +302,19 @@ class FsIO:
         except OSError:
             return m.IO_ERROR
 
-    def delete(self, key: bytes) -> int:
+    def delete(self, key: bytes) -> tuple[int, int, str, int]:
+        """Remove one chunk file (a missing file is not an error). Returns ``(code, 0, detail,
+        errno)``: a removal that failed (EPERM on an immutable file, EBUSY on a network
+        filesystem, EROFS after a read-only remount...) answers ``IO_ERROR`` with its errno, so
+        the tier keeps counting the file that is still there (CASES C32)."""
         try:
+            self.faults.hit("unlink", key)
             os.unlink(self.path(key))
         except FileNotFoundError:
             pass
-        except OSError:
-            return m.IO_ERROR
-        return m.OK
+        except OSError as e:
+            return m.IO_ERROR, 0, f"delete {key.hex()[:16]}: {e}", e.errno or 0
+        return m.OK, 0, "", 0
 
     def scan(self) -> list[tuple[bytes, int, float]]:
         """``(key, bytes, mtime)`` of every chunk of the namespace; removes orphaned temporary files

@@ -134,8 +134,14 @@ class Worker:
                     codes.append(m.IO_ERROR)
             return m.TaskResult(task.task_id, wid, codes, seconds=time.perf_counter() - t0)
         if isinstance(task, m.DeleteTask):
-            codes = [self.io.delete(key) for key in task.keys]
-            return m.TaskResult(task.task_id, wid, codes, seconds=time.perf_counter() - t0)
+            # An I/O module answers a code, or (code, 0, detail, errno) naming why a removal failed.
+            outcomes = [self.io.delete(key) for key in task.keys]
+            outcomes = [(o, 0, "", 0) if isinstance(o, int) else o for o in outcomes]
+            status = [o[3] for o in outcomes]
+            return m.TaskResult(task.task_id, wid, [o[0] for o in outcomes],
+                                next((o[2] for o in outcomes if o[2]), ""),
+                                seconds=time.perf_counter() - t0,
+                                status=status if any(status) else [])
         if isinstance(task, m.ScanTask):
             entries = self.io.scan()
             return m.TaskResult(task.task_id, wid, [], entries=entries if task.list_entries else [],

@@ -14,7 +14,10 @@ and worker health is checked by ``poll()`` on the child processes at most every 
 into tasks of ``chunks_per_task`` chunks spread over the workers; its one :class:`JobResult` comes when
 the last task answers. Verdicts: a probe or a successful store makes a key present; a probe that finds
 nothing makes it absent for ``negative_ttl_s``; a failed load makes it absent for ``failed_load_ttl_s``,
-so a request never spins on a chunk that cannot be read (CASES C07).
+so a request never spins on a chunk that cannot be read (CASES C07). However short those lifetimes
+(0 included), a request told RETRY while a probe was out, or whose load of the key failed, is owed
+the verdict: its next lookup of that key answers MISS, so it waits at most one probe round trip
+(bounded by ``job_timeout_s``), never a probe after probe (CASES C36).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 import zmq
 
-from kvoffload.config import Positive, PositiveFloat, apply_aliases
+from kvoffload.config import Positive, apply_aliases
 from kvoffload.ipc import messages as m
 from kvoffload.ipc.channels import LOADS, STORES, TierChannels
 from kvoffload.tiers.base import JobMetadata, JobResult, LookupResult, SecondaryTierManager, TierEvent
@@ -41,6 +44,10 @@ log = logging.getLogger("kvoffload.tiers")
 _HIT, _MISS, _RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
 _CHECK_INTERVAL_S = 0.02
 _PROBE_BATCH = 256
+_OWED_MAX = 65536  # keys with a MISS owed to a request that may never ask again (aborted)
+_MAX_SECONDS = 86400.0  # a day: every duration setting is finite (inf would disable what it bounds)
+Seconds = Annotated[float, msgspec.Meta(gt=0, le=_MAX_SECONDS)]
+TTLSeconds = Annotated[float, msgspec.Meta(ge=0, le=_MAX_SECONDS)]
 
 
 class ProcessTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -49,14 +56,17 @@ class ProcessTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     Attributes:
         read_workers: reader processes (loads and existence probes).
         write_workers: writer processes (stores, deletes, scans).
-        job_timeout_s: a task unanswered this long kills its worker and fails (seconds).
+        job_timeout_s: a task unanswered this long kills its worker and fails (seconds, at most
+            86400: every duration setting is finite).
         max_inflight_per_worker: tasks queued inside one worker at a time.
         chunks_per_task: chunks per task a job is split into; None (default) sizes tasks to about
             8 MiB (between 1 and 64 chunks), so small chunks do not pay one message each.
         max_pending_store_chunks: chunks of stores in flight beyond which new stores are dropped
             (and counted) instead of pinning more host slots.
-        negative_ttl_s: how long a "not found" probe verdict is trusted (seconds).
-        failed_load_ttl_s: how long a key whose load failed answers MISS (seconds).
+        negative_ttl_s: how long a "not found" probe verdict is trusted (seconds, 0 to 86400; 0:
+            not kept, though the requests that waited for the probe still get its MISS).
+        failed_load_ttl_s: how long a key whose load failed answers MISS (seconds, 0 to 86400;
+            with 0, the request whose load failed still gets one MISS).
         lookup_cache_entries: bound on remembered "present" verdicts.
         io_threads: chunks of one task each worker moves at once (threads inside the worker).
         worker_nice: niceness added to worker processes (0-19).
@@ -82,17 +92,17 @@ class ProcessTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
 
     read_workers: Positive = 2
     write_workers: Positive = 2
-    job_timeout_s: PositiveFloat = 30.0
+    job_timeout_s: Seconds = 30.0
     max_inflight_per_worker: Positive = 8
     chunks_per_task: Positive | None = None
     max_pending_store_chunks: Positive = 4096
-    negative_ttl_s: Annotated[float, msgspec.Meta(ge=0)] = 2.0
-    failed_load_ttl_s: Annotated[float, msgspec.Meta(ge=0)] = 60.0
+    negative_ttl_s: TTLSeconds = 2.0
+    failed_load_ttl_s: TTLSeconds = 60.0
     lookup_cache_entries: Positive = 1_000_000
     io_threads: Annotated[int, msgspec.Meta(ge=1, le=64)] = 8
     worker_nice: Annotated[int, msgspec.Meta(ge=0, le=19)] = 10
     breaker_failures: Positive | None = None
-    breaker_cooldown_s: PositiveFloat = 5.0
+    breaker_cooldown_s: Seconds = 5.0
     read_io_threads: Positive | None = None
     write_io_threads: Positive | None = None
     locality: Literal["LOCAL", "REMOTE"] | None = None
@@ -185,6 +195,8 @@ class ProcessTierManager(SecondaryTierManager):
         self._present: OrderedDict[bytes, None] = OrderedDict()
         self._absent: dict[bytes, float] = {}
         self._probing: set[bytes] = set()
+        self._waiting: dict[bytes, set[str]] = {}  # key probing -> requests told RETRY meanwhile
+        self._owed: OrderedDict[bytes, set[str]] = OrderedDict()  # key -> requests owed a MISS
         self._probe_queue: list[bytes] = []
         self._finished: list[JobResult] = []
         self._events: list[TierEvent] = []
@@ -233,8 +245,9 @@ class ProcessTierManager(SecondaryTierManager):
     def _on_loads_done(self, keys: list[bytes], failed: dict[bytes, int]) -> None:
         """A load job finished: ``failed`` maps the keys that failed to their codes."""
 
-    def _on_deletes_done(self, keys: list[bytes]) -> None:
-        """A delete task answered (done or failed)."""
+    def _on_deletes_done(self, keys: list[bytes], codes: list[int], status: list[int]) -> None:
+        """A delete task answered: ``codes[i]`` is ``keys[i]``'s outcome (``OK``: removed or
+        already gone), ``status[i]`` the errno of a failed removal where known (may be empty)."""
 
     def _removals_since(self, t: float) -> bool:
         """True when this tier removed any chunk after monotonic time ``t``."""
@@ -373,12 +386,33 @@ class ProcessTierManager(SecondaryTierManager):
             if time.monotonic() < exp:
                 return _MISS
             del self._absent[key]
+        owed = self._owed.get(key)
+        if owed is not None and req_id in owed:
+            owed.discard(req_id)
+            if not owed:
+                del self._owed[key]
+            return _MISS
+        waiting = self._waiting.get(key)
+        if waiting is None:
+            self._waiting[key] = {req_id}
+        else:
+            waiting.add(req_id)
         if key not in self._probing:
             self._probing.add(key)
             self._probe_queue.append(key)
             if len(self._probe_queue) >= _PROBE_BATCH:
                 self.flush()
         return _RETRY
+
+    def _owe_miss(self, key: bytes, req_ids: Iterable[str]) -> None:
+        """The next lookup of ``key`` by each of ``req_ids`` answers MISS, whatever the TTLs."""
+        owed = self._owed.get(key)
+        if owed is None:
+            self._owed[key] = set(req_ids)
+            if len(self._owed) > _OWED_MAX:
+                self._owed.popitem(last=False)
+        else:
+            owed.update(req_ids)
 
     def flush(self) -> None:
         queue = self._probe_queue
@@ -447,6 +481,7 @@ class ProcessTierManager(SecondaryTierManager):
             self._on_loads_done(meta.keys, failed)
             for k in failed:
                 self._mark_absent(k, self.config.failed_load_ttl_s)
+                self._owe_miss(k, (meta.req_id,))
             self.count("load_chunks", len(ok_keys))
             if failed:
                 self.count("load_failures", len(failed))
@@ -483,13 +518,17 @@ class ProcessTierManager(SecondaryTierManager):
             neg = self.config.negative_ttl_s
             for key, code in zip(rec.keys, codes):
                 self._probing.discard(key)
+                waiting = self._waiting.pop(key, None)
                 if code == m.OK and not self._removed_since(key, rec.t0):
                     self._mark_present(key)
-                elif code == m.OK:
+                    continue
+                if code == m.OK:
                     self.count("stale_probes")  # evicted while the probe was out: a miss
                     self._mark_absent(key, min(neg, 1.0))
                 else:
                     self._mark_absent(key, neg if code == m.MISSING else min(neg, 1.0))
+                if waiting:
+                    self._owe_miss(key, waiting)
             self.count("probes", len(rec.keys))
             self.metrics.observe("kvoffload_lookup_latency_seconds", time.monotonic() - rec.t0,
                                  self.name)
@@ -511,7 +550,7 @@ class ProcessTierManager(SecondaryTierManager):
             return
         if rec.kind == "delete":
             self.count("deletes", len(rec.keys))
-            self._on_deletes_done(rec.keys)
+            self._on_deletes_done(rec.keys, codes, status)
             return
         if rec.kind == "scan":
             return

@@ -10,12 +10,15 @@ worker-side modules.
 from __future__ import annotations
 
 import struct
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from kvoffload.workers.chunkio import IOOutcome
-from kvoffload.workers.faults import Faults
 from kvoffload.workers.fs_io import FsIO, FsIOConfig
+
+if TYPE_CHECKING:
+    from kvoffload.workers.chunkio import IOOutcome
+    from kvoffload.workers.faults import Faults
 
 _RAISES = {"ValueError": ValueError, "MemoryError": MemoryError, "struct.error": struct.error}
 

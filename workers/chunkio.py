@@ -17,14 +17,12 @@ and an answer that is not a valid :class:`IOOutcome` with ``ERROR`` too.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import msgspec
 
 from kvoffload.ipc import messages as m
-
-if TYPE_CHECKING:
-    from kvoffload.workers.faults import Faults
+from kvoffload.workers.faults import Faults
 
 WORKER_CODES = frozenset({m.OK, m.MISSING, m.CORRUPT, m.IO_ERROR, m.NO_SPACE, m.REJECTED, m.ERROR})
 """Codes an I/O module may answer (``TIMEOUT``, ``WORKER_DIED``, ``CANCELLED`` are the engine's)."""
@@ -97,7 +95,7 @@ class ChunkIO(Protocol):
 class MakeIO(Protocol):
     """The ``make_io`` entry point of an I/O module."""
 
-    def __call__(self, config: dict, faults: "Faults") -> ChunkIO:
+    def __call__(self, config: dict, faults: Faults) -> ChunkIO:
         """Build the module's :class:`ChunkIO` from the tier's ``io_config``.
 
         Raises:

@@ -175,6 +175,29 @@ def test_c25_an_io_module_that_breaks_the_contract_fails_that_key_with_error(
     assert "poison_io: answered tuple, not an IOOutcome" in err
 
 
+def test_contained_errors_are_logged_at_most_burst_per_window_then_summed_up(capsys):
+    from kvoffload.workers.main import _ErrorLog
+
+    now = [100.0]
+    errors = _ErrorLog("worker w", burst=2, window_s=60.0, clock=lambda: now[0])
+    for i in range(5):
+        try:
+            raise ValueError(f"bug {i}")
+        except ValueError as e:
+            errors.log(f"store k{i}", e)
+    err = capsys.readouterr().err
+    assert err.count("Traceback (most recent call last)") == 2
+    assert "ValueError: bug 0" in err and "ValueError: bug 1" in err and "bug 2" not in err
+    now[0] += 59.0
+    errors.log("store k5", why="still in the window")
+    assert capsys.readouterr().err == ""
+    now[0] += 1.0
+    errors.log("store k6", why="a new window")
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["worker w: 4 more unexpected errors in the last 60 s, not shown",
+                   "worker w: store k6 failed; the worker goes on: a new window"]
+
+
 # -- faults are checked when the config is parsed ------------------------------------------------
 
 

@@ -53,34 +53,39 @@ def _lower_priority(nice: int) -> None:
 
 
 class _ErrorLog:
-    """Tracebacks of contained errors on the worker's stderr, at most ``burst`` per ``window_s``
-    seconds; the rest are counted, and their number is printed with the first error of a later
-    window. Thread-safe."""
+    """Contained errors on the worker's stderr (with their tracebacks), at most ``burst`` per
+    ``window_s`` seconds; the rest are counted, and their number is printed with the first error of
+    a later window. Thread-safe. ``clock``: seconds, monotonic."""
 
-    def __init__(self, who: str, burst: int = 5, window_s: float = 60.0):
+    def __init__(self, who: str, burst: int = 5, window_s: float = 60.0, clock=time.monotonic):
         self.who = who
         self.burst = burst
         self.window_s = window_s
+        self.clock = clock
         self._lock = threading.Lock()
-        self._window_start = -window_s
+        self._window_start: float | None = None
         self._logged = 0
         self._suppressed = 0
 
-    def log(self, what: str, exc: BaseException) -> None:
-        now = time.monotonic()
+    def log(self, what: str, exc: BaseException | None = None, why: str = "") -> None:
+        """Report that ``what`` failed, with ``exc``'s traceback or the reason ``why``."""
+        now = self.clock()
         with self._lock:
-            if now - self._window_start >= self.window_s:
+            if self._window_start is None or now - self._window_start >= self.window_s:
                 if self._suppressed:
                     print(f"{self.who}: {self._suppressed} more unexpected errors in the last "
-                          f"{self.window_s:.0f} s (tracebacks not shown)", file=sys.stderr)
+                          f"{self.window_s:.0f} s, not shown", file=sys.stderr)
                 self._window_start, self._logged, self._suppressed = now, 0, 0
             if self._logged >= self.burst:
                 self._suppressed += 1
                 return
             self._logged += 1
-        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        print(f"{self.who}: {what} failed; the worker goes on\n{text}", end="", file=sys.stderr,
-              flush=True)
+        if exc is not None:
+            tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            text = f"{what} failed; the worker goes on\n{tb.rstrip()}"
+        else:
+            text = f"{what} failed; the worker goes on: {why}"
+        print(f"{self.who}: {text}", file=sys.stderr, flush=True)
 
 
 class Worker:
@@ -185,7 +190,7 @@ class Worker:
         if problem is not None:
             counters.count("task_errors")
             detail = f"{what} {key.hex()[:16]}: {self.spec.io_module}: {problem}"
-            print(f"{self.who}: {detail}", file=sys.stderr)
+            self.errors.log(f"{what} {key.hex()[:16]}", why=f"{self.spec.io_module}: {problem}")
             return IOOutcome(m.ERROR, 0, detail)
         return out
 

@@ -32,6 +32,7 @@ CANCELLED = 7  # the tier shut down before the job ran (set by the engine)
 REJECTED = 8  # the request was refused (HTTP 4xx other than 404, permissions)
 ERROR = 9  # the worker's code raised something unexpected (a bug, an out-of-tree I/O module's
 #            error; CASES C25): that key failed, the worker goes on; its stored copy is left alone
+BAD_REPLY = 10  # the worker's reply did not answer this key (set by the engine, CASES C24)
 
 CODE_NAMES = {
     OK: "ok",
@@ -44,6 +45,7 @@ CODE_NAMES = {
     CANCELLED: "cancelled",
     REJECTED: "rejected",
     ERROR: "error",
+    BAD_REPLY: "bad_reply",
 }
 
 
@@ -159,10 +161,12 @@ FaultPoint = Literal[
     "task", "store", "load", "probe", "delete", "scan",
     "before_read_slot", "before_publish", "direct_open_created", "direct_write",
     "after_metadata_before_read", "read_payload", "direct_read", "probe_key",
+    "reply", "store_reply", "load_reply", "probe_reply", "delete_reply", "scan_reply",
 ]
 """Where a worker fires faults (see :class:`Fault`); each is a ``faults.hit(point, ...)`` call."""
 
-FaultAction = Literal["sleep", "raise", "raise_error", "drop", "exit", "wait_file"]
+FaultAction = Literal["sleep", "raise", "raise_error", "drop", "exit", "wait_file",
+                      "reply_short", "reply_empty", "reply_long", "reply_bad_code", "reply_stray"]
 
 FAULT_ERRORS = ("ValueError", "TypeError", "KeyError", "RuntimeError", "MemoryError",
                 "struct.error")
@@ -185,14 +189,18 @@ class Fault(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             fails aligned writes), ``before_publish`` (store, before the atomic rename),
             ``after_metadata_before_read`` (load, after the header was checked),
             ``read_payload`` (load, the payload read), ``direct_read`` (load, before reading
-            through an O_DIRECT descriptor), ``probe_key`` (each key of a probe).
+            through an O_DIRECT descriptor), ``probe_key`` (each key of a probe), ``reply`` /
+            ``<kind>_reply`` (``store_reply``, ``load_reply``, ...: a task's result, before it is
+            sent; any task or one kind).
         action: ``sleep`` (``arg`` seconds), ``raise`` (OSError with errno ``arg``, default 5 =
             EIO), ``raise_error`` (an exception that is not an I/O error, of the type named by
             ``arg``, one of :data:`FAULT_ERRORS`, default ValueError: what a bug raises),
             ``drop`` (never answer the task), ``exit`` (the worker process exits at once),
             ``wait_file`` (block until the file ``arg`` exists, at most 120 s; on reaching the point
             the worker first appends its pid to ``<arg>.reached``, so a test can wait until it is
-            paused there).
+            paused there); at a reply point only: ``reply_short``, ``reply_empty``, ``reply_long``,
+            ``reply_bad_code``, ``reply_stray`` (malformed replies, CASES C24, see
+            :meth:`kvoffload.workers.faults.Faults.reply`).
         key_hex: only for chunk keys whose hex (lowercase) starts with this; None matches all.
         count: how many times it fires; -1 for always.
         arg: the action's argument.
@@ -209,6 +217,11 @@ class Fault(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     arg: str | float | int | None = None
 
     def __post_init__(self) -> None:
+        reply_point = self.point == "reply" or self.point.endswith("_reply")
+        if self.action.startswith("reply_") and not reply_point:
+            raise ValueError(f"action: {self.action!r} works only at a reply point (reply, "
+                             f"store_reply, load_reply, probe_reply, delete_reply, scan_reply), "
+                             f"not at {self.point!r}")
         why = _fault_arg_problem(self.action, self.arg)
         if why:
             raise ValueError(f"arg: {why}")
@@ -233,7 +246,7 @@ def _fault_arg_problem(action: str, arg: object) -> str | None:
     elif action == "wait_file":
         if not (isinstance(arg, str) and arg):
             return f"{action!r} takes the path of the file to wait for, got {arg!r}"
-    elif arg is not None:  # drop, exit
+    elif arg is not None:  # drop, exit, reply_*
         return f"{action!r} takes no argument, got {arg!r}"
     return None
 

@@ -43,11 +43,12 @@ HOST = "host"
 
 
 class _Job:
-    __slots__ = ("tier", "meta")
+    __slots__ = ("tier", "meta", "orphaned")
 
     def __init__(self, tier: int, meta: JobMetadata):
         self.tier = tier
         self.meta = meta
+        self.orphaned = False  # a reset forgot its chunks; its result only ends a quarantine
 
 
 class Stats:
@@ -69,6 +70,9 @@ class Stats:
         self.dropped_stores = {n: 0 for n in tier_names}
         self.store_rejections = 0
         self.store_truncations = 0
+        self.unheld_completions = 0  # complete_load of a chunk the caller held no pin on (C28)
+        self.unknown_job_results = 0  # results for a job id not in flight (duplicates, strays)
+        self.reset_discarded_promotions = 0  # promotions a reset made moot while in flight
         self.loads_from = {HOST: 0, **{n: 0 for n in tier_names}}
         self.failed: dict[tuple[str, str, str], int] = {}  # (tier, direction, reason) -> chunks
         self.failed_jobs: dict[tuple[str, str], int] = {}  # (tier, direction) -> jobs
@@ -163,6 +167,9 @@ class TieringManager:
         self._jobs: dict[int, _Job] = {}
         self._next_job = 0
         self._promotions: dict[int, dict[str, tuple[list[bytes], list[int]]]] = {}
+        # Pins held for host -> accelerator copies, per holder (request): req_id -> key ->
+        # [slot, pins]. A completion drops only its own holder's pins (CASES C28).
+        self._holds: dict[str, dict[bytes, list[int]]] = {}
         self._load_source: dict[str, dict[bytes, int]] = {}
         self._poll_interval = poll_interval_s
         self._last_poll = 0.0
@@ -217,7 +224,7 @@ class TieringManager:
 
     def _start_promotion(self, tier_idx: int, key: bytes, req_id: str) -> LookupResult:
         plan = self.host.allocate([key])
-        if plan is None:
+        if plan is None or not plan.slots:  # no room, or a write a reset quarantined holds the key
             self.stats.promotion_alloc_failures += 1
             return _MISS
         per_req = self._promotions.setdefault(tier_idx, {})
@@ -253,12 +260,23 @@ class TieringManager:
     # -- host ↔ accelerator ---------------------------------------------------------------------
 
     def prepare_load(self, keys: Sequence[bytes], req_id: str = "") -> list[int]:
-        """Pin READY keys for a host → accelerator copy and return their slots.
+        """Pin READY keys for a host → accelerator copy and return their slots. The pins belong
+        to ``req_id`` (the holder) until its :meth:`complete_load` of the same keys.
 
         Raises:
-            KeyError: a key is not READY in the host tier (callers pass keys that looked up HIT).
+            KeyError: a key is not READY in the host tier (callers pass keys that looked up HIT);
+                nothing is pinned then.
         """
         slots = self.host.pin(keys)
+        holds = self._holds.get(req_id)
+        if holds is None:
+            holds = self._holds[req_id] = {}
+        for k, slot in zip(keys, slots):
+            h = holds.get(k)
+            if h is None:
+                holds[k] = [slot, 1]
+            else:
+                h[1] += 1
         self.host.access(keys)
         if self._moves is not None:
             self._moved(keys, HOST, "device", "local")
@@ -270,8 +288,47 @@ class TieringManager:
         return slots
 
     def complete_load(self, keys: Iterable[bytes], req_id: str = "") -> None:
-        """The accelerator copy of ``keys`` finished: drop the pins of :meth:`prepare_load`."""
-        self.host.unpin(keys)
+        """The accelerator copy of ``keys`` finished: drop the pins ``req_id`` took in
+        :meth:`prepare_load`. A key this holder holds no pin on (a duplicated completion, another
+        request's key) is ignored and counted (``Stats.unheld_completions``): it never releases
+        someone else's pin (CASES C28)."""
+        holds = self._holds.get(req_id)
+        host = self.host
+        for k in keys:
+            h = holds.get(k) if holds is not None else None
+            if h is None:
+                self.stats.unheld_completions += 1
+                continue
+            h[1] -= 1
+            if h[1] == 0:
+                del holds[k]
+            host.unpin_slot(h[0])
+        if holds is not None and not holds:
+            del self._holds[req_id]
+
+    def pins_held(self) -> dict[int, int]:
+        """Pins held on host slots, by slot: accelerator copies (per holder) plus in-flight tier
+        stores. Equals the host tier's ref counts when the bookkeeping is right (tests)."""
+        out: dict[int, int] = {}
+        for holds in self._holds.values():
+            for slot, n in holds.values():
+                out[slot] = out.get(slot, 0) + n
+        for job in self._jobs.values():
+            if not job.meta.is_promotion:
+                for slot in job.meta.slots:
+                    out[slot] = out.get(slot, 0) + 1
+        return out
+
+    def busy_slots(self) -> set[int]:
+        """Host slots a transfer is in flight into or out of: tier jobs (promotions writing,
+        stores reading), queued promotions, and accelerator copies not yet completed."""
+        busy = {s for job in self._jobs.values() for s in job.meta.slots}
+        for per_req in self._promotions.values():
+            for _, slots in per_req.values():
+                busy.update(slots)
+        for holds in self._holds.values():
+            busy.update(h[0] for h in holds.values())
+        return busy
 
     def touch(self, keys: Sequence[bytes], req_id: str = "") -> None:
         """Mark ``keys`` recently used in every tier."""
@@ -294,7 +351,7 @@ class TieringManager:
             # larger than the tier): keep its longest prefix that fits now. Lookups are prefix
             # ordered, so the head of a request is what later requests can reuse; the engine does
             # not offer the rest again.
-            new = [k for k in dict.fromkeys(keys) if k not in host.index]
+            new = [k for k in dict.fromkeys(keys) if not host.is_present(k)]
             room = min(host.room_for(keys), len(new))
             if room > 0:
                 cut = keys.index(new[room - 1]) + 1
@@ -344,10 +401,21 @@ class TieringManager:
             tier.flush()
             for res in tier.get_finished_jobs():
                 job = self._jobs.pop(res.job_id, None)
-                if job is None:
-                    log.warning("tier %s reported unknown job %d", tier.name, res.job_id)
+                if job is None or self.tiers[job.tier] is not tier:
+                    if job is not None:  # another tier's job: not this tier's to answer
+                        self._jobs[res.job_id] = job
+                    stats.unknown_job_results += 1
+                    log.warning("tier %s reported job %d, which it does not hold; dropped",
+                                tier.name, res.job_id)
                     continue
                 meta = job.meta
+                if job.orphaned and meta.is_promotion:
+                    # A reset forgot these chunks while the load ran: the write has ended, so
+                    # the quarantined slots can be reused; nothing is published.
+                    for slot in meta.slots:
+                        host.end_quarantined_write(slot)
+                    stats.reset_discarded_promotions += len(meta.keys)
+                    continue
                 direction = "load" if meta.is_promotion else "store"
                 self.metrics.observe("kvoffload_tier_transfer_latency_seconds",
                                      res.transfer_seconds, tier.name, direction)
@@ -363,6 +431,8 @@ class TieringManager:
                     if res.success:
                         ok, failed = meta.keys, []
                     else:
+                        # only keys of this job the tier confirmed: anything else it names is
+                        # ignored, anything it does not name failed
                         ok_set = set(res.successful_keys or ())
                         ok = [k for k in meta.keys if k in ok_set]
                         failed = [k for k in meta.keys if k not in ok_set]
@@ -390,7 +460,8 @@ class TieringManager:
                         stats.cascaded[tier.name] += len(meta.keys)
                         stored = meta.keys
                     else:
-                        stored = res.successful_keys or []
+                        ok_set = set(res.successful_keys or ())
+                        stored = [k for k in meta.keys if k in ok_set]
                         stats.cascaded[tier.name] += len(stored)
                         stats.cascade_failures[tier.name] += len(meta.keys) - len(stored)
                     if stored and self._moves is not None:
@@ -539,13 +610,29 @@ class TieringManager:
         out, self._taken_events = self._taken_events, []
         return out
 
-    def reset_cache(self, timeout_s: float = 60.0) -> None:
-        """Forget every host-tier chunk, after in-flight tier jobs finish (their slots must not be
-        reused while a worker may still touch them)."""
-        self.wait_idle(timeout_s)
+    def reset_cache(self, timeout_s: float | None = None) -> None:
+        """Forget every host-tier chunk now, without waiting for tier jobs (never blocks the
+        scheduler for a tier's I/O; ``timeout_s`` is accepted for callers of the old blocking
+        form and ignored).
+
+        Slots with a transfer still in flight — promotions loading into them, tier stores reading
+        them, accelerator copies not completed — are quarantined by the host tier and reused only
+        once that transfer has ended (CASES C26). Promotions queued but not yet submitted are
+        dropped. KV events queued before the reset are kept and published, followed by the
+        removal of every chunk that was stored (C27).
+        """
+        self.poll()
+        for per_req in self._promotions.values():
+            for keys, slots in per_req.values():
+                self.host.complete_write(keys, False)  # never submitted: nothing writes there
         self._promotions.clear()
         self._load_source.clear()
-        self.host.clear()
+        for job in self._jobs.values():
+            job.orphaned = True
+        quarantined = self.host.clear()
+        if quarantined:
+            log.info("kvoffload: cache reset with %d host slot(s) still in use by transfers; "
+                     "they are reused once those end", len(quarantined))
 
     def shutdown(self) -> None:
         """Stop every tier (failing what is still in flight). Idempotent."""

@@ -217,6 +217,7 @@ def _parse_faults(*faults) -> None:
     ({"point": "task", "action": "drop", "arg": 3}, "faults[0].arg", ["no argument"]),
     ({"point": "task", "action": "drop", "key_hex": "K1"}, "faults[0].key_hex", ["hex"]),
     ({"point": "task", "action": "drop", "count": -2}, "faults[0].count", [">= -1"]),
+    ({"point": "load", "action": "reply_short"}, "faults[0].action", ["reply point", "load_reply"]),
 ])
 def test_fault_typos_are_config_errors_naming_the_key_and_allowed_values(fault, key, allowed):
     with pytest.raises(ConfigError) as e:
@@ -236,6 +237,9 @@ def test_every_fault_action_and_valid_argument_parses():
         {"point": "delete", "action": "drop", "key_hex": "0a1b"},
         {"point": "scan", "action": "exit", "count": 0},
         {"point": "read_payload", "action": "wait_file", "arg": "/tmp/gate"},
+        {"point": "reply", "action": "reply_stray"},
+        {"point": "load_reply", "action": "reply_short", "count": -1},
+        {"point": "probe_reply", "action": "sleep", "arg": 1},
     )
 
 
@@ -253,12 +257,13 @@ def test_a_raise_error_fault_raises_the_named_exception_type(name):
 
 
 def _fault_points_in_workers() -> set[str]:
-    """The point names of every ``<...>.faults.hit("<point>", ...)`` call in the worker code."""
+    """The point names of every ``faults.hit("<point>", ...)`` and ``self._armed("<point>", ...)``
+    call in the worker code."""
     found = set()
     for path in WORKERS_DIR.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and node.func.attr == "hit" and node.args
+                    and node.func.attr in ("hit", "_armed") and node.args
                     and isinstance(node.args[0], ast.Constant)):
                 found.add(node.args[0].value)
     return found
@@ -266,8 +271,9 @@ def _fault_points_in_workers() -> set[str]:
 
 def test_fault_points_are_exactly_those_the_workers_fire():
     declared = set(typing.get_args(m.FaultPoint))
-    task_kinds = {t.__name__.removesuffix("Task").lower() for t in typing.get_args(m.Task)}
-    fired = _fault_points_in_workers() | (task_kinds - {"stop"})  # main.py fires the kind's name
+    kinds = {t.__name__.removesuffix("Task").lower() for t in typing.get_args(m.Task)} - {"stop"}
+    # main.py fires each task kind's name; Faults.reply fires "<kind>_reply"
+    fired = _fault_points_in_workers() | kinds | {f"{k}_reply" for k in kinds}
     assert declared == fired
 
 

@@ -12,7 +12,7 @@ import os
 import struct
 import time
 
-from kvoffload.ipc.messages import FAULT_ERRORS, Fault
+from kvoffload.ipc.messages import FAULT_ERRORS, Fault, TaskResult
 
 _ERRORS: dict[str, type[BaseException]] = {
     "ValueError": ValueError, "TypeError": TypeError, "KeyError": KeyError,
@@ -44,10 +44,41 @@ class Faults:
             Exception: a ``raise_error`` fault (the type its ``arg`` names).
             DropTask: a ``drop`` fault.
         """
-        specs = self._by_point.get(point)
-        if not specs:
+        if point not in self._by_point:
             return
-        for f in specs:
+        for f in self._armed(point, key):
+            self._fire(f)
+
+    def reply(self, result: TaskResult, key: bytes | None = None,
+              kind: str = "") -> list[TaskResult]:
+        """The messages to send for ``result``: itself, or a malformed form of it when a fault
+        at point ``reply`` (any task) or ``<kind>_reply`` (``load_reply``, ``store_reply``,
+        ``probe_reply``, ...) fires (CASES C24): ``reply_short`` (the last verdict left out),
+        ``reply_empty`` (no verdicts), ``reply_long`` (one verdict too many), ``reply_bad_code``
+        (the last verdict an unknown code), ``reply_stray`` (an extra reply for a task id
+        never sent, before the real one)."""
+        out = [result]
+        armed = [*self._armed("reply", key), *self._armed(f"{kind}_reply", key)]
+        for f in armed:
+            codes = list(result.codes)
+            if f.action == "reply_short":
+                result.codes = codes[:-1]
+            elif f.action == "reply_empty":
+                result.codes = []
+            elif f.action == "reply_long":
+                result.codes = codes + [0]
+            elif f.action == "reply_bad_code":
+                result.codes = codes[:-1] + [99] if codes else [99]
+            elif f.action == "reply_stray":
+                out.insert(0, TaskResult(result.task_id + 1_000_000, result.worker_id,
+                                         [0] * max(1, len(codes))))
+            else:
+                self._fire(f)
+        return out
+
+    def _armed(self, point: str, key: bytes | None):
+        """The faults at ``point`` that fire now for ``key`` (their counts are used up)."""
+        for f in self._by_point.get(point, ()):
             if f.key_hex is not None and (key is None or not key.hex().startswith(f.key_hex)):
                 continue
             left = self._left[id(f)]
@@ -55,7 +86,7 @@ class Faults:
                 continue
             if left > 0:
                 self._left[id(f)] = left - 1
-            self._fire(f)
+            yield f
 
     @staticmethod
     def _fire(f: Fault) -> None:

@@ -154,8 +154,23 @@ class Worker:
                 if self.fatal():
                     return
                 result = self.failed_task(task, e)
-            result.counters = counters.take()
-            self.chans.send_result(m.encode(result))
+            messages = self.replies(task, result) if self.faults else [result]
+            if messages:
+                messages[-1].counters = counters.take()
+            for msg in messages:
+                self.chans.send_result(m.encode(msg))
+
+    def replies(self, task: m.Task, result: m.TaskResult) -> list[m.TaskResult]:
+        """The messages that answer ``task``: ``result``, as the faults armed at the reply points
+        leave it (malformed, or after a stray one: CASES C24); none for a ``drop``."""
+        first = task.keys[0] if getattr(task, "keys", None) else None
+        kind = type(task).__name__.removesuffix("Task").lower()
+        try:
+            return self.faults.reply(result, first, kind)
+        except DropTask:
+            return []
+        except Exception as e:  # noqa: BLE001 - contained like the task's own errors
+            return [self.failed_task(task, e)]
 
     def failed_task(self, task: m.Task, exc: Exception) -> m.TaskResult:
         """The result of a task that raised outside its per-key calls: every key fails, with

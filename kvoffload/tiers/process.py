@@ -196,6 +196,7 @@ class ProcessTierManager(SecondaryTierManager):
         self._failures = 0  # consecutive failed tasks
         self._open_until = 0.0  # breaker open while monotonic() < this
         self._open_count = 0  # consecutive openings (for the cooldown's back-off)
+        self._last_bad_reply_log = -1e9
         self._ctx: zmq.Context | None = None
         self._pools: tuple[WorkerPool, ...] = ()
 
@@ -336,7 +337,7 @@ class ProcessTierManager(SecondaryTierManager):
         if limit is None or not codes:
             return
         failed = all(
-            c in (m.TIMEOUT, m.WORKER_DIED) or (c == m.IO_ERROR and (
+            c in (m.TIMEOUT, m.WORKER_DIED, m.BAD_REPLY) or (c == m.IO_ERROR and (
                 i >= len(status) or status[i] == 0 or status[i] >= 500))
             for i, c in enumerate(codes))
         if not failed:
@@ -556,8 +557,45 @@ class ProcessTierManager(SecondaryTierManager):
                 rec = task.owner
                 if rec.kind == "scan":
                     self._on_scan(res.entries)
-                self._apply(rec, res.codes, res.nbytes, res.status)
+                self._apply(rec, self._checked_codes(rec, res), res.nbytes, res.status)
                 return
+        # A task this tier never sent, already answered, or held by a worker since replaced:
+        # nothing waits for it and nothing may act on it (CASES C24, C17).
+        self.count("unknown_replies")
+        self._log_bad_reply(f"a reply for task {res.task_id} from worker {res.worker_id}, "
+                            f"which holds no such task; dropped")
+
+    def _checked_codes(self, rec: _TaskRec, res: m.TaskResult) -> list[int]:
+        """The reply's per-key codes, validated against the task it answers (CASES C24).
+
+        A worker must answer every key of its task with a known code. A reply with fewer or more
+        codes than the task has keys cannot be matched to them: every key of the task fails
+        (``bad_reply``). A code that is not a known outcome fails its key alone. So a key is
+        a success only when the reply positively confirmed it.
+        """
+        codes = res.codes
+        n = len(rec.keys)
+        if rec.kind == "scan":
+            return codes
+        if len(codes) != n:
+            self.count("malformed_replies")
+            self._log_bad_reply(f"a reply to {rec.kind} task {res.task_id} carries {len(codes)} "
+                                f"verdict(s) for {n} key(s); all of them fail")
+            return [m.BAD_REPLY] * n
+        known = m.CODE_NAMES
+        if all(c in known for c in codes):
+            return codes
+        self.count("malformed_replies")
+        self._log_bad_reply(f"a reply to {rec.kind} task {res.task_id} carries unknown verdict "
+                            f"code(s) {sorted({c for c in codes if c not in known})}; those keys fail")
+        return [c if c in known else m.BAD_REPLY for c in codes]
+
+    def _log_bad_reply(self, what: str) -> None:
+        now = time.monotonic()
+        if now - self._last_bad_reply_log >= 60.0:
+            self._last_bad_reply_log = now
+            log.warning("kvoffload tier %s: %s (counted in tier events unknown_replies / "
+                        "malformed_replies; logged at most once a minute)", self.name, what)
 
     def has_pending_work(self) -> bool:
         return bool(self._probe_queue or self._probing or self._job_count

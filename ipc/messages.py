@@ -174,7 +174,7 @@ FAULT_ERRORS = ("ValueError", "TypeError", "KeyError", "RuntimeError", "MemoryEr
 
 
 class Fault(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """A fault to inject at a named point of a tier worker (tests, ``kvoffload stress``).
+    """A fault to inject at a named point of a tier worker (tests).
 
     Checked when the config is parsed: an unknown point or action, or an argument the action cannot
     use, is a config error naming the key and the allowed values (never a worker crash).

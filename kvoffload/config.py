@@ -208,7 +208,28 @@ def convert(data: Any, struct_type: type[msgspec.Struct], where: str) -> Any:
                 f"{where}{sub}: unknown key {field!r}{hint}; allowed keys: {', '.join(allowed)}"
             ) from None
         detail = _PATH_RE.sub("", msg).replace(" - at ", "").strip(" -")
+        # A struct's own check (__post_init__) names its field first: "arg: why".
+        field, sep, why = detail.partition(": ")
+        owner = _struct_at(struct_type, sub) if sep else None
+        if owner is not None and field in owner.__struct_fields__:
+            sub, detail = f"{sub}.{field}", why
+        allowed = _literal_values(struct_type, sub) if "Invalid enum value" in msg else None
+        if allowed:
+            detail += f"; allowed: {', '.join(map(str, allowed))}"
         raise ConfigError(f"{where}{sub}: {detail}") from None
+
+
+def _literal_values(root: type[msgspec.Struct], path: str) -> list | None:
+    """The values a ``Literal`` field at ``path`` (``.a[0].b``) allows, when it can be told."""
+    parent, _, name = path.rpartition(".")
+    owner = _struct_at(root, parent) if parent else root
+    if owner is None:
+        return None
+    field = next((f for f in msgspec.inspect.type_info(owner).fields if f.name == name), None)
+    if field is None:
+        return None
+    types = field.type.types if isinstance(field.type, msgspec.inspect.UnionType) else (field.type,)
+    return next((list(t.values) for t in types if isinstance(t, msgspec.inspect.LiteralType)), None)
 
 
 def parse_config(extra_config: dict[str, Any]) -> OffloadConfig:

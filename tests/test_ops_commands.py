@@ -448,7 +448,7 @@ def test_c29_two_writers_with_one_pid_store_the_same_chunk_at_once(tmp_path):
     the same chunk at once: each uses its own temporary file and both stores succeed."""
     import threading
 
-    from kvoffload.ipc.messages import Fault
+    from kvoffload.ipc.messages import OK, Fault
     from kvoffload.workers.faults import Faults
     from kvoffload.workers.fs_io import make_io
 
@@ -474,7 +474,7 @@ def test_c29_two_writers_with_one_pid_store_the_same_chunk_at_once(tmp_path):
     finally:
         resume.touch()
         t.join(60)
-    assert results["other"][0] == 0 and results["paused"][0] == 0, results
+    assert results["other"].code == OK and results["paused"].code == OK, results
     with open(paused.path(key), "rb") as f:
         assert f.read()[HEADER_BYTES:] == payload(key).tobytes()
     assert not [n for n in os.listdir(d) if n.endswith(".tmp")]

@@ -1,15 +1,24 @@
 """Named fault points inside tier workers, armed from the tier config's ``faults`` list.
 
-Tests and ``kvoffload stress`` use them to pause a worker at a precise point, fail one I/O call, drop a
-task or crash the process; with no faults configured :meth:`Faults.hit` is one dict lookup.
+Tests and ``kvoffload stress`` use them to pause a worker at a precise point, fail one I/O call, raise
+what a bug would raise, drop a task or crash the process; with no faults configured :meth:`Faults.hit`
+is one dict lookup. Points and actions are checked when the config is parsed
+(:class:`~kvoffload.ipc.messages.Fault`).
 """
 
 from __future__ import annotations
 
 import os
+import struct
 import time
 
-from kvoffload.ipc.messages import Fault, TaskResult
+from kvoffload.ipc.messages import FAULT_ERRORS, Fault, TaskResult
+
+_ERRORS: dict[str, type[BaseException]] = {
+    "ValueError": ValueError, "TypeError": TypeError, "KeyError": KeyError,
+    "RuntimeError": RuntimeError, "MemoryError": MemoryError, "struct.error": struct.error,
+}
+assert set(_ERRORS) == set(FAULT_ERRORS)
 
 
 class DropTask(Exception):
@@ -32,6 +41,7 @@ class Faults:
 
         Raises:
             OSError: a ``raise`` fault.
+            Exception: a ``raise_error`` fault (the type its ``arg`` names).
             DropTask: a ``drop`` fault.
         """
         if point not in self._by_point:
@@ -85,6 +95,9 @@ class Faults:
         elif f.action == "raise":
             code = int(f.arg or 5)
             raise OSError(code, f"injected fault: {os.strerror(code)}")
+        elif f.action == "raise_error":
+            name = str(f.arg or "ValueError")
+            raise _ERRORS[name](f"injected fault: {name}")
         elif f.action == "drop":
             raise DropTask()
         elif f.action == "exit":

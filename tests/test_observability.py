@@ -113,7 +113,15 @@ def test_every_metric_is_exported_with_plausible_values(tmp_path, endpoint):
     try:
         wl = Workload("zipf", np.random.default_rng(1), conversations=4, turn_chunks=2,
                       system_chunks=1, max_turns=4, documents=30, doc_chunks=6, zipf_a=1.0)
-        rep = run.run(wl, 3.0, 4)
+        # until every metric below has something to show (when depends on the machine's speed:
+        # a contended machine may take many more seconds than an idle one), not for a duration
+        def enough() -> bool:
+            st = run.tm.stats
+            done = run.report.requests
+            return done >= 20_000 or (done >= 100 and st.tier_hits["fs"] > 0 and (
+                run.tm.host.evictions > 0 and run.tm.tiers[0].counters.get("evictions", 0) > 0))
+
+        rep = run.run(wl, 3600.0, 4, stop_requested=enough)
         assert rep.ok and rep.requests > 0
         got = scrape(endpoint)
         inst = run.tm.instance

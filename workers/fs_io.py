@@ -291,7 +291,8 @@ class FsIO:
             os.unlink(self.path(key))
         except FileNotFoundError:
             pass
-        except OSError:
+        except OSError as e:
+            counters.count_errno("eviction_errors", e)  # kvoffload_tier_eviction_errors_total
             return m.IO_ERROR
         return m.OK
 

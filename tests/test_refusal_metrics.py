@@ -113,6 +113,8 @@ def test_a_trial_that_never_answers_gives_its_place_back_after_the_trial_timeout
     assert not br.admit()
     clock.t += 1.0
     assert br.trials_in_flight == 0 and br.admit()
+    br.release()  # e.g. a store of chunks the tier already holds: nothing was sent
+    assert br.admit() and not br.admit()
 
 
 @pytest.mark.parametrize("kwargs", [dict(failures=0, cooldown_s=1.0),
@@ -271,18 +273,23 @@ def breaker_states(got, tier):
 
 
 def test_breaker_state_gauge_and_half_open_trials_with_real_workers(tmp_path, endpoint):
-    """fs tier whose first store fails (an injected EIO): the breaker opens (stores dropped as
-    breaker_open), turns half-open after its cooldown, lets one trial lookup through while the
-    others miss at once, and closes when the trial's probe answers; the gauge follows."""
-    fault = [{"point": "before_read_slot", "action": "raise", "arg": 5, "count": 1}]
+    """fs tier whose store of one chunk fails (an injected EIO): the breaker opens (stores dropped
+    as breaker_open), turns half-open after its cooldown, lets one trial lookup through while the
+    others miss at once, and closes when the trial's probe answers; the gauge follows. The trial
+    probes the tier even for a chunk it is known to hold."""
+    held, failing = keys_for(1, seed=6)[0], keys_for(1, seed=1)[0]
+    fault = [{"point": "before_read_slot", "action": "raise", "arg": 5, "count": 1,
+              "key_hex": failing.hex()}]
     cfg = fs_tier(tmp_path / "fs", breaker_failures=1, breaker_cooldown_s=3.0,
                   breaker_trial_requests=1, faults=fault)
     with Rig([cfg], num_slots=16) as rig:
         tm, tier = rig.tm, rig.fs
         got = scrape(endpoint, tm.instance)
         assert breaker_states(got, "fs") == {"closed": 1, "open": 0, "half_open": 0}
+        rig.store([held])
+        tm.host.remove([held])  # only the fs tier holds it
 
-        rig.store(keys_for(1, seed=1))  # fails: the breaker opens
+        rig.store([failing])  # fails: the breaker opens
         # The cooldown (3 s) outlasts these few checks on any machine.
         got = scrape(endpoint, tm.instance)
         assert breaker_states(got, "fs") == {"closed": 0, "open": 1, "half_open": 0}
@@ -297,15 +304,16 @@ def test_breaker_state_gauge_and_half_open_trials_with_real_workers(tmp_path, en
         assert breaker_states(got, "fs") == {"closed": 0, "open": 0, "half_open": 1}
         assert sample(got, "kvoffload_tier_breaker_open", tier="fs") == 0
 
-        unknown = keys_for(4, seed=3)  # in no tier
-        verdicts = [tm.lookup(k, "r") for k in unknown]
+        unknown = keys_for(3, seed=3)  # in no tier
+        verdicts = [tm.lookup(k, "r") for k in [held, *unknown]]
         assert verdicts == [RETRY, MISS, MISS, MISS]  # one trial, not the whole queue
         assert offer(rig, keys_for(2, seed=4)) is not None  # the trial place is taken: dropped
         got = scrape(endpoint, tm.instance)
         assert refused(got, "fs", "store", "breaker_open") == 3 + 2
 
-        assert settle(rig, unknown[0]) is MISS  # the trial probe answered: the tier works
+        assert settle(rig, held) is PENDING  # the trial probe found it: promoted
         assert tier.breaker_state == "closed"
+        assert settle(rig, unknown[0]) is MISS
         got = scrape(endpoint, tm.instance)
         assert breaker_states(got, "fs") == {"closed": 1, "open": 0, "half_open": 0}
         assert sample(got, "kvoffload_tier_events_total", tier="fs", event="breaker_opens") == 1

@@ -16,9 +16,9 @@ with a few trial requests before letting everything through.
   succeeds closes it (the tier answers after all).
 - HALF_OPEN (the cooldown has passed): :meth:`CircuitBreaker.admit` lets ``trial_requests`` requests
   through, the rest are refused as while open. A task sent since the breaker went half-open that
-  fails reopens it with a doubled cooldown; one that succeeds closes it. A trial admitted but never
-  answered (the request went no further, e.g. the host tier had no slot for the chunk) gives its
-  place back after ``trial_timeout_s``, so a lost trial never keeps the tier shut.
+  fails reopens it with a doubled cooldown; one that succeeds closes it. A trial that sends nothing
+  gives its place back (:meth:`CircuitBreaker.release`); one admitted but never answered gives it
+  back after ``trial_timeout_s``, so a lost trial never keeps the tier shut.
 
 The clock is injected (``clock``: seconds, monotonic), so the machine is tested without processes or
 sleeps. Not thread-safe: one engine thread drives it (the scrape thread only reads :attr:`state`).
@@ -110,6 +110,12 @@ class CircuitBreaker:
                 self._trials.append(now + self.trial_timeout_s)
                 return True
         return False
+
+    def release(self) -> None:
+        """An admitted request sent nothing to the tier after all (e.g. a store of chunks the tier
+        already holds): its trial place is free again."""
+        if self._trials:
+            self._trials.pop()
 
     def record(self, ok: bool, sent_at: float) -> str | None:
         """A task sent at monotonic time ``sent_at`` answered: ``ok`` False for a failure of the

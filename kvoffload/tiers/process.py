@@ -360,29 +360,43 @@ class ProcessTierManager(SecondaryTierManager):
 
     def lookup(self, key: bytes, req_id: str = "") -> LookupResult:
         br = self.breaker
+        if br is not None and br.tripped:
+            return self._lookup_tripped(key, br)
         if key in self._present:
-            if br is not None and br.tripped and not br.admit():
-                self.count("breaker_misses")
-                return _MISS
             return _HIT
         exp = self._absent.get(key)
         if exp is not None:
             if time.monotonic() < exp:
                 return _MISS
             del self._absent[key]
+        if key not in self._probing:
+            self._probe(key)
+        return _RETRY
+
+    def _lookup_tripped(self, key: bytes, br: CircuitBreaker) -> LookupResult:
+        """Lookup while the breaker is open or half-open: MISS, unless this lookup is one of the
+        half-open trials. A trial asks the tier (a probe), even for a key it is known to hold: the
+        probe's answer is what closes or reopens the breaker, and it is always sent."""
         if key in self._probing:
-            if br is not None and br.tripped and br.state != HALF_OPEN:
-                self.count("breaker_misses")  # a probe sent before the breaker opened
-                return _MISS
-            return _RETRY
-        if br is not None and br.tripped and not br.admit():
+            if br.state == HALF_OPEN:
+                return _RETRY  # a probe is out: its answer settles the key
+            self.count("breaker_misses")  # a probe sent before the breaker opened
+            return _MISS
+        exp = self._absent.get(key)
+        if exp is not None and time.monotonic() < exp:
+            return _MISS
+        if not br.admit():
             self.count("breaker_misses")
             return _MISS
+        self._absent.pop(key, None)
+        self._probe(key)
+        return _RETRY
+
+    def _probe(self, key: bytes) -> None:
         self._probing.add(key)
         self._probe_queue.append(key)
         if len(self._probe_queue) >= _PROBE_BATCH:
             self.flush()
-        return _RETRY
 
     def flush(self) -> None:
         queue = self._probe_queue
@@ -418,6 +432,8 @@ class ProcessTierManager(SecondaryTierManager):
             for k, code in rejected.items():
                 rec_job.failed[k] = code
             todo = [todo[i] for i in admitted]
+        if not todo and self.breaker is not None and self.breaker.tripped:
+            self.breaker.release()  # a trial store with nothing to write
         self._dispatch(rec_job, todo, self._writers, m.StoreTask, "store")
 
     def submit_load(self, job: JobMetadata) -> None:

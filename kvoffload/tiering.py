@@ -31,6 +31,7 @@ from kvoffload import metrics as _metrics
 from kvoffload.config import OffloadConfig
 from kvoffload.events import BlockRemoved, BlockStored, ChunkEventInfo, EventPublisher, Movement
 from kvoffload.host import READY, HostTier, StorePlan
+from kvoffload.logs import RateLimitedLog
 from kvoffload.policies import make_policy
 from kvoffload.tiers import create_tier
 from kvoffload.tiers.base import JobMetadata, LookupResult, SecondaryTierManager, TierEvent
@@ -40,6 +41,13 @@ log = logging.getLogger("kvoffload")
 _HIT, _MISS, _PENDING, _RETRY = (LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING,
                                  LookupResult.RETRY)
 HOST = "host"
+_DROP_WHY = {
+    "pin_limit": "its stores in flight already pin {pinned} host slots (tier_pin_fraction allows "
+                 "{limit})",
+    "queue_full": "too many of its stores in flight (max_pending_store_chunks): the tier is slower "
+                  "than the offload rate",
+    "breaker_open": "its circuit breaker is not closed (the tier keeps failing)",
+}
 
 
 class _Job:
@@ -51,9 +59,22 @@ class _Job:
         self.orphaned = False  # a reset forgot its chunks; its result only ends a quarantine
 
 
+#: Why a tier refuses chunks, by (tier kind, direction): the ``reason`` label values of
+#: ``kvoffload_refused_chunks_total`` (a secondary tier may add its own, see ``store_refusal``).
+HOST_REFUSALS = (("store", "no_evictable_slot"), ("store", "batch_truncated"),
+                 ("load", "no_evictable_slot"))
+TIER_REFUSALS = (("store", "pin_limit"), ("store", "queue_full"), ("store", "breaker_open"))
+
+
 class Stats:
     """Counters of one tiering manager (chunks unless named otherwise). ``per_tier`` maps a tier
-    name to its own counters."""
+    name to its own counters.
+
+    Refusals: ``store_rejections`` / ``store_truncations`` count host-tier store batches refused
+    whole / cut short, ``promotion_alloc_failures`` promotions with no host slot, ``dropped_stores``
+    chunks not written to a tier; ``refused`` counts the chunks of all of them by
+    ``(tier, direction, reason)`` (reasons: :data:`HOST_REFUSALS`, :data:`TIER_REFUSALS`).
+    """
 
     def __init__(self, tier_names: Sequence[str]):
         # Lookups are counted at their verdict (HIT, HIT_PENDING, MISS), never at a RETRY; every
@@ -76,6 +97,11 @@ class Stats:
         self.loads_from = {HOST: 0, **{n: 0 for n in tier_names}}
         self.failed: dict[tuple[str, str, str], int] = {}  # (tier, direction, reason) -> chunks
         self.failed_jobs: dict[tuple[str, str], int] = {}  # (tier, direction) -> jobs
+        # (tier, direction, reason) -> chunks; the known reasons start at 0 so that a scrape sees
+        # every series from the start (Prometheus' increase() misses a series' first value)
+        self.refused: dict[tuple[str, str, str], int] = {
+            **{(HOST, d, r): 0 for d, r in HOST_REFUSALS},
+            **{(n, d, r): 0 for n in tier_names for d, r in TIER_REFUSALS}}
 
     def snapshot(self) -> dict[str, Any]:
         return {k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(self).items()}
@@ -175,6 +201,7 @@ class TieringManager:
             {} if self._publisher is not None else None)
         self._event_hash = event_block_hash
         self.stats = Stats(self.tier_names)
+        self._refusal_log = RateLimitedLog(log)
         self._store_pins = [0] * len(self.tiers)  # host slots pinned by each tier's stores
         self._pin_limit = max(1, int(config.tier_pin_fraction * arena.num_slots))
         self._jobs: dict[int, _Job] = {}
@@ -236,9 +263,13 @@ class TieringManager:
             stats.tier_hits[self.tier_names[hit_tier]] += 1
 
     def _start_promotion(self, tier_idx: int, key: bytes, req_id: str) -> LookupResult:
-        plan = self.host.allocate([key])
+        host = self.host
+        plan = host.allocate([key])
         if plan is None or not plan.slots:  # no room, or a write a reset quarantined holds the key
             self.stats.promotion_alloc_failures += 1
+            self._refuse(HOST, "load", "no_evictable_slot", 1, logging.WARNING,
+                         "kvoffload: a chunk found in tier %s is not promoted (a miss): no "
+                         "evictable host slot (%s)", self.tier_names[tier_idx], self._occupancy())
             return _MISS
         per_req = self._promotions.setdefault(tier_idx, {})
         keys, slots = per_req.setdefault(req_id, ([], []))
@@ -381,8 +412,15 @@ class TieringManager:
                 cut = keys.index(new[room - 1]) + 1
                 plan = host.allocate(keys[:cut])
                 self.stats.store_truncations += 1
+                if plan is not None:
+                    self._refuse(HOST, "store", "batch_truncated", len(new) - room, logging.INFO,
+                                 "kvoffload: host tier took %d of %d new chunk(s) of a store; the "
+                                 "rest did not fit (%s)", room, len(new), self._occupancy())
             if plan is None:
                 self.stats.store_rejections += 1
+                self._refuse(HOST, "store", "no_evictable_slot", len(new), logging.WARNING,
+                             "kvoffload: host tier refused a store of %d chunk(s): no evictable "
+                             "slot (%s)", len(new), self._occupancy())
         if chunk_info is not None and plan is not None and self._chunk_info is not None:
             infos = self._chunk_info
             for k in plan.keys:
@@ -390,6 +428,22 @@ class TieringManager:
                 if info is not None:
                     infos[k] = info
         return plan
+
+    def _occupancy(self) -> str:
+        """Why host slots cannot be evicted, for a log line."""
+        host = self.host
+        writing = host.num_used - host.num_evictable - host.num_pinned
+        return (f"of {host.num_slots} slots, {host.num_pinned} pinned by transfers in flight and "
+                f"{writing} being written")
+
+    def _refuse(self, tier: str, direction: str, reason: str, chunks: int, level: int, msg: str,
+                *args) -> None:
+        """Count ``chunks`` refused by ``tier`` (``kvoffload_refused_chunks_total``) and say why in
+        the log, at most once a minute per ``(tier, direction, reason)``."""
+        key = (tier, direction, reason)
+        refused = self.stats.refused
+        refused[key] = refused.get(key, 0) + chunks
+        self._refusal_log.log(level, "/".join(key), msg, *args)
 
     def complete_store(self, keys: Iterable[bytes], success: bool = True, req_id: str = "") -> None:
         """The accelerator → host copy finished: publish the chunks (or free their slots on
@@ -420,10 +474,19 @@ class TieringManager:
         pins = self._store_pins
         for i, tier in enumerate(self.tiers):
             take = keys[:max(0, self._pin_limit - pins[i])] if pins[i] else keys
-            if take and not tier.accepts_store(len(take)):
-                take = []
-            if len(take) < len(keys):
-                self.stats.dropped_stores[tier.name] += len(keys) - len(take)
+            reason = "pin_limit" if len(take) < len(keys) else None
+            # Asked even when over budget: a tier that refuses (open breaker, backlog) counts its
+            # own drops, so the cause stays visible whatever the pin budget did.
+            refusal = tier.store_refusal(len(take) or len(keys))
+            if refusal is not None:
+                take, reason = [], refusal
+            dropped = len(keys) - len(take)
+            if dropped:
+                self.stats.dropped_stores[tier.name] += dropped
+                self._refuse(tier.name, "store", reason, dropped, logging.WARNING,
+                             "kvoffload: %d chunk(s) not written to tier %s: %s", dropped,
+                             tier.name, _DROP_WHY.get(reason, reason).format(
+                                 pinned=pins[i], limit=self._pin_limit))
             if not take:
                 continue
             pins[i] += len(take)
@@ -626,6 +689,8 @@ class TieringManager:
                 m.set_total("kvoffload_tier_failed_jobs", v, tname, direction)
             for (tname, direction, reason), v in list(st.failed.items()):
                 m.set_total("kvoffload_tier_failed_chunks", v, tname, direction, reason)
+            for (tname, direction, reason), v in list(st.refused.items()):
+                m.set_total("kvoffload_refused_chunks", v, tname, direction, reason)
             row = self.arena.row_bytes
             for tier in self.tiers:
                 name = tier.name
@@ -642,7 +707,12 @@ class TieringManager:
                 m.set_total("kvoffload_tier_evictions", c.get("evictions", 0), name)
                 m.set_total("kvoffload_dropped_stores", st.dropped_stores[name], name)
                 for event, v in c.items():
-                    m.set_total("kvoffload_tier_events", v, name, event)
+                    family, dot, value = event.partition(".")
+                    labelled = _metrics.TIER_COUNTER_FAMILIES.get(family) if dot else None
+                    if labelled is not None:  # e.g. eviction_errors.EACCES -> {errno="EACCES"}
+                        m.set_total(labelled, v, name, value)
+                    else:
+                        m.set_total("kvoffload_tier_events", v, name, event)
                 tier.report_metrics(m)
             if self._publisher is not None:
                 for stream, v in self._publisher.published.items():

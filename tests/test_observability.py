@@ -132,7 +132,8 @@ def test_every_metric_is_exported_with_plausible_values(tmp_path, endpoint):
         if d.name == "kvoffload_kv_events_published":
             continue  # only with kv_events configured (see the events tests)
         exposed = {"counter": d.name + "_total", "gauge": d.name, "histogram": d.name + "_count"}
-        if d.name in ("kvoffload_tier_failed_chunks", "kvoffload_tier_failed_jobs"):
+        if d.name in ("kvoffload_tier_failed_chunks", "kvoffload_tier_failed_jobs",
+                      "kvoffload_tier_eviction_errors"):
             continue  # no failure in a clean run
         assert exposed[d.kind] in names, d.name
     v = lambda name, **kw: value(got, name, inst, **kw)  # noqa: E731
@@ -421,7 +422,7 @@ def test_a_real_prometheus_scrapes_a_stress_run(tmp_path):
             names = {r["metric"]["__name__"] for r in series}
             for d in CORE_METRICS:
                 if d.name in ("kvoffload_kv_events_published", "kvoffload_tier_failed_chunks",
-                              "kvoffload_tier_failed_jobs"):
+                              "kvoffload_tier_failed_jobs", "kvoffload_tier_eviction_errors"):
                     continue  # no KV events configured, no failure in a clean run
                 want = {"counter": d.name + "_total", "gauge": d.name,
                         "histogram": d.name + "_bucket"}[d.kind]

@@ -160,11 +160,6 @@ class FsTier(ProcessTierManager):
     medium = "STORAGE"
     shared = True
     metric_definitions = (
-        Counter("kvoffload_tier_eviction_errors",
-                "Chunk file removals (evictions, explicit removals) that failed, by errno (EPERM, "
-                "EBUSY, EROFS...; timeout or worker_died when the delete got no answer). The file "
-                "stays counted against the cap and its removal is retried later.",
-                ("tier", "errno")),
         Gauge("kvoffload_tier_used_bytes",
               "Bytes of chunk files a capacity-bounded tier counts as its own (headers included).",
               ("tier",)),
@@ -410,8 +405,7 @@ class FsTier(ProcessTierManager):
             err = status[i] if i < len(status) else 0
             why = errno_mod.errorcode.get(err, str(err)) if err else m.CODE_NAMES.get(code,
                                                                                        str(code))
-            self.metrics.inc("kvoffload_tier_eviction_errors", 1, self.name, why)
-            self.count("eviction_errors")
+            self.count(f"eviction_errors.{why}")  # kvoffload_tier_eviction_errors{tier, errno}
             self._last_removal_error = (f"{why}: {os.strerror(err)}" if err else why)
             if code == m.CANCELLED or index is None or nbytes is None or k in index:
                 continue

@@ -37,6 +37,7 @@ from kvoffload.config import Positive, apply_aliases
 from kvoffload.ipc import messages as m
 from kvoffload.ipc.channels import LOADS, STORES, TierChannels
 from kvoffload.tiers.base import JobMetadata, JobResult, LookupResult, SecondaryTierManager, TierEvent
+from kvoffload.tiers.breaker import HALF_OPEN, OPEN, STATES, CircuitBreaker
 from kvoffload.workerpool import PoolTask, WorkerPool
 
 log = logging.getLogger("kvoffload.tiers")
@@ -71,11 +72,15 @@ class ProcessTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
         io_threads: chunks of one task each worker moves at once (threads inside the worker).
         worker_nice: niceness added to worker processes (0-19).
         breaker_failures: consecutive failed tasks (transport errors, 5xx, timeouts, dead workers)
-            that open the circuit breaker: lookups then answer MISS and stores are dropped (and
-            counted) for ``breaker_cooldown_s``, after which the next tasks probe the tier again.
-            None disables the breaker.
+            that open the circuit breaker (:mod:`kvoffload.tiers.breaker`): lookups then answer
+            MISS and stores are dropped (and counted) for ``breaker_cooldown_s``, after which it is
+            half-open: ``breaker_trial_requests`` requests try the tier again. None disables the
+            breaker.
         breaker_cooldown_s: how long the breaker stays open (seconds; doubles while the tier keeps
             failing, up to 16 times).
+        breaker_trial_requests: requests (a lookup that needs the tier, a store job) let through
+            at once while the breaker is half-open; the others are refused as while open until
+            a trial answers (success closes the breaker, failure reopens it).
         read_io_threads, write_io_threads: chunks the reader / writer workers move at once, in
             total (vLLM's ``n_read_threads`` / ``n_write_threads``); each worker of that side runs
             ``ceil(total / workers)`` I/O threads. None (default): ``io_threads`` per worker.
@@ -103,6 +108,7 @@ class ProcessTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     worker_nice: Annotated[int, msgspec.Meta(ge=0, le=19)] = 10
     breaker_failures: Positive | None = None
     breaker_cooldown_s: Seconds = 5.0
+    breaker_trial_requests: Positive = 2
     read_io_threads: Positive | None = None
     write_io_threads: Positive | None = None
     locality: Literal["LOCAL", "REMOTE"] | None = None
@@ -205,10 +211,11 @@ class ProcessTierManager(SecondaryTierManager):
         self._pending_store_chunks = 0
         self._last_check = 0.0
         self._closed = False
-        self._failures = 0  # consecutive failed tasks
-        self._open_until = 0.0  # breaker open while monotonic() < this
-        self._open_count = 0  # consecutive openings (for the cooldown's back-off)
         self._last_bad_reply_log = -1e9
+        self.breaker: CircuitBreaker | None = (
+            CircuitBreaker(cfg.breaker_failures, cfg.breaker_cooldown_s, cfg.breaker_trial_requests,
+                           trial_timeout_s=cfg.job_timeout_s)
+            if cfg.breaker_failures is not None else None)
         self._ctx: zmq.Context | None = None
         self._pools: tuple[WorkerPool, ...] = ()
 
@@ -333,54 +340,44 @@ class ProcessTierManager(SecondaryTierManager):
         metrics.set("kvoffload_tier_workers_alive",
                     sum(w.proc.poll() is None for p in self._pools for w in list(p.workers.values())),
                     name)
-        metrics.set("kvoffload_tier_breaker_open", 1 if self._breaker_open() else 0, name)
+        state = self.breaker_state
+        metrics.set("kvoffload_tier_breaker_open", 1 if state == OPEN else 0, name)
+        for s in STATES:
+            metrics.set("kvoffload_tier_breaker_state", 1 if s == state else 0, name, s)
 
     @property
     def breaker_state(self) -> str:
-        """``closed``, ``open`` or ``half_open`` (the cooldown passed; the next tasks decide)."""
-        if self._open_until == 0.0:
-            return "closed"
-        return "open" if time.monotonic() < self._open_until else "half_open"
+        """``closed``, ``open`` or ``half_open`` (the cooldown passed; a few trial requests go
+        through). ``closed`` when the tier has no breaker."""
+        return self.breaker.state if self.breaker is not None else "closed"
 
-    def _breaker_open(self) -> bool:
-        return self._open_until != 0.0 and time.monotonic() < self._open_until
-
-    def _on_task_codes(self, codes: list[int], status: list[int]) -> None:
-        limit = self.config.breaker_failures
-        if limit is None or not codes:
+    def _on_task_codes(self, rec: _TaskRec, codes: list[int], status: list[int]) -> None:
+        """Feed the breaker the answer to a probe, store or load task ``rec``."""
+        br = self.breaker
+        if br is None or not codes:
             return
         failed = all(
             c in (m.TIMEOUT, m.WORKER_DIED, m.BAD_REPLY) or (c == m.IO_ERROR and (
                 i >= len(status) or status[i] == 0 or status[i] >= 500))
             for i, c in enumerate(codes))
-        if not failed:
-            if self._open_until:
-                self.count("breaker_closes")
-            self._failures = 0
-            self._open_until = 0.0
-            self._open_count = 0
-            return
-        if self._breaker_open():
-            return  # tasks sent before the breaker opened, failing late: already counted
-        self._failures += 1
-        half_open = self._open_until != 0.0
-        if self._failures >= limit or half_open:
-            cooldown = self.config.breaker_cooldown_s * (2 ** min(self._open_count, 4))
-            self._open_until = time.monotonic() + cooldown
-            self._open_count += 1
+        change = br.record(not failed, rec.t0)
+        if change == "closed":
+            self.count("breaker_closes")
+            log.info("kvoffload tier %s: a task succeeded; breaker closed", self.name)
+        elif change == "opened":
             self.count("breaker_opens")
-            log.warning("kvoffload tier %s: %d failed tasks in a row; breaker open for %.1f s "
-                        "(lookups miss, stores are dropped)", self.name, self._failures, cooldown)
+            log.warning("kvoffload tier %s: %s; breaker open for %.1f s (lookups miss, stores are "
+                        "dropped), then %d trial request(s) go through", self.name,
+                        "a trial request failed" if br.open_count > 1 else
+                        f"{br.consecutive_failures} failed tasks in a row",
+                        br.reopens_at - br.clock(), br.trial_requests)
 
     def lookup(self, key: bytes, req_id: str = "") -> LookupResult:
+        br = self.breaker
+        if br is not None and br.tripped:
+            return self._lookup_tripped(key, br)
         if key in self._present:
-            if self._open_until and self._breaker_open():
-                self.count("breaker_misses")
-                return _MISS
             return _HIT
-        if self._open_until and self._breaker_open():
-            self.count("breaker_misses")
-            return _MISS
         exp = self._absent.get(key)
         if exp is not None:
             if time.monotonic() < exp:
@@ -398,10 +395,7 @@ class ProcessTierManager(SecondaryTierManager):
         else:
             waiting.add(req_id)
         if key not in self._probing:
-            self._probing.add(key)
-            self._probe_queue.append(key)
-            if len(self._probe_queue) >= _PROBE_BATCH:
-                self.flush()
+            self._probe(key)
         return _RETRY
 
     def _owe_miss(self, key: bytes, req_ids: Iterable[str]) -> None:
@@ -414,6 +408,31 @@ class ProcessTierManager(SecondaryTierManager):
         else:
             owed.update(req_ids)
 
+    def _lookup_tripped(self, key: bytes, br: CircuitBreaker) -> LookupResult:
+        """Lookup while the breaker is open or half-open: MISS, unless this lookup is one of the
+        half-open trials. A trial asks the tier (a probe), even for a key it is known to hold: the
+        probe's answer is what closes or reopens the breaker, and it is always sent."""
+        if key in self._probing:
+            if br.state == HALF_OPEN:
+                return _RETRY  # a probe is out: its answer settles the key
+            self.count("breaker_misses")  # a probe sent before the breaker opened
+            return _MISS
+        exp = self._absent.get(key)
+        if exp is not None and time.monotonic() < exp:
+            return _MISS
+        if not br.admit():
+            self.count("breaker_misses")
+            return _MISS
+        self._absent.pop(key, None)
+        self._probe(key)
+        return _RETRY
+
+    def _probe(self, key: bytes) -> None:
+        self._probing.add(key)
+        self._probe_queue.append(key)
+        if len(self._probe_queue) >= _PROBE_BATCH:
+            self.flush()
+
     def flush(self) -> None:
         queue = self._probe_queue
         while queue:
@@ -423,11 +442,16 @@ class ProcessTierManager(SecondaryTierManager):
 
     # -- jobs -----------------------------------------------------------------------------------
 
-    def accepts_store(self, num_chunks: int) -> bool:
-        if self._open_until and self._breaker_open():
+    def store_refusal(self, num_chunks: int) -> str | None:
+        full = self._pending_store_chunks + num_chunks > self.config.max_pending_store_chunks
+        br = self.breaker
+        if br is not None and br.tripped and (full or not br.admit()):
             self.count("breaker_dropped_stores", num_chunks)
-            return False
-        return self._pending_store_chunks + num_chunks <= self.config.max_pending_store_chunks
+            return "breaker_open"
+        return "queue_full" if full else None
+
+    def accepts_store(self, num_chunks: int) -> bool:
+        return self.store_refusal(num_chunks) is None
 
     def submit_store(self, job: JobMetadata) -> None:
         rec_job = _Job(job, is_load=False)
@@ -443,6 +467,8 @@ class ProcessTierManager(SecondaryTierManager):
             for k, code in rejected.items():
                 rec_job.failed[k] = code
             todo = [todo[i] for i in admitted]
+        if not todo and self.breaker is not None and self.breaker.tripped:
+            self.breaker.release()  # a trial store with nothing to write
         self._dispatch(rec_job, todo, self._writers, m.StoreTask, "store")
 
     def submit_load(self, job: JobMetadata) -> None:
@@ -513,7 +539,7 @@ class ProcessTierManager(SecondaryTierManager):
 
     def _apply(self, rec: _TaskRec, codes: list[int], nbytes: int, status: list[int]) -> None:
         if rec.kind in ("probe", "store", "load"):
-            self._on_task_codes(codes, status)
+            self._on_task_codes(rec, codes, status)
         if rec.kind == "probe":
             neg = self.config.negative_ttl_s
             for key, code in zip(rec.keys, codes):

@@ -326,7 +326,9 @@ class TieringManager:
         pins = self._store_pins
         for i, tier in enumerate(self.tiers):
             take = keys[:max(0, self._pin_limit - pins[i])] if pins[i] else keys
-            if take and not tier.accepts_store(len(take)):
+            # Asked even when over budget: a tier that refuses (open breaker, backlog) counts its
+            # own drops, so the cause stays visible whatever the pin budget did.
+            if not tier.accepts_store(len(take) or len(keys)):
                 take = []
             if len(take) < len(keys):
                 self.stats.dropped_stores[tier.name] += len(keys) - len(take)

@@ -7,6 +7,9 @@ import time
 import numpy as np
 import psutil
 import pytest
+import zmq
+
+from kvoffload.ipc import messages as m
 
 from kvoffload.workers.chunkfile import HEADER_BYTES, relative_name
 from kvoffload.workers.fs_io import STALE_TEMP_AGE_S
@@ -83,19 +86,34 @@ def test_damaged_files_are_misses_never_wrong_bytes(tmp_path, damage):
 
 
 def test_c08_file_deleted_outside_the_library_is_a_clean_miss(tmp_path):
-    with Rig([fs_tier(tmp_path)], num_slots=4) as rig:
+    fb = HEADER_BYTES + ROW
+    with Rig([fs_tier(tmp_path, max_bytes=8 * fb)], num_slots=4) as rig:
         k1, k2, k3 = keys_for(3)
         rig.store([k1, k2, k3])
         rig.evict_all()
+        assert {k1, k2, k3} <= set(rig.fs._index)
         os.unlink(chunk_path(rig, tmp_path, k2))
-        res = rig.resolve([k1, k2, k3])
-        assert res[0] is HIT and res[1] is MISS  # K3 loads or is skipped by the prefix rule
-        assert np.array_equal(rig.read([k1])[0], payload(k1))
         pids = rig.fs.worker_pids()
+        res = rig.resolve([k1, k2, k3])  # no exception reaches the caller
+        # K3 is loaded (it has its own file) or skipped by the prefix rule; K2 is a miss
+        assert res[0] is HIT and res[1] is MISS and res[2] in (HIT, MISS)
+        assert np.array_equal(rig.read([k1])[0], payload(k1))
+        if res[2] is HIT:
+            assert np.array_equal(rig.read([k3])[0], payload(k3))
+        # K2's load failed once, for the reason "missing", and its index entry was dropped
+        assert rig.tm.stats.failed == {("fs", "load", "missing"): 1}
+        assert rig.tm.stats.promotion_failures["fs"] == 1
+        assert k2 not in rig.fs._index and k1 in rig.fs._index
+        assert rig.fs.accounted_bytes == sum(os.path.getsize(f) for f in _files(tmp_path))
+        assert rig.resolve([k2]) == [MISS]  # and it stays a miss
+        # the coordinator and the same worker processes are alive; later jobs succeed
+        assert rig.fs.worker_pids() == pids
         assert all(psutil.pid_exists(p) for ps in pids.values() for p in ps)
+        assert rig.fs.counters.get("worker_restarts", 0) == 0
         k4 = keys_for(1, seed=7)[0]
-        rig.store([k4])  # later jobs still succeed
-        assert rig.tm.stats.cascade_failures["fs"] == 0
+        rig.store([k4])
+        assert rig.tm.stats.cascade_failures["fs"] == 0 and rig.tm.stats.cascaded["fs"] == 3 + 4 + 1
+        assert os.path.exists(chunk_path(rig, tmp_path, k4))
 
 
 @pytest.mark.parametrize("variant", ["truncate", "eio"])
@@ -226,8 +244,35 @@ def test_c17_worker_that_dies_or_goes_silent_fails_or_reruns_its_jobs(tmp_path, 
                          if w.inflight and w.proc.pid in paused), None)
 
         victim = wait_until(holder, what="a writer paused holding tasks", step=rig.tm.poll)
+        writers = rig.fs._writers
+        held = next(w for w in writers.workers.values() if w.proc.pid == victim)
+        victim_wid, victim_tasks = held.wid, list(held.inflight)
         os.kill(victim, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
         t0 = time.monotonic()
+        if how == "kill":
+            # Its tasks are re-run by the other writers (paused at the gate too). A late reply
+            # from the dead worker (as a revived one would send) must be ignored, not taken as
+            # the answer of the re-run, whose worker has not even read the slot yet.
+            def rerun_in_flight():
+                held = [t for w in writers.workers.values() for t in w.inflight]
+                return victim_wid not in writers._by_wid and set(victim_tasks) <= set(held)
+
+            wait_until(rerun_in_flight, what="the dead writer's tasks re-run", step=rig.tm.poll)
+            before = (writers.inflight_count, rig.tm.host.num_pinned, rig.tm.stats.cascaded["fs"],
+                      rig.tm.stats.cascade_failures["fs"], len(rig.tm._jobs))
+            ctx = zmq.Context()
+            late = ctx.socket(zmq.PUSH)
+            late.setsockopt(zmq.LINGER, 5000)
+            late.connect(rig.fs._chans.endpoints["results"])
+            for tid in victim_tasks:
+                late.send(m.encode(m.TaskResult(tid, victim_wid, [m.OK], nbytes=ROW,
+                                                counters={"late_replies": 1})))
+            late.close()
+            ctx.term()
+            wait_until(lambda: rig.fs.counters.get("late_replies") == len(victim_tasks),
+                       what="the late replies received", step=rig.tm.poll)
+            assert (writers.inflight_count, rig.tm.host.num_pinned, rig.tm.stats.cascaded["fs"],
+                    rig.tm.stats.cascade_failures["fs"], len(rig.tm._jobs)) == before
         gate.touch()  # let the surviving worker (and re-runs) proceed
         assert rig.tm.wait_idle(300)
         # a dead worker is noticed by its exit (no job timed out); a silent one by the job timeout
@@ -244,11 +289,19 @@ def test_c17_worker_that_dies_or_goes_silent_fails_or_reruns_its_jobs(tmp_path, 
         if how == "stop":
             with pytest.raises(psutil.NoSuchProcess):
                 psutil.Process(victim).status()  # the silent worker was killed, never revived
+        failed_keys = [k for k in keys if k not in rig.fs._present]
+        assert len(failed_keys) == stats.cascade_failures["fs"]  # a failed store is never published
+        if how == "stop":
+            assert failed_keys  # the timed-out task failed...
+        for k in failed_keys:
+            assert not os.path.exists(chunk_path(rig, tmp_path / "root", k))  # ...and wrote nothing
         rig.evict_all()
         res = rig.resolve(keys)
+        assert [k for k, r in zip(keys, res) if r is MISS] == failed_keys
         stored = [k for k, r in zip(keys, res) if r is HIT]
         for k, row in zip(stored, rig.read(stored)):
             assert np.array_equal(row, payload(k))  # no half-written chunk is ever loadable
+        assert rig.tm.stats.promotion_failures["fs"] == 0  # no load of an unpublished chunk
         assert rig.fs._readers.inflight_count == 0
         assert not rig.tm._jobs and not rig.fs._job_count  # request-state maps back to empty
 
@@ -300,26 +353,53 @@ def test_c06_hung_read_fails_within_the_deadline_and_other_loads_complete(tmp_pa
 
 def test_c13_repeated_puts_of_a_resident_chunk_are_not_double_counted(tmp_path):
     fb = HEADER_BYTES + ROW
+    a, b, c = keys_for(3)
+
+    def check(rig):  # after every operation: accounted == Σ resident entries == Σ files on disk
+        on_disk = sum(os.path.getsize(f) for f in _files(tmp_path))
+        assert rig.fs.accounted_bytes == sum(rig.fs._index.values()) == on_disk
+
+    # The host tier with room for 2 chunks: put a, put a again, put b; nothing evicted.
+    with Rig([], num_slots=2) as host:
+        assert host.store([a]) == []
+        assert host.tm.prepare_store([a]).keys == []  # resident: no slot reserved again
+        assert host.store([b]) == []
+        assert host.tm.host.num_used == 2 and host.resolve([a, b]) == [HIT, HIT]
+    # The fs tier with a budget of 2 chunk files.
     with Rig([fs_tier(tmp_path, max_bytes=2 * fb)], num_slots=8) as rig:
-        a, b, c = keys_for(3)
         rig.store([a])
+        check(rig)
         path_a = chunk_path(rig, tmp_path, a)
         st = os.stat(path_a)
         rig.tm.host.remove([a])
         rig.store([a])  # put a again
+        check(rig)
         rig.store([b])
-        assert rig.fs.accounted_bytes == 2 * fb == sum(
-            os.path.getsize(chunk_path(rig, tmp_path, k)) for k in (a, b))
-        st2 = os.stat(path_a)
-        assert (st2.st_ino, st2.st_mtime_ns) == (st.st_ino, st.st_mtime_ns)
-        assert rig.fs.counters.get("evictions", 0) == 0
-        # variant: remove a through the public API, then put c
-        rig.fs.remove([a])
-        assert rig.fs.accounted_bytes == fb
-        rig.store([c])
-        assert rig.tm.wait_idle(120)
-        wait_until(lambda: not os.path.exists(path_a), what="a's delete", step=rig.tm.poll)
+        check(rig)
         assert rig.fs.accounted_bytes == 2 * fb
+        assert rig.fs.counters.get("evictions", 0) == 0
+    # Another engine on the root knows a and b only from its start-up scan: its puts of them reach
+    # the workers, which must neither rewrite the files nor let the tier count them twice.
+    with Rig([fs_tier(tmp_path, max_bytes=2 * fb)], num_slots=8) as other:
+        wait_until(lambda: other.fs.counters.get("adopted_chunks") == 2,
+                   what="a and b adopted from the scan", step=other.tm.poll)
+        check(other)
+        other.store([a])
+        check(other)
+        other.store([b])
+        check(other)
+        assert other.fs.counters["store_already_present"] == 2  # the workers saw the files
+        st2 = os.stat(path_a)
+        assert (st2.st_ino, st2.st_mtime_ns) == (st.st_ino, st.st_mtime_ns)  # a not rewritten
+        assert other.fs.accounted_bytes == 2 * fb and other.fs.counters.get("evictions", 0) == 0
+        # variant: remove a through the public API, then put c
+        other.fs.remove([a])
+        assert other.fs.accounted_bytes == fb
+        wait_until(lambda: not os.path.exists(path_a), what="a's delete", step=other.tm.poll)
+        check(other)
+        other.store([c])
+        check(other)
+        assert other.fs.accounted_bytes == 2 * fb and other.fs.counters.get("evictions", 0) == 0
 
 
 def _files(root) -> list[str]:

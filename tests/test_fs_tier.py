@@ -14,7 +14,7 @@ from kvoffload.ipc import messages as m
 from kvoffload.workers.chunkfile import HEADER_BYTES, relative_name
 from kvoffload.workers.fs_io import STALE_TEMP_AGE_S
 
-from helpers import (HIT, MISS, PENDING, ROW, Rig, fs_tier, keys_for, payload, wait_paused,
+from helpers import (HIT, MISS, PENDING, RETRY, ROW, Rig, fs_tier, keys_for, payload, wait_paused,
                      wait_until)
 
 
@@ -221,6 +221,36 @@ def test_c16_dropped_load_turns_pending_into_miss_after_the_deadline(tmp_path):
         assert rig.fs.counters["pending_deadline_expired"] == 1
         assert rig.tm.host.num_writing == 0 and rig.tm.host.lookup(k) is MISS  # reservation released
         assert rig.tm.host.allocate(keys_for(1, seed=3)) is not None  # the slot is reusable
+
+
+def test_c16_dropped_store_releases_its_reservation_after_the_deadline(tmp_path):
+    """The store of K to the fs tier is dropped by its worker (no reply, ever) and its request is
+    aborted. The host copy stays readable meanwhile (a tier store never makes a chunk pending);
+    after the job deadline the store fails, the host pin and the tier's capacity reservation are
+    released, nothing is published or counted, and K is a plain miss once the host evicts it."""
+    k = keys_for(1)[0]
+    fb = HEADER_BYTES + ROW
+    faults = [{"point": "store", "action": "drop", "key_hex": k.hex(), "count": 1}]
+    with Rig([fs_tier(tmp_path, job_timeout_s=1.0, max_bytes=4 * fb, faults=faults)],
+             num_slots=2) as rig:
+        rig.wait_workers_ready()
+        t0 = time.monotonic()
+        rig.store([k], wait=False)
+        assert rig.tm.host.num_pinned == 1 and list(rig.fs._reserved) == [k]
+        rig.tm.on_request_finished("")  # the request that started the store is aborted
+        assert rig.tm.lookup(k, "r2") is HIT  # R2 never waits on the tier store
+        assert rig.tm.wait_idle(120)
+        assert time.monotonic() - t0 >= 1.0  # failed by the deadline, not before
+        assert rig.fs.counters["job_timeouts"] == 1 and rig.tm.stats.cascade_failures["fs"] == 1
+        assert rig.tm.stats.failed == {("fs", "store", "timeout"): 1}
+        # the orphaned reservations are released; nothing half-accounted is left
+        assert rig.tm.host.num_pinned == 0 and not rig.fs._reserved and rig.fs.accounted_bytes == 0
+        assert k not in rig.fs._present and k not in rig.fs._index
+        assert not os.path.exists(chunk_path(rig, tmp_path, k)) and not _files(tmp_path)
+        assert rig.store(keys_for(2, seed=3)) == [k]  # its host slot is reusable
+        assert rig.resolve([k]) == [MISS]
+        assert rig.fs.accounted_bytes == 2 * fb and rig.fs.counters.get("evictions", 0) == 0
+        assert rig.fs.counters.get("pending_deadline_expired", 0) == 0  # no load expired
 
 
 @pytest.mark.parametrize("how", ["kill", "stop"])
@@ -594,3 +624,47 @@ def test_a_slow_tier_pins_at_most_tier_pin_fraction_of_the_host_tier(tmp_path):
         gate.touch()
         assert rig.tm.wait_idle(120)
         assert rig.tm.host.num_pinned == 0 and rig.tm.stats.cascaded["fs"] == 4
+
+
+@pytest.mark.slow
+def test_c23_lookup_among_100k_chunk_files_fanned_out_over_directories(tmp_path):
+    """CASES C23 step 4: 100,000 chunk files published under one root are fanned out over shard
+    directories (no directory holds more than about 10k entries), and lookups among them still
+    find what is there. The other 99,999 files are sparse (right size, no payload): lookups only
+    check that a chunk exists; the one chunk loaded was stored through the tier."""
+    n = 100_000
+    with Rig([fs_tier(tmp_path, read_workers=2)], num_slots=8) as rig:
+        keys = keys_for(n, seed=5)
+        real = keys[-1]
+        rig.store([real])
+        ns_dir = os.path.join(tmp_path, rig.ns.id())
+        made = set()
+        for k in keys[:-1]:
+            path = chunk_path(rig, tmp_path, k)
+            d = os.path.dirname(path)
+            if d not in made:
+                os.makedirs(d, exist_ok=True)
+                made.add(d)
+            with open(path, "wb") as f:
+                f.truncate(HEADER_BYTES + ROW)
+        per_dir = {}
+        for d, dirs, names in os.walk(ns_dir):
+            per_dir[d] = len(dirs) + len(names)
+        files = _files(ns_dir)
+        assert len(files) == n
+        assert max(per_dir.values()) <= 10_000, max(per_dir.values())
+        assert len(per_dir) > n // 10_000  # spread over many directories, not a few
+        # 10,000 tier lookups of published chunks (existence probes, no loads) and 100 of absent ones
+        sample = keys[:: n // 10_000][:10_000]
+        absent = keys_for(100, seed=6)
+
+        def answered():
+            v = [rig.fs.lookup(k) for k in sample + absent]
+            return None if RETRY in v else v
+
+        res = wait_until(answered, what="every probe answered", step=rig.tm.poll, interval_s=0.05)
+        assert res == [HIT] * len(sample) + [MISS] * len(absent)
+        # and the chunk stored through the tier loads bit-exact from among them
+        rig.evict_all()
+        assert rig.resolve([real]) == [HIT]
+        assert np.array_equal(rig.read([real])[0], payload(real))

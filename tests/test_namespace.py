@@ -40,6 +40,10 @@ def test_c01_kv_dtype_is_part_of_the_identity(tmp_path):
         assert b.resolve(t) == [MISS] * 4
         store_fill(b, t, 0xB2)
     assert a_ns.id() != b_ns.id()
+    files = files_under(tmp_path)  # A's and B's files sit in their own namespace directories
+    assert len(files) == 8
+    assert sorted({os.path.relpath(f, tmp_path).split(os.sep)[0] for f in files}) == sorted(
+        [a_ns.id(), b_ns.id()])
     for ns, value in ((a_ns, 0xA1), (b_ns, 0xB2)):
         with Rig([fs_tier(tmp_path)], ns=ns) as r:
             rows = read_back(r, t)

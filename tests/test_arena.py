@@ -163,29 +163,35 @@ def _kill_group(p: subprocess.Popen, workers: list[int]) -> None:
 def test_c15_instance_killed_with_its_workers_leaves_no_segment_behind(tmp_path):
     from helpers import HIT, MISS, Rig, fs_tier, keys_for
 
-    # 1-2: fixed name N, the instance and its workers SIGKILLed; the next start with N reclaims it
-    name = arena_name()
-    p, workers = _start_instance(name, tmp_path / "fs")
-    _kill_group(p, workers)
-    assert os.path.exists(f"/dev/shm/{name}")  # the leak the case describes...
-    with Rig([fs_tier(tmp_path / "fs")], num_slots=4096, name=name) as second:  # ...reclaimed
-        assert second.arena.owner and not second.arena.rows.any(), "attached to stale contents"
-        keys = keys_for(4)
-        assert [second.tm.host.lookup(k) for k in keys] == [MISS] * 4  # no stale slot table
-        assert second.resolve(keys) == [HIT] * 4  # the fs tier's copies are still good
-        # 3: five instances with random names, each SIGKILLed with its workers
-        names = [arena_name() for _ in range(5)]
-        for n in names:
-            p, workers = _start_instance(n, tmp_path / "fs")
-            _kill_group(p, workers)
-        assert all(os.path.exists(f"/dev/shm/{n}") for n in names)
-        removed = sweep()  # what the next start (or `kvoffload sweep`) does
-        # gone (this sweep, or another engine's start-up sweep on the same machine, removed them)
-        assert not any(os.path.exists(f"/dev/shm/{n}") for n in names), removed
-        # a live instance's segment is never taken
-        assert name not in removed and os.path.exists(f"/dev/shm/{name}")
-    # the final clean shutdown: no segment of these instances is left
-    assert not any(os.path.exists(f"/dev/shm/{n}") for n in names + [name])
+    # Names outside the package's prefix, so that only what this test runs can remove them (not
+    # the start-up sweep of another engine on this machine); sweep(prefix) is the same code path.
+    prefix = f"kvtest-c15-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        # 1-2: fixed name N, the instance and its workers SIGKILLed; the next start with N reclaims it
+        name = f"{prefix}-fixed"
+        p, workers = _start_instance(name, tmp_path / "fs")
+        _kill_group(p, workers)
+        assert os.path.exists(f"/dev/shm/{name}")  # the leak the case describes...
+        with Rig([fs_tier(tmp_path / "fs")], num_slots=4096, name=name) as second:  # ...reclaimed
+            assert second.arena.owner and not second.arena.rows.any(), "attached to stale contents"
+            keys = keys_for(4)
+            assert [second.tm.host.lookup(k) for k in keys] == [MISS] * 4  # no stale slot table
+            assert second.resolve(keys) == [HIT] * 4  # the fs tier's copies are still good
+            # 3: five instances with random names, each SIGKILLed with its workers
+            names = [f"{prefix}-{i}" for i in range(5)]
+            for n in names:
+                p, workers = _start_instance(n, tmp_path / "fs")
+                _kill_group(p, workers)
+            assert all(os.path.exists(f"/dev/shm/{n}") for n in names)
+            removed = sweep(prefix=prefix)  # what the next start (or `kvoffload sweep`) does
+            assert sorted(removed) == sorted(names)
+            assert not any(os.path.exists(f"/dev/shm/{n}") for n in names)
+            # a live instance's segment is never taken
+            assert os.path.exists(f"/dev/shm/{name}")
+        # the final clean shutdown: no segment of these instances is left
+        assert not any(os.path.exists(f"/dev/shm/{n}") for n in names + [name])
+    finally:
+        sweep(prefix=prefix)  # whatever a failed run left (dead owners only)
 
 
 def test_list_arenas_reports_owner():

@@ -210,18 +210,25 @@ def main(argv: list[str] | None = None) -> int:
     parent = tempfile.mkdtemp(prefix="kvoffload-mutations-")
     t_start = time.monotonic()
     try:
-        base = make_scratch(REPO, files, parent, "baseline")
-        check_isolation(base)
+        check_isolation(make_scratch(REPO, files, parent, "isolation"))
         if not args.no_baseline:
             tests = list(dict.fromkeys(t for mu in chosen for t in mu.tests))
-            print(f"baseline: {len(tests)} test(s) on the unpatched tree ...", flush=True)
-            rc, secs, tail = run_tests(tests, base, 3 * args.limit_s)
-            if rc != 0:
-                print(f"baseline failed (exit {rc}, {secs:.0f} s): the named tests must pass "
-                      f"unpatched\n{tail}", file=sys.stderr)
+            jobs = max(1, min(args.jobs, len(tests)))
+            print(f"baseline: {len(tests)} test(s) on the unpatched tree, {jobs} at a time ...",
+                  flush=True)
+            t0 = time.monotonic()
+            with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+                runs = list(pool.map(
+                    lambda i: run_tests(tests[i::jobs],
+                                        make_scratch(REPO, files, parent, f"baseline{i}"),
+                                        3 * args.limit_s),
+                    range(jobs)))
+            failed = [(rc, tail) for rc, _, tail in runs if rc != 0]
+            if failed:
+                print(f"baseline failed (exit {failed[0][0]}): the named tests must pass "
+                      f"unpatched\n{failed[0][1]}", file=sys.stderr)
                 return 2
-            print(f"baseline: passed in {secs:.0f} s", flush=True)
-        shutil.rmtree(base, ignore_errors=True)
+            print(f"baseline: passed in {time.monotonic() - t0:.0f} s", flush=True)
         outcomes: list[Outcome] = []
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
             futs = {pool.submit(run_one, mu, files, parent, f"m{i:03d}", args.limit_s, args.keep): mu

@@ -475,11 +475,12 @@ def test_c14_chunks_from_earlier_runs_are_adopted_and_counted(tmp_path):
     long_ago = time.time() - 2 * STALE_TEMP_AGE_S
     os.utime(orphan, (long_ago, long_ago))
     with Rig([fs_tier(tmp_path, max_bytes=10 * fb)], num_slots=4, ns=ns) as run2:
-        for i in range(0, 10, 2):
-            run2.store(keys_for(10, seed=1)[i:i + 2])
         wait_until(lambda: run2.fs.counters.get("adopted_chunks") == 8,
                    what="the earlier run's 8 chunks adopted", step=run2.tm.poll)
+        for i in range(0, 10, 2):
+            run2.store(keys_for(10, seed=1)[i:i + 2])
         assert run2.tm.wait_idle(120)
+        assert run2.fs.counters.get("evictions", 0) == 8  # 8 adopted + 10 new, capped at 10
         wait_until(lambda: sum(os.path.getsize(f) for f in _files(ns_a_dir)) <= 10 * fb,
                    what="chunks past the cap deleted", step=run2.tm.poll)
         assert run2.fs.accounted_bytes == sum(os.path.getsize(f) for f in _files(ns_a_dir))

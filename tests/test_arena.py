@@ -8,6 +8,7 @@ import textwrap
 import time
 
 import numpy as np
+import psutil
 import pytest
 import torch
 
@@ -20,7 +21,7 @@ from kvoffload.ipc.arena import (
     sweep,
 )
 
-from helpers import arena_name
+from helpers import arena_name, wait_until
 
 
 def test_create_attach_share_bytes():
@@ -71,7 +72,7 @@ def test_live_owner_name_is_busy_and_attach_checks_nonce():
             Arena.create(name, 2, 4096)
         with pytest.raises(ArenaError, match="nonce"):
             Arena.attach(name, nonce=b"x" * 16)
-        assert sweep() == [] or name not in sweep()
+        assert name not in sweep()
         assert os.path.exists(f"/dev/shm/{name}")
 
 
@@ -93,45 +94,104 @@ def _start_owner(name: str, janitor: bool = False) -> subprocess.Popen:
 
 
 def test_c15_shm_segment_of_sigkilled_owner_is_removed_by_its_janitor():
-    name = arena_name()
+    # A name outside the package's prefix: the start-up sweeps of other engines on this machine
+    # (tests running beside this one) never take it, so only its janitor can have removed it.
+    name = f"kvtest-janitor-{os.getpid()}-{time.monotonic_ns()}"
     p = _start_owner(name, janitor=True)
-    os.killpg(p.pid, signal.SIGKILL)  # the owner's whole process group
-    p.wait()
-    deadline = time.monotonic() + 30
-    while os.path.exists(f"/dev/shm/{name}") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not os.path.exists(f"/dev/shm/{name}")
-
-
-def test_c15_shm_segment_of_sigkilled_owner_is_reclaimed():
-    # Without a janitor (killed too, e.g. with the whole cgroup) the next start must cope.
-    # 1-2: fixed name, owner SIGKILLed with its whole process group, next start reclaims the name.
-    name = arena_name()
-    p = _start_owner(name)
-    os.killpg(p.pid, signal.SIGKILL)
-    p.wait()
-    assert os.path.exists(f"/dev/shm/{name}")  # the leak the case describes...
-    a = Arena.create(name, 16384, 4096)  # ...is reclaimed by the next start with the same name
     try:
-        assert (a.rows[:, 0] == 0).all(), "attached to stale contents"
+        os.killpg(p.pid, signal.SIGKILL)  # the owner's whole process group
+        p.wait()
+        deadline = time.monotonic() + 30
+        while os.path.exists(f"/dev/shm/{name}") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not os.path.exists(f"/dev/shm/{name}"), "the janitor left the segment behind"
     finally:
-        a.close()
-    # 3: five runs with random names, then a sweep at the next start leaves nothing behind.
-    names = [arena_name() for _ in range(5)]
-    for n in names:
-        p = _start_owner(n)
+        if os.path.exists(f"/dev/shm/{name}"):
+            assert sweep(prefix=name) == [name]
+
+
+_INSTANCE = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, sys.argv[3])
+    from helpers import ROW, fs_tier, keys_for, namespace, payload
+    from kvoffload.config import parse_config
+    from kvoffload.ipc.arena import Arena
+    from kvoffload.tiering import TieringManager
+    # no janitor: it would outlive the SIGKILL (own session) and clean up for the next start
+    arena = Arena.create(sys.argv[1], 4096, ROW, janitor=False)   # 64 MiB
+    cfg = parse_config({"cpu_bytes_to_use": 4096 * ROW,
+                        "secondary_tiers": [fs_tier(sys.argv[2])]})
+    tm = TieringManager(arena, namespace(), cfg)
+    plan = tm.prepare_store(keys_for(4))
+    for k, slot in zip(plan.keys, plan.slots):
+        arena.rows[slot] = payload(k)
+    tm.complete_store(plan.keys, True)
+    assert tm.wait_idle(120)
+    print(" ".join(str(p) for ps in tm.tiers[0].worker_pids().values() for p in ps), flush=True)
+    time.sleep(600)
+""")
+
+
+def _start_instance(name: str, root) -> tuple[subprocess.Popen, list[int]]:
+    """An engine (arena of 64 MiB, fs tier with its worker processes, 4 chunks stored) in a
+    process group of its own; returns it and its workers' pids."""
+    p = subprocess.Popen([sys.executable, "-c", _INSTANCE, name, str(root),
+                          os.path.dirname(__file__)], stdout=subprocess.PIPE,
+                         start_new_session=True)
+    workers = [int(x) for x in p.stdout.readline().split()]
+    if len(workers) != 2:  # one reader, one writer
         os.killpg(p.pid, signal.SIGKILL)
         p.wait()
-    live = Arena.create(arena_name(), 1, 4096)  # a live instance must survive the sweep
+        raise AssertionError(f"the instance did not start: {workers}")
+    return p, workers
+
+
+def _kill_group(p: subprocess.Popen, workers: list[int]) -> None:
+    """SIGKILL the instance's whole process group: coordinator and tier workers."""
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+
+    def gone(pid):
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    wait_until(lambda: all(gone(w) for w in workers), what="the workers killed with it")
+
+
+def test_c15_instance_killed_with_its_workers_leaves_no_segment_behind(tmp_path):
+    from helpers import HIT, MISS, Rig, fs_tier, keys_for
+
+    # Names outside the package's prefix, so that only what this test runs can remove them (not
+    # the start-up sweep of another engine on this machine); sweep(prefix) is the same code path.
+    prefix = f"kvtest-c15-{os.getpid()}-{time.monotonic_ns()}"
     try:
-        removed = sweep()
-        # gone (this sweep, or another engine's start-up sweep on the same machine, removed them)
-        assert not any(os.path.exists(f"/dev/shm/{n}") for n in names), removed
-        assert live.name not in removed and os.path.exists(f"/dev/shm/{live.name}")
+        # 1-2: fixed name N, the instance and its workers SIGKILLed; the next start with N reclaims it
+        name = f"{prefix}-fixed"
+        p, workers = _start_instance(name, tmp_path / "fs")
+        _kill_group(p, workers)
+        assert os.path.exists(f"/dev/shm/{name}")  # the leak the case describes...
+        with Rig([fs_tier(tmp_path / "fs")], num_slots=4096, name=name) as second:  # ...reclaimed
+            assert second.arena.owner and not second.arena.rows.any(), "attached to stale contents"
+            keys = keys_for(4)
+            assert [second.tm.host.lookup(k) for k in keys] == [MISS] * 4  # no stale slot table
+            assert second.resolve(keys) == [HIT] * 4  # the fs tier's copies are still good
+            # 3: five instances with random names, each SIGKILLed with its workers
+            names = [f"{prefix}-{i}" for i in range(5)]
+            for n in names:
+                p, workers = _start_instance(n, tmp_path / "fs")
+                _kill_group(p, workers)
+            assert all(os.path.exists(f"/dev/shm/{n}") for n in names)
+            removed = sweep(prefix=prefix)  # what the next start (or `kvoffload sweep`) does
+            assert sorted(removed) == sorted(names)
+            assert not any(os.path.exists(f"/dev/shm/{n}") for n in names)
+            # a live instance's segment is never taken
+            assert os.path.exists(f"/dev/shm/{name}")
+        # the final clean shutdown: no segment of these instances is left
+        assert not any(os.path.exists(f"/dev/shm/{n}") for n in names + [name])
     finally:
-        live.close()
-    assert not any(n.startswith("kvoffload_test") for n in os.listdir("/dev/shm")
-                   if any(n == x for x in names + [name, live.name]))
+        sweep(prefix=prefix)  # whatever a failed run left (dead owners only)
 
 
 def test_list_arenas_reports_owner():

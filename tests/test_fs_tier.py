@@ -7,11 +7,14 @@ import time
 import numpy as np
 import psutil
 import pytest
+import zmq
+
+from kvoffload.ipc import messages as m
 
 from kvoffload.workers.chunkfile import HEADER_BYTES, relative_name
 from kvoffload.workers.fs_io import STALE_TEMP_AGE_S
 
-from helpers import (HIT, MISS, PENDING, ROW, Rig, fs_tier, keys_for, payload, wait_paused,
+from helpers import (HIT, MISS, PENDING, RETRY, ROW, Rig, fs_tier, keys_for, payload, wait_paused,
                      wait_until)
 
 
@@ -83,19 +86,34 @@ def test_damaged_files_are_misses_never_wrong_bytes(tmp_path, damage):
 
 
 def test_c08_file_deleted_outside_the_library_is_a_clean_miss(tmp_path):
-    with Rig([fs_tier(tmp_path)], num_slots=4) as rig:
+    fb = HEADER_BYTES + ROW
+    with Rig([fs_tier(tmp_path, max_bytes=8 * fb)], num_slots=4) as rig:
         k1, k2, k3 = keys_for(3)
         rig.store([k1, k2, k3])
         rig.evict_all()
+        assert {k1, k2, k3} <= set(rig.fs._index)
         os.unlink(chunk_path(rig, tmp_path, k2))
-        res = rig.resolve([k1, k2, k3])
-        assert res[0] is HIT and res[1] is MISS  # K3 loads or is skipped by the prefix rule
-        assert np.array_equal(rig.read([k1])[0], payload(k1))
         pids = rig.fs.worker_pids()
+        res = rig.resolve([k1, k2, k3])  # no exception reaches the caller
+        # K3 is loaded (it has its own file) or skipped by the prefix rule; K2 is a miss
+        assert res[0] is HIT and res[1] is MISS and res[2] in (HIT, MISS)
+        assert np.array_equal(rig.read([k1])[0], payload(k1))
+        if res[2] is HIT:
+            assert np.array_equal(rig.read([k3])[0], payload(k3))
+        # K2's load failed once, for the reason "missing", and its index entry was dropped
+        assert rig.tm.stats.failed == {("fs", "load", "missing"): 1}
+        assert rig.tm.stats.promotion_failures["fs"] == 1
+        assert k2 not in rig.fs._index and k1 in rig.fs._index
+        assert rig.fs.accounted_bytes == sum(os.path.getsize(f) for f in _files(tmp_path))
+        assert rig.resolve([k2]) == [MISS]  # and it stays a miss
+        # the coordinator and the same worker processes are alive; later jobs succeed
+        assert rig.fs.worker_pids() == pids
         assert all(psutil.pid_exists(p) for ps in pids.values() for p in ps)
+        assert rig.fs.counters.get("worker_restarts", 0) == 0
         k4 = keys_for(1, seed=7)[0]
-        rig.store([k4])  # later jobs still succeed
-        assert rig.tm.stats.cascade_failures["fs"] == 0
+        rig.store([k4])
+        assert rig.tm.stats.cascade_failures["fs"] == 0 and rig.tm.stats.cascaded["fs"] == 3 + 4 + 1
+        assert os.path.exists(chunk_path(rig, tmp_path, k4))
 
 
 @pytest.mark.parametrize("variant", ["truncate", "eio"])
@@ -109,7 +127,8 @@ def test_c07_failed_load_does_not_livelock_the_request(tmp_path, variant):
     with Rig([fs_tier(tmp_path, faults=faults)], num_slots=4) as rig:
         rig.store(keys)
         rig.evict_all()
-        assert rig.resolve(keys) is not None  # 1. cached positive verdicts ... then evict again
+        # 1. the tier's positive lookup verdicts are cached (the stores made them present)
+        assert [rig.fs.lookup(k) for k in keys] == [HIT] * 4
         rig.evict_all(seed=98)
         path = chunk_path(rig, tmp_path, k3)
         if variant == "truncate":
@@ -181,7 +200,10 @@ def test_c10_thousand_randomized_load_remove_races(tmp_path):
             assert rig.tm.wait_idle(120)
             # never an index entry whose file is missing
             assert (k in rig.fs._index) <= os.path.exists(chunk_path(rig, tmp_path, k))
-        assert full + clean == 1000
+        # every failed promotion is one counted cleanly (a miss), every other load was whole
+        assert rig.tm.stats.promotions["fs"] == full
+        assert rig.tm.stats.promotion_failures["fs"] <= clean
+        assert rig.fs.accounted_bytes == sum(os.path.getsize(f) for f in _files(tmp_path))
 
 
 def test_c16_dropped_load_turns_pending_into_miss_after_the_deadline(tmp_path):
@@ -205,6 +227,36 @@ def test_c16_dropped_load_turns_pending_into_miss_after_the_deadline(tmp_path):
         assert rig.tm.host.allocate(keys_for(1, seed=3)) is not None  # the slot is reusable
 
 
+def test_c16_dropped_store_releases_its_reservation_after_the_deadline(tmp_path):
+    """The store of K to the fs tier is dropped by its worker (no reply, ever) and its request is
+    aborted. The host copy stays readable meanwhile (a tier store never makes a chunk pending);
+    after the job deadline the store fails, the host pin and the tier's capacity reservation are
+    released, nothing is published or counted, and K is a plain miss once the host evicts it."""
+    k = keys_for(1)[0]
+    fb = HEADER_BYTES + ROW
+    faults = [{"point": "store", "action": "drop", "key_hex": k.hex(), "count": 1}]
+    with Rig([fs_tier(tmp_path, job_timeout_s=1.0, max_bytes=4 * fb, faults=faults)],
+             num_slots=2) as rig:
+        rig.wait_workers_ready()
+        t0 = time.monotonic()
+        rig.store([k], wait=False)
+        assert rig.tm.host.num_pinned == 1 and list(rig.fs._reserved) == [k]
+        rig.tm.on_request_finished("")  # the request that started the store is aborted
+        assert rig.tm.lookup(k, "r2") is HIT  # R2 never waits on the tier store
+        assert rig.tm.wait_idle(120)
+        assert time.monotonic() - t0 >= 1.0  # failed by the deadline, not before
+        assert rig.fs.counters["job_timeouts"] == 1 and rig.tm.stats.cascade_failures["fs"] == 1
+        assert rig.tm.stats.failed == {("fs", "store", "timeout"): 1}
+        # the orphaned reservations are released; nothing half-accounted is left
+        assert rig.tm.host.num_pinned == 0 and not rig.fs._reserved and rig.fs.accounted_bytes == 0
+        assert k not in rig.fs._present and k not in rig.fs._index
+        assert not os.path.exists(chunk_path(rig, tmp_path, k)) and not _files(tmp_path)
+        assert rig.store(keys_for(2, seed=3)) == [k]  # its host slot is reusable
+        assert rig.resolve([k]) == [MISS]
+        assert rig.fs.accounted_bytes == 2 * fb and rig.fs.counters.get("evictions", 0) == 0
+        assert rig.fs.counters.get("pending_deadline_expired", 0) == 0  # no load expired
+
+
 @pytest.mark.parametrize("how", ["kill", "stop"])
 def test_c17_worker_that_dies_or_goes_silent_fails_or_reruns_its_jobs(tmp_path, how):
     gate = tmp_path / "gate"
@@ -226,8 +278,35 @@ def test_c17_worker_that_dies_or_goes_silent_fails_or_reruns_its_jobs(tmp_path, 
                          if w.inflight and w.proc.pid in paused), None)
 
         victim = wait_until(holder, what="a writer paused holding tasks", step=rig.tm.poll)
+        writers = rig.fs._writers
+        held = next(w for w in writers.workers.values() if w.proc.pid == victim)
+        victim_wid, victim_tasks = held.wid, list(held.inflight)
         os.kill(victim, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
         t0 = time.monotonic()
+        if how == "kill":
+            # Its tasks are re-run by the other writers (paused at the gate too). A late reply
+            # from the dead worker (as a revived one would send) must be ignored, not taken as
+            # the answer of the re-run, whose worker has not even read the slot yet.
+            def rerun_in_flight():
+                held = [t for w in writers.workers.values() for t in w.inflight]
+                return victim_wid not in writers._by_wid and set(victim_tasks) <= set(held)
+
+            wait_until(rerun_in_flight, what="the dead writer's tasks re-run", step=rig.tm.poll)
+            before = (writers.inflight_count, rig.tm.host.num_pinned, rig.tm.stats.cascaded["fs"],
+                      rig.tm.stats.cascade_failures["fs"], len(rig.tm._jobs))
+            ctx = zmq.Context()
+            late = ctx.socket(zmq.PUSH)
+            late.setsockopt(zmq.LINGER, 5000)
+            late.connect(rig.fs._chans.endpoints["results"])
+            for tid in victim_tasks:
+                late.send(m.encode(m.TaskResult(tid, victim_wid, [m.OK], nbytes=ROW,
+                                                counters={"late_replies": 1})))
+            late.close()
+            ctx.term()
+            wait_until(lambda: rig.fs.counters.get("late_replies") == len(victim_tasks),
+                       what="the late replies received", step=rig.tm.poll)
+            assert (writers.inflight_count, rig.tm.host.num_pinned, rig.tm.stats.cascaded["fs"],
+                    rig.tm.stats.cascade_failures["fs"], len(rig.tm._jobs)) == before
         gate.touch()  # let the surviving worker (and re-runs) proceed
         assert rig.tm.wait_idle(300)
         # a dead worker is noticed by its exit (no job timed out); a silent one by the job timeout
@@ -244,11 +323,19 @@ def test_c17_worker_that_dies_or_goes_silent_fails_or_reruns_its_jobs(tmp_path, 
         if how == "stop":
             with pytest.raises(psutil.NoSuchProcess):
                 psutil.Process(victim).status()  # the silent worker was killed, never revived
+        failed_keys = [k for k in keys if k not in rig.fs._present]
+        assert len(failed_keys) == stats.cascade_failures["fs"]  # a failed store is never published
+        if how == "stop":
+            assert failed_keys  # the timed-out task failed...
+        for k in failed_keys:
+            assert not os.path.exists(chunk_path(rig, tmp_path / "root", k))  # ...and wrote nothing
         rig.evict_all()
         res = rig.resolve(keys)
+        assert [k for k, r in zip(keys, res) if r is MISS] == failed_keys
         stored = [k for k, r in zip(keys, res) if r is HIT]
         for k, row in zip(stored, rig.read(stored)):
             assert np.array_equal(row, payload(k))  # no half-written chunk is ever loadable
+        assert rig.tm.stats.promotion_failures["fs"] == 0  # no load of an unpublished chunk
         assert rig.fs._readers.inflight_count == 0
         assert not rig.tm._jobs and not rig.fs._job_count  # request-state maps back to empty
 
@@ -300,26 +387,53 @@ def test_c06_hung_read_fails_within_the_deadline_and_other_loads_complete(tmp_pa
 
 def test_c13_repeated_puts_of_a_resident_chunk_are_not_double_counted(tmp_path):
     fb = HEADER_BYTES + ROW
+    a, b, c = keys_for(3)
+
+    def check(rig):  # after every operation: accounted == Σ resident entries == Σ files on disk
+        on_disk = sum(os.path.getsize(f) for f in _files(tmp_path))
+        assert rig.fs.accounted_bytes == sum(rig.fs._index.values()) == on_disk
+
+    # The host tier with room for 2 chunks: put a, put a again, put b; nothing evicted.
+    with Rig([], num_slots=2) as host:
+        assert host.store([a]) == []
+        assert host.tm.prepare_store([a]).keys == []  # resident: no slot reserved again
+        assert host.store([b]) == []
+        assert host.tm.host.num_used == 2 and host.resolve([a, b]) == [HIT, HIT]
+    # The fs tier with a budget of 2 chunk files.
     with Rig([fs_tier(tmp_path, max_bytes=2 * fb)], num_slots=8) as rig:
-        a, b, c = keys_for(3)
         rig.store([a])
+        check(rig)
         path_a = chunk_path(rig, tmp_path, a)
         st = os.stat(path_a)
         rig.tm.host.remove([a])
         rig.store([a])  # put a again
+        check(rig)
         rig.store([b])
-        assert rig.fs.accounted_bytes == 2 * fb == sum(
-            os.path.getsize(chunk_path(rig, tmp_path, k)) for k in (a, b))
-        st2 = os.stat(path_a)
-        assert (st2.st_ino, st2.st_mtime_ns) == (st.st_ino, st.st_mtime_ns)
-        assert rig.fs.counters.get("evictions", 0) == 0
-        # variant: remove a through the public API, then put c
-        rig.fs.remove([a])
-        assert rig.fs.accounted_bytes == fb
-        rig.store([c])
-        assert rig.tm.wait_idle(120)
-        wait_until(lambda: not os.path.exists(path_a), what="a's delete", step=rig.tm.poll)
+        check(rig)
         assert rig.fs.accounted_bytes == 2 * fb
+        assert rig.fs.counters.get("evictions", 0) == 0
+    # Another engine on the root knows a and b only from its start-up scan: its puts of them reach
+    # the workers, which must neither rewrite the files nor let the tier count them twice.
+    with Rig([fs_tier(tmp_path, max_bytes=2 * fb)], num_slots=8) as other:
+        wait_until(lambda: other.fs.counters.get("adopted_chunks") == 2,
+                   what="a and b adopted from the scan", step=other.tm.poll)
+        check(other)
+        other.store([a])
+        check(other)
+        other.store([b])
+        check(other)
+        assert other.fs.counters["store_already_present"] == 2  # the workers saw the files
+        st2 = os.stat(path_a)
+        assert (st2.st_ino, st2.st_mtime_ns) == (st.st_ino, st.st_mtime_ns)  # a not rewritten
+        assert other.fs.accounted_bytes == 2 * fb and other.fs.counters.get("evictions", 0) == 0
+        # variant: remove a through the public API, then put c
+        other.fs.remove([a])
+        assert other.fs.accounted_bytes == fb
+        wait_until(lambda: not os.path.exists(path_a), what="a's delete", step=other.tm.poll)
+        check(other)
+        other.store([c])
+        check(other)
+        assert other.fs.accounted_bytes == 2 * fb and other.fs.counters.get("evictions", 0) == 0
 
 
 def _files(root) -> list[str]:
@@ -337,9 +451,11 @@ def test_c21_capacity_setting_is_enforced(tmp_path):
             rig.store(keys[i:i + 3])
             rig.tm.wait_idle(120)
         assert rig.tm.wait_idle(120)
+        assert rig.tm.stats.cascaded["fs"] == 30 and rig.fs.counters.get("evictions", 0) == 20
+        assert rig.fs.accounted_bytes == 10 * fb  # a cap implies eviction
         wait_until(lambda: sum(os.path.getsize(f) for f in _files(tmp_path)) <= 10 * fb,
                    what="evicted chunks deleted", step=rig.tm.poll)
-        assert rig.fs.counters["evictions"] >= 20
+        assert len(_files(tmp_path)) == 10
 
 
 def test_c14_chunks_from_earlier_runs_are_adopted_and_counted(tmp_path):
@@ -359,11 +475,12 @@ def test_c14_chunks_from_earlier_runs_are_adopted_and_counted(tmp_path):
     long_ago = time.time() - 2 * STALE_TEMP_AGE_S
     os.utime(orphan, (long_ago, long_ago))
     with Rig([fs_tier(tmp_path, max_bytes=10 * fb)], num_slots=4, ns=ns) as run2:
+        wait_until(lambda: run2.fs.counters.get("adopted_chunks") == 8,
+                   what="the earlier run's 8 chunks adopted", step=run2.tm.poll)
         for i in range(0, 10, 2):
             run2.store(keys_for(10, seed=1)[i:i + 2])
-        wait_until(lambda: run2.fs.counters.get("adopted_chunks") is not None,
-                   what="the earlier run's chunks adopted", step=run2.tm.poll)
         assert run2.tm.wait_idle(120)
+        assert run2.fs.counters.get("evictions", 0) == 8  # 8 adopted + 10 new, capped at 10
         wait_until(lambda: sum(os.path.getsize(f) for f in _files(ns_a_dir)) <= 10 * fb,
                    what="chunks past the cap deleted", step=run2.tm.poll)
         assert run2.fs.accounted_bytes == sum(os.path.getsize(f) for f in _files(ns_a_dir))
@@ -512,3 +629,47 @@ def test_a_slow_tier_pins_at_most_tier_pin_fraction_of_the_host_tier(tmp_path):
         gate.touch()
         assert rig.tm.wait_idle(120)
         assert rig.tm.host.num_pinned == 0 and rig.tm.stats.cascaded["fs"] == 4
+
+
+@pytest.mark.slow
+def test_c23_lookup_among_100k_chunk_files_fanned_out_over_directories(tmp_path):
+    """CASES C23 step 4: 100,000 chunk files published under one root are fanned out over shard
+    directories (no directory holds more than about 10k entries), and lookups among them still
+    find what is there. The other 99,999 files are sparse (right size, no payload): lookups only
+    check that a chunk exists; the one chunk loaded was stored through the tier."""
+    n = 100_000
+    with Rig([fs_tier(tmp_path, read_workers=2)], num_slots=8) as rig:
+        keys = keys_for(n, seed=5)
+        real = keys[-1]
+        rig.store([real])
+        ns_dir = os.path.join(tmp_path, rig.ns.id())
+        made = set()
+        for k in keys[:-1]:
+            path = chunk_path(rig, tmp_path, k)
+            d = os.path.dirname(path)
+            if d not in made:
+                os.makedirs(d, exist_ok=True)
+                made.add(d)
+            with open(path, "wb") as f:
+                f.truncate(HEADER_BYTES + ROW)
+        per_dir = {}
+        for d, dirs, names in os.walk(ns_dir):
+            per_dir[d] = len(dirs) + len(names)
+        files = _files(ns_dir)
+        assert len(files) == n
+        assert max(per_dir.values()) <= 10_000, max(per_dir.values())
+        assert len(per_dir) > n // 10_000  # spread over many directories, not a few
+        # 10,000 tier lookups of published chunks (existence probes, no loads) and 100 of absent ones
+        sample = keys[:: n // 10_000][:10_000]
+        absent = keys_for(100, seed=6)
+
+        def answered():
+            v = [rig.fs.lookup(k) for k in sample + absent]
+            return None if RETRY in v else v
+
+        res = wait_until(answered, what="every probe answered", step=rig.tm.poll, interval_s=0.05)
+        assert res == [HIT] * len(sample) + [MISS] * len(absent)
+        # and the chunk stored through the tier loads bit-exact from among them
+        rig.evict_all()
+        assert rig.resolve([real]) == [HIT]
+        assert np.array_equal(rig.read([real])[0], payload(real))

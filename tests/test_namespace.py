@@ -40,6 +40,10 @@ def test_c01_kv_dtype_is_part_of_the_identity(tmp_path):
         assert b.resolve(t) == [MISS] * 4
         store_fill(b, t, 0xB2)
     assert a_ns.id() != b_ns.id()
+    files = files_under(tmp_path)  # A's and B's files sit in their own namespace directories
+    assert len(files) == 8
+    assert sorted({os.path.relpath(f, tmp_path).split(os.sep)[0] for f in files}) == sorted(
+        [a_ns.id(), b_ns.id()])
     for ns, value in ((a_ns, 0xA1), (b_ns, 0xB2)):
         with Rig([fs_tier(tmp_path)], ns=ns) as r:
             rows = read_back(r, t)
@@ -57,9 +61,14 @@ def test_c02_model_revision_and_local_path_are_part_of_the_identity(tmp_path):
     with Rig([fs_tier(tmp_path)], ns=namespace(model="org/m", revision="r1")) as c:
         rows = read_back(c, t)
         assert rows is not None and all(np.array_equal(x, y) for x, y in zip(rows, expected))
-    p1 = namespace(model="/models/a", model_path="/models/a")
-    p2 = namespace(model="/models/b", model_path="/models/b")
+    # no revision known: two local model directories given under the same name stay apart
+    p1 = namespace(model="model", model_path="/models/a")
+    p2 = namespace(model="model", model_path="/models/b")
     assert p1.id() != p2.id()
+    with Rig([fs_tier(tmp_path)], ns=p1) as a:
+        a.store(t)
+    with Rig([fs_tier(tmp_path)], ns=p2) as b:
+        assert b.resolve(t) == [MISS] * 3
     assert namespace(model_fingerprint="x").id() != namespace(model_fingerprint="y").id()
 
 
@@ -118,7 +127,7 @@ def test_c04_model_names_never_collide_or_escape_the_root(tmp_path, name_a, name
     for f in files:
         assert os.path.realpath(f).startswith(str(root.resolve()) + os.sep)
         rel = os.path.relpath(f, root)
-        rel.encode("utf-8")  # valid UTF-8 path components
+        assert os.fsencode(rel).decode("utf-8") == rel  # valid UTF-8 path components
         assert re.fullmatch(r"[0-9a-f]{32}/[0-9a-f]{2}/[0-9a-f]{2}/[0-9a-f]+\.kv", rel), rel
     for name, value in ((name_a, 0x0A), (name_b, 0x0B)):
         with Rig([fs_tier(root)], ns=namespace(model=name)) as r:

@@ -91,11 +91,23 @@ def test_c09_s3_errors_are_never_swallowed(moto, bucket):
             rig.evict_all()
             put_k1 = proxy.add(Rule("PUT", k1.hex(), ("status", 500, "InternalError")))
             get_k2 = proxy.add(Rule("GET", k2.hex(), ("status", 503, "SlowDown")))
+            results = []  # every job result the tier hands the manager, as it hands it
+            drain = rig.fs.get_finished_jobs
+
+            def recording():
+                out = drain()
+                results.extend(out)
+                return out
+
+            rig.fs.get_finished_jobs = recording
             rig.arena.rows[:] = 0xEE
             rig.store([k1])
             stats = rig.tm.stats
             assert stats.cascade_failures["obj"] == 1 and put_k1.hits == 3  # bounded retries
-            assert rig.fs.counters["failures_http_500"] == 1
+            (stored,) = results
+            assert not stored.success and stored.failed == {k1: "io_error"}
+            assert stored.status == {k1: 500}  # the HTTP status travels in the result...
+            assert rig.fs.counters["failures_http_500"] == 1  # ...and in a labelled metric
             assert k1 not in rig.fs._present
             rig.tm.host.remove([k1])  # only the host copy remains: drop it
             assert rig.resolve([k1]) == [MISS]  # a failed upload is never recorded as present
@@ -103,7 +115,13 @@ def test_c09_s3_errors_are_never_swallowed(moto, bucket):
             res = rig.resolve([k2])
             assert res == [MISS] and get_k2.hits == 3
             assert stats.promotion_failures["obj"] == 1
+            loaded = results[-1]
+            assert not loaded.success and loaded.failed == {k2: "io_error"}
+            assert loaded.status == {k2: 503}
             assert rig.fs.counters["failures_http_503"] == 1
+            scraped = rig.tm.refresh_metrics()
+            assert scraped.get("kvoffload_tier_events", "obj", "failures_http_503") == 1
+            assert scraped.get("kvoffload_tier_events", "obj", "failures_http_500") == 1
             assert rig.tm.host.lookup(k2) is MISS  # the 0xEE slot was never published
     finally:
         proxy.stop()

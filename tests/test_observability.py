@@ -275,24 +275,29 @@ def test_c20_offloaded_copies_emit_kv_events(tmp_path):
     vLLM's own decoder and by plain msgpack."""
     from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
-    fs = fs_tier(tmp_path / "fs", max_bytes=6 * (ROW + 4096))  # K1 + 5 later chunks
+    k1, *others = keys_for(9)
+    bad = others[1]  # its host copy succeeds, its fs store fails: no STORAGE event for it
+    fs = fs_tier(tmp_path / "fs", max_bytes=6 * (ROW + 4096),  # K1 + 5 later chunks
+                 faults=[{"point": "before_publish", "action": "raise", "arg": 5,
+                          "key_hex": bad.hex()}])
     with Rig([fs], num_slots=4, kv_events=_events_cfg()) as rig:
         pub = rig.tm._publisher
         ctx = zmq.Context()
         sub = _sub(ctx, pub.endpoint, b"kv-events")
         try:
             _wait_subscribed(pub, sub, b"kv-events")
-            k1, *others = keys_for(8)
             store(rig, [k1])
             assert rig.tm.wait_idle(120)
             rig.tm.step()
             plan = rig.tm.prepare_store([others[0]])  # a failed accelerator copy: no event
             rig.tm.complete_store(plan.keys, False)
             rig.tm.step()
-            for k in others[1:5]:  # fill the host tier: K1 is evicted from it
-                store(rig, [k])
+            # fill the host tier: K1 is evicted from it (the first batch's fs job half fails)
+            for batch in ([bad, others[2]], [others[3]], [others[4]]):
+                store(rig, batch)
                 assert rig.tm.wait_idle(120)
                 rig.tm.step()
+            assert rig.tm.stats.cascade_failures["fs"] == 1
             for k in others[5:]:  # and the fs tier's byte cap evicts it there too
                 store(rig, [k])
                 assert rig.tm.wait_idle(120)
@@ -312,6 +317,7 @@ def test_c20_offloaded_copies_emit_kv_events(tmp_path):
     assert [p for _, p in replayed] == [p for _, _, p in batches]
     dec = msgspec.msgpack.Decoder(KVEventBatch)
     seen = []
+    seen_bad = []
     for topic, _, body in batches:
         assert topic == b"kv-events"
         plain = msgspec.msgpack.decode(body)
@@ -320,9 +326,13 @@ def test_c20_offloaded_copies_emit_kv_events(tmp_path):
             assert ev.medium in ("CPU", "STORAGE")
             if k1 in ev.block_hashes:
                 seen.append((type(ev), ev.medium, ev.ownership))
+            if bad in ev.block_hashes:
+                seen_bad.append((type(ev), ev.medium))
             assert others[0] not in ev.block_hashes or isinstance(ev, BlockStored) is False
     assert seen == [(BlockStored, "CPU", None), (BlockStored, "STORAGE", "fs"),
                     (BlockRemoved, "CPU", None), (BlockRemoved, "STORAGE", "fs")]
+    # the chunk whose fs store failed: stored in (and evicted from) the host tier, never the fs tier
+    assert seen_bad == [(BlockStored, "CPU"), (BlockRemoved, "CPU")]
 
 
 def test_movement_events_match_the_movements_the_manager_made(tmp_path):

@@ -8,7 +8,7 @@ from kvoffload.host import READY, WRITING, HostTier
 from kvoffload.policies import ARCPolicy, LRUPolicy, make_policy
 from kvoffload.tiers.base import LookupResult
 
-from helpers import keys_for
+from helpers import PENDING, keys_for
 
 
 def tier(n, policy="lru"):
@@ -70,16 +70,39 @@ def test_c11_store_batch_never_evicts_its_own_keys(policy):
         assert h.lookup(k) is LookupResult.HIT
 
 
-def test_c12_lookups_never_pin_and_aborted_requests_leave_nothing_pinned():
-    h = tier(4)
-    first = keys_for(4)
-    put(h, first)
-    for _ in range(10_000):
-        for k in first:
-            h.lookup(k)  # a request looks up and is aborted: no load, no unpin
-    assert h.num_pinned == 0
-    plan = h.allocate(keys_for(4, seed=1))
-    assert plan is not None and sorted(plan.evicted) == sorted(first)
+def test_c12_aborted_requests_leave_nothing_pinned_and_nothing_behind(tmp_path):
+    """Lookups never pin (a pin is taken by a load and dropped when it completes), so a request
+    aborted after its lookups holds nothing; its bookkeeping goes when it finishes, also when a
+    promotion of its chunks was in flight."""
+    from helpers import HIT, RETRY, Rig, fs_tier, wait_until
+
+    with Rig([fs_tier(tmp_path)], num_slots=4) as rig:
+        tm = rig.tm
+        first = keys_for(4)
+        rig.store(first)
+        for i in range(10_000):  # lookup / abort cycles: no load, no explicit unpin
+            req = f"r{i}"
+            assert [tm.lookup(k, req) for k in first] == [HIT] * 4
+            tm.on_request_finished(req)
+            assert tm.host.num_pinned == 0
+        assert tm.refresh_metrics().get("kvoffload_host_slots_pinned") == 0
+        # the new stores succeed by evicting K1..K4
+        plan = tm.prepare_store(keys_for(4, seed=1))
+        assert plan is not None and sorted(plan.evicted) == sorted(first)
+        tm.complete_store(plan.keys)
+        assert tm.wait_idle(120)
+        # requests aborted while their chunk is promoted from the fs tier
+        for i, k in enumerate(first * 5):
+            req = f"p{i}"
+            verdict = wait_until(lambda: (r := tm.lookup(k, req)) is not RETRY and r,
+                                 what="the fs tier's verdict", step=tm.step)
+            assert verdict in (HIT, PENDING)
+            tm.on_request_finished(req)  # aborted: no load
+            assert tm.wait_idle(120) and tm.host.lookup(k) is HIT
+            assert tm.host.remove([k]) == [k]  # unpinned: removable at once
+        assert tm.stats.promotions["fs"] == 20
+        assert tm.host.num_pinned == 0 and tm.refresh_metrics().get("kvoffload_host_slots_pinned") == 0
+        assert not tm._load_source and not tm._promotions and not tm._jobs  # nothing kept per request
 
 
 def test_c23_full_tier_with_everything_pinned_answers_at_once():

@@ -163,3 +163,50 @@ def test_cpu_worker_copies_blocks_to_arena_rows_and_back_bit_exact(bpc, one_allo
             assert torch.equal(t[[9, 10, 11, 12, 13]], o[blocks])
         worker.shutdown()
         np.testing.assert_array_equal(arena.rows[0], 0)  # untouched slots stay untouched
+
+
+def test_c21_the_resolved_config_is_logged_once_at_start(tmp_path):
+    """The effective configuration, tier defaults included, is logged once when the engine starts
+    (CASES C21)."""
+    import json
+    import logging
+
+    class Records(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.INFO)
+            self.records = []
+
+        def emit(self, record):
+            self.records.append(record)
+
+    extra = {**EXTRA, "cpu_bytes_to_use": 4 * 2 * PAGE, "arena_name": arena_name(),
+             "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path), "read_workers": 1,
+                                  "write_workers": 1}]}
+    spec = KVOffloadSpec(offloading_config(extra))
+    logger = logging.getLogger("kvoffload")  # its own stderr handler; it does not propagate
+    caught = Records()
+    level = logger.level
+    logger.addHandler(caught)
+    logger.setLevel(logging.INFO)
+    try:
+        mgr = spec.get_manager()
+        try:
+            assert spec.get_manager() is mgr  # asked again: nothing started or logged again
+        finally:
+            mgr.shutdown()
+    finally:
+        logger.removeHandler(caught)
+        logger.setLevel(level)
+    resolved = []
+    for r in caught.records:
+        text = r.getMessage()
+        if text.startswith("kvoffload: {"):
+            resolved.append(json.loads(text[len("kvoffload: "):]))
+    assert len(resolved) == 1, [r.getMessage() for r in caught.records]
+    cfg = resolved[0]
+    assert cfg["cpu_bytes_to_use"] == 4 * 2 * PAGE and cfg["eviction_policy"] == "lru"
+    (tier,) = cfg["secondary_tiers"]
+    assert tier["type"] == "fs" and tier["root_dir"] == str(tmp_path)
+    assert tier["read_workers"] == 1 and tier["write_workers"] == 1
+    # defaults the user did not write are there too
+    assert tier["job_timeout_s"] == 30.0 and tier["max_bytes"] is None and tier["fsync"] is False

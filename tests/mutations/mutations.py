@@ -1,0 +1,236 @@
+"""The fault-reintroducing patches of ``tox -e mutations`` (run by ``tests/mutations/run.py``).
+
+Each entry is the smallest product change that brings a case's failure back (CASES.md in the shared
+folder next to the checkout), and the case test(s) that must fail with it. ``old`` must occur exactly
+once in ``file`` (a repository path); the runner refuses the whole list otherwise, so a patch that no
+longer applies after a refactoring is noticed instead of silently passing.
+
+To add one: append a ``Mutation(...)``; check it with
+``python tests/mutations/run.py --case CNN`` (it first runs the named tests unpatched, then patched).
+
+C18 (the shared location index of the p2p tier) has no entry: the p2p tier is not built yet
+(DESIGN.md), so there is no code that could regress and no test for it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Mutation(NamedTuple):
+    case: str  # "C08"
+    name: str  # what the patch breaks, unique
+    file: str  # repository path of the patched file
+    old: str  # exact text, found exactly once
+    new: str  # its replacement
+    tests: tuple[str, ...]  # pytest node ids that must fail
+
+
+NS = "tests/test_namespace.py::"
+FS = "tests/test_fs_tier.py::"
+OBJ = "tests/test_obj_tier.py::"
+POL = "tests/test_policies.py::"
+ARENA = "tests/test_arena.py::"
+OBS = "tests/test_observability.py::"
+CFG = "tests/test_config.py::"
+SPEC = "tests/test_vllm_spec.py::"
+
+_ID = "        return xxhash.xxh3_128_digest(msgspec.json.encode(self))"
+
+
+def _drop_field(field: str, value: str = "None") -> str:
+    return ("        return xxhash.xxh3_128_digest(msgspec.json.encode(\n"
+            f"            msgspec.structs.replace(self, {field}={value})))")
+
+
+MUTATIONS: list[Mutation] = [
+    # -- C01-C05: cache identity, path encoding, key determinism ---------------------------------
+    Mutation("C01", "kv dtype left out of the namespace id", "kvoffload/namespace.py",
+             _ID, _drop_field("kv_dtype", '""'),
+             (NS + "test_c01_kv_dtype_is_part_of_the_identity",)),
+    Mutation("C02", "model revision left out of the namespace id", "kvoffload/namespace.py",
+             _ID, _drop_field("revision"),
+             (NS + "test_c02_model_revision_and_local_path_are_part_of_the_identity",)),
+    Mutation("C02", "local model path left out of the namespace id", "kvoffload/namespace.py",
+             _ID, _drop_field("model_path"),
+             (NS + "test_c02_model_revision_and_local_path_are_part_of_the_identity",)),
+    Mutation("C03", "tensor-parallel rank left out of the namespace id", "kvoffload/namespace.py",
+             _ID, _drop_field("tp_rank"),
+             (NS + "test_c03_tensor_parallel_rank_is_part_of_the_identity",)),
+    Mutation("C04", "lossy model-name encoding ('/' becomes '_')", "kvoffload/namespace.py",
+             _ID, _drop_field("model", 'self.model.replace("/", "_")'),
+             (NS + "test_c04_model_names_never_collide_or_escape_the_root",)),
+    Mutation("C04", "model names normalized to NFC", "kvoffload/namespace.py",
+             _ID, _drop_field("model", '__import__("unicodedata").normalize("NFC", self.model)'),
+             (NS + "test_c04_model_names_never_collide_or_escape_the_root",)),
+    Mutation("C05", "chunk-key root seeded by the process's hash()", "kvoffload/namespace.py",
+             '_KEY_ROOT = xxhash.xxh3_128_digest(b"kvoffload/chunk-key/v1")',
+             '_KEY_ROOT = xxhash.xxh3_128_digest(b"kvoffload/chunk-key/v1" '
+             '+ str(hash("kvoffload")).encode())',
+             (NS + "test_c05_chunk_keys_do_not_depend_on_a_per_process_seed",)),
+    # -- C06-C10: integrity and failure propagation ---------------------------------------------
+    Mutation("C06", "payload checksum not verified on load", "workers/fs_io.py",
+             "            if cf.payload_checksum(dst) != checksum:",
+             "            if False:",
+             (FS + "test_c06_same_length_corruption_is_a_miss_and_the_file_is_removed",)),
+    Mutation("C06", "task deadline never enforced", "kvoffload/workerpool.py",
+             "                if now > head.deadline:",
+             "                if False:",
+             (FS + "test_c06_hung_read_fails_within_the_deadline_and_other_loads_complete",)),
+    Mutation("C07", "a failed load leaves the key's verdict as it was", "kvoffload/tiers/process.py",
+             "            for k in failed:\n"
+             "                self._mark_absent(k, self.config.failed_load_ttl_s)",
+             "            pass",
+             (FS + "test_c07_failed_load_does_not_livelock_the_request",)),
+    Mutation("C07", "a transient read error deletes the file", "workers/fs_io.py",
+             "        except OSError as e:\n"
+             "            return m.IO_ERROR, 0, f\"read {key.hex()[:16]}: {e}\"",
+             "        except OSError as e:\n"
+             "            self._remove_corrupt(path, fd)\n"
+             "            return m.IO_ERROR, 0, f\"read {key.hex()[:16]}: {e}\"",
+             (FS + "test_c07_failed_load_does_not_livelock_the_request",)),
+    Mutation("C08", "the index entry of a missing file is kept", "kvoffload/tiers/fs.py",
+             "            elif code in (m.MISSING, m.CORRUPT) and key in index:",
+             "            elif code == m.CORRUPT and key in index:",
+             (FS + "test_c08_file_deleted_outside_the_library_is_a_clean_miss",)),
+    Mutation("C08", "a missing file is reported as an I/O error", "workers/fs_io.py",
+             "            return m.MISSING, 0, f\"{key.hex()[:16]}: missing\"",
+             "            return m.IO_ERROR, 0, f\"{key.hex()[:16]}: missing\"",
+             (FS + "test_c08_file_deleted_outside_the_library_is_a_clean_miss",)),
+    Mutation("C09", "the HTTP status dropped from the job result", "kvoffload/tiers/process.py",
+             "                               status=dict(job.status))",
+             "                               status={})",
+             (OBJ + "test_c09_s3_errors_are_never_swallowed",)),
+    Mutation("C09", "a failed upload recorded as present", "kvoffload/tiers/process.py",
+             "            gone = ()\n            self._mark_present_many(ok_keys)",
+             "            gone = ()\n            self._mark_present_many(meta.keys)",
+             (OBJ + "test_c09_s3_errors_are_never_swallowed",)),
+    Mutation("C09", "throttling (503 SlowDown) not retried", "workers/obj_io.py",
+             '        retries={"total_max_attempts": cfg.max_attempts, "mode": "standard"},',
+             '        retries={"total_max_attempts": 1, "mode": "standard"},',
+             (OBJ + "test_c09_s3_errors_are_never_swallowed",)),
+    Mutation("C10", "a probe that raced an eviction makes the key present",
+             "kvoffload/tiers/process.py",
+             "                if code == m.OK and not self._removed_since(key, rec.t0):",
+             "                if code == m.OK:",
+             (FS + "test_c10_a_chunk_evicted_from_a_capped_tier_is_a_miss_while_its_delete_is_pending",)),
+    Mutation("C10", "a store admitted while its chunk's delete is pending", "kvoffload/tiers/fs.py",
+             "            if k in self._deleting:",
+             "            if False:",
+             (FS + "test_c10_a_chunk_evicted_from_a_capped_tier_is_a_miss_while_its_delete_is_pending",)),
+    # -- C11-C14: eviction, pins, capacity --------------------------------------------------------
+    Mutation("C11", "keys of the store batch not protected from eviction", "kvoffload/host.py",
+             "            protected = {index[k] for k in keys if k in index}",
+             "            protected = set()",
+             (POL + "test_c11_store_batch_never_evicts_its_own_keys",)),
+    Mutation("C12", "a host-tier lookup pins the chunk", "kvoffload/tiering.py",
+             "            return _HIT if host.state[slot] == READY else _PENDING\n"
+             "        now = time.monotonic()",
+             "            if host.state[slot] == READY:\n"
+             "                host._pin_slot(slot)\n"
+             "                return _HIT\n"
+             "            return _PENDING\n"
+             "        now = time.monotonic()",
+             (POL + "test_c12_aborted_requests_leave_nothing_pinned_and_nothing_behind",)),
+    Mutation("C12", "a finished request's bookkeeping is kept", "kvoffload/tiering.py",
+             "        self._load_source.pop(req_id, None)",
+             "        pass",
+             (POL + "test_c12_aborted_requests_leave_nothing_pinned_and_nothing_behind",)),
+    Mutation("C13", "a worker rewrites a chunk file that already exists", "workers/fs_io.py",
+             "        if os.path.exists(final):",
+             "        if False:",
+             (FS + "test_c13_repeated_puts_of_a_resident_chunk_are_not_double_counted",)),
+    Mutation("C13", "a repeated put of an indexed chunk is counted again", "kvoffload/tiers/fs.py",
+             "            if key not in failed and key not in index and key not in removed:",
+             "            if key not in failed and key not in removed:",
+             (FS + "test_c13_repeated_puts_of_a_resident_chunk_are_not_double_counted",)),
+    Mutation("C14", "chunks of earlier runs not counted", "kvoffload/tiers/fs.py",
+             "            index.move_to_end(key, last=False)  # older than anything this instance wrote\n"
+             "            self.used_bytes += size",
+             "            index.move_to_end(key, last=False)  # older than anything this instance wrote",
+             (FS + "test_c14_chunks_from_earlier_runs_are_adopted_and_counted",)),
+    Mutation("C14", "orphaned temporary files never removed", "workers/fs_io.py",
+             "    if now - mtime <= older_than_s:\n        return False",
+             "    if True:\n        return False",
+             (FS + "test_c14_chunks_from_earlier_runs_are_adopted_and_counted",)),
+    # -- C15-C17: lifecycles and liveness ---------------------------------------------------------
+    Mutation("C15", "a dead owner's segment is not reclaimed at start", "ipc/arena.py",
+             "        pname = _posix_name(name)\n        _remove_if_stale(name)",
+             "        pname = _posix_name(name)",
+             (ARENA + "test_c15_instance_killed_with_its_workers_leaves_no_segment_behind",)),
+    Mutation("C15", "the janitor leaves a dead owner's segment behind", "workers/janitor.py",
+             "    unlink_if_orphaned(name, nonce, wait_s=_OWNER_WAIT_S)\n",
+             "",
+             (ARENA + "test_c15_shm_segment_of_sigkilled_owner_is_removed_by_its_janitor",)),
+    Mutation("C16", "an expired pending load is not counted", "kvoffload/tiers/process.py",
+             '                        if rec.kind == "load" and code == m.TIMEOUT:',
+             "                        if False:",
+             (FS + "test_c16_dropped_load_turns_pending_into_miss_after_the_deadline",)),
+    Mutation("C16", "an orphaned store keeps its capacity reservation", "kvoffload/tiers/fs.py",
+             "            fb = self._reserved.pop(key, None)",
+             "            fb = self._reserved.get(key)",
+             (FS + "test_c16_dropped_store_releases_its_reservation_after_the_deadline",)),
+    Mutation("C16", "a timed-out store's host pins are kept", "kvoffload/tiering.py",
+             "                    host.unpin_slots(meta.slots)\n",
+             "",
+             (FS + "test_c16_dropped_store_releases_its_reservation_after_the_deadline",)),
+    Mutation("C17", "a failed store published", "kvoffload/tiers/process.py",
+             "            gone = ()\n            self._mark_present_many(ok_keys)",
+             "            gone = ()\n            self._mark_present_many(meta.keys)",
+             (FS + "test_c17_worker_that_dies_or_goes_silent_fails_or_reruns_its_jobs",)),
+    Mutation("C17", "a late reply from a replaced worker accepted", "kvoffload/workerpool.py",
+             "        w = self._by_wid.get(wid)\n        if w is None or w.killed:\n"
+             "            return None",
+             "        w = self._by_wid.get(wid)\n        if w is None or w.killed:\n"
+             "            w = next((x for x in self._by_wid.values() if task_id in x.inflight), None)\n"
+             "            if w is None:\n                return None",
+             (FS + "test_c17_worker_that_dies_or_goes_silent_fails_or_reruns_its_jobs",)),
+    Mutation("C17", "a dead worker's tasks neither re-run nor failed", "kvoffload/workerpool.py",
+             "                self.queue.extendleft(reversed(rerun))  # first in line, in their original order\n"
+             "                w.inflight.clear()",
+             "                w.inflight.clear()",
+             (FS + "test_c17_worker_that_dies_or_goes_silent_fails_or_reruns_its_jobs",)),
+    # -- C19-C23: metrics, events, config, buffer lifetime, performance ---------------------------
+    Mutation("C19", "requested chunks counted only when they hit", "kvoffload/tiering.py",
+             '            m.set_total("kvoffload_lookup_requested_chunks", st.host_queries)',
+             '            m.set_total("kvoffload_lookup_requested_chunks",\n'
+             '                        st.host_hits + sum(tier_hits.values()))',
+             (OBS + "test_c19_hit_rate_counts_every_lookup_not_only_hits",)),
+    Mutation("C20", "no event for copies stored in a secondary tier", "kvoffload/tiers/process.py",
+             "            if ok_keys and self.record_events:\n"
+             "                self._events.append(TierEvent(list(ok_keys), False))",
+             "            pass",
+             (OBS + "test_c20_offloaded_copies_emit_kv_events",)),
+    Mutation("C20", "an event emitted for a failed tier store", "kvoffload/tiers/process.py",
+             "            if ok_keys and self.record_events:\n"
+             "                self._events.append(TierEvent(list(ok_keys), False))",
+             "            if ok_keys and self.record_events:\n"
+             "                self._events.append(TierEvent(list(meta.keys), False))",
+             (OBS + "test_c20_offloaded_copies_emit_kv_events",)),
+    Mutation("C21", "a tier capacity accepted but not enforced", "kvoffload/tiers/fs.py",
+             "            OrderedDict() if config.max_bytes is not None else None",
+             "            None",
+             (FS + "test_c21_capacity_setting_is_enforced",)),
+    Mutation("C21", "no near-miss suggestion for a misspelled tier key", "kvoffload/config.py",
+             "    close = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)",
+             "    close = []",
+             (CFG + "test_c21_misspelled_tier_key_names_the_tier_path",
+              CFG + "test_c21_misspelled_top_level_key_suggests_the_right_one")),
+    Mutation("C21", "the resolved config not logged at start", "kvoffload/vllm.py",
+             '            log.info("kvoffload: %s", describe(self.settings))\n',
+             "",
+             (SPEC + "test_c21_the_resolved_config_is_logged_once_at_start",)),
+    Mutation("C22", "a store's source slot not pinned while the writer reads it",
+             "kvoffload/tiering.py",
+             "            slots = host.pin(keys)\n            meta = JobMetadata(",
+             "            slots = [host.index[k] for k in keys]\n            meta = JobMetadata(",
+             (FS + "test_c22_store_source_slot_is_not_reused_while_the_writer_reads_it",)),
+    Mutation("C23", "a full, fully pinned host tier asks the policy anyway", "kvoffload/host.py",
+             "            if need > self.num_evictable:\n                return None\n",
+             "",
+             (POL + "test_c23_full_tier_with_everything_pinned_answers_at_once",)),
+    Mutation("C23", "the fs tier's directory fan-out removed", "workers/chunkfile.py",
+             '    return f"{a}/{b}/{key.hex()}{SUFFIX}"',
+             '    return f"{key.hex()}{SUFFIX}"',
+             (FS + "test_c23_lookup_among_100k_chunk_files_fanned_out_over_directories",)),
+]

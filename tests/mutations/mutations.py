@@ -34,6 +34,13 @@ ARENA = "tests/test_arena.py::"
 OBS = "tests/test_observability.py::"
 CFG = "tests/test_config.py::"
 SPEC = "tests/test_vllm_spec.py::"
+WB = "tests/test_wrong_bytes.py::"
+WC = "tests/test_worker_containment.py::"
+CAP = "tests/test_fs_capacity.py::"
+EV = "tests/test_event_content.py::"
+XTP = "tests/test_cross_tp.py::"
+BP = "tests/test_backpressure.py::"
+OPS = "tests/test_ops_commands.py::"
 
 _ID = "        return xxhash.xxh3_128_digest(msgspec.json.encode(self))"
 
@@ -70,8 +77,8 @@ MUTATIONS: list[Mutation] = [
              (NS + "test_c05_chunk_keys_do_not_depend_on_a_per_process_seed",)),
     # -- C06-C10: integrity and failure propagation ---------------------------------------------
     Mutation("C06", "payload checksum not verified on load", "workers/fs_io.py",
-             "            if cf.payload_checksum(dst) != checksum:",
-             "            if False:",
+             "        if cf.payload_checksum(dst) != checksum:",
+             "        if False:",
              (FS + "test_c06_same_length_corruption_is_a_miss_and_the_file_is_removed",)),
     Mutation("C06", "task deadline never enforced", "kvoffload/workerpool.py",
              "                if now > head.deadline:",
@@ -83,19 +90,17 @@ MUTATIONS: list[Mutation] = [
              "            pass",
              (FS + "test_c07_failed_load_does_not_livelock_the_request",)),
     Mutation("C07", "a transient read error deletes the file", "workers/fs_io.py",
-             "        except OSError as e:\n"
-             "            return m.IO_ERROR, 0, f\"read {key.hex()[:16]}: {e}\"",
-             "        except OSError as e:\n"
-             "            self._remove_corrupt(path, fd)\n"
-             "            return m.IO_ERROR, 0, f\"read {key.hex()[:16]}: {e}\"",
+             "                return IOOutcome(m.IO_ERROR, 0, f\"read {key.hex()[:16]}: {e}\")",
+             "                self._remove_corrupt(path, fd)\n"
+             "                return IOOutcome(m.IO_ERROR, 0, f\"read {key.hex()[:16]}: {e}\")",
              (FS + "test_c07_failed_load_does_not_livelock_the_request",)),
     Mutation("C08", "the index entry of a missing file is kept", "kvoffload/tiers/fs.py",
              "            elif code in (m.MISSING, m.CORRUPT) and key in index:",
              "            elif code == m.CORRUPT and key in index:",
              (FS + "test_c08_file_deleted_outside_the_library_is_a_clean_miss",)),
     Mutation("C08", "a missing file is reported as an I/O error", "workers/fs_io.py",
-             "            return m.MISSING, 0, f\"{key.hex()[:16]}: missing\"",
-             "            return m.IO_ERROR, 0, f\"{key.hex()[:16]}: missing\"",
+             "                return IOOutcome(m.MISSING, 0, f\"{key.hex()[:16]}: missing\")",
+             "                return IOOutcome(m.IO_ERROR, 0, f\"{key.hex()[:16]}: missing\")",
              (FS + "test_c08_file_deleted_outside_the_library_is_a_clean_miss",)),
     Mutation("C09", "the HTTP status dropped from the job result", "kvoffload/tiers/process.py",
              "                               status=dict(job.status))",
@@ -141,8 +146,8 @@ MUTATIONS: list[Mutation] = [
              "        if False:",
              (FS + "test_c13_repeated_puts_of_a_resident_chunk_are_not_double_counted",)),
     Mutation("C13", "a repeated put of an indexed chunk is counted again", "kvoffload/tiers/fs.py",
-             "            if key not in failed and key not in index and key not in removed:",
-             "            if key not in failed and key not in removed:",
+             "                if key not in index and key not in removed:",
+             "                if key not in removed:",
              (FS + "test_c13_repeated_puts_of_a_resident_chunk_are_not_double_counted",)),
     Mutation("C14", "chunks of earlier runs not counted", "kvoffload/tiers/fs.py",
              "            index.move_to_end(key, last=False)  # older than anything this instance wrote\n"
@@ -167,8 +172,8 @@ MUTATIONS: list[Mutation] = [
              "                        if False:",
              (FS + "test_c16_dropped_load_turns_pending_into_miss_after_the_deadline",)),
     Mutation("C16", "an orphaned store keeps its capacity reservation", "kvoffload/tiers/fs.py",
-             "            fb = self._reserved.pop(key, None)",
-             "            fb = self._reserved.get(key)",
+             "            nbytes = self._reserved.pop(key, None)",
+             "            nbytes = self._reserved.get(key)",
              (FS + "test_c16_dropped_store_releases_its_reservation_after_the_deadline",)),
     Mutation("C16", "a timed-out store's host pins are kept", "kvoffload/tiering.py",
              "                    host.unpin_slots(meta.slots)\n",
@@ -208,7 +213,7 @@ MUTATIONS: list[Mutation] = [
              "                self._events.append(TierEvent(list(meta.keys), False))",
              (OBS + "test_c20_offloaded_copies_emit_kv_events",)),
     Mutation("C21", "a tier capacity accepted but not enforced", "kvoffload/tiers/fs.py",
-             "            OrderedDict() if config.max_bytes is not None else None",
+             "            OrderedDict() if self.max_bytes is not None else None",
              "            None",
              (FS + "test_c21_capacity_setting_is_enforced",)),
     Mutation("C21", "no near-miss suggestion for a misspelled tier key", "kvoffload/config.py",
@@ -222,8 +227,8 @@ MUTATIONS: list[Mutation] = [
              (SPEC + "test_c21_the_resolved_config_is_logged_once_at_start",)),
     Mutation("C22", "a store's source slot not pinned while the writer reads it",
              "kvoffload/tiering.py",
-             "            slots = host.pin(keys)\n            meta = JobMetadata(",
-             "            slots = [host.index[k] for k in keys]\n            meta = JobMetadata(",
+             "            slots = host.pin(take)\n            meta = JobMetadata(",
+             "            slots = [host.index[k] for k in take]\n            meta = JobMetadata(",
              (FS + "test_c22_store_source_slot_is_not_reused_while_the_writer_reads_it",)),
     Mutation("C23", "a full, fully pinned host tier asks the policy anyway", "kvoffload/host.py",
              "            if need > self.num_evictable:\n                return None\n",
@@ -233,4 +238,86 @@ MUTATIONS: list[Mutation] = [
              '    return f"{a}/{b}/{key.hex()}{SUFFIX}"',
              '    return f"{key.hex()}{SUFFIX}"',
              (FS + "test_c23_lookup_among_100k_chunk_files_fanned_out_over_directories",)),
+    # -- C24-C37: cases added after the first release was tried ------------------------------------
+    Mutation("C24", "a short worker reply counts its missing keys as success",
+             "kvoffload/tiers/process.py",
+             "        if len(codes) != n:",
+             "        if len(codes) > n:",
+             (WB + "test_c24_a_reply_that_does_not_confirm_every_key_never_publishes_it[reply_short]",)),
+    Mutation("C24", "an unknown verdict code is taken as a failure code of its own",
+             "kvoffload/tiers/process.py",
+             "        if all(c in known for c in codes):",
+             "        if True:",
+             (WB + "test_c24_a_reply_that_does_not_confirm_every_key_never_publishes_it"
+                   "[reply_bad_code]",)),
+    Mutation("C24", "a reply for a task never sent is dropped without being counted",
+             "kvoffload/tiers/process.py",
+             '        self.count("unknown_replies")\n',
+             "",
+             (WB + "test_c24_a_reply_for_a_task_never_sent_is_dropped_and_counted",)),
+    Mutation("C25", "a worker contains only I/O errors", "workers/main.py",
+             "        except Exception as e:  # noqa: BLE001 - a bug or a foreign module's error: "
+             "this key fails",
+             "        except OSError as e:  # noqa: BLE001 - a bug or a foreign module's error: "
+             "this key fails",
+             (WC + "test_c25_an_injected_non_io_error_fails_its_key_and_the_worker_goes_on",)),
+    Mutation("C26", "a reset frees slots with transfers in flight", "kvoffload/host.py",
+             "            if state[slot] == WRITING or refs[slot] > 0:",
+             "            if False:",
+             (WB + "test_c26_reset_while_a_tier_load_is_in_flight_never_reuses_its_slot",)),
+    Mutation("C27", "a reset drops the events queued before it", "kvoffload/host.py",
+             "        if removed and self._events is not None:\n"
+             "            self._events.append(TierEvent(removed, True))\n        return busy",
+             "        if self._events is not None:\n"
+             "            self._events = [TierEvent(removed, True)] if removed else []\n"
+             "        return busy",
+             (WB + "test_c27_events_queued_at_a_reset_are_published_and_the_reset_too",)),
+    Mutation("C28", "a completion without a pin of its own drops the chunk's pin",
+             "kvoffload/tiering.py",
+             "            if h is None:\n                self.stats.unheld_completions += 1\n"
+             "                continue",
+             "            if h is None:\n                self.stats.unheld_completions += 1\n"
+             "                if k in host.index:\n"
+             "                    host.unpin_slot(host.index[k])\n"
+             "                continue",
+             (WB + "test_c28_a_duplicated_completion_never_releases_another_requests_pin",)),
+    Mutation("C29", "temporary files removed whatever their age", "workers/fs_io.py",
+             "    if now - mtime <= older_than_s:\n        return False\n    try:",
+             "    try:",
+             (OPS + "test_c29_a_fresh_temp_file_of_a_pid_unknown_here_survives_start_and_goes_once_old",)),
+    Mutation("C30", "every data-parallel rank binds the same event port", "kvoffload/events.py",
+             '    return endpoint if int(port) == 0 else f"{host}:{int(port) + data_parallel_rank}"',
+             "    return endpoint",
+             (EV + "test_c30_a_second_data_parallel_rank_starts_with_kv_events_on",)),
+    Mutation("C31", "the refused O_DIRECT attempt's file is left for the buffered retry",
+             "workers/fs_io.py",
+             '                self._direct_refused("writes", "the open", e, leftover=tmp)',
+             '                self._direct_refused("writes", "the open", e)',
+             (WC + "test_c31_a_filesystem_refusing_direct_io_half_way_stores_everything_buffered"
+                   "[direct_open_created]",)),
+    Mutation("C32", "a chunk file whose removal failed is forgotten", "kvoffload/tiers/fs.py",
+             "            index[k] = nbytes\n",
+             "            pass\n",
+             (CAP + "test_c32_undeletable_chunk_file_stays_counted_and_the_next_lru_is_evicted"
+                    "[fault]",)),
+    Mutation("C33", "a full disk does not lower the tier's cap", "kvoffload/tiers/fs.py",
+             "            self._disk_full(full)",
+             "            pass",
+             (CAP + "test_c33_disk_full_before_the_cap_evicts_own_lru_chunks_and_stores_go_on",)),
+    Mutation("C34", "stored-block events without parent hash and token ids", "kvoffload/tiering.py",
+             "parent_block_hash=info.parent_block_hash, token_ids=info.token_ids,",
+             "parent_block_hash=None, token_ids=[],",
+             (EV + "test_c34_stored_block_events_carry_parent_hash_and_token_ids",)),
+    Mutation("C35", "canonical rows sized from one rank's page", "kvoffload/vllm.py",
+             "    return shards * max(par.dcp_size, 1) * max(par.pcp_size, 1)",
+             "    return 1",
+             (XTP + "test_c35_canonical_layout_is_shared_across_tensor_parallel_sizes",)),
+    Mutation("C36", "a request waiting on a probe is not owed its MISS", "kvoffload/tiers/process.py",
+             "        if owed is not None and req_id in owed:",
+             "        if False:",
+             (CAP + "test_c36_zero_negative_ttl_lookup_answers_miss_once_the_probe_answered",)),
+    Mutation("C37", "one slow tier may pin every host slot by default", "kvoffload/config.py",
+             "    tier_pin_fraction: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.5",
+             "    tier_pin_fraction: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0",
+             (BP + "test_c37_a_slow_tier_does_not_stop_the_host_tier_taking_new_chunks",)),
 ]

@@ -157,12 +157,16 @@ class Fault(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             ``delete`` / ``scan`` (a task of that kind, before any work), ``before_read_slot``
             (store, before the arena is read), ``before_publish`` (store, before the atomic
             rename), ``after_metadata_before_read`` (load, after the header was checked),
-            ``read_payload`` (load, the payload read), ``probe_key`` (each key of a probe).
+            ``read_payload`` (load, the payload read), ``probe_key`` (each key of a probe),
+            ``reply`` (any task with keys, its result about to be sent; for ``mangle``),
+            ``reply_store`` / ``reply_load`` / ``reply_probe`` / ``reply_delete`` (the same, for
+            one kind of task).
         action: ``sleep`` (``arg`` seconds), ``raise`` (OSError with errno ``arg``, e.g. 5 = EIO),
             ``drop`` (never answer the task), ``exit`` (the worker process exits at once),
             ``wait_file`` (block until the file ``arg`` exists, at most 120 s; on reaching the point
             the worker first appends its pid to ``<arg>.reached``, so a test can wait until it is
-            paused there).
+            paused there), ``mangle`` (point ``reply``: send a malformed result, ``arg`` one of
+            ``kvoffload.workers.faults.MANGLE_KINDS``: a short or empty code list, ...).
         key_hex: only for chunk keys whose hex starts with this; None matches all.
         count: how many times it fires; -1 for always.
         arg: the action's argument.

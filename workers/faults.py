@@ -16,6 +16,22 @@ class DropTask(Exception):
     """Raised by a ``drop`` fault: the worker never answers the task."""
 
 
+# How a ``mangle`` fault spoils the result of the task it fires on (the reply still reaches the
+# engine, only its content is wrong): ``short`` drops the last per-key code, ``empty`` sends no
+# codes, ``long`` adds an OK code for no key, ``bad_code`` replaces the first code with an unknown
+# one (99), ``stray`` sends first a result for a task id never sent, ``duplicate`` sends the result
+# twice, ``garbage`` sends first bytes that do not decode.
+MANGLE_KINDS = ("short", "empty", "long", "bad_code", "stray", "duplicate", "garbage")
+
+
+class MangleReply(Exception):
+    """Raised by a ``mangle`` fault (point ``reply``): the worker spoils the task's result."""
+
+    def __init__(self, kind: str):
+        super().__init__(kind)
+        self.kind = kind
+
+
 class Faults:
     def __init__(self, specs: list[Fault]):
         self._by_point: dict[str, list[Fault]] = {}
@@ -56,6 +72,10 @@ class Faults:
             raise OSError(code, f"injected fault: {os.strerror(code)}")
         elif f.action == "drop":
             raise DropTask()
+        elif f.action == "mangle":
+            if f.arg not in MANGLE_KINDS:
+                raise ValueError(f"unknown mangle kind {f.arg!r}; one of {', '.join(MANGLE_KINDS)}")
+            raise MangleReply(str(f.arg))
         elif f.action == "exit":
             os._exit(70)
         elif f.action == "wait_file":

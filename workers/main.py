@@ -29,7 +29,7 @@ from kvoffload.ipc import messages as m
 from kvoffload.ipc.arena import Arena, ArenaError
 from kvoffload.ipc.channels import WorkerChannels
 from kvoffload.workers import counters
-from kvoffload.workers.faults import DropTask, Faults
+from kvoffload.workers.faults import DropTask, Faults, MangleReply
 
 SPEC_ENV = "KVOFFLOAD_WORKER"
 _POLL_S = 0.2
@@ -85,6 +85,17 @@ class Worker:
             except DropTask:
                 continue
             result.counters = counters.take()
+            if self.faults:
+                keys = getattr(task, "keys", None)
+                first = keys[0] if keys else None
+                try:
+                    self.faults.hit("reply", first)
+                    self.faults.hit(f"reply_{type(task).__name__.removesuffix('Task').lower()}",
+                                    first)
+                except MangleReply as e:
+                    for data in _mangled(result, e.kind):
+                        self.chans.send_result(data)
+                    continue
             self.chans.send_result(m.encode(result))
 
     def handle(self, task: m.Task) -> m.TaskResult:
@@ -142,6 +153,28 @@ class Worker:
         self.chans.close()
         self.ctx.term()
         self.arena.close()
+
+
+def _mangled(result: m.TaskResult, kind: str) -> list[bytes]:
+    """The messages a ``mangle`` fault of ``kind`` sends instead of ``result`` (tests: replies the
+    engine must validate against the task they answer, CASES C24)."""
+    codes = list(result.codes)
+    if kind == "short":
+        return [m.encode(msgspec.structs.replace(result, codes=codes[:-1]))]
+    if kind == "empty":
+        return [m.encode(msgspec.structs.replace(result, codes=[]))]
+    if kind == "long":
+        return [m.encode(msgspec.structs.replace(result, codes=codes + [m.OK]))]
+    if kind == "bad_code":
+        return [m.encode(msgspec.structs.replace(result, codes=[99] + codes[1:]))]
+    if kind == "stray":
+        stray = msgspec.structs.replace(result, task_id=result.task_id + (1 << 40), counters={})
+        return [m.encode(stray), m.encode(result)]
+    if kind == "duplicate":
+        return [m.encode(result), m.encode(msgspec.structs.replace(result, counters={}))]
+    if kind == "garbage":
+        return [b"\xc1 not msgpack", m.encode(result)]
+    raise ValueError(f"unknown mangle kind {kind!r}")
 
 
 def main() -> int:

@@ -228,11 +228,29 @@ class FsTier(ProcessTierManager):
         index = self._index
         if index is None:
             return
+        unconfirmed = []
         for key in keys:
             fb = self._reserved.pop(key, None)
-            if key not in failed and key not in index and key not in removed:
-                index[key] = fb or self.file_bytes
-                self.used_bytes += index[key]
+            if key not in failed:
+                if key not in index and key not in removed:
+                    index[key] = fb or self.file_bytes
+                    self.used_bytes += index[key]
+            elif fb is not None and key not in index:
+                unconfirmed.append(key)
+        if unconfirmed:
+            # A write sent to a worker that failed may still have published its file (the worker
+            # died or timed out after the rename, a verdict we do not know): remove what is not
+            # counted, so the bytes on disk stay what the cap accounts (no event: never stored).
+            deleting, evicted, now = self._deleting, self._evicted_at, time.monotonic()
+            for k in unconfirmed:
+                deleting[k] = deleting.get(k, 0) + 1
+                evicted[k] = now
+                evicted.move_to_end(k)
+            while len(evicted) > _EVICTED_MEMORY:
+                evicted.popitem(last=False)
+            self.count("unconfirmed_store_removals", len(unconfirmed))
+            tid = self._next_task_id()
+            self._send(self._writers, "delete", None, unconfirmed, m.DeleteTask(tid, unconfirmed))
 
     def submit_load(self, job) -> None:
         if self._index is not None:

@@ -55,7 +55,7 @@ from kvoffload.host import READY, WRITING
 from kvoffload.workers import chunkfile as cf
 from kvoffload.workers import fs_io
 
-from helpers import HIT, PENDING, RETRY, Rig, payload
+from helpers import HIT, MISS, PENDING, RETRY, Rig, payload
 
 # Faults known on main whose fixes are under way (CASES.md): each name switches off the rule variants
 # that reach it, so the CI profile passes until the fix is merged; then remove the name.
@@ -270,28 +270,47 @@ class TierStack(RuleBasedStateMachine):
     def _writing_keys(self) -> set[bytes]:
         return {k for h in self.stores for k in h.keys}
 
-    def _lookup(self, keys: list[bytes], req: str, settle: bool, until_answered: bool):
-        """Look ``keys`` up; with ``settle`` until none is RETRY or HIT_PENDING, with
-        ``until_answered`` until none is RETRY (promotions may stay in flight)."""
-        deadline = time.monotonic() + WAIT_S
+    def _walk(self, keys: list[bytes], req: str) -> tuple[list[bytes], str]:
+        """One pass of a request's lookups in prefix order, as the vLLM scheduler (and the stress
+        tool) does: HIT and HIT_PENDING go on, RETRY or MISS ends the pass. A key whose store
+        this test holds ends it too (its copy lands only when the test completes it). Returns the
+        hit prefix and why the pass ended (``retry``, ``miss``, ``held`` or ``end``)."""
         writing = self._writing_keys()
+        prefix: list[bytes] = []
+        for k in keys:
+            r = self.tm.lookup(k, req)
+            if r in (HIT, PENDING):
+                assert k in self.stored or k in writing, (
+                    f"lookup of {self._name(k)}, never stored: {r.name}")
+            if r is RETRY:
+                return prefix, "retry"
+            if r is MISS:
+                return prefix, "miss"
+            if k in writing:
+                return prefix, "held"
+            prefix.append(k)
+        return prefix, "end"
+
+    def _lookup(self, keys: list[bytes], req: str, wait: str | None) -> list[bytes]:
+        """Look ``keys`` up (a pass per scheduler step) and return the hit prefix once every key
+        of it is READY in the host tier (nothing in between allocates), else []. ``wait``:
+        ``"ready"`` until that is so, ``"answers"`` until no probe is outstanding, None one pass."""
+        deadline = time.monotonic() + WAIT_S
+        host = self.tm.host
         while True:
-            res = {k: self.tm.lookup(k, req) for k in keys}
-            for k, r in res.items():
-                if r in (HIT, PENDING):
-                    assert k in self.stored or k in writing, (
-                        f"lookup of {self._name(k)}, never stored: {r.name}")
-            waiting = [k for k, r in res.items()
-                       if r is RETRY or (settle and r is PENDING and k not in writing)]
-            if not waiting or not (settle or until_answered):
-                return res
+            prefix, why = self._walk(keys, req)
+            ready = why != "retry" and all(
+                (s := host.index.get(k)) is not None and host.state[s] == READY for k in prefix)
+            if ready:
+                return prefix
+            if wait is None or (wait == "answers" and why != "retry"):
+                return []
             assert time.monotonic() < deadline, (
-                f"lookups of {[self._name(k) for k in waiting]} never settled "
-                f"({[res[k].name for k in waiting]}) within {WAIT_S} s")
+                f"lookups of {[self._name(k) for k in keys]} never settled within {WAIT_S} s "
+                f"(hit prefix {[self._name(k) for k in prefix]}, then {why})")
             self._wait_results()
 
-    def _load_hits(self, res, req: str, hold: bool) -> None:
-        hits = [k for k, r in res.items() if r is HIT]
+    def _load_hits(self, hits: list[bytes], req: str, hold: bool) -> None:
         if not hits:
             return
         slots = self.tm.prepare_load(hits, req)
@@ -400,21 +419,20 @@ class TierStack(RuleBasedStateMachine):
     @rule(names=key_batches, hold=st.booleans())
     @_step
     def load(self, names, hold):
-        """Look up until settled, load the HITs (and hold them, or complete at once)."""
+        """Look up until the hit prefix is READY, load it (and hold it, or complete at once)."""
         self._open_gates()
         req = self._req("r")
-        res = self._lookup([self._key(n) for n in names], req, settle=True, until_answered=True)
-        self._load_hits(res, req, hold)
+        self._load_hits(self._lookup([self._key(n) for n in names], req, "ready"), req, hold)
 
     @rule(names=key_batches, until_answered=st.booleans(), hold=st.booleans())
     @_step
     def lookup(self, names, until_answered, hold):
-        """One scheduler step's lookups (or until the probes answered), then the step; HITs are
-        loaded. Promotions may stay in flight (behind a closed gate)."""
+        """One scheduler step's lookups (or until the probes answered), then the step; a prefix
+        READY at once is loaded. Promotions may stay in flight (behind a closed gate)."""
         req = self._req("r")
-        res = self._lookup([self._key(n) for n in names], req, settle=False,
-                           until_answered=until_answered)
-        self._load_hits(res, req, hold)
+        hits = self._lookup([self._key(n) for n in names], req,
+                            "answers" if until_answered else None)
+        self._load_hits(hits, req, hold)
         self.tm.step()
 
     @precondition(lambda self: self.loads)
@@ -580,6 +598,7 @@ def test_tier_model_soak():
     while STEPS[0] < target:
         run_state_machine_as_test(TierStack, settings=settings(
             max_examples=5, stateful_step_count=200, **_common))
+        print(f"tier model soak: {STEPS[0]} steps, {time.monotonic() - t0:.0f} s", flush=True)
     print(f"\ntier model soak: {STEPS[0]} steps without a violation in "
           f"{time.monotonic() - t0:.0f} s (known bugs skipped: {sorted(KNOWN_BUGS) or 'none'})")
 

@@ -9,7 +9,9 @@ Capacity: with ``max_bytes`` set, the tier keeps an LRU index of the namespace's
 found at start are adopted, oldest first, and counted) and deletes the least recently used chunks
 to stay within ``max_bytes`` of file bytes, headers included. The cap applies per namespace, as seen
 by this instance: chunks that another instance writes into the same directory after this one started
-are not counted here. Without ``max_bytes`` the tier never deletes anything but corrupt files.
+are not counted here. A store that fails once a worker has it may still have published its file (the
+worker died or timed out after the rename): that file is removed, so the disk holds what is counted.
+Without ``max_bytes`` the tier never deletes anything but corrupt files.
 """
 
 from __future__ import annotations

@@ -15,6 +15,9 @@ Per-key outcome codes (``TaskResult.codes``) are the ``CODE_*`` constants below.
 
 from __future__ import annotations
 
+import errno
+from typing import Annotated, Literal
+
 import msgspec
 
 # Per-key outcome codes.
@@ -27,6 +30,9 @@ TIMEOUT = 5  # the job ran past its deadline (set by the engine, never by a work
 WORKER_DIED = 6  # the worker holding the job died (set by the engine)
 CANCELLED = 7  # the tier shut down before the job ran (set by the engine)
 REJECTED = 8  # the request was refused (HTTP 4xx other than 404, permissions)
+ERROR = 9  # the worker's code raised something unexpected (a bug, an out-of-tree I/O module's
+#            error; CASES C25): that key failed, the worker goes on; its stored copy is left alone
+BAD_REPLY = 10  # the worker's reply did not answer this key (set by the engine, CASES C24)
 
 CODE_NAMES = {
     OK: "ok",
@@ -38,6 +44,8 @@ CODE_NAMES = {
     WORKER_DIED: "worker_died",
     CANCELLED: "cancelled",
     REJECTED: "rejected",
+    ERROR: "error",
+    BAD_REPLY: "bad_reply",
 }
 
 
@@ -106,7 +114,8 @@ class TaskResult(msgspec.Struct, tag="result", array_like=True, gc=False):
         nbytes: payload bytes moved (bytes).
         seconds: time spent in I/O (seconds).
         entries: ``ScanTask`` only: ``(key, stored bytes, mtime seconds)`` per chunk found.
-        status: optional per-key protocol status (e.g. HTTP status), 0 where not applicable.
+        status: optional per-key protocol status (e.g. HTTP status; for a failed delete, the
+            errno), 0 where not applicable.
         counters: the worker's own counts since its previous result (:mod:`kvoffload.workers.counters`).
     """
 
@@ -149,34 +158,98 @@ def decode_reply(data: bytes) -> Hello | TaskResult:
     return _reply_decoder.decode(data)
 
 
+FaultPoint = Literal[
+    "task", "store", "load", "probe", "delete", "scan",
+    "before_read_slot", "before_publish", "direct_open_created", "direct_write",
+    "after_metadata_before_read", "read_payload", "direct_read", "probe_key", "unlink",
+    "reply", "store_reply", "load_reply", "probe_reply", "delete_reply", "scan_reply",
+]
+"""Where a worker fires faults (see :class:`Fault`); each is a ``faults.hit(point, ...)`` call."""
+
+FaultAction = Literal["sleep", "raise", "raise_error", "drop", "exit", "wait_file",
+                      "reply_short", "reply_empty", "reply_long", "reply_bad_code", "reply_stray"]
+
+FAULT_ERRORS = ("ValueError", "TypeError", "KeyError", "RuntimeError", "MemoryError",
+                "struct.error")
+"""Exception types a ``raise_error`` fault can raise: the failures of a bug, not of storage."""
+
+
 class Fault(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """A fault to inject at a named point of a tier worker (tests).
+
+    Checked when the config is parsed: an unknown point or action, or an argument the action cannot
+    use, is a config error naming the key and the allowed values (never a worker crash).
 
     Attributes:
         point: where: ``task`` (any task, before any work), ``store`` / ``load`` / ``probe`` /
             ``delete`` / ``scan`` (a task of that kind, before any work), ``before_read_slot``
-            (store, before the arena is read), ``before_publish`` (store, before the atomic
-            rename), ``after_metadata_before_read`` (load, after the header was checked),
-            ``read_payload`` (load, the payload read), ``probe_key`` (each key of a probe),
-            ``reply`` (any task with keys, its result about to be sent; for ``mangle``),
-            ``reply_store`` / ``reply_load`` / ``reply_probe`` / ``reply_delete`` (the same, for
-            one kind of task).
-        action: ``sleep`` (``arg`` seconds), ``raise`` (OSError with errno ``arg``, e.g. 5 = EIO),
+            (store, before the arena is read), ``direct_open_created`` (store, after an O_DIRECT
+            open created the temporary file: a ``raise`` of errno 22 plays a filesystem that
+            creates the file, then refuses direct I/O), ``direct_write`` (store, before writing
+            through an O_DIRECT descriptor: errno 22 plays a filesystem that takes the open but
+            fails aligned writes), ``before_publish`` (store, before the atomic rename),
+            ``after_metadata_before_read`` (load, after the header was checked),
+            ``read_payload`` (load, the payload read), ``direct_read`` (load, before reading
+            through an O_DIRECT descriptor), ``probe_key`` (each key of a probe), ``unlink``
+            (each key of a delete, before the file is removed), ``reply`` / ``<kind>_reply`` (``store_reply``, ``load_reply``, ...: a task's result, before it is
+            sent; any task or one kind).
+        action: ``sleep`` (``arg`` seconds), ``raise`` (OSError with errno ``arg``, default 5 =
+            EIO), ``raise_error`` (an exception that is not an I/O error, of the type named by
+            ``arg``, one of :data:`FAULT_ERRORS`, default ValueError: what a bug raises),
             ``drop`` (never answer the task), ``exit`` (the worker process exits at once),
             ``wait_file`` (block until the file ``arg`` exists, at most 120 s; on reaching the point
             the worker first appends its pid to ``<arg>.reached``, so a test can wait until it is
-            paused there), ``mangle`` (point ``reply``: send a malformed result, ``arg`` one of
-            ``kvoffload.workers.faults.MANGLE_KINDS``: a short or empty code list, ...).
-        key_hex: only for chunk keys whose hex starts with this; None matches all.
+            paused there); at a reply point only: ``reply_short``, ``reply_empty``, ``reply_long``,
+            ``reply_bad_code``, ``reply_stray`` (malformed replies, CASES C24, see
+            :meth:`kvoffload.workers.faults.Faults.reply`).
+        key_hex: only for chunk keys whose hex (lowercase) starts with this; None matches all.
         count: how many times it fires; -1 for always.
         arg: the action's argument.
+
+    Raises:
+        ValueError: (at decoding, as ``msgspec.ValidationError``) an argument that does not fit
+            the action, or a ``key_hex`` that is not lowercase hex.
     """
 
-    point: str
-    action: str
+    point: FaultPoint
+    action: FaultAction
     key_hex: str | None = None
-    count: int = 1
+    count: Annotated[int, msgspec.Meta(ge=-1)] = 1
     arg: str | float | int | None = None
+
+    def __post_init__(self) -> None:
+        reply_point = self.point == "reply" or self.point.endswith("_reply")
+        if self.action.startswith("reply_") and not reply_point:
+            raise ValueError(f"action: {self.action!r} works only at a reply point (reply, "
+                             f"store_reply, load_reply, probe_reply, delete_reply, scan_reply), "
+                             f"not at {self.point!r}")
+        why = _fault_arg_problem(self.action, self.arg)
+        if why:
+            raise ValueError(f"arg: {why}")
+        if self.key_hex is not None and (
+                not self.key_hex or self.key_hex.strip("0123456789abcdef")):
+            raise ValueError(f"key_hex: {self.key_hex!r} is not a lowercase hex prefix of a key")
+
+
+def _fault_arg_problem(action: str, arg: object) -> str | None:
+    """Why ``arg`` cannot go with fault ``action``, or None when it can."""
+    number = isinstance(arg, (int, float)) and not isinstance(arg, bool)
+    if action == "sleep":
+        if arg is not None and not (number and arg >= 0):
+            return f"{action!r} takes a number of seconds >= 0, got {arg!r}"
+    elif action == "raise":
+        if arg is not None and not (isinstance(arg, int) and not isinstance(arg, bool)
+                                    and arg in errno.errorcode):
+            return f"{action!r} takes an errno number (e.g. 5 = EIO, 22 = EINVAL), got {arg!r}"
+    elif action == "raise_error":
+        if arg is not None and arg not in FAULT_ERRORS:
+            return f"{action!r} takes one of {', '.join(FAULT_ERRORS)}, got {arg!r}"
+    elif action == "wait_file":
+        if not (isinstance(arg, str) and arg):
+            return f"{action!r} takes the path of the file to wait for, got {arg!r}"
+    elif arg is not None:  # drop, exit, reply_*
+        return f"{action!r} takes no argument, got {arg!r}"
+    return None
 
 
 class WorkerSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

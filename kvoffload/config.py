@@ -68,10 +68,12 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         offload_prompt_only: offload prompt blocks only (vLLM's setting, default True).
         tier_pin_fraction: at most this fraction of the host slots may be pinned by one secondary
             tier's in-flight stores (write-through); beyond it, that tier's stores are dropped and
-            counted, so a slow tier cannot pin the whole host tier and starve new stores (default
-            1.0: no limit; 0.5 suits a slow remote tier next to a fast local one).
+            counted (``kvoffload_dropped_stores``), so a slow tier cannot pin the whole host tier
+            and starve new stores (CASES C37). Default 0.5, chosen by measurement (BENCHMARKS.md
+            §7); 1.0 lets one slow tier pin every host slot.
         canonical_layout: store rows in vLLM's canonical (parallelism-free) layout.
-        self_describing_kv_events: vLLM's KV-event payload option.
+        self_describing_kv_events: vLLM's own KV events for offloaded chunks carry the request's
+            parent hash and token ids (vLLM's tracker; default on here, off in vLLM's own spec).
         kv_events: publish KV events and chunk movements on a ZMQ PUB socket (see
             :class:`KVEventsConfig`; None: off). Independent of vLLM's own ``--kv-events-config``.
         instance_id: the ``instance`` label of standalone metrics and movement events (default:
@@ -96,9 +98,9 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     cache_salt: str = ""
     model_revision: str | None = None
     offload_prompt_only: bool = True
-    tier_pin_fraction: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    tier_pin_fraction: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.5
     canonical_layout: bool = False
-    self_describing_kv_events: bool = False
+    self_describing_kv_events: bool = True
     kv_events: KVEventsConfig | None = None
     instance_id: str | None = None
     spec_name: str = "KVOffloadSpec"
@@ -206,7 +208,28 @@ def convert(data: Any, struct_type: type[msgspec.Struct], where: str) -> Any:
                 f"{where}{sub}: unknown key {field!r}{hint}; allowed keys: {', '.join(allowed)}"
             ) from None
         detail = _PATH_RE.sub("", msg).replace(" - at ", "").strip(" -")
+        # A struct's own check (__post_init__) names its field first: "arg: why".
+        field, sep, why = detail.partition(": ")
+        owner = _struct_at(struct_type, sub) if sep else None
+        if owner is not None and field in owner.__struct_fields__:
+            sub, detail = f"{sub}.{field}", why
+        allowed = _literal_values(struct_type, sub) if "Invalid enum value" in msg else None
+        if allowed:
+            detail += f"; allowed: {', '.join(map(str, allowed))}"
         raise ConfigError(f"{where}{sub}: {detail}") from None
+
+
+def _literal_values(root: type[msgspec.Struct], path: str) -> list | None:
+    """The values a ``Literal`` field at ``path`` (``.a[0].b``) allows, when it can be told."""
+    parent, _, name = path.rpartition(".")
+    owner = _struct_at(root, parent) if parent else root
+    if owner is None:
+        return None
+    field = next((f for f in msgspec.inspect.type_info(owner).fields if f.name == name), None)
+    if field is None:
+        return None
+    types = field.type.types if isinstance(field.type, msgspec.inspect.UnionType) else (field.type,)
+    return next((list(t.values) for t in types if isinstance(t, msgspec.inspect.LiteralType)), None)
 
 
 def parse_config(extra_config: dict[str, Any]) -> OffloadConfig:

@@ -6,9 +6,13 @@ Two streams on one socket, each message three frames ``(topic, seq, payload)`` w
 - ``topic``: vLLM's own wire format. ``payload`` is the msgpack of a ``KVEventBatch``
   (array-like ``[ts, events, data_parallel_rank]``) whose events are ``BlockStored`` /
   ``BlockRemoved`` tagged structs with a ``medium`` per tier (``CPU`` for the host tier, the tier's
-  medium, e.g. ``STORAGE``, for the others), ``locality`` and ``ownership`` (the secondary tier's
-  name). The structs below mirror ``vllm/distributed/kv_events.py`` (vLLM 0.32) field for field,
-  so a consumer built for vLLM's events decodes ours with vLLM's own decoder.
+  medium, e.g. ``STORAGE``, for the others), ``locality`` (``LOCAL``, or ``REMOTE`` for an object
+  store or a peer) and ``ownership`` (the secondary tier's name). The structs below mirror
+  ``vllm/distributed/kv_events.py`` (vLLM 0.32) field for field, so a consumer built for vLLM's
+  events decodes ours with vLLM's own decoder. A chunk stored with a :class:`ChunkEventInfo`
+  gets one ``BlockStored`` of its own carrying the engine's block hashes, the parent hash of its
+  first block, its token ids and the engine block size: the values of the engine's own
+  (``GPU``) event for those blocks.
 - ``movements_topic``: one :class:`Movement` per chunk moved between tiers (``device`` → ``host``
   offload, ``host`` → tier write-through, tier → ``host`` promotion, ``host`` → ``device`` reload,
   tier → ``none`` eviction), in a :class:`MovementBatch` msgpack map.
@@ -16,6 +20,10 @@ Two streams on one socket, each message three frames ``(topic, seq, payload)`` w
 Replay (vLLM's protocol): a DEALER on ``replay_endpoint`` sends ``(b"", start_seq)``; the publisher
 answers ``(b"", topic, seq, payload)`` for each buffered engine batch with ``seq >= start_seq``, then
 ``(b"", b"", END_SEQ, b"")``. ``(b"", start_seq, topic)`` replays the named topic instead.
+
+Data parallel: rank ``r`` binds the configured TCP port + ``r`` (``inproc://x`` becomes
+``inproc://x_dp<r>``; port 0 stays 0), the rule of vLLM's ``ZmqEventPublisher``, and every batch
+of both topics carries ``data_parallel_rank``.
 
 The engine thread only queues Python objects (:meth:`EventPublisher.publish`); encoding, sending and
 replay run in the publisher's own thread.
@@ -87,6 +95,47 @@ class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
+class ChunkEventInfo(msgspec.Struct, gc=False):
+    """What the engine knows of one chunk, for its ``BlockStored`` events (optional per key in
+    :meth:`kvoffload.tiering.TieringManager.prepare_store`).
+
+    Attributes:
+        block_hashes: the engine's hashes of the chunk's blocks, in order (``blocks_per_chunk``
+            of them; bytes, or ints where the engine publishes int hashes).
+        parent_block_hash: the hash of the block before the chunk's first block; None for the
+            first chunk of a prefix.
+        token_ids: the chunk's token ids (``blocks_per_chunk * block_size`` of them).
+        block_size: tokens per engine block.
+        group_idx: the engine's KV-cache group of the chunk (None: not reported).
+    """
+
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    group_idx: int | None = None
+
+
+def offset_endpoint(endpoint: str | None, data_parallel_rank: int) -> str | None:
+    """``endpoint`` for data-parallel rank ``data_parallel_rank``: TCP port + rank, ``inproc``
+    name + ``_dp<rank>``; rank 0, None and TCP port 0 unchanged (vLLM's
+    ``ZmqEventPublisher.offset_endpoint_port``).
+
+    Raises:
+        ValueError: an endpoint that is neither ``tcp://host:port`` nor ``inproc://``, or whose
+            port is not a number (naming it).
+    """
+    if not endpoint or data_parallel_rank == 0:
+        return endpoint
+    if endpoint.startswith("inproc://"):
+        return f"{endpoint}_dp{data_parallel_rank}"
+    host, sep, port = endpoint.rpartition(":")
+    if not endpoint.startswith("tcp://") or not sep or not port.isdigit():
+        raise ValueError(f"cannot offset endpoint {endpoint!r} for data-parallel rank "
+                         f"{data_parallel_rank}: expected tcp://host:port or inproc://name")
+    return endpoint if int(port) == 0 else f"{host}:{int(port) + data_parallel_rank}"
+
+
 # -- chunk movements ------------------------------------------------------------------------------
 
 class Movement(msgspec.Struct, gc=False):
@@ -101,11 +150,13 @@ class Movement(msgspec.Struct, gc=False):
 
 
 class MovementBatch(msgspec.Struct, gc=False):
-    """A step's movements. ``ts`` wall-clock seconds; ``instance`` the publishing manager."""
+    """A step's movements. ``ts`` wall-clock seconds; ``instance`` the publishing manager;
+    ``data_parallel_rank`` the engine's data-parallel rank."""
 
     ts: float
     instance: str
     events: list[Movement]
+    data_parallel_rank: int | None = None
 
 
 class EventPublisher:
@@ -114,14 +165,20 @@ class EventPublisher:
     Args:
         config: :class:`~kvoffload.config.KVEventsConfig`.
         instance: instance label carried by movement batches.
+        data_parallel_rank: the engine's data-parallel rank: offsets the endpoints
+            (:func:`offset_endpoint`) and is stamped on every batch.
 
     Raises:
         zmq.ZMQError: an endpoint cannot be bound (at construction, in the caller's thread).
+        ValueError: an endpoint cannot be offset for a rank > 0.
     """
 
-    def __init__(self, config: Any, instance: str = ""):
+    def __init__(self, config: Any, instance: str = "", data_parallel_rank: int = 0):
         self.config = config
         self.instance = instance
+        self.data_parallel_rank = data_parallel_rank
+        endpoint = offset_endpoint(config.endpoint, data_parallel_rank)
+        replay_endpoint = offset_endpoint(config.replay_endpoint, data_parallel_rank)
         self._ctx = zmq.Context(1)
         self._topics = (config.topic.encode(), config.movements_topic.encode())
         self.published = {"engine": 0, "movements": 0}
@@ -133,13 +190,13 @@ class EventPublisher:
         try:
             self._pub.setsockopt(zmq.SNDHWM, config.hwm)
             self._pub.setsockopt(zmq.LINGER, 500)
-            self._pub.bind(config.endpoint)
+            self._pub.bind(endpoint)
             self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
             self.replay_endpoint = None
-            if config.replay_endpoint:
+            if replay_endpoint:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
-                self._replay.bind(config.replay_endpoint)
+                self._replay.bind(replay_endpoint)
                 self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError:
             self._close_sockets()
@@ -194,6 +251,7 @@ class EventPublisher:
     def _run(self) -> None:
         enc = msgspec.msgpack.Encoder()
         engine_topic, moves_topic = self._topics
+        rank = self.data_parallel_rank
         while True:
             if self._replay is not None and self._replay.poll(0):
                 try:
@@ -212,11 +270,12 @@ class EventPublisher:
             ts, engine_events, movements = item
             try:
                 if engine_events:
-                    self._send(engine_topic, enc.encode(KVEventBatch(ts=ts, events=engine_events)))
+                    self._send(engine_topic, enc.encode(KVEventBatch(
+                        ts=ts, events=engine_events, data_parallel_rank=rank)))
                     self.published["engine"] += 1
                 if movements:
-                    self._send(moves_topic, enc.encode(
-                        MovementBatch(ts=ts, instance=self.instance, events=movements)))
+                    self._send(moves_topic, enc.encode(MovementBatch(
+                        ts=ts, instance=self.instance, events=movements, data_parallel_rank=rank)))
                     self.published["movements"] += 1
             except zmq.ZMQError as e:  # a full HWM drops, as ZMQ PUB does; never stop the thread
                 log.warning("kvoffload events: publish failed: %s", e)

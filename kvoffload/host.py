@@ -6,7 +6,11 @@ Slot states (DESIGN.md §4 "Host tier")::
       ▲                   │ complete_write(failed)       │ evict (only READY, unpinned, not protected)
       └───────────────────┴──────────────────────────────┘
 
-Only READY, unpinned slots are evictable, and never a key of the batch being stored. Per stored chunk
+Only READY, unpinned slots are evictable, and never a key of the batch being stored. A reset
+(:meth:`HostTier.clear`) forgets every chunk at once, but a slot with a transfer still in or out of
+it (WRITING, or pinned) is *quarantined*: out of the index and off the free list until its last
+transfer ends (:meth:`HostTier.complete_write`, :meth:`HostTier.unpin_slot`), so a late write can
+never land in a slot that already holds another chunk (CASES C26). Per stored chunk
 the table costs one dict entry and one reference to the key, plus 13 bytes in flat columns
 (``array``/``bytearray``), so the engine-side footprint stays small (BENCHMARKS.md).
 """
@@ -56,6 +60,10 @@ class HostTier:
         self.num_writing = 0
         self.num_pinned = 0  # slots with ref count > 0
         self.evictions = 0
+        # Reset left these slots in use (C26): quarantined slots, and the key -> slot of those
+        # still being written, which no new allocation may take until the write ends.
+        self.quarantined = bytearray(num_slots)
+        self._qwrites: dict[bytes, int] = {}
         self._events: list[TierEvent] | None = [] if record_events else None
 
     # -- queries --------------------------------------------------------------------------------
@@ -87,7 +95,7 @@ class HostTier:
         """
         index = self.index
         new: list[bytes] = []
-        seen: set[bytes] = set()
+        seen: set[bytes] = set(self._qwrites) if self._qwrites else set()
         for k in keys:
             if k not in index and k not in seen:
                 new.append(k)
@@ -134,14 +142,23 @@ class HostTier:
                         and state[s] == READY and refs[s] == 0)
         return len(self._free) + self.num_evictable - protected
 
+    def is_present(self, key: bytes) -> bool:
+        """True when ``key`` holds a slot: indexed, or a write quarantined by a reset."""
+        return key in self.index or key in self._qwrites
+
     def complete_write(self, keys: Iterable[bytes], success: bool) -> list[bytes]:
         """Finish writes of WRITING keys: READY on success, freed on failure. Other keys are
-        ignored. Returns the keys that changed state."""
+        ignored; a write a reset quarantined ends its quarantine (the chunk stays forgotten).
+        Returns the keys that changed state (quarantined ones excluded)."""
         done = []
         index, state = self.index, self.state
         for k in keys:
             slot = index.get(k)
             if slot is None or state[slot] != WRITING:
+                if slot is None and self._qwrites:
+                    qslot = self._qwrites.pop(k, None)
+                    if qslot is not None:
+                        self.end_quarantined_write(qslot)
                 continue
             self.num_writing -= 1
             if success:
@@ -155,6 +172,29 @@ class HostTier:
         if success and done and self._events is not None:
             self._events.append(TierEvent(done, False))
         return done
+
+    def end_quarantined_write(self, slot: int) -> None:
+        """The write into quarantined ``slot`` ended (success or not): free it once unpinned."""
+        if not self.quarantined[slot] or self.state[slot] != WRITING:
+            return
+        key = self.keys[slot]
+        if self._qwrites.get(key) == slot:
+            del self._qwrites[key]
+        self.num_writing -= 1
+        self.state[slot] = READY
+        if self.refs[slot] == 0:
+            self._free_quarantined(slot)
+
+    def _free_quarantined(self, slot: int) -> None:
+        self.quarantined[slot] = 0
+        self.keys[slot] = None
+        self.state[slot] = FREE
+        self._free.append(slot)
+
+    @property
+    def num_quarantined(self) -> int:
+        """Slots a reset left in use (a transfer still in or out of them)."""
+        return sum(self.quarantined)
 
     def _release(self, slot: int) -> None:
         key = self.keys[slot]
@@ -209,20 +249,16 @@ class HostTier:
             refs[slot] = r - 1
             if r == 1:
                 self.num_pinned -= 1
-                if state[slot] == READY:
+                if self.quarantined[slot]:
+                    if state[slot] == READY:
+                        self._free_quarantined(slot)
+                elif state[slot] == READY:
                     self.num_evictable += 1
                     policy.make_evictable(slot)
 
     def unpin_slot(self, slot: int) -> None:
-        refs = self.refs
-        if refs[slot] <= 0:
-            return
-        refs[slot] -= 1
-        if refs[slot] == 0:
-            self.num_pinned -= 1
-            if self.state[slot] == READY:
-                self.num_evictable += 1
-                self.policy.make_evictable(slot)
+        """Drop one pin of ``slot``; an unpinned slot is ignored."""
+        self.unpin_slots((slot,))
 
     # -- use, removal ---------------------------------------------------------------------------
 
@@ -248,13 +284,43 @@ class HostTier:
             self._events.append(TierEvent(removed, True))
         return removed
 
-    def clear(self) -> None:
-        """Forget every chunk (reset_cache). Callers must have no transfer in flight."""
-        keys = list(self.index)
-        self.__init__(self.num_slots, self.policy, self._events is not None)
+    def clear(self) -> list[int]:
+        """Forget every chunk (reset_cache), without waiting for transfers in flight.
+
+        A slot still WRITING or pinned is quarantined: it leaves the index but is not freed until
+        its write ends (:meth:`complete_write` of its key, :meth:`end_quarantined_write`) and its
+        last pin drops. Events queued before the reset are kept; the READY chunks (those published
+        as stored) are published as removed. Returns the quarantined slots.
+        """
+        state, refs, keys_of = self.state, self.refs, self.keys
+        removed = []
+        busy = []
+        free = []
+        for slot in range(self.num_slots):
+            key = keys_of[slot]
+            if key is None:
+                continue
+            if self.quarantined[slot]:
+                busy.append(slot)
+                continue
+            if state[slot] == READY:
+                removed.append(key)
+            if state[slot] == WRITING or refs[slot] > 0:
+                self.quarantined[slot] = 1
+                if state[slot] == WRITING:
+                    self._qwrites[key] = slot
+                busy.append(slot)
+            else:
+                keys_of[slot] = None
+                state[slot] = FREE
+                free.append(slot)
+        self.index.clear()
+        self._free.extend(free)
+        self.num_evictable = 0
         self.policy.clear()
-        if keys and self._events is not None:
-            self._events.append(TierEvent(keys, True))
+        if removed and self._events is not None:
+            self._events.append(TierEvent(removed, True))
+        return busy
 
     def take_events(self) -> list[TierEvent]:
         if not self._events:

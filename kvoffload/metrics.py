@@ -102,15 +102,34 @@ CORE_METRICS: tuple[MetricDef, ...] = (
     Gauge("kvoffload_tier_workers_alive", "Live worker processes of the tier.", T),
     Counter("kvoffload_tier_worker_restarts", "Tier workers replaced after dying or hanging.", T),
     Gauge("kvoffload_tier_breaker_open", "1 while the tier's circuit breaker is open.", T),
+    Gauge("kvoffload_tier_breaker_state",
+          "1 for the circuit breaker's current state (closed, open, half_open), 0 for the others.",
+          ("tier", "state")),
     Counter("kvoffload_host_evictions", "Chunks evicted from the host tier."),
     Counter("kvoffload_tier_evictions", "Chunks evicted from a capacity-bounded tier.", T),
     Counter("kvoffload_dropped_stores",
-            "Chunks not written to a tier (tier backed up, breaker open, no room).", T),
+            "Chunks not written to a tier (tier backed up, breaker open, no room); by reason: "
+            "kvoffload_refused_chunks.", T),
+    Counter("kvoffload_refused_chunks",
+            "Chunks a tier refused to take, by direction and reason. host store: "
+            "no_evictable_slot (the whole batch), batch_truncated (the tail of a batch that did "
+            "not fit); host load: no_evictable_slot (a promotion); secondary tier store: "
+            "pin_limit, queue_full, breaker_open.", ("tier", "direction", "reason")),
+    Counter("kvoffload_tier_eviction_errors",
+            "Chunks a tier failed to delete when evicting or removing them, by errno name.",
+            ("tier", "errno")),
     Counter("kvoffload_tier_events", "A tier's own named counters (engine or worker side).", E),
     Counter("kvoffload_kv_events_published", "KV event batches published, per stream.", S),
 )
 
 CORE_NAMES = frozenset(d.name for d in CORE_METRICS)
+
+#: A tier's counters named ``<family>.<value>`` (counted engine side with ``count`` or in a worker
+#: with :func:`kvoffload.workers.counters.count`) for a family listed here are exported as that
+#: metric, with ``value`` as its second label, instead of as a ``kvoffload_tier_events_total``
+#: event: ``eviction_errors.EACCES`` -> ``kvoffload_tier_eviction_errors_total{tier, errno="EACCES"}``
+#: (workers count those with :func:`kvoffload.workers.counters.count_errno`).
+TIER_COUNTER_FAMILIES: dict[str, str] = {"eviction_errors": "kvoffload_tier_eviction_errors"}
 
 
 class HistogramValue:

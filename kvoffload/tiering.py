@@ -29,8 +29,9 @@ from typing import Any
 
 from kvoffload import metrics as _metrics
 from kvoffload.config import OffloadConfig
-from kvoffload.events import BlockRemoved, BlockStored, EventPublisher, Movement
+from kvoffload.events import BlockRemoved, BlockStored, ChunkEventInfo, EventPublisher, Movement
 from kvoffload.host import READY, HostTier, StorePlan
+from kvoffload.logs import RateLimitedLog
 from kvoffload.policies import make_policy
 from kvoffload.tiers import create_tier
 from kvoffload.tiers.base import JobMetadata, LookupResult, SecondaryTierManager, TierEvent
@@ -40,19 +41,40 @@ log = logging.getLogger("kvoffload")
 _HIT, _MISS, _PENDING, _RETRY = (LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING,
                                  LookupResult.RETRY)
 HOST = "host"
+_DROP_WHY = {
+    "pin_limit": "its stores in flight already pin {pinned} host slots (tier_pin_fraction allows "
+                 "{limit})",
+    "queue_full": "too many of its stores in flight (max_pending_store_chunks): the tier is slower "
+                  "than the offload rate",
+    "breaker_open": "its circuit breaker is not closed (the tier keeps failing)",
+}
 
 
 class _Job:
-    __slots__ = ("tier", "meta")
+    __slots__ = ("tier", "meta", "orphaned")
 
     def __init__(self, tier: int, meta: JobMetadata):
         self.tier = tier
         self.meta = meta
+        self.orphaned = False  # a reset forgot its chunks; its result only ends a quarantine
+
+
+#: Why a tier refuses chunks, by (tier kind, direction): the ``reason`` label values of
+#: ``kvoffload_refused_chunks_total`` (a secondary tier may add its own, see ``store_refusal``).
+HOST_REFUSALS = (("store", "no_evictable_slot"), ("store", "batch_truncated"),
+                 ("load", "no_evictable_slot"))
+TIER_REFUSALS = (("store", "pin_limit"), ("store", "queue_full"), ("store", "breaker_open"))
 
 
 class Stats:
     """Counters of one tiering manager (chunks unless named otherwise). ``per_tier`` maps a tier
-    name to its own counters."""
+    name to its own counters.
+
+    Refusals: ``store_rejections`` / ``store_truncations`` count host-tier store batches refused
+    whole / cut short, ``promotion_alloc_failures`` promotions with no host slot, ``dropped_stores``
+    chunks not written to a tier; ``refused`` counts the chunks of all of them by
+    ``(tier, direction, reason)`` (reasons: :data:`HOST_REFUSALS`, :data:`TIER_REFUSALS`).
+    """
 
     def __init__(self, tier_names: Sequence[str]):
         # Lookups are counted at their verdict (HIT, HIT_PENDING, MISS), never at a RETRY; every
@@ -69,9 +91,17 @@ class Stats:
         self.dropped_stores = {n: 0 for n in tier_names}
         self.store_rejections = 0
         self.store_truncations = 0
+        self.unheld_completions = 0  # complete_load of a chunk the caller held no pin on (C28)
+        self.unknown_job_results = 0  # results for a job id not in flight (duplicates, strays)
+        self.reset_discarded_promotions = 0  # promotions a reset made moot while in flight
         self.loads_from = {HOST: 0, **{n: 0 for n in tier_names}}
         self.failed: dict[tuple[str, str, str], int] = {}  # (tier, direction, reason) -> chunks
         self.failed_jobs: dict[tuple[str, str], int] = {}  # (tier, direction) -> jobs
+        # (tier, direction, reason) -> chunks; the known reasons start at 0 so that a scrape sees
+        # every series from the start (Prometheus' increase() misses a series' first value)
+        self.refused: dict[tuple[str, str, str], int] = {
+            **{(HOST, d, r): 0 for d, r in HOST_REFUSALS},
+            **{(n, d, r): 0 for n in tier_names for d, r in TIER_REFUSALS}}
 
     def snapshot(self) -> dict[str, Any]:
         return {k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(self).items()}
@@ -87,6 +117,10 @@ class TieringManager:
         tiers: prebuilt tiers (tests); by default they are built from ``config.secondary_tiers``.
         record_events: keep host/tier events for :meth:`take_events` (vLLM's KV events).
         keep_metric_samples: keep histogram samples for :meth:`take_metric_stats` (vLLM's metrics).
+        data_parallel_rank: the engine's data-parallel rank: published KV events bind the
+            configured ports + this rank and carry it (:class:`~kvoffload.events.EventPublisher`).
+        event_block_hash: ``key -> block hash`` published for a chunk stored without a
+            :class:`~kvoffload.events.ChunkEventInfo` and in removals (default: the key itself).
 
     Metrics: :meth:`refresh_metrics` (also called by :func:`kvoffload.metrics.serve`'s endpoint,
     where this manager is exported under its ``instance`` label). KV events: with
@@ -98,7 +132,8 @@ class TieringManager:
 
     def __init__(self, arena: Any, namespace: Any, config: OffloadConfig, *,
                  tiers: list[SecondaryTierManager] | None = None, record_events: bool = True,
-                 poll_interval_s: float = 0.0005, keep_metric_samples: bool = False):
+                 poll_interval_s: float = 0.0005, keep_metric_samples: bool = False,
+                 data_parallel_rank: int = 0, event_block_hash: Any = None):
         self.arena = arena
         self.namespace = namespace
         self.config = config
@@ -143,7 +178,8 @@ class TieringManager:
         self._lookup_sample = 0
         if config.kv_events is not None:
             try:
-                self._publisher = EventPublisher(config.kv_events, self.instance)
+                self._publisher = EventPublisher(config.kv_events, self.instance,
+                                                 data_parallel_rank)
             except Exception as e:
                 for t in self.tiers:
                     t.shutdown()
@@ -152,17 +188,28 @@ class TieringManager:
                 ev = config.kv_events
                 where = repr(ev.endpoint) + (f" or replay_endpoint {ev.replay_endpoint!r}"
                                              if ev.replay_endpoint else "")
+                if data_parallel_rank:
+                    where += f" (+ {data_parallel_rank} for data-parallel rank {data_parallel_rank})"
                 raise ConfigError(f"kv_connector_extra_config.kv_events.endpoint: cannot bind "
                                   f"{where}: {e}") from None
             self._moves = []
             self._localities = {HOST: "local", **{t.name: t.locality.lower() for t in self.tiers}}
             self._media = {HOST: "CPU", **{t.name: t.medium for t in self.tiers}}
+        # What callers told prepare_store about each chunk (published events only), kept while
+        # the chunk is in the host tier: tier stores pin its slot, so their events come first.
+        self._chunk_info: dict[bytes, ChunkEventInfo] | None = (
+            {} if self._publisher is not None else None)
+        self._event_hash = event_block_hash
         self.stats = Stats(self.tier_names)
+        self._refusal_log = RateLimitedLog(log)
         self._store_pins = [0] * len(self.tiers)  # host slots pinned by each tier's stores
         self._pin_limit = max(1, int(config.tier_pin_fraction * arena.num_slots))
         self._jobs: dict[int, _Job] = {}
         self._next_job = 0
         self._promotions: dict[int, dict[str, tuple[list[bytes], list[int]]]] = {}
+        # Pins held for host -> accelerator copies, per holder (request): req_id -> key ->
+        # [slot, pins]. A completion drops only its own holder's pins (CASES C28).
+        self._holds: dict[str, dict[bytes, list[int]]] = {}
         self._load_source: dict[str, dict[bytes, int]] = {}
         self._poll_interval = poll_interval_s
         self._last_poll = 0.0
@@ -216,9 +263,13 @@ class TieringManager:
             stats.tier_hits[self.tier_names[hit_tier]] += 1
 
     def _start_promotion(self, tier_idx: int, key: bytes, req_id: str) -> LookupResult:
-        plan = self.host.allocate([key])
-        if plan is None:
+        host = self.host
+        plan = host.allocate([key])
+        if plan is None or not plan.slots:  # no room, or a write a reset quarantined holds the key
             self.stats.promotion_alloc_failures += 1
+            self._refuse(HOST, "load", "no_evictable_slot", 1, logging.WARNING,
+                         "kvoffload: a chunk found in tier %s is not promoted (a miss): no "
+                         "evictable host slot (%s)", self.tier_names[tier_idx], self._occupancy())
             return _MISS
         per_req = self._promotions.setdefault(tier_idx, {})
         keys, slots = per_req.setdefault(req_id, ([], []))
@@ -247,18 +298,34 @@ class TieringManager:
         idx = self._load_source.get(req_id, {}).get(key)
         return HOST if idx is None else self.tier_names[idx]
 
+    @property
+    def publishes_events(self) -> bool:
+        """True when this manager publishes KV events itself (``config.kv_events``)."""
+        return self._publisher is not None
+
     def tier_of(self, name: str) -> SecondaryTierManager | None:
         return next((t for t in self.tiers if t.name == name), None)
 
     # -- host ↔ accelerator ---------------------------------------------------------------------
 
     def prepare_load(self, keys: Sequence[bytes], req_id: str = "") -> list[int]:
-        """Pin READY keys for a host → accelerator copy and return their slots.
+        """Pin READY keys for a host → accelerator copy and return their slots. The pins belong
+        to ``req_id`` (the holder) until its :meth:`complete_load` of the same keys.
 
         Raises:
-            KeyError: a key is not READY in the host tier (callers pass keys that looked up HIT).
+            KeyError: a key is not READY in the host tier (callers pass keys that looked up HIT);
+                nothing is pinned then.
         """
         slots = self.host.pin(keys)
+        holds = self._holds.get(req_id)
+        if holds is None:
+            holds = self._holds[req_id] = {}
+        for k, slot in zip(keys, slots):
+            h = holds.get(k)
+            if h is None:
+                holds[k] = [slot, 1]
+            else:
+                h[1] += 1
         self.host.access(keys)
         if self._moves is not None:
             self._moved(keys, HOST, "device", "local")
@@ -270,8 +337,47 @@ class TieringManager:
         return slots
 
     def complete_load(self, keys: Iterable[bytes], req_id: str = "") -> None:
-        """The accelerator copy of ``keys`` finished: drop the pins of :meth:`prepare_load`."""
-        self.host.unpin(keys)
+        """The accelerator copy of ``keys`` finished: drop the pins ``req_id`` took in
+        :meth:`prepare_load`. A key this holder holds no pin on (a duplicated completion, another
+        request's key) is ignored and counted (``Stats.unheld_completions``): it never releases
+        someone else's pin (CASES C28)."""
+        holds = self._holds.get(req_id)
+        host = self.host
+        for k in keys:
+            h = holds.get(k) if holds is not None else None
+            if h is None:
+                self.stats.unheld_completions += 1
+                continue
+            h[1] -= 1
+            if h[1] == 0:
+                del holds[k]
+            host.unpin_slot(h[0])
+        if holds is not None and not holds:
+            del self._holds[req_id]
+
+    def pins_held(self) -> dict[int, int]:
+        """Pins held on host slots, by slot: accelerator copies (per holder) plus in-flight tier
+        stores. Equals the host tier's ref counts when the bookkeeping is right (tests)."""
+        out: dict[int, int] = {}
+        for holds in self._holds.values():
+            for slot, n in holds.values():
+                out[slot] = out.get(slot, 0) + n
+        for job in self._jobs.values():
+            if not job.meta.is_promotion:
+                for slot in job.meta.slots:
+                    out[slot] = out.get(slot, 0) + 1
+        return out
+
+    def busy_slots(self) -> set[int]:
+        """Host slots a transfer is in flight into or out of: tier jobs (promotions writing,
+        stores reading), queued promotions, and accelerator copies not yet completed."""
+        busy = {s for job in self._jobs.values() for s in job.meta.slots}
+        for per_req in self._promotions.values():
+            for _, slots in per_req.values():
+                busy.update(slots)
+        for holds in self._holds.values():
+            busy.update(h[0] for h in holds.values())
+        return busy
 
     def touch(self, keys: Sequence[bytes], req_id: str = "") -> None:
         """Mark ``keys`` recently used in every tier."""
@@ -279,8 +385,14 @@ class TieringManager:
         for tier in self.tiers:
             tier.touch(keys)
 
-    def prepare_store(self, keys: Sequence[bytes], req_id: str = "") -> StorePlan | None:
+    def prepare_store(self, keys: Sequence[bytes], req_id: str = "",
+                      chunk_info: Any = None) -> StorePlan | None:
         """Reserve host slots for the keys not yet present (accelerator → host copy).
+
+        ``chunk_info``: optional, anything with ``get(key) -> ChunkEventInfo | None`` (a dict, or a
+        lazy view the caller computes per key): the block hashes, parent hash and token ids that
+        the chunk's ``BlockStored`` events carry. Read only for reserved keys, and only when KV
+        events are published.
 
         Completions are processed first, so pins released by finished tier jobs count before any
         eviction decision. When the whole batch does not fit, its longest prefix that fits is
@@ -294,36 +406,92 @@ class TieringManager:
             # larger than the tier): keep its longest prefix that fits now. Lookups are prefix
             # ordered, so the head of a request is what later requests can reuse; the engine does
             # not offer the rest again.
-            new = [k for k in dict.fromkeys(keys) if k not in host.index]
+            new = [k for k in dict.fromkeys(keys) if not host.is_present(k)]
             room = min(host.room_for(keys), len(new))
             if room > 0:
                 cut = keys.index(new[room - 1]) + 1
                 plan = host.allocate(keys[:cut])
                 self.stats.store_truncations += 1
+                if plan is not None:
+                    self._refuse(HOST, "store", "batch_truncated", len(new) - room, logging.INFO,
+                                 "kvoffload: host tier took %d of %d new chunk(s) of a store; the "
+                                 "rest did not fit (%s)", room, len(new), self._occupancy())
             if plan is None:
                 self.stats.store_rejections += 1
+                self._refuse(HOST, "store", "no_evictable_slot", len(new), logging.WARNING,
+                             "kvoffload: host tier refused a store of %d chunk(s): no evictable "
+                             "slot (%s)", len(new), self._occupancy())
+        if chunk_info is not None and plan is not None and self._chunk_info is not None:
+            infos = self._chunk_info
+            for k in plan.keys:
+                info = chunk_info.get(k)
+                if info is not None:
+                    infos[k] = info
         return plan
+
+    def _occupancy(self) -> str:
+        """Why host slots cannot be evicted, for a log line."""
+        host = self.host
+        writing = host.num_used - host.num_evictable - host.num_pinned
+        return (f"of {host.num_slots} slots, {host.num_pinned} pinned by transfers in flight and "
+                f"{writing} being written")
+
+    def _refuse(self, tier: str, direction: str, reason: str, chunks: int, level: int, msg: str,
+                *args) -> None:
+        """Count ``chunks`` refused by ``tier`` (``kvoffload_refused_chunks_total``) and say why in
+        the log, at most once a minute per ``(tier, direction, reason)``."""
+        key = (tier, direction, reason)
+        refused = self.stats.refused
+        refused[key] = refused.get(key, 0) + chunks
+        self._refusal_log.log(level, "/".join(key), msg, *args)
 
     def complete_store(self, keys: Iterable[bytes], success: bool = True, req_id: str = "") -> None:
         """The accelerator → host copy finished: publish the chunks (or free their slots on
         failure) and write them through to every secondary tier."""
+        forget = not success and self._chunk_info
+        if forget:
+            keys = list(keys)
         done = self.host.complete_write(keys, success)
+        if forget:
+            for k in keys:
+                if k not in self.host.index:
+                    self._chunk_info.pop(k, None)
         if success and done and self._moves is not None:
             self._moved(done, "device", HOST, "local")
         if success and done and self.tiers:
             self._cascade(done, req_id)
 
     def _cascade(self, keys: list[bytes], req_id: str) -> None:
+        """Write ``keys`` (just published in the host tier) through to every tier.
+
+        Each tier may pin at most ``tier_pin_fraction`` of the host slots with its in-flight
+        stores: of a batch that does not fit, the tier gets the longest prefix that does (lookups
+        are prefix ordered) and the rest is dropped and counted, never waited for, so a slow tier
+        cannot keep the host tier from taking new chunks (CASES C37). A tier with nothing in
+        flight takes the whole batch, so a batch larger than the limit still reaches every tier.
+        """
         host = self.host
         pins = self._store_pins
         for i, tier in enumerate(self.tiers):
-            if ((pins[i] and pins[i] + len(keys) > self._pin_limit)  # the first batch always goes
-                    or not tier.accepts_store(len(keys))):
-                self.stats.dropped_stores[tier.name] += len(keys)
+            take = keys[:max(0, self._pin_limit - pins[i])] if pins[i] else keys
+            reason = "pin_limit" if len(take) < len(keys) else None
+            # Asked even when over budget: a tier that refuses (open breaker, backlog) counts its
+            # own drops, so the cause stays visible whatever the pin budget did.
+            refusal = tier.store_refusal(len(take) or len(keys))
+            if refusal is not None:
+                take, reason = [], refusal
+            dropped = len(keys) - len(take)
+            if dropped:
+                self.stats.dropped_stores[tier.name] += dropped
+                self._refuse(tier.name, "store", reason, dropped, logging.WARNING,
+                             "kvoffload: %d chunk(s) not written to tier %s: %s", dropped,
+                             tier.name, _DROP_WHY.get(reason, reason).format(
+                                 pinned=pins[i], limit=self._pin_limit))
+            if not take:
                 continue
-            pins[i] += len(keys)
-            slots = host.pin(keys)
-            meta = JobMetadata(job_id=self._job_id(), keys=list(keys), slots=slots,
+            pins[i] += len(take)
+            slots = host.pin(take)
+            meta = JobMetadata(job_id=self._job_id(), keys=list(take), slots=slots,
                                is_promotion=False, req_id=req_id)
             self._jobs[meta.job_id] = _Job(i, meta)
             tier.submit_store(meta)
@@ -344,10 +512,21 @@ class TieringManager:
             tier.flush()
             for res in tier.get_finished_jobs():
                 job = self._jobs.pop(res.job_id, None)
-                if job is None:
-                    log.warning("tier %s reported unknown job %d", tier.name, res.job_id)
+                if job is None or self.tiers[job.tier] is not tier:
+                    if job is not None:  # another tier's job: not this tier's to answer
+                        self._jobs[res.job_id] = job
+                    stats.unknown_job_results += 1
+                    log.warning("tier %s reported job %d, which it does not hold; dropped",
+                                tier.name, res.job_id)
                     continue
                 meta = job.meta
+                if job.orphaned and meta.is_promotion:
+                    # A reset forgot these chunks while the load ran: the write has ended, so
+                    # the quarantined slots can be reused; nothing is published.
+                    for slot in meta.slots:
+                        host.end_quarantined_write(slot)
+                    stats.reset_discarded_promotions += len(meta.keys)
+                    continue
                 direction = "load" if meta.is_promotion else "store"
                 self.metrics.observe("kvoffload_tier_transfer_latency_seconds",
                                      res.transfer_seconds, tier.name, direction)
@@ -363,6 +542,8 @@ class TieringManager:
                     if res.success:
                         ok, failed = meta.keys, []
                     else:
+                        # only keys of this job the tier confirmed: anything else it names is
+                        # ignored, anything it does not name failed
                         ok_set = set(res.successful_keys or ())
                         ok = [k for k in meta.keys if k in ok_set]
                         failed = [k for k in meta.keys if k not in ok_set]
@@ -390,7 +571,8 @@ class TieringManager:
                         stats.cascaded[tier.name] += len(meta.keys)
                         stored = meta.keys
                     else:
-                        stored = res.successful_keys or []
+                        ok_set = set(res.successful_keys or ())
+                        stored = [k for k in meta.keys if k in ok_set]
                         stats.cascaded[tier.name] += len(stored)
                         stats.cascade_failures[tier.name] += len(meta.keys) - len(stored)
                     if stored and self._moves is not None:
@@ -425,19 +607,54 @@ class TieringManager:
         if self._publisher is None:
             return
         bsize = self.namespace.tokens_per_chunk
+        infos = self._chunk_info
+        hash_of = self._event_hash
+        out = self._engine_events
+        left_host: list[bytes] = []
         for name, ev in got:
             medium = self._media[name]
             locality = self._localities[name].upper()
             owner = None if name == HOST else name
+            plain = ev.keys  # keys without a ChunkEventInfo share one event, as before
+            if infos:
+                plain = []
+                for k in ev.keys:
+                    info = infos.get(k)
+                    if info is None:
+                        plain.append(k)
+                    elif ev.removed:
+                        out.append(BlockRemoved(block_hashes=list(info.block_hashes),
+                                                medium=medium, group_idx=info.group_idx,
+                                                locality=locality, ownership=owner))
+                    else:
+                        out.append(BlockStored(
+                            block_hashes=list(info.block_hashes),
+                            parent_block_hash=info.parent_block_hash, token_ids=info.token_ids,
+                            block_size=info.block_size, lora_id=None, medium=medium,
+                            lora_name=None, group_idx=info.group_idx, locality=locality,
+                            ownership=owner))
+                if ev.removed and name == HOST:
+                    left_host.extend(ev.keys)
+            hashes = list(plain) if hash_of is None else [hash_of(k) for k in plain]
             if ev.removed:
-                self._engine_events.append(BlockRemoved(block_hashes=list(ev.keys), medium=medium,
-                                                        locality=locality, ownership=owner))
+                if hashes:
+                    out.append(BlockRemoved(block_hashes=hashes, medium=medium, locality=locality,
+                                            ownership=owner))
                 self._moved(ev.keys, name, "none", self._localities[name])
-            else:
-                self._engine_events.append(BlockStored(
-                    block_hashes=list(ev.keys), parent_block_hash=None, token_ids=[],
+            elif hashes:
+                out.append(BlockStored(
+                    block_hashes=hashes, parent_block_hash=None, token_ids=[],
                     block_size=bsize, lora_id=None, medium=medium, lora_name=None,
                     locality=locality, ownership=owner))
+        if left_host:  # after the whole batch: a tier's store of a key may follow its eviction
+            index = self.host.index
+            for k in left_host:
+                if k not in index:
+                    infos.pop(k, None)
+        if infos is not None and len(infos) > 2 * self.host.num_slots:
+            # bound it whatever happened (a cleared host tier, a store never completed)
+            index = self.host.index
+            self._chunk_info = {k: v for k, v in infos.items() if k in index}
 
     # -- metrics --------------------------------------------------------------------------------
 
@@ -472,6 +689,8 @@ class TieringManager:
                 m.set_total("kvoffload_tier_failed_jobs", v, tname, direction)
             for (tname, direction, reason), v in list(st.failed.items()):
                 m.set_total("kvoffload_tier_failed_chunks", v, tname, direction, reason)
+            for (tname, direction, reason), v in list(st.refused.items()):
+                m.set_total("kvoffload_refused_chunks", v, tname, direction, reason)
             row = self.arena.row_bytes
             for tier in self.tiers:
                 name = tier.name
@@ -488,7 +707,12 @@ class TieringManager:
                 m.set_total("kvoffload_tier_evictions", c.get("evictions", 0), name)
                 m.set_total("kvoffload_dropped_stores", st.dropped_stores[name], name)
                 for event, v in c.items():
-                    m.set_total("kvoffload_tier_events", v, name, event)
+                    family, dot, value = event.partition(".")
+                    labelled = _metrics.TIER_COUNTER_FAMILIES.get(family) if dot else None
+                    if labelled is not None:  # e.g. eviction_errors.EACCES -> {errno="EACCES"}
+                        m.set_total(labelled, v, name, value)
+                    else:
+                        m.set_total("kvoffload_tier_events", v, name, event)
                 tier.report_metrics(m)
             if self._publisher is not None:
                 for stream, v in self._publisher.published.items():
@@ -547,13 +771,29 @@ class TieringManager:
         out, self._taken_events = self._taken_events, []
         return out
 
-    def reset_cache(self, timeout_s: float = 60.0) -> None:
-        """Forget every host-tier chunk, after in-flight tier jobs finish (their slots must not be
-        reused while a worker may still touch them)."""
-        self.wait_idle(timeout_s)
+    def reset_cache(self, timeout_s: float | None = None) -> None:
+        """Forget every host-tier chunk now, without waiting for tier jobs (never blocks the
+        scheduler for a tier's I/O; ``timeout_s`` is accepted for callers of the old blocking
+        form and ignored).
+
+        Slots with a transfer still in flight — promotions loading into them, tier stores reading
+        them, accelerator copies not completed — are quarantined by the host tier and reused only
+        once that transfer has ended (CASES C26). Promotions queued but not yet submitted are
+        dropped. KV events queued before the reset are kept and published, followed by the
+        removal of every chunk that was stored (C27).
+        """
+        self.poll()
+        for per_req in self._promotions.values():
+            for keys, slots in per_req.values():
+                self.host.complete_write(keys, False)  # never submitted: nothing writes there
         self._promotions.clear()
         self._load_source.clear()
-        self.host.clear()
+        for job in self._jobs.values():
+            job.orphaned = True
+        quarantined = self.host.clear()
+        if quarantined:
+            log.info("kvoffload: cache reset with %d host slot(s) still in use by transfers; "
+                     "they are reused once those end", len(quarantined))
 
     def shutdown(self) -> None:
         """Stop every tier (failing what is still in flight). Idempotent."""

@@ -32,6 +32,7 @@ from kvoffload.config import (
     parse_config,
     parse_tier_config,
 )
+from kvoffload.events import ChunkEventInfo
 from kvoffload.ipc.arena import Arena, default_name, round_up_to_page, sweep
 from kvoffload.namespace import GroupShape, Namespace, model_fingerprint
 from kvoffload.tiering import HOST, TieringManager
@@ -45,14 +46,18 @@ from kvoffload.vllm_compat import (
     OffloadingConfig,
     OffloadingConnectorStats,
     OffloadingEvent,
+    OffloadingKVEventsConfig,
     OffloadingManager,
     OffloadingSpec,
     OffloadingWorker,
     PrepareStoreOutput,
     ReqContext,
     RequestOffloadingContext,
+    calling_request,
+    convert_block_hash,
     current_model_config,
     drop_tolerated,
+    event_block_hash,
     hit_source,
     nondeterministic_block_hashes,
 )
@@ -69,6 +74,7 @@ _TO_VLLM = {
     KVLookup.RETRY: LookupResult.RETRY,
 }
 _MEDIUM = {"CPU": Medium.CPU, "STORAGE": Medium.STORAGE}
+_LOCALITY = {"LOCAL": Locality.LOCAL, "REMOTE": Locality.REMOTE}
 
 
 def engine_namespace(cfg: OffloadingConfig, *, layout: str, blocks_per_chunk: int, row_bytes: int,
@@ -90,9 +96,13 @@ def engine_namespace(cfg: OffloadingConfig, *, layout: str, blocks_per_chunk: in
     model = cfg.model.name
     path = os.path.realpath(model) if os.path.isdir(model) else None
     agnostic = bool(cfg.canonical_layout) and cfg.parallel.is_parallelism_agnostic
+    # A canonical page holds every rank's heads: its size, not one worker's share, is the same
+    # under every geometry (CASES C35).
+    page_bytes = cfg.worker_kv_bytes_per_block * (canonical_copies(cfg) if cfg.canonical_layout
+                                                  else 1)
     groups = tuple(
         GroupShape(tokens_per_block=g.tokens_per_block, num_layers=len(g.layer_names),
-                   page_bytes=cfg.worker_kv_bytes_per_block, kind=f"group{g.group_id}")
+                   page_bytes=page_bytes, kind=f"group{g.group_id}")
         for g in cfg.groups
     )
     par = cfg.parallel
@@ -106,6 +116,34 @@ def engine_namespace(cfg: OffloadingConfig, *, layout: str, blocks_per_chunk: in
         pcp_size=None if agnostic else par.pcp_size, dcp_size=None if agnostic else par.dcp_size,
         cache_salt=cache_salt,
     )
+
+
+def canonical_copies(cfg: OffloadingConfig) -> int:
+    """How many workers' pages of a block make one canonical page (vLLM's
+    ``CanonicalPageMapping.canonical_page_size_bytes`` / ``local_page_size_bytes``), known on the
+    scheduler side, before any worker has reported its mapping.
+
+    Attention KV is split by heads across TP ranks: ``min(tp_size, total KV heads)`` distinct head
+    shards (ranks beyond the head count hold replicas); an MLA latent is replicated on every rank
+    (one shard). Context parallelism splits a block's tokens over ``dcp_size * pcp_size`` ranks.
+    Without a model config in this process (standalone use) the head count is unknown and every
+    TP rank is taken to hold its own heads. The worker checks the figure against its mappings
+    (:class:`kvoffload.vllm_worker.KVOffloadWorker`) and refuses to start on a mismatch.
+    """
+    par = cfg.parallel
+    tp = max(par.tp_size, 1)
+    mc = current_model_config()
+    if cfg.replicated_layout or getattr(mc, "use_mla", False):
+        shards = 1
+    else:
+        shards = tp
+        try:
+            total_heads = int(mc.get_total_num_kv_heads()) if mc is not None else 0
+        except Exception:  # noqa: BLE001 - a config without a head count: assume one shard per rank
+            total_heads = 0
+        if 0 < total_heads < tp:
+            shards = total_heads
+    return shards * max(par.dcp_size, 1) * max(par.pcp_size, 1)
 
 
 class KVOffloadSpec(OffloadingSpec):
@@ -141,9 +179,20 @@ class KVOffloadSpec(OffloadingSpec):
                 log.warning("kvoffload: kv_connector_extra_config.%s (a setting of vLLM's own "
                             "tiering spec, accepted and not used here)", note)
         s = self.settings
+        if OffloadingKVEventsConfig is not None and hasattr(self, "kv_events_config"):
+            # vLLM's own publisher: its tracker gives our CPU / STORAGE events the request's
+            # parent hash and token ids (kvoffload's default on; vLLM's spec default is off)
+            self.kv_events_config = OffloadingKVEventsConfig(
+                enable_kv_cache_events=self.kv_events_config.enable_kv_cache_events,
+                self_describing_kv_events=s.self_describing_kv_events)
         par = config.parallel
         self.replicated = bool(config.replicated_layout) and not config.canonical_layout
-        num_copies = 1 if (self.replicated or config.canonical_layout) else max(par.world_size, 1)
+        if config.canonical_layout:
+            # One canonical area holding every rank's heads: the same row under any TP size.
+            num_copies = canonical_copies(config)
+        else:
+            num_copies = 1 if self.replicated else max(par.world_size, 1)
+        self.canonical_copies = num_copies if config.canonical_layout else None
         self.worker_page_bytes = config.worker_kv_bytes_per_block * self.blocks_per_chunk
         self.row_bytes = round_up_to_page(self.worker_page_bytes * num_copies) if (
             self.worker_page_bytes) else 0
@@ -193,12 +242,21 @@ class KVOffloadSpec(OffloadingSpec):
             removed = sweep()
             if removed:
                 log.info("kvoffload: removed %d arena(s) of dead engines: %s", len(removed), removed)
+            owned = self._arena is None
             arena = self._open_arena()
             log.info("kvoffload: %s", describe(self.settings))
             ns = self.namespace()
-            tm = TieringManager(arena, ns, self.settings,
-                                record_events=self.kv_events_config.enable_kv_cache_events,
-                                keep_metric_samples=True)
+            try:
+                tm = TieringManager(
+                    arena, ns, self.settings,
+                    record_events=self.kv_events_config.enable_kv_cache_events,
+                    keep_metric_samples=True, event_block_hash=event_block_hash,
+                    data_parallel_rank=getattr(self.config.parallel, "data_parallel_index", 0))
+            except BaseException:
+                if owned:  # a rank that cannot start leaves no segment (CASES C30)
+                    arena.close()
+                    self._arena = None
+                raise
             log.info("kvoffload: arena %s (%d slots x %d bytes), namespace %s, tiers %s",
                      arena.name, arena.num_slots, arena.row_bytes, ns.id(), tm.tier_names)
             host_tokens = arena.num_slots * ns.tokens_per_chunk
@@ -208,28 +266,91 @@ class KVOffloadSpec(OffloadingSpec):
                             "every offloaded chunk passes through it, so longer requests are only "
                             "partly offloaded (their first %d tokens); raise cpu_bytes_to_use",
                             host_tokens, max_len, host_tokens)
-            self._manager = KVOffloadManager(tm)
+            self._manager = KVOffloadManager(tm, self._event_geometry())
         return self._manager
+
+    def _event_geometry(self) -> dict[int, tuple[int, int]]:
+        """KV-cache group -> (tokens per block, tokens per chunk), for groups whose vLLM block
+        hashes are per block (the request's hashes index directly)."""
+        per_hash = getattr(self.config.cache, "tokens_per_hash", None)
+        return {g.group_id: (g.tokens_per_block, g.tokens_per_block * self.blocks_per_chunk)
+                for g in self.config.groups if g.tokens_per_block == per_hash}
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
             logs.setup()
             arena = self._open_arena()
             rank = 0 if self.replicated else self.config.parallel.rank
+            canonical = bool(self.config.canonical_layout)
             self._worker = KVOffloadWorker(
                 kv_caches, arena, self.row_bytes, rank * self.worker_page_bytes,
-                self.blocks_per_chunk, canonical=bool(self.config.canonical_layout), rank=rank,
+                self.blocks_per_chunk, canonical=canonical, rank=rank,
+                canonical_copies=self.canonical_copies,
+                parallelism_agnostic=canonical and self.config.parallel.is_parallelism_agnostic,
             )
         return self._worker
 
 
-class KVOffloadManager(OffloadingManager):
-    """vLLM ``OffloadingManager`` delegating to a :class:`~kvoffload.tiering.TieringManager`."""
+class _RequestChunks:
+    """One request's chunks as :class:`~kvoffload.events.ChunkEventInfo`, computed per key when
+    asked (:meth:`~kvoffload.tiering.TieringManager.prepare_store`'s ``chunk_info``): the
+    request's block hashes and token ids over the key's token range (its end from the
+    ``ReqContext``), the values of vLLM's own ``BlockStored`` for those blocks. Kept in the
+    context's state; :meth:`release` (request finished) drops both references, so neither the
+    request nor the context waits for the cyclic garbage collector."""
 
-    def __init__(self, tiering: TieringManager):
+    __slots__ = ("ctx", "geometry", "req")
+
+    def __init__(self, req: Any, ctx: ReqContext, geometry: dict[int, tuple[int, int]]):
+        self.req = req
+        self.ctx = ctx
+        self.geometry = geometry
+
+    def release(self) -> None:
+        self.req = self.ctx = None
+
+    def get(self, key: bytes) -> ChunkEventInfo | None:
+        if self.req is None:
+            return None
+        end = self.ctx.get_offload_key_position(key)
+        group = int.from_bytes(key[-4:], "big")
+        shape = self.geometry.get(group)
+        if end is None or shape is None:
+            return None
+        block, chunk = shape
+        start = end - chunk
+        hashes = self.req.block_hashes
+        first, last = start // block, end // block
+        # the key names the chunk's last block: anything else (a window group's layout, a
+        # request whose hashes moved on) gets the plain event, never a wrong parent
+        if start < 0 or last > len(hashes) or hashes[last - 1] != key[:-4]:
+            return None
+        return ChunkEventInfo(
+            block_hashes=[convert_block_hash(h) for h in hashes[first:last]],
+            parent_block_hash=convert_block_hash(hashes[first - 1]) if first else None,
+            token_ids=list(self.req.all_token_ids[start:end]), block_size=block,
+            group_idx=group)
+
+
+class KVOffloadManager(OffloadingManager):
+    """vLLM ``OffloadingManager`` delegating to a :class:`~kvoffload.tiering.TieringManager`.
+
+    Args:
+        tiering: the tiering manager.
+        event_geometry: KV-cache group -> (tokens per block, tokens per chunk); with kvoffload's
+            own KV events on, a chunk of such a group is published with its request's parent
+            hash and token ids.
+    """
+
+    def __init__(self, tiering: TieringManager,
+                 event_geometry: dict[int, tuple[int, int]] | None = None):
         self.tm = tiering
         self._stats_at = 0.0
         self._medium = {HOST: "CPU", **{t.name: t.medium for t in tiering.tiers}}
+        self._locality = {HOST: Locality.LOCAL,
+                          **{t.name: _LOCALITY.get(t.locality, Locality.LOCAL)
+                             for t in tiering.tiers}}
+        self._geometry = event_geometry if tiering.publishes_events else None
 
     def lookup(self, key, req_context: ReqContext, **kwargs) -> LookupResult:
         return _TO_VLLM[self.tm.lookup(key, req_context.req_id)]
@@ -249,7 +370,8 @@ class KVOffloadManager(OffloadingManager):
         self.tm.complete_load(keys, req_context.req_id)
 
     def prepare_store(self, keys: Collection, req_context: ReqContext, **kwargs):
-        plan = self.tm.prepare_store(list(keys), req_context.req_id)
+        info = req_context.get_state(_RequestChunks) if self._geometry else None
+        plan = self.tm.prepare_store(list(keys), req_context.req_id, info)
         if plan is None:
             return None
         return PrepareStoreOutput(keys_to_store=plan.keys, store_spec=CPULoadStoreSpec(plan.slots),
@@ -260,9 +382,17 @@ class KVOffloadManager(OffloadingManager):
         self.tm.complete_store(keys, success, req_context.req_id)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        if self._geometry:
+            req = calling_request(req_context.req_id)
+            if req is not None:
+                req_context.set_state(_RequestChunks(req, req_context, self._geometry))
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
+        if self._geometry:
+            chunks = req_context.get_state(_RequestChunks)
+            if chunks is not None:
+                chunks.release()
         self.tm.on_request_finished(req_context.req_id)
 
     def on_schedule_end(self, context) -> None:
@@ -276,9 +406,13 @@ class KVOffloadManager(OffloadingManager):
             medium = _MEDIUM.get(self._medium[tier_name])
             if medium is None:
                 continue
+            host = tier_name == HOST
+            # removal_expected: vLLM's tracker keeps a host chunk's payload until its removal
+            # (bounded by the host slots); a tier's payload is not kept past the host's
             yield OffloadingEvent(
                 keys=list(ev.keys), medium=medium, removed=ev.removed,
-                locality=Locality.LOCAL, ownership=None if tier_name == HOST else tier_name,
+                locality=self._locality[tier_name], ownership=None if host else tier_name,
+                removal_expected=host and not ev.removed,
             )
 
     def get_stats(self):

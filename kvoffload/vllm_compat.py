@@ -30,8 +30,14 @@ from vllm.v1.kv_offload.base import (  # noqa: F401 - re-exported for kvoffload.
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (  # noqa: F401
     OffloadingConnectorStats,
 )
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as convert_block_hash
 from vllm.v1.kv_offload.config import OffloadingConfig  # noqa: F401
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: F401
+
+try:  # 0.32 and 0.33: vLLM's own tracker makes offloaded-block events self-describing
+    from vllm.v1.kv_offload.base import OffloadingKVEventsConfig
+except ImportError:  # pragma: no cover - older vLLM
+    OffloadingKVEventsConfig = None  # type: ignore[assignment,misc]
 
 try:  # 0.32: the tier that served a hit; absent in older releases
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -131,4 +137,34 @@ def nondeterministic_block_hashes() -> str | None:
         pass
     if algo in ("xxhash", "xxhash_cbor"):
         return f"prefix_caching_hash_algo={algo!r} without PYTHONHASHSEED"
+    return None
+
+
+def event_block_hash(key: bytes) -> Any:
+    """The engine's block hash in an ``OffloadKey`` (block hash + 4-byte group index), as vLLM
+    publishes it in KV events (bytes, or a 64-bit int with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``)."""
+    return convert_block_hash(key[:-4])
+
+
+def calling_request(req_id: str) -> Any:
+    """vLLM's ``Request`` being added, read from the scheduler connector's frame that called the
+    manager's ``on_new_request`` (its ``request`` argument, in 0.32 and 0.33); None when it is not
+    there or is another request.
+
+    The manager interface passes only a ``ReqContext`` (request id, transfer params, key
+    positions): a chunk's token ids and its parent hash live on the ``Request``, which the
+    scheduler connector holds for the request's lifetime. Call it directly from
+    ``on_new_request``.
+    """
+    import sys
+
+    try:
+        from vllm.v1.request import Request
+    except ImportError:  # pragma: no cover - a vLLM without v1 requests
+        return None
+    frame = sys._getframe(2)  # 0: here, 1: the manager's on_new_request, 2: vLLM's caller
+    req = frame.f_locals.get("request")
+    del frame
+    if isinstance(req, Request) and req.request_id == req_id:
+        return req
     return None

@@ -25,6 +25,7 @@ import time
 import numpy as np
 import torch
 
+from kvoffload.config import ConfigError
 from kvoffload.pinning import pin_arena
 from kvoffload.vllm_compat import (
     BlockIDsLoadStoreSpec,
@@ -47,29 +48,82 @@ def _as_pages(tensor: torch.Tensor, page_bytes: int) -> torch.Tensor:
 
 
 class _Plan:
-    """Where each tensor's pages sit in a row, and how many bytes of each ref to copy."""
+    """Where each tensor's pages sit in a row, and how many bytes of each ref to copy.
+
+    Raises:
+        ConfigError: the rows cannot hold the layout (see :func:`_canonical_pages`), before any
+            view of the arena is made.
+    """
 
     def __init__(self, kv_caches: CanonicalKVCaches, rows: torch.Tensor, row_bytes: int,
-                 rank_offset: int, blocks_per_chunk: int, canonical: bool):
+                 rank_offset: int, blocks_per_chunk: int, canonical: bool,
+                 canonical_copies: int | None = None, parallelism_agnostic: bool = False):
         self.bpc = blocks_per_chunk
         self.device_tensors = [_as_pages(t.tensor, t.page_size_bytes) for t in kv_caches.tensors]
         self.refs = kv_caches.group_data_refs
         self.canonical = canonical
+        if canonical:
+            pages = _canonical_pages(kv_caches, canonical_copies, parallelism_agnostic)
+        else:
+            pages = [t.page_size_bytes for t in kv_caches.tensors]
+        offset = 0 if canonical else rank_offset
+        need = offset + sum(pages) * blocks_per_chunk
+        if need > row_bytes:
+            key = "canonical_layout" if canonical else "cpu_bytes_to_use"
+            raise ConfigError(
+                f"kv_connector_extra_config.{key}: this worker's KV pages need {need} bytes per "
+                f"chunk row, the host tier's rows have {row_bytes} (the scheduler sized them for "
+                f"another layout)")
         num_slots = rows.shape[0]
         flat = rows.reshape(-1)
         self.host_views = []
-        offset = 0 if canonical else rank_offset
-        for t_idx, t in enumerate(kv_caches.tensors):
-            page = t.page_size_bytes
-            if canonical:
-                page = max(r.mapping.canonical_page_size_bytes for g in self.refs for r in g
-                           if r.tensor_idx == t_idx)
+        for page in pages:
             view = torch.as_strided(flat, size=(num_slots, blocks_per_chunk, page),
                                     stride=(row_bytes, page, 1), storage_offset=offset)
             self.host_views.append(view)
             offset += page * blocks_per_chunk
-        if offset > row_bytes:
-            raise ValueError(f"KV pages need {offset} bytes per row, rows have {row_bytes}")
+
+
+def _canonical_pages(kv_caches: CanonicalKVCaches, copies: int | None,
+                     parallelism_agnostic: bool) -> list[int]:
+    """Bytes of each tensor's canonical page (the largest of its refs' mappings).
+
+    Args:
+        copies: the scheduler's figure of worker pages per canonical page
+            (:func:`kvoffload.vllm.canonical_copies`); every mapping must agree, or rows would
+            be sized for another layout. None: not checked.
+        parallelism_agnostic: the namespace is shared across TP sizes; every mapping must be
+            topology-free.
+
+    Raises:
+        ConfigError: a layer vLLM could not certify for the canonical layout (no mapping), a
+            topology-bound mapping under a shared namespace, or a page size the rows were not
+            sized for. Named as ``canonical_layout`` errors: the layout cannot be honoured.
+    """
+    key = "kv_connector_extra_config.canonical_layout"
+    pages = [0] * len(kv_caches.tensors)
+    for g_idx, refs in enumerate(kv_caches.group_data_refs):
+        for r_idx, ref in enumerate(refs):
+            where = f"KV group {g_idx}, layer ref {r_idx} (tensor {ref.tensor_idx})"
+            m = ref.mapping
+            if m is None:
+                raise ConfigError(
+                    f"{key}: vLLM could not certify {where} for the canonical layout (offload "
+                    f"workers must be exactly the TP group; packed or cross-layer KV layouts "
+                    f"are not supported); remove canonical_layout")
+            if parallelism_agnostic and not m.parallelism_agnostic:
+                raise ConfigError(
+                    f"{key}: {where} has a topology-bound canonical page, but the namespace is "
+                    f"shared across parallel sizes; remove canonical_layout")
+            expected = None if copies is None else copies * m.local_page_size_bytes
+            if expected is not None and m.canonical_page_size_bytes != expected:
+                raise ConfigError(
+                    f"{key}: {where}: a canonical page of {m.canonical_page_size_bytes} bytes is "
+                    f"not {copies} x this worker's {m.local_page_size_bytes}-byte page, as the "
+                    f"host tier's rows were sized; this parallel layout cannot be stored "
+                    f"canonically; remove canonical_layout")
+            pages[ref.tensor_idx] = max(pages[ref.tensor_idx], m.canonical_page_size_bytes)
+    return pages
 
 
 def _positions(group_size: int, block_idx: int, bpc: int, chunk_ids: np.ndarray):
@@ -195,16 +249,27 @@ class KVOffloadWorker(OffloadingWorker):
         row_bytes: bytes per arena row.
         rank_offset: byte offset of this rank's area in a row (direct layout).
         blocks_per_chunk: engine blocks per chunk.
-        canonical: rows use vLLM's canonical layout.
+        canonical: rows use vLLM's canonical layout: one area holding every rank's heads, each
+            rank writing only its own (the pages its mappings name).
+        rank: this worker's rank (its row of device-transfer counters in the arena header).
+        canonical_copies: worker pages per canonical page, as the rows were sized
+            (:func:`kvoffload.vllm.canonical_copies`); None: not checked.
+        parallelism_agnostic: the namespace is shared across parallel sizes (every layer's
+            canonical page must be topology-free).
+
+    Raises:
+        ConfigError: the engine's KV layout cannot be stored in these rows (an uncertified layer
+            under ``canonical_layout``, pages larger than a row), before any copy.
     """
 
     def __init__(self, kv_caches: CanonicalKVCaches, arena, row_bytes: int, rank_offset: int,
-                 blocks_per_chunk: int, canonical: bool = False, rank: int = 0):
+                 blocks_per_chunk: int, canonical: bool = False, rank: int = 0,
+                 canonical_copies: int | None = None, parallelism_agnostic: bool = False):
         self.arena = arena
         self._stats_row = arena.device_stats[rank % len(arena.device_stats)]
         self._rows = arena.torch_rows()
         self._plan = _Plan(kv_caches, self._rows, row_bytes, rank_offset, blocks_per_chunk,
-                           canonical)
+                           canonical, canonical_copies, parallelism_agnostic)
         self._finished: list[TransferResult] = []
         self._cuda = None
         self._copier = None

@@ -4,7 +4,9 @@
 
     tier manager ──submit(task)──▶ queue ──dispatch──▶ worker k (least loaded, ≤ max_inflight tasks)
                  ◀──take(result)── (the tier manager drains the results socket and hands results here)
-    check(now): worker exited → its tasks re-run (attempt 2) or fail WORKER_DIED; replacement started
+    check(now): worker exited → its tasks re-run (attempt 2) or fail WORKER_DIED; after a crash
+                (not a kill from outside) the task it was running fails at once, never re-run (it
+                may be what crashed it); replacement started
                 task past its deadline → worker SIGKILLed; once it has exited, that task fails TIMEOUT
                 and the worker's other tasks re-run
 
@@ -37,6 +39,18 @@ _SPEC_ENV = "KVOFFLOAD_WORKER"
 _RESTART_BACKOFF_S = 0.5
 _BROKEN_AFTER_FAILED_STARTS = 3
 _BROKEN_RETRY_S = 10.0
+
+
+_CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGFPE,
+                            signal.SIGILL})
+
+
+def _crashed(returncode: int | None) -> bool:
+    """True when a worker's exit status says it died by itself: a non-zero exit (an uncaught
+    error, ``os._exit``) or a crash signal; False for a clean exit or a kill from outside."""
+    if returncode is None or returncode == 0:
+        return False
+    return returncode > 0 or -returncode in _CRASH_SIGNALS
 
 
 class PoolTask:
@@ -220,11 +234,19 @@ class WorkerPool:
                                 "replacing it", self.tier_name, self.kind, w.wid, w.proc.pid,
                                 w.proc.returncode)
                 rerun = []
+                # A worker that crashed (exited by itself, or on a crash signal) may have been
+                # killed by the task it was running (it runs its tasks in order): that task fails,
+                # never re-run, so a poison task cannot kill a second worker (C25). One killed from
+                # outside (SIGKILL / SIGTERM: an operator, the OOM killer) has its tasks re-run.
+                crashed = not w.killed and _crashed(w.proc.returncode)
+                running = next(iter(w.inflight.values()), None) if crashed else None
                 for task in w.inflight.values():
                     self.inflight_count -= 1
                     task.worker = None
                     if task.timed_out:
                         failed.append((task, m.TIMEOUT))
+                    elif task is running:
+                        failed.append((task, m.WORKER_DIED))
                     elif task.attempt < self.max_attempts:
                         rerun.append(task)
                     else:

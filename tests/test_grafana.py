@@ -234,7 +234,8 @@ def test_promtool_parses_every_expression(tmp_path):
 # -- live -----------------------------------------------------------------------------------------
 
 LABEL_VALUES = {"tier": ("host", "fs"), "direction": ("store", "load"), "reason": ("io_error", "timeout"),
-                "event": ("retries",), "stream": ("engine", "movements")}
+                "event": ("retries",), "stream": ("engine", "movements"),
+                "state": ("closed", "open", "half_open"), "errno": ("EACCES", "EIO")}
 
 
 @pytest.fixture(scope="module")

@@ -66,8 +66,11 @@ def test_c02_model_revision_and_local_path_are_part_of_the_identity(tmp_path):
 def test_c03_tensor_parallel_rank_is_part_of_the_identity(tmp_path):
     r0 = namespace(tp_size=2, tp_rank=0)
     r1 = namespace(tp_size=2, tp_rank=1)
-    with Rig([fs_tier(tmp_path, write_workers=2)], ns=r0, num_slots=64) as a, \
-            Rig([fs_tier(tmp_path, write_workers=2)], ns=r1, num_slots=64) as b:
+    # All 50 stores in flight at once (the race the case is about): no pin budget drops any.
+    with Rig([fs_tier(tmp_path, write_workers=2)], ns=r0, num_slots=64,
+             tier_pin_fraction=1.0) as a, \
+            Rig([fs_tier(tmp_path, write_workers=2)], ns=r1, num_slots=64,
+                tier_pin_fraction=1.0) as b:
         for i in range(50):
             t = keys_for(1, seed=100 + i)
             a.store(t, fill=0x00, wait=False)

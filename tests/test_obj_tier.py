@@ -179,8 +179,8 @@ def test_c09_a_burst_of_failures_opens_the_breaker_once_for_its_base_cooldown(mo
             rig.store(keys_for(12))  # 12 tasks in flight at once, all failing
             tier = rig.fs
             assert tier.counters["breaker_opens"] == 1
-            assert tier._open_count == 1  # opened once: the next cooldown is not doubled yet
-            assert tier._open_until - time.monotonic() <= 1.0  # for the base cooldown
+            assert tier.breaker.open_count == 1  # opened once: the next cooldown is not doubled yet
+            assert tier.breaker.reopens_at - time.monotonic() <= 1.0  # for the base cooldown
             proxy.start()
             wait_until(lambda: tier.breaker_state == "half_open", what="the cooldown to pass")
             rig.store(keys_for(1, seed=40))

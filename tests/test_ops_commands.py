@@ -418,7 +418,7 @@ def test_check_prints_every_setting_with_its_source_and_masks_secrets(tmp_path):
     assert rows["cpu_bytes_to_use"] == (str(1 << 30), "set")
     assert rows["eviction_policy"] == ("arc", "set")
     assert rows["blocks_per_chunk"] == ("null", "default")
-    assert rows["tier_pin_fraction"] == ("1.0", "default")
+    assert rows["tier_pin_fraction"] == ("0.5", "default")
     assert rows["kv_events.endpoint"] == ("tcp://*:0", "set")
     assert rows["kv_events.topic"] == ("kv-events", "default")
     assert rows["secondary_tiers[0].type"] == ("fs", "set")
@@ -448,7 +448,7 @@ def test_c29_two_writers_with_one_pid_store_the_same_chunk_at_once(tmp_path):
     the same chunk at once: each uses its own temporary file and both stores succeed."""
     import threading
 
-    from kvoffload.ipc.messages import Fault
+    from kvoffload.ipc.messages import OK, Fault
     from kvoffload.workers.faults import Faults
     from kvoffload.workers.fs_io import make_io
 
@@ -474,7 +474,7 @@ def test_c29_two_writers_with_one_pid_store_the_same_chunk_at_once(tmp_path):
     finally:
         resume.touch()
         t.join(60)
-    assert results["other"][0] == 0 and results["paused"][0] == 0, results
+    assert results["other"].code == OK and results["paused"].code == OK, results
     with open(paused.path(key), "rb") as f:
         assert f.read()[HEADER_BYTES:] == payload(key).tobytes()
     assert not [n for n in os.listdir(d) if n.endswith(".tmp")]

@@ -150,3 +150,38 @@ def test_metrics_and_kv_events_under_vllm(server, tokenizer):
     for _, payload in replay(server.our_events["replay_endpoint"], 0, b"kvoffload-movements"):
         moves.update((mv["src"], mv["dst"]) for mv in msgspec.msgpack.decode(payload)["events"])
     assert {("device", "host"), ("host", "fs"), ("fs", "host"), ("host", "device")} <= moves, moves
+
+
+def test_c34_offloaded_block_events_match_vllm_gpu_events(server, tokenizer):
+    """kvoffload's CPU and STORAGE ``BlockStored`` events for a conversation's blocks carry the
+    parent hash, token ids and block size of vLLM's own GPU ``BlockStored`` for the same blocks
+    (vLLM's publisher, same engine), and so do vLLM's own events for our tiers."""
+    import msgspec
+    from vllm.distributed.kv_events import KVEventBatch
+
+    from test_event_content import per_block
+
+    dec = msgspec.msgpack.Decoder(KVEventBatch)
+
+    def events(endpoint):
+        return [ev for _, body in replay(endpoint) for ev in dec.decode(body).events]
+
+    chat(server.url, conversation(maintenance_log(tokenizer, 600, DOC_TOKENS)), 4)
+    deadline = time.monotonic() + 120
+    while True:  # the fs tier's stores finish after the reply; their events follow
+        theirs = events(server.vllm_events["replay_endpoint"])
+        ours = events(server.our_events["replay_endpoint"])
+        gpu = per_block(theirs, "GPU")
+        common = {m: gpu.keys() & per_block(ours, m, described_only=True).keys()
+                  for m in ("CPU", "STORAGE")}
+        if min(len(c) for c in common.values()) >= DOC_TOKENS // 32 or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    for medium in ("CPU", "STORAGE"):
+        mine = per_block(ours, medium, described_only=True)
+        assert len(common[medium]) >= DOC_TOKENS // 32, (medium, len(common[medium]))
+        for h in common[medium]:
+            assert mine[h] == gpu[h], medium
+        assert any(mine[h][0] is not None for h in common[medium])
+        vllms = per_block(theirs, medium, described_only=True)  # vLLM's tracker, our tiers
+        assert vllms and all(vllms[h] == gpu[h] for h in vllms.keys() & gpu.keys()), medium

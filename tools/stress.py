@@ -519,7 +519,8 @@ def stress(config_file, duration, workload, concurrency, chunk_kib, turn_chunks,
                 _bad_input(str(e))
             for i, t in enumerate(fs_tiers):  # the fs tiers move into the tmpfs, capped at half of it
                 t["root_dir"] = os.path.join(fill_dir, f"tier{i}")
-                t["max_bytes"] = min(int(t.get("max_bytes") or 1 << 62),
+                given = t.get("max_bytes")
+                t["max_bytes"] = min(1 << 62 if given in (None, "unbounded") else int(given),
                                      (fill_disk_mib << 20) // (2 * len(fs_tiers)))
         upstreams: dict[str, str] = {}
         if flaky_s3:

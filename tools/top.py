@@ -283,19 +283,39 @@ class LatencyRow:
 @dataclass(frozen=True, slots=True)
 class TierHealth:
     """Workers and queues of one secondary tier: live worker processes, restarts since start,
-    breaker state, tasks waiting per direction, jobs in flight; chunks since start: failed (per
-    ``"direction/reason"``), dropped stores, evictions."""
+    breaker state (``closed``, ``open``, ``half_open``; None when not exported), tasks waiting per
+    direction, jobs in flight; chunks since start: failed (per ``"direction/reason"``), dropped
+    stores, evictions."""
 
     tier: str
     workers_alive: float | None
     restarts: float | None
-    breaker_open: bool | None
+    breaker: str | None
     queue_store: float | None
     queue_load: float | None
     inflight_jobs: float | None
     failed: dict[str, float]
     dropped_stores: float | None
     evictions: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class RefusalRow:
+    """Chunks ``tier`` refused or failed to handle: ``what`` is ``store`` or ``load`` (refused,
+    ``kvoffload_refused_chunks_total``; ``reason`` such as ``no_evictable_slot``, ``pin_limit``,
+    ``breaker_open``) or ``eviction`` (a delete that failed,
+    ``kvoffload_tier_eviction_errors_total``; ``reason`` the errno name). ``total`` since the
+    target started, ``per_s`` over the last scrape interval (None after the first scrape)."""
+
+    tier: str
+    what: str
+    reason: str
+    total: float
+    per_s: float | None
+
+
+#: Breaker states from the best to the worst: managers summed together show the worst one.
+BREAKER_STATES = ("closed", "half_open", "open")
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,6 +330,7 @@ class Stats:
     throughput: list[Throughput]
     latency: list[LatencyRow]
     health: list[TierHealth]
+    refusals: list[RefusalRow]
 
 
 def _tier_order(tiers: Iterable[str]) -> list[str]:
@@ -396,21 +417,41 @@ def derive(cur: Snapshot, prev: Snapshot | None = None, window_base: Snapshot | 
                                for k in cur.by(f"{p}{name}", ("tier",)))
     queue = cur.by(f"{p}tier_queue_depth", keys)
     failed = cur.by(f"{p}tier_failed_chunks_total", ("tier", "direction", "reason"))
+    breaker_states = cur.by(f"{p}tier_breaker_state", ("tier", "state"))
     health = []
     for t in health_tiers:
-        breaker = cur.value(f"{p}tier_breaker_open", tier=t)
+        states = [s for s in BREAKER_STATES if breaker_states.get((t, s), 0) > 0]
+        if states:
+            breaker: str | None = states[-1]
+        else:  # a target without the state gauge
+            was_open = cur.value(f"{p}tier_breaker_open", tier=t)
+            breaker = None if was_open is None else ("open" if was_open > 0 else "closed")
         health.append(TierHealth(
             t, cur.value(f"{p}tier_workers_alive", tier=t),
             cur.value(f"{p}tier_worker_restarts_total", tier=t),
-            None if breaker is None else breaker > 0,
+            breaker,
             queue.get((t, "store")), queue.get((t, "load")),
             cur.value(f"{p}tier_inflight_jobs", tier=t),
             {f"{d}/{r}": v for (ft, d, r), v in sorted(failed.items()) if ft == t and v > 0},
             cur.value(f"{p}dropped_stores_total", tier=t),
             cur.value(f"{p}tier_evictions_total", tier=t)))
 
+    refusals, seen = [], []
+    for name, what_of, rkeys in (
+            (f"{p}refused_chunks_total", lambda k: k[1], ("tier", "direction", "reason")),
+            (f"{p}tier_eviction_errors_total", lambda k: "eviction", ("tier", "errno"))):
+        totals = cur.by(name, rkeys)
+        rates = _rate(cur, prev, name, rkeys)
+        seen += [k[0] for k in totals]  # zero series too: they list the tiers in their order
+        refusals += [RefusalRow(k[0], what_of(k), k[-1], v, rates.get(k))
+                     for k, v in totals.items() if v > 0]
+    order = _tier_order(seen)
+    what_order = (*DIRECTIONS, "eviction")
+    refusals.sort(key=lambda r: (order.index(r.tier), what_order.index(r.what)
+                                 if r.what in what_order else len(what_order), r.reason))
+
     return Stats(cur.t - prev.t if prev is not None else None, len(instances), host, hits,
-                 throughput, latency, health)
+                 throughput, latency, health, refusals)
 
 
 # -- KV movement events -----------------------------------------------------------------------
@@ -636,6 +677,13 @@ def fmt_ratio(x: float | None) -> str:
     return "–" if x is None else f"{x * 100:.1f} %"
 
 
+def fmt_breaker(state: str | None) -> str:
+    """``closed`` as is, the others in capitals (``OPEN``, ``HALF-OPEN``); ``–`` when unknown."""
+    if state is None:
+        return "–"
+    return state if state == "closed" else state.replace("_", "-").upper()
+
+
 def fmt_clock(wall: float | None) -> str:
     return "never" if wall is None else time.strftime("%H:%M:%S", time.localtime(wall))
 
@@ -658,6 +706,7 @@ TABLE_COLUMNS: dict[str, tuple[str, ...]] = {
     "queues": ("tier", "store queue", "load queue", "in flight jobs"),
     "health": ("tier", "workers alive", "restarts", "breaker", "dropped stores", "evictions",
                "failed chunks"),
+    "refusals": ("tier", "what", "reason", "chunks", "chunks/s"),
     "latency": ("metric", "tier", "direction", "p50", "p90", "p99", "mean", "observations",
                 "scope"),
     "routes": ("route", "chunks", "bytes", "chunks/s", "bytes/s"),
@@ -679,7 +728,7 @@ class TopApp(App):
     #overview-grid { grid-size: 2; grid-gutter: 1 2; grid-rows: auto; height: auto; }
     DataTable { height: auto; }
     DataTable.section { border-top: solid $primary; }
-    #health-table, #movements-log { margin-top: 1; }
+    #health-table, #refusals-table, #movements-log { margin-top: 1; }
     #movements-log { border-top: solid $primary; height: 1fr; }
     """
     BINDINGS = [
@@ -726,6 +775,7 @@ class TopApp(App):
                         yield self._table("bandwidth", "Bandwidth")
                         yield self._table("queues", "Queues")
                     yield self._table("health", "Worker health")
+                    yield self._table("refusals", "Refused chunks and failed evictions")
             with TabPane("2 Latency", id="latency"):
                 yield self._table("latency", "Latency percentiles")
             with TabPane("3 Movements", id="movements"):
@@ -855,10 +905,12 @@ class TopApp(App):
                                fmt_num(t.inflight_jobs)) for t in s.health])
         self._fill("health", [
             (t.tier, fmt_num(t.workers_alive), fmt_num(t.restarts),
-             "–" if t.breaker_open is None else ("OPEN" if t.breaker_open else "closed"),
+             fmt_breaker(t.breaker),
              fmt_num(t.dropped_stores), fmt_num(t.evictions),
              ", ".join(f"{k} {v:,.0f}" for k, v in t.failed.items()) or "none")
             for t in s.health])
+        self._fill("refusals", [(r.tier, r.what, r.reason, fmt_num(r.total), fmt_num(r.per_s, 1))
+                                for r in s.refusals] or [("none", "", "", "", "")])
         self._fill("latency", [(r.metric, r.tier, r.direction or "–",
                                 *(fmt_seconds(q) for q in r.quantiles), fmt_seconds(r.mean),
                                 fmt_num(r.observations), r.scope) for r in s.latency])
@@ -930,7 +982,8 @@ class TopApp(App):
 def top(metrics_url: str, events_endpoint: str | None, events_topic: str, interval: float,
         window: float, timeout: float) -> None:
     """Live monitor of a running engine or stress run: host usage, hit rates, bandwidth, latency
-    percentiles, queues, worker health and chunk movements. Keys: 1/2/3 or tab switch views,
+    percentiles, queues, worker health and breaker states, refused chunks and failed evictions by
+    reason, and chunk movements. Keys: 1/2/3 or tab switch views,
     p pauses, q quits."""
     TopApp(metrics_url, events_endpoint, events_topic, interval, window, timeout).run()
 

@@ -8,6 +8,7 @@ under that name. Nothing counted in a worker is lost unless the worker dies befo
 
 from __future__ import annotations
 
+import errno
 import threading
 
 _lock = threading.Lock()
@@ -18,6 +19,16 @@ def count(name: str, n: float = 1) -> None:
     """Add ``n`` to the worker-side counter ``name`` (thread-safe)."""
     with _lock:
         _counts[name] = _counts.get(name, 0) + n
+
+
+def count_errno(family: str, err: OSError, n: float = 1) -> None:
+    """Count ``err`` under ``<family>.<errno name>`` (``eviction_errors.EACCES``; the number when
+    the errno has no name, ``unknown`` when the error carries none). The engine exports a family
+    listed in :data:`kvoffload.metrics.TIER_COUNTER_FAMILIES` as a metric labelled by that name
+    (``eviction_errors`` -> ``kvoffload_tier_eviction_errors_total{tier, errno}``)."""
+    code = err.errno
+    name = "unknown" if code is None else errno.errorcode.get(code, str(code))
+    count(f"{family}.{name}", n)
 
 
 def take() -> dict[str, float]:

@@ -1,35 +1,28 @@
 """Named fault points inside tier workers, armed from the tier config's ``faults`` list.
 
-Tests and ``kvoffload stress`` use them to pause a worker at a precise point, fail one I/O call, drop a
-task or crash the process; with no faults configured :meth:`Faults.hit` is one dict lookup.
+Tests and ``kvoffload stress`` use them to pause a worker at a precise point, fail one I/O call, raise
+what a bug would raise, drop a task or crash the process; with no faults configured :meth:`Faults.hit`
+is one dict lookup. Points and actions are checked when the config is parsed
+(:class:`~kvoffload.ipc.messages.Fault`).
 """
 
 from __future__ import annotations
 
 import os
+import struct
 import time
 
-from kvoffload.ipc.messages import Fault
+from kvoffload.ipc.messages import FAULT_ERRORS, Fault, TaskResult
+
+_ERRORS: dict[str, type[BaseException]] = {
+    "ValueError": ValueError, "TypeError": TypeError, "KeyError": KeyError,
+    "RuntimeError": RuntimeError, "MemoryError": MemoryError, "struct.error": struct.error,
+}
+assert set(_ERRORS) == set(FAULT_ERRORS)
 
 
 class DropTask(Exception):
     """Raised by a ``drop`` fault: the worker never answers the task."""
-
-
-# How a ``mangle`` fault spoils the result of the task it fires on (the reply still reaches the
-# engine, only its content is wrong): ``short`` drops the last per-key code, ``empty`` sends no
-# codes, ``long`` adds an OK code for no key, ``bad_code`` replaces the first code with an unknown
-# one (99), ``stray`` sends first a result for a task id never sent, ``duplicate`` sends the result
-# twice, ``garbage`` sends first bytes that do not decode.
-MANGLE_KINDS = ("short", "empty", "long", "bad_code", "stray", "duplicate", "garbage")
-
-
-class MangleReply(Exception):
-    """Raised by a ``mangle`` fault (point ``reply``): the worker spoils the task's result."""
-
-    def __init__(self, kind: str):
-        super().__init__(kind)
-        self.kind = kind
 
 
 class Faults:
@@ -48,12 +41,44 @@ class Faults:
 
         Raises:
             OSError: a ``raise`` fault.
+            Exception: a ``raise_error`` fault (the type its ``arg`` names).
             DropTask: a ``drop`` fault.
         """
-        specs = self._by_point.get(point)
-        if not specs:
+        if point not in self._by_point:
             return
-        for f in specs:
+        for f in self._armed(point, key):
+            self._fire(f)
+
+    def reply(self, result: TaskResult, key: bytes | None = None,
+              kind: str = "") -> list[TaskResult]:
+        """The messages to send for ``result``: itself, or a malformed form of it when a fault
+        at point ``reply`` (any task) or ``<kind>_reply`` (``load_reply``, ``store_reply``,
+        ``probe_reply``, ...) fires (CASES C24): ``reply_short`` (the last verdict left out),
+        ``reply_empty`` (no verdicts), ``reply_long`` (one verdict too many), ``reply_bad_code``
+        (the last verdict an unknown code), ``reply_stray`` (an extra reply for a task id
+        never sent, before the real one)."""
+        out = [result]
+        armed = [*self._armed("reply", key), *self._armed(f"{kind}_reply", key)]
+        for f in armed:
+            codes = list(result.codes)
+            if f.action == "reply_short":
+                result.codes = codes[:-1]
+            elif f.action == "reply_empty":
+                result.codes = []
+            elif f.action == "reply_long":
+                result.codes = codes + [0]
+            elif f.action == "reply_bad_code":
+                result.codes = codes[:-1] + [99] if codes else [99]
+            elif f.action == "reply_stray":
+                out.insert(0, TaskResult(result.task_id + 1_000_000, result.worker_id,
+                                         [0] * max(1, len(codes))))
+            else:
+                self._fire(f)
+        return out
+
+    def _armed(self, point: str, key: bytes | None):
+        """The faults at ``point`` that fire now for ``key`` (their counts are used up)."""
+        for f in self._by_point.get(point, ()):
             if f.key_hex is not None and (key is None or not key.hex().startswith(f.key_hex)):
                 continue
             left = self._left[id(f)]
@@ -61,7 +86,7 @@ class Faults:
                 continue
             if left > 0:
                 self._left[id(f)] = left - 1
-            self._fire(f)
+            yield f
 
     @staticmethod
     def _fire(f: Fault) -> None:
@@ -70,12 +95,11 @@ class Faults:
         elif f.action == "raise":
             code = int(f.arg or 5)
             raise OSError(code, f"injected fault: {os.strerror(code)}")
+        elif f.action == "raise_error":
+            name = str(f.arg or "ValueError")
+            raise _ERRORS[name](f"injected fault: {name}")
         elif f.action == "drop":
             raise DropTask()
-        elif f.action == "mangle":
-            if f.arg not in MANGLE_KINDS:
-                raise ValueError(f"unknown mangle kind {f.arg!r}; one of {', '.join(MANGLE_KINDS)}")
-            raise MangleReply(str(f.arg))
         elif f.action == "exit":
             os._exit(70)
         elif f.action == "wait_file":

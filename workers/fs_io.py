@@ -9,6 +9,10 @@
   (PID plus a random tag: PIDs repeat across containers), then ``rename`` it over the final name:
   readers see the whole chunk or nothing, and two instances writing the same chunk at once are both
   safe (the last rename wins; the bytes are the same). A chunk already on disk is not rewritten.
+- Transfers bypass the page cache (O_DIRECT) as configured. A filesystem that refuses it with
+  EINVAL, at the open (some create the file first, CASES C31) or at the first aligned read or
+  write, gets that transfer redone with buffered I/O, and so does every later one of this worker;
+  logged once per worker with the filesystem, counted as ``direct_io_fallbacks``, never a failure.
 - Loads read the header, check it, read the payload straight into the arena slot and verify its
   checksum. Verified corruption (short file, wrong header, bad checksum) removes the file; transient
   errors (EIO, EINTR, ...) leave it alone.
@@ -27,18 +31,22 @@ import itertools
 import mmap
 import os
 import secrets
+import sys
 import threading
 import time
 from collections.abc import Iterator
 
 import msgspec
+import psutil
 
 from kvoffload.ipc import messages as m
 from kvoffload.workers import chunkfile as cf
 from kvoffload.workers import counters
+from kvoffload.workers.chunkio import OK_EMPTY, IOOutcome
 from kvoffload.workers.faults import Faults
 
 _NO_SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL
 STALE_TEMP_AGE_S = 3600.0
 """Default age (seconds since its last write) past which a temporary file is an orphan: 120x the
 default job deadline, with room for a writer stalled in fsync on a network filesystem and for clock
@@ -76,6 +84,25 @@ def remove_if_stale(path: str, mtime: float, now: float, older_than_s: float) ->
     except OSError:
         return False
     return True
+
+
+def filesystem_of(path: str) -> str:
+    """``"<fstype> on <mount point> (<device>)"`` for the filesystem holding ``path``, for log
+    lines; ``"filesystem unknown"`` when the mount table cannot tell."""
+    real = os.path.realpath(path)
+    try:
+        parts = psutil.disk_partitions(all=True)
+    except (OSError, psutil.Error):
+        parts = []
+    best = None
+    for p in parts:
+        mp = p.mountpoint.rstrip("/") or "/"
+        if (real == mp or real.startswith(mp + "/") or mp == "/") and (
+                best is None or len(mp) > len(best.mountpoint.rstrip("/") or "/")):
+            best = p
+    if best is None:
+        return "filesystem unknown"
+    return f"{best.fstype} on {best.mountpoint} ({best.device})"
 
 
 def namespace_files(ns_dir: str) -> Iterator[os.DirEntry]:
@@ -120,6 +147,8 @@ class FsIOConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             or ``both``.
         stale_temp_age_s: scans remove temporary files last written longer ago than this
             (seconds); see :func:`stale_temp_age_s`.
+        min_free_bytes: a store that would leave less free space than this (bytes) on the
+            filesystem answers ``NO_SPACE`` without writing (0: no floor).
     """
 
     root_dir: str
@@ -128,9 +157,12 @@ class FsIOConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     fsync: bool = False
     direct_io: str = "both"
     stale_temp_age_s: float = STALE_TEMP_AGE_S
+    min_free_bytes: int = 0
 
 
 class FsIO:
+    """:class:`~kvoffload.workers.chunkio.ChunkIO` over one file per chunk (module docstring)."""
+
     def __init__(self, config: FsIOConfig, faults: Faults):
         self.cfg = config
         self.faults = faults
@@ -144,6 +176,7 @@ class FsIO:
         self._local = threading.local()
         self._direct_reads = config.direct_io in ("reads", "both")
         self._direct_writes = config.direct_io in ("writes", "both")
+        self._fallback_lock = threading.Lock()
 
     def _scratch(self) -> mmap.mmap:
         buf = getattr(self._local, "buf", None)
@@ -156,12 +189,17 @@ class FsIO:
 
     # -- store ---------------------------------------------------------------------------------
 
-    def store(self, key: bytes, src: memoryview) -> tuple[int, int, str]:
-        """Write one chunk. Returns ``(code, bytes written, detail)``."""
+    def store(self, key: bytes, src: memoryview) -> IOOutcome:
+        """Write one chunk; ``nbytes``: file bytes written (0 when it was already there)."""
         final = self.path(key)
         if os.path.exists(final):
             counters.count("store_already_present")
-            return m.OK, 0, ""
+            return OK_EMPTY
+        if self.cfg.min_free_bytes and self._below_floor():
+            counters.count("below_free_floor")
+            return IOOutcome(m.NO_SPACE, 0, (f"store {key.hex()[:16]}: free space on "
+                                             f"{self.cfg.root_dir} below the tier's floor "
+                                             f"({self.cfg.min_free_bytes} bytes)"))
         tmp = None
         try:
             self.faults.hit("before_read_slot", key)
@@ -172,15 +210,7 @@ class FsIO:
                 self._dirs.add(d)
             tmp = os.path.join(
                 d, f".{key.hex()}.{self._tmp_tag}.{next(self._tmp_counter)}{cf.TMP_SUFFIX}")
-            fd = self._open_for_write(tmp)
-            try:
-                hbuf = self._scratch()
-                hbuf[:] = header  # aligned copy: O_DIRECT needs aligned buffers
-                _write_all(fd, [hbuf, src])
-                if self.cfg.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
+            self._write_new_file(tmp, key, header, src)
             self.faults.hit("before_publish", key)
             os.rename(tmp, final)
             tmp = None
@@ -190,7 +220,7 @@ class FsIO:
                     os.fsync(dfd)
                 finally:
                     os.close(dfd)
-            return m.OK, self.file_bytes, ""
+            return IOOutcome(m.OK, self.file_bytes)
         except OSError as e:
             if tmp is not None:
                 try:
@@ -200,69 +230,140 @@ class FsIO:
             code = m.NO_SPACE if e.errno in _NO_SPACE_ERRNOS else m.IO_ERROR
             if e.errno == errno.ENOENT:
                 self._dirs.discard(os.path.dirname(final))
-            return code, 0, f"store {key.hex()[:16]}: {e}"
+            return IOOutcome(code, 0, f"store {key.hex()[:16]}: {e}")
+
+    def _write_new_file(self, tmp: str, key: bytes, header: bytes, src: memoryview) -> None:
+        """Create ``tmp`` (O_EXCL) holding ``header`` + ``src``, through O_DIRECT while the
+        filesystem takes it. A filesystem that refuses O_DIRECT with EINVAL, at the open (some
+        create the file first: CASES C31) or at the first aligned write, gets the chunk written
+        again with buffered I/O, from a fresh file under the same name: the name is this writer's
+        own (:func:`temp_tag`), so removing what the refused attempt left is safe."""
+        hbuf = self._scratch()
+        hbuf[:] = header  # aligned copy: O_DIRECT needs aligned buffers
+        direct = self._direct_writes
+        while True:
+            try:
+                fd = self._open_direct_write(tmp, key) if direct else os.open(
+                    tmp, _WRITE_FLAGS, 0o644)
+            except OSError as e:
+                if not (direct and e.errno == errno.EINVAL):
+                    raise
+                self._direct_refused("writes", "the open", e, leftover=tmp)
+                direct = False
+                continue
+            try:
+                if direct:
+                    self.faults.hit("direct_write", key)
+                _write_all(fd, [hbuf, src])
+                if self.cfg.fsync:
+                    os.fsync(fd)
+                return
+            except OSError as e:
+                if not (direct and e.errno == errno.EINVAL):
+                    raise
+                os.close(fd)
+                fd = -1
+                self._direct_refused("writes", "an aligned write", e, leftover=tmp)
+                direct = False
+            finally:
+                if fd >= 0:
+                    os.close(fd)
+
+    def _open_direct_write(self, tmp: str, key: bytes) -> int:
+        fd = os.open(tmp, _WRITE_FLAGS | os.O_DIRECT, 0o644)
+        try:
+            self.faults.hit("direct_open_created", key)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _direct_refused(self, transfers: str, where: str, exc: OSError,
+                        leftover: str | None = None) -> None:
+        """The filesystem refused O_DIRECT ``transfers`` (``reads`` / ``writes``) at ``where``:
+        remove the refused attempt's file ``leftover`` (ours) and use buffered I/O from now on,
+        logged once per worker with the filesystem and counted as ``direct_io_fallbacks``."""
+        if leftover is not None:
+            try:
+                os.unlink(leftover)
+            except FileNotFoundError:
+                pass
+        with self._fallback_lock:
+            attr = f"_direct_{transfers}"
+            first = getattr(self, attr)
+            setattr(self, attr, False)
+        if first:
+            counters.count("direct_io_fallbacks")
+            print(f"kvoffload fs tier worker (pid {os.getpid()}): {self.cfg.root_dir} "
+                  f"({filesystem_of(self.cfg.root_dir)}) refuses O_DIRECT {transfers} "
+                  f"({where} failed: {exc}); using buffered {transfers}", file=sys.stderr,
+                  flush=True)
+
+    def _below_floor(self) -> bool:
+        """True when writing one more chunk file would leave less than ``min_free_bytes`` free
+        (``f_bavail``: what an unprivileged writer may still use) on the tier's filesystem."""
+        try:
+            st = os.statvfs(self.ns_dir)
+        except OSError:
+            return False  # the write itself will tell
+        return st.f_bavail * st.f_frsize - self.file_bytes < self.cfg.min_free_bytes
 
     # -- load ----------------------------------------------------------------------------------
 
-    def load(self, key: bytes, dst: memoryview) -> tuple[int, int, str]:
-        """Read one chunk into ``dst`` (an arena row). Returns ``(code, bytes read, detail)``."""
+    def load(self, key: bytes, dst: memoryview) -> IOOutcome:
+        """Read one chunk into ``dst`` (an arena row), verified; ``nbytes``: file bytes read."""
         path = self.path(key)
-        try:
-            fd = self._open_for_read(path)
-        except FileNotFoundError:
-            return m.MISSING, 0, f"{key.hex()[:16]}: missing"
-        except OSError as e:
-            return m.IO_ERROR, 0, f"open {key.hex()[:16]}: {e}"
-        try:
-            size = os.fstat(fd).st_size
-            if size != self.file_bytes:
-                self._remove_corrupt(path, fd)
-                return m.CORRUPT, 0, f"{key.hex()[:16]}: size {size}, expected {self.file_bytes}"
-            hbuf = self._scratch()
-            n = os.preadv(fd, [hbuf], 0)
-            if n != cf.HEADER_BYTES:
-                self._remove_corrupt(path, fd)
-                return m.CORRUPT, 0, f"{key.hex()[:16]}: short header"
+        direct = self._direct_reads
+        while True:
             try:
-                checksum = cf.parse_header(hbuf[:], self.ns_bytes, key, self.cfg.row_bytes)
-            except cf.ChunkFormatError as e:
-                self._remove_corrupt(path, fd)
-                return m.CORRUPT, 0, f"{key.hex()[:16]}: {e}"
-            self.faults.hit("after_metadata_before_read", key)
-            self.faults.hit("read_payload", key)
-            n = _read_all(fd, dst, cf.HEADER_BYTES)
-            if n != self.cfg.row_bytes:
-                self._remove_corrupt(path, fd)
-                return m.CORRUPT, 0, f"{key.hex()[:16]}: short payload ({n} bytes)"
-            if cf.payload_checksum(dst) != checksum:
-                self._remove_corrupt(path, fd)
-                return m.CORRUPT, 0, f"{key.hex()[:16]}: checksum mismatch"
-            return m.OK, self.file_bytes, ""
-        except OSError as e:
-            return m.IO_ERROR, 0, f"read {key.hex()[:16]}: {e}"
-        finally:
-            os.close(fd)
-
-    def _open_for_read(self, path: str) -> int:
-        if self._direct_reads:
-            try:
-                return os.open(path, os.O_RDONLY | os.O_DIRECT)
+                fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+            except FileNotFoundError:
+                return IOOutcome(m.MISSING, 0, f"{key.hex()[:16]}: missing")
             except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-                self._direct_reads = False  # this filesystem refuses O_DIRECT
-        return os.open(path, os.O_RDONLY)
-
-    def _open_for_write(self, path: str) -> int:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-        if self._direct_writes:
+                if direct and e.errno == errno.EINVAL:
+                    self._direct_refused("reads", "the open", e)
+                    direct = False
+                    continue
+                return IOOutcome(m.IO_ERROR, 0, f"open {key.hex()[:16]}: {e}")
             try:
-                return os.open(path, flags | os.O_DIRECT, 0o644)
+                if direct:
+                    self.faults.hit("direct_read", key)
+                return self._read_chunk(fd, path, key, dst)
             except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-                self._direct_writes = False  # this filesystem refuses O_DIRECT
-        return os.open(path, flags, 0o644)
+                if direct and e.errno == errno.EINVAL:
+                    self._direct_refused("reads", "an aligned read", e)
+                    direct = False
+                    continue
+                return IOOutcome(m.IO_ERROR, 0, f"read {key.hex()[:16]}: {e}")
+            finally:
+                os.close(fd)
+
+    def _read_chunk(self, fd: int, path: str, key: bytes, dst: memoryview) -> IOOutcome:
+        size = os.fstat(fd).st_size
+        if size != self.file_bytes:
+            self._remove_corrupt(path, fd)
+            return IOOutcome(m.CORRUPT, 0,
+                             f"{key.hex()[:16]}: size {size}, expected {self.file_bytes}")
+        hbuf = self._scratch()
+        n = os.preadv(fd, [hbuf], 0)
+        if n != cf.HEADER_BYTES:
+            self._remove_corrupt(path, fd)
+            return IOOutcome(m.CORRUPT, 0, f"{key.hex()[:16]}: short header")
+        try:
+            checksum = cf.parse_header(hbuf[:], self.ns_bytes, key, self.cfg.row_bytes)
+        except cf.ChunkFormatError as e:
+            self._remove_corrupt(path, fd)
+            return IOOutcome(m.CORRUPT, 0, f"{key.hex()[:16]}: {e}")
+        self.faults.hit("after_metadata_before_read", key)
+        self.faults.hit("read_payload", key)
+        n = _read_all(fd, dst, cf.HEADER_BYTES)
+        if n != self.cfg.row_bytes:
+            self._remove_corrupt(path, fd)
+            return IOOutcome(m.CORRUPT, 0, f"{key.hex()[:16]}: short payload ({n} bytes)")
+        if cf.payload_checksum(dst) != checksum:
+            self._remove_corrupt(path, fd)
+            return IOOutcome(m.CORRUPT, 0, f"{key.hex()[:16]}: checksum mismatch")
+        return IOOutcome(m.OK, self.file_bytes)
 
     @staticmethod
     def _remove_corrupt(path: str, fd: int) -> None:
@@ -276,24 +377,29 @@ class FsIO:
 
     # -- probe / delete / scan ---------------------------------------------------------------
 
-    def probe(self, key: bytes) -> int:
+    def probe(self, key: bytes) -> IOOutcome:
         self.faults.hit("probe_key", key)
         try:
             os.stat(self.path(key))
-            return m.OK
+            return OK_EMPTY
         except FileNotFoundError:
-            return m.MISSING
-        except OSError:
-            return m.IO_ERROR
+            return IOOutcome(m.MISSING)
+        except OSError as e:
+            return IOOutcome(m.IO_ERROR, 0, f"probe {key.hex()[:16]}: {e}")
 
-    def delete(self, key: bytes) -> int:
+    def delete(self, key: bytes) -> IOOutcome:
+        """Remove one chunk file (a missing file is not an error). A removal that failed (EPERM
+        on an immutable file, EBUSY on a network filesystem, EROFS after a read-only remount...)
+        answers ``IO_ERROR`` with its errno as ``status``, so the tier keeps counting the file
+        that is still there (CASES C32)."""
         try:
+            self.faults.hit("unlink", key)
             os.unlink(self.path(key))
         except FileNotFoundError:
             pass
-        except OSError:
-            return m.IO_ERROR
-        return m.OK
+        except OSError as e:
+            return IOOutcome(m.IO_ERROR, 0, f"delete {key.hex()[:16]}: {e}", e.errno or 0)
+        return OK_EMPTY
 
     def scan(self) -> list[tuple[bytes, int, float]]:
         """``(key, bytes, mtime)`` of every chunk of the namespace; removes orphaned temporary files
@@ -346,6 +452,6 @@ def _read_all(fd: int, dst: memoryview, offset: int) -> int:
     return total
 
 
-def make_io(config: dict, faults: Faults) -> FsIO:
+def make_io(config: dict, faults: Faults) -> FsIO:  # a chunkio.MakeIO
     """Entry point the worker calls with the tier's ``io_config``."""
     return FsIO(msgspec.convert(config, FsIOConfig), faults)

@@ -15,10 +15,13 @@ core, and exits within a poll interval once its engine process is gone (the engi
 
 from __future__ import annotations
 
+import errno
 import importlib
 import os
 import sys
+import threading
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
@@ -29,11 +32,12 @@ from kvoffload.ipc import messages as m
 from kvoffload.ipc.arena import Arena, ArenaError
 from kvoffload.ipc.channels import WorkerChannels
 from kvoffload.workers import counters
-from kvoffload.workers.faults import DropTask, Faults, MangleReply
+from kvoffload.workers.chunkio import ChunkIO, IOOutcome, MakeIO
+from kvoffload.workers.faults import DropTask, Faults
 
 SPEC_ENV = "KVOFFLOAD_WORKER"
 _POLL_S = 0.2
-
+_NO_SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 
 
 def _lower_priority(nice: int) -> None:
@@ -48,14 +52,68 @@ def _lower_priority(nice: int) -> None:
         pass
 
 
+class _ErrorLog:
+    """Contained errors on the worker's stderr (with their tracebacks), at most ``burst`` per
+    ``window_s`` seconds; the rest are counted, and their number is printed with the first error of
+    a later window. Thread-safe. ``clock``: seconds, monotonic."""
+
+    def __init__(self, who: str, burst: int = 5, window_s: float = 60.0, clock=time.monotonic):
+        self.who = who
+        self.burst = burst
+        self.window_s = window_s
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._window_start: float | None = None
+        self._logged = 0
+        self._suppressed = 0
+
+    def log(self, what: str, exc: BaseException | None = None, why: str = "") -> None:
+        """Report that ``what`` failed, with ``exc``'s traceback or the reason ``why``."""
+        now = self.clock()
+        with self._lock:
+            if self._window_start is None or now - self._window_start >= self.window_s:
+                if self._suppressed:
+                    print(f"{self.who}: {self._suppressed} more unexpected errors in the last "
+                          f"{self.window_s:.0f} s, not shown", file=sys.stderr)
+                self._window_start, self._logged, self._suppressed = now, 0, 0
+            if self._logged >= self.burst:
+                self._suppressed += 1
+                return
+            self._logged += 1
+        if exc is not None:
+            tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            text = f"{what} failed; the worker goes on\n{tb.rstrip()}"
+        else:
+            text = f"{what} failed; the worker goes on: {why}"
+        print(f"{self.who}: {text}", file=sys.stderr, flush=True)
+
+
 class Worker:
+    """The worker loop: one task at a time from the jobs socket, one result each.
+
+    Containment (CASES C25): whatever a task raises, the worker answers it and goes on. Per key, an
+    ``OSError`` from the I/O module fails that key with ``IO_ERROR`` and anything else with
+    ``ERROR`` (traceback logged, rate-limited, counted as ``task_errors``); an error outside the
+    per-key calls fails every key of the task with ``ERROR``. Only fatal conditions end the worker:
+    the engine gone (parent gone), the arena closed, the sockets gone.
+    """
+
     def __init__(self, spec: m.WorkerSpec):
         self.spec = spec
+        self.who = (f"kvoffload worker {spec.tier_name}/{spec.kind}#{spec.worker_id} "
+                    f"(pid {os.getpid()})")
+        self.errors = _ErrorLog(self.who)
         self.faults = Faults(spec.faults)
         self.arena = Arena.attach(spec.arena_name, nonce=spec.arena_nonce)
         self.rows = self.arena.rows
         io_mod = importlib.import_module(spec.io_module)
-        self.io = io_mod.make_io(spec.io_config, self.faults)
+        make_io: MakeIO = io_mod.make_io
+        self.io: ChunkIO = make_io(spec.io_config, self.faults)
+        if not isinstance(self.io, ChunkIO):
+            missing = [n for n in ("store", "load", "probe", "delete", "scan")
+                       if not callable(getattr(self.io, n, None))]
+            raise TypeError(f"{spec.io_module}.make_io returned {type(self.io).__name__}, which "
+                            f"lacks {', '.join(missing)} (see kvoffload.workers.chunkio.ChunkIO)")
         # Several chunks of a task in flight at once: the I/O calls release the GIL, so threads
         # give the disk a deeper queue without more processes.
         self.pool = (ThreadPoolExecutor(spec.io_threads, thread_name_prefix="io")
@@ -65,6 +123,14 @@ class Worker:
 
     def parent_alive(self) -> bool:
         return os.getppid() == self.spec.parent_pid
+
+    def fatal(self) -> str | None:
+        """Why this worker cannot go on (its engine or its arena is gone), or None."""
+        if not self.parent_alive():
+            return "the engine process is gone"
+        if self.arena.closed:
+            return "the arena is closed"
+        return None
 
     def run(self) -> None:
         self.chans.say_hello(m.encode(m.Hello(self.spec.worker_id, os.getpid())))
@@ -84,19 +150,64 @@ class Worker:
                 result = self.handle(task)
             except DropTask:
                 continue
-            result.counters = counters.take()
-            if self.faults:
-                keys = getattr(task, "keys", None)
-                first = keys[0] if keys else None
-                try:
-                    self.faults.hit("reply", first)
-                    self.faults.hit(f"reply_{type(task).__name__.removesuffix('Task').lower()}",
-                                    first)
-                except MangleReply as e:
-                    for data in _mangled(result, e.kind):
-                        self.chans.send_result(data)
-                    continue
-            self.chans.send_result(m.encode(result))
+            except Exception as e:  # noqa: BLE001 - contained: the task fails, the worker goes on
+                if self.fatal():
+                    return
+                result = self.failed_task(task, e)
+            messages = self.replies(task, result) if self.faults else [result]
+            if messages:
+                messages[-1].counters = counters.take()
+            for msg in messages:
+                self.chans.send_result(m.encode(msg))
+
+    def replies(self, task: m.Task, result: m.TaskResult) -> list[m.TaskResult]:
+        """The messages that answer ``task``: ``result``, as the faults armed at the reply points
+        leave it (malformed, or after a stray one: CASES C24); none for a ``drop``."""
+        first = task.keys[0] if getattr(task, "keys", None) else None
+        kind = type(task).__name__.removesuffix("Task").lower()
+        try:
+            return self.faults.reply(result, first, kind)
+        except DropTask:
+            return []
+        except Exception as e:  # noqa: BLE001 - contained like the task's own errors
+            return [self.failed_task(task, e)]
+
+    def failed_task(self, task: m.Task, exc: Exception) -> m.TaskResult:
+        """The result of a task that raised outside its per-key calls: every key fails, with
+        ``IO_ERROR`` / ``NO_SPACE`` for an ``OSError`` and ``ERROR`` (traceback logged) for
+        anything else."""
+        what = f"{type(task).__name__} {task.task_id}"
+        if isinstance(exc, OSError):
+            code = m.NO_SPACE if exc.errno in _NO_SPACE_ERRNOS else m.IO_ERROR
+        else:
+            code = m.ERROR
+            self.errors.log(what, exc)
+            counters.count("task_errors")
+        keys = getattr(task, "keys", ())
+        return m.TaskResult(task.task_id, self.spec.worker_id, [code] * len(keys),
+                            f"{what}: {type(exc).__name__}: {exc}")
+
+    def contained(self, what: str, key: bytes, call, *args) -> IOOutcome:
+        """``call(key, *args)``, whatever it raises or answers, as an :class:`IOOutcome`."""
+        try:
+            out = call(key, *args)
+        except DropTask:
+            raise
+        except OSError as e:  # injected faults and anything the I/O module let through
+            code = m.NO_SPACE if e.errno in _NO_SPACE_ERRNOS else m.IO_ERROR
+            return IOOutcome(code, 0, f"{what} {key.hex()[:16]}: {e}")
+        except Exception as e:  # noqa: BLE001 - a bug or a foreign module's error: this key fails
+            self.errors.log(f"{what} {key.hex()[:16]}", e)
+            counters.count("task_errors")
+            return IOOutcome(m.ERROR, 0, f"{what} {key.hex()[:16]}: {type(e).__name__}: {e}")
+        problem = out.problem() if isinstance(out, IOOutcome) else (
+            f"answered {type(out).__name__}, not an IOOutcome")
+        if problem is not None:
+            counters.count("task_errors")
+            detail = f"{what} {key.hex()[:16]}: {self.spec.io_module}: {problem}"
+            self.errors.log(f"{what} {key.hex()[:16]}", why=f"{self.spec.io_module}: {problem}")
+            return IOOutcome(m.ERROR, 0, detail)
+        return out
 
     def handle(self, task: m.Task) -> m.TaskResult:
         if self.faults:
@@ -106,41 +217,28 @@ class Worker:
         t0 = time.perf_counter()
         wid = self.spec.worker_id
         if isinstance(task, (m.StoreTask, m.LoadTask)):
-            op = self.io.store if isinstance(task, m.StoreTask) else self.io.load
+            what, op = (("store", self.io.store) if isinstance(task, m.StoreTask)
+                        else ("load", self.io.load))
             rows = self.rows
 
-            def one(slot_key: tuple[int, bytes]) -> tuple:
+            def one(slot_key: tuple[int, bytes]) -> IOOutcome:
                 slot, key = slot_key
                 if not 0 <= slot < len(rows):
-                    return m.REJECTED, 0, f"slot {slot} out of range"
-                try:
-                    return op(key, memoryview(rows[slot]))
-                except OSError as e:  # injected faults and anything the I/O module let through
-                    return m.IO_ERROR, 0, str(e)
+                    return IOOutcome(m.REJECTED, 0, f"slot {slot} out of range")
+                return self.contained(what, key, op, memoryview(rows[slot]))
 
             pairs = list(zip(task.slots, task.keys))
             if self.pool is not None and len(pairs) > 1:
                 outcomes = list(self.pool.map(one, pairs))
             else:
                 outcomes = [one(p) for p in pairs]
-            # I/O modules answer (code, bytes, detail) or (code, bytes, detail, protocol status).
-            codes = [o[0] for o in outcomes]
-            nbytes = sum(o[1] for o in outcomes)
-            detail = next((o[2] for o in outcomes if o[2]), "")
-            status = [o[3] if len(o) > 3 else 0 for o in outcomes]
-            return m.TaskResult(task.task_id, wid, codes, detail, nbytes, time.perf_counter() - t0,
-                                status=status if any(status) else [])
+            return _result(task.task_id, wid, outcomes, time.perf_counter() - t0)
         if isinstance(task, m.ProbeTask):
-            codes = []
-            for key in task.keys:
-                try:
-                    codes.append(self.io.probe(key))
-                except OSError:
-                    codes.append(m.IO_ERROR)
-            return m.TaskResult(task.task_id, wid, codes, seconds=time.perf_counter() - t0)
+            outcomes = [self.contained("probe", key, self.io.probe) for key in task.keys]
+            return _result(task.task_id, wid, outcomes, time.perf_counter() - t0)
         if isinstance(task, m.DeleteTask):
-            codes = [self.io.delete(key) for key in task.keys]
-            return m.TaskResult(task.task_id, wid, codes, seconds=time.perf_counter() - t0)
+            outcomes = [self.contained("delete", key, self.io.delete) for key in task.keys]
+            return _result(task.task_id, wid, outcomes, time.perf_counter() - t0)
         if isinstance(task, m.ScanTask):
             entries = self.io.scan()
             return m.TaskResult(task.task_id, wid, [], entries=entries if task.list_entries else [],
@@ -155,26 +253,12 @@ class Worker:
         self.arena.close()
 
 
-def _mangled(result: m.TaskResult, kind: str) -> list[bytes]:
-    """The messages a ``mangle`` fault of ``kind`` sends instead of ``result`` (tests: replies the
-    engine must validate against the task they answer, CASES C24)."""
-    codes = list(result.codes)
-    if kind == "short":
-        return [m.encode(msgspec.structs.replace(result, codes=codes[:-1]))]
-    if kind == "empty":
-        return [m.encode(msgspec.structs.replace(result, codes=[]))]
-    if kind == "long":
-        return [m.encode(msgspec.structs.replace(result, codes=codes + [m.OK]))]
-    if kind == "bad_code":
-        return [m.encode(msgspec.structs.replace(result, codes=[99] + codes[1:]))]
-    if kind == "stray":
-        stray = msgspec.structs.replace(result, task_id=result.task_id + (1 << 40), counters={})
-        return [m.encode(stray), m.encode(result)]
-    if kind == "duplicate":
-        return [m.encode(result), m.encode(msgspec.structs.replace(result, counters={}))]
-    if kind == "garbage":
-        return [b"\xc1 not msgpack", m.encode(result)]
-    raise ValueError(f"unknown mangle kind {kind!r}")
+def _result(task_id: int, wid: int, outcomes: list[IOOutcome], seconds: float) -> m.TaskResult:
+    status = [o.status for o in outcomes]
+    return m.TaskResult(task_id, wid, [o.code for o in outcomes],
+                        next((o.detail for o in outcomes if o.detail), ""),
+                        sum(o.nbytes for o in outcomes), seconds,
+                        status=status if any(status) else [])
 
 
 def main() -> int:

@@ -29,6 +29,7 @@ import msgspec
 from kvoffload.ipc import messages as m
 from kvoffload.workers import chunkfile as cf
 from kvoffload.workers import counters
+from kvoffload.workers.chunkio import OK_EMPTY, IOOutcome
 from kvoffload.workers.faults import Faults
 
 
@@ -142,6 +143,8 @@ class _Body(io.RawIOBase):
 
 
 class ObjIO:
+    """:class:`~kvoffload.workers.chunkio.ChunkIO` over one object per chunk (module docstring)."""
+
     def __init__(self, config: ObjIOConfig, faults: Faults):
         self.cfg = config
         self.faults = faults
@@ -149,12 +152,17 @@ class ObjIO:
         self.base = object_prefix(config.prefix, config.namespace_id)
         self.object_bytes = cf.HEADER_BYTES + config.row_bytes
         self._client = make_client(config)
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        # What the SDK raises for a failed request; anything else is a bug, which the worker loop
+        # contains as ERROR with a traceback instead of passing it off as an I/O error.
+        self._sdk_errors: tuple[type[Exception], ...] = (BotoCoreError, ClientError)
 
     def name(self, key: bytes) -> str:
         return self.base + cf.relative_name(key)
 
-    def store(self, key: bytes, src: memoryview) -> tuple[int, int, str, int]:
-        """PUT one chunk. Returns ``(code, bytes sent, detail, HTTP status)``."""
+    def store(self, key: bytes, src: memoryview) -> IOOutcome:
+        """PUT one chunk; ``nbytes``: object bytes sent, ``status``: the HTTP status."""
         try:
             self.faults.hit("before_read_slot", key)
             header = cf.build_header(self.ns_bytes, key, src)
@@ -166,15 +174,16 @@ class ObjIO:
             status = int(meta.get("HTTPStatusCode") or 200)
             if meta.get("RetryAttempts"):
                 counters.count("retries", meta["RetryAttempts"])
-            return m.OK, self.object_bytes, "", status
+            return IOOutcome(m.OK, self.object_bytes, "", status)
         except OSError as e:
-            return m.IO_ERROR, 0, f"store {key.hex()[:16]}: {e}", 0
-        except Exception as e:  # noqa: BLE001 - every SDK failure becomes a classified result
+            return IOOutcome(m.IO_ERROR, 0, f"store {key.hex()[:16]}: {e}")
+        except self._sdk_errors as e:
             code, status, detail = classify(e)
-            return code, 0, f"store {key.hex()[:16]}: {detail}", status
+            return IOOutcome(code, 0, f"store {key.hex()[:16]}: {detail}", status)
 
-    def load(self, key: bytes, dst: memoryview) -> tuple[int, int, str, int]:
-        """GET one chunk into ``dst`` (an arena row), verified."""
+    def load(self, key: bytes, dst: memoryview) -> IOOutcome:
+        """GET one chunk into ``dst`` (an arena row), verified; ``nbytes``: object bytes read,
+        ``status``: the HTTP status."""
         name = self.name(key)
         try:
             resp = self._client.get_object(Bucket=self.cfg.bucket, Key=name)
@@ -186,10 +195,10 @@ class ObjIO:
             self.faults.hit("read_payload", key)
             data = resp["Body"].read()
         except OSError as e:
-            return m.IO_ERROR, 0, f"load {key.hex()[:16]}: {e}", 0
-        except Exception as e:  # noqa: BLE001
+            return IOOutcome(m.IO_ERROR, 0, f"load {key.hex()[:16]}: {e}")
+        except self._sdk_errors as e:
             code, status, detail = classify(e)
-            return code, 0, f"load {key.hex()[:16]}: {detail}", status
+            return IOOutcome(code, 0, f"load {key.hex()[:16]}: {detail}", status)
         why = None
         if len(data) != self.object_bytes:
             why = f"size {len(data)}, expected {self.object_bytes}"
@@ -207,8 +216,8 @@ class ObjIO:
         if why is not None:
             counters.count("corrupt_removed")
             self._delete_quietly(name)
-            return m.CORRUPT, 0, f"{key.hex()[:16]}: {why}", status
-        return m.OK, self.object_bytes, "", status
+            return IOOutcome(m.CORRUPT, 0, f"{key.hex()[:16]}: {why}", status)
+        return IOOutcome(m.OK, self.object_bytes, "", status)
 
     def _delete_quietly(self, name: str) -> None:
         try:
@@ -216,21 +225,24 @@ class ObjIO:
         except Exception:  # noqa: BLE001 - best effort: the load already failed as corrupt
             pass
 
-    def probe(self, key: bytes) -> int:
+    def probe(self, key: bytes) -> IOOutcome:
         self.faults.hit("probe_key", key)
         try:
             self._client.head_object(Bucket=self.cfg.bucket, Key=self.name(key))
-            return m.OK
-        except Exception as e:  # noqa: BLE001
-            return classify(e)[0]
+            return OK_EMPTY
+        except (OSError, *self._sdk_errors) as e:
+            code, status, detail = classify(e)
+            return IOOutcome(code, 0, f"probe {key.hex()[:16]}: {detail}", status)
 
-    def delete(self, key: bytes) -> int:
+    def delete(self, key: bytes) -> IOOutcome:
         try:
             self._client.delete_object(Bucket=self.cfg.bucket, Key=self.name(key))
-            return m.OK
-        except Exception as e:  # noqa: BLE001
-            code = classify(e)[0]
-            return m.OK if code == m.MISSING else code
+            return OK_EMPTY
+        except (OSError, *self._sdk_errors) as e:
+            code, status, detail = classify(e)
+            if code == m.MISSING:
+                return OK_EMPTY
+            return IOOutcome(code, 0, f"delete {key.hex()[:16]}: {detail}", status)
 
     def scan(self) -> list[tuple[bytes, int, float]]:
         entries = []
@@ -244,6 +256,6 @@ class ObjIO:
         return entries
 
 
-def make_io(config: dict, faults: Faults) -> ObjIO:
+def make_io(config: dict, faults: Faults) -> ObjIO:  # a chunkio.MakeIO
     """Entry point the worker calls with the tier's ``io_config``."""
     return ObjIO(msgspec.convert(config, ObjIOConfig), faults)

@@ -5,32 +5,70 @@ Layout, format and atomicity are described in :mod:`kvoffload.workers.fs_io` and
 Lustre...): chunk names depend only on the namespace and the chunk key, so they share chunks, and
 writes are atomic renames, so no reader sees a torn file.
 
-Capacity: with ``max_bytes`` set, the tier keeps an LRU index of the namespace's files (the files
-found at start are adopted, oldest first, and counted) and deletes the least recently used chunks
-to stay within ``max_bytes`` of file bytes, headers included. The cap applies per namespace, as seen
-by this instance: chunks that another instance writes into the same directory after this one started
-are not counted here. A store that fails once a worker has it may still have published its file (the
-worker died or timed out after the rename): that file is removed, so the disk holds what is counted.
-Without ``max_bytes`` the tier never deletes anything but corrupt files.
+Capacity: the tier keeps an LRU index of the namespace's files (the files found at start are
+adopted, oldest first, and counted) and deletes the least recently used chunks to stay within its
+cap of file bytes, headers included: ``max_bytes``, or by default half the filesystem's free space
+at start (plus this namespace's chunks found there), logged with the figure. ``max_bytes:
+"unbounded"`` keeps no index and deletes nothing but corrupt files. The cap applies per namespace, as
+seen by this instance: chunks that another instance writes into the same directory after this one
+started are not counted here.
+
+::
+
+    store ─▶ admission: room under the cap? ── no ─▶ evict LRU chunks (delete tasks) ─┐
+               │ yes                                                                 │
+               ▼                                                                     ▼
+         writer: free space above the floor? ── no / ENOSPC ─▶ NO_SPACE ─▶ effective cap lowered
+               │ yes                                                   to what the disk holds
+               ▼
+         chunk file written, counted                     delete failed (EPERM, EBUSY, EROFS...)
+                                                         ─▶ the file stays counted, retried later
+
+Whatever the cap, a writer refuses (``no_space``) a store that would leave less than
+``min_free_fraction`` of the filesystem free, and a full disk (ENOSPC, quota) fails the store the
+same way; the tier then lowers its effective cap to the bytes it holds, evicts its own least
+recently used chunks to make room, and raises the cap again as a background sample of the free space
+shows room (CASES C33). A chunk file whose removal fails stays in the index and in the accounting
+(it is still on disk), counted by errno in ``kvoffload_tier_eviction_errors``, and is retried when it
+next comes up for eviction; the next least recently used chunk is evicted instead (CASES C32).
+A store that fails once a worker has it may still have published its file (the worker died or timed
+out after the rename): that file is removed, so the disk holds what is counted.
+While some removal has failed or the disk is full, space is reused only once a removal is confirmed:
+a store that finds no such room is refused at once (``no_space``) with a logged reason, and the tier
+evicts ahead for the next one. The bytes on disk thus exceed the cap by at most the files that
+could not be removed, and the accounting equals the disk once deletes have answered.
 """
 
 from __future__ import annotations
 
+import errno as errno_mod
+import logging
 import os
+import threading
 import time
 from collections import OrderedDict
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+
+import msgspec
 
 from kvoffload.config import Positive
 from kvoffload.ipc import messages as m
+from kvoffload.metrics import Counter, Gauge
 from kvoffload.tiers.process import ProcessTierConfig, ProcessTierManager
 from kvoffload.tiers.base import TierEvent
 from kvoffload.workers import chunkfile as cf
 from kvoffload.workers import fs_io
 
+log = logging.getLogger("kvoffload.tiers")
+
 _SCAN_TIMEOUT_S = 600.0
 # Evictions remembered to spot probes that saw a file just before it was deleted.
 _EVICTED_MEMORY = 65536
+DEFAULT_FREE_FRACTION = 0.5
+"""Without ``max_bytes``, the cap is this fraction of the filesystem's free space at start (plus
+the namespace's own chunks found there, so restarts do not creep towards a full disk)."""
+_DISK_SAMPLE_S = 1.0  # free-space sampling period while the disk limits the tier (seconds)
+_WARN_EVERY_S = 10.0  # at most one refusal warning per tier in this many seconds
 
 
 class FsTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True):
@@ -38,8 +76,13 @@ class FsTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True):
 
     Attributes:
         root_dir: directory holding the tier (created if missing; must be writable).
-        max_bytes: cap on this namespace's file bytes; LRU chunks are deleted to stay under it.
-            None (default): no cap.
+        max_bytes: cap on this namespace's file bytes (bytes); LRU chunks are deleted to stay under
+            it. None (default): half the filesystem's free space at start, plus the bytes of this
+            namespace's chunks already there (logged at start). ``"unbounded"``: no cap, no
+            index; the tier deletes nothing but corrupt files (the free-space floor still holds).
+        min_free_fraction: free-space floor, as a fraction of the filesystem's size (0 to <1,
+            default 0.05): a store that would leave less free is refused (``no_space``) and the
+            tier evicts its own chunks instead of writing. 0: no floor.
         fsync: fsync every chunk file and directory before reporting it stored.
         direct_io: transfers that bypass the page cache with O_DIRECT: ``both`` (default: chunks
             stream between the arena and the disk without page-cache copies or dirty-page
@@ -48,7 +91,8 @@ class FsTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True):
     """
 
     root_dir: str
-    max_bytes: Positive | None = None
+    max_bytes: Positive | Literal["unbounded"] | None = None
+    min_free_fraction: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.05
     fsync: bool = False
     direct_io: Literal["none", "writes", "reads", "both"] = "both"
 
@@ -75,6 +119,41 @@ class FsTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True):
             raise ValueError(f"root_dir: {self.root_dir!r} is on a pseudo filesystem")
 
 
+class _FreeSpaceSampler:
+    """A daemon thread that samples the free space of ``path`` (``statvfs``: ``f_bavail`` bytes)
+    every :data:`_DISK_SAMPLE_S` while :meth:`want` is on, so the engine never blocks on a slow
+    filesystem. :attr:`latest` is ``(bytes available, monotonic time)`` or None."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.latest: tuple[int, float] | None = None
+        self._wanted = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvoffload-fs-free-space",
+                                         daemon=True)
+        self._thread.start()
+
+    def want(self, on: bool) -> None:
+        (self._wanted.set if on else self._wanted.clear)()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wanted.wait()
+            if self._stop.is_set():
+                return
+            try:
+                st = os.statvfs(self.path)
+                self.latest = (st.f_bavail * st.f_frsize, time.monotonic())
+            except OSError:
+                pass
+            self._stop.wait(_DISK_SAMPLE_S)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wanted.set()
+        self._thread.join(timeout=5.0)
+
+
 class FsTier(ProcessTierManager):
     """Filesystem secondary tier; see the module docstring."""
 
@@ -82,6 +161,14 @@ class FsTier(ProcessTierManager):
     io_module = "kvoffload.workers.fs_io"
     medium = "STORAGE"
     shared = True
+    metric_definitions = (
+        Gauge("kvoffload_tier_used_bytes",
+              "Bytes of chunk files a capacity-bounded tier counts as its own (headers included).",
+              ("tier",)),
+        Gauge("kvoffload_tier_capacity_bytes",
+              "A capacity-bounded tier's cap in bytes now: max_bytes (or the default bound), "
+              "lowered while the filesystem is full.", ("tier",)),
+    )
 
     def __init__(self, *, name: str, arena_view: memoryview, namespace: Any,
                  config: FsTierConfig, arena: Any):
@@ -90,15 +177,35 @@ class FsTier(ProcessTierManager):
         self.ns_id = namespace.id()
         self.ns_dir = os.path.join(config.root_dir, self.ns_id)
         self.file_bytes = cf.HEADER_BYTES + self.row_bytes
-        if config.max_bytes is not None and config.max_bytes < self.file_bytes:
+        if isinstance(config.max_bytes, int) and config.max_bytes < self.file_bytes:
             raise ValueError(
                 f"max_bytes: {config.max_bytes} is smaller than one chunk file "
                 f"({self.file_bytes} bytes)"
             )
         self._write_namespace_config()
-        # Capacity accounting (only with max_bytes): LRU of known files -> stored bytes.
+        st = os.statvfs(self.ns_dir)
+        self.min_free_bytes = int(config.min_free_fraction * st.f_blocks * st.f_frsize)
+        # Capacity (bytes): None for "unbounded"; without max_bytes, a share of the free space.
+        self._default_free: int | None = None
+        if config.max_bytes == "unbounded":
+            self.max_bytes: int | None = None
+        elif config.max_bytes is None:
+            self._default_free = st.f_bavail * st.f_frsize
+            self.max_bytes = int(DEFAULT_FREE_FRACTION * self._default_free)
+            if self.max_bytes < self.file_bytes:
+                raise ValueError(
+                    f"root_dir: {config.root_dir!r} has {self._default_free} bytes free, and the "
+                    f"default cap ({DEFAULT_FREE_FRACTION:.0%} of the free space) is smaller than "
+                    f"one chunk file ({self.file_bytes} bytes); free some space or set max_bytes")
+            log.info("kvoffload tier %s: max_bytes not set: capped at %d bytes (%.0f%% of the %d "
+                     "bytes free on %s at start, plus this namespace's chunks found there); set "
+                     "max_bytes to choose, or \"unbounded\"", name, self.max_bytes,
+                     100 * DEFAULT_FREE_FRACTION, self._default_free, config.root_dir)
+        else:
+            self.max_bytes = config.max_bytes
+        # LRU of the chunk files counted against the cap -> their bytes (None when unbounded).
         self._index: OrderedDict[bytes, int] | None = (
-            OrderedDict() if config.max_bytes is not None else None
+            OrderedDict() if self.max_bytes is not None else None
         )
         self.used_bytes = 0
         self._reserved: dict[bytes, int] = {}
@@ -106,6 +213,17 @@ class FsTier(ProcessTierManager):
         self._delete_queue: list[bytes] = []
         self._deleting: dict[bytes, int] = {}  # evicted keys whose delete task has not answered
         self._evicted_at: OrderedDict[bytes, float] = OrderedDict()  # recent evictions (monotonic s)
+        # Files whose delete has not answered: still on disk, their bytes no longer in used_bytes.
+        self._unconfirmed: dict[bytes, int] = {}
+        self._unconfirmed_bytes = 0
+        self._undeletable: set[bytes] = set()  # in the index; their last removal failed
+        self._last_removal_error = ""
+        self._refused: dict[bytes, int] = {}  # keys refused at admission, their job not finished
+        self._disk_cap: int | None = None  # the cap lowered to what the full disk holds
+        self._headroom = 0  # bytes evicted ahead while space is reused only once confirmed
+        self._sampler: _FreeSpaceSampler | None = None
+        self._sample_seen: tuple[int, float] | None = None
+        self._warned_at = -_WARN_EVERY_S
         self.start()
         # Remove orphaned temporary files (by age only: CASES C29); with a cap, also adopt chunks.
         tid = self._next_task_id()
@@ -116,7 +234,8 @@ class FsTier(ProcessTierManager):
         c = self.config
         return {"root_dir": c.root_dir, "namespace_id": self.ns_id, "row_bytes": self.row_bytes,
                 "fsync": c.fsync, "direct_io": c.direct_io,
-                "stale_temp_age_s": fs_io.stale_temp_age_s(c.job_timeout_s)}
+                "stale_temp_age_s": fs_io.stale_temp_age_s(c.job_timeout_s),
+                "min_free_bytes": self.min_free_bytes}
 
     def _write_namespace_config(self) -> None:
         try:
@@ -135,14 +254,29 @@ class FsTier(ProcessTierManager):
         except OSError as e:
             raise ValueError(f"root_dir: {self.config.root_dir!r} is not usable: {e}") from None
 
-    # -- capacity hooks -------------------------------------------------------------------------
+    # -- capacity -------------------------------------------------------------------------------
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        """The cap now (bytes): ``max_bytes`` or the default bound, lowered while the filesystem is
+        full; None when unbounded."""
+        if self.max_bytes is None:
+            return None
+        return self.max_bytes if self._disk_cap is None else min(self.max_bytes, self._disk_cap)
+
+    def _cautious(self) -> bool:
+        """Reuse space only once its removal is confirmed (some removal failed, or the disk is
+        full)."""
+        return bool(self._undeletable) or self._disk_cap is not None
 
     def _admit_store(self, keys: list[bytes]) -> tuple[list[int], dict[bytes, int]]:
         index = self._index
         if index is None:
             return list(range(len(keys))), {}
-        cap = self.config.max_bytes
+        if self._disk_cap is not None:
+            self._apply_free_space_sample()
         fb = self.file_bytes
+        protect = set(keys)
         admitted: list[int] = []
         rejected: dict[bytes, int] = {}
         for i, k in enumerate(keys):
@@ -157,28 +291,66 @@ class FsTier(ProcessTierManager):
                 # Evicted, its delete not yet done: a writer would find the old file, skip the
                 # write, and the delete would then remove the chunk we count as stored.
                 rejected[k] = m.REJECTED
+                self._refused[k] = self._refused.get(k, 0) + 1
                 self.count("store_skipped_deleting")
                 continue
-            while self.used_bytes + self._reserved_bytes() + fb > cap:
-                if not self._evict_one(protect=set(keys)):
-                    break
-            if self.used_bytes + self._reserved_bytes() + fb > cap:
+            if not self._make_room(protect):
                 rejected[k] = m.NO_SPACE
+                self._refused[k] = self._refused.get(k, 0) + 1
                 continue
             self._reserved[k] = fb
             admitted.append(i)
-        self._flush_deletes()
+        refused = sum(1 for c in rejected.values() if c == m.NO_SPACE)
+        if refused:
+            self.count("store_refused_no_room", refused)
+            self._warn(f"store of {refused} chunk(s) refused (no_space): no room under the cap "
+                       f"({self.capacity_bytes} bytes) {self._why_no_room()}")
+            if self._cautious():  # evict ahead for as much, so the next store finds room
+                self._headroom = max(self._headroom, min(refused * fb, self.capacity_bytes // 2))
+        self._enforce_cap()
         return admitted, rejected
+
+    def _make_room(self, protect: set[bytes]) -> bool:
+        """Evict least recently used chunks until one more chunk file fits under the cap; True
+        when it fits. While cautious, room whose removal is not yet confirmed does not count."""
+        cap = self.capacity_bytes
+        fb = self.file_bytes
+        while self.used_bytes + self._reserved_bytes() + fb > cap:
+            if not self._evict_one(protect, retry=True):
+                break
+        pending = self._unconfirmed_bytes if self._cautious() else 0
+        return self.used_bytes + pending + self._reserved_bytes() + fb <= cap
+
+    def _why_no_room(self) -> str:
+        if self._undeletable:
+            return (f"{len(self._undeletable)} chunk file(s) could not be removed "
+                    f"({self._last_removal_error}); space is reused once a removal succeeds")
+        if self._disk_cap is not None:
+            return (f"the filesystem of {self.config.root_dir} is full (free space below "
+                    f"{self.min_free_bytes} bytes, or ENOSPC); evicting to make room")
+        return "every chunk is in use (loading) or part of this store"
+
+    def _warn(self, msg: str) -> None:
+        now = time.monotonic()
+        if now - self._warned_at >= _WARN_EVERY_S:
+            self._warned_at = now
+            log.warning("kvoffload tier %s: %s", self.name, msg)
 
     def _reserved_bytes(self) -> int:
         return len(self._reserved) * self.file_bytes
 
-    def _evict_one(self, protect: set[bytes]) -> bool:
+    def _evict_one(self, protect: set[bytes], retry: bool = False) -> bool:
+        """Evict the least recently used chunk not loading nor in ``protect``; chunks whose removal
+        failed are tried again only with ``retry`` (a store needs room), never in a loop."""
         index = self._index
+        undeletable = self._undeletable
         for k in index:
-            if k in self._loading or k in protect:
+            if k in self._loading or k in protect or (not retry and k in undeletable):
                 continue
-            self.used_bytes -= index.pop(k)
+            nbytes = index.pop(k)
+            self.used_bytes -= nbytes
+            self._unconfirmed[k] = self._unconfirmed.get(k, 0) + nbytes
+            self._unconfirmed_bytes += nbytes
             self._present.pop(k, None)
             self._delete_queue.append(k)
             evicted = self._evicted_at
@@ -216,49 +388,124 @@ class FsTier(ProcessTierManager):
         at = self._evicted_at.get(key)
         return at is not None and at >= t
 
-    def _on_deletes_done(self, keys: list[bytes]) -> None:
+    def _on_deletes_done(self, keys: list[bytes], codes: list[int], status: list[int]) -> None:
         deleting = self._deleting
-        for k in keys:
+        index = self._index
+        kept: list[bytes] = []
+        for i, (k, code) in enumerate(zip(keys, codes)):
             n = deleting.get(k, 0) - 1
             if n > 0:
                 deleting[k] = n
             else:
                 deleting.pop(k, None)
+            nbytes = self._unconfirmed.pop(k, None)
+            if nbytes is not None:
+                self._unconfirmed_bytes -= nbytes
+            if code == m.OK:
+                self._undeletable.discard(k)
+                continue
+            err = status[i] if i < len(status) else 0
+            why = errno_mod.errorcode.get(err, str(err)) if err else m.CODE_NAMES.get(code,
+                                                                                       str(code))
+            self.count(f"eviction_errors.{why}")  # kvoffload_tier_eviction_errors{tier, errno}
+            self._last_removal_error = (f"{why}: {os.strerror(err)}" if err else why)
+            if code == m.CANCELLED or index is None or nbytes is None or k in index:
+                continue
+            # Still on disk: keep counting it, as the most recently used (retried when it comes
+            # up for eviction again); the chunk is intact, so it stays loadable.
+            index[k] = nbytes
+            self.used_bytes += nbytes
+            self._undeletable.add(k)
+            kept.append(k)
+        if kept:
+            if self.record_events:
+                self._events.append(TierEvent(kept, False))
+            self._warn(f"{len(kept)} chunk file(s) could not be removed "
+                       f"({self._last_removal_error}); they stay counted and are retried later")
+            self._enforce_cap()
 
     def _on_stores_done(self, keys: list[bytes], failed: dict[bytes, int],
                         removed=()) -> None:
         index = self._index
         if index is None:
             return
-        unconfirmed = []
+        full = 0
+        unconfirmed: list[bytes] = []
         for key in keys:
-            fb = self._reserved.pop(key, None)
-            if key not in failed:
+            code = failed.get(key)
+            if code in (m.NO_SPACE, m.REJECTED) and key in self._refused:
+                n = self._refused.pop(key) - 1  # refused at admission, never written
+                if n:
+                    self._refused[key] = n
+                continue
+            nbytes = self._reserved.pop(key, None)
+            if code is None:
                 if key not in index and key not in removed:
-                    index[key] = fb or self.file_bytes
+                    index[key] = nbytes or self.file_bytes
                     self.used_bytes += index[key]
-            elif fb is not None and key not in index:
+            elif code == m.NO_SPACE and nbytes is not None:
+                full += 1  # the writer found the disk full (ENOSPC, quota, the free-space floor)
+            elif nbytes is not None and key not in index:
                 unconfirmed.append(key)
         if unconfirmed:
-            # A write sent to a worker that failed may still have published its file (the worker
-            # died or timed out after the rename, a verdict we do not know): remove what is not
-            # counted, so the bytes on disk stay what the cap accounts (no event: never stored).
-            deleting, evicted, now = self._deleting, self._evicted_at, time.monotonic()
-            for k in unconfirmed:
-                deleting[k] = deleting.get(k, 0) + 1
-                evicted[k] = now
-                evicted.move_to_end(k)
-            while len(evicted) > _EVICTED_MEMORY:
-                evicted.popitem(last=False)
-            self.count("unconfirmed_store_removals", len(unconfirmed))
-            tid = self._next_task_id()
-            self._send(self._writers, "delete", None, unconfirmed, m.DeleteTask(tid, unconfirmed))
+            self._remove_unconfirmed_stores(unconfirmed)
+        if full:
+            self._disk_full(full)
 
-    def submit_load(self, job) -> None:
-        if self._index is not None:
-            for k in job.keys:
-                self._loading[k] = self._loading.get(k, 0) + 1
-        super().submit_load(job)
+    def _remove_unconfirmed_stores(self, keys: list[bytes]) -> None:
+        """A write sent to a worker that failed may still have published its file (the worker
+        died or timed out after the rename, a verdict we do not know): remove what is not counted,
+        so the bytes on disk stay what the cap accounts. Until the delete answers the file counts
+        as unconfirmed (as an evicted one); a removal that fails keeps it counted (CASES C32). No
+        event: the chunk was never reported stored."""
+        deleting, evicted, now = self._deleting, self._evicted_at, time.monotonic()
+        fb = self.file_bytes
+        for k in keys:
+            deleting[k] = deleting.get(k, 0) + 1
+            self._unconfirmed[k] = self._unconfirmed.get(k, 0) + fb
+            self._unconfirmed_bytes += fb
+            evicted[k] = now
+            evicted.move_to_end(k)
+        while len(evicted) > _EVICTED_MEMORY:
+            evicted.popitem(last=False)
+        self.count("unconfirmed_store_removals", len(keys))
+        tid = self._next_task_id()
+        self._send(self._writers, "delete", None, keys, m.DeleteTask(tid, keys))
+
+    def _disk_full(self, chunks: int) -> None:
+        """Writes of ``chunks`` chunks found the filesystem full: the cap becomes what the disk
+        holds (the bytes counted now), the tier evicts ahead for as many chunks, and a background
+        sample of the free space raises the cap again when room comes back (CASES C33)."""
+        self.count("disk_full_stores", chunks)
+        held = self.used_bytes
+        self._disk_cap = held if self._disk_cap is None else min(self._disk_cap, held)
+        self._headroom = max(self._headroom, min(chunks * self.file_bytes, held // 2))
+        if self._sampler is None:
+            self._sampler = _FreeSpaceSampler(self.ns_dir)
+        self._sampler.want(True)
+        self._warn(f"the filesystem of {self.config.root_dir} is full (ENOSPC or below the "
+                   f"free-space floor of {self.min_free_bytes} bytes): cap lowered to {held} "
+                   f"bytes; evicting this tier's least recently used chunks to make room")
+        self._enforce_cap()
+
+    def _apply_free_space_sample(self) -> None:
+        """Raise the lowered cap to what the last free-space sample allows (never lower it: only a
+        failed write does, so a sample taken before our own writes cannot undercut them)."""
+        sample = self._sampler.latest if self._sampler is not None else None
+        if sample is None or sample is self._sample_seen:
+            return
+        self._sample_seen = sample
+        room = max(0, sample[0] - self.min_free_bytes)
+        # Files being written or deleted when the sample was taken may be on disk uncounted, never
+        # counted twice: this errs low (more eviction), never towards another ENOSPC.
+        allowed = self.used_bytes + room
+        if allowed > self._disk_cap:
+            self._disk_cap = allowed
+        if self._disk_cap >= self.max_bytes:
+            self._disk_cap = None
+            self._sampler.want(False)
+            log.info("kvoffload tier %s: room on %s again: cap back to %d bytes", self.name,
+                     self.config.root_dir, self.max_bytes)
 
     def _on_loads_done(self, keys: list[bytes], failed: dict[bytes, int]) -> None:
         index = self._index
@@ -278,35 +525,59 @@ class FsTier(ProcessTierManager):
                     index.move_to_end(key)
             elif code in (m.MISSING, m.CORRUPT) and key in index:
                 self.used_bytes -= index.pop(key)
+                self._undeletable.discard(key)
+
+    def submit_load(self, job) -> None:
+        if self._index is not None:
+            for k in job.keys:
+                self._loading[k] = self._loading.get(k, 0) + 1
+        super().submit_load(job)
 
     def _on_scan(self, entries: list[tuple[bytes, int, float]]) -> None:
         index = self._index
         if index is None:
             return
         adopted = 0
+        adopted_bytes = 0
         for key, size, _mtime in sorted(entries, key=lambda e: e[2], reverse=True):
-            if key in index or key in self._reserved:
-                continue
+            if key in index or key in self._reserved or key in self._unconfirmed:
+                continue  # counted already, being written, or being deleted
             index[key] = size
             index.move_to_end(key, last=False)  # older than anything this instance wrote
             self.used_bytes += size
             adopted += 1
+            adopted_bytes += size
         self.count("adopted_chunks", adopted)
+        if self._default_free is not None and adopted_bytes:
+            self.max_bytes = int(DEFAULT_FREE_FRACTION * (self._default_free + adopted_bytes))
+            log.info("kvoffload tier %s: %d bytes of chunks found at start: default cap %d bytes",
+                     self.name, adopted_bytes, self.max_bytes)
         self._enforce_cap()
 
     def _enforce_cap(self) -> None:
-        cap = self.config.max_bytes
-        while self.used_bytes + self._reserved_bytes() > cap:
-            if not self._evict_one(protect=set()):
-                break
+        """Evict (never retrying a failed removal) until the counted bytes fit under the cap, less
+        the headroom kept while space is reused only once confirmed; send the deletes."""
+        if self._index is not None:
+            if self._cautious():
+                target = self.capacity_bytes - self._headroom
+            else:
+                self._headroom = 0
+                target = self.capacity_bytes
+            while self.used_bytes + self._reserved_bytes() > target:
+                if not self._evict_one(protect=set()):
+                    break
         self._flush_deletes()
 
     def remove(self, keys: list[bytes]) -> None:
         """Delete chunks from the tier (explicit removal); in-flight loads of them still finish with
-        the whole chunk or a clean miss."""
+        the whole chunk or a clean miss. A file whose removal fails stays counted."""
+        index = self._index
         for k in keys:
-            if self._index is not None and k in self._index:
-                self.used_bytes -= self._index.pop(k)
+            if index is not None and k in index:
+                nbytes = index.pop(k)
+                self.used_bytes -= nbytes
+                self._unconfirmed[k] = self._unconfirmed.get(k, 0) + nbytes
+                self._unconfirmed_bytes += nbytes
             self._present.pop(k, None)
             self._mark_absent(k, self.config.negative_ttl_s)
             self._delete_queue.append(k)
@@ -314,10 +585,24 @@ class FsTier(ProcessTierManager):
 
     @property
     def accounted_bytes(self) -> int:
-        """Bytes this tier counts against ``max_bytes`` (0 without a cap)."""
+        """Bytes of chunk files this tier counts against its cap (0 when unbounded); files whose
+        delete has not answered yet are no longer counted."""
         return self.used_bytes
+
+    def report_metrics(self, metrics) -> None:
+        super().report_metrics(metrics)
+        cap = self.capacity_bytes
+        if cap is not None:
+            metrics.set("kvoffload_tier_used_bytes", self.used_bytes, self.name)
+            metrics.set("kvoffload_tier_capacity_bytes", cap, self.name)
 
     def flush(self) -> None:
         super().flush()
+        if self._disk_cap is not None:
+            self._apply_free_space_sample()
         self._flush_deletes()
 
+    def shutdown(self) -> None:
+        if self._sampler is not None:
+            self._sampler.close()
+        super().shutdown()

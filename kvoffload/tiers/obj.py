@@ -22,9 +22,9 @@ from typing import Any, ClassVar, Literal
 
 import msgspec
 
-from kvoffload.config import ConfigError, Positive, PositiveFloat, apply_aliases, closest
+from kvoffload.config import ConfigError, Positive, apply_aliases, closest
 from kvoffload.ipc.channels import LOADS, STORES
-from kvoffload.tiers.process import ProcessTierConfig, ProcessTierManager
+from kvoffload.tiers.process import ProcessTierConfig, ProcessTierManager, Seconds
 from kvoffload.workers.obj_io import ObjIOConfig, classify, make_client, object_prefix
 
 _START_TIMEOUT_S = 5.0
@@ -43,7 +43,7 @@ class ObjTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True)
         io_workers: reader and writer processes each (overrides ``read_workers``/``write_workers``).
         max_attempts: attempts per request, retries with exponential backoff and jitter (botocore
             "standard" mode) for throttling, 5xx and connection errors.
-        connect_timeout_s, read_timeout_s: per attempt (seconds).
+        connect_timeout_s, read_timeout_s: per attempt (seconds, at most 86400).
         verify_tls: check the endpoint's TLS certificate.
         ca_bundle: path of a PEM bundle of CA certificates to check it against (None: the system's).
         addressing_style: ``auto``, ``path`` (MinIO and most self-hosted stores) or ``virtual``.
@@ -71,13 +71,13 @@ class ObjTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True)
     session_token: str | None = None
     io_workers: Positive | None = None
     max_attempts: Positive = 3
-    connect_timeout_s: PositiveFloat = 2.0
-    read_timeout_s: PositiveFloat = 10.0
+    connect_timeout_s: Seconds = 2.0
+    read_timeout_s: Seconds = 10.0
     verify_tls: bool = True
     ca_bundle: str | None = None
     addressing_style: Literal["auto", "path", "virtual"] = "auto"
     breaker_failures: Positive | None = 5
-    job_timeout_s: PositiveFloat = 60.0
+    job_timeout_s: Seconds = 60.0
 
     @classmethod
     def from_vllm_keys(cls, body: dict[str, Any], where: str) -> tuple[dict, dict[str, str]]:

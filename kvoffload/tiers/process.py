@@ -14,7 +14,10 @@ and worker health is checked by ``poll()`` on the child processes at most every 
 into tasks of ``chunks_per_task`` chunks spread over the workers; its one :class:`JobResult` comes when
 the last task answers. Verdicts: a probe or a successful store makes a key present; a probe that finds
 nothing makes it absent for ``negative_ttl_s``; a failed load makes it absent for ``failed_load_ttl_s``,
-so a request never spins on a chunk that cannot be read (CASES C07).
+so a request never spins on a chunk that cannot be read (CASES C07). However short those lifetimes
+(0 included), a request told RETRY while a probe was out, or whose load of the key failed, is owed
+the verdict: its next lookup of that key answers MISS, so it waits at most one probe round trip
+(bounded by ``job_timeout_s``), never a probe after probe (CASES C36).
 """
 
 from __future__ import annotations
@@ -30,10 +33,11 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 import zmq
 
-from kvoffload.config import Positive, PositiveFloat, apply_aliases
+from kvoffload.config import Positive, apply_aliases
 from kvoffload.ipc import messages as m
 from kvoffload.ipc.channels import LOADS, STORES, TierChannels
 from kvoffload.tiers.base import JobMetadata, JobResult, LookupResult, SecondaryTierManager, TierEvent
+from kvoffload.tiers.breaker import HALF_OPEN, OPEN, STATES, CircuitBreaker
 from kvoffload.workerpool import PoolTask, WorkerPool
 
 log = logging.getLogger("kvoffload.tiers")
@@ -41,6 +45,10 @@ log = logging.getLogger("kvoffload.tiers")
 _HIT, _MISS, _RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
 _CHECK_INTERVAL_S = 0.02
 _PROBE_BATCH = 256
+_OWED_MAX = 65536  # keys with a MISS owed to a request that may never ask again (aborted)
+_MAX_SECONDS = 86400.0  # a day: every duration setting is finite (inf would disable what it bounds)
+Seconds = Annotated[float, msgspec.Meta(gt=0, le=_MAX_SECONDS)]
+TTLSeconds = Annotated[float, msgspec.Meta(ge=0, le=_MAX_SECONDS)]
 
 
 class ProcessTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -49,23 +57,30 @@ class ProcessTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     Attributes:
         read_workers: reader processes (loads and existence probes).
         write_workers: writer processes (stores, deletes, scans).
-        job_timeout_s: a task unanswered this long kills its worker and fails (seconds).
+        job_timeout_s: a task unanswered this long kills its worker and fails (seconds, at most
+            86400: every duration setting is finite).
         max_inflight_per_worker: tasks queued inside one worker at a time.
         chunks_per_task: chunks per task a job is split into; None (default) sizes tasks to about
             8 MiB (between 1 and 64 chunks), so small chunks do not pay one message each.
         max_pending_store_chunks: chunks of stores in flight beyond which new stores are dropped
             (and counted) instead of pinning more host slots.
-        negative_ttl_s: how long a "not found" probe verdict is trusted (seconds).
-        failed_load_ttl_s: how long a key whose load failed answers MISS (seconds).
+        negative_ttl_s: how long a "not found" probe verdict is trusted (seconds, 0 to 86400; 0:
+            not kept, though the requests that waited for the probe still get its MISS).
+        failed_load_ttl_s: how long a key whose load failed answers MISS (seconds, 0 to 86400;
+            with 0, the request whose load failed still gets one MISS).
         lookup_cache_entries: bound on remembered "present" verdicts.
         io_threads: chunks of one task each worker moves at once (threads inside the worker).
         worker_nice: niceness added to worker processes (0-19).
         breaker_failures: consecutive failed tasks (transport errors, 5xx, timeouts, dead workers)
-            that open the circuit breaker: lookups then answer MISS and stores are dropped (and
-            counted) for ``breaker_cooldown_s``, after which the next tasks probe the tier again.
-            None disables the breaker.
+            that open the circuit breaker (:mod:`kvoffload.tiers.breaker`): lookups then answer
+            MISS and stores are dropped (and counted) for ``breaker_cooldown_s``, after which it is
+            half-open: ``breaker_trial_requests`` requests try the tier again. None disables the
+            breaker.
         breaker_cooldown_s: how long the breaker stays open (seconds; doubles while the tier keeps
             failing, up to 16 times).
+        breaker_trial_requests: requests (a lookup that needs the tier, a store job) let through
+            at once while the breaker is half-open; the others are refused as while open until
+            a trial answers (success closes the breaker, failure reopens it).
         read_io_threads, write_io_threads: chunks the reader / writer workers move at once, in
             total (vLLM's ``n_read_threads`` / ``n_write_threads``); each worker of that side runs
             ``ceil(total / workers)`` I/O threads. None (default): ``io_threads`` per worker.
@@ -82,17 +97,18 @@ class ProcessTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
 
     read_workers: Positive = 2
     write_workers: Positive = 2
-    job_timeout_s: PositiveFloat = 30.0
+    job_timeout_s: Seconds = 30.0
     max_inflight_per_worker: Positive = 8
     chunks_per_task: Positive | None = None
     max_pending_store_chunks: Positive = 4096
-    negative_ttl_s: Annotated[float, msgspec.Meta(ge=0)] = 2.0
-    failed_load_ttl_s: Annotated[float, msgspec.Meta(ge=0)] = 60.0
+    negative_ttl_s: TTLSeconds = 2.0
+    failed_load_ttl_s: TTLSeconds = 60.0
     lookup_cache_entries: Positive = 1_000_000
     io_threads: Annotated[int, msgspec.Meta(ge=1, le=64)] = 8
     worker_nice: Annotated[int, msgspec.Meta(ge=0, le=19)] = 10
     breaker_failures: Positive | None = None
-    breaker_cooldown_s: PositiveFloat = 5.0
+    breaker_cooldown_s: Seconds = 5.0
+    breaker_trial_requests: Positive = 2
     read_io_threads: Positive | None = None
     write_io_threads: Positive | None = None
     locality: Literal["LOCAL", "REMOTE"] | None = None
@@ -185,6 +201,8 @@ class ProcessTierManager(SecondaryTierManager):
         self._present: OrderedDict[bytes, None] = OrderedDict()
         self._absent: dict[bytes, float] = {}
         self._probing: set[bytes] = set()
+        self._waiting: dict[bytes, set[str]] = {}  # key probing -> requests told RETRY meanwhile
+        self._owed: OrderedDict[bytes, set[str]] = OrderedDict()  # key -> requests owed a MISS
         self._probe_queue: list[bytes] = []
         self._finished: list[JobResult] = []
         self._events: list[TierEvent] = []
@@ -193,9 +211,11 @@ class ProcessTierManager(SecondaryTierManager):
         self._pending_store_chunks = 0
         self._last_check = 0.0
         self._closed = False
-        self._failures = 0  # consecutive failed tasks
-        self._open_until = 0.0  # breaker open while monotonic() < this
-        self._open_count = 0  # consecutive openings (for the cooldown's back-off)
+        self._last_bad_reply_log = -1e9
+        self.breaker: CircuitBreaker | None = (
+            CircuitBreaker(cfg.breaker_failures, cfg.breaker_cooldown_s, cfg.breaker_trial_requests,
+                           trial_timeout_s=cfg.job_timeout_s)
+            if cfg.breaker_failures is not None else None)
         self._ctx: zmq.Context | None = None
         self._pools: tuple[WorkerPool, ...] = ()
 
@@ -232,8 +252,9 @@ class ProcessTierManager(SecondaryTierManager):
     def _on_loads_done(self, keys: list[bytes], failed: dict[bytes, int]) -> None:
         """A load job finished: ``failed`` maps the keys that failed to their codes."""
 
-    def _on_deletes_done(self, keys: list[bytes]) -> None:
-        """A delete task answered (done or failed)."""
+    def _on_deletes_done(self, keys: list[bytes], codes: list[int], status: list[int]) -> None:
+        """A delete task answered: ``codes[i]`` is ``keys[i]``'s outcome (``OK``: removed or
+        already gone), ``status[i]`` the errno of a failed removal where known (may be empty)."""
 
     def _removals_since(self, t: float) -> bool:
         """True when this tier removed any chunk after monotonic time ``t``."""
@@ -319,65 +340,98 @@ class ProcessTierManager(SecondaryTierManager):
         metrics.set("kvoffload_tier_workers_alive",
                     sum(w.proc.poll() is None for p in self._pools for w in list(p.workers.values())),
                     name)
-        metrics.set("kvoffload_tier_breaker_open", 1 if self._breaker_open() else 0, name)
+        state = self.breaker_state
+        metrics.set("kvoffload_tier_breaker_open", 1 if state == OPEN else 0, name)
+        for s in STATES:
+            metrics.set("kvoffload_tier_breaker_state", 1 if s == state else 0, name, s)
 
     @property
     def breaker_state(self) -> str:
-        """``closed``, ``open`` or ``half_open`` (the cooldown passed; the next tasks decide)."""
-        if self._open_until == 0.0:
-            return "closed"
-        return "open" if time.monotonic() < self._open_until else "half_open"
+        """``closed``, ``open`` or ``half_open`` (the cooldown passed; a few trial requests go
+        through). ``closed`` when the tier has no breaker."""
+        return self.breaker.state if self.breaker is not None else "closed"
 
-    def _breaker_open(self) -> bool:
-        return self._open_until != 0.0 and time.monotonic() < self._open_until
-
-    def _on_task_codes(self, codes: list[int], status: list[int]) -> None:
-        limit = self.config.breaker_failures
-        if limit is None or not codes:
+    def _on_task_codes(self, rec: _TaskRec, codes: list[int], status: list[int]) -> None:
+        """Feed the breaker the answer to a probe, store or load task ``rec``."""
+        br = self.breaker
+        if br is None or not codes:
             return
         failed = all(
-            c in (m.TIMEOUT, m.WORKER_DIED) or (c == m.IO_ERROR and (
+            c in (m.TIMEOUT, m.WORKER_DIED, m.BAD_REPLY) or (c == m.IO_ERROR and (
                 i >= len(status) or status[i] == 0 or status[i] >= 500))
             for i, c in enumerate(codes))
-        if not failed:
-            if self._open_until:
-                self.count("breaker_closes")
-            self._failures = 0
-            self._open_until = 0.0
-            self._open_count = 0
-            return
-        if self._breaker_open():
-            return  # tasks sent before the breaker opened, failing late: already counted
-        self._failures += 1
-        half_open = self._open_until != 0.0
-        if self._failures >= limit or half_open:
-            cooldown = self.config.breaker_cooldown_s * (2 ** min(self._open_count, 4))
-            self._open_until = time.monotonic() + cooldown
-            self._open_count += 1
+        change = br.record(not failed, rec.t0)
+        if change == "closed":
+            self.count("breaker_closes")
+            log.info("kvoffload tier %s: a task succeeded; breaker closed", self.name)
+        elif change == "opened":
             self.count("breaker_opens")
-            log.warning("kvoffload tier %s: %d failed tasks in a row; breaker open for %.1f s "
-                        "(lookups miss, stores are dropped)", self.name, self._failures, cooldown)
+            log.warning("kvoffload tier %s: %s; breaker open for %.1f s (lookups miss, stores are "
+                        "dropped), then %d trial request(s) go through", self.name,
+                        "a trial request failed" if br.open_count > 1 else
+                        f"{br.consecutive_failures} failed tasks in a row",
+                        br.reopens_at - br.clock(), br.trial_requests)
 
     def lookup(self, key: bytes, req_id: str = "") -> LookupResult:
+        br = self.breaker
+        if br is not None and br.tripped:
+            return self._lookup_tripped(key, br)
         if key in self._present:
-            if self._open_until and self._breaker_open():
-                self.count("breaker_misses")
-                return _MISS
             return _HIT
-        if self._open_until and self._breaker_open():
-            self.count("breaker_misses")
-            return _MISS
         exp = self._absent.get(key)
         if exp is not None:
             if time.monotonic() < exp:
                 return _MISS
             del self._absent[key]
+        owed = self._owed.get(key)
+        if owed is not None and req_id in owed:
+            owed.discard(req_id)
+            if not owed:
+                del self._owed[key]
+            return _MISS
+        waiting = self._waiting.get(key)
+        if waiting is None:
+            self._waiting[key] = {req_id}
+        else:
+            waiting.add(req_id)
         if key not in self._probing:
-            self._probing.add(key)
-            self._probe_queue.append(key)
-            if len(self._probe_queue) >= _PROBE_BATCH:
-                self.flush()
+            self._probe(key)
         return _RETRY
+
+    def _owe_miss(self, key: bytes, req_ids: Iterable[str]) -> None:
+        """The next lookup of ``key`` by each of ``req_ids`` answers MISS, whatever the TTLs."""
+        owed = self._owed.get(key)
+        if owed is None:
+            self._owed[key] = set(req_ids)
+            if len(self._owed) > _OWED_MAX:
+                self._owed.popitem(last=False)
+        else:
+            owed.update(req_ids)
+
+    def _lookup_tripped(self, key: bytes, br: CircuitBreaker) -> LookupResult:
+        """Lookup while the breaker is open or half-open: MISS, unless this lookup is one of the
+        half-open trials. A trial asks the tier (a probe), even for a key it is known to hold: the
+        probe's answer is what closes or reopens the breaker, and it is always sent."""
+        if key in self._probing:
+            if br.state == HALF_OPEN:
+                return _RETRY  # a probe is out: its answer settles the key
+            self.count("breaker_misses")  # a probe sent before the breaker opened
+            return _MISS
+        exp = self._absent.get(key)
+        if exp is not None and time.monotonic() < exp:
+            return _MISS
+        if not br.admit():
+            self.count("breaker_misses")
+            return _MISS
+        self._absent.pop(key, None)
+        self._probe(key)
+        return _RETRY
+
+    def _probe(self, key: bytes) -> None:
+        self._probing.add(key)
+        self._probe_queue.append(key)
+        if len(self._probe_queue) >= _PROBE_BATCH:
+            self.flush()
 
     def flush(self) -> None:
         queue = self._probe_queue
@@ -388,11 +442,16 @@ class ProcessTierManager(SecondaryTierManager):
 
     # -- jobs -----------------------------------------------------------------------------------
 
-    def accepts_store(self, num_chunks: int) -> bool:
-        if self._open_until and self._breaker_open():
+    def store_refusal(self, num_chunks: int) -> str | None:
+        full = self._pending_store_chunks + num_chunks > self.config.max_pending_store_chunks
+        br = self.breaker
+        if br is not None and br.tripped and (full or not br.admit()):
             self.count("breaker_dropped_stores", num_chunks)
-            return False
-        return self._pending_store_chunks + num_chunks <= self.config.max_pending_store_chunks
+            return "breaker_open"
+        return "queue_full" if full else None
+
+    def accepts_store(self, num_chunks: int) -> bool:
+        return self.store_refusal(num_chunks) is None
 
     def submit_store(self, job: JobMetadata) -> None:
         rec_job = _Job(job, is_load=False)
@@ -408,6 +467,8 @@ class ProcessTierManager(SecondaryTierManager):
             for k, code in rejected.items():
                 rec_job.failed[k] = code
             todo = [todo[i] for i in admitted]
+        if not todo and self.breaker is not None and self.breaker.tripped:
+            self.breaker.release()  # a trial store with nothing to write
         self._dispatch(rec_job, todo, self._writers, m.StoreTask, "store")
 
     def submit_load(self, job: JobMetadata) -> None:
@@ -446,6 +507,7 @@ class ProcessTierManager(SecondaryTierManager):
             self._on_loads_done(meta.keys, failed)
             for k in failed:
                 self._mark_absent(k, self.config.failed_load_ttl_s)
+                self._owe_miss(k, (meta.req_id,))
             self.count("load_chunks", len(ok_keys))
             if failed:
                 self.count("load_failures", len(failed))
@@ -477,18 +539,22 @@ class ProcessTierManager(SecondaryTierManager):
 
     def _apply(self, rec: _TaskRec, codes: list[int], nbytes: int, status: list[int]) -> None:
         if rec.kind in ("probe", "store", "load"):
-            self._on_task_codes(codes, status)
+            self._on_task_codes(rec, codes, status)
         if rec.kind == "probe":
             neg = self.config.negative_ttl_s
             for key, code in zip(rec.keys, codes):
                 self._probing.discard(key)
+                waiting = self._waiting.pop(key, None)
                 if code == m.OK and not self._removed_since(key, rec.t0):
                     self._mark_present(key)
-                elif code == m.OK:
+                    continue
+                if code == m.OK:
                     self.count("stale_probes")  # evicted while the probe was out: a miss
                     self._mark_absent(key, min(neg, 1.0))
                 else:
                     self._mark_absent(key, neg if code == m.MISSING else min(neg, 1.0))
+                if waiting:
+                    self._owe_miss(key, waiting)
             self.count("probes", len(rec.keys))
             self.metrics.observe("kvoffload_lookup_latency_seconds", time.monotonic() - rec.t0,
                                  self.name)
@@ -510,7 +576,7 @@ class ProcessTierManager(SecondaryTierManager):
             return
         if rec.kind == "delete":
             self.count("deletes", len(rec.keys))
-            self._on_deletes_done(rec.keys)
+            self._on_deletes_done(rec.keys, codes, status)
             return
         if rec.kind == "scan":
             return
@@ -556,8 +622,45 @@ class ProcessTierManager(SecondaryTierManager):
                 rec = task.owner
                 if rec.kind == "scan":
                     self._on_scan(res.entries)
-                self._apply(rec, res.codes, res.nbytes, res.status)
+                self._apply(rec, self._checked_codes(rec, res), res.nbytes, res.status)
                 return
+        # A task this tier never sent, already answered, or held by a worker since replaced:
+        # nothing waits for it and nothing may act on it (CASES C24, C17).
+        self.count("unknown_replies")
+        self._log_bad_reply(f"a reply for task {res.task_id} from worker {res.worker_id}, "
+                            f"which holds no such task; dropped")
+
+    def _checked_codes(self, rec: _TaskRec, res: m.TaskResult) -> list[int]:
+        """The reply's per-key codes, validated against the task it answers (CASES C24).
+
+        A worker must answer every key of its task with a known code. A reply with fewer or more
+        codes than the task has keys cannot be matched to them: every key of the task fails
+        (``bad_reply``). A code that is not a known outcome fails its key alone. So a key is
+        a success only when the reply positively confirmed it.
+        """
+        codes = res.codes
+        n = len(rec.keys)
+        if rec.kind == "scan":
+            return codes
+        if len(codes) != n:
+            self.count("malformed_replies")
+            self._log_bad_reply(f"a reply to {rec.kind} task {res.task_id} carries {len(codes)} "
+                                f"verdict(s) for {n} key(s); all of them fail")
+            return [m.BAD_REPLY] * n
+        known = m.CODE_NAMES
+        if all(c in known for c in codes):
+            return codes
+        self.count("malformed_replies")
+        self._log_bad_reply(f"a reply to {rec.kind} task {res.task_id} carries unknown verdict "
+                            f"code(s) {sorted({c for c in codes if c not in known})}; those keys fail")
+        return [c if c in known else m.BAD_REPLY for c in codes]
+
+    def _log_bad_reply(self, what: str) -> None:
+        now = time.monotonic()
+        if now - self._last_bad_reply_log >= 60.0:
+            self._last_bad_reply_log = now
+            log.warning("kvoffload tier %s: %s (counted in tier events unknown_replies / "
+                        "malformed_replies; logged at most once a minute)", self.name, what)
 
     def has_pending_work(self) -> bool:
         return bool(self._probe_queue or self._probing or self._job_count

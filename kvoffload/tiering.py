@@ -731,6 +731,14 @@ class TieringManager:
         stepping)."""
         return bool(self._jobs or self._promotions) or any(t.has_pending_work() for t in self.tiers)
 
+    def jobs_in_flight(self) -> list[tuple[str, str, JobMetadata]]:
+        """``(tier name, "load" | "store", job)`` of every tier job submitted and not yet finished:
+        the host slots a tier worker may still write (load) or read (store). Promotions queued for
+        the next step are not in flight yet. For tests and tools; the list is a copy."""
+        names = self.tier_names
+        return [(names[j.tier], "load" if j.meta.is_promotion else "store", j.meta)
+                for j in self._jobs.values()]
+
     def wait_idle(self, timeout_s: float = 30.0) -> bool:
         """Block until nothing is in flight (standalone tools and tests only). Returns False on
         timeout."""

@@ -37,6 +37,16 @@ def _leftover_processes() -> list[str]:
     return out
 
 
+def pytest_collection_modifyitems(config, items):
+    """``soak`` tests run only when the marker expression names them (``pytest -m soak``)."""
+    if "soak" in (config.option.markexpr or ""):
+        return
+    keep = [i for i in items if i.get_closest_marker("soak") is None]
+    if len(keep) < len(items):
+        config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+        items[:] = keep
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _leaves_nothing_behind():
     if os.environ.get("KVOFFLOAD_REQUIRE_VLLM") == "1":

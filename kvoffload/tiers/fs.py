@@ -31,6 +31,8 @@ recently used chunks to make room, and raises the cap again as a background samp
 shows room (CASES C33). A chunk file whose removal fails stays in the index and in the accounting
 (it is still on disk), counted by errno in ``kvoffload_tier_eviction_errors``, and is retried when it
 next comes up for eviction; the next least recently used chunk is evicted instead (CASES C32).
+A store that fails once a worker has it may still have published its file (the worker died or timed
+out after the rename): that file is removed, so the disk holds what is counted.
 While some removal has failed or the disk is full, space is reused only once a removal is confirmed:
 a store that finds no such room is refused at once (``no_space``) with a logged reason, and the tier
 evicts ahead for the next one. The bytes on disk thus exceed the cap by at most the files that
@@ -428,6 +430,7 @@ class FsTier(ProcessTierManager):
         if index is None:
             return
         full = 0
+        unconfirmed: list[bytes] = []
         for key in keys:
             code = failed.get(key)
             if code in (m.NO_SPACE, m.REJECTED) and key in self._refused:
@@ -442,8 +445,32 @@ class FsTier(ProcessTierManager):
                     self.used_bytes += index[key]
             elif code == m.NO_SPACE and nbytes is not None:
                 full += 1  # the writer found the disk full (ENOSPC, quota, the free-space floor)
+            elif nbytes is not None and key not in index:
+                unconfirmed.append(key)
+        if unconfirmed:
+            self._remove_unconfirmed_stores(unconfirmed)
         if full:
             self._disk_full(full)
+
+    def _remove_unconfirmed_stores(self, keys: list[bytes]) -> None:
+        """A write sent to a worker that failed may still have published its file (the worker
+        died or timed out after the rename, a verdict we do not know): remove what is not counted,
+        so the bytes on disk stay what the cap accounts. Until the delete answers the file counts
+        as unconfirmed (as an evicted one); a removal that fails keeps it counted (CASES C32). No
+        event: the chunk was never reported stored."""
+        deleting, evicted, now = self._deleting, self._evicted_at, time.monotonic()
+        fb = self.file_bytes
+        for k in keys:
+            deleting[k] = deleting.get(k, 0) + 1
+            self._unconfirmed[k] = self._unconfirmed.get(k, 0) + fb
+            self._unconfirmed_bytes += fb
+            evicted[k] = now
+            evicted.move_to_end(k)
+        while len(evicted) > _EVICTED_MEMORY:
+            evicted.popitem(last=False)
+        self.count("unconfirmed_store_removals", len(keys))
+        tid = self._next_task_id()
+        self._send(self._writers, "delete", None, keys, m.DeleteTask(tid, keys))
 
     def _disk_full(self, chunks: int) -> None:
         """Writes of ``chunks`` chunks found the filesystem full: the cap becomes what the disk

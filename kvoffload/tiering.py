@@ -92,6 +92,7 @@ class Stats:
         self.store_rejections = 0
         self.store_truncations = 0
         self.unheld_completions = 0  # complete_load of a chunk the caller held no pin on (C28)
+        self.stale_store_completions = 0  # complete_store of a write the caller does not hold
         self.unknown_job_results = 0  # results for a job id not in flight (duplicates, strays)
         self.reset_discarded_promotions = 0  # promotions a reset made moot while in flight
         self.loads_from = {HOST: 0, **{n: 0 for n in tier_names}}
@@ -210,6 +211,8 @@ class TieringManager:
         # Pins held for host -> accelerator copies, per holder (request): req_id -> key ->
         # [slot, pins]. A completion drops only its own holder's pins (CASES C28).
         self._holds: dict[str, dict[bytes, list[int]]] = {}
+        # Writes reserved by prepare_store and not yet completed: key -> the request that holds it.
+        self._writes: dict[bytes, str] = {}
         self._load_source: dict[str, dict[bytes, int]] = {}
         self._poll_interval = poll_interval_s
         self._last_poll = 0.0
@@ -397,6 +400,7 @@ class TieringManager:
         Completions are processed first, so pins released by finished tier jobs count before any
         eviction decision. When the whole batch does not fit, its longest prefix that fits is
         reserved; returns None only when not a single slot can be freed (everything pinned).
+        The reserved writes belong to ``req_id``: only its :meth:`complete_store` ends them.
         """
         self.poll()
         host = self.host
@@ -421,6 +425,10 @@ class TieringManager:
                 self._refuse(HOST, "store", "no_evictable_slot", len(new), logging.WARNING,
                              "kvoffload: host tier refused a store of %d chunk(s): no evictable "
                              "slot (%s)", len(new), self._occupancy())
+        if plan is not None and plan.keys:
+            writes = self._writes
+            for k in plan.keys:
+                writes[k] = req_id
         if chunk_info is not None and plan is not None and self._chunk_info is not None:
             infos = self._chunk_info
             for k in plan.keys:
@@ -447,10 +455,24 @@ class TieringManager:
 
     def complete_store(self, keys: Iterable[bytes], success: bool = True, req_id: str = "") -> None:
         """The accelerator → host copy finished: publish the chunks (or free their slots on
-        failure) and write them through to every secondary tier."""
+        failure) and write them through to every secondary tier.
+
+        Only writes ``req_id`` reserved in :meth:`prepare_store` and has not completed yet are
+        ended. Any other key — a completion arriving twice, or late after its key was evicted or
+        reset and reserved anew by another request, or a key being promoted from a tier — is
+        ignored and counted (``Stats.stale_store_completions``): it must neither publish another
+        writer's slot before its copy ended nor free it under the writer.
+        """
+        writes = self._writes
+        mine = []
+        for k in keys:
+            if writes.get(k) == req_id:
+                del writes[k]
+                mine.append(k)
+            else:
+                self.stats.stale_store_completions += 1
+        keys = mine
         forget = not success and self._chunk_info
-        if forget:
-            keys = list(keys)
         done = self.host.complete_write(keys, success)
         if forget:
             for k in keys:

@@ -65,13 +65,14 @@ from helpers import HIT, MISS, PENDING, RETRY, Rig, payload
 #   C26: reset_cache returns after its timeout while a tier load still writes into a slot (reset
 #        with a short timeout)
 #   C28: a duplicated completion releases another holder's pin (complete_load twice)
-#   stale_store_completion (found by this model after the merge of main, no CASES entry yet): a
+#   stale_store_completion (found by this model, fixed: writes belong to the request that reserved
+#        them, tests/test_wrong_bytes.py): a
 #        store completion that arrives again (or late) after its key was evicted or reset and
 #        reserved anew by another request completes that request's write: success=True publishes
 #        the new slot READY before its copy ended (a lookup would load bytes not yet written),
 #        success=False frees it under the writer. The host tier tracks writes by key only.
 # KVOFFLOAD_KNOWN_BUGS="C24,C28" (or "" for none) replaces the set, to run a variant before its fix.
-KNOWN_BUGS: frozenset[str] = frozenset({"stale_store_completion"})
+KNOWN_BUGS: frozenset[str] = frozenset()
 if "KVOFFLOAD_KNOWN_BUGS" in os.environ:
     KNOWN_BUGS = frozenset(x.strip() for x in os.environ["KVOFFLOAD_KNOWN_BUGS"].split(",")
                            if x.strip())

@@ -246,3 +246,25 @@ def test_pins_are_exactly_the_live_holders(tmp_path):
         assert rig.tm.pins_held() == {} and rig.tm.host.num_pinned == 0
         assert rig.tm.host.num_evictable == 3
         assert ROW == rig.row_bytes
+
+
+@pytest.mark.parametrize("success", [True, False])
+def test_a_stale_store_completion_never_ends_another_requests_write(success):
+    """s0 stores K and completes; K is reset away and s2 reserves it again; s0's completion
+    arrives a second time. It must neither publish s2's slot before s2's copy ended (a lookup would
+    load bytes never written) nor free it under s2; it is counted. (Found by the tier model.)"""
+    with Rig([], num_slots=4) as rig:
+        (k,) = keys_for(1)
+        plan = rig.tm.prepare_store([k], "s0")
+        rig.arena.rows[plan.slots[0]] = payload(k)
+        rig.tm.complete_store([k], True, "s0")
+        rig.tm.reset_cache()
+        plan = rig.tm.prepare_store([k], "s2")
+        assert plan is not None and plan.keys == [k]
+        rig.tm.complete_store([k], success, "s0")  # the duplicate of s0's completion
+        assert rig.tm.lookup(k, "r") is PENDING, "another request's completion ended s2's write"
+        assert rig.tm.stats.stale_store_completions == 1
+        rig.arena.rows[plan.slots[0]] = 0x44
+        rig.tm.complete_store([k], True, "s2")
+        assert rig.tm.lookup(k, "r") is HIT
+        assert (rig.read([k])[0] == 0x44).all()

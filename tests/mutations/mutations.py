@@ -281,6 +281,10 @@ MUTATIONS: list[Mutation] = [
              "                    host.unpin_slot(host.index[k])\n"
              "                continue",
              (WB + "test_c28_a_duplicated_completion_never_releases_another_requests_pin",)),
+    Mutation("C28", "a store completion from another request ends a write", "kvoffload/tiering.py",
+             "            if writes.get(k) == req_id:",
+             "            if k in writes:",
+             (WB + "test_a_stale_store_completion_never_ends_another_requests_write[True]",)),
     Mutation("C29", "temporary files removed whatever their age", "workers/fs_io.py",
              "    if now - mtime <= older_than_s:\n        return False\n    try:",
              "    try:",

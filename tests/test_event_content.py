@@ -64,7 +64,7 @@ def _store(tm, arena, keys, info=None):
     assert plan is not None and list(plan.keys) == list(keys)
     for k, s in zip(plan.keys, plan.slots):
         arena.rows[s] = payload(k, arena.row_bytes)
-    tm.complete_store(plan.keys, True)
+    tm.complete_store(plan.keys, True, "req")
     assert tm.wait_idle(120), "tier jobs did not finish"
     tm.step()
 

@@ -229,7 +229,13 @@ def _literal_values(root: type[msgspec.Struct], path: str) -> list | None:
     if field is None:
         return None
     types = field.type.types if isinstance(field.type, msgspec.inspect.UnionType) else (field.type,)
-    return next((list(t.values) for t in types if isinstance(t, msgspec.inspect.LiteralType)), None)
+    values = next((list(t.values) for t in types if isinstance(t, msgspec.inspect.LiteralType)), None)
+    if values is None:
+        return None
+    # the union's other forms, so a wrong string does not read as if only the words were allowed
+    others = {msgspec.inspect.IntType: "an integer", msgspec.inspect.FloatType: "a number",
+              msgspec.inspect.NoneType: "null"}
+    return values + [others[type(t)] for t in types if type(t) in others]
 
 
 def parse_config(extra_config: dict[str, Any]) -> OffloadConfig:

@@ -64,7 +64,7 @@ def test_c21_wrong_unit_or_type_for_sizes(value, why):
 @pytest.mark.parametrize("max_bytes, why", [
     (0, "Expected `int` >= 1"),
     (-1, "Expected `int` >= 1"),
-    ("10GB", "Invalid enum value '10GB'; allowed: unbounded"),  # a number, null or "unbounded"
+    ("10GB", "Invalid enum value '10GB'; allowed: unbounded, an integer, null"),
 ])
 def test_c21_tier_capacity_must_be_positive_bytes(max_bytes, why):
     msg = fails({**BASE, "secondary_tiers": [{"type": "fs", "root_dir": "/tmp/x",

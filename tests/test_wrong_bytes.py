@@ -58,8 +58,9 @@ def test_c24_a_reply_that_does_not_confirm_every_key_never_publishes_it(tmp_path
         assert failed.get(("fs", "load", "bad_reply"), 0) >= 1, failed
         assert rig.tm.stats.promotion_failures["fs"] >= 1
         assert rig.fs.counters.get("malformed_replies", 0) >= 1
-        if action == "reply_bad_code":  # only the key with the unknown code failed
-            assert verdicts[0] is HIT
+        if action == "reply_bad_code" and rig.tm.stats.promotion_failures["fs"] == 1:
+            assert verdicts[0] is HIT  # K1 shared K2's task: only the key with the unknown code
+            # failed (when the two promotions went in separate tasks, K1's own reply was mangled)
 
 
 def test_c24_a_reply_for_a_task_never_sent_is_dropped_and_counted(tmp_path):

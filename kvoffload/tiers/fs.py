@@ -64,6 +64,8 @@ log = logging.getLogger("kvoffload.tiers")
 _SCAN_TIMEOUT_S = 600.0
 # Evictions remembered to spot probes that saw a file just before it was deleted.
 _EVICTED_MEMORY = 65536
+_NO_ANSWER = (m.WORKER_DIED, m.TIMEOUT, m.BAD_REPLY)  # a delete's verdict that says nothing
+_DELETE_RETRIES = 3  # deletes sent again after no answer, before the file is kept counted
 DEFAULT_FREE_FRACTION = 0.5
 """Without ``max_bytes``, the cap is this fraction of the filesystem's free space at start (plus
 the namespace's own chunks found there, so restarts do not creep towards a full disk)."""
@@ -217,6 +219,7 @@ class FsTier(ProcessTierManager):
         self._unconfirmed: dict[bytes, int] = {}
         self._unconfirmed_bytes = 0
         self._undeletable: set[bytes] = set()  # in the index; their last removal failed
+        self._delete_retries: dict[bytes, int] = {}  # deletes sent again after no answer
         self._last_removal_error = ""
         self._refused: dict[bytes, int] = {}  # keys refused at admission, their job not finished
         self._disk_cap: int | None = None  # the cap lowered to what the full disk holds
@@ -392,6 +395,7 @@ class FsTier(ProcessTierManager):
         deleting = self._deleting
         index = self._index
         kept: list[bytes] = []
+        retry: list[tuple[bytes, int]] = []
         for i, (k, code) in enumerate(zip(keys, codes)):
             n = deleting.get(k, 0) - 1
             if n > 0:
@@ -403,7 +407,18 @@ class FsTier(ProcessTierManager):
                 self._unconfirmed_bytes -= nbytes
             if code == m.OK:
                 self._undeletable.discard(k)
+                self._delete_retries.pop(k, None)
                 continue
+            if (code in _NO_ANSWER and nbytes is not None and index is not None
+                    and k not in index):
+                # The delete got no answer (its worker died, timed out or answered nonsense): the
+                # file may be gone or still there. Ask again rather than guess, a few times.
+                tries = self._delete_retries.get(k, 0) + 1
+                if tries <= _DELETE_RETRIES:
+                    self._delete_retries[k] = tries
+                    retry.append((k, nbytes))
+                    continue
+            self._delete_retries.pop(k, None)
             err = status[i] if i < len(status) else 0
             why = errno_mod.errorcode.get(err, str(err)) if err else m.CODE_NAMES.get(code,
                                                                                        str(code))
@@ -417,6 +432,15 @@ class FsTier(ProcessTierManager):
             self.used_bytes += nbytes
             self._undeletable.add(k)
             kept.append(k)
+        if retry:
+            for k, nbytes in retry:
+                deleting[k] = deleting.get(k, 0) + 1
+                self._unconfirmed[k] = self._unconfirmed.get(k, 0) + nbytes
+                self._unconfirmed_bytes += nbytes
+            self.count("delete_retries", len(retry))
+            rkeys = [k for k, _ in retry]
+            self._send(self._writers, "delete", None, rkeys,
+                       m.DeleteTask(self._next_task_id(), rkeys))
         if kept:
             if self.record_events:
                 self._events.append(TierEvent(kept, False))

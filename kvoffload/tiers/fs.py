@@ -65,7 +65,7 @@ _SCAN_TIMEOUT_S = 600.0
 # Evictions remembered to spot probes that saw a file just before it was deleted.
 _EVICTED_MEMORY = 65536
 _NO_ANSWER = (m.WORKER_DIED, m.TIMEOUT, m.BAD_REPLY)  # a delete's verdict that says nothing
-_DELETE_RETRIES = 3  # deletes sent again after no answer, before the file is kept counted
+_DELETE_RETRIES = 10  # deletes sent again after no answer, before the file is kept counted
 DEFAULT_FREE_FRACTION = 0.5
 """Without ``max_bytes``, the cap is this fraction of the filesystem's free space at start (plus
 the namespace's own chunks found there, so restarts do not creep towards a full disk)."""

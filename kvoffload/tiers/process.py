@@ -36,6 +36,7 @@ import zmq
 from kvoffload.config import Positive, apply_aliases
 from kvoffload.ipc import messages as m
 from kvoffload.ipc.channels import LOADS, STORES, TierChannels
+from kvoffload.logs import RateLimitedLog
 from kvoffload.tiers.base import JobMetadata, JobResult, LookupResult, SecondaryTierManager, TierEvent
 from kvoffload.tiers.breaker import HALF_OPEN, OPEN, STATES, CircuitBreaker
 from kvoffload.workerpool import PoolTask, WorkerPool
@@ -211,7 +212,7 @@ class ProcessTierManager(SecondaryTierManager):
         self._pending_store_chunks = 0
         self._last_check = 0.0
         self._closed = False
-        self._last_bad_reply_log = -1e9
+        self._bad_reply_log = RateLimitedLog(log)
         self.breaker: CircuitBreaker | None = (
             CircuitBreaker(cfg.breaker_failures, cfg.breaker_cooldown_s, cfg.breaker_trial_requests,
                            trial_timeout_s=cfg.job_timeout_s)
@@ -656,11 +657,9 @@ class ProcessTierManager(SecondaryTierManager):
         return [c if c in known else m.BAD_REPLY for c in codes]
 
     def _log_bad_reply(self, what: str) -> None:
-        now = time.monotonic()
-        if now - self._last_bad_reply_log >= 60.0:
-            self._last_bad_reply_log = now
-            log.warning("kvoffload tier %s: %s (counted in tier events unknown_replies / "
-                        "malformed_replies; logged at most once a minute)", self.name, what)
+        self._bad_reply_log.log(logging.WARNING, "bad_reply",
+                                "kvoffload tier %s: %s (counted in tier events unknown_replies / "
+                                "malformed_replies; logged at most once a minute)", self.name, what)
 
     def has_pending_work(self) -> bool:
         return bool(self._probe_queue or self._probing or self._job_count

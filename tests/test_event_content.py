@@ -4,10 +4,8 @@ sockets; vLLM's own decoder, block hasher and block pool where vLLM is installed
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
-import socket
 
 import msgspec
 import numpy as np
@@ -15,6 +13,7 @@ import pytest
 from helpers import Rig, arena_name, fs_tier, payload, replay
 
 from kvoffload.config import ConfigError
+from kvoffload.tools.s3_server import free_port
 from kvoffload.namespace import chunk_keys
 
 BLOCK = 16  # tokens per block (and per chunk: blocks_per_chunk 1)
@@ -245,25 +244,6 @@ def _plugin_events(tm):
 
 # -- C30: data-parallel ranks -----------------------------------------------------------------------
 
-def _consecutive_free_ports(n: int) -> int:
-    """A port p with p .. p+n-1 free on 127.0.0.1 (checked by binding them)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65536:
-            continue
-        with contextlib.ExitStack() as stack:
-            try:
-                for p in range(base, base + n):
-                    sk = stack.enter_context(socket.socket())
-                    sk.bind(("127.0.0.1", p))
-            except OSError:
-                continue
-        return base
-    raise AssertionError(f"no {n} consecutive free ports")
-
-
 def _segments(names) -> set[str]:
     """Which of the arenas ``names`` exist in /dev/shm."""
     return set(names) & set(os.listdir("/dev/shm"))
@@ -281,8 +261,8 @@ def test_c30_a_second_data_parallel_rank_starts_with_kv_events_on(tmp_path):
     from kvoffload.events import MovementBatch
     from kvoffload.vllm import KVOffloadSpec
 
-    pub = _consecutive_free_ports(3)
-    rep = _consecutive_free_ports(3)
+    pub = free_port(consecutive=3)
+    rep = free_port(consecutive=3)
     extra = {**EXTRA, "cpu_bytes_to_use": 4 * 2 * 4096 * 3,
              "secondary_tiers": [fs_tier(tmp_path / "fs")],
              "kv_events": {"endpoint": f"tcp://127.0.0.1:{pub}",

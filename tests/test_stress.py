@@ -37,6 +37,10 @@ def test_stress_with_every_fault_runs_clean():
     assert out["corrupt_loads"] == 0 and out["hung_requests"] == 0 and out["hung_jobs"] == 0
     assert out["requests"] > 0 and out["chunks_loaded"] > 0  # how many depends on the machine
     assert out["unexercised"] == [], out
+    # Every fault is visible on /metrics as a labelled series (read from the registry it serves).
+    assert out["unmetered"] == [] and set(out["fault_metrics"]) == {f[2:] for f in faults} - {"obj"}, out
+    s3 = " ".join(out["fault_metrics"]["flaky-s3"])
+    assert 'event="retries"' in s3 and 'reason="breaker_open"' in s3, s3
     inj = out["injected"]
     assert inj["worker_killed"] > 0 and sum(out["worker_restarts"].values()) > 0
     assert inj.get("chunk_corrupted", 0) + inj.get("chunk_truncated", 0) + inj.get("chunk_deleted", 0) > 0

@@ -147,6 +147,9 @@ class Report:
     worker_restarts: dict[str, int] = field(default_factory=dict)
     injected: dict[str, int] = field(default_factory=dict)
     unexercised: list[str] = field(default_factory=list)  # faults injected without visible effect
+    # fault flag -> the /metrics series that show it (FaultInjector.metric_evidence)
+    fault_metrics: dict[str, dict[str, float]] = field(default_factory=dict)
+    unmetered: list[str] = field(default_factory=list)  # faults injected that no metric shows
     corrupt_loads: int = 0
     hung_requests: int = 0
     hung_jobs: int = 0
@@ -373,6 +376,9 @@ def _print_summary(rep: Report, console) -> None:
         rows.append((f"injected {k}", str(v)))
     if rep.unexercised:
         rows.append(("injected, no effect seen", ", ".join(rep.unexercised)))
+    for flag, series in rep.fault_metrics.items():
+        rows.append((f"--{flag} on /metrics", "" if series else "[red]no metric shows it"))
+        rows.extend((f"  {k}", f"{v:g}") for k, v in series.items())
     rows.append(("corrupt loads", f"[{'red' if rep.corrupt_loads else 'green'}]{rep.corrupt_loads}"))
     rows.append(("hung requests / jobs", f"[{'red' if rep.hung_requests or rep.hung_jobs else 'green'}]"
                  f"{rep.hung_requests} / {rep.hung_jobs}"))
@@ -474,6 +480,7 @@ def stress(config_file, duration, workload, concurrency, chunk_kib, turn_chunks,
     err = Console(stderr=True)
     stack = contextlib.ExitStack()
     run = injector = None
+    evidence: dict[str, dict[str, float]] = {}
     proxies: dict[str, Any] = {}
     try:
         if config_file is not None:
@@ -585,6 +592,8 @@ def stress(config_file, duration, workload, concurrency, chunk_kib, turn_chunks,
     finally:
         if injector is not None:
             unexercised = injector.unexercised()  # before close() folds the proxies' rules away
+            if run is not None:
+                evidence = injector.metric_evidence()  # before the manager leaves the registry
             injector.close()
         if run is not None:
             run.close()
@@ -592,6 +601,8 @@ def stress(config_file, duration, workload, concurrency, chunk_kib, turn_chunks,
         stack.close()
     rep.injected = dict(injector.injected)
     rep.unexercised = unexercised
+    rep.fault_metrics = evidence
+    rep.unmetered = [name for name, series in evidence.items() if not series]
     if as_json:
         out = {k: v for k, v in vars(rep).items()}
         out["ok"] = rep.ok

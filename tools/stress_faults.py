@@ -277,6 +277,54 @@ class FaultInjector:
         }
         return [name for name, on in self._enabled.items() if on and not seen[name]()]
 
+    def metric_evidence(self) -> dict[str, dict[str, float]]:
+        """For each enabled fault (by flag name), the non-zero series of this process's ``/metrics``
+        exposition that show it, as ``{'name{label="v",...}': value}``; an empty dict is a fault that
+        was injected and that no metric shows. Read from the registry :func:`kvoffload.metrics.serve`
+        exports, so what is here is what a scrape sees (call it before the manager shuts down).
+
+        kill-workers: ``kvoffload_tier_worker_restarts_total``; corrupt: load failures with reason
+        ``corrupt`` or ``missing``; fill-disk: store failures with reason ``no_space``; flaky-s3: the
+        obj tier's S3 retries (``kvoffload_tier_events_total{event="retries"}``) and stores its open
+        breaker refused (``kvoffload_refused_chunks_total{reason="breaker_open"}``), both needed.
+        """
+        from prometheus_client import generate_latest
+        from prometheus_client.parser import text_string_to_metric_families
+
+        from kvoffload import metrics
+
+        text = generate_latest(metrics.registry()).decode()
+        samples = [smp for fam in text_string_to_metric_families(text) for smp in fam.samples
+                   if smp.value > 0]
+        obj = set(self.proxies)
+
+        def pick(name: str, **want) -> dict[str, float]:
+            out = {}
+            for smp in samples:
+                if smp.name != name:
+                    continue
+                if all(smp.labels.get(k) in (v if isinstance(v, (set, tuple)) else (v,))
+                       for k, v in want.items()):
+                    labels = ",".join(f'{k}="{v}"' for k, v in sorted(smp.labels.items())
+                                      if k != "instance")  # one manager per stress run
+                    out[f"{smp.name}{{{labels}}}"] = smp.value
+            return out
+
+        def both(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+            return {**a, **b} if a and b else {}
+
+        rules = {
+            "kill-workers": lambda: pick("kvoffload_tier_worker_restarts_total"),
+            "corrupt": lambda: pick("kvoffload_tier_failed_chunks_total", direction="load",
+                                    reason=("corrupt", "missing")),
+            "fill-disk": lambda: pick("kvoffload_tier_failed_chunks_total", direction="store",
+                                      reason="no_space"),
+            "flaky-s3": lambda: both(
+                pick("kvoffload_tier_events_total", tier=obj, event="retries"),
+                pick("kvoffload_refused_chunks_total", tier=obj, reason="breaker_open")),
+        }
+        return {name: rules[name]() for name, on in self._enabled.items() if on}
+
     def _no_space(self) -> int:
         """Chunks whose store failed for want of disk space, all tiers, so far."""
         return sum(v for (_, direction, reason), v in self.tm.stats.failed.items()

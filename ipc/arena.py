@@ -115,9 +115,17 @@ def _read_header(fd: int) -> tuple[bytes, int, int, int, int, int, int, bytes, s
     magic, version, state, pid, created, num_slots, row_bytes, nonce, engine = _HEADER.unpack(raw)
     if magic != _MAGIC or version != _VERSION:
         return None
-    return magic, version, state, pid, created, num_slots, row_bytes, nonce, engine.rstrip(
-        b"\0"
-    ).decode("utf-8", "replace")
+    return (
+        magic,
+        version,
+        state,
+        pid,
+        created,
+        num_slots,
+        row_bytes,
+        nonce,
+        engine.rstrip(b"\0").decode("utf-8", "replace"),
+    )
 
 
 def _owner_alive(fd: int) -> bool:
@@ -193,8 +201,20 @@ def list_arenas(prefix: str = NAME_PREFIX) -> list[ArenaInfo]:
             out.append(ArenaInfo(name, 0, 0, 0, 0, b"", "", False, size, alive))
             continue
         _, _, state, pid, created, num_slots, row_bytes, nonce, engine = header
-        out.append(ArenaInfo(name, pid, created, num_slots, row_bytes, nonce, engine,
-                             state == _STATE_READY, size, alive))
+        out.append(
+            ArenaInfo(
+                name,
+                pid,
+                created,
+                num_slots,
+                row_bytes,
+                nonce,
+                engine,
+                state == _STATE_READY,
+                size,
+                alive,
+            )
+        )
     return out
 
 
@@ -226,8 +246,16 @@ class Arena:
     until they are garbage-collected.
     """
 
-    def __init__(self, name: str, shm_fd: int, mm: mmap.mmap, num_slots: int, row_bytes: int,
-                 nonce: bytes, owner: bool):
+    def __init__(
+        self,
+        name: str,
+        shm_fd: int,
+        mm: mmap.mmap,
+        num_slots: int,
+        row_bytes: int,
+        nonce: bytes,
+        owner: bool,
+    ):
         self.name = name
         self.num_slots = num_slots
         self.row_bytes = row_bytes
@@ -240,8 +268,11 @@ class Arena:
         ).reshape(num_slots, row_bytes)
         """Zero-copy ``(num_slots, row_bytes)`` uint8 view of the slots; keeps the mapping alive."""
         self.device_stats: np.ndarray = np.frombuffer(
-            mm, dtype=np.float64, count=DEVICE_STATS_RANKS * DEVICE_STATS_FIELDS,
-            offset=DEVICE_STATS_OFFSET).reshape(DEVICE_STATS_RANKS, DEVICE_STATS_FIELDS)
+            mm,
+            dtype=np.float64,
+            count=DEVICE_STATS_RANKS * DEVICE_STATS_FIELDS,
+            offset=DEVICE_STATS_OFFSET,
+        ).reshape(DEVICE_STATS_RANKS, DEVICE_STATS_FIELDS)
         """``(64, 4)`` float64 view in the header page: per TP rank, accelerator <-> host
         ``(load bytes, load seconds, store bytes, store seconds)``. A rank adds to its own row only;
         the scheduler reads the column sums for ``kvoffload_device_transfer_*``."""
@@ -249,8 +280,15 @@ class Arena:
     # -- construction -------------------------------------------------------------------------
 
     @classmethod
-    def create(cls, name: str, num_slots: int, row_bytes: int, engine_id: str = "",
-               size_hint_key: str = "cpu_bytes_to_use", janitor: bool = True) -> "Arena":
+    def create(
+        cls,
+        name: str,
+        num_slots: int,
+        row_bytes: int,
+        engine_id: str = "",
+        size_hint_key: str = "cpu_bytes_to_use",
+        janitor: bool = True,
+    ) -> Arena:
         """Create and own a new arena, reserving ``HEADER_BYTES + num_slots * row_bytes`` bytes.
 
         A segment of the same name whose owner is dead is removed first; one whose owner lives
@@ -309,9 +347,17 @@ class Arena:
                 raise
             mm = mmap.mmap(fd, total, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             nonce = secrets.token_bytes(16)
-            header = _HEADER.pack(_MAGIC, _VERSION, _STATE_INIT, os.getpid(), time.time_ns(),
-                                  num_slots, row_bytes, nonce,
-                                  engine_id.encode("utf-8")[:128])
+            header = _HEADER.pack(
+                _MAGIC,
+                _VERSION,
+                _STATE_INIT,
+                os.getpid(),
+                time.time_ns(),
+                num_slots,
+                row_bytes,
+                nonce,
+                engine_id.encode("utf-8")[:128],
+            )
             mm[: _HEADER.size] = header
             # Publish readiness last: attachers wait for it.
             mm[8:16] = struct.pack("<II", _VERSION, _STATE_READY)
@@ -328,7 +374,7 @@ class Arena:
         return arena
 
     @classmethod
-    def attach(cls, name: str, nonce: bytes | None = None, timeout_s: float = 30.0) -> "Arena":
+    def attach(cls, name: str, nonce: bytes | None = None, timeout_s: float = 30.0) -> Arena:
         """Map an existing arena by name.
 
         Args:
@@ -352,14 +398,19 @@ class Arena:
                 if header is not None and header[2] == _STATE_READY:
                     _, _, _, pid, _, num_slots, row_bytes, hnonce, _ = header
                     if nonce is not None and hnonce != nonce:
-                        raise ArenaError(f"arena {name!r} was recreated (nonce mismatch); not attaching")
+                        raise ArenaError(
+                            f"arena {name!r} was recreated (nonce mismatch); not attaching"
+                        )
                     if not _owner_alive(fd):
-                        raise ArenaError(f"arena {name!r}: its owner (pid {pid}) is dead; not attaching")
+                        raise ArenaError(
+                            f"arena {name!r}: its owner (pid {pid}) is dead; not attaching"
+                        )
                     total = HEADER_BYTES + num_slots * row_bytes
                     if os.fstat(fd).st_size < total:
                         raise ArenaError(f"arena {name!r} is truncated")
-                    mm = mmap.mmap(fd, total, flags=mmap.MAP_SHARED,
-                                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                    mm = mmap.mmap(
+                        fd, total, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
+                    )
                     return cls(name, fd, mm, num_slots, row_bytes, hnonce, owner=False)
             finally:
                 shm.close_fd()
@@ -368,8 +419,14 @@ class Arena:
             time.sleep(0.005)
 
     @classmethod
-    def open_or_create(cls, name: str, num_slots: int, row_bytes: int, engine_id: str = "",
-                       size_hint_key: str = "cpu_bytes_to_use") -> "Arena":
+    def open_or_create(
+        cls,
+        name: str,
+        num_slots: int,
+        row_bytes: int,
+        engine_id: str = "",
+        size_hint_key: str = "cpu_bytes_to_use",
+    ) -> Arena:
         """Attach to ``name`` if a live owner has it, else create it (the caller becomes owner).
 
         Used where several processes of one engine race to open the engine's arena and any of them
@@ -439,7 +496,7 @@ class Arena:
     def closed(self) -> bool:
         return self._mmap is None
 
-    def __enter__(self) -> "Arena":
+    def __enter__(self) -> Arena:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -488,8 +545,16 @@ def _spawn_janitor(name: str, nonce: bytes) -> None:
 
     me = psutil.Process()
     subprocess.run(
-        [sys.executable, "-m", "kvoffload.workers.janitor", name, nonce.hex(), str(me.pid),
-         repr(me.create_time())],
-        stdin=subprocess.DEVNULL, close_fds=True, check=False,
+        [
+            sys.executable,
+            "-m",
+            "kvoffload.workers.janitor",
+            name,
+            nonce.hex(),
+            str(me.pid),
+            repr(me.create_time()),
+        ],
+        stdin=subprocess.DEVNULL,
+        close_fds=True,
+        check=False,
     )
-

@@ -101,7 +101,9 @@ class TierChannels:
 class WorkerChannels:
     """Worker-side sockets: a DEALER on the tier's jobs socket for one kind, a PUSH for results."""
 
-    def __init__(self, ctx: zmq.Context, jobs_endpoint: str, results_endpoint: str, identity: bytes):
+    def __init__(
+        self, ctx: zmq.Context, jobs_endpoint: str, results_endpoint: str, identity: bytes
+    ):
         self.jobs = ctx.socket(zmq.DEALER)
         self.jobs.setsockopt(zmq.LINGER, 0)
         self.jobs.setsockopt(zmq.ROUTING_ID, identity)

@@ -159,18 +159,52 @@ def decode_reply(data: bytes) -> Hello | TaskResult:
 
 
 FaultPoint = Literal[
-    "task", "store", "load", "probe", "delete", "scan",
-    "before_read_slot", "before_publish", "direct_open_created", "direct_write",
-    "after_metadata_before_read", "read_payload", "direct_read", "probe_key", "unlink",
-    "reply", "store_reply", "load_reply", "probe_reply", "delete_reply", "scan_reply",
+    "task",
+    "store",
+    "load",
+    "probe",
+    "delete",
+    "scan",
+    "before_read_slot",
+    "before_publish",
+    "direct_open_created",
+    "direct_write",
+    "after_metadata_before_read",
+    "read_payload",
+    "direct_read",
+    "probe_key",
+    "unlink",
+    "reply",
+    "store_reply",
+    "load_reply",
+    "probe_reply",
+    "delete_reply",
+    "scan_reply",
 ]
 """Where a worker fires faults (see :class:`Fault`); each is a ``faults.hit(point, ...)`` call."""
 
-FaultAction = Literal["sleep", "raise", "raise_error", "drop", "exit", "wait_file",
-                      "reply_short", "reply_empty", "reply_long", "reply_bad_code", "reply_stray"]
+FaultAction = Literal[
+    "sleep",
+    "raise",
+    "raise_error",
+    "drop",
+    "exit",
+    "wait_file",
+    "reply_short",
+    "reply_empty",
+    "reply_long",
+    "reply_bad_code",
+    "reply_stray",
+]
 
-FAULT_ERRORS = ("ValueError", "TypeError", "KeyError", "RuntimeError", "MemoryError",
-                "struct.error")
+FAULT_ERRORS = (
+    "ValueError",
+    "TypeError",
+    "KeyError",
+    "RuntimeError",
+    "MemoryError",
+    "struct.error",
+)
 """Exception types a ``raise_error`` fault can raise: the failures of a bug, not of storage."""
 
 
@@ -220,14 +254,17 @@ class Fault(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def __post_init__(self) -> None:
         reply_point = self.point == "reply" or self.point.endswith("_reply")
         if self.action.startswith("reply_") and not reply_point:
-            raise ValueError(f"action: {self.action!r} works only at a reply point (reply, "
-                             f"store_reply, load_reply, probe_reply, delete_reply, scan_reply), "
-                             f"not at {self.point!r}")
+            raise ValueError(
+                f"action: {self.action!r} works only at a reply point (reply, "
+                f"store_reply, load_reply, probe_reply, delete_reply, scan_reply), "
+                f"not at {self.point!r}"
+            )
         why = _fault_arg_problem(self.action, self.arg)
         if why:
             raise ValueError(f"arg: {why}")
         if self.key_hex is not None and (
-                not self.key_hex or self.key_hex.strip("0123456789abcdef")):
+            not self.key_hex or self.key_hex.strip("0123456789abcdef")
+        ):
             raise ValueError(f"key_hex: {self.key_hex!r} is not a lowercase hex prefix of a key")
 
 
@@ -238,8 +275,9 @@ def _fault_arg_problem(action: str, arg: object) -> str | None:
         if arg is not None and not (number and arg >= 0):
             return f"{action!r} takes a number of seconds >= 0, got {arg!r}"
     elif action == "raise":
-        if arg is not None and not (isinstance(arg, int) and not isinstance(arg, bool)
-                                    and arg in errno.errorcode):
+        if arg is not None and not (
+            isinstance(arg, int) and not isinstance(arg, bool) and arg in errno.errorcode
+        ):
             return f"{action!r} takes an errno number (e.g. 5 = EIO, 22 = EINVAL), got {arg!r}"
     elif action == "raise_error":
         if arg is not None and arg not in FAULT_ERRORS:

@@ -120,12 +120,12 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 VLLM_ONLY_KEYS = {
     "tier_poll_interval_s": "tier workers report over sockets drained at every scheduler step",
     "backpressure": "see tier_pin_fraction, and the tiers' max_pending_store_chunks and "
-                    "breaker_failures",
+    "breaker_failures",
     "max_tracker_size": "kvoffload offloads every stored chunk (store_threshold 0)",
 }
 VLLM_ONLY_TIER_KEYS = {
     "backpressure": "see the tier's max_pending_store_chunks and breaker_failures, and "
-                    "tier_pin_fraction",
+    "tier_pin_fraction",
     "enable_kv_events": "kvoffload reports every tier in KV events whenever events are on",
 }
 
@@ -229,12 +229,17 @@ def _literal_values(root: type[msgspec.Struct], path: str) -> list | None:
     if field is None:
         return None
     types = field.type.types if isinstance(field.type, msgspec.inspect.UnionType) else (field.type,)
-    values = next((list(t.values) for t in types if isinstance(t, msgspec.inspect.LiteralType)), None)
+    values = next(
+        (list(t.values) for t in types if isinstance(t, msgspec.inspect.LiteralType)), None
+    )
     if values is None:
         return None
     # the union's other forms, so a wrong string does not read as if only the words were allowed
-    others = {msgspec.inspect.IntType: "an integer", msgspec.inspect.FloatType: "a number",
-              msgspec.inspect.NoneType: "null"}
+    others = {
+        msgspec.inspect.IntType: "an integer",
+        msgspec.inspect.FloatType: "a number",
+        msgspec.inspect.NoneType: "null",
+    }
     return values + [others[type(t)] for t in types if type(t) in others]
 
 
@@ -245,8 +250,10 @@ def parse_config(extra_config: dict[str, Any]) -> OffloadConfig:
         ConfigError: anything invalid, named by key path.
     """
     if not isinstance(extra_config, dict):
-        raise ConfigError(f"kv_connector_extra_config: expected an object (dict), got "
-                          f"{type(extra_config).__name__}")
+        raise ConfigError(
+            f"kv_connector_extra_config: expected an object (dict), got "
+            f"{type(extra_config).__name__}"
+        )
     cfg = convert(dict(extra_config), OffloadConfig, "kv_connector_extra_config")
     if cfg.blocks_per_chunk is not None and cfg.block_size is not None:
         raise ConfigError(
@@ -271,17 +278,21 @@ def parse_config(extra_config: dict[str, Any]) -> OffloadConfig:
                 f"name together with cache_policy_module_path"
             )
     ev = cfg.kv_events
-    if (ev is not None and ev.replay_endpoint == ev.endpoint
-            and not ev.endpoint.endswith(":0")):  # port 0: each socket gets its own free port
-        raise ConfigError("kv_connector_extra_config.kv_events.replay_endpoint: the same as endpoint "
-                          f"({ev.endpoint!r}); the replay socket needs its own address")
+    if (
+        ev is not None and ev.replay_endpoint == ev.endpoint and not ev.endpoint.endswith(":0")
+    ):  # port 0: each socket gets its own free port
+        raise ConfigError(
+            "kv_connector_extra_config.kv_events.replay_endpoint: the same as endpoint "
+            f"({ev.endpoint!r}); the replay socket needs its own address"
+        )
     if ev is not None:
         a, b = ev.topic, ev.movements_topic
         if a.startswith(b) or b.startswith(a):
             raise ConfigError(
                 f"kv_connector_extra_config.kv_events.movements_topic: {b!r} and topic {a!r} overlap "
                 f"(a ZMQ subscription to one would also receive the other); pick topics that are not "
-                f"prefixes of each other")
+                f"prefixes of each other"
+            )
     names = set()
     for i, tier in enumerate(cfg.secondary_tiers):
         name, _, _ = parse_tier_config(tier, f"kv_connector_extra_config.secondary_tiers[{i}]")
@@ -326,7 +337,9 @@ def tier_class(type_name: str, module_path: str | None, where: str) -> type:
         raise ConfigError(f"{where}.module_path: cannot import {mod_name!r}: {e}") from None
     cls = getattr(mod, cls_name, None)
     if not (isinstance(cls, type) and issubclass(cls, SecondaryTierManager)):
-        raise ConfigError(f"{where}.type: {mod_name}.{cls_name} is not a SecondaryTierManager subclass")
+        raise ConfigError(
+            f"{where}.type: {mod_name}.{cls_name} is not a SecondaryTierManager subclass"
+        )
     return cls
 
 
@@ -372,12 +385,17 @@ def _name_given_keys(msg: str, where: str, renamed: dict[str, str]) -> str:
     """Rewrite an error about one of our keys to name the key the user wrote (a vLLM alias)."""
     for ours, given in renamed.items():
         if msg.startswith(f"{where}.{ours}:"):
-            return f"{where}.{given}:" + msg[len(f"{where}.{ours}:"):]
+            return f"{where}.{given}:" + msg[len(f"{where}.{ours}:") :]
     return msg
 
 
-def apply_aliases(body: dict[str, Any], aliases: dict[str, str], where: str,
-                  renamed: dict[str, str], origin: str = "") -> None:
+def apply_aliases(
+    body: dict[str, Any],
+    aliases: dict[str, str],
+    where: str,
+    renamed: dict[str, str],
+    origin: str = "",
+) -> None:
     """Rename vLLM's key names in ``body`` to ours, in place.
 
     Args:
@@ -398,7 +416,8 @@ def apply_aliases(body: dict[str, Any], aliases: dict[str, str], where: str,
             what = f" ({ours!r})" if first != ours else ""
             raise ConfigError(
                 f"{where}: {origin + alias!r} (vLLM's name) and {first!r} set the same "
-                f"thing{what}; keep one")
+                f"thing{what}; keep one"
+            )
         body[ours] = body.pop(alias)
         renamed[ours] = origin + alias
 
@@ -410,8 +429,11 @@ def ineffective_vllm_keys(extra_config: dict[str, Any]) -> list[str]:
     tiers = extra_config.get("secondary_tiers") or []
     for i, tier in enumerate(tiers if isinstance(tiers, list) else []):
         if isinstance(tier, dict):
-            out += [f"secondary_tiers[{i}].{k}: {why}" for k, why in VLLM_ONLY_TIER_KEYS.items()
-                    if k in tier]
+            out += [
+                f"secondary_tiers[{i}].{k}: {why}"
+                for k, why in VLLM_ONLY_TIER_KEYS.items()
+                if k in tier
+            ]
     return out
 
 

@@ -48,6 +48,7 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 # -- vLLM's KV event format (vllm/distributed/kv_events.py) ---------------------------------------
 
+
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[Any]
@@ -131,12 +132,15 @@ def offset_endpoint(endpoint: str | None, data_parallel_rank: int) -> str | None
         return f"{endpoint}_dp{data_parallel_rank}"
     host, sep, port = endpoint.rpartition(":")
     if not endpoint.startswith("tcp://") or not sep or not port.isdigit():
-        raise ValueError(f"cannot offset endpoint {endpoint!r} for data-parallel rank "
-                         f"{data_parallel_rank}: expected tcp://host:port or inproc://name")
+        raise ValueError(
+            f"cannot offset endpoint {endpoint!r} for data-parallel rank "
+            f"{data_parallel_rank}: expected tcp://host:port or inproc://name"
+        )
     return endpoint if int(port) == 0 else f"{host}:{int(port) + data_parallel_rank}"
 
 
 # -- chunk movements ------------------------------------------------------------------------------
+
 
 class Movement(msgspec.Struct, gc=False):
     """One chunk moved: ``src`` → ``dst`` (``device``, ``host``, a tier name, or ``none`` for an
@@ -270,12 +274,25 @@ class EventPublisher:
             ts, engine_events, movements = item
             try:
                 if engine_events:
-                    self._send(engine_topic, enc.encode(KVEventBatch(
-                        ts=ts, events=engine_events, data_parallel_rank=rank)))
+                    self._send(
+                        engine_topic,
+                        enc.encode(
+                            KVEventBatch(ts=ts, events=engine_events, data_parallel_rank=rank)
+                        ),
+                    )
                     self.published["engine"] += 1
                 if movements:
-                    self._send(moves_topic, enc.encode(MovementBatch(
-                        ts=ts, instance=self.instance, events=movements, data_parallel_rank=rank)))
+                    self._send(
+                        moves_topic,
+                        enc.encode(
+                            MovementBatch(
+                                ts=ts,
+                                instance=self.instance,
+                                events=movements,
+                                data_parallel_rank=rank,
+                            )
+                        ),
+                    )
                     self.published["movements"] += 1
             except zmq.ZMQError as e:  # a full HWM drops, as ZMQ PUB does; never stop the thread
                 log.warning("kvoffload events: publish failed: %s", e)

@@ -138,8 +138,11 @@ class HostTier:
         """How many slots could be filled right now for a batch of ``keys``: free slots plus
         evictable ones that are not keys of the batch."""
         index, state, refs = self.index, self.state, self.refs
-        protected = sum(1 for k in set(keys) if (s := index.get(k)) is not None
-                        and state[s] == READY and refs[s] == 0)
+        protected = sum(
+            1
+            for k in set(keys)
+            if (s := index.get(k)) is not None and state[s] == READY and refs[s] == 0
+        )
         return len(self._free) + self.num_evictable - protected
 
     def is_present(self, key: bytes) -> bool:

@@ -34,9 +34,31 @@ log = logging.getLogger("kvoffload.metrics")
 COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
 
 #: Latency buckets (seconds): a host lookup takes about a microsecond, an object-store job seconds.
-LATENCY_BUCKETS: tuple[float, ...] = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4,
-                                      1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
-                                      2.5, 5.0, 10.0, 30.0)
+LATENCY_BUCKETS: tuple[float, ...] = (
+    1e-6,
+    2.5e-6,
+    5e-6,
+    1e-5,
+    2.5e-5,
+    5e-5,
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
 #: Observations kept per histogram series between two ``take_stats`` calls (vLLM wants samples).
 MAX_PENDING_SAMPLES = 4096
 
@@ -53,18 +75,22 @@ class MetricDef(msgspec.Struct, frozen=True):
     buckets: tuple[float, ...] | None = None
 
 
-def Counter(name: str, documentation: str, labelnames: Sequence[str] = ()) -> MetricDef:  # noqa: N802
+def Counter(name: str, documentation: str, labelnames: Sequence[str] = ()) -> MetricDef:
     """Declare a counter (monotonic; exposed as ``<name>_total``)."""
     return MetricDef(COUNTER, name, documentation, tuple(labelnames))
 
 
-def Gauge(name: str, documentation: str, labelnames: Sequence[str] = ()) -> MetricDef:  # noqa: N802
+def Gauge(name: str, documentation: str, labelnames: Sequence[str] = ()) -> MetricDef:
     """Declare a gauge (a current value)."""
     return MetricDef(GAUGE, name, documentation, tuple(labelnames))
 
 
-def Histogram(name: str, documentation: str, labelnames: Sequence[str] = (),  # noqa: N802
-              buckets: Sequence[float] = LATENCY_BUCKETS) -> MetricDef:
+def Histogram(
+    name: str,
+    documentation: str,
+    labelnames: Sequence[str] = (),
+    buckets: Sequence[float] = LATENCY_BUCKETS,
+) -> MetricDef:
     """Declare a histogram with upper bounds ``buckets`` (+Inf is implied)."""
     return MetricDef(HISTOGRAM, name, documentation, tuple(labelnames), tuple(buckets))
 
@@ -74,50 +100,83 @@ T, D, R, E, S = ("tier",), ("direction",), ("tier", "direction"), ("tier", "even
 CORE_METRICS: tuple[MetricDef, ...] = (
     Gauge("kvoffload_host_slots", "Host-tier capacity in slots (one chunk each)."),
     Gauge("kvoffload_host_slot_bytes", "Bytes per host-tier slot (arena row bytes)."),
-    Gauge("kvoffload_host_slots_used", "Host-tier slots holding a chunk (ready, writing or pinned)."),
+    Gauge(
+        "kvoffload_host_slots_used", "Host-tier slots holding a chunk (ready, writing or pinned)."
+    ),
     Gauge("kvoffload_host_slots_pinned", "Host-tier slots pinned by in-flight transfers."),
     Gauge("kvoffload_host_usage_ratio", "Host-tier fill ratio: slots used / slots (0 to 1)."),
-    Counter("kvoffload_lookup_requested_chunks",
-            "Chunks looked up, counted at their verdict (a RETRY answer is not counted)."),
+    Counter(
+        "kvoffload_lookup_requested_chunks",
+        "Chunks looked up, counted at their verdict (a RETRY answer is not counted).",
+    ),
     Counter("kvoffload_lookup_hit_chunks", "Chunks looked up and found in some tier."),
-    Counter("kvoffload_tier_queries", "Chunk lookups that reached this tier, counted at their verdict.",
-            T),
+    Counter(
+        "kvoffload_tier_queries",
+        "Chunk lookups that reached this tier, counted at their verdict.",
+        T,
+    ),
     Counter("kvoffload_tier_hits", "Chunk lookups answered by this tier with a hit.", T),
-    Histogram("kvoffload_lookup_latency_seconds",
-              "Lookup latency in seconds: host, one lookup call (1 in 64 sampled); other tiers, the "
-              "existence probe round trip.", T),
-    Counter("kvoffload_device_transfer_bytes",
-            "Accelerator <-> host bytes, counted by the accelerator workers.", D),
+    Histogram(
+        "kvoffload_lookup_latency_seconds",
+        "Lookup latency in seconds: host, one lookup call (1 in 64 sampled); other tiers, the "
+        "existence probe round trip.",
+        T,
+    ),
+    Counter(
+        "kvoffload_device_transfer_bytes",
+        "Accelerator <-> host bytes, counted by the accelerator workers.",
+        D,
+    ),
     Counter("kvoffload_device_transfer_seconds", "Accelerator <-> host copy time in seconds.", D),
     Counter("kvoffload_tier_transfer_bytes", "Host <-> tier bytes moved by the tier's workers.", R),
-    Counter("kvoffload_tier_transfer_chunks", "Chunks moved successfully between host and tier.", R),
-    Histogram("kvoffload_tier_transfer_latency_seconds",
-              "Host <-> tier job latency in seconds, from submit to result.", R),
-    Counter("kvoffload_tier_failed_chunks",
-            "Chunks of failed host <-> tier jobs, by reason (missing, corrupt, io_error, no_space, "
-            "timeout, worker_died, cancelled, rejected, dropped).", ("tier", "direction", "reason")),
-    Counter("kvoffload_tier_failed_jobs", "Host <-> tier jobs that failed for at least one chunk.", R),
+    Counter(
+        "kvoffload_tier_transfer_chunks", "Chunks moved successfully between host and tier.", R
+    ),
+    Histogram(
+        "kvoffload_tier_transfer_latency_seconds",
+        "Host <-> tier job latency in seconds, from submit to result.",
+        R,
+    ),
+    Counter(
+        "kvoffload_tier_failed_chunks",
+        "Chunks of failed host <-> tier jobs, by reason (missing, corrupt, io_error, no_space, "
+        "timeout, worker_died, cancelled, rejected, dropped).",
+        ("tier", "direction", "reason"),
+    ),
+    Counter(
+        "kvoffload_tier_failed_jobs", "Host <-> tier jobs that failed for at least one chunk.", R
+    ),
     Gauge("kvoffload_tier_queue_depth", "Tasks waiting for a tier worker.", R),
     Gauge("kvoffload_tier_inflight_jobs", "Tier jobs submitted and not finished.", T),
     Gauge("kvoffload_tier_workers_alive", "Live worker processes of the tier.", T),
     Counter("kvoffload_tier_worker_restarts", "Tier workers replaced after dying or hanging.", T),
     Gauge("kvoffload_tier_breaker_open", "1 while the tier's circuit breaker is open.", T),
-    Gauge("kvoffload_tier_breaker_state",
-          "1 for the circuit breaker's current state (closed, open, half_open), 0 for the others.",
-          ("tier", "state")),
+    Gauge(
+        "kvoffload_tier_breaker_state",
+        "1 for the circuit breaker's current state (closed, open, half_open), 0 for the others.",
+        ("tier", "state"),
+    ),
     Counter("kvoffload_host_evictions", "Chunks evicted from the host tier."),
     Counter("kvoffload_tier_evictions", "Chunks evicted from a capacity-bounded tier.", T),
-    Counter("kvoffload_dropped_stores",
-            "Chunks not written to a tier (tier backed up, breaker open, no room); by reason: "
-            "kvoffload_refused_chunks.", T),
-    Counter("kvoffload_refused_chunks",
-            "Chunks a tier refused to take, by direction and reason. host store: "
-            "no_evictable_slot (the whole batch), batch_truncated (the tail of a batch that did "
-            "not fit); host load: no_evictable_slot (a promotion); secondary tier store: "
-            "pin_limit, queue_full, breaker_open.", ("tier", "direction", "reason")),
-    Counter("kvoffload_tier_eviction_errors",
-            "Chunks a tier failed to delete when evicting or removing them, by errno name.",
-            ("tier", "errno")),
+    Counter(
+        "kvoffload_dropped_stores",
+        "Chunks not written to a tier (tier backed up, breaker open, no room); by reason: "
+        "kvoffload_refused_chunks.",
+        T,
+    ),
+    Counter(
+        "kvoffload_refused_chunks",
+        "Chunks a tier refused to take, by direction and reason. host store: "
+        "no_evictable_slot (the whole batch), batch_truncated (the tail of a batch that did "
+        "not fit); host load: no_evictable_slot (a promotion); secondary tier store: "
+        "pin_limit, queue_full, breaker_open.",
+        ("tier", "direction", "reason"),
+    ),
+    Counter(
+        "kvoffload_tier_eviction_errors",
+        "Chunks a tier failed to delete when evicting or removing them, by errno name.",
+        ("tier", "errno"),
+    ),
     Counter("kvoffload_tier_events", "A tier's own named counters (engine or worker side).", E),
     Counter("kvoffload_kv_events_published", "KV event batches published, per stream.", S),
 )
@@ -229,8 +288,11 @@ class MetricSet:
 
     def families(self, extra: dict[str, str] | None = None) -> list:
         """prometheus-client metric families of every series, with ``extra`` labels first."""
-        from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
-                                            HistogramMetricFamily)
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
 
         extra = extra or {}
         xnames, xvalues = list(extra), list(extra.values())
@@ -294,20 +356,26 @@ def _fmt(bound: float) -> str:
 
 def vllm_metric_definitions(definitions: Iterable[MetricDef]) -> dict[str, Any]:
     """Our definitions as vLLM's ``OffloadingMetricMetadata`` (for ``build_metric_definitions``)."""
-    from vllm.v1.kv_offload.base import (OffloadingCounterMetadata, OffloadingGaugeMetadata,
-                                         OffloadingHistogramMetadata)
+    from vllm.v1.kv_offload.base import (
+        OffloadingCounterMetadata,
+        OffloadingGaugeMetadata,
+        OffloadingHistogramMetadata,
+    )
 
     out: dict[str, Any] = {}
     for d in definitions:
         if d.kind == COUNTER:
-            out[d.name] = OffloadingCounterMetadata(documentation=d.documentation,
-                                                    labelnames=d.labelnames)
+            out[d.name] = OffloadingCounterMetadata(
+                documentation=d.documentation, labelnames=d.labelnames
+            )
         elif d.kind == GAUGE:
-            out[d.name] = OffloadingGaugeMetadata(documentation=d.documentation,
-                                                  labelnames=d.labelnames)
+            out[d.name] = OffloadingGaugeMetadata(
+                documentation=d.documentation, labelnames=d.labelnames
+            )
         else:
-            out[d.name] = OffloadingHistogramMetadata(documentation=d.documentation,
-                                                      labelnames=d.labelnames, buckets=d.buckets)
+            out[d.name] = OffloadingHistogramMetadata(
+                documentation=d.documentation, labelnames=d.labelnames, buckets=d.buckets
+            )
     return out
 
 
@@ -346,7 +414,7 @@ class _Collector:
         for instance, src in items:
             try:
                 mset = src.refresh_metrics()
-            except Exception:  # noqa: BLE001 - one broken source must not break the scrape
+            except Exception:
                 log.exception("kvoffload metrics: instance %s could not be collected", instance)
                 continue
             with mset.lock:

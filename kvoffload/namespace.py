@@ -110,8 +110,13 @@ def model_fingerprint(model_path: str) -> str | None:
     return h.hexdigest()
 
 
-def chunk_keys(token_ids: Sequence[int] | np.ndarray, tokens_per_chunk: int, *,
-               parent: bytes | None = None, group_idx: int = 0) -> list[bytes]:
+def chunk_keys(
+    token_ids: Sequence[int] | np.ndarray,
+    tokens_per_chunk: int,
+    *,
+    parent: bytes | None = None,
+    group_idx: int = 0,
+) -> list[bytes]:
     """Prefix-chained keys of the full chunks of ``token_ids``.
 
     Key ``i`` names the whole prefix ``token_ids[: (i + 1) * tokens_per_chunk]``: it is xxh3-128 of the
@@ -134,6 +139,8 @@ def chunk_keys(token_ids: Sequence[int] | np.ndarray, tokens_per_chunk: int, *,
     suffix = group_idx.to_bytes(4, "big")
     keys = []
     for i in range(len(toks) // tokens_per_chunk):
-        h = xxhash.xxh3_128_digest(h + toks[i * tokens_per_chunk:(i + 1) * tokens_per_chunk].tobytes())
+        h = xxhash.xxh3_128_digest(
+            h + toks[i * tokens_per_chunk : (i + 1) * tokens_per_chunk].tobytes()
+        )
         keys.append(h + suffix)
     return keys

@@ -39,8 +39,9 @@ MAX_REGISTER_BYTES = 64 * 2**30
 BACKENDS = ("auto", "vllm", "torch")
 
 
-def register_pieces(base: int, nbytes: int, row_bytes: int,
-                    max_bytes: int = MAX_REGISTER_BYTES) -> list[tuple[int, int]]:
+def register_pieces(
+    base: int, nbytes: int, row_bytes: int, max_bytes: int = MAX_REGISTER_BYTES
+) -> list[tuple[int, int]]:
     """``[(address, nbytes), ...]`` covering ``[base, base + nbytes)``; every piece but the last is
     a whole number of rows of at most ``max_bytes`` (at least one row).
 
@@ -48,8 +49,10 @@ def register_pieces(base: int, nbytes: int, row_bytes: int,
         ValueError: ``nbytes`` is not a positive multiple of ``row_bytes``.
     """
     if row_bytes <= 0 or nbytes <= 0 or nbytes % row_bytes:
-        raise ValueError(f"cannot register {nbytes} bytes in rows of {row_bytes} bytes: "
-                         f"the size must be a positive multiple of the row size")
+        raise ValueError(
+            f"cannot register {nbytes} bytes in rows of {row_bytes} bytes: "
+            f"the size must be a positive multiple of the row size"
+        )
     step = max(max_bytes // row_bytes, 1) * row_bytes
     return [(base + off, min(step, nbytes - off)) for off in range(0, nbytes, step)]
 
@@ -64,8 +67,10 @@ def _torch_backend() -> tuple[Callable[[int, int], bool], Callable[[int], None]]
     import torch
 
     if not torch.cuda.is_available():
-        raise RuntimeError("the 'torch' pinning backend needs a CUDA device and a CUDA build of "
-                           "torch; torch.cuda.is_available() is False")
+        raise RuntimeError(
+            "the 'torch' pinning backend needs a CUDA device and a CUDA build of "
+            "torch; torch.cuda.is_available() is False"
+        )
     cudart = torch.cuda.cudart()
 
     def register(ptr: int, size: int) -> bool:
@@ -130,8 +135,14 @@ class HostRegistration:
         RuntimeError: the ``torch`` backend without a CUDA device.
     """
 
-    def __init__(self, base: int, nbytes: int, row_bytes: int, backend: str = "auto",
-                 max_piece_bytes: int = MAX_REGISTER_BYTES):
+    def __init__(
+        self,
+        base: int,
+        nbytes: int,
+        row_bytes: int,
+        backend: str = "auto",
+        max_piece_bytes: int = MAX_REGISTER_BYTES,
+    ):
         pieces = register_pieces(base, nbytes, row_bytes, max_piece_bytes)
         self.backend, (register, self._unregister) = _backend(backend)
         self.pieces: list[tuple[int, int]] = []
@@ -139,8 +150,12 @@ class HostRegistration:
             if register(addr, size):
                 self.pieces.append((addr, size))
                 continue
-            log.warning("pinning %d bytes at offset %d of %d failed; the arena stays pageable",
-                        size, addr - base, nbytes)
+            log.warning(
+                "pinning %d bytes at offset %d of %d failed; the arena stays pageable",
+                size,
+                addr - base,
+                nbytes,
+            )
             self.release()
             break
         self.pinned = bool(self.pieces)
@@ -159,9 +174,15 @@ class HostRegistration:
         self.release()
 
 
-def pin_arena(arena, backend: str = "auto",
-              max_piece_bytes: int = MAX_REGISTER_BYTES) -> HostRegistration:
+def pin_arena(
+    arena, backend: str = "auto", max_piece_bytes: int = MAX_REGISTER_BYTES
+) -> HostRegistration:
     """Register ``arena``'s rows (``num_slots * row_bytes`` bytes from ``base_address()``) with the
     accelerator driver. Release the result before closing the arena."""
-    return HostRegistration(arena.base_address(), arena.num_slots * arena.row_bytes,
-                            arena.row_bytes, backend, max_piece_bytes)
+    return HostRegistration(
+        arena.base_address(),
+        arena.num_slots * arena.row_bytes,
+        arena.row_bytes,
+        backend,
+        max_piece_bytes,
+    )

@@ -293,5 +293,7 @@ def make_policy(name: str, num_slots: int, module_path: str | None = None) -> Ev
         mod = importlib.import_module(module_path)
         cls = getattr(mod, name, None)
         if not (isinstance(cls, type) and issubclass(cls, EvictionPolicy)):
-            raise ValueError(f"eviction_policy: {module_path}.{name} is not an EvictionPolicy subclass")
+            raise ValueError(
+                f"eviction_policy: {module_path}.{name} is not an EvictionPolicy subclass"
+            )
     return cls(num_slots)

@@ -38,14 +38,18 @@ from kvoffload.tiers.base import JobMetadata, LookupResult, SecondaryTierManager
 
 log = logging.getLogger("kvoffload")
 
-_HIT, _MISS, _PENDING, _RETRY = (LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING,
-                                 LookupResult.RETRY)
+_HIT, _MISS, _PENDING, _RETRY = (
+    LookupResult.HIT,
+    LookupResult.MISS,
+    LookupResult.HIT_PENDING,
+    LookupResult.RETRY,
+)
 HOST = "host"
 _DROP_WHY = {
     "pin_limit": "its stores in flight already pin {pinned} host slots (tier_pin_fraction allows "
-                 "{limit})",
+    "{limit})",
     "queue_full": "too many of its stores in flight (max_pending_store_chunks): the tier is slower "
-                  "than the offload rate",
+    "than the offload rate",
     "breaker_open": "its circuit breaker is not closed (the tier keeps failing)",
 }
 
@@ -61,8 +65,11 @@ class _Job:
 
 #: Why a tier refuses chunks, by (tier kind, direction): the ``reason`` label values of
 #: ``kvoffload_refused_chunks_total`` (a secondary tier may add its own, see ``store_refusal``).
-HOST_REFUSALS = (("store", "no_evictable_slot"), ("store", "batch_truncated"),
-                 ("load", "no_evictable_slot"))
+HOST_REFUSALS = (
+    ("store", "no_evictable_slot"),
+    ("store", "batch_truncated"),
+    ("load", "no_evictable_slot"),
+)
 TIER_REFUSALS = (("store", "pin_limit"), ("store", "queue_full"), ("store", "breaker_open"))
 
 
@@ -102,7 +109,8 @@ class Stats:
         # every series from the start (Prometheus' increase() misses a series' first value)
         self.refused: dict[tuple[str, str, str], int] = {
             **{(HOST, d, r): 0 for d, r in HOST_REFUSALS},
-            **{(n, d, r): 0 for n in tier_names for d, r in TIER_REFUSALS}}
+            **{(n, d, r): 0 for n in tier_names for d, r in TIER_REFUSALS},
+        }
 
     def snapshot(self) -> dict[str, Any]:
         return {k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(self).items()}
@@ -131,25 +139,38 @@ class TieringManager:
         ConfigError: a tier config is invalid or a tier cannot start.
     """
 
-    def __init__(self, arena: Any, namespace: Any, config: OffloadConfig, *,
-                 tiers: list[SecondaryTierManager] | None = None, record_events: bool = True,
-                 poll_interval_s: float = 0.0005, keep_metric_samples: bool = False,
-                 data_parallel_rank: int = 0, event_block_hash: Any = None):
+    def __init__(
+        self,
+        arena: Any,
+        namespace: Any,
+        config: OffloadConfig,
+        *,
+        tiers: list[SecondaryTierManager] | None = None,
+        record_events: bool = True,
+        poll_interval_s: float = 0.0005,
+        keep_metric_samples: bool = False,
+        data_parallel_rank: int = 0,
+        event_block_hash: Any = None,
+    ):
         self.arena = arena
         self.namespace = namespace
         self.config = config
-        self.host = HostTier(arena.num_slots,
-                             make_policy(config.eviction_policy, arena.num_slots,
-                                         config.cache_policy_module_path),
-                             record_events=record_events)
+        self.host = HostTier(
+            arena.num_slots,
+            make_policy(config.eviction_policy, arena.num_slots, config.cache_policy_module_path),
+            record_events=record_events,
+        )
         self.tiers: list[SecondaryTierManager] = []
         if tiers is not None:
             self.tiers = list(tiers)
         else:
             try:
                 for i, raw in enumerate(config.secondary_tiers):
-                    self.tiers.append(create_tier(raw, arena, namespace,
-                                                  f"kv_connector_extra_config.secondary_tiers[{i}]"))
+                    self.tiers.append(
+                        create_tier(
+                            raw, arena, namespace, f"kv_connector_extra_config.secondary_tiers[{i}]"
+                        )
+                    )
             except BaseException:
                 for t in self.tiers:
                     t.shutdown()
@@ -167,7 +188,10 @@ class TieringManager:
         self.metrics = _metrics.MetricSet(defs, keep_samples=keep_metric_samples)
         for t in self.tiers:
             t.metrics = self.metrics
-        for name in [HOST, *self.tier_names]:  # series created up front: scrapes never see them grow
+        for name in [
+            HOST,
+            *self.tier_names,
+        ]:  # series created up front: scrapes never see them grow
             self.metrics.histogram("kvoffload_lookup_latency_seconds", name)
             if name != HOST:
                 for d in ("load", "store"):
@@ -179,27 +203,33 @@ class TieringManager:
         self._lookup_sample = 0
         if config.kv_events is not None:
             try:
-                self._publisher = EventPublisher(config.kv_events, self.instance,
-                                                 data_parallel_rank)
+                self._publisher = EventPublisher(
+                    config.kv_events, self.instance, data_parallel_rank
+                )
             except Exception as e:
                 for t in self.tiers:
                     t.shutdown()
                 from kvoffload.config import ConfigError
 
                 ev = config.kv_events
-                where = repr(ev.endpoint) + (f" or replay_endpoint {ev.replay_endpoint!r}"
-                                             if ev.replay_endpoint else "")
+                where = repr(ev.endpoint) + (
+                    f" or replay_endpoint {ev.replay_endpoint!r}" if ev.replay_endpoint else ""
+                )
                 if data_parallel_rank:
-                    where += f" (+ {data_parallel_rank} for data-parallel rank {data_parallel_rank})"
-                raise ConfigError(f"kv_connector_extra_config.kv_events.endpoint: cannot bind "
-                                  f"{where}: {e}") from None
+                    where += (
+                        f" (+ {data_parallel_rank} for data-parallel rank {data_parallel_rank})"
+                    )
+                raise ConfigError(
+                    f"kv_connector_extra_config.kv_events.endpoint: cannot bind {where}: {e}"
+                ) from None
             self._moves = []
             self._localities = {HOST: "local", **{t.name: t.locality.lower() for t in self.tiers}}
             self._media = {HOST: "CPU", **{t.name: t.medium for t in self.tiers}}
         # What callers told prepare_store about each chunk (published events only), kept while
         # the chunk is in the host tier: tier stores pin its slot, so their events come first.
         self._chunk_info: dict[bytes, ChunkEventInfo] | None = (
-            {} if self._publisher is not None else None)
+            {} if self._publisher is not None else None
+        )
         self._event_hash = event_block_hash
         self.stats = Stats(self.tier_names)
         self._refusal_log = RateLimitedLog(log)
@@ -233,8 +263,9 @@ class TieringManager:
             if self._lookup_sample & 63 == 0:  # time 1 in 64 host lookups (the histogram's cost)
                 t0 = time.perf_counter()
                 r = _HIT if host.state[host.index[key]] == READY else _PENDING
-                self.metrics.observe("kvoffload_lookup_latency_seconds",
-                                     time.perf_counter() - t0, HOST)
+                self.metrics.observe(
+                    "kvoffload_lookup_latency_seconds", time.perf_counter() - t0, HOST
+                )
                 return r
             return _HIT if host.state[slot] == READY else _PENDING
         now = time.monotonic()
@@ -270,9 +301,17 @@ class TieringManager:
         plan = host.allocate([key])
         if plan is None or not plan.slots:  # no room, or a write a reset quarantined holds the key
             self.stats.promotion_alloc_failures += 1
-            self._refuse(HOST, "load", "no_evictable_slot", 1, logging.WARNING,
-                         "kvoffload: a chunk found in tier %s is not promoted (a miss): no "
-                         "evictable host slot (%s)", self.tier_names[tier_idx], self._occupancy())
+            self._refuse(
+                HOST,
+                "load",
+                "no_evictable_slot",
+                1,
+                logging.WARNING,
+                "kvoffload: a chunk found in tier %s is not promoted (a miss): no "
+                "evictable host slot (%s)",
+                self.tier_names[tier_idx],
+                self._occupancy(),
+            )
             return _MISS
         per_req = self._promotions.setdefault(tier_idx, {})
         keys, slots = per_req.setdefault(req_id, ([], []))
@@ -288,11 +327,17 @@ class TieringManager:
         for tier_idx, per_req in pending.items():
             tier = self.tiers[tier_idx]
             for req_id, (keys, slots) in per_req.items():
-                meta = JobMetadata(job_id=self._job_id(), keys=keys, slots=slots, is_promotion=True,
-                                   req_id=req_id)
+                meta = JobMetadata(
+                    job_id=self._job_id(), keys=keys, slots=slots, is_promotion=True, req_id=req_id
+                )
                 if log.isEnabledFor(logging.DEBUG):
-                    log.debug("promotion job %d: %d chunk(s) from %s for %s", meta.job_id, len(keys),
-                              tier.name, req_id)
+                    log.debug(
+                        "promotion job %d: %d chunk(s) from %s for %s",
+                        meta.job_id,
+                        len(keys),
+                        tier.name,
+                        req_id,
+                    )
                 self._jobs[meta.job_id] = _Job(tier_idx, meta)
                 tier.submit_load(meta)
 
@@ -388,8 +433,9 @@ class TieringManager:
         for tier in self.tiers:
             tier.touch(keys)
 
-    def prepare_store(self, keys: Sequence[bytes], req_id: str = "",
-                      chunk_info: Any = None) -> StorePlan | None:
+    def prepare_store(
+        self, keys: Sequence[bytes], req_id: str = "", chunk_info: Any = None
+    ) -> StorePlan | None:
         """Reserve host slots for the keys not yet present (accelerator → host copy).
 
         ``chunk_info``: optional, anything with ``get(key) -> ChunkEventInfo | None`` (a dict, or a
@@ -417,14 +463,30 @@ class TieringManager:
                 plan = host.allocate(keys[:cut])
                 self.stats.store_truncations += 1
                 if plan is not None:
-                    self._refuse(HOST, "store", "batch_truncated", len(new) - room, logging.INFO,
-                                 "kvoffload: host tier took %d of %d new chunk(s) of a store; the "
-                                 "rest did not fit (%s)", room, len(new), self._occupancy())
+                    self._refuse(
+                        HOST,
+                        "store",
+                        "batch_truncated",
+                        len(new) - room,
+                        logging.INFO,
+                        "kvoffload: host tier took %d of %d new chunk(s) of a store; the "
+                        "rest did not fit (%s)",
+                        room,
+                        len(new),
+                        self._occupancy(),
+                    )
             if plan is None:
                 self.stats.store_rejections += 1
-                self._refuse(HOST, "store", "no_evictable_slot", len(new), logging.WARNING,
-                             "kvoffload: host tier refused a store of %d chunk(s): no evictable "
-                             "slot (%s)", len(new), self._occupancy())
+                self._refuse(
+                    HOST,
+                    "store",
+                    "no_evictable_slot",
+                    len(new),
+                    logging.WARNING,
+                    "kvoffload: host tier refused a store of %d chunk(s): no evictable slot (%s)",
+                    len(new),
+                    self._occupancy(),
+                )
         if plan is not None and plan.keys:
             writes = self._writes
             for k in plan.keys:
@@ -441,11 +503,14 @@ class TieringManager:
         """Why host slots cannot be evicted, for a log line."""
         host = self.host
         writing = host.num_used - host.num_evictable - host.num_pinned
-        return (f"of {host.num_slots} slots, {host.num_pinned} pinned by transfers in flight and "
-                f"{writing} being written")
+        return (
+            f"of {host.num_slots} slots, {host.num_pinned} pinned by transfers in flight and "
+            f"{writing} being written"
+        )
 
-    def _refuse(self, tier: str, direction: str, reason: str, chunks: int, level: int, msg: str,
-                *args) -> None:
+    def _refuse(
+        self, tier: str, direction: str, reason: str, chunks: int, level: int, msg: str, *args
+    ) -> None:
         """Count ``chunks`` refused by ``tier`` (``kvoffload_refused_chunks_total``) and say why in
         the log, at most once a minute per ``(tier, direction, reason)``."""
         key = (tier, direction, reason)
@@ -495,7 +560,7 @@ class TieringManager:
         host = self.host
         pins = self._store_pins
         for i, tier in enumerate(self.tiers):
-            take = keys[:max(0, self._pin_limit - pins[i])] if pins[i] else keys
+            take = keys[: max(0, self._pin_limit - pins[i])] if pins[i] else keys
             reason = "pin_limit" if len(take) < len(keys) else None
             # Asked even when over budget: a tier that refuses (open breaker, backlog) counts its
             # own drops, so the cause stays visible whatever the pin budget did.
@@ -505,16 +570,28 @@ class TieringManager:
             dropped = len(keys) - len(take)
             if dropped:
                 self.stats.dropped_stores[tier.name] += dropped
-                self._refuse(tier.name, "store", reason, dropped, logging.WARNING,
-                             "kvoffload: %d chunk(s) not written to tier %s: %s", dropped,
-                             tier.name, _DROP_WHY.get(reason, reason).format(
-                                 pinned=pins[i], limit=self._pin_limit))
+                self._refuse(
+                    tier.name,
+                    "store",
+                    reason,
+                    dropped,
+                    logging.WARNING,
+                    "kvoffload: %d chunk(s) not written to tier %s: %s",
+                    dropped,
+                    tier.name,
+                    _DROP_WHY.get(reason, reason).format(pinned=pins[i], limit=self._pin_limit),
+                )
             if not take:
                 continue
             pins[i] += len(take)
             slots = host.pin(take)
-            meta = JobMetadata(job_id=self._job_id(), keys=list(take), slots=slots,
-                               is_promotion=False, req_id=req_id)
+            meta = JobMetadata(
+                job_id=self._job_id(),
+                keys=list(take),
+                slots=slots,
+                is_promotion=False,
+                req_id=req_id,
+            )
             self._jobs[meta.job_id] = _Job(i, meta)
             tier.submit_store(meta)
 
@@ -538,8 +615,11 @@ class TieringManager:
                     if job is not None:  # another tier's job: not this tier's to answer
                         self._jobs[res.job_id] = job
                     stats.unknown_job_results += 1
-                    log.warning("tier %s reported job %d, which it does not hold; dropped",
-                                tier.name, res.job_id)
+                    log.warning(
+                        "tier %s reported job %d, which it does not hold; dropped",
+                        tier.name,
+                        res.job_id,
+                    )
                     continue
                 meta = job.meta
                 if job.orphaned and meta.is_promotion:
@@ -550,14 +630,21 @@ class TieringManager:
                     stats.reset_discarded_promotions += len(meta.keys)
                     continue
                 direction = "load" if meta.is_promotion else "store"
-                self.metrics.observe("kvoffload_tier_transfer_latency_seconds",
-                                     res.transfer_seconds, tier.name, direction)
+                self.metrics.observe(
+                    "kvoffload_tier_transfer_latency_seconds",
+                    res.transfer_seconds,
+                    tier.name,
+                    direction,
+                )
                 if not res.success:
                     k2 = (tier.name, direction)
                     stats.failed_jobs[k2] = stats.failed_jobs.get(k2, 0) + 1
                     failed_stats = stats.failed
-                    for reason in (res.failed.values() if res.failed else
-                                   ["unknown"] * (len(meta.keys) - len(res.successful_keys or ()))):
+                    for reason in (
+                        res.failed.values()
+                        if res.failed
+                        else ["unknown"] * (len(meta.keys) - len(res.successful_keys or ()))
+                    ):
                         k3 = (tier.name, direction, reason)
                         failed_stats[k3] = failed_stats.get(k3, 0) + 1
                 if meta.is_promotion:
@@ -579,13 +666,22 @@ class TieringManager:
                             for k in failed:
                                 src.pop(k, None)
                         stats.promotion_failures[tier.name] += len(failed)
-                        log.info("promotion from %s failed for %d chunk(s): %s", tier.name,
-                                 len(failed), res.reason)
+                        log.info(
+                            "promotion from %s failed for %d chunk(s): %s",
+                            tier.name,
+                            len(failed),
+                            res.reason,
+                        )
                     stats.promotions[tier.name] += len(ok)
                     if log.isEnabledFor(logging.DEBUG):
-                        log.debug("promotion job %d done: %d/%d chunk(s), %.1f MB in %.1f ms",
-                                  res.job_id, len(ok), len(meta.keys), res.transfer_bytes / 1e6,
-                                  res.transfer_seconds * 1e3)
+                        log.debug(
+                            "promotion job %d done: %d/%d chunk(s), %.1f MB in %.1f ms",
+                            res.job_id,
+                            len(ok),
+                            len(meta.keys),
+                            res.transfer_bytes / 1e6,
+                            res.transfer_seconds * 1e3,
+                        )
                 else:
                     host.unpin_slots(meta.slots)
                     self._store_pins[job.tier] -= len(meta.slots)
@@ -645,29 +741,55 @@ class TieringManager:
                     if info is None:
                         plain.append(k)
                     elif ev.removed:
-                        out.append(BlockRemoved(block_hashes=list(info.block_hashes),
-                                                medium=medium, group_idx=info.group_idx,
-                                                locality=locality, ownership=owner))
+                        out.append(
+                            BlockRemoved(
+                                block_hashes=list(info.block_hashes),
+                                medium=medium,
+                                group_idx=info.group_idx,
+                                locality=locality,
+                                ownership=owner,
+                            )
+                        )
                     else:
-                        out.append(BlockStored(
-                            block_hashes=list(info.block_hashes),
-                            parent_block_hash=info.parent_block_hash, token_ids=info.token_ids,
-                            block_size=info.block_size, lora_id=None, medium=medium,
-                            lora_name=None, group_idx=info.group_idx, locality=locality,
-                            ownership=owner))
+                        out.append(
+                            BlockStored(
+                                block_hashes=list(info.block_hashes),
+                                parent_block_hash=info.parent_block_hash,
+                                token_ids=info.token_ids,
+                                block_size=info.block_size,
+                                lora_id=None,
+                                medium=medium,
+                                lora_name=None,
+                                group_idx=info.group_idx,
+                                locality=locality,
+                                ownership=owner,
+                            )
+                        )
                 if ev.removed and name == HOST:
                     left_host.extend(ev.keys)
             hashes = list(plain) if hash_of is None else [hash_of(k) for k in plain]
             if ev.removed:
                 if hashes:
-                    out.append(BlockRemoved(block_hashes=hashes, medium=medium, locality=locality,
-                                            ownership=owner))
+                    out.append(
+                        BlockRemoved(
+                            block_hashes=hashes, medium=medium, locality=locality, ownership=owner
+                        )
+                    )
                 self._moved(ev.keys, name, "none", self._localities[name])
             elif hashes:
-                out.append(BlockStored(
-                    block_hashes=hashes, parent_block_hash=None, token_ids=[],
-                    block_size=bsize, lora_id=None, medium=medium, lora_name=None,
-                    locality=locality, ownership=owner))
+                out.append(
+                    BlockStored(
+                        block_hashes=hashes,
+                        parent_block_hash=None,
+                        token_ids=[],
+                        block_size=bsize,
+                        lora_id=None,
+                        medium=medium,
+                        lora_name=None,
+                        locality=locality,
+                        ownership=owner,
+                    )
+                )
         if left_host:  # after the whole batch: a tier's store of a key may follow its eviction
             index = self.host.index
             for k in left_host:
@@ -721,7 +843,9 @@ class TieringManager:
                 m.set_total("kvoffload_tier_hits", tier_hits[name], name)
                 # payload bytes (chunks x row bytes); the workers' own byte counts, with headers,
                 # are the tier events bytes_read / bytes_written
-                m.set_total("kvoffload_tier_transfer_bytes", st.promotions[name] * row, name, "load")
+                m.set_total(
+                    "kvoffload_tier_transfer_bytes", st.promotions[name] * row, name, "load"
+                )
                 m.set_total("kvoffload_tier_transfer_bytes", st.cascaded[name] * row, name, "store")
                 m.set_total("kvoffload_tier_transfer_chunks", st.promotions[name], name, "load")
                 m.set_total("kvoffload_tier_transfer_chunks", st.cascaded[name], name, "store")
@@ -758,8 +882,10 @@ class TieringManager:
         the host slots a tier worker may still write (load) or read (store). Promotions queued for
         the next step are not in flight yet. For tests and tools; the list is a copy."""
         names = self.tier_names
-        return [(names[j.tier], "load" if j.meta.is_promotion else "store", j.meta)
-                for j in self._jobs.values()]
+        return [
+            (names[j.tier], "load" if j.meta.is_promotion else "store", j.meta)
+            for j in self._jobs.values()
+        ]
 
     def wait_idle(self, timeout_s: float = 30.0) -> bool:
         """Block until nothing is in flight (standalone tools and tests only). Returns False on
@@ -806,7 +932,7 @@ class TieringManager:
         """
         self.poll()
         for per_req in self._promotions.values():
-            for keys, slots in per_req.values():
+            for keys, _slots in per_req.values():
                 self.host.complete_write(keys, False)  # never submitted: nothing writes there
         self._promotions.clear()
         self._load_source.clear()
@@ -814,8 +940,11 @@ class TieringManager:
             job.orphaned = True
         quarantined = self.host.clear()
         if quarantined:
-            log.info("kvoffload: cache reset with %d host slot(s) still in use by transfers; "
-                     "they are reused once those end", len(quarantined))
+            log.info(
+                "kvoffload: cache reset with %d host slot(s) still in use by transfers; "
+                "they are reused once those end",
+                len(quarantined),
+            )
 
     def shutdown(self) -> None:
         """Stop every tier (failing what is still in flight). Idempotent."""
@@ -826,11 +955,11 @@ class TieringManager:
         if self._publisher is not None:
             try:
                 self.step()
-            except Exception:  # noqa: BLE001 - publishing the last events is best effort
+            except Exception:
                 log.exception("kvoffload: publishing the last KV events failed")
             self._publisher.close()
         for tier in self.tiers:
             try:
                 tier.shutdown()
-            except Exception:  # noqa: BLE001 - keep shutting the others down
+            except Exception:
                 log.exception("tier %s failed to shut down", tier.name)

@@ -77,8 +77,15 @@ _MEDIUM = {"CPU": Medium.CPU, "STORAGE": Medium.STORAGE}
 _LOCALITY = {"LOCAL": Locality.LOCAL, "REMOTE": Locality.REMOTE}
 
 
-def engine_namespace(cfg: OffloadingConfig, *, layout: str, blocks_per_chunk: int, row_bytes: int,
-                     model_revision: str | None, cache_salt: str) -> Namespace:
+def engine_namespace(
+    cfg: OffloadingConfig,
+    *,
+    layout: str,
+    blocks_per_chunk: int,
+    row_bytes: int,
+    model_revision: str | None,
+    cache_salt: str,
+) -> Namespace:
     """The namespace of one vLLM engine's chunks (DESIGN.md §4, "Keys and namespaces").
 
     Args:
@@ -98,22 +105,33 @@ def engine_namespace(cfg: OffloadingConfig, *, layout: str, blocks_per_chunk: in
     agnostic = bool(cfg.canonical_layout) and cfg.parallel.is_parallelism_agnostic
     # A canonical page holds every rank's heads: its size, not one worker's share, is the same
     # under every geometry (CASES C35).
-    page_bytes = cfg.worker_kv_bytes_per_block * (canonical_copies(cfg) if cfg.canonical_layout
-                                                  else 1)
+    page_bytes = cfg.worker_kv_bytes_per_block * (
+        canonical_copies(cfg) if cfg.canonical_layout else 1
+    )
     groups = tuple(
-        GroupShape(tokens_per_block=g.tokens_per_block, num_layers=len(g.layer_names),
-                   page_bytes=page_bytes, kind=f"group{g.group_id}")
+        GroupShape(
+            tokens_per_block=g.tokens_per_block,
+            num_layers=len(g.layer_names),
+            page_bytes=page_bytes,
+            kind=f"group{g.group_id}",
+        )
         for g in cfg.groups
     )
     par = cfg.parallel
     return Namespace(
-        model=model, revision=revision, model_path=path,
+        model=model,
+        revision=revision,
+        model_path=path,
         model_fingerprint=model_fingerprint(path) if path else None,
-        kv_dtype=cfg.model.dtype, layout=layout,
+        kv_dtype=cfg.model.dtype,
+        layout=layout,
         tokens_per_chunk=cfg.groups[0].tokens_per_block * blocks_per_chunk,
-        row_bytes=row_bytes, groups=groups,
-        tp_size=None if agnostic else par.tp_size, pp_size=None if agnostic else par.pp_size,
-        pcp_size=None if agnostic else par.pcp_size, dcp_size=None if agnostic else par.dcp_size,
+        row_bytes=row_bytes,
+        groups=groups,
+        tp_size=None if agnostic else par.tp_size,
+        pp_size=None if agnostic else par.pp_size,
+        pcp_size=None if agnostic else par.pcp_size,
+        dcp_size=None if agnostic else par.dcp_size,
         cache_salt=cache_salt,
     )
 
@@ -139,7 +157,7 @@ def canonical_copies(cfg: OffloadingConfig) -> int:
         shards = tp
         try:
             total_heads = int(mc.get_total_num_kv_heads()) if mc is not None else 0
-        except Exception:  # noqa: BLE001 - a config without a head count: assume one shard per rank
+        except Exception:
             total_heads = 0
         if 0 < total_heads < tp:
             shards = total_heads
@@ -164,7 +182,9 @@ class KVOffloadSpec(OffloadingSpec):
         cfg = parse_config(dict(extra_config))
         defs = list(metrics.CORE_METRICS)
         for i, raw in enumerate(cfg.secondary_tiers):
-            _, tier_cls, _ = parse_tier_config(raw, f"kv_connector_extra_config.secondary_tiers[{i}]")
+            _, tier_cls, _ = parse_tier_config(
+                raw, f"kv_connector_extra_config.secondary_tiers[{i}]"
+            )
             defs.extend(tier_cls.metric_definitions)
         return metrics.vllm_metric_definitions(metrics.MetricSet(defs).defs.values())
 
@@ -176,15 +196,19 @@ class KVOffloadSpec(OffloadingSpec):
         for note in ineffective_vllm_keys(dict(config.extra_config)):
             if note not in _NOTED:
                 _NOTED.add(note)
-                log.warning("kvoffload: kv_connector_extra_config.%s (a setting of vLLM's own "
-                            "tiering spec, accepted and not used here)", note)
+                log.warning(
+                    "kvoffload: kv_connector_extra_config.%s (a setting of vLLM's own "
+                    "tiering spec, accepted and not used here)",
+                    note,
+                )
         s = self.settings
         if OffloadingKVEventsConfig is not None and hasattr(self, "kv_events_config"):
             # vLLM's own publisher: its tracker gives our CPU / STORAGE events the request's
             # parent hash and token ids (kvoffload's default on; vLLM's spec default is off)
             self.kv_events_config = OffloadingKVEventsConfig(
                 enable_kv_cache_events=self.kv_events_config.enable_kv_cache_events,
-                self_describing_kv_events=s.self_describing_kv_events)
+                self_describing_kv_events=s.self_describing_kv_events,
+            )
         par = config.parallel
         self.replicated = bool(config.replicated_layout) and not config.canonical_layout
         if config.canonical_layout:
@@ -194,8 +218,9 @@ class KVOffloadSpec(OffloadingSpec):
             num_copies = 1 if self.replicated else max(par.world_size, 1)
         self.canonical_copies = num_copies if config.canonical_layout else None
         self.worker_page_bytes = config.worker_kv_bytes_per_block * self.blocks_per_chunk
-        self.row_bytes = round_up_to_page(self.worker_page_bytes * num_copies) if (
-            self.worker_page_bytes) else 0
+        self.row_bytes = (
+            round_up_to_page(self.worker_page_bytes * num_copies) if (self.worker_page_bytes) else 0
+        )
         self.num_slots = s.cpu_bytes_to_use // self.row_bytes if self.row_bytes else 0
         if self.row_bytes and self.num_slots == 0:
             raise ConfigError(
@@ -216,17 +241,22 @@ class KVOffloadSpec(OffloadingSpec):
             layout += f":{self.config.kv_cache_layout}"
         if self.replicated:
             layout += ":replicated"
-        return engine_namespace(self.config, layout=layout, blocks_per_chunk=self.blocks_per_chunk,
-                                row_bytes=self.row_bytes,
-                                model_revision=self.settings.model_revision,
-                                cache_salt=self.settings.cache_salt)
+        return engine_namespace(
+            self.config,
+            layout=layout,
+            blocks_per_chunk=self.blocks_per_chunk,
+            row_bytes=self.row_bytes,
+            model_revision=self.settings.model_revision,
+            cache_salt=self.settings.cache_salt,
+        )
 
     def _open_arena(self) -> Arena:
         if self._arena is None:
             if self.num_slots == 0:
                 raise ConfigError("kvoffload: the engine reported no KV cache to offload")
-            self._arena = Arena.open_or_create(self.arena_name, self.num_slots, self.row_bytes,
-                                               self.config.engine_id)
+            self._arena = Arena.open_or_create(
+                self.arena_name, self.num_slots, self.row_bytes, self.config.engine_id
+            )
         return self._arena
 
     # -- vLLM interface -------------------------------------------------------------------------
@@ -241,31 +271,47 @@ class KVOffloadSpec(OffloadingSpec):
                 )
             removed = sweep()
             if removed:
-                log.info("kvoffload: removed %d arena(s) of dead engines: %s", len(removed), removed)
+                log.info(
+                    "kvoffload: removed %d arena(s) of dead engines: %s", len(removed), removed
+                )
             owned = self._arena is None
             arena = self._open_arena()
             log.info("kvoffload: %s", describe(self.settings))
             ns = self.namespace()
             try:
                 tm = TieringManager(
-                    arena, ns, self.settings,
+                    arena,
+                    ns,
+                    self.settings,
                     record_events=self.kv_events_config.enable_kv_cache_events,
-                    keep_metric_samples=True, event_block_hash=event_block_hash,
-                    data_parallel_rank=getattr(self.config.parallel, "data_parallel_index", 0))
+                    keep_metric_samples=True,
+                    event_block_hash=event_block_hash,
+                    data_parallel_rank=getattr(self.config.parallel, "data_parallel_index", 0),
+                )
             except BaseException:
                 if owned:  # a rank that cannot start leaves no segment (CASES C30)
                     arena.close()
                     self._arena = None
                 raise
-            log.info("kvoffload: arena %s (%d slots x %d bytes), namespace %s, tiers %s",
-                     arena.name, arena.num_slots, arena.row_bytes, ns.id(), tm.tier_names)
+            log.info(
+                "kvoffload: arena %s (%d slots x %d bytes), namespace %s, tiers %s",
+                arena.name,
+                arena.num_slots,
+                arena.row_bytes,
+                ns.id(),
+                tm.tier_names,
+            )
             host_tokens = arena.num_slots * ns.tokens_per_chunk
             max_len = getattr(current_model_config(), "max_model_len", None)
             if max_len and host_tokens < max_len:
-                log.warning("kvoffload: the host tier holds %d tokens, less than max_model_len %d: "
-                            "every offloaded chunk passes through it, so longer requests are only "
-                            "partly offloaded (their first %d tokens); raise cpu_bytes_to_use",
-                            host_tokens, max_len, host_tokens)
+                log.warning(
+                    "kvoffload: the host tier holds %d tokens, less than max_model_len %d: "
+                    "every offloaded chunk passes through it, so longer requests are only "
+                    "partly offloaded (their first %d tokens); raise cpu_bytes_to_use",
+                    host_tokens,
+                    max_len,
+                    host_tokens,
+                )
             self._manager = KVOffloadManager(tm, self._event_geometry())
         return self._manager
 
@@ -273,8 +319,11 @@ class KVOffloadSpec(OffloadingSpec):
         """KV-cache group -> (tokens per block, tokens per chunk), for groups whose vLLM block
         hashes are per block (the request's hashes index directly)."""
         per_hash = getattr(self.config.cache, "tokens_per_hash", None)
-        return {g.group_id: (g.tokens_per_block, g.tokens_per_block * self.blocks_per_chunk)
-                for g in self.config.groups if g.tokens_per_block == per_hash}
+        return {
+            g.group_id: (g.tokens_per_block, g.tokens_per_block * self.blocks_per_chunk)
+            for g in self.config.groups
+            if g.tokens_per_block == per_hash
+        }
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
@@ -283,8 +332,13 @@ class KVOffloadSpec(OffloadingSpec):
             rank = 0 if self.replicated else self.config.parallel.rank
             canonical = bool(self.config.canonical_layout)
             self._worker = KVOffloadWorker(
-                kv_caches, arena, self.row_bytes, rank * self.worker_page_bytes,
-                self.blocks_per_chunk, canonical=canonical, rank=rank,
+                kv_caches,
+                arena,
+                self.row_bytes,
+                rank * self.worker_page_bytes,
+                self.blocks_per_chunk,
+                canonical=canonical,
+                rank=rank,
                 canonical_copies=self.canonical_copies,
                 parallelism_agnostic=canonical and self.config.parallel.is_parallelism_agnostic,
             )
@@ -328,8 +382,10 @@ class _RequestChunks:
         return ChunkEventInfo(
             block_hashes=[convert_block_hash(h) for h in hashes[first:last]],
             parent_block_hash=convert_block_hash(hashes[first - 1]) if first else None,
-            token_ids=list(self.req.all_token_ids[start:end]), block_size=block,
-            group_idx=group)
+            token_ids=list(self.req.all_token_ids[start:end]),
+            block_size=block,
+            group_idx=group,
+        )
 
 
 class KVOffloadManager(OffloadingManager):
@@ -342,14 +398,16 @@ class KVOffloadManager(OffloadingManager):
             hash and token ids.
     """
 
-    def __init__(self, tiering: TieringManager,
-                 event_geometry: dict[int, tuple[int, int]] | None = None):
+    def __init__(
+        self, tiering: TieringManager, event_geometry: dict[int, tuple[int, int]] | None = None
+    ):
         self.tm = tiering
         self._stats_at = 0.0
         self._medium = {HOST: "CPU", **{t.name: t.medium for t in tiering.tiers}}
-        self._locality = {HOST: Locality.LOCAL,
-                          **{t.name: _LOCALITY.get(t.locality, Locality.LOCAL)
-                             for t in tiering.tiers}}
+        self._locality = {
+            HOST: Locality.LOCAL,
+            **{t.name: _LOCALITY.get(t.locality, Locality.LOCAL) for t in tiering.tiers},
+        }
         self._geometry = event_geometry if tiering.publishes_events else None
 
     def lookup(self, key, req_context: ReqContext, **kwargs) -> LookupResult:
@@ -374,11 +432,15 @@ class KVOffloadManager(OffloadingManager):
         plan = self.tm.prepare_store(list(keys), req_context.req_id, info)
         if plan is None:
             return None
-        return PrepareStoreOutput(keys_to_store=plan.keys, store_spec=CPULoadStoreSpec(plan.slots),
-                                  evicted_keys=plan.evicted)
+        return PrepareStoreOutput(
+            keys_to_store=plan.keys,
+            store_spec=CPULoadStoreSpec(plan.slots),
+            evicted_keys=plan.evicted,
+        )
 
-    def complete_store(self, keys: Collection, req_context: ReqContext, success: bool = True,
-                       **kwargs):
+    def complete_store(
+        self, keys: Collection, req_context: ReqContext, success: bool = True, **kwargs
+    ):
         self.tm.complete_store(keys, success, req_context.req_id)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
@@ -410,8 +472,11 @@ class KVOffloadManager(OffloadingManager):
             # removal_expected: vLLM's tracker keeps a host chunk's payload until its removal
             # (bounded by the host slots); a tier's payload is not kept past the host's
             yield OffloadingEvent(
-                keys=list(ev.keys), medium=medium, removed=ev.removed,
-                locality=self._locality[tier_name], ownership=None if host else tier_name,
+                keys=list(ev.keys),
+                medium=medium,
+                removed=ev.removed,
+                locality=self._locality[tier_name],
+                ownership=None if host else tier_name,
                 removal_expected=host and not ev.removed,
             )
 

@@ -58,7 +58,8 @@ import numpy as np
 from kvoffload import logs
 from kvoffload.config import ConfigError, parse_tier_config
 from kvoffload.ipc.arena import Arena
-from kvoffload.tiers.base import JobMetadata, LookupResult as KVLookup
+from kvoffload.tiers.base import JobMetadata
+from kvoffload.tiers.base import LookupResult as KVLookup
 from kvoffload.vllm_compat import require_tiering_api
 
 _api = require_tiering_api()
@@ -71,8 +72,12 @@ log = logging.getLogger("kvoffload.vllm")
 
 DEFAULT_STAGING_BYTES = 256 << 20
 _names = itertools.count()
-_TO_VLLM = {KVLookup.HIT: LookupResult.HIT, KVLookup.MISS: LookupResult.MISS,
-            KVLookup.RETRY: LookupResult.RETRY, KVLookup.HIT_PENDING: LookupResult.RETRY}
+_TO_VLLM = {
+    KVLookup.HIT: LookupResult.HIT,
+    KVLookup.MISS: LookupResult.MISS,
+    KVLookup.RETRY: LookupResult.RETRY,
+    KVLookup.HIT_PENDING: LookupResult.RETRY,
+}
 
 
 class _Job:
@@ -98,9 +103,14 @@ def tiering_namespace(spec: Any, row_bytes: int, cache_salt: str, model_revision
         layout += f":{spec.config.kv_cache_layout}"
     if getattr(spec, "replicated_layout", False):
         layout += ":replicated"
-    return engine_namespace(spec.config, layout=layout, blocks_per_chunk=spec.blocks_per_chunk,
-                            row_bytes=row_bytes, model_revision=model_revision,
-                            cache_salt=cache_salt)
+    return engine_namespace(
+        spec.config,
+        layout=layout,
+        blocks_per_chunk=spec.blocks_per_chunk,
+        row_bytes=row_bytes,
+        model_revision=model_revision,
+        cache_salt=cache_salt,
+    )
 
 
 class _KVOffloadTier(VLLMSecondaryTierManager):
@@ -109,8 +119,14 @@ class _KVOffloadTier(VLLMSecondaryTierManager):
     kvoffload_type: ClassVar[str]
     medium: ClassVar[Any] = Medium.STORAGE
 
-    def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,
-                 backpressure_detector: Any = None, **config: Any):
+    def __init__(
+        self,
+        offloading_spec: Any,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: Any = None,
+        **config: Any,
+    ):
         """Args:
             offloading_spec: vLLM's spec (``TieringOffloadingSpec``): model, dtype, geometry.
             primary_kv_view: vLLM's primary tier, ``(num_chunks, block_size_bytes)`` uint8.
@@ -131,8 +147,9 @@ class _KVOffloadTier(VLLMSecondaryTierManager):
         cache_salt = config.pop("cache_salt", "")
         model_revision = config.pop("model_revision", None)
         if type(staging_bytes) is not int or staging_bytes <= 0:
-            raise ConfigError(f"{where}.staging_bytes: a positive integer of bytes, got "
-                              f"{staging_bytes!r}")
+            raise ConfigError(
+                f"{where}.staging_bytes: a positive integer of bytes, got {staging_bytes!r}"
+            )
         if not isinstance(cache_salt, str):
             raise ConfigError(f"{where}.cache_salt: a string, got {cache_salt!r}")
         raw = {"type": self.kvoffload_type, **config}
@@ -151,12 +168,22 @@ class _KVOffloadTier(VLLMSecondaryTierManager):
                 raise ConfigError(
                     f"{where}: vLLM's block hashes differ between processes ({reason}), so chunks "
                     f"in a shared tier would never be found again; set PYTHONHASHSEED to the "
-                    f"same value on every instance")
-        self._staging = Arena.create(f"kvoffload_staging_{os.getpid()}_{next(_names)}", num_slots,
-                                     row_bytes, size_hint_key=f"{where}.staging_bytes")
+                    f"same value on every instance"
+                )
+        self._staging = Arena.create(
+            f"kvoffload_staging_{os.getpid()}_{next(_names)}",
+            num_slots,
+            row_bytes,
+            size_hint_key=f"{where}.staging_bytes",
+        )
         try:
-            self.tier = tier_cls(name=name, arena_view=self._staging.memoryview(),
-                                 namespace=namespace, config=tier_config, arena=self._staging)
+            self.tier = tier_cls(
+                name=name,
+                arena_view=self._staging.memoryview(),
+                namespace=namespace,
+                config=tier_config,
+                arena=self._staging,
+            )
         except ValueError as e:
             self._staging.close()
             raise ConfigError(f"{where}.{e}") from None
@@ -166,8 +193,9 @@ class _KVOffloadTier(VLLMSecondaryTierManager):
         if tier_config.locality is not None:
             self.locality = Locality(tier_config.locality)
         events = getattr(offloading_spec, "kv_events_config", None)
-        self._events_on = bool(tier_config.enable_kv_events and events is not None
-                               and events.enable_kv_cache_events)
+        self._events_on = bool(
+            tier_config.enable_kv_events and events is not None and events.enable_kv_cache_events
+        )
         self.tier.record_events = self._events_on
         self._free = list(range(num_slots - 1, -1, -1))
         self._jobs: dict[int, _Job] = {}
@@ -185,18 +213,29 @@ class _KVOffloadTier(VLLMSecondaryTierManager):
 
     def _submit(self, job: Any, is_promotion: bool) -> None:
         keys = [bytes(k) for k in job.keys]
-        rec = _Job(JobMetadata(job_id=job.job_id, keys=keys, slots=[], is_promotion=is_promotion,
-                               req_id=job.req_context.req_id if job.req_context else ""),
-                   np.asarray(job.chunk_ids, dtype=np.int64))
+        rec = _Job(
+            JobMetadata(
+                job_id=job.job_id,
+                keys=keys,
+                slots=[],
+                is_promotion=is_promotion,
+                req_id=job.req_context.req_id if job.req_context else "",
+            ),
+            np.asarray(job.chunk_ids, dtype=np.int64),
+        )
         if not is_promotion and not self.tier.accepts_store(len(keys)):
             # Backed up (max_pending_store_chunks) or its circuit breaker is open: dropped and
             # counted by the tier, a failed cascade for vLLM (the chunks stay in its primary tier).
             self._results.append(VLLMJobResult(job_id=job.job_id, success=False))
             return
         if len(keys) > self._staging.num_slots:
-            log.warning("kvoffload tier %s: a job of %d chunks is larger than the staging arena "
-                        "(%d chunks); raise staging_bytes", self.tier.name, len(keys),
-                        self._staging.num_slots)
+            log.warning(
+                "kvoffload tier %s: a job of %d chunks is larger than the staging arena "
+                "(%d chunks); raise staging_bytes",
+                self.tier.name,
+                len(keys),
+                self._staging.num_slots,
+            )
             self._results.append(VLLMJobResult(job_id=job.job_id, success=False))
             return
         self._waiting.append(rec)
@@ -231,13 +270,20 @@ class _KVOffloadTier(VLLMSecondaryTierManager):
                     successful = tuple(rec.meta.keys[i] for i in done)
                 if len(done):
                     idx = list(done)
-                    self._primary[rec.chunk_ids[idx]] = self._staging.rows[[rec.slots[i]
-                                                                            for i in idx]]
+                    self._primary[rec.chunk_ids[idx]] = self._staging.rows[
+                        [rec.slots[i] for i in idx]
+                    ]
             self._free.extend(rec.slots)
             # vLLM: successful_keys only for promotions; None means "all share `success`".
-            self._results.append(VLLMJobResult(
-                job_id=res.job_id, success=res.success, successful_keys=successful or None,
-                transfer_time=res.transfer_seconds, transfer_bytes=res.transfer_bytes or None))
+            self._results.append(
+                VLLMJobResult(
+                    job_id=res.job_id,
+                    success=res.success,
+                    successful_keys=successful or None,
+                    transfer_time=res.transfer_seconds,
+                    transfer_bytes=res.transfer_bytes or None,
+                )
+            )
         self._start_waiting()
 
     def get_finished_jobs(self) -> Iterable[Any]:
@@ -275,8 +321,12 @@ class _KVOffloadTier(VLLMSecondaryTierManager):
     def take_events(self) -> Iterable[Any]:
         if not self._events_on:
             return ()
-        return [OffloadingEvent(keys=list(ev.keys), medium=self.medium, removed=ev.removed,
-                                locality=self.locality) for ev in self.tier.take_events()]
+        return [
+            OffloadingEvent(
+                keys=list(ev.keys), medium=self.medium, removed=ev.removed, locality=self.locality
+            )
+            for ev in self.tier.take_events()
+        ]
 
     def shutdown(self) -> None:
         if self._closed:

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (  # noqa: F401
+    OffloadingConnectorStats,
+)
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as convert_block_hash
 from vllm.v1.kv_offload.base import (  # noqa: F401 - re-exported for kvoffload.vllm
     BlockIDsLoadStoreSpec,
     CanonicalKVCaches,
@@ -27,10 +31,6 @@ from vllm.v1.kv_offload.base import (  # noqa: F401 - re-exported for kvoffload.
     RequestOffloadingContext,
     TransferResult,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (  # noqa: F401
-    OffloadingConnectorStats,
-)
-from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as convert_block_hash
 from vllm.v1.kv_offload.config import OffloadingConfig  # noqa: F401
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: F401
 
@@ -43,6 +43,7 @@ try:  # 0.32: the tier that served a hit; absent in older releases
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 except ImportError:  # pragma: no cover - older vLLM
     CacheHitSource = None  # type: ignore[assignment]
+
 
 def require_tiering_api() -> Any:
     """vLLM's secondary-tier API (0.33's ``vllm.v1.kv_offload.tiering.base``) for
@@ -65,18 +66,30 @@ def require_tiering_api() -> Any:
         raise ImportError(
             f"kvoffload.vllm033_tiers needs vLLM's secondary-tier API "
             f"(vllm.v1.kv_offload.tiering.base, vLLM 0.33); vLLM {vllm.__version__} has none: "
-            f"{e}") from None
-    missing = [m for m in ("drain_jobs", "on_new_request", "get_finished_jobs", "lookup")
-               if not hasattr(SecondaryTierManager, m)]
+            f"{e}"
+        ) from None
+    missing = [
+        m
+        for m in ("drain_jobs", "on_new_request", "get_finished_jobs", "lookup")
+        if not hasattr(SecondaryTierManager, m)
+    ]
     if missing:
         import vllm
 
-        raise ImportError(f"kvoffload.vllm033_tiers: vLLM {vllm.__version__}'s "
-                          f"SecondaryTierManager lacks {', '.join(missing)}")
+        raise ImportError(
+            f"kvoffload.vllm033_tiers: vLLM {vllm.__version__}'s "
+            f"SecondaryTierManager lacks {', '.join(missing)}"
+        )
     return types.SimpleNamespace(
-        SecondaryTierManager=SecondaryTierManager, JobResult=TierJobResult,
-        TransferJob=TransferJob, Locality=Locality, LookupResult=LookupResult, Medium=Medium,
-        OffloadingEvent=OffloadingEvent, RequestOffloadingContext=RequestOffloadingContext)
+        SecondaryTierManager=SecondaryTierManager,
+        JobResult=TierJobResult,
+        TransferJob=TransferJob,
+        Locality=Locality,
+        LookupResult=LookupResult,
+        Medium=Medium,
+        OffloadingEvent=OffloadingEvent,
+        RequestOffloadingContext=RequestOffloadingContext,
+    )
 
 
 # Arguments newer releases may pass that this integration does not use.
@@ -114,7 +127,7 @@ def current_model_config() -> Any:
         from vllm.config import get_current_vllm_config
 
         return get_current_vllm_config().model_config
-    except Exception:  # noqa: BLE001 - outside an engine there is no current config
+    except Exception:
         return None
 
 
@@ -133,7 +146,7 @@ def nondeterministic_block_hashes() -> str | None:
         from vllm.config import get_current_vllm_config
 
         algo = get_current_vllm_config().cache_config.prefix_caching_hash_algo
-    except Exception:  # noqa: BLE001
+    except Exception:
         pass
     if algo in ("xxhash", "xxhash_cbor"):
         return f"prefix_caching_hash_algo={algo!r} without PYTHONHASHSEED"

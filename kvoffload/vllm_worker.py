@@ -55,9 +55,17 @@ class _Plan:
             view of the arena is made.
     """
 
-    def __init__(self, kv_caches: CanonicalKVCaches, rows: torch.Tensor, row_bytes: int,
-                 rank_offset: int, blocks_per_chunk: int, canonical: bool,
-                 canonical_copies: int | None = None, parallelism_agnostic: bool = False):
+    def __init__(
+        self,
+        kv_caches: CanonicalKVCaches,
+        rows: torch.Tensor,
+        row_bytes: int,
+        rank_offset: int,
+        blocks_per_chunk: int,
+        canonical: bool,
+        canonical_copies: int | None = None,
+        parallelism_agnostic: bool = False,
+    ):
         self.bpc = blocks_per_chunk
         self.device_tensors = [_as_pages(t.tensor, t.page_size_bytes) for t in kv_caches.tensors]
         self.refs = kv_caches.group_data_refs
@@ -73,19 +81,25 @@ class _Plan:
             raise ConfigError(
                 f"kv_connector_extra_config.{key}: this worker's KV pages need {need} bytes per "
                 f"chunk row, the host tier's rows have {row_bytes} (the scheduler sized them for "
-                f"another layout)")
+                f"another layout)"
+            )
         num_slots = rows.shape[0]
         flat = rows.reshape(-1)
         self.host_views = []
         for page in pages:
-            view = torch.as_strided(flat, size=(num_slots, blocks_per_chunk, page),
-                                    stride=(row_bytes, page, 1), storage_offset=offset)
+            view = torch.as_strided(
+                flat,
+                size=(num_slots, blocks_per_chunk, page),
+                stride=(row_bytes, page, 1),
+                storage_offset=offset,
+            )
             self.host_views.append(view)
             offset += page * blocks_per_chunk
 
 
-def _canonical_pages(kv_caches: CanonicalKVCaches, copies: int | None,
-                     parallelism_agnostic: bool) -> list[int]:
+def _canonical_pages(
+    kv_caches: CanonicalKVCaches, copies: int | None, parallelism_agnostic: bool
+) -> list[int]:
     """Bytes of each tensor's canonical page (the largest of its refs' mappings).
 
     Args:
@@ -110,18 +124,21 @@ def _canonical_pages(kv_caches: CanonicalKVCaches, copies: int | None,
                 raise ConfigError(
                     f"{key}: vLLM could not certify {where} for the canonical layout (offload "
                     f"workers must be exactly the TP group; packed or cross-layer KV layouts "
-                    f"are not supported); remove canonical_layout")
+                    f"are not supported); remove canonical_layout"
+                )
             if parallelism_agnostic and not m.parallelism_agnostic:
                 raise ConfigError(
                     f"{key}: {where} has a topology-bound canonical page, but the namespace is "
-                    f"shared across parallel sizes; remove canonical_layout")
+                    f"shared across parallel sizes; remove canonical_layout"
+                )
             expected = None if copies is None else copies * m.local_page_size_bytes
             if expected is not None and m.canonical_page_size_bytes != expected:
                 raise ConfigError(
                     f"{key}: {where}: a canonical page of {m.canonical_page_size_bytes} bytes is "
                     f"not {copies} x this worker's {m.local_page_size_bytes}-byte page, as the "
                     f"host tier's rows were sized; this parallel layout cannot be stored "
-                    f"canonically; remove canonical_layout")
+                    f"canonically; remove canonical_layout"
+                )
             pages[ref.tensor_idx] = max(pages[ref.tensor_idx], m.canonical_page_size_bytes)
     return pages
 
@@ -147,17 +164,27 @@ def _uniform_layers(plan: _Plan) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None
     if any(r.page_size_bytes != page for r in refs):
         return None
-    if any(t.shape != dev[0].shape or t.stride() != dev[0].stride() or
-           t.untyped_storage().data_ptr() != dev[0].untyped_storage().data_ptr() for t in dev):
+    if any(
+        t.shape != dev[0].shape
+        or t.stride() != dev[0].stride()
+        or t.untyped_storage().data_ptr() != dev[0].untyped_storage().data_ptr()
+        for t in dev
+    ):
         return None
     spacing = dev[1].data_ptr() - dev[0].data_ptr()
-    if spacing <= 0 or any(t.data_ptr() != dev[0].data_ptr() + i * spacing for i, t in enumerate(dev)):
+    if spacing <= 0 or any(
+        t.data_ptr() != dev[0].data_ptr() + i * spacing for i, t in enumerate(dev)
+    ):
         return None
-    device_all = dev[0].as_strided((len(dev), dev[0].shape[0], page), (spacing, dev[0].stride(0), 1),
-                                   dev[0].storage_offset())
+    device_all = dev[0].as_strided(
+        (len(dev), dev[0].shape[0], page), (spacing, dev[0].stride(0), 1), dev[0].storage_offset()
+    )
     h0 = plan.host_views[0]
-    host_all = h0.as_strided((h0.shape[0], len(dev), plan.bpc, page),
-                             (h0.stride(0), plan.bpc * page, page, 1), h0.storage_offset())
+    host_all = h0.as_strided(
+        (h0.shape[0], len(dev), plan.bpc, page),
+        (h0.stride(0), plan.bpc * page, page, 1),
+        h0.storage_offset(),
+    )
     return device_all, host_all
 
 
@@ -172,8 +199,9 @@ class CpuKVCopier:
         self.plan = plan
         self.uniform = _uniform_layers(plan)
 
-    def copy(self, device_spec: GPULoadStoreSpec, host_spec: BlockIDsLoadStoreSpec,
-             to_host: bool) -> int:
+    def copy(
+        self, device_spec: GPULoadStoreSpec, host_spec: BlockIDsLoadStoreSpec, to_host: bool
+    ) -> int:
         plan = self.plan
         bpc = plan.bpc
         block_ids = np.asarray(device_spec.block_ids, dtype=np.int64)
@@ -181,12 +209,12 @@ class CpuKVCopier:
         dev_off = host_off = 0
         nbytes = 0
         for g_idx, (group_size, block_idx) in enumerate(
-                zip(device_spec.group_sizes, device_spec.block_indices)):
+            zip(device_spec.group_sizes, device_spec.block_indices)
+        ):
             if group_size == 0:
                 continue
-            slots, subs, n_chunks = _positions(group_size, block_idx, bpc,
-                                               chunk_ids[host_off:])
-            ids = block_ids[dev_off:dev_off + group_size]
+            slots, subs, n_chunks = _positions(group_size, block_idx, bpc, chunk_ids[host_off:])
+            ids = block_ids[dev_off : dev_off + group_size]
             if self.uniform is not None:
                 nbytes += self._copy_uniform(ids, slots, subs, to_host)
             else:
@@ -225,7 +253,9 @@ class CpuKVCopier:
             page_ids = slots * host.shape[1] + subs
             keep = page_ids % mapping.num_writers == mapping.writer_index
             ids, slots, subs = ids[keep], slots[keep], subs[keep]
-        t_ids, t_slots, t_subs = (torch.from_numpy(np.ascontiguousarray(a)) for a in (ids, slots, subs))
+        t_ids, t_slots, t_subs = (
+            torch.from_numpy(np.ascontiguousarray(a)) for a in (ids, slots, subs)
+        )
         nbytes = 0
         for run in mapping.runs:
             for i in range(run.num_fragments):
@@ -233,9 +263,9 @@ class CpuKVCopier:
                 co = run.canonical_offset + i * run.canonical_stride
                 size = run.fragment_size
                 if to_host:
-                    host[t_slots, t_subs, co:co + size] = dev[t_ids, lo:lo + size]
+                    host[t_slots, t_subs, co : co + size] = dev[t_ids, lo : lo + size]
                 else:
-                    dev[t_ids, lo:lo + size] = host[t_slots, t_subs, co:co + size]
+                    dev[t_ids, lo : lo + size] = host[t_slots, t_subs, co : co + size]
                 nbytes += len(ids) * size
         return nbytes
 
@@ -262,14 +292,31 @@ class KVOffloadWorker(OffloadingWorker):
             under ``canonical_layout``, pages larger than a row), before any copy.
     """
 
-    def __init__(self, kv_caches: CanonicalKVCaches, arena, row_bytes: int, rank_offset: int,
-                 blocks_per_chunk: int, canonical: bool = False, rank: int = 0,
-                 canonical_copies: int | None = None, parallelism_agnostic: bool = False):
+    def __init__(
+        self,
+        kv_caches: CanonicalKVCaches,
+        arena,
+        row_bytes: int,
+        rank_offset: int,
+        blocks_per_chunk: int,
+        canonical: bool = False,
+        rank: int = 0,
+        canonical_copies: int | None = None,
+        parallelism_agnostic: bool = False,
+    ):
         self.arena = arena
         self._stats_row = arena.device_stats[rank % len(arena.device_stats)]
         self._rows = arena.torch_rows()
-        self._plan = _Plan(kv_caches, self._rows, row_bytes, rank_offset, blocks_per_chunk,
-                           canonical, canonical_copies, parallelism_agnostic)
+        self._plan = _Plan(
+            kv_caches,
+            self._rows,
+            row_bytes,
+            rank_offset,
+            blocks_per_chunk,
+            canonical,
+            canonical_copies,
+            parallelism_agnostic,
+        )
         self._finished: list[TransferResult] = []
         self._cuda = None
         self._copier = None
@@ -284,15 +331,21 @@ class KVOffloadWorker(OffloadingWorker):
         try:
             nbytes = self._copier.copy(device_spec, host_spec, to_host)
             ok = True
-        except Exception:  # noqa: BLE001 - a failed copy is a failed job, not a dead engine
+        except Exception:
             log.exception("kvoffload: KV copy for job %d failed", job_id)
             nbytes, ok = 0, False
         elapsed = time.perf_counter() - t0
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("%s job %d: %.1f MB in %.1f ms", "store" if to_host else "load", job_id,
-                      nbytes / 1e6, elapsed * 1e3)
-        self._finished.append(TransferResult(job_id=job_id, success=ok, transfer_size=nbytes,
-                                             transfer_time=elapsed))
+            log.debug(
+                "%s job %d: %.1f MB in %.1f ms",
+                "store" if to_host else "load",
+                job_id,
+                nbytes / 1e6,
+                elapsed * 1e3,
+            )
+        self._finished.append(
+            TransferResult(job_id=job_id, success=ok, transfer_size=nbytes, transfer_time=elapsed)
+        )
         self._account(nbytes, elapsed, to_host)
         return True
 
@@ -303,14 +356,16 @@ class KVOffloadWorker(OffloadingWorker):
         row[i] += nbytes
         row[i + 1] += seconds
 
-    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec,
-                     **kwargs) -> bool:
+    def submit_store(
+        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec, **kwargs
+    ) -> bool:
         if self._cuda is not None:
             return self._cuda.store.transfer_async(job_id, src_spec, dst_spec)
         return self._run(job_id, src_spec, dst_spec, to_host=True)
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
-                    **kwargs) -> bool:
+    def submit_load(
+        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, **kwargs
+    ) -> bool:
         if self._cuda is not None:
             return self._cuda.load.transfer_async(job_id, src_spec, dst_spec)
         return self._run(job_id, dst_spec, src_spec, to_host=False)
@@ -347,13 +402,20 @@ class _DeviceCopier:
         from vllm.v1.kv_offload.cpu.gpu_worker import SingleDirectionOffloadingHandler
 
         self._pinning = pin_arena(arena, backend="vllm")
-        host_tensors = [v.reshape(v.shape[0], -1) if v.is_contiguous() else
-                        torch.as_strided(v, (v.shape[0], v.shape[1] * v.shape[2]), (v.stride(0), 1))
-                        for v in plan.host_views]
-        common = dict(gpu_tensors=plan.device_tensors, cpu_tensors=host_tensors,
-                      blocks_per_chunk=plan.bpc, layer_refs_per_group=kv_caches.group_data_refs,
-                      canonical_layout=canonical,
-                      host_memory_is_pinned=self._pinning.pinned)
+        host_tensors = [
+            v.reshape(v.shape[0], -1)
+            if v.is_contiguous()
+            else torch.as_strided(v, (v.shape[0], v.shape[1] * v.shape[2]), (v.stride(0), 1))
+            for v in plan.host_views
+        ]
+        common = dict(
+            gpu_tensors=plan.device_tensors,
+            cpu_tensors=host_tensors,
+            blocks_per_chunk=plan.bpc,
+            layer_refs_per_group=kv_caches.group_data_refs,
+            canonical_layout=canonical,
+            host_memory_is_pinned=self._pinning.pinned,
+        )
         self.store = SingleDirectionOffloadingHandler(gpu_to_cpu=True, **common)
         self.load = SingleDirectionOffloadingHandler(gpu_to_cpu=False, **common)
 

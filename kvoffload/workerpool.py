@@ -41,8 +41,9 @@ _BROKEN_AFTER_FAILED_STARTS = 3
 _BROKEN_RETRY_S = 10.0
 
 
-_CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGFPE,
-                            signal.SIGILL})
+_CRASH_SIGNALS = frozenset(
+    {signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGFPE, signal.SIGILL}
+)
 
 
 def _crashed(returncode: int | None) -> bool:
@@ -56,8 +57,16 @@ def _crashed(returncode: int | None) -> bool:
 class PoolTask:
     """One task in the pool. ``owner`` is the tier manager's record for it."""
 
-    __slots__ = ("task_id", "payload", "attempt", "deadline", "worker", "owner", "timed_out",
-                 "timeout_s")
+    __slots__ = (
+        "task_id",
+        "payload",
+        "attempt",
+        "deadline",
+        "worker",
+        "owner",
+        "timed_out",
+        "timeout_s",
+    )
 
     def __init__(self, task_id: int, payload: bytes, owner: Any, timeout_s: float | None = None):
         self.task_id = task_id
@@ -97,10 +106,19 @@ class WorkerPool:
         on_event: called with ``"restart"`` / ``"timeout"`` for the tier's counters.
     """
 
-    def __init__(self, *, tier_name: str, kind: str, count: int, channels: TierChannels,
-                 make_spec: Callable[[int, bytes], m.WorkerSpec], task_timeout_s: float,
-                 max_inflight: int = 4, max_attempts: int = 2,
-                 on_event: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        *,
+        tier_name: str,
+        kind: str,
+        count: int,
+        channels: TierChannels,
+        make_spec: Callable[[int, bytes], m.WorkerSpec],
+        task_timeout_s: float,
+        max_inflight: int = 4,
+        max_attempts: int = 2,
+        on_event: Callable[[str], None] | None = None,
+    ):
         self.tier_name = tier_name
         self.kind = kind
         self.count = count
@@ -136,7 +154,9 @@ class WorkerPool:
         env[_SPEC_ENV] = msgspec.json.encode(spec).decode()
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvoffload.workers.main"],
-            env=env, stdin=subprocess.DEVNULL, close_fds=True,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            close_fds=True,
         )
         self.workers[identity] = self._by_wid[wid] = _WorkerProc(wid, identity, proc)
         self.awaiting_hello += 1
@@ -205,8 +225,9 @@ class WorkerPool:
                 # A worker runs its tasks in order: the next one starts now, and its deadline
                 # counts from now rather than from when it was queued behind this one.
                 head = next(iter(inflight.values()))
-                head.deadline = max(head.deadline,
-                                    time.monotonic() + (head.timeout_s or self.task_timeout_s))
+                head.deadline = max(
+                    head.deadline, time.monotonic() + (head.timeout_s or self.task_timeout_s)
+                )
             if self.queue:
                 self.dispatch()
         return task
@@ -224,15 +245,27 @@ class WorkerPool:
                 if not w.ready:
                     self.awaiting_hello -= 1
                     self._failed_starts += 1
-                    if self._failed_starts >= _BROKEN_AFTER_FAILED_STARTS and self._broken_since is None:
+                    if (
+                        self._failed_starts >= _BROKEN_AFTER_FAILED_STARTS
+                        and self._broken_since is None
+                    ):
                         self._broken_since = now
-                        log.error("kvoffload tier %s: %s workers exit before becoming ready "
-                                  "(exit code %s); failing its tasks", self.tier_name, self.kind,
-                                  w.proc.returncode)
+                        log.error(
+                            "kvoffload tier %s: %s workers exit before becoming ready "
+                            "(exit code %s); failing its tasks",
+                            self.tier_name,
+                            self.kind,
+                            w.proc.returncode,
+                        )
                 elif not w.killed:
-                    log.warning("kvoffload tier %s: %s worker %d (pid %d) died with code %s; "
-                                "replacing it", self.tier_name, self.kind, w.wid, w.proc.pid,
-                                w.proc.returncode)
+                    log.warning(
+                        "kvoffload tier %s: %s worker %d (pid %d) died with code %s; replacing it",
+                        self.tier_name,
+                        self.kind,
+                        w.wid,
+                        w.proc.pid,
+                        w.proc.returncode,
+                    )
                 rerun = []
                 # A worker that crashed (exited by itself, or on a crash signal) may have been
                 # killed by the task it was running (it runs its tasks in order): that task fails,
@@ -261,9 +294,15 @@ class WorkerPool:
                 head = next(iter(w.inflight.values()))
                 if now > head.deadline:
                     head.timed_out = True
-                    log.warning("kvoffload tier %s: %s worker %d (pid %d) did not answer within "
-                                "%.1f s; killing it", self.tier_name, self.kind, w.wid, w.proc.pid,
-                                self.task_timeout_s)
+                    log.warning(
+                        "kvoffload tier %s: %s worker %d (pid %d) did not answer within "
+                        "%.1f s; killing it",
+                        self.tier_name,
+                        self.kind,
+                        w.wid,
+                        w.proc.pid,
+                        self.task_timeout_s,
+                    )
                     w.killed = True
                     self.on_event("timeout")
                     try:
@@ -279,7 +318,8 @@ class WorkerPool:
                     self._broken_since = now
                     self._spawn()
             elif live < self.count and now - self._last_start > (
-                    _RESTART_BACKOFF_S if self._failed_starts else 0):
+                _RESTART_BACKOFF_S if self._failed_starts else 0
+            ):
                 for _ in range(self.count - live):
                     self._spawn()
         if self.queue:
@@ -298,8 +338,9 @@ class WorkerPool:
         for w in self.workers.values():
             leftover.extend(w.inflight.values())
             w.inflight.clear()
-            if w.proc.poll() is None and not (w.ready and self.channels.send_task(
-                    self.kind, w.identity, stop)):
+            if w.proc.poll() is None and not (
+                w.ready and self.channels.send_task(self.kind, w.identity, stop)
+            ):
                 try:
                     w.proc.kill()  # not connected yet, or gone: nothing to finish
                 except ProcessLookupError:
@@ -315,4 +356,3 @@ class WorkerPool:
         self._by_wid.clear()
         self.inflight_count = 0
         return leftover
-

@@ -8,14 +8,20 @@ class CountingTier(MemoryTier):
     metric_definitions = (
         Counter("kvoffload_counting_stores", "Store jobs seen by the counting tier.", ("tier",)),
         Gauge("kvoffload_counting_chunks", "Chunks held by the counting tier.", ("tier",)),
-        Histogram("kvoffload_counting_job_chunks", "Chunks per store job.", ("tier",),
-                  buckets=(1, 2, 4, 8, 16)),
+        Histogram(
+            "kvoffload_counting_job_chunks",
+            "Chunks per store job.",
+            ("tier",),
+            buckets=(1, 2, 4, 8, 16),
+        ),
     )
 
     def submit_store(self, job):
         super().submit_store(job)
         self.count("kvoffload_counting_stores")  # a declared counter: goes to the metric
-        self.count("custom_event")  # not declared: kvoffload_tier_events_total{event="custom_event"}
+        self.count(
+            "custom_event"
+        )  # not declared: kvoffload_tier_events_total{event="custom_event"}
         self.metrics.observe("kvoffload_counting_job_chunks", len(job.keys), self.name)
 
     def report_metrics(self, metrics):

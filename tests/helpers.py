@@ -15,14 +15,23 @@ from kvoffload.namespace import Namespace, chunk_keys
 from kvoffload.tiering import TieringManager
 from kvoffload.tiers.base import LookupResult
 
-HIT, MISS, PENDING, RETRY = (LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING,
-                             LookupResult.RETRY)
+HIT, MISS, PENDING, RETRY = (
+    LookupResult.HIT,
+    LookupResult.MISS,
+    LookupResult.HIT_PENDING,
+    LookupResult.RETRY,
+)
 ROW = 16384
 _names = itertools.count()
 
 
-def wait_until(condition, timeout_s: float = 120.0, what: str = "the condition",
-               step=None, interval_s: float = 0.005):
+def wait_until(
+    condition,
+    timeout_s: float = 120.0,
+    what: str = "the condition",
+    step=None,
+    interval_s: float = 0.005,
+):
     """Call ``step`` (if given) and check ``condition`` until it returns a true value, which is
     returned. ``timeout_s`` is a generous upper bound for a stuck run, never the thing tested: the
     assertion fails only when the condition never comes."""
@@ -37,8 +46,7 @@ def wait_until(condition, timeout_s: float = 120.0, what: str = "the condition",
         time.sleep(interval_s)
 
 
-def wait_paused(gate, count: int = 1, timeout_s: float = 120.0,
-                step=None) -> list[int]:
+def wait_paused(gate, count: int = 1, timeout_s: float = 120.0, step=None) -> list[int]:
     """Until ``count`` workers have reached a ``wait_file`` fault gated on ``gate`` (each appends its
     pid to ``<gate>.reached``); returns their pids."""
     marker = f"{gate}.reached"
@@ -65,20 +73,27 @@ def payload(key: bytes, nbytes: int = ROW) -> np.ndarray:
 
 
 def keys_for(n: int, seed: int = 0, tokens_per_chunk: int = 16) -> list[bytes]:
-    return chunk_keys(np.arange(seed * 1_000_000, seed * 1_000_000 + n * tokens_per_chunk),
-                      tokens_per_chunk)
+    return chunk_keys(
+        np.arange(seed * 1_000_000, seed * 1_000_000 + n * tokens_per_chunk), tokens_per_chunk
+    )
 
 
 def namespace(**overrides) -> Namespace:
-    fields = dict(model="test/model", kv_dtype="bfloat16", layout="raw-v1", tokens_per_chunk=16,
-                  row_bytes=ROW)
+    fields = dict(
+        model="test/model", kv_dtype="bfloat16", layout="raw-v1", tokens_per_chunk=16, row_bytes=ROW
+    )
     fields.update(overrides)
     return Namespace(**fields)
 
 
 def fs_tier(root: str, **extra) -> dict:
-    cfg = {"type": "fs", "root_dir": str(root), "read_workers": 1, "write_workers": 1,
-           "job_timeout_s": 10.0}
+    cfg = {
+        "type": "fs",
+        "root_dir": str(root),
+        "read_workers": 1,
+        "write_workers": 1,
+        "job_timeout_s": 10.0,
+    }
     cfg.update(extra)
     return cfg
 
@@ -86,12 +101,26 @@ def fs_tier(root: str, **extra) -> dict:
 class Rig:
     """One engine: arena + tiering manager. Use as a context manager."""
 
-    def __init__(self, tiers: list[dict] | None = None, *, num_slots: int = 16, row_bytes: int = ROW,
-                 policy: str = "lru", ns: Namespace | None = None, name: str | None = None, **cfg):
+    def __init__(
+        self,
+        tiers: list[dict] | None = None,
+        *,
+        num_slots: int = 16,
+        row_bytes: int = ROW,
+        policy: str = "lru",
+        ns: Namespace | None = None,
+        name: str | None = None,
+        **cfg,
+    ):
         self.row_bytes = row_bytes
-        self.config = parse_config({"cpu_bytes_to_use": num_slots * row_bytes,
-                                    "eviction_policy": policy,
-                                    "secondary_tiers": tiers or [], **cfg})
+        self.config = parse_config(
+            {
+                "cpu_bytes_to_use": num_slots * row_bytes,
+                "eviction_policy": policy,
+                "secondary_tiers": tiers or [],
+                **cfg,
+            }
+        )
         self.arena = Arena.create(name or arena_name(), num_slots, row_bytes)
         self.ns = ns or namespace(row_bytes=row_bytes)
         try:
@@ -100,7 +129,7 @@ class Rig:
             self.arena.close()
             raise
 
-    def __enter__(self) -> "Rig":
+    def __enter__(self) -> Rig:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -133,8 +162,9 @@ class Rig:
             assert self.tm.wait_idle(120), "tier jobs did not finish"
         return plan.evicted
 
-    def resolve(self, keys, timeout_s: float = 120.0,
-                step_sleep: float = 0.002) -> list[LookupResult]:
+    def resolve(
+        self, keys, timeout_s: float = 120.0, step_sleep: float = 0.002
+    ) -> list[LookupResult]:
         """Look up ``keys`` every step until none is RETRY or HIT_PENDING (or the timeout)."""
         deadline = time.monotonic() + timeout_s
         while True:
@@ -155,11 +185,12 @@ class Rig:
         """Push every current chunk out of the host tier by storing as many fresh ones."""
         fresh = keys_for(self.arena.num_slots, seed=seed)
         for i in range(0, len(fresh), 4):
-            self.store(fresh[i:i + 4])
+            self.store(fresh[i : i + 4])
 
 
-def replay(endpoint: str, start: int = 0, topic: bytes | None = None,
-           timeout_s: float = 10.0) -> list[tuple[int, bytes]]:
+def replay(
+    endpoint: str, start: int = 0, topic: bytes | None = None, timeout_s: float = 10.0
+) -> list[tuple[int, bytes]]:
     """Ask a KV-event replay endpoint (vLLM's protocol) for the batches from ``start`` on, of the
     engine topic or of ``topic``; returns ``(seq, payload)`` pairs until the end marker."""
     import zmq

@@ -39,9 +39,11 @@ from collections.abc import Callable
 
 from kvoffload.tools.s3_server import free_port
 
-INSTALL_HINT = ("install it with `apt-get install prometheus` (Debian/Ubuntu; the tests use only the "
-                "prometheus and promtool binaries, the packaged service need not run), or point "
-                "KVOFFLOAD_PROMETHEUS at a prometheus 2.x binary")
+INSTALL_HINT = (
+    "install it with `apt-get install prometheus` (Debian/Ubuntu; the tests use only the "
+    "prometheus and promtool binaries, the packaged service need not run), or point "
+    "KVOFFLOAD_PROMETHEUS at a prometheus 2.x binary"
+)
 
 
 class PrometheusNotFound(RuntimeError):
@@ -97,13 +99,18 @@ def _config(targets: list[str], scrape_interval_s: float, honor_labels: bool) ->
     interval = _duration(scrape_interval_s)
     # Written as JSON, which is YAML: no quoting questions for target strings.
     cfg = {
-        "global": {"scrape_interval": interval, "scrape_timeout": interval,
-                   "evaluation_interval": interval},
-        "scrape_configs": [{
-            "job_name": "kvoffload",
-            "honor_labels": honor_labels,
-            "static_configs": [{"targets": list(targets)}],
-        }],
+        "global": {
+            "scrape_interval": interval,
+            "scrape_timeout": interval,
+            "evaluation_interval": interval,
+        },
+        "scrape_configs": [
+            {
+                "job_name": "kvoffload",
+                "honor_labels": honor_labels,
+                "static_configs": [{"targets": list(targets)}],
+            }
+        ],
     }
     return json.dumps(cfg, indent=2) + "\n"
 
@@ -162,8 +169,13 @@ class PromServer:
             raise AssertionError(f"{expr!r} returned {len(rows)} series: {rows}")
         return float(rows[0]["value"][1])
 
-    def wait_for(self, expr: str, predicate: Callable[[list[dict]], object] = bool,
-                 timeout_s: float = 30.0, interval_s: float = 0.2) -> list[dict]:
+    def wait_for(
+        self,
+        expr: str,
+        predicate: Callable[[list[dict]], object] = bool,
+        timeout_s: float = 30.0,
+        interval_s: float = 0.2,
+    ) -> list[dict]:
         """Polls ``query(expr)`` until ``predicate(result)`` is true; returns that result. The
         default predicate waits for a non-empty result. Raises TimeoutError with the last result."""
         deadline = time.monotonic() + timeout_s
@@ -173,8 +185,9 @@ class PromServer:
             if predicate(rows):
                 return rows
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{expr!r}: condition not met within {timeout_s}s; last result: "
-                                   f"{rows}")
+                raise TimeoutError(
+                    f"{expr!r}: condition not met within {timeout_s}s; last result: {rows}"
+                )
             time.sleep(interval_s)
 
     def targets(self) -> list[dict]:
@@ -192,8 +205,10 @@ class PromServer:
             if ts and all(t["health"] == "up" for t in ts):
                 return ts
             if time.monotonic() > deadline:
-                raise TimeoutError("targets not up within %ss: %s" % (timeout_s, [
-                    (t["scrapeUrl"], t["health"], t["lastError"]) for t in ts]))
+                raise TimeoutError(
+                    f"targets not up within {timeout_s}s: "
+                    f"{[(t['scrapeUrl'], t['health'], t['lastError']) for t in ts]}"
+                )
             time.sleep(0.2)
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -206,7 +221,9 @@ class PromServer:
 
     def _check_alive(self) -> None:
         if self.proc.poll() is not None:
-            raise RuntimeError(f"prometheus exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            raise RuntimeError(
+                f"prometheus exited with {self.proc.returncode}:\n{self.log()[-4000:]}"
+            )
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Terminates the server, waits for it (kills it after ``timeout_s``) and removes the temporary
@@ -230,8 +247,13 @@ class PromServer:
         return f"PromServer({self.url}, pid={self.proc.pid})"
 
 
-def start_prometheus(targets: list[str], scrape_interval_s: float = 1.0, honor_labels: bool = True,
-                     ready_timeout_s: float = 30.0, extra_args: tuple[str, ...] = ()) -> PromServer:
+def start_prometheus(
+    targets: list[str],
+    scrape_interval_s: float = 1.0,
+    honor_labels: bool = True,
+    ready_timeout_s: float = 30.0,
+    extra_args: tuple[str, ...] = (),
+) -> PromServer:
     """Starts Prometheus scraping ``targets`` (``"127.0.0.1:PORT"``; path ``/metrics``) every
     ``scrape_interval_s`` and returns once it is ready. Use it as a context manager or call ``stop()``.
     """
@@ -247,15 +269,23 @@ def start_prometheus(targets: list[str], scrape_interval_s: float = 1.0, honor_l
             log_path = os.path.join(workdir, f"prometheus-{attempt}.log")
             with open(log_path, "wb") as log:
                 proc = subprocess.Popen(
-                    [binary, f"--config.file={cfg_path}",
-                     f"--storage.tsdb.path={os.path.join(workdir, 'data')}",
-                     f"--web.listen-address=127.0.0.1:{port}",
-                     "--log.level=warn",
-                     # the packaged defaults point at /etc/prometheus; nothing of it is needed
-                     f"--web.console.templates={workdir}", f"--web.console.libraries={workdir}",
-                     *extra_args],
-                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=workdir,
-                    preexec_fn=_die_with_parent)
+                    [
+                        binary,
+                        f"--config.file={cfg_path}",
+                        f"--storage.tsdb.path={os.path.join(workdir, 'data')}",
+                        f"--web.listen-address=127.0.0.1:{port}",
+                        "--log.level=warn",
+                        # the packaged defaults point at /etc/prometheus; nothing of it is needed
+                        f"--web.console.templates={workdir}",
+                        f"--web.console.libraries={workdir}",
+                        *extra_args,
+                    ],
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=workdir,
+                    preexec_fn=_die_with_parent,
+                )
             server = PromServer(proc, port, workdir, log_path)
             deadline = time.monotonic() + ready_timeout_s
             while proc.poll() is None and time.monotonic() < deadline:
@@ -270,7 +300,9 @@ def start_prometheus(targets: list[str], scrape_interval_s: float = 1.0, honor_l
             if proc.poll() is None:  # alive but never ready
                 proc.kill()
                 proc.wait()
-                raise RuntimeError(f"prometheus not ready within {ready_timeout_s}s:\n{log_text[-4000:]}")
+                raise RuntimeError(
+                    f"prometheus not ready within {ready_timeout_s}s:\n{log_text[-4000:]}"
+                )
             if "address already in use" not in log_text:
                 raise RuntimeError(f"prometheus exited with {proc.returncode}:\n{log_text[-4000:]}")
         raise RuntimeError(f"prometheus could not bind a free loopback port:\n{log_text[-4000:]}")

@@ -22,11 +22,18 @@ SECRET = "kvoffload-secret-key-0123456789"
 
 
 def client(endpoint: str, access: str = ACCESS, secret: str = SECRET):
-    return boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=access,
-                        aws_secret_access_key=secret, region_name="us-east-1",
-                        config=Config(s3={"addressing_style": "path"},
-                                      request_checksum_calculation="when_required",
-                                      response_checksum_validation="when_required"))
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id=access,
+        aws_secret_access_key=secret,
+        region_name="us-east-1",
+        config=Config(
+            s3={"addressing_style": "path"},
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        ),
+    )
 
 
 def new_bucket(endpoint: str) -> str:
@@ -36,9 +43,18 @@ def new_bucket(endpoint: str) -> str:
 
 
 def obj_tier(endpoint: str, bucket: str, **extra) -> dict:
-    cfg = {"type": "obj", "bucket": bucket, "endpoint_override": endpoint, "region": "us-east-1",
-           "access_key_id": ACCESS, "secret_access_key": SECRET, "addressing_style": "path",
-           "io_workers": 1, "io_threads": 4, "job_timeout_s": 10.0}
+    cfg = {
+        "type": "obj",
+        "bucket": bucket,
+        "endpoint_override": endpoint,
+        "region": "us-east-1",
+        "access_key_id": ACCESS,
+        "secret_access_key": SECRET,
+        "addressing_style": "path",
+        "io_workers": 1,
+        "io_threads": 4,
+        "job_timeout_s": 10.0,
+    }
     cfg.update(extra)
     return cfg
 

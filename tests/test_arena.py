@@ -11,6 +11,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
+from helpers import arena_name, wait_until
 
 from kvoffload.ipc.arena import (
     Arena,
@@ -20,8 +21,6 @@ from kvoffload.ipc.arena import (
     list_arenas,
     sweep,
 )
-
-from helpers import arena_name, wait_until
 
 
 def test_create_attach_share_bytes():
@@ -87,8 +86,11 @@ _OWNER = textwrap.dedent("""
 
 
 def _start_owner(name: str, janitor: bool = False) -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, "-c", _OWNER, name, "1" if janitor else "0"],
-                         stdout=subprocess.PIPE, start_new_session=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", _OWNER, name, "1" if janitor else "0"],
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
     assert p.stdout.readline().strip() == b"ready"
     return p
 
@@ -135,9 +137,11 @@ _INSTANCE = textwrap.dedent("""
 def _start_instance(name: str, root) -> tuple[subprocess.Popen, list[int]]:
     """An engine (arena of 64 MiB, fs tier with its worker processes, 4 chunks stored) in a
     process group of its own; returns it and its workers' pids."""
-    p = subprocess.Popen([sys.executable, "-c", _INSTANCE, name, str(root),
-                          os.path.dirname(__file__)], stdout=subprocess.PIPE,
-                         start_new_session=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", _INSTANCE, name, str(root), os.path.dirname(__file__)],
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
     workers = [int(x) for x in p.stdout.readline().split()]
     if len(workers) != 2:  # one reader, one writer
         os.killpg(p.pid, signal.SIGKILL)

@@ -8,14 +8,16 @@ def test_c37_a_slow_tier_does_not_stop_the_host_tier_taking_new_chunks(tmp_path)
     # any delay: nothing it is given finishes while the chunks are offered). Offers go by steps, two
     # new chunks a step, 80 in all, as an engine offers them between scheduler steps.
     gate = tmp_path / "stores-may-run"
-    slow = fs_tier(tmp_path / "fs", faults=[{"point": "store", "action": "wait_file",
-                                             "arg": str(gate), "count": -1}])
+    slow = fs_tier(
+        tmp_path / "fs",
+        faults=[{"point": "store", "action": "wait_file", "arg": str(gate), "count": -1}],
+    )
     with Rig([slow], num_slots=16) as rig:  # the default configuration otherwise
         tm = rig.tm
         keys = keys_for(80)
         accepted: list[bytes] = []
         for i in range(0, 80, 2):
-            offered = keys[i:i + 2]
+            offered = keys[i : i + 2]
             plan = tm.prepare_store(offered)
             assert plan is not None, f"the host tier refused chunks {i}, {i + 1}"
             for k, s in zip(plan.keys, plan.slots):
@@ -33,21 +35,24 @@ def test_c37_a_slow_tier_does_not_stop_the_host_tier_taking_new_chunks(tmp_path)
         m = tm.refresh_metrics()
         assert m.get("kvoffload_dropped_stores", "fs") == dropped
         # The host tier holds the newest chunks, readable with their own bytes.
-        for k in keys[-(16 - pinned):]:
+        for k in keys[-(16 - pinned) :]:
             slot = tm.host.index[k]
             assert (rig.arena.rows[slot] == payload(k, rig.row_bytes)).all()
         gate.touch()
         assert tm.wait_idle(120)
-        wait_until(lambda: tm.host.num_pinned == 0, what="the slow tier's pins to drop",
-                   step=tm.step)
+        wait_until(
+            lambda: tm.host.num_pinned == 0, what="the slow tier's pins to drop", step=tm.step
+        )
         assert tm.stats.cascaded["fs"] == pinned and tm.stats.cascade_failures["fs"] == 0
         assert tm.stats.cascaded["fs"] + tm.stats.dropped_stores["fs"] == 80
 
 
 def test_a_batch_over_a_tiers_pin_budget_gives_that_tier_its_longest_fitting_prefix(tmp_path):
     gate = tmp_path / "stores-may-run"
-    slow = fs_tier(tmp_path / "fs", faults=[{"point": "store", "action": "wait_file",
-                                             "arg": str(gate), "count": -1}])
+    slow = fs_tier(
+        tmp_path / "fs",
+        faults=[{"point": "store", "action": "wait_file", "arg": str(gate), "count": -1}],
+    )
     with Rig([slow], num_slots=8) as rig:  # default budget: half the host tier, 4 slots
         first, second = keys_for(3, seed=1), keys_for(3, seed=2)
         rig.store(first, wait=False)  # nothing in flight: the whole batch goes

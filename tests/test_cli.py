@@ -14,8 +14,13 @@ import sys
 
 import pytest
 
-TOOL_MODULES = ["kvoffload.tools.demo", "kvoffload.tools.bench", "kvoffload.tools.stress",
-                "kvoffload.tools.top", "kvoffload.tools.vllm_server"]
+TOOL_MODULES = [
+    "kvoffload.tools.demo",
+    "kvoffload.tools.bench",
+    "kvoffload.tools.stress",
+    "kvoffload.tools.top",
+    "kvoffload.tools.vllm_server",
+]
 
 
 def _kvoffload(args: list[str], blocked: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
@@ -50,22 +55,36 @@ def test_help_lists_every_command_without_importing_any_tool():
     assert not set(_imported(proc)) & set(TOOL_MODULES)
 
 
-@pytest.mark.parametrize("args", [["check", "--help"], ["sweep", "--list"], ["stress", "--help"],
-                                  ["top", "--help"], ["bench", "--help"], ["inspect", "--help"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["check", "--help"],
+        ["sweep", "--list"],
+        ["stress", "--help"],
+        ["top", "--help"],
+        ["bench", "--help"],
+        ["inspect", "--help"],
+    ],
+)
 def test_base_commands_run_without_the_demo_and_bench_extras(args):
-    proc = _kvoffload(args, blocked=("httpx", "vllm", "transformers", "matplotlib", "moto", "nanio"))
+    proc = _kvoffload(
+        args, blocked=("httpx", "vllm", "transformers", "matplotlib", "moto", "nanio")
+    )
     assert proc.returncode == 0, proc.stderr
     assert "demo" not in " ".join(_imported(proc))
 
 
-@pytest.mark.parametrize("args, extra", [
-    (["demo"], "extra [demo]"),
-    (["demo", "--json", "--turns", "2"], "extra [demo]"),
-    (["bench", "tier"], "extra [bench]"),
-    (["bench", "ttft"], "extra [demo]"),
-    (["bench", "scaling"], "extra [demo,bench]"),
-    (["stress", "--obj", "--duration", "1"], "extra [stress]"),
-])
+@pytest.mark.parametrize(
+    "args, extra",
+    [
+        (["demo"], "extra [demo]"),
+        (["demo", "--json", "--turns", "2"], "extra [demo]"),
+        (["bench", "tier"], "extra [bench]"),
+        (["bench", "ttft"], "extra [demo]"),
+        (["bench", "scaling"], "extra [demo,bench]"),
+        (["stress", "--obj", "--duration", "1"], "extra [stress]"),
+    ],
+)
 def test_a_command_whose_extra_is_missing_exits_2_and_names_it(args, extra):
     proc = _kvoffload(args, blocked=("httpx", "matplotlib", "moto", "nanio"))
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
@@ -73,24 +92,34 @@ def test_a_command_whose_extra_is_missing_exits_2_and_names_it(args, extra):
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("args, rc, message", [
-    (["stress", "--chunk-kib", "0"], 2, "--chunk-kib"),
-    (["stress", "--duration", "0"], 2, "--duration"),
-    (["stress", "--conversations", "0"], 2, "--conversations"),
-    (["stress", "--config", "{binary}"], 2, "not UTF-8"),
-    (["check", "{binary}"], 1, "not UTF-8"),
-    (["check", "{vllm_spec}"], 1, "vLLM's own spec"),
-    (["inspect", "s3://bucket/prefix", "--endpoint-url", "notaurl"], 2, "--endpoint-url notaurl"),
-    (["sweep", "--fs-root", "{missing}", "--list"], 2, "no such directory"),
-])
+@pytest.mark.parametrize(
+    "args, rc, message",
+    [
+        (["stress", "--chunk-kib", "0"], 2, "--chunk-kib"),
+        (["stress", "--duration", "0"], 2, "--duration"),
+        (["stress", "--conversations", "0"], 2, "--conversations"),
+        (["stress", "--config", "{binary}"], 2, "not UTF-8"),
+        (["check", "{binary}"], 1, "not UTF-8"),
+        (["check", "{vllm_spec}"], 1, "vLLM's own spec"),
+        (
+            ["inspect", "s3://bucket/prefix", "--endpoint-url", "notaurl"],
+            2,
+            "--endpoint-url notaurl",
+        ),
+        (["sweep", "--fs-root", "{missing}", "--list"], 2, "no such directory"),
+    ],
+)
 def test_bad_input_is_named_without_a_traceback(tmp_path, args, rc, message):
     binary = tmp_path / "binary.json"
     binary.write_bytes(b"\xff\xfe{}")
     vllm_spec = tmp_path / "vllm-spec.json"
-    vllm_spec.write_text('{"spec_name": "CPUOffloadingSpec", "spec_module_path": "kvoffload.vllm",'
-                         ' "cpu_bytes_to_use": 1048576}')
-    args = [a.format(binary=binary, vllm_spec=vllm_spec, missing=tmp_path / "missing")
-            for a in args]
+    vllm_spec.write_text(
+        '{"spec_name": "CPUOffloadingSpec", "spec_module_path": "kvoffload.vllm",'
+        ' "cpu_bytes_to_use": 1048576}'
+    )
+    args = [
+        a.format(binary=binary, vllm_spec=vllm_spec, missing=tmp_path / "missing") for a in args
+    ]
     proc = _kvoffload(args)
     assert proc.returncode == rc, (proc.stdout, proc.stderr)
     assert message in proc.stderr and "Traceback" not in proc.stderr

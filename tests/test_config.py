@@ -22,10 +22,19 @@ def test_minimal_config_and_defaults_are_described():
 
 
 def test_vllm_keys_are_accepted():
-    cfg = parse_config({**BASE, "spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.vllm",
-                        "blocks_per_chunk": 2, "offload_prompt_only": True,
-                        "canonical_layout": False, "lock": None, "config_info": {},
-                        "expedited": True})
+    cfg = parse_config(
+        {
+            **BASE,
+            "spec_name": "KVOffloadSpec",
+            "spec_module_path": "kvoffload.vllm",
+            "blocks_per_chunk": 2,
+            "offload_prompt_only": True,
+            "canonical_layout": False,
+            "lock": None,
+            "config_info": {},
+            "expedited": True,
+        }
+    )
     assert (cfg.spec_name, cfg.spec_module_path) == ("KVOffloadSpec", "kvoffload.vllm")
     assert cfg.blocks_per_chunk == 2 and cfg.offload_prompt_only is True
     assert cfg.canonical_layout is False and cfg.expedited is True
@@ -33,42 +42,55 @@ def test_vllm_keys_are_accepted():
 
 def test_c21_misspelled_top_level_key_suggests_the_right_one():
     msg = fails({**BASE, "evicton_policy": "lru"})
-    assert msg.startswith("kv_connector_extra_config: unknown key 'evicton_policy' "
-                          "(did you mean 'eviction_policy'?); allowed keys: cpu_bytes_to_use, "), msg
+    assert msg.startswith(
+        "kv_connector_extra_config: unknown key 'evicton_policy' "
+        "(did you mean 'eviction_policy'?); allowed keys: cpu_bytes_to_use, "
+    ), msg
 
 
 def test_c21_misspelled_tier_key_names_the_tier_path():
     msg = fails({**BASE, "secondary_tiers": [{"type": "fs", "root_dir": "/tmp/x", "max_byte": 10}]})
-    assert msg.startswith("kv_connector_extra_config.secondary_tiers[0]: unknown key 'max_byte' "
-                          "(did you mean 'max_bytes'?); allowed keys: "), msg
+    assert msg.startswith(
+        "kv_connector_extra_config.secondary_tiers[0]: unknown key 'max_byte' "
+        "(did you mean 'max_bytes'?); allowed keys: "
+    ), msg
     assert ", max_bytes," in msg  # the allowed keys are the fs tier's own
 
 
 def test_c21_unknown_tier_type():
     msg = fails({**BASE, "secondary_tiers": [{"type": "fss", "root_dir": "/tmp"}]})
-    assert msg.startswith("kv_connector_extra_config.secondary_tiers[0].type: unknown tier type "
-                          "'fss' (did you mean 'fs'?); built-in types: fs, obj, memory"), msg
+    assert msg.startswith(
+        "kv_connector_extra_config.secondary_tiers[0].type: unknown tier type "
+        "'fss' (did you mean 'fs'?); built-in types: fs, obj, memory"
+    ), msg
 
 
-@pytest.mark.parametrize("value, why", [
-    (-5, "Expected `int` >= 1"),
-    (0, "Expected `int` >= 1"),
-    ("10GB", "Expected `int`, got `str`"),
-    (1.5, "Expected `int`, got `float`"),
-])
+@pytest.mark.parametrize(
+    "value, why",
+    [
+        (-5, "Expected `int` >= 1"),
+        (0, "Expected `int` >= 1"),
+        ("10GB", "Expected `int`, got `str`"),
+        (1.5, "Expected `int`, got `float`"),
+    ],
+)
 def test_c21_wrong_unit_or_type_for_sizes(value, why):
     msg = fails({"cpu_bytes_to_use": value})
     assert msg == f"kv_connector_extra_config.cpu_bytes_to_use: {why}"
 
 
-@pytest.mark.parametrize("max_bytes, why", [
-    (0, "Expected `int` >= 1"),
-    (-1, "Expected `int` >= 1"),
-    ("10GB", "Invalid enum value '10GB'; allowed: unbounded, an integer, null"),
-])
+@pytest.mark.parametrize(
+    "max_bytes, why",
+    [
+        (0, "Expected `int` >= 1"),
+        (-1, "Expected `int` >= 1"),
+        ("10GB", "Invalid enum value '10GB'; allowed: unbounded, an integer, null"),
+    ],
+)
 def test_c21_tier_capacity_must_be_positive_bytes(max_bytes, why):
-    msg = fails({**BASE, "secondary_tiers": [{"type": "fs", "root_dir": "/tmp/x",
-                                              "max_bytes": max_bytes}]})
+    msg = fails(
+        {**BASE, "secondary_tiers": [{"type": "fs", "root_dir": "/tmp/x", "max_bytes": max_bytes}]}
+    )
     assert msg == f"kv_connector_extra_config.secondary_tiers[0].max_bytes: {why}"
 
 
@@ -85,10 +107,15 @@ def test_unknown_policy_and_conflicting_chunk_sizes():
 
 
 def test_out_of_tree_tier_errors():
-    fails({**BASE, "secondary_tiers": [{"type": "Nope", "module_path": "no.such.module"}]},
-          "secondary_tiers[0].module_path", "no.such.module")
-    fails({**BASE, "secondary_tiers": [{"type": "OrderedDict", "module_path": "collections"}]},
-          "not a SecondaryTierManager")
+    fails(
+        {**BASE, "secondary_tiers": [{"type": "Nope", "module_path": "no.such.module"}]},
+        "secondary_tiers[0].module_path",
+        "no.such.module",
+    )
+    fails(
+        {**BASE, "secondary_tiers": [{"type": "OrderedDict", "module_path": "collections"}]},
+        "not a SecondaryTierManager",
+    )
 
 
 def test_duplicate_tier_names():

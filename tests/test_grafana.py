@@ -18,10 +18,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from prom import require_prometheus, start_prometheus
 
 from kvoffload.metrics import CORE_METRICS
-
-from prom import require_prometheus, start_prometheus
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "contrib" / "grafana" / "kvoffload.json"
@@ -43,8 +42,15 @@ LABEL_VALUES_RE = re.compile(r"^\s*label_values\(\s*(.+?)\s*,\s*([A-Za-z_][A-Za-
 
 # Grafana's variables, as the live check substitutes them: ".+" (not the dashboard's all-value ".*")
 # so a matcher on a label the metric lacks finds nothing and fails the check.
-VARIABLES = {"$__rate_interval": "4s", "$__interval": "1s", "$__range": "1m", "${instance}": ".+",
-             "$instance": ".+", "${tier}": ".+", "$tier": ".+"}
+VARIABLES = {
+    "$__rate_interval": "4s",
+    "$__interval": "1s",
+    "$__range": "1m",
+    "${instance}": ".+",
+    "$instance": ".+",
+    "${tier}": ".+",
+    "$tier": ".+",
+}
 
 
 def _dashboard() -> dict:
@@ -62,8 +68,11 @@ def _panels(dash: dict) -> list[dict]:
 
 def _panel_exprs(dash: dict) -> list[tuple[str, str]]:
     """``(where, expr)`` for every panel target."""
-    return [(f"panel {p['id']} {p['title']!r} {t['refId']}", t["expr"])
-            for p in _panels(dash) for t in p.get("targets", [])]
+    return [
+        (f"panel {p['id']} {p['title']!r} {t['refId']}", t["expr"])
+        for p in _panels(dash)
+        for t in p.get("targets", [])
+    ]
 
 
 def _variable_queries(dash: dict) -> list[tuple[str, str]]:
@@ -118,6 +127,7 @@ def _as_promql(expr: str) -> str:
 
 # -- structure ------------------------------------------------------------------------------------
 
+
 def test_dashboard_is_an_importable_grafana_10_dashboard():
     dash = _dashboard()
     assert [i["name"] for i in dash["__inputs"]] == ["DS_PROMETHEUS"]
@@ -146,12 +156,15 @@ def test_dashboard_is_an_importable_grafana_10_dashboard():
     cells = {}
     for p in panels:
         g = p["gridPos"]
-        for x, y in itertools.product(range(g["x"], g["x"] + g["w"]), range(g["y"], g["y"] + g["h"])):
+        for x, y in itertools.product(
+            range(g["x"], g["x"] + g["w"]), range(g["y"], g["y"] + g["h"])
+        ):
             assert (x, y) not in cells, f"{p['title']!r} overlaps {cells[(x, y)]!r}"
             cells[(x, y)] = p["title"]
 
 
 # -- names and labels -----------------------------------------------------------------------------
+
 
 def test_every_metric_on_the_dashboard_is_defined_and_documented():
     known = _exposition_names()
@@ -176,8 +189,10 @@ def test_every_metric_on_the_dashboard_is_defined_and_documented():
                 errors.append(f"{where}: {name} is not in docs/observability.md's table")
     assert not errors, "\n".join(errors)
     missing = {d.name for d in CORE_METRICS} - used - NOT_ON_DASHBOARD
-    assert not missing, (f"core metrics not on the dashboard: {sorted(missing)}; add a panel to "
-                         f"{DASHBOARD.relative_to(ROOT)} or list them in NOT_ON_DASHBOARD")
+    assert not missing, (
+        f"core metrics not on the dashboard: {sorted(missing)}; add a panel to "
+        f"{DASHBOARD.relative_to(ROOT)} or list them in NOT_ON_DASHBOARD"
+    )
 
 
 def test_labels_used_on_the_dashboard_exist():
@@ -212,30 +227,44 @@ def test_counters_are_rated_and_gauges_are_not():
             if name in known and known[name][0].kind == "gauge":
                 errors.append(f"{where}: rate/increase over the gauge {name}")
         for name in NAME_RE.findall(expr):
-            if name in known and known[name][1] in ("_total", "_bucket", "_sum", "_count") \
-                    and name not in rated:
-                errors.append(f"{where}: {name} (a monotonic series) is shown without rate/increase")
+            if (
+                name in known
+                and known[name][1] in ("_total", "_bucket", "_sum", "_count")
+                and name not in rated
+            ):
+                errors.append(
+                    f"{where}: {name} (a monotonic series) is shown without rate/increase"
+                )
     assert not errors, "\n".join(errors)
 
 
 def test_promtool_parses_every_expression(tmp_path):
     binary = require_prometheus()
     promtool = str(Path(binary).with_name("promtool"))
-    rules = [{"record": f"kvoffload_dashboard:expr{i}", "expr": _as_promql(_substitute(expr))}
-             for i, (_, expr) in enumerate(_all_exprs())]
+    rules = [
+        {"record": f"kvoffload_dashboard:expr{i}", "expr": _as_promql(_substitute(expr))}
+        for i, (_, expr) in enumerate(_all_exprs())
+    ]
     path = tmp_path / "rules.yml"
     path.write_text(json.dumps({"groups": [{"name": "dashboard", "rules": rules}]}))  # JSON is YAML
-    res = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True,
-                         timeout=60)
+    res = subprocess.run(
+        [promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert f"SUCCESS: {len(rules)} rules found" in res.stdout, res.stdout
 
 
 # -- live -----------------------------------------------------------------------------------------
 
-LABEL_VALUES = {"tier": ("host", "fs"), "direction": ("store", "load"), "reason": ("io_error", "timeout"),
-                "event": ("retries",), "stream": ("engine", "movements"),
-                "state": ("closed", "open", "half_open"), "errno": ("EACCES", "EIO")}
+LABEL_VALUES = {
+    "tier": ("host", "fs"),
+    "direction": ("store", "load"),
+    "reason": ("io_error", "timeout"),
+    "event": ("retries",),
+    "stream": ("engine", "movements"),
+    "state": ("closed", "open", "half_open"),
+    "errno": ("EACCES", "EIO"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -248,8 +277,12 @@ def scraped():
     series = []
     for d in CORE_METRICS:
         cls = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}[d.kind]
-        kwargs = {"buckets": d.buckets} if d.kind == "histogram" and getattr(d, "buckets", None) else {}
-        m = cls(d.name, d.documentation or d.name, ("instance", *d.labelnames), registry=reg, **kwargs)
+        kwargs = (
+            {"buckets": d.buckets} if d.kind == "histogram" and getattr(d, "buckets", None) else {}
+        )
+        m = cls(
+            d.name, d.documentation or d.name, ("instance", *d.labelnames), registry=reg, **kwargs
+        )
         for values in itertools.product(*(LABEL_VALUES.get(lbl, ("x",)) for lbl in d.labelnames)):
             child = m.labels("test-0", *values)
             series.append((d.kind, child))
@@ -263,7 +296,9 @@ def scraped():
                 child.observe(v)
     server, thread = start_http_server(0, addr="127.0.0.1", registry=reg)
     try:
-        with start_prometheus([f"127.0.0.1:{server.server_address[1]}"], scrape_interval_s=0.5) as prom:
+        with start_prometheus(
+            [f"127.0.0.1:{server.server_address[1]}"], scrape_interval_s=0.5
+        ) as prom:
             prom.wait_until_up()
             prom.wait_for("count_over_time(up[1m])", lambda r: r and float(r[0]["value"][1]) >= 4)
             yield prom
@@ -273,8 +308,9 @@ def scraped():
         thread.join(5)
 
 
-@pytest.mark.parametrize("where,expr", _all_exprs(),
-                         ids=[re.sub(r"\W+", "-", w).strip("-") for w, _ in _all_exprs()])
+@pytest.mark.parametrize(
+    "where,expr", _all_exprs(), ids=[re.sub(r"\W+", "-", w).strip("-") for w, _ in _all_exprs()]
+)
 def test_expression_returns_data_from_a_real_prometheus(scraped, where, expr):
     promql = _as_promql(_substitute(expr))
     rows = scraped.query(promql)  # raises PromQueryError on a parse or execution error

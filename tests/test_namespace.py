@@ -9,10 +9,9 @@ import unicodedata
 
 import numpy as np
 import pytest
+from helpers import HIT, MISS, ROW, Rig, fs_tier, keys_for, namespace
 
 from kvoffload.namespace import chunk_keys
-
-from helpers import HIT, MISS, ROW, Rig, fs_tier, keys_for, namespace
 
 
 def store_fill(rig, keys, value):
@@ -43,7 +42,8 @@ def test_c01_kv_dtype_is_part_of_the_identity(tmp_path):
     files = files_under(tmp_path)  # A's and B's files sit in their own namespace directories
     assert len(files) == 8
     assert sorted({os.path.relpath(f, tmp_path).split(os.sep)[0] for f in files}) == sorted(
-        [a_ns.id(), b_ns.id()])
+        [a_ns.id(), b_ns.id()]
+    )
     for ns, value in ((a_ns, 0xA1), (b_ns, 0xB2)):
         with Rig([fs_tier(tmp_path)], ns=ns) as r:
             rows = read_back(r, t)
@@ -76,10 +76,10 @@ def test_c03_tensor_parallel_rank_is_part_of_the_identity(tmp_path):
     r0 = namespace(tp_size=2, tp_rank=0)
     r1 = namespace(tp_size=2, tp_rank=1)
     # All 50 stores in flight at once (the race the case is about): no pin budget drops any.
-    with Rig([fs_tier(tmp_path, write_workers=2)], ns=r0, num_slots=64,
-             tier_pin_fraction=1.0) as a, \
-            Rig([fs_tier(tmp_path, write_workers=2)], ns=r1, num_slots=64,
-                tier_pin_fraction=1.0) as b:
+    with (
+        Rig([fs_tier(tmp_path, write_workers=2)], ns=r0, num_slots=64, tier_pin_fraction=1.0) as a,
+        Rig([fs_tier(tmp_path, write_workers=2)], ns=r1, num_slots=64, tier_pin_fraction=1.0) as b,
+    ):
         for i in range(50):
             t = keys_for(1, seed=100 + i)
             a.store(t, fill=0x00, wait=False)
@@ -87,8 +87,10 @@ def test_c03_tensor_parallel_rank_is_part_of_the_identity(tmp_path):
         a.tm.wait_idle(120)
         b.tm.wait_idle(120)
     assert len(files_under(tmp_path)) == 100  # two distinct files per T
-    with Rig([fs_tier(tmp_path)], ns=r0, num_slots=64) as a, \
-            Rig([fs_tier(tmp_path)], ns=r1, num_slots=64) as b:
+    with (
+        Rig([fs_tier(tmp_path)], ns=r0, num_slots=64) as a,
+        Rig([fs_tier(tmp_path)], ns=r1, num_slots=64) as b,
+    ):
         for i in range(0, 50, 10):
             t = [k for j in range(10) for k in keys_for(1, seed=100 + i + j)]
             assert all((row == 0x00).all() for row in read_back(a, t))
@@ -97,9 +99,15 @@ def test_c03_tensor_parallel_rank_is_part_of_the_identity(tmp_path):
 
 def test_parallel_geometry_layout_and_salt_change_the_namespace():
     base = namespace()
-    for change in (dict(tp_size=2), dict(pp_size=2), dict(layout="vllm-direct-v1:HND"),
-                   dict(cache_salt="tenant-a"), dict(tokens_per_chunk=32), dict(row_bytes=2 * ROW),
-                   dict(format_version=99)):
+    for change in (
+        dict(tp_size=2),
+        dict(pp_size=2),
+        dict(layout="vllm-direct-v1:HND"),
+        dict(cache_salt="tenant-a"),
+        dict(tokens_per_chunk=32),
+        dict(row_bytes=2 * ROW),
+        dict(format_version=99),
+    ):
         assert namespace(**change).id() != base.id(), change
 
 
@@ -157,10 +165,20 @@ def test_c05_chunk_keys_do_not_depend_on_a_per_process_seed(tmp_path):
     here = os.path.dirname(__file__)
     env1 = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
     env2 = dict(env1, PYTHONHASHSEED="12345")
-    p1 = subprocess.run([sys.executable, "-c", _C05_PROC, "store", str(tmp_path), here],
-                        env=env1, capture_output=True, text=True, timeout=60)
-    p2 = subprocess.run([sys.executable, "-c", _C05_PROC, "lookup", str(tmp_path), here],
-                        env=env2, capture_output=True, text=True, timeout=60)
+    p1 = subprocess.run(
+        [sys.executable, "-c", _C05_PROC, "store", str(tmp_path), here],
+        env=env1,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    p2 = subprocess.run(
+        [sys.executable, "-c", _C05_PROC, "lookup", str(tmp_path), here],
+        env=env2,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p1.returncode == 0 and p2.returncode == 0, p1.stderr + p2.stderr
     keys1, keys2 = p1.stdout.splitlines()[0], p2.stdout.splitlines()[0]
     assert keys1 == keys2

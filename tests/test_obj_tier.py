@@ -5,12 +5,11 @@ import time
 import botocore.exceptions
 import numpy as np
 import pytest
+from helpers import HIT, MISS, PENDING, ROW, Rig, keys_for, namespace, payload, wait_until
+from s3 import FaultProxy, Nanio, Rule, client, new_bucket, obj_tier, start_moto
 
 from kvoffload.config import ConfigError
 from kvoffload.workers.chunkfile import HEADER_BYTES, relative_name
-
-from helpers import HIT, MISS, PENDING, ROW, Rig, keys_for, namespace, payload, wait_until
-from s3 import FaultProxy, Nanio, Rule, client, new_bucket, obj_tier, start_moto
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +58,9 @@ def test_prefix_and_namespace_separate_deployments(moto, bucket):
         a.store(keys)
     with Rig([obj_tier(moto, bucket, prefix="team-b")], num_slots=4) as b:
         assert b.resolve(keys) == [MISS, MISS]
-    with Rig([obj_tier(moto, bucket, prefix="team-a")], num_slots=4,
-             ns=namespace(kv_dtype="float8_e4m3")) as c:
+    with Rig(
+        [obj_tier(moto, bucket, prefix="team-a")], num_slots=4, ns=namespace(kv_dtype="float8_e4m3")
+    ) as c:
         assert c.resolve(keys) == [MISS, MISS]
 
 
@@ -85,8 +85,9 @@ def test_c09_s3_errors_are_never_swallowed(moto, bucket):
     k1, k2 = keys_for(2)
     proxy = FaultProxy(moto)
     try:
-        with Rig([obj_tier(proxy.endpoint, bucket, max_attempts=3, breaker_failures=None)],
-                 num_slots=4) as rig:
+        with Rig(
+            [obj_tier(proxy.endpoint, bucket, max_attempts=3, breaker_failures=None)], num_slots=4
+        ) as rig:
             rig.store([k2])  # pre-seed K2 through the tier
             rig.evict_all()
             put_k1 = proxy.add(Rule("PUT", k1.hex(), ("status", 500, "InternalError")))
@@ -145,8 +146,14 @@ def test_c06_hanging_endpoint_fails_jobs_within_the_deadline(moto, bucket):
     k = keys_for(1)[0]
     proxy = FaultProxy(moto)
     try:
-        with Rig([obj_tier(proxy.endpoint, bucket, max_attempts=1, read_timeout_s=1.0,
-                           job_timeout_s=3.0)], num_slots=4) as rig:
+        with Rig(
+            [
+                obj_tier(
+                    proxy.endpoint, bucket, max_attempts=1, read_timeout_s=1.0, job_timeout_s=3.0
+                )
+            ],
+            num_slots=4,
+        ) as rig:
             rig.store([k])
             rig.evict_all()
             proxy.add(Rule("GET", k.hex(), ("hang", 600)))  # answers long after the bound below
@@ -160,8 +167,14 @@ def test_c09_dead_endpoint_opens_the_breaker_which_closes_when_it_answers_again(
     proxy = FaultProxy(moto)
     try:
         # The cooldown outlasts the few checks made while the breaker is open, on any machine.
-        cfg = obj_tier(proxy.endpoint, bucket, max_attempts=1, connect_timeout_s=0.5,
-                       breaker_failures=3, breaker_cooldown_s=3.0)
+        cfg = obj_tier(
+            proxy.endpoint,
+            bucket,
+            max_attempts=1,
+            connect_timeout_s=0.5,
+            breaker_failures=3,
+            breaker_cooldown_s=3.0,
+        )
         with Rig([cfg], num_slots=16) as rig:
             rig.store(keys_for(1))
             proxy.stop()  # the server is killed: connections are refused
@@ -190,8 +203,15 @@ def test_c09_a_burst_of_failures_opens_the_breaker_once_for_its_base_cooldown(mo
     double its cooldown again and again (one outage kept it open for minutes)."""
     proxy = FaultProxy(moto)
     try:
-        cfg = obj_tier(proxy.endpoint, bucket, max_attempts=1, connect_timeout_s=0.5,
-                       breaker_failures=3, breaker_cooldown_s=1.0, chunks_per_task=1)
+        cfg = obj_tier(
+            proxy.endpoint,
+            bucket,
+            max_attempts=1,
+            connect_timeout_s=0.5,
+            breaker_failures=3,
+            breaker_cooldown_s=1.0,
+            chunks_per_task=1,
+        )
         with Rig([cfg], num_slots=32) as rig:
             proxy.stop()
             rig.store(keys_for(12))  # 12 tasks in flight at once, all failing
@@ -244,7 +264,9 @@ def test_c17_obj_worker_killed_mid_upload_is_replaced_and_its_job_rerun(moto, bu
             rig.wait_workers_ready()
             rule = proxy.add(Rule("PUT", k.hex(), ("hang", 5), count=1))  # the upload stalls
             rig.store([k], wait=False)
-            wait_until(lambda: rule.hits > 0, what="the upload to reach the server", step=rig.tm.poll)
+            wait_until(
+                lambda: rule.hits > 0, what="the upload to reach the server", step=rig.tm.poll
+            )
             writer = rig.fs.worker_pids()["stores"][0]
             os.kill(writer, signal.SIGKILL)  # dies holding the job
             assert rig.tm.wait_idle(60)
@@ -263,13 +285,21 @@ def test_server_killed_mid_job_fails_the_job_within_its_deadline(moto, bucket):
     keys = keys_for(4)
     proxy = FaultProxy(moto)
     try:
-        cfg = obj_tier(proxy.endpoint, bucket, max_attempts=2, connect_timeout_s=0.5,
-                       job_timeout_s=60.0, breaker_failures=None)
+        cfg = obj_tier(
+            proxy.endpoint,
+            bucket,
+            max_attempts=2,
+            connect_timeout_s=0.5,
+            job_timeout_s=60.0,
+            breaker_failures=None,
+        )
         with Rig([cfg], num_slots=8) as rig:
             rig.wait_workers_ready()
             rule = proxy.add(Rule("PUT", "/", ("hang", 600)))  # uploads stall...
             rig.store(keys, wait=False)
-            wait_until(lambda: rule.hits > 0, what="an upload to reach the server", step=rig.tm.poll)
+            wait_until(
+                lambda: rule.hits > 0, what="an upload to reach the server", step=rig.tm.poll
+            )
             proxy.stop()  # ...and the server dies with them in flight
             assert rig.tm.wait_idle(90)
             # failed by the broken connections, not left hanging until the job deadline

@@ -8,13 +8,12 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
+from helpers import HIT, MISS, PENDING, ROW, Rig, fs_tier, keys_for, payload, replay
 from prometheus_client.parser import text_string_to_metric_families
+from s3 import free_port
 
 from kvoffload import metrics
 from kvoffload.metrics import CORE_METRICS
-
-from helpers import HIT, MISS, PENDING, ROW, Rig, fs_tier, keys_for, payload, replay
-from s3 import free_port
 
 
 @pytest.fixture
@@ -89,10 +88,13 @@ def test_c19_hit_rate_counts_every_lookup_not_only_hits(tmp_path, endpoint):
         assert delta("kvoffload_tier_queries_total", tier="fs") == 10
         assert delta("kvoffload_tier_hits_total", tier="fs") == 4
         assert delta("kvoffload_tier_hits_total", tier="fs") / delta(
-            "kvoffload_tier_queries_total", tier="fs") == pytest.approx(0.4)
+            "kvoffload_tier_queries_total", tier="fs"
+        ) == pytest.approx(0.4)
         assert delta("kvoffload_tier_transfer_chunks_total", tier="fs", direction="load") == 4
         assert delta("kvoffload_tier_transfer_bytes_total", tier="fs", direction="load") == 4 * ROW
-        assert delta("kvoffload_tier_transfer_latency_seconds_count", tier="fs", direction="load") >= 1
+        assert (
+            delta("kvoffload_tier_transfer_latency_seconds_count", tier="fs", direction="load") >= 1
+        )
         assert delta("kvoffload_lookup_latency_seconds_count", tier="fs") >= 1
         # monotonic across scrapes
         again = scrape(endpoint)
@@ -107,19 +109,34 @@ def test_c19_hit_rate_counts_every_lookup_not_only_hits(tmp_path, endpoint):
 def test_every_metric_is_exported_with_plausible_values(tmp_path, endpoint):
     from kvoffload.tools.stress import Stress, Workload
 
-    cfg = {"cpu_bytes_to_use": 24 * ROW,
-           "secondary_tiers": [fs_tier(tmp_path / "fs", max_bytes=64 * (ROW + 4096))]}
+    cfg = {
+        "cpu_bytes_to_use": 24 * ROW,
+        "secondary_tiers": [fs_tier(tmp_path / "fs", max_bytes=64 * (ROW + 4096))],
+    }
     run = Stress(cfg, chunk_bytes=ROW)
     try:
-        wl = Workload("zipf", np.random.default_rng(1), conversations=4, turn_chunks=2,
-                      system_chunks=1, max_turns=4, documents=30, doc_chunks=6, zipf_a=1.0)
+        wl = Workload(
+            "zipf",
+            np.random.default_rng(1),
+            conversations=4,
+            turn_chunks=2,
+            system_chunks=1,
+            max_turns=4,
+            documents=30,
+            doc_chunks=6,
+            zipf_a=1.0,
+        )
+
         # until every metric below has something to show (when depends on the machine's speed:
         # a contended machine may take many more seconds than an idle one), not for a duration
         def enough() -> bool:
             st = run.tm.stats
             done = run.report.requests
-            return done >= 20_000 or (done >= 100 and st.tier_hits["fs"] > 0 and (
-                run.tm.host.evictions > 0 and run.tm.tiers[0].counters.get("evictions", 0) > 0))
+            return done >= 20_000 or (
+                done >= 100
+                and st.tier_hits["fs"] > 0
+                and (run.tm.host.evictions > 0 and run.tm.tiers[0].counters.get("evictions", 0) > 0)
+            )
 
         rep = run.run(wl, 3600.0, 4, stop_requested=enough)
         assert rep.ok and rep.requests > 0
@@ -132,18 +149,27 @@ def test_every_metric_is_exported_with_plausible_values(tmp_path, endpoint):
         if d.name == "kvoffload_kv_events_published":
             continue  # only with kv_events configured (see the events tests)
         exposed = {"counter": d.name + "_total", "gauge": d.name, "histogram": d.name + "_count"}
-        if d.name in ("kvoffload_tier_failed_chunks", "kvoffload_tier_failed_jobs",
-                      "kvoffload_tier_eviction_errors"):
+        if d.name in (
+            "kvoffload_tier_failed_chunks",
+            "kvoffload_tier_failed_jobs",
+            "kvoffload_tier_eviction_errors",
+        ):
             continue  # no failure in a clean run
         assert exposed[d.kind] in names, d.name
     v = lambda name, **kw: value(got, name, inst, **kw)  # noqa: E731
     assert v("kvoffload_lookup_hit_chunks_total") <= v("kvoffload_lookup_requested_chunks_total")
     assert v("kvoffload_lookup_hit_chunks_total") > 0
     for tier in ("host", "fs"):
-        assert 0 < v("kvoffload_tier_hits_total", tier=tier) <= v("kvoffload_tier_queries_total",
-                                                                   tier=tier)
-    assert v("kvoffload_tier_transfer_bytes_total", tier="fs", direction="store") == \
-        v("kvoffload_tier_transfer_chunks_total", tier="fs", direction="store") * ROW > 0
+        assert (
+            0
+            < v("kvoffload_tier_hits_total", tier=tier)
+            <= v("kvoffload_tier_queries_total", tier=tier)
+        )
+    assert (
+        v("kvoffload_tier_transfer_bytes_total", tier="fs", direction="store")
+        == v("kvoffload_tier_transfer_chunks_total", tier="fs", direction="store") * ROW
+        > 0
+    )
     assert v("kvoffload_device_transfer_bytes_total", direction="load") == rep.chunks_loaded * ROW
     assert v("kvoffload_device_transfer_bytes_total", direction="store") == rep.chunks_stored * ROW
     assert v("kvoffload_tier_workers_alive", tier="fs") == 2
@@ -163,16 +189,27 @@ def test_out_of_tree_tier_metrics_are_exported_with_no_wiring(endpoint):
         assert value(got, "kvoffload_counting_stores_total", inst, tier="CountingTier") == 1
         assert value(got, "kvoffload_counting_chunks", inst, tier="CountingTier") == 5
         assert value(got, "kvoffload_counting_job_chunks_count", inst, tier="CountingTier") == 1
-        assert value(got, "kvoffload_counting_job_chunks_bucket", inst, tier="CountingTier",
-                     le="8.0") == 1
-        assert value(got, "kvoffload_tier_events_total", inst, tier="CountingTier",
-                     event="custom_event") == 1
+        assert (
+            value(got, "kvoffload_counting_job_chunks_bucket", inst, tier="CountingTier", le="8.0")
+            == 1
+        )
+        assert (
+            value(
+                got, "kvoffload_tier_events_total", inst, tier="CountingTier", event="custom_event"
+            )
+            == 1
+        )
     from kvoffload.vllm import KVOffloadSpec
 
-    defs = KVOffloadSpec.build_metric_definitions({"cpu_bytes_to_use": 8 * ROW,
-                                                   "secondary_tiers": [tier]})
-    assert {"kvoffload_counting_stores", "kvoffload_counting_chunks",
-            "kvoffload_counting_job_chunks", "kvoffload_tier_hits"} <= set(defs)
+    defs = KVOffloadSpec.build_metric_definitions(
+        {"cpu_bytes_to_use": 8 * ROW, "secondary_tiers": [tier]}
+    )
+    assert {
+        "kvoffload_counting_stores",
+        "kvoffload_counting_chunks",
+        "kvoffload_counting_job_chunks",
+        "kvoffload_tier_hits",
+    } <= set(defs)
 
 
 def test_counts_made_in_worker_processes_reach_the_endpoint(tmp_path, endpoint):
@@ -186,8 +223,12 @@ def test_counts_made_in_worker_processes_reach_the_endpoint(tmp_path, endpoint):
         store(rig, keys)  # the other engine wrote them: rig's writers find the files present
         assert rig.tm.wait_idle(120)
         rig.tm.host.remove(keys)
-        path = next(os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "fs") for f in fs
-                    if f.endswith(".kv"))
+        path = next(
+            os.path.join(d, f)
+            for d, _, fs in os.walk(tmp_path / "fs")
+            for f in fs
+            if f.endswith(".kv")
+        )
         with open(path, "r+b") as f:
             f.seek(-1, 2)
             f.write(b"\xff")
@@ -199,9 +240,20 @@ def test_counts_made_in_worker_processes_reach_the_endpoint(tmp_path, endpoint):
         ev = lambda e: value(got, "kvoffload_tier_events_total", inst, tier="fs", event=e)  # noqa: E731
         assert ev("store_already_present") == 2
         assert ev("corrupt_removed") == 1
-        assert value(got, "kvoffload_tier_failed_jobs_total", inst, tier="fs", direction="load") == 1
-        assert value(got, "kvoffload_tier_failed_chunks_total", inst, tier="fs", direction="load",
-                     reason="corrupt") == 1
+        assert (
+            value(got, "kvoffload_tier_failed_jobs_total", inst, tier="fs", direction="load") == 1
+        )
+        assert (
+            value(
+                got,
+                "kvoffload_tier_failed_chunks_total",
+                inst,
+                tier="fs",
+                direction="load",
+                reason="corrupt",
+            )
+            == 1
+        )
 
 
 def test_the_vllm_stats_path_carries_increments_and_samples(tmp_path):
@@ -233,6 +285,7 @@ def test_the_vllm_stats_path_carries_increments_and_samples(tmp_path):
 
 # -- KV events ------------------------------------------------------------------------------------
 
+
 def _sub(ctx, endpoint: str, topic: bytes):
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, topic)
@@ -252,8 +305,9 @@ def _wait_subscribed(pub, sub, topic: bytes) -> None:
     sub.setsockopt(zmq.SUBSCRIBE, moves)
     deadline = time.monotonic() + 30
     while True:
-        pub.publish([], [Movement(key=b"probe", src="none", dst="none", locality="local",
-                                  nbytes=0)])
+        pub.publish(
+            [], [Movement(key=b"probe", src="none", dst="none", locality="local", nbytes=0)]
+        )
         if sub.poll(50):
             frames = sub.recv_multipart()
             assert frames[0] == moves
@@ -277,9 +331,11 @@ def test_c20_offloaded_copies_emit_kv_events(tmp_path):
 
     k1, *others = keys_for(9)
     bad = others[1]  # its host copy succeeds, its fs store fails: no STORAGE event for it
-    fs = fs_tier(tmp_path / "fs", max_bytes=6 * (ROW + 4096),  # K1 + 5 later chunks
-                 faults=[{"point": "before_publish", "action": "raise", "arg": 5,
-                          "key_hex": bad.hex()}])
+    fs = fs_tier(
+        tmp_path / "fs",
+        max_bytes=6 * (ROW + 4096),  # K1 + 5 later chunks
+        faults=[{"point": "before_publish", "action": "raise", "arg": 5, "key_hex": bad.hex()}],
+    )
     with Rig([fs], num_slots=4, kv_events=_events_cfg()) as rig:
         pub = rig.tm._publisher
         ctx = zmq.Context()
@@ -329,8 +385,12 @@ def test_c20_offloaded_copies_emit_kv_events(tmp_path):
             if bad in ev.block_hashes:
                 seen_bad.append((type(ev), ev.medium))
             assert others[0] not in ev.block_hashes or isinstance(ev, BlockStored) is False
-    assert seen == [(BlockStored, "CPU", None), (BlockStored, "STORAGE", "fs"),
-                    (BlockRemoved, "CPU", None), (BlockRemoved, "STORAGE", "fs")]
+    assert seen == [
+        (BlockStored, "CPU", None),
+        (BlockStored, "STORAGE", "fs"),
+        (BlockRemoved, "CPU", None),
+        (BlockRemoved, "STORAGE", "fs"),
+    ]
     # the chunk whose fs store failed: stored in (and evicted from) the host tier, never the fs tier
     assert seen_bad == [(BlockStored, "CPU"), (BlockRemoved, "CPU")]
 
@@ -341,17 +401,30 @@ def test_movement_events_match_the_movements_the_manager_made(tmp_path):
     # A fixed number of requests (not a duration): the same work on any machine, and far fewer
     # event batches than the replay buffer keeps, so a replay from 0 returns every one.
     requests = 2000
-    cfg = {"cpu_bytes_to_use": 16 * ROW,
-           "kv_events": {**_events_cfg(), "buffer_steps": 1_000_000},
-           "secondary_tiers": [fs_tier(tmp_path / "fs")]}
+    cfg = {
+        "cpu_bytes_to_use": 16 * ROW,
+        "kv_events": {**_events_cfg(), "buffer_steps": 1_000_000},
+        "secondary_tiers": [fs_tier(tmp_path / "fs")],
+    }
     run = Stress(cfg, chunk_bytes=ROW)
     try:
-        wl = Workload("multiturn", np.random.default_rng(2), conversations=6, turn_chunks=2,
-                      system_chunks=1, max_turns=5, documents=1, doc_chunks=1, zipf_a=1.0)
+        wl = Workload(
+            "multiturn",
+            np.random.default_rng(2),
+            conversations=6,
+            turn_chunks=2,
+            system_chunks=1,
+            max_turns=5,
+            documents=1,
+            doc_chunks=1,
+            zipf_a=1.0,
+        )
+
         def enough() -> bool:  # the movements to compare happened (when depends on the machine)
             done = run.report.requests
-            return done >= 20 * requests or (done >= requests and run.tm.host.evictions > 0
-                                              and run.tm.stats.promotions["fs"] > 0)
+            return done >= 20 * requests or (
+                done >= requests and run.tm.host.evictions > 0 and run.tm.stats.promotions["fs"] > 0
+            )
 
         rep = run.run(wl, 3600.0, 3, stop_requested=enough)
         tm = run.tm
@@ -384,8 +457,12 @@ def test_overlapping_topics_are_refused():
     from kvoffload.config import ConfigError, parse_config
 
     with pytest.raises(ConfigError, match="kv_events.movements_topic"):
-        parse_config({"cpu_bytes_to_use": 1 << 20,
-                      "kv_events": {"topic": "kv", "movements_topic": "kv-moves"}})
+        parse_config(
+            {
+                "cpu_bytes_to_use": 1 << 20,
+                "kv_events": {"topic": "kv", "movements_topic": "kv-moves"},
+            }
+        )
 
 
 def test_a_real_prometheus_scrapes_a_stress_run(tmp_path):
@@ -398,9 +475,25 @@ def test_a_real_prometheus_scrapes_a_stress_run(tmp_path):
 
     port = free_port()
     # Runs until this test stops it (SIGTERM ends a stress run cleanly, exit 0).
-    proc = subprocess.Popen([sys.executable, "-m", "kvoffload.tools.cli", "stress", "--duration", "600",
-                             "--workload", "zipf", "--chunk-kib", "64", "--metrics-port", str(port),
-                             "--json"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvoffload.tools.cli",
+            "stress",
+            "--duration",
+            "600",
+            "--workload",
+            "zipf",
+            "--chunk-kib",
+            "64",
+            "--metrics-port",
+            str(port),
+            "--json",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -412,11 +505,17 @@ def test_a_real_prometheus_scrapes_a_stress_run(tmp_path):
                 time.sleep(0.2)
         with start_prometheus([f"127.0.0.1:{port}"], scrape_interval_s=1.0) as prom:
             prom.wait_until_up()
-            prom.wait_for('kvoffload_tier_hits_total{tier="fs"}',
-                          lambda r: r and float(r[0]["value"][1]) > 0, timeout_s=120)
+            prom.wait_for(
+                'kvoffload_tier_hits_total{tier="fs"}',
+                lambda r: r and float(r[0]["value"][1]) > 0,
+                timeout_s=120,
+            )
             first = prom.value('sum(kvoffload_tier_transfer_bytes_total{direction="load"})')
-            prom.wait_for('sum(kvoffload_tier_transfer_bytes_total{direction="load"})',
-                          lambda r: r and float(r[0]["value"][1]) > first, timeout_s=60)
+            prom.wait_for(
+                'sum(kvoffload_tier_transfer_bytes_total{direction="load"})',
+                lambda r: r and float(r[0]["value"][1]) > first,
+                timeout_s=60,
+            )
             hits = prom.value("sum(kvoffload_lookup_hit_chunks_total)")
             queries = prom.value("sum(kvoffload_lookup_requested_chunks_total)")
             assert 0 < hits <= queries
@@ -426,16 +525,28 @@ def test_a_real_prometheus_scrapes_a_stress_run(tmp_path):
                 assert 0 < h <= q, tier
             assert prom.value("sum(kvoffload_tier_workers_alive)") == 4  # 2 readers, 2 writers
             assert 0 < prom.value("max(kvoffload_host_usage_ratio)") <= 1
-            assert prom.value('histogram_quantile(0.5, sum by (le) '
-                              '(kvoffload_tier_transfer_latency_seconds_bucket{tier="fs"}))') > 0
+            assert (
+                prom.value(
+                    "histogram_quantile(0.5, sum by (le) "
+                    '(kvoffload_tier_transfer_latency_seconds_bucket{tier="fs"}))'
+                )
+                > 0
+            )
             series = prom.query('{__name__=~"kvoffload_.+"}')
             names = {r["metric"]["__name__"] for r in series}
             for d in CORE_METRICS:
-                if d.name in ("kvoffload_kv_events_published", "kvoffload_tier_failed_chunks",
-                              "kvoffload_tier_failed_jobs", "kvoffload_tier_eviction_errors"):
+                if d.name in (
+                    "kvoffload_kv_events_published",
+                    "kvoffload_tier_failed_chunks",
+                    "kvoffload_tier_failed_jobs",
+                    "kvoffload_tier_eviction_errors",
+                ):
                     continue  # no KV events configured, no failure in a clean run
-                want = {"counter": d.name + "_total", "gauge": d.name,
-                        "histogram": d.name + "_bucket"}[d.kind]
+                want = {
+                    "counter": d.name + "_total",
+                    "gauge": d.name,
+                    "histogram": d.name + "_bucket",
+                }[d.kind]
                 assert want in names, d.name
     finally:
         proc.terminate()
@@ -447,5 +558,9 @@ def test_a_replay_endpoint_equal_to_the_endpoint_is_refused():
     from kvoffload.config import ConfigError, parse_config
 
     with pytest.raises(ConfigError, match="kv_events.replay_endpoint"):
-        parse_config({"cpu_bytes_to_use": 1 << 20,
-                      "kv_events": {"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5557"}})
+        parse_config(
+            {
+                "cpu_bytes_to_use": 1 << 20,
+                "kv_events": {"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5557"},
+            }
+        )

@@ -13,14 +13,13 @@ import numpy as np
 import psutil
 import pytest
 from click.testing import CliRunner
+from helpers import HIT, ROW, Rig, fs_tier, keys_for, namespace, payload
+from s3 import ACCESS, SECRET, client, new_bucket, obj_tier, start_moto
 
 from kvoffload.config import describe, parse_config
 from kvoffload.tools.cli import main
 from kvoffload.workers.chunkfile import HEADER_BYTES
 from kvoffload.workers.fs_io import STALE_TEMP_AGE_S
-
-from helpers import HIT, ROW, Rig, fs_tier, keys_for, namespace, payload
-from s3 import ACCESS, SECRET, client, new_bucket, obj_tier, start_moto
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 FILE_BYTES = HEADER_BYTES + ROW
@@ -93,8 +92,9 @@ def _unshare_pid_ns() -> list[str] | None:
     if exe is None or os.geteuid() != 0:
         return None
     cmd = [exe, "--pid", "--fork", "--mount-proc"]
-    probe = subprocess.run(cmd + ["sh", "-c", "echo $$"], capture_output=True, text=True,
-                           timeout=30, check=False)
+    probe = subprocess.run(
+        cmd + ["sh", "-c", "echo $$"], capture_output=True, text=True, timeout=30, check=False
+    )
     if probe.returncode != 0 or probe.stdout.strip() != "1":
         return None
     return cmd
@@ -131,8 +131,19 @@ def test_c29_instance_starting_on_a_shared_root_keeps_another_namespaces_file_in
     young_orphan = plant_temp(ns_dir, f".{'cd' * 20}.{dead_pid()}.0.tmp", 555)
     key = keys_for(1, seed=29)[0]
     script = _INSTANCE_A.format(tests=TESTS_DIR)
-    a = subprocess.Popen(unshare + [sys.executable, "-c", script, str(root), str(resume), str(out),
-                                    f"kvoffload_test_c29_{os.getpid()}", str(_free_pid_window())])
+    a = subprocess.Popen(
+        unshare
+        + [
+            sys.executable,
+            "-c",
+            script,
+            str(root),
+            str(resume),
+            str(out),
+            f"kvoffload_test_c29_{os.getpid()}",
+            str(_free_pid_window()),
+        ]
+    )
     try:
         # A's writer has written its temporary file and waits before the rename.
         prefix = f".{key.hex()}."
@@ -226,8 +237,17 @@ def test_inspect_fs_root_reports_identity_chunks_bytes_use_times_and_temp_files(
     table = run_cli("inspect", str(tmp_path))
     assert table.exit_code == 0, table.output
     text = table.output
-    for expected in (f"namespace {ns_a.id()}", f"namespace {ns_b.id()}", "other/model", "r1",
-                     "raw-v1", "bfloat16", str(ROW), "1 stale", "total: 8 chunks"):
+    for expected in (
+        f"namespace {ns_a.id()}",
+        f"namespace {ns_b.id()}",
+        "other/model",
+        "r1",
+        "raw-v1",
+        "bfloat16",
+        str(ROW),
+        "1 stale",
+        "total: 8 chunks",
+    ):
         assert expected in text, (expected, text)
 
 
@@ -250,8 +270,10 @@ def test_inspect_reads_no_chunk_payload(tmp_path):
 
 def test_inspect_flags_a_namespace_whose_config_does_not_match_its_directory(tmp_path):
     ns_a, ns_b = _two_namespace_root(tmp_path)
-    shutil.copy(os.path.join(tmp_path, ns_b.id(), "config.json"),
-                os.path.join(tmp_path, ns_a.id(), "config.json"))
+    shutil.copy(
+        os.path.join(tmp_path, ns_b.id(), "config.json"),
+        os.path.join(tmp_path, ns_a.id(), "config.json"),
+    )
     os.remove(os.path.join(tmp_path, ns_b.id(), "config.json"))
     report = json.loads(run_cli("inspect", str(tmp_path), "--json").output)
     by_id = {ns["id"]: ns for ns in report["namespaces"]}
@@ -287,8 +309,13 @@ def moto():
     srv.stop()
 
 
-S3_ENV = {"AWS_ACCESS_KEY_ID": ACCESS, "AWS_SECRET_ACCESS_KEY": SECRET,
-          "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": None, "AWS_PROFILE": None}
+S3_ENV = {
+    "AWS_ACCESS_KEY_ID": ACCESS,
+    "AWS_SECRET_ACCESS_KEY": SECRET,
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_ENDPOINT_URL": None,
+    "AWS_PROFILE": None,
+}
 
 
 def test_inspect_s3_prefix_reports_namespaces_from_the_listing(moto):
@@ -350,9 +377,11 @@ def test_inspect_s3_bad_targets_exit_2_with_a_message(moto):
 def test_sweep_fs_root_removes_old_temp_files_only_and_lists_without_removing(tmp_path):
     ns_a, ns_b = _two_namespace_root(tmp_path)
     dir_a, dir_b = (os.path.join(tmp_path, ns.id()) for ns in (ns_a, ns_b))
-    old = [plant_temp(dir_a, f".{'aa' * 20}.{dead_pid()}.0.tmp", 100, age_s=OLD),
-           plant_temp(dir_b, f".{'bb' * 20}.{dead_pid()}.1.tmp", 50, age_s=OLD, shard=("ff", "0e")),
-           plant_temp(dir_b, f".write-test.{dead_pid()}.tmp", 0, age_s=OLD, shard=())]
+    old = [
+        plant_temp(dir_a, f".{'aa' * 20}.{dead_pid()}.0.tmp", 100, age_s=OLD),
+        plant_temp(dir_b, f".{'bb' * 20}.{dead_pid()}.1.tmp", 50, age_s=OLD, shard=("ff", "0e")),
+        plant_temp(dir_b, f".write-test.{dead_pid()}.tmp", 0, age_s=OLD, shard=()),
+    ]
     middle = plant_temp(dir_a, f".{'cc' * 20}.{dead_pid()}.0.tmp", 100, age_s=600)
     young = plant_temp(dir_a, f".{'dd' * 20}.{dead_pid()}.0.tmp", 100)
     chunks = chunk_files(tmp_path)
@@ -400,12 +429,21 @@ def test_sweep_bad_input_exits_2(tmp_path):
 
 
 def test_check_prints_every_setting_with_its_source_and_masks_secrets(tmp_path):
-    raw = {"cpu_bytes_to_use": 1 << 30, "eviction_policy": "arc",
-           "kv_events": {"endpoint": "tcp://*:0"},
-           "secondary_tiers": [
-               {"type": "fs", "root_dir": str(tmp_path / "kv"), "max_bytes": 10**9},
-               {"type": "obj", "name": "s3", "bucket": "b", "secret_access_key": "hunter2-secret",
-                "access_key_id": "AKIAEXAMPLE"}]}
+    raw = {
+        "cpu_bytes_to_use": 1 << 30,
+        "eviction_policy": "arc",
+        "kv_events": {"endpoint": "tcp://*:0"},
+        "secondary_tiers": [
+            {"type": "fs", "root_dir": str(tmp_path / "kv"), "max_bytes": 10**9},
+            {
+                "type": "obj",
+                "name": "s3",
+                "bucket": "b",
+                "secret_access_key": "hunter2-secret",
+                "access_key_id": "AKIAEXAMPLE",
+            },
+        ],
+    }
     path = tmp_path / "extra.json"
     path.write_text(json.dumps(raw))
     res = run_cli("check", str(path))
@@ -453,11 +491,16 @@ def test_c29_two_writers_with_one_pid_store_the_same_chunk_at_once(tmp_path):
     from kvoffload.workers.fs_io import make_io
 
     ns = namespace()
-    io_cfg = {"root_dir": str(tmp_path), "namespace_id": ns.id(), "row_bytes": ROW,
-              "direct_io": "none"}
+    io_cfg = {
+        "root_dir": str(tmp_path),
+        "namespace_id": ns.id(),
+        "row_bytes": ROW,
+        "direct_io": "none",
+    }
     resume = tmp_path / "resume"
-    paused = make_io(io_cfg, Faults([Fault(point="before_publish", action="wait_file",
-                                           arg=str(resume))]))
+    paused = make_io(
+        io_cfg, Faults([Fault(point="before_publish", action="wait_file", arg=str(resume))])
+    )
     other = make_io(io_cfg, Faults([]))
     key = keys_for(1, seed=31)[0]
     src = memoryview(payload(key))

@@ -1,14 +1,13 @@
 """Host tier slot table and LRU / ARC eviction."""
 
-
 import pytest
-from hypothesis import given, settings, strategies as st
+from helpers import PENDING, keys_for
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvoffload.host import READY, WRITING, HostTier
 from kvoffload.policies import ARCPolicy, LRUPolicy, make_policy
 from kvoffload.tiers.base import LookupResult
-
-from helpers import PENDING, keys_for
 
 
 def tier(n, policy="lru"):
@@ -94,15 +93,22 @@ def test_c12_aborted_requests_leave_nothing_pinned_and_nothing_behind(tmp_path):
         # requests aborted while their chunk is promoted from the fs tier
         for i, k in enumerate(first * 5):
             req = f"p{i}"
-            verdict = wait_until(lambda: (r := tm.lookup(k, req)) is not RETRY and r,
-                                 what="the fs tier's verdict", step=tm.step)
+            verdict = wait_until(
+                lambda k=k, req=req: (r := tm.lookup(k, req)) is not RETRY and r,
+                what="the fs tier's verdict",
+                step=tm.step,
+            )
             assert verdict in (HIT, PENDING)
             tm.on_request_finished(req)  # aborted: no load
             assert tm.wait_idle(120) and tm.host.lookup(k) is HIT
             assert tm.host.remove([k]) == [k]  # unpinned: removable at once
         assert tm.stats.promotions["fs"] == 20
-        assert tm.host.num_pinned == 0 and tm.refresh_metrics().get("kvoffload_host_slots_pinned") == 0
-        assert not tm._load_source and not tm._promotions and not tm._jobs  # nothing kept per request
+        assert (
+            tm.host.num_pinned == 0 and tm.refresh_metrics().get("kvoffload_host_slots_pinned") == 0
+        )
+        assert (
+            not tm._load_source and not tm._promotions and not tm._jobs
+        )  # nothing kept per request
 
 
 def test_c23_full_tier_with_everything_pinned_answers_at_once():
@@ -110,7 +116,7 @@ def test_c23_full_tier_with_everything_pinned_answers_at_once():
     h = HostTier(n, LRUPolicy(n), record_events=False)
     keys = [i.to_bytes(8, "big") for i in range(n)]
     for start in range(0, n, 10_000):
-        put(h, keys[start:start + 10_000])
+        put(h, keys[start : start + 10_000])
     h.pin(keys)
     calls = 0
     real_evict = h.policy.evict
@@ -166,10 +172,16 @@ class Model:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["store", "fail", "pin", "unpin", "access", "remove"]),
-                          st.lists(st.integers(0, 11), min_size=1, max_size=4)),
-                max_size=120),
-       st.sampled_from(["lru", "arc"]))
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["store", "fail", "pin", "unpin", "access", "remove"]),
+            st.lists(st.integers(0, 11), min_size=1, max_size=4),
+        ),
+        max_size=120,
+    ),
+    st.sampled_from(["lru", "arc"]),
+)
 def test_host_tier_invariants_under_random_operations(ops, policy):
     n = 5
     h = tier(n, policy)
@@ -200,8 +212,9 @@ def test_host_tier_invariants_under_random_operations(ops, policy):
             for k in h.remove(ks):
                 assert not pins.get(k)
         # invariants
-        ready_unpinned = sum(1 for k, s in h.index.items()
-                             if h.state[s] == READY and h.refs[s] == 0)
+        ready_unpinned = sum(
+            1 for k, s in h.index.items() if h.state[s] == READY and h.refs[s] == 0
+        )
         assert h.num_evictable == ready_unpinned
         assert h.num_pinned == sum(1 for s in h.index.values() if h.refs[s] > 0)
         assert len(h.index) == h.num_used <= n

@@ -15,6 +15,19 @@ import os
 import urllib.request
 
 import pytest
+from helpers import (
+    HIT,
+    MISS,
+    PENDING,
+    RETRY,
+    ROW,
+    Rig,
+    fs_tier,
+    keys_for,
+    payload,
+    wait_paused,
+    wait_until,
+)
 from prometheus_client.parser import text_string_to_metric_families
 from textual.widgets import DataTable
 
@@ -23,9 +36,6 @@ from kvoffload.logs import RateLimitedLog
 from kvoffload.tiers.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from kvoffload.tools.top import TopApp, derive, parse_exposition
 from kvoffload.workers.chunkfile import HEADER_BYTES, relative_name
-
-from helpers import (HIT, MISS, PENDING, RETRY, ROW, Rig, fs_tier, keys_for, payload, wait_paused,
-                     wait_until)
 
 
 class FakeClock:
@@ -37,6 +47,7 @@ class FakeClock:
 
 
 # -- the breaker alone ----------------------------------------------------------------------------
+
 
 def test_breaker_opens_after_consecutive_failures_only():
     clock = FakeClock()
@@ -104,8 +115,9 @@ def test_late_failures_of_tasks_sent_before_the_cooldown_ended_do_not_reopen():
 
 def test_a_trial_that_never_answers_gives_its_place_back_after_the_trial_timeout():
     clock = FakeClock()
-    br = CircuitBreaker(failures=1, cooldown_s=5.0, trial_requests=1, trial_timeout_s=30.0,
-                        clock=clock)
+    br = CircuitBreaker(
+        failures=1, cooldown_s=5.0, trial_requests=1, trial_timeout_s=30.0, clock=clock
+    )
     br.record(False, clock())
     clock.t += 5.0
     assert br.admit()  # e.g. a lookup HIT whose promotion found no host slot: no task is sent
@@ -117,10 +129,15 @@ def test_a_trial_that_never_answers_gives_its_place_back_after_the_trial_timeout
     assert br.admit() and not br.admit()
 
 
-@pytest.mark.parametrize("kwargs", [dict(failures=0, cooldown_s=1.0),
-                                    dict(failures=1, cooldown_s=0.0),
-                                    dict(failures=1, cooldown_s=1.0, trial_requests=0),
-                                    dict(failures=1, cooldown_s=1.0, trial_timeout_s=-1.0)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(failures=0, cooldown_s=1.0),
+        dict(failures=1, cooldown_s=0.0),
+        dict(failures=1, cooldown_s=1.0, trial_requests=0),
+        dict(failures=1, cooldown_s=1.0, trial_timeout_s=-1.0),
+    ],
+)
 def test_breaker_refuses_settings_that_cannot_work(kwargs):
     with pytest.raises(ValueError, match="must be"):
         CircuitBreaker(**kwargs)
@@ -137,10 +154,14 @@ def test_rate_limited_log_writes_one_line_per_reason_per_interval(caplog):
         clock.t += 60.0
         assert rl.log(logging.WARNING, "a", "refused %d", 5)
     assert [r.getMessage() for r in caplog.records] == [
-        "refused 1", "dropped 4", "refused 5 (2 more since the last such line, not logged)"]
+        "refused 1",
+        "dropped 4",
+        "refused 5 (2 more since the last such line, not logged)",
+    ]
 
 
 # -- a real manager, real workers, the real endpoint -----------------------------------------------
+
 
 @pytest.fixture
 def endpoint():
@@ -166,8 +187,9 @@ def sample(got, name, **labels) -> float | None:
 
 
 def refused(got, tier, direction, reason) -> float | None:
-    return sample(got, "kvoffload_refused_chunks_total", tier=tier, direction=direction,
-                  reason=reason)
+    return sample(
+        got, "kvoffload_refused_chunks_total", tier=tier, direction=direction, reason=reason
+    )
 
 
 def offer(rig: Rig, keys: list[bytes]):
@@ -181,25 +203,34 @@ def offer(rig: Rig, keys: list[bytes]):
 
 
 def settle(rig: Rig, key: bytes):
-    return wait_until(lambda: (lambda r: r if r is not RETRY else None)(rig.tm.lookup(key, "r")),
-                      what="a lookup verdict", step=rig.tm.step)
+    return wait_until(
+        lambda: (lambda r: r if r is not RETRY else None)(rig.tm.lookup(key, "r")),
+        what="a lookup verdict",
+        step=rig.tm.step,
+    )
 
 
-def test_host_refusals_truncations_and_promotion_failures_are_labelled_metrics(tmp_path, endpoint,
-                                                                               caplog):
+def test_host_refusals_truncations_and_promotion_failures_are_labelled_metrics(
+    tmp_path, endpoint, caplog
+):
     """Host tier of 4 slots: 2 pinned by a load, then a store of 6 new chunks takes 2 (4 refused,
     batch_truncated), a store of 3 more takes none (no_evictable_slot), and a chunk found in the fs
     tier cannot be promoted (host load no_evictable_slot); each reason is logged once."""
-    with Rig([fs_tier(tmp_path / "fs")], num_slots=4) as rig, \
-            caplog.at_level(logging.INFO, logger="kvoffload"):
+    with (
+        Rig([fs_tier(tmp_path / "fs")], num_slots=4) as rig,
+        caplog.at_level(logging.INFO, logger="kvoffload"),
+    ):
         tm = rig.tm
         inst = tm.instance
         got = scrape(endpoint, inst)
-        for tier, direction, reason in (("host", "store", "no_evictable_slot"),
-                                        ("host", "store", "batch_truncated"),
-                                        ("host", "load", "no_evictable_slot"),
-                                        ("fs", "store", "pin_limit"), ("fs", "store", "queue_full"),
-                                        ("fs", "store", "breaker_open")):
+        for tier, direction, reason in (
+            ("host", "store", "no_evictable_slot"),
+            ("host", "store", "batch_truncated"),
+            ("host", "load", "no_evictable_slot"),
+            ("fs", "store", "pin_limit"),
+            ("fs", "store", "queue_full"),
+            ("fs", "store", "breaker_open"),
+        ):
             assert refused(got, tier, direction, reason) == 0, (tier, direction, reason)
 
         in_fs = keys_for(2, seed=1)
@@ -225,9 +256,11 @@ def test_host_refusals_truncations_and_promotion_failures_are_labelled_metrics(t
 
         lines = [r.getMessage() for r in caplog.records if r.name == "kvoffload"]
         rejections = [x for x in lines if "refused a store" in x]
-        assert rejections == ["kvoffload: host tier refused a store of 3 chunk(s): no evictable "
-                              "slot (of 4 slots, 2 pinned by transfers in flight and 2 being "
-                              "written)"]  # once a minute: the second refusal is not logged
+        assert rejections == [
+            "kvoffload: host tier refused a store of 3 chunk(s): no evictable "
+            "slot (of 4 slots, 2 pinned by transfers in flight and 2 being "
+            "written)"
+        ]  # once a minute: the second refusal is not logged
         assert [x for x in lines if "took 2 of 6 new chunk(s)" in x]
         assert [x for x in lines if "is not promoted" in x and "tier fs" in x]
 
@@ -241,10 +274,14 @@ def test_dropped_stores_carry_their_reason_pin_limit_and_queue_full(tmp_path, en
     (max_pending_store_chunks), tier ``p`` is stopped by the pin limit (4 of 16 host slots)."""
     gate = tmp_path / "gate"
     pause = [{"point": "store", "action": "wait_file", "arg": str(gate), "count": -1}]
-    tiers = [fs_tier(tmp_path / "q", name="q", max_pending_store_chunks=2, faults=pause),
-             fs_tier(tmp_path / "p", name="p", faults=pause)]
-    with Rig(tiers, num_slots=16, tier_pin_fraction=0.25) as rig, \
-            caplog.at_level(logging.INFO, logger="kvoffload"):
+    tiers = [
+        fs_tier(tmp_path / "q", name="q", max_pending_store_chunks=2, faults=pause),
+        fs_tier(tmp_path / "p", name="p", faults=pause),
+    ]
+    with (
+        Rig(tiers, num_slots=16, tier_pin_fraction=0.25) as rig,
+        caplog.at_level(logging.INFO, logger="kvoffload"),
+    ):
         tm = rig.tm
         batches = [keys_for(2, seed=s) for s in (1, 2, 3)]
         for keys in batches:
@@ -261,15 +298,21 @@ def test_dropped_stores_carry_their_reason_pin_limit_and_queue_full(tmp_path, en
         assert sample(got, "kvoffload_dropped_stores_total", tier="p") == 2
         lines = [r.getMessage() for r in caplog.records if r.name == "kvoffload"]
         assert [x for x in lines if "not written to tier q: too many of its stores in flight" in x]
-        assert [x for x in lines if "not written to tier p: its stores in flight already pin 4 "
-                                    "host slots (tier_pin_fraction allows 4)" in x]
+        assert [
+            x
+            for x in lines
+            if "not written to tier p: its stores in flight already pin 4 "
+            "host slots (tier_pin_fraction allows 4)" in x
+        ]
         gate.touch()
         assert tm.wait_idle(120)
 
 
 def breaker_states(got, tier):
-    return {s: sample(got, "kvoffload_tier_breaker_state", tier=tier, state=s)
-            for s in ("closed", "open", "half_open")}
+    return {
+        s: sample(got, "kvoffload_tier_breaker_state", tier=tier, state=s)
+        for s in ("closed", "open", "half_open")
+    }
 
 
 def test_breaker_state_gauge_and_half_open_trials_with_real_workers(tmp_path, endpoint):
@@ -278,10 +321,22 @@ def test_breaker_state_gauge_and_half_open_trials_with_real_workers(tmp_path, en
     others miss at once, and closes when the trial's probe answers; the gauge follows. The trial
     probes the tier even for a chunk it is known to hold."""
     held, failing = keys_for(1, seed=6)[0], keys_for(1, seed=1)[0]
-    fault = [{"point": "before_read_slot", "action": "raise", "arg": 5, "count": 1,
-              "key_hex": failing.hex()}]
-    cfg = fs_tier(tmp_path / "fs", breaker_failures=1, breaker_cooldown_s=3.0,
-                  breaker_trial_requests=1, faults=fault)
+    fault = [
+        {
+            "point": "before_read_slot",
+            "action": "raise",
+            "arg": 5,
+            "count": 1,
+            "key_hex": failing.hex(),
+        }
+    ]
+    cfg = fs_tier(
+        tmp_path / "fs",
+        breaker_failures=1,
+        breaker_cooldown_s=3.0,
+        breaker_trial_requests=1,
+        faults=fault,
+    )
     with Rig([cfg], num_slots=16) as rig:
         tm, tier = rig.tm, rig.fs
         got = scrape(endpoint, tm.instance)
@@ -349,33 +404,48 @@ def test_eviction_errors_are_counted_by_errno(tmp_path, endpoint):
         wait_until(counted, what="the failed eviction to be counted")
         got = scrape(endpoint, tm.instance)
         assert sample(got, "kvoffload_tier_eviction_errors_total", tier="fs", errno="EISDIR") == 1
-        assert not [k for k in got if k[0] == "kvoffload_tier_events_total"
-                    and "eviction_errors" in dict(k[1]).get("event", "")]
+        assert not [
+            k
+            for k in got
+            if k[0] == "kvoffload_tier_events_total"
+            and "eviction_errors" in dict(k[1]).get("event", "")
+        ]
         assert sample(got, "kvoffload_tier_evictions_total", tier="fs") >= 1
 
 
 # -- kvoffload top --------------------------------------------------------------------------------
 
-TOP_EXPOSITION = "\n".join([
-    "# TYPE kvoffload_tier_workers_alive gauge",
-    'kvoffload_tier_workers_alive{instance="a",tier="fs"} 2',
-    'kvoffload_tier_workers_alive{instance="b",tier="fs"} 2',
-    'kvoffload_tier_workers_alive{instance="a",tier="obj"} 2',
-    "# TYPE kvoffload_tier_breaker_state gauge",
-    *(f'kvoffload_tier_breaker_state{{instance="{i}",tier="{t}",state="{s}"}} {v}'
-      for i, t, states in (("a", "fs", (1, 0, 0)), ("b", "fs", (0, 0, 1)), ("a", "obj", (0, 1, 0)))
-      for s, v in zip(("closed", "open", "half_open"), states)),
-    "# TYPE kvoffload_refused_chunks counter",
-    'kvoffload_refused_chunks_total{instance="a",tier="host",direction="store",'
-    'reason="no_evictable_slot"} 7',
-    'kvoffload_refused_chunks_total{instance="b",tier="host",direction="store",'
-    'reason="no_evictable_slot"} 3',
-    'kvoffload_refused_chunks_total{instance="a",tier="fs",direction="store",reason="pin_limit"} 0',
-    'kvoffload_refused_chunks_total{instance="a",tier="obj",direction="store",'
-    'reason="breaker_open"} 12',
-    "# TYPE kvoffload_tier_eviction_errors counter",
-    'kvoffload_tier_eviction_errors_total{instance="a",tier="fs",errno="EACCES"} 2',
-]) + "\n"
+TOP_EXPOSITION = (
+    "\n".join(
+        [
+            "# TYPE kvoffload_tier_workers_alive gauge",
+            'kvoffload_tier_workers_alive{instance="a",tier="fs"} 2',
+            'kvoffload_tier_workers_alive{instance="b",tier="fs"} 2',
+            'kvoffload_tier_workers_alive{instance="a",tier="obj"} 2',
+            "# TYPE kvoffload_tier_breaker_state gauge",
+            *(
+                f'kvoffload_tier_breaker_state{{instance="{i}",tier="{t}",state="{s}"}} {v}'
+                for i, t, states in (
+                    ("a", "fs", (1, 0, 0)),
+                    ("b", "fs", (0, 0, 1)),
+                    ("a", "obj", (0, 1, 0)),
+                )
+                for s, v in zip(("closed", "open", "half_open"), states)
+            ),
+            "# TYPE kvoffload_refused_chunks counter",
+            'kvoffload_refused_chunks_total{instance="a",tier="host",direction="store",'
+            'reason="no_evictable_slot"} 7',
+            'kvoffload_refused_chunks_total{instance="b",tier="host",direction="store",'
+            'reason="no_evictable_slot"} 3',
+            'kvoffload_refused_chunks_total{instance="a",tier="fs",direction="store",reason="pin_limit"} 0',
+            'kvoffload_refused_chunks_total{instance="a",tier="obj",direction="store",'
+            'reason="breaker_open"} 12',
+            "# TYPE kvoffload_tier_eviction_errors counter",
+            'kvoffload_tier_eviction_errors_total{instance="a",tier="fs",errno="EACCES"} 2',
+        ]
+    )
+    + "\n"
+)
 
 
 def test_top_derives_breaker_states_refusals_and_eviction_errors():
@@ -385,9 +455,11 @@ def test_top_derives_breaker_states_refusals_and_eviction_errors():
     # fs: one manager closed, the other half-open -> the worse; obj: open
     assert {h.tier: h.breaker for h in s.health} == {"fs": "half_open", "obj": "open"}
     rows = [(r.tier, r.what, r.reason, r.total, r.per_s) for r in s.refusals]
-    assert rows == [("host", "store", "no_evictable_slot", 10, 0.0),
-                    ("fs", "eviction", "EACCES", 2, 0.0),
-                    ("obj", "store", "breaker_open", 12, 5.0)]  # zero series are not shown
+    assert rows == [
+        ("host", "store", "no_evictable_slot", 10, 0.0),
+        ("fs", "eviction", "EACCES", 2, 0.0),
+        ("obj", "store", "breaker_open", 12, 5.0),
+    ]  # zero series are not shown
     assert derive(now).refusals[-1].per_s is None  # one scrape: no rate yet
 
 
@@ -421,9 +493,11 @@ def test_top_shows_refusals_and_the_open_breaker_of_a_real_manager(tmp_path, end
                 health = {r[0]: r for r in rows(app, "health")}
                 assert health["fs"][3] == "OPEN"
                 shown = {tuple(r[:3]): r[3] for r in rows(app, "refusals")}
-                assert shown == {("host", "store", "batch_truncated"): "1",
-                                 ("host", "store", "no_evictable_slot"): "2",
-                                 ("fs", "store", "breaker_open"): "2"}
+                assert shown == {
+                    ("host", "store", "batch_truncated"): "1",
+                    ("host", "store", "no_evictable_slot"): "2",
+                    ("fs", "store", "breaker_open"): "2",
+                }
                 await pilot.press("q")
             return app
 

@@ -11,8 +11,12 @@ import pytest
 
 
 def _stress(*args: str, timeout: float = 240) -> tuple[int, dict | None, str]:
-    proc = subprocess.run([sys.executable, "-m", "kvoffload.tools.cli", "stress", *args],
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvoffload.tools.cli", "stress", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     try:
         out = json.loads(proc.stdout)
     except json.JSONDecodeError:
@@ -30,20 +34,34 @@ def test_stress_with_every_fault_runs_clean():
         faults.append("--fill-disk")
     # 20 s of load, then on until every fault has taken effect: how soon a damaged chunk is loaded
     # again or a store meets the full disk depends on the machine, that it happens does not.
-    rc, out, err = _stress("--duration", "20", "--until-exercised", "600", "--chunk-kib", "64",
-                           *faults, "--json", timeout=900)
+    rc, out, err = _stress(
+        "--duration",
+        "20",
+        "--until-exercised",
+        "600",
+        "--chunk-kib",
+        "64",
+        *faults,
+        "--json",
+        timeout=900,
+    )
     assert out is not None, err[-3000:]
     assert rc == 0 and out["ok"], (out, err[-3000:])
     assert out["corrupt_loads"] == 0 and out["hung_requests"] == 0 and out["hung_jobs"] == 0
     assert out["requests"] > 0 and out["chunks_loaded"] > 0  # how many depends on the machine
     assert out["unexercised"] == [], out
     # Every fault is visible on /metrics as a labelled series (read from the registry it serves).
-    assert out["unmetered"] == [] and set(out["fault_metrics"]) == {f[2:] for f in faults} - {"obj"}, out
+    assert out["unmetered"] == [] and set(out["fault_metrics"]) == {f[2:] for f in faults} - {
+        "obj"
+    }, out
     s3 = " ".join(out["fault_metrics"]["flaky-s3"])
     assert 'event="retries"' in s3 and 'reason="breaker_open"' in s3, s3
     inj = out["injected"]
     assert inj["worker_killed"] > 0 and sum(out["worker_restarts"].values()) > 0
-    assert inj.get("chunk_corrupted", 0) + inj.get("chunk_truncated", 0) + inj.get("chunk_deleted", 0) > 0
+    assert (
+        inj.get("chunk_corrupted", 0) + inj.get("chunk_truncated", 0) + inj.get("chunk_deleted", 0)
+        > 0
+    )
     assert inj["s3_outage"] > 0 and inj["s3_503"] > 0
     assert out["dropped_stores"]["obj"] > 0  # the breaker dropped stores while the store was dead
     if root:
@@ -54,8 +72,14 @@ def test_stress_with_every_fault_runs_clean():
 
 def test_stress_refuses_a_bad_config(tmp_path):
     cfg = tmp_path / "c.json"
-    cfg.write_text(json.dumps({"cpu_bytes_to_use": 1 << 24, "secondary_tiers": [
-        {"type": "fs", "root_dir": str(tmp_path), "max_byte": 5}]}))
+    cfg.write_text(
+        json.dumps(
+            {
+                "cpu_bytes_to_use": 1 << 24,
+                "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path), "max_byte": 5}],
+            }
+        )
+    )
     rc, out, err = _stress("--config", str(cfg), "--duration", "1")
     assert rc == 2
     assert "secondary_tiers[0]" in err and "max_byte" in err

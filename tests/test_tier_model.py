@@ -47,16 +47,20 @@ import time
 import numpy as np
 import pytest
 import xxhash
+from helpers import HIT, MISS, PENDING, RETRY, Rig, payload
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (RuleBasedStateMachine, invariant, precondition, rule,
-                                 run_state_machine_as_test)
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from kvoffload.host import READY, WRITING
 from kvoffload.workers import chunkfile as cf
 from kvoffload.workers import fs_io
-
-from helpers import HIT, MISS, PENDING, RETRY, Rig, payload
 
 # Faults known on main whose fixes are under way (CASES.md): each name switches off the rule variants
 # that reach it, so the CI profile passes until the fix is merged; then remove the name. None now;
@@ -74,8 +78,9 @@ from helpers import HIT, MISS, PENDING, RETRY, Rig, payload
 # KVOFFLOAD_KNOWN_BUGS="C24,C28" (or "" for none) replaces the set, to run a variant before its fix.
 KNOWN_BUGS: frozenset[str] = frozenset()
 if "KVOFFLOAD_KNOWN_BUGS" in os.environ:
-    KNOWN_BUGS = frozenset(x.strip() for x in os.environ["KVOFFLOAD_KNOWN_BUGS"].split(",")
-                           if x.strip())
+    KNOWN_BUGS = frozenset(
+        x.strip() for x in os.environ["KVOFFLOAD_KNOWN_BUGS"].split(",") if x.strip()
+    )
 
 NUM_SLOTS = 6
 ROW = 4096
@@ -100,16 +105,25 @@ KEY_CLASSES: dict[str, tuple[int, list[dict]]] = {
     # reply for a task never sent before the real one. Not to deletes: a delete whose verdict is
     # unknown leaves its file counted (it may still be on disk; CASES C32), so the tier then counts
     # more than the disk holds until it evicts the key again, which the accounting check would flag.
-    **{kind: (0xC0 + i, [{"point": f"{task}_reply", "action": f"reply_{kind}"}
-                         for task in ("store", "load", "probe")])
-       for i, kind in enumerate(("short", "empty", "long", "bad_code", "stray"), start=1)},
+    **{
+        kind: (
+            0xC0 + i,
+            [
+                {"point": f"{task}_reply", "action": f"reply_{kind}"}
+                for task in ("store", "load", "probe")
+            ],
+        )
+        for i, kind in enumerate(("short", "empty", "long", "bad_code", "stray"), start=1)
+    },
 }
 
 _C24_CLASSES = {"short", "empty"}  # replies that leave keys without a verdict
 _classes = [c for c in KEY_CLASSES if not ("C24" in KNOWN_BUGS and c in _C24_CLASSES)]
-key_names = st.builds("{}{}".format,
-                      st.sampled_from(["k"] * (2 * len(_classes)) + _classes),
-                      st.integers(0, KEYS_PER_CLASS - 1))
+key_names = st.builds(
+    "{}{}".format,
+    st.sampled_from(["k"] * (2 * len(_classes)) + _classes),
+    st.integers(0, KEYS_PER_CLASS - 1),
+)
 key_batches = st.lists(key_names, min_size=1, max_size=4, unique=True)
 
 STEPS = [0]  # steps run in this process (the soak profile reports it)
@@ -213,14 +227,22 @@ class TierStack(RuleBasedStateMachine):
         super().__init__()
         self.failed = False
         self.dir = tempfile.mkdtemp(prefix="kvoffload-model-")
-        self.gates = {"load": os.path.join(self.dir, "gate-load"),
-                      "store": os.path.join(self.dir, "gate-store")}
+        self.gates = {
+            "load": os.path.join(self.dir, "gate-load"),
+            "store": os.path.join(self.dir, "gate-store"),
+        }
         for g in self.gates.values():
             open(g, "w").close()
-        fs = {"type": "fs", "root_dir": os.path.join(self.dir, "fs"), "read_workers": 1,
-              "write_workers": 1, "io_threads": 2, "job_timeout_s": JOB_TIMEOUT_S,
-              "max_bytes": FS_CHUNKS * (cf.HEADER_BYTES + ROW),
-              "faults": fs_faults(self.gates["load"], self.gates["store"])}
+        fs = {
+            "type": "fs",
+            "root_dir": os.path.join(self.dir, "fs"),
+            "read_workers": 1,
+            "write_workers": 1,
+            "io_threads": 2,
+            "job_timeout_s": JOB_TIMEOUT_S,
+            "max_bytes": FS_CHUNKS * (cf.HEADER_BYTES + ROW),
+            "faults": fs_faults(self.gates["load"], self.gates["store"]),
+        }
         memory = {"type": "memory", "max_bytes": MEMORY_CHUNKS * ROW}
         try:
             self.rig = Rig([fs, memory], num_slots=NUM_SLOTS, row_bytes=ROW)
@@ -265,9 +287,11 @@ class TierStack(RuleBasedStateMachine):
 
     def _check_bytes(self, key: bytes, data: bytes, where: str) -> None:
         ok = self.stored.get(key, set())
-        assert data in ok, (f"{where}: {self._name(key)} "
-                            f"{'was never stored' if not ok else 'holds other bytes'}: "
-                            f"found {self._whose(data)}")
+        assert data in ok, (
+            f"{where}: {self._name(key)} "
+            f"{'was never stored' if not ok else 'holds other bytes'}: "
+            f"found {self._whose(data)}"
+        )
 
     def _open_gates(self) -> None:
         for g in self.gates.values():
@@ -294,7 +318,8 @@ class TierStack(RuleBasedStateMachine):
             r = self.tm.lookup(k, req)
             if r in (HIT, PENDING):
                 assert k in self.stored or k in writing, (
-                    f"lookup of {self._name(k)}, never stored: {r.name}")
+                    f"lookup of {self._name(k)}, never stored: {r.name}"
+                )
             if r is RETRY:
                 return prefix, "retry"
             if r is MISS:
@@ -313,14 +338,16 @@ class TierStack(RuleBasedStateMachine):
         while True:
             prefix, why = self._walk(keys, req)
             ready = why != "retry" and all(
-                (s := host.index.get(k)) is not None and host.state[s] == READY for k in prefix)
+                (s := host.index.get(k)) is not None and host.state[s] == READY for k in prefix
+            )
             if ready:
                 return prefix
             if wait is None or (wait == "answers" and why != "retry"):
                 return []
             assert time.monotonic() < deadline, (
                 f"lookups of {[self._name(k) for k in keys]} never settled within {WAIT_S} s "
-                f"(hit prefix {[self._name(k) for k in prefix]}, then {why})")
+                f"(hit prefix {[self._name(k) for k in prefix]}, then {why})"
+            )
             self._wait_results()
 
     def _load_hits(self, hits: list[bytes], req: str, hold: bool) -> None:
@@ -340,15 +367,15 @@ class TierStack(RuleBasedStateMachine):
         for k, s, d in zip(h.keys, h.slots, h.data):
             assert self.rows[s].tobytes() == d, (
                 f"{self._name(k)}'s slot {s} changed while {h.req} was copying it out: now "
-                f"{self._whose(self.rows[s].tobytes())}")
+                f"{self._whose(self.rows[s].tobytes())}"
+            )
         self.tm.complete_load(h.keys, h.req)
         self.tm.on_request_finished(h.req)
         self.done_loads = (self.done_loads + [h])[-4:]
 
     def _complete_store(self, h: Holder, success: bool) -> None:
         for k, s in zip(h.keys, h.slots):  # the accelerator copy lands now
-            self.rows[s] = (np.frombuffer(data_of(k, h.version), np.uint8) if success
-                            else SENTINEL)
+            self.rows[s] = np.frombuffer(data_of(k, h.version), np.uint8) if success else SENTINEL
         if success:
             for k in h.keys:
                 self.stored.setdefault(k, set()).add(data_of(k, h.version))
@@ -364,10 +391,14 @@ class TierStack(RuleBasedStateMachine):
         busy = {s: meta for _, _, meta in self.tm.jobs_in_flight() for s in meta.slots}
         in_use = self.tm.busy_slots()
         for k, s in zip(plan.keys, plan.slots):
-            assert s not in in_use, (f"prepare_store handed out slot {s} for {self._name(k)} while "
-                                     f"a transfer is in flight into or out of it")
-            assert s not in busy, (f"prepare_store handed out slot {s} for {self._name(k)} while a "
-                                   f"tier job of {[self._name(x) for x in busy[s].keys]} moves it")
+            assert s not in in_use, (
+                f"prepare_store handed out slot {s} for {self._name(k)} while "
+                f"a transfer is in flight into or out of it"
+            )
+            assert s not in busy, (
+                f"prepare_store handed out slot {s} for {self._name(k)} while a "
+                f"tier job of {[self._name(x) for x in busy[s].keys]} moves it"
+            )
         h = Holder(req, list(plan.keys), list(plan.slots), version=version)
         if outcome == "hold":
             self.stores.append(h)
@@ -398,7 +429,8 @@ class TierStack(RuleBasedStateMachine):
             f"fs tier accounts {self.fs.accounted_bytes} bytes, its chunk files hold {on_disk} "
             f"({sorted(self._name(k) for k in self._keys_of(chunk_files))} on disk, "
             f"{sorted(self._name(k) for k in getattr(self.fs, '_index', None) or ())} counted; "
-            f"tier counters {self.fs.counters})")
+            f"tier counters {self.fs.counters})"
+        )
         known = {os.path.join(ns_dir, cf.relative_name(k)): k for k in self.names}
         for path in chunk_files:
             key = known.get(path)
@@ -416,8 +448,11 @@ class TierStack(RuleBasedStateMachine):
 
     # -- rules ----------------------------------------------------------------------------------
 
-    @rule(names=key_batches, version=st.sampled_from([0, 0, 0, 1]),
-          outcome=st.sampled_from(["ok", "ok", "ok", "fail", "hold"]))
+    @rule(
+        names=key_batches,
+        version=st.sampled_from([0, 0, 0, 1]),
+        outcome=st.sampled_from(["ok", "ok", "ok", "fail", "hold"]),
+    )
     @_step
     def store(self, names, version, outcome):
         """prepare_store, then the accelerator copy completes (ok or failed) or is held."""
@@ -441,7 +476,8 @@ class TierStack(RuleBasedStateMachine):
         if self.done_stores:
             h = self.done_stores[index % len(self.done_stores)]
             if "stale_store_completion" in KNOWN_BUGS and any(
-                    k in g.keys for g in self.stores for k in h.keys):
+                k in g.keys for g in self.stores for k in h.keys
+            ):
                 return  # another request writes one of its keys now: the known bug
             self.tm.complete_store(h.keys, success, h.req)
 
@@ -459,8 +495,9 @@ class TierStack(RuleBasedStateMachine):
         """One scheduler step's lookups (or until the probes answered), then the step; a prefix
         READY at once is loaded. Promotions may stay in flight (behind a closed gate)."""
         req = self._req("r")
-        hits = self._lookup([self._key(n) for n in names], req,
-                            "answers" if until_answered else None)
+        hits = self._lookup(
+            [self._key(n) for n in names], req, "answers" if until_answered else None
+        )
         self._load_hits(hits, req, hold)
         self.tm.step()
 
@@ -556,16 +593,19 @@ class TierStack(RuleBasedStateMachine):
                 assert host.keys[s] == k, (
                     f"{self._name(k)}'s slot {s} was handed to "
                     f"{self._name(host.keys[s]) if host.keys[s] else 'nobody (freed)'} while "
-                    f"{h.req} still copies it out")
+                    f"{h.req} still copies it out"
+                )
                 assert rows[s].tobytes() == d, (
                     f"{self._name(k)}'s slot {s} was overwritten while {h.req} still copies it "
-                    f"out: now {self._whose(rows[s].tobytes())}")
+                    f"out: now {self._whose(rows[s].tobytes())}"
+                )
         for h in self.stores:
             for k, s in zip(h.keys, h.slots):
                 assert host.keys[s] == k and host.state[s] == WRITING, (
                     f"slot {s} reserved for {h.req}'s store of {self._name(k)} now holds "
                     f"{self._name(host.keys[s]) if host.keys[s] else 'nothing'} "
-                    f"(state {host.state[s]}) before that store completed")
+                    f"(state {host.state[s]}) before that store completed"
+                )
         holders = [0] * host.num_slots
         for h in self.loads:
             for s in h.slots:
@@ -575,7 +615,8 @@ class TierStack(RuleBasedStateMachine):
                 owner = host.keys[s]
                 assert owner is None or owner == k, (
                     f"slot {s} was handed to {self._name(owner)} while the {tier} tier's {direction}"
-                    f" job {meta.job_id} of {self._name(k)} still moves it")
+                    f" job {meta.job_id} of {self._name(k)} still moves it"
+                )
                 if direction == "store":
                     holders[s] += 1
         pins = self.tm.pins_held()
@@ -584,13 +625,17 @@ class TierStack(RuleBasedStateMachine):
             assert host.refs[s] == pins.get(s, 0), (
                 f"slot {s} ({self._name(host.keys[s]) if host.keys[s] else 'free'}) has "
                 f"{host.refs[s]} pins; the tiering manager's holders and store jobs hold "
-                f"{pins.get(s, 0)}")
+                f"{pins.get(s, 0)}"
+            )
             assert host.refs[s] == holders[s], (
                 f"slot {s} ({self._name(host.keys[s]) if host.keys[s] else 'free'}) has "
-                f"{host.refs[s]} pins for {holders[s]} live holders")
+                f"{host.refs[s]} pins for {holders[s]} live holders"
+            )
         assert host.num_pinned == sum(1 for s in range(host.num_slots) if host.refs[s] > 0)
         for k, s in host.index.items():
-            assert host.keys[s] == k, f"host index says {self._name(k)} in slot {s}, the slot disagrees"
+            assert host.keys[s] == k, (
+                f"host index says {self._name(k)} in slot {s}, the slot disagrees"
+            )
 
     def teardown(self):
         try:
@@ -609,16 +654,22 @@ class TierStack(RuleBasedStateMachine):
 
 # Hypothesis keeps no database (runs leave nothing behind); examples are long because starting the
 # worker processes is what costs.
-_common = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck),
-               print_blob=False)
+_common = dict(
+    deadline=None, database=None, suppress_health_check=list(HealthCheck), print_blob=False
+)
 
 
 def test_tier_model():
     """The CI profile: a few hundred steps over real workers (every variant not in KNOWN_BUGS)."""
     STEPS[0] = 0
-    run_state_machine_as_test(TierStack, settings=settings(
-        max_examples=int(os.environ.get("KVOFFLOAD_MODEL_EXAMPLES", "6")),
-        stateful_step_count=int(os.environ.get("KVOFFLOAD_MODEL_STEPS", "50")), **_common))
+    run_state_machine_as_test(
+        TierStack,
+        settings=settings(
+            max_examples=int(os.environ.get("KVOFFLOAD_MODEL_EXAMPLES", "6")),
+            stateful_step_count=int(os.environ.get("KVOFFLOAD_MODEL_STEPS", "50")),
+            **_common,
+        ),
+    )
     assert STEPS[0] > 0
 
 
@@ -629,11 +680,14 @@ def test_tier_model_soak():
     STEPS[0] = 0
     t0 = time.monotonic()
     while STEPS[0] < target:
-        run_state_machine_as_test(TierStack, settings=settings(
-            max_examples=5, stateful_step_count=200, **_common))
+        run_state_machine_as_test(
+            TierStack, settings=settings(max_examples=5, stateful_step_count=200, **_common)
+        )
         print(f"tier model soak: {STEPS[0]} steps, {time.monotonic() - t0:.0f} s", flush=True)
-    print(f"\ntier model soak: {STEPS[0]} steps without a violation in "
-          f"{time.monotonic() - t0:.0f} s (known bugs skipped: {sorted(KNOWN_BUGS) or 'none'})")
+    print(
+        f"\ntier model soak: {STEPS[0]} steps without a violation in "
+        f"{time.monotonic() - t0:.0f} s (known bugs skipped: {sorted(KNOWN_BUGS) or 'none'})"
+    )
 
 
 def replay(steps: list[tuple[str, dict]]) -> None:
@@ -656,14 +710,19 @@ def _known(bug: str):
 # Minimal sequences the state machine found, kept as fixed replays (each deterministic: gates and
 # quiesce steps order the workers).
 
+
 @_known("C24")
 def test_tier_model_c24_short_load_reply_is_not_a_hit():
     """A load reply one verdict short (the missing one a failed read) must not publish the slot."""
-    replay([("store", dict(names=["short0", "eio0"], version=0, outcome="ok")),
+    replay(
+        [
+            ("store", dict(names=["short0", "eio0"], version=0, outcome="ok")),
             ("quiesce", {}),
             ("flood", dict(into_fs=False)),
             ("quiesce", {}),
-            ("load", dict(names=["short0", "eio0"], hold=False))])
+            ("load", dict(names=["short0", "eio0"], hold=False)),
+        ]
+    )
 
 
 @_known("C24")
@@ -675,14 +734,15 @@ def test_tier_model_c24_empty_probe_reply_settles():
 @_known("C26")
 def test_tier_model_c26_reset_with_stores_in_flight():
     """A reset whose timeout passes while tier stores still read their slots."""
-    replay([("flood", dict(into_fs=True)),
-            ("reset", dict(short=True))])
+    replay([("flood", dict(into_fs=True)), ("reset", dict(short=True))])
 
 
 @_known("C26")
 def test_tier_model_c26_reset_with_a_load_in_flight():
     """A reset whose timeout passes while a promotion still waits to write its slot."""
-    replay([("store", dict(names=["gl0"], version=0, outcome="ok")),
+    replay(
+        [
+            ("store", dict(names=["gl0"], version=0, outcome="ok")),
             ("quiesce", {}),
             ("flood", dict(into_fs=False)),
             ("quiesce", {}),
@@ -691,32 +751,41 @@ def test_tier_model_c26_reset_with_a_load_in_flight():
             ("reset", dict(short=True)),
             ("flood", dict(into_fs=False)),
             ("open_gate", dict(which="load")),
-            ("quiesce", {})])
+            ("quiesce", {}),
+        ]
+    )
 
 
 @_known("C28")
 def test_tier_model_c28_duplicated_load_completion():
     """Two holders load one chunk; one completion arrives twice."""
-    replay([("store", dict(names=["k0"], version=0, outcome="ok")),
+    replay(
+        [
+            ("store", dict(names=["k0"], version=0, outcome="ok")),
             ("quiesce", {}),
             ("load", dict(names=["k0"], hold=True)),
             ("load", dict(names=["k0"], hold=True)),
             ("complete_load", dict(index=0)),
-            ("complete_load_again", dict(index=0))])
+            ("complete_load_again", dict(index=0)),
+        ]
+    )
 
 
 @_known("stale_store_completion")
 def test_tier_model_stale_store_completion_publishes_another_write():
     """A store completion arrives again after a reset, while another request writes the same key:
     it must not publish (or free) that request's slot."""
-    replay([("store", dict(names=["k0"], version=0, outcome="ok")),
+    replay(
+        [
+            ("store", dict(names=["k0"], version=0, outcome="ok")),
             ("reset", dict(short=False)),
             ("store", dict(names=["k0"], version=1, outcome="hold")),
-            ("complete_store_again", dict(index=0, success=True))])
+            ("complete_store_again", dict(index=0, success=True)),
+        ]
+    )
 
 
 def test_tier_model_store_with_an_unknown_verdict_leaves_no_uncounted_file():
     """A store answered with a code the engine does not know failed, but its worker had written
     the file: the fs tier removes it, so its accounting still equals the disk."""
-    replay([("store", dict(names=["bad_code0", "k0"], version=0, outcome="ok")),
-            ("quiesce", {})])
+    replay([("store", dict(names=["bad_code0", "k0"], version=0, outcome="ok")), ("quiesce", {})])

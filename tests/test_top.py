@@ -18,9 +18,19 @@ import zmq
 from textual.widgets import DataTable, RichLog, Static, TabbedContent
 
 from kvoffload.tools.s3_server import free_port
-from kvoffload.tools.top import (Histogram, MovementFeed, Snapshot, TopApp, decode_movements,
-                                 derive, fetch_snapshot, fmt_bytes, fmt_num, histogram_quantile,
-                                 parse_exposition)
+from kvoffload.tools.top import (
+    Histogram,
+    MovementFeed,
+    Snapshot,
+    TopApp,
+    decode_movements,
+    derive,
+    fetch_snapshot,
+    fmt_bytes,
+    fmt_num,
+    histogram_quantile,
+    parse_exposition,
+)
 
 LATENCY = "kvoffload_tier_transfer_latency_seconds"
 TOPIC = b"kvoffload-movements"
@@ -28,28 +38,36 @@ TOPIC = b"kvoffload-movements"
 # Two managers (instances a and b) of one process. Prometheus 2.42 evaluated
 # histogram_quantile(q, sum by (le) (kvoffload_tier_transfer_latency_seconds_bucket)) on this
 # exposition to the values in test_percentiles_interpolate_within_buckets_as_prometheus_does.
-EXPOSITION = "\n".join([
-    "# TYPE kvoffload_host_slots gauge",
-    'kvoffload_host_slots{instance="a"} 64',
-    'kvoffload_host_slots{instance="b"} 32',
-    "# TYPE kvoffload_tier_hits counter",
-    'kvoffload_tier_hits_total{instance="a",tier="fs"} 5',
-    'kvoffload_tier_hits_total{instance="b",tier="fs"} 2',
-    'kvoffload_tier_hits_created{instance="a",tier="fs"} 1.7e9',
-    f"# TYPE {LATENCY} histogram",
-    *(f'{LATENCY}_bucket{{instance="{i}",tier="fs",direction="store",le="{le}"}} {n}'
-      for i, counts in (("a", (2, 7, 19, 30, 31)), ("b", (0, 1, 1, 4, 9)))
-      for le, n in zip(("0.001", "0.005", "0.01", "0.05", "+Inf"), counts)),
-    f'{LATENCY}_count{{instance="a",tier="fs",direction="store"}} 31',
-    f'{LATENCY}_sum{{instance="a",tier="fs",direction="store"}} 0.4',
-    f'{LATENCY}_count{{instance="b",tier="fs",direction="store"}} 9',
-    f'{LATENCY}_sum{{instance="b",tier="fs",direction="store"}} 0.9',
-    "# TYPE go_goroutines gauge",
-    "go_goroutines 7",
-]) + "\n"
+EXPOSITION = (
+    "\n".join(
+        [
+            "# TYPE kvoffload_host_slots gauge",
+            'kvoffload_host_slots{instance="a"} 64',
+            'kvoffload_host_slots{instance="b"} 32',
+            "# TYPE kvoffload_tier_hits counter",
+            'kvoffload_tier_hits_total{instance="a",tier="fs"} 5',
+            'kvoffload_tier_hits_total{instance="b",tier="fs"} 2',
+            'kvoffload_tier_hits_created{instance="a",tier="fs"} 1.7e9',
+            f"# TYPE {LATENCY} histogram",
+            *(
+                f'{LATENCY}_bucket{{instance="{i}",tier="fs",direction="store",le="{le}"}} {n}'
+                for i, counts in (("a", (2, 7, 19, 30, 31)), ("b", (0, 1, 1, 4, 9)))
+                for le, n in zip(("0.001", "0.005", "0.01", "0.05", "+Inf"), counts)
+            ),
+            f'{LATENCY}_count{{instance="a",tier="fs",direction="store"}} 31',
+            f'{LATENCY}_sum{{instance="a",tier="fs",direction="store"}} 0.4',
+            f'{LATENCY}_count{{instance="b",tier="fs",direction="store"}} 9',
+            f'{LATENCY}_sum{{instance="b",tier="fs",direction="store"}} 0.9',
+            "# TYPE go_goroutines gauge",
+            "go_goroutines 7",
+        ]
+    )
+    + "\n"
+)
 
 
 # -- data model -------------------------------------------------------------------------------
+
 
 def test_snapshot_sums_instances_and_keeps_only_kvoffload_samples():
     snap = parse_exposition(EXPOSITION, t=0.0, wall=0.0)
@@ -61,10 +79,18 @@ def test_snapshot_sums_instances_and_keeps_only_kvoffload_samples():
     assert h.buckets[-1] == (float("inf"), 40)
 
 
-@pytest.mark.parametrize("q, expected", [
-    (0.01, 0.0002), (0.05, 0.001), (0.25, 0.005833333333333334), (0.5, 0.01),
-    (0.75, 0.038571428571428576), (0.9, 0.05), (0.99, 0.05),
-])
+@pytest.mark.parametrize(
+    "q, expected",
+    [
+        (0.01, 0.0002),
+        (0.05, 0.001),
+        (0.25, 0.005833333333333334),
+        (0.5, 0.01),
+        (0.75, 0.038571428571428576),
+        (0.9, 0.05),
+        (0.99, 0.05),
+    ],
+)
 def test_percentiles_interpolate_within_buckets_as_prometheus_does(q, expected):
     snap = parse_exposition(EXPOSITION, t=0.0, wall=0.0)
     h = snap.histograms(LATENCY, ("tier", "direction"))[("fs", "store")]
@@ -100,8 +126,9 @@ def test_latency_covers_the_window_and_falls_back_to_all_time_when_it_is_empty()
     def snap(t, counts):
         labels = {"tier": "fs", "direction": "load"}
         buckets = [({**labels, "le": le}, c) for le, c in zip(("0.01", "0.1", "+Inf"), counts)]
-        return Snapshot(t, t, {f"{LATENCY}_bucket": buckets,
-                               f"{LATENCY}_count": [(labels, counts[-1])]})
+        return Snapshot(
+            t, t, {f"{LATENCY}_bucket": buckets, f"{LATENCY}_count": [(labels, counts[-1])]}
+        )
 
     old, new = snap(0.0, (100, 100, 100)), snap(10.0, (100, 100, 110))
     row = next(r for r in derive(new, old, old).latency if r.metric == "transfer")
@@ -113,8 +140,21 @@ def test_latency_covers_the_window_and_falls_back_to_all_time_when_it_is_empty()
 
 
 def _movements_payload(src: str = "host", dst: str = "fs") -> bytes:
-    return msgspec.msgpack.encode({"ts": 1.5, "instance": "m0", "events": [
-        {"key": b"\xab\xcd" * 8, "src": src, "dst": dst, "locality": "local", "nbytes": 4096}]})
+    return msgspec.msgpack.encode(
+        {
+            "ts": 1.5,
+            "instance": "m0",
+            "events": [
+                {
+                    "key": b"\xab\xcd" * 8,
+                    "src": src,
+                    "dst": dst,
+                    "locality": "local",
+                    "nbytes": 4096,
+                }
+            ],
+        }
+    )
 
 
 def test_movement_messages_decode_and_malformed_ones_are_rejected():
@@ -161,6 +201,7 @@ def test_feed_counts_lost_and_malformed_messages_and_ignores_other_topics():
 
 # -- the app ----------------------------------------------------------------------------------
 
+
 def _rows(app: TopApp, table: str) -> list[list[str]]:
     t = app.query_one(f"#{table}-table", DataTable)
     return [[str(c) for c in t.get_row_at(i)] for i in range(t.row_count)]
@@ -181,24 +222,32 @@ async def _until(pilot, condition: Callable[[], object], timeout_s: float, what:
 
 
 async def _until_banner(pilot, app: TopApp, which: str, timeout_s: float = 60) -> None:
-    await _until(pilot, lambda: f"{which} endpoint unreachable" in _text(app, f"{which}-banner"),
-                 timeout_s, f"the {which} banner")
+    await _until(
+        pilot,
+        lambda: f"{which} endpoint unreachable" in _text(app, f"{which}-banner"),
+        timeout_s,
+        f"the {which} banner",
+    )
 
 
 def test_unreachable_endpoints_show_banners_and_the_app_keeps_running():
     metrics_port, events_port = free_port(), free_port()  # nothing listens on either
 
     async def drive() -> TopApp:
-        app = TopApp(f"http://127.0.0.1:{metrics_port}/metrics", f"tcp://127.0.0.1:{events_port}",
-                     interval=0.2)
+        app = TopApp(
+            f"http://127.0.0.1:{metrics_port}/metrics",
+            f"tcp://127.0.0.1:{events_port}",
+            interval=0.2,
+        )
         async with app.run_test(size=(120, 36)) as pilot:
             await _until_banner(pilot, app, "metrics")
             banner = _text(app, "metrics-banner")
             assert "Connection refused" in banner and "last good scrape never" in banner
             await _until_banner(pilot, app, "events")
             failures = app.scrape_failures
-            await _until(pilot, lambda: app.scrape_failures > failures, 60,
-                         "another scrape attempt")  # still retrying
+            await _until(
+                pilot, lambda: app.scrape_failures > failures, 60, "another scrape attempt"
+            )  # still retrying
             for key in ("2", "3", "tab", "p", "p"):
                 await pilot.press(key)
             assert app.query_one("#views", TabbedContent).active == "overview"
@@ -236,9 +285,22 @@ def stress_run(tmp_path):
     log = tmp_path / "stress.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kvoffload.tools.cli", "stress", "--duration", "300",
-             "--metrics-port", str(metrics_port), "--events-endpoint", events],
-            stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
+            [
+                sys.executable,
+                "-m",
+                "kvoffload.tools.cli",
+                "stress",
+                "--duration",
+                "300",
+                "--metrics-port",
+                str(metrics_port),
+                "--events-endpoint",
+                events,
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=tmp_path,
+        )
     try:
         _wait_for_metrics(metrics_url, proc, log)
         yield metrics_url, events, proc
@@ -260,11 +322,16 @@ def test_top_shows_a_live_stress_run_and_outlives_it(stress_run, tmp_path):
     async def drive() -> TopApp:
         app = TopApp(metrics_url, events, interval=0.5)
         async with app.run_test(size=(120, 40)) as pilot:
+
             def live() -> bool:
                 s = app.stats
-                return (s is not None and s.interval_s is not None
-                        and any(r.tier == "fs" and r.bytes_per_s for r in s.throughput)
-                        and app.feed.movements > 0)
+                return (
+                    s is not None
+                    and s.interval_s is not None
+                    and any(r.tier == "fs" and r.bytes_per_s for r in s.throughput)
+                    and app.feed.movements > 0
+                )
+
             await _until(pilot, live, 120, "rates, fs traffic and movements")
             direct = fetch_snapshot(metrics_url, timeout=30)
 
@@ -284,13 +351,22 @@ def test_top_shows_a_live_stress_run_and_outlives_it(stress_run, tmp_path):
             assert " connected:" in status and "not connected" not in status
 
             views = app.query_one("#views", TabbedContent)
-            for key, view in (("2", "latency"), ("3", "movements"), ("tab", "overview"),
-                              ("tab", "latency"), ("1", "overview")):
+            for key, view in (
+                ("2", "latency"),
+                ("3", "movements"),
+                ("tab", "overview"),
+                ("tab", "latency"),
+                ("1", "overview"),
+            ):
                 await pilot.press(key)
                 assert views.active == view
                 if view == "movements":  # a log fills once it is on screen
-                    await _until(pilot, lambda: app.query_one("#movements-log", RichLog).lines,
-                                 60, "lines in the movements log")
+                    await _until(
+                        pilot,
+                        lambda: app.query_one("#movements-log", RichLog).lines,
+                        60,
+                        "lines in the movements log",
+                    )
                     assert {"device→host", "host→fs"} <= {row[0] for row in _rows(app, "routes")}
 
             await pilot.press("p")
@@ -302,9 +378,15 @@ def test_top_shows_a_live_stress_run_and_outlives_it(stress_run, tmp_path):
             assert not app.paused
 
             # the host tier fills within seconds; from then on chunks come back from the fs tier
-            await _until(pilot, lambda: any(r.tier == "fs" and r.direction == "load"
-                                            and r.total_bytes for r in app.stats.throughput),
-                         120, "loads from the fs tier")
+            await _until(
+                pilot,
+                lambda: any(
+                    r.tier == "fs" and r.direction == "load" and r.total_bytes
+                    for r in app.stats.throughput
+                ),
+                120,
+                "loads from the fs tier",
+            )
             await pilot.pause(1.0)
             app.save_screenshot(screenshot.name, str(screenshot.parent))
 

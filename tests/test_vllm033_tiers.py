@@ -20,6 +20,8 @@ try:
 except ImportError as e:  # vLLM without the 0.33 secondary-tier API
     pytest.skip(f"vLLM {vllm.__version__}: {e}", allow_module_level=True)
 
+from s3 import ACCESS, SECRET, new_bucket, start_moto  # noqa: E402
+from test_vllm_spec import PAGE, offloading_config  # noqa: E402
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext  # noqa: E402
 from vllm.v1.kv_offload.tiering.base import TransferJob  # noqa: E402
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory  # noqa: E402
@@ -28,9 +30,6 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 from kvoffload.config import ConfigError  # noqa: E402
 from kvoffload.workers.chunkfile import HEADER_BYTES  # noqa: E402
 
-from s3 import ACCESS, SECRET, new_bucket, start_moto  # noqa: E402
-from test_vllm_spec import PAGE, offloading_config  # noqa: E402
-
 MODULE = "kvoffload.vllm033_tiers"
 ROW = 2 * PAGE  # vLLM's primary row for offloading_config(bpb=2 * PAGE)
 STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
@@ -38,17 +37,28 @@ _engines = iter(range(10**6))
 
 
 def fs_entry(root, **extra):
-    return {"type": "KVOffloadFsTier", "module_path": MODULE, "root_dir": str(root),
-            "read_workers": 1, "write_workers": 1, "job_timeout_s": 10.0, **extra}
+    return {
+        "type": "KVOffloadFsTier",
+        "module_path": MODULE,
+        "root_dir": str(root),
+        "read_workers": 1,
+        "write_workers": 1,
+        "job_timeout_s": 10.0,
+        **extra,
+    }
 
 
 def tiering_manager(tier_entry, num_chunks=8):
     """vLLM's own TieringOffloadingSpec and manager with ``tier_entry`` as its secondary tier; each
     call is a new engine (own primary region) with the same model, so they share chunks."""
-    extra = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": num_chunks * ROW,
-             "secondary_tiers": [tier_entry]}
-    config = dataclasses.replace(offloading_config(extra),
-                                 engine_id=f"kvoffload-test-{os.getpid()}-{next(_engines)}")
+    extra = {
+        "spec_name": "TieringOffloadingSpec",
+        "cpu_bytes_to_use": num_chunks * ROW,
+        "secondary_tiers": [tier_entry],
+    }
+    config = dataclasses.replace(
+        offloading_config(extra), engine_id=f"kvoffload-test-{os.getpid()}-{next(_engines)}"
+    )
     spec = TieringOffloadingSpec(config)
     return spec.get_manager()
 
@@ -59,7 +69,8 @@ def primary_rows(mgr):
 
 def chunk(key: bytes) -> np.ndarray:
     return np.random.default_rng(int.from_bytes(key[:8], "little")).integers(
-        0, 256, ROW, dtype=np.uint8)
+        0, 256, ROW, dtype=np.uint8
+    )
 
 
 def keys(n, seed=0):
@@ -194,12 +205,23 @@ def moto():
 
 def test_obj_round_trip_against_s3_on_loopback_with_vllms_store_config(moto):
     bucket = new_bucket(moto)
-    entry = {"type": "KVOffloadObjTier", "module_path": MODULE,
-             "store_config": {"bucket": bucket, "endpoint_override": moto.removeprefix("http://"),
-                              "scheme": "http", "access_key": ACCESS, "secret_key": SECRET,
-                              "region": "us-east-1"},
-             "prefix": "vllm-tiering", "io_threads": 2, "io_workers": 1,
-             "addressing_style": "path", "job_timeout_s": 10.0}
+    entry = {
+        "type": "KVOffloadObjTier",
+        "module_path": MODULE,
+        "store_config": {
+            "bucket": bucket,
+            "endpoint_override": moto.removeprefix("http://"),
+            "scheme": "http",
+            "access_key": ACCESS,
+            "secret_key": SECRET,
+            "region": "us-east-1",
+        },
+        "prefix": "vllm-tiering",
+        "io_threads": 2,
+        "io_workers": 1,
+        "addressing_style": "path",
+        "job_timeout_s": 10.0,
+    }
     ks = keys(4, seed=3)
     writer = tiering_manager(entry)
     try:
@@ -217,7 +239,8 @@ def test_jobs_wait_for_staging_rows_and_a_job_larger_than_staging_fails(tmp_path
     mgr = tiering_manager(fs_entry(tmp_path))  # only for vLLM's spec and a primary view
     view = mgr.primary_tier.get_kv_memoryview()
     tier = SecondaryTierFactory.create_secondary_tier(
-        fs_entry(tmp_path, staging_bytes=2 * ROW), view, mgr_spec(mgr))
+        fs_entry(tmp_path, staging_bytes=2 * ROW), view, mgr_spec(mgr)
+    )
     try:
         rows = primary_rows(mgr)
         ks = keys(4, seed=5)
@@ -226,8 +249,9 @@ def test_jobs_wait_for_staging_rows_and_a_job_larger_than_staging_fails(tmp_path
         ctx = ReqContext(req_id="r")
         tier.submit_store(TransferJob(1, ks[:2], np.array([0, 1], np.int32), False, ctx))
         tier.submit_store(TransferJob(2, ks[2:], np.array([2, 3], np.int32), False, ctx))
-        tier.submit_store(TransferJob(3, keys(3, seed=6), np.array([4, 5, 6], np.int32), False,
-                                      ctx))
+        tier.submit_store(
+            TransferJob(3, keys(3, seed=6), np.array([4, 5, 6], np.int32), False, ctx)
+        )
         done = {}
         deadline = time.monotonic() + 30
         while len(done) < 3 and time.monotonic() < deadline:
@@ -240,8 +264,10 @@ def test_jobs_wait_for_staging_rows_and_a_job_larger_than_staging_fails(tmp_path
         tier.submit_load(TransferJob(5, ks[:2], np.array([7, 6], np.int32), True, ctx))
         tier.submit_load(TransferJob(6, ks[2:], np.array([5, 4], np.int32), True, ctx))
         tier.drain_jobs()
-        assert sorted((r.job_id, r.success) for r in tier.get_finished_jobs()) == [(5, True),
-                                                                                   (6, True)]
+        assert sorted((r.job_id, r.success) for r in tier.get_finished_jobs()) == [
+            (5, True),
+            (6, True),
+        ]
         for k, cid in zip(ks, [7, 6, 5, 4]):
             assert np.array_equal(rows[cid], chunk(k))
     finally:
@@ -253,7 +279,9 @@ def test_stores_beyond_the_tiers_backlog_limit_fail_at_once(tmp_path):
     mgr = tiering_manager(fs_entry(tmp_path))
     tier = SecondaryTierFactory.create_secondary_tier(
         fs_entry(tmp_path / "capped", max_pending_store_chunks=2),
-        mgr.primary_tier.get_kv_memoryview(), mgr_spec(mgr))
+        mgr.primary_tier.get_kv_memoryview(),
+        mgr_spec(mgr),
+    )
     try:
         ctx = ReqContext(req_id="r")
         tier.submit_store(TransferJob(1, keys(3), np.array([0, 1, 2], np.int32), False, ctx))

@@ -11,6 +11,8 @@ import copy
 
 import numpy as np
 import pytest
+from helpers import HIT, Rig, keys_for, payload
+from s3 import ACCESS, SECRET, new_bucket, start_moto
 
 from kvoffload.config import (
     ConfigError,
@@ -20,9 +22,6 @@ from kvoffload.config import (
     parse_tier_config,
 )
 from kvoffload.ipc.channels import LOADS, STORES
-
-from helpers import HIT, Rig, keys_for, payload
-from s3 import ACCESS, SECRET, new_bucket, start_moto
 
 OURS = {"spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.vllm"}
 
@@ -40,10 +39,16 @@ VLLM_MULTI_TIER = {
 # vLLM 0.33 docs, "Object Store (OBJ)": every documented key, store_config included.
 VLLM_OBJ_TIER = {
     "type": "obj",
-    "store_config": {"bucket": "kvcache", "endpoint_override": "minio.internal:9000",
-                     "scheme": "https", "access_key": "AKIAEXAMPLE", "secret_key": "s3cr3t",
-                     "session_token": "tok", "region": "us-east-1",
-                     "ca_bundle": "/etc/ssl/certs/ca-certificates.crt"},
+    "store_config": {
+        "bucket": "kvcache",
+        "endpoint_override": "minio.internal:9000",
+        "scheme": "https",
+        "access_key": "AKIAEXAMPLE",
+        "secret_key": "s3cr3t",
+        "session_token": "tok",
+        "region": "us-east-1",
+        "ca_bundle": "/etc/ssl/certs/ca-certificates.crt",
+    },
     "prefix": "llama-70b",
     "io_threads": 4,
     "enable_kv_events": True,
@@ -81,8 +86,15 @@ def test_vllm_multi_tier_example_works_with_only_the_spec_changed(tmp_path):
 
 
 def test_vllm_fs_thread_counts_reach_the_worker_processes(tmp_path):
-    raw = {"type": "fs", "root_dir": str(tmp_path), "n_read_threads": 6, "n_write_threads": 3,
-           "read_workers": 2, "write_workers": 1, "locality": "REMOTE"}
+    raw = {
+        "type": "fs",
+        "root_dir": str(tmp_path),
+        "n_read_threads": 6,
+        "n_write_threads": 3,
+        "read_workers": 2,
+        "write_workers": 1,
+        "locality": "REMOTE",
+    }
     with Rig([raw], num_slots=4) as rig:
         fs = rig.fs
         assert fs._spec(0, b"r0", LOADS).io_threads == 3
@@ -101,24 +113,46 @@ def test_vllm_obj_tier_keys_map_to_ours():
     assert obj.bucket == "kvcache" and obj.prefix == "llama-70b" and obj.io_threads == 4
     assert obj.endpoint_override == "https://minio.internal:9000"
     assert (obj.access_key_id, obj.secret_access_key, obj.session_token) == (
-        "AKIAEXAMPLE", "s3cr3t", "tok")
+        "AKIAEXAMPLE",
+        "s3cr3t",
+        "tok",
+    )
     assert obj.region == "us-east-1" and obj.ca_bundle == "/etc/ssl/certs/ca-certificates.crt"
     assert obj.locality == "REMOTE" and obj.enable_kv_events is True
 
 
 def test_vllm_obj_defaults_mean_the_credential_chain_and_http():
     # ObjStoreConfig's defaults: "" credentials, region and CA bundle; scheme "http".
-    obj = tier({"type": "obj", "store_config": {
-        "bucket": "b", "endpoint_override": "127.0.0.1:9000", "access_key": "", "secret_key": "",
-        "session_token": "", "region": "", "ca_bundle": ""}})
+    obj = tier(
+        {
+            "type": "obj",
+            "store_config": {
+                "bucket": "b",
+                "endpoint_override": "127.0.0.1:9000",
+                "access_key": "",
+                "secret_key": "",
+                "session_token": "",
+                "region": "",
+                "ca_bundle": "",
+            },
+        }
+    )
     assert obj.endpoint_override == "http://127.0.0.1:9000"
     assert obj.access_key_id is obj.secret_access_key is obj.session_token is None
     assert obj.region is None and obj.ca_bundle is None
 
 
 def test_vllm_obj_keys_are_also_accepted_at_the_tier_level():
-    obj = tier({"type": "obj", "bucket": "b", "endpoint_override": "s3.example.com",
-                "scheme": "https", "access_key": "AK", "secret_key": "SK"})
+    obj = tier(
+        {
+            "type": "obj",
+            "bucket": "b",
+            "endpoint_override": "s3.example.com",
+            "scheme": "https",
+            "access_key": "AK",
+            "secret_key": "SK",
+        }
+    )
     assert obj.endpoint_override == "https://s3.example.com"
     assert (obj.access_key_id, obj.secret_access_key) == ("AK", "SK")
 
@@ -134,11 +168,22 @@ def test_vllm_obj_store_config_against_a_real_s3_server():
     try:
         host = endpoint.removeprefix("http://")
         bucket = new_bucket(endpoint)
-        raw = {"type": "obj", "store_config": {"bucket": bucket, "endpoint_override": host,
-                                               "scheme": "http", "access_key": ACCESS,
-                                               "secret_key": SECRET, "region": "us-east-1"},
-               "prefix": "vllm-shaped", "io_threads": 2, "addressing_style": "path",
-               "io_workers": 1, "n_read_threads": 5}
+        raw = {
+            "type": "obj",
+            "store_config": {
+                "bucket": bucket,
+                "endpoint_override": host,
+                "scheme": "http",
+                "access_key": ACCESS,
+                "secret_key": SECRET,
+                "region": "us-east-1",
+            },
+            "prefix": "vllm-shaped",
+            "io_threads": 2,
+            "addressing_style": "path",
+            "io_workers": 1,
+            "n_read_threads": 5,
+        }
         with Rig([raw], num_slots=4) as rig:
             obj = rig.fs
             assert obj._spec(0, b"r0", LOADS).io_threads == 5
@@ -155,38 +200,72 @@ def test_vllm_obj_store_config_against_a_real_s3_server():
 
 
 def test_a_setting_given_under_both_names_is_an_error_naming_both(tmp_path):
-    fails({"type": "fs", "root_dir": str(tmp_path), "n_read_threads": 8, "read_io_threads": 8},
-          "'n_read_threads'", "'read_io_threads'")
-    fails({"type": "obj", "bucket": "b", "access_key": "a", "access_key_id": "a"},
-          "'access_key'", "'access_key_id'")
-    fails({"type": "obj", "bucket": "b", "store_config": {"bucket": "b", "endpoint_override": "h"}},
-          "'store_config.bucket'", "'bucket'")
-    fails({"type": "obj", "access_key_id": "a",
-           "store_config": {"bucket": "b", "endpoint_override": "h", "access_key": "a"}},
-          "'store_config.access_key'", "'access_key_id'")
+    fails(
+        {"type": "fs", "root_dir": str(tmp_path), "n_read_threads": 8, "read_io_threads": 8},
+        "'n_read_threads'",
+        "'read_io_threads'",
+    )
+    fails(
+        {"type": "obj", "bucket": "b", "access_key": "a", "access_key_id": "a"},
+        "'access_key'",
+        "'access_key_id'",
+    )
+    fails(
+        {"type": "obj", "bucket": "b", "store_config": {"bucket": "b", "endpoint_override": "h"}},
+        "'store_config.bucket'",
+        "'bucket'",
+    )
+    fails(
+        {
+            "type": "obj",
+            "access_key_id": "a",
+            "store_config": {"bucket": "b", "endpoint_override": "h", "access_key": "a"},
+        },
+        "'store_config.access_key'",
+        "'access_key_id'",
+    )
 
 
 def test_errors_name_the_key_as_written(tmp_path):
-    fails({"type": "fs", "root_dir": str(tmp_path), "n_read_threads": "many"},
-          "secondary_tiers[0].n_read_threads:")
-    fails({"type": "fs", "root_dir": str(tmp_path), "n_write_threads": 1000},
-          "secondary_tiers[0].n_write_threads:", "write_workers")
-    fails({"type": "obj", "store_config": {"bucket": "b", "endpoint_override": "h",
-                                           "scheme": "ftp"}},
-          "secondary_tiers[0].store_config.scheme:", "'ftp'")
-    fails({"type": "obj", "store_config": {"bucket": "b", "endpoint_override": "https://h",
-                                           "scheme": "http"}},
-          "store_config.scheme", "contradicts")
-    fails({"type": "fs", "root_dir": str(tmp_path), "locality": "NEARBY"},
-          "secondary_tiers[0].locality:")
+    fails(
+        {"type": "fs", "root_dir": str(tmp_path), "n_read_threads": "many"},
+        "secondary_tiers[0].n_read_threads:",
+    )
+    fails(
+        {"type": "fs", "root_dir": str(tmp_path), "n_write_threads": 1000},
+        "secondary_tiers[0].n_write_threads:",
+        "write_workers",
+    )
+    fails(
+        {"type": "obj", "store_config": {"bucket": "b", "endpoint_override": "h", "scheme": "ftp"}},
+        "secondary_tiers[0].store_config.scheme:",
+        "'ftp'",
+    )
+    fails(
+        {
+            "type": "obj",
+            "store_config": {"bucket": "b", "endpoint_override": "https://h", "scheme": "http"},
+        },
+        "store_config.scheme",
+        "contradicts",
+    )
+    fails(
+        {"type": "fs", "root_dir": str(tmp_path), "locality": "NEARBY"},
+        "secondary_tiers[0].locality:",
+    )
 
 
 def test_unknown_keys_still_fail_with_a_message(tmp_path):
-    fails({"type": "fs", "root_dir": str(tmp_path), "n_read_thread": 8},
-          "unknown key 'n_read_thread'", "did you mean 'n_read_threads'")
-    fails({"type": "obj", "store_config": {"bucket": "b", "endpoint_override": "h",
-                                           "secret": "x"}},
-          "store_config: unknown key 'secret'", "allowed keys: bucket")
+    fails(
+        {"type": "fs", "root_dir": str(tmp_path), "n_read_thread": 8},
+        "unknown key 'n_read_thread'",
+        "did you mean 'n_read_threads'",
+    )
+    fails(
+        {"type": "obj", "store_config": {"bucket": "b", "endpoint_override": "h", "secret": "x"}},
+        "store_config: unknown key 'secret'",
+        "allowed keys: bucket",
+    )
     fails({"type": "obj", "store_config": "bucket=b"}, "store_config: expected an object")
     with pytest.raises(ConfigError, match="unknown key 'tier_poll_interval'"):
         parse_config({**as_kvoffload(VLLM_MULTI_TIER), "tier_poll_interval": 1})
@@ -195,14 +274,25 @@ def test_unknown_keys_still_fail_with_a_message(tmp_path):
 def test_vllm_tiering_settings_without_a_counterpart_are_accepted_and_reported(tmp_path):
     example = as_kvoffload(VLLM_MULTI_TIER)
     example["secondary_tiers"][0].update(
-        root_dir=str(tmp_path), enable_kv_events=True,
-        backpressure={"backpressure_cls": "EMABackpressureDetector"})
-    example.update(tier_poll_interval_s=0.01, backpressure={}, store_threshold=1,
-                   max_tracker_size=64000, sync_load_budget_bytes=1 << 20)
+        root_dir=str(tmp_path),
+        enable_kv_events=True,
+        backpressure={"backpressure_cls": "EMABackpressureDetector"},
+    )
+    example.update(
+        tier_poll_interval_s=0.01,
+        backpressure={},
+        store_threshold=1,
+        max_tracker_size=64000,
+        sync_load_budget_bytes=1 << 20,
+    )
     parse_config(example)
     notes = ineffective_vllm_keys(example)
     assert [n.split(":")[0] for n in notes] == [
-        "tier_poll_interval_s", "backpressure", "max_tracker_size",
-        "secondary_tiers[0].backpressure", "secondary_tiers[0].enable_kv_events"]
+        "tier_poll_interval_s",
+        "backpressure",
+        "max_tracker_size",
+        "secondary_tiers[0].backpressure",
+        "secondary_tiers[0].enable_kv_events",
+    ]
     with pytest.raises(ConfigError, match="store_threshold"):
         parse_config({**example, "store_threshold": 2})  # vLLM's tiering spec refuses it too

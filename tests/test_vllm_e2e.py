@@ -9,9 +9,10 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 pytest.importorskip("vllm")
 
+from helpers import replay  # noqa: E402
+
 from kvoffload.tools.demo import SYSTEM, chat, maintenance_log  # noqa: E402
 from kvoffload.tools.model import prepare_model  # noqa: E402
-from helpers import replay  # noqa: E402
 from kvoffload.tools.vllm_server import (  # noqa: E402
     BLOCK_BYTES_PER_TOKEN_F32,
     ServerSpec,
@@ -41,18 +42,33 @@ def server(model_dir, tmp_path_factory):
     prompt), fs tier for the rest."""
     root = tmp_path_factory.mktemp("fs-tier")
     logs = tmp_path_factory.mktemp("logs")
-    ours = {"endpoint": f"tcp://127.0.0.1:{free_port()}",
-            "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}
-    theirs = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "vllm",
-              "endpoint": f"tcp://127.0.0.1:{free_port()}",
-              "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}
-    offload = {"spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.vllm",
-               "cpu_bytes_to_use": 2048 * BLOCK_BYTES_PER_TOKEN_F32,
-               "secondary_tiers": [{"type": "fs", "root_dir": str(root)}],
-               "kv_events": ours}
-    spec = ServerSpec(model=model_dir, kv_cache_tokens=2048, block_size=32, max_model_len=2016,
-                      offload=offload, log_path=str(logs / "server.log"),
-                      extra_args=["--kv-events-config", json.dumps(theirs)])
+    ours = {
+        "endpoint": f"tcp://127.0.0.1:{free_port()}",
+        "replay_endpoint": f"tcp://127.0.0.1:{free_port()}",
+    }
+    theirs = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "topic": "vllm",
+        "endpoint": f"tcp://127.0.0.1:{free_port()}",
+        "replay_endpoint": f"tcp://127.0.0.1:{free_port()}",
+    }
+    offload = {
+        "spec_name": "KVOffloadSpec",
+        "spec_module_path": "kvoffload.vllm",
+        "cpu_bytes_to_use": 2048 * BLOCK_BYTES_PER_TOKEN_F32,
+        "secondary_tiers": [{"type": "fs", "root_dir": str(root)}],
+        "kv_events": ours,
+    }
+    spec = ServerSpec(
+        model=model_dir,
+        kv_cache_tokens=2048,
+        block_size=32,
+        max_model_len=2016,
+        offload=offload,
+        log_path=str(logs / "server.log"),
+        extra_args=["--kv-events-config", json.dumps(theirs)],
+    )
     srv = VLLMServer(spec).start()
     srv.fs_root = root
     srv.our_events = ours
@@ -61,13 +77,17 @@ def server(model_dir, tmp_path_factory):
     srv.stop()
     # The engine's arena is gone with it: the tier workers remove it once the owner has died.
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and any(n.startswith("kvoffload") for n in os.listdir("/dev/shm")):
+    while time.monotonic() < deadline and any(
+        n.startswith("kvoffload") for n in os.listdir("/dev/shm")
+    ):
         time.sleep(0.2)
 
 
 def conversation(doc: str, question: str = "Which site is mentioned first?") -> list[dict]:
-    return [{"role": "system", "content": SYSTEM},
-            {"role": "user", "content": f"{doc}\n\nQuestion: {question}"}]
+    return [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": f"{doc}\n\nQuestion: {question}"},
+    ]
 
 
 def test_reloads_from_host_and_fs_are_token_identical_to_recompute(server, tokenizer):
@@ -125,10 +145,14 @@ def test_metrics_and_kv_events_under_vllm(server, tokenizer):
             break
         time.sleep(1)
     assert got.get(("kvoffload_tier_hits_total", "fs", None), 0) > 0, sorted(got)
-    assert got[("kvoffload_tier_hits_total", "fs", None)] <= got[("kvoffload_tier_queries_total", "fs",
-                                                                   None)]
-    assert got[("kvoffload_lookup_hit_chunks_total", None, None)] <= got[
-        ("kvoffload_lookup_requested_chunks_total", None, None)]
+    assert (
+        got[("kvoffload_tier_hits_total", "fs", None)]
+        <= got[("kvoffload_tier_queries_total", "fs", None)]
+    )
+    assert (
+        got[("kvoffload_lookup_hit_chunks_total", None, None)]
+        <= got[("kvoffload_lookup_requested_chunks_total", None, None)]
+    )
     assert got[("kvoffload_tier_transfer_bytes_total", "fs", "store")] > 0
     assert got[("kvoffload_device_transfer_bytes_total", None, "store")] > 0
     assert got[("kvoffload_device_transfer_bytes_total", None, "load")] > 0
@@ -157,9 +181,8 @@ def test_c34_offloaded_block_events_match_vllm_gpu_events(server, tokenizer):
     parent hash, token ids and block size of vLLM's own GPU ``BlockStored`` for the same blocks
     (vLLM's publisher, same engine), and so do vLLM's own events for our tiers."""
     import msgspec
-    from vllm.distributed.kv_events import KVEventBatch
-
     from test_event_content import per_block
+    from vllm.distributed.kv_events import KVEventBatch
 
     dec = msgspec.msgpack.Decoder(KVEventBatch)
 
@@ -172,8 +195,10 @@ def test_c34_offloaded_block_events_match_vllm_gpu_events(server, tokenizer):
         theirs = events(server.vllm_events["replay_endpoint"])
         ours = events(server.our_events["replay_endpoint"])
         gpu = per_block(theirs, "GPU")
-        common = {m: gpu.keys() & per_block(ours, m, described_only=True).keys()
-                  for m in ("CPU", "STORAGE")}
+        common = {
+            m: gpu.keys() & per_block(ours, m, described_only=True).keys()
+            for m in ("CPU", "STORAGE")
+        }
         if min(len(c) for c in common.values()) >= DOC_TOKENS // 32 or time.monotonic() > deadline:
             break
         time.sleep(1)

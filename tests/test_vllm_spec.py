@@ -6,6 +6,7 @@ import torch
 
 vllm = pytest.importorskip("vllm")  # the vllm extra; always installed by tox / .ci/run
 
+from helpers import arena_name  # noqa: E402
 from vllm.v1.kv_offload.base import (  # noqa: E402
     CanonicalKVCacheRef,
     CanonicalKVCaches,
@@ -29,21 +30,32 @@ from kvoffload.ipc.arena import Arena  # noqa: E402
 from kvoffload.vllm import KVOffloadSpec  # noqa: E402
 from kvoffload.vllm_worker import KVOffloadWorker  # noqa: E402
 
-from helpers import arena_name  # noqa: E402
-
 PAGE = 4096 * 3
 
 
 def offloading_config(extra, *, bpb=2 * PAGE, bpc=1, model="org/model", dtype="bfloat16", tp=1):
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0", "l1"), group_id=0),),
-        worker_kv_bytes_per_block=bpb, enable_kv_cache_events=False, extra_config=extra,
-        engine_id="engine-test", model=OffloadingModelConfig(name=model, dtype=dtype),
+        worker_kv_bytes_per_block=bpb,
+        enable_kv_cache_events=False,
+        extra_config=extra,
+        engine_id="engine-test",
+        model=OffloadingModelConfig(name=model, dtype=dtype),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=bpc),
-        parallel=OffloadingParallelConfig(rank=0, world_size=tp, tp_size=tp, pp_size=1, pcp_size=1,
-                                          dcp_size=1, data_parallel_index=0, data_parallel_size=1,
-                                          data_parallel_rank_local=0, is_parallelism_agnostic=False),
-        kv_cache_layout="NHD")
+        parallel=OffloadingParallelConfig(
+            rank=0,
+            world_size=tp,
+            tp_size=tp,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=0,
+            is_parallelism_agnostic=False,
+        ),
+        kv_cache_layout="NHD",
+    )
 
 
 EXTRA = {"spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.vllm"}
@@ -73,8 +85,9 @@ def test_spec_config_errors_name_the_key():
 
 
 def test_spec_tolerates_vllm_033_arguments():
-    KVOffloadSpec(offloading_config({**EXTRA, "cpu_bytes_to_use": 1 << 20}), lock=object(),
-                  config_info={})
+    KVOffloadSpec(
+        offloading_config({**EXTRA, "cpu_bytes_to_use": 1 << 20}), lock=object(), config_info={}
+    )
     with pytest.raises(TypeError):
         KVOffloadSpec(offloading_config({**EXTRA, "cpu_bytes_to_use": 1 << 20}), bogus=1)
 
@@ -82,19 +95,33 @@ def test_spec_tolerates_vllm_033_arguments():
 def test_c05_nondeterministic_block_hashes_with_a_shared_tier_fail_at_start(monkeypatch, tmp_path):
     import kvoffload.vllm as kv
 
-    monkeypatch.setattr(kv, "nondeterministic_block_hashes",
-                        lambda: "prefix_caching_hash_algo='xxhash' without PYTHONHASHSEED")
-    spec = KVOffloadSpec(offloading_config({**EXTRA, "cpu_bytes_to_use": 1 << 20,
-                                            "secondary_tiers": [{"type": "fs",
-                                                                 "root_dir": str(tmp_path)}]}))
+    monkeypatch.setattr(
+        kv,
+        "nondeterministic_block_hashes",
+        lambda: "prefix_caching_hash_algo='xxhash' without PYTHONHASHSEED",
+    )
+    spec = KVOffloadSpec(
+        offloading_config(
+            {
+                **EXTRA,
+                "cpu_bytes_to_use": 1 << 20,
+                "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path)}],
+            }
+        )
+    )
     with pytest.raises(ConfigError, match="PYTHONHASHSEED"):
         spec.get_manager()
 
 
 def test_manager_round_trip_through_vllm_types(tmp_path):
-    extra = {**EXTRA, "cpu_bytes_to_use": 4 * 2 * PAGE, "arena_name": arena_name(),
-             "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path), "read_workers": 1,
-                                  "write_workers": 1}]}
+    extra = {
+        **EXTRA,
+        "cpu_bytes_to_use": 4 * 2 * PAGE,
+        "arena_name": arena_name(),
+        "secondary_tiers": [
+            {"type": "fs", "root_dir": str(tmp_path), "read_workers": 1, "write_workers": 1}
+        ],
+    }
     spec = KVOffloadSpec(offloading_config(extra))
     mgr = spec.get_manager()
     try:
@@ -113,6 +140,7 @@ def test_manager_round_trip_through_vllm_types(tmp_path):
         mgr.complete_store(out2.keys_to_store, ctx)
         evicted = out2.evicted_keys[0]
         import time
+
         deadline = time.monotonic() + 20
         res = mgr.lookup(evicted, ctx)
         while res is not LookupResult.HIT and time.monotonic() < deadline:
@@ -132,16 +160,22 @@ def test_cpu_worker_copies_blocks_to_arena_rows_and_back_bit_exact(bpc, one_allo
     pages = [PAGE, PAGE]
     gen = torch.Generator().manual_seed(0)
     if one_allocation:  # vLLM-CPU's layout: all layers in one buffer, layer-major
-        buf = torch.randint(-128, 127, (len(pages) * num_blocks * PAGE,), dtype=torch.int8,
-                            generator=gen)
-        device = [buf[i * num_blocks * PAGE:(i + 1) * num_blocks * PAGE].view(num_blocks, PAGE)
-                  for i in range(len(pages))]
+        buf = torch.randint(
+            -128, 127, (len(pages) * num_blocks * PAGE,), dtype=torch.int8, generator=gen
+        )
+        device = [
+            buf[i * num_blocks * PAGE : (i + 1) * num_blocks * PAGE].view(num_blocks, PAGE)
+            for i in range(len(pages))
+        ]
     else:
-        device = [torch.randint(-128, 127, (num_blocks, p), dtype=torch.int8, generator=gen)
-                  for p in pages]
+        device = [
+            torch.randint(-128, 127, (num_blocks, p), dtype=torch.int8, generator=gen)
+            for p in pages
+        ]
     kv = CanonicalKVCaches(
         tensors=[CanonicalKVCacheTensor(t, p) for t, p in zip(device, pages)],
-        group_data_refs=[[CanonicalKVCacheRef(0, PAGE), CanonicalKVCacheRef(1, PAGE)]])
+        group_data_refs=[[CanonicalKVCacheRef(0, PAGE), CanonicalKVCacheRef(1, PAGE)]],
+    )
     row_bytes = sum(pages) * bpc
     with Arena.create(arena_name(), 8, row_bytes) as arena:
         worker = KVOffloadWorker(kv, arena, row_bytes, 0, bpc)
@@ -156,8 +190,9 @@ def test_cpu_worker_copies_blocks_to_arena_rows_and_back_bit_exact(bpc, one_allo
         assert res[0].success and res[0].transfer_size == 5 * sum(pages)
         for t in device:
             t[blocks] = 0
-        assert worker.submit_load(2, CPULoadStoreSpec(slots), GPULoadStoreSpec([9, 10, 11, 12, 13],
-                                                                               [5], [1]))
+        assert worker.submit_load(
+            2, CPULoadStoreSpec(slots), GPULoadStoreSpec([9, 10, 11, 12, 13], [5], [1])
+        )
         assert worker.get_finished()[0].success
         for t, o in zip(device, original):
             assert torch.equal(t[[9, 10, 11, 12, 13]], o[blocks])
@@ -179,9 +214,14 @@ def test_c21_the_resolved_config_is_logged_once_at_start(tmp_path):
         def emit(self, record):
             self.records.append(record)
 
-    extra = {**EXTRA, "cpu_bytes_to_use": 4 * 2 * PAGE, "arena_name": arena_name(),
-             "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path), "read_workers": 1,
-                                  "write_workers": 1}]}
+    extra = {
+        **EXTRA,
+        "cpu_bytes_to_use": 4 * 2 * PAGE,
+        "arena_name": arena_name(),
+        "secondary_tiers": [
+            {"type": "fs", "root_dir": str(tmp_path), "read_workers": 1, "write_workers": 1}
+        ],
+    }
     spec = KVOffloadSpec(offloading_config(extra))
     logger = logging.getLogger("kvoffload")  # its own stderr handler; it does not propagate
     caught = Records()
@@ -201,7 +241,7 @@ def test_c21_the_resolved_config_is_logged_once_at_start(tmp_path):
     for r in caught.records:
         text = r.getMessage()
         if text.startswith("kvoffload: {"):
-            resolved.append(json.loads(text[len("kvoffload: "):]))
+            resolved.append(json.loads(text[len("kvoffload: ") :]))
     assert len(resolved) == 1, [r.getMessage() for r in caught.records]
     cfg = resolved[0]
     assert cfg["cpu_bytes_to_use"] == 4 * 2 * PAGE and cfg["eviction_policy"] == "lru"

@@ -11,6 +11,7 @@ import typing
 import numpy as np
 import psutil
 import pytest
+from helpers import HIT, MISS, ROW, Rig, fs_tier, keys_for, payload, wait_until
 
 from kvoffload.config import ConfigError, parse_config
 from kvoffload.ipc import messages as m
@@ -19,29 +20,35 @@ from kvoffload.workers.chunkfile import HEADER_BYTES, relative_name
 from kvoffload.workers.faults import Faults
 from kvoffload.workers.fs_io import filesystem_of
 
-from helpers import HIT, MISS, ROW, Rig, fs_tier, keys_for, payload, wait_until
-
 TESTS_DIR = pathlib.Path(__file__).parent
 WORKERS_DIR = pathlib.Path(chunkio.__file__).parent
 
 
 def _store_failures(rig: Rig) -> dict[str, int]:
     """Failed store chunks by reason (``kvoffload_tier_failed_chunks``)."""
-    return {reason: n for (_tier, direction, reason), n in rig.tm.stats.failed.items()
-            if direction == "store" and n}
+    return {
+        reason: n
+        for (_tier, direction, reason), n in rig.tm.stats.failed.items()
+        if direction == "store" and n
+    }
 
 
 def _load_failures(rig: Rig) -> dict[str, int]:
-    return {reason: n for (_tier, direction, reason), n in rig.tm.stats.failed.items()
-            if direction == "load" and n}
+    return {
+        reason: n
+        for (_tier, direction, reason), n in rig.tm.stats.failed.items()
+        if direction == "load" and n
+    }
 
 
 def _ready_writer_pid(rig: Rig) -> int:
     """The pid of the tier's one writer, once it is up and has said hello."""
+
     def ready():
         rig.tm.poll()
         ws = [w for w in rig.fs._writers.workers.values() if w.ready and w.proc.poll() is None]
         return ws[0].proc.pid if len(ws) == 1 else None
+
     return wait_until(ready, what="the tier's writer to be ready")
 
 
@@ -61,17 +68,25 @@ def _assert_stored(rig: Rig, root, keys) -> None:
 
 @pytest.mark.parametrize("error", ["ValueError", "MemoryError", "struct.error"])
 def test_c25_an_out_of_tree_io_error_fails_its_key_and_the_worker_goes_on(
-        tmp_path, monkeypatch, capfd, error):
+    tmp_path, monkeypatch, capfd, error
+):
     """An out-of-tree tier whose worker I/O raises something other than an I/O error for one key:
     that key fails with cause ``error`` and a logged traceback; the three good keys of its batch and
     the next batch are stored, by the same worker process (no restart)."""
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        [str(TESTS_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    monkeypatch.setenv(
+        "PYTHONPATH",
+        os.pathsep.join([str(TESTS_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    )
     keys = keys_for(4)
     bad = keys[1]
     root = tmp_path / "root"
-    tier = fs_tier(root, type="PoisonTier", module_path="poison_tier", name="poisoned",
-                   poison={bad.hex(): error})
+    tier = fs_tier(
+        root,
+        type="PoisonTier",
+        module_path="poison_tier",
+        name="poisoned",
+        poison={bad.hex(): error},
+    )
     with Rig([tier], num_slots=8) as rig:
         pid = _ready_writer_pid(rig)
         rig.store(keys)  # one task: the bad key and three good ones
@@ -99,8 +114,13 @@ def test_c25_an_injected_non_io_error_fails_its_key_and_the_worker_goes_on(tmp_p
     """The same through a ``raise_error`` fault inside the fs tier's own store code."""
     keys = keys_for(4)
     bad = keys[2]
-    fault = {"point": "before_read_slot", "action": "raise_error", "arg": "ValueError",
-             "key_hex": bad.hex(), "count": -1}
+    fault = {
+        "point": "before_read_slot",
+        "action": "raise_error",
+        "arg": "ValueError",
+        "key_hex": bad.hex(),
+        "count": -1,
+    }
     with Rig([fs_tier(tmp_path, faults=[fault])], num_slots=8) as rig:
         pid = _ready_writer_pid(rig)
         rig.store(keys)
@@ -158,13 +178,15 @@ def test_c25_a_task_that_kills_its_worker_is_not_rerun_on_a_second_worker(tmp_pa
 
 
 def test_c25_an_io_module_that_breaks_the_contract_fails_that_key_with_error(
-        tmp_path, monkeypatch, capfd):
+    tmp_path, monkeypatch, capfd
+):
     """An out-of-tree I/O module answering a tuple (the old contract) instead of an IOOutcome:
     the key fails with ``error``, named in the worker's log; the worker goes on."""
     monkeypatch.setenv("PYTHONPATH", str(TESTS_DIR))
     keys = keys_for(2)
-    tier = fs_tier(tmp_path, type="PoisonTier", module_path="poison_tier",
-                   poison={keys[0].hex(): "tuple"})
+    tier = fs_tier(
+        tmp_path, type="PoisonTier", module_path="poison_tier", poison={keys[0].hex(): "tuple"}
+    )
     with Rig([tier], num_slots=4) as rig:
         pid = _ready_writer_pid(rig)
         rig.store(keys)
@@ -194,31 +216,57 @@ def test_contained_errors_are_logged_at_most_burst_per_window_then_summed_up(cap
     now[0] += 1.0
     errors.log("store k6", why="a new window")
     err = capsys.readouterr().err.splitlines()
-    assert err == ["worker w: 4 more unexpected errors in the last 60 s, not shown",
-                   "worker w: store k6 failed; the worker goes on: a new window"]
+    assert err == [
+        "worker w: 4 more unexpected errors in the last 60 s, not shown",
+        "worker w: store k6 failed; the worker goes on: a new window",
+    ]
 
 
 # -- faults are checked when the config is parsed ------------------------------------------------
 
 
 def _parse_faults(*faults) -> None:
-    parse_config({"cpu_bytes_to_use": 16 * ROW, "secondary_tiers": [
-        {"type": "fs", "root_dir": "/tmp/kvoffload-faults-never-created", "faults": list(faults)}]})
+    parse_config(
+        {
+            "cpu_bytes_to_use": 16 * ROW,
+            "secondary_tiers": [
+                {
+                    "type": "fs",
+                    "root_dir": "/tmp/kvoffload-faults-never-created",
+                    "faults": list(faults),
+                }
+            ],
+        }
+    )
 
 
-@pytest.mark.parametrize("fault, key, allowed", [
-    ({"point": "read_paylaod", "action": "raise"}, "faults[0].point", ["read_payload", "task"]),
-    ({"point": "read_payload", "action": "raize"}, "faults[0].action", ["raise", "raise_error"]),
-    ({"point": "task", "action": "raise", "arg": "EIO"}, "faults[0].arg", ["errno"]),
-    ({"point": "task", "action": "raise_error", "arg": "ValuError"}, "faults[0].arg",
-     list(m.FAULT_ERRORS)),
-    ({"point": "task", "action": "sleep", "arg": -1}, "faults[0].arg", ["seconds >= 0"]),
-    ({"point": "task", "action": "wait_file"}, "faults[0].arg", ["path"]),
-    ({"point": "task", "action": "drop", "arg": 3}, "faults[0].arg", ["no argument"]),
-    ({"point": "task", "action": "drop", "key_hex": "K1"}, "faults[0].key_hex", ["hex"]),
-    ({"point": "task", "action": "drop", "count": -2}, "faults[0].count", [">= -1"]),
-    ({"point": "load", "action": "reply_short"}, "faults[0].action", ["reply point", "load_reply"]),
-])
+@pytest.mark.parametrize(
+    "fault, key, allowed",
+    [
+        ({"point": "read_paylaod", "action": "raise"}, "faults[0].point", ["read_payload", "task"]),
+        (
+            {"point": "read_payload", "action": "raize"},
+            "faults[0].action",
+            ["raise", "raise_error"],
+        ),
+        ({"point": "task", "action": "raise", "arg": "EIO"}, "faults[0].arg", ["errno"]),
+        (
+            {"point": "task", "action": "raise_error", "arg": "ValuError"},
+            "faults[0].arg",
+            list(m.FAULT_ERRORS),
+        ),
+        ({"point": "task", "action": "sleep", "arg": -1}, "faults[0].arg", ["seconds >= 0"]),
+        ({"point": "task", "action": "wait_file"}, "faults[0].arg", ["path"]),
+        ({"point": "task", "action": "drop", "arg": 3}, "faults[0].arg", ["no argument"]),
+        ({"point": "task", "action": "drop", "key_hex": "K1"}, "faults[0].key_hex", ["hex"]),
+        ({"point": "task", "action": "drop", "count": -2}, "faults[0].count", [">= -1"]),
+        (
+            {"point": "load", "action": "reply_short"},
+            "faults[0].action",
+            ["reply point", "load_reply"],
+        ),
+    ],
+)
 def test_fault_typos_are_config_errors_naming_the_key_and_allowed_values(fault, key, allowed):
     with pytest.raises(ConfigError) as e:
         _parse_faults({"point": "task", "action": "sleep", "arg": 0}, fault)
@@ -262,9 +310,13 @@ def _fault_points_in_workers() -> set[str]:
     found = set()
     for path in WORKERS_DIR.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and node.func.attr in ("hit", "_armed") and node.args
-                    and isinstance(node.args[0], ast.Constant)):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("hit", "_armed")
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+            ):
                 found.add(node.args[0].value)
     return found
 
@@ -284,11 +336,21 @@ def test_the_built_in_io_modules_implement_the_chunk_io_protocol(tmp_path):
     from kvoffload.workers import fs_io, obj_io
 
     ns_id = "00" * 16
-    fs = fs_io.make_io({"root_dir": str(tmp_path), "namespace_id": ns_id, "row_bytes": ROW},
-                       Faults([]))
-    obj = obj_io.make_io({"bucket": "b", "namespace_id": ns_id, "row_bytes": ROW,
-                          "endpoint_url": "http://127.0.0.1:9", "access_key_id": "k",
-                          "secret_access_key": "s", "region": "us-east-1"}, Faults([]))
+    fs = fs_io.make_io(
+        {"root_dir": str(tmp_path), "namespace_id": ns_id, "row_bytes": ROW}, Faults([])
+    )
+    obj = obj_io.make_io(
+        {
+            "bucket": "b",
+            "namespace_id": ns_id,
+            "row_bytes": ROW,
+            "endpoint_url": "http://127.0.0.1:9",
+            "access_key_id": "k",
+            "secret_access_key": "s",
+            "region": "us-east-1",
+        },
+        Faults([]),
+    )
     for io in (fs, obj):
         assert isinstance(io, chunkio.ChunkIO)
         for name in ("store", "load", "probe", "delete"):
@@ -307,14 +369,17 @@ def test_the_built_in_io_modules_implement_the_chunk_io_protocol(tmp_path):
     assert fs.load(key, memoryview(dst)).code == m.MISSING
 
 
-@pytest.mark.parametrize("outcome, problem", [
-    (chunkio.IOOutcome(m.TIMEOUT), "code"),
-    (chunkio.IOOutcome(42), "code"),
-    (chunkio.IOOutcome("0"), "code"),
-    (chunkio.IOOutcome(m.OK, -1), "nbytes"),
-    (chunkio.IOOutcome(m.OK, 0, None), "detail"),
-    (chunkio.IOOutcome(m.OK, 0, "", "200"), "status"),
-])
+@pytest.mark.parametrize(
+    "outcome, problem",
+    [
+        (chunkio.IOOutcome(m.TIMEOUT), "code"),
+        (chunkio.IOOutcome(42), "code"),
+        (chunkio.IOOutcome("0"), "code"),
+        (chunkio.IOOutcome(m.OK, -1), "nbytes"),
+        (chunkio.IOOutcome(m.OK, 0, None), "detail"),
+        (chunkio.IOOutcome(m.OK, 0, "", "200"), "status"),
+    ],
+)
 def test_an_outcome_outside_the_contract_is_named(outcome, problem):
     assert outcome.problem().startswith(problem)
 
@@ -324,14 +389,17 @@ def test_an_outcome_outside_the_contract_is_named(outcome, problem):
 
 @pytest.mark.parametrize("refused_at", ["direct_open_created", "direct_write"])
 def test_c31_a_filesystem_refusing_direct_io_half_way_stores_everything_buffered(
-        tmp_path, capfd, refused_at):
+    tmp_path, capfd, refused_at
+):
     """``direct_open_created``: the O_DIRECT open creates the file, then fails with EINVAL;
     ``direct_write``: the open succeeds and the first aligned write fails with EINVAL. Either way
     all 6 chunks are stored (buffered), the fallback is logged once with the filesystem, no failure
     is counted, and no temporary file is left. Loads meet the same on their side (``direct_read``)
     and read everything back."""
-    faults = [{"point": refused_at, "action": "raise", "arg": 22, "count": -1},
-              {"point": "direct_read", "action": "raise", "arg": 22, "count": -1}]
+    faults = [
+        {"point": refused_at, "action": "raise", "arg": 22, "count": -1},
+        {"point": "direct_read", "action": "raise", "arg": 22, "count": -1},
+    ]
     root = tmp_path / "root"
     keys = keys_for(6)
     with Rig([fs_tier(root, direct_io="both", faults=faults)], num_slots=8) as rig:

@@ -9,9 +9,19 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 import pytest
-
-from helpers import (HIT, MISS, PENDING, ROW, Rig, fs_tier, keys_for, payload, replay, wait_paused,
-                     wait_until)
+from helpers import (
+    HIT,
+    MISS,
+    PENDING,
+    ROW,
+    Rig,
+    fs_tier,
+    keys_for,
+    payload,
+    replay,
+    wait_paused,
+    wait_until,
+)
 
 SENTINEL = 0xEE
 
@@ -66,8 +76,9 @@ def test_c24_a_reply_that_does_not_confirm_every_key_never_publishes_it(tmp_path
 def test_c24_a_reply_for_a_task_never_sent_is_dropped_and_counted(tmp_path):
     """A stray reply (a task id the engine never sent) is dropped and counted; the real reply
     that follows is applied as usual."""
-    fs = fs_tier(tmp_path / "fs", faults=[{"point": "load_reply", "action": "reply_stray",
-                                           "count": -1}])
+    fs = fs_tier(
+        tmp_path / "fs", faults=[{"point": "load_reply", "action": "reply_stray", "count": -1}]
+    )
     with Rig([fs], num_slots=8) as rig:
         k1, k2 = keys_for(2)
         rig.store([k1, k2])
@@ -83,8 +94,9 @@ def test_c24_a_reply_for_a_task_never_sent_is_dropped_and_counted(tmp_path):
 def test_c24_a_short_probe_reply_does_not_leave_a_key_probing_forever(tmp_path):
     """A probe reply without a verdict for a key makes that key a (short-lived) miss instead of
     leaving it 'being probed', which answered RETRY forever."""
-    fs = fs_tier(tmp_path / "fs", faults=[{"point": "probe_reply", "action": "reply_short",
-                                           "count": 1}])
+    fs = fs_tier(
+        tmp_path / "fs", faults=[{"point": "probe_reply", "action": "reply_short", "count": 1}]
+    )
     with Rig([fs], num_slots=8) as rig:
         keys = keys_for(2)
         rig.store(keys)
@@ -103,13 +115,18 @@ def test_c26_reset_while_a_tier_load_is_in_flight_never_reuses_its_slot(tmp_path
     before and after the late load lands."""
     gate = tmp_path / "gate"
     k1, *fresh = keys_for(5)
-    fs = fs_tier(tmp_path / "fs", faults=[{"point": "read_payload", "action": "wait_file",
-                                           "arg": str(gate), "key_hex": k1.hex()}])
+    fs = fs_tier(
+        tmp_path / "fs",
+        faults=[
+            {"point": "read_payload", "action": "wait_file", "arg": str(gate), "key_hex": k1.hex()}
+        ],
+    )
     with Rig([fs], num_slots=4) as rig:
         rig.store([k1])
         rig.tm.host.remove([k1])
-        wait_until(lambda: rig.tm.lookup(k1, "req") is PENDING, what="a promotion of K1",
-                   step=rig.tm.step)
+        wait_until(
+            lambda: rig.tm.lookup(k1, "req") is PENDING, what="a promotion of K1", step=rig.tm.step
+        )
         wait_paused(gate, step=rig.tm.step)  # the worker is inside the load, before the payload
         rig.tm.reset_cache(timeout_s=0.5)
         assert rig.tm.has_pending_work(), "reset waited for the paused load"
@@ -121,7 +138,7 @@ def test_c26_reset_while_a_tier_load_is_in_flight_never_reuses_its_slot(tmp_path
         stored = list(plan.keys)
         gate.touch()  # the late load lands
         assert rig.tm.wait_idle(120)
-        for key, row in zip(stored, rig.read(stored)):
+        for _key, row in zip(stored, rig.read(stored)):
             assert (row == 0x22).all(), "a late load overwrote a chunk stored after the reset"
         assert len(stored) == 3  # one slot was still being loaded into: quarantined
         assert rig.tm.host.num_quarantined == 0
@@ -142,8 +159,10 @@ def test_c26_reset_keeps_slots_of_unfinished_accelerator_copies_and_tier_stores(
     """Slots being read by an accelerator copy (pinned by a holder) or by a tier store are not
     reused after a reset until those transfers complete."""
     gate = tmp_path / "gate"
-    fs = fs_tier(tmp_path / "fs", faults=[{"point": "before_read_slot", "action": "wait_file",
-                                           "arg": str(gate)}])
+    fs = fs_tier(
+        tmp_path / "fs",
+        faults=[{"point": "before_read_slot", "action": "wait_file", "arg": str(gate)}],
+    )
     with Rig([fs], num_slots=4) as rig:
         a, b, *fresh = keys_for(6)
         rig.store([a, b], wait=False)  # write-through to fs paused: both slots pinned by it
@@ -211,7 +230,7 @@ def test_c28_a_duplicated_completion_never_releases_another_requests_pin(tmp_pat
         rig.tm.complete_load([k], "A")
         rig.tm.complete_load([k], "A")  # the duplicate
         for i in range(0, len(fresh), 3):  # needs every slot: everything evictable goes
-            plan = rig.tm.prepare_store(fresh[i:i + 3])
+            plan = rig.tm.prepare_store(fresh[i : i + 3])
             if plan is not None:
                 for s in plan.slots:
                     assert s != slot_a[0], "K's slot handed out while B still copies it"
@@ -231,8 +250,10 @@ def test_c28_a_duplicated_completion_never_releases_another_requests_pin(tmp_pat
 def test_pins_are_exactly_the_live_holders(tmp_path):
     """The host tier's ref counts equal the pins the manager's holders and tier stores hold."""
     gate = tmp_path / "gate"
-    fs = fs_tier(tmp_path / "fs", faults=[{"point": "before_read_slot", "action": "wait_file",
-                                           "arg": str(gate)}])
+    fs = fs_tier(
+        tmp_path / "fs",
+        faults=[{"point": "before_read_slot", "action": "wait_file", "arg": str(gate)}],
+    )
     with Rig([fs], num_slots=8) as rig:
         keys = keys_for(3)
         rig.store(keys, wait=False)

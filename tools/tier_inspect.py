@@ -130,10 +130,14 @@ def _fs_root_problem(root: str) -> str:
     """Why ``root`` holds no namespace directory (a message for the user)."""
     names = set(os.listdir(root))
     if _CONFIG in names and any(re.fullmatch(r"[0-9a-f]{2}", n) for n in names):
-        return (f"{root} is a namespace directory, not a tier root; inspect its parent "
-                f"{os.path.dirname(os.path.abspath(root))}")
-    return (f"{root} is not an fs tier root: it holds no namespace directory "
-            f"(<32 hex digits>/config.json, written by an engine at start)")
+        return (
+            f"{root} is a namespace directory, not a tier root; inspect its parent "
+            f"{os.path.dirname(os.path.abspath(root))}"
+        )
+    return (
+        f"{root} is not an fs tier root: it holds no namespace directory "
+        f"(<32 hex digits>/config.json, written by an engine at start)"
+    )
 
 
 def _scan_fs_namespace(entry: os.DirEntry, stale_age_s: float, now: float) -> NamespaceReport:
@@ -198,9 +202,10 @@ def namespace_dirs(root: str) -> list[os.DirEntry]:
         raise InspectError(f"{root}: not a directory")
     try:
         with os.scandir(root) as it:
-            entries = sorted((e for e in it
-                              if _NS_RE.match(e.name) and e.is_dir(follow_symlinks=False)),
-                             key=lambda e: e.name)
+            entries = sorted(
+                (e for e in it if _NS_RE.match(e.name) and e.is_dir(follow_symlinks=False)),
+                key=lambda e: e.name,
+            )
         if not entries:
             raise InspectError(_fs_root_problem(root))
     except PermissionError:
@@ -227,10 +232,16 @@ def inspect_fs(root: str, stale_temp_age_s: float = fs_io.STALE_TEMP_AGE_S) -> T
         except FileNotFoundError:
             continue  # the namespace directory was removed while we looked
         except PermissionError as e:
-            raise InspectError(f"{root}: cannot read {e.filename or entry.path}: permission "
-                               f"denied") from None
-    return TierReport(root=root, kind="fs", scanned_at=now, stale_temp_age_s=stale_temp_age_s,
-                      namespaces=namespaces)
+            raise InspectError(
+                f"{root}: cannot read {e.filename or entry.path}: permission denied"
+            ) from None
+    return TierReport(
+        root=root,
+        kind="fs",
+        scanned_at=now,
+        stale_temp_age_s=stale_temp_age_s,
+        namespaces=namespaces,
+    )
 
 
 # -- obj -----------------------------------------------------------------------------------------
@@ -242,7 +253,7 @@ def parse_s3_url(url: str) -> tuple[str, str]:
     Raises:
         InspectError: no bucket name.
     """
-    rest = url[len("s3://"):]
+    rest = url[len("s3://") :]
     bucket, _, prefix = rest.partition("/")
     if not bucket:
         raise InspectError(f"{url}: no bucket name (expected s3://BUCKET[/PREFIX])")
@@ -253,23 +264,32 @@ def _s3_client(endpoint_url: str | None, region: str | None):
     import boto3
     from botocore.config import Config
 
-    config = Config(retries={"total_max_attempts": 2, "mode": "standard"}, connect_timeout=5,
-                    read_timeout=30, signature_version="s3v4",
-                    request_checksum_calculation="when_required",
-                    response_checksum_validation="when_required")
+    config = Config(
+        retries={"total_max_attempts": 2, "mode": "standard"},
+        connect_timeout=5,
+        read_timeout=30,
+        signature_version="s3v4",
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+    )
     try:
-        return boto3.session.Session(region_name=region).client("s3", endpoint_url=endpoint_url,
-                                                               config=config)
+        return boto3.session.Session(region_name=region).client(
+            "s3", endpoint_url=endpoint_url, config=config
+        )
     except ValueError as e:  # botocore: "Invalid endpoint: ..."
-        raise InspectError(f"--endpoint-url {endpoint_url}: {e} (expected http(s)://host[:port])")
+        raise InspectError(
+            f"--endpoint-url {endpoint_url}: {e} (expected http(s)://host[:port])"
+        ) from e
 
 
 def _s3_problem(exc: BaseException, bucket: str, where: str) -> str:
     from botocore.exceptions import ClientError, NoCredentialsError
 
     if isinstance(exc, NoCredentialsError):
-        return (f"no credentials for {where}: set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or an "
-                f"AWS profile")
+        return (
+            f"no credentials for {where}: set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or an "
+            f"AWS profile"
+        )
     if isinstance(exc, ClientError):
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         code = exc.response.get("Error", {}).get("Code", "")
@@ -299,21 +319,25 @@ def inspect_obj(url: str, endpoint_url: str | None = None, region: str | None = 
     try:
         ns_ids = []
         for page in client.get_paginator("list_objects_v2").paginate(
-                Bucket=bucket, Prefix=base, Delimiter="/"):
+            Bucket=bucket, Prefix=base, Delimiter="/"
+        ):
             for p in page.get("CommonPrefixes", []):
-                name = p["Prefix"][len(base):].rstrip("/")
+                name = p["Prefix"][len(base) :].rstrip("/")
                 if _NS_RE.match(name):
                     ns_ids.append(name)
         if not ns_ids:
-            raise InspectError(f"{url} is not an obj tier root: no namespace prefix "
-                               f"(<32 hex digits>/config.json) under it at {where}")
+            raise InspectError(
+                f"{url} is not an obj tier root: no namespace prefix "
+                f"(<32 hex digits>/config.json) under it at {where}"
+            )
         namespaces = [_scan_obj_namespace(client, bucket, base, ns_id) for ns_id in sorted(ns_ids)]
     except InspectError:
         raise
-    except Exception as e:  # noqa: BLE001 - every SDK failure becomes a message naming the target
+    except Exception as e:
         raise InspectError(_s3_problem(e, bucket, where)) from None
-    return TierReport(root=url, kind="obj", scanned_at=now, stale_temp_age_s=None,
-                      namespaces=namespaces)
+    return TierReport(
+        root=url, kind="obj", scanned_at=now, stale_temp_age_s=None, namespaces=namespaces
+    )
 
 
 def _scan_obj_namespace(client, bucket: str, base: str, ns_id: str) -> NamespaceReport:
@@ -325,7 +349,7 @@ def _scan_obj_namespace(client, bucket: str, base: str, ns_id: str) -> Namespace
     has_config = False
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=ns_prefix):
         for obj in page.get("Contents", []):
-            name = obj["Key"][len(ns_prefix):]
+            name = obj["Key"][len(ns_prefix) :]
             if name == _CONFIG:
                 has_config = True
                 continue
@@ -344,8 +368,9 @@ def _scan_obj_namespace(client, bucket: str, base: str, ns_id: str) -> Namespace
         rep.problem = "no config.json (not written by an engine, or removed)"
         return rep
     try:
-        body = client.get_object(Bucket=bucket, Key=ns_prefix + _CONFIG,
-                                 Range=f"bytes=0-{_CONFIG_MAX_BYTES - 1}")["Body"].read()
+        body = client.get_object(
+            Bucket=bucket, Key=ns_prefix + _CONFIG, Range=f"bytes=0-{_CONFIG_MAX_BYTES - 1}"
+        )["Body"].read()
     except ClientError as e:
         rep.problem = f"config.json cannot be read: {e}"
         return rep
@@ -353,8 +378,13 @@ def _scan_obj_namespace(client, bucket: str, base: str, ns_id: str) -> Namespace
     return rep
 
 
-def inspect_target(target: str, *, endpoint_url: str | None = None, region: str | None = None,
-                   stale_temp_age_s: float = fs_io.STALE_TEMP_AGE_S) -> TierReport:
+def inspect_target(
+    target: str,
+    *,
+    endpoint_url: str | None = None,
+    region: str | None = None,
+    stale_temp_age_s: float = fs_io.STALE_TEMP_AGE_S,
+) -> TierReport:
     """:func:`inspect_obj` for ``s3://...`` targets, :func:`inspect_fs` for anything else."""
     if target.startswith("s3://"):
         return inspect_obj(target, endpoint_url=endpoint_url, region=region)
@@ -363,9 +393,24 @@ def inspect_target(target: str, *, endpoint_url: str | None = None, region: str 
 
 # -- output --------------------------------------------------------------------------------------
 
-_IDENTITY_ORDER = ("model", "revision", "model_path", "model_fingerprint", "kv_dtype", "layout",
-                   "tokens_per_chunk", "row_bytes", "groups", "tp_size", "pp_size", "pcp_size",
-                   "dcp_size", "tp_rank", "format_version", "cache_salt")
+_IDENTITY_ORDER = (
+    "model",
+    "revision",
+    "model_path",
+    "model_fingerprint",
+    "kv_dtype",
+    "layout",
+    "tokens_per_chunk",
+    "row_bytes",
+    "groups",
+    "tp_size",
+    "pp_size",
+    "pcp_size",
+    "dcp_size",
+    "tp_rank",
+    "format_version",
+    "cache_salt",
+)
 
 
 def to_json(report: TierReport) -> str:
@@ -399,9 +444,13 @@ def format_bytes(n: int) -> str:
 
 def _identity_value(key: str, value: Any) -> str:
     if key == "groups" and isinstance(value, list):
-        parts = [f"{g.get('kind', '?')}: {g.get('num_layers', '?')} layers x "
-                 f"{g.get('tokens_per_block', '?')} tok x {g.get('page_bytes', '?')} B"
-                 if isinstance(g, dict) else str(g) for g in value]
+        parts = [
+            f"{g.get('kind', '?')}: {g.get('num_layers', '?')} layers x "
+            f"{g.get('tokens_per_block', '?')} tok x {g.get('page_bytes', '?')} B"
+            if isinstance(g, dict)
+            else str(g)
+            for g in value
+        ]
         return "; ".join(parts) or "-"
     if value is None or value == "":
         return "-"
@@ -413,11 +462,18 @@ def render(report: TierReport, console) -> None:
     from rich.table import Table
 
     now = report.scanned_at
-    console.print(f"[bold]{report.kind} tier[/bold] {report.root}: "
-                  f"{len(report.namespaces)} namespace(s)", highlight=False)
+    console.print(
+        f"[bold]{report.kind} tier[/bold] {report.root}: {len(report.namespaces)} namespace(s)",
+        highlight=False,
+    )
     for ns in report.namespaces:
-        t = Table(title=f"namespace {ns.id}", title_justify="left", show_header=False,
-                  box=None, padding=(0, 2))
+        t = Table(
+            title=f"namespace {ns.id}",
+            title_justify="left",
+            show_header=False,
+            box=None,
+            padding=(0, 2),
+        )
         t.add_column("field", style="cyan", no_wrap=True)
         t.add_column("value", overflow="fold")
         t.add_row("location", ns.location)
@@ -439,9 +495,11 @@ def render(report: TierReport, console) -> None:
             if tmp.count:
                 text += f", oldest {_when(tmp.oldest, now)}"
             if tmp.stale:
-                text += (f", [yellow]{tmp.stale:,} stale[/yellow] (older than "
-                         f"{format_age(report.stale_temp_age_s)}: "
-                         f"kvoffload sweep --fs-root removes them)")
+                text += (
+                    f", [yellow]{tmp.stale:,} stale[/yellow] (older than "
+                    f"{format_age(report.stale_temp_age_s)}: "
+                    f"kvoffload sweep --fs-root removes them)"
+                )
             t.add_row("temp files", text)
         if ns.other_files:
             t.add_row("other files", f"{ns.other_files:,}")

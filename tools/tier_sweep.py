@@ -52,8 +52,9 @@ class TempSweep(msgspec.Struct, kw_only=True):
     kept: int = 0
 
 
-def sweep_fs_root(root: str, older_than_s: float = fs_io.STALE_TEMP_AGE_S, *,
-                  remove: bool = True) -> TempSweep:
+def sweep_fs_root(
+    root: str, older_than_s: float = fs_io.STALE_TEMP_AGE_S, *, remove: bool = True
+) -> TempSweep:
     """Find (and unless ``remove`` is False, remove) the orphaned temporary files under ``root``.
 
     Args:
@@ -90,8 +91,9 @@ def sweep_fs_root(root: str, older_than_s: float = fs_io.STALE_TEMP_AGE_S, *,
         except FileNotFoundError:
             continue  # the namespace directory was removed meanwhile
         except PermissionError as e:
-            raise InspectError(f"{root}: cannot read {e.filename or ns.path}: permission "
-                               f"denied") from None
+            raise InspectError(
+                f"{root}: cannot read {e.filename or ns.path}: permission denied"
+            ) from None
     return out
 
 
@@ -102,19 +104,30 @@ def render(result: TempSweep, console, *, listing: bool) -> None:
     age = format_age(result.older_than_s)
     if listing:
         for s in result.stale:
-            console.print(f"{s.path}  {s.bytes:,} B  last written {format_age(s.age_s)} ago",
-                          highlight=False, soft_wrap=True)
-        console.print(f"{result.root}: {len(result.stale)} orphaned temp file(s) older than {age} "
-                      f"(sweep removes them); {result.kept} younger kept", highlight=False,
-                      soft_wrap=True)
+            console.print(
+                f"{s.path}  {s.bytes:,} B  last written {format_age(s.age_s)} ago",
+                highlight=False,
+                soft_wrap=True,
+            )
+        console.print(
+            f"{result.root}: {len(result.stale)} orphaned temp file(s) older than {age} "
+            f"(sweep removes them); {result.kept} younger kept",
+            highlight=False,
+            soft_wrap=True,
+        )
         return
-    console.print(f"{result.root}: removed {result.removed} orphaned temp file(s) "
-                  f"({format_bytes(result.removed_bytes)}) older than {age}; "
-                  f"{result.kept} younger kept", highlight=False, soft_wrap=True)
+    console.print(
+        f"{result.root}: removed {result.removed} orphaned temp file(s) "
+        f"({format_bytes(result.removed_bytes)}) older than {age}; "
+        f"{result.kept} younger kept",
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
-def sweep_roots(roots: list[str] | tuple[str, ...], older_than_s: float | None, *,
-                listing: bool) -> list[TempSweep]:
+def sweep_roots(
+    roots: list[str] | tuple[str, ...], older_than_s: float | None, *, listing: bool
+) -> list[TempSweep]:
     """``kvoffload sweep --fs-root``: sweep (or with ``listing``, list) each root and print the
     outcome; ``older_than_s`` None means :data:`~kvoffload.workers.fs_io.STALE_TEMP_AGE_S`.
 

@@ -60,6 +60,7 @@ Labels = tuple[str, ...]
 
 # -- scrape → snapshot ------------------------------------------------------------------------
 
+
 @dataclass(frozen=True, slots=True)
 class Histogram:
     """One histogram series: ``buckets`` are ``(upper bound, cumulative count)`` sorted by bound,
@@ -73,11 +74,17 @@ class Histogram:
     def minus(self, earlier: Histogram | None) -> Histogram:
         """The observations made since ``earlier``; this histogram itself when ``earlier`` is None,
         has other bounds, or is larger (the target restarted and its counters reset)."""
-        if (earlier is None or earlier.count > self.count
-                or [b for b, _ in earlier.buckets] != [b for b, _ in self.buckets]):
+        if (
+            earlier is None
+            or earlier.count > self.count
+            or [b for b, _ in earlier.buckets] != [b for b, _ in self.buckets]
+        ):
             return self
-        return Histogram(tuple((b, c - e) for (b, c), (_, e) in zip(self.buckets, earlier.buckets)),
-                         self.count - earlier.count, self.total - earlier.total)
+        return Histogram(
+            tuple((b, c - e) for (b, c), (_, e) in zip(self.buckets, earlier.buckets)),
+            self.count - earlier.count,
+            self.total - earlier.total,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +187,7 @@ def normalize_metrics_url(url: str) -> str:
 
 
 # -- snapshot → stats -------------------------------------------------------------------------
+
 
 def increase(earlier: float | None, later: float) -> float:
     """Counter increase between two readings. A smaller later reading means the counter was reset
@@ -336,8 +344,11 @@ class Stats:
 def _tier_order(tiers: Iterable[str]) -> list[str]:
     """``host`` first, ``device`` last, secondary tiers in the order first seen (configured)."""
     seen = list(dict.fromkeys(t for t in tiers if t))
-    return ([t for t in seen if t == "host"] + [t for t in seen if t not in ("host", "device")]
-            + [t for t in seen if t == "device"])
+    return (
+        [t for t in seen if t == "host"]
+        + [t for t in seen if t not in ("host", "device")]
+        + [t for t in seen if t == "device"]
+    )
 
 
 def _direction_rank(direction: tuple[str, ...]) -> int:
@@ -346,8 +357,9 @@ def _direction_rank(direction: tuple[str, ...]) -> int:
     return len(DIRECTIONS)
 
 
-def _rate(cur: Snapshot, prev: Snapshot | None, name: str,
-          keys: Sequence[str]) -> dict[Labels, float]:
+def _rate(
+    cur: Snapshot, prev: Snapshot | None, name: str, keys: Sequence[str]
+) -> dict[Labels, float]:
     if prev is None or cur.t <= prev.t:
         return {}
     before = prev.by(name, keys)
@@ -355,8 +367,12 @@ def _rate(cur: Snapshot, prev: Snapshot | None, name: str,
     return {k: increase(before.get(k), v) / dt for k, v in cur.by(name, keys).items()}
 
 
-def derive(cur: Snapshot, prev: Snapshot | None = None, window_base: Snapshot | None = None,
-           quantiles: Sequence[float] = QUANTILES) -> Stats:
+def derive(
+    cur: Snapshot,
+    prev: Snapshot | None = None,
+    window_base: Snapshot | None = None,
+    quantiles: Sequence[float] = QUANTILES,
+) -> Stats:
     """Stats from the newest snapshot ``cur``, the scrape before it ``prev`` (rates) and the oldest
     snapshot inside the latency window ``window_base`` (percentiles of the observations made in
     the ``cur.t - window_base.t`` seconds between them)."""
@@ -366,38 +382,60 @@ def derive(cur: Snapshot, prev: Snapshot | None = None, window_base: Snapshot | 
     ratio = cur.value(f"{p}host_usage_ratio")
     if len(instances) > 1 and used is not None and capacity:
         ratio = used / capacity  # ratios do not add up across managers; slots do
-    host = HostUsage(capacity, cur.value(f"{p}host_slot_bytes"), used,
-                     cur.value(f"{p}host_slots_pinned"), ratio,
-                     cur.value(f"{p}host_evictions_total"),
-                     _rate(cur, prev, f"{p}host_evictions_total", ()).get(()))
+    host = HostUsage(
+        capacity,
+        cur.value(f"{p}host_slot_bytes"),
+        used,
+        cur.value(f"{p}host_slots_pinned"),
+        ratio,
+        cur.value(f"{p}host_evictions_total"),
+        _rate(cur, prev, f"{p}host_evictions_total", ()).get(()),
+    )
 
     queries = cur.by(f"{p}tier_queries_total", ("tier",))
     tier_hits = cur.by(f"{p}tier_hits_total", ("tier",))
     query_rates = _rate(cur, prev, f"{p}tier_queries_total", ("tier",))
-    hits = [HitRow(t, queries.get((t,), 0.0), tier_hits.get((t,), 0.0), query_rates.get((t,)))
-            for t in _tier_order(k[0] for k in (*queries, *tier_hits))]
+    hits = [
+        HitRow(t, queries.get((t,), 0.0), tier_hits.get((t,), 0.0), query_rates.get((t,)))
+        for t in _tier_order(k[0] for k in (*queries, *tier_hits))
+    ]
     requested = cur.value(f"{p}lookup_requested_chunks_total")
     if requested is not None:
-        hits.append(HitRow("all", requested, cur.value(f"{p}lookup_hit_chunks_total") or 0.0,
-                           _rate(cur, prev, f"{p}lookup_requested_chunks_total", ()).get(())))
+        hits.append(
+            HitRow(
+                "all",
+                requested,
+                cur.value(f"{p}lookup_hit_chunks_total") or 0.0,
+                _rate(cur, prev, f"{p}lookup_requested_chunks_total", ()).get(()),
+            )
+        )
 
     keys = ("tier", "direction")
     tier_bytes = cur.by(f"{p}tier_transfer_bytes_total", keys)
     tier_bytes_rate = _rate(cur, prev, f"{p}tier_transfer_bytes_total", keys)
     tier_chunks_rate = _rate(cur, prev, f"{p}tier_transfer_chunks_total", keys)
-    throughput = [Throughput(t, d, tier_bytes_rate.get((t, d)), tier_chunks_rate.get((t, d)),
-                             tier_bytes[(t, d)])
-                  for t in _tier_order(k[0] for k in tier_bytes)
-                  for d in DIRECTIONS if (t, d) in tier_bytes]
+    throughput = [
+        Throughput(
+            t, d, tier_bytes_rate.get((t, d)), tier_chunks_rate.get((t, d)), tier_bytes[(t, d)]
+        )
+        for t in _tier_order(k[0] for k in tier_bytes)
+        for d in DIRECTIONS
+        if (t, d) in tier_bytes
+    ]
     device_bytes = cur.by(f"{p}device_transfer_bytes_total", ("direction",))
     device_rate = _rate(cur, prev, f"{p}device_transfer_bytes_total", ("direction",))
-    throughput += [Throughput("device", d, device_rate.get((d,)), None, device_bytes[(d,)])
-                   for d in DIRECTIONS if (d,) in device_bytes]
+    throughput += [
+        Throughput("device", d, device_rate.get((d,)), None, device_bytes[(d,)])
+        for d in DIRECTIONS
+        if (d,) in device_bytes
+    ]
 
     latency = []
     window_s = cur.t - window_base.t if window_base is not None else 0.0
-    for metric, name, hkeys in (("lookup", f"{p}lookup_latency_seconds", ("tier",)),
-                                ("transfer", f"{p}tier_transfer_latency_seconds", keys)):
+    for metric, name, hkeys in (
+        ("lookup", f"{p}lookup_latency_seconds", ("tier",)),
+        ("transfer", f"{p}tier_transfer_latency_seconds", keys),
+    ):
         now = cur.histograms(name, hkeys)
         then = window_base.histograms(name, hkeys) if window_base is not None else {}
         order = _tier_order(k[0] for k in now)
@@ -407,14 +445,28 @@ def derive(cur: Snapshot, prev: Snapshot | None = None, window_base: Snapshot | 
                 recent = now[key].minus(then.get(key))
                 if recent.count > 0:
                     h, scope = recent, f"last {window_s:.0f} s"
-            latency.append(LatencyRow(
-                metric, key[0], key[1] if len(key) > 1 else "", h.count,
-                tuple(histogram_quantile(q, h.buckets) for q in quantiles),
-                h.total / h.count if h.count else None, scope))
+            latency.append(
+                LatencyRow(
+                    metric,
+                    key[0],
+                    key[1] if len(key) > 1 else "",
+                    h.count,
+                    tuple(histogram_quantile(q, h.buckets) for q in quantiles),
+                    h.total / h.count if h.count else None,
+                    scope,
+                )
+            )
 
-    health_tiers = _tier_order(k[0] for name in ("tier_workers_alive", "tier_queue_depth",
-                                                 "tier_inflight_jobs", "tier_breaker_open")
-                               for k in cur.by(f"{p}{name}", ("tier",)))
+    health_tiers = _tier_order(
+        k[0]
+        for name in (
+            "tier_workers_alive",
+            "tier_queue_depth",
+            "tier_inflight_jobs",
+            "tier_breaker_open",
+        )
+        for k in cur.by(f"{p}{name}", ("tier",))
+    )
     queue = cur.by(f"{p}tier_queue_depth", keys)
     failed = cur.by(f"{p}tier_failed_chunks_total", ("tier", "direction", "reason"))
     breaker_states = cur.by(f"{p}tier_breaker_state", ("tier", "state"))
@@ -426,35 +478,56 @@ def derive(cur: Snapshot, prev: Snapshot | None = None, window_base: Snapshot | 
         else:  # a target without the state gauge
             was_open = cur.value(f"{p}tier_breaker_open", tier=t)
             breaker = None if was_open is None else ("open" if was_open > 0 else "closed")
-        health.append(TierHealth(
-            t, cur.value(f"{p}tier_workers_alive", tier=t),
-            cur.value(f"{p}tier_worker_restarts_total", tier=t),
-            breaker,
-            queue.get((t, "store")), queue.get((t, "load")),
-            cur.value(f"{p}tier_inflight_jobs", tier=t),
-            {f"{d}/{r}": v for (ft, d, r), v in sorted(failed.items()) if ft == t and v > 0},
-            cur.value(f"{p}dropped_stores_total", tier=t),
-            cur.value(f"{p}tier_evictions_total", tier=t)))
+        health.append(
+            TierHealth(
+                t,
+                cur.value(f"{p}tier_workers_alive", tier=t),
+                cur.value(f"{p}tier_worker_restarts_total", tier=t),
+                breaker,
+                queue.get((t, "store")),
+                queue.get((t, "load")),
+                cur.value(f"{p}tier_inflight_jobs", tier=t),
+                {f"{d}/{r}": v for (ft, d, r), v in sorted(failed.items()) if ft == t and v > 0},
+                cur.value(f"{p}dropped_stores_total", tier=t),
+                cur.value(f"{p}tier_evictions_total", tier=t),
+            )
+        )
 
     refusals, seen = [], []
     for name, what_of, rkeys in (
-            (f"{p}refused_chunks_total", lambda k: k[1], ("tier", "direction", "reason")),
-            (f"{p}tier_eviction_errors_total", lambda k: "eviction", ("tier", "errno"))):
+        (f"{p}refused_chunks_total", lambda k: k[1], ("tier", "direction", "reason")),
+        (f"{p}tier_eviction_errors_total", lambda k: "eviction", ("tier", "errno")),
+    ):
         totals = cur.by(name, rkeys)
         rates = _rate(cur, prev, name, rkeys)
         seen += [k[0] for k in totals]  # zero series too: they list the tiers in their order
-        refusals += [RefusalRow(k[0], what_of(k), k[-1], v, rates.get(k))
-                     for k, v in totals.items() if v > 0]
+        refusals += [
+            RefusalRow(k[0], what_of(k), k[-1], v, rates.get(k)) for k, v in totals.items() if v > 0
+        ]
     order = _tier_order(seen)
     what_order = (*DIRECTIONS, "eviction")
-    refusals.sort(key=lambda r: (order.index(r.tier), what_order.index(r.what)
-                                 if r.what in what_order else len(what_order), r.reason))
+    refusals.sort(
+        key=lambda r: (
+            order.index(r.tier),
+            what_order.index(r.what) if r.what in what_order else len(what_order),
+            r.reason,
+        )
+    )
 
-    return Stats(cur.t - prev.t if prev is not None else None, len(instances), host, hits,
-                 throughput, latency, health, refusals)
+    return Stats(
+        cur.t - prev.t if prev is not None else None,
+        len(instances),
+        host,
+        hits,
+        throughput,
+        latency,
+        health,
+        refusals,
+    )
 
 
 # -- KV movement events -----------------------------------------------------------------------
+
 
 @dataclass(frozen=True, slots=True)
 class Movement:
@@ -485,9 +558,18 @@ def decode_movements(frames: Sequence[bytes]) -> tuple[str, int, list[Movement]]
     try:
         msg = msgspec.msgpack.decode(frames[2])
         ts, instance = float(msg.get("ts", 0.0)), str(msg.get("instance", ""))
-        out = [Movement(ts, instance, bytes(e["key"]), str(e["src"]), str(e["dst"]),
-                        str(e.get("locality", "")), int(e.get("nbytes", 0)))
-               for e in msg["events"]]
+        out = [
+            Movement(
+                ts,
+                instance,
+                bytes(e["key"]),
+                str(e["src"]),
+                str(e["dst"]),
+                str(e.get("locality", "")),
+                int(e.get("nbytes", 0)),
+            )
+            for e in msg["events"]
+        ]
     except (msgspec.DecodeError, AttributeError, KeyError, TypeError, ValueError) as e:
         raise ValueError(f"undecodable movements payload: {describe_error(e)}") from None
     return topic, seq, out
@@ -509,11 +591,15 @@ class MovementFeed:
     ``publisher_restarts`` (``seq`` went backwards).
     """
 
-    RETRY_SOCKET_S = 5.0   # after a connect() error (a bad endpoint), try again this often
+    RETRY_SOCKET_S = 5.0  # after a connect() error (a bad endpoint), try again this often
     CONNECT_GRACE_S = 3.0  # not connected this long after connecting: say so
 
-    def __init__(self, endpoint: str, topic: str = DEFAULT_MOVEMENTS_TOPIC,
-                 context: zmq.Context | None = None):
+    def __init__(
+        self,
+        endpoint: str,
+        topic: str = DEFAULT_MOVEMENTS_TOPIC,
+        context: zmq.Context | None = None,
+    ):
         self.endpoint = normalize_events_endpoint(endpoint)
         self.topic = topic.encode()
         self._ctx = context or zmq.Context()
@@ -537,7 +623,8 @@ class MovementFeed:
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
         sock.setsockopt(zmq.SUBSCRIBE, self.topic)
         monitor = sock.get_monitor_socket(
-            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+        )
         try:
             sock.connect(self.endpoint)
         except zmq.ZMQError as e:
@@ -562,8 +649,11 @@ class MovementFeed:
             elif kind == zmq.EVENT_CONNECT_RETRIED:
                 self.connected = False
                 self.error = "no publisher accepts connections there (retrying)"
-        if (not self.connected and self.error is None
-                and time.monotonic() - self._opened_at > self.CONNECT_GRACE_S):
+        if (
+            not self.connected
+            and self.error is None
+            and time.monotonic() - self._opened_at > self.CONNECT_GRACE_S
+        ):
             self.error = f"not connected after {self.CONNECT_GRACE_S:.0f} s (retrying)"
 
     def poll(self, max_messages: int = 2000) -> list[Movement]:
@@ -638,11 +728,17 @@ class RouteCounter:
         for _, route, chunks, nbytes in self._recent:
             recent[route][0] += chunks
             recent[route][1] += nbytes
-        return sorted(((r, c, b, recent[r][0] / self.window_s, recent[r][1] / self.window_s)
-                       for r, (c, b) in self.totals.items()), key=lambda row: -row[1])
+        return sorted(
+            (
+                (r, c, b, recent[r][0] / self.window_s, recent[r][1] / self.window_s)
+                for r, (c, b) in self.totals.items()
+            ),
+            key=lambda row: -row[1],
+        )
 
 
 # -- formatting -------------------------------------------------------------------------------
+
 
 def fmt_bytes(n: float | None, suffix: str = "") -> str:
     """Bytes in binary units: ``1.5 MiB``."""
@@ -691,8 +787,10 @@ def fmt_clock(wall: float | None) -> str:
 def movement_line(m: Movement) -> str:
     """One log line: time, key hex prefix, route, locality, size, instance."""
     clock = time.strftime("%H:%M:%S", time.localtime(m.ts)) + f".{int(m.ts % 1 * 1000):03d}"
-    return (f"{clock}  {m.key.hex()[:16]:<16}  {m.route:<14}  {m.locality:<6}  "
-            f"{fmt_bytes(m.nbytes):>10}  {m.instance}")
+    return (
+        f"{clock}  {m.key.hex()[:16]:<16}  {m.route:<14}  {m.locality:<6}  "
+        f"{fmt_bytes(m.nbytes):>10}  {m.instance}"
+    )
 
 
 # -- textual app ------------------------------------------------------------------------------
@@ -704,11 +802,27 @@ TABLE_COLUMNS: dict[str, tuple[str, ...]] = {
     "hits": ("tier", "queries (chunks)", "hits", "hit rate", "queries/s"),
     "bandwidth": ("tier", "direction", "bytes/s", "chunks/s", "total"),
     "queues": ("tier", "store queue", "load queue", "in flight jobs"),
-    "health": ("tier", "workers alive", "restarts", "breaker", "dropped stores", "evictions",
-               "failed chunks"),
+    "health": (
+        "tier",
+        "workers alive",
+        "restarts",
+        "breaker",
+        "dropped stores",
+        "evictions",
+        "failed chunks",
+    ),
     "refusals": ("tier", "what", "reason", "chunks", "chunks/s"),
-    "latency": ("metric", "tier", "direction", "p50", "p90", "p99", "mean", "observations",
-                "scope"),
+    "latency": (
+        "metric",
+        "tier",
+        "direction",
+        "p50",
+        "p90",
+        "p99",
+        "mean",
+        "observations",
+        "scope",
+    ),
     "routes": ("route", "chunks", "bytes", "chunks/s", "bytes/s"),
 }
 
@@ -741,9 +855,15 @@ class TopApp(App):
         Binding("q", "quit", "Quit"),
     ]
 
-    def __init__(self, metrics_url: str, events_endpoint: str | None = None,
-                 events_topic: str = DEFAULT_MOVEMENTS_TOPIC, interval: float = 1.0,
-                 window: float = 10.0, timeout: float = 2.0):
+    def __init__(
+        self,
+        metrics_url: str,
+        events_endpoint: str | None = None,
+        events_topic: str = DEFAULT_MOVEMENTS_TOPIC,
+        interval: float = 1.0,
+        window: float = 10.0,
+        timeout: float = 2.0,
+    ):
         super().__init__()
         self.metrics_url = normalize_metrics_url(metrics_url)
         self.events_endpoint = events_endpoint
@@ -782,15 +902,17 @@ class TopApp(App):
                 with Vertical():
                     yield self._table("routes", "Movements per route")
                     log = RichLog(id="movements-log", max_lines=2000, min_width=40)
-                    log.border_title = ("Recent movements: time, key, route, locality, size, "
-                                        "instance")
+                    log.border_title = (
+                        "Recent movements: time, key, route, locality, size, instance"
+                    )
                     yield log
         yield Footer()
 
     @staticmethod
     def _table(table_id: str, title: str) -> DataTable:
-        table = DataTable(id=f"{table_id}-table", classes="section", show_cursor=False,
-                          zebra_stripes=True)
+        table = DataTable(
+            id=f"{table_id}-table", classes="section", show_cursor=False, zebra_stripes=True
+        )
         table.border_title = title
         table.add_columns(*TABLE_COLUMNS[table_id])
         return table
@@ -802,7 +924,8 @@ class TopApp(App):
             self.set_interval(0.1, self._poll_events)
         else:
             self.query_one("#movements-log", RichLog).write(
-                "no events endpoint given (--events tcp://HOST:PORT): movements are not shown")
+                "no events endpoint given (--events tcp://HOST:PORT): movements are not shown"
+            )
         self.set_interval(1.0, self._tick)
         self._show_status()
         self.run_worker(self._scrape_loop(), name="scrape", exclusive=True)
@@ -818,16 +941,19 @@ class TopApp(App):
         while True:
             started = time.monotonic()
             try:
-                snap = await loop.run_in_executor(None, fetch_snapshot, self.metrics_url,
-                                                  self.timeout)
+                snap = await loop.run_in_executor(
+                    None, fetch_snapshot, self.metrics_url, self.timeout
+                )
             except (OSError, ValueError, http.client.HTTPException) as e:
                 self._scrape_failed(f"metrics endpoint unreachable: {describe_error(e)}")
             else:
                 if snap.samples:
                     self._scrape_succeeded(snap)
                 else:
-                    self._scrape_failed(f"metrics endpoint answers without {METRIC_PREFIX}* "
-                                        "metrics (is this the right URL, is offloading enabled?)")
+                    self._scrape_failed(
+                        f"metrics endpoint answers without {METRIC_PREFIX}* "
+                        "metrics (is this the right URL, is offloading enabled?)"
+                    )
             await asyncio.sleep(max(0.05, self.interval - (time.monotonic() - started)))
 
     def _scrape_failed(self, error: str) -> None:
@@ -850,18 +976,25 @@ class TopApp(App):
     def _show_status(self) -> None:
         banner = self.query_one("#metrics-banner", Static)
         if self.scrape_error is not None:
-            shown = ("last good scrape " + fmt_clock(self.last_good_wall)
-                     + (" (values below are from then)" if self.stats else ""))
-            banner.update(f"{self.scrape_error} — {self.metrics_url} — {shown}; retrying every "
-                          f"{self.interval:g} s")
+            shown = (
+                "last good scrape "
+                + fmt_clock(self.last_good_wall)
+                + (" (values below are from then)" if self.stats else "")
+            )
+            banner.update(
+                f"{self.scrape_error} — {self.metrics_url} — {shown}; retrying every "
+                f"{self.interval:g} s"
+            )
             banner.display = True
         else:
             banner.display = False
         ebanner = self.query_one("#events-banner", Static)
         feed = self.feed
         if feed is not None and feed.error is not None:
-            ebanner.update(f"events endpoint unreachable: {feed.error} — {feed.endpoint} — "
-                           f"last message {fmt_clock(feed.last_message_wall)}")
+            ebanner.update(
+                f"events endpoint unreachable: {feed.error} — {feed.endpoint} — "
+                f"last message {fmt_clock(feed.last_message_wall)}"
+            )
             ebanner.display = True
         else:
             ebanner.display = False
@@ -870,10 +1003,15 @@ class TopApp(App):
             parts.append(f"{self.stats.instances} managers (summed)")
         if feed is not None:
             state = "connected" if feed.connected else "not connected"
-            parts.append(f"events {feed.endpoint} {state}: {feed.messages} msgs, "
-                         f"{feed.movements} movements, {feed.missed} missed"
-                         + (f", {feed.malformed} malformed ({feed.last_malformed})"
-                            if feed.malformed else ""))
+            parts.append(
+                f"events {feed.endpoint} {state}: {feed.messages} msgs, "
+                f"{feed.movements} movements, {feed.missed} missed"
+                + (
+                    f", {feed.malformed} malformed ({feed.last_malformed})"
+                    if feed.malformed
+                    else ""
+                )
+            )
         if self.paused:
             parts.append("PAUSED (p resumes)")
         self.query_one("#status", Static).update(" │ ".join(parts))
@@ -885,35 +1023,91 @@ class TopApp(App):
 
     def _show_stats(self, s: Stats) -> None:
         h = s.host
-        capacity_bytes = (h.capacity_slots * h.slot_bytes
-                          if h.capacity_slots is not None and h.slot_bytes is not None else None)
-        self._fill("host", [
-            ("capacity (slots)", fmt_num(h.capacity_slots)),
-            ("used (slots)", fmt_num(h.used_slots)),
-            ("pinned (slots)", fmt_num(h.pinned_slots)),
-            ("usage", fmt_ratio(h.usage_ratio)),
-            ("slot size", fmt_bytes(h.slot_bytes)),
-            ("capacity (bytes)", fmt_bytes(capacity_bytes)),
-            ("evictions", f"{fmt_num(h.evictions)} ({fmt_num(h.evictions_per_s, 1)}/s)"),
-        ])
-        self._fill("hits", [(r.tier, fmt_num(r.queries), fmt_num(r.hits), fmt_ratio(r.ratio),
-                             fmt_num(r.queries_per_s, 1)) for r in s.hits])
-        self._fill("bandwidth", [(t.tier, t.direction, fmt_bytes(t.bytes_per_s, "/s"),
-                                  fmt_num(t.chunks_per_s, 1), fmt_bytes(t.total_bytes))
-                                 for t in s.throughput])
-        self._fill("queues", [(t.tier, fmt_num(t.queue_store), fmt_num(t.queue_load),
-                               fmt_num(t.inflight_jobs)) for t in s.health])
-        self._fill("health", [
-            (t.tier, fmt_num(t.workers_alive), fmt_num(t.restarts),
-             fmt_breaker(t.breaker),
-             fmt_num(t.dropped_stores), fmt_num(t.evictions),
-             ", ".join(f"{k} {v:,.0f}" for k, v in t.failed.items()) or "none")
-            for t in s.health])
-        self._fill("refusals", [(r.tier, r.what, r.reason, fmt_num(r.total), fmt_num(r.per_s, 1))
-                                for r in s.refusals] or [("none", "", "", "", "")])
-        self._fill("latency", [(r.metric, r.tier, r.direction or "–",
-                                *(fmt_seconds(q) for q in r.quantiles), fmt_seconds(r.mean),
-                                fmt_num(r.observations), r.scope) for r in s.latency])
+        capacity_bytes = (
+            h.capacity_slots * h.slot_bytes
+            if h.capacity_slots is not None and h.slot_bytes is not None
+            else None
+        )
+        self._fill(
+            "host",
+            [
+                ("capacity (slots)", fmt_num(h.capacity_slots)),
+                ("used (slots)", fmt_num(h.used_slots)),
+                ("pinned (slots)", fmt_num(h.pinned_slots)),
+                ("usage", fmt_ratio(h.usage_ratio)),
+                ("slot size", fmt_bytes(h.slot_bytes)),
+                ("capacity (bytes)", fmt_bytes(capacity_bytes)),
+                ("evictions", f"{fmt_num(h.evictions)} ({fmt_num(h.evictions_per_s, 1)}/s)"),
+            ],
+        )
+        self._fill(
+            "hits",
+            [
+                (
+                    r.tier,
+                    fmt_num(r.queries),
+                    fmt_num(r.hits),
+                    fmt_ratio(r.ratio),
+                    fmt_num(r.queries_per_s, 1),
+                )
+                for r in s.hits
+            ],
+        )
+        self._fill(
+            "bandwidth",
+            [
+                (
+                    t.tier,
+                    t.direction,
+                    fmt_bytes(t.bytes_per_s, "/s"),
+                    fmt_num(t.chunks_per_s, 1),
+                    fmt_bytes(t.total_bytes),
+                )
+                for t in s.throughput
+            ],
+        )
+        self._fill(
+            "queues",
+            [
+                (t.tier, fmt_num(t.queue_store), fmt_num(t.queue_load), fmt_num(t.inflight_jobs))
+                for t in s.health
+            ],
+        )
+        self._fill(
+            "health",
+            [
+                (
+                    t.tier,
+                    fmt_num(t.workers_alive),
+                    fmt_num(t.restarts),
+                    fmt_breaker(t.breaker),
+                    fmt_num(t.dropped_stores),
+                    fmt_num(t.evictions),
+                    ", ".join(f"{k} {v:,.0f}" for k, v in t.failed.items()) or "none",
+                )
+                for t in s.health
+            ],
+        )
+        self._fill(
+            "refusals",
+            [(r.tier, r.what, r.reason, fmt_num(r.total), fmt_num(r.per_s, 1)) for r in s.refusals]
+            or [("none", "", "", "", "")],
+        )
+        self._fill(
+            "latency",
+            [
+                (
+                    r.metric,
+                    r.tier,
+                    r.direction or "–",
+                    *(fmt_seconds(q) for q in r.quantiles),
+                    fmt_seconds(r.mean),
+                    fmt_num(r.observations),
+                    r.scope,
+                )
+                for r in s.latency
+            ],
+        )
 
     # -- events
 
@@ -924,7 +1118,7 @@ class TopApp(App):
         self.routes.add(movements, time.monotonic())
         # A busy engine moves thousands of chunks a second: the log shows the newest of each poll
         # (every movement is counted in the routes table).
-        shown = movements[-self.LOG_LINES_PER_POLL:]
+        shown = movements[-self.LOG_LINES_PER_POLL :]
         if len(movements) > len(shown):
             self._pending_lines.append(f"… {len(movements) - len(shown):,} more not shown")
         self._pending_lines.extend(movement_line(m) for m in shown)
@@ -937,8 +1131,13 @@ class TopApp(App):
             self._pending_lines.clear()
 
     def _show_routes(self) -> None:
-        self._fill("routes", [(r, fmt_num(c), fmt_bytes(b), fmt_num(cps, 1), fmt_bytes(bps, "/s"))
-                              for r, c, b, cps, bps in self.routes.rows(time.monotonic())])
+        self._fill(
+            "routes",
+            [
+                (r, fmt_num(c), fmt_bytes(b), fmt_num(cps, 1), fmt_bytes(bps, "/s"))
+                for r, c, b, cps, bps in self.routes.rows(time.monotonic())
+            ],
+        )
 
     def _tick(self) -> None:
         self._show_status()
@@ -965,22 +1164,54 @@ class TopApp(App):
 
 
 @click.command()
-@click.option("--metrics-url", required=True,
-              help="Prometheus endpoint of the engine or stress run, e.g. "
-                   "http://127.0.0.1:9100/metrics (HOST:PORT is enough).")
-@click.option("--events", "events_endpoint", default=None,
-              help="ZMQ PUB endpoint of the KV events, e.g. tcp://127.0.0.1:5557 (movements are "
-                   "shown only with it).")
-@click.option("--events-topic", default=DEFAULT_MOVEMENTS_TOPIC, show_default=True,
-              help="Topic of the movement events (kv_events.movements_topic).")
-@click.option("--interval", default=1.0, show_default=True, type=click.FloatRange(min=0.1),
-              help="Seconds between scrapes (rates are per second over one interval).")
-@click.option("--window", default=10.0, show_default=True, type=click.FloatRange(min=0.0),
-              help="Seconds of history the latency percentiles cover.")
-@click.option("--timeout", default=2.0, show_default=True, type=click.FloatRange(min=0.1),
-              help="Seconds a scrape may take before it counts as failed.")
-def top(metrics_url: str, events_endpoint: str | None, events_topic: str, interval: float,
-        window: float, timeout: float) -> None:
+@click.option(
+    "--metrics-url",
+    required=True,
+    help="Prometheus endpoint of the engine or stress run, e.g. "
+    "http://127.0.0.1:9100/metrics (HOST:PORT is enough).",
+)
+@click.option(
+    "--events",
+    "events_endpoint",
+    default=None,
+    help="ZMQ PUB endpoint of the KV events, e.g. tcp://127.0.0.1:5557 (movements are "
+    "shown only with it).",
+)
+@click.option(
+    "--events-topic",
+    default=DEFAULT_MOVEMENTS_TOPIC,
+    show_default=True,
+    help="Topic of the movement events (kv_events.movements_topic).",
+)
+@click.option(
+    "--interval",
+    default=1.0,
+    show_default=True,
+    type=click.FloatRange(min=0.1),
+    help="Seconds between scrapes (rates are per second over one interval).",
+)
+@click.option(
+    "--window",
+    default=10.0,
+    show_default=True,
+    type=click.FloatRange(min=0.0),
+    help="Seconds of history the latency percentiles cover.",
+)
+@click.option(
+    "--timeout",
+    default=2.0,
+    show_default=True,
+    type=click.FloatRange(min=0.1),
+    help="Seconds a scrape may take before it counts as failed.",
+)
+def top(
+    metrics_url: str,
+    events_endpoint: str | None,
+    events_topic: str,
+    interval: float,
+    window: float,
+    timeout: float,
+) -> None:
     """Live monitor of a running engine or stress run: host usage, hit rates, bandwidth, latency
     percentiles, queues, worker health and breaker states, refused chunks and failed evictions by
     reason, and chunk movements. Keys: 1/2/3 or tab switch views,

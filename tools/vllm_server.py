@@ -69,19 +69,46 @@ class VLLMServer:
     def command(self) -> list[str]:
         s = self.spec
         kv_bytes = s.kv_cache_tokens * BLOCK_BYTES_PER_TOKEN_F32
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-               "--model", s.model, "--served-model-name", "demo", "--host", "127.0.0.1",
-               "--port", str(self.port), "--dtype", "float32", "--max-model-len",
-               str(s.max_model_len), "--block-size", str(s.block_size),
-               "--kv-cache-memory-bytes", str(kv_bytes), "--enforce-eager", "--seed", "0",
-               "--enable-prompt-tokens-details", *s.extra_args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            s.model,
+            "--served-model-name",
+            "demo",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            str(s.max_model_len),
+            "--block-size",
+            str(s.block_size),
+            "--kv-cache-memory-bytes",
+            str(kv_bytes),
+            "--enforce-eager",
+            "--seed",
+            "0",
+            "--enable-prompt-tokens-details",
+            *s.extra_args,
+        ]
         if s.offload is not None:
-            cmd += ["--kv-transfer-config", json.dumps({
-                "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                "kv_connector_extra_config": s.offload})]
+            cmd += [
+                "--kv-transfer-config",
+                json.dumps(
+                    {
+                        "kv_connector": "OffloadingConnector",
+                        "kv_role": "kv_both",
+                        "kv_connector_extra_config": s.offload,
+                    }
+                ),
+            ]
         return cmd
 
-    def start(self, timeout_s: float = 300.0) -> "VLLMServer":
+    def start(self, timeout_s: float = 300.0) -> VLLMServer:
         """Start and wait until ``/health`` answers.
 
         Raises:
@@ -100,13 +127,20 @@ class VLLMServer:
             Path(self.spec.log_path).parent.mkdir(parents=True, exist_ok=True)
             self._log = open(self.spec.log_path, "wb")
         out = self._log or subprocess.DEVNULL
-        self.proc = subprocess.Popen(self.command(), env=env, stdout=out, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.command(),
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited with code {self.proc.returncode}:\n"
-                                   f"{self.log_tail()}")
+                raise RuntimeError(
+                    f"vLLM server exited with code {self.proc.returncode}:\n{self.log_tail()}"
+                )
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return self
@@ -122,8 +156,11 @@ class VLLMServer:
             return "(no log)"
         with open(self.spec.log_path, "rb") as f:
             text = f.read().decode("utf-8", "replace").splitlines()
-        errors = [line for line in text if any(
-            m in line for m in ("Error:", "ConfigError", "ValueError", "RuntimeError:"))]
+        errors = [
+            line
+            for line in text
+            if any(m in line for m in ("Error:", "ConfigError", "ValueError", "RuntimeError:"))
+        ]
         shown = errors[-8:] if errors else text[-lines:]
         return "\n".join(shown) + f"\n(full log: {self.spec.log_path})"
 
@@ -176,7 +213,7 @@ class VLLMServer:
             self._log.close()
             self._log = None
 
-    def __enter__(self) -> "VLLMServer":
+    def __enter__(self) -> VLLMServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

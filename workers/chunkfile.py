@@ -25,7 +25,9 @@ import xxhash
 MAGIC = b"KVOCHUNK"
 FORMAT_VERSION = 1
 HEADER_BYTES = 4096
-_FIXED = struct.Struct("<8sHHI16sQQ")  # magic, version, key_len, reserved, ns, payload_len, checksum
+_FIXED = struct.Struct(
+    "<8sHHI16sQQ"
+)  # magic, version, key_len, reserved, ns, payload_len, checksum
 _HCHECK = struct.Struct("<Q")
 MAX_KEY_BYTES = HEADER_BYTES - _FIXED.size - _HCHECK.size
 SUFFIX = ".kv"
@@ -46,8 +48,9 @@ def build_header(namespace_id: bytes, key: bytes, payload) -> bytes:
     if len(key) > MAX_KEY_BYTES:
         raise ValueError(f"chunk key of {len(key)} bytes exceeds {MAX_KEY_BYTES}")
     nbytes = memoryview(payload).nbytes
-    fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, len(key), 0, namespace_id, nbytes,
-                        payload_checksum(payload))
+    fixed = _FIXED.pack(
+        MAGIC, FORMAT_VERSION, len(key), 0, namespace_id, nbytes, payload_checksum(payload)
+    )
     head = fixed + _HCHECK.pack(xxhash.xxh3_64_intdigest(fixed)) + key
     return head + bytes(HEADER_BYTES - len(head))
 

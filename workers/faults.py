@@ -15,8 +15,12 @@ import time
 from kvoffload.ipc.messages import FAULT_ERRORS, Fault, TaskResult
 
 _ERRORS: dict[str, type[BaseException]] = {
-    "ValueError": ValueError, "TypeError": TypeError, "KeyError": KeyError,
-    "RuntimeError": RuntimeError, "MemoryError": MemoryError, "struct.error": struct.error,
+    "ValueError": ValueError,
+    "TypeError": TypeError,
+    "KeyError": KeyError,
+    "RuntimeError": RuntimeError,
+    "MemoryError": MemoryError,
+    "struct.error": struct.error,
 }
 assert set(_ERRORS) == set(FAULT_ERRORS)
 
@@ -49,8 +53,9 @@ class Faults:
         for f in self._armed(point, key):
             self._fire(f)
 
-    def reply(self, result: TaskResult, key: bytes | None = None,
-              kind: str = "") -> list[TaskResult]:
+    def reply(
+        self, result: TaskResult, key: bytes | None = None, kind: str = ""
+    ) -> list[TaskResult]:
         """The messages to send for ``result``: itself, or a malformed form of it when a fault
         at point ``reply`` (any task) or ``<kind>_reply`` (``load_reply``, ``store_reply``,
         ``probe_reply``, ...) fires (CASES C24): ``reply_short`` (the last verdict left out),
@@ -70,8 +75,12 @@ class Faults:
             elif f.action == "reply_bad_code":
                 result.codes = codes[:-1] + [99] if codes else [99]
             elif f.action == "reply_stray":
-                out.insert(0, TaskResult(result.task_id + 1_000_000, result.worker_id,
-                                         [0] * max(1, len(codes))))
+                out.insert(
+                    0,
+                    TaskResult(
+                        result.task_id + 1_000_000, result.worker_id, [0] * max(1, len(codes))
+                    ),
+                )
             else:
                 self._fire(f)
         return out

@@ -98,7 +98,8 @@ def filesystem_of(path: str) -> str:
     for p in parts:
         mp = p.mountpoint.rstrip("/") or "/"
         if (real == mp or real.startswith(mp + "/") or mp == "/") and (
-                best is None or len(mp) > len(best.mountpoint.rstrip("/") or "/")):
+            best is None or len(mp) > len(best.mountpoint.rstrip("/") or "/")
+        ):
             best = p
     if best is None:
         return "filesystem unknown"
@@ -197,9 +198,15 @@ class FsIO:
             return OK_EMPTY
         if self.cfg.min_free_bytes and self._below_floor():
             counters.count("below_free_floor")
-            return IOOutcome(m.NO_SPACE, 0, (f"store {key.hex()[:16]}: free space on "
-                                             f"{self.cfg.root_dir} below the tier's floor "
-                                             f"({self.cfg.min_free_bytes} bytes)"))
+            return IOOutcome(
+                m.NO_SPACE,
+                0,
+                (
+                    f"store {key.hex()[:16]}: free space on "
+                    f"{self.cfg.root_dir} below the tier's floor "
+                    f"({self.cfg.min_free_bytes} bytes)"
+                ),
+            )
         tmp = None
         try:
             self.faults.hit("before_read_slot", key)
@@ -209,7 +216,8 @@ class FsIO:
                 os.makedirs(d, exist_ok=True)
                 self._dirs.add(d)
             tmp = os.path.join(
-                d, f".{key.hex()}.{self._tmp_tag}.{next(self._tmp_counter)}{cf.TMP_SUFFIX}")
+                d, f".{key.hex()}.{self._tmp_tag}.{next(self._tmp_counter)}{cf.TMP_SUFFIX}"
+            )
             self._write_new_file(tmp, key, header, src)
             self.faults.hit("before_publish", key)
             os.rename(tmp, final)
@@ -243,8 +251,11 @@ class FsIO:
         direct = self._direct_writes
         while True:
             try:
-                fd = self._open_direct_write(tmp, key) if direct else os.open(
-                    tmp, _WRITE_FLAGS, 0o644)
+                fd = (
+                    self._open_direct_write(tmp, key)
+                    if direct
+                    else os.open(tmp, _WRITE_FLAGS, 0o644)
+                )
             except OSError as e:
                 if not (direct and e.errno == errno.EINVAL):
                     raise
@@ -278,8 +289,9 @@ class FsIO:
             raise
         return fd
 
-    def _direct_refused(self, transfers: str, where: str, exc: OSError,
-                        leftover: str | None = None) -> None:
+    def _direct_refused(
+        self, transfers: str, where: str, exc: OSError, leftover: str | None = None
+    ) -> None:
         """The filesystem refused O_DIRECT ``transfers`` (``reads`` / ``writes``) at ``where``:
         remove the refused attempt's file ``leftover`` (ours) and use buffered I/O from now on,
         logged once per worker with the filesystem and counted as ``direct_io_fallbacks``."""
@@ -294,10 +306,13 @@ class FsIO:
             setattr(self, attr, False)
         if first:
             counters.count("direct_io_fallbacks")
-            print(f"kvoffload fs tier worker (pid {os.getpid()}): {self.cfg.root_dir} "
-                  f"({filesystem_of(self.cfg.root_dir)}) refuses O_DIRECT {transfers} "
-                  f"({where} failed: {exc}); using buffered {transfers}", file=sys.stderr,
-                  flush=True)
+            print(
+                f"kvoffload fs tier worker (pid {os.getpid()}): {self.cfg.root_dir} "
+                f"({filesystem_of(self.cfg.root_dir)}) refuses O_DIRECT {transfers} "
+                f"({where} failed: {exc}); using buffered {transfers}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _below_floor(self) -> bool:
         """True when writing one more chunk file would leave less than ``min_free_bytes`` free
@@ -342,8 +357,9 @@ class FsIO:
         size = os.fstat(fd).st_size
         if size != self.file_bytes:
             self._remove_corrupt(path, fd)
-            return IOOutcome(m.CORRUPT, 0,
-                             f"{key.hex()[:16]}: size {size}, expected {self.file_bytes}")
+            return IOOutcome(
+                m.CORRUPT, 0, f"{key.hex()[:16]}: size {size}, expected {self.file_bytes}"
+            )
         hbuf = self._scratch()
         n = os.preadv(fd, [hbuf], 0)
         if n != cf.HEADER_BYTES:

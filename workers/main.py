@@ -73,8 +73,11 @@ class _ErrorLog:
         with self._lock:
             if self._window_start is None or now - self._window_start >= self.window_s:
                 if self._suppressed:
-                    print(f"{self.who}: {self._suppressed} more unexpected errors in the last "
-                          f"{self.window_s:.0f} s, not shown", file=sys.stderr)
+                    print(
+                        f"{self.who}: {self._suppressed} more unexpected errors in the last "
+                        f"{self.window_s:.0f} s, not shown",
+                        file=sys.stderr,
+                    )
                 self._window_start, self._logged, self._suppressed = now, 0, 0
             if self._logged >= self.burst:
                 self._suppressed += 1
@@ -100,8 +103,9 @@ class Worker:
 
     def __init__(self, spec: m.WorkerSpec):
         self.spec = spec
-        self.who = (f"kvoffload worker {spec.tier_name}/{spec.kind}#{spec.worker_id} "
-                    f"(pid {os.getpid()})")
+        self.who = (
+            f"kvoffload worker {spec.tier_name}/{spec.kind}#{spec.worker_id} (pid {os.getpid()})"
+        )
         self.errors = _ErrorLog(self.who)
         self.faults = Faults(spec.faults)
         self.arena = Arena.attach(spec.arena_name, nonce=spec.arena_nonce)
@@ -110,16 +114,26 @@ class Worker:
         make_io: MakeIO = io_mod.make_io
         self.io: ChunkIO = make_io(spec.io_config, self.faults)
         if not isinstance(self.io, ChunkIO):
-            missing = [n for n in ("store", "load", "probe", "delete", "scan")
-                       if not callable(getattr(self.io, n, None))]
-            raise TypeError(f"{spec.io_module}.make_io returned {type(self.io).__name__}, which "
-                            f"lacks {', '.join(missing)} (see kvoffload.workers.chunkio.ChunkIO)")
+            missing = [
+                n
+                for n in ("store", "load", "probe", "delete", "scan")
+                if not callable(getattr(self.io, n, None))
+            ]
+            raise TypeError(
+                f"{spec.io_module}.make_io returned {type(self.io).__name__}, which "
+                f"lacks {', '.join(missing)} (see kvoffload.workers.chunkio.ChunkIO)"
+            )
         # Several chunks of a task in flight at once: the I/O calls release the GIL, so threads
         # give the disk a deeper queue without more processes.
-        self.pool = (ThreadPoolExecutor(spec.io_threads, thread_name_prefix="io")
-                     if spec.io_threads > 1 else None)
+        self.pool = (
+            ThreadPoolExecutor(spec.io_threads, thread_name_prefix="io")
+            if spec.io_threads > 1
+            else None
+        )
         self.ctx = zmq.Context(1)
-        self.chans = WorkerChannels(self.ctx, spec.jobs_endpoint, spec.results_endpoint, spec.identity)
+        self.chans = WorkerChannels(
+            self.ctx, spec.jobs_endpoint, spec.results_endpoint, spec.identity
+        )
 
     def parent_alive(self) -> bool:
         return os.getppid() == self.spec.parent_pid
@@ -150,7 +164,7 @@ class Worker:
                 result = self.handle(task)
             except DropTask:
                 continue
-            except Exception as e:  # noqa: BLE001 - contained: the task fails, the worker goes on
+            except Exception as e:
                 if self.fatal():
                     return
                 result = self.failed_task(task, e)
@@ -169,7 +183,7 @@ class Worker:
             return self.faults.reply(result, first, kind)
         except DropTask:
             return []
-        except Exception as e:  # noqa: BLE001 - contained like the task's own errors
+        except Exception as e:
             return [self.failed_task(task, e)]
 
     def failed_task(self, task: m.Task, exc: Exception) -> m.TaskResult:
@@ -184,8 +198,12 @@ class Worker:
             self.errors.log(what, exc)
             counters.count("task_errors")
         keys = getattr(task, "keys", ())
-        return m.TaskResult(task.task_id, self.spec.worker_id, [code] * len(keys),
-                            f"{what}: {type(exc).__name__}: {exc}")
+        return m.TaskResult(
+            task.task_id,
+            self.spec.worker_id,
+            [code] * len(keys),
+            f"{what}: {type(exc).__name__}: {exc}",
+        )
 
     def contained(self, what: str, key: bytes, call, *args) -> IOOutcome:
         """``call(key, *args)``, whatever it raises or answers, as an :class:`IOOutcome`."""
@@ -196,12 +214,15 @@ class Worker:
         except OSError as e:  # injected faults and anything the I/O module let through
             code = m.NO_SPACE if e.errno in _NO_SPACE_ERRNOS else m.IO_ERROR
             return IOOutcome(code, 0, f"{what} {key.hex()[:16]}: {e}")
-        except Exception as e:  # noqa: BLE001 - a bug or a foreign module's error: this key fails
+        except Exception as e:
             self.errors.log(f"{what} {key.hex()[:16]}", e)
             counters.count("task_errors")
             return IOOutcome(m.ERROR, 0, f"{what} {key.hex()[:16]}: {type(e).__name__}: {e}")
-        problem = out.problem() if isinstance(out, IOOutcome) else (
-            f"answered {type(out).__name__}, not an IOOutcome")
+        problem = (
+            out.problem()
+            if isinstance(out, IOOutcome)
+            else (f"answered {type(out).__name__}, not an IOOutcome")
+        )
         if problem is not None:
             counters.count("task_errors")
             detail = f"{what} {key.hex()[:16]}: {self.spec.io_module}: {problem}"
@@ -217,8 +238,11 @@ class Worker:
         t0 = time.perf_counter()
         wid = self.spec.worker_id
         if isinstance(task, (m.StoreTask, m.LoadTask)):
-            what, op = (("store", self.io.store) if isinstance(task, m.StoreTask)
-                        else ("load", self.io.load))
+            what, op = (
+                ("store", self.io.store)
+                if isinstance(task, m.StoreTask)
+                else ("load", self.io.load)
+            )
             rows = self.rows
 
             def one(slot_key: tuple[int, bytes]) -> IOOutcome:
@@ -241,8 +265,13 @@ class Worker:
             return _result(task.task_id, wid, outcomes, time.perf_counter() - t0)
         if isinstance(task, m.ScanTask):
             entries = self.io.scan()
-            return m.TaskResult(task.task_id, wid, [], entries=entries if task.list_entries else [],
-                                seconds=time.perf_counter() - t0)
+            return m.TaskResult(
+                task.task_id,
+                wid,
+                [],
+                entries=entries if task.list_entries else [],
+                seconds=time.perf_counter() - t0,
+            )
         raise TypeError(f"unknown task {type(task).__name__}")
 
     def close(self) -> None:
@@ -255,24 +284,33 @@ class Worker:
 
 def _result(task_id: int, wid: int, outcomes: list[IOOutcome], seconds: float) -> m.TaskResult:
     status = [o.status for o in outcomes]
-    return m.TaskResult(task_id, wid, [o.code for o in outcomes],
-                        next((o.detail for o in outcomes if o.detail), ""),
-                        sum(o.nbytes for o in outcomes), seconds,
-                        status=status if any(status) else [])
+    return m.TaskResult(
+        task_id,
+        wid,
+        [o.code for o in outcomes],
+        next((o.detail for o in outcomes if o.detail), ""),
+        sum(o.nbytes for o in outcomes),
+        seconds,
+        status=status if any(status) else [],
+    )
 
 
 def main() -> int:
     raw = os.environ.get(SPEC_ENV)
     if not raw:
-        print(f"kvoffload worker: {SPEC_ENV} is not set; workers are started by the engine",
-              file=sys.stderr)
+        print(
+            f"kvoffload worker: {SPEC_ENV} is not set; workers are started by the engine",
+            file=sys.stderr,
+        )
         return 2
     spec = msgspec.json.decode(raw, type=m.WorkerSpec)
     _lower_priority(spec.nice)
     try:
         worker = Worker(spec)
     except ArenaError as e:
-        print(f"kvoffload worker {spec.tier_name}/{spec.kind}#{spec.worker_id}: {e}", file=sys.stderr)
+        print(
+            f"kvoffload worker {spec.tier_name}/{spec.kind}#{spec.worker_id}: {e}", file=sys.stderr
+        )
         return 3
     try:
         worker.run()

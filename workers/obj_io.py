@@ -60,20 +60,29 @@ def make_client(cfg: ObjIOConfig):
     from botocore.config import Config
 
     session = boto3.session.Session(
-        aws_access_key_id=cfg.access_key_id, aws_secret_access_key=cfg.secret_access_key,
-        aws_session_token=cfg.session_token, region_name=cfg.region)
+        aws_access_key_id=cfg.access_key_id,
+        aws_secret_access_key=cfg.secret_access_key,
+        aws_session_token=cfg.session_token,
+        region_name=cfg.region,
+    )
     config = Config(
         retries={"total_max_attempts": cfg.max_attempts, "mode": "standard"},
-        connect_timeout=cfg.connect_timeout_s, read_timeout=cfg.read_timeout_s,
-        max_pool_connections=cfg.max_connections, signature_version="s3v4",
+        connect_timeout=cfg.connect_timeout_s,
+        read_timeout=cfg.read_timeout_s,
+        max_pool_connections=cfg.max_connections,
+        signature_version="s3v4",
         s3={"addressing_style": cfg.addressing_style},
         # Payload integrity is ours (xxh3 in the header); SDK-side checksums cost a pass and some
         # S3-compatible servers reject or mangle them.
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
     )
-    return session.client("s3", endpoint_url=cfg.endpoint_url, config=config,
-                          verify=(cfg.ca_bundle or True) if cfg.verify_tls else False)
+    return session.client(
+        "s3",
+        endpoint_url=cfg.endpoint_url,
+        config=config,
+        verify=(cfg.ca_bundle or True) if cfg.verify_tls else False,
+    )
 
 
 def object_prefix(prefix: str, namespace_id: str) -> str:
@@ -92,8 +101,11 @@ def classify(exc: BaseException) -> tuple[int, int, str]:
         err = exc.response.get("Error", {}).get("Code", "")
         if status == 404 or err in ("NoSuchKey", "404", "NotFound"):
             return m.MISSING, status, f"{err or status}"
-        if status in (400, 401, 403) or err in ("AccessDenied", "InvalidAccessKeyId",
-                                                  "SignatureDoesNotMatch"):
+        if status in (400, 401, 403) or err in (
+            "AccessDenied",
+            "InvalidAccessKeyId",
+            "SignatureDoesNotMatch",
+        ):
             return m.REJECTED, status, f"HTTP {status} {err}"
         return m.IO_ERROR, status, f"HTTP {status} {err}"
     if isinstance(exc, BotoCoreError):
@@ -129,11 +141,11 @@ class _Body(io.RawIOBase):
         head = self._parts[0]
         while n < out.nbytes and self._pos < self._len:
             if self._pos < head.nbytes:
-                src = head[self._pos:]
+                src = head[self._pos :]
             else:
-                src = self._parts[1][self._pos - head.nbytes:]
+                src = self._parts[1][self._pos - head.nbytes :]
             k = min(out.nbytes - n, src.nbytes)
-            out[n:n + k] = src[:k]
+            out[n : n + k] = src[:k]
             n += k
             self._pos += k
         return n
@@ -168,8 +180,9 @@ class ObjIO:
             header = cf.build_header(self.ns_bytes, key, src)
             self.faults.hit("before_publish", key)
             body = _Body(header, src)
-            resp = self._client.put_object(Bucket=self.cfg.bucket, Key=self.name(key), Body=body,
-                                           ContentLength=len(body))
+            resp = self._client.put_object(
+                Bucket=self.cfg.bucket, Key=self.name(key), Body=body, ContentLength=len(body)
+            )
             meta = resp.get("ResponseMetadata", {})
             status = int(meta.get("HTTPStatusCode") or 200)
             if meta.get("RetryAttempts"):
@@ -204,9 +217,10 @@ class ObjIO:
             why = f"size {len(data)}, expected {self.object_bytes}"
         else:
             try:
-                checksum = cf.parse_header(data[:cf.HEADER_BYTES], self.ns_bytes, key,
-                                           self.cfg.row_bytes)
-                payload = memoryview(data)[cf.HEADER_BYTES:]
+                checksum = cf.parse_header(
+                    data[: cf.HEADER_BYTES], self.ns_bytes, key, self.cfg.row_bytes
+                )
+                payload = memoryview(data)[cf.HEADER_BYTES :]
                 if cf.payload_checksum(payload) != checksum:
                     why = "checksum mismatch"
                 else:
@@ -222,7 +236,7 @@ class ObjIO:
     def _delete_quietly(self, name: str) -> None:
         try:
             self._client.delete_object(Bucket=self.cfg.bucket, Key=name)
-        except Exception:  # noqa: BLE001 - best effort: the load already failed as corrupt
+        except Exception:
             pass
 
     def probe(self, key: bytes) -> IOOutcome:
@@ -247,7 +261,8 @@ class ObjIO:
     def scan(self) -> list[tuple[bytes, int, float]]:
         entries = []
         pages = self._client.get_paginator("list_objects_v2").paginate(
-            Bucket=self.cfg.bucket, Prefix=self.base)
+            Bucket=self.cfg.bucket, Prefix=self.base
+        )
         for page in pages:
             for obj in page.get("Contents", []):
                 key = cf.key_from_name(obj["Key"].rsplit("/", 1)[-1])

@@ -20,7 +20,9 @@ from kvoffload.tiers.base import (
 )
 
 
-def create_tier(raw: dict[str, Any], arena: Any, namespace: Any, where: str) -> SecondaryTierManager:
+def create_tier(
+    raw: dict[str, Any], arena: Any, namespace: Any, where: str
+) -> SecondaryTierManager:
     """Validate one ``secondary_tiers`` entry and build the tier.
 
     Args:
@@ -34,11 +36,18 @@ def create_tier(raw: dict[str, Any], arena: Any, namespace: Any, where: str) -> 
     """
     name, cls, cfg = parse_tier_config(raw, where)
     try:
-        return cls(name=name, arena_view=arena.memoryview(), namespace=namespace, config=cfg,
-                   arena=arena)
+        return cls(
+            name=name, arena_view=arena.memoryview(), namespace=namespace, config=cfg, arena=arena
+        )
     except ValueError as e:
         raise ConfigError(f"{where}.{e}") from None
 
 
-__all__ = ["JobMetadata", "JobResult", "LookupResult", "SecondaryTierManager", "TierEvent",
-           "create_tier"]
+__all__ = [
+    "JobMetadata",
+    "JobResult",
+    "LookupResult",
+    "SecondaryTierManager",
+    "TierEvent",
+    "create_tier",
+]

@@ -116,7 +116,9 @@ class SecondaryTierManager(ABC):
     shared: ClassVar[bool] = False
     metric_definitions: ClassVar[tuple[MetricDef, ...]] = ()
 
-    def __init__(self, *, name: str, arena_view: memoryview, namespace: Any, config: msgspec.Struct):
+    def __init__(
+        self, *, name: str, arena_view: memoryview, namespace: Any, config: msgspec.Struct
+    ):
         self.name = name
         self.arena_view = arena_view
         self.namespace = namespace

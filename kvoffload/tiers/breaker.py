@@ -52,15 +52,24 @@ class CircuitBreaker:
         ValueError: a count below 1 or a non-positive duration.
     """
 
-    def __init__(self, failures: int, cooldown_s: float, trial_requests: int = 1,
-                 trial_timeout_s: float = 30.0, max_doublings: int = 4,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        failures: int,
+        cooldown_s: float,
+        trial_requests: int = 1,
+        trial_timeout_s: float = 30.0,
+        max_doublings: int = 4,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         if failures < 1 or trial_requests < 1:
-            raise ValueError(f"failures ({failures}) and trial_requests ({trial_requests}) must "
-                             f"be at least 1")
+            raise ValueError(
+                f"failures ({failures}) and trial_requests ({trial_requests}) must be at least 1"
+            )
         if cooldown_s <= 0 or trial_timeout_s <= 0:
-            raise ValueError(f"cooldown_s ({cooldown_s}) and trial_timeout_s ({trial_timeout_s}) "
-                             f"must be positive")
+            raise ValueError(
+                f"cooldown_s ({cooldown_s}) and trial_timeout_s ({trial_timeout_s}) "
+                f"must be positive"
+            )
         self.failures = failures
         self.cooldown_s = cooldown_s
         self.trial_requests = trial_requests

@@ -53,9 +53,9 @@ import msgspec
 
 from kvoffload.config import Positive
 from kvoffload.ipc import messages as m
-from kvoffload.metrics import Counter, Gauge
-from kvoffload.tiers.process import ProcessTierConfig, ProcessTierManager
+from kvoffload.metrics import Gauge
 from kvoffload.tiers.base import TierEvent
+from kvoffload.tiers.process import ProcessTierConfig, ProcessTierManager
 from kvoffload.workers import chunkfile as cf
 from kvoffload.workers import fs_io
 
@@ -131,8 +131,9 @@ class _FreeSpaceSampler:
         self.latest: tuple[int, float] | None = None
         self._wanted = threading.Event()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvoffload-fs-free-space",
-                                         daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name="kvoffload-fs-free-space", daemon=True
+        )
         self._thread.start()
 
     def want(self, on: bool) -> None:
@@ -164,18 +165,25 @@ class FsTier(ProcessTierManager):
     medium = "STORAGE"
     shared = True
     metric_definitions = (
-        Gauge("kvoffload_tier_used_bytes",
-              "Bytes of chunk files a capacity-bounded tier counts as its own (headers included).",
-              ("tier",)),
-        Gauge("kvoffload_tier_capacity_bytes",
-              "A capacity-bounded tier's cap in bytes now: max_bytes (or the default bound), "
-              "lowered while the filesystem is full.", ("tier",)),
+        Gauge(
+            "kvoffload_tier_used_bytes",
+            "Bytes of chunk files a capacity-bounded tier counts as its own (headers included).",
+            ("tier",),
+        ),
+        Gauge(
+            "kvoffload_tier_capacity_bytes",
+            "A capacity-bounded tier's cap in bytes now: max_bytes (or the default bound), "
+            "lowered while the filesystem is full.",
+            ("tier",),
+        ),
     )
 
-    def __init__(self, *, name: str, arena_view: memoryview, namespace: Any,
-                 config: FsTierConfig, arena: Any):
-        super().__init__(name=name, arena_view=arena_view, namespace=namespace, config=config,
-                         arena=arena)
+    def __init__(
+        self, *, name: str, arena_view: memoryview, namespace: Any, config: FsTierConfig, arena: Any
+    ):
+        super().__init__(
+            name=name, arena_view=arena_view, namespace=namespace, config=config, arena=arena
+        )
         self.ns_id = namespace.id()
         self.ns_dir = os.path.join(config.root_dir, self.ns_id)
         self.file_bytes = cf.HEADER_BYTES + self.row_bytes
@@ -198,11 +206,18 @@ class FsTier(ProcessTierManager):
                 raise ValueError(
                     f"root_dir: {config.root_dir!r} has {self._default_free} bytes free, and the "
                     f"default cap ({DEFAULT_FREE_FRACTION:.0%} of the free space) is smaller than "
-                    f"one chunk file ({self.file_bytes} bytes); free some space or set max_bytes")
-            log.info("kvoffload tier %s: max_bytes not set: capped at %d bytes (%.0f%% of the %d "
-                     "bytes free on %s at start, plus this namespace's chunks found there); set "
-                     "max_bytes to choose, or \"unbounded\"", name, self.max_bytes,
-                     100 * DEFAULT_FREE_FRACTION, self._default_free, config.root_dir)
+                    f"one chunk file ({self.file_bytes} bytes); free some space or set max_bytes"
+                )
+            log.info(
+                "kvoffload tier %s: max_bytes not set: capped at %d bytes (%.0f%% of the %d "
+                "bytes free on %s at start, plus this namespace's chunks found there); set "
+                'max_bytes to choose, or "unbounded"',
+                name,
+                self.max_bytes,
+                100 * DEFAULT_FREE_FRACTION,
+                self._default_free,
+                config.root_dir,
+            )
         else:
             self.max_bytes = config.max_bytes
         # LRU of the chunk files counted against the cap -> their bytes (None when unbounded).
@@ -214,7 +229,9 @@ class FsTier(ProcessTierManager):
         self._loading: dict[bytes, int] = {}
         self._delete_queue: list[bytes] = []
         self._deleting: dict[bytes, int] = {}  # evicted keys whose delete task has not answered
-        self._evicted_at: OrderedDict[bytes, float] = OrderedDict()  # recent evictions (monotonic s)
+        self._evicted_at: OrderedDict[bytes, float] = (
+            OrderedDict()
+        )  # recent evictions (monotonic s)
         # Files whose delete has not answered: still on disk, their bytes no longer in used_bytes.
         self._unconfirmed: dict[bytes, int] = {}
         self._unconfirmed_bytes = 0
@@ -230,15 +247,26 @@ class FsTier(ProcessTierManager):
         self.start()
         # Remove orphaned temporary files (by age only: CASES C29); with a cap, also adopt chunks.
         tid = self._next_task_id()
-        self._send(self._writers, "scan", None, [],
-                   m.ScanTask(tid, list_entries=self._index is not None), timeout_s=_SCAN_TIMEOUT_S)
+        self._send(
+            self._writers,
+            "scan",
+            None,
+            [],
+            m.ScanTask(tid, list_entries=self._index is not None),
+            timeout_s=_SCAN_TIMEOUT_S,
+        )
 
     def io_config(self) -> dict:
         c = self.config
-        return {"root_dir": c.root_dir, "namespace_id": self.ns_id, "row_bytes": self.row_bytes,
-                "fsync": c.fsync, "direct_io": c.direct_io,
-                "stale_temp_age_s": fs_io.stale_temp_age_s(c.job_timeout_s),
-                "min_free_bytes": self.min_free_bytes}
+        return {
+            "root_dir": c.root_dir,
+            "namespace_id": self.ns_id,
+            "row_bytes": self.row_bytes,
+            "fsync": c.fsync,
+            "direct_io": c.direct_io,
+            "stale_temp_age_s": fs_io.stale_temp_age_s(c.job_timeout_s),
+            "min_free_bytes": self.min_free_bytes,
+        }
 
     def _write_namespace_config(self) -> None:
         try:
@@ -306,8 +334,10 @@ class FsTier(ProcessTierManager):
         refused = sum(1 for c in rejected.values() if c == m.NO_SPACE)
         if refused:
             self.count("store_refused_no_room", refused)
-            self._warn(f"store of {refused} chunk(s) refused (no_space): no room under the cap "
-                       f"({self.capacity_bytes} bytes) {self._why_no_room()}")
+            self._warn(
+                f"store of {refused} chunk(s) refused (no_space): no room under the cap "
+                f"({self.capacity_bytes} bytes) {self._why_no_room()}"
+            )
             if self._cautious():  # evict ahead for as much, so the next store finds room
                 self._headroom = max(self._headroom, min(refused * fb, self.capacity_bytes // 2))
         self._enforce_cap()
@@ -326,11 +356,15 @@ class FsTier(ProcessTierManager):
 
     def _why_no_room(self) -> str:
         if self._undeletable:
-            return (f"{len(self._undeletable)} chunk file(s) could not be removed "
-                    f"({self._last_removal_error}); space is reused once a removal succeeds")
+            return (
+                f"{len(self._undeletable)} chunk file(s) could not be removed "
+                f"({self._last_removal_error}); space is reused once a removal succeeds"
+            )
         if self._disk_cap is not None:
-            return (f"the filesystem of {self.config.root_dir} is full (free space below "
-                    f"{self.min_free_bytes} bytes, or ENOSPC); evicting to make room")
+            return (
+                f"the filesystem of {self.config.root_dir} is full (free space below "
+                f"{self.min_free_bytes} bytes, or ENOSPC); evicting to make room"
+            )
         return "every chunk is in use (loading) or part of this store"
 
     def _warn(self, msg: str) -> None:
@@ -375,7 +409,7 @@ class FsTier(ProcessTierManager):
         for k in keys:
             deleting[k] = deleting.get(k, 0) + 1
         for start in range(0, len(keys), 256):
-            batch = keys[start:start + 256]
+            batch = keys[start : start + 256]
             tid = self._next_task_id()
             self._send(self._writers, "delete", None, batch, m.DeleteTask(tid, batch))
 
@@ -409,8 +443,7 @@ class FsTier(ProcessTierManager):
                 self._undeletable.discard(k)
                 self._delete_retries.pop(k, None)
                 continue
-            if (code in _NO_ANSWER and nbytes is not None and index is not None
-                    and k not in index):
+            if code in _NO_ANSWER and nbytes is not None and index is not None and k not in index:
                 # The delete got no answer (its worker died, timed out or answered nonsense): the
                 # file may be gone or still there. Ask again rather than guess, a few times.
                 tries = self._delete_retries.get(k, 0) + 1
@@ -420,10 +453,11 @@ class FsTier(ProcessTierManager):
                     continue
             self._delete_retries.pop(k, None)
             err = status[i] if i < len(status) else 0
-            why = errno_mod.errorcode.get(err, str(err)) if err else m.CODE_NAMES.get(code,
-                                                                                       str(code))
+            why = (
+                errno_mod.errorcode.get(err, str(err)) if err else m.CODE_NAMES.get(code, str(code))
+            )
             self.count(f"eviction_errors.{why}")  # kvoffload_tier_eviction_errors{tier, errno}
-            self._last_removal_error = (f"{why}: {os.strerror(err)}" if err else why)
+            self._last_removal_error = f"{why}: {os.strerror(err)}" if err else why
             if code == m.CANCELLED or index is None or nbytes is None or k in index:
                 continue
             # Still on disk: keep counting it, as the most recently used (retried when it comes
@@ -439,17 +473,19 @@ class FsTier(ProcessTierManager):
                 self._unconfirmed_bytes += nbytes
             self.count("delete_retries", len(retry))
             rkeys = [k for k, _ in retry]
-            self._send(self._writers, "delete", None, rkeys,
-                       m.DeleteTask(self._next_task_id(), rkeys))
+            self._send(
+                self._writers, "delete", None, rkeys, m.DeleteTask(self._next_task_id(), rkeys)
+            )
         if kept:
             if self.record_events:
                 self._events.append(TierEvent(kept, False))
-            self._warn(f"{len(kept)} chunk file(s) could not be removed "
-                       f"({self._last_removal_error}); they stay counted and are retried later")
+            self._warn(
+                f"{len(kept)} chunk file(s) could not be removed "
+                f"({self._last_removal_error}); they stay counted and are retried later"
+            )
             self._enforce_cap()
 
-    def _on_stores_done(self, keys: list[bytes], failed: dict[bytes, int],
-                        removed=()) -> None:
+    def _on_stores_done(self, keys: list[bytes], failed: dict[bytes, int], removed=()) -> None:
         index = self._index
         if index is None:
             return
@@ -507,9 +543,11 @@ class FsTier(ProcessTierManager):
         if self._sampler is None:
             self._sampler = _FreeSpaceSampler(self.ns_dir)
         self._sampler.want(True)
-        self._warn(f"the filesystem of {self.config.root_dir} is full (ENOSPC or below the "
-                   f"free-space floor of {self.min_free_bytes} bytes): cap lowered to {held} "
-                   f"bytes; evicting this tier's least recently used chunks to make room")
+        self._warn(
+            f"the filesystem of {self.config.root_dir} is full (ENOSPC or below the "
+            f"free-space floor of {self.min_free_bytes} bytes): cap lowered to {held} "
+            f"bytes; evicting this tier's least recently used chunks to make room"
+        )
         self._enforce_cap()
 
     def _apply_free_space_sample(self) -> None:
@@ -528,8 +566,12 @@ class FsTier(ProcessTierManager):
         if self._disk_cap >= self.max_bytes:
             self._disk_cap = None
             self._sampler.want(False)
-            log.info("kvoffload tier %s: room on %s again: cap back to %d bytes", self.name,
-                     self.config.root_dir, self.max_bytes)
+            log.info(
+                "kvoffload tier %s: room on %s again: cap back to %d bytes",
+                self.name,
+                self.config.root_dir,
+                self.max_bytes,
+            )
 
     def _on_loads_done(self, keys: list[bytes], failed: dict[bytes, int]) -> None:
         index = self._index
@@ -574,8 +616,12 @@ class FsTier(ProcessTierManager):
         self.count("adopted_chunks", adopted)
         if self._default_free is not None and adopted_bytes:
             self.max_bytes = int(DEFAULT_FREE_FRACTION * (self._default_free + adopted_bytes))
-            log.info("kvoffload tier %s: %d bytes of chunks found at start: default cap %d bytes",
-                     self.name, adopted_bytes, self.max_bytes)
+            log.info(
+                "kvoffload tier %s: %d bytes of chunks found at start: default cap %d bytes",
+                self.name,
+                adopted_bytes,
+                self.max_bytes,
+            )
         self._enforce_cap()
 
     def _enforce_cap(self) -> None:

@@ -15,7 +15,13 @@ import msgspec
 import numpy as np
 
 from kvoffload.config import Positive
-from kvoffload.tiers.base import JobMetadata, JobResult, LookupResult, SecondaryTierManager, TierEvent
+from kvoffload.tiers.base import (
+    JobMetadata,
+    JobResult,
+    LookupResult,
+    SecondaryTierManager,
+    TierEvent,
+)
 
 
 class MemoryTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -33,8 +39,15 @@ class MemoryTier(SecondaryTierManager):
     medium = "CPU"
     shared = False
 
-    def __init__(self, *, name: str, arena_view: memoryview, namespace: Any,
-                 config: MemoryTierConfig, arena: Any = None):
+    def __init__(
+        self,
+        *,
+        name: str,
+        arena_view: memoryview,
+        namespace: Any,
+        config: MemoryTierConfig,
+        arena: Any = None,
+    ):
         super().__init__(name=name, arena_view=arena_view, namespace=namespace, config=config)
         self._rows = np.asarray(arena_view)
         self._chunks: OrderedDict[bytes, bytes] = OrderedDict()
@@ -81,9 +94,16 @@ class MemoryTier(SecondaryTierManager):
             ok.append(key)
         self.count("load_chunks", len(ok))
         if failed:
-            self._finished.append(JobResult(job_id=job.job_id, success=False, successful_keys=ok,
-                                            reason=f"missing={len(failed)}", failed=failed,
-                                            transfer_bytes=nbytes))
+            self._finished.append(
+                JobResult(
+                    job_id=job.job_id,
+                    success=False,
+                    successful_keys=ok,
+                    reason=f"missing={len(failed)}",
+                    failed=failed,
+                    transfer_bytes=nbytes,
+                )
+            )
         else:
             self._finished.append(JobResult(job_id=job.job_id, success=True, transfer_bytes=nbytes))
 

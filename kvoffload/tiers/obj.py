@@ -54,13 +54,22 @@ class ObjTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True)
     top level, and ``io_threads``, ``prefix``, ``locality``, ``enable_kv_events``.
     """
 
-    vllm_aliases: ClassVar[dict[str, str]] = {**ProcessTierConfig.vllm_aliases,
-                                              "access_key": "access_key_id",
-                                              "secret_key": "secret_access_key"}
+    vllm_aliases: ClassVar[dict[str, str]] = {
+        **ProcessTierConfig.vllm_aliases,
+        "access_key": "access_key_id",
+        "secret_key": "secret_access_key",
+    }
     # vLLM's ObjStoreConfig fields (vllm/v1/kv_offload/tiering/obj/config.py); "" means unset there.
     store_config_keys: ClassVar[tuple[str, ...]] = (
-        "bucket", "endpoint_override", "access_key", "secret_key", "session_token", "region",
-        "scheme", "ca_bundle")
+        "bucket",
+        "endpoint_override",
+        "access_key",
+        "secret_key",
+        "session_token",
+        "region",
+        "scheme",
+        "ca_bundle",
+    )
 
     bucket: str
     prefix: str = ""
@@ -98,20 +107,24 @@ class ObjTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True)
         nested = body.pop("store_config", None)
         if nested is not None:
             if not isinstance(nested, dict):
-                raise ConfigError(f"{where}.store_config: expected an object (dict), got "
-                                  f"{type(nested).__name__}")
+                raise ConfigError(
+                    f"{where}.store_config: expected an object (dict), got {type(nested).__name__}"
+                )
             for key, value in nested.items():
                 if key not in cls.store_config_keys:
                     close = closest(key, list(cls.store_config_keys))
                     hint = f" (did you mean {close!r}?)" if close else ""
                     raise ConfigError(
                         f"{where}.store_config: unknown key {key!r}{hint}; allowed keys: "
-                        f"{', '.join(cls.store_config_keys)}")
+                        f"{', '.join(cls.store_config_keys)}"
+                    )
                 ours = cls.vllm_aliases.get(key, key)
                 if key in body or ours in body:
                     other = key if key in body else ours
-                    raise ConfigError(f"{where}: {'store_config.' + key!r} and {other!r} set the "
-                                      f"same thing; keep one")
+                    raise ConfigError(
+                        f"{where}: {'store_config.' + key!r} and {other!r} set the "
+                        f"same thing; keep one"
+                    )
                 body[ours] = value
                 renamed[ours] = f"store_config.{key}"
                 vllm_given.add(ours)
@@ -119,8 +132,14 @@ class ObjTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True)
             if alias in body:
                 vllm_given.add(ours)
         apply_aliases(body, cls.vllm_aliases, where, renamed)
-        for ours in ("access_key_id", "secret_access_key", "session_token", "region", "ca_bundle",
-                     "endpoint_override"):
+        for ours in (
+            "access_key_id",
+            "secret_access_key",
+            "session_token",
+            "region",
+            "ca_bundle",
+            "endpoint_override",
+        ):
             if ours in vllm_given and body.get(ours) == "":
                 del body[ours]
         scheme_given = "scheme" in body
@@ -134,8 +153,9 @@ class ObjTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True)
                 if "://" not in endpoint:
                     body["endpoint_override"] = f"{scheme}://{endpoint}"
                 elif scheme_given and not endpoint.startswith(f"{scheme}://"):
-                    raise ConfigError(f"{where}.{given}: {scheme!r} contradicts endpoint_override "
-                                      f"{endpoint!r}")
+                    raise ConfigError(
+                        f"{where}.{given}: {scheme!r} contradicts endpoint_override {endpoint!r}"
+                    )
         return body, renamed
 
     def validate(self) -> None:
@@ -146,10 +166,13 @@ class ObjTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True)
         if self.ca_bundle is not None and not self.verify_tls:
             raise ValueError("ca_bundle: set, but verify_tls is false (nothing would be checked)")
         if (self.access_key_id is None) != (self.secret_access_key is None):
-            raise ValueError("access_key_id: set both access_key_id and secret_access_key, or "
-                             "neither (to use the boto3 credential chain)")
+            raise ValueError(
+                "access_key_id: set both access_key_id and secret_access_key, or "
+                "neither (to use the boto3 credential chain)"
+            )
         if self.endpoint_override is not None and not self.endpoint_override.startswith(
-                ("http://", "https://")):
+            ("http://", "https://")
+        ):
             raise ValueError(f"endpoint_override: {self.endpoint_override!r} is not an http(s) URL")
 
 
@@ -162,13 +185,22 @@ class ObjTier(ProcessTierManager):
     locality = "REMOTE"
     shared = True
 
-    def __init__(self, *, name: str, arena_view: memoryview, namespace: Any,
-                 config: ObjTierConfig, arena: Any):
+    def __init__(
+        self,
+        *,
+        name: str,
+        arena_view: memoryview,
+        namespace: Any,
+        config: ObjTierConfig,
+        arena: Any,
+    ):
         if config.io_workers is not None:
-            config = msgspec.structs.replace(config, read_workers=config.io_workers,
-                                             write_workers=config.io_workers)
-        super().__init__(name=name, arena_view=arena_view, namespace=namespace, config=config,
-                         arena=arena)
+            config = msgspec.structs.replace(
+                config, read_workers=config.io_workers, write_workers=config.io_workers
+            )
+        super().__init__(
+            name=name, arena_view=arena_view, namespace=namespace, config=config, arena=arena
+        )
         self.ns_id = namespace.id()
         self.base = object_prefix(config.prefix, self.ns_id)
         self._check_bucket_and_write_namespace()
@@ -180,24 +212,37 @@ class ObjTier(ProcessTierManager):
     def _io_config(self, **overrides) -> ObjIOConfig:
         c = self.config
         fields = dict(
-            bucket=c.bucket, prefix=c.prefix, namespace_id=self.ns_id, row_bytes=self.row_bytes,
-            endpoint_url=c.endpoint_override, region=c.region, access_key_id=c.access_key_id,
-            secret_access_key=c.secret_access_key, session_token=c.session_token,
-            max_attempts=c.max_attempts, connect_timeout_s=c.connect_timeout_s,
-            read_timeout_s=c.read_timeout_s, verify_tls=c.verify_tls, ca_bundle=c.ca_bundle,
+            bucket=c.bucket,
+            prefix=c.prefix,
+            namespace_id=self.ns_id,
+            row_bytes=self.row_bytes,
+            endpoint_url=c.endpoint_override,
+            region=c.region,
+            access_key_id=c.access_key_id,
+            secret_access_key=c.secret_access_key,
+            session_token=c.session_token,
+            max_attempts=c.max_attempts,
+            connect_timeout_s=c.connect_timeout_s,
+            read_timeout_s=c.read_timeout_s,
+            verify_tls=c.verify_tls,
+            ca_bundle=c.ca_bundle,
             addressing_style=c.addressing_style,
-            max_connections=max(self._io_threads(LOADS), self._io_threads(STORES)) + 2)
+            max_connections=max(self._io_threads(LOADS), self._io_threads(STORES)) + 2,
+        )
         fields.update(overrides)
         return ObjIOConfig(**fields)
 
     def _check_bucket_and_write_namespace(self) -> None:
         c = self.config
         where = c.endpoint_override or "AWS S3"
-        client = make_client(self._io_config(max_attempts=1, connect_timeout_s=_START_TIMEOUT_S,
-                                              read_timeout_s=_START_TIMEOUT_S))
+        client = make_client(
+            self._io_config(
+                max_attempts=1, connect_timeout_s=_START_TIMEOUT_S, read_timeout_s=_START_TIMEOUT_S
+            )
+        )
         try:
             client.head_bucket(Bucket=c.bucket)
-        except Exception as e:  # noqa: BLE001 - every failure is reported as a config error
+        except Exception as e:
             code, status, detail = classify(e)
             if status == 404:
                 raise ValueError(f"bucket: {c.bucket!r} does not exist at {where}") from None
@@ -205,13 +250,16 @@ class ObjTier(ProcessTierManager):
                 raise ValueError(
                     f"access_key_id: the credentials were refused by {where} for bucket "
                     f"{c.bucket!r} (HTTP {status}); check access_key_id / secret_access_key or the "
-                    f"boto3 credential chain") from None
-            raise ValueError(f"endpoint_override: cannot use {where} for bucket {c.bucket!r}: "
-                             f"{detail}") from None
+                    f"boto3 credential chain"
+                ) from None
+            raise ValueError(
+                f"endpoint_override: cannot use {where} for bucket {c.bucket!r}: {detail}"
+            ) from None
         config_key = self.base + "config.json"
         try:
             client.put_object(Bucket=c.bucket, Key=config_key, Body=self.namespace.to_json())
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             _, status, detail = classify(e)
-            raise ValueError(f"bucket: cannot write {config_key!r} in {c.bucket!r} at {where} "
-                             f"({detail})") from None
+            raise ValueError(
+                f"bucket: cannot write {config_key!r} in {c.bucket!r} at {where} ({detail})"
+            ) from None

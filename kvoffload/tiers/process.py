@@ -37,7 +37,13 @@ from kvoffload.config import Positive, apply_aliases
 from kvoffload.ipc import messages as m
 from kvoffload.ipc.channels import LOADS, STORES, TierChannels
 from kvoffload.logs import RateLimitedLog
-from kvoffload.tiers.base import JobMetadata, JobResult, LookupResult, SecondaryTierManager, TierEvent
+from kvoffload.tiers.base import (
+    JobMetadata,
+    JobResult,
+    LookupResult,
+    SecondaryTierManager,
+    TierEvent,
+)
 from kvoffload.tiers.breaker import HALF_OPEN, OPEN, STATES, CircuitBreaker
 from kvoffload.workerpool import PoolTask, WorkerPool
 
@@ -93,8 +99,10 @@ class ProcessTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
         faults: fault injection for tests (see ``Fault``).
     """
 
-    vllm_aliases: ClassVar[dict[str, str]] = {"n_read_threads": "read_io_threads",
-                                              "n_write_threads": "write_io_threads"}
+    vllm_aliases: ClassVar[dict[str, str]] = {
+        "n_read_threads": "read_io_threads",
+        "n_write_threads": "write_io_threads",
+    }
 
     read_workers: Positive = 2
     write_workers: Positive = 2
@@ -140,11 +148,14 @@ class ProcessTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     def check_io_threads(self, read_workers: int, write_workers: int) -> None:
         """Raises ValueError (``"<key>: <why>"``) when a side needs over 64 threads a worker."""
         for key, total, workers, wkey in (
-                ("read_io_threads", self.read_io_threads, read_workers, "read_workers"),
-                ("write_io_threads", self.write_io_threads, write_workers, "write_workers")):
+            ("read_io_threads", self.read_io_threads, read_workers, "read_workers"),
+            ("write_io_threads", self.write_io_threads, write_workers, "write_workers"),
+        ):
             if total is not None and self.io_threads_for(total, workers) > 64:
-                raise ValueError(f"{key}: {total} threads over {workers} {wkey} is more than 64 "
-                                 f"a worker; raise {wkey}")
+                raise ValueError(
+                    f"{key}: {total} threads over {workers} {wkey} is more than 64 "
+                    f"a worker; raise {wkey}"
+                )
 
 
 class _Job:
@@ -190,8 +201,15 @@ class ProcessTierManager(SecondaryTierManager):
     io_module: ClassVar[str]
     shared = True
 
-    def __init__(self, *, name: str, arena_view: memoryview, namespace: Any,
-                 config: ProcessTierConfig, arena: Any):
+    def __init__(
+        self,
+        *,
+        name: str,
+        arena_view: memoryview,
+        namespace: Any,
+        config: ProcessTierConfig,
+        arena: Any,
+    ):
         super().__init__(name=name, arena_view=arena_view, namespace=namespace, config=config)
         if config.locality is not None:
             self.locality = config.locality
@@ -214,9 +232,15 @@ class ProcessTierManager(SecondaryTierManager):
         self._closed = False
         self._bad_reply_log = RateLimitedLog(log)
         self.breaker: CircuitBreaker | None = (
-            CircuitBreaker(cfg.breaker_failures, cfg.breaker_cooldown_s, cfg.breaker_trial_requests,
-                           trial_timeout_s=cfg.job_timeout_s)
-            if cfg.breaker_failures is not None else None)
+            CircuitBreaker(
+                cfg.breaker_failures,
+                cfg.breaker_cooldown_s,
+                cfg.breaker_trial_requests,
+                trial_timeout_s=cfg.job_timeout_s,
+            )
+            if cfg.breaker_failures is not None
+            else None
+        )
         self._ctx: zmq.Context | None = None
         self._pools: tuple[WorkerPool, ...] = ()
 
@@ -226,12 +250,26 @@ class ProcessTierManager(SecondaryTierManager):
         cfg = self.config
         self._ctx = zmq.Context(1)
         self._chans = TierChannels(self._ctx, self.name)
-        common = dict(channels=self._chans, task_timeout_s=cfg.job_timeout_s,
-                      max_inflight=cfg.max_inflight_per_worker, on_event=self._on_pool_event)
-        self._readers = WorkerPool(tier_name=self.name, kind=LOADS, count=cfg.read_workers,
-                                   make_spec=lambda wid, ident: self._spec(wid, ident, LOADS), **common)
-        self._writers = WorkerPool(tier_name=self.name, kind=STORES, count=cfg.write_workers,
-                                   make_spec=lambda wid, ident: self._spec(wid, ident, STORES), **common)
+        common = dict(
+            channels=self._chans,
+            task_timeout_s=cfg.job_timeout_s,
+            max_inflight=cfg.max_inflight_per_worker,
+            on_event=self._on_pool_event,
+        )
+        self._readers = WorkerPool(
+            tier_name=self.name,
+            kind=LOADS,
+            count=cfg.read_workers,
+            make_spec=lambda wid, ident: self._spec(wid, ident, LOADS),
+            **common,
+        )
+        self._writers = WorkerPool(
+            tier_name=self.name,
+            kind=STORES,
+            count=cfg.write_workers,
+            make_spec=lambda wid, ident: self._spec(wid, ident, STORES),
+            **common,
+        )
         self._pools = (self._readers, self._writers)
         for pool in self._pools:
             pool.start()
@@ -246,8 +284,9 @@ class ProcessTierManager(SecondaryTierManager):
         """Which positions of ``keys`` to write; the rest fail with the returned codes."""
         return list(range(len(keys))), {}
 
-    def _on_stores_done(self, keys: list[bytes], failed: dict[bytes, int],
-                        removed: Collection[bytes] = ()) -> None:
+    def _on_stores_done(
+        self, keys: list[bytes], failed: dict[bytes, int], removed: Collection[bytes] = ()
+    ) -> None:
         """A store job finished: ``failed`` maps the keys that failed to their codes."""
 
     def _on_loads_done(self, keys: list[bytes], failed: dict[bytes, int]) -> None:
@@ -273,12 +312,20 @@ class ProcessTierManager(SecondaryTierManager):
 
     def _spec(self, wid: int, identity: bytes, kind: str) -> m.WorkerSpec:
         return m.WorkerSpec(
-            tier_name=self.name, worker_id=wid, identity=identity, kind=kind,
-            arena_name=self.arena.name, arena_nonce=self.arena.nonce,
-            jobs_endpoint=self._chans.endpoints[kind], results_endpoint=self._chans.endpoints["results"],
-            parent_pid=os.getpid(), nice=self.config.worker_nice,
-            io_threads=self._io_threads(kind), io_module=self.io_module,
-            io_config=self.io_config(), faults=list(self.config.faults),
+            tier_name=self.name,
+            worker_id=wid,
+            identity=identity,
+            kind=kind,
+            arena_name=self.arena.name,
+            arena_nonce=self.arena.nonce,
+            jobs_endpoint=self._chans.endpoints[kind],
+            results_endpoint=self._chans.endpoints["results"],
+            parent_pid=os.getpid(),
+            nice=self.config.worker_nice,
+            io_threads=self._io_threads(kind),
+            io_module=self.io_module,
+            io_config=self.io_config(),
+            faults=list(self.config.faults),
         )
 
     def _io_threads(self, kind: str) -> int:
@@ -294,8 +341,15 @@ class ProcessTierManager(SecondaryTierManager):
         self._task_ids += 1
         return self._task_ids
 
-    def _send(self, pool: WorkerPool, kind: str, job: _Job | None, keys: list[bytes],
-              msg: msgspec.Struct, timeout_s: float | None = None) -> None:
+    def _send(
+        self,
+        pool: WorkerPool,
+        kind: str,
+        job: _Job | None,
+        keys: list[bytes],
+        msg: msgspec.Struct,
+        timeout_s: float | None = None,
+    ) -> None:
         pool.submit(PoolTask(msg.task_id, m.encode(msg), _TaskRec(kind, job, keys), timeout_s))
 
     def worker_pids(self) -> dict[str, list[int]]:
@@ -338,9 +392,11 @@ class ProcessTierManager(SecondaryTierManager):
         for pool, direction in ((self._readers, "load"), (self._writers, "store")):
             metrics.set("kvoffload_tier_queue_depth", len(pool.queue), name, direction)
         metrics.set("kvoffload_tier_inflight_jobs", self._job_count, name)
-        metrics.set("kvoffload_tier_workers_alive",
-                    sum(w.proc.poll() is None for p in self._pools for w in list(p.workers.values())),
-                    name)
+        metrics.set(
+            "kvoffload_tier_workers_alive",
+            sum(w.proc.poll() is None for p in self._pools for w in list(p.workers.values())),
+            name,
+        )
         state = self.breaker_state
         metrics.set("kvoffload_tier_breaker_open", 1 if state == OPEN else 0, name)
         for s in STATES:
@@ -358,20 +414,26 @@ class ProcessTierManager(SecondaryTierManager):
         if br is None or not codes:
             return
         failed = all(
-            c in (m.TIMEOUT, m.WORKER_DIED, m.BAD_REPLY) or (c == m.IO_ERROR and (
-                i >= len(status) or status[i] == 0 or status[i] >= 500))
-            for i, c in enumerate(codes))
+            c in (m.TIMEOUT, m.WORKER_DIED, m.BAD_REPLY)
+            or (c == m.IO_ERROR and (i >= len(status) or status[i] == 0 or status[i] >= 500))
+            for i, c in enumerate(codes)
+        )
         change = br.record(not failed, rec.t0)
         if change == "closed":
             self.count("breaker_closes")
             log.info("kvoffload tier %s: a task succeeded; breaker closed", self.name)
         elif change == "opened":
             self.count("breaker_opens")
-            log.warning("kvoffload tier %s: %s; breaker open for %.1f s (lookups miss, stores are "
-                        "dropped), then %d trial request(s) go through", self.name,
-                        "a trial request failed" if br.open_count > 1 else
-                        f"{br.consecutive_failures} failed tasks in a row",
-                        br.reopens_at - br.clock(), br.trial_requests)
+            log.warning(
+                "kvoffload tier %s: %s; breaker open for %.1f s (lookups miss, stores are "
+                "dropped), then %d trial request(s) go through",
+                self.name,
+                "a trial request failed"
+                if br.open_count > 1
+                else f"{br.consecutive_failures} failed tasks in a row",
+                br.reopens_at - br.clock(),
+                br.trial_requests,
+            )
 
     def lookup(self, key: bytes, req_id: str = "") -> LookupResult:
         br = self.breaker
@@ -473,15 +535,18 @@ class ProcessTierManager(SecondaryTierManager):
         self._dispatch(rec_job, todo, self._writers, m.StoreTask, "store")
 
     def submit_load(self, job: JobMetadata) -> None:
-        self._dispatch(_Job(job, is_load=True), list(range(len(job.keys))), self._readers,
-                       m.LoadTask, "load")
+        self._dispatch(
+            _Job(job, is_load=True), list(range(len(job.keys))), self._readers, m.LoadTask, "load"
+        )
 
-    def _dispatch(self, job: _Job, positions: list[int], pool: WorkerPool, task_type, kind: str) -> None:
+    def _dispatch(
+        self, job: _Job, positions: list[int], pool: WorkerPool, task_type, kind: str
+    ) -> None:
         self._job_count += 1
         keys, slots = job.meta.keys, job.meta.slots
         step = self.chunks_per_task
         for start in range(0, len(positions), step):
-            part = positions[start:start + step]
+            part = positions[start : start + step]
             tkeys = [keys[i] for i in part]
             tid = self._next_task_id()
             job.pending += 1
@@ -526,15 +591,23 @@ class ProcessTierManager(SecondaryTierManager):
             self.count(f"failures_http_{status}")
         if failed:
             ok_keys = [k for k in meta.keys if k not in failed]
-            result = JobResult(job_id=meta.job_id, success=False, successful_keys=ok_keys,
-                               reason=summarize(failed.values()),
-                               failed={k: m.CODE_NAMES.get(c, str(c)) for k, c in failed.items()},
-                               transfer_bytes=job.nbytes,
-                               transfer_seconds=time.monotonic() - job.t0,
-                               status=dict(job.status))
+            result = JobResult(
+                job_id=meta.job_id,
+                success=False,
+                successful_keys=ok_keys,
+                reason=summarize(failed.values()),
+                failed={k: m.CODE_NAMES.get(c, str(c)) for k, c in failed.items()},
+                transfer_bytes=job.nbytes,
+                transfer_seconds=time.monotonic() - job.t0,
+                status=dict(job.status),
+            )
         else:
-            result = JobResult(job_id=meta.job_id, success=True, transfer_bytes=job.nbytes,
-                               transfer_seconds=time.monotonic() - job.t0)
+            result = JobResult(
+                job_id=meta.job_id,
+                success=True,
+                transfer_bytes=job.nbytes,
+                transfer_seconds=time.monotonic() - job.t0,
+            )
         self.count("bytes_read" if job.is_load else "bytes_written", job.nbytes)
         self._finished.append(result)
 
@@ -557,8 +630,9 @@ class ProcessTierManager(SecondaryTierManager):
                 if waiting:
                     self._owe_miss(key, waiting)
             self.count("probes", len(rec.keys))
-            self.metrics.observe("kvoffload_lookup_latency_seconds", time.monotonic() - rec.t0,
-                                 self.name)
+            self.metrics.observe(
+                "kvoffload_lookup_latency_seconds", time.monotonic() - rec.t0, self.name
+            )
             return
         if rec.kind in ("store", "load"):
             job = rec.job
@@ -628,8 +702,10 @@ class ProcessTierManager(SecondaryTierManager):
         # A task this tier never sent, already answered, or held by a worker since replaced:
         # nothing waits for it and nothing may act on it (CASES C24, C17).
         self.count("unknown_replies")
-        self._log_bad_reply(f"a reply for task {res.task_id} from worker {res.worker_id}, "
-                            f"which holds no such task; dropped")
+        self._log_bad_reply(
+            f"a reply for task {res.task_id} from worker {res.worker_id}, "
+            f"which holds no such task; dropped"
+        )
 
     def _checked_codes(self, rec: _TaskRec, res: m.TaskResult) -> list[int]:
         """The reply's per-key codes, validated against the task it answers (CASES C24).
@@ -645,25 +721,39 @@ class ProcessTierManager(SecondaryTierManager):
             return codes
         if len(codes) != n:
             self.count("malformed_replies")
-            self._log_bad_reply(f"a reply to {rec.kind} task {res.task_id} carries {len(codes)} "
-                                f"verdict(s) for {n} key(s); all of them fail")
+            self._log_bad_reply(
+                f"a reply to {rec.kind} task {res.task_id} carries {len(codes)} "
+                f"verdict(s) for {n} key(s); all of them fail"
+            )
             return [m.BAD_REPLY] * n
         known = m.CODE_NAMES
         if all(c in known for c in codes):
             return codes
         self.count("malformed_replies")
-        self._log_bad_reply(f"a reply to {rec.kind} task {res.task_id} carries unknown verdict "
-                            f"code(s) {sorted({c for c in codes if c not in known})}; those keys fail")
+        self._log_bad_reply(
+            f"a reply to {rec.kind} task {res.task_id} carries unknown verdict "
+            f"code(s) {sorted({c for c in codes if c not in known})}; those keys fail"
+        )
         return [c if c in known else m.BAD_REPLY for c in codes]
 
     def _log_bad_reply(self, what: str) -> None:
-        self._bad_reply_log.log(logging.WARNING, "bad_reply",
-                                "kvoffload tier %s: %s (counted in tier events unknown_replies / "
-                                "malformed_replies; logged at most once a minute)", self.name, what)
+        self._bad_reply_log.log(
+            logging.WARNING,
+            "bad_reply",
+            "kvoffload tier %s: %s (counted in tier events unknown_replies / "
+            "malformed_replies; logged at most once a minute)",
+            self.name,
+            what,
+        )
 
     def has_pending_work(self) -> bool:
-        return bool(self._probe_queue or self._probing or self._job_count
-                    or self._readers.busy() or self._writers.busy())
+        return bool(
+            self._probe_queue
+            or self._probing
+            or self._job_count
+            or self._readers.busy()
+            or self._writers.busy()
+        )
 
     def touch(self, keys: Iterable[bytes]) -> None:
         present = self._present
@@ -686,7 +776,7 @@ class ProcessTierManager(SecondaryTierManager):
         self._closed = True
         try:
             self.get_finished_jobs()
-        except Exception:  # noqa: BLE001 - shutting down regardless
+        except Exception:
             pass
         for pool in self._pools:
             for task in pool.shutdown():

@@ -43,8 +43,16 @@ from mutations import MUTATIONS, Mutation  # noqa: E402
 
 # setup.cfg's package_dir: these top-level folders are subpackages of kvoffload once installed.
 _MAPPED = {"workers": "workers", "ipc": "ipc", "tools": "tools"}
-_SKIP_DIRS = {".git", ".tox", ".venv", "__pycache__", ".pytest_cache", ".hypothesis", "build",
-              "dist"}
+_SKIP_DIRS = {
+    ".git",
+    ".tox",
+    ".venv",
+    "__pycache__",
+    ".pytest_cache",
+    ".hypothesis",
+    "build",
+    "dist",
+}
 
 
 @dataclass
@@ -57,14 +65,18 @@ class Outcome:
 
 def repo_files(repo: str) -> list[str]:
     """Tracked files plus untracked ones git does not ignore (the working tree as it is now)."""
-    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                         cwd=repo, check=True, capture_output=True).stdout
+    out = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=repo,
+        check=True,
+        capture_output=True,
+    ).stdout
     return sorted({p for p in out.decode().split("\0") if p})
 
 
 def check_patches(mutations: list[Mutation], repo: str) -> list[str]:
-    """Problems with the list: an ``old`` text not found exactly once, an unknown file, a test
-    file that does not exist, a duplicate name."""
+    """Problems with the list: an ``old`` text not found exactly once, a patched Python file that
+    does not compile, an unknown file, a test file that does not exist, a duplicate name."""
     problems = []
     names = set()
     for mu in mutations:
@@ -76,10 +88,21 @@ def check_patches(mutations: list[Mutation], repo: str) -> list[str]:
             problems.append(f"{mu.case} {mu.name!r}: no file {mu.file}")
             continue
         with open(path, encoding="utf-8") as f:
-            n = f.read().count(mu.old)
+            text = f.read()
+        n = text.count(mu.old)
         if n != 1:
-            problems.append(f"{mu.case} {mu.name!r}: the text to replace occurs {n} times in "
-                            f"{mu.file} (must be exactly once):\n{mu.old}")
+            problems.append(
+                f"{mu.case} {mu.name!r}: the text to replace occurs {n} times in "
+                f"{mu.file} (must be exactly once):\n{mu.old}"
+            )
+        elif mu.file.endswith(".py"):
+            try:  # a patch that breaks the syntax "fails" every test for the wrong reason
+                compile(text.replace(mu.old, mu.new), mu.file, "exec")
+            except SyntaxError as e:
+                problems.append(
+                    f"{mu.case} {mu.name!r}: the patched {mu.file} does not compile: "
+                    f"{e.msg} (line {e.lineno})"
+                )
         if mu.old == mu.new:
             problems.append(f"{mu.case} {mu.name!r}: the patch changes nothing")
         if not mu.tests:
@@ -118,16 +141,26 @@ def env_for(scratch: str) -> dict[str, str]:
 
 def check_isolation(scratch: str) -> None:
     """The copy, not the installed package, is what Python (and so every worker) imports."""
-    code = ("import kvoffload, kvoffload.workers.fs_io as w, kvoffload.ipc.arena as a, "
-            "kvoffload.tools.cli as c; print(kvoffload.__file__, w.__file__, a.__file__, c.__file__)")
+    code = (
+        "import kvoffload, kvoffload.workers.fs_io as w, kvoffload.ipc.arena as a, "
+        "kvoffload.tools.cli as c; print(kvoffload.__file__, w.__file__, a.__file__, c.__file__)"
+    )
     tree = os.path.join(scratch, "tree")
     for cwd in (tree, scratch):
-        out = subprocess.run([sys.executable, "-c", code], env=env_for(scratch), cwd=cwd,
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            env=env_for(scratch),
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         paths = out.stdout.split()
         if out.returncode != 0 or len(paths) != 4 or not all(p.startswith(tree) for p in paths):
-            raise SystemExit(f"the scratch copy {scratch} does not shadow the installed package "
-                             f"(from {cwd}):\n{out.stdout}{out.stderr}")
+            raise SystemExit(
+                f"the scratch copy {scratch} does not shadow the installed package "
+                f"(from {cwd}):\n{out.stdout}{out.stderr}"
+            )
 
 
 def apply(mu: Mutation, tree: str) -> None:
@@ -141,16 +174,34 @@ def apply(mu: Mutation, tree: str) -> None:
 
 
 def pytest_cmd(tests: list[str], scratch: str) -> list[str]:
-    return [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-o",
-            "addopts=--strict-markers", "--basetemp", os.path.join(scratch, "pytest-tmp"), *tests]
+    return [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-x",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "addopts=--strict-markers",
+        "--basetemp",
+        os.path.join(scratch, "pytest-tmp"),
+        *tests,
+    ]
 
 
 def run_tests(tests: list[str], scratch: str, limit_s: float) -> tuple[int | None, float, str]:
     """(pytest exit status or None on time-out, seconds, output tail)."""
     t0 = time.monotonic()
-    proc = subprocess.Popen(pytest_cmd(tests, scratch), cwd=os.path.join(scratch, "tree"),
-                            env=env_for(scratch), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        pytest_cmd(tests, scratch),
+        cwd=os.path.join(scratch, "tree"),
+        env=env_for(scratch),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=limit_s)
         rc: int | None = proc.returncode
@@ -161,8 +212,9 @@ def run_tests(tests: list[str], scratch: str, limit_s: float) -> tuple[int | Non
     return rc, time.monotonic() - t0, "\n".join(out.splitlines()[-25:])
 
 
-def run_one(mu: Mutation, files: list[str], parent: str, label: str, limit_s: float,
-            keep: bool) -> Outcome:
+def run_one(
+    mu: Mutation, files: list[str], parent: str, label: str, limit_s: float, keep: bool
+) -> Outcome:
     scratch = make_scratch(REPO, files, parent, label)
     try:
         apply(mu, os.path.join(scratch, "tree"))
@@ -182,19 +234,33 @@ def run_one(mu: Mutation, files: list[str], parent: str, label: str, limit_s: fl
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-j", "--jobs", type=int, default=2, help="mutations run at once (default 2)")
-    ap.add_argument("--case", action="append", default=[],
-                    help="only this case's mutations (repeatable), e.g. C08")
+    ap.add_argument(
+        "--case",
+        action="append",
+        default=[],
+        help="only this case's mutations (repeatable), e.g. C08",
+    )
     ap.add_argument("--name", action="append", default=[], help="only the mutation of this name")
-    ap.add_argument("--no-baseline", action="store_true",
-                    help="skip checking that the named tests pass unpatched")
-    ap.add_argument("--limit-s", type=float, default=420.0,
-                    help="time limit per mutation's test run (seconds; past it counts as killed)")
+    ap.add_argument(
+        "--no-baseline",
+        action="store_true",
+        help="skip checking that the named tests pass unpatched",
+    )
+    ap.add_argument(
+        "--limit-s",
+        type=float,
+        default=420.0,
+        help="time limit per mutation's test run (seconds; past it counts as killed)",
+    )
     ap.add_argument("--keep", action="store_true", help="keep the scratch copies (for debugging)")
     ap.add_argument("--list", action="store_true", help="list the mutations and exit")
     args = ap.parse_args(argv)
 
-    chosen = [mu for mu in MUTATIONS
-              if (not args.case or mu.case in args.case) and (not args.name or mu.name in args.name)]
+    chosen = [
+        mu
+        for mu in MUTATIONS
+        if (not args.case or mu.case in args.case) and (not args.name or mu.name in args.name)
+    ]
     if args.list:
         for mu in chosen:
             print(f"{mu.case}  {mu.name}  ({mu.file})  -> {' '.join(mu.tests)}")
@@ -214,30 +280,44 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_baseline:
             tests = list(dict.fromkeys(t for mu in chosen for t in mu.tests))
             jobs = max(1, min(args.jobs, len(tests)))
-            print(f"baseline: {len(tests)} test(s) on the unpatched tree, {jobs} at a time ...",
-                  flush=True)
+            print(
+                f"baseline: {len(tests)} test(s) on the unpatched tree, {jobs} at a time ...",
+                flush=True,
+            )
             t0 = time.monotonic()
             with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-                runs = list(pool.map(
-                    lambda i: run_tests(tests[i::jobs],
-                                        make_scratch(REPO, files, parent, f"baseline{i}"),
-                                        3 * args.limit_s),
-                    range(jobs)))
+                runs = list(
+                    pool.map(
+                        lambda i: run_tests(
+                            tests[i::jobs],
+                            make_scratch(REPO, files, parent, f"baseline{i}"),
+                            3 * args.limit_s,
+                        ),
+                        range(jobs),
+                    )
+                )
             failed = [(rc, tail) for rc, _, tail in runs if rc != 0]
             if failed:
-                print(f"baseline failed (exit {failed[0][0]}): the named tests must pass "
-                      f"unpatched\n{failed[0][1]}", file=sys.stderr)
+                print(
+                    f"baseline failed (exit {failed[0][0]}): the named tests must pass "
+                    f"unpatched\n{failed[0][1]}",
+                    file=sys.stderr,
+                )
                 return 2
             print(f"baseline: passed in {time.monotonic() - t0:.0f} s", flush=True)
         outcomes: list[Outcome] = []
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-            futs = {pool.submit(run_one, mu, files, parent, f"m{i:03d}", args.limit_s, args.keep): mu
-                    for i, mu in enumerate(chosen)}
+            futs = {
+                pool.submit(run_one, mu, files, parent, f"m{i:03d}", args.limit_s, args.keep): mu
+                for i, mu in enumerate(chosen)
+            }
             for fut in concurrent.futures.as_completed(futs):
                 o = fut.result()
                 outcomes.append(o)
-                print(f"{o.verdict:8s} {o.seconds:6.1f} s  {o.mutation.case}  {o.mutation.name}",
-                      flush=True)
+                print(
+                    f"{o.verdict:8s} {o.seconds:6.1f} s  {o.mutation.case}  {o.mutation.name}",
+                    flush=True,
+                )
                 if o.verdict != "killed" or o.detail.startswith("(time"):
                     if o.detail:
                         print("    " + o.detail.replace("\n", "\n    "), flush=True)
@@ -251,9 +331,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{o.mutation.case:5s} {o.verdict:8s} {o.seconds:8.1f}  {o.mutation.name}")
     bad = [o for o in outcomes if o.verdict != "killed"]
     killed = len(outcomes) - len(bad)
-    print(f"\n{killed}/{len(outcomes)} mutations killed in {time.monotonic() - t_start:.0f} s"
-          + (f"; not killed: {', '.join(f'{o.mutation.case} {o.mutation.name}' for o in bad)}"
-             if bad else ""))
+    print(
+        f"\n{killed}/{len(outcomes)} mutations killed in {time.monotonic() - t_start:.0f} s"
+        + (
+            f"; not killed: {', '.join(f'{o.mutation.case} {o.mutation.name}' for o in bad)}"
+            if bad
+            else ""
+        )
+    )
     return 1 if bad else 0
 
 

@@ -674,6 +674,7 @@ def test_tier_model():
 
 
 @pytest.mark.soak
+@pytest.mark.timeout(0)  # as long as its steps take (pytest's 600 s limit cut a 10^5-step run)
 def test_tier_model_soak():
     """The long profile: ``KVOFFLOAD_SOAK_STEPS`` steps (default 10,000), runs of 200 steps."""
     target = int(os.environ.get("KVOFFLOAD_SOAK_STEPS", "10000"))

@@ -179,7 +179,7 @@ def _remove_if_stale(name: str) -> bool:
 
 def list_arenas(prefix: str = NAME_PREFIX) -> list[ArenaInfo]:
     """Headers of every arena segment in /dev/shm whose name starts with ``prefix``."""
-    out = []
+    out: list[ArenaInfo] = []
     try:
         names = sorted(os.listdir(SHM_DIR))
     except FileNotFoundError:
@@ -227,7 +227,7 @@ def sweep(prefix: str = NAME_PREFIX) -> list[str]:
     Returns:
         The names removed.
     """
-    removed = []
+    removed: list[str] = []
     try:
         names = sorted(os.listdir(SHM_DIR))
     except FileNotFoundError:
@@ -368,7 +368,13 @@ class Arena:
             raise
         arena = cls(name, fd, mm, num_slots, row_bytes, nonce, owner=True)
         ref = weakref.ref(arena)
-        atexit.register(lambda: (a := ref()) is not None and a.close())
+
+        def _close_at_exit() -> None:
+            a = ref()
+            if a is not None:
+                a.close()
+
+        atexit.register(_close_at_exit)
         if janitor:
             _spawn_janitor(name, nonce)
         return arena
@@ -460,7 +466,7 @@ class Arena:
     def memoryview(self) -> memoryview:
         """Zero-copy 2-D memoryview ``(num_slots, row_bytes)`` of the slots; ``strides[0]`` is the
         row size in bytes."""
-        return memoryview(self.rows)
+        return memoryview(self.rows)  # type: ignore[arg-type]  # ndarray exports the buffer protocol
 
     def torch_rows(self):
         """Zero-copy ``(num_slots, row_bytes)`` int8 torch tensor of the slots (imports torch)."""

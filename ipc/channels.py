@@ -27,6 +27,12 @@ LOADS = "loads"
 STORES = "stores"
 
 
+def _readable(sock: zmq.Socket) -> bool:
+    """A message is waiting on ``sock`` (one getsockopt, no exception when there is none)."""
+    events: int = sock.getsockopt(zmq.EVENTS)  # type: ignore[assignment]  # int for EVENTS
+    return bool(events & zmq.POLLIN)
+
+
 def _endpoint(tag: str) -> str:
     return f"ipc://@kvoffload-{os.getpid()}-{secrets.token_hex(6)}-{tag}"
 
@@ -67,9 +73,9 @@ class TierChannels:
 
     def recv_hellos(self, kind: str) -> list[tuple[bytes, bytes]]:
         """Drain ``(identity, payload)`` messages workers sent on a jobs socket. Never blocks."""
-        out = []
+        out: list[tuple[bytes, bytes]] = []
         sock = self.jobs[kind]
-        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while _readable(sock):
             frames = sock.recv_multipart(flags=zmq.NOBLOCK)
             if len(frames) == 2:
                 out.append((frames[0], frames[1]))
@@ -77,14 +83,14 @@ class TierChannels:
 
     def results_pending(self) -> bool:
         """True when at least one result is waiting (one cheap getsockopt)."""
-        return bool(self.results.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+        return _readable(self.results)
 
     def recv_results(self, limit: int = 100_000) -> list[bytes]:
         """Drain waiting result messages. Never blocks (and raises no zmq.Again: exceptions cost more
         than a getsockopt)."""
-        out = []
+        out: list[bytes] = []
         sock = self.results
-        while len(out) < limit and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while len(out) < limit and _readable(sock):
             out.append(sock.recv(flags=zmq.NOBLOCK))
         return out
 

@@ -270,9 +270,10 @@ class Fault(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 def _fault_arg_problem(action: str, arg: object) -> str | None:
     """Why ``arg`` cannot go with fault ``action``, or None when it can."""
-    number = isinstance(arg, (int, float)) and not isinstance(arg, bool)
     if action == "sleep":
-        if arg is not None and not (number and arg >= 0):
+        if arg is not None and not (
+            isinstance(arg, (int, float)) and not isinstance(arg, bool) and arg >= 0
+        ):
             return f"{action!r} takes a number of seconds >= 0, got {arg!r}"
     elif action == "raise":
         if arg is not None and not (

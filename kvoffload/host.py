@@ -114,6 +114,7 @@ class HostTier:
                 return None
             for slot in victims:
                 key = self.keys[slot]
+                assert key is not None  # the policy picks only slots that hold a chunk
                 del index[key]
                 self.keys[slot] = None
                 self.state[slot] = FREE
@@ -181,6 +182,7 @@ class HostTier:
         if not self.quarantined[slot] or self.state[slot] != WRITING:
             return
         key = self.keys[slot]
+        assert key is not None  # a quarantined slot keeps its key until it is freed
         if self._qwrites.get(key) == slot:
             del self._qwrites[key]
         self.num_writing -= 1
@@ -201,6 +203,7 @@ class HostTier:
 
     def _release(self, slot: int) -> None:
         key = self.keys[slot]
+        assert key is not None  # only a slot holding a chunk is released
         del self.index[key]
         self.keys[slot] = None
         self.state[slot] = FREE

@@ -72,7 +72,7 @@ class _Lists:
             cur = following
 
     def clear(self) -> None:
-        self.__init__(self.n, len(self.sizes))
+        type(self).__init__(self, self.n, len(self.sizes))
 
 
 class EvictionPolicy(ABC):
@@ -261,7 +261,7 @@ class ARCPolicy(EvictionPolicy):
             self.b2.popitem(last=False)
 
     def clear(self) -> None:
-        self.__init__(self.num_slots)
+        type(self).__init__(self, self.num_slots)
 
     @property
     def t1_size(self) -> int:

@@ -169,6 +169,7 @@ class ObjIO:
         # What the SDK raises for a failed request; anything else is a bug, which the worker loop
         # contains as ERROR with a traceback instead of passing it off as an I/O error.
         self._sdk_errors: tuple[type[Exception], ...] = (BotoCoreError, ClientError)
+        self._io_errors: tuple[type[Exception], ...] = (OSError, BotoCoreError, ClientError)
 
     def name(self, key: bytes) -> str:
         return self.base + cf.relative_name(key)
@@ -244,7 +245,7 @@ class ObjIO:
         try:
             self._client.head_object(Bucket=self.cfg.bucket, Key=self.name(key))
             return OK_EMPTY
-        except (OSError, *self._sdk_errors) as e:
+        except self._io_errors as e:
             code, status, detail = classify(e)
             return IOOutcome(code, 0, f"probe {key.hex()[:16]}: {detail}", status)
 
@@ -252,7 +253,7 @@ class ObjIO:
         try:
             self._client.delete_object(Bucket=self.cfg.bucket, Key=self.name(key))
             return OK_EMPTY
-        except (OSError, *self._sdk_errors) as e:
+        except self._io_errors as e:
             code, status, detail = classify(e)
             if code == m.MISSING:
                 return OK_EMPTY

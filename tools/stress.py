@@ -166,7 +166,7 @@ class Report:
     unexercised: list[str] = field(default_factory=list)  # faults injected without visible effect
     # fault flag -> the /metrics series that show it (FaultInjector.metric_evidence)
     fault_metrics: dict[str, dict[str, float]] = field(default_factory=dict)
-    unmetered: list[str] = field(default_factory=list)  # faults injected that no metric shows
+    unmetered: list[str] = field(default_factory=list)  # faults that took effect, no metric shows
     corrupt_loads: int = 0
     hung_requests: int = 0
     hung_jobs: int = 0
@@ -782,7 +782,9 @@ def stress(
     rep.injected = dict(injector.injected)
     rep.unexercised = unexercised
     rep.fault_metrics = evidence
-    rep.unmetered = [name for name, series in evidence.items() if not series]
+    # A fault that took effect (not in unexercised) must show on /metrics; one that never did (a
+    # damaged chunk nobody loaded again) has nothing to show yet.
+    rep.unmetered = [n for n, series in evidence.items() if not series and n not in unexercised]
     if as_json:
         out = {k: v for k, v in vars(rep).items()}
         out["ok"] = rep.ok

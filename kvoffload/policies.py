@@ -25,6 +25,8 @@ from abc import ABC, abstractmethod
 from array import array
 from collections import OrderedDict
 
+from typing_extensions import override
+
 
 class _Lists:
     """Several intrusive doubly-linked lists over slots ``0..n-1`` sharing one pair of link
@@ -85,19 +87,28 @@ class EvictionPolicy(ABC):
         """Called with the keys of a store batch before room is made for them."""
 
     @abstractmethod
-    def admit(self, slot: int, key: bytes) -> None: ...
+    def admit(self, slot: int, key: bytes) -> None:
+        """A new chunk ``key`` took ``slot`` (0 <= slot < num_slots); it is still being written, so
+        not evictable until :meth:`make_evictable`."""
 
     @abstractmethod
-    def make_evictable(self, slot: int) -> None: ...
+    def make_evictable(self, slot: int) -> None:
+        """``slot`` became ready and unpinned: it may be chosen by :meth:`evict` from now on (linked
+        at the most recently used end)."""
 
     @abstractmethod
-    def make_pinned(self, slot: int) -> None: ...
+    def make_pinned(self, slot: int) -> None:
+        """``slot`` got its first pin (a transfer reads it): never evict it until it is evictable
+        again."""
 
     @abstractmethod
-    def access(self, slot: int) -> None: ...
+    def access(self, slot: int) -> None:
+        """The chunk in ``slot`` was used (a lookup hit): refresh its place in the order."""
 
     @abstractmethod
-    def remove(self, slot: int) -> None: ...
+    def remove(self, slot: int) -> None:
+        """The chunk left ``slot`` without an eviction (a failed write, an explicit removal):
+        forget it."""
 
     @abstractmethod
     def evict(self, n: int, protected: set[int], keys: list) -> list[int] | None:
@@ -105,7 +116,8 @@ class EvictionPolicy(ABC):
         Returns None, evicting nothing, when that many cannot be found."""
 
     @abstractmethod
-    def clear(self) -> None: ...
+    def clear(self) -> None:
+        """Forget every slot (the host tier was reset)."""
 
 
 class LRUPolicy(EvictionPolicy):
@@ -115,24 +127,30 @@ class LRUPolicy(EvictionPolicy):
         super().__init__(num_slots)
         self._l = _Lists(num_slots, 1)
 
+    @override
     def admit(self, slot: int, key: bytes) -> None:
         pass
 
+    @override
     def make_evictable(self, slot: int) -> None:
         if not self._l.linked[slot]:
             self._l.push_back(0, slot)
 
+    @override
     def make_pinned(self, slot: int) -> None:
         self._l.unlink(slot)
 
+    @override
     def access(self, slot: int) -> None:
         if self._l.linked[slot]:
             self._l.unlink(slot)
             self._l.push_back(0, slot)
 
+    @override
     def remove(self, slot: int) -> None:
         self._l.unlink(slot)
 
+    @override
     def evict(self, n: int, protected: set[int], keys: list) -> list[int] | None:
         if n > self._l.sizes[0]:
             return None
@@ -149,6 +167,7 @@ class LRUPolicy(EvictionPolicy):
             self._l.unlink(slot)
         return out
 
+    @override
     def clear(self) -> None:
         self._l.clear()
 
@@ -176,6 +195,7 @@ class ARCPolicy(EvictionPolicy):
         self.b2: OrderedDict[bytes, None] = OrderedDict()
         self._ghost_hits: set[bytes] = set()
 
+    @override
     def prepare(self, keys: list[bytes]) -> None:
         # Ghost hits adapt p before REPLACE runs, as in the paper's cases II and III.
         self._ghost_hits.clear()
@@ -189,18 +209,22 @@ class ARCPolicy(EvictionPolicy):
                 del self.b2[key]
                 self._ghost_hits.add(key)
 
+    @override
     def admit(self, slot: int, key: bytes) -> None:
         lst = _T2 if key in self._ghost_hits else _T1
         self._member[slot] = lst + 1
         self._sizes[lst] += 1
 
+    @override
     def make_evictable(self, slot: int) -> None:
         if not self._l.linked[slot] and self._member[slot]:
             self._l.push_back(self._member[slot] - 1, slot)
 
+    @override
     def make_pinned(self, slot: int) -> None:
         self._l.unlink(slot)
 
+    @override
     def access(self, slot: int) -> None:
         lst = self._member[slot] - 1
         if lst < 0:
@@ -213,6 +237,7 @@ class ARCPolicy(EvictionPolicy):
         if was_linked:
             self._l.push_back(_T2, slot)
 
+    @override
     def remove(self, slot: int) -> None:
         self._l.unlink(slot)
         lst = self._member[slot] - 1
@@ -226,6 +251,7 @@ class ARCPolicy(EvictionPolicy):
                 return slot
         return None
 
+    @override
     def evict(self, n: int, protected: set[int], keys: list) -> list[int] | None:
         if n > self._l.sizes[_T1] + self._l.sizes[_T2]:
             return None
@@ -260,15 +286,19 @@ class ARCPolicy(EvictionPolicy):
         while self.b2 and len(self.b1) + len(self.b2) + self._sizes[_T1] + self._sizes[_T2] > 2 * c:
             self.b2.popitem(last=False)
 
+    @override
     def clear(self) -> None:
         type(self).__init__(self, self.num_slots)
 
     @property
     def t1_size(self) -> int:
+        """Chunks in ARC's recency list T1 (seen once since they entered), evictable or pinned."""
         return self._sizes[_T1]
 
     @property
     def t2_size(self) -> int:
+        """Chunks in ARC's frequency list T2 (used at least twice: hit after entering, or readmitted
+        while remembered in a ghost list)."""
         return self._sizes[_T2]
 
 

@@ -337,18 +337,18 @@ def test_the_built_in_io_modules_implement_the_chunk_io_protocol(tmp_path):
 
     ns_id = "00" * 16
     fs = fs_io.make_io(
-        {"root_dir": str(tmp_path), "namespace_id": ns_id, "row_bytes": ROW}, Faults([])
+        fs_io.FsIOConfig(root_dir=str(tmp_path), namespace_id=ns_id, row_bytes=ROW), Faults([])
     )
     obj = obj_io.make_io(
-        {
-            "bucket": "b",
-            "namespace_id": ns_id,
-            "row_bytes": ROW,
-            "endpoint_url": "http://127.0.0.1:9",
-            "access_key_id": "k",
-            "secret_access_key": "s",
-            "region": "us-east-1",
-        },
+        obj_io.ObjIOConfig(
+            bucket="b",
+            namespace_id=ns_id,
+            row_bytes=ROW,
+            endpoint_url="http://127.0.0.1:9",
+            access_key_id="k",
+            secret_access_key="s",
+            region="us-east-1",
+        ),
         Faults([]),
     )
     for io in (fs, obj):

@@ -5,6 +5,17 @@ Every struct forbids unknown fields. An unknown key, a wrong type or an impossib
 the closest valid key for a near miss and lists the allowed keys, before any process or segment is
 created. Sizes are integers in bytes: ``"10GB"`` is rejected, not guessed.
 
+::
+
+    kv_connector_extra_config (dict)
+        │ parse_config()
+        ├─ top-level keys ────▶ OffloadConfig, KVEventsConfig   (validation.convert: errors name the key)
+        └─ secondary_tiers[i] ─▶ tiers.registry.parse_tier_config ─▶ TierSpec(name, type, config)
+                                   type ─▶ tier class ─▶ its config_class struct
+
+Each tier entry is parsed once, here; the engine builds its tiers from the :class:`TierSpec` objects
+in ``OffloadConfig.secondary_tiers``.
+
 Example::
 
     {"cpu_bytes_to_use": 8589934592, "eviction_policy": "arc",
@@ -268,9 +279,9 @@ def describe(cfg: OffloadConfig) -> str:
     resolved = msgspec.to_builtins(cfg)
     tiers = []
     for spec in cfg.secondary_tiers:
-        where = {"type": spec.type}
+        named = {"type": spec.type}
         if spec.module_path is not None:
-            where["module_path"] = spec.module_path
-        tiers.append({**where, "name": spec.name, **msgspec.to_builtins(spec.config)})
+            named["module_path"] = spec.module_path
+        tiers.append({**named, "name": spec.name, **msgspec.to_builtins(spec.config)})
     resolved["secondary_tiers"] = tiers
     return msgspec.json.encode(_mask(resolved)).decode()

@@ -292,8 +292,14 @@ def _fault_arg_problem(action: str, arg: object) -> str | None:
 
 
 class WorkerSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Everything a tier worker process needs, passed to it at spawn (JSON in an environment
-    variable)."""
+    """Everything a tier worker process needs, passed to it at spawn (JSON in the environment
+    variable :data:`kvoffload.ipc.names.WORKER_SPEC_ENV`).
+
+    ``io_module`` is the worker-side module the worker imports (``kvoffload.workers.fs_io``);
+    ``io_config`` the JSON of its I/O config, a tagged struct of
+    :mod:`kvoffload.workers.ioconfig` (``{"io": "fs", ...}``), kept undecoded here and decoded by
+    the worker as the module's ``IO_CONFIG``.
+    """
 
     tier_name: str
     worker_id: int
@@ -307,5 +313,5 @@ class WorkerSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     nice: int = 10
     io_threads: int = 1
     io_module: str
-    io_config: dict = {}
+    io_config: msgspec.Raw
     faults: list[Fault] = []

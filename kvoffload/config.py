@@ -5,6 +5,17 @@ Every struct forbids unknown fields. An unknown key, a wrong type or an impossib
 the closest valid key for a near miss and lists the allowed keys, before any process or segment is
 created. Sizes are integers in bytes: ``"10GB"`` is rejected, not guessed.
 
+::
+
+    kv_connector_extra_config (dict)
+        │ parse_config()
+        ├─ top-level keys ────▶ OffloadConfig, KVEventsConfig   (validation.convert: errors name the key)
+        └─ secondary_tiers[i] ─▶ tiers.registry.parse_tier_config ─▶ TierSpec(name, type, config)
+                                   type ─▶ tier class ─▶ its config_class struct
+
+Each tier entry is parsed once, here; the engine builds its tiers from the :class:`TierSpec` objects
+in ``OffloadConfig.secondary_tiers``.
+
 Example::
 
     {"cpu_bytes_to_use": 8589934592, "eviction_policy": "arc",
@@ -13,20 +24,43 @@ Example::
 
 from __future__ import annotations
 
-import difflib
-import importlib
 import re
 from typing import Annotated, Any
 
 import msgspec
 
-Positive = Annotated[int, msgspec.Meta(gt=0, le=2**63 - 1)]
-NonNegative = Annotated[int, msgspec.Meta(ge=0)]
-PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+from kvoffload.ipc.names import EVENTS_TOPIC, MOVEMENTS_TOPIC
+from kvoffload.tiers.registry import BUILTIN_TIERS, TierSpec, parse_tier_config, tier_class
+from kvoffload.validation import (
+    ConfigError,
+    NonNegative,
+    Positive,
+    PositiveFloat,
+    apply_aliases,
+    closest,
+    convert,
+)
 
-
-class ConfigError(ValueError):
-    """Invalid configuration; the message names the offending key path."""
+__all__ = [
+    "BUILTIN_TIERS",
+    "VLLM_ONLY_KEYS",
+    "VLLM_ONLY_TIER_KEYS",
+    "ConfigError",
+    "KVEventsConfig",
+    "NonNegative",
+    "OffloadConfig",
+    "Positive",
+    "PositiveFloat",
+    "TierSpec",
+    "apply_aliases",
+    "closest",
+    "convert",
+    "describe",
+    "ineffective_vllm_keys",
+    "parse_config",
+    "parse_tier_config",
+    "tier_class",
+]
 
 
 class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -44,8 +78,8 @@ class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     endpoint: str = "tcp://*:5557"
     replay_endpoint: str | None = None
-    topic: str = "kv-events"
-    movements_topic: str = "kvoffload-movements"
+    topic: str = EVENTS_TOPIC
+    movements_topic: str = MOVEMENTS_TOPIC
     buffer_steps: Positive = 10_000
     hwm: Positive = 100_000
 
@@ -60,8 +94,9 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             block size). Read by vLLM too.
         eviction_policy: ``lru`` or ``arc``, or an out-of-tree policy class name.
         cache_policy_module_path: module of an out-of-tree eviction policy.
-        secondary_tiers: ordered list of tier configs (``{"type": "fs", ...}``); lookups ask them
-            in this order, stores go to all of them.
+        secondary_tiers: ordered list of tiers, written as tier configs (``{"type": "fs", ...}``)
+            and parsed into :class:`~kvoffload.tiers.registry.TierSpec` (name, type, the tier's
+            typed config); lookups ask them in this order, stores go to all of them.
         arena_name: fixed /dev/shm name for the host arena (default: derived from the engine id).
         cache_salt: part of the namespace: instances with different salts never share chunks.
         model_revision: model revision for the namespace when the engine does not report one.
@@ -93,7 +128,7 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     block_size: Positive | None = None
     eviction_policy: str = "lru"
     cache_policy_module_path: str | None = None
-    secondary_tiers: list[dict[str, Any]] = []
+    secondary_tiers: list[TierSpec] = []
     arena_name: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,200}$")] | None = None
     cache_salt: str = ""
     model_revision: str | None = None
@@ -130,119 +165,6 @@ VLLM_ONLY_TIER_KEYS = {
 }
 
 
-_PATH_RE = re.compile(r"`\$(?P<path>[^`]*)`")
-_UNKNOWN_RE = re.compile(r"unknown field `(?P<field>[^`]+)`")
-
-
-def closest(word: str, candidates: list[str]) -> str | None:
-    """The candidate a misspelled or truncated ``word`` most likely meant, or None."""
-    lowered = {c.lower(): c for c in candidates}
-    if word.lower() in lowered:
-        return lowered[word.lower()]
-    close = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
-    if close:
-        return close[0]
-    if len(word) >= 4:
-        prefixed = [c for c in candidates if c.startswith(word) or word.startswith(c)]
-        if len(prefixed) == 1:
-            return prefixed[0]
-    return None
-
-
-def _fields_of(struct_type: type[msgspec.Struct]) -> list[str]:
-    return list(struct_type.__struct_fields__)
-
-
-def _struct_at(root: type[msgspec.Struct], path: str) -> type[msgspec.Struct] | None:
-    """The struct type found by following ``path`` (``.a[0].b``) from ``root``, when it can be told."""
-    typ: Any = root
-    for part in re.findall(r"\.([A-Za-z_][A-Za-z0-9_]*)|\[\d+\]", path):
-        if not part:
-            continue
-        if not (isinstance(typ, type) and issubclass(typ, msgspec.Struct)):
-            return None
-        info = msgspec.inspect.type_info(typ)
-        field = next((f for f in info.fields if f.name == part), None)
-        if field is None:
-            return None
-        t = field.type
-        while isinstance(t, (msgspec.inspect.ListType, msgspec.inspect.UnionType)):
-            if isinstance(t, msgspec.inspect.ListType):
-                t = t.item_type
-            else:
-                structs = [x for x in t.types if isinstance(x, msgspec.inspect.StructType)]
-                t = structs[0] if structs else t.types[0]
-                break
-        typ = t.cls if isinstance(t, msgspec.inspect.StructType) else None
-    return typ if isinstance(typ, type) else None
-
-
-def convert(data: Any, struct_type: type[msgspec.Struct], where: str) -> Any:
-    """``msgspec.convert`` with errors rewritten to name ``where`` + the key path.
-
-    Args:
-        data: the raw dict.
-        struct_type: the struct to build.
-        where: prefix for key paths in messages (e.g. ``kv_connector_extra_config``).
-
-    Raises:
-        ConfigError: naming the key path, the closest valid key for unknown keys, and the allowed
-            keys.
-    """
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where}: expected an object (dict), got {type(data).__name__}")
-    try:
-        return msgspec.convert(data, struct_type, strict=True)
-    except msgspec.ValidationError as e:
-        msg = str(e)
-        m = _PATH_RE.search(msg)
-        sub = m.group("path") if m else ""
-        unknown = _UNKNOWN_RE.search(msg)
-        if unknown:
-            field = unknown.group("field")
-            owner = _struct_at(struct_type, sub) or struct_type
-            allowed = _fields_of(owner) + list(getattr(owner, "vllm_aliases", {}))
-            close = closest(field, allowed)
-            hint = f" (did you mean {close!r}?)" if close else ""
-            raise ConfigError(
-                f"{where}{sub}: unknown key {field!r}{hint}; allowed keys: {', '.join(allowed)}"
-            ) from None
-        detail = _PATH_RE.sub("", msg).replace(" - at ", "").strip(" -")
-        # A struct's own check (__post_init__) names its field first: "arg: why".
-        field, sep, why = detail.partition(": ")
-        owner = _struct_at(struct_type, sub) if sep else None
-        if owner is not None and field in owner.__struct_fields__:
-            sub, detail = f"{sub}.{field}", why
-        allowed = _literal_values(struct_type, sub) if "Invalid enum value" in msg else None
-        if allowed:
-            detail += f"; allowed: {', '.join(map(str, allowed))}"
-        raise ConfigError(f"{where}{sub}: {detail}") from None
-
-
-def _literal_values(root: type[msgspec.Struct], path: str) -> list | None:
-    """The values a ``Literal`` field at ``path`` (``.a[0].b``) allows, when it can be told."""
-    parent, _, name = path.rpartition(".")
-    owner = _struct_at(root, parent) if parent else root
-    if owner is None:
-        return None
-    field = next((f for f in msgspec.inspect.type_info(owner).fields if f.name == name), None)
-    if field is None:
-        return None
-    types = field.type.types if isinstance(field.type, msgspec.inspect.UnionType) else (field.type,)
-    values = next(
-        (list(t.values) for t in types if isinstance(t, msgspec.inspect.LiteralType)), None
-    )
-    if values is None:
-        return None
-    # the union's other forms, so a wrong string does not read as if only the words were allowed
-    others = {
-        msgspec.inspect.IntType: "an integer",
-        msgspec.inspect.FloatType: "a number",
-        msgspec.inspect.NoneType: "null",
-    }
-    return values + [others[type(t)] for t in types if type(t) in others]
-
-
 def parse_config(extra_config: dict[str, Any]) -> OffloadConfig:
     """Parse and validate the whole configuration, secondary tiers included.
 
@@ -254,7 +176,11 @@ def parse_config(extra_config: dict[str, Any]) -> OffloadConfig:
             f"kv_connector_extra_config: expected an object (dict), got "
             f"{type(extra_config).__name__}"
         )
-    cfg = convert(dict(extra_config), OffloadConfig, "kv_connector_extra_config")
+    where = "kv_connector_extra_config"
+    top = dict(extra_config)
+    written = {"secondary_tiers": top.pop("secondary_tiers")} if "secondary_tiers" in top else {}
+    cfg = convert(top, OffloadConfig, where)
+    raw_tiers = convert(written, _WrittenTiers, where).secondary_tiers
     if cfg.blocks_per_chunk is not None and cfg.block_size is not None:
         raise ConfigError(
             "kv_connector_extra_config: set only one of 'blocks_per_chunk' and 'block_size'"
@@ -294,132 +220,22 @@ def parse_config(extra_config: dict[str, Any]) -> OffloadConfig:
                 f"prefixes of each other"
             )
     names = set()
-    for i, tier in enumerate(cfg.secondary_tiers):
-        name, _, _ = parse_tier_config(tier, f"kv_connector_extra_config.secondary_tiers[{i}]")
-        if name in names:
+    for i, raw in enumerate(raw_tiers):
+        spec = parse_tier_config(raw, f"{where}.secondary_tiers[{i}]")
+        if spec.name in names:
             raise ConfigError(
-                f"kv_connector_extra_config.secondary_tiers[{i}].name: duplicate tier name {name!r}"
+                f"{where}.secondary_tiers[{i}].name: duplicate tier name {spec.name!r}"
             )
-        names.add(name)
+        names.add(spec.name)
+        cfg.secondary_tiers.append(spec)
     return cfg
 
 
-BUILTIN_TIERS = {
-    "fs": "kvoffload.tiers.fs:FsTier",
-    "obj": "kvoffload.tiers.obj:ObjTier",
-    "memory": "kvoffload.tiers.memory:MemoryTier",
-}
+class _WrittenTiers(msgspec.Struct, forbid_unknown_fields=True):
+    """``secondary_tiers`` as written, before each entry is parsed by its tier's config struct
+    (:func:`kvoffload.tiers.registry.parse_tier_config`)."""
 
-
-def tier_class(type_name: str, module_path: str | None, where: str) -> type:
-    """Resolve a tier type: a built-in name, or a class named ``type_name`` in ``module_path``.
-
-    Raises:
-        ConfigError: unknown type, unimportable module, or not a ``SecondaryTierManager``.
-    """
-    from kvoffload.tiers.base import SecondaryTierManager
-
-    if module_path is None:
-        target = BUILTIN_TIERS.get(type_name)
-        if target is None:
-            close = closest(type_name, list(BUILTIN_TIERS))
-            hint = f" (did you mean {close!r}?)" if close else ""
-            raise ConfigError(
-                f"{where}.type: unknown tier type {type_name!r}{hint}; built-in types: "
-                f"{', '.join(BUILTIN_TIERS)}; an out-of-tree tier needs 'module_path'"
-            )
-        mod_name, cls_name = target.split(":")
-    else:
-        mod_name, cls_name = module_path, type_name
-    try:
-        mod = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise ConfigError(f"{where}.module_path: cannot import {mod_name!r}: {e}") from None
-    cls = getattr(mod, cls_name, None)
-    if not (isinstance(cls, type) and issubclass(cls, SecondaryTierManager)):
-        raise ConfigError(
-            f"{where}.type: {mod_name}.{cls_name} is not a SecondaryTierManager subclass"
-        )
-    return cls
-
-
-def parse_tier_config(raw: dict[str, Any], where: str) -> tuple[str, type, msgspec.Struct]:
-    """Validate one ``secondary_tiers`` entry.
-
-    Returns:
-        ``(tier name, tier class, config struct)``.
-
-    Raises:
-        ConfigError: naming the key path.
-    """
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: expected an object with a 'type', got {type(raw).__name__}")
-    body = dict(raw)
-    type_name = body.pop("type", None)
-    if not isinstance(type_name, str):
-        raise ConfigError(f"{where}.type: required, a string such as 'fs'")
-    module_path = body.pop("module_path", None)
-    name = body.pop("name", type_name)
-    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,40}", name):
-        raise ConfigError(f"{where}.name: 1-40 characters of [A-Za-z0-9_.-], got {name!r}")
-    cls = tier_class(type_name, module_path, where)
-    config_class = cls.config_class
-    renamed: dict[str, str] = {}
-    from_vllm = getattr(config_class, "from_vllm_keys", None)
-    if from_vllm is not None:
-        body, renamed = from_vllm(body, where)
-    try:
-        config = convert(body, config_class, where)
-    except ConfigError as e:
-        raise ConfigError(_name_given_keys(str(e), where, renamed)) from None
-    validate = getattr(config, "validate", None)
-    if validate is not None:
-        try:
-            validate()
-        except ValueError as e:
-            raise ConfigError(_name_given_keys(f"{where}.{e}", where, renamed)) from None
-    return name, cls, config
-
-
-def _name_given_keys(msg: str, where: str, renamed: dict[str, str]) -> str:
-    """Rewrite an error about one of our keys to name the key the user wrote (a vLLM alias)."""
-    for ours, given in renamed.items():
-        if msg.startswith(f"{where}.{ours}:"):
-            return f"{where}.{given}:" + msg[len(f"{where}.{ours}:") :]
-    return msg
-
-
-def apply_aliases(
-    body: dict[str, Any],
-    aliases: dict[str, str],
-    where: str,
-    renamed: dict[str, str],
-    origin: str = "",
-) -> None:
-    """Rename vLLM's key names in ``body`` to ours, in place.
-
-    Args:
-        body: a tier's config dict (already a copy).
-        aliases: vLLM's name -> our name.
-        where: key path for error messages.
-        renamed: filled with our name -> the name as written (for error messages).
-        origin: prefix of the written name (``"store_config."`` for nested keys).
-
-    Raises:
-        ConfigError: both a vLLM name and our name (or two names for one setting) are given.
-    """
-    for alias, ours in aliases.items():
-        if alias not in body:
-            continue
-        if ours in body:
-            first = renamed.get(ours, ours)
-            what = f" ({ours!r})" if first != ours else ""
-            raise ConfigError(
-                f"{where}: {origin + alias!r} (vLLM's name) and {first!r} set the same "
-                f"thing{what}; keep one"
-            )
-        body[ours] = body.pop(alias)
-        renamed[ours] = origin + alias
+    secondary_tiers: list[dict[str, Any]] = []
 
 
 def ineffective_vllm_keys(extra_config: dict[str, Any]) -> list[str]:
@@ -462,9 +278,10 @@ def describe(cfg: OffloadConfig) -> str:
     (logged once at start)."""
     resolved = msgspec.to_builtins(cfg)
     tiers = []
-    for i, raw in enumerate(cfg.secondary_tiers):
-        name, _, tier_cfg = parse_tier_config(raw, f"secondary_tiers[{i}]")
-        extra = {k: raw[k] for k in ("type", "module_path") if k in raw}
-        tiers.append({**extra, "name": name, **msgspec.to_builtins(tier_cfg)})
+    for spec in cfg.secondary_tiers:
+        named = {"type": spec.type}
+        if spec.module_path is not None:
+            named["module_path"] = spec.module_path
+        tiers.append({**named, "name": spec.name, **msgspec.to_builtins(spec.config)})
     resolved["secondary_tiers"] = tiers
     return msgspec.json.encode(_mask(resolved)).decode()

@@ -15,7 +15,11 @@ Two streams on one socket, each message three frames ``(topic, seq, payload)`` w
   (``GPU``) event for those blocks.
 - ``movements_topic``: one :class:`Movement` per chunk moved between tiers (``device`` → ``host``
   offload, ``host`` → tier write-through, tier → ``host`` promotion, ``host`` → ``device`` reload,
-  tier → ``none`` eviction), in a :class:`MovementBatch` msgpack map.
+  tier → ``none`` eviction), in a :class:`MovementBatch` msgpack map: the one definition of that
+  schema, for the publisher and for consumers (``kvoffload top``), which decode with
+  :func:`decode_movement_batch` / :func:`decode_movement_message`.
+
+Default topics: :data:`kvoffload.ipc.names.EVENTS_TOPIC` and ``MOVEMENTS_TOPIC``.
 
 Replay (vLLM's protocol): a DEALER on ``replay_endpoint`` sends ``(b"", start_seq)``; the publisher
 answers ``(b"", topic, seq, payload)`` for each buffered engine batch with ``seq >= start_seq``, then
@@ -36,10 +40,14 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, overload
 
 import msgspec
 import zmq
+
+if TYPE_CHECKING:
+    from kvoffload.config import KVEventsConfig
 
 log = logging.getLogger("kvoffload.events")
 
@@ -117,6 +125,10 @@ class ChunkEventInfo(msgspec.Struct, gc=False):
     group_idx: int | None = None
 
 
+@overload
+def offset_endpoint(endpoint: str, data_parallel_rank: int) -> str: ...
+@overload
+def offset_endpoint(endpoint: None, data_parallel_rank: int) -> None: ...
 def offset_endpoint(endpoint: str | None, data_parallel_rank: int) -> str | None:
     """``endpoint`` for data-parallel rank ``data_parallel_rank``: TCP port + rank, ``inproc``
     name + ``_dp<rank>``; rank 0, None and TCP port 0 unchanged (vLLM's
@@ -163,6 +175,37 @@ class MovementBatch(msgspec.Struct, gc=False):
     data_parallel_rank: int | None = None
 
 
+_movement_batch_decoder = msgspec.msgpack.Decoder(MovementBatch)
+
+
+def decode_movement_batch(payload: bytes) -> MovementBatch:
+    """The :class:`MovementBatch` in the payload (third frame) of a ``movements_topic`` message.
+
+    Raises:
+        msgspec.DecodeError: not msgpack, or not a movement batch (``msgspec.ValidationError``, a
+            subclass, naming the field: ``Object missing required field `src` - at
+            `$.events[0]```).
+    """
+    return _movement_batch_decoder.decode(payload)
+
+
+def decode_movement_message(frames: Sequence[bytes]) -> tuple[bytes, int, MovementBatch]:
+    """``(topic, seq, batch)`` of one ``movements_topic`` message, the three frames ``(topic,
+    8-byte big-endian seq, payload)`` a SUB socket receives.
+
+    Raises:
+        ValueError: not three frames, or a ``seq`` frame that is not 8 bytes.
+        msgspec.DecodeError: a payload that is not a :class:`MovementBatch`.
+    """
+    if len(frames) != 3 or len(frames[1]) != 8:
+        raise ValueError(
+            f"expected 3 frames (topic, 8-byte seq, payload), got {len(frames)}"
+            + (f" with a {len(frames[1])}-byte seq" if len(frames) == 3 else "")
+        )
+    topic, seq, payload = frames
+    return bytes(topic), int.from_bytes(seq, "big"), decode_movement_batch(payload)
+
+
 class EventPublisher:
     """The PUB socket (and optional replay ROUTER) with its sending thread.
 
@@ -177,7 +220,7 @@ class EventPublisher:
         ValueError: an endpoint cannot be offset for a rank > 0.
     """
 
-    def __init__(self, config: Any, instance: str = "", data_parallel_rank: int = 0):
+    def __init__(self, config: KVEventsConfig, instance: str = "", data_parallel_rank: int = 0):
         self.config = config
         self.instance = instance
         self.data_parallel_rank = data_parallel_rank
@@ -188,24 +231,29 @@ class EventPublisher:
         self.published = {"engine": 0, "movements": 0}
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._seq = {t: 0 for t in self._topics}
-        self._buffers = {t: deque(maxlen=config.buffer_steps) for t in self._topics}
-        self._pub = self._ctx.socket(zmq.PUB)
-        self._replay = None
+        self._buffers: dict[bytes, deque[tuple[int, bytes]]] = {
+            t: deque(maxlen=config.buffer_steps) for t in self._topics
+        }
+        self._pub: zmq.Socket | None = self._ctx.socket(zmq.PUB)
+        self._replay: zmq.Socket | None = None
+        pub = self._pub
         try:
-            self._pub.setsockopt(zmq.SNDHWM, config.hwm)
-            self._pub.setsockopt(zmq.LINGER, 500)
-            self._pub.bind(endpoint)
-            self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
-            self.replay_endpoint = None
+            pub.setsockopt(zmq.SNDHWM, config.hwm)
+            pub.setsockopt(zmq.LINGER, 500)
+            pub.bind(endpoint)
+            self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            self.replay_endpoint: str | None = None
             if replay_endpoint:
-                self._replay = self._ctx.socket(zmq.ROUTER)
-                self._replay.setsockopt(zmq.LINGER, 0)
-                self._replay.bind(replay_endpoint)
-                self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+                self._replay = replay = self._ctx.socket(zmq.ROUTER)
+                replay.setsockopt(zmq.LINGER, 0)
+                replay.bind(replay_endpoint)
+                self.replay_endpoint = replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError:
             self._close_sockets()
             raise
-        self._thread = threading.Thread(target=self._run, name="kvoffload-events", daemon=True)
+        self._thread: threading.Thread | None = threading.Thread(
+            target=self._run, name="kvoffload-events", daemon=True
+        )
         self._thread.start()
 
     # -- engine thread ----------------------------------------------------------------------------
@@ -249,6 +297,7 @@ class EventPublisher:
     def _send(self, topic: bytes, payload: bytes) -> None:
         seq = self._seq[topic]
         self._seq[topic] = seq + 1
+        assert self._pub is not None  # closed only by this thread, after its last send
         self._pub.send_multipart((topic, seq.to_bytes(8, "big"), payload), copy=False)
         self._buffers[topic].append((seq, payload))
 
@@ -259,7 +308,7 @@ class EventPublisher:
         while True:
             if self._replay is not None and self._replay.poll(0):
                 try:
-                    self._serve_replay()
+                    self._serve_replay(self._replay)
                 except zmq.ZMQError as e:
                     log.warning("kvoffload events: replay request failed: %s", e)
             try:
@@ -298,8 +347,8 @@ class EventPublisher:
                 log.warning("kvoffload events: publish failed: %s", e)
         self._close_sockets()
 
-    def _serve_replay(self) -> None:
-        frames = self._replay.recv_multipart()
+    def _serve_replay(self, replay: zmq.Socket) -> None:
+        frames = replay.recv_multipart()
         if len(frames) not in (3, 4) or len(frames[2]) != 8:
             log.warning("kvoffload events: malformed replay request (%d frames)", len(frames))
             return
@@ -308,5 +357,5 @@ class EventPublisher:
         topic = frames[3] if len(frames) == 4 else self._topics[0]
         for seq, payload in list(self._buffers.get(topic, ())):
             if seq >= start:
-                self._replay.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
+                replay.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload))
+        replay.send_multipart((client, b"", b"", END_SEQ, b""))

@@ -29,6 +29,8 @@ from typing import Any
 
 import msgspec
 
+from kvoffload.ipc import names
+
 log = logging.getLogger("kvoffload.metrics")
 
 COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
@@ -183,12 +185,9 @@ CORE_METRICS: tuple[MetricDef, ...] = (
 
 CORE_NAMES = frozenset(d.name for d in CORE_METRICS)
 
-#: A tier's counters named ``<family>.<value>`` (counted engine side with ``count`` or in a worker
-#: with :func:`kvoffload.workers.counters.count`) for a family listed here are exported as that
-#: metric, with ``value`` as its second label, instead of as a ``kvoffload_tier_events_total``
-#: event: ``eviction_errors.EACCES`` -> ``kvoffload_tier_eviction_errors_total{tier, errno="EACCES"}``
-#: (workers count those with :func:`kvoffload.workers.counters.count_errno`).
-TIER_COUNTER_FAMILIES: dict[str, str] = {"eviction_errors": "kvoffload_tier_eviction_errors"}
+#: Counter families exported as a labelled metric of their own (defined with the other tier
+#: counter names in :mod:`kvoffload.ipc.names`).
+TIER_COUNTER_FAMILIES = names.TIER_COUNTER_FAMILIES
 
 
 class HistogramValue:

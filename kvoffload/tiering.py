@@ -165,10 +165,13 @@ class TieringManager:
             self.tiers = list(tiers)
         else:
             try:
-                for i, raw in enumerate(config.secondary_tiers):
+                for i, spec in enumerate(config.secondary_tiers):
                     self.tiers.append(
                         create_tier(
-                            raw, arena, namespace, f"kv_connector_extra_config.secondary_tiers[{i}]"
+                            spec,
+                            arena,
+                            namespace,
+                            f"kv_connector_extra_config.secondary_tiers[{i}]",
                         )
                     )
             except BaseException:

@@ -30,7 +30,6 @@ from kvoffload.config import (
     describe,
     ineffective_vllm_keys,
     parse_config,
-    parse_tier_config,
 )
 from kvoffload.events import ChunkEventInfo
 from kvoffload.ipc.arena import Arena, default_name, round_up_to_page, sweep
@@ -181,11 +180,8 @@ class KVOffloadSpec(OffloadingSpec):
         """
         cfg = parse_config(dict(extra_config))
         defs = list(metrics.CORE_METRICS)
-        for i, raw in enumerate(cfg.secondary_tiers):
-            _, tier_cls, _ = parse_tier_config(
-                raw, f"kv_connector_extra_config.secondary_tiers[{i}]"
-            )
-            defs.extend(tier_cls.metric_definitions)
+        for spec in cfg.secondary_tiers:
+            defs.extend(spec.tier_class.metric_definitions)
         return metrics.vllm_metric_definitions(metrics.MetricSet(defs).defs.values())
 
     def __init__(self, config: OffloadingConfig, *args: Any, **kwargs: Any):

@@ -153,7 +153,10 @@ class _KVOffloadTier(VLLMSecondaryTierManager):
         if not isinstance(cache_salt, str):
             raise ConfigError(f"{where}.cache_salt: a string, got {cache_salt!r}")
         raw = {"type": self.kvoffload_type, **config}
-        name, tier_cls, tier_config = parse_tier_config(raw, where)
+        spec = parse_tier_config(raw, where)
+        name = spec.name
+        tier_cls: Any = spec.tier_class  # takes ``arena`` too (the base class does not)
+        tier_config: Any = spec.config  # an instance of tier_cls.config_class
         # vLLM exposes the rows as int8 (its memoryview format "b"); bytes are bytes here.
         primary = np.asarray(primary_kv_view).view(np.uint8)
         self._primary = primary.reshape(-1, self.block_size_bytes)

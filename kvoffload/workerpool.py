@@ -32,10 +32,10 @@ import msgspec
 
 from kvoffload.ipc import messages as m
 from kvoffload.ipc.channels import TierChannels
+from kvoffload.ipc.names import WORKER_SPEC_ENV
 
 log = logging.getLogger("kvoffload.workerpool")
 
-_SPEC_ENV = "KVOFFLOAD_WORKER"
 _RESTART_BACKOFF_S = 0.5
 _BROKEN_AFTER_FAILED_STARTS = 3
 _BROKEN_RETRY_S = 10.0
@@ -151,7 +151,7 @@ class WorkerPool:
         identity = f"{self.kind[0]}{wid}-{os.getpid()}".encode()
         spec = self.make_spec(wid, identity)
         env = dict(os.environ)
-        env[_SPEC_ENV] = msgspec.json.encode(spec).decode()
+        env[WORKER_SPEC_ENV] = msgspec.json.encode(spec).decode()
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvoffload.workers.main"],
             env=env,

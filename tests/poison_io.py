@@ -1,5 +1,5 @@
 """An out-of-tree worker-side I/O module for tests (CASES C25): the fs tier's I/O, except that the
-keys named in ``io_config["poison"]`` (key hex -> what to do) misbehave the way a buggy module would:
+keys named in its config's ``poison`` (key hex -> what to do) misbehave the way a buggy module would:
 raise an exception that is not an I/O error (``ValueError``, ``MemoryError``, ``struct.error``), or
 answer the old tuple instead of an :class:`~kvoffload.workers.chunkio.IOOutcome` (``tuple``).
 
@@ -12,13 +12,20 @@ from __future__ import annotations
 import struct
 from typing import TYPE_CHECKING
 
-import msgspec
-
 from kvoffload.workers.fs_io import FsIO, FsIOConfig
 
 if TYPE_CHECKING:
     from kvoffload.workers.chunkio import IOOutcome
     from kvoffload.workers.faults import Faults
+
+
+class PoisonIOConfig(FsIOConfig, kw_only=True, tag="poison"):
+    """The fs tier's I/O config plus ``poison`` (chunk key hex -> what to do)."""
+
+    poison: dict[str, str] = {}
+
+
+IO_CONFIG = PoisonIOConfig
 
 _RAISES = {"ValueError": ValueError, "MemoryError": MemoryError, "struct.error": struct.error}
 
@@ -54,7 +61,5 @@ class PoisonIO:
         return self.inner.scan()
 
 
-def make_io(config: dict, faults: Faults) -> PoisonIO:
-    config = dict(config)
-    poison = config.pop("poison")
-    return PoisonIO(FsIO(msgspec.convert(config, FsIOConfig), faults), poison)
+def make_io(config: PoisonIOConfig, faults: Faults) -> PoisonIO:
+    return PoisonIO(FsIO(config, faults), config.poison)

@@ -1,6 +1,9 @@
 """An out-of-tree tier for tests (CASES C25): the fs tier with its worker I/O in ``poison_io``, a
 module outside the package whose I/O misbehaves for the keys named in ``poison``."""
 
+import msgspec
+from poison_io import PoisonIOConfig
+
 from kvoffload.tiers.fs import FsTier, FsTierConfig
 
 
@@ -15,5 +18,6 @@ class PoisonTier(FsTier):
     config_class = PoisonTierConfig
     io_module = "poison_io"
 
-    def io_config(self) -> dict:
-        return {**super().io_config(), "poison": dict(self.config.poison)}
+    def io_config(self) -> PoisonIOConfig:
+        fs = msgspec.structs.asdict(super().io_config())
+        return PoisonIOConfig(**fs, poison=dict(self.config.poison))

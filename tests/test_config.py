@@ -122,3 +122,37 @@ def test_duplicate_tier_names():
     t = {"type": "memory", "max_bytes": 100}
     fails({**BASE, "secondary_tiers": [t, t]}, "duplicate tier name 'memory'")
     parse_config({**BASE, "secondary_tiers": [t, {**t, "name": "mem2"}]})
+
+
+def test_tier_entries_are_parsed_once_into_typed_specs(tmp_path):
+    from kvoffload.tiers.fs import FsTier, FsTierConfig
+    from kvoffload.tiers.memory import MemoryTier, MemoryTierConfig
+
+    cfg = parse_config(
+        {
+            **BASE,
+            "secondary_tiers": [
+                {"type": "fs", "name": "nvme", "root_dir": str(tmp_path), "max_bytes": 1 << 30},
+                {"type": "memory", "max_bytes": 4096},
+            ],
+        }
+    )
+    fs, mem = cfg.secondary_tiers
+    assert (fs.name, fs.type, fs.module_path) == ("nvme", "fs", None)
+    assert isinstance(fs.config, FsTierConfig) and fs.config.max_bytes == 1 << 30
+    assert fs.tier_class is FsTier
+    assert (mem.name, mem.tier_class) == ("memory", MemoryTier)
+    assert mem.config == MemoryTierConfig(max_bytes=4096)
+    fails({**BASE, "secondary_tiers": "fs"}, "kv_connector_extra_config.secondary_tiers:")
+    fails({**BASE, "secondary_tiers": ["fs"]}, "kv_connector_extra_config.secondary_tiers[0]:")
+
+
+def test_config_and_tier_registry_import_alone():
+    import subprocess
+    import sys
+
+    for module in ("kvoffload.config", "kvoffload.tiers.registry", "kvoffload.validation"):
+        out = subprocess.run(
+            [sys.executable, "-c", f"import {module}"], capture_output=True, text=True
+        )
+        assert out.returncode == 0, (module, out.stderr)

@@ -378,3 +378,42 @@ def test_c30_rank_offsets_follow_vllm_publisher():
         return
     for endpoint, rank, want in cases:
         assert ZmqEventPublisher.offset_endpoint_port(endpoint, rank) == want
+
+
+def test_published_movements_decode_with_the_one_movement_schema():
+    """What the publisher sends on the movements topic decodes with ``decode_movement_message``
+    (the schema the publisher encodes with); a payload of another shape is refused, naming the
+    field."""
+    from kvoffload.config import KVEventsConfig
+    from kvoffload.events import (
+        EventPublisher,
+        Movement,
+        decode_movement_batch,
+        decode_movement_message,
+    )
+    from kvoffload.ipc.names import MOVEMENTS_TOPIC
+
+    config = KVEventsConfig(endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0")
+    assert config.movements_topic == MOVEMENTS_TOPIC
+    pub = EventPublisher(config, instance="m0", data_parallel_rank=0)
+    try:
+        moved = [
+            Movement(key=b"\x01" * 16, src="host", dst="fs", locality="local", nbytes=4096),
+            Movement(key=b"\x02" * 16, src="fs", dst="none", locality="local", nbytes=0),
+        ]
+        pub.publish([], moved)
+        assert pub.flush()
+        ((seq, body),) = replay(pub.replay_endpoint, 0, MOVEMENTS_TOPIC.encode())
+    finally:
+        pub.close()
+    topic, seq_out, batch = decode_movement_message(
+        [MOVEMENTS_TOPIC.encode(), seq.to_bytes(8, "big"), body]
+    )
+    assert (topic, seq_out) == (MOVEMENTS_TOPIC.encode(), 0)
+    assert batch.instance == "m0" and batch.data_parallel_rank == 0 and batch.events == moved
+    assert decode_movement_batch(body) == batch
+    broken = msgspec.msgpack.encode({"ts": 1.0, "instance": "m0", "events": [{"key": b"k"}]})
+    with pytest.raises(msgspec.DecodeError, match=r"src.*\$\.events\[0\]"):
+        decode_movement_batch(broken)
+    with pytest.raises(ValueError, match="8-byte seq"):
+        decode_movement_message([MOVEMENTS_TOPIC.encode(), b"\x00", body])

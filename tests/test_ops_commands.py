@@ -488,15 +488,15 @@ def test_c29_two_writers_with_one_pid_store_the_same_chunk_at_once(tmp_path):
 
     from kvoffload.ipc.messages import OK, Fault
     from kvoffload.workers.faults import Faults
-    from kvoffload.workers.fs_io import make_io
+    from kvoffload.workers.fs_io import FsIOConfig, make_io
 
     ns = namespace()
-    io_cfg = {
-        "root_dir": str(tmp_path),
-        "namespace_id": ns.id(),
-        "row_bytes": ROW,
-        "direct_io": "none",
-    }
+    io_cfg = FsIOConfig(
+        root_dir=str(tmp_path),
+        namespace_id=ns.id(),
+        row_bytes=ROW,
+        direct_io="none",
+    )
     resume = tmp_path / "resume"
     paused = make_io(
         io_cfg, Faults([Fault(point="before_publish", action="wait_file", arg=str(resume))])

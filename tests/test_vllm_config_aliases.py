@@ -62,7 +62,7 @@ def as_kvoffload(vllm_config):
 
 
 def tier(raw):
-    return parse_tier_config(raw, "kv_connector_extra_config.secondary_tiers[0]")[2]
+    return parse_tier_config(raw, "kv_connector_extra_config.secondary_tiers[0]").config
 
 
 def fails(raw, *fragments):
@@ -77,7 +77,7 @@ def test_vllm_multi_tier_example_works_with_only_the_spec_changed(tmp_path):
     example["secondary_tiers"][0]["root_dir"] = str(tmp_path)
     cfg = parse_config(as_kvoffload(example))
     assert cfg.block_size == 16 and cfg.eviction_policy == "lru"
-    fs = tier(cfg.secondary_tiers[0])
+    fs = cfg.secondary_tiers[0].config
     assert fs.root_dir == str(tmp_path)
     assert (fs.read_io_threads, fs.write_io_threads) == (32, 16)
     # Spread over the default 2 reader and 2 writer processes.
@@ -188,7 +188,7 @@ def test_vllm_obj_store_config_against_a_real_s3_server():
             obj = rig.fs
             assert obj._spec(0, b"r0", LOADS).io_threads == 5
             assert obj._spec(0, b"w0", STORES).io_threads == 2
-            assert obj.io_config()["max_connections"] == 7  # one per thread, plus 2
+            assert obj.io_config().max_connections == 7  # one per thread, plus 2
             keys = keys_for(3)
             rig.store(keys)
             rig.evict_all()

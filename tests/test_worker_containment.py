@@ -337,18 +337,18 @@ def test_the_built_in_io_modules_implement_the_chunk_io_protocol(tmp_path):
 
     ns_id = "00" * 16
     fs = fs_io.make_io(
-        {"root_dir": str(tmp_path), "namespace_id": ns_id, "row_bytes": ROW}, Faults([])
+        fs_io.FsIOConfig(root_dir=str(tmp_path), namespace_id=ns_id, row_bytes=ROW), Faults([])
     )
     obj = obj_io.make_io(
-        {
-            "bucket": "b",
-            "namespace_id": ns_id,
-            "row_bytes": ROW,
-            "endpoint_url": "http://127.0.0.1:9",
-            "access_key_id": "k",
-            "secret_access_key": "s",
-            "region": "us-east-1",
-        },
+        obj_io.ObjIOConfig(
+            bucket="b",
+            namespace_id=ns_id,
+            row_bytes=ROW,
+            endpoint_url="http://127.0.0.1:9",
+            access_key_id="k",
+            secret_access_key="s",
+            region="us-east-1",
+        ),
         Faults([]),
     )
     for io in (fs, obj):
@@ -419,3 +419,30 @@ def test_c31_a_filesystem_refusing_direct_io_half_way_stores_everything_buffered
         lines = [ln for ln in err.splitlines() if f"refuses O_DIRECT {transfers}" in ln]
         assert len(lines) == 1, err
         assert fs_desc in lines[0] and str(root) in lines[0] and "Invalid argument" in lines[0]
+
+
+def test_the_io_config_is_a_tagged_struct_checked_against_its_module(tmp_path):
+    import msgspec
+    from poison_io import PoisonIOConfig
+
+    from kvoffload.workers.ioconfig import (
+        FsIOConfig,
+        ObjIOConfig,
+        decode_io_config,
+        encode_io_config,
+    )
+
+    fs = FsIOConfig(root_dir=str(tmp_path), namespace_id="00" * 16, row_bytes=ROW)
+    raw = encode_io_config(fs)
+    assert msgspec.json.decode(raw)["io"] == "fs"
+    assert decode_io_config(raw, FsIOConfig) == fs
+    with pytest.raises(TypeError, match=r"takes ObjIOConfig \(io: 'obj'\), got FsIOConfig"):
+        decode_io_config(raw, ObjIOConfig)
+    with pytest.raises(msgspec.ValidationError, match=r"\$\.row_bytes"):
+        decode_io_config(
+            b'{"io": "fs", "root_dir": "/x", "namespace_id": "a", "row_bytes": "1"}', None
+        )
+    poison = PoisonIOConfig(**msgspec.structs.asdict(fs), poison={"ab": "tuple"})
+    assert decode_io_config(encode_io_config(poison), PoisonIOConfig) == poison
+    with pytest.raises(msgspec.ValidationError):  # an out-of-tree tag the module does not declare
+        decode_io_config(encode_io_config(poison), FsIOConfig)

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from kvoffload.config import OffloadConfig, describe, parse_tier_config
+from kvoffload.config import OffloadConfig, describe
 
 
 def _default_of(field: msgspec.structs.FieldInfo) -> Any:
@@ -68,14 +68,15 @@ def config_rows(raw: dict[str, Any], cfg: OffloadConfig) -> list[tuple[str, str,
     _struct_rows(cfg, resolved, raw, "", rows, skip=("secondary_tiers",))
     if not cfg.secondary_tiers:
         rows.append(("secondary_tiers", "[]", "set" if "secondary_tiers" in raw else "default"))
-    for i, (tier, shown) in enumerate(zip(cfg.secondary_tiers, resolved["secondary_tiers"])):
+    written = raw.get("secondary_tiers") or []
+    for i, (spec, shown) in enumerate(zip(cfg.secondary_tiers, resolved["secondary_tiers"])):
         where = f"secondary_tiers[{i}]"
-        name, _, tier_cfg = parse_tier_config(tier, where)
-        rows.append((f"{where}.type", str(tier["type"]), "set"))
-        rows.append((f"{where}.name", name, "set" if "name" in tier else "default"))
-        if "module_path" in tier:
-            rows.append((f"{where}.module_path", str(tier["module_path"]), "set"))
-        _struct_rows(tier_cfg, shown, tier, f"{where}.", rows)
+        tier = written[i]
+        rows.append((f"{where}.type", spec.type, "set"))
+        rows.append((f"{where}.name", spec.name, "set" if "name" in tier else "default"))
+        if spec.module_path is not None:
+            rows.append((f"{where}.module_path", spec.module_path, "set"))
+        _struct_rows(spec.config, shown, tier, f"{where}.", rows)
     return rows
 
 

@@ -7,7 +7,8 @@
                           ◀──────────────── IOOutcome(code, nbytes, detail, status) per key
 
 A tier names its I/O module (``io_module``, e.g. ``kvoffload.workers.fs_io``); the worker imports it
-and calls its ``make_io(io_config, faults)`` (see :class:`MakeIO`), which returns a :class:`ChunkIO`.
+and calls its ``make_io(config, faults)`` (see :class:`MakeIO`) with the tier's I/O config, decoded as
+the module's ``IO_CONFIG`` struct (:mod:`kvoffload.workers.ioconfig`); it returns a :class:`ChunkIO`.
 Every per-key call answers one :class:`IOOutcome`; the worker loop turns them into the task's
 :class:`~kvoffload.ipc.messages.TaskResult`. An I/O module reports the failures it understands as
 codes (``MISSING``, ``CORRUPT``, ``IO_ERROR``, ...); anything it raises is contained by the worker
@@ -17,7 +18,7 @@ and an answer that is not a valid :class:`IOOutcome` with ``ERROR`` too.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
@@ -95,10 +96,8 @@ class ChunkIO(Protocol):
 class MakeIO(Protocol):
     """The ``make_io`` entry point of an I/O module."""
 
-    def __call__(self, config: dict, faults: Faults) -> ChunkIO:
-        """Build the module's :class:`ChunkIO` from the tier's ``io_config``.
-
-        Raises:
-            msgspec.ValidationError: a bad ``io_config``.
-        """
+    def __call__(self, config: Any, faults: Faults) -> ChunkIO:
+        """Build the module's :class:`ChunkIO` from the tier's I/O config: an instance of the
+        module's ``IO_CONFIG`` (a tagged :class:`~kvoffload.workers.ioconfig.IOConfig` struct,
+        decoded by the worker from ``WorkerSpec.io_config``)."""
         ...

@@ -36,21 +36,20 @@ import threading
 import time
 from collections.abc import Iterator
 
-import msgspec
 import psutil
 
 from kvoffload.ipc import messages as m
+from kvoffload.ipc import names
 from kvoffload.workers import chunkfile as cf
 from kvoffload.workers import counters
 from kvoffload.workers.chunkio import OK_EMPTY, IOOutcome
 from kvoffload.workers.faults import Faults
+from kvoffload.workers.ioconfig import STALE_TEMP_AGE_S, FsIOConfig
 
 _NO_SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-STALE_TEMP_AGE_S = 3600.0
-"""Default age (seconds since its last write) past which a temporary file is an orphan: 120x the
-default job deadline, with room for a writer stalled in fsync on a network filesystem and for clock
-skew between the hosts that share one (a file's mtime comes from the file server's clock)."""
+IO_CONFIG = FsIOConfig
+"""This module's I/O config (tag ``fs``): what :func:`make_io` takes."""
 
 
 def stale_temp_age_s(job_timeout_s: float) -> float:
@@ -135,32 +134,6 @@ def _files_below(path: str, shard_levels: int, missing_ok: bool = True) -> Itera
                 yield from _files_below(e.path, shard_levels - 1)
 
 
-class FsIOConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """What a worker needs to do filesystem-tier I/O.
-
-    Attributes:
-        root_dir: the tier's root directory.
-        namespace_id: hex id of the namespace (its directory name).
-        row_bytes: payload bytes per chunk (one arena row).
-        fsync: fsync each chunk file and its directory before the chunk counts as stored.
-        direct_io: which transfers bypass the page cache with O_DIRECT (where the filesystem
-            supports it; otherwise they fall back to buffered I/O): ``none``, ``writes``, ``reads``
-            or ``both``.
-        stale_temp_age_s: scans remove temporary files last written longer ago than this
-            (seconds); see :func:`stale_temp_age_s`.
-        min_free_bytes: a store that would leave less free space than this (bytes) on the
-            filesystem answers ``NO_SPACE`` without writing (0: no floor).
-    """
-
-    root_dir: str
-    namespace_id: str
-    row_bytes: int
-    fsync: bool = False
-    direct_io: str = "both"
-    stale_temp_age_s: float = STALE_TEMP_AGE_S
-    min_free_bytes: int = 0
-
-
 class FsIO:
     """:class:`~kvoffload.workers.chunkio.ChunkIO` over one file per chunk (module docstring)."""
 
@@ -194,10 +167,10 @@ class FsIO:
         """Write one chunk; ``nbytes``: file bytes written (0 when it was already there)."""
         final = self.path(key)
         if os.path.exists(final):
-            counters.count("store_already_present")
+            counters.count(names.STORE_ALREADY_PRESENT)
             return OK_EMPTY
         if self.cfg.min_free_bytes and self._below_floor():
-            counters.count("below_free_floor")
+            counters.count(names.BELOW_FREE_FLOOR)
             return IOOutcome(
                 m.NO_SPACE,
                 0,
@@ -305,7 +278,7 @@ class FsIO:
             first = getattr(self, attr)
             setattr(self, attr, False)
         if first:
-            counters.count("direct_io_fallbacks")
+            counters.count(names.DIRECT_IO_FALLBACKS)
             print(
                 f"kvoffload fs tier worker (pid {os.getpid()}): {self.cfg.root_dir} "
                 f"({filesystem_of(self.cfg.root_dir)}) refuses O_DIRECT {transfers} "
@@ -384,7 +357,7 @@ class FsIO:
     @staticmethod
     def _remove_corrupt(path: str, fd: int) -> None:
         """Unlink ``path`` if it is still the file we verified (a writer may have replaced it)."""
-        counters.count("corrupt_removed")
+        counters.count(names.CORRUPT_REMOVED)
         try:
             if os.stat(path).st_ino == os.fstat(fd).st_ino:
                 os.unlink(path)
@@ -437,7 +410,7 @@ class FsIO:
             return
         if is_temp_name(name):
             if remove_if_stale(f.path, st.st_mtime, now, self.cfg.stale_temp_age_s):
-                counters.count("stale_temp_removed")
+                counters.count(names.STALE_TEMP_REMOVED)
             return
         key = cf.key_from_name(name)
         if key is not None:
@@ -468,6 +441,7 @@ def _read_all(fd: int, dst: memoryview, offset: int) -> int:
     return total
 
 
-def make_io(config: dict, faults: Faults) -> FsIO:  # a chunkio.MakeIO
-    """Entry point the worker calls with the tier's ``io_config``."""
-    return FsIO(msgspec.convert(config, FsIOConfig), faults)
+def make_io(config: FsIOConfig, faults: Faults) -> FsIO:  # a chunkio.MakeIO
+    """Entry point the worker calls with the tier's I/O config (decoded from
+    ``WorkerSpec.io_config``)."""
+    return FsIO(config, faults)

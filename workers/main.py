@@ -7,7 +7,10 @@
     engine ◀─result── [results PUSH] ◀────┘
 
 Started by the engine-side worker pool as ``python -m kvoffload.workers.main`` (a fresh interpreter:
-spawn, never fork) with its :class:`~kvoffload.ipc.messages.WorkerSpec` as JSON in ``KVOFFLOAD_WORKER``.
+spawn, never fork) with its :class:`~kvoffload.ipc.messages.WorkerSpec` as JSON in ``KVOFFLOAD_WORKER``
+(:data:`~kvoffload.ipc.names.WORKER_SPEC_ENV`). The spec names the tier's I/O module; its I/O config
+(a tagged struct of :mod:`kvoffload.workers.ioconfig`) is decoded here and handed to the module's
+``make_io``.
 It imports no torch, lowers its own CPU and I/O priority so tier I/O does not steal the scheduler's
 core, and exits within a poll interval once its engine process is gone (the engine's janitor, see
 ``janitor.py``, removes the arena).
@@ -31,11 +34,12 @@ import zmq
 from kvoffload.ipc import messages as m
 from kvoffload.ipc.arena import Arena, ArenaError
 from kvoffload.ipc.channels import WorkerChannels
+from kvoffload.ipc.names import TASK_ERRORS, WORKER_SPEC_ENV
 from kvoffload.workers import counters
 from kvoffload.workers.chunkio import ChunkIO, IOOutcome, MakeIO
 from kvoffload.workers.faults import DropTask, Faults
+from kvoffload.workers.ioconfig import decode_io_config
 
-SPEC_ENV = "KVOFFLOAD_WORKER"
 _POLL_S = 0.2
 _NO_SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 
@@ -112,7 +116,8 @@ class Worker:
         self.rows = self.arena.rows
         io_mod = importlib.import_module(spec.io_module)
         make_io: MakeIO = io_mod.make_io
-        self.io: ChunkIO = make_io(spec.io_config, self.faults)
+        io_config = decode_io_config(spec.io_config, getattr(io_mod, "IO_CONFIG", None))
+        self.io: ChunkIO = make_io(io_config, self.faults)
         if not isinstance(self.io, ChunkIO):
             missing = [
                 n
@@ -196,7 +201,7 @@ class Worker:
         else:
             code = m.ERROR
             self.errors.log(what, exc)
-            counters.count("task_errors")
+            counters.count(TASK_ERRORS)
         keys = getattr(task, "keys", ())
         return m.TaskResult(
             task.task_id,
@@ -216,7 +221,7 @@ class Worker:
             return IOOutcome(code, 0, f"{what} {key.hex()[:16]}: {e}")
         except Exception as e:
             self.errors.log(f"{what} {key.hex()[:16]}", e)
-            counters.count("task_errors")
+            counters.count(TASK_ERRORS)
             return IOOutcome(m.ERROR, 0, f"{what} {key.hex()[:16]}: {type(e).__name__}: {e}")
         problem = (
             out.problem()
@@ -224,7 +229,7 @@ class Worker:
             else (f"answered {type(out).__name__}, not an IOOutcome")
         )
         if problem is not None:
-            counters.count("task_errors")
+            counters.count(TASK_ERRORS)
             detail = f"{what} {key.hex()[:16]}: {self.spec.io_module}: {problem}"
             self.errors.log(f"{what} {key.hex()[:16]}", why=f"{self.spec.io_module}: {problem}")
             return IOOutcome(m.ERROR, 0, detail)
@@ -296,10 +301,10 @@ def _result(task_id: int, wid: int, outcomes: list[IOOutcome], seconds: float) -
 
 
 def main() -> int:
-    raw = os.environ.get(SPEC_ENV)
+    raw = os.environ.get(WORKER_SPEC_ENV)
     if not raw:
         print(
-            f"kvoffload worker: {SPEC_ENV} is not set; workers are started by the engine",
+            f"kvoffload worker: {WORKER_SPEC_ENV} is not set; workers are started by the engine",
             file=sys.stderr,
         )
         return 2

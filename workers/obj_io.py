@@ -24,34 +24,16 @@ from __future__ import annotations
 
 import io
 
-import msgspec
-
 from kvoffload.ipc import messages as m
+from kvoffload.ipc import names
 from kvoffload.workers import chunkfile as cf
 from kvoffload.workers import counters
 from kvoffload.workers.chunkio import OK_EMPTY, IOOutcome
 from kvoffload.workers.faults import Faults
+from kvoffload.workers.ioconfig import ObjIOConfig
 
-
-class ObjIOConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """What a worker needs to talk to the object store (see the tier config for meanings)."""
-
-    bucket: str
-    prefix: str = ""
-    namespace_id: str
-    row_bytes: int
-    endpoint_url: str | None = None
-    region: str | None = None
-    access_key_id: str | None = None
-    secret_access_key: str | None = None
-    session_token: str | None = None
-    max_attempts: int = 3
-    connect_timeout_s: float = 2.0
-    read_timeout_s: float = 10.0
-    verify_tls: bool = True
-    ca_bundle: str | None = None
-    addressing_style: str = "auto"
-    max_connections: int = 16
+IO_CONFIG = ObjIOConfig
+"""This module's I/O config (tag ``obj``): what :func:`make_io` takes."""
 
 
 def make_client(cfg: ObjIOConfig):
@@ -187,7 +169,7 @@ class ObjIO:
             meta = resp.get("ResponseMetadata", {})
             status = int(meta.get("HTTPStatusCode") or 200)
             if meta.get("RetryAttempts"):
-                counters.count("retries", meta["RetryAttempts"])
+                counters.count(names.RETRIES, meta["RetryAttempts"])
             return IOOutcome(m.OK, self.object_bytes, "", status)
         except OSError as e:
             return IOOutcome(m.IO_ERROR, 0, f"store {key.hex()[:16]}: {e}")
@@ -204,7 +186,7 @@ class ObjIO:
             meta = resp.get("ResponseMetadata", {})
             status = int(meta.get("HTTPStatusCode") or 200)
             if meta.get("RetryAttempts"):
-                counters.count("retries", meta["RetryAttempts"])
+                counters.count(names.RETRIES, meta["RetryAttempts"])
             self.faults.hit("after_metadata_before_read", key)
             self.faults.hit("read_payload", key)
             data = resp["Body"].read()
@@ -229,7 +211,7 @@ class ObjIO:
             except cf.ChunkFormatError as e:
                 why = str(e)
         if why is not None:
-            counters.count("corrupt_removed")
+            counters.count(names.CORRUPT_REMOVED)
             self._delete_quietly(name)
             return IOOutcome(m.CORRUPT, 0, f"{key.hex()[:16]}: {why}", status)
         return IOOutcome(m.OK, self.object_bytes, "", status)
@@ -272,6 +254,7 @@ class ObjIO:
         return entries
 
 
-def make_io(config: dict, faults: Faults) -> ObjIO:  # a chunkio.MakeIO
-    """Entry point the worker calls with the tier's ``io_config``."""
-    return ObjIO(msgspec.convert(config, ObjIOConfig), faults)
+def make_io(config: ObjIOConfig, faults: Faults) -> ObjIO:  # a chunkio.MakeIO
+    """Entry point the worker calls with the tier's I/O config (decoded from
+    ``WorkerSpec.io_config``)."""
+    return ObjIO(config, faults)

@@ -1,4 +1,5 @@
-"""Secondary tiers: the contract (:mod:`.base`), built-in tiers (``fs``, ``memory``) and the factory.
+"""Secondary tiers: the contract (:mod:`.base`), the registry (:mod:`.registry`), built-in tiers
+(``fs``, ``obj``, ``memory``) and the factory.
 
 Out-of-tree tiers are named ``{"type": "<ClassName>", "module_path": "<module>", ...}``; the class
 subclasses :class:`~kvoffload.tiers.base.SecondaryTierManager`, declares ``config_class`` (a msgspec
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvoffload.config import ConfigError, parse_tier_config
 from kvoffload.tiers.base import (
     JobMetadata,
     JobResult,
@@ -18,26 +18,31 @@ from kvoffload.tiers.base import (
     SecondaryTierManager,
     TierEvent,
 )
+from kvoffload.tiers.registry import TierSpec
+from kvoffload.validation import ConfigError
 
 
-def create_tier(
-    raw: dict[str, Any], arena: Any, namespace: Any, where: str
-) -> SecondaryTierManager:
-    """Validate one ``secondary_tiers`` entry and build the tier.
+def create_tier(spec: TierSpec, arena: Any, namespace: Any, where: str) -> SecondaryTierManager:
+    """Build the tier of one parsed ``secondary_tiers`` entry.
 
     Args:
-        raw: the tier's config dict.
+        spec: the entry, parsed by :func:`kvoffload.config.parse_config`.
         arena: the host :class:`~kvoffload.ipc.arena.Arena`.
         namespace: the chunks' :class:`~kvoffload.namespace.Namespace`.
         where: key path for error messages.
 
     Raises:
-        ConfigError: invalid config or a tier that cannot start, naming the key path.
+        ConfigError: a tier that cannot start (its constructor's ``ValueError``), naming the
+            key path.
     """
-    name, cls, cfg = parse_tier_config(raw, where)
+    cls: Any = spec.tier_class  # tier classes also take ``arena`` (the base class does not)
     try:
         return cls(
-            name=name, arena_view=arena.memoryview(), namespace=namespace, config=cfg, arena=arena
+            name=spec.name,
+            arena_view=arena.memoryview(),
+            namespace=namespace,
+            config=spec.config,
+            arena=arena,
         )
     except ValueError as e:
         raise ConfigError(f"{where}.{e}") from None
@@ -49,5 +54,6 @@ __all__ = [
     "LookupResult",
     "SecondaryTierManager",
     "TierEvent",
+    "TierSpec",
     "create_tier",
 ]

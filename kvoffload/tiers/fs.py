@@ -53,6 +53,7 @@ import msgspec
 
 from kvoffload.config import Positive
 from kvoffload.ipc import messages as m
+from kvoffload.ipc import names
 from kvoffload.metrics import Gauge
 from kvoffload.tiers.base import TierEvent
 from kvoffload.tiers.process import ProcessTierConfig, ProcessTierManager
@@ -256,17 +257,17 @@ class FsTier(ProcessTierManager):
             timeout_s=_SCAN_TIMEOUT_S,
         )
 
-    def io_config(self) -> dict:
+    def io_config(self) -> fs_io.FsIOConfig:
         c = self.config
-        return {
-            "root_dir": c.root_dir,
-            "namespace_id": self.ns_id,
-            "row_bytes": self.row_bytes,
-            "fsync": c.fsync,
-            "direct_io": c.direct_io,
-            "stale_temp_age_s": fs_io.stale_temp_age_s(c.job_timeout_s),
-            "min_free_bytes": self.min_free_bytes,
-        }
+        return fs_io.FsIOConfig(
+            root_dir=c.root_dir,
+            namespace_id=self.ns_id,
+            row_bytes=self.row_bytes,
+            fsync=c.fsync,
+            direct_io=c.direct_io,
+            stale_temp_age_s=fs_io.stale_temp_age_s(c.job_timeout_s),
+            min_free_bytes=self.min_free_bytes,
+        )
 
     def _write_namespace_config(self) -> None:
         try:
@@ -395,7 +396,7 @@ class FsTier(ProcessTierManager):
             evicted.move_to_end(k)
             if len(evicted) > _EVICTED_MEMORY:
                 evicted.popitem(last=False)
-            self.count("evictions")
+            self.count(names.EVICTIONS)
             return True
         return False
 
@@ -456,7 +457,9 @@ class FsTier(ProcessTierManager):
             why = (
                 errno_mod.errorcode.get(err, str(err)) if err else m.CODE_NAMES.get(code, str(code))
             )
-            self.count(f"eviction_errors.{why}")  # kvoffload_tier_eviction_errors{tier, errno}
+            self.count(
+                f"{names.EVICTION_ERRORS}.{why}"
+            )  # kvoffload_tier_eviction_errors{tier, errno}
             self._last_removal_error = f"{why}: {os.strerror(err)}" if err else why
             if code == m.CANCELLED or index is None or nbytes is None or k in index:
                 continue

@@ -206,10 +206,10 @@ class ObjTier(ProcessTierManager):
         self._check_bucket_and_write_namespace()
         self.start()
 
-    def io_config(self) -> dict:
-        return msgspec.to_builtins(self._io_config())
+    def io_config(self) -> ObjIOConfig:
+        return self._io_config()
 
-    def _io_config(self, **overrides) -> ObjIOConfig:
+    def _io_config(self, **overrides: Any) -> ObjIOConfig:
         c = self.config
         fields = dict(
             bucket=c.bucket,

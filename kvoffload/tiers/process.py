@@ -35,6 +35,7 @@ import zmq
 
 from kvoffload.config import Positive, apply_aliases
 from kvoffload.ipc import messages as m
+from kvoffload.ipc import names
 from kvoffload.ipc.channels import LOADS, STORES, TierChannels
 from kvoffload.logs import RateLimitedLog
 from kvoffload.tiers.base import (
@@ -46,6 +47,7 @@ from kvoffload.tiers.base import (
 )
 from kvoffload.tiers.breaker import HALF_OPEN, OPEN, STATES, CircuitBreaker
 from kvoffload.workerpool import PoolTask, WorkerPool
+from kvoffload.workers.ioconfig import IOConfig, encode_io_config
 
 log = logging.getLogger("kvoffload.tiers")
 
@@ -277,8 +279,9 @@ class ProcessTierManager(SecondaryTierManager):
     # -- subclass interface ---------------------------------------------------------------------
 
     @abstractmethod
-    def io_config(self) -> dict:
-        """The ``io_config`` dict handed to worker processes."""
+    def io_config(self) -> IOConfig:
+        """The I/O config handed to worker processes: an instance of ``io_module``'s
+        ``IO_CONFIG`` (:mod:`kvoffload.workers.ioconfig`)."""
 
     def _admit_store(self, keys: list[bytes]) -> tuple[list[int], dict[bytes, int]]:
         """Which positions of ``keys`` to write; the rest fail with the returned codes."""
@@ -324,7 +327,7 @@ class ProcessTierManager(SecondaryTierManager):
             nice=self.config.worker_nice,
             io_threads=self._io_threads(kind),
             io_module=self.io_module,
-            io_config=self.io_config(),
+            io_config=encode_io_config(self.io_config()),
             faults=list(self.config.faults),
         )
 
@@ -335,7 +338,7 @@ class ProcessTierManager(SecondaryTierManager):
         return c.io_threads_for(c.write_io_threads, c.write_workers)
 
     def _on_pool_event(self, what: str) -> None:
-        self.count({"restart": "worker_restarts", "timeout": "job_timeouts"}[what])
+        self.count({"restart": names.WORKER_RESTARTS, "timeout": names.JOB_TIMEOUTS}[what])
 
     def _next_task_id(self) -> int:
         self._task_ids += 1

@@ -109,7 +109,7 @@ def test_c09_s3_errors_are_never_swallowed(moto, bucket):
             assert not stored.success and stored.failed == {k1: "io_error"}
             assert stored.status == {k1: 500}  # the HTTP status travels in the result...
             assert rig.fs.counters["failures_http_500"] == 1  # ...and in a labelled metric
-            assert k1 not in rig.fs._present
+            assert k1 not in rig.fs.verdicts.present
             rig.tm.host.remove([k1])  # only the host copy remains: drop it
             assert rig.resolve([k1]) == [MISS]  # a failed upload is never recorded as present
             assert rig.tm.lookup(k2, "r") is PENDING
@@ -307,6 +307,6 @@ def test_server_killed_mid_job_fails_the_job_within_its_deadline(moto, bucket):
             stats = rig.tm.stats
             assert stats.cascade_failures["obj"] == 4 and stats.cascaded["obj"] == 0
             assert rig.tm.host.num_pinned == 0
-            assert not any(k in rig.fs._present for k in keys)  # nothing recorded as stored
+            assert not any(k in rig.fs.verdicts.present for k in keys)  # nothing recorded as stored
     finally:
         proxy.stop()

@@ -150,7 +150,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "C06",
         "task deadline never enforced",
-        "kvoffload/workerpool.py",
+        "kvoffload/tiers/workerpool.py",
         "                if now > head.deadline:\n",
         "                if False:\n",
         (FS + "test_c06_hung_read_fails_within_the_deadline_and_other_loads_complete",),
@@ -362,7 +362,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "C17",
         "a late reply from a replaced worker accepted",
-        "kvoffload/workerpool.py",
+        "kvoffload/tiers/workerpool.py",
         "            return None\n",
         (
             "            w = next((x for x in self._by_wid.values() if task_id in x.inflight), None)\n"
@@ -374,7 +374,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "C17",
         "a dead worker's tasks neither re-run nor failed",
-        "kvoffload/workerpool.py",
+        "kvoffload/tiers/workerpool.py",
         "                self.queue.extendleft(reversed(rerun))  # first in line, in their original order\n",
         "",
         (FS + "test_c17_worker_that_dies_or_goes_silent_fails_or_reruns_its_jobs",),

@@ -33,7 +33,7 @@ import msgspec
 from kvoffload.ipc import messages as m
 from kvoffload.ipc.channels import TierChannels
 
-log = logging.getLogger("kvoffload.workerpool")
+log = logging.getLogger("kvoffload.tiers.workerpool")
 
 _SPEC_ENV = "KVOFFLOAD_WORKER"
 _RESTART_BACKOFF_S = 0.5

@@ -269,7 +269,11 @@ def test_c16_dropped_store_releases_its_reservation_after_the_deadline(tmp_path)
         assert rig.fs.counters["job_timeouts"] == 1 and rig.tm.stats.cascade_failures["fs"] == 1
         assert rig.tm.stats.failed == {("fs", "store", "timeout"): 1}
         # the orphaned reservations are released; nothing half-accounted is left
-        assert rig.tm.host.num_pinned == 0 and not rig.fs.capacity.reserved and rig.fs.accounted_bytes == 0
+        assert (
+            rig.tm.host.num_pinned == 0
+            and not rig.fs.capacity.reserved
+            and rig.fs.accounted_bytes == 0
+        )
         assert k not in rig.fs.verdicts.present and k not in rig.fs.capacity.index
         assert not os.path.exists(chunk_path(rig, tmp_path, k)) and not _files(tmp_path)
         assert rig.store(keys_for(2, seed=3)) == [k]  # its host slot is reusable

@@ -100,7 +100,7 @@ def test_c08_file_deleted_outside_the_library_is_a_clean_miss(tmp_path):
         k1, k2, k3 = keys_for(3)
         rig.store([k1, k2, k3])
         rig.evict_all()
-        assert {k1, k2, k3} <= set(rig.fs._index)
+        assert {k1, k2, k3} <= set(rig.fs.capacity.index)
         os.unlink(chunk_path(rig, tmp_path, k2))
         pids = rig.fs.worker_pids()
         res = rig.resolve([k1, k2, k3])  # no exception reaches the caller
@@ -112,7 +112,7 @@ def test_c08_file_deleted_outside_the_library_is_a_clean_miss(tmp_path):
         # K2's load failed once, for the reason "missing", and its index entry was dropped
         assert rig.tm.stats.failed == {("fs", "load", "missing"): 1}
         assert rig.tm.stats.promotion_failures["fs"] == 1
-        assert k2 not in rig.fs._index and k1 in rig.fs._index
+        assert k2 not in rig.fs.capacity.index and k1 in rig.fs.capacity.index
         assert rig.fs.accounted_bytes == sum(os.path.getsize(f) for f in _files(tmp_path))
         assert rig.resolve([k2]) == [MISS]  # and it stays a miss
         # the coordinator and the same worker processes are alive; later jobs succeed
@@ -213,11 +213,11 @@ def test_c10_thousand_randomized_load_remove_races(tmp_path):
             else:
                 assert res == [MISS]
                 clean += 1
-            rig.fs._absent.clear()
+            rig.fs.verdicts.absent.clear()
             assert rig.tm.host.num_pinned == 0
             assert rig.tm.wait_idle(120)
             # never an index entry whose file is missing
-            assert (k in rig.fs._index) <= os.path.exists(chunk_path(rig, tmp_path, k))
+            assert (k in rig.fs.capacity.index) <= os.path.exists(chunk_path(rig, tmp_path, k))
         # every failed promotion is one counted cleanly (a miss), every other load was whole
         assert rig.tm.stats.promotions["fs"] == full
         assert rig.tm.stats.promotion_failures["fs"] <= clean
@@ -261,7 +261,7 @@ def test_c16_dropped_store_releases_its_reservation_after_the_deadline(tmp_path)
         rig.wait_workers_ready()
         t0 = time.monotonic()
         rig.store([k], wait=False)
-        assert rig.tm.host.num_pinned == 1 and list(rig.fs._reserved) == [k]
+        assert rig.tm.host.num_pinned == 1 and list(rig.fs.capacity.reserved) == [k]
         rig.tm.on_request_finished("")  # the request that started the store is aborted
         assert rig.tm.lookup(k, "r2") is HIT  # R2 never waits on the tier store
         assert rig.tm.wait_idle(120)
@@ -269,8 +269,12 @@ def test_c16_dropped_store_releases_its_reservation_after_the_deadline(tmp_path)
         assert rig.fs.counters["job_timeouts"] == 1 and rig.tm.stats.cascade_failures["fs"] == 1
         assert rig.tm.stats.failed == {("fs", "store", "timeout"): 1}
         # the orphaned reservations are released; nothing half-accounted is left
-        assert rig.tm.host.num_pinned == 0 and not rig.fs._reserved and rig.fs.accounted_bytes == 0
-        assert k not in rig.fs._present and k not in rig.fs._index
+        assert (
+            rig.tm.host.num_pinned == 0
+            and not rig.fs.capacity.reserved
+            and rig.fs.accounted_bytes == 0
+        )
+        assert k not in rig.fs.verdicts.present and k not in rig.fs.capacity.index
         assert not os.path.exists(chunk_path(rig, tmp_path, k)) and not _files(tmp_path)
         assert rig.store(keys_for(2, seed=3)) == [k]  # its host slot is reusable
         assert rig.resolve([k]) == [MISS]
@@ -374,7 +378,7 @@ def test_c17_worker_that_dies_or_goes_silent_fails_or_reruns_its_jobs(tmp_path, 
         if how == "stop":
             with pytest.raises(psutil.NoSuchProcess):
                 psutil.Process(victim).status()  # the silent worker was killed, never revived
-        failed_keys = [k for k in keys if k not in rig.fs._present]
+        failed_keys = [k for k in keys if k not in rig.fs.verdicts.present]
         assert len(failed_keys) == stats.cascade_failures["fs"]  # a failed store is never published
         if how == "stop":
             assert failed_keys  # the timed-out task failed...
@@ -447,7 +451,7 @@ def test_c13_repeated_puts_of_a_resident_chunk_are_not_double_counted(tmp_path):
 
     def check(rig):  # after every operation: accounted == Σ resident entries == Σ files on disk
         on_disk = sum(os.path.getsize(f) for f in _files(tmp_path))
-        assert rig.fs.accounted_bytes == sum(rig.fs._index.values()) == on_disk
+        assert rig.fs.accounted_bytes == sum(rig.fs.capacity.index.values()) == on_disk
 
     # The host tier with room for 2 chunks: put a, put a again, put b; nothing evicted.
     with Rig([], num_slots=2) as host:

@@ -109,7 +109,7 @@ def test_c09_s3_errors_are_never_swallowed(moto, bucket):
             assert not stored.success and stored.failed == {k1: "io_error"}
             assert stored.status == {k1: 500}  # the HTTP status travels in the result...
             assert rig.fs.counters["failures_http_500"] == 1  # ...and in a labelled metric
-            assert k1 not in rig.fs._present
+            assert k1 not in rig.fs.verdicts.present
             rig.tm.host.remove([k1])  # only the host copy remains: drop it
             assert rig.resolve([k1]) == [MISS]  # a failed upload is never recorded as present
             assert rig.tm.lookup(k2, "r") is PENDING
@@ -307,6 +307,79 @@ def test_server_killed_mid_job_fails_the_job_within_its_deadline(moto, bucket):
             stats = rig.tm.stats
             assert stats.cascade_failures["obj"] == 4 and stats.cascaded["obj"] == 0
             assert rig.tm.host.num_pinned == 0
-            assert not any(k in rig.fs._present for k in keys)  # nothing recorded as stored
+            assert not any(k in rig.fs.verdicts.present for k in keys)  # nothing recorded as stored
     finally:
         proxy.stop()
+
+
+def stored_objects(endpoint: str, bucket: str, rig) -> dict[str, int]:
+    """Chunk objects of the rig's namespace in the bucket -> their sizes (config.json left out)."""
+    pages = (
+        client(endpoint)
+        .get_paginator("list_objects_v2")
+        .paginate(Bucket=bucket, Prefix=f"{rig.ns.id()}/")
+    )
+    return {
+        o["Key"]: o["Size"]
+        for page in pages
+        for o in page.get("Contents", [])
+        if not o["Key"].endswith("config.json")
+    }
+
+
+def test_max_bytes_deletes_the_least_recently_used_objects(moto, bucket):
+    ob = HEADER_BYTES + ROW  # bytes of one chunk object
+    k0, k1, k2, k3, k4 = keys_for(5)
+    with Rig([obj_tier(moto, bucket, max_bytes=3 * ob)], num_slots=8) as rig:
+        for k in (k0, k1, k2):
+            rig.store([k])
+        assert rig.fs.accounted_bytes == 3 * ob and rig.fs.counters.get("evictions", 0) == 0
+        rig.tm.host.remove([k0])
+        assert rig.resolve([k0]) == [HIT]  # loaded back from the tier: its most recently used
+        rig.store([k3])  # one object too many: k1, the least recently used, is deleted
+        assert rig.fs.counters["evictions"] == 1
+        names = {object_name(rig, k) for k in (k0, k2, k3)}
+        wait_until(
+            lambda: set(stored_objects(moto, bucket, rig)) == names,
+            what="the evicted object deleted",
+            step=rig.tm.poll,
+        )
+        assert sum(stored_objects(moto, bucket, rig).values()) == rig.fs.accounted_bytes == 3 * ob
+        scraped = rig.tm.refresh_metrics()
+        assert scraped.get("kvoffload_tier_used_bytes", "obj") == 3 * ob
+        assert scraped.get("kvoffload_tier_capacity_bytes", "obj") == 3 * ob
+        rig.tm.host.remove([k1])
+        assert rig.resolve([k1]) == [MISS]  # evicted from the tier: a clean miss
+    # A later instance counts what the bucket holds and keeps the cap with it.
+    with Rig([obj_tier(moto, bucket, max_bytes=3 * ob)], num_slots=8) as again:
+        wait_until(
+            lambda: again.fs.accounted_bytes == 3 * ob,
+            what="the objects of the earlier run adopted",
+            step=again.tm.poll,
+        )
+        assert again.fs.counters["adopted_chunks"] == 3
+        again.store([k4])
+        assert again.fs.counters["evictions"] == 1 and again.fs.accounted_bytes == 3 * ob
+        wait_until(
+            lambda: len(stored_objects(moto, bucket, again)) == 3,
+            what="an adopted object deleted",
+            step=again.tm.poll,
+        )
+        assert object_name(again, k4) in stored_objects(moto, bucket, again)
+
+
+def test_without_max_bytes_the_obj_tier_deletes_nothing(moto, bucket):
+    keys = keys_for(12)
+    with Rig([obj_tier(moto, bucket)], num_slots=4) as rig:
+        for i in range(0, 12, 4):
+            rig.store(keys[i : i + 4])
+        assert rig.fs.capacity_bytes is None and rig.fs.accounted_bytes == 0
+        assert (
+            rig.fs.counters.get("evictions", 0) == 0
+            and len(stored_objects(moto, bucket, rig)) == 12
+        )
+
+
+def test_obj_max_bytes_below_one_object_is_refused_naming_the_key(moto, bucket):
+    with pytest.raises(ConfigError, match=r"\.max_bytes: 100 is smaller than one chunk \("):
+        Rig([obj_tier(moto, bucket, max_bytes=100)])

@@ -101,7 +101,7 @@ def test_c24_a_short_probe_reply_does_not_leave_a_key_probing_forever(tmp_path):
         keys = keys_for(2)
         rig.store(keys)
         rig.tm.host.remove(keys)
-        rig.fs._present.clear()  # forget the store's verdicts: the next lookups probe
+        rig.fs.verdicts.present.clear()  # forget the store's verdicts: the next lookups probe
         # The key(s) of the mangled probe task settle as a miss; with both keys in that task both
         # do, but a slow step may send the second key's probe in a task of its own (then a HIT).
         assert MISS in _settle(rig, keys)

@@ -112,7 +112,7 @@ class SecondaryTierManager(ABC):
 
     config_class: ClassVar[type[msgspec.Struct]]
     medium: ClassVar[str] = "STORAGE"
-    locality: ClassVar[str] = "LOCAL"
+    locality: str = "LOCAL"  # a class default; a tier may set its own (config `locality`)
     shared: ClassVar[bool] = False
     metric_definitions: ClassVar[tuple[MetricDef, ...]] = ()
 

@@ -35,7 +35,10 @@ class MemoryTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
 
 
 class MemoryTier(SecondaryTierManager):
+    """In-memory reference tier; see the module docstring."""
+
     config_class = MemoryTierConfig
+    config: MemoryTierConfig
     medium = "CPU"
     shared = False
 

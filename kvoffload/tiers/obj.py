@@ -11,6 +11,14 @@ exist, refused credentials or an unreachable endpoint fail the start with a mess
 fix. A circuit breaker (on by default here) stops hammering a dead or throttling endpoint: lookups
 miss and stores are dropped and counted until the endpoint answers again.
 
+Capacity: unbounded by default (the store's own quota, lifecycle rules or bucket size bound it).
+With ``max_bytes`` the tier counts its objects' bytes (headers included) in an LRU index, as the fs
+tier does its files (:mod:`kvoffload.tiers.capacity`): the namespace's objects found under the
+prefix at start are listed and adopted, oldest first; the least recently used objects are deleted
+through the writer workers to stay within the cap; a delete that fails keeps its object counted
+and is retried when it next comes up for eviction. The cap applies per namespace, as seen by this
+instance: objects another instance writes under the same prefix later are not counted here.
+
 Credentials: explicit ``access_key_id`` / ``secret_access_key`` / ``session_token`` fields, or the
 standard boto3 chain (environment, shared config and credentials files, instance or container role).
 They are never logged (the effective configuration shows them masked).
@@ -25,9 +33,11 @@ import msgspec
 from kvoffload.config import ConfigError, Positive, apply_aliases, closest
 from kvoffload.ipc.channels import LOADS, STORES
 from kvoffload.tiers.process import ProcessTierConfig, ProcessTierManager, Seconds
+from kvoffload.workers import chunkfile as cf
 from kvoffload.workers.obj_io import ObjIOConfig, classify, make_client, object_prefix
 
 _START_TIMEOUT_S = 5.0
+_SCAN_TIMEOUT_S = 600.0  # listing the namespace's objects at start (a bounded tier)
 
 
 class ObjTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True):
@@ -47,6 +57,9 @@ class ObjTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True)
         verify_tls: check the endpoint's TLS certificate.
         ca_bundle: path of a PEM bundle of CA certificates to check it against (None: the system's).
         addressing_style: ``auto``, ``path`` (MinIO and most self-hosted stores) or ``virtual``.
+        max_bytes: cap on this namespace's object bytes (bytes, headers included); the least
+            recently used objects are deleted to stay under it, and the objects found under the
+            prefix at start are counted. None (default): unbounded, nothing is deleted.
 
     vLLM 0.33's obj-tier keys are accepted too (see :meth:`from_vllm_keys`): its nested
     ``store_config`` (``bucket``, ``endpoint_override`` as a bare host, ``scheme``, ``access_key``,
@@ -85,6 +98,7 @@ class ObjTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True)
     verify_tls: bool = True
     ca_bundle: str | None = None
     addressing_style: Literal["auto", "path", "virtual"] = "auto"
+    max_bytes: Positive | None = None
     breaker_failures: Positive | None = 5
     job_timeout_s: Seconds = 60.0
 
@@ -110,7 +124,8 @@ class ObjTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True)
                 raise ConfigError(
                     f"{where}.store_config: expected an object (dict), got {type(nested).__name__}"
                 )
-            for key, value in nested.items():
+            store_config: dict[str, Any] = nested
+            for key, value in store_config.items():
                 if key not in cls.store_config_keys:
                     close = closest(key, list(cls.store_config_keys))
                     hint = f" (did you mean {close!r}?)" if close else ""
@@ -180,6 +195,7 @@ class ObjTier(ProcessTierManager):
     """Object-store secondary tier; see the module docstring."""
 
     config_class = ObjTierConfig
+    config: ObjTierConfig
     io_module = "kvoffload.workers.obj_io"
     medium = "STORAGE"
     locality = "REMOTE"
@@ -203,8 +219,14 @@ class ObjTier(ProcessTierManager):
         )
         self.ns_id = namespace.id()
         self.base = object_prefix(config.prefix, self.ns_id)
+        self.object_bytes = cf.HEADER_BYTES + self.row_bytes
+        if config.max_bytes is not None:
+            self.bound_capacity(config.max_bytes, self.object_bytes)
         self._check_bucket_and_write_namespace()
         self.start()
+        if self.capacity.bounded:
+            # Count the namespace's objects already there (earlier runs, other instances).
+            self._scan_at_start(_SCAN_TIMEOUT_S, list_entries=True)
 
     def io_config(self) -> ObjIOConfig:
         return self._io_config()

@@ -1,13 +1,21 @@
-"""Engine side of a tier whose I/O runs in worker processes (the fs tier; the obj tier reuses it).
+"""Engine side of a tier whose I/O runs in worker processes (the fs and obj tiers; out-of-tree tiers
+that name an ``io_module``): jobs split into tasks, tasks sent to workers, results gathered.
 
 ::
 
-    lookup(key) ─▶ verdict cache ── known ──▶ HIT / MISS
+    lookup(key) ─▶ verdicts (verdicts.py) ── known ──▶ HIT / MISS
                         └─ unknown ─▶ queue an existence probe, answer RETRY
     flush() ──────▶ ProbeTask batches ─────────▶ reader workers ─┐
     submit_load ──▶ LoadTask(s) ───────────────▶ reader workers ─┤ results socket
-    submit_store ─▶ StoreTask(s) ──────────────▶ writer workers ─┤
+    submit_store ─▶ capacity.admit ─▶ StoreTask(s) ─▶ writer workers ─┤
+      (evictions ─▶ DeleteTask(s) ─────────────▶ writer workers ─┤)
     get_finished_jobs() ◀── drain results, check worker health ◀─┘
+
+The pieces, one module each: :mod:`.verdicts` (what the tier believes it holds: present / absent
+verdicts, owed misses), :mod:`.capacity` (bytes counted against ``max_bytes``, LRU eviction, the
+bookkeeping of deletes), :mod:`.breaker` (the circuit breaker), :mod:`.workerpool` (the worker
+processes of one direction) and :mod:`.resources` (sockets, pools and threads, closed by
+``shutdown()`` or, for a tier dropped without one, by ``weakref.finalize``).
 
 Nothing here blocks: tasks are encoded and handed to ZMQ, results are drained with non-blocking reads,
 and worker health is checked by ``poll()`` on the child processes at most every 20 ms. A job is split
@@ -22,22 +30,23 @@ the verdict: its next lookup of that key answers MISS, so it waits at most one p
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import time
+import weakref
 from abc import abstractmethod
-from collections import OrderedDict
 from collections.abc import Collection, Iterable
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
-import zmq
 
 from kvoffload.config import Positive, apply_aliases
 from kvoffload.ipc import messages as m
 from kvoffload.ipc import names
-from kvoffload.ipc.channels import LOADS, STORES, TierChannels
+from kvoffload.ipc.channels import LOADS, STORES
 from kvoffload.logs import RateLimitedLog
+from kvoffload.metrics import Gauge, MetricSet
 from kvoffload.tiers.base import (
     JobMetadata,
     JobResult,
@@ -46,7 +55,10 @@ from kvoffload.tiers.base import (
     TierEvent,
 )
 from kvoffload.tiers.breaker import HALF_OPEN, OPEN, STATES, CircuitBreaker
-from kvoffload.workerpool import PoolTask, WorkerPool
+from kvoffload.tiers.capacity import Capacity
+from kvoffload.tiers.resources import TierResources, weak_callback
+from kvoffload.tiers.verdicts import VerdictCache
+from kvoffload.tiers.workerpool import PoolTask, WorkerPool
 from kvoffload.workers.ioconfig import IOConfig, encode_io_config
 
 log = logging.getLogger("kvoffload.tiers")
@@ -54,10 +66,36 @@ log = logging.getLogger("kvoffload.tiers")
 _HIT, _MISS, _RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
 _CHECK_INTERVAL_S = 0.02
 _PROBE_BATCH = 256
-_OWED_MAX = 65536  # keys with a MISS owed to a request that may never ask again (aborted)
+_DELETE_BATCH = 256
+_WARN_EVERY_S = 10.0  # at most one capacity warning per tier in this many seconds
 _MAX_SECONDS = 86400.0  # a day: every duration setting is finite (inf would disable what it bounds)
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=_MAX_SECONDS)]
 TTLSeconds = Annotated[float, msgspec.Meta(ge=0, le=_MAX_SECONDS)]
+
+
+class TaskKind(str, enum.Enum):
+    """What a task asks a worker to do. The values are the wire tags of the task structs of
+    :mod:`kvoffload.ipc.messages` (``TASK_TYPES[kind]``)."""
+
+    LOAD = "load"
+    STORE = "store"
+    PROBE = "probe"
+    DELETE = "delete"
+    SCAN = "scan"
+
+
+#: The task struct sent for each kind (its msgspec tag is the kind's value).
+TASK_TYPES: dict[
+    TaskKind, type[m.StoreTask | m.LoadTask | m.ProbeTask | m.DeleteTask | m.ScanTask]
+] = {
+    TaskKind.LOAD: m.LoadTask,
+    TaskKind.STORE: m.StoreTask,
+    TaskKind.PROBE: m.ProbeTask,
+    TaskKind.DELETE: m.DeleteTask,
+    TaskKind.SCAN: m.ScanTask,
+}
+_JOB_KINDS = (TaskKind.LOAD, TaskKind.STORE)
+_VERDICT_KINDS = (TaskKind.PROBE, TaskKind.LOAD, TaskKind.STORE)  # answers that feed the breaker
 
 
 class ProcessTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -174,9 +212,12 @@ class _Job:
 
 
 class _TaskRec:
+    """The engine's record of one task: its kind, the job it belongs to (loads and stores) and its
+    keys."""
+
     __slots__ = ("kind", "job", "keys", "t0")
 
-    def __init__(self, kind: str, job: _Job | None, keys: list[bytes]):
+    def __init__(self, kind: TaskKind, job: _Job | None, keys: list[bytes]):
         self.kind = kind
         self.job = job
         self.keys = keys
@@ -184,6 +225,7 @@ class _TaskRec:
 
 
 def summarize(codes: Iterable[int]) -> str:
+    """``"corrupt=1 missing=2"``: how many of ``codes`` (per-key outcome codes) have each name."""
     counts: dict[str, int] = {}
     for c in codes:
         name = m.CODE_NAMES.get(c, str(c))
@@ -194,14 +236,35 @@ def summarize(codes: Iterable[int]) -> str:
 class ProcessTierManager(SecondaryTierManager):
     """Base for tiers whose I/O runs in :mod:`kvoffload.workers` processes.
 
-    Subclasses set ``io_module`` (the worker-side module with ``make_io``) and implement
-    :meth:`io_config`; they may override the ``_admit_store`` / ``_on_*`` hooks for capacity
-    accounting.
+    Subclasses set ``io_module`` (the worker-side module with ``make_io``), implement
+    :meth:`io_config`, call :meth:`bound_capacity` for a byte cap, and call :meth:`start` last in
+    their constructor. They may override :meth:`_medium_full` (a medium that fills before the cap)
+    and the ``_on_*`` hooks.
+
+    Attributes:
+        verdicts: what the tier believes it holds (:class:`~kvoffload.tiers.verdicts.VerdictCache`).
+        capacity: its byte accounting (:class:`~kvoffload.tiers.capacity.Capacity`; unbounded
+            unless :meth:`bound_capacity` was called).
+        breaker: its circuit breaker, or None.
     """
 
     config_class: ClassVar[type[msgspec.Struct]] = ProcessTierConfig
+    config: ProcessTierConfig
     io_module: ClassVar[str]
     shared = True
+    metric_definitions = (
+        Gauge(
+            "kvoffload_tier_used_bytes",
+            "Bytes of chunks a capacity-bounded tier counts as its own (headers included).",
+            ("tier",),
+        ),
+        Gauge(
+            "kvoffload_tier_capacity_bytes",
+            "A capacity-bounded tier's cap in bytes now: max_bytes (or the default bound), "
+            "lowered while its medium is full.",
+            ("tier",),
+        ),
+    )
 
     def __init__(
         self,
@@ -215,15 +278,20 @@ class ProcessTierManager(SecondaryTierManager):
         super().__init__(name=name, arena_view=arena_view, namespace=namespace, config=config)
         if config.locality is not None:
             self.locality = config.locality
+        strides = arena_view.strides
+        if arena_view.ndim != 2 or not strides:
+            raise ValueError(
+                f"arena_view: expected a 2-D memoryview (slots, row bytes), got {arena_view.ndim}-D"
+            )
         self.arena = arena
-        self.row_bytes = arena_view.strides[0]
+        self.row_bytes: int = strides[0]
         cfg = config
         self.chunks_per_task = cfg.chunks_per_task or max(1, min(64, (8 << 20) // self.row_bytes))
-        self._present: OrderedDict[bytes, None] = OrderedDict()
-        self._absent: dict[bytes, float] = {}
+        self.verdicts = VerdictCache(cfg.lookup_cache_entries)
+        self.capacity = Capacity(
+            None, self.row_bytes, count=self.count, forget=self.verdicts.forget
+        )
         self._probing: set[bytes] = set()
-        self._waiting: dict[bytes, set[str]] = {}  # key probing -> requests told RETRY meanwhile
-        self._owed: OrderedDict[bytes, set[str]] = OrderedDict()  # key -> requests owed a MISS
         self._probe_queue: list[bytes] = []
         self._finished: list[JobResult] = []
         self._events: list[TierEvent] = []
@@ -232,6 +300,7 @@ class ProcessTierManager(SecondaryTierManager):
         self._pending_store_chunks = 0
         self._last_check = 0.0
         self._closed = False
+        self._warned_at = -_WARN_EVERY_S
         self._bad_reply_log = RateLimitedLog(log)
         self.breaker: CircuitBreaker | None = (
             CircuitBreaker(
@@ -243,38 +312,70 @@ class ProcessTierManager(SecondaryTierManager):
             if cfg.breaker_failures is not None
             else None
         )
-        self._ctx: zmq.Context | None = None
+        self._resources: TierResources | None = None
+        self._finalizer: weakref.finalize | None = None
         self._pools: tuple[WorkerPool, ...] = ()
 
+    def bound_capacity(self, max_bytes: int, unit_bytes: int) -> None:
+        """Count stored chunks (``unit_bytes`` each, payload plus header) against ``max_bytes``
+        and evict the least recently used by deleting them through the writer workers. Call it
+        before :meth:`start`.
+
+        Raises:
+            ValueError: ``"max_bytes: ..."`` when the cap is smaller than one chunk.
+        """
+        self.capacity = Capacity(
+            max_bytes, unit_bytes, count=self.count, forget=self.verdicts.forget
+        )
+
     def start(self) -> None:
-        """Open the tier's sockets and start its worker processes. Subclasses call it last in
-        their constructor, once their own checks passed (nothing is left to clean up before)."""
+        """Open the tier's sockets and start its worker processes, all owned by one
+        :class:`~kvoffload.tiers.resources.TierResources` that ``shutdown()`` closes, or a
+        ``weakref.finalize`` when the tier is dropped without it. Subclasses call it last in their
+        constructor, once their own checks passed (nothing is left to clean up before)."""
         cfg = self.config
-        self._ctx = zmq.Context(1)
-        self._chans = TierChannels(self._ctx, self.name)
-        common = dict(
-            channels=self._chans,
-            task_timeout_s=cfg.job_timeout_s,
-            max_inflight=cfg.max_inflight_per_worker,
-            on_event=self._on_pool_event,
-        )
-        self._readers = WorkerPool(
-            tier_name=self.name,
-            kind=LOADS,
-            count=cfg.read_workers,
-            make_spec=lambda wid, ident: self._spec(wid, ident, LOADS),
-            **common,
-        )
-        self._writers = WorkerPool(
-            tier_name=self.name,
-            kind=STORES,
-            count=cfg.write_workers,
-            make_spec=lambda wid, ident: self._spec(wid, ident, STORES),
-            **common,
-        )
-        self._pools = (self._readers, self._writers)
-        for pool in self._pools:
-            pool.start()
+        res = TierResources(self.name)
+        self._resources = res
+        self._finalizer = weakref.finalize(self, res.close)
+        self._chans = res.channels
+        # The pools must not refer to the tier (the finalizer would keep it alive): they get
+        # the worker specs made now, and reach the tier's counters through a weak reference.
+        specs = {kind: self._spec(0, b"", kind) for kind in (LOADS, STORES)}
+        on_event = weak_callback(self._on_pool_event)
+
+        def pool(kind: str, count: int) -> WorkerPool:
+            base = specs[kind]
+            return res.add_pool(
+                WorkerPool(
+                    tier_name=self.name,
+                    kind=kind,
+                    count=count,
+                    channels=res.channels,
+                    make_spec=lambda wid, ident: msgspec.structs.replace(
+                        base, worker_id=wid, identity=ident
+                    ),
+                    task_timeout_s=cfg.job_timeout_s,
+                    max_inflight=cfg.max_inflight_per_worker,
+                    on_event=on_event,
+                )
+            )
+
+        self._readers = pool(LOADS, cfg.read_workers)
+        self._writers = pool(STORES, cfg.write_workers)
+        self._pools = res.pools
+        for p in self._pools:
+            p.start()
+
+    @property
+    def resources(self) -> TierResources:
+        """The tier's sockets and worker processes.
+
+        Raises:
+            RuntimeError: before :meth:`start`.
+        """
+        if self._resources is None:
+            raise RuntimeError(f"tier {self.name}: not started")
+        return self._resources
 
     # -- subclass interface ---------------------------------------------------------------------
 
@@ -284,32 +385,159 @@ class ProcessTierManager(SecondaryTierManager):
         ``IO_CONFIG`` (:mod:`kvoffload.workers.ioconfig`)."""
 
     def _admit_store(self, keys: list[bytes]) -> tuple[list[int], dict[bytes, int]]:
-        """Which positions of ``keys`` to write; the rest fail with the returned codes."""
-        return list(range(len(keys))), {}
+        """Which positions of ``keys`` to write; the rest fail with the returned codes. With a
+        cap, room is made by evicting least recently used chunks."""
+        cap = self.capacity
+        admitted, rejected = cap.admit(keys)
+        if cap.bounded:
+            refused = sum(1 for c in rejected.values() if c == m.NO_SPACE)
+            if refused:
+                self._warn(
+                    f"store of {refused} chunk(s) refused (no_space): no room under the cap "
+                    f"({cap.capacity_bytes} bytes) {self._why_no_room()}"
+                )
+            self._enforce_cap()
+        return admitted, rejected
+
+    def _why_no_room(self) -> str:
+        return self.capacity.why_no_room()
 
     def _on_stores_done(
         self, keys: list[bytes], failed: dict[bytes, int], removed: Collection[bytes] = ()
     ) -> None:
-        """A store job finished: ``failed`` maps the keys that failed to their codes."""
+        """A store job finished: ``failed`` maps the keys that failed to their codes;
+        ``removed``: keys this tier removed while it ran (stored, not counted)."""
+        unconfirmed, full = self.capacity.stores_done(keys, failed, removed)
+        if unconfirmed:
+            self._remove_unconfirmed_stores(unconfirmed)
+        if full:
+            self._medium_full(full)
+
+    def _medium_full(self, chunks: int) -> None:
+        """Writes of ``chunks`` chunks found the medium full (``NO_SPACE`` from a worker) before
+        the cap: the fs tier lowers its cap (CASES C33); others do nothing."""
+
+    def _remove_unconfirmed_stores(self, keys: list[bytes]) -> None:
+        """A write sent to a worker that failed may still have published its chunk (the worker
+        died or timed out after the rename or upload, a verdict we do not know): remove what is
+        not counted, so what is stored stays what the cap accounts. No event: the chunk was never
+        reported stored."""
+        self.capacity.unconfirmed_stores(keys)
+        self._send(
+            self._writers,
+            TaskKind.DELETE,
+            None,
+            keys,
+            m.DeleteTask(self._next_task_id(), keys),
+        )
 
     def _on_loads_done(self, keys: list[bytes], failed: dict[bytes, int]) -> None:
         """A load job finished: ``failed`` maps the keys that failed to their codes."""
+        self.capacity.loads_done(keys, failed)
 
     def _on_deletes_done(self, keys: list[bytes], codes: list[int], status: list[int]) -> None:
         """A delete task answered: ``codes[i]`` is ``keys[i]``'s outcome (``OK``: removed or
-        already gone), ``status[i]`` the errno of a failed removal where known (may be empty)."""
+        already gone), ``status[i]`` the errno of a failed removal where known (may be empty).
+        Deletes with no answer are sent again; chunks whose removal failed stay counted
+        (CASES C32)."""
+        kept, retry = self.capacity.deletes_answered(keys, codes, status)
+        if retry:
+            self._send(
+                self._writers,
+                TaskKind.DELETE,
+                None,
+                retry,
+                m.DeleteTask(self._next_task_id(), retry),
+            )
+        if kept:
+            if self.record_events:
+                self._events.append(TierEvent(kept, False))
+            self._warn(
+                f"{len(kept)} chunk(s) could not be removed "
+                f"({self.capacity.last_removal_error}); they stay counted and are retried later"
+            )
+            self._enforce_cap()
 
     def _removals_since(self, t: float) -> bool:
         """True when this tier removed any chunk after monotonic time ``t``."""
-        return False
+        return self.capacity.removals_since(t)
 
     def _removed_since(self, key: bytes, t: float) -> bool:
         """True when this tier removed ``key`` after monotonic time ``t`` (a probe sent before
-        then may have seen the file that is now gone)."""
-        return False
+        then may have seen the chunk that is now gone)."""
+        return self.capacity.removed_since(key, t)
 
     def _on_scan(self, entries: list[tuple[bytes, int, float]]) -> None:
-        pass
+        """A scan listed ``(key, bytes, mtime)`` of the chunks stored: a bounded tier counts
+        them (oldest first) and evicts down to its cap."""
+        self.capacity.adopt(entries)
+        self._enforce_cap()
+
+    def _enforce_cap(self) -> None:
+        """Evict until the counted bytes fit under the cap; send the deletes."""
+        self.capacity.enforce()
+        self._flush_deletes()
+
+    def _flush_deletes(self) -> None:
+        keys = self.capacity.take_deletes()
+        if not keys:
+            return
+        if self.record_events:
+            self._events.append(TierEvent(list(keys), True))
+        for start in range(0, len(keys), _DELETE_BATCH):
+            batch = keys[start : start + _DELETE_BATCH]
+            tid = self._next_task_id()
+            self._send(self._writers, TaskKind.DELETE, None, batch, m.DeleteTask(tid, batch))
+
+    def _warn(self, msg: str) -> None:
+        now = time.monotonic()
+        if now - self._warned_at >= _WARN_EVERY_S:
+            self._warned_at = now
+            log.warning("kvoffload tier %s: %s", self.name, msg)
+
+    def _scan_at_start(self, timeout_s: float, list_entries: bool) -> None:
+        """Send one scan task (orphan cleanup; with ``list_entries``, chunks to adopt)."""
+        tid = self._next_task_id()
+        self._send(
+            self._writers,
+            TaskKind.SCAN,
+            None,
+            [],
+            m.ScanTask(tid, list_entries=list_entries),
+            timeout_s=timeout_s,
+        )
+
+    # -- capacity -------------------------------------------------------------------------------
+
+    @property
+    def max_bytes(self) -> int | None:
+        """The configured cap (bytes; for the fs tier, possibly the default bound); None when
+        unbounded."""
+        return self.capacity.max_bytes
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        """The cap now (bytes): ``max_bytes``, lowered while the medium is full; None when
+        unbounded."""
+        return self.capacity.capacity_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self.capacity.used_bytes
+
+    @property
+    def accounted_bytes(self) -> int:
+        """Bytes of chunks this tier counts against its cap (0 when unbounded); chunks whose
+        delete has not answered yet are no longer counted."""
+        return self.capacity.used_bytes
+
+    def remove(self, keys: list[bytes]) -> None:
+        """Delete chunks from the tier (explicit removal); in-flight loads of them still finish with
+        the whole chunk or a clean miss. A chunk whose removal fails stays counted."""
+        self.capacity.remove(keys)
+        for k in keys:
+            self.verdicts.mark_absent(k, self.config.negative_ttl_s)
+        self._flush_deletes()
 
     # -- plumbing ---------------------------------------------------------------------------------
 
@@ -347,10 +575,10 @@ class ProcessTierManager(SecondaryTierManager):
     def _send(
         self,
         pool: WorkerPool,
-        kind: str,
+        kind: TaskKind,
         job: _Job | None,
         keys: list[bytes],
-        msg: msgspec.Struct,
+        msg: m.StoreTask | m.LoadTask | m.ProbeTask | m.DeleteTask | m.ScanTask,
         timeout_s: float | None = None,
     ) -> None:
         pool.submit(PoolTask(msg.task_id, m.encode(msg), _TaskRec(kind, job, keys), timeout_s))
@@ -361,36 +589,12 @@ class ProcessTierManager(SecondaryTierManager):
 
     # -- verdicts -------------------------------------------------------------------------------
 
-    def _mark_present(self, key: bytes) -> None:
-        self._mark_present_many((key,))
-
-    def _mark_present_many(self, keys) -> None:
-        present, absent = self._present, self._absent
-        for key in keys:
-            if key in present:
-                present.move_to_end(key)
-            else:
-                present[key] = None
-            if absent:
-                absent.pop(key, None)
-        while len(present) > self.config.lookup_cache_entries:
-            present.popitem(last=False)
-
-    def _mark_absent(self, key: bytes, ttl: float) -> None:
-        self._present.pop(key, None)
-        if ttl > 0:
-            absent = self._absent
-            if len(absent) >= self.config.lookup_cache_entries:
-                now = time.monotonic()
-                for k in [k for k, exp in absent.items() if exp <= now]:
-                    del absent[k]
-                if len(absent) >= self.config.lookup_cache_entries:
-                    absent.clear()
-            absent[key] = time.monotonic() + ttl
+    def _mark_present_many(self, keys: Iterable[bytes]) -> None:
+        self.verdicts.mark_present(keys)
 
     # -- circuit breaker --------------------------------------------------------------------------
 
-    def report_metrics(self, metrics) -> None:
+    def report_metrics(self, metrics: MetricSet) -> None:
         name = self.name
         for pool, direction in ((self._readers, "load"), (self._writers, "store")):
             metrics.set("kvoffload_tier_queue_depth", len(pool.queue), name, direction)
@@ -404,6 +608,10 @@ class ProcessTierManager(SecondaryTierManager):
         metrics.set("kvoffload_tier_breaker_open", 1 if state == OPEN else 0, name)
         for s in STATES:
             metrics.set("kvoffload_tier_breaker_state", 1 if s == state else 0, name, s)
+        cap = self.capacity_bytes
+        if cap is not None:
+            metrics.set("kvoffload_tier_used_bytes", self.capacity.used_bytes, name)
+            metrics.set("kvoffload_tier_capacity_bytes", cap, name)
 
     @property
     def breaker_state(self) -> str:
@@ -442,37 +650,12 @@ class ProcessTierManager(SecondaryTierManager):
         br = self.breaker
         if br is not None and br.tripped:
             return self._lookup_tripped(key, br)
-        if key in self._present:
-            return _HIT
-        exp = self._absent.get(key)
-        if exp is not None:
-            if time.monotonic() < exp:
-                return _MISS
-            del self._absent[key]
-        owed = self._owed.get(key)
-        if owed is not None and req_id in owed:
-            owed.discard(req_id)
-            if not owed:
-                del self._owed[key]
-            return _MISS
-        waiting = self._waiting.get(key)
-        if waiting is None:
-            self._waiting[key] = {req_id}
-        else:
-            waiting.add(req_id)
+        verdict = self.verdicts.lookup(key, req_id)
+        if verdict is not None:
+            return _HIT if verdict else _MISS
         if key not in self._probing:
             self._probe(key)
         return _RETRY
-
-    def _owe_miss(self, key: bytes, req_ids: Iterable[str]) -> None:
-        """The next lookup of ``key`` by each of ``req_ids`` answers MISS, whatever the TTLs."""
-        owed = self._owed.get(key)
-        if owed is None:
-            self._owed[key] = set(req_ids)
-            if len(self._owed) > _OWED_MAX:
-                self._owed.popitem(last=False)
-        else:
-            owed.update(req_ids)
 
     def _lookup_tripped(self, key: bytes, br: CircuitBreaker) -> LookupResult:
         """Lookup while the breaker is open or half-open: MISS, unless this lookup is one of the
@@ -483,13 +666,11 @@ class ProcessTierManager(SecondaryTierManager):
                 return _RETRY  # a probe is out: its answer settles the key
             self.count("breaker_misses")  # a probe sent before the breaker opened
             return _MISS
-        exp = self._absent.get(key)
-        if exp is not None and time.monotonic() < exp:
+        if self.verdicts.is_absent(key):
             return _MISS
         if not br.admit():
             self.count("breaker_misses")
             return _MISS
-        self._absent.pop(key, None)
         self._probe(key)
         return _RETRY
 
@@ -504,7 +685,8 @@ class ProcessTierManager(SecondaryTierManager):
         while queue:
             batch, queue[:] = queue[:_PROBE_BATCH], queue[_PROBE_BATCH:]
             tid = self._next_task_id()
-            self._send(self._readers, "probe", None, batch, m.ProbeTask(tid, batch))
+            self._send(self._readers, TaskKind.PROBE, None, batch, m.ProbeTask(tid, batch))
+        self._flush_deletes()
 
     # -- jobs -----------------------------------------------------------------------------------
 
@@ -522,11 +704,10 @@ class ProcessTierManager(SecondaryTierManager):
     def submit_store(self, job: JobMetadata) -> None:
         rec_job = _Job(job, is_load=False)
         keys = job.keys
-        todo = [i for i, k in enumerate(keys) if k not in self._present]
+        present = self.verdicts.present
+        todo = [i for i, k in enumerate(keys) if k not in present]
         if len(todo) < len(keys):
-            for k in keys:
-                if k in self._present:
-                    self._present.move_to_end(k)
+            self.verdicts.touch(keys)
         if todo:
             sub_keys = [keys[i] for i in todo]
             admitted, rejected = self._admit_store(sub_keys)
@@ -535,25 +716,25 @@ class ProcessTierManager(SecondaryTierManager):
             todo = [todo[i] for i in admitted]
         if not todo and self.breaker is not None and self.breaker.tripped:
             self.breaker.release()  # a trial store with nothing to write
-        self._dispatch(rec_job, todo, self._writers, m.StoreTask, "store")
+        self._dispatch(rec_job, todo, self._writers, TaskKind.STORE)
 
     def submit_load(self, job: JobMetadata) -> None:
+        self.capacity.loads_started(job.keys)
         self._dispatch(
-            _Job(job, is_load=True), list(range(len(job.keys))), self._readers, m.LoadTask, "load"
+            _Job(job, is_load=True), list(range(len(job.keys))), self._readers, TaskKind.LOAD
         )
 
-    def _dispatch(
-        self, job: _Job, positions: list[int], pool: WorkerPool, task_type, kind: str
-    ) -> None:
+    def _dispatch(self, job: _Job, positions: list[int], pool: WorkerPool, kind: TaskKind) -> None:
         self._job_count += 1
         keys, slots = job.meta.keys, job.meta.slots
+        task_type = m.StoreTask if kind is TaskKind.STORE else m.LoadTask
         step = self.chunks_per_task
         for start in range(0, len(positions), step):
             part = positions[start : start + step]
             tkeys = [keys[i] for i in part]
             tid = self._next_task_id()
             job.pending += 1
-            if kind == "store":
+            if kind is TaskKind.STORE:
                 self._pending_store_chunks += len(tkeys)
             self._send(pool, kind, job, tkeys, task_type(tid, [int(slots[i]) for i in part], tkeys))
         if job.pending == 0:
@@ -564,19 +745,19 @@ class ProcessTierManager(SecondaryTierManager):
         meta = job.meta
         failed = job.failed
         ok_keys = [k for k in meta.keys if k not in failed] if failed else meta.keys
+        gone: Collection[bytes] = ()
         if not job.is_load and self._removals_since(job.t0):
             # Removed by this tier (evicted) while the job ran: a write that found the old file
             # and skipped may be followed by the delete. Stored for the engine, not present here.
             gone = {k for k in ok_keys if self._removed_since(k, job.t0)}
-            self._mark_present_many(k for k in ok_keys if k not in gone)
+            self.verdicts.mark_present(k for k in ok_keys if k not in gone)
         else:
-            gone = ()
-            self._mark_present_many(ok_keys)
+            self.verdicts.mark_present(ok_keys)
         if job.is_load:
             self._on_loads_done(meta.keys, failed)
             for k in failed:
-                self._mark_absent(k, self.config.failed_load_ttl_s)
-                self._owe_miss(k, (meta.req_id,))
+                self.verdicts.mark_absent(k, self.config.failed_load_ttl_s)
+                self.verdicts.owe_miss(k, (meta.req_id,))
             self.count("load_chunks", len(ok_keys))
             if failed:
                 self.count("load_failures", len(failed))
@@ -615,30 +796,15 @@ class ProcessTierManager(SecondaryTierManager):
         self._finished.append(result)
 
     def _apply(self, rec: _TaskRec, codes: list[int], nbytes: int, status: list[int]) -> None:
-        if rec.kind in ("probe", "store", "load"):
+        kind = rec.kind
+        if kind in _VERDICT_KINDS:
             self._on_task_codes(rec, codes, status)
-        if rec.kind == "probe":
-            neg = self.config.negative_ttl_s
-            for key, code in zip(rec.keys, codes):
-                self._probing.discard(key)
-                waiting = self._waiting.pop(key, None)
-                if code == m.OK and not self._removed_since(key, rec.t0):
-                    self._mark_present(key)
-                    continue
-                if code == m.OK:
-                    self.count("stale_probes")  # evicted while the probe was out: a miss
-                    self._mark_absent(key, min(neg, 1.0))
-                else:
-                    self._mark_absent(key, neg if code == m.MISSING else min(neg, 1.0))
-                if waiting:
-                    self._owe_miss(key, waiting)
-            self.count("probes", len(rec.keys))
-            self.metrics.observe(
-                "kvoffload_lookup_latency_seconds", time.monotonic() - rec.t0, self.name
-            )
-            return
-        if rec.kind in ("store", "load"):
+        if kind is TaskKind.PROBE:
+            self._probe_answered(rec, codes)
+        elif kind in _JOB_KINDS:
             job = rec.job
+            if job is None:
+                raise AssertionError(f"a {kind.value} task without its job")
             if any(codes):
                 for i, (key, code) in enumerate(zip(rec.keys, codes)):
                     if code != m.OK:
@@ -646,18 +812,31 @@ class ProcessTierManager(SecondaryTierManager):
                         if i < len(status) and status[i]:
                             job.status[key] = status[i]
             job.nbytes += nbytes
-            if rec.kind == "store":
+            if kind is TaskKind.STORE:
                 self._pending_store_chunks -= len(rec.keys)
             job.pending -= 1
             if job.pending == 0:
                 self._finish(job)
-            return
-        if rec.kind == "delete":
+        elif kind is TaskKind.DELETE:
             self.count("deletes", len(rec.keys))
             self._on_deletes_done(rec.keys, codes, status)
-            return
-        if rec.kind == "scan":
-            return
+
+    def _probe_answered(self, rec: _TaskRec, codes: list[int]) -> None:
+        neg = self.config.negative_ttl_s
+        for key, code in zip(rec.keys, codes):
+            self._probing.discard(key)
+            if code == m.OK and not self._removed_since(key, rec.t0):
+                self.verdicts.settle(key, True)
+                continue
+            if code == m.OK:
+                self.count("stale_probes")  # evicted while the probe was out: a miss
+                self.verdicts.settle(key, False, min(neg, 1.0))
+            else:
+                self.verdicts.settle(key, False, neg if code == m.MISSING else min(neg, 1.0))
+        self.count("probes", len(rec.keys))
+        self.metrics.observe(
+            "kvoffload_lookup_latency_seconds", time.monotonic() - rec.t0, self.name
+        )
 
     def get_finished_jobs(self) -> list[JobResult]:
         chans = self._chans
@@ -681,7 +860,7 @@ class ProcessTierManager(SecondaryTierManager):
                 if pool.workers or pool.queue:
                     for task, code in pool.check(now):
                         rec = task.owner
-                        if rec.kind == "load" and code == m.TIMEOUT:
+                        if rec.kind is TaskKind.LOAD and code == m.TIMEOUT:
                             self.count("pending_deadline_expired")
                         self._apply(rec, [code] * len(rec.keys), 0, [])
         if not self._finished:
@@ -698,7 +877,7 @@ class ProcessTierManager(SecondaryTierManager):
             task = pool.take(res.task_id, res.worker_id) if pool.inflight_count else None
             if task is not None:
                 rec = task.owner
-                if rec.kind == "scan":
+                if rec.kind is TaskKind.SCAN:
                     self._on_scan(res.entries)
                 self._apply(rec, self._checked_codes(rec, res), res.nbytes, res.status)
                 return
@@ -720,12 +899,12 @@ class ProcessTierManager(SecondaryTierManager):
         """
         codes = res.codes
         n = len(rec.keys)
-        if rec.kind == "scan":
+        if rec.kind is TaskKind.SCAN:
             return codes
         if len(codes) != n:
             self.count("malformed_replies")
             self._log_bad_reply(
-                f"a reply to {rec.kind} task {res.task_id} carries {len(codes)} "
+                f"a reply to {rec.kind.value} task {res.task_id} carries {len(codes)} "
                 f"verdict(s) for {n} key(s); all of them fail"
             )
             return [m.BAD_REPLY] * n
@@ -734,7 +913,7 @@ class ProcessTierManager(SecondaryTierManager):
             return codes
         self.count("malformed_replies")
         self._log_bad_reply(
-            f"a reply to {rec.kind} task {res.task_id} carries unknown verdict "
+            f"a reply to {rec.kind.value} task {res.task_id} carries unknown verdict "
             f"code(s) {sorted({c for c in codes if c not in known})}; those keys fail"
         )
         return [c if c in known else m.BAD_REPLY for c in codes]
@@ -759,10 +938,7 @@ class ProcessTierManager(SecondaryTierManager):
         )
 
     def touch(self, keys: Iterable[bytes]) -> None:
-        present = self._present
-        for k in keys:
-            if k in present:
-                present.move_to_end(k)
+        self.verdicts.touch(keys)
 
     def take_events(self) -> list[TierEvent]:
         if not self._events:
@@ -774,17 +950,19 @@ class ProcessTierManager(SecondaryTierManager):
         return self._chans.wait_results(timeout_s)
 
     def shutdown(self) -> None:
+        """Fail the tasks no worker answered (``CANCELLED``), stop the workers and close the
+        sockets (:meth:`TierResources.close`). Idempotent."""
         if self._closed:
             return
         self._closed = True
+        res, fin = self._resources, self._finalizer
+        if res is None or fin is None:
+            return
         try:
             self.get_finished_jobs()
         except Exception:
             pass
-        for pool in self._pools:
-            for task in pool.shutdown():
-                rec = task.owner
-                self._apply(rec, [m.CANCELLED] * len(rec.keys), 0, [])
-        if self._ctx is not None:
-            self._chans.close()
-            self._ctx.term()
+        fin.detach()
+        for task in res.close():
+            rec = task.owner
+            self._apply(rec, [m.CANCELLED] * len(rec.keys), 0, [])

@@ -150,7 +150,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "C06",
         "task deadline never enforced",
-        "kvoffload/workerpool.py",
+        "kvoffload/tiers/workerpool.py",
         "                if now > head.deadline:\n",
         "                if False:\n",
         (FS + "test_c06_hung_read_fails_within_the_deadline_and_other_loads_complete",),
@@ -159,7 +159,7 @@ MUTATIONS: list[Mutation] = [
         "C07",
         "a failed load leaves the key's verdict as it was",
         "kvoffload/tiers/process.py",
-        "                self._mark_absent(k, self.config.failed_load_ttl_s)\n",
+        "                self.verdicts.mark_absent(k, self.config.failed_load_ttl_s)\n",
         "",
         (FS + "test_c07_failed_load_does_not_livelock_the_request",),
     ),
@@ -181,7 +181,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "C08",
         "the index entry of a missing file is kept",
-        "kvoffload/tiers/fs.py",
+        "kvoffload/tiers/capacity.py",
         "            elif code in (m.MISSING, m.CORRUPT) and key in index:\n",
         "            elif code == m.CORRUPT and key in index:\n",
         (FS + "test_c08_file_deleted_outside_the_library_is_a_clean_miss",),
@@ -206,8 +206,8 @@ MUTATIONS: list[Mutation] = [
         "C09",
         "a failed upload recorded as present",
         "kvoffload/tiers/process.py",
-        "            self._mark_present_many(ok_keys)\n",
-        "            self._mark_present_many(meta.keys)\n",
+        "            self.verdicts.mark_present(ok_keys)\n",
+        "            self.verdicts.mark_present(meta.keys)\n",
         (OBJ + "test_c09_s3_errors_are_never_swallowed",),
     ),
     Mutation(
@@ -222,15 +222,15 @@ MUTATIONS: list[Mutation] = [
         "C10",
         "a probe that raced an eviction makes the key present",
         "kvoffload/tiers/process.py",
-        "                if code == m.OK and not self._removed_since(key, rec.t0):\n",
-        "                if code == m.OK:\n",
+        "            if code == m.OK and not self._removed_since(key, rec.t0):\n",
+        "            if code == m.OK:\n",
         (FS + "test_c10_a_chunk_evicted_from_a_capped_tier_is_a_miss_while_its_delete_is_pending",),
     ),
     Mutation(
         "C10",
         "a store admitted while its chunk's delete is pending",
-        "kvoffload/tiers/fs.py",
-        "            if k in self._deleting:\n",
+        "kvoffload/tiers/capacity.py",
+        "            if k in self.deleting:\n",
         "            if False:\n",
         (FS + "test_c10_a_chunk_evicted_from_a_capped_tier_is_a_miss_while_its_delete_is_pending",),
     ),
@@ -275,7 +275,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "C13",
         "a repeated put of an indexed chunk is counted again",
-        "kvoffload/tiers/fs.py",
+        "kvoffload/tiers/capacity.py",
         "                if key not in index and key not in removed:\n",
         "                if key not in removed:\n",
         (FS + "test_c13_repeated_puts_of_a_resident_chunk_are_not_double_counted",),
@@ -283,7 +283,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "C14",
         "chunks of earlier runs not counted",
-        "kvoffload/tiers/fs.py",
+        "kvoffload/tiers/capacity.py",
         "            self.used_bytes += size\n",
         "",
         (FS + "test_c14_chunks_from_earlier_runs_are_adopted_and_counted",),
@@ -331,16 +331,16 @@ MUTATIONS: list[Mutation] = [
         "C16",
         "an expired pending load is not counted",
         "kvoffload/tiers/process.py",
-        '                        if rec.kind == "load" and code == m.TIMEOUT:\n',
+        "                        if rec.kind is TaskKind.LOAD and code == m.TIMEOUT:\n",
         "                        if False:\n",
         (FS + "test_c16_dropped_load_turns_pending_into_miss_after_the_deadline",),
     ),
     Mutation(
         "C16",
         "an orphaned store keeps its capacity reservation",
-        "kvoffload/tiers/fs.py",
-        "            nbytes = self._reserved.pop(key, None)\n",
-        "            nbytes = self._reserved.get(key)\n",
+        "kvoffload/tiers/capacity.py",
+        "            nbytes = self.reserved.pop(key, None)\n",
+        "            nbytes = self.reserved.get(key)\n",
         (FS + "test_c16_dropped_store_releases_its_reservation_after_the_deadline",),
     ),
     Mutation(
@@ -355,14 +355,14 @@ MUTATIONS: list[Mutation] = [
         "C17",
         "a failed store published",
         "kvoffload/tiers/process.py",
-        "            self._mark_present_many(ok_keys)\n",
-        "            self._mark_present_many(meta.keys)\n",
+        "            self.verdicts.mark_present(ok_keys)\n",
+        "            self.verdicts.mark_present(meta.keys)\n",
         (FS + "test_c17_worker_that_dies_or_goes_silent_fails_or_reruns_its_jobs",),
     ),
     Mutation(
         "C17",
         "a late reply from a replaced worker accepted",
-        "kvoffload/workerpool.py",
+        "kvoffload/tiers/workerpool.py",
         "            return None\n",
         (
             "            w = next((x for x in self._by_wid.values() if task_id in x.inflight), None)\n"
@@ -374,7 +374,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "C17",
         "a dead worker's tasks neither re-run nor failed",
-        "kvoffload/workerpool.py",
+        "kvoffload/tiers/workerpool.py",
         "                self.queue.extendleft(reversed(rerun))  # first in line, in their original order\n",
         "",
         (FS + "test_c17_worker_that_dies_or_goes_silent_fails_or_reruns_its_jobs",),
@@ -411,12 +411,8 @@ MUTATIONS: list[Mutation] = [
         "C21",
         "a tier capacity accepted but not enforced",
         "kvoffload/tiers/fs.py",
-        (
-            "        self._index: OrderedDict[bytes, int] | None = (\n"
-            "            OrderedDict() if self.max_bytes is not None else None\n"
-            "        )\n"
-        ),
-        "        self._index: OrderedDict[bytes, int] | None = None\n",
+        "            self.bound_capacity(max_bytes, self.file_bytes)\n",
+        "            pass\n",
         (FS + "test_c21_capacity_setting_is_enforced",),
     ),
     Mutation(
@@ -586,7 +582,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "C32",
         "a chunk file whose removal failed is forgotten",
-        "kvoffload/tiers/fs.py",
+        "kvoffload/tiers/capacity.py",
         "            index[k] = nbytes\n",
         "            pass\n",
         (CAP + "test_c32_undeletable_chunk_file_stays_counted_and_the_next_lru_is_evicted[fault]",),
@@ -594,8 +590,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "C33",
         "a full disk does not lower the tier's cap",
-        "kvoffload/tiers/fs.py",
-        "            self._disk_full(full)\n",
+        "kvoffload/tiers/process.py",
+        "            self._medium_full(full)\n",
         "            pass\n",
         (CAP + "test_c33_disk_full_before_the_cap_evicts_own_lru_chunks_and_stores_go_on",),
     ),
@@ -624,7 +620,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "C36",
         "a request waiting on a probe is not owed its MISS",
-        "kvoffload/tiers/process.py",
+        "kvoffload/tiers/verdicts.py",
         "        if owed is not None and req_id in owed:\n",
         "        if False:\n",
         (CAP + "test_c36_zero_negative_ttl_lookup_answers_miss_once_the_probe_answered",),

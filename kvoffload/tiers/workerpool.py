@@ -34,7 +34,7 @@ from kvoffload.ipc import messages as m
 from kvoffload.ipc.channels import TierChannels
 from kvoffload.ipc.names import WORKER_SPEC_ENV
 
-log = logging.getLogger("kvoffload.workerpool")
+log = logging.getLogger("kvoffload.tiers.workerpool")
 
 _RESTART_BACKOFF_S = 0.5
 _BROKEN_AFTER_FAILED_STARTS = 3

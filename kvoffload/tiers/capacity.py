@@ -1,0 +1,465 @@
+"""Capacity accounting of a worker-backed tier: an LRU index of the chunks it stores, counted in
+bytes against a cap, and the bookkeeping of the deletes that enforce it. No I/O: the tier that
+holds a :class:`Capacity` (:class:`~kvoffload.tiers.process.ProcessTierManager`, for the fs tier
+and for the obj tier with ``max_bytes``) sends the delete tasks it queues and reports their answers.
+
+::
+
+    admit(keys) ── room under the cap? ── no ─▶ evict LRU chunks (delete queue) ─▶ room? ── no ─▶
+        │ yes                                                                        NO_SPACE
+        ▼
+    reserved (being written) ── stores_done ─▶ index (LRU, counted in used_bytes)
+                                                │ evicted / removed
+                                                ▼
+                           unconfirmed (its delete not answered: still stored, no longer counted)
+                                                │ deletes_answered
+                  ┌─────────────────────────────┼───────────────────────────┐
+                 OK: gone          no answer: asked again (10 times)   failed: counted again, as the
+                                                                        most recently used; retried
+                                                                        when next evicted (C32)
+
+Whose bytes: ``unit_bytes`` per chunk written (payload plus header); chunks found at start
+(:meth:`Capacity.adopt`) count their listed size. ``used_bytes`` counts the index; chunks being
+written are reserved (``unit_bytes`` each) on top of it; chunks whose delete has not answered are
+``unconfirmed_bytes``. While some removal has failed, or the cap is lowered (:meth:`lower_cap`: the
+medium is full), space is reused only once a removal is confirmed (:meth:`cautious`): a store that
+finds no such room is refused at once and the ledger evicts ahead (``headroom``) for the next one.
+
+Counters go to ``count`` (the tier's :meth:`~kvoffload.tiers.base.SecondaryTierManager.count`);
+an evicted chunk's present verdict is dropped through ``forget``. The clock is injected (``clock``:
+monotonic seconds). Not thread-safe: the engine thread drives it.
+"""
+
+from __future__ import annotations
+
+import errno as errno_mod
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Iterable
+
+from kvoffload.ipc import messages as m
+from kvoffload.ipc import names
+
+EVICTED_MEMORY = 65536
+"""Evictions remembered to spot probes that saw a chunk just before it was deleted."""
+NO_ANSWER = (m.WORKER_DIED, m.TIMEOUT, m.BAD_REPLY)
+"""A delete's verdicts that say nothing about whether the chunk is gone."""
+DELETE_RETRIES = 10
+"""Deletes sent again after no answer, before the chunk is kept counted."""
+
+
+class Capacity:
+    """LRU byte accounting of one tier's chunks against a cap.
+
+    Args:
+        max_bytes: the cap (bytes, >= ``unit_bytes``); None: unbounded (no index, nothing counted
+            nor evicted; explicit removals are still tracked until their deletes answer).
+        unit_bytes: bytes of one stored chunk (payload plus header).
+        count: ``(counter, n)``: the tier's counters (``evictions``, ``eviction_errors.<errno>``...).
+        forget: called with each chunk evicted (the tier drops its present verdict).
+        clock: monotonic seconds (``time.monotonic``; tests pass a fake).
+
+    Raises:
+        ValueError: ``"max_bytes: ..."`` when the cap is smaller than one chunk.
+    """
+
+    def __init__(
+        self,
+        max_bytes: int | None,
+        unit_bytes: int,
+        *,
+        count: Callable[[str, float], None],
+        forget: Callable[[bytes], None],
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if max_bytes is not None and max_bytes < unit_bytes:
+            raise ValueError(
+                f"max_bytes: {max_bytes} is smaller than one chunk ({unit_bytes} bytes)"
+            )
+        self.max_bytes = max_bytes
+        self.unit_bytes = unit_bytes
+        self.count = count
+        self.forget = forget
+        self.clock = clock
+        #: Chunks counted against the cap, least recently used first -> their bytes.
+        self.index: OrderedDict[bytes, int] = OrderedDict()
+        #: Bytes of the chunks in :attr:`index`.
+        self.used_bytes = 0
+        #: Chunks admitted for writing, their store not finished -> bytes reserved.
+        self.reserved: dict[bytes, int] = {}
+        #: Chunks being loaded (never evicted meanwhile) -> loads in flight.
+        self.loading: dict[bytes, int] = {}
+        #: Chunks evicted or removed, their delete not yet sent.
+        self.delete_queue: list[bytes] = []
+        #: Chunks whose delete is queued or running -> deletes in flight.
+        self.deleting: dict[bytes, int] = {}
+        #: Recent evictions (monotonic seconds), oldest first.
+        self.evicted_at: OrderedDict[bytes, float] = OrderedDict()
+        #: Chunks whose delete has not answered: still stored, no longer in ``used_bytes``.
+        self.unconfirmed: dict[bytes, int] = {}
+        self.unconfirmed_bytes = 0
+        #: Chunks in the index whose last removal failed.
+        self.undeletable: set[bytes] = set()
+        #: Deletes sent again after no answer, per chunk.
+        self.delete_retries: dict[bytes, int] = {}
+        self.last_removal_error = ""
+        #: Chunks refused at admission whose job has not finished -> refusals.
+        self.refused: dict[bytes, int] = {}
+        #: The cap lowered to what the full medium holds (None: not lowered).
+        self.lowered_cap: int | None = None
+        #: Bytes evicted ahead while space is reused only once confirmed.
+        self.headroom = 0
+
+    # -- the cap --------------------------------------------------------------------------------
+
+    @property
+    def bounded(self) -> bool:
+        return self.max_bytes is not None
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        """The cap now (bytes): ``max_bytes``, or lower while the medium is full; None when
+        unbounded."""
+        cap, lowered = self.max_bytes, self.lowered_cap
+        if cap is None or lowered is None:
+            return cap
+        return min(cap, lowered)
+
+    def cautious(self) -> bool:
+        """Reuse space only once its removal is confirmed (some removal failed, or the cap is
+        lowered)."""
+        return bool(self.undeletable) or self.lowered_cap is not None
+
+    def reserved_bytes(self) -> int:
+        return len(self.reserved) * self.unit_bytes
+
+    def lower_cap(self, chunks: int) -> int:
+        """Writes of ``chunks`` chunks found the medium full: the cap becomes the bytes counted now
+        (never raised by this), and the ledger evicts ahead for as many chunks. Returns the bytes
+        held."""
+        held = self.used_bytes
+        self.lowered_cap = held if self.lowered_cap is None else min(self.lowered_cap, held)
+        self.headroom = max(self.headroom, min(chunks * self.unit_bytes, held // 2))
+        return held
+
+    def raise_cap(self, room: int) -> bool:
+        """The medium has ``room`` bytes free for this tier (a sample): raise the lowered cap to
+        ``used_bytes + room`` (never lower it: only a failed write does). True when that lifts it
+        back to ``max_bytes`` (no longer lowered)."""
+        if self.lowered_cap is None or self.max_bytes is None:
+            return False
+        allowed = self.used_bytes + room
+        if allowed > self.lowered_cap:
+            self.lowered_cap = allowed
+        if self.lowered_cap >= self.max_bytes:
+            self.lowered_cap = None
+            return True
+        return False
+
+    # -- admission and eviction -----------------------------------------------------------------
+
+    def admit(self, keys: list[bytes]) -> tuple[list[int], dict[bytes, int]]:
+        """Reserve room for a store of ``keys``, evicting least recently used chunks (never one
+        loading or of this store). Returns the positions to write and the keys refused with their
+        codes: ``REJECTED`` for a chunk whose delete is pending (a writer would find the old copy,
+        skip the write, and the delete would remove the chunk counted as stored), ``NO_SPACE`` when
+        no room can be made. Counts ``store_skipped_deleting`` and ``store_refused_no_room``.
+        Unbounded: every position, nothing reserved."""
+        cap = self.capacity_bytes
+        if cap is None:
+            return list(range(len(keys))), {}
+        index = self.index
+        protect = set(keys)
+        admitted: list[int] = []
+        rejected: dict[bytes, int] = {}
+        for i, k in enumerate(keys):
+            if k in index:
+                index.move_to_end(k)
+                admitted.append(i)  # the worker sees the chunk and skips the write
+                continue
+            if k in self.reserved:
+                admitted.append(i)  # an earlier job is writing it; the worker skips or rewrites it
+                continue
+            if k in self.deleting:
+                # Evicted, its delete not yet done: a writer would find the old copy, skip the
+                # write, and the delete would then remove the chunk we count as stored.
+                rejected[k] = m.REJECTED
+                self.refused[k] = self.refused.get(k, 0) + 1
+                self.count("store_skipped_deleting", 1)
+                continue
+            if not self.make_room(protect):
+                rejected[k] = m.NO_SPACE
+                self.refused[k] = self.refused.get(k, 0) + 1
+                continue
+            self.reserved[k] = self.unit_bytes
+            admitted.append(i)
+        refused = sum(1 for c in rejected.values() if c == m.NO_SPACE)
+        if refused:
+            self.count("store_refused_no_room", refused)
+            if self.cautious():  # evict ahead for as much, so the next store finds room
+                self.headroom = max(self.headroom, min(refused * self.unit_bytes, cap // 2))
+        return admitted, rejected
+
+    def make_room(self, protect: set[bytes]) -> bool:
+        """Evict least recently used chunks until one more fits under the cap; True when it fits.
+        While cautious, room whose removal is not yet confirmed does not count."""
+        cap = self.capacity_bytes
+        if cap is None:
+            return True
+        unit = self.unit_bytes
+        while self.used_bytes + self.reserved_bytes() + unit > cap:
+            if not self.evict_one(protect, retry=True):
+                break
+        pending = self.unconfirmed_bytes if self.cautious() else 0
+        return self.used_bytes + pending + self.reserved_bytes() + unit <= cap
+
+    def why_no_room(self) -> str:
+        """Why :meth:`admit` found no room (for the tier's warning)."""
+        if self.undeletable:
+            return (
+                f"{len(self.undeletable)} chunk(s) could not be removed "
+                f"({self.last_removal_error}); space is reused once a removal succeeds"
+            )
+        if self.lowered_cap is not None:
+            return "the medium is full; evicting to make room"
+        return "every chunk is in use (loading) or part of this store"
+
+    def evict_one(self, protect: Collection[bytes], retry: bool = False) -> bool:
+        """Evict the least recently used chunk not loading nor in ``protect`` (queued for deletion);
+        chunks whose removal failed are tried again only with ``retry`` (a store needs room), never
+        in a loop. False when there is none."""
+        index = self.index
+        undeletable = self.undeletable
+        for k in index:
+            if k in self.loading or k in protect or (not retry and k in undeletable):
+                continue
+            nbytes = index.pop(k)
+            self.used_bytes -= nbytes
+            self.unconfirmed[k] = self.unconfirmed.get(k, 0) + nbytes
+            self.unconfirmed_bytes += nbytes
+            self.forget(k)
+            self.delete_queue.append(k)
+            self._remember_eviction(k, self.clock())
+            self.count(names.EVICTIONS, 1)
+            return True
+        return False
+
+    def enforce(self) -> None:
+        """Evict (never retrying a failed removal) until the counted bytes fit under the cap, less
+        the headroom kept while space is reused only once confirmed."""
+        cap = self.capacity_bytes
+        if cap is None:
+            return
+        if self.cautious():
+            target = cap - self.headroom
+        else:
+            self.headroom = 0
+            target = cap
+        while self.used_bytes + self.reserved_bytes() > target:
+            if not self.evict_one(protect=()):
+                break
+
+    def remove(self, keys: Iterable[bytes]) -> None:
+        """Explicit removal of ``keys``: no longer counted, queued for deletion (a removal that
+        fails keeps the chunk counted)."""
+        index = self.index
+        for k in keys:
+            if k in index:
+                nbytes = index.pop(k)
+                self.used_bytes -= nbytes
+                self.unconfirmed[k] = self.unconfirmed.get(k, 0) + nbytes
+                self.unconfirmed_bytes += nbytes
+            self.delete_queue.append(k)
+
+    def _remember_eviction(self, key: bytes, now: float) -> None:
+        evicted = self.evicted_at
+        evicted[key] = now
+        evicted.move_to_end(key)
+        while len(evicted) > EVICTED_MEMORY:
+            evicted.popitem(last=False)
+
+    # -- deletes --------------------------------------------------------------------------------
+
+    def take_deletes(self) -> list[bytes]:
+        """The queued deletes, now counted as in flight (the caller sends them)."""
+        keys, self.delete_queue = self.delete_queue, []
+        deleting = self.deleting
+        for k in keys:
+            deleting[k] = deleting.get(k, 0) + 1
+        return keys
+
+    def removals_since(self, t: float) -> bool:
+        """True when a chunk was removed (or its delete is in flight) after monotonic time ``t``."""
+        if self.deleting:
+            return True
+        evicted = self.evicted_at
+        return bool(evicted) and next(reversed(evicted.values())) >= t
+
+    def removed_since(self, key: bytes, t: float) -> bool:
+        """True when ``key`` was removed after monotonic time ``t``, or its delete is queued or
+        running (whatever a worker saw of it then is going away)."""
+        if key in self.deleting:
+            return True
+        at = self.evicted_at.get(key)
+        return at is not None and at >= t
+
+    def deletes_answered(
+        self, keys: list[bytes], codes: list[int], status: list[int]
+    ) -> tuple[list[bytes], list[bytes]]:
+        """A delete task answered: ``codes[i]`` is ``keys[i]``'s outcome (``OK``: removed or
+        already gone), ``status[i]`` the errno of a failed removal where known (may be empty).
+
+        Returns:
+            ``(kept, retry)``: chunks whose removal failed, counted again as the most recently
+            used (retried when next evicted; CASES C32), and chunks whose delete got no answer (a
+            worker died, timed out or answered nonsense), in flight again: the caller sends them
+            once more. Failed removals are counted by errno (``eviction_errors.<name>``).
+        """
+        deleting = self.deleting
+        index = self.index
+        kept: list[bytes] = []
+        retry: list[tuple[bytes, int]] = []
+        for i, (k, code) in enumerate(zip(keys, codes)):
+            n = deleting.get(k, 0) - 1
+            if n > 0:
+                deleting[k] = n
+            else:
+                deleting.pop(k, None)
+            nbytes = self.unconfirmed.pop(k, None)
+            if nbytes is not None:
+                self.unconfirmed_bytes -= nbytes
+            if code == m.OK:
+                self.undeletable.discard(k)
+                self.delete_retries.pop(k, None)
+                continue
+            if code in NO_ANSWER and nbytes is not None and k not in index:
+                # The delete got no answer: the chunk may be gone or still there. Ask again
+                # rather than guess, a few times.
+                tries = self.delete_retries.get(k, 0) + 1
+                if tries <= DELETE_RETRIES:
+                    self.delete_retries[k] = tries
+                    retry.append((k, nbytes))
+                    continue
+            self.delete_retries.pop(k, None)
+            err = status[i] if i < len(status) else 0
+            why = (
+                errno_mod.errorcode.get(err, str(err)) if err else m.CODE_NAMES.get(code, str(code))
+            )
+            self.count(
+                f"{names.EVICTION_ERRORS}.{why}", 1
+            )  # kvoffload_tier_eviction_errors{tier, errno}
+            self.last_removal_error = f"{why}: {os.strerror(err)}" if err else why
+            if code == m.CANCELLED or nbytes is None or k in index:
+                continue
+            # Still stored: keep counting it, as the most recently used (retried when it comes up
+            # for eviction again); the chunk is intact, so it stays loadable.
+            index[k] = nbytes
+            self.used_bytes += nbytes
+            self.undeletable.add(k)
+            kept.append(k)
+        for k, nbytes in retry:
+            deleting[k] = deleting.get(k, 0) + 1
+            self.unconfirmed[k] = self.unconfirmed.get(k, 0) + nbytes
+            self.unconfirmed_bytes += nbytes
+        if retry:
+            self.count("delete_retries", len(retry))
+        return kept, [k for k, _ in retry]
+
+    # -- jobs -----------------------------------------------------------------------------------
+
+    def stores_done(
+        self, keys: list[bytes], failed: dict[bytes, int], removed: Collection[bytes] = ()
+    ) -> tuple[list[bytes], int]:
+        """A store job of ``keys`` finished (``failed``: key -> code; ``removed``: keys removed
+        while it ran, stored but not counted).
+
+        Returns:
+            ``(unconfirmed, full)``: keys whose write failed once a worker had it (it may still
+            have published the chunk: the caller removes it, :meth:`unconfirmed_stores`), and how
+            many writes found the medium full (``NO_SPACE`` from a worker). Unbounded: nothing.
+        """
+        if not self.bounded:
+            return [], 0
+        index = self.index
+        full = 0
+        unconfirmed: list[bytes] = []
+        for key in keys:
+            code = failed.get(key)
+            if code in (m.NO_SPACE, m.REJECTED) and key in self.refused:
+                n = self.refused.pop(key) - 1  # refused at admission, never written
+                if n:
+                    self.refused[key] = n
+                continue
+            nbytes = self.reserved.pop(key, None)
+            if code is None:
+                if key not in index and key not in removed:
+                    index[key] = nbytes or self.unit_bytes
+                    self.used_bytes += index[key]
+            elif code == m.NO_SPACE and nbytes is not None:
+                full += 1  # the writer found the medium full (ENOSPC, quota, the free-space floor)
+            elif nbytes is not None and key not in index:
+                unconfirmed.append(key)
+        return unconfirmed, full
+
+    def unconfirmed_stores(self, keys: list[bytes]) -> None:
+        """Writes of ``keys`` failed after a worker had them: until the caller's delete answers,
+        each counts as unconfirmed (as an evicted chunk); a removal that fails keeps it counted
+        (CASES C32). Counts ``unconfirmed_store_removals``."""
+        deleting, now, unit = self.deleting, self.clock(), self.unit_bytes
+        for k in keys:
+            deleting[k] = deleting.get(k, 0) + 1
+            self.unconfirmed[k] = self.unconfirmed.get(k, 0) + unit
+            self.unconfirmed_bytes += unit
+            self._remember_eviction(k, now)
+        self.count("unconfirmed_store_removals", len(keys))
+
+    def loads_started(self, keys: Iterable[bytes]) -> None:
+        """Loads of ``keys`` were sent: they are not evicted until :meth:`loads_done`."""
+        if not self.bounded:
+            return
+        loading = self.loading
+        for k in keys:
+            loading[k] = loading.get(k, 0) + 1
+
+    def loads_done(self, keys: list[bytes], failed: dict[bytes, int]) -> None:
+        """A load job finished: a loaded chunk becomes the most recently used; a chunk found
+        missing or corrupt (and removed by the worker) is no longer counted."""
+        if not self.bounded:
+            return
+        index = self.index
+        for key in keys:
+            n = self.loading.get(key, 0) - 1
+            if n > 0:
+                self.loading[key] = n
+            else:
+                self.loading.pop(key, None)
+            code = failed.get(key, m.OK)
+            if code == m.OK:
+                # A successful read does not prove the chunk is still there (it may have been
+                # removed while open), so only refresh keys already counted.
+                if key in index:
+                    index.move_to_end(key)
+            elif code in (m.MISSING, m.CORRUPT) and key in index:
+                self.used_bytes -= index.pop(key)
+                self.undeletable.discard(key)
+
+    def adopt(self, entries: list[tuple[bytes, int, float]]) -> int:
+        """Count chunks found stored at start (``(key, bytes, mtime)``), older than anything this
+        instance wrote, oldest first. Returns the bytes adopted; counts ``adopted_chunks``.
+        Unbounded: nothing is counted."""
+        if not self.bounded:
+            return 0
+        index = self.index
+        adopted = 0
+        adopted_bytes = 0
+        for key, size, _mtime in sorted(entries, key=lambda e: e[2], reverse=True):
+            if key in index or key in self.reserved or key in self.unconfirmed:
+                continue  # counted already, being written, or being deleted
+            index[key] = size
+            index.move_to_end(key, last=False)  # older than anything this instance wrote
+            self.used_bytes += size
+            adopted += 1
+            adopted_bytes += size
+        self.count("adopted_chunks", adopted)
+        return adopted_bytes

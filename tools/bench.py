@@ -33,6 +33,7 @@ from kvoffload.ipc.arena import Arena
 from kvoffload.namespace import Namespace, chunk_keys
 from kvoffload.tiering import TieringManager
 from kvoffload.tiers.base import LookupResult
+from kvoffload.tiers.process import ProcessTierManager
 from kvoffload.tools.extras import require
 
 
@@ -348,6 +349,7 @@ def engine_cost(n_chunks: int, batch: int, workdir: Path) -> dict:
         tm = TieringManager(arena, _namespace(row), cfg, record_events=False)
         try:
             tier = tm.tiers[0]
+            assert isinstance(tier, ProcessTierManager)
             # The tier's engine-side index holds n_chunks entries, as if that many chunks were
             # stored (the cost being measured is the engine's, not the files').
             tier.mark_present(os.urandom(32) + i.to_bytes(4, "little") for i in range(n_chunks))

@@ -16,8 +16,10 @@ Reserving the host slot at lookup time means concurrent requests never promote t
 the second one finds it WRITING. A failed promotion frees the slot and the tier answers MISS for the
 chunk afterwards, so the request goes on with a shorter prefix instead of waiting forever.
 
-This class knows nothing of vLLM; :mod:`kvoffload.vllm` adapts it to vLLM's ``OffloadingManager``,
-and the stress tool and tests drive it directly.
+The manager routes: chunks between tiers, pins to holders, results to jobs. It imports no vLLM:
+:mod:`kvoffload.vllm.manager` adapts it to vLLM's ``OffloadingManager``, its published KV events
+take vLLM's event types from :mod:`kvoffload.vllm.kv_events` (vLLM-free), its counters reach
+Prometheus through :func:`kvoffload.metrics.refresh`; the stress tool and tests drive it directly.
 """
 
 from __future__ import annotations

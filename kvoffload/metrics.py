@@ -10,7 +10,7 @@ Two ways out, fed by the same values:
   the last call (``OffloadingManager.get_stats``), so they appear on vLLM's own ``/metrics``.
 
 Counters that the hot path touches are plain integers on the manager (no per-call metric object);
-they are read into a :class:`MetricSet` when a scrape or ``get_stats`` asks (:meth:`refresh`), so
+they are read into a :class:`MetricSet` when a scrape or ``get_stats`` asks (:func:`refresh`), so
 metrics cost nothing between scrapes. Histograms are bucket arrays filled as observations come.
 Counts made in other processes (tier workers, accelerator workers) reach the same values: tier
 workers send theirs with their task results, accelerator workers add theirs to the arena's header
@@ -25,11 +25,17 @@ import logging
 import threading
 import weakref
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from kvoffload.ipc import names
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.core import Metric
+
+    from kvoffload.tiering import TieringManager
 
 log = logging.getLogger("kvoffload.metrics")
 
@@ -271,6 +277,7 @@ class MetricSet:
         h = series.get(labels) if series is not None else None
         if h is None:
             d = self._check(name, labels)
+            series = self.values[name]
             h = series[labels] = HistogramValue(d.buckets or LATENCY_BUCKETS, self.keep_samples)
         return h
 
@@ -285,7 +292,7 @@ class MetricSet:
 
     # -- exposition ---------------------------------------------------------------------------
 
-    def families(self, extra: dict[str, str] | None = None) -> list:
+    def families(self, extra: dict[str, str] | None = None) -> list[Metric]:
         """prometheus-client metric families of every series, with ``extra`` labels first."""
         from prometheus_client.core import (
             CounterMetricFamily,
@@ -295,27 +302,29 @@ class MetricSet:
 
         extra = extra or {}
         xnames, xvalues = list(extra), list(extra.values())
-        out = []
+        out: list[Metric] = []
         for name, d in self.defs.items():
             series = list(self.values[name].items())
             labelnames = xnames + list(d.labelnames)
             if d.kind == COUNTER:
-                fam = CounterMetricFamily(name, d.documentation, labels=labelnames)
+                counter = CounterMetricFamily(name, d.documentation, labels=labelnames)
                 for labels, v in series:
-                    fam.add_metric(xvalues + list(labels), v)
+                    counter.add_metric(xvalues + list(labels), v)
+                out.append(counter)
             elif d.kind == GAUGE:
-                fam = GaugeMetricFamily(name, d.documentation, labels=labelnames)
+                gauge = GaugeMetricFamily(name, d.documentation, labels=labelnames)
                 for labels, v in series:
-                    fam.add_metric(xvalues + list(labels), v)
+                    gauge.add_metric(xvalues + list(labels), v)
+                out.append(gauge)
             else:
-                fam = HistogramMetricFamily(name, d.documentation, labels=labelnames)
+                hist = HistogramMetricFamily(name, d.documentation, labels=labelnames)
                 for labels, h in series:
                     counts = list(h.counts)
                     cumulative = list(itertools.accumulate(counts))
                     buckets = [(_fmt(b), c) for b, c in zip(h.bounds, cumulative)]
                     buckets.append(("+Inf", cumulative[-1]))
-                    fam.add_metric(xvalues + list(labels), buckets, h.sum)
-            out.append(fam)
+                    hist.add_metric(xvalues + list(labels), buckets, h.sum)
+                out.append(hist)
         return out
 
     def take_stats(self) -> dict[str, Any] | None:
@@ -378,6 +387,80 @@ def vllm_metric_definitions(definitions: Iterable[MetricDef]) -> dict[str, Any]:
     return out
 
 
+# -- the tiering manager's values ---------------------------------------------------------------
+
+
+def refresh(tm: TieringManager) -> MetricSet:
+    """Copy a tiering manager's counters into its metric set (``tm.metrics``) and return it.
+
+    Read: the host tier's slots (gauges), ``tm.stats`` (lookups, transfers, failures, refusals,
+    drops), each tier's own counters (``tier.counters``; ``<family>.<value>`` ones of
+    :data:`TIER_COUNTER_FAMILIES` as that metric, the others as ``kvoffload_tier_events``) and
+    its :meth:`~kvoffload.tiers.base.SecondaryTierManager.report_metrics`, the accelerator
+    workers' byte and second counts in the arena header, and the KV-event batches published.
+    Totals kept elsewhere only ever raise a counter (:meth:`MetricSet.set_total`). Safe from
+    another thread than the engine's (it only reads engine state, under ``tm.metrics.lock``).
+    """
+    from kvoffload.tiering import HOST
+
+    m = tm.metrics
+    st = tm.stats
+    host = tm.host
+    with m.lock:
+        n = host.num_slots
+        used = host.num_used
+        m.set("kvoffload_host_slots", n)
+        m.set("kvoffload_host_slot_bytes", tm.arena.row_bytes)
+        m.set("kvoffload_host_slots_used", used)
+        m.set("kvoffload_host_slots_pinned", host.num_pinned)
+        m.set("kvoffload_host_usage_ratio", used / n if n else 0.0)
+        tier_hits = dict(st.tier_hits)
+        tier_queries = dict(st.tier_queries)
+        m.set_total("kvoffload_lookup_requested_chunks", st.host_queries)
+        m.set_total("kvoffload_lookup_hit_chunks", st.host_hits + sum(tier_hits.values()))
+        m.set_total("kvoffload_tier_queries", st.host_queries, HOST)
+        m.set_total("kvoffload_tier_hits", st.host_hits, HOST)
+        m.set_total("kvoffload_host_evictions", host.evictions)
+        dev = tm.arena.device_stats.sum(axis=0)
+        m.set_total("kvoffload_device_transfer_bytes", float(dev[0]), "load")
+        m.set_total("kvoffload_device_transfer_seconds", float(dev[1]), "load")
+        m.set_total("kvoffload_device_transfer_bytes", float(dev[2]), "store")
+        m.set_total("kvoffload_device_transfer_seconds", float(dev[3]), "store")
+        for (tname, direction), v in list(st.failed_jobs.items()):
+            m.set_total("kvoffload_tier_failed_jobs", v, tname, direction)
+        for (tname, direction, reason), v in list(st.failed.items()):
+            m.set_total("kvoffload_tier_failed_chunks", v, tname, direction, reason)
+        for (tname, direction, reason), v in list(st.refused.items()):
+            m.set_total("kvoffload_refused_chunks", v, tname, direction, reason)
+        row = tm.arena.row_bytes
+        for tier in tm.tiers:
+            name = tier.name
+            c = dict(tier.counters)
+            m.set_total("kvoffload_tier_queries", tier_queries[name], name)
+            m.set_total("kvoffload_tier_hits", tier_hits[name], name)
+            # payload bytes (chunks x row bytes); the workers' own byte counts, with headers,
+            # are the tier events bytes_read / bytes_written
+            m.set_total("kvoffload_tier_transfer_bytes", st.promotions[name] * row, name, "load")
+            m.set_total("kvoffload_tier_transfer_bytes", st.cascaded[name] * row, name, "store")
+            m.set_total("kvoffload_tier_transfer_chunks", st.promotions[name], name, "load")
+            m.set_total("kvoffload_tier_transfer_chunks", st.cascaded[name], name, "store")
+            m.set_total("kvoffload_tier_worker_restarts", c.get("worker_restarts", 0), name)
+            m.set_total("kvoffload_tier_evictions", c.get("evictions", 0), name)
+            m.set_total("kvoffload_dropped_stores", st.dropped_stores[name], name)
+            for event, count in c.items():
+                family, dot, value = event.partition(".")
+                labelled = TIER_COUNTER_FAMILIES.get(family) if dot else None
+                if labelled is not None:  # e.g. eviction_errors.EACCES -> {errno="EACCES"}
+                    m.set_total(labelled, count, name, value)
+                else:
+                    m.set_total("kvoffload_tier_events", count, name, event)
+            tier.report_metrics(m)
+        if tm.publisher is not None:
+            for stream, v in tm.publisher.published.items():
+                m.set_total("kvoffload_kv_events_published", v, stream)
+    return m
+
+
 # -- the standalone endpoint --------------------------------------------------------------------
 
 _sources: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
@@ -431,19 +514,20 @@ _server_lock = threading.Lock()
 _servers: dict[tuple[str, int], Any] = {}
 
 
-def registry():
+_registry: CollectorRegistry | None = None
+
+
+def registry() -> CollectorRegistry:
     """A prometheus-client registry exporting every registered manager (one per process)."""
     global _registry
     with _server_lock:
         if _registry is None:
             from prometheus_client import CollectorRegistry
 
-            _registry = CollectorRegistry(auto_describe=False)
-            _registry.register(_Collector())
+            reg = CollectorRegistry(auto_describe=False)
+            reg.register(_Collector())
+            _registry = reg
         return _registry
-
-
-_registry = None
 
 
 def serve(port: int, addr: str = "127.0.0.1") -> int:

@@ -16,8 +16,10 @@ Reserving the host slot at lookup time means concurrent requests never promote t
 the second one finds it WRITING. A failed promotion frees the slot and the tier answers MISS for the
 chunk afterwards, so the request goes on with a shorter prefix instead of waiting forever.
 
-This class knows nothing of vLLM; :mod:`kvoffload.vllm` adapts it to vLLM's ``OffloadingManager``,
-and the stress tool and tests drive it directly.
+The manager routes: chunks between tiers, pins to holders, results to jobs. It imports no vLLM:
+:mod:`kvoffload.vllm.manager` adapts it to vLLM's ``OffloadingManager``, its published KV events
+take vLLM's event types from :mod:`kvoffload.vllm.kv_events` (vLLM-free), its counters reach
+Prometheus through :func:`kvoffload.metrics.refresh`; the stress tool and tests drive it directly.
 """
 
 from __future__ import annotations
@@ -29,12 +31,13 @@ from typing import Any
 
 from kvoffload import metrics as _metrics
 from kvoffload.config import OffloadConfig
-from kvoffload.events import BlockRemoved, BlockStored, ChunkEventInfo, EventPublisher, Movement
+from kvoffload.events import EventPublisher, Movement
 from kvoffload.host import READY, HostTier, StorePlan
 from kvoffload.logs import RateLimitedLog
 from kvoffload.policies import make_policy
 from kvoffload.tiers import create_tier
 from kvoffload.tiers.base import JobMetadata, LookupResult, SecondaryTierManager, TierEvent
+from kvoffload.vllm.kv_events import KVEventTranslator
 
 log = logging.getLogger("kvoffload")
 
@@ -179,7 +182,7 @@ class TieringManager:
                     t.shutdown()
                 raise
         self._vllm_events = record_events
-        self._publisher = None
+        self._publisher: EventPublisher | None = None
         record_events = record_events or config.kv_events is not None
         self.host._events = [] if record_events else None
         for t in self.tiers:
@@ -202,7 +205,8 @@ class TieringManager:
         self.instance = _metrics.register_source(self, config.instance_id)
         self._taken_events: list[tuple[str, TierEvent]] = []
         self._engine_events: list = []
-        self._moves: list | None = None
+        self._moves: list[Movement] | None = None
+        self._kv_events: KVEventTranslator | None = None
         self._lookup_sample = 0
         if config.kv_events is not None:
             try:
@@ -227,13 +231,14 @@ class TieringManager:
                 ) from None
             self._moves = []
             self._localities = {HOST: "local", **{t.name: t.locality.lower() for t in self.tiers}}
-            self._media = {HOST: "CPU", **{t.name: t.medium for t in self.tiers}}
-        # What callers told prepare_store about each chunk (published events only), kept while
-        # the chunk is in the host tier: tier stores pin its slot, so their events come first.
-        self._chunk_info: dict[bytes, ChunkEventInfo] | None = (
-            {} if self._publisher is not None else None
-        )
-        self._event_hash = event_block_hash
+            self._kv_events = KVEventTranslator(
+                media={HOST: "CPU", **{t.name: t.medium for t in self.tiers}},
+                localities=self._localities,
+                host=HOST,
+                block_size=namespace.tokens_per_chunk,
+                block_hash=event_block_hash,
+                max_infos=2 * self.host.num_slots,
+            )
         self.stats = Stats(self.tier_names)
         self._refusal_log = RateLimitedLog(log)
         self._store_pins = [0] * len(self.tiers)  # host slots pinned by each tier's stores
@@ -323,7 +328,10 @@ class TieringManager:
         self._load_source.setdefault(req_id, {})[key] = tier_idx
         return _PENDING
 
-    def _flush_promotions(self) -> None:
+    def submit_promotions(self) -> None:
+        """Submit the promotions queued by lookups since the last call: one load job per tier and
+        request (the first thing :meth:`poll`, and so :meth:`step`, does; benchmarks call it
+        alone to time the hand-off). Never blocks."""
         if not self._promotions:
             return
         pending, self._promotions = self._promotions, {}
@@ -354,7 +362,14 @@ class TieringManager:
         """True when this manager publishes KV events itself (``config.kv_events``)."""
         return self._publisher is not None
 
+    @property
+    def publisher(self) -> EventPublisher | None:
+        """The KV-event publisher (``config.kv_events``; None when off): its bound ``endpoint``
+        and ``replay_endpoint``, ``published`` batch counts per stream, ``flush()``."""
+        return self._publisher
+
     def tier_of(self, name: str) -> SecondaryTierManager | None:
+        """The secondary tier named ``name``, or None."""
         return next((t for t in self.tiers if t.name == name), None)
 
     # -- host ↔ accelerator ---------------------------------------------------------------------
@@ -392,10 +407,10 @@ class TieringManager:
         :meth:`prepare_load`. A key this holder holds no pin on (a duplicated completion, another
         request's key) is ignored and counted (``Stats.unheld_completions``): it never releases
         someone else's pin (CASES C28)."""
-        holds = self._holds.get(req_id)
+        holds = self._holds.get(req_id) or {}
         host = self.host
         for k in keys:
-            h = holds.get(k) if holds is not None else None
+            h = holds.get(k)
             if h is None:
                 self.stats.unheld_completions += 1
                 continue
@@ -403,8 +418,8 @@ class TieringManager:
             if h[1] == 0:
                 del holds[k]
             host.unpin_slot(h[0])
-        if holds is not None and not holds:
-            del self._holds[req_id]
+        if not holds:
+            self._holds.pop(req_id, None)
 
     def pins_held(self) -> dict[int, int]:
         """Pins held on host slots, by slot: accelerator copies (per holder) plus in-flight tier
@@ -494,12 +509,8 @@ class TieringManager:
             writes = self._writes
             for k in plan.keys:
                 writes[k] = req_id
-        if chunk_info is not None and plan is not None and self._chunk_info is not None:
-            infos = self._chunk_info
-            for k in plan.keys:
-                info = chunk_info.get(k)
-                if info is not None:
-                    infos[k] = info
+        if chunk_info is not None and plan is not None and self._kv_events is not None:
+            self._kv_events.remember(plan.keys, chunk_info)
         return plan
 
     def _occupancy(self) -> str:
@@ -540,19 +551,19 @@ class TieringManager:
             else:
                 self.stats.stale_store_completions += 1
         keys = mine
-        forget = not success and self._chunk_info
         done = self.host.complete_write(keys, success)
-        if forget:
-            for k in keys:
-                if k not in self.host.index:
-                    self._chunk_info.pop(k, None)
+        if not success and self._kv_events is not None:
+            self._kv_events.forget(keys, self.host.index)
         if success and done and self._moves is not None:
             self._moved(done, "device", HOST, "local")
         if success and done and self.tiers:
-            self._cascade(done, req_id)
+            self.write_through(done, req_id)
 
-    def _cascade(self, keys: list[bytes], req_id: str) -> None:
-        """Write ``keys`` (just published in the host tier) through to every tier.
+    def write_through(self, keys: list[bytes], req_id: str = "") -> None:
+        """Write ``keys`` (just published in the host tier: READY) through to every tier: one
+        store job per tier, each pinning the keys' host slots until its result. What
+        :meth:`complete_store` does after publishing; benchmarks call it alone to time the
+        hand-off. Never blocks.
 
         Each tier may pin at most ``tier_pin_fraction`` of the host slots with its in-flight
         stores: of a batch that does not fit, the tier gets the longest prefix that does (lookups
@@ -564,7 +575,7 @@ class TieringManager:
         pins = self._store_pins
         for i, tier in enumerate(self.tiers):
             take = keys[: max(0, self._pin_limit - pins[i])] if pins[i] else keys
-            reason = "pin_limit" if len(take) < len(keys) else None
+            reason = "pin_limit"  # why what is not taken is dropped
             # Asked even when over budget: a tier that refuses (open breaker, backlog) counts its
             # own drops, so the cause stays visible whatever the pin budget did.
             refusal = tier.store_refusal(len(take) or len(keys))
@@ -607,7 +618,7 @@ class TieringManager:
     def poll(self) -> None:
         """Submit queued promotions and probes, and apply every finished tier job. Never blocks."""
         self._last_poll = time.monotonic()
-        self._flush_promotions()
+        self.submit_promotions()
         host = self.host
         stats = self.stats
         for tier in self.tiers:
@@ -703,21 +714,26 @@ class TieringManager:
         """End of a scheduler step: submit this step's promotions and probes, apply completions,
         publish the step's KV events."""
         self.poll()
-        if self._publisher is not None:
+        pub = self._publisher
+        if pub is not None:
             self._drain_events()
-            if self._engine_events or self._moves:
-                self._publisher.publish(self._engine_events, self._moves)
+            moves = self._moves or []
+            if self._engine_events or moves:
+                pub.publish(self._engine_events, moves)
                 self._engine_events, self._moves = [], []
 
     # -- events ---------------------------------------------------------------------------------
 
     def _moved(self, keys: Iterable[bytes], src: str, dst: str, locality: str) -> None:
-        nbytes = self.arena.row_bytes
-        self._moves.extend(Movement(k, src, dst, locality, nbytes) for k in keys)
+        moves = self._moves
+        if moves is not None:  # KV events published
+            nbytes = self.arena.row_bytes
+            moves.extend(Movement(k, src, dst, locality, nbytes) for k in keys)
 
     def _drain_events(self) -> None:
-        """Collect host and tier events: kept for :meth:`take_events` (vLLM) and turned into
-        published events (``BlockStored`` / ``BlockRemoved``, evictions as movements)."""
+        """Collect host and tier events: kept for :meth:`take_events` (vLLM) and, with KV events
+        published, turned into vLLM's event types (:mod:`kvoffload.vllm.kv_events`) and
+        movements (an eviction moves a chunk to ``none``)."""
         got = [(HOST, e) for e in self.host.take_events()]
         for tier in self.tiers:
             got.extend((tier.name, e) for e in tier.take_events())
@@ -725,148 +741,20 @@ class TieringManager:
             return
         if self._vllm_events:
             self._taken_events.extend(got)
-        if self._publisher is None:
+        if self._kv_events is None:
             return
-        bsize = self.namespace.tokens_per_chunk
-        infos = self._chunk_info
-        hash_of = self._event_hash
-        out = self._engine_events
-        left_host: list[bytes] = []
+        self._engine_events.extend(self._kv_events.translate(got, self.host.index))
         for name, ev in got:
-            medium = self._media[name]
-            locality = self._localities[name].upper()
-            owner = None if name == HOST else name
-            plain = ev.keys  # keys without a ChunkEventInfo share one event, as before
-            if infos:
-                plain = []
-                for k in ev.keys:
-                    info = infos.get(k)
-                    if info is None:
-                        plain.append(k)
-                    elif ev.removed:
-                        out.append(
-                            BlockRemoved(
-                                block_hashes=list(info.block_hashes),
-                                medium=medium,
-                                group_idx=info.group_idx,
-                                locality=locality,
-                                ownership=owner,
-                            )
-                        )
-                    else:
-                        out.append(
-                            BlockStored(
-                                block_hashes=list(info.block_hashes),
-                                parent_block_hash=info.parent_block_hash,
-                                token_ids=info.token_ids,
-                                block_size=info.block_size,
-                                lora_id=None,
-                                medium=medium,
-                                lora_name=None,
-                                group_idx=info.group_idx,
-                                locality=locality,
-                                ownership=owner,
-                            )
-                        )
-                if ev.removed and name == HOST:
-                    left_host.extend(ev.keys)
-            hashes = list(plain) if hash_of is None else [hash_of(k) for k in plain]
             if ev.removed:
-                if hashes:
-                    out.append(
-                        BlockRemoved(
-                            block_hashes=hashes, medium=medium, locality=locality, ownership=owner
-                        )
-                    )
                 self._moved(ev.keys, name, "none", self._localities[name])
-            elif hashes:
-                out.append(
-                    BlockStored(
-                        block_hashes=hashes,
-                        parent_block_hash=None,
-                        token_ids=[],
-                        block_size=bsize,
-                        lora_id=None,
-                        medium=medium,
-                        lora_name=None,
-                        locality=locality,
-                        ownership=owner,
-                    )
-                )
-        if left_host:  # after the whole batch: a tier's store of a key may follow its eviction
-            index = self.host.index
-            for k in left_host:
-                if k not in index:
-                    infos.pop(k, None)
-        if infos is not None and len(infos) > 2 * self.host.num_slots:
-            # bound it whatever happened (a cleared host tier, a store never completed)
-            index = self.host.index
-            self._chunk_info = {k: v for k, v in infos.items() if k in index}
 
     # -- metrics --------------------------------------------------------------------------------
 
     def refresh_metrics(self) -> _metrics.MetricSet:
         """Bring :attr:`metrics` up to date from the manager's counters, its tiers and the
-        accelerator workers' counts in the arena header; returns it. Safe from another thread
-        (it only reads engine state)."""
-        m = self.metrics
-        st = self.stats
-        host = self.host
-        with m.lock:
-            n = host.num_slots
-            used = host.num_used
-            m.set("kvoffload_host_slots", n)
-            m.set("kvoffload_host_slot_bytes", self.arena.row_bytes)
-            m.set("kvoffload_host_slots_used", used)
-            m.set("kvoffload_host_slots_pinned", host.num_pinned)
-            m.set("kvoffload_host_usage_ratio", used / n if n else 0.0)
-            tier_hits = dict(st.tier_hits)
-            tier_queries = dict(st.tier_queries)
-            m.set_total("kvoffload_lookup_requested_chunks", st.host_queries)
-            m.set_total("kvoffload_lookup_hit_chunks", st.host_hits + sum(tier_hits.values()))
-            m.set_total("kvoffload_tier_queries", st.host_queries, HOST)
-            m.set_total("kvoffload_tier_hits", st.host_hits, HOST)
-            m.set_total("kvoffload_host_evictions", host.evictions)
-            dev = self.arena.device_stats.sum(axis=0)
-            m.set_total("kvoffload_device_transfer_bytes", float(dev[0]), "load")
-            m.set_total("kvoffload_device_transfer_seconds", float(dev[1]), "load")
-            m.set_total("kvoffload_device_transfer_bytes", float(dev[2]), "store")
-            m.set_total("kvoffload_device_transfer_seconds", float(dev[3]), "store")
-            for (tname, direction), v in list(st.failed_jobs.items()):
-                m.set_total("kvoffload_tier_failed_jobs", v, tname, direction)
-            for (tname, direction, reason), v in list(st.failed.items()):
-                m.set_total("kvoffload_tier_failed_chunks", v, tname, direction, reason)
-            for (tname, direction, reason), v in list(st.refused.items()):
-                m.set_total("kvoffload_refused_chunks", v, tname, direction, reason)
-            row = self.arena.row_bytes
-            for tier in self.tiers:
-                name = tier.name
-                c = dict(tier.counters)
-                m.set_total("kvoffload_tier_queries", tier_queries[name], name)
-                m.set_total("kvoffload_tier_hits", tier_hits[name], name)
-                # payload bytes (chunks x row bytes); the workers' own byte counts, with headers,
-                # are the tier events bytes_read / bytes_written
-                m.set_total(
-                    "kvoffload_tier_transfer_bytes", st.promotions[name] * row, name, "load"
-                )
-                m.set_total("kvoffload_tier_transfer_bytes", st.cascaded[name] * row, name, "store")
-                m.set_total("kvoffload_tier_transfer_chunks", st.promotions[name], name, "load")
-                m.set_total("kvoffload_tier_transfer_chunks", st.cascaded[name], name, "store")
-                m.set_total("kvoffload_tier_worker_restarts", c.get("worker_restarts", 0), name)
-                m.set_total("kvoffload_tier_evictions", c.get("evictions", 0), name)
-                m.set_total("kvoffload_dropped_stores", st.dropped_stores[name], name)
-                for event, v in c.items():
-                    family, dot, value = event.partition(".")
-                    labelled = _metrics.TIER_COUNTER_FAMILIES.get(family) if dot else None
-                    if labelled is not None:  # e.g. eviction_errors.EACCES -> {errno="EACCES"}
-                        m.set_total(labelled, v, name, value)
-                    else:
-                        m.set_total("kvoffload_tier_events", v, name, event)
-                tier.report_metrics(m)
-            if self._publisher is not None:
-                for stream, v in self._publisher.published.items():
-                    m.set_total("kvoffload_kv_events_published", v, stream)
-        return m
+        accelerator workers' counts in the arena header (:func:`kvoffload.metrics.refresh`);
+        returns it. Safe from another thread (it only reads engine state)."""
+        return _metrics.refresh(self)
 
     def take_metric_stats(self) -> dict[str, Any] | None:
         """Metric changes since the last call in vLLM's stats layout (see
@@ -909,6 +797,19 @@ class TieringManager:
                     break
             if not waited:
                 time.sleep(0.001)
+
+    def wait_workers_ready(self, timeout_s: float = 60.0) -> bool:
+        """Block until every tier's worker processes have started and reported ready
+        (:meth:`~kvoffload.tiers.base.SecondaryTierManager.workers_ready`; standalone tools and
+        benchmarks, before any clock starts). Returns False on timeout (seconds)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.poll()
+            if all(t.workers_ready() for t in self.tiers):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
 
     # -- requests, events, lifecycle ----------------------------------------------------------
 

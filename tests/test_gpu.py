@@ -157,7 +157,7 @@ def _worker_rig(arena, num_blocks: int, bpc: int):
         CanonicalKVCacheTensor,
     )
 
-    from kvoffload.vllm_worker import KVOffloadWorker
+    from kvoffload.vllm.worker import KVOffloadWorker
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     device = [

@@ -1,4 +1,4 @@
-"""kvoffload's fs and obj tiers inside vLLM's own ``TieringOffloadingSpec`` (kvoffload.vllm033_tiers).
+"""kvoffload's fs and obj tiers inside vLLM's own ``TieringOffloadingSpec`` (kvoffload.vllm.tiers).
 
 vLLM builds the tiers itself (``SecondaryTierFactory`` with ``module_path``) under its real
 ``TieringOffloadingManager`` and CPU primary tier (a shared-memory region in /dev/shm); the tests drive
@@ -16,7 +16,7 @@ import pytest
 
 vllm = pytest.importorskip("vllm")
 try:
-    import kvoffload.vllm033_tiers as adapters
+    import kvoffload.vllm.tiers as adapters
 except ImportError as e:  # vLLM without the 0.33 secondary-tier API
     pytest.skip(f"vLLM {vllm.__version__}: {e}", allow_module_level=True)
 
@@ -30,7 +30,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 from kvoffload.config import ConfigError  # noqa: E402
 from kvoffload.workers.chunkfile import HEADER_BYTES  # noqa: E402
 
-MODULE = "kvoffload.vllm033_tiers"
+MODULE = "kvoffload.vllm.tiers"
 ROW = 2 * PAGE  # vLLM's primary row for offloading_config(bpb=2 * PAGE)
 STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 _engines = iter(range(10**6))

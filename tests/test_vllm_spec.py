@@ -28,7 +28,7 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 from kvoffload.config import ConfigError  # noqa: E402
 from kvoffload.ipc.arena import Arena  # noqa: E402
 from kvoffload.vllm import KVOffloadSpec  # noqa: E402
-from kvoffload.vllm_worker import KVOffloadWorker  # noqa: E402
+from kvoffload.vllm.worker import KVOffloadWorker  # noqa: E402
 
 PAGE = 4096 * 3
 
@@ -93,7 +93,7 @@ def test_spec_tolerates_vllm_033_arguments():
 
 
 def test_c05_nondeterministic_block_hashes_with_a_shared_tier_fail_at_start(monkeypatch, tmp_path):
-    import kvoffload.vllm as kv
+    import kvoffload.vllm.spec as kv
 
     monkeypatch.setattr(
         kv,

@@ -33,6 +33,7 @@ from kvoffload.ipc.arena import Arena
 from kvoffload.namespace import Namespace, chunk_keys
 from kvoffload.tiering import TieringManager
 from kvoffload.tiers.base import LookupResult
+from kvoffload.tiers.process import ProcessTierManager
 from kvoffload.tools.extras import require
 
 
@@ -157,10 +158,8 @@ def tier_throughput(
             tm = TieringManager(arena, _namespace(chunk_bytes), cfg)
             try:
                 tm.wait_idle(10)
-                for pool in tm.tiers[0]._pools:  # workers up before the clock starts
-                    while pool.awaiting_hello:
-                        tm.poll()
-                        time.sleep(0.01)
+                # workers up before the clock starts
+                assert tm.wait_workers_ready(600), "fs tier workers did not start"
                 plan = tm.prepare_store(keys)
                 assert plan is not None and len(plan.keys) == n
                 # The rows already hold the payloads (the accelerator copy is not measured).
@@ -265,10 +264,7 @@ def obj_throughput(
             )
             tm = TieringManager(arena, _namespace(chunk_bytes), cfg)
             try:
-                for pool_ in tm.tiers[0]._pools:
-                    while pool_.awaiting_hello:
-                        tm.poll()
-                        time.sleep(0.01)
+                assert tm.wait_workers_ready(600), "obj tier workers did not start"
                 keys = chunk_keys(np.arange(n * 16) + rep * 10**7, 16)
                 plan = tm.prepare_store(keys)
                 assert plan is not None and len(plan.keys) == n
@@ -353,15 +349,11 @@ def engine_cost(n_chunks: int, batch: int, workdir: Path) -> dict:
         tm = TieringManager(arena, _namespace(row), cfg, record_events=False)
         try:
             tier = tm.tiers[0]
+            assert isinstance(tier, ProcessTierManager)
             # The tier's engine-side index holds n_chunks entries, as if that many chunks were
             # stored (the cost being measured is the engine's, not the files').
-            tier._mark_present_many(
-                os.urandom(32) + i.to_bytes(4, "little") for i in range(n_chunks)
-            )
-            for pool in tier._pools:
-                while pool.awaiting_hello:
-                    tm.poll()
-                    time.sleep(0.01)
+            tier.mark_present(os.urandom(32) + i.to_bytes(4, "little") for i in range(n_chunks))
+            assert tm.wait_workers_ready(600), "fs tier workers did not start"
             keys = chunk_keys(np.arange(n * 16), 16)
             plan = tm.prepare_store(keys)
             handoff = complete = publish = 0.0
@@ -371,7 +363,7 @@ def engine_cost(n_chunks: int, batch: int, workdir: Path) -> dict:
                 t0 = clock()
                 done = tm.host.complete_write(part, True)
                 t1 = clock()
-                tm._cascade(done, "bench")
+                tm.write_through(done, "bench")
                 t2 = clock()
                 publish += t1 - t0
                 handoff += t2 - t1

@@ -157,13 +157,8 @@ class Ours(_Driver):
         # record_events=False: nothing here drains the event list a scheduler would drain each step.
         self.tm = TieringManager(self.arena, _namespace(row), cfg, record_events=False)
         self.tier = self.tm.tiers[0]
-        deadline = time.monotonic() + 60
-        for pool in self.tier._pools:  # workers up before any clock starts
-            while pool.awaiting_hello:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("kvoffload fs workers did not start")
-                self.tm.poll()
-                time.sleep(0.01)
+        if not self.tm.wait_workers_ready(60):  # workers up before any clock starts
+            raise RuntimeError("kvoffload fs workers did not start")
 
     def stage_stores(self) -> None:
         plan = self.tm.prepare_store(self.keys)
@@ -179,7 +174,8 @@ class Ours(_Driver):
         part = self.keys[self.jobs[j].start : self.jobs[j].stop]
         done = self.tm.host.complete_write(part, True)  # the host tier's publish: not a tier cost
         t0 = time.thread_time()
-        self.tm._cascade(done, "")  # what complete_store does next: pin, one job, tier.submit_store
+        # what complete_store does next: pin, one job, tier.submit_store
+        self.tm.write_through(done)
         self.submit_cpu_s += time.thread_time() - t0
 
     def stage_loads(self) -> None:
@@ -195,7 +191,7 @@ class Ours(_Driver):
             r = self.tm.lookup(k, req)
             if r is not LookupResult.HIT_PENDING:
                 raise AssertionError(f"kvoffload: lookup of a stored chunk answered {r}")
-        self.tm._flush_promotions()  # what step() does first: the step's promotions to the tier
+        self.tm.submit_promotions()  # what step() does first: the step's promotions to the tier
         self.submit_cpu_s += time.thread_time() - t0
 
     def poll(self) -> int:

@@ -334,7 +334,7 @@ class Stress:
                 break
         rep.duration_s = time.monotonic() - t_start
         if not tm.wait_idle(self.hang_after_s):
-            rep.hung_jobs = len(tm._jobs)
+            rep.hung_jobs = len(tm.jobs_in_flight())
         self._summarize()
         return rep
 
@@ -731,8 +731,8 @@ def stress(
                     f"{e.strerror or e}"
                 )
             err.print(f"metrics on http://{metrics_addr}:{port}/metrics", highlight=False)
-        if run.tm._publisher is not None:
-            err.print(f"KV events on {run.tm._publisher.endpoint}", highlight=False)
+        if run.tm.publisher is not None:
+            err.print(f"KV events on {run.tm.publisher.endpoint}", highlight=False)
         rng = np.random.default_rng(seed)
         wl = Workload(
             workload,

@@ -221,11 +221,17 @@ class FaultInjector:
     def _damage_object(self, tier: Any, how: str) -> bool:
         clients = self.__dict__.setdefault("_s3", {})
         if tier.name not in clients:
-            from kvoffload.workers.obj_io import make_client
+            import msgspec
 
-            io_cfg = tier._io_config(
-                endpoint_url=self.upstreams.get(tier.name, tier.config.endpoint_override),
-                max_attempts=1,
+            from kvoffload.workers.obj_io import ObjIOConfig, make_client
+
+            io_cfg = msgspec.convert(
+                {
+                    **tier.io_config(),
+                    "endpoint_url": self.upstreams.get(tier.name, tier.config.endpoint_override),
+                    "max_attempts": 1,
+                },
+                ObjIOConfig,
             )
             clients[tier.name] = (make_client(io_cfg), io_cfg)
         client, cfg = clients[tier.name]

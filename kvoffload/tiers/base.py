@@ -186,5 +186,11 @@ class SecondaryTierManager(ABC):
         Returns True if something may be ready."""
         return True
 
+    def workers_ready(self) -> bool:
+        """True once the tier's worker processes, if it has any, have started and reported
+        ready (their hellos arrive with :meth:`get_finished_jobs`). Tools wait for it before
+        timing anything; a tier without worker processes is always ready."""
+        return True
+
     def shutdown(self) -> None:
         """Fail or finish in-flight jobs and release processes, sockets and memory."""

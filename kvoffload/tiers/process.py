@@ -587,6 +587,14 @@ class ProcessTierManager(SecondaryTierManager):
         """PIDs of the live worker processes, by kind."""
         return {LOADS: self._readers.pids(), STORES: self._writers.pids()}
 
+    def workers_ready(self) -> bool:
+        return not any(pool.awaiting_hello for pool in self._pools)
+
+    def mark_present(self, keys: Iterable[bytes]) -> None:
+        """Record ``keys`` as held by this tier in its engine-side index without storing them
+        (their lookups answer HIT). For benchmarks that size the index without writing chunks."""
+        self._mark_present_many(keys)
+
     # -- verdicts -------------------------------------------------------------------------------
 
     def _mark_present_many(self, keys: Iterable[bytes]) -> None:

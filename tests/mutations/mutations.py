@@ -383,9 +383,9 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "C19",
         "requested chunks counted only when they hit",
-        "kvoffload/tiering.py",
-        '            m.set_total("kvoffload_lookup_requested_chunks", st.host_queries)\n',
-        '            m.set_total("kvoffload_lookup_requested_chunks", st.host_hits + sum(tier_hits.values()))\n',
+        "kvoffload/metrics.py",
+        '        m.set_total("kvoffload_lookup_requested_chunks", st.host_queries)\n',
+        '        m.set_total("kvoffload_lookup_requested_chunks", st.host_hits + sum(tier_hits.values()))\n',
         (OBS + "test_c19_hit_rate_counts_every_lookup_not_only_hits",),
     ),
     Mutation(
@@ -429,7 +429,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "C21",
         "the resolved config not logged at start",
-        "kvoffload/vllm.py",
+        "kvoffload/vllm/spec.py",
         '            log.info("kvoffload: %s", describe(self.settings))\n',
         "",
         (SPEC + "test_c21_the_resolved_config_is_logged_once_at_start",),
@@ -598,7 +598,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "C34",
         "stored-block events without parent hash and token ids",
-        "kvoffload/tiering.py",
+        "kvoffload/vllm/kv_events.py",
         (
             "                                parent_block_hash=info.parent_block_hash,\n"
             "                                token_ids=info.token_ids,\n"
@@ -612,7 +612,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "C35",
         "canonical rows sized from one rank's page",
-        "kvoffload/vllm.py",
+        "kvoffload/vllm/spec.py",
         "    return shards * max(par.dcp_size, 1) * max(par.pcp_size, 1)\n",
         "    return 1\n",
         (XTP + "test_c35_canonical_layout_is_shared_across_tensor_parallel_sizes",),

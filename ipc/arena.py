@@ -300,7 +300,7 @@ class Arena:
             row_bytes: bytes per slot, a positive multiple of the page size.
             engine_id: recorded in the header for ``kvoffload sweep --list``.
             size_hint_key: the configuration key to name when /dev/shm is too small.
-            janitor: start a detached janitor process (``kvoffload.workers.janitor``) that removes
+            janitor: start a detached janitor process (``kvoffload.ipc.janitor``) that removes
                 the segment if this process dies without closing it, SIGKILL included.
 
         Raises:
@@ -554,7 +554,7 @@ def _spawn_janitor(name: str, nonce: bytes) -> None:
         [
             sys.executable,
             "-m",
-            "kvoffload.workers.janitor",
+            "kvoffload.ipc.janitor",
             name,
             nonce.hex(),
             str(me.pid),

@@ -30,8 +30,8 @@ def _leftover_processes() -> list[str]:
             pass
     for p in psutil.process_iter(["cmdline"]):
         cmd = p.info["cmdline"] or []
-        if "kvoffload.workers.janitor" in cmd:
-            watched = int(cmd[cmd.index("kvoffload.workers.janitor") + 3])
+        if "kvoffload.ipc.janitor" in cmd:
+            watched = int(cmd[cmd.index("kvoffload.ipc.janitor") + 3])
             if not psutil.pid_exists(watched):
                 out.append(f"{p.pid} {' '.join(cmd)}")
     return out

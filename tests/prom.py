@@ -37,7 +37,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable
 
-from kvoffload.tools.s3_server import free_port
+from kvoffload.tools.ports import free_port
 
 INSTALL_HINT = (
     "install it with `apt-get install prometheus` (Debian/Ubuntu; the tests use only the "

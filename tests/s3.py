@@ -1,10 +1,16 @@
-"""S3-compatible servers on loopback for the obj-tier tests, and a fault-injecting HTTP proxy.
+"""The tests' S3 harness: credentials, a boto3 client, a fresh bucket, an obj tier config, and the
+servers the tests run on loopback.
 
 - :func:`start_moto`: moto's threaded server (fast, in-process, no signature checks).
 - :class:`Nanio`: the ``nanio`` server in a subprocess, with SigV4 credentials, on disk.
 - :class:`FaultProxy`: forwards to an upstream endpoint and injects faults by rule: an HTTP error
   status with an S3 XML body, a hang, a dropped connection; it can be stopped (connection refused)
   and restarted on the same port.
+
+The servers, the proxy and ``free_port`` live in the installed package (``kvoffload.tools.s3_server``,
+``kvoffload.tools.faultproxy``, ``kvoffload.tools.ports``) because installed commands start them too:
+``kvoffload demo`` and ``stress --obj`` (moto), ``bench obj`` (nanio), ``stress --flaky-s3`` (the
+proxy), the demo's vLLM servers (a port).
 """
 
 from __future__ import annotations
@@ -14,8 +20,10 @@ import uuid
 import boto3
 from botocore.config import Config
 
-from kvoffload.tools.s3_server import FaultProxy, Rule, free_port, start_moto  # noqa: F401
+from kvoffload.tools.faultproxy import FaultProxy, Rule  # noqa: F401
+from kvoffload.tools.ports import free_port  # noqa: F401
 from kvoffload.tools.s3_server import Nanio as _Nanio
+from kvoffload.tools.s3_server import start_moto  # noqa: F401
 
 ACCESS = "kvoffload-test"
 SECRET = "kvoffload-secret-key-0123456789"

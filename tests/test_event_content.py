@@ -14,7 +14,7 @@ from helpers import Rig, arena_name, fs_tier, payload, replay
 
 from kvoffload.config import ConfigError
 from kvoffload.namespace import chunk_keys
-from kvoffload.tools.s3_server import free_port
+from kvoffload.tools.ports import free_port
 
 BLOCK = 16  # tokens per block (and per chunk: blocks_per_chunk 1)
 

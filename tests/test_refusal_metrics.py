@@ -34,7 +34,8 @@ from textual.widgets import DataTable
 from kvoffload import metrics
 from kvoffload.logs import RateLimitedLog
 from kvoffload.tiers.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
-from kvoffload.tools.top import TopApp, derive, parse_exposition
+from kvoffload.tools.top.app import TopApp
+from kvoffload.tools.top.model import derive, parse_exposition
 from kvoffload.workers.chunkfile import HEADER_BYTES, relative_name
 
 

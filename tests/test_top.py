@@ -17,17 +17,13 @@ import pytest
 import zmq
 from textual.widgets import DataTable, RichLog, Static, TabbedContent
 
-from kvoffload.tools.s3_server import free_port
-from kvoffload.tools.top import (
+from kvoffload.tools.ports import free_port
+from kvoffload.tools.top.app import TopApp, fmt_bytes, fmt_num
+from kvoffload.tools.top.feed import MovementFeed, decode_movements, fetch_snapshot
+from kvoffload.tools.top.model import (
     Histogram,
-    MovementFeed,
     Snapshot,
-    TopApp,
-    decode_movements,
     derive,
-    fetch_snapshot,
-    fmt_bytes,
-    fmt_num,
     histogram_quantile,
     parse_exposition,
 )

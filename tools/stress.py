@@ -689,7 +689,7 @@ def stress(
                 )
         upstreams: dict[str, str] = {}
         if flaky_s3:
-            from kvoffload.tools.s3_server import FaultProxy
+            from kvoffload.tools.faultproxy import FaultProxy
 
             obj_tiers = [t for t in tiers if isinstance(t, dict) and t.get("type") == "obj"]
             if not obj_tiers:

@@ -9,7 +9,7 @@
   a store has met the full disk (at most ``max_hold_s``), so the fault is exercised however slow the
   machine (stores fail with ``no_space`` and are dropped; nothing crashes; space comes back).
 - ``flaky_s3``: each obj tier talks to its endpoint through a
-  :class:`~kvoffload.tools.s3_server.FaultProxy` that answers some requests with 503 SlowDown or
+  :class:`~kvoffload.tools.faultproxy.FaultProxy` that answers some requests with 503 SlowDown or
   500, delays some, drops some connections, and goes dead for ``s3_outage_s`` every
   ``s3_outage_every_s``, and on until each obj tier's breaker has opened and dropped a store (at most
   ``max_hold_s``; the breaker must open, and close again).
@@ -406,7 +406,7 @@ class FaultInjector:
 
 def flaky_rules() -> list:
     """The steady faults of ``--flaky-s3``: 3% 503 SlowDown, 1% 500, 2% delayed 0.3 s, 0.5% dropped."""
-    from kvoffload.tools.s3_server import Rule
+    from kvoffload.tools.faultproxy import Rule
 
     return [
         Rule("*", "", ("status", 503, "SlowDown"), probability=0.03),

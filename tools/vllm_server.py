@@ -28,7 +28,7 @@ import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvoffload.tools.s3_server import free_port
+from kvoffload.tools.ports import free_port
 
 BLOCK_BYTES_PER_TOKEN_F32 = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M KV bytes per token in float32
 

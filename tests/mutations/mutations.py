@@ -308,7 +308,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "C15",
         "the janitor leaves a dead owner's segment behind",
-        "workers/janitor.py",
+        "ipc/janitor.py",
         (
             "    from kvoffload.ipc.arena import unlink_if_orphaned\n"
             "\n"

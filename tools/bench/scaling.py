@@ -18,6 +18,7 @@ from pathlib import Path
 import click
 import numpy as np
 
+from kvoffload.tools.bench.harness import print_header
 from kvoffload.tools.extras import EXTRA_MODULES, require
 
 CONFIGS = ("recompute", "host", "host+fs")
@@ -166,11 +167,10 @@ def bench_scaling(
     json_path,
 ) -> None:
     """Concurrency sweep on vLLM-CPU: recompute only vs host tier vs host + fs (plotted)."""
-    from kvoffload.tools.bench import _header
     from kvoffload.tools.model import prepare_model
 
     require("bench scaling", "demo", "bench", modules=EXTRA_MODULES["demo"] + ("matplotlib",))
-    _header()
+    print_header()
     model = str(prepare_model(model_dir))
     pts = [int(p) for p in points.split(",")]
     with tempfile.TemporaryDirectory(prefix="kvoffload-scaling-") as wd:

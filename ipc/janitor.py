@@ -13,7 +13,7 @@ it. The janitor detaches (double fork, new session) to escape both process-tree 
 kills. It exits on its own when the arena is closed normally (the name is gone or belongs to a newer
 arena). Imports nothing but :mod:`kvoffload.ipc`.
 
-Usage: ``python -m kvoffload.workers.janitor <arena name> <nonce hex> <owner pid> <owner start time>``
+Usage: ``python -m kvoffload.ipc.janitor <arena name> <nonce hex> <owner pid> <owner start time>``
 """
 
 from __future__ import annotations

@@ -1,0 +1,30 @@
+"""The ``kvoffload bench`` command group: one subcommand per measurement module of this package."""
+
+from __future__ import annotations
+
+import click
+
+from kvoffload.tools.bench.engine import bench_engine
+from kvoffload.tools.bench.memory import bench_memory
+from kvoffload.tools.bench.obj import bench_obj
+from kvoffload.tools.bench.scaling import bench_scaling
+from kvoffload.tools.bench.tier import bench_tier
+from kvoffload.tools.bench.ttft import bench_ttft
+from kvoffload.tools.bench.vllm_fs import vllm_fs
+
+
+@click.group()
+def bench() -> None:
+    """Benchmarks for BENCHMARKS.md (each against a baseline from the same run)."""
+
+
+for _command in (
+    bench_tier,
+    bench_obj,
+    bench_engine,
+    bench_memory,
+    bench_ttft,
+    vllm_fs,
+    bench_scaling,
+):
+    bench.add_command(_command)

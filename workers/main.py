@@ -182,7 +182,7 @@ class Worker:
     def replies(self, task: m.Task, result: m.TaskResult) -> list[m.TaskResult]:
         """The messages that answer ``task``: ``result``, as the faults armed at the reply points
         leave it (malformed, or after a stray one: CASES C24); none for a ``drop``."""
-        first = task.keys[0] if getattr(task, "keys", None) else None
+        first = _first_key(task)
         kind = type(task).__name__.removesuffix("Task").lower()
         try:
             return self.faults.reply(result, first, kind)
@@ -237,7 +237,7 @@ class Worker:
 
     def handle(self, task: m.Task) -> m.TaskResult:
         if self.faults:
-            first = task.keys[0] if getattr(task, "keys", None) else None
+            first = _first_key(task)
             self.faults.hit("task", first)
             self.faults.hit(type(task).__name__.removesuffix("Task").lower(), first)
         t0 = time.perf_counter()
@@ -285,6 +285,13 @@ class Worker:
         self.chans.close()
         self.ctx.term()
         self.arena.close()
+
+
+def _first_key(task: m.Task) -> bytes | None:
+    """The task's first chunk key (what faults armed for a key prefix match), None for a task
+    without keys (scan, stop)."""
+    keys: list[bytes] | None = getattr(task, "keys", None)
+    return keys[0] if keys else None
 
 
 def _result(task_id: int, wid: int, outcomes: list[IOOutcome], seconds: float) -> m.TaskResult:

@@ -5,6 +5,9 @@ real worker processes where the tier has them. A new tier (p2p) adds one branch 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from s3 import client, new_bucket, obj_tier, start_moto
@@ -87,3 +90,21 @@ class TestTierContract(TierContract):
             return fs_tier(tmp_path / "fs")
         endpoint = request.getfixturevalue("moto")
         return obj_tier_under_test(endpoint, new_bucket(endpoint))
+
+
+def test_the_readme_example_runs_the_contract_on_an_out_of_tree_tier(tmp_path):
+    """README "Testing an out-of-tree tier": its example, copied out of the tree, passes as is."""
+    readme = Path(__file__).resolve().parent.parent / "README.md"
+    section = readme.read_text().split("### Testing an out-of-tree tier", 1)[1]
+    example = section.split("```python\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "test_my_tier.py").write_text(example)
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "test_my_tier.py", "-q", "-p", "no:cacheprovider"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    summary = run.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "failed" not in summary and "error" not in summary, summary

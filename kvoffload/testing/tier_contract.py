@@ -241,7 +241,7 @@ def replay(endpoint: str, topic: bytes) -> list[Any]:
     dealer.connect(endpoint)
     try:
         dealer.send_multipart([b"", (0).to_bytes(8, "big"), topic])
-        out = []
+        out: list[Any] = []
         while True:
             assert dealer.poll(int(WAIT_S * 1000)), f"no replay from {endpoint}"
             _, _, seq, body = dealer.recv_multipart()

@@ -1,0 +1,110 @@
+"""The tier contract suite (:mod:`kvoffload.testing.tier_contract`) run for every built-in tier:
+memory (the model for out-of-tree tiers), fs (real files) and obj (moto on loopback), each with
+real worker processes where the tier has them. A new tier (p2p) adds one branch to the fixture."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from s3 import client, new_bucket, obj_tier, start_moto
+
+from kvoffload.testing.tier_contract import TierContract, TierUnderTest
+from kvoffload.workers.chunkfile import HEADER_BYTES, relative_name
+from kvoffload.workers.obj_io import object_prefix
+
+
+@pytest.fixture(scope="module")
+def moto():
+    srv, endpoint = start_moto()
+    yield endpoint
+    srv.stop()
+
+
+def memory_tier() -> TierUnderTest:
+    def config(capacity_chunks=None):
+        n = capacity_chunks or 1024
+        return {"type": "memory", "max_bytes": n * 16384}
+
+    def lose(tier, key):
+        tier._bytes -= len(tier._chunks.pop(key))
+
+    return TierUnderTest(config=config, medium="CPU", locality="LOCAL", evicts=True, lose=lose)
+
+
+def fs_tier(root) -> TierUnderTest:
+    def config(capacity_chunks=None):
+        cfg = {
+            "type": "fs",
+            "root_dir": str(root),
+            "read_workers": 1,
+            "write_workers": 1,
+            "job_timeout_s": 60.0,
+        }
+        if capacity_chunks is not None:
+            cfg["max_bytes"] = capacity_chunks * (HEADER_BYTES + 16384)
+        return cfg
+
+    def lose(tier, key):
+        os.remove(os.path.join(str(root), tier.namespace.id(), relative_name(key)))
+
+    return TierUnderTest(
+        config=config,
+        medium="STORAGE",
+        locality="LOCAL",
+        runs_workers=True,
+        evicts=True,
+        lose=lose,
+        job_timeout_s=5.0,
+    )
+
+
+def obj_tier_under_test(endpoint: str, bucket: str) -> TierUnderTest:
+    def config(capacity_chunks=None):
+        assert capacity_chunks is None, "the obj tier has no capacity bound"
+        return obj_tier(endpoint, bucket, job_timeout_s=60.0)
+
+    def lose(tier, key):
+        name = object_prefix(tier.config.prefix, tier.namespace.id()) + relative_name(key)
+        client(endpoint).delete_object(Bucket=bucket, Key=name)
+
+    return TierUnderTest(
+        config=config,
+        medium="STORAGE",
+        locality="REMOTE",
+        runs_workers=True,
+        lose=lose,
+        job_timeout_s=5.0,
+    )
+
+
+class TestTierContract(TierContract):
+    @pytest.fixture(params=["memory", "fs", "obj"])
+    def tier_under_test(self, request, tmp_path) -> TierUnderTest:
+        if request.param == "memory":
+            return memory_tier()
+        if request.param == "fs":
+            return fs_tier(tmp_path / "fs")
+        endpoint = request.getfixturevalue("moto")
+        return obj_tier_under_test(endpoint, new_bucket(endpoint))
+
+
+def test_the_readme_example_runs_the_contract_on_an_out_of_tree_tier(tmp_path):
+    """README "Testing an out-of-tree tier": its example, copied out of the tree, passes as is."""
+    readme = Path(__file__).resolve().parent.parent / "README.md"
+    section = readme.read_text().split("### Testing an out-of-tree tier", 1)[1]
+    example = section.split("```python\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "test_my_tier.py").write_text(example)
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "test_my_tier.py", "-q", "-p", "no:cacheprovider"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    summary = run.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "failed" not in summary and "error" not in summary, summary

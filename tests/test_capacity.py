@@ -7,7 +7,7 @@ import errno
 import pytest
 
 from kvoffload.ipc import messages as m
-from kvoffload.tiers.capacity import DELETE_RETRIES, Capacity
+from kvoffload.tiers.capacity import RETRY_FIRST_S, RETRY_MAX_S, Capacity
 
 U = 100  # bytes of one stored chunk
 
@@ -46,7 +46,7 @@ def test_stores_are_counted_and_the_least_recently_used_are_evicted_for_room():
     assert led.forgotten == [b"b"] and led.counters["evictions"] == 1
     assert cap.take_deletes() == [b"b"] and cap.deleting == {b"b": 1}
     assert cap.unconfirmed_bytes == U  # still stored until the delete answers
-    assert cap.deletes_answered([b"b"], [m.OK], []) == ([], [])
+    assert cap.deletes_answered([b"b"], [m.OK], []) == []
     assert cap.unconfirmed_bytes == 0 and not cap.deleting
 
 
@@ -83,8 +83,8 @@ def test_c32_a_failed_removal_keeps_the_chunk_counted_and_space_is_reused_only_o
     led.store(b"a", b"b", b"c")
     led.store(b"d")  # evicts a
     cap.take_deletes()
-    kept, retry = cap.deletes_answered([b"a"], [m.IO_ERROR], [errno.EPERM])
-    assert kept == [b"a"] and retry == []
+    kept = cap.deletes_answered([b"a"], [m.IO_ERROR], [errno.EPERM])
+    assert kept == [b"a"] and not cap.retry_at
     assert list(cap.index)[-1] == b"a" and cap.used_bytes == 4 * U  # over the cap, counted
     assert led.counters["eviction_errors.EPERM"] == 1 and cap.undeletable == {b"a"}
     assert cap.cautious() and "could not be removed" in cap.why_no_room()
@@ -100,20 +100,33 @@ def test_c32_a_failed_removal_keeps_the_chunk_counted_and_space_is_reused_only_o
     assert admitted == [0] and not rejected
 
 
-def test_a_delete_with_no_answer_is_asked_again_a_bounded_number_of_times():
+def test_a_delete_with_no_answer_is_asked_again_after_a_growing_wait_until_one_answers():
+    """No answer says nothing about whether the chunk is gone: it stays in flight and unconfirmed
+    (never counted, never forgotten) and is sent again after 0.05 s, 0.1 s, ... up to 5 s, for as
+    long as it takes (a soak met ten unanswered tries in a row when retries were bounded)."""
     led = Ledger(max_bytes=U)
     cap = led.cap
     led.store(b"a")
-    led.store(b"b")
+    led.store(b"b")  # evicts a
     keys = cap.take_deletes()
-    for _ in range(DELETE_RETRIES):
-        kept, retry = cap.deletes_answered(keys, [m.WORKER_DIED], [])
-        assert kept == [] and retry == [b"a"] and cap.deleting == {b"a": 1}
-        assert cap.unconfirmed_bytes == U
-    kept, retry = cap.deletes_answered(keys, [m.TIMEOUT], [])
-    assert kept == [b"a"] and retry == []  # given up: counted again (it may still be there)
-    assert led.counters["delete_retries"] == DELETE_RETRIES
-    assert led.counters["eviction_errors.timeout"] == 1
+    assert keys == [b"a"]
+    waits = []
+    for i in range(12):
+        assert (
+            cap.deletes_answered(keys, [(m.WORKER_DIED, m.TIMEOUT, m.BAD_REPLY)[i % 3]], []) == []
+        )
+        assert cap.deleting == {b"a": 1} and cap.unconfirmed_bytes == U and b"a" not in cap.index
+        assert cap.due_retries() == []  # not before its wait is over
+        waits.append(cap.retry_at[b"a"] - led.now)
+        led.now = cap.retry_at[b"a"]
+        assert cap.due_retries() == [b"a"] and not cap.retry_at
+    assert waits[:3] == pytest.approx([RETRY_FIRST_S, 2 * RETRY_FIRST_S, 4 * RETRY_FIRST_S])
+    assert waits == sorted(waits) and waits[-1] == RETRY_MAX_S
+    assert led.counters["delete_retries"] == 12
+    assert cap.deletes_answered(keys, [m.OK], []) == []
+    assert not cap.deleting and cap.unconfirmed_bytes == 0 and not cap.delete_retries
+    assert cap.used_bytes == U and list(cap.index) == [b"b"]
+    assert not any(k.startswith("eviction_errors") for k in led.counters)
 
 
 def test_a_write_that_failed_after_a_worker_had_it_is_removed_as_unconfirmed():
@@ -183,7 +196,7 @@ def test_unbounded_counts_nothing_but_tracks_explicit_removals():
     assert cap.adopt([(b"c", U, 1.0)]) == 0 and cap.used_bytes == 0
     cap.remove([b"a"])
     assert cap.take_deletes() == [b"a"] and cap.removed_since(b"a", 0.0)
-    assert cap.deletes_answered([b"a"], [m.IO_ERROR], [errno.EBUSY]) == ([], [])
+    assert cap.deletes_answered([b"a"], [m.IO_ERROR], [errno.EBUSY]) == []
     assert led.counters["eviction_errors.EBUSY"] == 1 and not cap.deleting
 
 

@@ -8,7 +8,7 @@ import subprocess
 import time
 
 import pytest
-from helpers import HIT, MISS, PENDING, RETRY, ROW, Rig, fs_tier, keys_for, wait_until
+from helpers import HIT, MISS, PENDING, RETRY, ROW, Rig, fs_tier, keys_for, wait_paused, wait_until
 
 from kvoffload.config import ConfigError, parse_config
 from kvoffload.workers.chunkfile import HEADER_BYTES, relative_name
@@ -141,6 +141,36 @@ def test_c32_undeletable_chunk_file_stays_counted_and_the_next_lru_is_evicted(tm
         assert rig.tm.wait_idle(120)
         assert fs.accounted_bytes == disk_bytes(root) <= 3 * FB
         assert not temp_files(root)
+
+
+def test_an_unanswered_delete_is_sent_again_until_it_answers(tmp_path):
+    """The worker running K1's delete is SIGKILLed three times in a row (each replacement pauses
+    on the same delete): no answer says whether the file is gone, so the tier neither counts nor
+    forgets it; it sends the delete again after a growing wait, and once a worker answers, the
+    accounting equals the bytes on disk (the tier-model soak found a bounded retry giving up)."""
+    import signal
+
+    k1, k2 = keys_for(2)
+    root = tmp_path / "fs"
+    root.mkdir()
+    gate = tmp_path / "delete-gate"
+    fault = {"point": "delete", "action": "wait_file", "arg": str(gate), "key_hex": k1.hex()}
+    with Rig([fs_tier(root, max_bytes=FB, faults=[fault])], num_slots=8) as rig:
+        fs = rig.fs
+        rig.store([k1])
+        rig.store([k2], wait=False)  # K2's write evicts K1: its delete pauses in a worker
+        for n in range(1, 4):
+            pids = wait_paused(gate, count=n, step=rig.tm.poll)
+            os.kill(pids[-1], signal.SIGKILL)
+        wait_paused(gate, count=4, step=rig.tm.poll)  # a fourth worker got it again
+        assert fs.has_pending_work() and fs.accounted_bytes <= FB
+        gate.touch()
+        assert rig.tm.wait_idle(120)
+        # (the pool re-runs a dead worker's task once by itself; the tier asks again after that)
+        assert fs.counters["worker_restarts"] >= 3 and fs.counters["delete_retries"] >= 1
+        assert not os.path.exists(chunk_path(rig, root, k1))
+        assert fs.accounted_bytes == disk_bytes(root) <= FB  # K2 written, or refused for room
+        assert not any(k.startswith("eviction_errors") for k in fs.counters)
 
 
 def _fill_leaving(directory, room: int) -> str:

@@ -45,8 +45,10 @@ EVICTED_MEMORY = 65536
 """Evictions remembered to spot probes that saw a chunk just before it was deleted."""
 NO_ANSWER = (m.WORKER_DIED, m.TIMEOUT, m.BAD_REPLY)
 """A delete's verdicts that say nothing about whether the chunk is gone."""
-DELETE_RETRIES = 10
-"""Deletes sent again after no answer, before the chunk is kept counted."""
+RETRY_FIRST_S = 0.05
+"""Seconds before a delete that got no answer is sent again; doubled at each further try."""
+RETRY_MAX_S = 5.0
+"""The longest wait between two tries of the same unanswered delete (seconds)."""
 
 
 class Capacity:
@@ -101,8 +103,10 @@ class Capacity:
         self.unconfirmed_bytes = 0
         #: Chunks in the index whose last removal failed.
         self.undeletable: set[bytes] = set()
-        #: Deletes sent again after no answer, per chunk.
+        #: Deletes sent again after no answer, per chunk (reset when one answers).
         self.delete_retries: dict[bytes, int] = {}
+        #: Unanswered deletes waiting to be sent again -> when (monotonic seconds).
+        self.retry_at: dict[bytes, float] = {}
         self.last_removal_error = ""
         #: Chunks refused at admission whose job has not finished -> refusals.
         self.refused: dict[bytes, int] = {}
@@ -306,15 +310,20 @@ class Capacity:
 
     def deletes_answered(
         self, keys: list[bytes], codes: list[int], status: list[int]
-    ) -> tuple[list[bytes], list[bytes]]:
+    ) -> list[bytes]:
         """A delete task answered: ``codes[i]`` is ``keys[i]``'s outcome (``OK``: removed or
         already gone), ``status[i]`` the errno of a failed removal where known (may be empty).
 
+        A delete that got no answer (a worker died, timed out or answered nonsense) says nothing
+        about whether the chunk is gone: it stays in flight and unconfirmed, and is sent again
+        after a wait (:data:`RETRY_FIRST_S`, doubling up to :data:`RETRY_MAX_S`) by
+        :meth:`due_retries`, for as long as it takes: counting a chunk that may be gone, or
+        forgetting one that may be stored, would make the ledger disagree with the medium.
+
         Returns:
-            ``(kept, retry)``: chunks whose removal failed, counted again as the most recently
-            used (retried when next evicted; CASES C32), and chunks whose delete got no answer (a
-            worker died, timed out or answered nonsense), in flight again: the caller sends them
-            once more. Failed removals are counted by errno (``eviction_errors.<name>``).
+            Chunks whose removal failed, counted again as the most recently used (retried when
+            next evicted; CASES C32). Failed removals are counted by errno
+            (``eviction_errors.<name>``).
         """
         deleting = self.deleting
         index = self.index
@@ -334,13 +343,9 @@ class Capacity:
                 self.delete_retries.pop(k, None)
                 continue
             if code in NO_ANSWER and nbytes is not None and k not in index:
-                # The delete got no answer: the chunk may be gone or still there. Ask again
-                # rather than guess, a few times.
-                tries = self.delete_retries.get(k, 0) + 1
-                if tries <= DELETE_RETRIES:
-                    self.delete_retries[k] = tries
-                    retry.append((k, nbytes))
-                    continue
+                # The chunk may be gone or still there: ask again rather than guess.
+                retry.append((k, nbytes))
+                continue
             self.delete_retries.pop(k, None)
             err = status[i] if i < len(status) else 0
             why = (
@@ -358,13 +363,28 @@ class Capacity:
             self.used_bytes += nbytes
             self.undeletable.add(k)
             kept.append(k)
+        now = self.clock()
         for k, nbytes in retry:
             deleting[k] = deleting.get(k, 0) + 1
             self.unconfirmed[k] = self.unconfirmed.get(k, 0) + nbytes
             self.unconfirmed_bytes += nbytes
-        if retry:
-            self.count("delete_retries", len(retry))
-        return kept, [k for k, _ in retry]
+            tries = self.delete_retries.get(k, 0) + 1
+            self.delete_retries[k] = tries
+            self.retry_at[k] = now + min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** min(tries - 1, 20))
+        return kept
+
+    def due_retries(self) -> list[bytes]:
+        """Unanswered deletes whose wait is over, to send again now (already counted in flight)."""
+        retry_at = self.retry_at
+        if not retry_at:
+            return []
+        now = self.clock()
+        due = [k for k, t in retry_at.items() if t <= now]
+        for k in due:
+            del retry_at[k]
+        if due:
+            self.count("delete_retries", len(due))
+        return due
 
     # -- jobs -----------------------------------------------------------------------------------
 

@@ -438,17 +438,9 @@ class ProcessTierManager(SecondaryTierManager):
     def _on_deletes_done(self, keys: list[bytes], codes: list[int], status: list[int]) -> None:
         """A delete task answered: ``codes[i]`` is ``keys[i]``'s outcome (``OK``: removed or
         already gone), ``status[i]`` the errno of a failed removal where known (may be empty).
-        Deletes with no answer are sent again; chunks whose removal failed stay counted
-        (CASES C32)."""
-        kept, retry = self.capacity.deletes_answered(keys, codes, status)
-        if retry:
-            self._send(
-                self._writers,
-                TaskKind.DELETE,
-                None,
-                retry,
-                m.DeleteTask(self._next_task_id(), retry),
-            )
+        Deletes with no answer are sent again after a wait (:meth:`flush`); chunks whose
+        removal failed stay counted (CASES C32)."""
+        kept = self.capacity.deletes_answered(keys, codes, status)
         if kept:
             if self.record_events:
                 self._events.append(TierEvent(kept, False))
@@ -480,10 +472,9 @@ class ProcessTierManager(SecondaryTierManager):
 
     def _flush_deletes(self) -> None:
         keys = self.capacity.take_deletes()
-        if not keys:
-            return
-        if self.record_events:
+        if keys and self.record_events:
             self._events.append(TierEvent(list(keys), True))
+        keys += self.capacity.due_retries()  # removal events were published at the first try
         for start in range(0, len(keys), _DELETE_BATCH):
             batch = keys[start : start + _DELETE_BATCH]
             tid = self._next_task_id()
@@ -941,6 +932,7 @@ class ProcessTierManager(SecondaryTierManager):
             self._probe_queue
             or self._probing
             or self._job_count
+            or self.capacity.retry_at  # unanswered deletes waiting to be sent again
             or self._readers.busy()
             or self._writers.busy()
         )

@@ -14,9 +14,9 @@ and for the obj tier with ``max_bytes``) sends the delete tasks it queues and re
                            unconfirmed (its delete not answered: still stored, no longer counted)
                                                 │ deletes_answered
                   ┌─────────────────────────────┼───────────────────────────┐
-                 OK: gone          no answer: asked again (10 times)   failed: counted again, as the
-                                                                        most recently used; retried
-                                                                        when next evicted (C32)
+                 OK: gone          no answer: asked again after     failed: counted again, as the
+                                   0.05 s, doubling to 5 s, until    most recently used; retried
+                                   one answers (due_retries)         when next evicted (C32)
 
 Whose bytes: ``unit_bytes`` per chunk written (payload plus header); chunks found at start
 (:meth:`Capacity.adopt`) count their listed size. ``used_bytes`` counts the index; chunks being

@@ -394,4 +394,5 @@ def test_max_bytes_unbounded_and_numbers_are_accepted(tmp_path):
         tier = {"type": "fs", "root_dir": str(tmp_path)}
         if value is not None:
             tier["max_bytes"] = value
-        parse_config({**BASE, "secondary_tiers": [tier]})
+        spec = parse_config({**BASE, "secondary_tiers": [tier]}).secondary_tiers[0]
+        assert spec.type == "fs" and spec.config.max_bytes == value  # kept as written

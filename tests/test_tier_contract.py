@@ -58,7 +58,6 @@ def fs_tier(root) -> TierUnderTest:
         runs_workers=True,
         evicts=True,
         lose=lose,
-        job_timeout_s=5.0,
     )
 
 
@@ -77,7 +76,6 @@ def obj_tier_under_test(endpoint: str, bucket: str) -> TierUnderTest:
         locality="REMOTE",
         runs_workers=True,
         lose=lose,
-        job_timeout_s=5.0,
     )
 
 

@@ -105,7 +105,7 @@ class TierUnderTest:
     runs_workers: bool = False
     evicts: bool = False
     lose: Callable[[SecondaryTierManager, bytes], None] | None = None
-    job_timeout_s: float = 5.0
+    job_timeout_s: float = 10.0
     row_bytes: int = ROW_BYTES
 
 
@@ -481,9 +481,8 @@ class TierContract:
 
                 def stored():
                     events = _engine_events(cfg)
-                    return all(_tier_event(events, "BlockStored", k, e.name) for k in keys) and (
-                        events
-                    )
+                    done = all(_tier_event(events, "BlockStored", k, e.name) for k in keys)
+                    return events if done else None
 
                 events = wait_until(stored, "BlockStored of every key", step=e.tm.step)
                 for k in keys:
@@ -493,7 +492,7 @@ class TierContract:
 
                 def moved():
                     moves = _movements(cfg)
-                    return all(_moves(moves, k, "host", e.name) for k in keys) and moves
+                    return moves if all(_moves(moves, k, "host", e.name) for k in keys) else None
 
                 moves = wait_until(moved, "host -> tier movements", step=e.tm.step)
                 for k in keys:
@@ -517,9 +516,8 @@ class TierContract:
 
                 def removed():
                     events = _engine_events(cfg)
-                    return all(
-                        _tier_event(events, "BlockRemoved", k, e.name) for k in keys[:2]
-                    ) and (events)
+                    done = all(_tier_event(events, "BlockRemoved", k, e.name) for k in keys[:2])
+                    return events if done else None
 
                 events = wait_until(removed, "BlockRemoved of the evicted keys", step=e.tm.step)
                 for k in keys[:2]:

@@ -63,8 +63,10 @@ def fs_tier(root) -> TierUnderTest:
 
 def obj_tier_under_test(endpoint: str, bucket: str) -> TierUnderTest:
     def config(capacity_chunks=None):
-        assert capacity_chunks is None, "the obj tier has no capacity bound"
-        return obj_tier(endpoint, bucket, job_timeout_s=60.0)
+        cfg = obj_tier(endpoint, bucket, job_timeout_s=60.0)
+        if capacity_chunks is not None:  # objects are chunk files: header + payload
+            cfg["max_bytes"] = capacity_chunks * (HEADER_BYTES + 16384)
+        return cfg
 
     def lose(tier, key):
         name = object_prefix(tier.config.prefix, tier.namespace.id()) + relative_name(key)
@@ -75,6 +77,7 @@ def obj_tier_under_test(endpoint: str, bucket: str) -> TierUnderTest:
         medium="STORAGE",
         locality="REMOTE",
         runs_workers=True,
+        evicts=True,
         lose=lose,
     )
 

@@ -43,6 +43,10 @@ def _arena_present(name: str, nonce: bytes) -> bool:
 
 
 def watch(name: str, nonce: bytes, pid: int, create_time: float) -> int:
+    """Wait (polling every ``_POLL_S`` seconds) until the arena's owner process ``pid`` (started at
+    ``create_time``, psutil seconds since the epoch, so a reused pid is not mistaken for it) is
+    gone, then unlink segment ``name`` if it is still the one with ``nonce`` and nobody took it
+    over. Returns the exit status (0)."""
     from kvoffload.ipc.arena import unlink_if_orphaned
 
     while _alive(pid, create_time):
@@ -54,6 +58,8 @@ def watch(name: str, nonce: bytes, pid: int, create_time: float) -> int:
 
 
 def main(argv: list[str]) -> int:
+    """``python -m kvoffload.ipc.janitor NAME NONCE_HEX PID CREATE_TIME``: fork once (so the
+    spawner returns at once), then :func:`watch`. Returns the exit status."""
     name, nonce_hex, pid, create_time = argv[0], argv[1], int(argv[2]), float(argv[3])
     # Detach before any heavy import, so the spawner returns at once.
     if os.fork() > 0:

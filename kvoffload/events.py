@@ -58,6 +58,9 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """vLLM's event batch (msgpack array): ``ts`` (seconds since the epoch), the events, and the
+    data-parallel rank that published them (None without data parallelism)."""
+
     ts: float
     events: list[Any]
     data_parallel_rank: int | None = None
@@ -97,10 +100,12 @@ class BlockRemoved(KVCacheEvent):
 
 
 class AllBlocksCleared(KVCacheEvent):
-    pass
+    """Every chunk of the publisher's media is gone (a reset)."""
 
 
 class KVEventBatch(EventBatch):
+    """An :class:`EventBatch` of KV cache events, as vLLM's ``KVEventBatch`` decodes it."""
+
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 

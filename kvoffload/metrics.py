@@ -484,6 +484,7 @@ def register_source(source: Any, instance: str | None = None) -> str:
 
 
 def unregister_source(instance: str) -> None:
+    """Stop exporting the manager registered as ``instance`` (no error if it is not)."""
     with _sources_lock:
         _sources.pop(instance, None)
 

@@ -30,6 +30,10 @@ class DropTask(Exception):
 
 
 class Faults:
+    """The fault hooks of one worker process (``faults`` of the tier config, checked at parse
+    time): :meth:`hit` at each named point acts on the faults that fire there for the key
+    (sleep, raise, exit, wait for a file, drop the task); counts are per process."""
+
     def __init__(self, specs: list[Fault]):
         self._by_point: dict[str, list[Fault]] = {}
         self._left: dict[int, int] = {}

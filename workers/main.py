@@ -308,6 +308,10 @@ def _result(task_id: int, wid: int, outcomes: list[IOOutcome], seconds: float) -
 
 
 def main() -> int:
+    """Entry point of a tier worker process (``python -m kvoffload.workers.main``): reads its
+    :class:`~kvoffload.ipc.messages.WorkerSpec` from the environment, serves tasks until told to
+    stop or its parent is gone. Returns the exit status (2: no spec; 3: the arena cannot be
+    attached)."""
     raw = os.environ.get(WORKER_SPEC_ENV)
     if not raw:
         print(

@@ -48,6 +48,7 @@ import time
 from typing import Annotated, Any, Literal
 
 import msgspec
+from typing_extensions import override
 
 from kvoffload.config import Positive
 from kvoffload.tiers.process import ProcessTierConfig, ProcessTierManager
@@ -210,6 +211,7 @@ class FsTier(ProcessTierManager):
         # Remove orphaned temporary files (by age only: CASES C29); with a cap, also adopt chunks.
         self._scan_at_start(_SCAN_TIMEOUT_S, list_entries=self.capacity.bounded)
 
+    @override
     def io_config(self) -> fs_io.FsIOConfig:
         c = self.config
         return fs_io.FsIOConfig(
@@ -306,6 +308,7 @@ class FsTier(ProcessTierManager):
             )
         self._enforce_cap()
 
+    @override
     def flush(self) -> None:
         if self.capacity.lowered_cap is not None:
             self._apply_free_space_sample()

@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+from typing_extensions import override
 
 from kvoffload.config import Positive
 from kvoffload.tiers.base import (
@@ -58,9 +59,11 @@ class MemoryTier(SecondaryTierManager):
         self._finished: list[JobResult] = []
         self._events: list[TierEvent] = []
 
+    @override
     def lookup(self, key: bytes, req_id: str = "") -> LookupResult:
         return LookupResult.HIT if key in self._chunks else LookupResult.MISS
 
+    @override
     def submit_store(self, job: JobMetadata) -> None:
         stored, evicted, nbytes = [], [], 0
         for key, slot in zip(job.keys, job.slots):
@@ -84,6 +87,7 @@ class MemoryTier(SecondaryTierManager):
         self.count("store_chunks", len(stored))
         self._finished.append(JobResult(job_id=job.job_id, success=True, transfer_bytes=nbytes))
 
+    @override
     def submit_load(self, job: JobMetadata) -> None:
         ok, failed, nbytes = [], {}, 0
         for key, slot in zip(job.keys, job.slots):
@@ -110,19 +114,23 @@ class MemoryTier(SecondaryTierManager):
         else:
             self._finished.append(JobResult(job_id=job.job_id, success=True, transfer_bytes=nbytes))
 
+    @override
     def get_finished_jobs(self) -> list[JobResult]:
         out, self._finished = self._finished, []
         return out
 
+    @override
     def touch(self, keys) -> None:
         for k in keys:
             if k in self._chunks:
                 self._chunks.move_to_end(k)
 
+    @override
     def take_events(self) -> list[TierEvent]:
         out, self._events = self._events, []
         return out
 
+    @override
     def shutdown(self) -> None:
         self._chunks.clear()
         self._bytes = 0

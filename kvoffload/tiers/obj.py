@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import Any, ClassVar, Literal
 
 import msgspec
+from typing_extensions import override
 
 from kvoffload.config import ConfigError, Positive, apply_aliases, closest
 from kvoffload.ipc.channels import LOADS, STORES
@@ -228,6 +229,7 @@ class ObjTier(ProcessTierManager):
             # Count the namespace's objects already there (earlier runs, other instances).
             self._scan_at_start(_SCAN_TIMEOUT_S, list_entries=True)
 
+    @override
     def io_config(self) -> ObjIOConfig:
         return self._io_config()
 

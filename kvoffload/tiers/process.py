@@ -40,6 +40,7 @@ from collections.abc import Collection, Iterable
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
+from typing_extensions import override
 
 from kvoffload.config import Positive, apply_aliases
 from kvoffload.ipc import messages as m
@@ -578,6 +579,7 @@ class ProcessTierManager(SecondaryTierManager):
         """PIDs of the live worker processes, by kind."""
         return {LOADS: self._readers.pids(), STORES: self._writers.pids()}
 
+    @override
     def workers_ready(self) -> bool:
         return not any(pool.awaiting_hello for pool in self._pools)
 
@@ -593,6 +595,7 @@ class ProcessTierManager(SecondaryTierManager):
 
     # -- circuit breaker --------------------------------------------------------------------------
 
+    @override
     def report_metrics(self, metrics: MetricSet) -> None:
         name = self.name
         for pool, direction in ((self._readers, "load"), (self._writers, "store")):
@@ -645,6 +648,7 @@ class ProcessTierManager(SecondaryTierManager):
                 br.trial_requests,
             )
 
+    @override
     def lookup(self, key: bytes, req_id: str = "") -> LookupResult:
         br = self.breaker
         if br is not None and br.tripped:
@@ -679,6 +683,7 @@ class ProcessTierManager(SecondaryTierManager):
         if len(self._probe_queue) >= _PROBE_BATCH:
             self.flush()
 
+    @override
     def flush(self) -> None:
         queue = self._probe_queue
         while queue:
@@ -689,6 +694,7 @@ class ProcessTierManager(SecondaryTierManager):
 
     # -- jobs -----------------------------------------------------------------------------------
 
+    @override
     def store_refusal(self, num_chunks: int) -> str | None:
         full = self._pending_store_chunks + num_chunks > self.config.max_pending_store_chunks
         br = self.breaker
@@ -697,9 +703,11 @@ class ProcessTierManager(SecondaryTierManager):
             return "breaker_open"
         return "queue_full" if full else None
 
+    @override
     def accepts_store(self, num_chunks: int) -> bool:
         return self.store_refusal(num_chunks) is None
 
+    @override
     def submit_store(self, job: JobMetadata) -> None:
         rec_job = _Job(job, is_load=False)
         keys = job.keys
@@ -717,6 +725,7 @@ class ProcessTierManager(SecondaryTierManager):
             self.breaker.release()  # a trial store with nothing to write
         self._dispatch(rec_job, todo, self._writers, TaskKind.STORE)
 
+    @override
     def submit_load(self, job: JobMetadata) -> None:
         self.capacity.loads_started(job.keys)
         self._dispatch(
@@ -837,6 +846,7 @@ class ProcessTierManager(SecondaryTierManager):
             "kvoffload_lookup_latency_seconds", time.monotonic() - rec.t0, self.name
         )
 
+    @override
     def get_finished_jobs(self) -> list[JobResult]:
         chans = self._chans
         if chans.results_pending():
@@ -927,6 +937,7 @@ class ProcessTierManager(SecondaryTierManager):
             what,
         )
 
+    @override
     def has_pending_work(self) -> bool:
         return bool(
             self._probe_queue
@@ -937,15 +948,18 @@ class ProcessTierManager(SecondaryTierManager):
             or self._writers.busy()
         )
 
+    @override
     def touch(self, keys: Iterable[bytes]) -> None:
         self.verdicts.touch(keys)
 
+    @override
     def take_events(self) -> list[TierEvent]:
         if not self._events:
             return []
         out, self._events = self._events, []
         return out
 
+    @override
     def wait(self, timeout_s: float) -> bool:
         return self._chans.wait_results(timeout_s)
 

@@ -14,6 +14,8 @@ import time
 from collections.abc import Collection, Iterable
 from typing import Any
 
+from typing_extensions import override
+
 from kvoffload.events import ChunkEventInfo
 from kvoffload.tiering import HOST, TieringManager
 from kvoffload.tiers.base import LookupResult as KVLookup
@@ -112,23 +114,29 @@ class KVOffloadManager(OffloadingManager):
         }
         self._geometry = event_geometry if tiering.publishes_events else None
 
+    @override
     def lookup(self, key, req_context: ReqContext, **kwargs) -> LookupResult:
         return _TO_VLLM[self.tm.lookup(key, req_context.req_id)]
 
+    @override
     def get_load_source(self, key, req_context: ReqContext):
         name = self.tm.source_of(key, req_context.req_id)
         return hit_source(HOST if name == HOST else self._medium[name])
 
+    @override
     def prepare_load(self, keys: Collection, req_context: ReqContext, **kwargs):
         drop_tolerated(kwargs)
         return CPULoadStoreSpec(self.tm.prepare_load(list(keys), req_context.req_id))
 
+    @override
     def touch(self, keys: Collection, req_context: ReqContext, **kwargs):
         self.tm.touch(list(keys), req_context.req_id)
 
+    @override
     def complete_load(self, keys: Collection, req_context: ReqContext, **kwargs):
         self.tm.complete_load(keys, req_context.req_id)
 
+    @override
     def prepare_store(self, keys: Collection, req_context: ReqContext, **kwargs):
         info = req_context.get_state(_RequestChunks) if self._geometry else None
         plan = self.tm.prepare_store(list(keys), req_context.req_id, info)
@@ -140,11 +148,13 @@ class KVOffloadManager(OffloadingManager):
             evicted_keys=plan.evicted,
         )
 
+    @override
     def complete_store(
         self, keys: Collection, req_context: ReqContext, success: bool = True, **kwargs
     ):
         self.tm.complete_store(keys, success, req_context.req_id)
 
+    @override
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         if self._geometry:
             req = calling_request(req_context.req_id)
@@ -152,6 +162,7 @@ class KVOffloadManager(OffloadingManager):
                 req_context.set_state(_RequestChunks(req, req_context, self._geometry))
         return RequestOffloadingContext()
 
+    @override
     def on_request_finished(self, req_context: ReqContext) -> None:
         if self._geometry:
             chunks = req_context.get_state(_RequestChunks)
@@ -159,12 +170,15 @@ class KVOffloadManager(OffloadingManager):
                 chunks.release()
         self.tm.on_request_finished(req_context.req_id)
 
+    @override
     def on_schedule_end(self, context) -> None:
         self.tm.step()
 
+    @override
     def has_pending_work(self) -> bool:
         return self.tm.has_pending_work()
 
+    @override
     def take_events(self) -> Iterable[OffloadingEvent]:
         for tier_name, ev in self.tm.take_events():
             medium = _MEDIUM.get(self._medium[tier_name])
@@ -192,9 +206,11 @@ class KVOffloadManager(OffloadingManager):
         data = self.tm.take_metric_stats()
         return None if data is None else OffloadingConnectorStats(data=data)
 
+    @override
     def reset_cache(self) -> None:
         self.tm.reset_cache()
 
+    @override
     def shutdown(self) -> None:
         self.tm.shutdown()
         self.tm.arena.close()

@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from typing_extensions import override
+
 from kvoffload import logs, metrics
 from kvoffload.config import (
     ConfigError,
@@ -225,6 +227,7 @@ class KVOffloadSpec(OffloadingSpec):
 
     # -- vLLM interface -------------------------------------------------------------------------
 
+    @override
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             reason = nondeterministic_block_hashes()
@@ -289,6 +292,7 @@ class KVOffloadSpec(OffloadingSpec):
             if g.tokens_per_block == per_hash
         }
 
+    @override
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
             logs.setup()

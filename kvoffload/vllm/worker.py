@@ -24,6 +24,7 @@ import time
 
 import numpy as np
 import torch
+from typing_extensions import override
 
 from kvoffload.config import ConfigError
 from kvoffload.pinning import pin_arena
@@ -362,6 +363,7 @@ class KVOffloadWorker(OffloadingWorker):
         row[i] += nbytes
         row[i + 1] += seconds
 
+    @override
     def submit_store(
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec, **kwargs
     ) -> bool:
@@ -369,6 +371,7 @@ class KVOffloadWorker(OffloadingWorker):
             return self._cuda.store.transfer_async(job_id, src_spec, dst_spec)
         return self._run(job_id, src_spec, dst_spec, to_host=True)
 
+    @override
     def submit_load(
         self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, **kwargs
     ) -> bool:
@@ -376,6 +379,7 @@ class KVOffloadWorker(OffloadingWorker):
             return self._cuda.load.transfer_async(job_id, src_spec, dst_spec)
         return self._run(job_id, dst_spec, src_spec, to_host=False)
 
+    @override
     def get_finished(self) -> list[TransferResult]:
         if self._cuda is not None:
             stores = self._cuda.store.get_finished()
@@ -387,11 +391,13 @@ class KVOffloadWorker(OffloadingWorker):
         out, self._finished = self._finished, []
         return out
 
+    @override
     def wait(self, job_ids: set[int]) -> None:
         if self._cuda is not None:
             self._cuda.store.wait(job_ids)
             self._cuda.load.wait(job_ids)
 
+    @override
     def shutdown(self) -> None:
         if self._cuda is not None:
             self._cuda.shutdown()

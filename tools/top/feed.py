@@ -26,9 +26,10 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvoffload.events import MovementBatch
+from kvoffload.ipc.names import MOVEMENTS_TOPIC
 from kvoffload.tools.top.model import ReceivedMovement, Snapshot, parse_exposition
 
-DEFAULT_MOVEMENTS_TOPIC = "kvoffload-movements"
+DEFAULT_MOVEMENTS_TOPIC = MOVEMENTS_TOPIC  # the publisher's default (kvoffload.ipc.names)
 
 _BATCH = msgspec.msgpack.Decoder(MovementBatch)
 

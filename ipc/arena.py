@@ -500,6 +500,7 @@ class Arena:
 
     @property
     def closed(self) -> bool:
+        """True once :meth:`close` ran (the mapping is gone; views must not be used)."""
         return self._mmap is None
 
     def __enter__(self) -> Arena:

@@ -100,6 +100,7 @@ class TierChannels:
         return bool(self.results.poll(int(timeout_s * 1000)))
 
     def close(self) -> None:
+        """Close the sockets at once (nothing unsent is waited for)."""
         for sock in (*self.jobs.values(), self.results):
             sock.close(linger=0)
 
@@ -123,6 +124,7 @@ class WorkerChannels:
         self.poller.register(self.jobs, zmq.POLLIN)
 
     def say_hello(self, payload: bytes) -> None:
+        """Tell the engine this worker is ready (``payload``: an encoded ``Hello``)."""
         self.jobs.send(payload)
 
     def next_task(self, timeout_s: float) -> bytes | None:
@@ -132,8 +134,10 @@ class WorkerChannels:
         return None
 
     def send_result(self, payload: bytes) -> None:
+        """Send one encoded ``TaskResult`` to the engine (never blocks for long: a PUSH socket)."""
         self.results.send(payload)
 
     def close(self) -> None:
+        """Close the sockets at once (nothing unsent is waited for)."""
         self.jobs.close(linger=0)
         self.results.close()

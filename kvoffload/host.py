@@ -76,6 +76,7 @@ class HostTier:
         return _HIT if self.state[slot] == READY else _PENDING
 
     def slot_of(self, key: bytes) -> int | None:
+        """The slot holding ``key`` (any state), or None."""
         return self.index.get(key)
 
     def __len__(self) -> int:
@@ -83,6 +84,7 @@ class HostTier:
 
     @property
     def num_used(self) -> int:
+        """Slots holding a chunk (ready, being written or pinned)."""
         return self.num_slots - len(self._free)
 
     # -- writes ---------------------------------------------------------------------------------
@@ -329,6 +331,7 @@ class HostTier:
         return busy
 
     def take_events(self) -> list[TierEvent]:
+        """The host tier's store/removal events since the last call (oldest first); empties the list."""
         if not self._events:
             return []
         out, self._events = self._events, []

@@ -209,6 +209,7 @@ class HistogramValue:
         self.samples: list[float] | None = [] if keep_samples else None
 
     def observe(self, value: float) -> None:
+        """Count one observation (seconds for the latency histograms) in its bucket and the sum."""
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.sum += value
         s = self.samples

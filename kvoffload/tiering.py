@@ -116,6 +116,7 @@ class Stats:
         }
 
     def snapshot(self) -> dict[str, Any]:
+        """A copy of every counter (dict-valued ones copied too), for tools and tests to diff."""
         return {k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(self).items()}
 
 

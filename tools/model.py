@@ -45,6 +45,7 @@ def find_gguf() -> Path:
 
 
 def is_prepared(path: Path) -> bool:
+    """True when ``path`` holds a converted model whose files all match the marker's list."""
     marker = path / _MARKER
     try:
         files = json.loads(marker.read_text())["files"]

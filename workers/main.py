@@ -141,6 +141,7 @@ class Worker:
         )
 
     def parent_alive(self) -> bool:
+        """True while the engine process that spawned this worker is its parent."""
         return os.getppid() == self.spec.parent_pid
 
     def fatal(self) -> str | None:
@@ -152,6 +153,7 @@ class Worker:
         return None
 
     def run(self) -> None:
+        """Say hello, then serve tasks until a stop task, the engine's death or the arena's loss."""
         self.chans.say_hello(m.encode(m.Hello(self.spec.worker_id, os.getpid())))
         while True:
             data = self.chans.next_task(_POLL_S)
@@ -236,6 +238,7 @@ class Worker:
         return out
 
     def handle(self, task: m.Task) -> m.TaskResult:
+        """Run one task (every key contained: an exception fails its key with ``error``) and answer it."""
         if self.faults:
             first = _first_key(task)
             self.faults.hit("task", first)
@@ -280,6 +283,7 @@ class Worker:
         raise TypeError(f"unknown task {type(task).__name__}")
 
     def close(self) -> None:
+        """Release the I/O threads, sockets and the arena mapping."""
         if self.pool is not None:
             self.pool.shutdown(wait=False)
         self.chans.close()

@@ -154,6 +154,7 @@ class ObjIO:
         self._io_errors: tuple[type[Exception], ...] = (OSError, BotoCoreError, ClientError)
 
     def name(self, key: bytes) -> str:
+        """The object name of ``key`` (the tier prefix and namespace, then the chunk file name)."""
         return self.base + cf.relative_name(key)
 
     def store(self, key: bytes, src: memoryview) -> IOOutcome:
@@ -223,6 +224,7 @@ class ObjIO:
             pass
 
     def probe(self, key: bytes) -> IOOutcome:
+        """HEAD ``key``'s object: ``OK`` when it exists, ``MISSING`` when not (ChunkIO)."""
         self.faults.hit("probe_key", key)
         try:
             self._client.head_object(Bucket=self.cfg.bucket, Key=self.name(key))
@@ -232,6 +234,7 @@ class ObjIO:
             return IOOutcome(code, 0, f"probe {key.hex()[:16]}: {detail}", status)
 
     def delete(self, key: bytes) -> IOOutcome:
+        """DELETE ``key``'s object (``OK`` also when it was already gone; ChunkIO)."""
         try:
             self._client.delete_object(Bucket=self.cfg.bucket, Key=self.name(key))
             return OK_EMPTY
@@ -242,6 +245,7 @@ class ObjIO:
             return IOOutcome(code, 0, f"delete {key.hex()[:16]}: {detail}", status)
 
     def scan(self) -> list[tuple[bytes, int, float]]:
+        """List this namespace's objects: ``(key, bytes, mtime seconds)`` each (the obj tier's ``max_bytes`` counts them at start)."""
         entries = []
         pages = self._client.get_paginator("list_objects_v2").paginate(
             Bucket=self.cfg.bucket, Prefix=self.base

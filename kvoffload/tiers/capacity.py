@@ -119,6 +119,7 @@ class Capacity:
 
     @property
     def bounded(self) -> bool:
+        """True when the tier has a cap (``max_bytes``), so chunks are counted and evicted."""
         return self.max_bytes is not None
 
     @property
@@ -136,6 +137,7 @@ class Capacity:
         return bool(self.undeletable) or self.lowered_cap is not None
 
     def reserved_bytes(self) -> int:
+        """Bytes reserved for chunks being written (``unit_bytes`` each)."""
         return len(self.reserved) * self.unit_bytes
 
     def lower_cap(self, chunks: int) -> int:

@@ -175,6 +175,11 @@ class ObjTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True)
         return body, renamed
 
     def validate(self) -> None:
+        """Check settings that depend on each other.
+
+        Raises:
+            ValueError: naming the key (``bucket``, ``io_workers``, ``ca_bundle``...).
+        """
         if not self.bucket:
             raise ValueError("bucket: required, the name of an existing bucket")
         workers = self.io_workers

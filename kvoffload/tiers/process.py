@@ -515,6 +515,7 @@ class ProcessTierManager(SecondaryTierManager):
 
     @property
     def used_bytes(self) -> int:
+        """Bytes of the chunks counted in the index (0 when unbounded)."""
         return self.capacity.used_bytes
 
     @property

@@ -98,6 +98,7 @@ class VerdictCache:
         return None
 
     def is_present(self, key: bytes) -> bool:
+        """True while a present verdict for ``key`` is held (LRU, no expiry)."""
         return key in self.present
 
     def is_absent(self, key: bytes) -> bool:

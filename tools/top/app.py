@@ -62,10 +62,12 @@ def fmt_seconds(s: float | None) -> str:
 
 
 def fmt_num(x: float | None, digits: int = 0) -> str:
+    """``x`` with thousands separators, or a dash when unknown."""
     return "–" if x is None else f"{x:,.{digits}f}"
 
 
 def fmt_ratio(x: float | None) -> str:
+    """A 0..1 ratio as a percentage, or a dash when unknown."""
     return "–" if x is None else f"{x * 100:.1f} %"
 
 
@@ -77,6 +79,7 @@ def fmt_breaker(state: str | None) -> str:
 
 
 def fmt_clock(wall: float | None) -> str:
+    """Local wall-clock time ``HH:MM:SS`` of ``wall`` (seconds since the epoch), or never."""
     return "never" if wall is None else time.strftime("%H:%M:%S", time.localtime(wall))
 
 

@@ -369,10 +369,6 @@ class TieringManager:
         and ``replay_endpoint``, ``published`` batch counts per stream, ``flush()``."""
         return self._publisher
 
-    def tier_of(self, name: str) -> SecondaryTierManager | None:
-        """The secondary tier named ``name``, or None."""
-        return next((t for t in self.tiers if t.name == name), None)
-
     # -- host ↔ accelerator ---------------------------------------------------------------------
 
     def prepare_load(self, keys: Sequence[bytes], req_id: str = "") -> list[int]:

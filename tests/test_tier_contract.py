@@ -30,7 +30,7 @@ def memory_tier() -> TierUnderTest:
         return {"type": "memory", "max_bytes": n * 16384}
 
     def lose(tier, key):
-        tier._bytes -= len(tier._chunks.pop(key))
+        assert tier.lose(key)
 
     return TierUnderTest(config=config, medium="CPU", locality="LOCAL", evicts=True, lose=lose)
 

@@ -130,6 +130,15 @@ class MemoryTier(SecondaryTierManager):
         out, self._events = self._events, []
         return out
 
+    def lose(self, key: bytes) -> bool:
+        """Drop ``key``'s chunk as if its storage had lost it: no event, no eviction counted (fault
+        injection for tests and the tier contract suite). Returns whether it was stored."""
+        data = self._chunks.pop(key, None)
+        if data is None:
+            return False
+        self._bytes -= len(data)
+        return True
+
     @override
     def shutdown(self) -> None:
         self._chunks.clear()

@@ -225,14 +225,12 @@ class FaultInjector:
 
             from kvoffload.workers.obj_io import ObjIOConfig, make_client
 
-            io_cfg = msgspec.convert(
-                {
-                    **tier.io_config(),
-                    "endpoint_url": self.upstreams.get(tier.name, tier.config.endpoint_override),
-                    "max_attempts": 1,
-                },
-                ObjIOConfig,
+            io_cfg = msgspec.structs.replace(
+                tier.io_config(),
+                endpoint_url=self.upstreams.get(tier.name, tier.config.endpoint_override),
+                max_attempts=1,
             )
+            assert isinstance(io_cfg, ObjIOConfig)
             clients[tier.name] = (make_client(io_cfg), io_cfg)
         client, cfg = clients[tier.name]
         from kvoffload.workers.obj_io import object_prefix

@@ -445,8 +445,8 @@ def refresh(tm: TieringManager) -> MetricSet:
             m.set_total("kvoffload_tier_transfer_bytes", st.cascaded[name] * row, name, "store")
             m.set_total("kvoffload_tier_transfer_chunks", st.promotions[name], name, "load")
             m.set_total("kvoffload_tier_transfer_chunks", st.cascaded[name], name, "store")
-            m.set_total("kvoffload_tier_worker_restarts", c.get("worker_restarts", 0), name)
-            m.set_total("kvoffload_tier_evictions", c.get("evictions", 0), name)
+            m.set_total("kvoffload_tier_worker_restarts", c.get(names.WORKER_RESTARTS, 0), name)
+            m.set_total("kvoffload_tier_evictions", c.get(names.EVICTIONS, 0), name)
             m.set_total("kvoffload_dropped_stores", st.dropped_stores[name], name)
             for event, count in c.items():
                 family, dot, value = event.partition(".")

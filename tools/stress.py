@@ -36,6 +36,7 @@ import xxhash
 
 from kvoffload.config import ConfigError, parse_config
 from kvoffload.host import READY
+from kvoffload.ipc import names
 from kvoffload.ipc.arena import Arena, ArenaError, round_up_to_page, sweep
 from kvoffload.namespace import Namespace
 from kvoffload.tiering import HOST, TieringManager
@@ -374,7 +375,7 @@ class Stress:
                 "load": c.get("bytes_read", 0) / secs / 1e9,
                 "store": c.get("bytes_written", 0) / secs / 1e9,
             }
-            rep.worker_restarts[tier.name] = int(c.get("worker_restarts", 0))
+            rep.worker_restarts[tier.name] = int(c.get(names.WORKER_RESTARTS, 0))
         failures: Counter[str] = Counter()
         for (tname, direction, reason), v in st.failed.items():
             failures[f"{tname}.{direction}.{reason}"] += v

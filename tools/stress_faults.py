@@ -29,6 +29,7 @@ import time
 from collections import Counter
 from typing import Any
 
+from kvoffload.ipc import names
 from kvoffload.workers import chunkfile as cf
 
 
@@ -303,7 +304,7 @@ class FaultInjector:
         answered and every obj tier's breaker dropped a store during an outage."""
         seen = {
             "kill-workers": lambda: any(
-                t.counters.get("worker_restarts", 0)
+                t.counters.get(names.WORKER_RESTARTS, 0)
                 for t in self.tm.tiers
                 if hasattr(t, "worker_pids")
             ),
@@ -379,7 +380,7 @@ class FaultInjector:
                 "kvoffload_tier_failed_chunks_total", direction="store", reason="no_space"
             ),
             "flaky-s3": lambda: both(
-                pick("kvoffload_tier_events_total", tier=obj, event="retries"),
+                pick("kvoffload_tier_events_total", tier=obj, event=names.RETRIES),
                 pick("kvoffload_refused_chunks_total", tier=obj, reason="breaker_open"),
             ),
         }

@@ -39,6 +39,7 @@ from kvoffload.validation import (
     apply_aliases,
     closest,
     convert,
+    import_user_module,
 )
 
 __all__ = [
@@ -188,6 +189,9 @@ def parse_config(extra_config: dict[str, Any]) -> OffloadConfig:
     if cfg.cache_policy_module_path is not None:
         from kvoffload.policies import make_policy
 
+        import_user_module(
+            cfg.cache_policy_module_path, "kv_connector_extra_config.cache_policy_module_path"
+        )
         try:
             make_policy(cfg.eviction_policy, 1, cfg.cache_policy_module_path)
         except (ImportError, ValueError) as e:

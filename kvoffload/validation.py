@@ -11,7 +11,9 @@ it imports nothing of the project, so none of them import each other to parse.
 from __future__ import annotations
 
 import difflib
+import importlib
 import re
+from types import ModuleType
 from typing import Annotated, Any, TypeVar
 
 import msgspec
@@ -30,6 +32,26 @@ class ConfigError(ValueError):
 
 _PATH_RE = re.compile(r"`\$(?P<path>[^`]*)`")
 _UNKNOWN_RE = re.compile(r"unknown field `(?P<field>[^`]+)`")
+
+
+def import_user_module(module_path: object, where: str) -> ModuleType:
+    """Import the out-of-tree module a config names (a tier's ``module_path``, a policy's
+    ``cache_policy_module_path``).
+
+    Raises:
+        ConfigError: ``where`` and why: not a non-empty absolute module name, or its import failed
+            for any reason (missing, a syntax error, an exception raised at import), with the error.
+    """
+    if not isinstance(module_path, str) or not module_path or module_path.startswith("."):
+        raise ConfigError(
+            f"{where}: expected an absolute module name such as 'my_pkg.tiers', got {module_path!r}"
+        )
+    try:
+        return importlib.import_module(module_path)
+    except Exception as e:  # an out-of-tree module's import may raise anything
+        raise ConfigError(
+            f"{where}: cannot import {module_path!r}: {type(e).__name__}: {e}"
+        ) from None
 
 
 def closest(word: str, candidates: list[str]) -> str | None:

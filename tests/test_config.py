@@ -118,6 +118,35 @@ def test_out_of_tree_tier_errors():
     )
 
 
+@pytest.mark.parametrize(
+    "source, module_path, expected",
+    [
+        ('raise RuntimeError("boom")', "kvo_raises_at_import", "RuntimeError: boom"),
+        ("def f(:", "kvo_bad_syntax", "SyntaxError"),
+        (None, 5, "expected an absolute module name"),
+        (None, "", "expected an absolute module name"),
+        (None, ".relative", "expected an absolute module name"),
+    ],
+)
+def test_an_out_of_tree_module_that_cannot_be_imported_is_a_config_error(
+    tmp_path, monkeypatch, source, module_path, expected
+):
+    """Whatever an out-of-tree module's import raises (or a module_path that is no module name)
+    is a config error naming the key, for a tier and for a policy; never a traceback."""
+    if source is not None:
+        (tmp_path / f"{module_path}.py").write_text(source)
+        monkeypatch.syspath_prepend(str(tmp_path))
+    fails(
+        {**BASE, "secondary_tiers": [{"type": "X", "module_path": module_path}]},
+        "secondary_tiers[0].module_path",
+        expected,
+    )
+    fails(
+        {**BASE, "eviction_policy": "X", "cache_policy_module_path": module_path},
+        "cache_policy_module_path",
+    )
+
+
 def test_duplicate_tier_names():
     t = {"type": "memory", "max_bytes": 100}
     fails({**BASE, "secondary_tiers": [t, t]}, "duplicate tier name 'memory'")

@@ -29,7 +29,13 @@ from typing import Any
 import msgspec
 
 from kvoffload.tiers.base import SecondaryTierManager
-from kvoffload.validation import ConfigError, closest, convert, name_given_keys
+from kvoffload.validation import (
+    ConfigError,
+    closest,
+    convert,
+    import_user_module,
+    name_given_keys,
+)
 
 BUILTIN_TIERS: dict[str, str] = {
     "fs": "kvoffload.tiers.fs:FsTier",
@@ -81,10 +87,10 @@ def tier_class(type_name: str, module_path: str | None, where: str) -> type[Seco
         mod_name, cls_name = target.split(":")
     else:
         mod_name, cls_name = module_path, type_name
-    try:
-        mod = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise ConfigError(f"{where}.module_path: cannot import {mod_name!r}: {e}") from None
+    if module_path is None:
+        mod = importlib.import_module(mod_name)  # a built-in tier's own module
+    else:
+        mod = import_user_module(module_path, f"{where}.module_path")
     cls = getattr(mod, cls_name, None)
     if not (isinstance(cls, type) and issubclass(cls, SecondaryTierManager)):
         raise ConfigError(

@@ -137,9 +137,19 @@ def engine_cost(n_chunks: int, batch: int, workdir: Path) -> dict:
 
 @click.command("engine")
 @click.option(
-    "--chunks", multiple=True, type=int, default=(10_000, 100_000, 1_000_000), show_default=True
+    "--chunks",
+    multiple=True,
+    type=click.IntRange(min=1),
+    default=(10_000, 100_000, 1_000_000),
+    show_default=True,
 )
-@click.option("--batch", default=64, show_default=True, help="Chunks per store job.")
+@click.option(
+    "--batch",
+    type=click.IntRange(min=1),
+    default=64,
+    show_default=True,
+    help="Chunks per store job.",
+)
 @click.option("--plot", "plot_path", default="docs/bench/engine.png", show_default=True)
 def bench_engine(chunks, batch, plot_path) -> None:
     """Engine-thread µs per host-hit lookup, per job and chunk handed to the fs tier, per completion

@@ -84,7 +84,7 @@ def memory_per_chunk(n_chunks: int, workdir: Path) -> dict:
 
 
 @click.command("memory")
-@click.option("--chunks", default=200_000, show_default=True)
+@click.option("--chunks", type=click.IntRange(min=1), default=200_000, show_default=True)
 def bench_memory(chunks) -> None:
     """Engine-side bytes per stored chunk and tier worker process memory."""
     wd = make_workdir(None)

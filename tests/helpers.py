@@ -7,11 +7,11 @@ import os
 import time
 
 import numpy as np
-import xxhash
 
 from kvoffload.config import parse_config
 from kvoffload.ipc.arena import Arena
-from kvoffload.namespace import Namespace, chunk_keys
+from kvoffload.namespace import Namespace
+from kvoffload.testing.tier_contract import ROW_BYTES, keys_for, payload
 from kvoffload.tiering import TieringManager
 from kvoffload.tiers.base import LookupResult
 
@@ -21,7 +21,7 @@ HIT, MISS, PENDING, RETRY = (
     LookupResult.HIT_PENDING,
     LookupResult.RETRY,
 )
-ROW = 16384
+ROW = ROW_BYTES
 _names = itertools.count()
 
 
@@ -64,18 +64,6 @@ def wait_paused(gate, count: int = 1, timeout_s: float = 120.0, step=None) -> li
 
 def arena_name() -> str:
     return f"kvoffload_test_{os.getpid()}_{next(_names)}"
-
-
-def payload(key: bytes, nbytes: int = ROW) -> np.ndarray:
-    """Deterministic pseudo-random bytes derived from the key."""
-    rng = np.random.default_rng(xxhash.xxh3_64_intdigest(key))
-    return rng.integers(0, 256, nbytes, dtype=np.uint8)
-
-
-def keys_for(n: int, seed: int = 0, tokens_per_chunk: int = 16) -> list[bytes]:
-    return chunk_keys(
-        np.arange(seed * 1_000_000, seed * 1_000_000 + n * tokens_per_chunk), tokens_per_chunk
-    )
 
 
 def namespace(**overrides) -> Namespace:

@@ -135,15 +135,17 @@ def wait_until(
         time.sleep(0.005)
 
 
-def payload(key: bytes, nbytes: int) -> np.ndarray:
+def payload(key: bytes, nbytes: int = ROW_BYTES) -> np.ndarray:
     """Deterministic pseudo-random bytes of a chunk, ``(nbytes,)`` uint8, derived from its key."""
     rng = np.random.default_rng(xxhash.xxh3_64_intdigest(key))
     return rng.integers(0, 256, nbytes, dtype=np.uint8)
 
 
-def keys_for(n: int, seed: int = 0) -> list[bytes]:
-    """``n`` chained chunk keys (16 tokens each) of a prompt chosen by ``seed``."""
-    return chunk_keys(np.arange(seed * 1_000_000, seed * 1_000_000 + n * 16), 16)
+def keys_for(n: int, seed: int = 0, tokens_per_chunk: int = 16) -> list[bytes]:
+    """``n`` chained chunk keys (``tokens_per_chunk`` tokens each) of a prompt chosen by ``seed``."""
+    return chunk_keys(
+        np.arange(seed * 1_000_000, seed * 1_000_000 + n * tokens_per_chunk), tokens_per_chunk
+    )
 
 
 class ContractEngine:

@@ -544,6 +544,9 @@ class _TcpPeer:
                 )
                 self._mark_down()
                 self.owner._finish(x, TransferState.FAILED, why)
+            except Exception as e:  # a bug must fail the transfer, not leave it pending forever
+                self._mark_down()
+                self.owner._finish(x, TransferState.FAILED, f"unexpected {type(e).__name__}: {e}")
         if self.sock is not None:
             self.sock.close()
 

@@ -293,12 +293,17 @@ def test_silent_peer_fails_at_its_deadline_and_the_transport_recovers_on_re_add(
     assert st["waited_s"] >= DEADLINE_S * 0.5  # not failed before the peer had its chance
     assert time.monotonic() - t0 < PATIENCE_S
     assert not a.ok("peer_up", name="b")["up"]
-    os.kill(b.proc.pid, signal.SIGCONT)
-    if not st["settled"]:  # NIXL: the request may still complete once B answers
-        st = a.ok("wait", handle=h, timeout_s=PATIENCE_S, settled=True)
-        assert st["settled"], st
-    # Re-adding the peer (what the tier does after a heartbeat) makes it usable again.
+    # Removing the peer does not settle what UCX may still complete into A's slots.
     a.ok("remove_peer", name="b")
+    if not st["settled"]:
+        assert not a.ok("poll", handle=h)["settled"]
+        refused = a.call("add_peer", name="b", descriptor=b.descriptor)
+        assert refused.get("error") == "TransportError" and "unsettled" in refused["message"]
+    os.kill(b.proc.pid, signal.SIGCONT)
+    if not st["settled"]:  # NIXL: the request completes (or errors) once B answers
+        st = a.ok("wait", handle=h, timeout_s=PATIENCE_S, settled=True)
+        assert st["state"] == "failed" and st["settled"], st
+    # Re-adding the peer (what the tier does after a heartbeat) makes it usable again.
     a.ok("add_peer", name="b", descriptor=b.descriptor)
     h = a.ok("read", peer="b", pairs=[(i, i) for i in range(SLOTS)])["handle"]
     assert a.ok("wait", handle=h, timeout_s=PATIENCE_S)["state"] == "done"

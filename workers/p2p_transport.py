@@ -202,6 +202,7 @@ def decode_descriptor(raw: bytes) -> Descriptor:
 
 
 Pairs = Sequence[tuple[int, int]]
+Op = Literal["read", "write"]
 
 
 class Transport(abc.ABC):
@@ -300,7 +301,7 @@ class TcpRequest(msgspec.Struct, forbid_unknown_fields=True, array_like=True):
     """One transfer on a data connection. ``op`` "read": the server sends ``slots`` rows in order
     after an OK reply; "write": the client sends ``slots`` rows right after this frame."""
 
-    op: Literal["read", "write"]
+    op: Op
     xfer_id: int
     slots: list[int]
 
@@ -495,7 +496,7 @@ class _TcpServer:
 class _Xfer:
     xid: int
     peer: str
-    op: str
+    op: Op
     local: list[int]
     remote: list[int]
     deadline: float
@@ -657,7 +658,7 @@ class TcpTransport(Transport):
             peer = self._peers.get(name)
         return peer is not None and not peer.down
 
-    def _submit(self, peer: str, op: str, pairs: Pairs, deadline_s: float | None) -> int:
+    def _submit(self, peer: str, op: Op, pairs: Pairs, deadline_s: float | None) -> int:
         with self._lock:
             if self._closed:
                 raise TransportError("transport is closed")
@@ -787,15 +788,17 @@ def nixl_available() -> str:
 
 @dataclass(slots=True)
 class _NixlPeer:
+    name: str
     agent_name: str
     desc: NixlDescriptor
     remote_side: Any
     down: bool = False
+    removed: bool = False  # removed while it had unsettled transfers: its agent stays loaded
 
 
 @dataclass(slots=True)
 class _NixlXfer:
-    peer: str
+    peer: _NixlPeer
     handle: Any
     deadline: float
     failed: str = ""
@@ -833,6 +836,7 @@ class NixlTransport(Transport):
         self._local_side = self.agent.prep_xfer_dlist("", self._slot_descs(self._base), "DRAM")
         self._lock = threading.Lock()
         self._peers: dict[str, _NixlPeer] = {}
+        self._retired: list[_NixlPeer] = []  # removed, some transfers unsettled
         self._xfers: dict[int, _NixlXfer] = {}
         self._ids = itertools.count(1)
         self._closed = False
@@ -874,6 +878,13 @@ class NixlTransport(Transport):
                 raise TransportError(f"peer {name!r} is already up; remove it first")
         if old is not None:
             self.remove_peer(name)
+        with self._lock:
+            if any(p.desc.agent_metadata == desc.agent_metadata for p in self._retired):
+                # The same incarnation with requests UCX still runs: NIXL would refuse or replace
+                # the agent under them.
+                raise TransportError(
+                    f"peer {name!r} still has unsettled transfers; poll them until settled first"
+                )
         try:
             agent_name = self.agent.add_remote_agent(desc.agent_metadata)
             if isinstance(agent_name, bytes):
@@ -884,17 +895,28 @@ class NixlTransport(Transport):
         except Exception as e:
             raise TransportError(f"peer {name!r}: NIXL refused its metadata: {e}") from e
         with self._lock:
-            self._peers[name] = _NixlPeer(agent_name, desc, remote_side)
+            self._peers[name] = _NixlPeer(name, agent_name, desc, remote_side)
 
     @override
     def remove_peer(self, name: str) -> None:
+        """Forget peer ``name``. Its transfers fail at once; while any is unsettled the peer's NIXL
+        agent stays loaded (removing it makes NIXL report those requests as errors although UCX may
+        still complete them into local slots), and is dropped when the last one settles."""
         with self._lock:
             peer = self._peers.pop(name, None)
             if peer is None:
                 return
-            for x in self._xfers.values():
-                if x.peer == name and not x.failed:
-                    x.failed = "peer removed"
+            peer.down = True
+            mine = [x for x in self._xfers.values() if x.peer is peer]
+            for x in mine:
+                x.failed = x.failed or "peer removed"
+            if mine:
+                peer.removed = True
+                self._retired.append(peer)
+                return
+        self._drop(peer)
+
+    def _drop(self, peer: _NixlPeer) -> None:
         with contextlib.suppress(Exception):
             peer.remote_side.release()
         with contextlib.suppress(Exception):
@@ -906,7 +928,7 @@ class NixlTransport(Transport):
             peer = self._peers.get(name)
         return peer is not None and not peer.down
 
-    def _submit(self, peer: str, op: str, pairs: Pairs, deadline_s: float | None) -> int:
+    def _submit(self, peer: str, op: Op, pairs: Pairs, deadline_s: float | None) -> int:
         with self._lock:
             if self._closed:
                 raise TransportError("transport is closed")
@@ -923,9 +945,9 @@ class NixlTransport(Transport):
                     op.upper(), self._local_side, local, p.remote_side, remote
                 )
             except Exception as e:
-                self._mark_down(peer, f"NIXL refused the transfer: {e}")
+                self._mark_down(p, f"NIXL refused the transfer: {e}")
                 raise PeerDownError(f"peer {peer!r}: NIXL refused the transfer: {e}") from e
-            x = _NixlXfer(peer, handle, deadline)
+            x = _NixlXfer(p, handle, deadline)
             self._xfers[xid] = x
             try:
                 state = self.agent.transfer(handle)
@@ -935,16 +957,14 @@ class NixlTransport(Transport):
                 why = "NIXL reported an error posting the transfer"
             if state == "ERR":
                 x.failed = why
-                self._mark_down(peer, why)
+                self._mark_down(p, why)
         return xid
 
-    def _mark_down(self, peer: str, why: str) -> None:
+    def _mark_down(self, peer: _NixlPeer, why: str) -> None:
         """Caller holds the lock. Fails every pending transfer to ``peer``."""
-        p = self._peers.get(peer)
-        if p is not None:
-            p.down = True
+        peer.down = True
         for x in self._xfers.values():
-            if x.peer == peer and not x.failed:
+            if x.peer is peer and not x.failed:
                 x.failed = f"peer is down ({why})"
 
     @override
@@ -979,9 +999,14 @@ class NixlTransport(Transport):
             with contextlib.suppress(Exception):
                 x.handle.release()
             del self._xfers[handle]
-            if state == "DONE" and not x.failed:
-                return TransferStatus(TransferState.DONE)
-            return TransferStatus(TransferState.FAILED, x.failed)
+            last = x.peer.removed and not any(y.peer is x.peer for y in self._xfers.values())
+            if last:
+                self._retired.remove(x.peer)
+        if last:
+            self._drop(x.peer)
+        if state == "DONE" and not x.failed:
+            return TransferStatus(TransferState.DONE)
+        return TransferStatus(TransferState.FAILED, x.failed)
 
     @override
     def close(self) -> None:
@@ -991,12 +1016,14 @@ class NixlTransport(Transport):
             self._closed = True
             xfers = list(self._xfers.values())
             self._xfers.clear()
-            names = list(self._peers)
-        for x in xfers:
+            peers = list(self._peers.values()) + self._retired
+            self._peers.clear()
+            self._retired = []
+        for x in xfers:  # asks UCX to cancel; an unsettled request may still land (see above)
             with contextlib.suppress(Exception):
                 x.handle.release()
-        for name in names:
-            self.remove_peer(name)
+        for p in peers:
+            self._drop(p)
         with contextlib.suppress(Exception):
             self._local_side.release()
         with contextlib.suppress(Exception):

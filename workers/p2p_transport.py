@@ -39,12 +39,21 @@ added again with a fresh descriptor (a restarted peer has a new one anyway). Tra
 run on their own connections (TCP: one thread per peer) or their own UCX endpoints and are not delayed.
 
 Settling. A failed transfer may still touch its *local* slots afterwards when the peer is slow rather
-than dead: a UCX READ over TCP that was cancelled at its deadline was seen to land its bytes after the
-peer resumed, even after ``remove_remote_agent``. :class:`TransferStatus` therefore carries ``settled``:
-True once the transport will never again touch the transfer's local slots. The p2p tier must keep local
-slots reserved until ``settled`` (TCP transfers are always settled when they fail: their I/O thread has
-stopped; NIXL transfers settle when UCX finishes or errors the request, e.g. when the peer's process is
-gone). A handle is forgotten after :meth:`Transport.poll` returned a settled final status.
+than dead: a UCX READ over TCP whose handle was released (NIXL's cancel) at its deadline was seen to land
+its bytes once the stopped peer resumed, and so did one whose remote agent was removed (NIXL then even
+reports the request as an error). :class:`TransferStatus` therefore carries ``settled``: True once the
+transport will never again touch the transfer's local slots. The p2p tier must keep local slots
+reserved until ``settled``. TCP transfers are settled when they fail (their I/O thread has stopped);
+NIXL transfers settle when UCX itself finishes or errors the request (the peer answers late, or its
+process is gone), so :class:`NixlTransport` neither releases their handles nor unloads their peer's
+agent before that. A handle is forgotten after :meth:`Transport.poll` returned a settled final status.
+
+Exposure. The TCP server binds ``host`` (loopback by default) and serves only connections that present
+the token from its descriptor (compared in constant time; refusals are counted in ``refused``); the
+token travels in clear text, as do the rows. A NIXL agent's UCX back-end listens on every network device
+of the machine (seen: loopback and the machine's address, each on an ephemeral port) and serves anyone
+holding the agent's metadata; restrict it with ``UCX_NET_DEVICES`` where that matters. Either descriptor
+must therefore travel only over the p2p tier's authenticated control channel.
 
 Torch. ``import nixl`` imports torch on machines whose torch has no CUDA (its back-end chooser falls
 back to ``import torch`` to learn the CUDA version), which costs ~2 s of start-up and ~300 MB of RSS in
@@ -116,8 +125,9 @@ class TransferStatus:
     """What :meth:`Transport.poll` reports for one transfer.
 
     ``reason`` says why a transfer failed (empty otherwise). ``settled`` is True once the transport will
-    never touch the transfer's local slots again: always for DONE and PENDING-free TCP failures; a NIXL
-    failure may be unsettled until UCX finishes or errors the request (keep its local slots reserved).
+    never touch the transfer's local slots again: always for DONE and for every TCP failure; a NIXL
+    failure may be unsettled until UCX finishes or errors the request (keep its local slots reserved
+    and poll again). PENDING is never settled.
     """
 
     state: TransferState
@@ -500,7 +510,7 @@ class _Xfer:
     local: list[int]
     remote: list[int]
     deadline: float
-    status: TransferStatus = TransferStatus(TransferState.PENDING)
+    status: TransferStatus = TransferStatus(TransferState.PENDING, settled=False)
     started: bool = False
 
 
@@ -994,7 +1004,7 @@ class NixlTransport(Transport):
             if state == "PROC":
                 if x.failed:
                     return TransferStatus(TransferState.FAILED, x.failed, settled=False)
-                return TransferStatus(TransferState.PENDING)
+                return TransferStatus(TransferState.PENDING, settled=False)
             # DONE or ERR: UCX is finished with the request, its local slots are settled
             with contextlib.suppress(Exception):
                 x.handle.release()

@@ -22,7 +22,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kvoffload.ipc.arena import list_arenas
+from kvoffload.ipc.arena import Arena, list_arenas
 from kvoffload.workers import p2p_transport as pt
 
 PEER_SCRIPT = Path(__file__).with_name("p2p_peer.py")
@@ -348,3 +348,29 @@ def test_descriptors_are_checked():
         pt.decode_descriptor(raw)
     with pytest.raises(ValueError, match="deadline_s"):
         pt.TransportConfig(deadline_s=0)
+
+
+def test_auto_chooses_nixl_when_it_imports_else_tcp_and_peers_must_match():
+    arena = Arena.create(f"kvoffload_p2ptest_{os.getpid()}_auto", 4, 4096)
+    try:
+        t = pt.make_transport(arena, pt.TransportConfig(kind="auto"))
+        try:
+            assert t.kind == ("tcp" if NIXL_MISSING else "nixl")
+        finally:
+            t.close()
+        if NIXL_MISSING:
+            with pytest.raises(pt.TransportError, match="'nixl' cannot start"):
+                pt.make_transport(arena, pt.TransportConfig(kind="nixl"))
+        tcp = pt.make_transport(arena, pt.TransportConfig(kind="tcp"))
+        try:
+            other_kind = msgspec.msgpack.encode(pt.NixlDescriptor(b"md", 4096, 4, 4096))
+            with pytest.raises(pt.TransportError, match="offers a nixl descriptor"):
+                tcp.add_peer("x", other_kind)
+            other_rows = msgspec.msgpack.encode(pt.TcpDescriptor("127.0.0.1", 1, b"t", 4, 8192))
+            with pytest.raises(pt.TransportError, match="8192-byte slots"):
+                tcp.add_peer("x", other_rows)
+            assert not tcp.peer_up("x")
+        finally:
+            tcp.close()
+    finally:
+        arena.close()

@@ -209,6 +209,7 @@ def test_bad_slot_pairs_are_refused_and_nothing_moves(peers, kind):
     for op, pairs in bad:
         reply = a.call(op, peer="b", pairs=pairs)
         assert reply.get("error") == "ValueError", (op, pairs, reply)
+    assert a.call("read", peer="b", pairs=[(0, 0)], deadline_s=0).get("error") == "ValueError"
     unknown = a.call("read", peer="nobody", pairs=[(0, 0)])
     assert unknown.get("error") == "PeerDownError"
     assert a.rows() == ra and b.rows() == rb

@@ -239,7 +239,8 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def remove_peer(self, name: str) -> None:
-        """Forget peer ``name``; its pending transfers fail (``reason`` "peer removed")."""
+        """Forget peer ``name``; its pending transfers fail (``reason`` "peer removed"). Their local
+        slots are free once :meth:`poll` reports them settled (NIXL may need the peer to answer)."""
 
     @abc.abstractmethod
     def peer_up(self, name: str) -> bool:
@@ -249,9 +250,10 @@ class Transport(abc.ABC):
     def read(self, peer: str, pairs: Pairs, deadline_s: float | None = None) -> int:
         """Copy the peer's rows into local rows: ``pairs`` = ``[(remote_slot, local_slot), ...]``.
 
+        ``deadline_s``: seconds until the transfer fails if not done (default: the config's).
         Returns a handle for :meth:`poll`. Raises ``ValueError`` (nothing moved) for an empty or too
-        long list, a slot outside either arena, or a local slot named twice; :class:`PeerDownError`
-        for an unknown or down peer.
+        long list, a slot outside either arena, a local slot named twice or a deadline <= 0;
+        :class:`PeerDownError` for an unknown or down peer.
         """
 
     @abc.abstractmethod
@@ -268,6 +270,15 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Fail every pending transfer, stop threads, release registrations. Idempotent."""
+
+
+def _deadline(deadline_s: float | None, default_s: float) -> float:
+    """Monotonic time at which a transfer started now fails (``deadline_s`` seconds, or the default)."""
+    if deadline_s is None:
+        deadline_s = default_s
+    if not deadline_s > 0:
+        raise ValueError(f"deadline_s must be > 0 seconds, got {deadline_s}")
+    return time.monotonic() + deadline_s
 
 
 def _check_pairs(
@@ -686,7 +697,7 @@ class TcpTransport(Transport):
                 op,
                 local,
                 remote,
-                time.monotonic() + (deadline_s or self.config.deadline_s),
+                _deadline(deadline_s, self.config.deadline_s),
             )
             self._xfers[x.xid] = x
         p.queue.put(x)
@@ -951,7 +962,7 @@ class NixlTransport(Transport):
                 pairs, self.arena.num_slots, p.desc.num_slots, 1 if op == "read" else 0, peer
             )
             xid = next(self._ids)
-            deadline = time.monotonic() + (deadline_s or self.config.deadline_s)
+            deadline = _deadline(deadline_s, self.config.deadline_s)
             try:
                 handle = self.agent.make_prepped_xfer(
                     op.upper(), self._local_side, local, p.remote_side, remote

@@ -28,9 +28,10 @@ from kvoffload.workers import p2p_transport as pt
 PEER_SCRIPT = Path(__file__).with_name("p2p_peer.py")
 SLOTS = 48
 ROW = 16 * 1024
-DEADLINE_S = 1.0
 # Generous upper bound for anything to happen (seconds): never a measure of speed.
 PATIENCE_S = 60.0
+# The deadline of transfers that are meant to fail by it (a stopped peer cannot answer in any time).
+DEADLINE_S = 1.0
 
 NIXL_MISSING = pt.nixl_available()
 KINDS = [
@@ -61,7 +62,7 @@ class PeerProc:
             num_slots=SLOTS,
             row_bytes=ROW,
             kind=kind,
-            deadline_s=DEADLINE_S,
+            deadline_s=PATIENCE_S,  # tests about deadlines pass a short one per transfer
         )
         assert reply["kind"] == kind, reply
         self.descriptor: str = reply["descriptor"]

@@ -1,0 +1,124 @@
+"""A standalone peer process for the p2p transport tests: owns an arena, runs one Transport.
+
+Started as ``python tests/p2p_peer.py``; reads one JSON command per line on stdin and answers one JSON
+line each on the stdout it was started with (the process's fd 1 is pointed at stderr first, because
+NIXL logs to stdout). Commands (``op`` plus arguments): ``init``, ``fill``, ``digest``, ``add_peer``,
+``remove_peer``, ``peer_up``, ``read``, ``write``, ``poll``, ``wait``, ``maps``, ``close``. Errors are
+answered as ``{"error": "<exception type>", "message": ...}``; the process goes on.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+_reply_fd = os.dup(1)
+os.dup2(2, 1)
+
+import msgspec  # noqa: E402
+import numpy as np  # noqa: E402
+import xxhash  # noqa: E402
+
+from kvoffload.ipc.arena import Arena  # noqa: E402
+from kvoffload.workers import p2p_transport as pt  # noqa: E402
+
+
+class Peer:
+    def __init__(self) -> None:
+        self.arena: Arena | None = None
+        self.transport: pt.Transport | None = None
+
+    def init(self, name: str, num_slots: int, row_bytes: int, kind: str, deadline_s: float) -> dict:
+        self.arena = Arena.create(name, num_slots, row_bytes)
+        config = pt.TransportConfig(kind=kind, deadline_s=deadline_s)  # type: ignore[arg-type]
+        self.transport = pt.make_transport(self.arena, config)
+        return {"descriptor": self.transport.descriptor().hex(), "kind": self.transport.kind}
+
+    def fill(self, seed: int) -> dict:
+        assert self.arena is not None
+        rows = self.arena.rows
+        rows[:] = np.random.default_rng(seed).integers(0, 256, size=rows.shape, dtype=np.uint8)
+        return {}
+
+    def digest(self) -> dict:
+        assert self.arena is not None
+        return {"rows": [xxhash.xxh3_64_hexdigest(r) for r in self.arena.rows]}
+
+    def add_peer(self, name: str, descriptor: str) -> dict:
+        assert self.transport is not None
+        self.transport.add_peer(name, bytes.fromhex(descriptor))
+        return {}
+
+    def remove_peer(self, name: str) -> dict:
+        assert self.transport is not None
+        self.transport.remove_peer(name)
+        return {}
+
+    def peer_up(self, name: str) -> dict:
+        assert self.transport is not None
+        return {"up": self.transport.peer_up(name)}
+
+    def read(self, peer: str, pairs: list, deadline_s: float | None = None) -> dict:
+        assert self.transport is not None
+        return {"handle": self.transport.read(peer, [tuple(p) for p in pairs], deadline_s)}
+
+    def write(self, peer: str, pairs: list, deadline_s: float | None = None) -> dict:
+        assert self.transport is not None
+        return {"handle": self.transport.write(peer, [tuple(p) for p in pairs], deadline_s)}
+
+    def poll(self, handle: int) -> dict:
+        assert self.transport is not None
+        st = self.transport.poll(handle)
+        return {"state": st.state.value, "reason": st.reason, "settled": st.settled}
+
+    def wait(self, handle: int, timeout_s: float, settled: bool = False) -> dict:
+        """Poll until the transfer is final (and settled, if asked) or ``timeout_s`` passes."""
+        assert self.transport is not None
+        t0 = time.monotonic()
+        while True:
+            st = self.transport.poll(handle)
+            final = st.state is not pt.TransferState.PENDING
+            if (final and (st.settled or not settled)) or time.monotonic() - t0 > timeout_s:
+                return {
+                    "state": st.state.value,
+                    "reason": st.reason,
+                    "settled": st.settled,
+                    "waited_s": time.monotonic() - t0,
+                }
+            time.sleep(0.001)
+
+    def maps(self) -> dict:
+        with open(f"/proc/{os.getpid()}/maps") as f:
+            maps = f.read()
+        return {
+            "torch_mapped": "torch" in maps,
+            "torch_imported": "torch" in sys.modules,
+            "nixl_mapped": "nixl" in maps,
+        }
+
+    def close(self) -> dict:
+        if self.transport is not None:
+            self.transport.close()
+        if self.arena is not None:
+            self.arena.close()
+        return {}
+
+
+def main() -> None:
+    peer = Peer()
+    out = os.fdopen(_reply_fd, "wb", buffering=0)
+    for line in sys.stdin.buffer:
+        cmd = msgspec.json.decode(line)
+        op = cmd.pop("op")
+        try:
+            reply = getattr(peer, op)(**cmd)
+        except Exception as e:
+            reply = {"error": type(e).__name__, "message": str(e)}
+        out.write(msgspec.json.encode(reply) + b"\n")
+        if op == "close":
+            return
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+"""p2p bulk transfers on loopback: READ throughput and per-chunk latency of the kvoffload transports
+(``kvoffload.workers.p2p_transport``, NIXL and TCP) against a raw NIXL transfer and a plain TCP copy of
+the same bytes, in the same run.
+
+::
+
+    this process (reader)                               serving process (spawned)
+    arena R  ◀── Transport.read(pairs) ──────────────── arena S + Transport (nixl | tcp)
+    arena R  ◀── raw NIXL make_prepped_xfer READ ────── the same agent's registration of S
+    arena R  ◀── socket recv_into (one stream) ──────── sendall(arena S rows)
+
+Throughput: transfers of ``batch`` chunks each until ``total_mib`` moved, repeated ``reps`` times
+(median GB/s, 1 GB = 1e9 bytes). Latency: ``latency_n`` one-chunk transfers, one at a time, from the
+call to the poll that sees it done (p50 / p99, microseconds). Run:
+``python -m kvoffload.tools.bench.p2p [--chunk-kib 256 --chunk-kib 2048] [--ucx-tls tcp]``.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import secrets
+import socket
+import statistics
+import struct
+import threading
+import time
+from typing import Any
+
+import click
+import numpy as np
+
+from kvoffload.ipc.arena import Arena
+from kvoffload.workers import p2p_transport as pt
+
+_REQ = struct.Struct("<QQ")  # first slot, number of slots
+
+
+def _raw_tcp_server(arena: Arena, sock: socket.socket) -> None:
+    """Plain TCP copy baseline: per request, sendall the requested contiguous rows."""
+    conn, _ = sock.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    mv = arena.memoryview().cast("B")
+    row = arena.row_bytes
+    with conn:
+        while True:
+            head = conn.recv(_REQ.size, socket.MSG_WAITALL)
+            if len(head) < _REQ.size:
+                return
+            first, n = _REQ.unpack(head)
+            conn.sendall(mv[first * row : (first + n) * row])
+
+
+def _serve(kind: str, num_slots: int, row_bytes: int, conn: Any) -> None:
+    """Serving process: owns arena S, runs a transport of ``kind`` and the raw TCP server."""
+    arena = Arena.create(f"kvoffload_benchp2p_s_{secrets.token_hex(4)}", num_slots, row_bytes)
+    arena.rows[:] = np.random.default_rng(7).integers(0, 256, arena.rows.shape, dtype=np.uint8)
+    transport = pt.make_transport(arena, pt.TransportConfig(kind=kind, deadline_s=60.0))
+    raw = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=_raw_tcp_server, args=(arena, raw), daemon=True).start()
+    conn.send((transport.descriptor(), raw.getsockname()[1]))
+    conn.recv()  # until the reader is done
+    transport.close()
+    raw.close()
+    arena.close()
+
+
+def _wait(transport: pt.Transport, handle: int) -> None:
+    while (st := transport.poll(handle)).state is pt.TransferState.PENDING:
+        time.sleep(0)  # let the TCP transport's I/O thread take the GIL
+    if st.state is not pt.TransferState.DONE:
+        raise RuntimeError(f"transfer failed: {st.reason}")
+
+
+def _measure(fn, nbytes: int, reps: int) -> float:
+    """Median GB/s of ``reps`` calls of ``fn`` that each move ``nbytes``."""
+    rates = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        rates.append(nbytes / (time.perf_counter() - t0) / 1e9)
+    return statistics.median(rates)
+
+
+def _latency(fn, n: int) -> tuple[float, float]:
+    """p50 and p99 in microseconds of ``n`` calls of ``fn`` (one chunk each)."""
+    fn()  # connection set-up is not a chunk's latency
+    lat = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        lat.append((time.perf_counter() - t0) * 1e6)
+    lat.sort()
+    return lat[len(lat) // 2], lat[min(len(lat) - 1, int(len(lat) * 0.99))]
+
+
+def run_one(kind: str, chunk_bytes: int, total_mib: int, batch: int, reps: int, latency_n: int):
+    """Measure one transport kind at one chunk size; returns rows for the report table."""
+    num_slots = max(batch, (total_mib << 20) // chunk_bytes)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    server = ctx.Process(target=_serve, args=(kind, num_slots, chunk_bytes, child))
+    server.start()
+    rows: list[dict] = []
+    local = Arena.create(f"kvoffload_benchp2p_r_{secrets.token_hex(4)}", num_slots, chunk_bytes)
+    try:
+        desc, raw_port = parent.recv()
+        transport = pt.make_transport(local, pt.TransportConfig(kind=kind, deadline_s=60.0))
+        transport.add_peer("s", desc)
+        nbytes = num_slots * chunk_bytes
+        batches = [list(range(i, min(i + batch, num_slots))) for i in range(0, num_slots, batch)]
+
+        def kv_read_all() -> None:
+            handles = [transport.read("s", [(s, s) for s in b]) for b in batches]
+            for h in handles:
+                _wait(transport, h)
+
+        def kv_read_one() -> None:
+            _wait(transport, transport.read("s", [(0, 1)]))
+
+        gbps = _measure(kv_read_all, nbytes, reps)
+        p50, p99 = _latency(kv_read_one, latency_n)
+        rows.append(_row(f"kvoffload {kind}", chunk_bytes, gbps, p50, p99))
+
+        if kind == "nixl":
+            assert isinstance(transport, pt.NixlTransport)
+            agent = transport.agent
+            peer = transport._peers["s"]
+            local_side, remote_side = transport._local_side, peer.remote_side
+
+            def raw_nixl(indices: list[list[int]]) -> None:
+                hs = [
+                    agent.make_prepped_xfer("READ", local_side, b, remote_side, b) for b in indices
+                ]
+                for h in hs:
+                    agent.transfer(h)
+                for h in hs:
+                    while (state := agent.check_xfer_state(h)) == "PROC":
+                        pass
+                    if state != "DONE":
+                        raise RuntimeError("raw NIXL transfer failed")
+                    agent.release_xfer_handle(h)
+
+            gbps = _measure(lambda: raw_nixl(batches), nbytes, reps)
+            p50, p99 = _latency(lambda: raw_nixl([[0]]), latency_n)
+            rows.append(_row("raw NIXL", chunk_bytes, gbps, p50, p99))
+        else:
+            sock = socket.create_connection(("127.0.0.1", raw_port))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            mv = local.memoryview().cast("B")
+
+            def raw_tcp(first: int, n: int) -> None:
+                sock.sendall(_REQ.pack(first, n))
+                view = mv[first * chunk_bytes : (first + n) * chunk_bytes]
+                got = 0
+                while got < len(view):
+                    got += sock.recv_into(view[got:])
+
+            def raw_tcp_all() -> None:
+                for b in batches:
+                    raw_tcp(b[0], len(b))
+
+            gbps = _measure(raw_tcp_all, nbytes, reps)
+            p50, p99 = _latency(lambda: raw_tcp(0, 1), latency_n)
+            rows.append(_row("plain TCP copy", chunk_bytes, gbps, p50, p99))
+            sock.close()
+        transport.close()
+    finally:
+        parent.send("done")
+        server.join(timeout=60)
+        if server.is_alive():
+            server.kill()
+            server.join()
+        local.close()
+    return rows
+
+
+def _row(what: str, chunk_bytes: int, gbps: float, p50: float, p99: float) -> dict:
+    return {
+        "path": what,
+        "chunk_kib": chunk_bytes // 1024,
+        "read_gbps": round(gbps, 3),
+        "chunk_p50_us": round(p50, 1),
+        "chunk_p99_us": round(p99, 1),
+    }
+
+
+def run(
+    chunk_kib: tuple[int, ...] = (256, 2048),
+    kinds: tuple[str, ...] = ("nixl", "tcp"),
+    total_mib: int = 256,
+    batch_mib: int = 16,
+    reps: int = 5,
+    latency_n: int = 200,
+) -> list[dict]:
+    """Every (kind, chunk size) measurement; NIXL is left out, with a note, when it cannot import."""
+    out: list[dict] = []
+    for kib in chunk_kib:
+        for kind in kinds:
+            if kind == "nixl" and (why := pt.nixl_available()):
+                out.append({"path": "kvoffload nixl", "chunk_kib": kib, "skipped": why})
+                continue
+            batch = max(1, (batch_mib << 10) // kib)
+            out.extend(run_one(kind, kib * 1024, total_mib, batch, reps, latency_n))
+    return out
+
+
+@click.command("p2p")
+@click.option("--chunk-kib", multiple=True, type=int, default=(256, 2048), show_default=True)
+@click.option("--kind", "kinds", multiple=True, default=("nixl", "tcp"), show_default=True)
+@click.option("--total-mib", default=256, show_default=True, help="bytes per throughput pass")
+@click.option("--batch-mib", default=16, show_default=True, help="bytes per transfer")
+@click.option("--reps", default=5, show_default=True)
+@click.option("--latency-n", default=200, show_default=True, help="one-chunk transfers timed")
+@click.option("--ucx-tls", default="", help="UCX_TLS for both processes (e.g. tcp); default UCX's")
+@click.option("--json-out", type=click.Path(dir_okay=False), default=None)
+def main(chunk_kib, kinds, total_mib, batch_mib, reps, latency_n, ucx_tls, json_out) -> None:
+    """p2p READ throughput and per-chunk latency on loopback, with raw baselines."""
+    if ucx_tls:
+        os.environ["UCX_TLS"] = ucx_tls  # read by UCX when each process creates its agent
+    rows = run(tuple(chunk_kib), tuple(kinds), total_mib, batch_mib, reps, latency_n)
+    click.echo(f"{'path':<18} {'chunk':>7} {'GB/s':>7} {'p50 us':>9} {'p99 us':>9}")
+    for r in rows:
+        if "skipped" in r:
+            click.echo(f"{r['path']:<18} {r['chunk_kib']:>5}Ki  skipped: {r['skipped']}")
+            continue
+        click.echo(
+            f"{r['path']:<18} {r['chunk_kib']:>5}Ki {r['read_gbps']:>7.3f} "
+            f"{r['chunk_p50_us']:>9.1f} {r['chunk_p99_us']:>9.1f}"
+        )
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump({"ucx_tls": ucx_tls or "default", "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -256,6 +256,13 @@ class TieringManager:
         self._poll_interval = poll_interval_s
         self._last_poll = 0.0
         self._closed = False
+        self.data_parallel_rank = data_parallel_rank
+        try:
+            for t in self.tiers:
+                t.attach(self)
+        except BaseException:
+            self.shutdown()
+            raise
 
     # -- lookup ---------------------------------------------------------------------------------
 
@@ -571,6 +578,8 @@ class TieringManager:
         host = self.host
         pins = self._store_pins
         for i, tier in enumerate(self.tiers):
+            if not tier.wants_store(req_id):
+                continue
             take = keys[: max(0, self._pin_limit - pins[i])] if pins[i] else keys
             reason = "pin_limit"  # why what is not taken is dropped
             # Asked even when over budget: a tier that refuses (open breaker, backlog) counts its
@@ -810,9 +819,18 @@ class TieringManager:
 
     # -- requests, events, lifecycle ----------------------------------------------------------
 
+    def on_request(self, req_id: str, kv_transfer_params: Any = None) -> None:
+        """A request arrived with the orchestrator's routing (``kv_transfer_params``, a dict or
+        None): each tier takes what it reads from it (the p2p tier: which peer to ask, what to
+        hold for a remote decoder)."""
+        for tier in self.tiers:
+            tier.on_request(req_id, kv_transfer_params)
+
     def on_request_finished(self, req_id: str) -> None:
-        """Forget per-request bookkeeping (which tier served which chunk)."""
+        """Forget per-request bookkeeping (which tier served which chunk, its routing)."""
         self._load_source.pop(req_id, None)
+        for tier in self.tiers:
+            tier.on_request_finished(req_id)
 
     def take_events(self) -> list[tuple[str, TierEvent]]:
         """``(tier name, event)`` pairs since the last call, host first (tier name ``"host"``)."""

@@ -61,7 +61,7 @@ def test_c21_unknown_tier_type():
     msg = fails({**BASE, "secondary_tiers": [{"type": "fss", "root_dir": "/tmp"}]})
     assert msg.startswith(
         "kv_connector_extra_config.secondary_tiers[0].type: unknown tier type "
-        "'fss' (did you mean 'fs'?); built-in types: fs, obj, memory"
+        "'fss' (did you mean 'fs'?); built-in types: fs, obj, memory, p2p"
     ), msg
 
 

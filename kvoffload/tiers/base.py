@@ -155,6 +155,23 @@ class SecondaryTierManager(ABC):
     def get_finished_jobs(self) -> Iterable[JobResult]:
         """Results of jobs finished since the last call. Never blocks."""
 
+    def attach(self, manager: Any) -> None:
+        """Called once by the :class:`~kvoffload.tiering.TieringManager` the tier joins, after its
+        host tier exists (a tier that serves peers from the host tier keeps ``manager``)."""
+
+    def on_request(self, req_id: str, kv_transfer_params: Any) -> None:
+        """A request arrived; ``kv_transfer_params`` is the orchestrator's routing (a dict or
+        None), as vLLM passes it."""
+
+    def on_request_finished(self, req_id: str) -> None:
+        """The request finished: forget what :meth:`on_request` kept for it."""
+
+    def wants_store(self, req_id: str) -> bool:
+        """False when this tier does not keep ``req_id``'s chunks at all (a peer tier stores only
+        what a remote decoder will fetch or what it pushes): the write-through skips it, and
+        nothing is counted as dropped."""
+        return True
+
     def accepts_store(self, num_chunks: int) -> bool:
         """False when the tier is too backed up to take ``num_chunks`` more (the store is dropped)."""
         return True

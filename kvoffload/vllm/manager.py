@@ -160,6 +160,9 @@ class KVOffloadManager(OffloadingManager):
             req = calling_request(req_context.req_id)
             if req is not None:
                 req_context.set_state(_RequestChunks(req, req_context, self._geometry))
+        params = getattr(req_context, "kv_transfer_params", None)
+        if params:  # the orchestrator's routing (p2p: which peer, what to hold for a decoder)
+            self.tm.on_request(req_context.req_id, params)
         return RequestOffloadingContext()
 
     @override

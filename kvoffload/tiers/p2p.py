@@ -1,0 +1,606 @@
+"""The p2p tier (``type: "p2p"``): other instances' host tiers, host to host (arena to arena).
+
+::
+
+    lookup(key, req) ─ known at a peer ──▶ HIT ─▶ submit_load: Lease at that peer ─▶ worker READs the
+         │                                        leased slots into the reserved host slots ─▶ Release
+         ├─ known absent ─▶ MISS                  (one JobResult when every peer's part has settled)
+         └─ unknown ─▶ RETRY; the node asks the request's named peer, then the peers whose KV events
+                       show the key, then the configured peers in order (Lookup), until one has it
+    submit_store(job) ─ the request names a remote decoder ─▶ held (slots pinned) until that decoder
+         │              has fetched the chunks (its lease released) or ``hold_s`` passes
+         └─ push ─▶ Offer to the peer with the most free quota; it pulls the chunks itself; Pulled
+
+Control messages (:mod:`kvoffload.ipc.peer_messages`) and every socket live in the node thread
+(:mod:`kvoffload.tiers.p2p_node`); bytes move in the peer worker process
+(:mod:`kvoffload.tiers.p2p_worker_handle`, :mod:`kvoffload.workers.p2p_transport`); the serving role
+(:mod:`kvoffload.tiers.p2p_server`) answers peers from this instance's host tier under
+``TieringManager.lock``, so an idle engine still serves. The engine-thread methods here never block.
+
+Routing from an orchestrator comes per request in ``kv_transfer_params`` (:meth:`P2PTier.on_request`),
+in vLLM 0.33's shape: ``remote_prefiller`` {``kv_request_id``, ``remote_host``, ``remote_port``} (a
+decoder: pull from that prefiller only), ``remote_decoder`` {``kv_request_id``} (a prefiller: hold the
+request's chunks for that decoder), ``remote_kv_source`` {same fields as ``remote_prefiller``} (probe that
+peer first).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import time
+from typing import Annotated, Any, Literal
+
+import msgspec
+import zmq
+from cachetools import LRUCache, TLRUCache
+from typing_extensions import override
+
+from kvoffload.config import Positive
+from kvoffload.tiers.base import JobMetadata, JobResult, LookupResult, SecondaryTierManager
+from kvoffload.tiers.p2p_node import (
+    CMD_CONNECT,
+    CMD_LOAD,
+    CMD_PROBE,
+    CMD_PUSH,
+    RES_DOWN,
+    RES_FETCHED,
+    RES_LOAD,
+    RES_PUSH,
+    RES_VERDICT,
+    PeerNode,
+    parse_peer,
+)
+from kvoffload.tiers.process import Seconds, TTLSeconds
+
+log = logging.getLogger("kvoffload.p2p")
+
+_HIT, _MISS, _RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
+SECRET_ENV = "KVOFFLOAD_P2P_SECRET"
+_Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+
+
+class P2PTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``{"type": "p2p", ...}``.
+
+    Attributes:
+        host: where the control socket binds (``127.0.0.1`` unless told otherwise; ``0.0.0.0`` all
+            interfaces, then ``advertise_host`` is required).
+        port: the control port (+ the data-parallel rank); 0 picks a free one (tests).
+        advertise_host: the address peers reach this instance at; default ``host``.
+        peers: the static peer list, ``["host:port", ...]``, asked in this order.
+        transport: how bulk bytes move: ``nixl``, ``tcp`` or ``auto`` (NIXL when importable).
+        data_host, data_port: the TCP transport's data server (default: ``host``, any port).
+        secret: the shared secret peers authenticate with (never logged); default: the
+            environment variable named by ``secret_env``.
+        secret_env: the environment variable holding the secret (``KVOFFLOAD_P2P_SECRET``).
+        auth: ``secret`` (default) or ``none``, accepted only when ``host`` is a loopback address.
+        heartbeat_s: heartbeat interval (seconds).
+        peer_timeout_s: a peer silent this long is down: its jobs fail, it is reconnected with
+            backoff (seconds, default 2).
+        transfer_deadline_s: a bulk transfer not done by then fails (seconds, default 2).
+        lease_ttl_s: how long a serving instance keeps a lease's slots pinned at most (seconds;
+            at least 5x ``transfer_deadline_s``, so a transfer reported done always ran while
+            its lease held).
+        negative_ttl_s: how long "no peer has it" is trusted (seconds; 0: not kept).
+        failed_load_ttl_s: how long a key whose load failed answers MISS (seconds).
+        quota_chunks: chunks this instance admits from peers' pushes (0: none).
+        push: ``off`` (default), ``when_full`` (offer chunks to peers while the host tier is
+            full and evicting) or ``always`` (offer every stored chunk).
+        hold_s: how long a prefiller holds a request's chunks for its remote decoder (seconds).
+        lookup_cache_entries: bound on remembered "at peer X" verdicts.
+        locality: as reported in KV events (``REMOTE``).
+        peer_events: KV-event endpoints of peers, ``{"host:port": "tcp://host:port"}``: where
+            chunks are (:mod:`kvoffload.tiers.p2p_locations`).
+    """
+
+    host: str = "127.0.0.1"
+    port: _Port = 5710
+    advertise_host: str | None = None
+    peers: list[str] = []
+    transport: Literal["nixl", "tcp", "auto"] = "auto"
+    data_host: str | None = None
+    data_port: _Port = 0
+    secret: str | None = None
+    secret_env: str = SECRET_ENV
+    auth: Literal["secret", "none"] = "secret"
+    heartbeat_s: Seconds = 0.5
+    peer_timeout_s: Seconds = 2.0
+    transfer_deadline_s: Seconds = 2.0
+    lease_ttl_s: Seconds = 30.0
+    negative_ttl_s: TTLSeconds = 1.0
+    failed_load_ttl_s: TTLSeconds = 10.0
+    quota_chunks: Annotated[int, msgspec.Meta(ge=0)] = 0
+    push: Literal["off", "when_full", "always"] = "off"
+    hold_s: Seconds = 60.0
+    lookup_cache_entries: Positive = 1_000_000
+    locality: Literal["LOCAL", "REMOTE"] = "REMOTE"
+    peer_events: dict[str, str] = {}
+
+    def __post_init__(self) -> None:
+        for i, p in enumerate(self.peers):
+            parse_peer(p, f"peers[{i}]")
+        if self.lease_ttl_s < 5 * self.transfer_deadline_s:
+            raise ValueError(
+                f"lease_ttl_s ({self.lease_ttl_s}) must be at least 5x transfer_deadline_s "
+                f"({self.transfer_deadline_s}): a lease must outlive every transfer of it"
+            )
+        if self.heartbeat_s >= self.peer_timeout_s:
+            raise ValueError(
+                f"heartbeat_s ({self.heartbeat_s}) must be below peer_timeout_s "
+                f"({self.peer_timeout_s})"
+            )
+        if self.host in ("0.0.0.0", "::") and not self.advertise_host:
+            raise ValueError(
+                f"advertise_host: required when host is {self.host!r} (peers must be told an "
+                "address they can reach)"
+            )
+        if self.auth == "none" and not _is_loopback(self.host):
+            raise ValueError(
+                f'auth: "none" is accepted only on a loopback host, not {self.host!r}; set '
+                f"secret or the {self.secret_env} environment variable"
+            )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class _Route:
+    """One request's routing from its ``kv_transfer_params``."""
+
+    __slots__ = ("source", "only", "kv_request_id", "decoder_id")
+
+    def __init__(self, source: str | None, only: bool, kv_request_id: str, decoder_id: str):
+        self.source = source  # a peer to ask first ("host:port")
+        self.only = only  # remote_prefiller: that peer and no other
+        self.kv_request_id = kv_request_id
+        self.decoder_id = decoder_id  # remote_decoder: hold stores for this kv_request_id
+
+
+def parse_route(params: Any) -> _Route | None:
+    """The p2p routing of one request's ``kv_transfer_params`` (vLLM 0.33's shape), or None.
+
+    A sub-dict that lacks its fields is ignored (logged at debug): the request then takes the
+    default path (configured peers), never a wrong peer.
+    """
+    if not isinstance(params, dict):
+        return None
+    decoder = params.get("remote_decoder")
+    decoder_id = ""
+    if isinstance(decoder, dict) and isinstance(decoder.get("kv_request_id"), str):
+        decoder_id = decoder["kv_request_id"]
+    source, only, kvr = None, False, ""
+    for name, is_only in (("remote_prefiller", True), ("remote_kv_source", False)):
+        role = params.get(name)
+        if not isinstance(role, dict):
+            continue
+        host, port, rid = (
+            role.get("remote_host"),
+            role.get("remote_port"),
+            role.get("kv_request_id"),
+        )
+        try:
+            if host and port and isinstance(rid, str) and rid:
+                source = f"{host}:{int(port)}"
+                parse_peer(source, name)
+                only, kvr = is_only, rid
+                break
+        except (TypeError, ValueError):
+            log.debug("p2p: ignoring a malformed %s in kv_transfer_params: %r", name, role)
+            source = None
+    if source is None and not decoder_id:
+        return None
+    return _Route(source, only, kvr, decoder_id)
+
+
+class _LoadJob:
+    __slots__ = ("meta", "parts", "ok", "failed", "nbytes", "t0")
+
+    def __init__(self, meta: JobMetadata, parts: int):
+        self.meta = meta
+        self.parts = parts
+        self.ok: list[bytes] = []
+        self.failed: dict[bytes, str] = {}
+        self.nbytes = 0
+        self.t0 = time.monotonic()
+
+
+class P2PTier(SecondaryTierManager):
+    """Peers' host tiers as a secondary tier; see the module docstring and DESIGN.md."""
+
+    config_class = P2PTierConfig
+    config: P2PTierConfig
+    medium = "PEER"
+    shared = True
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        arena_view: memoryview,
+        namespace: Any,
+        config: P2PTierConfig,
+        arena: Any = None,
+    ):
+        super().__init__(name=name, arena_view=arena_view, namespace=namespace, config=config)
+        if arena is None:
+            raise ValueError("type: the p2p tier needs the host arena (build it with create_tier)")
+        self.locality = config.locality
+        secret = config.secret if config.secret is not None else os.environ.get(config.secret_env)
+        if config.auth == "secret" and not secret:
+            raise ValueError(
+                f"secret: the p2p tier needs a shared secret (the secret key, or the "
+                f"{config.secret_env} environment variable), or auth: none on a loopback host"
+            )
+        self._secret = (secret or "").encode()
+        self.arena = arena
+        self.incarnation = os.urandom(16)
+        self._manager: Any = None
+        self._node: PeerNode | None = None
+        self._worker: Any = None
+        self._server: Any = None
+        self._ctx: zmq.Context | None = None
+        self.advertise = ""
+        # verdicts: key -> the peer that has it READY; keys no peer has (for negative_ttl_s)
+        self._peer_of: LRUCache[bytes, str] = LRUCache(maxsize=config.lookup_cache_entries)
+        self._absent: TLRUCache[bytes, float] = TLRUCache(
+            maxsize=config.lookup_cache_entries, ttu=lambda k, ttl, now: now + ttl
+        )
+        self._waiting: dict[bytes, set[str]] = {}
+        self._owed: dict[bytes, set[str]] = {}
+        self._routes: dict[str, _Route] = {}
+        self._loads: dict[int, _LoadJob] = {}
+        self._pushes: dict[int, JobMetadata] = {}
+        self._holds: dict[str, list[tuple[JobMetadata, float]]] = {}
+        self._finished: list[JobResult] = []
+        self._locations: Any = None
+
+    # -- start ------------------------------------------------------------------------------------
+
+    def attach(self, manager: Any) -> None:
+        """Join ``manager`` (a :class:`~kvoffload.tiering.TieringManager`): start the peer worker,
+        the serving role over its host tier, and the node thread."""
+        from kvoffload.tiers.p2p_server import PeerServer
+        from kvoffload.tiers.p2p_worker_handle import PeerWorkerHandle
+        from kvoffload.workers.p2p_transport import TransportConfig
+
+        cfg = self.config
+        self._manager = manager
+        self._ctx = zmq.Context()
+        self._worker = PeerWorkerHandle(
+            self.arena,
+            TransportConfig(
+                kind=cfg.transport,
+                host=cfg.data_host
+                or (cfg.host if cfg.host not in ("0.0.0.0", "::") else "0.0.0.0"),
+                port=cfg.data_port,
+                advertise_host=cfg.advertise_host or "",
+                deadline_s=cfg.transfer_deadline_s,
+            ),
+        )
+        port = cfg.port + getattr(manager, "data_parallel_rank", 0) if cfg.port else 0
+        self._server = PeerServer(
+            manager,
+            secret=self._secret,
+            incarnation=self.incarnation,
+            namespace_id=self.namespace.id,
+            descriptor=lambda: self._worker.descriptor,
+            quota_chunks=cfg.quota_chunks,
+            heartbeat_s=cfg.heartbeat_s,
+            peer_timeout_s=cfg.peer_timeout_s,
+            lease_ttl_max_s=cfg.lease_ttl_s,
+            pull=lambda *a: self._node.pull(*a) if self._node else None,
+        )
+        self._node = PeerNode(
+            ctx=self._ctx,
+            server=self._server,
+            worker=self._worker,
+            bind=f"tcp://{cfg.host}:{port}",
+            advertise="",
+            incarnation=self.incarnation,
+            namespace_id=self.namespace.id,
+            secret=self._secret,
+            heartbeat_s=cfg.heartbeat_s,
+            peer_timeout_s=cfg.peer_timeout_s,
+            transfer_deadline_s=cfg.transfer_deadline_s,
+            lease_ttl_s=cfg.lease_ttl_s,
+            count=self.count,
+            server_free_quota=self._server.free_quota,
+        )
+        bound_port = int(self._node.bound.rsplit(":", 1)[1])
+        self.advertise = f"{cfg.advertise_host or cfg.host}:{bound_port}"
+        self._node.advertise = self.advertise
+        if cfg.peer_events:
+            from kvoffload.tiers.p2p_locations import PeerLocations
+
+            self._locations = PeerLocations(cfg.peer_events)
+        self._node.start()
+        for p in cfg.peers:
+            self._node.submit((CMD_CONNECT, p))
+        log.info(
+            "p2p tier %s: serving on %s (advertised as %s), peers %s",
+            self.name,
+            self._node.bound,
+            self.advertise,
+            cfg.peers or "none configured",
+        )
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def on_request(self, req_id: str, kv_transfer_params: Any) -> None:
+        """A request arrived with ``kv_transfer_params`` (see the module docstring)."""
+        route = parse_route(kv_transfer_params)
+        if route is None:
+            return
+        self._routes[req_id] = route
+        if route.source is not None and self._node is not None:
+            self._node.submit((CMD_CONNECT, route.source))
+
+    def on_request_finished(self, req_id: str) -> None:
+        """Forget the request's routing."""
+        self._routes.pop(req_id, None)
+
+    def _candidates(self, key: bytes, route: _Route | None) -> tuple[str, ...]:
+        if route is not None and route.source is not None and route.only:
+            return (route.source,)
+        out: list[str] = []
+        if route is not None and route.source is not None:
+            out.append(route.source)
+        if self._locations is not None:
+            out.extend(p for p in self._locations.where(key) if p not in out)
+        out.extend(p for p in self.config.peers if p not in out)
+        return tuple(out)
+
+    # -- the engine-thread contract ---------------------------------------------------------------
+
+    @override
+    def lookup(self, key: bytes, req_id: str = "") -> LookupResult:
+        self._drain()
+        if key in self._peer_of:
+            return _HIT
+        route = self._routes.get(req_id)
+        if route is None and key in self._absent:
+            return _MISS
+        owed = self._owed.get(key)
+        if owed is not None and req_id in owed:
+            owed.discard(req_id)
+            if not owed:
+                del self._owed[key]
+            return _MISS
+        waiting = self._waiting.get(key)
+        if waiting is not None:
+            waiting.add(req_id)
+            return _RETRY
+        peers = self._candidates(key, route)
+        if not peers or self._node is None:
+            return _MISS
+        self._waiting[key] = {req_id}
+        self._node.submit((CMD_PROBE, key, peers))
+        return _RETRY
+
+    def wants_store(self, req_id: str) -> bool:
+        """Store jobs this tier takes: a request's chunks held for its remote decoder, and pushes
+        (``push``: always, or while the host tier is full)."""
+        route = self._routes.get(req_id)
+        if route is not None and route.decoder_id:
+            return True
+        push = self.config.push
+        if push == "always":
+            return True
+        if push == "when_full" and self._manager is not None:
+            host = self._manager.host
+            return host.num_used >= host.num_slots
+        return False
+
+    @override
+    def submit_store(self, job: JobMetadata) -> None:
+        route = self._routes.get(job.req_id)
+        if route is not None and route.decoder_id:
+            self._holds.setdefault(route.decoder_id, []).append(
+                (job, time.monotonic() + self.config.hold_s)
+            )
+            return
+        if self._node is None or self.config.push == "off":
+            self._finished.append(
+                JobResult(
+                    job_id=job.job_id,
+                    success=False,
+                    reason="not_routed",
+                    failed=dict.fromkeys(job.keys, "rejected"),
+                )
+            )
+            return
+        self._pushes[job.job_id] = job
+        self._node.submit((CMD_PUSH, job.job_id, list(job.keys), list(job.slots)))
+
+    @override
+    def submit_load(self, job: JobMetadata) -> None:
+        by_peer: dict[str, tuple[list[bytes], list[int]]] = {}
+        missing = {}
+        for key, slot in zip(job.keys, job.slots):
+            peer = self._peer_of.get(key)
+            if peer is None:
+                missing[key] = "missing"
+                continue
+            keys, slots = by_peer.setdefault(peer, ([], []))
+            keys.append(key)
+            slots.append(slot)
+        lj = _LoadJob(job, len(by_peer))
+        lj.failed.update(missing)
+        route = self._routes.get(job.req_id)
+        kvr = route.kv_request_id if route is not None else ""
+        if not by_peer or self._node is None:
+            self._finish_load(lj)
+            return
+        self._loads[job.job_id] = lj
+        for peer, (keys, slots) in by_peer.items():
+            self._node.submit((CMD_LOAD, job.job_id, peer, keys, slots, kvr))
+
+    def _finish_load(self, lj: _LoadJob) -> None:
+        self._loads.pop(lj.meta.job_id, None)
+        ttl = self.config.failed_load_ttl_s
+        for key in lj.failed:
+            self._peer_of.pop(key, None)
+            if ttl > 0:
+                self._absent[key] = ttl
+        if lj.failed:
+            reasons: dict[str, int] = {}
+            for r in lj.failed.values():
+                reasons[r] = reasons.get(r, 0) + 1
+            res = JobResult(
+                job_id=lj.meta.job_id,
+                success=False,
+                successful_keys=lj.ok,
+                reason=" ".join(f"{r}={n}" for r, n in sorted(reasons.items())),
+                failed=lj.failed,
+                transfer_bytes=lj.nbytes,
+                transfer_seconds=time.monotonic() - lj.t0,
+            )
+        else:
+            res = JobResult(
+                job_id=lj.meta.job_id,
+                success=True,
+                transfer_bytes=lj.nbytes,
+                transfer_seconds=time.monotonic() - lj.t0,
+            )
+        self._finished.append(res)
+
+    def _drain(self) -> None:
+        """Apply what the node thread reported."""
+        node = self._node
+        if node is None or not node.results:
+            return
+        results = node.results
+        while results:
+            r = results.popleft()
+            kind = r[0]
+            if kind == RES_VERDICT:
+                _, key, peer = r
+                waiting = self._waiting.pop(key, None)
+                if peer is not None:
+                    self._peer_of[key] = peer
+                    self._absent.pop(key, None)
+                else:
+                    if self.config.negative_ttl_s > 0:
+                        self._absent[key] = self.config.negative_ttl_s
+                    if waiting:
+                        self._owed.setdefault(key, set()).update(waiting)
+            elif kind == RES_LOAD:
+                _, job_id, ok, failed, nbytes, _secs = r
+                lj = self._loads.get(job_id)
+                if lj is None:
+                    continue
+                lj.ok.extend(ok)
+                lj.failed.update(failed)
+                lj.nbytes += nbytes
+                lj.parts -= 1
+                if lj.parts == 0:
+                    self._finish_load(lj)
+            elif kind == RES_PUSH:
+                _, job_id, peer, ok, failed = r
+                meta = self._pushes.pop(job_id, None)
+                if meta is None:
+                    continue
+                if peer is not None:
+                    for k in ok:
+                        self._peer_of[k] = peer
+                self._finished.append(
+                    JobResult(job_id=job_id, success=not failed, successful_keys=ok, failed=failed)
+                    if failed
+                    else JobResult(job_id=job_id, success=True)
+                )
+            elif kind == RES_DOWN:
+                _, peer = r
+                for k in [k for k, p in self._peer_of.items() if p == peer]:
+                    del self._peer_of[k]
+                if self._locations is not None:
+                    self._locations.drop_peer(peer)
+            elif kind == RES_FETCHED:
+                _, kvr, keys = r
+                self._end_holds(kvr, set(keys))
+
+    def _end_holds(self, kvr: str, fetched: set[bytes] | None) -> None:
+        """The decoder of ``kvr`` fetched ``fetched`` (None: the hold expired)."""
+        for meta, _ in self._holds.pop(kvr, []):
+            ok = [k for k in meta.keys if fetched is not None and k in fetched]
+            if len(ok) == len(meta.keys):
+                self._finished.append(JobResult(job_id=meta.job_id, success=True))
+            else:
+                self._finished.append(
+                    JobResult(
+                        job_id=meta.job_id,
+                        success=False,
+                        successful_keys=ok,
+                        reason="not_fetched",
+                        failed={k: "not_fetched" for k in meta.keys if k not in set(ok)},
+                    )
+                )
+
+    @override
+    def get_finished_jobs(self) -> list[JobResult]:
+        self._drain()
+        if self._holds:
+            now = time.monotonic()
+            for kvr in [k for k, v in self._holds.items() if any(d <= now for _, d in v)]:
+                self._end_holds(kvr, None)
+        out, self._finished = self._finished, []
+        return out
+
+    @override
+    def has_pending_work(self) -> bool:
+        return bool(self._waiting or self._loads or self._pushes or self._holds or self._finished)
+
+    @override
+    def wait(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._node is not None and self._node.results:
+                return True
+            time.sleep(0.001)
+        return False
+
+    @override
+    def workers_ready(self) -> bool:
+        return self._worker is not None and self._worker.descriptor is not None
+
+    def peers_up(self) -> list[str]:
+        """The peers whose session is authenticated and live now (read from the node thread's
+        state: a snapshot)."""
+        node = self._node
+        if node is None:
+            return []
+        return sorted(a for a, link in list(node.links.items()) if link.up)
+
+    @override
+    def shutdown(self) -> None:
+        node, self._node = self._node, None
+        if node is not None:
+            node.stop()
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+        for lj in list(self._loads.values()):
+            lj.failed.update({k: "cancelled" for k in lj.meta.keys if k not in set(lj.ok)})
+            self._finish_load(lj)
+        for meta in self._pushes.values():
+            self._finished.append(
+                JobResult(
+                    job_id=meta.job_id,
+                    success=False,
+                    reason="cancelled",
+                    failed=dict.fromkeys(meta.keys, "cancelled"),
+                )
+            )
+        self._pushes.clear()
+        for kvr in list(self._holds):
+            self._end_holds(kvr, None)

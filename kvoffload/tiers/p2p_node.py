@@ -1,0 +1,729 @@
+"""The p2p tier's node thread: every ZMQ socket of the tier, both roles, one thread.
+
+::
+
+    engine thread (P2PTier) ──commands (deque + wake-up fd)──▶ PeerNode thread ──results (deque)──▶ engine
+                                                                │
+        serving role: ROUTER on host:port ──▶ PeerServer.handle (host tier under TieringManager.lock)
+        client role:  one DEALER per peer (PeerLink: handshake, heartbeats, lookups, leases, offers)
+        bytes:        PeerWorkerHandle (the peer worker process: reads of leased slots, pulls of offers)
+
+The engine thread never touches a socket; the node never touches engine-thread state. What crosses is
+plain tuples in two :class:`collections.deque` (appends and pops are atomic), so the engine's calls
+stay microseconds-cheap whatever the peers do.
+
+Liveness: a link heartbeats every ``heartbeat_s``; a peer that has not been heard from for
+``peer_timeout_s`` (or whose handshake does not finish within it) is down at once: its outstanding
+lookups answer "not there", its loads fail, its transfers are cancelled in the worker, the engine
+is told (locations and verdicts naming it are dropped), and the link reconnects with backoff (0.5 s
+doubling up to 10 s). A peer that comes back with a new incarnation is a new peer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from kvoffload.ipc import peer_messages as pm
+
+log = logging.getLogger("kvoffload.p2p")
+
+BACKOFF_MIN_S = 0.5
+BACKOFF_MAX_S = 10.0
+
+# commands, engine -> node
+CMD_PROBE = "probe"  # (CMD_PROBE, key, peers: tuple[str, ...])
+CMD_LOAD = "load"  # (CMD_LOAD, job_id, peer, keys, slots, kv_request_id)
+CMD_PUSH = "push"  # (CMD_PUSH, job_id, keys, slots)
+CMD_CONNECT = "connect"  # (CMD_CONNECT, peer)  a peer named by a request's routing
+# results, node -> engine
+RES_VERDICT = (
+    "verdict"  # (RES_VERDICT, key, peer | None)  where key is READY (None: no peer has it)
+)
+RES_LOAD = "load"  # (RES_LOAD, job_id, ok_keys, failed: dict[key, reason], nbytes, seconds)
+RES_PUSH = "push"  # (RES_PUSH, job_id, peer | None, ok_keys, failed: dict[key, reason])
+RES_DOWN = "down"  # (RES_DOWN, peer)  drop every verdict and location naming it
+RES_FETCHED = "fetched"  # (RES_FETCHED, kv_request_id, keys)  a decoder released what it fetched
+
+
+def parse_peer(addr: str, where: str) -> tuple[str, int]:
+    """``"host:port"`` -> ``(host, port)``.
+
+    Raises:
+        ValueError: not ``host:port`` with a port in 1-65535 (the message names ``where``).
+    """
+    host, sep, port = addr.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{where}: {addr!r} is not host:port (port 1-65535)")
+    return host, int(port)
+
+
+class _Pending:
+    """An outstanding request of a link: what to do with the answer, and when to give up."""
+
+    __slots__ = ("kind", "ctx", "deadline")
+
+    def __init__(self, kind: str, ctx: Any, deadline: float):
+        self.kind = kind
+        self.ctx = ctx
+        self.deadline = deadline
+
+
+class _Load:
+    """A load job's part at one peer: leased, then read by the worker, then released."""
+
+    __slots__ = ("job_id", "keys", "slots", "kv_request_id", "lease", "tid", "ok", "t0", "link")
+
+    def __init__(self, job_id: int, keys: list[bytes], slots: list[int], kvr: str, link: PeerLink):
+        self.job_id = job_id
+        self.keys = keys
+        self.slots = slots
+        self.kv_request_id = kvr
+        self.lease = -1
+        self.tid = -1
+        self.ok: list[bytes] = []
+        self.t0 = time.monotonic()
+        self.link = link
+
+
+class PeerLink:
+    """The client role towards one peer (``host:port``): one DEALER socket, its handshake state,
+    its outstanding requests. Used only by the node thread."""
+
+    def __init__(self, node: PeerNode, addr: str):
+        self.node = node
+        self.addr = addr
+        self.host, self.port = parse_peer(addr, "peer")
+        self.sock: zmq.Socket | None = None
+        self.state = "down"  # down -> hello -> auth -> up
+        self.retry_at = 0.0
+        self.backoff = 0.0
+        self.nonce = b""
+        self.peer_incarnation = b""
+        self.worker_name = ""  # the peer's name in our worker's transport (per incarnation)
+        self.last_heard = 0.0
+        self.next_heartbeat = 0.0
+        self.since = 0.0  # when the current handshake started
+        self.free_quota = 0
+        self.pending: dict[int, _Pending] = {}
+        self.queued: list[pm.PeerMessage] = []  # sent once up
+        self.connects = 0
+
+    @property
+    def up(self) -> bool:
+        """True once authenticated, and until the peer is noticed down."""
+        return self.state == "up"
+
+    def connect(self, now: float) -> None:
+        """Open a fresh socket and say Hello (the previous socket, if any, is closed)."""
+        node = self.node
+        if node.worker.descriptor is None:
+            self.retry_at = now + 0.05  # our worker has not said hello yet: nothing to offer
+            return
+        self.close_socket()
+        s = node.ctx.socket(zmq.DEALER)
+        self.connects += 1
+        s.setsockopt(zmq.ROUTING_ID, node.incarnation + self.connects.to_bytes(4, "little"))
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.IMMEDIATE, 1)
+        s.setsockopt(zmq.MAXMSGSIZE, pm.MAX_MESSAGE_BYTES)
+        s.setsockopt(zmq.SNDHWM, 10_000)
+        s.connect(f"tcp://{self.host}:{self.port}")
+        self.sock = s
+        node.poller.register(s, zmq.POLLIN)
+        node.sock_links[s] = self
+        self.nonce = os.urandom(pm.NONCE_BYTES)
+        self.state = "hello"
+        self.since = now
+        self.last_heard = now
+        self._send_now(
+            pm.Hello(
+                version=pm.PROTOCOL_VERSION,
+                incarnation=node.incarnation,
+                advertise=node.advertise,
+                namespace_id=node.namespace_id,
+                nonce=self.nonce,
+            )
+        )
+
+    def close_socket(self) -> None:
+        """Close this link's socket (unsent messages are dropped: LINGER 0)."""
+        s = self.sock
+        if s is not None:
+            self.node.poller.unregister(s)
+            self.node.sock_links.pop(s, None)
+            s.close(linger=0)
+            self.sock = None
+
+    def _send_now(self, msg: pm.PeerMessage) -> None:
+        s = self.sock
+        if s is None:
+            return
+        try:
+            s.send(pm.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # not connected yet (IMMEDIATE) or full: the request's deadline handles it
+
+    def send(self, msg: pm.PeerMessage) -> None:
+        """Send now when up, else once the handshake ends (or never, when it fails)."""
+        if self.state == "up":
+            self._send_now(msg)
+        else:
+            self.queued.append(msg)
+
+    def request(self, msg: Any, kind: str, ctx: Any, now: float) -> None:
+        """Send a request with a ``req`` field and remember what its answer is for."""
+        node = self.node
+        node.next_req += 1
+        msg.req = node.next_req
+        self.pending[msg.req] = _Pending(kind, ctx, now + node.peer_timeout_s)
+        self.send(msg)
+
+    def on_frame(self, frame: bytes, now: float) -> None:
+        """One message from the peer."""
+        node = self.node
+        try:
+            msg = pm.decode(frame)
+        except pm.BadMessage as e:
+            node.count("malformed_replies")
+            log.warning("p2p: malformed message from peer %s: %s", self.addr, e)
+            return
+        self.last_heard = now
+        if self.state == "hello":
+            if not isinstance(msg, pm.Challenge):
+                self.fail(now, f"answered Hello with {type(msg).__name__}")
+                return
+            expect = pm.mac(node.secret, "server", *self._mac_parts(msg.incarnation, msg.nonce))
+            if node.secret and not pm.mac_ok(expect, msg.mac):
+                node.count("refused_bad_mac")
+                self.fail(now, "its Challenge does not prove the shared secret")
+                return
+            if self.peer_incarnation and self.peer_incarnation != msg.incarnation:
+                node.peer_restarted(self)  # a new instance at that address: forget the old one
+            self.peer_incarnation = msg.incarnation
+            mine = pm.mac(node.secret, "client", *self._mac_parts(msg.incarnation, msg.nonce))
+            self.state = "auth"
+            desc = node.worker.descriptor
+            self._send_now(pm.Auth(mac=mine, descriptor=desc or b""))
+            return
+        if self.state == "auth":
+            if isinstance(msg, pm.Welcome):
+                self.worker_name = f"{self.addr}#{self.peer_incarnation.hex()[:12]}"
+                try:
+                    node.worker.add_peer(self.worker_name, msg.descriptor)
+                except Exception as e:  # a descriptor our transport cannot use
+                    self.fail(now, f"its transport descriptor is unusable: {e}")
+                    return
+                self.state = "up"
+                self.backoff = 0.0
+                self.free_quota = msg.quota_chunks
+                self.next_heartbeat = now + node.heartbeat_s
+                log.info("p2p: peer %s is up", self.addr)
+                queued, self.queued = self.queued, []
+                for q in queued:
+                    self._send_now(q)
+                return
+            reason = msg.reason if isinstance(msg, pm.Refused) else type(msg).__name__
+            self.fail(now, f"refused the session: {reason}")
+            return
+        # up
+        if isinstance(msg, pm.HeartbeatAck):
+            self.free_quota = msg.free_quota
+            return
+        if isinstance(msg, pm.Heartbeat):
+            self.free_quota = msg.free_quota
+            self._send_now(pm.HeartbeatAck(seq=msg.seq, free_quota=node.server_free_quota()))
+            return
+        if isinstance(msg, pm.Pulled):
+            node.on_pulled(self, msg, now)
+            return
+        if isinstance(msg, pm.Refused):
+            node.count("refused_by_peer")
+            log.warning("p2p: peer %s refused a message: %s", self.addr, msg.reason)
+            self.fail(now, f"refused: {msg.reason}")
+            return
+        req = getattr(msg, "req", None)
+        p = self.pending.pop(req, None) if req is not None else None
+        if p is None:
+            node.count("unknown_replies")
+            return
+        node.on_reply(self, p, msg, now)
+
+    def _mac_parts(self, server_incarnation: bytes, server_nonce: bytes) -> tuple[bytes, ...]:
+        node = self.node
+        return (
+            self.nonce,
+            server_nonce,
+            node.incarnation,
+            server_incarnation,
+            node.namespace_id.encode(),
+        )
+
+    def tick(self, now: float) -> None:
+        """Timers: reconnect, handshake deadline, heartbeats, silence, request deadlines."""
+        node = self.node
+        if self.state == "down":
+            if now >= self.retry_at:
+                self.connect(now)
+            return
+        if self.state != "up":
+            if now - self.since > node.peer_timeout_s:
+                self.fail(now, "the handshake did not finish in time")
+            return
+        if now - self.last_heard > node.peer_timeout_s:
+            self.fail(now, f"silent for {now - self.last_heard:.1f} s")
+            return
+        if now >= self.next_heartbeat:
+            self.next_heartbeat = now + node.heartbeat_s
+            node.heartbeat_seq += 1
+            self._send_now(
+                pm.Heartbeat(seq=node.heartbeat_seq, free_quota=node.server_free_quota())
+            )
+        expired = [r for r, p in self.pending.items() if p.deadline <= now]
+        for r in expired:
+            node.on_unanswered(self, self.pending.pop(r), now)
+
+    def fail(self, now: float, why: str) -> None:
+        """The peer is down: fail everything outstanding, tell the engine, reconnect later."""
+        node = self.node
+        was_up = self.state == "up"
+        if was_up or self.state != "down":
+            log.warning("p2p: peer %s is down: %s", self.addr, why)
+        node.count("peer_down")
+        self.state = "down"
+        self.close_socket()
+        self.backoff = min(BACKOFF_MAX_S, max(BACKOFF_MIN_S, self.backoff * 2))
+        self.retry_at = now + self.backoff
+        pending, self.pending = self.pending, {}
+        for p in pending.values():
+            node.on_unanswered(self, p, now)
+        self.queued = []
+        node.link_down(self, now)
+
+
+class PeerNode(threading.Thread):
+    """The node thread of one p2p tier (see the module docstring).
+
+    Args:
+        ctx: the tier's ZMQ context.
+        server: the serving role (:class:`kvoffload.tiers.p2p_server.PeerServer`), or None.
+        worker: the :class:`kvoffload.tiers.p2p_worker_handle.PeerWorkerHandle`.
+        bind: ``tcp://host:port`` of the serving ROUTER.
+        advertise: ``host:port`` peers reach this instance at.
+        incarnation: 16 random bytes, this start's identity.
+        namespace_id: hex id of the namespace the sessions read.
+        secret: the shared secret (bytes; empty with ``auth: none``).
+        heartbeat_s, peer_timeout_s, transfer_deadline_s, lease_ttl_s: seconds.
+        count: ``count(counter, n=1)`` of the tier (thread-safe for distinct names: dict updates).
+    """
+
+    def __init__(
+        self,
+        *,
+        ctx: zmq.Context,
+        server: Any,
+        worker: Any,
+        bind: str,
+        advertise: str,
+        incarnation: bytes,
+        namespace_id: str,
+        secret: bytes,
+        heartbeat_s: float,
+        peer_timeout_s: float,
+        transfer_deadline_s: float,
+        lease_ttl_s: float,
+        count: Callable[..., None],
+        server_free_quota: Callable[[], int],
+    ):
+        super().__init__(name="kvoffload-p2p-node", daemon=True)
+        self.ctx = ctx
+        self.server = server
+        self.worker = worker
+        self.advertise = advertise
+        self.incarnation = incarnation
+        self.namespace_id = namespace_id
+        self.secret = secret
+        self.heartbeat_s = heartbeat_s
+        self.peer_timeout_s = peer_timeout_s
+        self.transfer_deadline_s = transfer_deadline_s
+        self.lease_ttl_s = lease_ttl_s
+        self.count = count
+        self.server_free_quota = server_free_quota
+        self.commands: deque[tuple] = deque()
+        self.results: deque[tuple] = deque()
+        self.links: dict[str, PeerLink] = {}
+        self.sock_links: dict[zmq.Socket, PeerLink] = {}
+        self.next_req = 0
+        self.heartbeat_seq = 0
+        self.loads: dict[int, _Load] = {}  # transfer id -> load part
+        self.pulls: dict[int, tuple[bytes, int]] = {}  # transfer id -> (client identity, lease)
+        self.pushes: dict[int, tuple[PeerLink, list[bytes], float]] = {}  # job id -> offer
+        self._stop = False
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self.poller = zmq.Poller()
+        self.router = ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.MAXMSGSIZE, pm.MAX_MESSAGE_BYTES)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.router.bind(bind)
+        self.bound = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.poller.register(self.router, zmq.POLLIN)
+        self.poller.register(self._wake_r, zmq.POLLIN)
+        self._worker_fd: int | None = None
+        self.error: BaseException | None = None
+
+    # -- engine thread side ------------------------------------------------------------------------
+
+    def submit(self, cmd: tuple) -> None:
+        """Queue a command for the node thread (engine thread; never blocks)."""
+        self.commands.append(cmd)
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:
+            pass  # the pipe is full of wake-ups already
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread and close its sockets (engine thread)."""
+        self._stop = True
+        self.submit(("stop",))
+        if self.is_alive():
+            self.join(timeout_s)
+
+    # -- the thread --------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Serve until :meth:`stop`."""
+        try:
+            self._loop()
+        except BaseException as e:  # the tier reports it; peers see us go silent
+            self.error = e
+            log.exception("p2p: the node thread stopped on an error")
+        finally:
+            for link in list(self.links.values()):
+                link.close_socket()
+            self.router.close(linger=0)
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+
+    def _loop(self) -> None:
+        poller = self.poller
+        while not self._stop:
+            fd = self._worker_fileno()
+            if fd != self._worker_fd:
+                if self._worker_fd is not None:
+                    poller.unregister(self._worker_fd)
+                if fd is not None:
+                    poller.register(fd, zmq.POLLIN)
+                self._worker_fd = fd
+            events = dict(poller.poll(self._timeout_ms()))
+            now = time.monotonic()
+            if self._wake_r in events:
+                try:
+                    while os.read(self._wake_r, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
+            self._commands(now)
+            if self.router in events:
+                self._serve(now)
+            for s, link in list(self.sock_links.items()):
+                if s in events:
+                    self._drain_link(s, link, now)
+            self._worker_events(now)
+            self._tick(now)
+
+    def _worker_fileno(self) -> int | None:
+        try:
+            return self.worker.fileno()
+        except Exception:
+            return None
+
+    def _timeout_ms(self) -> int:
+        # timers are coarse (heartbeats, deadlines): 20 ms granularity is plenty
+        return 20
+
+    def _commands(self, now: float) -> None:
+        cmds = self.commands
+        probes: dict[str, list[bytes]] = {}
+        probe_peers: dict[bytes, tuple[str, ...]] = {}
+        while cmds:
+            cmd = cmds.popleft()
+            kind = cmd[0]
+            if kind == CMD_PROBE:
+                _, key, peers = cmd
+                probe_peers[key] = peers
+                self._probe_next(key, peers, probes, now)
+            elif kind == CMD_LOAD:
+                _, job_id, peer, keys, slots, kvr = cmd
+                self._start_load(job_id, peer, keys, slots, kvr, now)
+            elif kind == CMD_PUSH:
+                _, job_id, keys, slots = cmd
+                self._start_push(job_id, keys, slots, now)
+            elif kind == CMD_CONNECT:
+                self.link(cmd[1], now)
+        for addr, keys in probes.items():
+            link = self.links[addr]
+            for i in range(0, len(keys), pm.MAX_KEYS):
+                batch = keys[i : i + pm.MAX_KEYS]
+                ctx = [(k, probe_peers[k]) for k in batch]
+                link.request(pm.Lookup(req=0, keys=batch), "lookup", ctx, now)
+
+    def link(self, addr: str, now: float) -> PeerLink:
+        """The link to ``addr``, opened on first use."""
+        link = self.links.get(addr)
+        if link is None:
+            link = self.links[addr] = PeerLink(self, addr)
+            link.connect(now)
+        return link
+
+    def _probe_next(
+        self, key: bytes, peers: tuple[str, ...], probes: dict[str, list[bytes]], now: float
+    ) -> None:
+        """Ask the first of ``peers`` that is not down; none left: the key is nowhere."""
+        for addr in peers:
+            link = self.link(addr, now)
+            if link.state == "down":
+                continue
+            probes.setdefault(addr, []).append(key)
+            return
+        self.results.append((RES_VERDICT, key, None))
+
+    # -- serving role ---------------------------------------------------------------------------
+
+    def _serve(self, now: float) -> None:
+        router = self.router
+        server = self.server
+        for _ in range(1000):
+            try:
+                parts = router.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            if len(parts) != 2:
+                self.count("refused_malformed")
+                continue
+            ident, frame = parts
+            if server is None:
+                continue
+            for to, out in server.handle(ident, frame, now):
+                self._route(to, out)
+
+    def _route(self, ident: bytes, frame: bytes) -> None:
+        try:
+            self.router.send_multipart([ident, frame], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            self.count("unsent_replies")
+
+    def pull(self, ident: bytes, descriptor: bytes, lease: int, pairs: list[tuple[int, int]]):
+        """The serving role admitted an offer: read the pusher's leased slots into ours."""
+        name = f"client#{ident.hex()}"
+        try:
+            self.worker.add_peer(name, descriptor)
+        except Exception as e:
+            log.warning("p2p: cannot pull an offer from %s: %s", name, e)
+            for to, out in self.server.pull_settled(ident, lease, b"\0" * len(pairs)):
+                self._route(to, out)
+            return
+        tid = self.worker.read(name, pairs, self.transfer_deadline_s)
+        self.pulls[tid] = (ident, lease)
+
+    # -- client role: replies -------------------------------------------------------------------
+
+    def on_reply(self, link: PeerLink, p: _Pending, msg: Any, now: float) -> None:
+        """A reply to one of ``link``'s requests."""
+        if p.kind == "lookup" and isinstance(msg, pm.LookupReply):
+            ctx = p.ctx
+            if len(msg.states) != len(ctx):
+                self.count("malformed_replies")
+                self.on_unanswered(link, p, now)
+                return
+            again: dict[str, list[bytes]] = {}
+            for (key, peers), state in zip(ctx, msg.states):
+                if state == pm.READY:
+                    self.results.append((RES_VERDICT, key, link.addr))
+                elif state == pm.PENDING:
+                    again.setdefault(link.addr, []).append(key)  # ask it again shortly
+                else:
+                    rest = peers[peers.index(link.addr) + 1 :] if link.addr in peers else ()
+                    self._probe_next(key, rest, again, now)
+            for addr, keys in again.items():
+                ctx2 = [(k, dict(ctx).get(k, (addr,))) for k in keys]
+                self.links[addr].request(pm.Lookup(req=0, keys=keys), "lookup", ctx2, now)
+            return
+        if p.kind == "lease" and isinstance(msg, pm.LeaseReply):
+            part: _Load = p.ctx
+            if len(msg.slots) != len(part.keys):
+                self.count("malformed_replies")
+                self._load_done(part, [], "bad_reply")
+                return
+            part.lease = msg.lease
+            pairs = []
+            keys = []
+            for key, local, remote in zip(part.keys, part.slots, msg.slots):
+                if 0 <= remote:
+                    pairs.append((local, remote))
+                    keys.append(key)
+            if not pairs:
+                self._release(part)
+                self._load_done(part, [], "missing")
+                return
+            part.ok = keys
+            part.tid = self.worker.read(link.worker_name, pairs, self.transfer_deadline_s)
+            self.loads[part.tid] = part
+            return
+        if p.kind == "offer" and isinstance(msg, pm.OfferReply):
+            job_id, keys, slots = p.ctx
+            if len(msg.accepted) != len(keys) or not any(msg.accepted):
+                reason = "bad_reply" if len(msg.accepted) != len(keys) else "refused"
+                self.pushes.pop(job_id, None)
+                self.results.append((RES_PUSH, job_id, None, [], dict.fromkeys(keys, reason)))
+                return
+            # wait for Pulled (the receiver reads our slots); the job keeps them pinned meanwhile
+            self.pushes[job_id] = (link, keys, now + self.lease_ttl_s)
+            return
+        self.count("malformed_replies")
+        self.on_unanswered(link, p, now)
+
+    def on_unanswered(self, link: PeerLink, p: _Pending, now: float) -> None:
+        """A request of ``link`` got no (usable) answer: its peer is down or too slow."""
+        if p.kind == "lookup":
+            again: dict[str, list[bytes]] = {}
+            for key, peers in p.ctx:
+                rest = peers[peers.index(link.addr) + 1 :] if link.addr in peers else ()
+                self._probe_next(key, rest, again, now)
+            for addr, keys in again.items():
+                ctx2 = [(k, pk) for k, pk in p.ctx if k in set(keys)]
+                self.links[addr].request(pm.Lookup(req=0, keys=keys), "lookup", ctx2, now)
+        elif p.kind == "lease":
+            self._load_done(p.ctx, [], "peer_down" if link.state == "down" else "timeout")
+        elif p.kind == "offer":
+            job_id, keys, _slots = p.ctx
+            self.results.append((RES_PUSH, job_id, None, [], dict.fromkeys(keys, "timeout")))
+
+    def on_pulled(self, link: PeerLink, msg: pm.Pulled, now: float) -> None:
+        """The receiver of our offer has read it: the push job ends."""
+        push = self.pushes.pop(msg.lease, None)
+        if push is None or push[0] is not link:
+            self.count("unknown_replies")
+            return
+        _, keys, _ = push
+        if len(msg.ok) != len(keys):
+            self.count("malformed_replies")
+            self.results.append((RES_PUSH, msg.lease, None, [], dict.fromkeys(keys, "bad_reply")))
+            return
+        ok = [k for k, b in zip(keys, msg.ok) if b]
+        failed = {k: "refused" for k, b in zip(keys, msg.ok) if not b}
+        self.results.append((RES_PUSH, msg.lease, link.addr, ok, failed))
+
+    # -- client role: jobs ----------------------------------------------------------------------
+
+    def _start_load(
+        self, job_id: int, addr: str, keys: list[bytes], slots: list[int], kvr: str, now: float
+    ) -> None:
+        link = self.link(addr, now)
+        part = _Load(job_id, keys, slots, kvr, link)
+        if link.state == "down":
+            self._load_done(part, [], "peer_down")
+            return
+        link.request(
+            pm.Lease(req=0, keys=keys, ttl_s=self.lease_ttl_s, kv_request_id=kvr),
+            "lease",
+            part,
+            now,
+        )
+
+    def _release(self, part: _Load) -> None:
+        if part.lease >= 0 and part.link.state == "up":
+            part.link.send(pm.Release(lease=part.lease))
+        part.lease = -1
+
+    def _load_done(self, part: _Load, ok: list[bytes], reason: str) -> None:
+        ok_set = set(ok)
+        failed = {k: reason for k in part.keys if k not in ok_set}
+        nbytes = len(ok) * self.worker.row_bytes
+        self.results.append((RES_LOAD, part.job_id, ok, failed, nbytes, time.monotonic() - part.t0))
+
+    def _start_push(self, job_id: int, keys: list[bytes], slots: list[int], now: float) -> None:
+        best = None
+        for link in self.links.values():
+            if (
+                link.up
+                and link.free_quota > 0
+                and (best is None or link.free_quota > best.free_quota)
+            ):
+                best = link
+        if best is None:
+            self.results.append((RES_PUSH, job_id, None, [], dict.fromkeys(keys, "no_peer")))
+            return
+        best.free_quota -= len(keys)
+        best.request(
+            pm.Offer(req=0, keys=keys, lease=job_id, slots=slots),
+            "offer",
+            (job_id, keys, slots),
+            now,
+        )
+
+    # -- worker -------------------------------------------------------------------------------
+
+    def _worker_events(self, now: float) -> None:
+        for tid, state, reason in self.worker.poll():
+            done = state.name == "DONE"
+            part = self.loads.pop(tid, None)
+            if part is not None:
+                self._release(part)
+                if done:
+                    self._load_done(part, part.ok, "")
+                else:
+                    self.count("transfer_failures")
+                    self._load_done(part, [], reason or "transfer_failed")
+                    if part.link.up and "down" in (reason or ""):
+                        part.link.fail(now, f"a transfer failed: {reason}")
+                continue
+            pull = self.pulls.pop(tid, None)
+            if pull is not None:
+                ident, lease = pull
+                n = self.server.offer_size(ident, lease) if self.server else 0
+                ok = (b"\1" if done else b"\0") * n
+                for to, out in self.server.pull_settled(ident, lease, ok):
+                    self._route(to, out)
+
+    # -- timers -------------------------------------------------------------------------------
+
+    def _tick(self, now: float) -> None:
+        for link in list(self.links.values()):
+            link.tick(now)
+        for job_id, (_link, keys, deadline) in list(self.pushes.items()):
+            if deadline <= now:
+                # The receiver never said it pulled: its reads (deadline far shorter than this)
+                # are over, so the slots can go back.
+                del self.pushes[job_id]
+                self.results.append((RES_PUSH, job_id, None, [], dict.fromkeys(keys, "timeout")))
+        if self.server is not None:
+            for to, out in self.server.tick(now):
+                self._route(to, out)
+
+    # -- liveness -----------------------------------------------------------------------------
+
+    def link_down(self, link: PeerLink, now: float) -> None:
+        """``link``'s peer is down: cancel its transfers, fail its pushes, tell the engine."""
+        if link.worker_name:
+            try:
+                self.worker.remove_peer(link.worker_name)  # its transfers settle failed
+            except Exception:
+                log.exception("p2p: removing peer %s from the worker failed", link.addr)
+        # Pushes to it keep their pins until their deadline: the receiver's reads may still run.
+        self.results.append((RES_DOWN, link.addr))
+
+    def peer_restarted(self, link: PeerLink) -> None:
+        """``link``'s address answers with a new incarnation: drop what we knew of the old one."""
+        self.count("peer_restarts")
+        self.results.append((RES_DOWN, link.addr))

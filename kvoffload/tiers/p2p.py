@@ -570,6 +570,11 @@ class P2PTier(SecondaryTierManager):
     def workers_ready(self) -> bool:
         return self._worker is not None and self._worker.descriptor is not None
 
+    @property
+    def worker_pid(self) -> int | None:
+        """The peer worker process's pid (None before :meth:`attach` or after shutdown)."""
+        return None if self._worker is None else self._worker.pid
+
     def peers_up(self) -> list[str]:
         """The peers whose session is authenticated and live now (read from the node thread's
         state: a snapshot)."""

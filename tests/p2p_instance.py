@@ -1,0 +1,141 @@
+"""A standalone kvoffload instance with a p2p tier, for the p2p tier tests: its own process, arena,
+tiering manager, peer worker and node thread, as a second vLLM server would have.
+
+Started as ``python tests/p2p_instance.py``; reads one JSON command per line on stdin and answers one
+JSON line each on the stdout it was started with (fd 1 is pointed at stderr first: NIXL logs to
+stdout). Commands (``op`` plus arguments):
+
+- ``init(tiers, num_slots, row_bytes, name)``: build the instance; answers ``advertise`` (``host:port``
+  peers reach it at) and the peer worker's ``worker_pid``.
+- ``store(keys)``: accelerator → host store of hex ``keys`` with their :func:`payload` bytes.
+- ``resolve(keys, req_id, params)``: look ``keys`` up every step until settled; answers the results.
+- ``digest(keys)``: xxh3 of the host rows of READY ``keys`` (None where not READY).
+- ``drop(keys)``: remove ``keys`` from the host tier.
+- ``state()``: pins held vs ref counts, busy slots, peers up.
+- ``close()``.
+Errors are answered as ``{"error": "<type>", "message": ...}``; the process goes on.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+_reply_fd = os.dup(1)
+os.dup2(2, 1)
+
+import msgspec  # noqa: E402
+import xxhash  # noqa: E402
+
+from kvoffload.config import parse_config  # noqa: E402
+from kvoffload.ipc.arena import Arena  # noqa: E402
+from kvoffload.namespace import Namespace  # noqa: E402
+from kvoffload.testing.tier_contract import payload  # noqa: E402
+from kvoffload.tiering import TieringManager  # noqa: E402
+from kvoffload.tiers.base import LookupResult  # noqa: E402
+
+_UNSETTLED = (LookupResult.RETRY, LookupResult.HIT_PENDING)
+
+
+def namespace(row_bytes: int) -> Namespace:
+    """The namespace every p2p test instance shares (same as ``tests/helpers.namespace``)."""
+    return Namespace(
+        model="test/model",
+        kv_dtype="bfloat16",
+        layout="raw-v1",
+        tokens_per_chunk=16,
+        row_bytes=row_bytes,
+    )
+
+
+class Instance:
+    def __init__(self) -> None:
+        self.arena: Arena | None = None
+        self.tm: TieringManager | None = None
+
+    def init(self, tiers: list, num_slots: int, row_bytes: int, name: str) -> dict:
+        config = parse_config({"cpu_bytes_to_use": num_slots * row_bytes, "secondary_tiers": tiers})
+        self.arena = Arena.create(name, num_slots, row_bytes)
+        self.tm = TieringManager(self.arena, namespace(row_bytes), config)
+        tier = self.tm.tiers[0]
+        deadline = time.monotonic() + 120
+        while not tier.workers_ready():
+            if time.monotonic() > deadline:
+                raise TimeoutError("the peer worker did not start")
+            time.sleep(0.01)
+        return {"advertise": tier.advertise, "worker_pid": tier.worker_pid}
+
+    def store(self, keys: list[str]) -> dict:
+        assert self.tm is not None and self.arena is not None
+        ks = [bytes.fromhex(k) for k in keys]
+        plan = self.tm.prepare_store(ks)
+        assert plan is not None
+        for k, s in zip(plan.keys, plan.slots):
+            self.arena.rows[s] = payload(k, self.arena.row_bytes)
+        self.tm.complete_store(plan.keys, True)
+        return {"stored": len(plan.keys)}
+
+    def resolve(self, keys: list[str], req_id: str = "req", params: dict | None = None) -> dict:
+        assert self.tm is not None
+        ks = [bytes.fromhex(k) for k in keys]
+        if params:
+            self.tm.on_request(req_id, params)
+        deadline = time.monotonic() + 120
+        while True:
+            res = [self.tm.lookup(k, req_id) for k in ks]
+            if not any(r in _UNSETTLED for r in res) or time.monotonic() > deadline:
+                return {"results": [r.name for r in res]}
+            self.tm.step()
+            time.sleep(0.002)
+
+    def digest(self, keys: list[str]) -> dict:
+        assert self.tm is not None and self.arena is not None
+        out = []
+        for k in keys:
+            slot = self.tm.host.index.get(bytes.fromhex(k))
+            out.append(None if slot is None else xxhash.xxh3_64_hexdigest(self.arena.rows[slot]))
+        return {"digests": out}
+
+    def drop(self, keys: list[str]) -> dict:
+        assert self.tm is not None
+        return {"removed": len(self.tm.host.remove([bytes.fromhex(k) for k in keys]))}
+
+    def state(self) -> dict:
+        assert self.tm is not None
+        host = self.tm.host
+        with self.tm.lock:
+            pins = self.tm.pins_held()
+            refs = {s: int(r) for s, r in enumerate(host.refs) if r}
+        return {
+            "pins_match": pins == refs,
+            "pinned": len(refs),
+            "busy": len(self.tm.busy_slots()),
+            "peers_up": self.tm.tiers[0].peers_up(),
+        }
+
+    def close(self) -> dict:
+        if self.tm is not None:
+            self.tm.shutdown()
+        if self.arena is not None:
+            self.arena.close()
+        return {}
+
+
+def main() -> None:
+    inst = Instance()
+    out = os.fdopen(_reply_fd, "wb", buffering=0)
+    for line in sys.stdin.buffer:
+        cmd = msgspec.json.decode(line)
+        op = cmd.pop("op")
+        try:
+            reply = getattr(inst, op)(**cmd)
+        except Exception as e:
+            reply = {"error": type(e).__name__, "message": str(e)}
+        out.write(msgspec.json.encode(reply) + b"\n")
+        if op == "close":
+            return
+
+
+if __name__ == "__main__":
+    main()

@@ -153,25 +153,24 @@ def assert_serves(rig: Rig, keys: list[bytes], req_id: str = "req", params=None)
     """``keys`` resolve to HIT through the p2p tier and their bytes are exact."""
     if params is not None:
         rig.tm.on_request(req_id, params)
-    res = wait_until(
-        lambda: (
-            r
-            if not any(
-                x in (LookupResult.RETRY, LookupResult.HIT_PENDING)
-                for x in (r := [rig.tm.lookup(k, req_id) for k in keys])
-            )
-            else None
-        ),
-        PATIENCE_S,
-        "lookups to settle",
-        step=rig.tm.step,
-    )
+    res = settle(rig, keys, req_id)
     assert res == [HIT] * len(keys), res
     slots = rig.tm.prepare_load(keys, req_id)
     for k, s in zip(keys, slots):
         assert np.array_equal(rig.arena.rows[s], payload(k, ROW)), "wrong bytes served"
         assert rig.tm.source_of(k, req_id) == tier(rig).name
     rig.tm.complete_load(keys, req_id)
+
+
+def settle(rig: Rig, keys: list[bytes], req_id: str = "req") -> list[LookupResult]:
+    """Look ``keys`` up every engine step until none is RETRY or HIT_PENDING."""
+    unsettled = (LookupResult.RETRY, LookupResult.HIT_PENDING)
+
+    def settled():
+        res = [rig.tm.lookup(k, req_id) for k in keys]
+        return None if any(r in unsettled for r in res) else res
+
+    return wait_until(settled, PATIENCE_S, f"{len(keys)} lookup(s) to settle", step=rig.tm.step)
 
 
 def pins_consistent(rig: Rig) -> bool:
@@ -216,14 +215,7 @@ def test_three_instances_peers_are_asked_in_order_and_a_key_nowhere_misses(world
     a.store(on_a)
     b.store(on_b)
     assert_serves(c, on_a + on_b)
-    res = wait_until(
-        lambda: (
-            r if LookupResult.RETRY not in (r := [c.tm.lookup(k, "r2") for k in nowhere]) else None
-        ),
-        PATIENCE_S,
-        "misses",
-        step=c.tm.step,
-    )
+    res = settle(c, nowhere, "r2")
     assert res == [MISS, MISS]
     assert sorted(tier(c).peers_up()) == sorted([a.addr, b.addr])
 
@@ -233,20 +225,7 @@ def test_a_peer_with_another_secret_gets_nothing(world):
     a.store(keys_for(2, seed=6))
     bad = dict(p2p("tcp", free_port(), [a.addr]), secret="not-the-secret")
     c = world.rig(bad)
-    res = [c.tm.lookup(k, "r") for k in keys_for(2, seed=6)]
-    for _ in range(50):
-        c.tm.step()
-        time.sleep(0.01)
-    res = wait_until(
-        lambda: (
-            r
-            if LookupResult.RETRY not in (r := [c.tm.lookup(k, "r") for k in keys_for(2, seed=6)])
-            else None
-        ),
-        PATIENCE_S,
-        "misses",
-        step=c.tm.step,
-    )
+    res = settle(c, keys_for(2, seed=6), "r")
     assert res == [MISS, MISS]
     assert tier(c).peers_up() == []
 

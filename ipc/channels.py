@@ -7,6 +7,9 @@
       ROUTER  stores  ◀── bind ── connect ──▶ DEALER  (writer workers: tasks in, Hello out)
       PULL    results ◀── bind ── connect ─── PUSH    (every worker: TaskResult out)
 
+    p2p tier (PeerWorkerChannel)                           p2p peer worker
+      PAIR            ◀── bind ── connect ──▶ PAIR    (transfers in, settled transfers out)
+
 Per tier, one socket carries loads and one carries stores, so a reload never queues behind a burst of
 stores. The jobs sockets are ROUTERs rather than plain PUSH sockets so the engine addresses each task to
 one named worker: it always knows which worker holds which task, and when a worker dies it fails or
@@ -141,3 +144,75 @@ class WorkerChannels:
         """Close the sockets at once (nothing unsent is waited for)."""
         self.jobs.close(linger=0)
         self.results.close()
+
+
+class PeerWorkerChannel:
+    """The socket pair between the p2p tier's engine side and its peer worker process: one ZMQ PAIR
+    socket each end over an abstract-namespace IPC endpoint, bound by the engine (:meth:`bind`),
+    connected by the worker (:meth:`connect`). One frame per message, unlimited queues (the engine
+    bounds what it sends). Not thread-safe: each end is used by one thread.
+    """
+
+    def __init__(self, sock: zmq.Socket, endpoint: str):
+        self.sock = sock
+        self.endpoint = endpoint
+
+    @classmethod
+    def bind(cls, ctx: zmq.Context, tag: str = "p2p-worker") -> PeerWorkerChannel:
+        """The engine's end, bound to a fresh endpoint (a restarted worker gets a new one)."""
+        sock = ctx.socket(zmq.PAIR)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        ep = _endpoint(tag)
+        sock.bind(ep)
+        return cls(sock, ep)
+
+    @classmethod
+    def connect(cls, ctx: zmq.Context, endpoint: str) -> PeerWorkerChannel:
+        """The worker's end. Messages sent before the connection completes are queued; on close,
+        unsent ones get up to 2 s to leave (a worker's last report)."""
+        sock = ctx.socket(zmq.PAIR)
+        sock.setsockopt(zmq.LINGER, 2000)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.connect(endpoint)
+        return cls(sock, endpoint)
+
+    @property
+    def fd(self) -> int:
+        """The socket's ZMQ_FD: readable when its events *may* have changed (edge-like: check
+        :meth:`readable` after it fires, and after every send)."""
+        fd: int = self.sock.getsockopt(zmq.FD)  # type: ignore[assignment]  # int for FD
+        return fd
+
+    def readable(self) -> bool:
+        """A message is waiting (one getsockopt, no exception when there is none)."""
+        return _readable(self.sock)
+
+    def send(self, payload: bytes) -> bool:
+        """Send one frame without blocking. False when it cannot be queued (the engine's end: no
+        worker connected yet)."""
+        try:
+            self.sock.send(payload, flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+
+    def recv_ready(self) -> list[bytes]:
+        """Drain the frames waiting now. Never blocks."""
+        out: list[bytes] = []
+        sock = self.sock
+        while _readable(sock):
+            out.append(sock.recv(flags=zmq.NOBLOCK))
+        return out
+
+    def recv_all(self, timeout_s: float) -> list[bytes]:
+        """Wait up to ``timeout_s`` seconds for a frame, then drain every waiting one."""
+        if not self.readable() and not self.sock.poll(max(1, round(timeout_s * 1000))):
+            return []
+        return self.recv_ready()
+
+    def close(self) -> None:
+        """Close the socket (the worker's end lingers as :meth:`connect` says)."""
+        self.sock.close()

@@ -1,7 +1,8 @@
 """Names that cross a process or module boundary, each defined once here.
 
 - The environment variable that hands a tier worker its spec (:data:`WORKER_SPEC_ENV`): set by the
-  engine's worker pool, read by ``kvoffload.workers.main``.
+  engine's worker pool, read by ``kvoffload.workers.main``; the p2p peer worker's
+  (:data:`PEER_WORKER_SPEC_ENV`), read by ``kvoffload.workers.p2p_worker``.
 - The default topics of the KV-events PUB socket (:data:`EVENTS_TOPIC`, :data:`MOVEMENTS_TOPIC`):
   defaults of ``kv_events.topic`` / ``kv_events.movements_topic``, and what ``kvoffload top``
   subscribes to unless told otherwise.
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 WORKER_SPEC_ENV = "KVOFFLOAD_WORKER"
 """Environment variable holding a tier worker's ``WorkerSpec`` as JSON."""
+PEER_WORKER_SPEC_ENV = "KVOFFLOAD_PEER_WORKER"
+"""Environment variable holding the p2p peer worker's ``PeerWorkerSpec`` as JSON."""
 
 EVENTS_TOPIC = "kv-events"
 """Default topic of vLLM-format ``KVEventBatch`` messages."""

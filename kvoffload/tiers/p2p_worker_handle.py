@@ -1,0 +1,503 @@
+"""Engine-side handle of the p2p tier's peer worker process (``kvoffload.workers.p2p_worker``).
+
+::
+
+    node thread ── add_peer / remove_peer / read / write ──▶ PeerWorkerHandle ──PAIR──▶ peer worker
+                ◀── poll(): [(tid, DONE | FAILED, reason)] ──┘   fileno(): one fd that is readable when
+                                                                 poll() has something to do (a report
+                                                                 arrived, the process exited, ...)
+
+One handle runs one worker process (spawned with ``subprocess``: a fresh interpreter, never a fork of
+the engine) that maps the host arena and owns the instance's one Transport (NIXL or TCP). Every call
+returns at once: commands are queued on the socket (and held here until the worker has connected),
+results come back through :meth:`PeerWorkerHandle.poll`.
+
+Settling. A transfer is reported exactly once, and only once it has SETTLED: nothing will write its
+local slots any more, so the caller may free or publish them. The worker reports a transfer when its
+transport says so; the transfers of a worker that died are reported failed with reason
+:data:`WORKER_DIED` only after the process has *exited* (reaped), since until then it could still
+write into their slots. A worker that leaves a transfer unsettled for ``settle_timeout_s`` seconds
+past its deadline (a hung worker, or a NIXL request a stopped peer holds in flight) is SIGKILLed so
+that its transfers settle as :data:`WORKER_DIED`; the caller then restarts it.
+
+Threads. A handle is used by ONE thread, the p2p tier's node thread (it owns the ZMQ socket; ZMQ
+sockets are not thread-safe): create it there, or hand it over before its first use. Another thread
+must not call any method; to wait, the node registers :meth:`PeerWorkerHandle.fileno` with its
+``zmq.Poller`` (``POLLIN``) and calls :meth:`PeerWorkerHandle.poll` when it is readable, and at least
+once a second (for the settle timeout).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+
+from kvoffload.ipc.arena import ArenaError, list_arenas
+from kvoffload.ipc.channels import PeerWorkerChannel
+from kvoffload.ipc.names import PEER_WORKER_SPEC_ENV
+from kvoffload.workers import p2p_worker as pw
+from kvoffload.workers.p2p_transport import (
+    MAX_PAIRS,
+    Descriptor,
+    TransferState,
+    TransportConfig,
+    TransportError,
+    decode_descriptor,
+)
+
+log = logging.getLogger("kvoffload.tiers.p2p_worker_handle")
+
+#: Reason of every transfer failed because its worker process exited (or was not running).
+WORKER_DIED = "worker_died"
+#: Default grace (seconds) after a transfer's deadline before an unsettled one gets its worker killed.
+DEFAULT_SETTLE_TIMEOUT_S = 60.0
+_SETTLE_CHECK_S = 0.1
+
+Result = tuple[int, TransferState, str]
+
+
+@dataclass(slots=True)
+class _Pending:
+    deadline_s: float
+    settle_by: float | None = None  # monotonic; set when the command has left for the worker
+
+
+class PeerWorkerHandle:
+    """Runs and talks to one peer worker process. Non-blocking; one thread only (see the module).
+
+    Args:
+        arena_name: the host arena (it must exist: its nonce and shape are read from its header).
+        transport_config: the worker's transport (kind ``nixl`` / ``tcp`` / ``auto``, TCP bind
+            address, default deadline).
+        nice: CPU niceness increment of the worker (like the tier workers', so transfers do not
+            steal the scheduler's core).
+        env: extra environment variables for the worker (e.g. ``UCX_TLS``, ``UCX_NET_DEVICES``).
+        settle_timeout_s: seconds after a transfer's deadline before an unsettled transfer gets the
+            worker killed (None: never).
+        ctx: the ZMQ context for the socket (default: one of the handle's own, ended by close()).
+
+    Raises:
+        ArenaError: no arena named ``arena_name``.
+    """
+
+    def __init__(
+        self,
+        arena_name: str,
+        transport_config: TransportConfig | None = None,
+        *,
+        nice: int = 10,
+        env: Mapping[str, str] | None = None,
+        settle_timeout_s: float | None = DEFAULT_SETTLE_TIMEOUT_S,
+        ctx: zmq.Context | None = None,
+    ):
+        info = next((a for a in list_arenas(arena_name) if a.name == arena_name), None)
+        if info is None or not info.ready:
+            raise ArenaError(f"no ready host arena named {arena_name!r} in /dev/shm")
+        if settle_timeout_s is not None and not settle_timeout_s > 0:
+            raise ValueError(
+                f"settle_timeout_s must be > 0 seconds or None, got {settle_timeout_s}"
+            )
+        self.arena_name = arena_name
+        self.arena_nonce = info.nonce
+        self.num_slots = info.num_slots
+        self.row_bytes = info.row_bytes
+        self.config = transport_config or TransportConfig()
+        self.nice = nice
+        self.env = dict(env or {})
+        self.settle_timeout_s = settle_timeout_s
+        self._own_ctx = ctx is None
+        self._ctx = ctx if ctx is not None else zmq.Context(1)
+        self._ep = select.epoll()
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._ep.register(self._wake, select.EPOLLIN)
+        self._tids = itertools.count(1)
+        self._peers: dict[str, Descriptor] = {}
+        self._pending: dict[int, _Pending] = {}
+        self._outbox: deque[tuple[bytes, int]] = deque()  # (frame, tid or 0)
+        self._results: list[Result] = []
+        self._peer_errors: list[tuple[str, str]] = []
+        self._next_settle_check = 0.0
+        self._closed = False
+        self._proc: subprocess.Popen | None = None
+        self._chan: PeerWorkerChannel | None = None
+        self._pidfd: int | None = None
+        self._descriptor: bytes | None = None
+        self.kind: str | None = None
+        self.start_error: str | None = None
+        self.returncode: int | None = None
+        self._spawn()
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def _spawn(self) -> None:
+        chan = PeerWorkerChannel.bind(self._ctx)
+        spec = pw.PeerWorkerSpec(
+            arena_name=self.arena_name,
+            arena_nonce=self.arena_nonce,
+            endpoint=chan.endpoint,
+            parent_pid=os.getpid(),
+            transport=self.config,
+            nice=self.nice,
+        )
+        env = {**os.environ, **self.env, PEER_WORKER_SPEC_ENV: msgspec.json.encode(spec).decode()}
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "kvoffload.workers.p2p_worker"],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                close_fds=True,
+            )
+        except BaseException:
+            chan.close()
+            raise
+        self._chan, self._proc = chan, proc
+        self._descriptor, self.kind, self.start_error, self.returncode = None, None, None, None
+        self._ep.register(chan.fd, select.EPOLLIN)
+        try:
+            self._pidfd = os.pidfd_open(proc.pid)
+        except OSError:  # a kernel without pidfd: poll() still notices the exit, fileno() does not
+            self._pidfd = None
+        else:
+            self._ep.register(self._pidfd, select.EPOLLIN)
+
+    @property
+    def pid(self) -> int | None:
+        """The worker's process id (None after close)."""
+        return None if self._proc is None else self._proc.pid
+
+    @property
+    def alive(self) -> bool:
+        """True while the worker process runs (it may not have said hello yet)."""
+        return self._chan is not None and self._proc is not None and self._proc.poll() is None
+
+    @property
+    def descriptor(self) -> bytes | None:
+        """This instance's transport descriptor (msgpack, grants access to the whole arena: send it
+        only over the authenticated control channel) once the worker said hello; None before, and
+        once it has exited. Changes with every restart."""
+        return self._descriptor
+
+    @property
+    def peers(self) -> list[str]:
+        """Names of the peers added and not removed (since the last restart)."""
+        return list(self._peers)
+
+    def restart(self) -> list[str]:
+        """Replace the worker with a fresh one (SIGKILL and reap the old one first if it still
+        runs; blocks only for that). Its unsettled transfers are reported failed
+        (:data:`WORKER_DIED`) by the next :meth:`poll`. The new worker has a new :attr:`descriptor`
+        (None until it said hello) and knows no peers.
+
+        Returns:
+            The names of the peers the old worker had: add them again (the control plane must also
+            send peers this instance's new descriptor).
+        """
+        self._check_open()
+        names = list(self._peers)
+        self._peers.clear()
+        if self._proc is not None and self._chan is not None:
+            if self._proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    self._proc.send_signal(signal.SIGKILL)
+                self._proc.wait()
+            self._on_exit()
+        self._spawn()
+        self._signal()
+        return names
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the worker (a Stop command, SIGKILL after ``timeout_s`` seconds) and wait until it
+        has exited; close the socket and every descriptor. Unreported transfers are dropped (their
+        slots are safe: the process is gone). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        proc, chan = self._proc, self._chan
+        if proc is not None and chan is not None and proc.poll() is None:
+            sent = self.descriptor is not None and chan.send(pw.encode(pw.Stop()))
+            if not sent:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                proc.wait()
+        if proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(0)
+            self.returncode = proc.returncode
+        self._release_process()
+        self._pending.clear()
+        self._outbox.clear()
+        self._results.clear()
+        self._proc = None
+        self._ep.close()
+        os.close(self._wake)
+        if self._own_ctx:
+            self._ctx.term()
+
+    def __enter__(self) -> PeerWorkerHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the peer worker handle is closed")
+
+    def _release_process(self) -> None:
+        if self._chan is not None:
+            with contextlib.suppress(OSError, ValueError):
+                self._ep.unregister(self._chan.fd)
+            self._chan.close()
+            self._chan = None
+        if self._pidfd is not None:
+            with contextlib.suppress(OSError, ValueError):
+                self._ep.unregister(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
+        self._descriptor = None
+
+    def _on_exit(self) -> None:
+        """The worker has exited (reaped): take its last reports, then fail what it still held."""
+        assert self._proc is not None
+        self._receive()
+        self.returncode = self._proc.returncode
+        if self.start_error is None and self._pending and not self._closed:
+            log.warning(
+                "kvoffload p2p: peer worker (pid %d) exited with code %s; failing %d transfers",
+                self._proc.pid,
+                self.returncode,
+                len(self._pending),
+            )
+        for tid in self._pending:
+            self._results.append((tid, TransferState.FAILED, WORKER_DIED))
+        self._pending.clear()
+        self._outbox.clear()
+        self._release_process()
+
+    # -- peers ------------------------------------------------------------------------------------
+
+    def add_peer(self, name: str, descriptor: bytes) -> None:
+        """Make peer ``name`` reachable through its transport ``descriptor`` (replacing an earlier
+        one of that name). Checked here for shape; a refusal by the worker (e.g. a NIXL peer that
+        still has unsettled transfers) comes back from :meth:`take_peer_errors`, and transfers to
+        the peer then fail.
+
+        Raises:
+            TransportError: a malformed descriptor, or another slot size than this arena's.
+            ValueError: an empty name.
+        """
+        self._check_open()
+        if not name:
+            raise ValueError("peer name is empty")
+        desc = decode_descriptor(descriptor)
+        if desc.row_bytes != self.row_bytes:
+            raise TransportError(
+                f"peer {name!r} has {desc.row_bytes}-byte slots, this arena {self.row_bytes}-byte"
+            )
+        self._peers[name] = desc
+        self._send(pw.encode(pw.AddPeer(name, descriptor)))
+
+    def remove_peer(self, name: str) -> None:
+        """Forget peer ``name``: its transfers fail ("peer removed") and are reported once settled.
+        Unknown names are ignored."""
+        self._check_open()
+        if self._peers.pop(name, None) is not None:
+            self._send(pw.encode(pw.RemovePeer(name)))
+
+    def take_peer_errors(self) -> list[tuple[str, str]]:
+        """``(name, reason)`` for each :meth:`add_peer` the worker refused since the last call."""
+        out, self._peer_errors = self._peer_errors, []
+        return out
+
+    # -- transfers --------------------------------------------------------------------------------
+
+    def read(
+        self, peer: str, pairs: Sequence[tuple[int, int]], deadline_s: float | None = None
+    ) -> int:
+        """Copy peer rows into local rows: ``pairs`` = ``[(local_slot, remote_slot), ...]``.
+
+        ``deadline_s``: seconds the worker gives the transfer (default: the transport config's).
+        Returns the transfer id :meth:`poll` reports. With no worker running the transfer is
+        reported failed (:data:`WORKER_DIED`) by the next poll.
+
+        Raises:
+            ValueError: unknown peer, no pairs or more than ``MAX_PAIRS``, a slot outside either
+                arena, a local slot named twice, ``deadline_s`` <= 0. Nothing is sent.
+        """
+        return self._submit("read", peer, pairs, deadline_s)
+
+    def write(
+        self, peer: str, pairs: Sequence[tuple[int, int]], deadline_s: float | None = None
+    ) -> int:
+        """Copy local rows into peer rows the peer reserved: ``pairs`` = ``[(local_slot,
+        remote_slot), ...]``. As :meth:`read` (a remote slot named twice is refused)."""
+        return self._submit("write", peer, pairs, deadline_s)
+
+    def _submit(
+        self,
+        op: str,
+        peer: str,
+        pairs: Sequence[tuple[int, int]],
+        deadline_s: float | None,
+    ) -> int:
+        self._check_open()
+        desc = self._peers.get(peer)
+        if desc is None:
+            raise ValueError(f"peer {peer!r} was not added (or was removed)")
+        if deadline_s is None:
+            deadline_s = self.config.deadline_s
+        if not deadline_s > 0:
+            raise ValueError(f"deadline_s must be > 0 seconds, got {deadline_s}")
+        n = len(pairs)
+        if not 0 < n <= MAX_PAIRS:
+            raise ValueError(f"a transfer needs 1..{MAX_PAIRS} slot pairs, got {n}")
+        local: list[int] = []
+        remote: list[int] = []
+        for pair in pairs:
+            if len(pair) != 2:
+                raise ValueError(f"slot pair {pair!r} is not (local slot, remote slot)")
+            lo, re_ = int(pair[0]), int(pair[1])
+            if not 0 <= lo < self.num_slots:
+                raise ValueError(f"local slot {lo} is outside the arena (0..{self.num_slots - 1})")
+            if not 0 <= re_ < desc.num_slots:
+                raise ValueError(
+                    f"peer {peer!r} slot {re_} is outside its arena (0..{desc.num_slots - 1})"
+                )
+            local.append(lo)
+            remote.append(re_)
+        dest = local if op == "read" else remote
+        if len(set(dest)) != n:
+            side = "local" if op == "read" else f"peer {peer!r}"
+            raise ValueError(f"a {side} destination slot is named twice in one transfer")
+        tid = next(self._tids)
+        if self._chan is None:
+            self._results.append((tid, TransferState.FAILED, WORKER_DIED))
+            self._signal()
+            return tid
+        self._pending[tid] = _Pending(float(deadline_s))
+        frame = pw.encode(pw.Transfer(tid, op, peer, local, remote, float(deadline_s)))  # type: ignore[arg-type]
+        self._send(frame, tid)
+        return tid
+
+    def _send(self, frame: bytes, tid: int = 0) -> None:
+        chan = self._chan
+        if chan is None:
+            return  # no worker: peers are re-added after a restart
+        if not self._outbox and chan.send(frame):
+            self._sent(tid)
+        else:
+            self._outbox.append((frame, tid))
+        self._signal_if_readable()
+
+    def _sent(self, tid: int) -> None:
+        p = self._pending.get(tid) if tid else None
+        if p is not None and self.settle_timeout_s is not None:
+            p.settle_by = time.monotonic() + p.deadline_s + self.settle_timeout_s
+
+    def _flush(self) -> None:
+        chan = self._chan
+        while chan is not None and self._outbox:
+            frame, tid = self._outbox[0]
+            if not chan.send(frame):
+                return
+            self._outbox.popleft()
+            self._sent(tid)
+
+    # -- results ----------------------------------------------------------------------------------
+
+    def fileno(self) -> int:
+        """A file descriptor that is readable when :meth:`poll` has something to do (a report
+        arrived, the worker exited, a result is queued). Stable for the handle's life, restarts
+        included; register it with a ``zmq.Poller`` / ``select`` for ``POLLIN``."""
+        return self._ep.fileno()
+
+    def poll(self) -> list[Result]:
+        """Take what happened: ``(tid, DONE | FAILED, reason)`` for each transfer that has settled
+        since the last call, each reported once. Never blocks. Also sends what waited for the
+        worker to connect, notices the worker's exit and enforces ``settle_timeout_s``."""
+        self._check_open()
+        with contextlib.suppress(BlockingIOError):
+            os.eventfd_read(self._wake)
+        if self._chan is not None:
+            self._flush()
+            self._receive()
+            assert self._proc is not None
+            if self._proc.poll() is not None:
+                self._on_exit()
+            else:
+                self._check_settle_timeouts()
+        out, self._results = self._results, []
+        self._ep.poll(0)  # refreshes the epoll set's readiness (fileno) after the drain
+        self._signal_if_readable()
+        return out
+
+    def _receive(self) -> None:
+        chan = self._chan
+        if chan is None:
+            return
+        for frame in chan.recv_ready():
+            try:
+                rep = pw.decode_report(frame)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                log.error("kvoffload p2p: malformed report from the peer worker dropped: %s", e)
+                continue
+            if isinstance(rep, pw.Settled):
+                for o in rep.outcomes:
+                    if self._pending.pop(o.tid, None) is not None:
+                        state = TransferState.DONE if o.state == "done" else TransferState.FAILED
+                        self._results.append((o.tid, state, o.reason))
+            elif isinstance(rep, pw.PeerAdded):
+                if rep.error:
+                    self._peer_errors.append((rep.name, rep.error))
+            elif isinstance(rep, pw.Ready):
+                if (rep.num_slots, rep.row_bytes) != (self.num_slots, self.row_bytes):
+                    log.error("kvoffload p2p: the peer worker mapped another arena shape")
+                self._descriptor, self.kind = rep.descriptor, rep.kind
+            elif isinstance(rep, pw.StartFailed):
+                self.start_error = rep.reason
+                log.error("kvoffload p2p: the peer worker could not start: %s", rep.reason)
+
+    def _check_settle_timeouts(self) -> None:
+        now = time.monotonic()
+        if self.settle_timeout_s is None or now < self._next_settle_check or self._proc is None:
+            return
+        self._next_settle_check = now + _SETTLE_CHECK_S
+        late = sum(
+            1 for p in self._pending.values() if p.settle_by is not None and now > p.settle_by
+        )
+        if late:
+            log.warning(
+                "kvoffload p2p: %d transfers unsettled %.0f s past their deadline; killing the peer "
+                "worker (pid %d) so they settle",
+                late,
+                self.settle_timeout_s,
+                self._proc.pid,
+            )
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.send_signal(signal.SIGKILL)
+
+    def _signal(self) -> None:
+        os.eventfd_write(self._wake, 1)
+
+    def _signal_if_readable(self) -> None:
+        # A send can consume the socket's ZMQ_FD edge while a message waits: make fileno() readable.
+        if self._results or (self._chan is not None and self._chan.readable()):
+            self._signal()

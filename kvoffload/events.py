@@ -161,13 +161,16 @@ def offset_endpoint(endpoint: str | None, data_parallel_rank: int) -> str | None
 
 class Movement(msgspec.Struct, gc=False):
     """One chunk moved: ``src`` → ``dst`` (``device``, ``host``, a tier name, or ``none`` for an
-    eviction); ``locality`` ``local`` / ``remote`` (of the tier side); ``nbytes`` payload bytes."""
+    eviction); ``locality`` ``local`` / ``remote`` (of the tier side); ``nbytes`` payload bytes;
+    ``peer`` the other instance (``host:port``) when the tier side is a peer's host tier (the p2p
+    tier), else empty."""
 
     key: bytes
     src: str
     dst: str
     locality: str
     nbytes: int
+    peer: str = ""
 
 
 class MovementBatch(msgspec.Struct, gc=False):

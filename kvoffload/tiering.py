@@ -678,7 +678,7 @@ class TieringManager:
                         failed = [k for k in meta.keys if k not in ok_set]
                     host.complete_write(ok, True)
                     if ok and self._moves is not None:
-                        self._moved(ok, tier.name, HOST, self._localities[tier.name])
+                        self._moved(ok, tier.name, HOST, self._localities[tier.name], tier)
                     if failed:
                         host.complete_write(failed, False)
                         src = self._load_source.get(meta.req_id)
@@ -714,7 +714,7 @@ class TieringManager:
                         stats.cascaded[tier.name] += len(stored)
                         stats.cascade_failures[tier.name] += len(meta.keys) - len(stored)
                     if stored and self._moves is not None:
-                        self._moved(stored, HOST, tier.name, self._localities[tier.name])
+                        self._moved(stored, HOST, tier.name, self._localities[tier.name], tier)
 
     def step(self) -> None:
         """End of a scheduler step: submit this step's promotions and probes, apply completions,
@@ -730,11 +730,22 @@ class TieringManager:
 
     # -- events ---------------------------------------------------------------------------------
 
-    def _moved(self, keys: Iterable[bytes], src: str, dst: str, locality: str) -> None:
+    def _moved(
+        self,
+        keys: Iterable[bytes],
+        src: str,
+        dst: str,
+        locality: str,
+        tier: SecondaryTierManager | None = None,
+    ) -> None:
         moves = self._moves
         if moves is not None:  # KV events published
             nbytes = self.arena.row_bytes
-            moves.extend(Movement(k, src, dst, locality, nbytes) for k in keys)
+            if tier is None:
+                moves.extend(Movement(k, src, dst, locality, nbytes) for k in keys)
+            else:  # a peer tier names the instance each chunk came from or went to
+                origin = tier.origin
+                moves.extend(Movement(k, src, dst, locality, nbytes, origin(k)) for k in keys)
 
     def _drain_events(self) -> None:
         """Collect host and tier events: kept for :meth:`take_events` (vLLM) and, with KV events

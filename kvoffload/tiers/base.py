@@ -166,6 +166,11 @@ class SecondaryTierManager(ABC):
     def on_request_finished(self, req_id: str) -> None:
         """The request finished: forget what :meth:`on_request` kept for it."""
 
+    def origin(self, key: bytes) -> str:
+        """The other instance (``host:port``) a chunk of this tier lives at, for movement events;
+        empty for a tier of this instance's own (fs, obj, memory)."""
+        return ""
+
     def wants_store(self, req_id: str) -> bool:
         """False when this tier does not keep ``req_id``'s chunks at all (a peer tier stores only
         what a remote decoder will fetch or what it pushes): the write-through skips it, and

@@ -38,6 +38,7 @@ from cachetools import LRUCache, TLRUCache
 from typing_extensions import override
 
 from kvoffload.config import Positive
+from kvoffload.metrics import Counter, Gauge, Histogram, MetricSet
 from kvoffload.tiers.base import JobMetadata, JobResult, LookupResult, SecondaryTierManager
 from kvoffload.tiers.p2p_node import (
     CMD_CONNECT,
@@ -219,6 +220,40 @@ class P2PTier(SecondaryTierManager):
     config: P2PTierConfig
     medium = "PEER"
     shared = True
+    metric_definitions = (
+        Counter(
+            "kvoffload_p2p_bytes",
+            "Bytes moved with a peer (direction load: read from it; push: it pulled ours).",
+            ("tier", "peer", "direction"),
+        ),
+        Counter(
+            "kvoffload_p2p_chunks",
+            "Chunks moved with a peer, by direction and outcome (ok, failed).",
+            ("tier", "peer", "direction", "outcome"),
+        ),
+        Counter(
+            "kvoffload_p2p_lookups",
+            "Chunks asked of a peer, and those it had (result hit, asked).",
+            ("tier", "peer", "result"),
+        ),
+        Histogram(
+            "kvoffload_p2p_load_latency_seconds",
+            "From a load's lease request to its bytes settled in host slots, per peer (seconds).",
+            ("tier", "peer"),
+        ),
+        Gauge("kvoffload_p2p_peer_up", "1 while the session with a peer is up.", ("tier", "peer")),
+        Gauge(
+            "kvoffload_p2p_leases_held",
+            "Leases this instance holds for peers' transfers (pinned host slots).",
+            ("tier",),
+        ),
+        Counter(
+            "kvoffload_p2p_refused_messages",
+            "Control messages this instance refused, by reason (unauthenticated, bad_mac, "
+            "malformed, too_large, namespace, version, ...).",
+            ("tier", "reason"),
+        ),
+    )
 
     def __init__(
         self,
@@ -264,6 +299,7 @@ class P2PTier(SecondaryTierManager):
 
     # -- start ------------------------------------------------------------------------------------
 
+    @override
     def attach(self, manager: Any) -> None:
         """Join ``manager`` (a :class:`~kvoffload.tiering.TieringManager`): start the peer worker,
         the serving role over its host tier, and the node thread."""
@@ -275,7 +311,7 @@ class P2PTier(SecondaryTierManager):
         self._manager = manager
         self._ctx = zmq.Context()
         self._worker = PeerWorkerHandle(
-            self.arena,
+            self.arena.name,
             TransportConfig(
                 kind=cfg.transport,
                 host=cfg.data_host
@@ -334,6 +370,7 @@ class P2PTier(SecondaryTierManager):
 
     # -- requests ---------------------------------------------------------------------------------
 
+    @override
     def on_request(self, req_id: str, kv_transfer_params: Any) -> None:
         """A request arrived with ``kv_transfer_params`` (see the module docstring)."""
         route = parse_route(kv_transfer_params)
@@ -343,6 +380,7 @@ class P2PTier(SecondaryTierManager):
         if route.source is not None and self._node is not None:
             self._node.submit((CMD_CONNECT, route.source))
 
+    @override
     def on_request_finished(self, req_id: str) -> None:
         """Forget the request's routing."""
         self._routes.pop(req_id, None)
@@ -385,6 +423,11 @@ class P2PTier(SecondaryTierManager):
         self._node.submit((CMD_PROBE, key, peers))
         return _RETRY
 
+    @override
+    def origin(self, key: bytes) -> str:
+        return self._peer_of.get(key, "")
+
+    @override
     def wants_store(self, req_id: str) -> bool:
         """Store jobs this tier takes: a request's chunks held for its remote decoder, and pushes
         (``push``: always, or while the host tier is full)."""
@@ -569,6 +612,39 @@ class P2PTier(SecondaryTierManager):
     @override
     def workers_ready(self) -> bool:
         return self._worker is not None and self._worker.descriptor is not None
+
+    _STATS = (
+        ("load_bytes", "kvoffload_p2p_bytes", ("load",)),
+        ("push_bytes", "kvoffload_p2p_bytes", ("push",)),
+        ("load_chunks", "kvoffload_p2p_chunks", ("load", "ok")),
+        ("load_failed_chunks", "kvoffload_p2p_chunks", ("load", "failed")),
+        ("push_chunks", "kvoffload_p2p_chunks", ("push", "ok")),
+        ("lookup_chunks", "kvoffload_p2p_lookups", ("asked",)),
+        ("lookup_hits", "kvoffload_p2p_lookups", ("hit",)),
+    )
+
+    @override
+    def report_metrics(self, metrics: MetricSet) -> None:
+        node = self._node
+        if node is None:
+            return
+        name = self.name
+        stats = dict(node.peer_stats)
+        for stat, metric, labels in self._STATS:
+            for (peer, what), v in stats.items():
+                if what == stat:
+                    metrics.set_total(metric, v, name, peer, *labels)
+        lat = node.latencies
+        while lat:
+            peer, secs = lat.popleft()
+            metrics.observe("kvoffload_p2p_load_latency_seconds", secs, name, peer)
+        for addr, link in list(node.links.items()):
+            metrics.set("kvoffload_p2p_peer_up", 1 if link.up else 0, name, node.label(addr))
+        server = self._server
+        if server is not None:
+            metrics.set("kvoffload_p2p_leases_held", server.leases_held, name)
+            for reason, v in dict(server.refused).items():
+                metrics.set_total("kvoffload_p2p_refused_messages", v, name, reason)
 
     @property
     def worker_pid(self) -> int | None:

@@ -35,6 +35,10 @@ from kvoffload.ipc import peer_messages as pm
 
 log = logging.getLogger("kvoffload.p2p")
 
+MAX_PEER_LABELS = 64
+"""Peers with a ``peer`` label value of their own in metrics; later ones are counted as ``other``."""
+PENDING_RETRY_S = 0.01
+"""A peer answered PENDING (promoting the chunk from its own fs tier): ask it again after this."""
 BACKOFF_MIN_S = 0.5
 BACKOFF_MAX_S = 10.0
 
@@ -75,6 +79,19 @@ class _Pending:
         self.kind = kind
         self.ctx = ctx
         self.deadline = deadline
+
+
+class _Probe:
+    """Where to look for one key: its peers in order, the next one to ask, since when asked."""
+
+    __slots__ = ("key", "peers", "idx", "since", "pending_since")
+
+    def __init__(self, key: bytes, peers: tuple[str, ...], now: float):
+        self.key = key
+        self.peers = peers
+        self.idx = 0
+        self.since = now
+        self.pending_since = 0.0  # when the peer asked now first answered PENDING
 
 
 class _Load:
@@ -133,7 +150,6 @@ class PeerLink:
         self.connects += 1
         s.setsockopt(zmq.ROUTING_ID, node.incarnation + self.connects.to_bytes(4, "little"))
         s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.IMMEDIATE, 1)
         s.setsockopt(zmq.MAXMSGSIZE, pm.MAX_MESSAGE_BYTES)
         s.setsockopt(zmq.SNDHWM, 10_000)
         s.connect(f"tcp://{self.host}:{self.port}")
@@ -170,7 +186,7 @@ class PeerLink:
         try:
             s.send(pm.encode(msg), zmq.NOBLOCK)
         except zmq.Again:
-            pass  # not connected yet (IMMEDIATE) or full: the request's deadline handles it
+            pass  # the send queue is full: the request's deadline handles it
 
     def send(self, msg: pm.PeerMessage) -> None:
         """Send now when up, else once the handshake ends (or never, when it fails)."""
@@ -366,6 +382,12 @@ class PeerNode(threading.Thread):
         self.loads: dict[int, _Load] = {}  # transfer id -> load part
         self.pulls: dict[int, tuple[bytes, int]] = {}  # transfer id -> (client identity, lease)
         self.pushes: dict[int, tuple[PeerLink, list[bytes], float]] = {}  # job id -> offer
+        self.later: list[tuple[float, _Probe]] = []  # probes to send again at a time
+        # Per-peer statistics, written by this thread only, read by scrapes (P2PTier.report_metrics):
+        # (peer label, statistic) -> total; load latencies (peer label, seconds) until taken.
+        self.peer_stats: dict[tuple[str, str], float] = {}
+        self.latencies: deque[tuple[str, float]] = deque(maxlen=65536)
+        self._labels: dict[str, str] = {}
         self._stop = False
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -380,7 +402,22 @@ class PeerNode(threading.Thread):
         self.poller.register(self.router, zmq.POLLIN)
         self.poller.register(self._wake_r, zmq.POLLIN)
         self._worker_fd: int | None = None
+        self._restart_at = 0.0
         self.error: BaseException | None = None
+
+    def label(self, peer: str) -> str:
+        """The ``peer`` label value of ``peer`` in metrics."""
+        label = self._labels.get(peer)
+        if label is None:
+            # bounded cardinality: the first MAX_PEER_LABELS peers by name, the rest as "other"
+            label = peer if len(self._labels) < MAX_PEER_LABELS else "other"
+            self._labels[peer] = label
+        return label
+
+    def stat(self, peer: str, what: str, n: float = 1) -> None:
+        """Add ``n`` to a per-peer statistic (node thread)."""
+        k = (self.label(peer), what)
+        self.peer_stats[k] = self.peer_stats.get(k, 0) + n
 
     # -- engine thread side ------------------------------------------------------------------------
 
@@ -442,6 +479,16 @@ class PeerNode(threading.Thread):
             self._worker_events(now)
             self._tick(now)
 
+    def _drain_link(self, s: zmq.Socket, link: PeerLink, now: float) -> None:
+        for _ in range(1000):
+            try:
+                frame = s.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            link.on_frame(frame, now)
+            if link.sock is not s:  # the link failed and closed this socket
+                return
+
     def _worker_fileno(self) -> int | None:
         try:
             return self.worker.fileno()
@@ -454,15 +501,13 @@ class PeerNode(threading.Thread):
 
     def _commands(self, now: float) -> None:
         cmds = self.commands
-        probes: dict[str, list[bytes]] = {}
-        probe_peers: dict[bytes, tuple[str, ...]] = {}
+        batches: dict[str, list[_Probe]] = {}
         while cmds:
             cmd = cmds.popleft()
             kind = cmd[0]
             if kind == CMD_PROBE:
                 _, key, peers = cmd
-                probe_peers[key] = peers
-                self._probe_next(key, peers, probes, now)
+                self._probe_next(_Probe(key, peers, now), batches, now)
             elif kind == CMD_LOAD:
                 _, job_id, peer, keys, slots, kvr = cmd
                 self._start_load(job_id, peer, keys, slots, kvr, now)
@@ -471,12 +516,15 @@ class PeerNode(threading.Thread):
                 self._start_push(job_id, keys, slots, now)
             elif kind == CMD_CONNECT:
                 self.link(cmd[1], now)
-        for addr, keys in probes.items():
+        self._send_probes(batches, now)
+
+    def _send_probes(self, batches: dict[str, list[_Probe]], now: float) -> None:
+        for addr, probes in batches.items():
             link = self.links[addr]
-            for i in range(0, len(keys), pm.MAX_KEYS):
-                batch = keys[i : i + pm.MAX_KEYS]
-                ctx = [(k, probe_peers[k]) for k in batch]
-                link.request(pm.Lookup(req=0, keys=batch), "lookup", ctx, now)
+            for i in range(0, len(probes), pm.MAX_KEYS):
+                batch = probes[i : i + pm.MAX_KEYS]
+                keys = [p.key for p in batch]
+                link.request(pm.Lookup(req=0, keys=keys), "lookup", batch, now)
 
     def link(self, addr: str, now: float) -> PeerLink:
         """The link to ``addr``, opened on first use."""
@@ -486,17 +534,19 @@ class PeerNode(threading.Thread):
             link.connect(now)
         return link
 
-    def _probe_next(
-        self, key: bytes, peers: tuple[str, ...], probes: dict[str, list[bytes]], now: float
-    ) -> None:
-        """Ask the first of ``peers`` that is not down; none left: the key is nowhere."""
-        for addr in peers:
+    def _probe_next(self, probe: _Probe, batches: dict[str, list[_Probe]], now: float) -> None:
+        """Ask the probe's next peer that is not down; none left: the key is nowhere."""
+        peers = probe.peers
+        while probe.idx < len(peers):
+            addr = peers[probe.idx]
+            probe.idx += 1
             link = self.link(addr, now)
             if link.state == "down":
                 continue
-            probes.setdefault(addr, []).append(key)
+            probe.since = now
+            batches.setdefault(addr, []).append(probe)
             return
-        self.results.append((RES_VERDICT, key, None))
+        self.results.append((RES_VERDICT, probe.key, None))
 
     # -- serving role ---------------------------------------------------------------------------
 
@@ -541,23 +591,28 @@ class PeerNode(threading.Thread):
     def on_reply(self, link: PeerLink, p: _Pending, msg: Any, now: float) -> None:
         """A reply to one of ``link``'s requests."""
         if p.kind == "lookup" and isinstance(msg, pm.LookupReply):
-            ctx = p.ctx
-            if len(msg.states) != len(ctx):
+            probes: list[_Probe] = p.ctx
+            if len(msg.states) != len(probes):
                 self.count("malformed_replies")
                 self.on_unanswered(link, p, now)
                 return
-            again: dict[str, list[bytes]] = {}
-            for (key, peers), state in zip(ctx, msg.states):
+            self.stat(link.addr, "lookup_chunks", len(probes))
+            batches: dict[str, list[_Probe]] = {}
+            for probe, state in zip(probes, msg.states):
                 if state == pm.READY:
-                    self.results.append((RES_VERDICT, key, link.addr))
-                elif state == pm.PENDING:
-                    again.setdefault(link.addr, []).append(key)  # ask it again shortly
+                    self.stat(link.addr, "lookup_hits")
+                    self.results.append((RES_VERDICT, probe.key, link.addr))
+                elif state == pm.PENDING and (
+                    not probe.pending_since or now - probe.pending_since < self.peer_timeout_s
+                ):
+                    # the peer is promoting it from its own fs/obj tier: ask that peer again soon
+                    probe.pending_since = probe.pending_since or now
+                    probe.idx -= 1
+                    self.later.append((now + PENDING_RETRY_S, probe))
                 else:
-                    rest = peers[peers.index(link.addr) + 1 :] if link.addr in peers else ()
-                    self._probe_next(key, rest, again, now)
-            for addr, keys in again.items():
-                ctx2 = [(k, dict(ctx).get(k, (addr,))) for k in keys]
-                self.links[addr].request(pm.Lookup(req=0, keys=keys), "lookup", ctx2, now)
+                    probe.pending_since = 0.0
+                    self._probe_next(probe, batches, now)
+            self._send_probes(batches, now)
             return
         if p.kind == "lease" and isinstance(msg, pm.LeaseReply):
             part: _Load = p.ctx
@@ -596,13 +651,10 @@ class PeerNode(threading.Thread):
     def on_unanswered(self, link: PeerLink, p: _Pending, now: float) -> None:
         """A request of ``link`` got no (usable) answer: its peer is down or too slow."""
         if p.kind == "lookup":
-            again: dict[str, list[bytes]] = {}
-            for key, peers in p.ctx:
-                rest = peers[peers.index(link.addr) + 1 :] if link.addr in peers else ()
-                self._probe_next(key, rest, again, now)
-            for addr, keys in again.items():
-                ctx2 = [(k, pk) for k, pk in p.ctx if k in set(keys)]
-                self.links[addr].request(pm.Lookup(req=0, keys=keys), "lookup", ctx2, now)
+            batches: dict[str, list[_Probe]] = {}
+            for probe in p.ctx:
+                self._probe_next(probe, batches, now)
+            self._send_probes(batches, now)
         elif p.kind == "lease":
             self._load_done(p.ctx, [], "peer_down" if link.state == "down" else "timeout")
         elif p.kind == "offer":
@@ -622,6 +674,8 @@ class PeerNode(threading.Thread):
             return
         ok = [k for k, b in zip(keys, msg.ok) if b]
         failed = {k: "refused" for k, b in zip(keys, msg.ok) if not b}
+        self.stat(link.addr, "push_chunks", len(ok))
+        self.stat(link.addr, "push_bytes", len(ok) * self.worker.row_bytes)
         self.results.append((RES_PUSH, msg.lease, link.addr, ok, failed))
 
     # -- client role: jobs ----------------------------------------------------------------------
@@ -650,6 +704,13 @@ class PeerNode(threading.Thread):
         ok_set = set(ok)
         failed = {k: reason for k in part.keys if k not in ok_set}
         nbytes = len(ok) * self.worker.row_bytes
+        peer = part.link.addr
+        self.stat(peer, "load_bytes", nbytes)
+        self.stat(peer, "load_chunks", len(ok))
+        if failed:
+            self.stat(peer, "load_failed_chunks", len(failed))
+        if ok:
+            self.latencies.append((self.label(peer), time.monotonic() - part.t0))
         self.results.append((RES_LOAD, part.job_id, ok, failed, nbytes, time.monotonic() - part.t0))
 
     def _start_push(self, job_id: int, keys: list[bytes], slots: list[int], now: float) -> None:
@@ -675,7 +736,29 @@ class PeerNode(threading.Thread):
     # -- worker -------------------------------------------------------------------------------
 
     def _worker_events(self, now: float) -> None:
-        for tid, state, reason in self.worker.poll():
+        worker = self.worker
+        results = worker.poll()
+        for name, err in worker.take_peer_errors():
+            for link in list(self.links.values()):
+                if link.worker_name == name and link.state != "down":
+                    link.fail(now, f"the peer worker refused its descriptor: {err}")
+        if not worker.alive and now >= self._restart_at:
+            # Our worker died (its transfers were reported failed above, after it exited): start
+            # a new one; its descriptor is new, so every session starts again (peers learn it).
+            self.count("worker_restarts")
+            log.warning("p2p: the peer worker died; restarting it")
+            self._restart_at = now + 1.0
+            worker.restart()
+            for link in list(self.links.values()):
+                if link.state != "down":
+                    link.fail(now, "our peer worker restarted")
+                link.retry_at = now
+            if self.server is not None:
+                self.server.drop_sessions()
+        self._settled(results, now)
+
+    def _settled(self, results: list, now: float) -> None:
+        for tid, state, reason in results:
             done = state.name == "DONE"
             part = self.loads.pop(tid, None)
             if part is not None:
@@ -699,6 +782,14 @@ class PeerNode(threading.Thread):
     # -- timers -------------------------------------------------------------------------------
 
     def _tick(self, now: float) -> None:
+        if self.later:
+            due = [p for t, p in self.later if t <= now]
+            if due:
+                self.later = [(t, p) for t, p in self.later if t > now]
+                batches: dict[str, list[_Probe]] = {}
+                for probe in due:
+                    self._probe_next(probe, batches, now)
+                self._send_probes(batches, now)
         for link in list(self.links.values()):
             link.tick(now)
         for job_id, (_link, keys, deadline) in list(self.pushes.items()):

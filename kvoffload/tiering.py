@@ -285,6 +285,11 @@ class TieringManager:
         # The p2p serving side's pins and writes, per holder (one holder per lease / offer):
         # holder -> slot -> pins, and holder -> key -> the slot its write reserved.
         self._leases: dict[str, dict[int, int]] = {}
+        # Slots the engine was told HIT since its last step: it may prepare_load them before the
+        # step ends, so promotions (the engine's, or a peer's) and admissions (which run between
+        # the engine's calls) never evict them. The engine's own stores may: it prepares them
+        # after its loads.
+        self._hit_slots: set[int] = set()
         self._admits: dict[str, dict[bytes, int]] = {}
         self._peer_tier = next((t.name for t in self.tiers if t.medium == PEER_MEDIUM), "peer")
         self._poll_interval = poll_interval_s
@@ -307,6 +312,7 @@ class TieringManager:
             if slot is not None:
                 stats.host_queries += 1
                 stats.host_hits += 1
+                self._hit_slots.add(slot)
                 self._lookup_sample += 1
                 if self._lookup_sample & 63 == 0:  # time 1 in 64 host lookups (histogram's cost)
                     t0 = time.perf_counter()
@@ -350,7 +356,7 @@ class TieringManager:
         self, tier_idx: int, key: bytes, req_id: str, for_peer: bool = False
     ) -> LookupResult:
         host = self.host
-        plan = host.allocate([key])
+        plan = host.allocate([key], self._hit_slots)
         if plan is None or not plan.slots:  # no room, or a write a reset quarantined holds the key
             self.stats.promotion_alloc_failures += 1
             self._refuse(
@@ -515,7 +521,8 @@ class TieringManager:
         :data:`PEER_MEDIUM` (a peer is served only what this instance holds): a tier's HIT starts
         a promotion into the host tier (PENDING; MISS when no host slot is free), a RETRY (the
         tier is still looking) is PENDING. So a chunk this instance moved to its own fs tier is
-        still servable (CASES C18). ``requester`` names the asking peer to those tiers (their
+        still servable (CASES C18); its host slot never comes from evicting a chunk the engine
+        was told HIT since its last step. ``requester`` names the asking peer to those tiers (their
         owed-miss bookkeeping, C36). Counted apart from this instance's own lookups
         (``Stats.peer_lookups``, ``peer_hits``, ``peer_pending``, ``peer_promotions``); a
         promotion's load is no request's (:meth:`source_of`, ``loads_from`` unchanged). The
@@ -645,7 +652,8 @@ class TieringManager:
         one slot per key, -1 where the key is present already (any state, a quarantined write
         included), repeated earlier in ``keys``, or there is no room. Room is made by evicting
         READY, unpinned chunks (never one of ``keys``); when not all fit, the first ones get
-        slots (keys are prefix ordered). Each reserved write ends with :meth:`commit` by the same
+        slots (keys are prefix ordered). Chunks the engine was told HIT since its last step are
+        not evicted (it may still load them). Each reserved write ends with :meth:`commit` by the same
         holder, once the pull into it has settled (never before: a late write could land in a
         reused slot)."""
         with self.lock:
@@ -657,9 +665,17 @@ class TieringManager:
                     new[k] = j
             if not new:
                 return out
-            take = list(new)[: max(0, host.room_for(keys))]
+            room = host.room_for(keys)
+            if self._hit_slots:  # evictable slots the engine may still load from are no room
+                mine = {host.index[k] for k in keys if k in host.index}
+                room -= sum(
+                    1
+                    for s in self._hit_slots
+                    if s not in mine and host.state[s] == READY and not host.refs[s]
+                )
+            take = list(new)[: max(0, room)]
             present = [k for k in keys if k not in new]
-            plan = host.allocate(take + present) if take else None
+            plan = host.allocate(take + present, self._hit_slots) if take else None
             if plan is None or not plan.slots:
                 return out
             admitted = self._admits.setdefault(holder, {})
@@ -989,6 +1005,7 @@ class TieringManager:
         """End of a scheduler step: submit this step's promotions and probes, apply completions,
         publish the step's KV events (sent after :attr:`lock` is released)."""
         with self.lock:
+            self._hit_slots.clear()
             self.poll()
             pub = self._publisher
             if pub is None:
@@ -1125,6 +1142,7 @@ class TieringManager:
             for job in self._jobs.values():
                 job.orphaned = True
             quarantined = self.host.clear()
+            self._hit_slots.clear()
             if quarantined:
                 log.info(
                     "kvoffload: cache reset with %d host slot(s) still in use by transfers; "

@@ -41,6 +41,7 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import msgspec
 import zmq
@@ -67,6 +68,7 @@ DEFAULT_SETTLE_TIMEOUT_S = 60.0
 _SETTLE_CHECK_S = 0.1
 
 Result = tuple[int, TransferState, str]
+PeerState = Literal["adding", "up", "refused"]
 
 
 @dataclass(slots=True)
@@ -125,6 +127,8 @@ class PeerWorkerHandle:
         self._ep.register(self._wake, select.EPOLLIN)
         self._tids = itertools.count(1)
         self._peers: dict[str, Descriptor] = {}
+        self._adding: dict[str, int] = {}  # name -> AddPeer commands not yet answered
+        self._peer_state: dict[str, PeerState] = {}
         self._pending: dict[int, _Pending] = {}
         self._outbox: deque[tuple[bytes, int]] = deque()  # (frame, tid or 0)
         self._results: list[Result] = []
@@ -208,6 +212,8 @@ class PeerWorkerHandle:
         self._check_open()
         names = list(self._peers)
         self._peers.clear()
+        self._adding.clear()
+        self._peer_state.clear()
         if self._proc is not None and self._chan is not None:
             if self._proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -313,14 +319,25 @@ class PeerWorkerHandle:
                 f"peer {name!r} has {desc.row_bytes}-byte slots, this arena {self.row_bytes}-byte"
             )
         self._peers[name] = desc
+        self._peer_state[name] = "adding"
+        if self._chan is not None:
+            self._adding[name] = self._adding.get(name, 0) + 1
         self._send(pw.encode(pw.AddPeer(name, descriptor)))
 
     def remove_peer(self, name: str) -> None:
         """Forget peer ``name``: its transfers fail ("peer removed") and are reported once settled.
         Unknown names are ignored."""
         self._check_open()
+        self._peer_state.pop(name, None)
         if self._peers.pop(name, None) is not None:
             self._send(pw.encode(pw.RemovePeer(name)))
+
+    def peer_state(self, name: str) -> PeerState | None:
+        """Where peer ``name`` is: "adding" (the worker has not answered the last
+        :meth:`add_peer` yet), "up" (it took the descriptor), "refused" (see
+        :meth:`take_peer_errors`), or None (not added, removed, or lost in a restart). Transfers
+        may be submitted in any state; the worker runs commands in order."""
+        return self._peer_state.get(name)
 
     def take_peer_errors(self) -> list[tuple[str, str]]:
         """``(name, reason)`` for each :meth:`add_peer` the worker refused since the last call."""
@@ -467,6 +484,13 @@ class PeerWorkerHandle:
             elif isinstance(rep, pw.PeerAdded):
                 if rep.error:
                     self._peer_errors.append((rep.name, rep.error))
+                left = self._adding.get(rep.name, 0) - 1
+                if left > 0:
+                    self._adding[rep.name] = left
+                else:
+                    self._adding.pop(rep.name, None)
+                    if rep.name in self._peer_state:  # not removed meanwhile
+                        self._peer_state[rep.name] = "refused" if rep.error else "up"
             elif isinstance(rep, pw.Ready):
                 if (rep.num_slots, rep.row_bytes) != (self.num_slots, self.row_bytes):
                     log.error("kvoffload p2p: the peer worker mapped another arena shape")

@@ -23,6 +23,7 @@ import msgspec
 import numpy as np
 import psutil
 import pytest
+import zmq
 
 from kvoffload.ipc.arena import Arena, ArenaError, list_arenas
 from kvoffload.tiers.p2p_worker_handle import WORKER_DIED, PeerWorkerHandle
@@ -88,12 +89,14 @@ def wait_for(insts, cond, what: str, timeout_s: float = PATIENCE_S):
     """Pump ``insts`` until ``cond()`` is true, sleeping only in ``select`` on their handles'
     ``fileno()`` (so a handle whose fd never wakes its waiter fails here)."""
     deadline = time.monotonic() + timeout_s
+    poller = zmq.Poller()  # what the p2p tier's node thread waits with
     for i in insts:
+        poller.register(i.handle.fileno(), zmq.POLLIN)
         i.pump()
     while not (value := cond()):
         left = deadline - time.monotonic()
         assert left > 0, f"timed out after {timeout_s} s waiting for {what}"
-        ready, _, _ = select.select([i.handle.fileno() for i in insts], [], [], left)
+        ready = poller.poll(left * 1000)
         assert ready or cond(), f"no handle became readable in {timeout_s} s waiting for {what}"
         for i in insts:
             i.pump()
@@ -427,3 +430,21 @@ def test_worker_exits_when_its_engine_dies():
     while not pid_gone(worker):
         assert time.monotonic() < deadline, "the orphaned peer worker did not exit"
         time.sleep(0.05)
+
+
+def test_a_hung_worker_is_killed_so_its_transfers_settle(instances):
+    a, b = instances("a", "tcp"), instances("b", "tcp")
+    a.handle.settle_timeout_s = DEADLINE_S
+    pair_up(a, b)
+    os.kill(b.handle.pid, signal.SIGSTOP)  # the transfer cannot finish...
+    t = a.handle.read("b", [(0, 0)], deadline_s=DEADLINE_S)
+    pid = a.handle.pid
+    os.kill(pid, signal.SIGSTOP)  # ...and A's worker cannot report it: only a kill settles it
+    # The node polls at least once a second (the settle timeout has no fd of its own).
+    deadline = time.monotonic() + PATIENCE_S
+    while t not in a.reported:
+        assert time.monotonic() < deadline, "the hung worker was never killed"
+        select.select([a.handle.fileno()], [], [], 1.0)
+        a.pump()
+    assert a.reported[t] == (FAILED, WORKER_DIED)
+    assert pid_gone(pid) and a.handle.returncode == -signal.SIGKILL

@@ -65,6 +65,9 @@ log = logging.getLogger("kvoffload.tiers.p2p_worker_handle")
 WORKER_DIED = "worker_died"
 #: Default grace (seconds) after a transfer's deadline before an unsettled one gets its worker killed.
 DEFAULT_SETTLE_TIMEOUT_S = 60.0
+#: Default time (seconds) a new worker has to say hello before it is killed (NIXL's first import can
+#: take seconds on a loaded machine).
+DEFAULT_START_TIMEOUT_S = 120.0
 _SETTLE_CHECK_S = 0.1
 
 Result = tuple[int, TransferState, str]
@@ -89,6 +92,7 @@ class PeerWorkerHandle:
         env: extra environment variables for the worker (e.g. ``UCX_TLS``, ``UCX_NET_DEVICES``).
         settle_timeout_s: seconds after a transfer's deadline before an unsettled transfer gets the
             worker killed (None: never).
+        start_timeout_s: seconds a new worker has to say hello before it is killed (None: never).
         ctx: the ZMQ context for the socket (default: one of the handle's own, ended by close()).
 
     Raises:
@@ -103,15 +107,15 @@ class PeerWorkerHandle:
         nice: int = 10,
         env: Mapping[str, str] | None = None,
         settle_timeout_s: float | None = DEFAULT_SETTLE_TIMEOUT_S,
+        start_timeout_s: float | None = DEFAULT_START_TIMEOUT_S,
         ctx: zmq.Context | None = None,
     ):
         info = next((a for a in list_arenas(arena_name) if a.name == arena_name), None)
         if info is None or not info.ready:
             raise ArenaError(f"no ready host arena named {arena_name!r} in /dev/shm")
-        if settle_timeout_s is not None and not settle_timeout_s > 0:
-            raise ValueError(
-                f"settle_timeout_s must be > 0 seconds or None, got {settle_timeout_s}"
-            )
+        for what, value in (("settle", settle_timeout_s), ("start", start_timeout_s)):
+            if value is not None and not value > 0:
+                raise ValueError(f"{what}_timeout_s must be > 0 seconds or None, got {value}")
         self.arena_name = arena_name
         self.arena_nonce = info.nonce
         self.num_slots = info.num_slots
@@ -120,6 +124,8 @@ class PeerWorkerHandle:
         self.nice = nice
         self.env = dict(env or {})
         self.settle_timeout_s = settle_timeout_s
+        self.start_timeout_s = start_timeout_s
+        self._started_at = 0.0
         self._own_ctx = ctx is None
         self._ctx = ctx if ctx is not None else zmq.Context(1)
         self._ep = select.epoll()
@@ -168,6 +174,7 @@ class PeerWorkerHandle:
             chan.close()
             raise
         self._chan, self._proc = chan, proc
+        self._started_at = time.monotonic()
         self._descriptor, self.kind, self.start_error, self.returncode = None, None, None, None
         self._ep.register(chan.fd, select.EPOLLIN)
         try:
@@ -460,7 +467,7 @@ class PeerWorkerHandle:
             if self._proc.poll() is not None:
                 self._on_exit()
             else:
-                self._check_settle_timeouts()
+                self._check_timeouts()
         out, self._results = self._results, []
         self._ep.poll(0)  # refreshes the epoll set's readiness (fileno) after the drain
         self._signal_if_readable()
@@ -499,22 +506,32 @@ class PeerWorkerHandle:
                 self.start_error = rep.reason
                 log.error("kvoffload p2p: the peer worker could not start: %s", rep.reason)
 
-    def _check_settle_timeouts(self) -> None:
+    def _check_timeouts(self) -> None:
+        """SIGKILL a worker that has not said hello within ``start_timeout_s``, or holds a transfer
+        unsettled ``settle_timeout_s`` past its deadline; :meth:`poll` reports the exit."""
         now = time.monotonic()
-        if self.settle_timeout_s is None or now < self._next_settle_check or self._proc is None:
+        if now < self._next_settle_check or self._proc is None:
             return
         self._next_settle_check = now + _SETTLE_CHECK_S
-        late = sum(
-            1 for p in self._pending.values() if p.settle_by is not None and now > p.settle_by
-        )
-        if late:
-            log.warning(
-                "kvoffload p2p: %d transfers unsettled %.0f s past their deadline; killing the peer "
-                "worker (pid %d) so they settle",
-                late,
-                self.settle_timeout_s,
-                self._proc.pid,
+        why = ""
+        if (
+            self._descriptor is None
+            and self.start_error is None
+            and self.start_timeout_s is not None
+            and now - self._started_at > self.start_timeout_s
+        ):
+            why = f"it did not say hello within {self.start_timeout_s:.0f} s"
+        elif self.settle_timeout_s is not None:
+            late = sum(
+                1 for p in self._pending.values() if p.settle_by is not None and now > p.settle_by
             )
+            if late:
+                why = (
+                    f"{late} transfers are unsettled {self.settle_timeout_s:.0f} s past their "
+                    "deadline"
+                )
+        if why:
+            log.warning("kvoffload p2p: killing the peer worker (pid %d): %s", self._proc.pid, why)
             with contextlib.suppress(ProcessLookupError):
                 self._proc.send_signal(signal.SIGKILL)
 

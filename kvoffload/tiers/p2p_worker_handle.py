@@ -148,7 +148,14 @@ class PeerWorkerHandle:
         self.kind: str | None = None
         self.start_error: str | None = None
         self.returncode: int | None = None
-        self._spawn()
+        try:
+            self._spawn()
+        except BaseException:
+            self._ep.close()
+            os.close(self._wake)
+            if self._own_ctx:
+                self._ctx.term()
+            raise
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -303,6 +310,7 @@ class PeerWorkerHandle:
             self._results.append((tid, TransferState.FAILED, WORKER_DIED))
         self._pending.clear()
         self._outbox.clear()
+        self._adding.clear()
         self._release_process()
 
     # -- peers ------------------------------------------------------------------------------------

@@ -230,7 +230,7 @@ def test_transfer_to_a_killed_peer_fails_and_one_to_a_live_peer_beside_it_comple
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_transfer_past_its_deadline_is_reported_only_once_settled(instances, kind):
+def test_c22_a_transfer_past_its_deadline_is_reported_only_once_settled(instances, kind):
     env = STOPPABLE if kind == "nixl" else None
     a, b = instances("a", kind, env), instances("b", kind, env)
     pair_up(a, b)
@@ -259,7 +259,7 @@ def test_a_transfer_past_its_deadline_is_reported_only_once_settled(instances, k
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_own_worker_killed_mid_transfer_reports_worker_died_after_exit_and_restart_works(
+def test_c17_own_worker_killed_mid_transfer_reports_worker_died_after_exit_and_restart_works(
     instances, kind
 ):
     env = STOPPABLE if kind == "nixl" else None
@@ -432,7 +432,7 @@ def test_worker_exits_when_its_engine_dies():
         time.sleep(0.05)
 
 
-def test_a_hung_worker_is_killed_so_its_transfers_settle(instances):
+def test_c17_a_hung_peer_worker_is_killed_so_its_transfers_settle(instances):
     a, b = instances("a", "tcp"), instances("b", "tcp")
     a.handle.settle_timeout_s = DEADLINE_S
     pair_up(a, b)

@@ -38,6 +38,7 @@ WB = "tests/test_wrong_bytes.py::"
 WC = "tests/test_worker_containment.py::"
 CAP = "tests/test_fs_capacity.py::"
 EV = "tests/test_event_content.py::"
+P2PW = "tests/test_p2p_worker.py::"
 XTP = "tests/test_cross_tp.py::"
 BP = "tests/test_backpressure.py::"
 OPS = "tests/test_ops_commands.py::"
@@ -379,6 +380,14 @@ MUTATIONS: list[Mutation] = [
         "",
         (FS + "test_c17_worker_that_dies_or_goes_silent_fails_or_reruns_its_jobs",),
     ),
+    Mutation(
+        "C17",
+        "a peer worker that stops reporting is never killed",
+        "kvoffload/tiers/p2p_worker_handle.py",
+        "        if why:\n",
+        "        if why and False:\n",
+        (P2PW + "test_c17_a_hung_peer_worker_is_killed_so_its_transfers_settle",),
+    ),
     # -- C19-C23: metrics, events, config, buffer lifetime, performance ---------------------------
     Mutation(
         "C19",
@@ -441,6 +450,14 @@ MUTATIONS: list[Mutation] = [
         "                slots = host.pin(take)\n",
         "                slots = [host.index[k] for k in take]\n",
         (FS + "test_c22_store_source_slot_is_not_reused_while_the_writer_reads_it",),
+    ),
+    Mutation(
+        "C22",
+        "a failed p2p transfer reported while it may still write its local slots",
+        "workers/p2p_worker.py",
+        "            if st.state is TransferState.PENDING or not st.settled:\n",
+        "            if st.state is TransferState.PENDING:\n",
+        (P2PW + "test_c22_a_transfer_past_its_deadline_is_reported_only_once_settled[nixl]",),
     ),
     Mutation(
         "C23",

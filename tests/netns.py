@@ -185,9 +185,14 @@ class NetnsPair:
         dev_a, dev_b: the veth end inside each (for ``UCX_NET_DEVICES`` and link counters).
         addr_a, addr_b: the ends' IPv4 addresses (dotted quads); the only way between the sides.
         subnet: the /30 they come from.
+        grace_s: how long :meth:`close` lets processes exit on their own before SIGKILL (seconds).
+
+    A context manager: leaving the ``with`` block calls :meth:`close`. Other mounts (``/dev/shm``
+    included, so host arenas) and the PID space are the machine's: only the network is separate.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, grace_s: float = GRACE_S) -> None:
+        self.grace_s = grace_s
         sweep_stale()
         n = next(_serial)
         self.ns_a = f"{PREFIX}{os.getpid()}-{n}-a"
@@ -292,7 +297,7 @@ class NetnsPair:
     def close(self) -> None:
         """Stop every process in either namespace and delete both; check none survives. Idempotent.
 
-        The spawned processes get SIGTERM; then what they started gets a grace period to exit on
+        The spawned processes get SIGTERM; then what they started gets ``grace_s`` to exit on
         its own (an arena's janitor unlinks the segment of an owner that died, see
         ``kvoffload.ipc.janitor``); anything still there is SIGKILLed, and, as that may have been a
         janitor, arena segments whose owner is dead are swept (``kvoffload.ipc.arena.sweep``).
@@ -309,7 +314,7 @@ class NetnsPair:
             if p.poll() is None:
                 p.terminate()
         sides = [ns for ns in (self.ns_a, self.ns_b) if ns in list_namespaces()]
-        deadline = time.monotonic() + GRACE_S
+        deadline = time.monotonic() + self.grace_s
         while any(_pids_in(ns) for ns in sides) and time.monotonic() < deadline:
             time.sleep(0.05)
         errors = []

@@ -24,8 +24,6 @@ import os
 import secrets
 import select
 import subprocess
-import sys
-import textwrap
 
 import msgspec
 import pytest
@@ -81,6 +79,8 @@ class NsPeer:
         )
         assert reply["kind"] == kind, reply
         self.descriptor: str = reply["descriptor"]
+        # /dev/shm is the machine's in every network namespace: the session-end check sees it.
+        assert self.name in {a.name for a in list_arenas()}
 
     def call(self, op: str, **args) -> dict:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -130,70 +130,6 @@ def ns_peers(netns_pair):
     assert all(p.proc.returncode == 0 for p in made), [p.proc.returncode for p in made]
     names = {p.name for p in made}
     assert not [a.name for a in list_arenas() if a.name in names]
-
-
-_PROBE = textwrap.dedent(
-    """
-    import socket, sys
-    try:
-        socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=10).close()
-        print("connected")
-    except OSError as e:
-        print(type(e).__name__)
-    """
-)
-
-_LISTEN = textwrap.dedent(
-    """
-    import socket, sys
-    socks = []
-    for host in sys.argv[1:]:
-        s = socket.socket()
-        s.bind((host, 0))
-        s.listen()
-        socks.append(s)
-    print(" ".join(str(s.getsockname()[1]) for s in socks), flush=True)
-    sys.stdin.read()  # until the test closes our stdin
-    """
-)
-
-
-def _probe(pair: NetnsPair, side: Side, host: str, port: int) -> str:
-    """Connect from ``side`` to ``host:port``: "connected" or the error's type name."""
-    done = pair.run(side, [sys.executable, "-c", _PROBE, host, str(port)])
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip()
-
-
-def test_namespaces_are_joined_only_by_the_veth_pair(netns_pair):
-    pair = netns_pair
-    assert pair.ns_a != pair.ns_b and pair.addr_a != pair.addr_b
-    # The veth ends exist only inside the namespaces, each namespace sees just lo and its end.
-    for side in ("a", "b"):
-        links = pair.run(side, ["ip", "-o", "link", "show"]).stdout
-        names = sorted(line.split(":")[1].strip().split("@")[0] for line in links.splitlines())
-        assert names == sorted(["lo", pair.dev(side)]), links
-    root_links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
-    assert pair.dev_a not in root_links and pair.dev_b not in root_links
-    # B listens on its loopback and on its veth address; A reaches only the veth one. A's own
-    # 127.0.0.1 is another loopback: the same port there is closed.
-    listener = pair.python(
-        "b",
-        ["-c", _LISTEN, "127.0.0.1", pair.addr_b],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-    )
-    assert listener.stdout is not None and listener.stdin is not None
-    ready, _, _ = select.select([listener.stdout], [], [], PATIENCE_S)
-    assert ready, "the listener in B did not start"
-    lo_port, veth_port = (int(p) for p in listener.stdout.readline().split())
-    assert listener.pid in pair.pids("b")  # the handle is the process itself, inside B
-    assert _probe(pair, "b", "127.0.0.1", lo_port) == "connected"
-    assert _probe(pair, "a", "127.0.0.1", lo_port) == "ConnectionRefusedError"
-    assert _probe(pair, "a", pair.addr_b, veth_port) == "connected"
-    assert _probe(pair, "a", pair.addr_b, lo_port) == "ConnectionRefusedError"
-    listener.stdin.close()
-    assert listener.wait(timeout=PATIENCE_S) == 0
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -84,9 +84,8 @@ def list_namespaces() -> list[str]:
     """Names of every named network namespace on the machine (``ip netns list``)."""
     if shutil.which("ip") is None:
         return []
-    out = _ip("-j", "netns", "list", check=False).stdout.strip()
-    # iproute2 prints nothing (not "[]") when there are none.
-    return [n["name"] for n in json.loads(out)] if out else []
+    # One line per namespace: "NAME" or "NAME (id: N)".
+    return [line.split()[0] for line in _ip("netns", "list", check=False).stdout.splitlines()]
 
 
 def creator_pid(name: str) -> int:
@@ -289,6 +288,13 @@ class NetnsPair:
         out = _ip("-n", self.ns(side), "-s", "-j", "link", "show", "dev", self.dev(side)).stdout
         stats = json.loads(out)[0]["stats64"]
         return stats["rx"]["bytes"], stats["tx"]["bytes"]
+
+    def ucx_tcp_env(self, side: Side) -> dict[str, str]:
+        """Environment that keeps a NIXL/UCX process of ``side`` on the veth: ``UCX_TLS=tcp`` (the
+        namespaces share /dev/shm and the PID space, so UCX would otherwise move bytes by shared
+        memory or cross-memory attach and never touch the network) and ``UCX_NET_DEVICES`` = the
+        veth end (UCX refuses the other side's ``lo`` anyway: it compares network namespaces)."""
+        return {"UCX_TLS": "tcp", "UCX_NET_DEVICES": self.dev(side)}
 
     def pids(self, side: Side) -> list[int]:
         """Every process now in ``side``'s namespace."""

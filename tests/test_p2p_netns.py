@@ -136,11 +136,11 @@ def ns_peers(netns_pair):
 def test_transport_moves_chunks_bit_exact_across_the_veth(netns_pair, ns_peers, kind):
     pair = netns_pair
     if kind == "nixl":
-        env = {s: {"UCX_TLS": "tcp", "UCX_NET_DEVICES": pair.dev(s)} for s in ("a", "b")}
+        env_a, env_b = pair.ucx_tcp_env("a"), pair.ucx_tcp_env("b")
     else:
-        env = {"a": {}, "b": {}}
-    a = ns_peers("a", kind, pair.addr_a, env["a"])
-    b = ns_peers("b", kind, pair.addr_b, env["b"])
+        env_a = env_b = {}
+    a = ns_peers("a", kind, pair.addr_a, env_a)
+    b = ns_peers("b", kind, pair.addr_b, env_b)
     if kind == "tcp":
         # the descriptors name the veth addresses, which is all the other side can use
         assert pt.decode_descriptor(bytes.fromhex(b.descriptor)).host == pair.addr_b

@@ -425,7 +425,7 @@ class PeerWorkerHandle:
             self._signal()
             return tid
         self._pending[tid] = _Pending(float(deadline_s))
-        frame = pw.encode(pw.Transfer(tid, op, peer, local, remote, float(deadline_s)))  # type: ignore[arg-type]
+        frame = pw.encode(pw.Transfer(tid, op, peer, local, remote, float(deadline_s)))
         self._send(frame, tid)
         return tid
 

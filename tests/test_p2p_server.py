@@ -10,10 +10,11 @@ pushed bytes (the peer worker), the test writes them into the reserved slots its
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
-from helpers import Rig, keys_for, payload
+from helpers import Rig, fs_tier, keys_for, payload
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -244,6 +245,37 @@ def test_lookups_answer_host_states_and_leases_pin_until_released(rig):
     assert c.send(pm.Release(lr.lease)) == []  # again: nothing more is released
     n = srv.server.counters
     assert (n["lookups_served"], n["hits_served"], n["unknown_releases"]) == (4, 3, 1)
+
+
+def test_c18_a_chunk_this_instance_moved_to_its_fs_tier_is_served_while_the_engine_is_idle(
+    tmp_path,
+):
+    with Rig([fs_tier(tmp_path / "fs")], num_slots=4) as rig:
+        srv = Server(rig)
+        k1, *others = keys_for(5, seed=21)
+        for k in [k1, *others]:  # k1 ends up in the fs tier only
+            rig.store([k])
+        assert k1 not in rig.tm.host.index
+        c = Client(srv)
+        c.connect()
+        now = 0.0
+        states = []
+        deadline = time.monotonic() + 120  # a stuck run, never what is tested
+        while True:  # the engine is not stepped: only the server's tick polls
+            (state,) = c.one(pm.Lookup(1, [k1]), now).states
+            states.append(state)
+            if state != pm.PENDING:
+                break
+            assert time.monotonic() < deadline, "k1 never landed"
+            now += 0.001
+            srv.server.tick(now)
+            time.sleep(0.001)
+        assert states[0] == pm.PENDING and states[-1] == pm.READY
+        lease = c.one(pm.Lease(2, [k1], 10.0, ""), now)
+        assert np.array_equal(rig.arena.rows[lease.slots[0]], payload(k1, rig.row_bytes))
+        c.send(pm.Release(lease.lease), now)
+        assert rig.tm.pins_held() == refs_of(rig.tm) == {}
+        assert not srv.server.wants_poll()
 
 
 def test_a_lease_expires_at_its_ttl_capped_by_max_lease_s(rig):

@@ -654,6 +654,12 @@ class TieringManager:
         with self.lock:
             return sum(self._leases.get(holder, {}).values())
 
+    def slots_of(self, keys: Iterable[bytes]) -> list[int]:
+        """The host slot of each key (any state), -1 for a key not in the host tier."""
+        with self.lock:
+            index = self.host.index
+            return [index.get(k, -1) for k in keys]
+
     def admit(self, keys: Sequence[bytes], holder: str) -> list[int]:
         """Reserve host slots (WRITING) for a peer's push of ``keys``, on behalf of ``holder``:
         one slot per key, -1 where the key is present already (any state, a quarantined write

@@ -184,6 +184,8 @@ def test_two_instances_serve_each_other_bit_exact(world, kind):
     pa, pb = free_port(), free_port()
     a = world.instance(p2p(kind, pa, [f"127.0.0.1:{pb}"]))
     b = world.rig(p2p(kind, pb, [a.addr]))
+    wait_until(lambda: a.ok("state")["peers_up"] or None, PATIENCE_S, "A's link to B up")
+    wait_until(lambda: tier(b).peers_up() or None, PATIENCE_S, "B's link to A up")
     ka, kb = keys_for(6, seed=1), keys_for(5, seed=2)
     a.store(ka)
     b.store(kb)

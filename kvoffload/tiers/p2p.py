@@ -326,13 +326,16 @@ class P2PTier(SecondaryTierManager):
             manager,
             secret=self._secret,
             incarnation=self.incarnation,
-            namespace_id=self.namespace.id,
+            namespace_id=self.namespace.id(),
             descriptor=lambda: self._worker.descriptor,
             quota_chunks=cfg.quota_chunks,
             heartbeat_s=cfg.heartbeat_s,
             peer_timeout_s=cfg.peer_timeout_s,
-            lease_ttl_max_s=cfg.lease_ttl_s,
+            max_lease_s=cfg.lease_ttl_s,
             pull=lambda *a: self._node.pull(*a) if self._node else None,
+            on_fetched=lambda kvr, keys: (
+                self._node.results.append((RES_FETCHED, kvr, keys)) if self._node else None
+            ),
         )
         self._node = PeerNode(
             ctx=self._ctx,
@@ -341,7 +344,7 @@ class P2PTier(SecondaryTierManager):
             bind=f"tcp://{cfg.host}:{port}",
             advertise="",
             incarnation=self.incarnation,
-            namespace_id=self.namespace.id,
+            namespace_id=self.namespace.id(),
             secret=self._secret,
             heartbeat_s=cfg.heartbeat_s,
             peer_timeout_s=cfg.peer_timeout_s,
@@ -640,11 +643,11 @@ class P2PTier(SecondaryTierManager):
             metrics.observe("kvoffload_p2p_load_latency_seconds", secs, name, peer)
         for addr, link in list(node.links.items()):
             metrics.set("kvoffload_p2p_peer_up", 1 if link.up else 0, name, node.label(addr))
-        server = self._server
-        if server is not None:
-            metrics.set("kvoffload_p2p_leases_held", server.leases_held, name)
-            for reason, v in dict(server.refused).items():
-                metrics.set_total("kvoffload_p2p_refused_messages", v, name, reason)
+        counters = node.server_counters  # a snapshot the node thread takes
+        metrics.set("kvoffload_p2p_leases_held", counters.get("leases_held", 0), name)
+        for k, v in counters.items():
+            if k.startswith("refused."):
+                metrics.set_total("kvoffload_p2p_refused_messages", v, name, k[8:])
 
     @property
     def worker_pid(self) -> int | None:

@@ -30,6 +30,9 @@ incarnation (a restart: its transfers died with it). A reconnect of the same inc
 its leases. At most ``max_leased_chunks`` host slots are leased to peers at once, so peers can
 never pin the whole host tier.
 
+Lookups start promotions from this instance's own tiers (CASES C18) for at most
+``max_leased_chunks`` chunks at once; beyond that a chunk found there is PENDING until they land.
+
 Pushes (a push is a pull the receiver performs): an Offer is admitted within ``quota_chunks``
 (per server: chunks being pulled plus pushed chunks still in the host tier, until they are
 evicted), slots are reserved WRITING (``manager.admit``), and the node is asked to pull them. The
@@ -152,7 +155,8 @@ class PeerServer:
         heartbeat_s: how often clients are asked to send a heartbeat (seconds, in Welcome).
         peer_timeout_s: a session (or handshake) silent this long is dropped (seconds).
         max_lease_s: the longest lease granted, whatever a Lease asks (seconds).
-        max_leased_chunks: host slots leased to peers at once (default: half the host tier).
+        max_leased_chunks: host slots leased to peers at once (default: half the host tier);
+            also the most chunks promoted for peers' lookups at once.
         max_sessions: authenticated sessions at once (more are refused ``busy``).
         max_handshakes: handshakes in progress at once (the oldest goes first).
         random_bytes: ``n -> n random bytes`` for nonces (tests may pass a seeded one).
@@ -415,7 +419,11 @@ class PeerServer:
     # -- reads ----------------------------------------------------------------------------------
 
     def _lookup(self, session: _Session, msg: pm.Lookup) -> pm.LookupReply:
-        states = self.manager.serve_lookup(msg.keys, session.name) if msg.keys else b""
+        states = (
+            self.manager.serve_lookup(msg.keys, session.name, self.max_leased_chunks)
+            if msg.keys
+            else b""
+        )
         c = self._counts
         c["lookups_served"] += len(msg.keys)
         c["hits_served"] += states.count(pm.READY)

@@ -22,7 +22,7 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
-from helpers import Rig, arena_name, wait_until
+from helpers import Rig, arena_name, namespace, wait_until
 
 from kvoffload.ipc import peer_messages as pm
 from kvoffload.ipc.arena import list_arenas
@@ -371,3 +371,133 @@ def test_push_is_admitted_within_the_quota_and_read_back_later(world, kind):
     # A forgets them; they come back from B
     a.tm.host.remove(first)
     assert_serves(a, first, "again")
+
+
+class RawClient:
+    """A hand-driven control session with a serving instance (the protocol, no tier)."""
+
+    def __init__(self, addr: str, namespace_id: str, secret: str = SECRET):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(f"tcp://{addr}")
+        self.secret = secret.encode()
+        self.incarnation = os.urandom(pm.INCARNATION_BYTES)
+        self.namespace_id = namespace_id
+
+    def ask(self, msg) -> object:
+        self.sock.send(pm.encode(msg))
+        return self.recv()
+
+    def recv(self) -> object:
+        assert self.sock.poll(int(PATIENCE_S * 1000)), "no answer"
+        return pm.decode(self.sock.recv())
+
+    def handshake(self) -> pm.Welcome:
+        nonce = os.urandom(pm.NONCE_BYTES)
+        ch = self.ask(
+            pm.Hello(pm.PROTOCOL_VERSION, self.incarnation, "127.0.0.1:1", self.namespace_id, nonce)
+        )
+        assert isinstance(ch, pm.Challenge), ch
+        parts = (nonce, ch.nonce, self.incarnation, ch.incarnation, self.namespace_id.encode())
+        assert pm.mac_ok(pm.mac(self.secret, "server", *parts), ch.mac)
+        welcome = self.ask(pm.Auth(pm.mac(self.secret, "client", *parts), b""))
+        assert isinstance(welcome, pm.Welcome), welcome
+        return welcome
+
+    def close(self) -> None:
+        self.sock.close()
+        self.ctx.term()
+
+
+def test_a_lease_expires_and_its_pins_are_released(world):
+    a = world.instance(p2p("tcp", free_port()))
+    keys = keys_for(4, seed=13)
+    a.store(keys)
+    ns_id = namespace(row_bytes=ROW).id()
+    c = RawClient(a.addr, ns_id)
+    try:
+        c.handshake()
+        reply = c.ask(pm.Lease(req=1, keys=keys, ttl_s=1.0))
+        assert isinstance(reply, pm.LeaseReply) and all(s >= 0 for s in reply.slots), reply
+        assert a.ok("state")["pinned"] == len(keys)
+        # the session stays alive (heartbeats) while the lease runs out
+        seq = 0
+
+        def expired():
+            nonlocal seq
+            seq += 1
+            assert isinstance(c.ask(pm.Heartbeat(seq, 0)), pm.HeartbeatAck)
+            return a.ok("state")["pinned"] == 0 or None
+
+        wait_until(expired, PATIENCE_S, "the lease to expire", interval_s=0.1)
+        st = a.ok("state")
+        assert st["pins_match"], st
+        # a Release of the expired lease changes nothing; a new lease works, and its Release frees it
+        c.sock.send(pm.encode(pm.Release(reply.lease)))
+        again = c.ask(pm.Lease(req=2, keys=keys[:2], ttl_s=600.0))
+        assert isinstance(again, pm.LeaseReply) and all(s >= 0 for s in again.slots)
+        assert a.ok("state")["pinned"] == 2
+        c.sock.send(pm.encode(pm.Release(again.lease)))
+        wait_until(lambda: a.ok("state")["pinned"] == 0 or None, PATIENCE_S, "the release")
+    finally:
+        c.close()
+
+
+def test_fuzzed_control_messages_never_crash_a_serving_instance(world):
+    """Random frames, multipart junk, valid messages out of order and hostile values, before and
+    after authenticating: the instance answers (or drops) each, keeps no pin, and still serves."""
+    import random
+
+    rng = random.Random(1234)
+    a = world.instance(p2p("tcp", free_port()))
+    keys = keys_for(3, seed=14)
+    a.store(keys)
+    ns_id = namespace(row_bytes=ROW).id()
+    hostile = [
+        pm.Lookup(req=1, keys=[b""] * 5),
+        pm.Lease(req=2, keys=keys, ttl_s=86400.0),
+        pm.Release(lease=(1 << 63) - 1),
+        pm.Offer(req=3, keys=keys, lease=7, slots=[10**9] * 3),
+        pm.Offer(req=4, keys=keys, lease=8, slots=[1]),
+        pm.Pulled(lease=1, ok=b"\1" * 9),
+        pm.Welcome(b"x" * 100, 0.1, 5),
+        pm.Challenge(os.urandom(16), os.urandom(32), os.urandom(32)),
+        pm.LookupReply(req=1, states=b"\1\2"),
+    ]
+    for authenticated in (False, True):
+        c = RawClient(a.addr, ns_id)
+        try:
+            if authenticated:
+                c.handshake()
+            for i in range(300):
+                pick = rng.random()
+                if pick < 0.4:
+                    frames = [rng.randbytes(rng.randrange(0, 300))]
+                elif pick < 0.5:
+                    frames = [rng.randbytes(8) for _ in range(rng.randrange(2, 5))]
+                elif pick < 0.6:
+                    good = pm.encode(rng.choice(hostile))
+                    cut = rng.randrange(len(good))
+                    frames = [good[:cut] + rng.randbytes(3) + good[cut + 3 :]]
+                else:
+                    frames = [pm.encode(rng.choice(hostile))]
+                c.sock.send_multipart(frames)
+                if i % 50 == 0:
+                    c.sock.send(pm.encode(pm.Heartbeat(i, 0)))
+            # drain whatever came back
+            while c.sock.poll(200):
+                c.sock.recv()
+        finally:
+            c.close()
+    # still alive, nothing pinned for long, and a real client is served
+    st = a.ok("state")
+    assert st["pins_match"], st
+    c = RawClient(a.addr, ns_id)
+    try:
+        c.handshake()
+        reply = c.ask(pm.Lookup(req=9, keys=keys))
+        assert isinstance(reply, pm.LookupReply) and reply.states == bytes([pm.READY] * 3)
+    finally:
+        c.close()
+    wait_until(lambda: a.ok("state")["pinned"] == 0 or None, PATIENCE_S, "hostile leases gone")

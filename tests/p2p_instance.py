@@ -9,6 +9,7 @@ stdout). Commands (``op`` plus arguments):
   peers reach it at) and the peer worker's ``worker_pid``.
 - ``store(keys)``: accelerator → host store of hex ``keys`` with their :func:`payload` bytes.
 - ``resolve(keys, req_id, params)``: look ``keys`` up every step until settled; answers the results.
+- ``lookup_once(keys, req_id)``: one round of lookups and one step; answers the results.
 - ``digest(keys)``: xxh3 of the host rows of READY ``keys`` (None where not READY).
 - ``drop(keys)``: remove ``keys`` from the host tier.
 - ``state()``: pins held vs ref counts, busy slots, peers up.
@@ -88,6 +89,13 @@ class Instance:
                 return {"results": [r.name for r in res]}
             self.tm.step()
             time.sleep(0.002)
+
+    def lookup_once(self, keys: list[str], req_id: str = "req") -> dict:
+        """One round of lookups of ``keys`` and one engine step (never waits for an answer)."""
+        assert self.tm is not None
+        res = [self.tm.lookup(bytes.fromhex(k), req_id) for k in keys]
+        self.tm.step()
+        return {"results": [r.name for r in res]}
 
     def digest(self, keys: list[str]) -> dict:
         assert self.tm is not None and self.arena is not None

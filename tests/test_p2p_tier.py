@@ -501,3 +501,34 @@ def test_fuzzed_control_messages_never_crash_a_serving_instance(world):
     finally:
         c.close()
     wait_until(lambda: a.ok("state")["pinned"] == 0 or None, PATIENCE_S, "hostile leases gone")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_reader_sigkilled_mid_transfer_leaks_no_slot_on_the_serving_side(world, kind):
+    env = {"UCX_TLS": "tcp"} if kind == "nixl" else None
+    slow = {"transfer_deadline_s": 600.0, "lease_ttl_s": 3600.0, "peer_timeout_s": 2.0}
+    if env:
+        os.environ["UCX_TLS"] = "tcp"
+    try:
+        a = world.rig(p2p(kind, free_port(), **slow))
+    finally:
+        if env:
+            os.environ.pop("UCX_TLS", None)
+    keys = keys_for(6, seed=15)
+    a.store(keys)
+    b = world.instance(p2p(kind, free_port(), [tier(a).advertise], **slow), env=env)
+    wait_until(lambda: b.ok("state")["peers_up"] or None, PATIENCE_S, "B's session with A")
+    os.kill(b.worker_pid, signal.SIGSTOP)  # B's reads will hang, holding A's lease
+    hexkeys = [k.hex() for k in keys]
+    wait_until(
+        lambda: (b.ok("lookup_once", keys=hexkeys), a.tm.host.num_pinned == len(keys))[1] or None,
+        PATIENCE_S,
+        "A to lease its slots to B",
+    )
+    os.kill(b.proc.pid, signal.SIGKILL)
+    os.kill(b.worker_pid, signal.SIGKILL)
+    b.proc.wait(PATIENCE_S)
+    # A notices the silent session and releases its leases: nothing stays pinned
+    wait_until(lambda: a.tm.host.num_pinned == 0 or None, PATIENCE_S, "A's leases released")
+    assert pins_consistent(a)
+    assert all(a.tm.host.lookup(k) is HIT for k in keys)  # A still holds and serves them

@@ -364,9 +364,11 @@ def test_push_is_admitted_within_the_quota_and_read_back_later(world, kind):
     # B now holds them in its host tier, read from A (B pulled them)
     want = [xxh(payload(k, ROW)) for k in first]
     assert b.ok("digest", keys=[k.hex() for k in first])["digests"] == want
-    # over the quota: refused, counted as failed stores, nothing pinned
+    # B's quota is used up: A offers no more (a peer with no free quota takes no push), and
+    # nothing stays pinned
     a.store(second)
-    assert a.tm.stats.cascade_failures[tier(a).name] == len(second)
+    assert a.tm.stats.cascaded[tier(a).name] == len(first)
+    assert b.ok("digest", keys=[k.hex() for k in second])["digests"] == [None] * len(second)
     assert pins_consistent(a) and a.tm.host.num_pinned == 0
     # A forgets them; they come back from B
     a.tm.host.remove(first)
@@ -532,3 +534,23 @@ def test_a_reader_sigkilled_mid_transfer_leaks_no_slot_on_the_serving_side(world
     wait_until(lambda: a.tm.host.num_pinned == 0 or None, PATIENCE_S, "A's leases released")
     assert pins_consistent(a)
     assert all(a.tm.host.lookup(k) is HIT for k in keys)  # A still holds and serves them
+
+
+def test_an_instance_over_its_host_capacity_pushes_to_an_underused_peer_and_reads_back(world):
+    """Load balancing: with ``push: when_full``, chunks stored while A's host tier is full are
+    offered to B (within B's quota); the chunks A then evicts come back from B."""
+    b = world.instance(p2p("tcp", free_port(), quota_chunks=64), num_slots=64)
+    a = world.rig(p2p("tcp", free_port(), [b.addr], push="when_full"), num_slots=8)
+    wait_until(lambda: tier(a).peers_up() or None, PATIENCE_S, "A's link to B", step=a.tm.step)
+    keys = keys_for(24, seed=16)
+    for i in range(0, len(keys), 4):
+        a.store(keys[i : i + 4])
+    pushed = a.tm.stats.cascaded[tier(a).name]
+    assert pushed > 0, "nothing was pushed while the host tier was full"
+    assert a.tm.stats.cascade_failures[tier(a).name] == 0
+    held = b.ok("digest", keys=[k.hex() for k in keys])["digests"]
+    assert sum(d is not None for d in held) == pushed
+    # the chunks A evicted and B holds are served back from B, bit-exact
+    back = [k for k, d in zip(keys, held) if d is not None and a.tm.host.lookup(k) is not HIT][:4]
+    assert back, "no pushed chunk was evicted from A"
+    assert_serves(a, back, "reread")

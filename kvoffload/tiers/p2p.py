@@ -438,12 +438,16 @@ class P2PTier(SecondaryTierManager):
         if route is not None and route.decoder_id:
             return True
         push = self.config.push
-        if push == "always":
-            return True
         if push == "when_full" and self._manager is not None:
             host = self._manager.host
-            return host.num_used >= host.num_slots
-        return False
+            if host.num_used < host.num_slots:
+                return False
+        elif push != "always":
+            return False
+        node = self._node  # a snapshot of the links: list() copies the dict atomically
+        return node is not None and any(
+            link.up and link.free_quota > 0 for link in list(node.links.values())
+        )
 
     @override
     def submit_store(self, job: JobMetadata) -> None:

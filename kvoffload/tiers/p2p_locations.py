@@ -484,8 +484,7 @@ class PeerLocations:
         self._confirmed.discard(peer)
         now = time.monotonic()
         for feed in self._feeds.get(peer, ()):
-            if feed.replay is not None:
-                self._cancel_replay(feed)
+            self._cancel_replay(feed)  # also discards answers still in flight
             feed.chunks.clear()
             feed.next_seq = None
             feed.last_live = -1

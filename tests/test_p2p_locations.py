@@ -134,6 +134,13 @@ def until(loc: PeerLocations, condition, what: str):
     return wait_until(condition, what=what, step=loc.poll)
 
 
+def caught_up(loc: PeerLocations, *peers: Peer) -> None:
+    """Until ``loc`` has applied every batch ``peers`` published (each exactly once, live or
+    replayed), so what it says can be asserted."""
+    published = sum(p.tm.publisher.published["engine"] for p in peers)
+    until(loc, lambda: loc.counts["batches"] == published, f"{published} batches applied")
+
+
 def synced(loc: PeerLocations, peer: Peer, name: str, seed: int = 900) -> list[bytes]:
     """Store probe chunks on ``peer`` until ``loc`` has located the last one stored (a feed
     without a replay endpoint learns only what is published after its SUB socket has
@@ -169,12 +176,12 @@ def test_c18_a_chunk_spilled_to_a_peers_fs_tier_stays_located_until_it_leaves_ev
     k1, k2, k3, k4 = keys_for(4)
     for k in (k1, k2, k3):
         a.store([k])
-    until(loc, lambda: loc.places(k3) == {A: ["host", "fs"]}, "K3 in A's host and fs tiers")
-    until(loc, lambda: loc.places(k1) == {A: ["fs"]}, "K1 in A's fs tier only")
+    caught_up(loc, a)
+    assert loc.places(k3) == {A: ["host", "fs"]} and loc.places(k1) == {A: ["fs"]}
     assert loc.where(k1) == [A] and loc.where(k3) == [A]
     a.store([k4])
-    until(loc, lambda: loc.places(k1) == {}, "K1 gone from every tier of A")
-    assert loc.where(k1) == []
+    caught_up(loc, a)
+    assert loc.places(k1) == {} and loc.where(k1) == []
     assert loc.places(k2) == {A: ["fs"]} and loc.where(k2) == [A]
     assert loc.counts["malformed"] == loc.counts["lost"] == 0
 

@@ -460,7 +460,7 @@ class PeerLocations:
                 self._on_live_frames(feed, frames)
             if feed.replay is not None and now >= feed.replay.deadline:
                 log.warning(
-                    "kvoffload p2p: replay of %s's events from %s took more than %.1f s; abandoned",
+                    "kvoffload p2p: replay of %s's events from %s took more than %g s; abandoned",
                     feed.peer,
                     feed.source.replay_endpoint,
                     self.replay_timeout_s,

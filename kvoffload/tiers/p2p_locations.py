@@ -367,6 +367,9 @@ class PeerLocations:
                     feed.replay_sock = rs = self._ctx.socket(zmq.DEALER)
                     socks.append(rs)
                     rs.setsockopt(zmq.LINGER, 0)
+                    # a replay is a burst (up to the publisher's buffer_steps, 10,000 by
+                    # default); the publisher's ROUTER drops what does not fit
+                    rs.setsockopt(zmq.RCVHWM, 100_000)
                     rs.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
                     rs.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
                     self._connect(rs, src.replay_endpoint, f"{at}.replay_endpoint")

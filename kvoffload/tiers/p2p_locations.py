@@ -84,6 +84,11 @@ stored longest ago (least recently named by a ``BlockStored``) is forgotten firs
 buffered during a replay: at most ``max_buffered_batches`` per feed (more: the replay is
 abandoned). Frames over ``max_message_bytes`` make ZMQ drop the connection (it reconnects).
 
+**Sockets.** One SUB socket per publisher (and one replay DEALER where a replay endpoint is
+given), all made at construction: a ``KVEventBatch`` names no sender and every instance
+publishes on the same default topic, so one SUB socket connected to several publishers could not
+tell their batches (or their sequence numbers) apart.
+
 **Threads.** :meth:`poll`, :meth:`drop_peer`, :meth:`confirm_peer`, :meth:`places` and
 :meth:`close` belong to one thread (the p2p node's), which registers :attr:`sockets` in its
 ``zmq.Poller``. :meth:`where` and :meth:`located_chunks` only look up dictionaries (atomic under

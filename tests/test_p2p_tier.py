@@ -66,7 +66,13 @@ def p2p(kind: str, port: int, peers: list[str] = (), **extra) -> dict:
 class Instance:
     """A serving instance in its own process, driven over a pipe."""
 
-    def __init__(self, tier: dict, env: dict[str, str] | None = None, num_slots: int = SLOTS):
+    def __init__(
+        self,
+        tier: dict,
+        env: dict[str, str] | None = None,
+        num_slots: int = SLOTS,
+        extra: dict | None = None,
+    ):
         self.name = arena_name() + "_" + secrets.token_hex(3)
         self.proc = subprocess.Popen(
             [sys.executable, str(INSTANCE_SCRIPT)],
@@ -74,7 +80,9 @@ class Instance:
             stdout=subprocess.PIPE,
             env={**os.environ, **(env or {})},
         )
-        reply = self.ok("init", tiers=[tier], num_slots=num_slots, row_bytes=ROW, name=self.name)
+        reply = self.ok(
+            "init", tiers=[tier], num_slots=num_slots, row_bytes=ROW, name=self.name, extra=extra
+        )
         self.addr: str = reply["advertise"]
         self.worker_pid: int = reply["worker_pid"]
 
@@ -554,3 +562,56 @@ def test_an_instance_over_its_host_capacity_pushes_to_an_underused_peer_and_read
     back = [k for k, d in zip(keys, held) if d is not None and a.tm.host.lookup(k) is not HIT][:4]
     assert back, "no pushed chunk was evicted from A"
     assert_serves(a, back, "reread")
+
+
+def test_a_lookup_asks_the_peer_whose_kv_events_show_the_chunk_first(world):
+    """C subscribes to A's and B's KV events: a chunk only B holds is asked of B alone, though A
+    comes first in C's peer list; a chunk no event names is asked of the peers in order."""
+    ev = {}
+    inst = {}
+    for name in "ab":
+        port, replay = free_port(), free_port()
+        ev[name] = {
+            "endpoint": f"tcp://127.0.0.1:{port}",
+            "replay_endpoint": f"tcp://127.0.0.1:{replay}",
+        }
+        inst[name] = world.instance(
+            p2p("tcp", free_port()),
+            extra={
+                "kv_events": {
+                    "endpoint": f"tcp://127.0.0.1:{port}",
+                    "replay_endpoint": f"tcp://127.0.0.1:{replay}",
+                }
+            },
+        )
+    a, b = inst["a"], inst["b"]
+    c = world.rig(
+        p2p(
+            "tcp",
+            free_port(),
+            [a.addr, b.addr],
+            peer_events={a.addr: ev["a"], b.addr: ev["b"]},
+            negative_ttl_s=0,
+        )
+    )
+    wait_until(
+        lambda: len(tier(c).peers_up()) == 2 or None, PATIENCE_S, "C's sessions", step=c.tm.step
+    )
+    only_b = keys_for(3, seed=17)
+    b.store(only_b)
+    node = tier(c)._node
+    # wait until C's locations show B holding them (events arrive asynchronously)
+    wait_until(
+        lambda: all(node.locations.where(k) == [b.addr] for k in only_b) or None,
+        PATIENCE_S,
+        "C to learn B's chunks from its events",
+    )
+    assert_serves(c, only_b)
+    asked = dict(node.peer_stats)
+    assert asked.get((a.addr, "lookup_chunks"), 0) == 0, asked
+    assert asked[(b.addr, "lookup_chunks")] >= len(only_b)
+    # a chunk no event shows is asked of the configured peers in order (A, then B)
+    nowhere = keys_for(2, seed=19)
+    assert settle(c, nowhere, "r3") == [MISS, MISS]
+    asked = dict(node.peer_stats)
+    assert asked.get((a.addr, "lookup_chunks"), 0) == len(nowhere)

@@ -242,6 +242,8 @@ class PeerLink:
                     return
                 self.state = "up"
                 self.backoff = 0.0
+                if node.locations is not None:  # it serves our namespace: trust its events
+                    node.locations.confirm_peer(self.addr)
                 self.free_quota = msg.quota_chunks
                 self.next_heartbeat = now + node.heartbeat_s
                 log.info("p2p: peer %s is up", self.addr)
@@ -366,6 +368,7 @@ class PeerNode(threading.Thread):
         lease_ttl_s: float,
         count: Callable[..., None],
         server_free_quota: Callable[[], int],
+        locations: Any = None,
     ):
         super().__init__(name="kvoffload-p2p-node", daemon=True)
         self.ctx = ctx
@@ -413,6 +416,9 @@ class PeerNode(threading.Thread):
         self.bound = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.poller.register(self.router, zmq.POLLIN)
         self.poller.register(self._wake_r, zmq.POLLIN)
+        self.locations = locations  # PeerLocations, owned by this thread once it starts
+        if locations is not None:
+            locations.register(self.poller)
         self._worker_fd: int | None = None
         self._restart_at = 0.0
         self.error: BaseException | None = None
@@ -460,6 +466,8 @@ class PeerNode(threading.Thread):
         finally:
             for link in list(self.links.values()):
                 link.close_socket()
+            if self.locations is not None:
+                self.locations.close()
             self.router.close(linger=0)
             os.close(self._wake_r)
             os.close(self._wake_w)
@@ -482,6 +490,8 @@ class PeerNode(threading.Thread):
                         pass
                 except BlockingIOError:
                     pass
+            if self.locations is not None:
+                self.locations.poll()
             self._commands(now)
             if self.router in events:
                 self._serve(now)
@@ -518,7 +528,11 @@ class PeerNode(threading.Thread):
             cmd = cmds.popleft()
             kind = cmd[0]
             if kind == CMD_PROBE:
-                _, key, peers = cmd
+                _, key, head, tail = cmd
+                peers = head
+                if tail is not None:
+                    located = self.locations.where(key) if self.locations is not None else ()
+                    peers = tuple(dict.fromkeys((*head, *located, *tail)))
                 self._probe_next(_Probe(key, peers, now), batches, now)
             elif kind == CMD_LOAD:
                 _, job_id, peer, keys, slots, kvr = cmd
@@ -854,4 +868,6 @@ class PeerNode(threading.Thread):
     def peer_restarted(self, link: PeerLink) -> None:
         """``link``'s address answers with a new incarnation: drop what we knew of the old one."""
         self.count("peer_restarts")
+        if self.locations is not None:
+            self.locations.drop_peer(link.addr)
         self.results.append((RES_DOWN, link.addr))

@@ -9,7 +9,8 @@ frame per message (client DEALER → server ROUTER; the server may also send to 
     client ◀──Welcome(descriptor, heartbeat_s, quota_chunks) | Refused(reason)──── server
     ── authenticated from here; transport descriptors have now crossed, never before ──
     Lookup(req, keys)                    ◀▶ LookupReply(req, states)   one byte per key (MISS/READY/PENDING)
-    Lease(req, keys, ttl_s, kv_request_id) ◀▶ LeaseReply(req, lease, slots)   slot -1: not leasable
+    Lease(req, keys, ttl_s, kv_request_id) ◀▶ LeaseReply(req, lease, slots)   slot -1: not leasable,
+                                                                        -2: lease cap reached
     Release(lease)                                                      no reply
     Offer(req, keys, lease, slots)       ◀▶ OfferReply(req, accepted)  a push: the receiver pulls
     Pulled(lease, ok)                    (receiver → pusher) its reads of that lease have settled
@@ -46,6 +47,10 @@ MAX_KEY_BYTES = 64
 NONCE_BYTES = 32
 INCARNATION_BYTES = 16
 MAC_BYTES = 32  # HMAC-SHA256
+
+LEASE_BUSY = -2
+"""A LeaseReply slot: not leased now because the server's cap on leased slots is reached (ask
+again later; says nothing of the key). -1: not leasable (absent, or not READY)."""
 
 # Lookup states, one byte per key in LookupReply.states.
 MISS = 0
@@ -154,7 +159,8 @@ class Lease(_Msg, tag="lease"):
 
 
 class LeaseReply(_Msg, tag="lease_reply"):
-    """The lease id and one host slot per key (-1: not leasable now: absent or not READY)."""
+    """The lease id and one host slot per key (-1: not leasable: absent or not READY;
+    :data:`LEASE_BUSY`: the server leases no more slots now)."""
 
     req: _Id
     lease: _Id

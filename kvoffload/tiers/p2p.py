@@ -511,7 +511,9 @@ class P2PTier(SecondaryTierManager):
     def _finish_load(self, lj: _LoadJob) -> None:
         self._loads.pop(lj.meta.job_id, None)
         ttl = self.config.failed_load_ttl_s
-        for key in lj.failed:
+        for key, why in lj.failed.items():
+            if why == "busy":  # the peer leased no more slots then: it may still hold the key
+                continue
             self._peer_of.pop(key, None)
             if ttl > 0:
                 self._absent[key] = ttl

@@ -38,6 +38,11 @@ log = logging.getLogger("kvoffload.p2p")
 
 MAX_PEER_LABELS = 64
 """Peers with a ``peer`` label value of their own in metrics; later ones are counted as ``other``."""
+LEASE_CHUNKS = 64
+"""Keys per Lease: a large load is leased and read in parts of at most this many chunks."""
+MAX_INFLIGHT_CHUNKS = 256
+"""Chunks leased from one peer at once by this instance; further parts wait for those to end, so a
+large load neither hits the peer's lease cap nor holds many of its slots at once."""
 PENDING_RETRY_S = 0.01
 """A peer answered PENDING (promoting the chunk from its own fs tier): ask it again after this."""
 BACKOFF_NOT_READY_S = 0.05
@@ -97,21 +102,52 @@ class _Probe:
         self.pending_since = 0.0  # when the peer asked now first answered PENDING
 
 
-class _Load:
-    """A load job's part at one peer: leased, then read by the worker, then released."""
+class _LoadGroup:
+    """A load job's keys at one peer: its parts, reported to the engine as one result."""
 
-    __slots__ = ("job_id", "keys", "slots", "kv_request_id", "lease", "tid", "ok", "t0", "link")
+    __slots__ = ("job_id", "remaining", "ok", "failed", "nbytes", "t0")
 
-    def __init__(self, job_id: int, keys: list[bytes], slots: list[int], kvr: str, link: PeerLink):
+    def __init__(self, job_id: int, parts: int):
         self.job_id = job_id
+        self.remaining = parts
+        self.ok: list[bytes] = []
+        self.failed: dict[bytes, str] = {}
+        self.nbytes = 0
+        self.t0 = time.monotonic()
+
+
+class _Load:
+    """A part of a load at one peer (at most :data:`LEASE_CHUNKS` keys): leased, then read by the
+    worker, then released."""
+
+    __slots__ = (
+        "group",
+        "keys",
+        "slots",
+        "kv_request_id",
+        "lease",
+        "tid",
+        "ok",
+        "refused",
+        "t0",
+        "link",
+        "sent",
+    )
+
+    def __init__(
+        self, group: _LoadGroup, keys: list[bytes], slots: list[int], kvr: str, link: PeerLink
+    ):
+        self.group = group
         self.keys = keys
         self.slots = slots
         self.kv_request_id = kvr
         self.lease = -1
         self.tid = -1
         self.ok: list[bytes] = []
+        self.refused: dict[bytes, str] = {}  # keys the peer would not lease, and why
         self.t0 = time.monotonic()
         self.link = link
+        self.sent = False
 
 
 class PeerLink:
@@ -135,6 +171,8 @@ class PeerLink:
         self.free_quota = 0
         self.pending: dict[int, _Pending] = {}
         self.queued: list[pm.PeerMessage] = []  # sent once up
+        self.inflight_chunks = 0  # chunks of load parts sent and not yet done
+        self.waiting_loads: deque[_Load] = deque()  # parts held back by MAX_INFLIGHT_CHUNKS
         self.connects = 0
 
     @property
@@ -331,6 +369,9 @@ class PeerLink:
         pending, self.pending = self.pending, {}
         for p in pending.values():
             node.on_unanswered(self, p, now)
+        waiting, self.waiting_loads = self.waiting_loads, deque()
+        for part in waiting:
+            node._load_done(part, [], "peer_down")
         self.queued = []
         node.link_down(self, now)
 
@@ -670,13 +711,17 @@ class PeerNode(threading.Thread):
             part.lease = msg.lease
             pairs = []
             keys = []
+            refused: dict[bytes, str] = {}
             for key, local, remote in zip(part.keys, part.slots, msg.slots):
                 if 0 <= remote:
                     pairs.append((local, remote))
                     keys.append(key)
+                else:  # -2: the peer's lease cap is reached now (not a verdict on the key)
+                    refused[key] = "busy" if remote == pm.LEASE_BUSY else "missing"
+            part.refused = refused
             if not pairs:
                 self._release(part)
-                self._load_done(part, [], "missing")
+                self._load_done(part, [], refused)
                 return
             part.ok = keys
             part.tid = self.worker.read(link.worker_name, pairs, self.transfer_deadline_s)
@@ -731,12 +776,27 @@ class PeerNode(threading.Thread):
         self, job_id: int, addr: str, keys: list[bytes], slots: list[int], kvr: str, now: float
     ) -> None:
         link = self.link(addr, now)
-        part = _Load(job_id, keys, slots, kvr, link)
-        if link.state == "down":
-            self._load_done(part, [], "peer_down")
-            return
-        link.request(
-            pm.Lease(req=0, keys=keys, ttl_s=self.lease_ttl_s, kv_request_id=kvr),
+        n = LEASE_CHUNKS
+        group = _LoadGroup(job_id, (len(keys) + n - 1) // n)
+        for i in range(0, len(keys), n):
+            part = _Load(group, keys[i : i + n], slots[i : i + n], kvr, link)
+            if link.state == "down":
+                self._load_done(part, [], "peer_down")
+            elif (
+                link.inflight_chunks + len(part.keys) > MAX_INFLIGHT_CHUNKS and link.inflight_chunks
+            ):
+                link.waiting_loads.append(part)
+            else:
+                self._send_lease(part, now)
+
+    def _send_lease(self, part: _Load, now: float) -> None:
+        part.sent = True
+        part.link.inflight_chunks += len(part.keys)
+        part.t0 = now
+        part.link.request(
+            pm.Lease(
+                req=0, keys=part.keys, ttl_s=self.lease_ttl_s, kv_request_id=part.kv_request_id
+            ),
             "lease",
             part,
             now,
@@ -747,18 +807,42 @@ class PeerNode(threading.Thread):
             part.link.send(pm.Release(lease=part.lease))
         part.lease = -1
 
-    def _load_done(self, part: _Load, ok: list[bytes], reason: str) -> None:
+    def _load_done(self, part: _Load, ok: list[bytes], failed: str | dict[bytes, str]) -> None:
+        """A part ended: ``ok`` its keys now in host slots; every other key failed, with the
+        reason ``failed`` names for it (one reason for all, or per key)."""
         ok_set = set(ok)
-        failed = {k: reason for k in part.keys if k not in ok_set}
+        if isinstance(failed, str):
+            why = {k: failed for k in part.keys if k not in ok_set}
+        else:
+            why = {k: failed.get(k, "transfer_failed") for k in part.keys if k not in ok_set}
+        link = part.link
         nbytes = len(ok) * self.worker.row_bytes
-        peer = part.link.addr
+        peer = link.addr
         self.stat(peer, "load_bytes", nbytes)
         self.stat(peer, "load_chunks", len(ok))
-        if failed:
-            self.stat(peer, "load_failed_chunks", len(failed))
+        if why:
+            self.stat(peer, "load_failed_chunks", len(why))
+        now = time.monotonic()
         if ok:
-            self.latencies.append((self.label(peer), time.monotonic() - part.t0))
-        self.results.append((RES_LOAD, part.job_id, ok, failed, nbytes, time.monotonic() - part.t0))
+            self.latencies.append((self.label(peer), now - part.t0))
+        group = part.group
+        group.ok.extend(ok)
+        group.failed.update(why)
+        group.nbytes += nbytes
+        group.remaining -= 1
+        if group.remaining == 0:
+            self.results.append(
+                (RES_LOAD, group.job_id, group.ok, group.failed, group.nbytes, now - group.t0)
+            )
+        if part.sent:  # it counted in flight (a part that failed before leaving did not)
+            part.sent = False
+            link.inflight_chunks -= len(part.keys)
+        while link.waiting_loads and link.up:
+            nxt = link.waiting_loads[0]
+            if link.inflight_chunks and link.inflight_chunks + len(nxt.keys) > MAX_INFLIGHT_CHUNKS:
+                break
+            link.waiting_loads.popleft()
+            self._send_lease(nxt, now)
 
     def _start_push(self, job_id: int, keys: list[bytes], slots: list[int], now: float) -> None:
         best = None
@@ -812,11 +896,13 @@ class PeerNode(threading.Thread):
             if part is not None:
                 self._release(part)
                 if done:
-                    self._load_done(part, part.ok, "")
+                    self._load_done(part, part.ok, part.refused)
                 else:
                     self.count("transfer_failures")
                     self._load_done(part, [], reason or "transfer_failed")
-                    if part.link.up and "down" in (reason or ""):
+                    # The transport marks a peer down on any failed transfer (its connection
+                    # state is unknown): the session goes down with it and starts again.
+                    if part.link.up and reason != "worker_died":
                         part.link.fail(now, f"a transfer failed: {reason}")
                 continue
             pull = self.pulls.pop(tid, None)

@@ -436,7 +436,7 @@ class PeerServer:
         take = keys[: max(0, self.max_leased_chunks - self._leased)]
         holder = f"lease:{lease_id}"
         slots = self.manager.lease(take, holder) if take else []
-        slots += [-1] * (len(keys) - len(take))
+        slots += [pm.LEASE_BUSY] * (len(keys) - len(take))
         pinned = sum(1 for s in slots if s >= 0)
         if pinned:
             ttl = min(msg.ttl_s, self.max_lease_s)

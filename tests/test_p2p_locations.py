@@ -6,6 +6,7 @@ and the subscriber makes gaps where a test needs one. Every wait is for a condit
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import time
 
 import msgspec
@@ -249,6 +250,22 @@ def test_a_chunk_of_several_blocks_is_located_by_its_last_block(make):
     a.store(keys[2:], info)  # 2 host slots: the first chunk is evicted
     until(loc, lambda: loc.where(keys[0]) == [] and loc.where(keys[2]) == [A], "K1 evicted")
     assert loc.located_chunks(A) == 2 and loc.counts["mismatched"] == 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (the vllm extra)")
+def test_a_chunk_published_with_vllms_block_hash_is_located_by_its_key(make):
+    """Under vLLM a chunk stored without its request's values (a promotion) is published with
+    vLLM's converter of the key (the block hash without the group suffix, by default its low 64
+    bits as an int): found by the key with no converter configured."""
+    from kvoffload.vllm.compat import event_block_hash
+
+    ev = _kv_events()
+    a = make.peer(ev, num_slots=4, event_block_hash=event_block_hash)
+    loc = make.locations({A: _source(ev)})
+    keys = [bytes([i]) * 32 + (0).to_bytes(4, "big") for i in (1, 2)]
+    a.store(keys)
+    caught_up(loc, a)
+    assert [loc.where(k) for k in keys] == [[A], [A]]
 
 
 def test_events_of_another_chunk_size_are_counted_and_never_located(make):

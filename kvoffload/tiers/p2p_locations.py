@@ -36,15 +36,17 @@ fallback to asking the configured peers in order, never wrong bytes.
   ``blocks_per_chunk``-th hash, ``blocks_per_chunk = tokens_per_chunk // block_size``);
 - for a chunk stored without one (a promotion, a standalone tool): one hash per chunk,
   ``block_size == tokens_per_chunk``, no ``group_idx``: the publisher's ``event_block_hash`` of
-  the key, which is the key itself for a standalone manager and the key without its group suffix
-  under vLLM (bytes, or vLLM's 64-bit int form with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``);
+  the key, which is the key itself for a standalone manager and, under vLLM, vLLM's
+  ``maybe_convert_block_hash`` of the key without its group suffix: the hash's low 64 bits as an
+  int (vLLM's default, ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``) or the bytes (set to 0). The
+  engine hashes of a chunk with a chunk info come through the same converter;
 - in a ``BlockRemoved``: the same hashes as the chunk's ``BlockStored`` (all of its blocks', with
   a chunk info), and no ``block_size``: every hash listed is cleared (a hash of a block inside a
   chunk never names a chunk of the same namespace, so clearing it is a no-op).
 
 So the index is keyed by the published hash of the chunk's last block, and :meth:`where` turns a
-key into that form (``block_hash``; by default it tries the key itself and the key without its
-4-byte group suffix). KV groups whose chunks end on the same block share one entry: a hint for
+key into that form (``block_hash``; by default it tries all three: the key itself, the key
+without its 4-byte group suffix, and that suffix-less hash's low 64 bits as an int). KV groups whose chunks end on the same block share one entry: a hint for
 "some group's chunk ending there", which the peer's ``Lookup`` answer makes exact.
 
 **Same namespace only.** A KV event names no namespace. A peer's events are answered from
@@ -288,9 +290,9 @@ class PeerLocations:
         tokens_per_chunk: tokens per chunk of this instance's namespace (to find a chunk's last
             block in events that list every block).
         block_hash: ``key -> published hash`` of a chunk (the ``event_block_hash`` the peers'
-            managers publish with); None: the key itself or the key without its 4-byte group
-            suffix, whichever a peer published (standalone, or vLLM with bytes hashes). Pass
-            vLLM's converter when peers publish int hashes.
+            managers publish with); None: whichever of the key itself (standalone), the key
+            without its 4-byte group suffix (vLLM, bytes hashes) and that hash's low 64 bits as
+            an int (vLLM's default int hashes) a peer published.
         max_chunks_per_peer: chunk locations kept per feed (LRU; > 0).
         replay_timeout_s: seconds a replay may take before it is abandoned.
         max_buffered_batches: live batches kept per feed while its replay runs.
@@ -567,7 +569,10 @@ class PeerLocations:
     def _hash_forms(self, key: bytes) -> tuple[Any, ...]:
         if self.block_hash is not None:
             return (self.block_hash(key),)
-        return (key, key[:-4]) if len(key) > 4 else (key,)
+        if len(key) <= 4:
+            return (key,)
+        block = key[:-4]
+        return (key, block, int.from_bytes(block[-8:], "big"))
 
     # -- sequence numbers and replays -------------------------------------------------------------
 

@@ -36,6 +36,7 @@ CFG = "tests/test_config.py::"
 SPEC = "tests/test_vllm_spec.py::"
 WB = "tests/test_wrong_bytes.py::"
 WC = "tests/test_worker_containment.py::"
+P2PH = "tests/test_p2p_host_access.py::"
 CAP = "tests/test_fs_capacity.py::"
 EV = "tests/test_event_content.py::"
 P2PW = "tests/test_p2p_worker.py::"
@@ -352,6 +353,22 @@ MUTATIONS: list[Mutation] = [
         "                        host.unpin_slots(meta.slots)\n",
         "",
         (FS + "test_c16_dropped_store_releases_its_reservation_after_the_deadline",),
+    ),
+    Mutation(
+        "C18",
+        "a peer's lookup is answered from the host tier only",
+        "kvoffload/tiering.py",
+        "                    if tier.medium == PEER_MEDIUM:\n",
+        "                    if True:\n",
+        (P2PH + "test_c18_a_chunk_moved_to_the_fs_tier_is_still_served_to_peers",),
+    ),
+    Mutation(
+        "C28",
+        "a released lease drops one pin per slot, whatever it holds",
+        "kvoffload/tiering.py",
+        "                unpin((slot,) * n)\n",
+        "                unpin((slot,))\n",
+        (P2PH + "test_leases_pin_per_holder_and_release_drops_only_their_own_pins",),
     ),
     Mutation(
         "C17",

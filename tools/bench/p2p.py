@@ -8,10 +8,14 @@ the same bytes, in the same run.
     arena R  ◀── Transport.read(pairs) ──────────────── arena S + Transport (nixl | tcp)
     arena R  ◀── raw NIXL make_prepped_xfer READ ────── the same agent's registration of S
     arena R  ◀── socket recv_into (one stream) ──────── sendall(arena S rows)
+    TieringManager + p2p tier  ◀── Lookup, Lease, READ, Release ── TieringManager + p2p tier
+                                   (a second pair of processes: the whole tier, same chunks)
 
 Throughput: transfers of ``batch`` chunks each until ``total_mib`` moved, repeated ``reps`` times
 (median GB/s, 1 GB = 1e9 bytes). Latency: ``latency_n`` one-chunk transfers, one at a time, from the
-call to the poll that sees it done (p50 / p99, microseconds). Run:
+call to the poll that sees it done (p50 / p99, microseconds). The tier row fetches the same number
+of chunks through the whole p2p tier (:func:`tier_fetch`): from the reader's lookups to the last
+chunk READY in its host tier, with the serving instance's locations already known. Run:
 ``python -m kvoffload.tools.bench.p2p [--chunk-kib 256 --chunk-kib 2048] [--ucx-tls tcp]``.
 """
 
@@ -32,6 +36,7 @@ import click
 import numpy as np
 
 from kvoffload.ipc.arena import Arena
+from kvoffload.tiers.base import LookupResult
 from kvoffload.workers import p2p_transport as pt
 
 _REQ = struct.Struct("<QQ")  # first slot, number of slots
@@ -64,6 +69,103 @@ def _serve(kind: str, num_slots: int, row_bytes: int, conn: Any) -> None:
     transport.close()
     raw.close()
     arena.close()
+
+
+def _tier_instance(kind: str, num_slots: int, row_bytes: int, peers: list[str]) -> tuple:
+    """An arena and a TieringManager with one p2p tier (``auth: none`` on loopback)."""
+    from kvoffload.config import parse_config
+    from kvoffload.namespace import Namespace
+    from kvoffload.tiering import TieringManager
+
+    arena = Arena.create(f"kvoffload_benchp2p_t_{secrets.token_hex(4)}", num_slots, row_bytes)
+    tier = {
+        "type": "p2p",
+        "host": "127.0.0.1",
+        "port": 0,
+        "peers": peers,
+        "transport": kind,
+        "auth": "none",
+        "transfer_deadline_s": 60.0,
+        "lease_ttl_s": 600.0,
+    }
+    config = parse_config({"cpu_bytes_to_use": num_slots * row_bytes, "secondary_tiers": [tier]})
+    ns = Namespace(
+        model="kvoffload/bench-p2p",
+        kv_dtype="bfloat16",
+        layout="raw-v1",
+        tokens_per_chunk=16,
+        row_bytes=row_bytes,
+    )
+    tm = TieringManager(arena, ns, config, record_events=False)
+    if not tm.wait_workers_ready(120):
+        raise RuntimeError("the p2p tier's peer worker did not start")
+    return arena, tm
+
+
+def _bench_keys(n: int) -> list[bytes]:
+    return [i.to_bytes(8, "little") + b"kvoffload-bench-p2p-key!" for i in range(n)]
+
+
+def _serve_tier(kind: str, num_slots: int, row_bytes: int, conn: Any) -> None:
+    """Serving instance: an arena whose every slot holds a chunk, served by its p2p tier."""
+    arena, tm = _tier_instance(kind, num_slots, row_bytes, [])
+    keys = _bench_keys(num_slots)
+    plan = tm.prepare_store(keys)
+    assert plan is not None and len(plan.keys) == num_slots
+    arena.rows[:] = np.random.default_rng(8).integers(0, 256, arena.rows.shape, dtype=np.uint8)
+    tm.complete_store(plan.keys, True)
+    conn.send(tm.tiers[0].advertise)
+    conn.recv()  # until the reader is done
+    tm.shutdown()
+    arena.close()
+
+
+def tier_fetch(kind: str, chunk_bytes: int, num_slots: int, reps: int, latency_n: int) -> dict:
+    """The whole p2p tier on loopback: chunks fetched through two instances' tiering managers
+    (lookup at the peer, lease, the peer worker's READ into reserved host slots, release), timed
+    from the lookups to the last chunk READY in the reader's host tier."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    server = ctx.Process(target=_serve_tier, args=(kind, num_slots, chunk_bytes, child))
+    server.start()
+    arena = tm = None
+    try:
+        addr = parent.recv()
+        arena, tm = _tier_instance(kind, num_slots, chunk_bytes, [addr])
+        tier = tm.tiers[0]
+        keys = _bench_keys(num_slots)
+        deadline = time.monotonic() + 120
+        while not tier.peers_up():  # type: ignore[attr-defined]
+            if time.monotonic() > deadline:
+                raise RuntimeError("the reader's session with the serving instance never came up")
+            time.sleep(0.01)
+        host = tm.host
+
+        def fetch(ks: list[bytes]) -> None:
+            pending = list(ks)
+            while pending:
+                res = [tm.lookup(k, "bench") for k in pending]
+                tm.step()
+                pending = [k for k, r in zip(pending, res) if r is not LookupResult.HIT]
+                if any(r is LookupResult.MISS for r in res):
+                    raise RuntimeError("a chunk the serving instance holds was not found")
+                time.sleep(0)
+            host.remove(ks)  # the next pass fetches them again
+
+        fetch(keys)  # learns where every key is (one Lookup round trip), moves them once
+        gbps = _measure(lambda: fetch(keys), num_slots * chunk_bytes, reps)
+        p50, p99 = _latency(lambda: fetch(keys[:1]), latency_n)
+        return _row(f"kvoffload p2p tier ({kind})", chunk_bytes, gbps, p50, p99)
+    finally:
+        if tm is not None:
+            tm.shutdown()
+        if arena is not None:
+            arena.close()
+        parent.send("done")
+        server.join(timeout=60)
+        if server.is_alive():
+            server.kill()
+            server.join()
 
 
 def _wait(transport: pt.Transport, handle: int) -> None:
@@ -203,6 +305,8 @@ def run(
                 continue
             batch = max(1, (batch_mib << 10) // kib)
             out.extend(run_one(kind, kib * 1024, total_mib, batch, reps, latency_n))
+            num_slots = max(batch, (total_mib << 10) // kib)
+            out.append(tier_fetch(kind, kib * 1024, num_slots, reps, latency_n))
     return out
 
 
@@ -220,13 +324,13 @@ def main(chunk_kib, kinds, total_mib, batch_mib, reps, latency_n, ucx_tls, json_
     if ucx_tls:
         os.environ["UCX_TLS"] = ucx_tls  # read by UCX when each process creates its agent
     rows = run(tuple(chunk_kib), tuple(kinds), total_mib, batch_mib, reps, latency_n)
-    click.echo(f"{'path':<18} {'chunk':>7} {'GB/s':>7} {'p50 us':>9} {'p99 us':>9}")
+    click.echo(f"{'path':<28} {'chunk':>7} {'GB/s':>7} {'p50 us':>9} {'p99 us':>9}")
     for r in rows:
         if "skipped" in r:
-            click.echo(f"{r['path']:<18} {r['chunk_kib']:>5}Ki  skipped: {r['skipped']}")
+            click.echo(f"{r['path']:<28} {r['chunk_kib']:>5}Ki  skipped: {r['skipped']}")
             continue
         click.echo(
-            f"{r['path']:<18} {r['chunk_kib']:>5}Ki {r['read_gbps']:>7.3f} "
+            f"{r['path']:<28} {r['chunk_kib']:>5}Ki {r['read_gbps']:>7.3f} "
             f"{r['chunk_p50_us']:>9.1f} {r['chunk_p99_us']:>9.1f}"
         )
     if json_out:

@@ -61,6 +61,7 @@ from typing import Any
 
 import click
 import numpy as np
+import zmq
 
 from kvoffload.tools.bench.harness import Payloads, busy_step, calibrate, machine_facts
 from kvoffload.tools.extras import MissingExtra
@@ -176,9 +177,9 @@ class Side:
         self.v, self.row_bytes, self.rows = v, row_bytes, rows
         self._mm = mmap.mmap(-1, rows * row_bytes)
         self.arena = np.frombuffer(self._mm, dtype=np.uint8).reshape(rows, row_bytes)
-        self.view = memoryview(self.arena)
+        self.view = self.arena.data  # (rows, row_bytes) memoryview
         self.lock = threading.Lock()
-        self.tier = None
+        self.tier: Any = None
         for attempt in range(5):  # a free port can be taken between the probe and the bind
             self.port = _free_port()
             try:
@@ -186,7 +187,7 @@ class Side:
                     offloading_spec(row_bytes), self.view, "p2p", host=HOST, port=self.port
                 )
                 break
-            except Exception:
+            except zmq.ZMQError:  # the control socket's bind
                 if attempt == 4:
                     self._release_arena()
                     raise
@@ -229,7 +230,10 @@ class Side:
     def _release_arena(self) -> None:
         self.view.release()
         del self.arena
-        self._mm.close()
+        try:
+            self._mm.close()
+        except BufferError:  # something still holds a view of it: unmapped when that is freed
+            pass
 
     def close(self) -> None:
         """Stop the poll thread, shut the tier down (its NIXL agent deregisters the arena), free

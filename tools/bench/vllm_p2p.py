@@ -19,7 +19,15 @@ besides each scheduler step). Requests are vLLM's ``ReqContext`` with the disagg
 ``kv_transfer_params``: ``{"remote_decoder": {"kv_request_id"}}`` on A (its stores are parked until
 B fetches), ``{"remote_prefiller": {"kv_request_id", "remote_host", "remote_port"}}`` on B (lookup
 answers HIT; ``submit_load`` sends the fetch). Jobs are vLLM's ``TransferJob`` (one per request),
-keys ``make_offload_key(sha256, 0)``. Nothing of the tier is patched.
+keys ``make_offload_key(sha256, 0)``. Nothing of the tier is patched. That is the ``pd`` flow.
+
+The ``symmetric`` flow goes through more of vLLM: its own ``TieringOffloadingManager``
+(``TieringOffloadingSpec(OffloadingConfig).get_manager()``: CPU primary tier in a shared-memory
+region, the p2p tier as secondary tier, vLLM's tier-poll thread) on both sides. A stores chunks
+(``prepare_store``, rows written, ``complete_store``); B's requests name A as ``remote_kv_source``
+and are looked up every step as vLLM's scheduler does (RETRY while the p2p probe is out, then the
+manager promotes: HIT_PENDING, HIT), then ``prepare_load`` / ``complete_load``; A answers the probe
+from its manager (``serve_external_requests``: lookup, pin, then the fetch's WRITE).
 
 Measured, per chunk size (A's and B's control and data paths as shipped; vLLM's NIXL agent is its
 UCX backend, ``num_threads=4``):
@@ -30,7 +38,7 @@ UCX backend, ``num_threads=4``):
   chunk checked afterwards; CPU seconds (user + system, all threads) of A and of B per GB moved.
 - per-chunk latency: one-chunk requests one after another, from ``submit_load`` to the step that
   reports the job done (p50 / p99 µs).
-- scheduler-step jitter on B: a calibrated pure-Python step (``--step-ms``) followed by the tier's
+- scheduler-step jitter on B (pd flow): a calibrated pure-Python step (``--step-ms``) followed by the tier's
   step calls, idle (session up, nothing moving) and while loads run (paced: one job submitted per
   step; burst: all after the first step); p50 / p99 of the step's work and of the tier's calls.
 
@@ -150,7 +158,7 @@ def offloading_spec(row_bytes: int) -> types.SimpleNamespace:
     )
 
 
-def chunk_key(v: dict[str, Any], row_bytes: int, i: int) -> bytes:
+def chunk_key(v: dict[str, Any], row_bytes: int, i: int | str) -> bytes:
     """vLLM's offload key of chunk ``i`` (a sha256 block hash, KV group 0)."""
     digest = hashlib.sha256(f"kvoffload-bench-vllm-p2p/{row_bytes}/{i}".encode()).digest()
     return v["make_offload_key"](digest, 0)
@@ -642,6 +650,253 @@ def measure(
     return out
 
 
+# -- symmetric p2p through vLLM's own TieringOffloadingManager ---------------------------------------
+
+
+def tiering_manager(row_bytes: int, rows: int, port: int, poll_s: float) -> Any:
+    """vLLM's own ``TieringOffloadingManager`` (``TieringOffloadingSpec.get_manager()``: CPU primary
+    tier of ``rows`` chunks in a shared-memory region, the p2p tier as its one secondary tier on
+    ``HOST:port``, its tier-poll thread every ``poll_s``), built from an ``OffloadingConfig`` as the
+    connector builds it: one KV group of 16-token blocks, ``row_bytes`` per block, one block per
+    chunk. Its ``lock`` must be held around calls, as vLLM's scheduler holds it for a step."""
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    extra = {
+        "spec_name": "TieringOffloadingSpec",
+        "cpu_bytes_to_use": rows * row_bytes,
+        "tier_poll_interval_s": poll_s,
+        "secondary_tiers": [{"type": "p2p", "host": HOST, "port": port}],
+    }
+    config = OffloadingConfig(
+        groups=(
+            OffloadingGroupConfig(tokens_per_block=_TOKENS, layer_names=("bench",), group_id=0),
+        ),
+        worker_kv_bytes_per_block=row_bytes,
+        enable_kv_cache_events=False,
+        extra_config=extra,
+        engine_id=f"kvoffload-bench-p2p-{os.getpid()}-{port}",
+        model=OffloadingModelConfig(name=f"bench-p2p-{row_bytes}", dtype="bfloat16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=_TOKENS, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=0,
+            world_size=1,
+            tp_size=1,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=0,
+            is_parallelism_agnostic=False,
+        ),
+        kv_cache_layout="NHD",
+    )
+    return TieringOffloadingSpec(config).get_manager()
+
+
+def _manager_with_port(row_bytes: int, rows: int, poll_s: float) -> tuple[Any, int]:
+    for attempt in range(5):  # a free port can be taken between the probe and the bind
+        port = _free_port()
+        try:
+            return tiering_manager(row_bytes, rows, port, poll_s), port
+        except zmq.ZMQError:
+            if attempt == 4:
+                raise
+    raise AssertionError("unreachable")
+
+
+def primary_rows(mgr: Any, row_bytes: int) -> np.ndarray:
+    """The manager's CPU primary tier as ``(chunks, row_bytes)`` uint8 rows."""
+    mv = mgr.primary_tier.get_kv_memoryview()
+    return np.asarray(mv).view(np.uint8).reshape(-1, row_bytes)
+
+
+def _sym_producer(conn: Any, row_bytes: int, rows: int, poll_s: float) -> None:
+    """Producer process of the symmetric mode: vLLM's manager stores chunks ``(tag, i)`` with chunk
+    ``i``'s payload on request (prepare_store, rows written, complete_store); peers are served by
+    the manager's tier-poll thread (its p2p tier's ``serve_external_requests``)."""
+    v = load_vllm_p2p()
+    mgr, port = _manager_with_port(row_bytes, rows, poll_s)
+    step = v["ScheduleEndContext"](new_req_ids=(), preempted_req_ids=())
+    payloads = Payloads(rows, row_bytes)
+    try:
+        conn.send(("ready", port))
+        while True:
+            if not conn.poll(0.01):
+                continue
+            msg = conn.recv()
+            if msg[0] == "store":
+                tag, n = msg[1], msg[2]
+                keys = [chunk_key(v, row_bytes, f"{tag}/{i}") for i in range(n)]
+                index = {k: i for i, k in enumerate(keys)}
+                ctx = v["ReqContext"](req_id=f"a-store-{tag}")
+                with mgr.lock:
+                    mgr.on_new_request(ctx)
+                    out = mgr.prepare_store(keys, ctx)
+                    if out is None or len(out.keys_to_store) != n:
+                        raise RuntimeError(f"producer's primary tier took only part of {tag}")
+                    prim = primary_rows(mgr, row_bytes)
+                    for k, cid in zip(out.keys_to_store, out.store_spec.chunk_ids):
+                        prim[cid] = payloads.base
+                        payloads.stamp(prim[cid], index[k])
+                    mgr.complete_store(out.keys_to_store, ctx)
+                    mgr.on_request_finished(ctx)
+                    mgr.on_schedule_end(step)
+                conn.send(("stored", n))
+            elif msg[0] == "stats":
+                conn.send(("stats", {"ok": 0, "failed": 0, "cpu_s": _cpu_s()}))
+            elif msg[0] == "stop":
+                break
+    finally:
+        mgr.shutdown()
+        conn.send(("stopped", None))
+
+
+class SymPair(Pair):
+    """Symmetric p2p (``remote_kv_source``) through vLLM's own ``TieringOffloadingManager`` on both
+    sides: A stores chunks in its CPU primary tier; B's scheduler-side cycle per request is
+    lookup every step (RETRY while the probe is out, HIT_PENDING while the promotion loads, HIT),
+    then ``prepare_load`` / ``complete_load``; B's loaded rows are checked byte for byte."""
+
+    def __init__(self, row_bytes: int, rows: int, poll_s: float = _POLL_S):
+        from kvoffload.tools.bench import vllm_p2p as this
+
+        self.v = load_vllm_p2p()
+        self.row_bytes, self.rows = row_bytes, rows
+        self.payloads = Payloads(rows, row_bytes)
+        self._kv = 0
+        self._step = self.v["ScheduleEndContext"](new_req_ids=(), preempted_req_ids=())
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.proc = ctx.Process(
+            target=this._sym_producer, args=(child, row_bytes, rows, poll_s), daemon=True
+        )
+        self.proc.start()
+        self.b = None
+        self.mgr: Any = None
+        try:
+            self.a_port = self.ask(("hello",), expect="ready")
+            self.mgr, _ = _manager_with_port(row_bytes, rows, poll_s)
+            self.load_requests(self.store("warm-up", 1), 1)
+        except BaseException:
+            self.close()
+            raise
+
+    def store(self, tag: str, n: int) -> list[bytes]:
+        """A stores chunks ``0 .. n-1`` under keys of ``tag``; returns the keys."""
+        self.ask(("store", tag, n), expect="stored")
+        return [chunk_key(self.v, self.row_bytes, f"{tag}/{i}") for i in range(n)]
+
+    def load_requests(
+        self, keys: list[bytes], per_job: int, latencies: list | None = None, first_index: int = 0
+    ) -> float:
+        """All requests (``per_job`` keys each, every one naming A as its ``remote_kv_source``)
+        started at once, then scheduler steps until every request has its chunks in B's primary
+        tier and has loaded them (``prepare_load``, rows checked, ``complete_load``). Returns the
+        seconds from the first lookup to the last request done. ``keys[i]`` holds chunk
+        ``first_index + i``'s payload.
+
+        Raises:
+            AssertionError: a lookup answered MISS, or a chunk arrived with wrong bytes.
+        """
+        mgr, hit = self.mgr, self.v["LookupResult"]
+        reqs = []
+        t0 = time.perf_counter()
+        with mgr.lock:
+            for j in range(0, len(keys), per_job):
+                kv_id = self.kv_id("sym")
+                ctx = self.v["ReqContext"](
+                    req_id=f"b-{kv_id}",
+                    kv_transfer_params={
+                        "remote_kv_source": {
+                            "kv_request_id": kv_id,
+                            "remote_host": HOST,
+                            "remote_port": self.a_port,
+                        }
+                    },
+                )
+                mgr.on_new_request(ctx)
+                reqs.append((ctx, first_index + j, keys[j : j + per_job]))
+        deadline = time.monotonic() + _DONE_TIMEOUT_S
+        while reqs:
+            with mgr.lock:
+                left = []
+                for ctx, first, ks in reqs:
+                    res = [mgr.lookup(k, ctx) for k in ks]
+                    if hit.MISS in res:
+                        raise AssertionError(f"vLLM p2p: {ctx.req_id} looked up a MISS")
+                    if any(r is not hit.HIT for r in res):
+                        left.append((ctx, first, ks))
+                        continue
+                    spec = mgr.prepare_load(ks, ctx)
+                    prim = primary_rows(mgr, self.row_bytes)
+                    for i, cid in enumerate(spec.chunk_ids):
+                        if not self.payloads.check(prim[cid], first + i):
+                            raise AssertionError(
+                                f"vLLM p2p: chunk {first + i} arrived with wrong bytes"
+                            )
+                    mgr.complete_load(ks, ctx)
+                    mgr.on_request_finished(ctx)
+                    if latencies is not None:
+                        latencies.append(time.perf_counter() - t0)
+                mgr.on_schedule_end(self._step)
+            reqs = left
+            if reqs:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{len(reqs)} symmetric p2p requests did not finish")
+                time.sleep(_WAIT_S)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        super().close()
+        if self.mgr is not None:
+            self.mgr.shutdown()
+            self.mgr = None
+
+
+def sym_measure(
+    chunk_bytes: int,
+    total_bytes: int,
+    job_bytes: int,
+    reps: int,
+    latency_n: int,
+    poll_s: float = _POLL_S,
+) -> dict:
+    """Symmetric mode at one chunk size: load GB/s (every request at once; from the first lookup to
+    the last request loaded, bytes checked), CPU s per GB of A and B, one-chunk request latency."""
+    n = max(1, total_bytes // chunk_bytes)
+    per_job = max(1, job_bytes // chunk_bytes)
+    out: dict = {"chunk_bytes": chunk_bytes, "chunks": n, "chunks_per_job": per_job}
+    with SymPair(chunk_bytes, n, poll_s) as pair:
+        runs = []
+        for rep in range(reps):
+            keys = pair.store(f"tput{rep}", n)
+            a0, b0 = pair.a_stats()["cpu_s"], _cpu_s()
+            lat: list[float] = []
+            dt = pair.load_requests(keys, per_job, lat)
+            a1, b1 = pair.a_stats()["cpu_s"], _cpu_s()
+            gb = n * chunk_bytes / 1e9
+            runs.append((gb / dt, (a1 - a0) / gb, (b1 - b0) / gb, lat))
+        out["gbps"] = statistics.median(r[0] for r in runs)
+        out["gbps_runs"] = [r[0] for r in runs]
+        out["cpu_a_s_per_gb"] = statistics.median(r[1] for r in runs)
+        out["cpu_b_s_per_gb"] = statistics.median(r[2] for r in runs)
+        jobs_s = [x for r in runs for x in r[3]]
+        out["job_p50_ms"], out["job_p99_ms"] = _pct(jobs_s, 50) * 1e3, _pct(jobs_s, 99) * 1e3
+        if latency_n:
+            keys = pair.store("lat", min(n, latency_n))
+            lat = [pair.load_requests([k], 1, first_index=i) for i, k in enumerate(keys)]
+            out["chunk_p50_us"], out["chunk_p99_us"] = _pct(lat, 50) * 1e6, _pct(lat, 99) * 1e6
+    return out
+
+
 # -- command ---------------------------------------------------------------------------------------
 
 
@@ -669,6 +924,16 @@ def measure(
     show_default=True,
     help="vLLM's tier_poll_interval_s, in ms, on both sides (0: steps only).",
 )
+@click.option(
+    "--flow",
+    "flows",
+    multiple=True,
+    type=click.Choice(["pd", "symmetric"]),
+    default=("pd", "symmetric"),
+    show_default=True,
+    help="pd: the tier driven directly with remote_decoder / remote_prefiller requests; symmetric: "
+    "vLLM's TieringOffloadingManager on both sides, remote_kv_source requests (no jitter runs).",
+)
 @click.option("--ucx-tls", default="", help="UCX_TLS for both processes (e.g. tcp); default UCX's")
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
 def vllm_p2p(
@@ -681,6 +946,7 @@ def vllm_p2p(
     step_ms,
     modes,
     poll_ms,
+    flows,
     ucx_tls,
     json_out,
 ) -> None:
@@ -706,7 +972,7 @@ def vllm_p2p(
         f"{total_mib} MiB per run in {job_mib} MiB requests"
     )
     results = []
-    for kib in chunk_kib:
+    for kib in chunk_kib if "pd" in flows else ():
         results.append(
             measure(
                 kib << 10,
@@ -719,23 +985,27 @@ def vllm_p2p(
                 tuple(modes),
                 poll_ms / 1e3,
             )
+            | {"flow": "pd"}
         )
+    for kib in chunk_kib if "symmetric" in flows else ():
+        r = sym_measure(kib << 10, total_mib << 20, job_mib << 20, reps, latency_n, poll_ms / 1e3)
+        results.append(r | {"flow": "symmetric"})
     click.echo(
-        "\n| chunk | load GB/s (median) | runs | request done after p50 / p99 ms (all submitted "
+        "\n| flow | chunk | load GB/s (median) | runs | request done after p50 / p99 ms (all submitted "
         "at once) | one-chunk load p50 / p99 µs | CPU s per GB: producer A / consumer B |"
-        "\n|---|---|---|---|---|---|"
+        "\n|---|---|---|---|---|---|---|"
     )
     for r in results:
         lat = f"{r['chunk_p50_us']:.0f} / {r['chunk_p99_us']:.0f}" if "chunk_p50_us" in r else "-"
         click.echo(
-            f"| {r['chunk_bytes'] >> 10} KiB | {r['gbps']:.2f} | "
+            f"| {r['flow']} | {r['chunk_bytes'] >> 10} KiB | {r['gbps']:.2f} | "
             f"{', '.join(f'{g:.2f}' for g in r['gbps_runs'])} | "
             f"{r['job_p50_ms']:.1f} / {r['job_p99_ms']:.1f} | {lat} | "
             f"{r['cpu_a_s_per_gb']:.2f} / {r['cpu_b_s_per_gb']:.2f} |"
         )
-    if jitter_reps:
+    if jitter_reps and "pd" in flows:
         click.echo(
-            f"\nscheduler step on B: {step_ms:g} ms of pure-Python work ({iters} iterations), then "
+            f"\nscheduler step on B (pd flow): {step_ms:g} ms of pure-Python work ({iters} iterations), then "
             "the tier's calls (get_finished_jobs + on_schedule_end, plus the step's submits); "
             "no tier: the same steps before either instance starts; idle: both instances up "
             "(session open, NIXL progress and tier-poll threads running), nothing moving"
@@ -745,7 +1015,7 @@ def vllm_p2p(
             "tier calls p50 / p99 µs | GB/s during |\n|---|---|---|---|---|---|---|---|---|"
         )
         for r in results:
-            for s in r["steps"]:
+            for s in r.get("steps", ()):
                 gbps = "-" if s["gbps"] is None else f"{s['gbps']:.2f}"
                 click.echo(
                     f"| {r['chunk_bytes'] >> 10} KiB | {s['while']} | {s['steps']} | "

@@ -112,13 +112,13 @@ def test_command_writes_its_figures(tmp_path):
     out = tmp_path / "r.json"
     cmd = [sys.executable, "-m", "kvoffload.tools.bench.vllm_p2p", "--chunk-kib", "64"]
     cmd += ["--total-mib", "1", "--reps", "1", "--latency-n", "3", "--jitter-reps", "1"]
-    cmd += ["--step-ms", "0.2", "--json-out", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    cmd += ["--step-ms", "0.2", "--flow", "pd", "--json-out", str(out)]  # symmetric: test above
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "| 64 KiB |" in done.stdout
     runs = json.loads(out.read_text())["runs"]
-    assert [(r["flow"], r["chunks"]) for r in runs] == [("pd", 16), ("symmetric", 16)]
-    assert runs[0]["gbps"] > 0 and runs[1]["gbps"] > 0
+    assert [(r["flow"], r["chunks"]) for r in runs] == [("pd", 16)]
+    assert runs[0]["gbps"] > 0
     assert [s["while"] for s in runs[0]["steps"]] == ["no tier", "idle", "paced", "burst"]
 
 

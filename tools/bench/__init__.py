@@ -10,6 +10,8 @@ invocation, printed as a markdown table with the command and machine facts.
 - ``ttft`` (:mod:`.ttft`): time to first token on vLLM-CPU for a history reloaded from the fs tier,
   recomputed, and served from the device cache.
 - ``vllm-fs`` (:mod:`.vllm_fs`): kvoffload's fs tier side by side with vLLM's own.
+- ``vllm-p2p`` (:mod:`.vllm_p2p`): vLLM 0.33's own p2p tier driven standalone, two instances on
+  loopback (needs vLLM 0.33 and NIXL; elsewhere it exits 2 naming them).
 - ``scaling`` (:mod:`.scaling`): multi-turn conversations on vLLM-CPU as concurrency grows.
 
 :mod:`.harness` holds what they share (machine facts and the report header, arenas and namespace,

@@ -11,6 +11,7 @@ from kvoffload.tools.bench.scaling import bench_scaling
 from kvoffload.tools.bench.tier import bench_tier
 from kvoffload.tools.bench.ttft import bench_ttft
 from kvoffload.tools.bench.vllm_fs import vllm_fs
+from kvoffload.tools.bench.vllm_p2p import vllm_p2p
 
 
 @click.group()
@@ -25,6 +26,7 @@ for _command in (
     bench_memory,
     bench_ttft,
     vllm_fs,
+    vllm_p2p,
     bench_scaling,
 ):
     bench.add_command(_command)

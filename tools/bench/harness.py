@@ -1,6 +1,7 @@
 """What every ``kvoffload bench`` measurement shares: machine facts and the header of a report, a
 host arena and namespace for a run, dropping the page cache, promoting chunks back into the host
-tier, work directories and plots (matplotlib, from the ``bench`` extra, imported only to draw).
+tier, chunk payloads that can be checked byte for byte, a calibrated pure-Python "scheduler step",
+work directories and plots (matplotlib, from the ``bench`` extra, imported only to draw).
 
 Imported by the measurement modules of this package; imports none of them.
 """
@@ -11,9 +12,11 @@ import os
 import platform
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import click
+import numpy as np
 
 from kvoffload.namespace import Namespace
 from kvoffload.tiering import TieringManager
@@ -72,6 +75,55 @@ def load_all(tm: TieringManager, keys: list[bytes]) -> None:
         tm.step()
         if pending:
             tm.tiers[0].wait(0.002)
+
+
+class Payloads:
+    """Chunk ``i``: one random row with ``i`` stamped at its start, middle and end (8 bytes each)."""
+
+    def __init__(self, n: int, row_bytes: int):
+        self.n, self.row_bytes = n, row_bytes
+        self.base = np.random.default_rng(row_bytes).integers(0, 256, row_bytes, dtype=np.uint8)
+        self._at = (0, row_bytes // 2, row_bytes - 8)
+
+    def stamp(self, row: np.ndarray, i: int) -> None:
+        tag = np.frombuffer(int(i).to_bytes(8, "little"), dtype=np.uint8)
+        for at in self._at:
+            row[at : at + 8] = tag
+
+    def fill(self, rows: np.ndarray, slots) -> None:
+        """Write chunk ``i``'s payload into ``rows[slots[i]]``."""
+        for i, s in enumerate(slots):
+            rows[s] = self.base
+            self.stamp(rows[s], i)
+
+    def check(self, row: np.ndarray, i: int) -> bool:
+        want = self.base.copy()
+        self.stamp(want, i)
+        return bool(np.array_equal(row, want))
+
+
+def busy_step(iters: int) -> int:
+    """Pure-Python stand-in for a scheduler step (dict and int work, holds the GIL)."""
+    acc, table = 0, {}
+    for i in range(iters):
+        acc = (acc + i * 7) % 1000003
+        table[i & 255] = acc
+    return acc
+
+
+def calibrate(step_ms: float) -> int:
+    """Iterations of the synthetic scheduler step's busy loop that take ``step_ms`` milliseconds on
+    this machine uncontended.
+    """
+    iters = 2000
+    for _ in range(3):
+        ts = []
+        for _ in range(30):
+            t0 = time.perf_counter()
+            busy_step(iters)
+            ts.append(time.perf_counter() - t0)
+        iters = max(100, int(iters * step_ms / 1e3 / min(ts)))  # min: the uncontended cost
+    return iters
 
 
 def make_workdir(path: str | None) -> Path:

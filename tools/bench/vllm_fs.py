@@ -39,8 +39,11 @@ from kvoffload.namespace import chunk_keys
 from kvoffload.tiering import TieringManager
 from kvoffload.tiers.base import LookupResult
 from kvoffload.tools.bench.harness import (
+    Payloads,
     arena_name,
     bench_namespace,
+    busy_step,
+    calibrate,
     drop_caches,
     make_workdir,
     print_header,
@@ -49,34 +52,6 @@ from kvoffload.tools.extras import MissingExtra, require
 
 _TOKENS = 16
 _WAIT_S = 0.0005  # vLLM's tier has no completion wait: poll this often (ours: wait on its socket)
-
-
-# -- payloads -------------------------------------------------------------------------------------
-
-
-class Payloads:
-    """Chunk ``i``: one random row with ``i`` stamped at its start, middle and end (8 bytes each)."""
-
-    def __init__(self, n: int, row_bytes: int):
-        self.n, self.row_bytes = n, row_bytes
-        self.base = np.random.default_rng(row_bytes).integers(0, 256, row_bytes, dtype=np.uint8)
-        self._at = (0, row_bytes // 2, row_bytes - 8)
-
-    def stamp(self, row: np.ndarray, i: int) -> None:
-        tag = np.frombuffer(int(i).to_bytes(8, "little"), dtype=np.uint8)
-        for at in self._at:
-            row[at : at + 8] = tag
-
-    def fill(self, rows: np.ndarray, slots) -> None:
-        """Write chunk ``i``'s payload into ``rows[slots[i]]``."""
-        for i, s in enumerate(slots):
-            rows[s] = self.base
-            self.stamp(rows[s], i)
-
-    def check(self, row: np.ndarray, i: int) -> bool:
-        want = self.base.copy()
-        self.stamp(want, i)
-        return bool(np.array_equal(row, want))
 
 
 # -- the two tiers behind one small driver interface -----------------------------------------------
@@ -364,30 +339,6 @@ def _run_throughput(drv: _Driver) -> tuple[float, float, float, float]:
         shutil.rmtree(drv.root, ignore_errors=True)
 
 
-def _work(iters: int) -> int:
-    """Pure-Python stand-in for a scheduler step (dict and int work, holds the GIL)."""
-    acc, table = 0, {}
-    for i in range(iters):
-        acc = (acc + i * 7) % 1000003
-        table[i & 255] = acc
-    return acc
-
-
-def calibrate(step_ms: float) -> int:
-    """Iterations of the synthetic scheduler step's busy loop that take ``step_ms`` milliseconds on
-    this machine uncontended.
-    """
-    iters = 2000
-    for _ in range(3):
-        ts = []
-        for _ in range(30):
-            t0 = time.perf_counter()
-            _work(iters)
-            ts.append(time.perf_counter() - t0)
-        iters = max(100, int(iters * step_ms / 1e3 / min(ts)))  # min: the uncontended cost
-    return iters
-
-
 def _run_jitter(drv: _Driver | None, iters: int, idle_steps: int, burst: bool = False) -> dict:
     """Step times (s) of the synthetic scheduler loop while ``drv`` stores then loads every chunk,
     completions polled after each step, or idle. Paced: one job handed over after each step (the
@@ -398,7 +349,7 @@ def _run_jitter(drv: _Driver | None, iters: int, idle_steps: int, burst: bool = 
         steps = []
         for _ in range(idle_steps):
             t0 = time.perf_counter()
-            _work(iters)
+            busy_step(iters)
             steps.append(time.perf_counter() - t0)
         return {"store": steps, "load": steps}
     out: dict = {}
@@ -417,7 +368,7 @@ def _run_jitter(drv: _Driver | None, iters: int, idle_steps: int, burst: bool = 
             w0 = time.perf_counter()
             while done < drv.n:
                 t0 = time.perf_counter()
-                _work(iters)
+                busy_step(iters)
                 steps.append(time.perf_counter() - t0)
                 while j < len(drv.jobs):
                     submit(j)

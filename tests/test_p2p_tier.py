@@ -624,3 +624,29 @@ def test_a_lookup_asks_the_peer_whose_kv_events_show_the_chunk_first(world):
     assert settle(c, nowhere, "r3") == [MISS, MISS]
     asked = dict(node.peer_stats)
     assert asked.get((a.addr, "lookup_chunks"), 0) == len(nowhere)
+
+
+def test_a_taken_port_is_a_config_error_and_leaves_nothing(world):
+    import socket
+
+    from kvoffload.config import ConfigError
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        with pytest.raises(ConfigError, match=r"port: cannot bind tcp://127\.0\.0\.1:\d+"):
+            Rig([p2p("tcp", port)], num_slots=SLOTS, row_bytes=ROW)
+    wait_until(
+        lambda: (
+            not [
+                p
+                for p in psutil.Process().children(recursive=True)
+                if p.pid not in before and alive(p.pid)
+            ]
+            or None
+        ),
+        PATIENCE_S,
+        "the peer worker of the failed instance to exit",
+    )

@@ -37,7 +37,7 @@ import zmq
 from cachetools import LRUCache, TLRUCache
 from typing_extensions import override
 
-from kvoffload.config import Positive
+from kvoffload.config import ConfigError, Positive
 from kvoffload.metrics import Counter, Gauge, Histogram, MetricSet
 from kvoffload.tiers.base import JobMetadata, JobResult, LookupResult, SecondaryTierManager
 from kvoffload.tiers.p2p_locations import PeerLocations, event_sources
@@ -356,23 +356,30 @@ class P2PTier(SecondaryTierManager):
                 where=f"{self.name}.peer_events",
                 context=self._ctx,
             )
-        self._node = PeerNode(
-            ctx=self._ctx,
-            locations=locations,
-            server=self._server,
-            worker=self._worker,
-            bind=f"tcp://{cfg.host}:{port}",
-            advertise="",
-            incarnation=self.incarnation,
-            namespace_id=self.namespace.id(),
-            secret=self._secret,
-            heartbeat_s=cfg.heartbeat_s,
-            peer_timeout_s=cfg.peer_timeout_s,
-            transfer_deadline_s=cfg.transfer_deadline_s,
-            lease_ttl_s=cfg.lease_ttl_s,
-            count=self.count,
-            server_free_quota=self._server.free_quota,
-        )
+        bind = f"tcp://{cfg.host}:{port}"
+        try:
+            node = PeerNode(
+                ctx=self._ctx,
+                locations=locations,
+                server=self._server,
+                worker=self._worker,
+                bind=bind,
+                advertise="",
+                incarnation=self.incarnation,
+                namespace_id=self.namespace.id(),
+                secret=self._secret,
+                heartbeat_s=cfg.heartbeat_s,
+                peer_timeout_s=cfg.peer_timeout_s,
+                transfer_deadline_s=cfg.transfer_deadline_s,
+                lease_ttl_s=cfg.lease_ttl_s,
+                count=self.count,
+                server_free_quota=self._server.free_quota,
+            )
+        except zmq.ZMQError as e:
+            if locations is not None:
+                locations.close()
+            raise ConfigError(f"{self.name}.port: cannot bind {bind}: {e}") from None
+        self._node = node
         bound_port = int(self._node.bound.rsplit(":", 1)[1])
         self.advertise = f"{cfg.advertise_host or cfg.host}:{bound_port}"
         self._node.advertise = self.advertise
@@ -684,13 +691,19 @@ class P2PTier(SecondaryTierManager):
     @override
     def shutdown(self) -> None:
         node, self._node = self._node, None
+        stuck = False
         if node is not None:
             node.stop()
+            stuck = node.is_alive()
+            if stuck:  # its sockets are still open: terminating the context would hang
+                log.error("p2p tier %s: the node thread did not stop; its sockets leak", self.name)
         if self._worker is not None:
-            self._worker.close()
+            if not stuck:  # the handle belongs to the node thread while it runs
+                self._worker.close()
             self._worker = None
         if self._ctx is not None:
-            self._ctx.term()
+            if not stuck:
+                self._ctx.term()
             self._ctx = None
         for lj in list(self._loads.values()):
             lj.failed.update({k: "cancelled" for k in lj.meta.keys if k not in set(lj.ok)})

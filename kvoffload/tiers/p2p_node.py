@@ -453,7 +453,13 @@ class PeerNode(threading.Thread):
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.MAXMSGSIZE, pm.MAX_MESSAGE_BYTES)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        self.router.bind(bind)
+        try:
+            self.router.bind(bind)
+        except zmq.ZMQError:
+            self.router.close(linger=0)
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            raise
         self.bound = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.poller.register(self.router, zmq.POLLIN)
         self.poller.register(self._wake_r, zmq.POLLIN)

@@ -18,7 +18,7 @@ the table costs one dict entry and one reference to the key, plus 13 bytes in fl
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 from kvoffload.policies import EvictionPolicy
 from kvoffload.tiers.base import LookupResult, TierEvent
@@ -89,11 +89,12 @@ class HostTier:
 
     # -- writes ---------------------------------------------------------------------------------
 
-    def allocate(self, keys: Sequence[bytes]) -> StorePlan | None:
+    def allocate(self, keys: Sequence[bytes], protect: Collection[int] = ()) -> StorePlan | None:
         """Reserve WRITING slots for the keys not yet present, evicting as needed.
 
-        Keys already present (in any state) are skipped and, with every other key of ``keys``,
-        protected from eviction. Returns None, changing nothing, when not enough slots can be freed.
+        Keys already present (in any state) are skipped and, with every other key of ``keys``
+        and the slots in ``protect``, protected from eviction. Returns None, changing nothing,
+        when not enough slots can be freed.
         """
         index = self.index
         new: list[bytes] = []
@@ -111,6 +112,8 @@ class HostTier:
             if need > self.num_evictable:
                 return None
             protected = {index[k] for k in keys if k in index}
+            if protect:
+                protected.update(protect)
             victims = self.policy.evict(need, protected, self.keys)
             if victims is None:
                 return None

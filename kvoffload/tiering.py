@@ -25,6 +25,7 @@ Prometheus through :func:`kvoffload.metrics.refresh`; the stress tool and tests 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -32,7 +33,8 @@ from typing import Any
 from kvoffload import metrics as _metrics
 from kvoffload.config import OffloadConfig
 from kvoffload.events import EventPublisher, Movement
-from kvoffload.host import READY, HostTier, StorePlan
+from kvoffload.host import READY, WRITING, HostTier, StorePlan
+from kvoffload.ipc import peer_messages as pm
 from kvoffload.logs import RateLimitedLog
 from kvoffload.policies import make_policy
 from kvoffload.tiers import create_tier
@@ -48,6 +50,11 @@ _HIT, _MISS, _PENDING, _RETRY = (
     LookupResult.RETRY,
 )
 HOST = "host"
+PEER_MEDIUM = "PEER"
+"""The ``medium`` of a tier that reaches other instances' host tiers (the p2p tier): a peer's
+:meth:`TieringManager.serve_lookup` never asks it (a chunk is served from this instance only)."""
+PEER_PROMOTION = "\x00peer"
+"""The ``req_id`` of promotions :meth:`TieringManager.serve_lookup` starts for peers."""
 _DROP_WHY = {
     "pin_limit": "its stores in flight already pin {pinned} host slots (tier_pin_fraction allows "
     "{limit})",
@@ -105,6 +112,19 @@ class Stats:
         self.stale_store_completions = 0  # complete_store of a write the caller does not hold
         self.unknown_job_results = 0  # results for a job id not in flight (duplicates, strays)
         self.reset_discarded_promotions = 0  # promotions a reset made moot while in flight
+        # The p2p serving side, counted apart from this instance's own lookups and loads:
+        # keys peers looked up, found READY / PENDING, promotions started for them, chunks
+        # leased, slots admitted for their pushes, pushes published / failed, and completions
+        # (release, commit) naming nothing their holder holds.
+        self.peer_lookups = 0
+        self.peer_hits = 0
+        self.peer_pending = 0
+        self.peer_promotions = 0
+        self.peer_leased = 0
+        self.peer_admitted = 0
+        self.peer_committed = 0
+        self.peer_commit_failures = 0
+        self.stale_peer_completions = 0
         self.loads_from = {HOST: 0, **{n: 0 for n in tier_names}}
         self.failed: dict[tuple[str, str, str], int] = {}  # (tier, direction, reason) -> chunks
         self.failed_jobs: dict[tuple[str, str], int] = {}  # (tier, direction) -> jobs
@@ -121,7 +141,13 @@ class Stats:
 
 
 class TieringManager:
-    """Host tier plus ordered secondary tiers over one arena (engine thread only).
+    """Host tier plus ordered secondary tiers over one arena.
+
+    Driven by the engine thread; the p2p tier's node thread also serves peers from the host tier
+    (:meth:`serve_lookup`, :meth:`lease`, :meth:`release`, :meth:`admit`, :meth:`commit`) and
+    polls. Every public entry point that reads or changes host-tier or tier state takes
+    :attr:`lock` (a :class:`threading.RLock`; uncontended, it adds well under a microsecond per
+    call); nothing waits or does I/O while holding it.
 
     Args:
         arena: the host :class:`~kvoffload.ipc.arena.Arena` (its slots are the host tier).
@@ -156,6 +182,9 @@ class TieringManager:
         data_parallel_rank: int = 0,
         event_block_hash: Any = None,
     ):
+        #: Taken by every entry point that reads or changes host-tier or tier state (reentrant:
+        #: entry points call each other). Held briefly: no I/O, no waiting under it.
+        self.lock = threading.RLock()
         self.arena = arena
         self.namespace = namespace
         self.config = config
@@ -253,9 +282,20 @@ class TieringManager:
         # Writes reserved by prepare_store and not yet completed: key -> the request that holds it.
         self._writes: dict[bytes, str] = {}
         self._load_source: dict[str, dict[bytes, int]] = {}
+        # The p2p serving side's pins and writes, per holder (one holder per lease / offer):
+        # holder -> slot -> pins, and holder -> key -> the slot its write reserved.
+        self._leases: dict[str, dict[int, int]] = {}
+        # Slots the engine was told HIT since its last step: it may prepare_load them before the
+        # step ends, so promotions (the engine's, or a peer's) and admissions (which run between
+        # the engine's calls) never evict them. The engine's own stores may: it prepares them
+        # after its loads.
+        self._hit_slots: set[int] = set()
+        self._admits: dict[str, dict[bytes, int]] = {}
+        self._peer_tier = next((t.name for t in self.tiers if t.medium == PEER_MEDIUM), "peer")
         self._poll_interval = poll_interval_s
         self._last_poll = 0.0
         self._closed = False
+        self._tiers_stopped = False
         self.data_parallel_rank = data_parallel_rank
         try:
             for t in self.tiers:
@@ -268,38 +308,45 @@ class TieringManager:
 
     def lookup(self, key: bytes, req_id: str = "") -> LookupResult:
         """Where is ``key``? HIT (host, readable now), HIT_PENDING (host, being written or promoted),
-        RETRY (a tier is still looking) or MISS. Never blocks."""
-        host = self.host
-        slot = host.index.get(key)
-        stats = self.stats
-        if slot is not None:
-            stats.host_queries += 1
-            stats.host_hits += 1
-            self._lookup_sample += 1
-            if self._lookup_sample & 63 == 0:  # time 1 in 64 host lookups (the histogram's cost)
-                t0 = time.perf_counter()
-                r = _HIT if host.state[host.index[key]] == READY else _PENDING
-                self.metrics.observe(
-                    "kvoffload_lookup_latency_seconds", time.perf_counter() - t0, HOST
-                )
-                return r
-            return _HIT if host.state[slot] == READY else _PENDING
-        now = time.monotonic()
-        if now - self._last_poll >= self._poll_interval:
-            self.poll()
-        any_retry = False
-        for i, tier in enumerate(self.tiers):
-            r = tier.lookup(key, req_id)
-            if r is _HIT:
-                result = self._start_promotion(i, key, req_id)
-                self._count_verdict(i + 1, i if result is _PENDING else -1)
-                return result
-            if r is _RETRY:
-                any_retry = True
-        if any_retry:
-            return _RETRY
-        self._count_verdict(len(self.tiers), -1)
-        return _MISS
+        RETRY (a tier is still looking) or MISS. Never blocks (beyond :attr:`lock`)."""
+        # acquire/release rather than ``with``: half the cost on the hot path (BENCHMARKS.md)
+        lock = self.lock
+        lock.acquire()
+        try:
+            host = self.host
+            slot = host.index.get(key)
+            stats = self.stats
+            if slot is not None:
+                stats.host_queries += 1
+                stats.host_hits += 1
+                self._hit_slots.add(slot)
+                self._lookup_sample += 1
+                if self._lookup_sample & 63 == 0:  # time 1 in 64 host lookups (histogram's cost)
+                    t0 = time.perf_counter()
+                    r = _HIT if host.state[host.index[key]] == READY else _PENDING
+                    self.metrics.observe(
+                        "kvoffload_lookup_latency_seconds", time.perf_counter() - t0, HOST
+                    )
+                    return r
+                return _HIT if host.state[slot] == READY else _PENDING
+            now = time.monotonic()
+            if now - self._last_poll >= self._poll_interval:
+                self.poll()
+            any_retry = False
+            for i, tier in enumerate(self.tiers):
+                r = tier.lookup(key, req_id)
+                if r is _HIT:
+                    result = self._start_promotion(i, key, req_id)
+                    self._count_verdict(i + 1, i if result is _PENDING else -1)
+                    return result
+                if r is _RETRY:
+                    any_retry = True
+            if any_retry:
+                return _RETRY
+            self._count_verdict(len(self.tiers), -1)
+            return _MISS
+        finally:
+            lock.release()
 
     def _count_verdict(self, num_tiers: int, hit_tier: int) -> None:
         """A host miss got its verdict after asking the first ``num_tiers`` tiers (``hit_tier``
@@ -312,9 +359,11 @@ class TieringManager:
         if hit_tier >= 0:
             stats.tier_hits[self.tier_names[hit_tier]] += 1
 
-    def _start_promotion(self, tier_idx: int, key: bytes, req_id: str) -> LookupResult:
+    def _start_promotion(
+        self, tier_idx: int, key: bytes, req_id: str, for_peer: bool = False
+    ) -> LookupResult:
         host = self.host
-        plan = host.allocate([key])
+        plan = host.allocate([key], self._hit_slots)
         if plan is None or not plan.slots:  # no room, or a write a reset quarantined holds the key
             self.stats.promotion_alloc_failures += 1
             self._refuse(
@@ -333,37 +382,44 @@ class TieringManager:
         keys, slots = per_req.setdefault(req_id, ([], []))
         keys.append(key)
         slots.append(plan.slots[0])
-        self._load_source.setdefault(req_id, {})[key] = tier_idx
+        if not for_peer:  # a peer's promotion is no request's load
+            self._load_source.setdefault(req_id, {})[key] = tier_idx
         return _PENDING
 
     def submit_promotions(self) -> None:
         """Submit the promotions queued by lookups since the last call: one load job per tier and
         request (the first thing :meth:`poll`, and so :meth:`step`, does; benchmarks call it
         alone to time the hand-off). Never blocks."""
-        if not self._promotions:
-            return
-        pending, self._promotions = self._promotions, {}
-        for tier_idx, per_req in pending.items():
-            tier = self.tiers[tier_idx]
-            for req_id, (keys, slots) in per_req.items():
-                meta = JobMetadata(
-                    job_id=self._job_id(), keys=keys, slots=slots, is_promotion=True, req_id=req_id
-                )
-                if log.isEnabledFor(logging.DEBUG):
-                    log.debug(
-                        "promotion job %d: %d chunk(s) from %s for %s",
-                        meta.job_id,
-                        len(keys),
-                        tier.name,
-                        req_id,
+        with self.lock:
+            if not self._promotions:
+                return
+            pending, self._promotions = self._promotions, {}
+            for tier_idx, per_req in pending.items():
+                tier = self.tiers[tier_idx]
+                for req_id, (keys, slots) in per_req.items():
+                    meta = JobMetadata(
+                        job_id=self._job_id(),
+                        keys=keys,
+                        slots=slots,
+                        is_promotion=True,
+                        req_id=req_id,
                     )
-                self._jobs[meta.job_id] = _Job(tier_idx, meta)
-                tier.submit_load(meta)
+                    if log.isEnabledFor(logging.DEBUG):
+                        log.debug(
+                            "promotion job %d: %d chunk(s) from %s for %s",
+                            meta.job_id,
+                            len(keys),
+                            tier.name,
+                            req_id,
+                        )
+                    self._jobs[meta.job_id] = _Job(tier_idx, meta)
+                    tier.submit_load(meta)
 
     def source_of(self, key: bytes, req_id: str = "") -> str:
         """The tier that served ``key`` for this request: ``"host"`` or a secondary tier's name."""
-        idx = self._load_source.get(req_id, {}).get(key)
-        return HOST if idx is None else self.tier_names[idx]
+        with self.lock:
+            idx = self._load_source.get(req_id, {}).get(key)
+            return HOST if idx is None else self.tier_names[idx]
 
     @property
     def publishes_events(self) -> bool:
@@ -386,74 +442,300 @@ class TieringManager:
             KeyError: a key is not READY in the host tier (callers pass keys that looked up HIT);
                 nothing is pinned then.
         """
-        slots = self.host.pin(keys)
-        holds = self._holds.get(req_id)
-        if holds is None:
-            holds = self._holds[req_id] = {}
-        for k, slot in zip(keys, slots):
-            h = holds.get(k)
-            if h is None:
-                holds[k] = [slot, 1]
-            else:
-                h[1] += 1
-        self.host.access(keys)
-        if self._moves is not None:
-            self._moved(keys, HOST, "device", "local")
-        loads_from = self.stats.loads_from
-        src = self._load_source.get(req_id)
-        for k in keys:
-            idx = src.get(k) if src else None
-            loads_from[HOST if idx is None else self.tier_names[idx]] += 1
-        return slots
+        with self.lock:
+            slots = self.host.pin(keys)
+            holds = self._holds.get(req_id)
+            if holds is None:
+                holds = self._holds[req_id] = {}
+            for k, slot in zip(keys, slots):
+                h = holds.get(k)
+                if h is None:
+                    holds[k] = [slot, 1]
+                else:
+                    h[1] += 1
+            self.host.access(keys)
+            if self._moves is not None:
+                self._moved(keys, HOST, "device", "local")
+            loads_from = self.stats.loads_from
+            src = self._load_source.get(req_id)
+            for k in keys:
+                idx = src.get(k) if src else None
+                loads_from[HOST if idx is None else self.tier_names[idx]] += 1
+            return slots
 
     def complete_load(self, keys: Iterable[bytes], req_id: str = "") -> None:
         """The accelerator copy of ``keys`` finished: drop the pins ``req_id`` took in
         :meth:`prepare_load`. A key this holder holds no pin on (a duplicated completion, another
         request's key) is ignored and counted (``Stats.unheld_completions``): it never releases
         someone else's pin (CASES C28)."""
-        holds = self._holds.get(req_id) or {}
-        host = self.host
-        for k in keys:
-            h = holds.get(k)
-            if h is None:
-                self.stats.unheld_completions += 1
-                continue
-            h[1] -= 1
-            if h[1] == 0:
-                del holds[k]
-            host.unpin_slot(h[0])
-        if not holds:
-            self._holds.pop(req_id, None)
+        with self.lock:
+            holds = self._holds.get(req_id) or {}
+            host = self.host
+            for k in keys:
+                h = holds.get(k)
+                if h is None:
+                    self.stats.unheld_completions += 1
+                    continue
+                h[1] -= 1
+                if h[1] == 0:
+                    del holds[k]
+                host.unpin_slot(h[0])
+            if not holds:
+                self._holds.pop(req_id, None)
 
     def pins_held(self) -> dict[int, int]:
-        """Pins held on host slots, by slot: accelerator copies (per holder) plus in-flight tier
-        stores. Equals the host tier's ref counts when the bookkeeping is right (tests)."""
-        out: dict[int, int] = {}
-        for holds in self._holds.values():
-            for slot, n in holds.values():
-                out[slot] = out.get(slot, 0) + n
-        for job in self._jobs.values():
-            if not job.meta.is_promotion:
-                for slot in job.meta.slots:
-                    out[slot] = out.get(slot, 0) + 1
-        return out
+        """Pins held on host slots, by slot: accelerator copies (per holder), peers' leases (per
+        holder) and in-flight tier stores. Equals the host tier's ref counts when the bookkeeping is right (tests)."""
+        with self.lock:
+            out: dict[int, int] = {}
+            for holds in self._holds.values():
+                for slot, n in holds.values():
+                    out[slot] = out.get(slot, 0) + n
+            for pins in self._leases.values():
+                for slot, n in pins.items():
+                    out[slot] = out.get(slot, 0) + n
+            for job in self._jobs.values():
+                if not job.meta.is_promotion:
+                    for slot in job.meta.slots:
+                        out[slot] = out.get(slot, 0) + 1
+            return out
 
     def busy_slots(self) -> set[int]:
         """Host slots a transfer is in flight into or out of: tier jobs (promotions writing,
-        stores reading), queued promotions, and accelerator copies not yet completed."""
-        busy = {s for job in self._jobs.values() for s in job.meta.slots}
-        for per_req in self._promotions.values():
-            for _, slots in per_req.values():
-                busy.update(slots)
-        for holds in self._holds.values():
-            busy.update(h[0] for h in holds.values())
-        return busy
+        stores reading), queued promotions, accelerator copies not yet completed, peers' leases
+        (a peer reading) and admissions (a pull writing)."""
+        with self.lock:
+            busy = {s for job in self._jobs.values() for s in job.meta.slots}
+            for per_req in self._promotions.values():
+                for _, slots in per_req.values():
+                    busy.update(slots)
+            for holds in self._holds.values():
+                busy.update(h[0] for h in holds.values())
+            for pins in self._leases.values():
+                busy.update(pins)
+            for admitted in self._admits.values():
+                busy.update(admitted.values())
+            return busy
+
+    # -- the serving side of the p2p tier (called from its node thread) -------------------------
+
+    def serve_lookup(self, keys: Sequence[bytes], requester: str = "peer") -> bytes:
+        """A peer's lookup of ``keys``: one state byte per key, as
+        :class:`~kvoffload.ipc.peer_messages.LookupReply` carries them: 0 MISS, 1 READY (in the
+        host tier, readable: lease it), 2 PENDING (being written or promoted: ask again).
+
+        A host miss asks this instance's own secondary tiers, in order, except those of medium
+        :data:`PEER_MEDIUM` (a peer is served only what this instance holds): a tier's HIT starts
+        a promotion into the host tier (PENDING; MISS when no host slot is free), a RETRY (the
+        tier is still looking) is PENDING. So a chunk this instance moved to its own fs tier is
+        still servable (CASES C18); its host slot never comes from evicting a chunk the engine
+        was told HIT since its last step. ``requester`` names the asking peer to those tiers (their
+        owed-miss bookkeeping, C36). Counted apart from this instance's own lookups
+        (``Stats.peer_lookups``, ``peer_hits``, ``peer_pending``, ``peer_promotions``); a
+        promotion's load is no request's (:meth:`source_of`, ``loads_from`` unchanged). The
+        promotions are submitted at once; :meth:`serving_promotions` says how many are still in
+        flight (the caller polls while there are). Never blocks; after :meth:`shutdown` every key
+        is a MISS.
+        """
+        with self.lock:
+            out = bytearray(len(keys))
+            if self._tiers_stopped:
+                return bytes(out)
+            host = self.host
+            index, state = host.index, host.state
+            hits = pending = promoted = 0
+            if time.monotonic() - self._last_poll >= self._poll_interval and any(
+                k not in index for k in keys
+            ):
+                self.poll()  # a promotion that just landed answers READY
+            for j, key in enumerate(keys):
+                slot = index.get(key)
+                if slot is not None:
+                    if state[slot] == READY:
+                        out[j] = pm.READY
+                        hits += 1
+                    else:
+                        out[j] = pm.PENDING
+                        pending += 1
+                    continue
+                any_retry = False
+                verdict = pm.MISS
+                for i, tier in enumerate(self.tiers):
+                    if tier.medium == PEER_MEDIUM:
+                        continue
+                    r = tier.lookup(key, requester)
+                    if r is _HIT:
+                        if self._start_promotion(i, key, PEER_PROMOTION, for_peer=True) is _PENDING:
+                            verdict = pm.PENDING
+                            promoted += 1
+                        break
+                    if r is _RETRY:
+                        any_retry = True
+                else:
+                    if any_retry:
+                        verdict = pm.PENDING
+                out[j] = verdict
+                pending += verdict == pm.PENDING
+            stats = self.stats
+            stats.peer_lookups += len(keys)
+            stats.peer_hits += hits
+            stats.peer_pending += pending
+            stats.peer_promotions += promoted
+            if promoted:
+                self.submit_promotions()
+            return bytes(out)
+
+    def serving_promotions(self) -> int:
+        """Chunks :meth:`serve_lookup` is promoting for peers that have not landed yet (queued or
+        loading, or loading into slots a reset quarantined). While this is not 0 the caller keeps calling :meth:`poll`: an idle engine is
+        not stepped, and a promotion's result is applied only by a poll."""
+        with self.lock:
+            if self._tiers_stopped:
+                return 0
+            n = sum(
+                len(keys)
+                for per_req in self._promotions.values()
+                for req, (keys, _slots) in per_req.items()
+                if req == PEER_PROMOTION
+            )
+            for job in self._jobs.values():
+                meta = job.meta
+                # orphans (a reset forgot their chunks) too: their results end quarantines
+                if meta.is_promotion and meta.req_id == PEER_PROMOTION:
+                    n += len(meta.keys)
+            return n
+
+    def lease(self, keys: Sequence[bytes], holder: str) -> list[int]:
+        """Pin the READY ``keys`` for a peer's read, on behalf of ``holder`` (one holder per lease:
+        its pins are dropped together by :meth:`release`). Returns one host slot per key, -1
+        for a key not READY in the host tier (absent, being written, quarantined); nothing is
+        pinned for those. Pins are counted per holder like a request's (CASES C28):
+        :meth:`pins_held` includes them, a reset quarantines their slots until released. A
+        lease is a use of the chunks (recency), not a load: no movement event, no
+        ``loads_from``."""
+        with self.lock:
+            host = self.host
+            index, state = host.index, host.state
+            pins = self._leases.get(holder)
+            if pins is None:
+                pins = {}
+            out: list[int] = []
+            used: list[bytes] = []
+            for k in keys:
+                slot = index.get(k)
+                if slot is None or state[slot] != READY:
+                    out.append(-1)
+                    continue
+                host.pin((k,))
+                pins[slot] = pins.get(slot, 0) + 1
+                out.append(slot)
+                used.append(k)
+            if pins:
+                self._leases[holder] = pins
+            host.access(used)
+            self.stats.peer_leased += len(used)
+            return out
+
+    def release(self, holder: str) -> None:
+        """Drop every pin ``holder`` took with :meth:`lease` (its peer's reads have settled, or
+        its lease expired). An unknown holder is ignored and counted
+        (``Stats.stale_peer_completions``)."""
+        with self.lock:
+            pins = self._leases.pop(holder, None)
+            if pins is None:
+                self.stats.stale_peer_completions += 1
+                return
+            unpin = self.host.unpin_slots
+            for slot, n in pins.items():
+                unpin((slot,) * n)
+
+    def leased(self, holder: str) -> int:
+        """Pins ``holder`` holds (0 when none)."""
+        with self.lock:
+            return sum(self._leases.get(holder, {}).values())
+
+    def slots_of(self, keys: Iterable[bytes]) -> list[int]:
+        """The host slot of each key (any state), -1 for a key not in the host tier."""
+        with self.lock:
+            index = self.host.index
+            return [index.get(k, -1) for k in keys]
+
+    def admit(self, keys: Sequence[bytes], holder: str) -> list[int]:
+        """Reserve host slots (WRITING) for a peer's push of ``keys``, on behalf of ``holder``:
+        one slot per key, -1 where the key is present already (any state, a quarantined write
+        included), repeated earlier in ``keys``, or there is no room. Room is made by evicting
+        READY, unpinned chunks (never one of ``keys``); when not all fit, the first ones get
+        slots (keys are prefix ordered). Chunks the engine was told HIT since its last step are
+        not evicted (it may still load them). Each reserved write ends with :meth:`commit` by the same
+        holder, once the pull into it has settled (never before: a late write could land in a
+        reused slot)."""
+        with self.lock:
+            host = self.host
+            out = [-1] * len(keys)
+            new: dict[bytes, int] = {}  # key -> its position in keys
+            for j, k in enumerate(keys):
+                if k not in new and not host.is_present(k):
+                    new[k] = j
+            if not new:
+                return out
+            room = host.room_for(keys)
+            if self._hit_slots:  # evictable slots the engine may still load from are no room
+                mine = {host.index[k] for k in keys if k in host.index}
+                room -= sum(
+                    1
+                    for s in self._hit_slots
+                    if s not in mine and host.state[s] == READY and not host.refs[s]
+                )
+            take = list(new)[: max(0, room)]
+            present = [k for k in keys if k not in new]
+            plan = host.allocate(take + present, self._hit_slots) if take else None
+            if plan is None or not plan.slots:
+                return out
+            admitted = self._admits.setdefault(holder, {})
+            for k, slot in zip(plan.keys, plan.slots):
+                out[new[k]] = slot
+                admitted[k] = slot
+            self.stats.peer_admitted += len(plan.keys)
+            return out
+
+    def commit(self, keys: Iterable[bytes], holder: str, ok: bool) -> list[bytes]:
+        """End ``holder``'s writes of ``keys`` reserved by :meth:`admit`: publish them (READY,
+        a host ``stored`` event and a movement from the p2p tier) when ``ok``, else free their
+        slots. A key ``holder`` reserved no write for (a duplicate, a stray) is ignored and
+        counted (``Stats.stale_peer_completions``); a write a reset quarantined just ends its
+        quarantine. Returns the keys published."""
+        with self.lock:
+            host = self.host
+            admitted = self._admits.get(holder)
+            mine: list[bytes] = []
+            stale = 0
+            for k in keys:
+                slot = admitted.pop(k, None) if admitted else None
+                if slot is None:
+                    stale += 1
+                elif host.index.get(k) == slot and host.state[slot] == WRITING:
+                    mine.append(k)
+                else:  # a reset forgot it while the pull ran
+                    host.end_quarantined_write(slot)
+            if admitted is not None and not admitted:
+                del self._admits[holder]
+            stats = self.stats
+            stats.stale_peer_completions += stale
+            done = host.complete_write(mine, ok)
+            if ok:
+                stats.peer_committed += len(done)
+                if done and self._moves is not None:
+                    self._moved(done, self._peer_tier, HOST, "remote")
+            else:
+                stats.peer_commit_failures += len(done)
+            return done if ok else []
 
     def touch(self, keys: Sequence[bytes], req_id: str = "") -> None:
         """Mark ``keys`` recently used in every tier."""
-        self.host.access(keys)
-        for tier in self.tiers:
-            tier.touch(keys)
+        with self.lock:
+            self.host.access(keys)
+            for tier in self.tiers:
+                tier.touch(keys)
 
     def prepare_store(
         self, keys: Sequence[bytes], req_id: str = "", chunk_info: Any = None
@@ -470,52 +752,53 @@ class TieringManager:
         reserved; returns None only when not a single slot can be freed (everything pinned).
         The reserved writes belong to ``req_id``: only its :meth:`complete_store` ends them.
         """
-        self.poll()
-        host = self.host
-        plan = host.allocate(keys)
-        if plan is None:
-            # Not enough room for the whole batch (slots pinned by in-flight transfers, or a batch
-            # larger than the tier): keep its longest prefix that fits now. Lookups are prefix
-            # ordered, so the head of a request is what later requests can reuse; the engine does
-            # not offer the rest again.
-            new = [k for k in dict.fromkeys(keys) if not host.is_present(k)]
-            room = min(host.room_for(keys), len(new))
-            if room > 0:
-                cut = keys.index(new[room - 1]) + 1
-                plan = host.allocate(keys[:cut])
-                self.stats.store_truncations += 1
-                if plan is not None:
+        with self.lock:
+            self.poll()
+            host = self.host
+            plan = host.allocate(keys)
+            if plan is None:
+                # Not enough room for the whole batch (slots pinned by in-flight transfers, or a batch
+                # larger than the tier): keep its longest prefix that fits now. Lookups are prefix
+                # ordered, so the head of a request is what later requests can reuse; the engine does
+                # not offer the rest again.
+                new = [k for k in dict.fromkeys(keys) if not host.is_present(k)]
+                room = min(host.room_for(keys), len(new))
+                if room > 0:
+                    cut = keys.index(new[room - 1]) + 1
+                    plan = host.allocate(keys[:cut])
+                    self.stats.store_truncations += 1
+                    if plan is not None:
+                        self._refuse(
+                            HOST,
+                            "store",
+                            "batch_truncated",
+                            len(new) - room,
+                            logging.INFO,
+                            "kvoffload: host tier took %d of %d new chunk(s) of a store; the "
+                            "rest did not fit (%s)",
+                            room,
+                            len(new),
+                            self._occupancy(),
+                        )
+                if plan is None:
+                    self.stats.store_rejections += 1
                     self._refuse(
                         HOST,
                         "store",
-                        "batch_truncated",
-                        len(new) - room,
-                        logging.INFO,
-                        "kvoffload: host tier took %d of %d new chunk(s) of a store; the "
-                        "rest did not fit (%s)",
-                        room,
+                        "no_evictable_slot",
+                        len(new),
+                        logging.WARNING,
+                        "kvoffload: host tier refused a store of %d chunk(s): no evictable slot (%s)",
                         len(new),
                         self._occupancy(),
                     )
-            if plan is None:
-                self.stats.store_rejections += 1
-                self._refuse(
-                    HOST,
-                    "store",
-                    "no_evictable_slot",
-                    len(new),
-                    logging.WARNING,
-                    "kvoffload: host tier refused a store of %d chunk(s): no evictable slot (%s)",
-                    len(new),
-                    self._occupancy(),
-                )
-        if plan is not None and plan.keys:
-            writes = self._writes
-            for k in plan.keys:
-                writes[k] = req_id
-        if chunk_info is not None and plan is not None and self._kv_events is not None:
-            self._kv_events.remember(plan.keys, chunk_info)
-        return plan
+            if plan is not None and plan.keys:
+                writes = self._writes
+                for k in plan.keys:
+                    writes[k] = req_id
+            if chunk_info is not None and plan is not None and self._kv_events is not None:
+                self._kv_events.remember(plan.keys, chunk_info)
+            return plan
 
     def _occupancy(self) -> str:
         """Why host slots cannot be evicted, for a log line."""
@@ -546,22 +829,23 @@ class TieringManager:
         ignored and counted (``Stats.stale_store_completions``): it must neither publish another
         writer's slot before its copy ended nor free it under the writer.
         """
-        writes = self._writes
-        mine = []
-        for k in keys:
-            if writes.get(k) == req_id:
-                del writes[k]
-                mine.append(k)
-            else:
-                self.stats.stale_store_completions += 1
-        keys = mine
-        done = self.host.complete_write(keys, success)
-        if not success and self._kv_events is not None:
-            self._kv_events.forget(keys, self.host.index)
-        if success and done and self._moves is not None:
-            self._moved(done, "device", HOST, "local")
-        if success and done and self.tiers:
-            self.write_through(done, req_id)
+        with self.lock:
+            writes = self._writes
+            mine = []
+            for k in keys:
+                if writes.get(k) == req_id:
+                    del writes[k]
+                    mine.append(k)
+                else:
+                    self.stats.stale_store_completions += 1
+            keys = mine
+            done = self.host.complete_write(keys, success)
+            if not success and self._kv_events is not None:
+                self._kv_events.forget(keys, self.host.index)
+            if success and done and self._moves is not None:
+                self._moved(done, "device", HOST, "local")
+            if success and done and self.tiers:
+                self.write_through(done, req_id)
 
     def write_through(self, keys: list[bytes], req_id: str = "") -> None:
         """Write ``keys`` (just published in the host tier: READY) through to every tier: one
@@ -575,45 +859,46 @@ class TieringManager:
         cannot keep the host tier from taking new chunks (CASES C37). A tier with nothing in
         flight takes the whole batch, so a batch larger than the limit still reaches every tier.
         """
-        host = self.host
-        pins = self._store_pins
-        for i, tier in enumerate(self.tiers):
-            if not tier.wants_store(req_id):
-                continue
-            take = keys[: max(0, self._pin_limit - pins[i])] if pins[i] else keys
-            reason = "pin_limit"  # why what is not taken is dropped
-            # Asked even when over budget: a tier that refuses (open breaker, backlog) counts its
-            # own drops, so the cause stays visible whatever the pin budget did.
-            refusal = tier.store_refusal(len(take) or len(keys))
-            if refusal is not None:
-                take, reason = [], refusal
-            dropped = len(keys) - len(take)
-            if dropped:
-                self.stats.dropped_stores[tier.name] += dropped
-                self._refuse(
-                    tier.name,
-                    "store",
-                    reason,
-                    dropped,
-                    logging.WARNING,
-                    "kvoffload: %d chunk(s) not written to tier %s: %s",
-                    dropped,
-                    tier.name,
-                    _DROP_WHY.get(reason, reason).format(pinned=pins[i], limit=self._pin_limit),
+        with self.lock:
+            host = self.host
+            pins = self._store_pins
+            for i, tier in enumerate(self.tiers):
+                if not tier.wants_store(req_id):
+                    continue
+                take = keys[: max(0, self._pin_limit - pins[i])] if pins[i] else keys
+                reason = "pin_limit"  # why what is not taken is dropped
+                # Asked even when over budget: a tier that refuses (open breaker, backlog) counts its
+                # own drops, so the cause stays visible whatever the pin budget did.
+                refusal = tier.store_refusal(len(take) or len(keys))
+                if refusal is not None:
+                    take, reason = [], refusal
+                dropped = len(keys) - len(take)
+                if dropped:
+                    self.stats.dropped_stores[tier.name] += dropped
+                    self._refuse(
+                        tier.name,
+                        "store",
+                        reason,
+                        dropped,
+                        logging.WARNING,
+                        "kvoffload: %d chunk(s) not written to tier %s: %s",
+                        dropped,
+                        tier.name,
+                        _DROP_WHY.get(reason, reason).format(pinned=pins[i], limit=self._pin_limit),
+                    )
+                if not take:
+                    continue
+                pins[i] += len(take)
+                slots = host.pin(take)
+                meta = JobMetadata(
+                    job_id=self._job_id(),
+                    keys=list(take),
+                    slots=slots,
+                    is_promotion=False,
+                    req_id=req_id,
                 )
-            if not take:
-                continue
-            pins[i] += len(take)
-            slots = host.pin(take)
-            meta = JobMetadata(
-                job_id=self._job_id(),
-                keys=list(take),
-                slots=slots,
-                is_promotion=False,
-                req_id=req_id,
-            )
-            self._jobs[meta.job_id] = _Job(i, meta)
-            tier.submit_store(meta)
+                self._jobs[meta.job_id] = _Job(i, meta)
+                tier.submit_store(meta)
 
     def _job_id(self) -> int:
         self._next_job += 1
@@ -622,111 +907,131 @@ class TieringManager:
     # -- completions ----------------------------------------------------------------------------
 
     def poll(self) -> None:
-        """Submit queued promotions and probes, and apply every finished tier job. Never blocks."""
-        self._last_poll = time.monotonic()
-        self.submit_promotions()
-        host = self.host
-        stats = self.stats
-        for tier in self.tiers:
-            tier.flush()
-            for res in tier.get_finished_jobs():
-                job = self._jobs.pop(res.job_id, None)
-                if job is None or self.tiers[job.tier] is not tier:
-                    if job is not None:  # another tier's job: not this tier's to answer
-                        self._jobs[res.job_id] = job
-                    stats.unknown_job_results += 1
-                    log.warning(
-                        "tier %s reported job %d, which it does not hold; dropped",
-                        tier.name,
-                        res.job_id,
-                    )
-                    continue
-                meta = job.meta
-                if job.orphaned and meta.is_promotion:
-                    # A reset forgot these chunks while the load ran: the write has ended, so
-                    # the quarantined slots can be reused; nothing is published.
-                    for slot in meta.slots:
-                        host.end_quarantined_write(slot)
-                    stats.reset_discarded_promotions += len(meta.keys)
-                    continue
-                direction = "load" if meta.is_promotion else "store"
-                self.metrics.observe(
-                    "kvoffload_tier_transfer_latency_seconds",
-                    res.transfer_seconds,
-                    tier.name,
-                    direction,
-                )
-                if not res.success:
-                    k2 = (tier.name, direction)
-                    stats.failed_jobs[k2] = stats.failed_jobs.get(k2, 0) + 1
-                    failed_stats = stats.failed
-                    for reason in (
-                        res.failed.values()
-                        if res.failed
-                        else ["unknown"] * (len(meta.keys) - len(res.successful_keys or ()))
-                    ):
-                        k3 = (tier.name, direction, reason)
-                        failed_stats[k3] = failed_stats.get(k3, 0) + 1
-                if meta.is_promotion:
-                    if res.success:
-                        ok, failed = meta.keys, []
-                    else:
-                        # only keys of this job the tier confirmed: anything else it names is
-                        # ignored, anything it does not name failed
-                        ok_set = set(res.successful_keys or ())
-                        ok = [k for k in meta.keys if k in ok_set]
-                        failed = [k for k in meta.keys if k not in ok_set]
-                    host.complete_write(ok, True)
-                    if ok and self._moves is not None:
-                        self._moved(ok, tier.name, HOST, self._localities[tier.name], tier)
-                    if failed:
-                        host.complete_write(failed, False)
-                        src = self._load_source.get(meta.req_id)
-                        if src:
-                            for k in failed:
-                                src.pop(k, None)
-                        stats.promotion_failures[tier.name] += len(failed)
-                        log.info(
-                            "promotion from %s failed for %d chunk(s): %s",
+        """Submit queued promotions and probes, and apply every finished tier job. Never blocks.
+
+        Safe from another thread than the engine's (the p2p tier's node polls while promotions
+        it started are in flight, :meth:`serving_promotions`): it runs under :attr:`lock`, which
+        every entry point that touches the tiers' sockets takes, so a socket is never used by
+        two threads at once (ZMQ allows a socket to change threads behind a full memory
+        barrier, which the lock is). Does nothing once :meth:`shutdown` has begun."""
+        # acquire/release rather than ``with``: half the cost, and poll runs every step
+        lock = self.lock
+        lock.acquire()
+        try:
+            if self._tiers_stopped:
+                return
+            self._last_poll = time.monotonic()
+            if self._promotions:
+                self.submit_promotions()
+            host = self.host
+            stats = self.stats
+            for tier in self.tiers:
+                tier.flush()
+                for res in tier.get_finished_jobs():
+                    job = self._jobs.pop(res.job_id, None)
+                    if job is None or self.tiers[job.tier] is not tier:
+                        if job is not None:  # another tier's job: not this tier's to answer
+                            self._jobs[res.job_id] = job
+                        stats.unknown_job_results += 1
+                        log.warning(
+                            "tier %s reported job %d, which it does not hold; dropped",
                             tier.name,
-                            len(failed),
-                            res.reason,
-                        )
-                    stats.promotions[tier.name] += len(ok)
-                    if log.isEnabledFor(logging.DEBUG):
-                        log.debug(
-                            "promotion job %d done: %d/%d chunk(s), %.1f MB in %.1f ms",
                             res.job_id,
-                            len(ok),
-                            len(meta.keys),
-                            res.transfer_bytes / 1e6,
-                            res.transfer_seconds * 1e3,
                         )
-                else:
-                    host.unpin_slots(meta.slots)
-                    self._store_pins[job.tier] -= len(meta.slots)
-                    if res.success:
-                        stats.cascaded[tier.name] += len(meta.keys)
-                        stored = meta.keys
+                        continue
+                    meta = job.meta
+                    if job.orphaned and meta.is_promotion:
+                        # A reset forgot these chunks while the load ran: the write has ended, so
+                        # the quarantined slots can be reused; nothing is published.
+                        for slot in meta.slots:
+                            host.end_quarantined_write(slot)
+                        stats.reset_discarded_promotions += len(meta.keys)
+                        continue
+                    direction = "load" if meta.is_promotion else "store"
+                    self.metrics.observe(
+                        "kvoffload_tier_transfer_latency_seconds",
+                        res.transfer_seconds,
+                        tier.name,
+                        direction,
+                    )
+                    if not res.success:
+                        k2 = (tier.name, direction)
+                        stats.failed_jobs[k2] = stats.failed_jobs.get(k2, 0) + 1
+                        failed_stats = stats.failed
+                        for reason in (
+                            res.failed.values()
+                            if res.failed
+                            else ["unknown"] * (len(meta.keys) - len(res.successful_keys or ()))
+                        ):
+                            k3 = (tier.name, direction, reason)
+                            failed_stats[k3] = failed_stats.get(k3, 0) + 1
+                    if meta.is_promotion:
+                        if res.success:
+                            ok, failed = meta.keys, []
+                        else:
+                            # only keys of this job the tier confirmed: anything else it names is
+                            # ignored, anything it does not name failed
+                            ok_set = set(res.successful_keys or ())
+                            ok = [k for k in meta.keys if k in ok_set]
+                            failed = [k for k in meta.keys if k not in ok_set]
+                        host.complete_write(ok, True)
+                        if ok and self._moves is not None:
+                            self._moved(ok, tier.name, HOST, self._localities[tier.name], tier)
+                        if failed:
+                            host.complete_write(failed, False)
+                            src = self._load_source.get(meta.req_id)
+                            if src:
+                                for k in failed:
+                                    src.pop(k, None)
+                            stats.promotion_failures[tier.name] += len(failed)
+                            log.info(
+                                "promotion from %s failed for %d chunk(s): %s",
+                                tier.name,
+                                len(failed),
+                                res.reason,
+                            )
+                        stats.promotions[tier.name] += len(ok)
+                        if log.isEnabledFor(logging.DEBUG):
+                            log.debug(
+                                "promotion job %d done: %d/%d chunk(s), %.1f MB in %.1f ms",
+                                res.job_id,
+                                len(ok),
+                                len(meta.keys),
+                                res.transfer_bytes / 1e6,
+                                res.transfer_seconds * 1e3,
+                            )
                     else:
-                        ok_set = set(res.successful_keys or ())
-                        stored = [k for k in meta.keys if k in ok_set]
-                        stats.cascaded[tier.name] += len(stored)
-                        stats.cascade_failures[tier.name] += len(meta.keys) - len(stored)
-                    if stored and self._moves is not None:
-                        self._moved(stored, HOST, tier.name, self._localities[tier.name], tier)
+                        host.unpin_slots(meta.slots)
+                        self._store_pins[job.tier] -= len(meta.slots)
+                        if res.success:
+                            stats.cascaded[tier.name] += len(meta.keys)
+                            stored = meta.keys
+                        else:
+                            ok_set = set(res.successful_keys or ())
+                            stored = [k for k in meta.keys if k in ok_set]
+                            stats.cascaded[tier.name] += len(stored)
+                            stats.cascade_failures[tier.name] += len(meta.keys) - len(stored)
+                        if stored and self._moves is not None:
+                            self._moved(stored, HOST, tier.name, self._localities[tier.name], tier)
+        finally:
+            lock.release()
 
     def step(self) -> None:
         """End of a scheduler step: submit this step's promotions and probes, apply completions,
-        publish the step's KV events."""
-        self.poll()
-        pub = self._publisher
-        if pub is not None:
+        publish the step's KV events (sent after :attr:`lock` is released)."""
+        with self.lock:
+            self._hit_slots.clear()
+            self.poll()
+            pub = self._publisher
+            if pub is None:
+                return
             self._drain_events()
             moves = self._moves or []
-            if self._engine_events or moves:
-                pub.publish(self._engine_events, moves)
-                self._engine_events, self._moves = [], []
+            if not (self._engine_events or moves):
+                return
+            events = self._engine_events
+            self._engine_events, self._moves = [], []
+        pub.publish(events, moves)
 
     # -- events ---------------------------------------------------------------------------------
 
@@ -783,17 +1088,21 @@ class TieringManager:
     def has_pending_work(self) -> bool:
         """True while promotions, tier jobs or probes are in flight (the engine should keep
         stepping)."""
-        return bool(self._jobs or self._promotions) or any(t.has_pending_work() for t in self.tiers)
+        with self.lock:
+            return bool(self._jobs or self._promotions) or any(
+                t.has_pending_work() for t in self.tiers
+            )
 
     def jobs_in_flight(self) -> list[tuple[str, str, JobMetadata]]:
         """``(tier name, "load" | "store", job)`` of every tier job submitted and not yet finished:
         the host slots a tier worker may still write (load) or read (store). Promotions queued for
         the next step are not in flight yet. For tests and tools; the list is a copy."""
-        names = self.tier_names
-        return [
-            (names[j.tier], "load" if j.meta.is_promotion else "store", j.meta)
-            for j in self._jobs.values()
-        ]
+        with self.lock:
+            names = self.tier_names
+            return [
+                (names[j.tier], "load" if j.meta.is_promotion else "store", j.meta)
+                for j in self._jobs.values()
+            ]
 
     def wait_idle(self, timeout_s: float = 30.0) -> bool:
         """Block until nothing is in flight (standalone tools and tests only). Returns False on
@@ -806,14 +1115,9 @@ class TieringManager:
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
-            waited = False
-            for tier in self.tiers:
-                if tier.has_pending_work():
-                    tier.wait(min(left, 0.01))
-                    waited = True
-                    break
-            if not waited:
-                time.sleep(0.001)
+            # Not tier.wait(): it would use a tier's socket outside the lock, while another
+            # thread (the p2p tier's node) may poll under it.
+            time.sleep(min(left, 0.001))
 
     def wait_workers_ready(self, timeout_s: float = 60.0) -> bool:
         """Block until every tier's worker processes have started and reported ready
@@ -821,9 +1125,10 @@ class TieringManager:
         benchmarks, before any clock starts). Returns False on timeout (seconds)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            self.poll()
-            if all(t.workers_ready() for t in self.tiers):
-                return True
+            with self.lock:
+                self.poll()
+                if all(t.workers_ready() for t in self.tiers):
+                    return True
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.01)
@@ -839,15 +1144,17 @@ class TieringManager:
 
     def on_request_finished(self, req_id: str) -> None:
         """Forget per-request bookkeeping (which tier served which chunk, its routing)."""
-        self._load_source.pop(req_id, None)
-        for tier in self.tiers:
-            tier.on_request_finished(req_id)
+        with self.lock:
+            self._load_source.pop(req_id, None)
+            for tier in self.tiers:
+                tier.on_request_finished(req_id)
 
     def take_events(self) -> list[tuple[str, TierEvent]]:
         """``(tier name, event)`` pairs since the last call, host first (tier name ``"host"``)."""
-        self._drain_events()
-        out, self._taken_events = self._taken_events, []
-        return out
+        with self.lock:
+            self._drain_events()
+            out, self._taken_events = self._taken_events, []
+            return out
 
     def reset_cache(self, timeout_s: float | None = None) -> None:
         """Forget every host-tier chunk now, without waiting for tier jobs (never blocks the
@@ -860,33 +1167,42 @@ class TieringManager:
         dropped. KV events queued before the reset are kept and published, followed by the
         removal of every chunk that was stored (C27).
         """
-        self.poll()
-        for per_req in self._promotions.values():
-            for keys, _slots in per_req.values():
-                self.host.complete_write(keys, False)  # never submitted: nothing writes there
-        self._promotions.clear()
-        self._load_source.clear()
-        for job in self._jobs.values():
-            job.orphaned = True
-        quarantined = self.host.clear()
-        if quarantined:
-            log.info(
-                "kvoffload: cache reset with %d host slot(s) still in use by transfers; "
-                "they are reused once those end",
-                len(quarantined),
-            )
+        with self.lock:
+            self.poll()
+            for per_req in self._promotions.values():
+                for keys, _slots in per_req.values():
+                    self.host.complete_write(keys, False)  # never submitted: nothing writes there
+            self._promotions.clear()
+            self._load_source.clear()
+            for job in self._jobs.values():
+                job.orphaned = True
+            quarantined = self.host.clear()
+            self._hit_slots.clear()
+            if quarantined:
+                log.info(
+                    "kvoffload: cache reset with %d host slot(s) still in use by transfers; "
+                    "they are reused once those end",
+                    len(quarantined),
+                )
 
     def shutdown(self) -> None:
-        """Stop every tier (failing what is still in flight). Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+        """Stop every tier (failing what is still in flight). Idempotent.
+
+        The tiers are shut down outside :attr:`lock` (a tier may join a thread of its own that
+        waits for the lock); from the moment this starts, :meth:`poll` and :meth:`serve_lookup`
+        leave the tiers alone, so another thread calling them meanwhile touches no tier."""
+        with self.lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._publisher is not None:
+                try:
+                    self.step()
+                except Exception:
+                    log.exception("kvoffload: publishing the last KV events failed")
+            self._tiers_stopped = True
         _metrics.unregister_source(self.instance)
         if self._publisher is not None:
-            try:
-                self.step()
-            except Exception:
-                log.exception("kvoffload: publishing the last KV events failed")
             self._publisher.close()
         for tier in self.tiers:
             try:

@@ -3,6 +3,7 @@ import time
 
 import psutil
 import pytest
+from netns import NetnsPair, creator_pid, our_namespaces, require_netns
 
 from kvoffload.ipc.arena import list_arenas
 
@@ -37,6 +38,16 @@ def _leftover_processes() -> list[str]:
     return out
 
 
+def _leftover_namespaces(before: set[str]) -> list[str]:
+    """Network namespaces of tests/netns.py made by this session, or new ones of a dead process."""
+    out = []
+    for name in our_namespaces():
+        creator = creator_pid(name)
+        if creator == os.getpid() or (name not in before and not psutil.pid_exists(creator)):
+            out.append(name)
+    return out
+
+
 def pytest_collection_modifyitems(config, items):
     """``soak`` tests run only when the marker expression names them (``pytest -m soak``)."""
     if "soak" in (config.option.markexpr or ""):
@@ -55,6 +66,7 @@ def _leaves_nothing_behind():
         except ImportError as e:
             pytest.exit(f"vLLM is required for this run but cannot be imported: {e}", returncode=3)
     before = {a.name for a in list_arenas()}
+    namespaces_before = set(our_namespaces())
     yield
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and (_leaked_segments(before) or _leftover_processes()):
@@ -63,3 +75,15 @@ def _leaves_nothing_behind():
     procs = _leftover_processes()
     assert not leaked, f"shared-memory segments left in /dev/shm: {leaked}"
     assert not procs, f"kvoffload processes left running: {procs}"
+    netns = _leftover_namespaces(namespaces_before)
+    assert not netns, f"network namespaces left (ip netns list): {netns}"
+
+
+@pytest.fixture
+def netns_pair():
+    """Two fresh network namespaces joined by a veth pair (``tests/netns.py``), torn down after the
+    test, also when it fails or is interrupted; skipped without root or iproute2 (a failure with
+    ``KVOFFLOAD_REQUIRE_NETNS=1``)."""
+    require_netns()
+    with NetnsPair() as pair:
+        yield pair

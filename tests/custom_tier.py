@@ -26,3 +26,10 @@ class CountingTier(MemoryTier):
 
     def report_metrics(self, metrics):
         metrics.set("kvoffload_counting_chunks", len(self._chunks), self.name)
+
+
+class PeerMediumTier(MemoryTier):
+    """The memory tier declaring itself a peer medium (``"PEER"``), as the p2p tier does: a peer's
+    lookup (``TieringManager.serve_lookup``) must never be answered from it."""
+
+    medium = "PEER"

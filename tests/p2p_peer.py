@@ -29,9 +29,17 @@ class Peer:
         self.arena: Arena | None = None
         self.transport: pt.Transport | None = None
 
-    def init(self, name: str, num_slots: int, row_bytes: int, kind: str, deadline_s: float) -> dict:
+    def init(
+        self,
+        name: str,
+        num_slots: int,
+        row_bytes: int,
+        kind: str,
+        deadline_s: float,
+        host: str = "127.0.0.1",
+    ) -> dict:
         self.arena = Arena.create(name, num_slots, row_bytes)
-        config = pt.TransportConfig(kind=kind, deadline_s=deadline_s)  # type: ignore[arg-type]
+        config = pt.TransportConfig(kind=kind, deadline_s=deadline_s, host=host)  # type: ignore[arg-type]
         self.transport = pt.make_transport(self.arena, config)
         return {"descriptor": self.transport.descriptor().hex(), "kind": self.transport.kind}
 

@@ -321,7 +321,7 @@ def main() -> int:
             return EXIT_START_FAILED
         try:
             worker = PeerWorker(spec, chan, arena)
-        except TransportError as e:
+        except (TransportError, OSError) as e:  # OSError: e.g. the TCP port is taken
             arena.close()
             chan.send(encode(StartFailed(f"transport: {e}")))
             return EXIT_START_FAILED

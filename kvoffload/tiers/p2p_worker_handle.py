@@ -41,6 +41,7 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import msgspec
 import zmq
@@ -64,9 +65,13 @@ log = logging.getLogger("kvoffload.tiers.p2p_worker_handle")
 WORKER_DIED = "worker_died"
 #: Default grace (seconds) after a transfer's deadline before an unsettled one gets its worker killed.
 DEFAULT_SETTLE_TIMEOUT_S = 60.0
+#: Default time (seconds) a new worker has to say hello before it is killed (NIXL's first import can
+#: take seconds on a loaded machine).
+DEFAULT_START_TIMEOUT_S = 120.0
 _SETTLE_CHECK_S = 0.1
 
 Result = tuple[int, TransferState, str]
+PeerState = Literal["adding", "up", "refused"]
 
 
 @dataclass(slots=True)
@@ -87,6 +92,7 @@ class PeerWorkerHandle:
         env: extra environment variables for the worker (e.g. ``UCX_TLS``, ``UCX_NET_DEVICES``).
         settle_timeout_s: seconds after a transfer's deadline before an unsettled transfer gets the
             worker killed (None: never).
+        start_timeout_s: seconds a new worker has to say hello before it is killed (None: never).
         ctx: the ZMQ context for the socket (default: one of the handle's own, ended by close()).
 
     Raises:
@@ -101,15 +107,15 @@ class PeerWorkerHandle:
         nice: int = 10,
         env: Mapping[str, str] | None = None,
         settle_timeout_s: float | None = DEFAULT_SETTLE_TIMEOUT_S,
+        start_timeout_s: float | None = DEFAULT_START_TIMEOUT_S,
         ctx: zmq.Context | None = None,
     ):
         info = next((a for a in list_arenas(arena_name) if a.name == arena_name), None)
         if info is None or not info.ready:
             raise ArenaError(f"no ready host arena named {arena_name!r} in /dev/shm")
-        if settle_timeout_s is not None and not settle_timeout_s > 0:
-            raise ValueError(
-                f"settle_timeout_s must be > 0 seconds or None, got {settle_timeout_s}"
-            )
+        for what, value in (("settle", settle_timeout_s), ("start", start_timeout_s)):
+            if value is not None and not value > 0:
+                raise ValueError(f"{what}_timeout_s must be > 0 seconds or None, got {value}")
         self.arena_name = arena_name
         self.arena_nonce = info.nonce
         self.num_slots = info.num_slots
@@ -118,6 +124,8 @@ class PeerWorkerHandle:
         self.nice = nice
         self.env = dict(env or {})
         self.settle_timeout_s = settle_timeout_s
+        self.start_timeout_s = start_timeout_s
+        self._started_at = 0.0
         self._own_ctx = ctx is None
         self._ctx = ctx if ctx is not None else zmq.Context(1)
         self._ep = select.epoll()
@@ -125,6 +133,8 @@ class PeerWorkerHandle:
         self._ep.register(self._wake, select.EPOLLIN)
         self._tids = itertools.count(1)
         self._peers: dict[str, Descriptor] = {}
+        self._adding: dict[str, int] = {}  # name -> AddPeer commands not yet answered
+        self._peer_state: dict[str, PeerState] = {}
         self._pending: dict[int, _Pending] = {}
         self._outbox: deque[tuple[bytes, int]] = deque()  # (frame, tid or 0)
         self._results: list[Result] = []
@@ -138,7 +148,14 @@ class PeerWorkerHandle:
         self.kind: str | None = None
         self.start_error: str | None = None
         self.returncode: int | None = None
-        self._spawn()
+        try:
+            self._spawn()
+        except BaseException:
+            self._ep.close()
+            os.close(self._wake)
+            if self._own_ctx:
+                self._ctx.term()
+            raise
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -164,6 +181,7 @@ class PeerWorkerHandle:
             chan.close()
             raise
         self._chan, self._proc = chan, proc
+        self._started_at = time.monotonic()
         self._descriptor, self.kind, self.start_error, self.returncode = None, None, None, None
         self._ep.register(chan.fd, select.EPOLLIN)
         try:
@@ -208,6 +226,8 @@ class PeerWorkerHandle:
         self._check_open()
         names = list(self._peers)
         self._peers.clear()
+        self._adding.clear()
+        self._peer_state.clear()
         if self._proc is not None and self._chan is not None:
             if self._proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -290,6 +310,7 @@ class PeerWorkerHandle:
             self._results.append((tid, TransferState.FAILED, WORKER_DIED))
         self._pending.clear()
         self._outbox.clear()
+        self._adding.clear()
         self._release_process()
 
     # -- peers ------------------------------------------------------------------------------------
@@ -313,14 +334,25 @@ class PeerWorkerHandle:
                 f"peer {name!r} has {desc.row_bytes}-byte slots, this arena {self.row_bytes}-byte"
             )
         self._peers[name] = desc
+        self._peer_state[name] = "adding"
+        if self._chan is not None:
+            self._adding[name] = self._adding.get(name, 0) + 1
         self._send(pw.encode(pw.AddPeer(name, descriptor)))
 
     def remove_peer(self, name: str) -> None:
         """Forget peer ``name``: its transfers fail ("peer removed") and are reported once settled.
         Unknown names are ignored."""
         self._check_open()
+        self._peer_state.pop(name, None)
         if self._peers.pop(name, None) is not None:
             self._send(pw.encode(pw.RemovePeer(name)))
+
+    def peer_state(self, name: str) -> PeerState | None:
+        """Where peer ``name`` is: "adding" (the worker has not answered the last
+        :meth:`add_peer` yet), "up" (it took the descriptor), "refused" (see
+        :meth:`take_peer_errors`), or None (not added, removed, or lost in a restart). Transfers
+        may be submitted in any state; the worker runs commands in order."""
+        return self._peer_state.get(name)
 
     def take_peer_errors(self) -> list[tuple[str, str]]:
         """``(name, reason)`` for each :meth:`add_peer` the worker refused since the last call."""
@@ -393,7 +425,7 @@ class PeerWorkerHandle:
             self._signal()
             return tid
         self._pending[tid] = _Pending(float(deadline_s))
-        frame = pw.encode(pw.Transfer(tid, op, peer, local, remote, float(deadline_s)))  # type: ignore[arg-type]
+        frame = pw.encode(pw.Transfer(tid, op, peer, local, remote, float(deadline_s)))
         self._send(frame, tid)
         return tid
 
@@ -443,7 +475,7 @@ class PeerWorkerHandle:
             if self._proc.poll() is not None:
                 self._on_exit()
             else:
-                self._check_settle_timeouts()
+                self._check_timeouts()
         out, self._results = self._results, []
         self._ep.poll(0)  # refreshes the epoll set's readiness (fileno) after the drain
         self._signal_if_readable()
@@ -467,6 +499,13 @@ class PeerWorkerHandle:
             elif isinstance(rep, pw.PeerAdded):
                 if rep.error:
                     self._peer_errors.append((rep.name, rep.error))
+                left = self._adding.get(rep.name, 0) - 1
+                if left > 0:
+                    self._adding[rep.name] = left
+                else:
+                    self._adding.pop(rep.name, None)
+                    if rep.name in self._peer_state:  # not removed meanwhile
+                        self._peer_state[rep.name] = "refused" if rep.error else "up"
             elif isinstance(rep, pw.Ready):
                 if (rep.num_slots, rep.row_bytes) != (self.num_slots, self.row_bytes):
                     log.error("kvoffload p2p: the peer worker mapped another arena shape")
@@ -475,22 +514,32 @@ class PeerWorkerHandle:
                 self.start_error = rep.reason
                 log.error("kvoffload p2p: the peer worker could not start: %s", rep.reason)
 
-    def _check_settle_timeouts(self) -> None:
+    def _check_timeouts(self) -> None:
+        """SIGKILL a worker that has not said hello within ``start_timeout_s``, or holds a transfer
+        unsettled ``settle_timeout_s`` past its deadline; :meth:`poll` reports the exit."""
         now = time.monotonic()
-        if self.settle_timeout_s is None or now < self._next_settle_check or self._proc is None:
+        if now < self._next_settle_check or self._proc is None:
             return
         self._next_settle_check = now + _SETTLE_CHECK_S
-        late = sum(
-            1 for p in self._pending.values() if p.settle_by is not None and now > p.settle_by
-        )
-        if late:
-            log.warning(
-                "kvoffload p2p: %d transfers unsettled %.0f s past their deadline; killing the peer "
-                "worker (pid %d) so they settle",
-                late,
-                self.settle_timeout_s,
-                self._proc.pid,
+        why = ""
+        if (
+            self._descriptor is None
+            and self.start_error is None
+            and self.start_timeout_s is not None
+            and now - self._started_at > self.start_timeout_s
+        ):
+            why = f"it did not say hello within {self.start_timeout_s:.0f} s"
+        elif self.settle_timeout_s is not None:
+            late = sum(
+                1 for p in self._pending.values() if p.settle_by is not None and now > p.settle_by
             )
+            if late:
+                why = (
+                    f"{late} transfers are unsettled {self.settle_timeout_s:.0f} s past their "
+                    "deadline"
+                )
+        if why:
+            log.warning("kvoffload p2p: killing the peer worker (pid %d): %s", self._proc.pid, why)
             with contextlib.suppress(ProcessLookupError):
                 self._proc.send_signal(signal.SIGKILL)
 

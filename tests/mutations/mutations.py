@@ -38,6 +38,7 @@ WB = "tests/test_wrong_bytes.py::"
 WC = "tests/test_worker_containment.py::"
 CAP = "tests/test_fs_capacity.py::"
 EV = "tests/test_event_content.py::"
+P2PW = "tests/test_p2p_worker.py::"
 XTP = "tests/test_cross_tp.py::"
 BP = "tests/test_backpressure.py::"
 OPS = "tests/test_ops_commands.py::"
@@ -247,12 +248,12 @@ MUTATIONS: list[Mutation] = [
         "C12",
         "a host-tier lookup pins the chunk",
         "kvoffload/tiering.py",
-        "            return _HIT if host.state[slot] == READY else _PENDING\n",
+        "                return _HIT if host.state[slot] == READY else _PENDING\n",
         (
-            "            if host.state[slot] == READY:\n"
-            "                host._pin_slot(slot)\n"
-            "                return _HIT\n"
-            "            return _PENDING\n"
+            "                if host.state[slot] == READY:\n"
+            "                    host._pin_slot(slot)\n"
+            "                    return _HIT\n"
+            "                return _PENDING\n"
         ),
         (POL + "test_c12_aborted_requests_leave_nothing_pinned_and_nothing_behind",),
     ),
@@ -260,8 +261,8 @@ MUTATIONS: list[Mutation] = [
         "C12",
         "a finished request's bookkeeping is kept",
         "kvoffload/tiering.py",
-        "        self._load_source.pop(req_id, None)\n",
-        "        pass\n",
+        "            self._load_source.pop(req_id, None)\n",
+        "            pass\n",
         (POL + "test_c12_aborted_requests_leave_nothing_pinned_and_nothing_behind",),
     ),
     Mutation(
@@ -347,7 +348,7 @@ MUTATIONS: list[Mutation] = [
         "C16",
         "a timed-out store's host pins are kept",
         "kvoffload/tiering.py",
-        "                    host.unpin_slots(meta.slots)\n",
+        "                        host.unpin_slots(meta.slots)\n",
         "",
         (FS + "test_c16_dropped_store_releases_its_reservation_after_the_deadline",),
     ),
@@ -378,6 +379,14 @@ MUTATIONS: list[Mutation] = [
         "                self.queue.extendleft(reversed(rerun))  # first in line, in their original order\n",
         "",
         (FS + "test_c17_worker_that_dies_or_goes_silent_fails_or_reruns_its_jobs",),
+    ),
+    Mutation(
+        "C17",
+        "a peer worker that stops reporting is never killed",
+        "kvoffload/tiers/p2p_worker_handle.py",
+        "        if why:\n",
+        "        if why and False:\n",
+        (P2PW + "test_c17_a_hung_peer_worker_is_killed_so_its_transfers_settle",),
     ),
     # -- C19-C23: metrics, events, config, buffer lifetime, performance ---------------------------
     Mutation(
@@ -438,9 +447,17 @@ MUTATIONS: list[Mutation] = [
         "C22",
         "a store's source slot not pinned while the writer reads it",
         "kvoffload/tiering.py",
-        "            slots = host.pin(take)\n",
-        "            slots = [host.index[k] for k in take]\n",
+        "                slots = host.pin(take)\n",
+        "                slots = [host.index[k] for k in take]\n",
         (FS + "test_c22_store_source_slot_is_not_reused_while_the_writer_reads_it",),
+    ),
+    Mutation(
+        "C22",
+        "a failed p2p transfer reported while it may still write its local slots",
+        "workers/p2p_worker.py",
+        "            if st.state is TransferState.PENDING or not st.settled:\n",
+        "            if st.state is TransferState.PENDING:\n",
+        (P2PW + "test_c22_a_transfer_past_its_deadline_is_reported_only_once_settled[nixl]",),
     ),
     Mutation(
         "C23",
@@ -532,12 +549,12 @@ MUTATIONS: list[Mutation] = [
         "C28",
         "a completion without a pin of its own drops the chunk's pin",
         "kvoffload/tiering.py",
-        ("                self.stats.unheld_completions += 1\n                continue\n"),
+        ("                    self.stats.unheld_completions += 1\n                    continue\n"),
         (
-            "                self.stats.unheld_completions += 1\n"
-            "                if k in host.index:\n"
-            "                    host.unpin_slot(host.index[k])\n"
-            "                continue\n"
+            "                    self.stats.unheld_completions += 1\n"
+            "                    if k in host.index:\n"
+            "                        host.unpin_slot(host.index[k])\n"
+            "                    continue\n"
         ),
         (WB + "test_c28_a_duplicated_completion_never_releases_another_requests_pin",),
     ),
@@ -545,8 +562,8 @@ MUTATIONS: list[Mutation] = [
         "C28",
         "a store completion from another request ends a write",
         "kvoffload/tiering.py",
-        "            if writes.get(k) == req_id:\n",
-        "            if k in writes:\n",
+        "                if writes.get(k) == req_id:\n",
+        "                if k in writes:\n",
         (WB + "test_a_stale_store_completion_never_ends_another_requests_write[True]",),
     ),
     Mutation(

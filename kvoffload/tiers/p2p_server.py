@@ -1,0 +1,550 @@
+"""The p2p tier's serving role: peers' control messages in, replies out, host-tier access through
+the :class:`~kvoffload.tiering.TieringManager` (socket-free, so it is tested and fuzzed alone).
+
+::
+
+    PeerNode thread (owns the ROUTER socket)              PeerServer (this module)
+      recv (identity, frame) ──────────────────────▶ handle(identity, frame, now) ──▶ replies
+      every loop / at next_deadline() ─────────────▶ tick(now) ──▶ Refused("timeout") replies
+                                                         │  expire leases and silent sessions,
+                                                         │  poll the manager for promotions
+                                                         │  started for peers (idle engine)
+      Offer ──▶ handle ──▶ manager.admit ──▶ pull(identity, descriptor, lease, pairs)
+                                                         │  the node has its peer worker READ the
+                                                         ▼  pusher's leased slots into ours
+      worker reports the READ SETTLED ─────────────▶ pull_settled(identity, lease, ok)
+                                                     ──▶ manager.commit ──▶ Pulled reply
+
+Sessions, one per ZMQ identity: ``Hello`` → ``Challenge`` (the server proves the shared secret
+first, :func:`~kvoffload.ipc.peer_messages.mac`) → ``Auth`` (the client proves it, and sends its
+transport descriptor) → ``Welcome`` (this instance's descriptor: descriptors cross only now) or
+``Refused``. Anything else before that, a bad MAC, another protocol version, another namespace
+than this instance's, an oversized or malformed frame: ``Refused(reason)``, counted by reason, and
+the identity is forgotten. Handshakes in progress live in a bounded table (the oldest goes when it
+is full, and any older than ``peer_timeout_s``), so nothing grows per unauthenticated identity.
+
+Leases: each Lease message is one holder of pins in the manager (``lease:<id>``), released by the
+client's Release, at its expiry (``min(ttl_s, max_lease_s)``), when its session goes silent for
+``peer_timeout_s``, or when the same instance (same ``advertise``) comes back with a new
+incarnation (a restart: its transfers died with it). A reconnect of the same incarnation keeps
+its leases. At most ``max_leased_chunks`` host slots are leased to peers at once, so peers can
+never pin the whole host tier.
+
+Pushes (a push is a pull the receiver performs): an Offer is admitted within ``quota_chunks``
+(per server: chunks being pulled plus pushed chunks still in the host tier, until they are
+evicted), slots are reserved WRITING (``manager.admit``), and the node is asked to pull them. The
+slots stay reserved until the node reports the READ settled (:meth:`PeerServer.pull_settled`),
+even when the pushing session is gone: a late write never lands in a reused slot.
+
+Not thread-safe: the node thread drives it; every manager call takes the manager's lock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from kvoffload.ipc import peer_messages as pm
+
+if TYPE_CHECKING:
+    from kvoffload.tiering import TieringManager
+
+log = logging.getLogger("kvoffload.p2p")
+
+Reply = tuple[bytes, bytes]
+"""``(ZMQ identity, encoded message)`` to send on the ROUTER socket."""
+
+REFUSALS = (
+    "unauthenticated",
+    "bad_mac",
+    "malformed",
+    "too_large",
+    "namespace",
+    "version",
+    "unexpected",
+    "not_ready",
+    "busy",
+    "timeout",
+    "internal",
+)
+"""Why the server refuses (``Refused.reason`` and the ``refused`` counter's keys): a message
+before authentication, a wrong MAC, a frame that fails the schema, one over
+:data:`~kvoffload.ipc.peer_messages.MAX_MESSAGE_BYTES`, another namespace, another protocol
+version, a message the session's state does not allow, no transport descriptor yet (the peer
+worker is starting), the session table full, a silent session, a bug (logged)."""
+
+
+class _Handshake:
+    __slots__ = ("hello", "nonce", "since")
+
+    def __init__(self, hello: pm.Hello, nonce: bytes, since: float):
+        self.hello = hello
+        self.nonce = nonce
+        self.since = since
+
+
+class _Lease:
+    __slots__ = ("holder", "expires", "chunks", "kv_request_id")
+
+    def __init__(self, holder: str, expires: float, chunks: int, kv_request_id: str):
+        self.holder = holder
+        self.expires = expires
+        self.chunks = chunks
+        self.kv_request_id = kv_request_id
+
+
+class _Session:
+    __slots__ = (
+        "identity",
+        "incarnation",
+        "advertise",
+        "descriptor",
+        "last_seen",
+        "leases",
+        "name",
+    )
+
+    def __init__(self, identity: bytes, hello: pm.Hello, descriptor: bytes, now: float) -> None:
+        self.identity = identity
+        self.incarnation = hello.incarnation
+        self.advertise = hello.advertise
+        self.descriptor = descriptor
+        self.last_seen = now
+        self.leases: dict[int, _Lease] = {}
+        self.name = f"peer:{hello.advertise}:{hello.incarnation.hex()}"
+
+
+class _Pull:
+    __slots__ = ("holder", "offered", "positions", "keys")
+
+    def __init__(self, holder: str, offered: int, positions: list[int], keys: list[bytes]):
+        self.holder = holder
+        self.offered = offered  # keys in the Offer
+        self.positions = positions  # where each pulled key is in the Offer
+        self.keys = keys  # the pulled keys, in pull order
+
+
+class PeerServer:
+    """The serving role of one instance's p2p tier (see the module docstring).
+
+    Args:
+        manager: this instance's :class:`~kvoffload.tiering.TieringManager` (its host tier is
+            what peers read and push into).
+        secret: the shared secret (bytes; never logged). ``b""`` only for ``"auth": "none"``,
+            which the tier's config allows on loopback only.
+        namespace_id: this instance's namespace id (hex): a Hello naming another is refused.
+        incarnation: this instance's identity for this start
+            (:data:`~kvoffload.ipc.peer_messages.INCARNATION_BYTES` random bytes).
+        descriptor: returns this instance's transport descriptor, or None while the peer worker
+            has not reported one (an Auth is then refused ``not_ready``; the client retries).
+        pull: ``pull(identity, client_descriptor, lease, pairs)`` asks the node to READ
+            ``pairs`` (``[(local_slot, remote_slot)]``) from the client's leased slots; the node
+            answers later with :meth:`pull_settled`. If it raises, the admitted slots are freed
+            and the offer is answered as not accepted.
+        quota_chunks: chunks this server admits from all peers' offers (0: no pushes).
+        heartbeat_s: how often clients are asked to send a heartbeat (seconds, in Welcome).
+        peer_timeout_s: a session (or handshake) silent this long is dropped (seconds).
+        max_lease_s: the longest lease granted, whatever a Lease asks (seconds).
+        max_leased_chunks: host slots leased to peers at once (default: half the host tier).
+        max_sessions: authenticated sessions at once (more are refused ``busy``).
+        max_handshakes: handshakes in progress at once (the oldest goes first).
+        random_bytes: ``n -> n random bytes`` for nonces (tests may pass a seeded one).
+    """
+
+    def __init__(
+        self,
+        manager: TieringManager,
+        *,
+        secret: bytes,
+        namespace_id: str,
+        incarnation: bytes,
+        descriptor: Callable[[], bytes | None],
+        pull: Callable[[bytes, bytes, int, list[tuple[int, int]]], None],
+        quota_chunks: int = 0,
+        heartbeat_s: float = 0.5,
+        peer_timeout_s: float = 2.0,
+        max_lease_s: float = 30.0,
+        max_leased_chunks: int | None = None,
+        max_sessions: int = 64,
+        max_handshakes: int = 64,
+        random_bytes: Callable[[int], bytes] = os.urandom,
+    ):
+        if len(incarnation) != pm.INCARNATION_BYTES:
+            raise ValueError(
+                f"incarnation: {len(incarnation)} bytes, expected {pm.INCARNATION_BYTES}"
+            )
+        self.manager = manager
+        self._secret = secret
+        self.namespace_id = namespace_id
+        self.incarnation = incarnation
+        self._descriptor = descriptor
+        self._pull = pull
+        self.quota_chunks = max(0, quota_chunks)
+        self.heartbeat_s = heartbeat_s
+        self.peer_timeout_s = peer_timeout_s
+        self.max_lease_s = max_lease_s
+        slots = manager.arena.num_slots
+        self.max_leased_chunks = (
+            max(1, slots // 2) if max_leased_chunks is None else max(0, max_leased_chunks)
+        )
+        self.max_sessions = max_sessions
+        self.max_handshakes = max(1, max_handshakes)
+        self._random = random_bytes
+        self._row_bytes = manager.arena.row_bytes
+        self._handshakes: OrderedDict[bytes, _Handshake] = OrderedDict()
+        self._sessions: dict[bytes, _Session] = {}
+        self._pulls: dict[tuple[bytes, int], _Pull] = {}
+        self._pushed: dict[bytes, int] = {}  # pushed chunk -> its host slot, until evicted
+        self._pulling = 0  # chunks admitted and being pulled
+        self._leased = 0  # host slots leased to peers now
+        self._ids = itertools.count(1)
+        #: Refusals by reason (:data:`REFUSALS`).
+        self.refused: dict[str, int] = dict.fromkeys(REFUSALS, 0)
+        self._counts: dict[str, int] = dict.fromkeys(
+            (
+                "lookups_served",  # keys looked up by peers
+                "hits_served",  # of those, READY
+                "pending_served",  # of those, PENDING
+                "leases_granted",
+                "chunks_leased",
+                "lease_expiries",
+                "unknown_releases",  # a Release of no lease this session holds
+                "chunks_offered",
+                "bytes_offered",
+                "chunks_admitted",
+                "chunks_pulled",  # admitted, pulled and published
+                "pull_failures",  # admitted, pull failed: freed
+                "bad_offers",  # keys and slots of different lengths, a lease offered twice
+                "unknown_pulls",  # pull_settled of no pull in flight
+                "session_timeouts",
+                "handshake_drops",  # handshakes dropped: table full, or silent
+                "restarts",  # a peer came back with a new incarnation: its leases dropped
+                "internal_errors",
+            ),
+            0,
+        )
+
+    # -- state ----------------------------------------------------------------------------------
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """Every counter, ``refused.<reason>`` included, plus the gauges ``sessions``,
+        ``handshakes``, ``leases_held``, ``chunks_leased_now``, ``chunks_pulling``,
+        ``chunks_pushed_held`` and ``free_quota`` (a copy, for metrics)."""
+        out = dict(self._counts)
+        out.update({f"refused.{r}": n for r, n in self.refused.items()})
+        out.update(
+            sessions=len(self._sessions),
+            handshakes=len(self._handshakes),
+            leases_held=sum(len(s.leases) for s in self._sessions.values()),
+            chunks_leased_now=self._leased,
+            chunks_pulling=self._pulling,
+            chunks_pushed_held=len(self._pushed),
+            free_quota=self.quota_chunks - self._pulling - len(self._pushed),
+        )
+        return out
+
+    def sessions(self) -> list[tuple[bytes, str, bytes]]:
+        """``(identity, advertise, incarnation)`` of every authenticated session."""
+        return [(s.identity, s.advertise, s.incarnation) for s in self._sessions.values()]
+
+    def wants_poll(self) -> bool:
+        """True while promotions started for peers are in flight: call :meth:`tick` (which polls
+        the manager) every few milliseconds meanwhile."""
+        return self.manager.serving_promotions() > 0
+
+    def next_deadline(self) -> float | None:
+        """The earliest time (the clock of ``now``) at which :meth:`tick` has something to
+        expire, or None."""
+        times = [h.since + self.peer_timeout_s for h in self._handshakes.values()]
+        for s in self._sessions.values():
+            times.append(s.last_seen + self.peer_timeout_s)
+            times.extend(lease.expires for lease in s.leases.values())
+        return min(times) if times else None
+
+    def free_quota(self) -> int:
+        """Chunks this server would admit from offers now: the quota less the chunks being
+        pulled and the pushed chunks still in the host tier (those evicted since are dropped)."""
+        if self._pushed:
+            keys = list(self._pushed)
+            for k, slot in zip(keys, self.manager.slots_of(keys)):
+                if slot != self._pushed[k]:
+                    del self._pushed[k]
+        return max(0, self.quota_chunks - self._pulling - len(self._pushed))
+
+    # -- input ----------------------------------------------------------------------------------
+
+    def handle(self, identity: bytes, frame: bytes, now: float) -> list[Reply]:
+        """One frame from ``identity`` at ``now`` (seconds, monotonic): the replies to send.
+        Never raises (a failure of its own is logged, counted ``internal_errors`` and refused)."""
+        try:
+            return self._handle(identity, frame, now)
+        except Exception:
+            log.exception("kvoffload p2p: serving a peer's message failed")
+            self._counts["internal_errors"] += 1
+            try:
+                return self._refuse(identity, "internal")
+            except Exception:
+                return []
+
+    def _handle(self, identity: bytes, frame: bytes, now: float) -> list[Reply]:
+        if len(frame) > pm.MAX_MESSAGE_BYTES:
+            return self._refuse(identity, "too_large")
+        try:
+            msg = pm.decode(frame)
+        except pm.BadMessage:
+            return self._refuse(identity, "malformed")
+        if isinstance(msg, pm.Hello):
+            return self._hello(identity, msg, now)
+        if isinstance(msg, pm.Auth):
+            return self._auth(identity, msg, now)
+        session = self._sessions.get(identity)
+        if session is None:
+            if isinstance(msg, pm.Refused):  # the other side gave up a handshake
+                self._handshakes.pop(identity, None)
+                return []
+            return self._refuse(identity, "unauthenticated")
+        session.last_seen = now
+        if isinstance(msg, pm.Lookup):
+            return [(identity, pm.encode(self._lookup(session, msg)))]
+        if isinstance(msg, pm.Lease):
+            return [(identity, pm.encode(self._lease(session, msg, now)))]
+        if isinstance(msg, pm.Release):
+            self._release(session, msg.lease)
+            return []
+        if isinstance(msg, pm.Offer):
+            return [(identity, pm.encode(self._offer(session, msg)))]
+        if isinstance(msg, pm.Heartbeat):
+            return [(identity, pm.encode(pm.HeartbeatAck(msg.seq, self.free_quota())))]
+        if isinstance(msg, pm.HeartbeatAck):
+            return []
+        if isinstance(msg, pm.Refused):  # the client ends the session
+            self._forget(identity)
+            return []
+        return self._refuse(identity, "unexpected")
+
+    def _refuse(self, identity: bytes, reason: str) -> list[Reply]:
+        self.refused[reason] = self.refused.get(reason, 0) + 1
+        self._forget(identity)
+        return [(identity, pm.encode(pm.Refused(reason)))]
+
+    def _forget(self, identity: bytes) -> None:
+        self._handshakes.pop(identity, None)
+        session = self._sessions.pop(identity, None)
+        if session is not None:
+            self._drop_leases(session)
+
+    def _drop_leases(self, session: _Session) -> None:
+        for lease in session.leases.values():
+            self.manager.release(lease.holder)
+            self._leased -= lease.chunks
+        session.leases.clear()
+
+    # -- handshake ------------------------------------------------------------------------------
+
+    def _parts(self, hello: pm.Hello, nonce: bytes) -> tuple[bytes, ...]:
+        return (
+            hello.nonce,
+            nonce,
+            hello.incarnation,
+            self.incarnation,
+            hello.namespace_id.encode(),
+        )
+
+    def _hello(self, identity: bytes, hello: pm.Hello, now: float) -> list[Reply]:
+        self._forget(identity)  # a Hello starts over, whatever came before
+        if hello.version != pm.PROTOCOL_VERSION:
+            return self._refuse(identity, "version")
+        if hello.namespace_id != self.namespace_id:
+            return self._refuse(identity, "namespace")
+        while len(self._handshakes) >= self.max_handshakes:
+            self._handshakes.popitem(last=False)
+            self._counts["handshake_drops"] += 1
+        nonce = self._random(pm.NONCE_BYTES)
+        self._handshakes[identity] = _Handshake(hello, nonce, now)
+        mac = pm.mac(self._secret, "server", *self._parts(hello, nonce))
+        return [(identity, pm.encode(pm.Challenge(self.incarnation, nonce, mac)))]
+
+    def _auth(self, identity: bytes, auth: pm.Auth, now: float) -> list[Reply]:
+        hs = self._handshakes.pop(identity, None)
+        if hs is None:
+            reason = "unexpected" if identity in self._sessions else "unauthenticated"
+            return self._refuse(identity, reason)
+        expected = pm.mac(self._secret, "client", *self._parts(hs.hello, hs.nonce))
+        if not pm.mac_ok(expected, auth.mac):
+            return self._refuse(identity, "bad_mac")
+        mine = self._descriptor()
+        if mine is None:
+            return self._refuse(identity, "not_ready")
+        hello = hs.hello
+        adopted: dict[int, _Lease] = {}
+        for other in [s for s in self._sessions.values() if s.advertise == hello.advertise]:
+            del self._sessions[other.identity]
+            if other.incarnation == hello.incarnation:  # a reconnect: its leases go on
+                adopted.update(other.leases)
+            else:  # a restart: its transfers died with it
+                self._counts["restarts"] += 1
+                self._drop_leases(other)
+        if len(self._sessions) >= self.max_sessions:
+            for lease in adopted.values():
+                self.manager.release(lease.holder)
+                self._leased -= lease.chunks
+            return self._refuse(identity, "busy")
+        session = _Session(identity, hello, auth.descriptor, now)
+        session.leases.update(adopted)
+        self._sessions[identity] = session
+        log.info(
+            "kvoffload p2p: peer %s (incarnation %s) authenticated",
+            hello.advertise,
+            hello.incarnation.hex()[:8],
+        )
+        welcome = pm.Welcome(mine, self.heartbeat_s, self.free_quota())
+        return [(identity, pm.encode(welcome))]
+
+    # -- reads ----------------------------------------------------------------------------------
+
+    def _lookup(self, session: _Session, msg: pm.Lookup) -> pm.LookupReply:
+        states = self.manager.serve_lookup(msg.keys, session.name) if msg.keys else b""
+        c = self._counts
+        c["lookups_served"] += len(msg.keys)
+        c["hits_served"] += states.count(pm.READY)
+        c["pending_served"] += states.count(pm.PENDING)
+        return pm.LookupReply(msg.req, states)
+
+    def _lease(self, session: _Session, msg: pm.Lease, now: float) -> pm.LeaseReply:
+        lease_id = next(self._ids)
+        keys = msg.keys
+        take = keys[: max(0, self.max_leased_chunks - self._leased)]
+        holder = f"lease:{lease_id}"
+        slots = self.manager.lease(take, holder) if take else []
+        slots += [-1] * (len(keys) - len(take))
+        pinned = sum(1 for s in slots if s >= 0)
+        if pinned:
+            ttl = min(msg.ttl_s, self.max_lease_s)
+            session.leases[lease_id] = _Lease(holder, now + ttl, pinned, msg.kv_request_id)
+            self._leased += pinned
+            self._counts["leases_granted"] += 1
+            self._counts["chunks_leased"] += pinned
+        return pm.LeaseReply(msg.req, lease_id, slots)
+
+    def _release(self, session: _Session, lease_id: int) -> None:
+        lease = session.leases.pop(lease_id, None)
+        if lease is None:
+            self._counts["unknown_releases"] += 1
+            return
+        self.manager.release(lease.holder)
+        self._leased -= lease.chunks
+
+    # -- pushes ---------------------------------------------------------------------------------
+
+    def _offer(self, session: _Session, msg: pm.Offer) -> pm.OfferReply:
+        keys, remote = msg.keys, msg.slots
+        accepted = bytearray(len(keys))
+        c = self._counts
+        c["chunks_offered"] += len(keys)
+        c["bytes_offered"] += len(keys) * self._row_bytes
+        pull_id = (session.identity, msg.lease)
+        if len(remote) != len(keys) or pull_id in self._pulls:
+            c["bad_offers"] += 1
+            return pm.OfferReply(msg.req, bytes(accepted))
+        free = self.free_quota()
+        wanted = [j for j, s in enumerate(remote) if s >= 0][:free]
+        if not wanted or not session.descriptor:
+            return pm.OfferReply(msg.req, bytes(accepted))
+        holder = f"push:{next(self._ids)}"
+        local = self.manager.admit([keys[j] for j in wanted], holder)
+        positions = [j for j, s in zip(wanted, local) if s >= 0]
+        pairs = [(s, remote[j]) for j, s in zip(wanted, local) if s >= 0]
+        if not pairs:
+            return pm.OfferReply(msg.req, bytes(accepted))
+        pulled = [keys[j] for j in positions]
+        try:
+            self._pull(session.identity, session.descriptor, msg.lease, pairs)
+        except Exception:
+            log.exception("kvoffload p2p: starting a pull from %s failed", session.advertise)
+            self.manager.commit(pulled, holder, False)
+            c["pull_failures"] += len(pulled)
+            return pm.OfferReply(msg.req, bytes(accepted))
+        self._pulls[pull_id] = _Pull(holder, len(keys), positions, pulled)
+        self._pulling += len(pulled)
+        c["chunks_admitted"] += len(pulled)
+        for j in positions:
+            accepted[j] = 1
+        return pm.OfferReply(msg.req, bytes(accepted))
+
+    def pull_settled(self, identity: bytes, lease: int, ok: Sequence[bool]) -> list[Reply]:
+        """The node's READ of the pull it was asked for ``(identity, lease)`` has SETTLED: ``ok``
+        one flag per pair it was given (a shorter list fails the rest). Publishes the chunks
+        read, frees the others' slots, and returns the ``Pulled`` message for the pusher (none
+        when its session is gone, or for a pull not in flight: counted ``unknown_pulls``).
+        Never raises."""
+        try:
+            p = self._pulls.pop((identity, lease), None)
+            if p is None:
+                self._counts["unknown_pulls"] += 1
+                return []
+            self._pulling -= len(p.keys)
+            flags = [bool(x) for x in ok[: len(p.keys)]]
+            flags += [False] * (len(p.keys) - len(flags))
+            good = [k for k, f in zip(p.keys, flags) if f]
+            bad = [k for k, f in zip(p.keys, flags) if not f]
+            published = set(self.manager.commit(good, p.holder, True)) if good else set()
+            if bad:
+                self.manager.commit(bad, p.holder, False)
+            slots = self.manager.slots_of(list(published))
+            self._pushed.update(zip(published, slots))
+            self._counts["chunks_pulled"] += len(published)
+            self._counts["pull_failures"] += len(p.keys) - len(published)
+            out = bytearray(p.offered)
+            for j, k in zip(p.positions, p.keys):
+                out[j] = k in published
+            if identity not in self._sessions:
+                return []
+            return [(identity, pm.encode(pm.Pulled(lease, bytes(out))))]
+        except Exception:
+            log.exception("kvoffload p2p: settling a pull failed")
+            self._counts["internal_errors"] += 1
+            return []
+
+    # -- time -----------------------------------------------------------------------------------
+
+    def tick(self, now: float) -> list[Reply]:
+        """Expire what is due at ``now`` (seconds, the clock of :meth:`handle`): leases past
+        their ttl (their pins released), sessions silent for ``peer_timeout_s`` (their leases
+        released; told ``Refused("timeout")``), handshakes as old; and poll the manager while
+        promotions started for peers are in flight (an idle engine does not). Never raises."""
+        try:
+            out: list[Reply] = []
+            limit = now - self.peer_timeout_s
+            while self._handshakes:
+                identity, hs = next(iter(self._handshakes.items()))
+                if hs.since > limit:
+                    break
+                del self._handshakes[identity]
+                self._counts["handshake_drops"] += 1
+            for session in list(self._sessions.values()):
+                if session.last_seen <= limit:
+                    self._counts["session_timeouts"] += 1
+                    out.extend(self._refuse(session.identity, "timeout"))
+                    continue
+                for lease_id in [i for i, x in session.leases.items() if x.expires <= now]:
+                    self._release(session, lease_id)
+                    self._counts["lease_expiries"] += 1
+            if self.manager.serving_promotions():
+                self.manager.poll()
+            return out
+        except Exception:
+            log.exception("kvoffload p2p: expiring peer state failed")
+            self._counts["internal_errors"] += 1
+            return []
+
+    def close(self) -> None:
+        """Drop every session and release every lease. Pulls in flight keep their slots
+        reserved until :meth:`pull_settled` (a READ may still write them)."""
+        for identity in list(self._sessions):
+            self._forget(identity)
+        self._handshakes.clear()

@@ -1,0 +1,544 @@
+"""The p2p tier's serving role (kvoffload.tiers.p2p_server.PeerServer) over a real TieringManager and
+arena: handshake and refusals, leases and their expiry, restarts, push admission within the quota,
+and fuzzed frames and hostile messages that must never raise nor leak a pin.
+
+The server is socket-free: frames go in as bytes and replies come back as (identity, bytes), which
+is exactly what the node thread moves over its ROUTER socket. Where a pull's READ would write the
+pushed bytes (the peer worker), the test writes them into the reserved slots itself.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+from helpers import Rig, fs_tier, keys_for, payload
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvoffload.host import WRITING
+from kvoffload.ipc import peer_messages as pm
+from kvoffload.tiers.p2p_server import PeerServer
+
+SECRET = b"s3cret-shared-by-the-peers"
+SERVER_DESC = b"server-transport-descriptor"
+CLIENT_DESC = b"client-transport-descriptor"
+
+
+def refs_of(tm) -> dict[int, int]:
+    return {s: r for s, r in enumerate(tm.host.refs) if r}
+
+
+class Server:
+    """A PeerServer over a rig, recording the pulls it asks for."""
+
+    def __init__(self, rig: Rig, secret: bytes = SECRET, **kw):
+        self.rig = rig
+        self.pulls: list[tuple[bytes, bytes, int, list[tuple[int, int]]]] = []
+        kw.setdefault("quota_chunks", 4)
+        self.server = PeerServer(
+            rig.tm,
+            secret=secret,
+            namespace_id=rig.ns.id(),
+            incarnation=b"S" * pm.INCARNATION_BYTES,
+            descriptor=lambda: SERVER_DESC,
+            pull=lambda *a: self.pulls.append(a),
+            **kw,
+        )
+
+
+class Client:
+    """One peer connection (a ZMQ identity) speaking the protocol to a Server."""
+
+    def __init__(
+        self,
+        srv: Server,
+        identity: bytes = b"client-1",
+        secret: bytes = SECRET,
+        advertise: str = "10.0.0.2:5710",
+        incarnation: bytes = b"A" * pm.INCARNATION_BYTES,
+        namespace_id: str | None = None,
+        version: int = pm.PROTOCOL_VERSION,
+    ):
+        self.srv = srv
+        self.server = srv.server
+        self.identity = identity
+        self.secret = secret
+        self.hello = pm.Hello(
+            version,
+            incarnation,
+            advertise,
+            srv.rig.ns.id() if namespace_id is None else namespace_id,
+            os.urandom(pm.NONCE_BYTES),
+        )
+        self.frames: list[bytes] = []  # every frame this client received
+
+    def send_frame(self, frame: bytes, now: float = 0.0) -> list[pm.PeerMessage]:
+        replies = self.server.handle(self.identity, frame, now)
+        assert all(ident == self.identity for ident, _ in replies)
+        self.frames.extend(f for _, f in replies)
+        return [pm.decode(f) for _, f in replies]
+
+    def send(self, msg: pm.PeerMessage, now: float = 0.0) -> list[pm.PeerMessage]:
+        return self.send_frame(pm.encode(msg), now)
+
+    def one(self, msg: pm.PeerMessage, now: float = 0.0):
+        (reply,) = self.send(msg, now)
+        return reply
+
+    def challenge(self, now: float = 0.0) -> pm.Challenge:
+        ch = self.one(self.hello, now)
+        assert isinstance(ch, pm.Challenge), ch
+        return ch
+
+    def parts(self, ch: pm.Challenge) -> tuple[bytes, ...]:
+        h = self.hello
+        return (h.nonce, ch.nonce, h.incarnation, ch.incarnation, h.namespace_id.encode())
+
+    def server_proved(self, ch: pm.Challenge) -> bool:
+        return pm.mac_ok(pm.mac(self.secret, "server", *self.parts(ch)), ch.mac)
+
+    def auth(self, ch: pm.Challenge) -> pm.Auth:
+        return pm.Auth(pm.mac(self.secret, "client", *self.parts(ch)), CLIENT_DESC)
+
+    def connect(self, now: float = 0.0) -> pm.Welcome:
+        ch = self.challenge(now)
+        assert self.server_proved(ch)
+        welcome = self.one(self.auth(ch), now)
+        assert isinstance(welcome, pm.Welcome), welcome
+        return welcome
+
+
+@pytest.fixture
+def rig():
+    with Rig(num_slots=16) as r:
+        yield r
+
+
+# -- handshake ----------------------------------------------------------------------------------
+
+
+def test_a_client_that_proves_the_secret_is_welcomed_after_the_server_proved_it_first(rig):
+    srv = Server(rig)
+    c = Client(srv)
+    ch = c.challenge()
+    assert c.server_proved(ch) and ch.incarnation == b"S" * pm.INCARNATION_BYTES
+    assert SERVER_DESC not in b"".join(c.frames)  # no descriptor before the client proved it
+    welcome = c.one(c.auth(ch))
+    assert isinstance(welcome, pm.Welcome)
+    assert welcome.descriptor == SERVER_DESC and welcome.quota_chunks == 4
+    assert srv.server.sessions() == [(b"client-1", "10.0.0.2:5710", b"A" * 16)]
+    assert sum(srv.server.refused.values()) == 0
+
+
+def test_a_client_with_another_secret_is_refused_and_sees_the_server_fail_its_check(rig):
+    srv = Server(rig)
+    c = Client(srv, secret=b"not-the-secret")
+    ch = c.challenge()
+    assert not c.server_proved(ch)  # what a client checks before sending anything more
+    assert c.one(c.auth(ch)) == pm.Refused("bad_mac")
+    assert srv.server.refused["bad_mac"] == 1
+    assert srv.server.sessions() == []
+    assert c.one(pm.Lookup(1, keys_for(1))) == pm.Refused("unauthenticated")
+    assert SERVER_DESC not in b"".join(c.frames)
+
+
+def test_a_server_with_another_secret_fails_the_clients_check(rig):
+    srv = Server(rig, secret=b"an-impostor's-secret")
+    c = Client(srv)
+    assert not c.server_proved(c.challenge())
+
+
+def test_a_replayed_auth_is_refused(rig):
+    srv = Server(rig)
+    first = Client(srv, identity=b"first")
+    ch = first.challenge()
+    recorded_hello, recorded_auth = first.hello, first.auth(ch)
+    assert isinstance(first.one(recorded_auth), pm.Welcome)
+    # an eavesdropper replays the whole exchange on a connection of its own
+    thief = Client(srv, identity=b"thief", secret=b"")
+    assert isinstance(thief.one(recorded_hello), pm.Challenge)  # a fresh server nonce
+    assert thief.one(recorded_auth) == pm.Refused("bad_mac")
+    # and an Auth with no handshake in progress is refused as unauthenticated
+    assert thief.one(recorded_auth) == pm.Refused("unauthenticated")
+    assert SERVER_DESC not in b"".join(thief.frames)
+    assert [s[0] for s in srv.server.sessions()] == [b"first"]
+
+
+def test_another_namespace_or_version_is_refused(rig):
+    srv = Server(rig)
+    other = Client(srv, namespace_id="00" * 16)
+    assert other.one(other.hello) == pm.Refused("namespace")
+    old = Client(srv, identity=b"old", version=pm.PROTOCOL_VERSION + 1)
+    assert old.one(old.hello) == pm.Refused("version")
+    r = srv.server.refused
+    assert (r["namespace"], r["version"]) == (1, 1)
+
+
+def test_an_unauthenticated_client_gets_nothing(rig):
+    srv = Server(rig)
+    held = keys_for(3, seed=1)
+    rig.store(held)
+    c = Client(srv)
+    messages = [
+        pm.Lookup(1, held),
+        pm.Lease(2, held, 10.0, ""),
+        pm.Offer(3, keys_for(2, seed=2), 7, [0, 1]),
+        pm.Heartbeat(1, 0),
+        pm.Release(1),
+    ]
+    for msg in messages:
+        assert c.one(msg) == pm.Refused("unauthenticated")
+    c.challenge()  # a handshake started but not finished is no better
+    for msg in messages:
+        assert c.one(msg) == pm.Refused("unauthenticated")
+    assert srv.server.refused["unauthenticated"] == 2 * len(messages)
+    assert SERVER_DESC not in b"".join(c.frames)
+    assert srv.pulls == [] and refs_of(rig.tm) == {}
+    assert rig.tm.stats.peer_lookups == 0
+
+
+def test_malformed_and_oversized_frames_are_refused_and_counted(rig):
+    srv = Server(rig)
+    c = Client(srv)
+    c.connect()
+    assert c.send_frame(b"\xc1 not msgpack") == [pm.Refused("malformed")]
+    assert srv.server.sessions() == []  # the session is forgotten
+    assert c.send_frame(b"\x00" * (pm.MAX_MESSAGE_BYTES + 1)) == [pm.Refused("too_large")]
+    r = srv.server.refused
+    assert (r["malformed"], r["too_large"]) == (1, 1)
+
+
+def test_the_handshake_table_is_bounded(rig):
+    srv = Server(rig, max_handshakes=8)
+    for i in range(100):
+        Client(srv, identity=b"x%d" % i).challenge()
+    assert srv.server.counters["handshakes"] == 8
+    assert srv.server.counters["handshake_drops"] == 92
+    srv.server.tick(10.0)  # silent handshakes go too
+    assert srv.server.counters["handshakes"] == 0
+
+
+# -- lookups and leases -------------------------------------------------------------------------
+
+
+def test_lookups_answer_host_states_and_leases_pin_until_released(rig):
+    srv = Server(rig)
+    tm = rig.tm
+    held = keys_for(3, seed=3)
+    rig.store(held)
+    (absent,) = keys_for(1, seed=4)
+    c = Client(srv)
+    c.connect()
+    reply = c.one(pm.Lookup(5, [*held, absent]))
+    assert reply == pm.LookupReply(5, bytes([pm.READY] * 3 + [pm.MISS]))
+    lr = c.one(pm.Lease(6, [*held, absent], 10.0, ""))
+    assert isinstance(lr, pm.LeaseReply) and lr.req == 6
+    assert lr.slots == [tm.host.index[k] for k in held] + [-1]
+    for k, s in zip(held, lr.slots):
+        assert np.array_equal(rig.arena.rows[s], payload(k, rig.row_bytes))
+    assert tm.pins_held() == refs_of(tm) == {s: 1 for s in lr.slots[:3]}
+    assert c.send(pm.Release(lr.lease)) == []
+    assert tm.pins_held() == refs_of(tm) == {}
+    assert c.send(pm.Release(lr.lease)) == []  # again: nothing more is released
+    n = srv.server.counters
+    assert (n["lookups_served"], n["hits_served"], n["unknown_releases"]) == (4, 3, 1)
+
+
+def test_c18_a_chunk_this_instance_moved_to_its_fs_tier_is_served_while_the_engine_is_idle(
+    tmp_path,
+):
+    with Rig([fs_tier(tmp_path / "fs")], num_slots=4) as rig:
+        srv = Server(rig)
+        k1, *others = keys_for(5, seed=21)
+        for k in [k1, *others]:  # k1 ends up in the fs tier only
+            rig.store([k])
+        assert k1 not in rig.tm.host.index
+        c = Client(srv)
+        c.connect()
+        now = 0.0
+        states = []
+        deadline = time.monotonic() + 120  # a stuck run, never what is tested
+        while True:  # the engine is not stepped: only the server's tick polls
+            (state,) = c.one(pm.Lookup(1, [k1]), now).states
+            states.append(state)
+            if state != pm.PENDING:
+                break
+            assert time.monotonic() < deadline, "k1 never landed"
+            now += 0.001
+            srv.server.tick(now)
+            time.sleep(0.001)
+        assert states[0] == pm.PENDING and states[-1] == pm.READY
+        lease = c.one(pm.Lease(2, [k1], 10.0, ""), now)
+        assert np.array_equal(rig.arena.rows[lease.slots[0]], payload(k1, rig.row_bytes))
+        c.send(pm.Release(lease.lease), now)
+        assert rig.tm.pins_held() == refs_of(rig.tm) == {}
+        assert not srv.server.wants_poll()
+
+
+def test_a_lease_expires_at_its_ttl_capped_by_max_lease_s(rig):
+    srv = Server(rig, max_lease_s=5.0, peer_timeout_s=100.0)
+    tm = rig.tm
+    held = keys_for(2, seed=5)
+    rig.store(held)
+    c = Client(srv)
+    c.connect(now=0.0)
+    short = c.one(pm.Lease(1, held[:1], 1.0, ""), now=0.0)
+    long = c.one(pm.Lease(2, held[1:], 3600.0, ""), now=0.0)
+    assert srv.server.counters["leases_held"] == 2
+    srv.server.tick(0.5)
+    assert refs_of(tm) == {short.slots[0]: 1, long.slots[0]: 1}
+    srv.server.tick(1.0)
+    assert refs_of(tm) == {long.slots[0]: 1}
+    srv.server.tick(4.9)
+    assert refs_of(tm) == {long.slots[0]: 1}
+    srv.server.tick(5.0)
+    assert tm.pins_held() == refs_of(tm) == {}
+    assert srv.server.counters["lease_expiries"] == 2
+    c.send(pm.Release(short.lease), now=6.0)  # too late: counted, nothing released twice
+    assert srv.server.counters["unknown_releases"] == 1
+
+
+def test_a_silent_session_is_dropped_with_its_leases(rig):
+    srv = Server(rig, peer_timeout_s=2.0)
+    tm = rig.tm
+    held = keys_for(2, seed=6)
+    rig.store(held)
+    c = Client(srv)
+    c.connect(now=0.0)
+    c.one(pm.Lease(1, held, 60.0, ""), now=0.0)
+    assert c.one(pm.Heartbeat(1, 0), now=1.5) == pm.HeartbeatAck(1, 4)
+    assert srv.server.tick(3.0) == []  # heard from at 1.5
+    assert refs_of(tm) != {}
+    replies = srv.server.tick(3.5)
+    assert [pm.decode(f) for _, f in replies] == [pm.Refused("timeout")]
+    assert tm.pins_held() == refs_of(tm) == {}
+    assert srv.server.sessions() == []
+    assert c.one(pm.Lookup(2, held), now=3.6) == pm.Refused("unauthenticated")
+
+
+def test_a_restarted_client_drops_the_old_sessions_leases_and_a_reconnect_keeps_them(rig):
+    srv = Server(rig)
+    tm = rig.tm
+    held = keys_for(2, seed=7)
+    rig.store(held)
+    a = Client(srv, identity=b"conn-1")
+    a.connect()
+    lease = a.one(pm.Lease(1, held[:1], 60.0, ""))
+    # the same instance reconnects on a new connection: its lease goes on
+    again = Client(srv, identity=b"conn-2")
+    again.connect()
+    assert refs_of(tm) == {lease.slots[0]: 1}
+    assert again.send(pm.Release(lease.lease)) == []
+    assert refs_of(tm) == {}
+    lease2 = again.one(pm.Lease(2, held, 60.0, ""))
+    assert len(refs_of(tm)) == 2
+    # the instance restarts: same advertise, new incarnation; the old leases go
+    restarted = Client(srv, identity=b"conn-3", incarnation=b"B" * pm.INCARNATION_BYTES)
+    restarted.connect()
+    assert tm.pins_held() == refs_of(tm) == {}
+    assert srv.server.counters["restarts"] == 1
+    assert [s[0] for s in srv.server.sessions()] == [b"conn-3"]
+    assert restarted.send(pm.Release(lease2.lease)) == []  # not its lease
+    assert srv.server.counters["unknown_releases"] == 1
+
+
+def test_peers_never_lease_more_than_max_leased_chunks(rig):
+    srv = Server(rig, max_leased_chunks=3)
+    held = keys_for(5, seed=8)
+    rig.store(held)
+    c = Client(srv)
+    c.connect()
+    first = c.one(pm.Lease(1, held[:2], 60.0, ""))
+    second = c.one(pm.Lease(2, held[2:], 60.0, ""))
+    assert -1 not in first.slots
+    assert second.slots[0] >= 0 and second.slots[1:] == [-1, -1]
+    c.send(pm.Release(first.lease))
+    third = c.one(pm.Lease(3, held[3:], 60.0, ""))
+    assert -1 not in third.slots
+    assert rig.tm.pins_held() == refs_of(rig.tm)
+
+
+# -- pushes -------------------------------------------------------------------------------------
+
+
+def test_offers_are_admitted_within_the_quota_pulled_and_published(rig):
+    srv = Server(rig, quota_chunks=3)
+    tm = rig.tm
+    c = Client(srv)
+    c.connect()
+    offered = keys_for(5, seed=9)
+    reply = c.one(pm.Offer(1, offered, 77, [10, 11, -1, 13, 14]))
+    # the third offered key has no leased slot on the pusher: not admitted
+    assert reply == pm.OfferReply(1, bytes([1, 1, 0, 1, 0]))
+    ((ident, desc, lease, pairs),) = srv.pulls
+    assert (ident, desc, lease) == (b"client-1", CLIENT_DESC, 77)
+    assert [r for _, r in pairs] == [10, 11, 13]
+    local = [s for s, _ in pairs]
+    assert all(tm.host.state[s] == WRITING for s in local)
+    assert srv.server.free_quota() == 0
+    assert c.one(pm.Offer(2, keys_for(1, seed=10), 78, [20])) == pm.OfferReply(2, b"\x00")
+    # the READ lands (what the peer worker does), then settles: two keys ok, one failed
+    pulled = [offered[0], offered[1], offered[3]]
+    for k, s in zip(pulled, local):
+        rig.arena.rows[s] = payload(k, rig.row_bytes)
+    replies = srv.server.pull_settled(b"client-1", 77, [True, True, False])
+    assert [(i, pm.decode(f)) for i, f in replies] == [
+        (b"client-1", pm.Pulled(77, bytes([1, 1, 0, 0, 0])))
+    ]
+    assert np.array_equal(rig.read(pulled[:1])[0], payload(pulled[0], rig.row_bytes))
+    assert pulled[2] not in tm.host.index
+    assert srv.server.free_quota() == 1  # two pushed chunks held count against the quota
+    assert srv.server.pull_settled(b"client-1", 77, [True]) == []  # not in flight any more
+    n = srv.server.counters
+    assert (n["chunks_admitted"], n["chunks_pulled"], n["pull_failures"]) == (3, 2, 1)
+    assert n["bytes_offered"] == 6 * rig.row_bytes and n["unknown_pulls"] == 1
+    # once the host tier evicts the pushed chunks, the quota is free again
+    rig.evict_all()
+    assert srv.server.free_quota() == 3
+    assert tm.pins_held() == refs_of(tm) == {}
+
+
+def test_a_pull_outlives_its_session_and_its_slots_stay_reserved_until_it_settles(rig):
+    srv = Server(rig, peer_timeout_s=1.0)
+    tm = rig.tm
+    c = Client(srv)
+    c.connect(now=0.0)
+    offered = keys_for(2, seed=11)
+    c.one(pm.Offer(1, offered, 5, [0, 1]), now=0.0)
+    ((_, _, _, pairs),) = srv.pulls
+    srv.server.tick(5.0)  # the pusher went silent
+    assert srv.server.sessions() == []
+    assert all(tm.host.state[s] == WRITING for s, _ in pairs)  # a READ may still write them
+    rig.evict_all()  # a full store around them never takes them
+    assert all(tm.host.state[s] == WRITING for s, _ in pairs)
+    assert srv.server.pull_settled(b"client-1", 5, [False, False]) == []  # nobody to tell
+    assert not any(k in tm.host.index for k in offered)
+    assert tm.host.num_writing == 0
+
+
+def test_an_offer_that_does_not_add_up_is_answered_not_accepted(rig):
+    srv = Server(rig, quota_chunks=8)
+    c = Client(srv)
+    c.connect()
+    keys = keys_for(3, seed=12)
+    assert c.one(pm.Offer(1, keys, 9, [1, 2])) == pm.OfferReply(1, b"\x00\x00\x00")
+    assert c.one(pm.Offer(2, keys[:1], 9, [1])) == pm.OfferReply(2, b"\x01")
+    assert c.one(pm.Offer(3, keys[1:], 9, [2, 3])) == pm.OfferReply(3, b"\x00\x00")  # lease 9 busy
+    assert srv.server.counters["bad_offers"] == 2
+    srv.server.pull_settled(b"client-1", 9, [True])
+
+
+# -- fuzz ---------------------------------------------------------------------------------------
+
+_KEYS = keys_for(24, seed=20)
+_key = st.sampled_from(_KEYS) | st.binary(min_size=0, max_size=pm.MAX_KEY_BYTES)
+_keys = st.lists(_key, max_size=12)
+_slot = st.integers(-1, 40)
+_id = st.integers(0, 6)
+_stored = st.lists(st.sampled_from(_KEYS), min_size=1, max_size=6)
+_valid = st.one_of(  # well-formed, so they reach the server's logic, with hostile values
+    st.builds(pm.Lookup, _id, _keys),
+    st.builds(pm.Lease, _id, _stored, st.floats(0, 100), st.text(max_size=8)),
+    st.builds(pm.Lease, _id, _keys, st.floats(0, 100), st.just("")),
+    st.builds(pm.Release, _id),
+    st.builds(pm.Offer, _id, _stored, _id, st.lists(_slot, min_size=1, max_size=6)),
+    st.builds(pm.Offer, _id, _keys, _id, st.lists(_slot, max_size=12)),
+    st.builds(pm.Heartbeat, _id, st.integers(0, 10)),
+)
+_out_of_place = st.one_of(  # messages a server never expects from a client
+    st.builds(pm.HeartbeatAck, _id, st.integers(0, 10)),
+    st.builds(pm.Refused, st.text(max_size=8)),
+    st.builds(pm.Challenge, st.just(b"C" * 16), st.just(b"n" * 32), st.just(b"m" * 32)),
+    st.builds(pm.Welcome, st.binary(max_size=8), st.floats(0, 10), st.integers(0, 9)),
+    st.builds(pm.Pulled, _id, st.binary(max_size=4)),
+    st.builds(pm.Auth, st.binary(min_size=32, max_size=32), st.binary(max_size=8)),
+)
+_client = st.integers(0, 2)
+_action = st.one_of(
+    st.tuples(st.just("msg"), _client, _valid),
+    st.tuples(st.just("msg"), _client, _valid),
+    st.tuples(st.just("msg"), _client, _valid),
+    st.tuples(st.just("release"), _client, st.integers(0, 5)),
+    st.tuples(st.just("settle"), st.integers(0, 5), st.lists(st.booleans(), max_size=12)),
+    st.tuples(st.just("store"), st.integers(0, 20), st.none()),
+    st.tuples(st.just("tick"), st.floats(0, 3), st.none()),
+    st.tuples(st.just("connect"), _client, st.integers(0, 2)),
+    st.tuples(st.just("msg"), _client, _out_of_place),
+    st.tuples(st.just("frame"), _client, st.binary(max_size=64)),
+)
+
+
+@pytest.fixture(scope="module")
+def fuzz_rig():
+    with Rig(num_slots=12) as r:
+        yield r
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(actions=st.lists(_action, max_size=60))
+def test_fuzzed_frames_and_hostile_messages_never_raise_nor_leak_a_pin(fuzz_rig, actions):
+    rig = fuzz_rig
+    tm = rig.tm
+    srv = Server(rig, quota_chunks=5, max_leased_chunks=6, max_handshakes=4)
+    server = srv.server
+    clients = [
+        Client(
+            srv,
+            identity=b"peer-%d" % i,
+            incarnation=bytes([65 + i]) * 16,
+            advertise=f"10.0.0.{i}:5710",
+        )
+        for i in range(3)
+    ]
+    now = 0.0
+    for c in clients:
+        c.connect(now)
+    for kind, a, b in actions:
+        if kind == "frame":
+            server.handle(clients[a].identity, b, now)
+        elif kind == "msg":
+            clients[a].send(b, now)
+        elif kind == "release":
+            leases = [
+                m.lease for m in map(pm.decode, clients[a].frames) if isinstance(m, pm.LeaseReply)
+            ]
+            if leases:
+                clients[a].send(pm.Release(leases[b % len(leases)]), now)
+        elif kind == "connect":
+            c = clients[a]
+            c.hello = pm.Hello(
+                pm.PROTOCOL_VERSION,
+                c.hello.incarnation,
+                f"10.0.0.{b}:5710",
+                c.hello.namespace_id,
+                os.urandom(32),
+            )
+            c.connect(now)
+        elif kind == "settle" and srv.pulls:
+            ident, _, lease, pairs = srv.pulls.pop(a % len(srv.pulls))
+            for (s, _r), ok in zip(pairs, b):
+                if ok:  # the READ wrote these rows
+                    rig.arena.rows[s] = 7
+            server.pull_settled(ident, lease, b)
+        elif kind == "tick":
+            now += a
+            server.tick(now)
+        elif kind == "store":
+            plan = tm.prepare_store(_KEYS[a : a + 4])
+            if plan is not None:
+                tm.complete_store(plan.keys, True)
+        assert tm.pins_held() == refs_of(tm)
+    assert server.counters["internal_errors"] == 0
+    # every pull still in flight settles; then every lease and session expires
+    for ident, _, lease, pairs in srv.pulls:
+        server.pull_settled(ident, lease, [False] * len(pairs))
+    server.tick(now + 10_000.0)
+    assert server.counters["chunks_leased_now"] == 0 and server.counters["chunks_pulling"] == 0
+    assert tm.pins_held() == refs_of(tm) == {}
+    assert tm.host.num_writing == 0
+    assert server.counters["internal_errors"] == 0

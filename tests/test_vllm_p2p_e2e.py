@@ -16,7 +16,8 @@ import time
 import psutil
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+# the first test also waits for the module's two engines (minutes on a busy 2-core machine)
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1800)]
 pytest.importorskip("vllm")
 
 from kvoffload.ipc.arena import list_arenas  # noqa: E402

@@ -133,11 +133,12 @@ def warm_up(server: VLLMServer) -> None:
     r.raise_for_status()
 
 
-def start_pair(p: VLLMServer, d: VLLMServer) -> None:
-    """Start both servers at once (each waits for its engine, ~40 s on 2 cores); when either fails,
-    stop both and raise its error."""
+def start_pair(p: VLLMServer, d: VLLMServer, timeout_s: float = 600.0) -> None:
+    """Start both servers at once (each waits for its engine: ~1 min on 2 idle cores, several
+    on busy ones); when either fails or is not up within ``timeout_s`` seconds, stop both and
+    raise its error (RuntimeError)."""
     with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = [pool.submit(s.start) for s in (p, d)]
+        futures = [pool.submit(s.start, timeout_s) for s in (p, d)]
         errors = [f.exception() for f in futures]
     failed = [e for e in errors if e is not None]
     if failed:

@@ -519,7 +519,9 @@ class TieringManager:
 
     # -- the serving side of the p2p tier (called from its node thread) -------------------------
 
-    def serve_lookup(self, keys: Sequence[bytes], requester: str = "peer") -> bytes:
+    def serve_lookup(
+        self, keys: Sequence[bytes], requester: str = "peer", max_promotions: int | None = None
+    ) -> bytes:
         """A peer's lookup of ``keys``: one state byte per key, as
         :class:`~kvoffload.ipc.peer_messages.LookupReply` carries them: 0 MISS, 1 READY (in the
         host tier, readable: lease it), 2 PENDING (being written or promoted: ask again).
@@ -534,8 +536,10 @@ class TieringManager:
         (``Stats.peer_lookups``, ``peer_hits``, ``peer_pending``, ``peer_promotions``); a
         promotion's load is no request's (:meth:`source_of`, ``loads_from`` unchanged). The
         promotions are submitted at once; :meth:`serving_promotions` says how many are still in
-        flight (the caller polls while there are). Never blocks; after :meth:`shutdown` every key
-        is a MISS.
+        flight (the caller polls while there are); with ``max_promotions``, no more than that many
+        are in flight at once (a key found beyond it is PENDING, not promoted yet), so peers'
+        lookups cannot churn the host tier. Never blocks; after :meth:`shutdown` every key is a
+        MISS.
         """
         with self.lock:
             out = bytearray(len(keys))
@@ -544,6 +548,9 @@ class TieringManager:
             host = self.host
             index, state = host.index, host.state
             hits = pending = promoted = 0
+            budget = (
+                len(keys) if max_promotions is None else max_promotions - self.serving_promotions()
+            )
             if time.monotonic() - self._last_poll >= self._poll_interval and any(
                 k not in index for k in keys
             ):
@@ -565,7 +572,9 @@ class TieringManager:
                         continue
                     r = tier.lookup(key, requester)
                     if r is _HIT:
-                        if self._start_promotion(i, key, PEER_PROMOTION, for_peer=True) is _PENDING:
+                        if promoted >= budget:  # ask again once promotions have landed
+                            verdict = pm.PENDING
+                        elif self._start_promotion(i, key, PEER_PROMOTION, True) is _PENDING:
                             verdict = pm.PENDING
                             promoted += 1
                         break
@@ -587,8 +596,9 @@ class TieringManager:
 
     def serving_promotions(self) -> int:
         """Chunks :meth:`serve_lookup` is promoting for peers that have not landed yet (queued or
-        loading, or loading into slots a reset quarantined). While this is not 0 the caller keeps calling :meth:`poll`: an idle engine is
-        not stepped, and a promotion's result is applied only by a poll."""
+        loading, or loading into slots a reset quarantined). While this is not 0 the caller keeps
+        calling :meth:`poll`: an idle engine is not stepped, and a promotion's result is applied
+        only by a poll."""
         with self.lock:
             if self._tiers_stopped:
                 return 0

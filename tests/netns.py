@@ -116,7 +116,15 @@ def netns_unavailable() -> str:
     made = _ip("netns", "add", probe, check=False)
     if made.returncode != 0:
         return f"`ip netns add` fails here: {made.stderr.strip()}"
-    _ip("netns", "delete", probe, check=False)
+    try:
+        veth = _ip(
+            "link", "add", "kvoprobe-a", "netns", probe, "type", "veth",
+            "peer", "name", "kvoprobe-b", "netns", probe, check=False,
+        )  # fmt: skip
+        if veth.returncode != 0:
+            return f"a veth pair cannot be made here: {veth.stderr.strip()}"
+    finally:
+        _ip("netns", "delete", probe, check=False)
     return ""
 
 

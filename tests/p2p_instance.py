@@ -5,10 +5,12 @@ Started as ``python tests/p2p_instance.py``; reads one JSON command per line on 
 JSON line each on the stdout it was started with (fd 1 is pointed at stderr first: NIXL logs to
 stdout). Commands (``op`` plus arguments):
 
-- ``init(tiers, num_slots, row_bytes, name)``: build the instance; answers ``advertise`` (``host:port``
+- ``init(tiers, num_slots, row_bytes, name, extra)``: build the instance (``extra``: more
+  ``kv_connector_extra_config`` keys, e.g. ``kv_events``); answers ``advertise`` (``host:port``
   peers reach it at) and the peer worker's ``worker_pid``.
 - ``store(keys)``: accelerator → host store of hex ``keys`` with their :func:`payload` bytes.
 - ``resolve(keys, req_id, params)``: look ``keys`` up every step until settled; answers the results.
+- ``lookup_once(keys, req_id)``: one round of lookups and one step; answers the results.
 - ``digest(keys)``: xxh3 of the host rows of READY ``keys`` (None where not READY).
 - ``drop(keys)``: remove ``keys`` from the host tier.
 - ``state()``: pins held vs ref counts, busy slots, peers up.
@@ -54,8 +56,12 @@ class Instance:
         self.arena: Arena | None = None
         self.tm: TieringManager | None = None
 
-    def init(self, tiers: list, num_slots: int, row_bytes: int, name: str) -> dict:
-        config = parse_config({"cpu_bytes_to_use": num_slots * row_bytes, "secondary_tiers": tiers})
+    def init(
+        self, tiers: list, num_slots: int, row_bytes: int, name: str, extra: dict | None = None
+    ) -> dict:
+        config = parse_config(
+            {"cpu_bytes_to_use": num_slots * row_bytes, "secondary_tiers": tiers, **(extra or {})}
+        )
         self.arena = Arena.create(name, num_slots, row_bytes)
         self.tm = TieringManager(self.arena, namespace(row_bytes), config)
         tier = self.tm.tiers[0]
@@ -74,6 +80,7 @@ class Instance:
         for k, s in zip(plan.keys, plan.slots):
             self.arena.rows[s] = payload(k, self.arena.row_bytes)
         self.tm.complete_store(plan.keys, True)
+        self.tm.step()  # publishes the step's KV events, when configured
         return {"stored": len(plan.keys)}
 
     def resolve(self, keys: list[str], req_id: str = "req", params: dict | None = None) -> dict:
@@ -88,6 +95,13 @@ class Instance:
                 return {"results": [r.name for r in res]}
             self.tm.step()
             time.sleep(0.002)
+
+    def lookup_once(self, keys: list[str], req_id: str = "req") -> dict:
+        """One round of lookups of ``keys`` and one engine step (never waits for an answer)."""
+        assert self.tm is not None
+        res = [self.tm.lookup(bytes.fromhex(k), req_id) for k in keys]
+        self.tm.step()
+        return {"results": [r.name for r in res]}
 
     def digest(self, keys: list[str]) -> dict:
         assert self.tm is not None and self.arena is not None

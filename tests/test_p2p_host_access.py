@@ -95,6 +95,26 @@ def test_c18_a_chunk_moved_to_the_fs_tier_is_still_served_to_peers(tmp_path):
         assert_consistent(tm)
 
 
+def test_serve_lookup_has_at_most_max_promotions_in_flight(tmp_path):
+    with Rig([fs_tier(tmp_path / "fs")], num_slots=4) as rig:
+        tm = rig.tm
+        keys = keys_for(6, seed=15)
+        for k in keys:
+            rig.store([k])
+        a, b = keys[:2]  # in the fs tier only
+        assert a not in tm.host.index and b not in tm.host.index
+
+        def both_ready():
+            states = list(tm.serve_lookup([a, b], "peer-a", max_promotions=1))
+            assert pm.MISS not in states
+            assert tm.serving_promotions() <= 1
+            return states == [pm.READY, pm.READY]
+
+        wait_until(both_ready, what="a and b promoted one at a time", step=tm.poll)
+        assert tm.stats.peer_promotions == 2
+        assert_consistent(tm)
+
+
 def test_serve_lookup_never_asks_a_peer_tier():
     tier = {"type": "PeerMediumTier", "module_path": "custom_tier", "max_bytes": 64 * 16384}
     with Rig([tier], num_slots=4) as rig:

@@ -40,6 +40,7 @@ from typing_extensions import override
 from kvoffload.config import Positive
 from kvoffload.metrics import Counter, Gauge, Histogram, MetricSet
 from kvoffload.tiers.base import JobMetadata, JobResult, LookupResult, SecondaryTierManager
+from kvoffload.tiers.p2p_locations import PeerLocations, event_sources
 from kvoffload.tiers.p2p_node import (
     CMD_CONNECT,
     CMD_LOAD,
@@ -92,8 +93,12 @@ class P2PTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         hold_s: how long a prefiller holds a request's chunks for its remote decoder (seconds).
         lookup_cache_entries: bound on remembered "at peer X" verdicts.
         locality: as reported in KV events (``REMOTE``).
-        peer_events: KV-event endpoints of peers, ``{"host:port": "tcp://host:port"}``: where
-            chunks are (:mod:`kvoffload.tiers.p2p_locations`).
+        peer_events: where peers publish their KV events, so that a lookup asks the peer that
+            holds a chunk first: peer id (``host:port``) -> ``"tcp://host:port"``, or
+            ``{"endpoint", "replay_endpoint", "topic"}``, or a list of them (one per
+            data-parallel rank); see :mod:`kvoffload.tiers.p2p_locations`.
+        max_located_chunks: chunk locations kept per peer publisher (LRU).
+        replay_timeout_s: how long a replay of a peer's events may take (seconds).
     """
 
     host: str = "127.0.0.1"
@@ -117,11 +122,14 @@ class P2PTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     hold_s: Seconds = 60.0
     lookup_cache_entries: Positive = 1_000_000
     locality: Literal["LOCAL", "REMOTE"] = "REMOTE"
-    peer_events: dict[str, str] = {}
+    peer_events: dict[str, Any] = {}
+    max_located_chunks: Positive = 262_144
+    replay_timeout_s: Seconds = 5.0
 
     def __post_init__(self) -> None:
         for i, p in enumerate(self.peers):
             parse_peer(p, f"peers[{i}]")
+        event_sources(self.peer_events, "peer_events")
         if self.lease_ttl_s < 5 * self.transfer_deadline_s:
             raise ValueError(
                 f"lease_ttl_s ({self.lease_ttl_s}) must be at least 5x transfer_deadline_s "
@@ -295,7 +303,8 @@ class P2PTier(SecondaryTierManager):
         self._pushes: dict[int, JobMetadata] = {}
         self._holds: dict[str, list[tuple[JobMetadata, float]]] = {}
         self._finished: list[JobResult] = []
-        self._locations: Any = None
+        self._peers = tuple(config.peers)
+        self._located = bool(config.peer_events)  # the node may know peers beyond the configured
 
     # -- start ------------------------------------------------------------------------------------
 
@@ -326,22 +335,36 @@ class P2PTier(SecondaryTierManager):
             manager,
             secret=self._secret,
             incarnation=self.incarnation,
-            namespace_id=self.namespace.id,
+            namespace_id=self.namespace.id(),
             descriptor=lambda: self._worker.descriptor,
             quota_chunks=cfg.quota_chunks,
             heartbeat_s=cfg.heartbeat_s,
             peer_timeout_s=cfg.peer_timeout_s,
-            lease_ttl_max_s=cfg.lease_ttl_s,
+            max_lease_s=cfg.lease_ttl_s,
             pull=lambda *a: self._node.pull(*a) if self._node else None,
+            on_fetched=lambda kvr, keys: (
+                self._node.results.append((RES_FETCHED, kvr, keys)) if self._node else None
+            ),
         )
+        locations = None
+        if cfg.peer_events:  # built here, handed to the node thread before it starts
+            locations = PeerLocations(
+                cfg.peer_events,
+                tokens_per_chunk=self.namespace.tokens_per_chunk,
+                max_chunks_per_peer=cfg.max_located_chunks,
+                replay_timeout_s=cfg.replay_timeout_s,
+                where=f"{self.name}.peer_events",
+                context=self._ctx,
+            )
         self._node = PeerNode(
             ctx=self._ctx,
+            locations=locations,
             server=self._server,
             worker=self._worker,
             bind=f"tcp://{cfg.host}:{port}",
             advertise="",
             incarnation=self.incarnation,
-            namespace_id=self.namespace.id,
+            namespace_id=self.namespace.id(),
             secret=self._secret,
             heartbeat_s=cfg.heartbeat_s,
             peer_timeout_s=cfg.peer_timeout_s,
@@ -353,12 +376,8 @@ class P2PTier(SecondaryTierManager):
         bound_port = int(self._node.bound.rsplit(":", 1)[1])
         self.advertise = f"{cfg.advertise_host or cfg.host}:{bound_port}"
         self._node.advertise = self.advertise
-        if cfg.peer_events:
-            from kvoffload.tiers.p2p_locations import PeerLocations
-
-            self._locations = PeerLocations(cfg.peer_events)
         self._node.start()
-        for p in cfg.peers:
+        for p in dict.fromkeys([*cfg.peers, *cfg.peer_events]):  # a session confirms its events
             self._node.submit((CMD_CONNECT, p))
         log.info(
             "p2p tier %s: serving on %s (advertised as %s), peers %s",
@@ -385,16 +404,15 @@ class P2PTier(SecondaryTierManager):
         """Forget the request's routing."""
         self._routes.pop(req_id, None)
 
-    def _candidates(self, key: bytes, route: _Route | None) -> tuple[str, ...]:
-        if route is not None and route.source is not None and route.only:
-            return (route.source,)
-        out: list[str] = []
+    def _candidates(self, route: _Route | None) -> tuple[tuple[str, ...], tuple[str, ...] | None]:
+        """Whom to ask, as ``(head, tail)``: the request's named peer, then (the node puts the
+        peers whose KV events show the key in between) the configured peers; ``tail`` None when
+        the named peer is the only one to ask (``remote_prefiller``)."""
         if route is not None and route.source is not None:
-            out.append(route.source)
-        if self._locations is not None:
-            out.extend(p for p in self._locations.where(key) if p not in out)
-        out.extend(p for p in self.config.peers if p not in out)
-        return tuple(out)
+            if route.only:
+                return (route.source,), None
+            return (route.source,), self._peers
+        return (), self._peers
 
     # -- the engine-thread contract ---------------------------------------------------------------
 
@@ -416,11 +434,11 @@ class P2PTier(SecondaryTierManager):
         if waiting is not None:
             waiting.add(req_id)
             return _RETRY
-        peers = self._candidates(key, route)
-        if not peers or self._node is None:
+        head, tail = self._candidates(route)
+        if self._node is None or not (head or tail or (tail is not None and self._located)):
             return _MISS
         self._waiting[key] = {req_id}
-        self._node.submit((CMD_PROBE, key, peers))
+        self._node.submit((CMD_PROBE, key, head, tail))
         return _RETRY
 
     @override
@@ -435,12 +453,16 @@ class P2PTier(SecondaryTierManager):
         if route is not None and route.decoder_id:
             return True
         push = self.config.push
-        if push == "always":
-            return True
         if push == "when_full" and self._manager is not None:
             host = self._manager.host
-            return host.num_used >= host.num_slots
-        return False
+            if host.num_used < host.num_slots:
+                return False
+        elif push != "always":
+            return False
+        node = self._node  # a snapshot of the links: list() copies the dict atomically
+        return node is not None and any(
+            link.up and link.free_quota > 0 for link in list(node.links.values())
+        )
 
     @override
     def submit_store(self, job: JobMetadata) -> None:
@@ -563,8 +585,6 @@ class P2PTier(SecondaryTierManager):
                 _, peer = r
                 for k in [k for k, p in self._peer_of.items() if p == peer]:
                     del self._peer_of[k]
-                if self._locations is not None:
-                    self._locations.drop_peer(peer)
             elif kind == RES_FETCHED:
                 _, kvr, keys = r
                 self._end_holds(kvr, set(keys))
@@ -640,11 +660,11 @@ class P2PTier(SecondaryTierManager):
             metrics.observe("kvoffload_p2p_load_latency_seconds", secs, name, peer)
         for addr, link in list(node.links.items()):
             metrics.set("kvoffload_p2p_peer_up", 1 if link.up else 0, name, node.label(addr))
-        server = self._server
-        if server is not None:
-            metrics.set("kvoffload_p2p_leases_held", server.leases_held, name)
-            for reason, v in dict(server.refused).items():
-                metrics.set_total("kvoffload_p2p_refused_messages", v, name, reason)
+        counters = node.server_counters  # a snapshot the node thread takes
+        metrics.set("kvoffload_p2p_leases_held", counters.get("leases_held", 0), name)
+        for k, v in counters.items():
+            if k.startswith("refused."):
+                metrics.set_total("kvoffload_p2p_refused_messages", v, name, k[8:])
 
     @property
     def worker_pid(self) -> int | None:

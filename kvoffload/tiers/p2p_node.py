@@ -21,6 +21,7 @@ doubling up to 10 s). A peer that comes back with a new incarnation is a new pee
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -39,6 +40,8 @@ MAX_PEER_LABELS = 64
 """Peers with a ``peer`` label value of their own in metrics; later ones are counted as ``other``."""
 PENDING_RETRY_S = 0.01
 """A peer answered PENDING (promoting the chunk from its own fs tier): ask it again after this."""
+BACKOFF_NOT_READY_S = 0.05
+"""A peer whose worker is still starting (Refused ``not_ready``) is asked again after this."""
 BACKOFF_MIN_S = 0.5
 BACKOFF_MAX_S = 10.0
 
@@ -232,14 +235,15 @@ class PeerLink:
             return
         if self.state == "auth":
             if isinstance(msg, pm.Welcome):
-                self.worker_name = f"{self.addr}#{self.peer_incarnation.hex()[:12]}"
                 try:
-                    node.worker.add_peer(self.worker_name, msg.descriptor)
+                    self.worker_name = node.acquire_peer(msg.descriptor)
                 except Exception as e:  # a descriptor our transport cannot use
                     self.fail(now, f"its transport descriptor is unusable: {e}")
                     return
                 self.state = "up"
                 self.backoff = 0.0
+                if node.locations is not None:  # it serves our namespace: trust its events
+                    node.locations.confirm_peer(self.addr)
                 self.free_quota = msg.quota_chunks
                 self.next_heartbeat = now + node.heartbeat_s
                 log.info("p2p: peer %s is up", self.addr)
@@ -248,7 +252,10 @@ class PeerLink:
                     self._send_now(q)
                 return
             reason = msg.reason if isinstance(msg, pm.Refused) else type(msg).__name__
-            self.fail(now, f"refused the session: {reason}")
+            if reason == "not_ready":  # its peer worker is still starting: try again soon
+                self.fail(now, "its peer worker is starting", retry_s=BACKOFF_NOT_READY_S)
+            else:
+                self.fail(now, f"refused the session: {reason}")
             return
         # up
         if isinstance(msg, pm.HeartbeatAck):
@@ -307,17 +314,20 @@ class PeerLink:
         for r in expired:
             node.on_unanswered(self, self.pending.pop(r), now)
 
-    def fail(self, now: float, why: str) -> None:
-        """The peer is down: fail everything outstanding, tell the engine, reconnect later."""
+    def fail(self, now: float, why: str, retry_s: float | None = None) -> None:
+        """The peer is down: fail everything outstanding, tell the engine, reconnect later
+        (after ``retry_s``, or with the link's backoff)."""
         node = self.node
-        was_up = self.state == "up"
-        if was_up or self.state != "down":
+        if retry_s is None:
             log.warning("p2p: peer %s is down: %s", self.addr, why)
+            self.backoff = min(BACKOFF_MAX_S, max(BACKOFF_MIN_S, self.backoff * 2))
+            retry_s = self.backoff
+        else:
+            log.info("p2p: peer %s: %s", self.addr, why)
         node.count("peer_down")
         self.state = "down"
         self.close_socket()
-        self.backoff = min(BACKOFF_MAX_S, max(BACKOFF_MIN_S, self.backoff * 2))
-        self.retry_at = now + self.backoff
+        self.retry_at = now + retry_s
         pending, self.pending = self.pending, {}
         for p in pending.values():
             node.on_unanswered(self, p, now)
@@ -358,6 +368,7 @@ class PeerNode(threading.Thread):
         lease_ttl_s: float,
         count: Callable[..., None],
         server_free_quota: Callable[[], int],
+        locations: Any = None,
     ):
         super().__init__(name="kvoffload-p2p-node", daemon=True)
         self.ctx = ctx
@@ -380,7 +391,11 @@ class PeerNode(threading.Thread):
         self.next_req = 0
         self.heartbeat_seq = 0
         self.loads: dict[int, _Load] = {}  # transfer id -> load part
-        self.pulls: dict[int, tuple[bytes, int]] = {}  # transfer id -> (client identity, lease)
+        # transfer id -> (client identity, lease, pairs, worker peer name): pulls of admitted offers
+        self.pulls: dict[int, tuple[bytes, int, int, str]] = {}
+        self._agents: dict[str, int] = {}  # worker peer name -> links and pulls using it
+        self.server_counters: dict[str, int] = {}  # the server's counters, as of the last tick
+        self._counters_at = 0.0
         self.pushes: dict[int, tuple[PeerLink, list[bytes], float]] = {}  # job id -> offer
         self.later: list[tuple[float, _Probe]] = []  # probes to send again at a time
         # Per-peer statistics, written by this thread only, read by scrapes (P2PTier.report_metrics):
@@ -388,7 +403,7 @@ class PeerNode(threading.Thread):
         self.peer_stats: dict[tuple[str, str], float] = {}
         self.latencies: deque[tuple[str, float]] = deque(maxlen=65536)
         self._labels: dict[str, str] = {}
-        self._stop = False
+        self._stopping = False
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -401,6 +416,9 @@ class PeerNode(threading.Thread):
         self.bound = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.poller.register(self.router, zmq.POLLIN)
         self.poller.register(self._wake_r, zmq.POLLIN)
+        self.locations = locations  # PeerLocations, owned by this thread once it starts
+        if locations is not None:
+            locations.register(self.poller)
         self._worker_fd: int | None = None
         self._restart_at = 0.0
         self.error: BaseException | None = None
@@ -431,7 +449,7 @@ class PeerNode(threading.Thread):
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop the thread and close its sockets (engine thread)."""
-        self._stop = True
+        self._stopping = True
         self.submit(("stop",))
         if self.is_alive():
             self.join(timeout_s)
@@ -448,13 +466,15 @@ class PeerNode(threading.Thread):
         finally:
             for link in list(self.links.values()):
                 link.close_socket()
+            if self.locations is not None:
+                self.locations.close()
             self.router.close(linger=0)
             os.close(self._wake_r)
             os.close(self._wake_w)
 
     def _loop(self) -> None:
         poller = self.poller
-        while not self._stop:
+        while not self._stopping:
             fd = self._worker_fileno()
             if fd != self._worker_fd:
                 if self._worker_fd is not None:
@@ -470,6 +490,8 @@ class PeerNode(threading.Thread):
                         pass
                 except BlockingIOError:
                     pass
+            if self.locations is not None:
+                self.locations.poll()
             self._commands(now)
             if self.router in events:
                 self._serve(now)
@@ -506,7 +528,11 @@ class PeerNode(threading.Thread):
             cmd = cmds.popleft()
             kind = cmd[0]
             if kind == CMD_PROBE:
-                _, key, peers = cmd
+                _, key, head, tail = cmd
+                peers = head
+                if tail is not None:
+                    located = self.locations.where(key) if self.locations is not None else ()
+                    peers = tuple(dict.fromkeys((*head, *located, *tail)))
                 self._probe_next(_Probe(key, peers, now), batches, now)
             elif kind == CMD_LOAD:
                 _, job_id, peer, keys, slots, kvr = cmd
@@ -575,16 +601,37 @@ class PeerNode(threading.Thread):
 
     def pull(self, ident: bytes, descriptor: bytes, lease: int, pairs: list[tuple[int, int]]):
         """The serving role admitted an offer: read the pusher's leased slots into ours."""
-        name = f"client#{ident.hex()}"
         try:
-            self.worker.add_peer(name, descriptor)
+            name = self.acquire_peer(descriptor)
         except Exception as e:
-            log.warning("p2p: cannot pull an offer from %s: %s", name, e)
-            for to, out in self.server.pull_settled(ident, lease, b"\0" * len(pairs)):
-                self._route(to, out)
-            return
+            log.warning("p2p: cannot pull an offer from a peer: %s", e)
+            raise  # the server frees the admitted slots and answers the offer as not accepted
         tid = self.worker.read(name, pairs, self.transfer_deadline_s)
-        self.pulls[tid] = (ident, lease)
+        self.pulls[tid] = (ident, lease, len(pairs), name)
+
+    def acquire_peer(self, descriptor: bytes) -> str:
+        """The worker's name for the instance behind ``descriptor``, added on first use. One name
+        per remote agent, counted: a link and pulls from the same instance share it.
+
+        Raises:
+            TransportError, ValueError: a descriptor the worker cannot use.
+        """
+        name = "peer#" + hashlib.blake2b(descriptor, digest_size=8).hexdigest()
+        n = self._agents.get(name, 0)
+        if n == 0:
+            self.worker.add_peer(name, descriptor)
+        self._agents[name] = n + 1
+        return name
+
+    def release_peer(self, name: str) -> None:
+        """One user of ``name`` is done; the last removes it from the worker (its transfers
+        settle failed)."""
+        n = self._agents.get(name, 0)
+        if n <= 1:
+            if self._agents.pop(name, None) is not None:
+                self.worker.remove_peer(name)
+        else:
+            self._agents[name] = n - 1
 
     # -- client role: replies -------------------------------------------------------------------
 
@@ -749,12 +796,13 @@ class PeerNode(threading.Thread):
             log.warning("p2p: the peer worker died; restarting it")
             self._restart_at = now + 1.0
             worker.restart()
+            self._agents.clear()  # the new worker knows no peer
             for link in list(self.links.values()):
                 if link.state != "down":
                     link.fail(now, "our peer worker restarted")
                 link.retry_at = now
             if self.server is not None:
-                self.server.drop_sessions()
+                self.server.close()  # peers hold our old descriptor: their sessions start again
         self._settled(results, now)
 
     def _settled(self, results: list, now: float) -> None:
@@ -772,11 +820,10 @@ class PeerNode(threading.Thread):
                         part.link.fail(now, f"a transfer failed: {reason}")
                 continue
             pull = self.pulls.pop(tid, None)
-            if pull is not None:
-                ident, lease = pull
-                n = self.server.offer_size(ident, lease) if self.server else 0
-                ok = (b"\1" if done else b"\0") * n
-                for to, out in self.server.pull_settled(ident, lease, ok):
+            if pull is not None and self.server is not None:
+                ident, lease, n, name = pull
+                self.release_peer(name)
+                for to, out in self.server.pull_settled(ident, lease, [done] * n):
                     self._route(to, out)
 
     # -- timers -------------------------------------------------------------------------------
@@ -801,14 +848,18 @@ class PeerNode(threading.Thread):
         if self.server is not None:
             for to, out in self.server.tick(now):
                 self._route(to, out)
+            if now >= self._counters_at:
+                self._counters_at = now + 0.25
+                self.server_counters = self.server.counters
 
     # -- liveness -----------------------------------------------------------------------------
 
     def link_down(self, link: PeerLink, now: float) -> None:
         """``link``'s peer is down: cancel its transfers, fail its pushes, tell the engine."""
         if link.worker_name:
+            name, link.worker_name = link.worker_name, ""
             try:
-                self.worker.remove_peer(link.worker_name)  # its transfers settle failed
+                self.release_peer(name)  # its transfers settle failed
             except Exception:
                 log.exception("p2p: removing peer %s from the worker failed", link.addr)
         # Pushes to it keep their pins until their deadline: the receiver's reads may still run.
@@ -817,4 +868,6 @@ class PeerNode(threading.Thread):
     def peer_restarted(self, link: PeerLink) -> None:
         """``link``'s address answers with a new incarnation: drop what we knew of the old one."""
         self.count("peer_restarts")
+        if self.locations is not None:
+            self.locations.drop_peer(link.addr)
         self.results.append((RES_DOWN, link.addr))

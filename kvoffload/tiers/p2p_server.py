@@ -30,6 +30,9 @@ incarnation (a restart: its transfers died with it). A reconnect of the same inc
 its leases. At most ``max_leased_chunks`` host slots are leased to peers at once, so peers can
 never pin the whole host tier.
 
+Lookups start promotions from this instance's own tiers (CASES C18) for at most
+``max_leased_chunks`` chunks at once; beyond that a chunk found there is PENDING until they land.
+
 Pushes (a push is a pull the receiver performs): an Offer is admitted within ``quota_chunks``
 (per server: chunks being pulled plus pushed chunks still in the host tier, until they are
 evicted), slots are reserved WRITING (``manager.admit``), and the node is asked to pull them. The
@@ -88,13 +91,16 @@ class _Handshake:
 
 
 class _Lease:
-    __slots__ = ("holder", "expires", "chunks", "kv_request_id")
+    __slots__ = ("holder", "expires", "chunks", "kv_request_id", "keys")
 
-    def __init__(self, holder: str, expires: float, chunks: int, kv_request_id: str):
+    def __init__(
+        self, holder: str, expires: float, chunks: int, kv_request_id: str, keys: list[bytes]
+    ):
         self.holder = holder
         self.expires = expires
         self.chunks = chunks
         self.kv_request_id = kv_request_id
+        self.keys = keys  # the leased keys, kept only for a lease naming a kv_request_id
 
 
 class _Session:
@@ -149,10 +155,13 @@ class PeerServer:
         heartbeat_s: how often clients are asked to send a heartbeat (seconds, in Welcome).
         peer_timeout_s: a session (or handshake) silent this long is dropped (seconds).
         max_lease_s: the longest lease granted, whatever a Lease asks (seconds).
-        max_leased_chunks: host slots leased to peers at once (default: half the host tier).
+        max_leased_chunks: host slots leased to peers at once (default: half the host tier);
+            also the most chunks promoted for peers' lookups at once.
         max_sessions: authenticated sessions at once (more are refused ``busy``).
         max_handshakes: handshakes in progress at once (the oldest goes first).
         random_bytes: ``n -> n random bytes`` for nonces (tests may pass a seeded one).
+        on_fetched: ``on_fetched(kv_request_id, keys)`` when a client releases a lease that named
+            a ``kv_request_id`` (a decoder has read a prefill's chunks; the p2p tier ends its hold).
     """
 
     def __init__(
@@ -172,6 +181,7 @@ class PeerServer:
         max_sessions: int = 64,
         max_handshakes: int = 64,
         random_bytes: Callable[[int], bytes] = os.urandom,
+        on_fetched: Callable[[str, list[bytes]], None] | None = None,
     ):
         if len(incarnation) != pm.INCARNATION_BYTES:
             raise ValueError(
@@ -194,6 +204,7 @@ class PeerServer:
         self.max_sessions = max_sessions
         self.max_handshakes = max(1, max_handshakes)
         self._random = random_bytes
+        self._on_fetched = on_fetched
         self._row_bytes = manager.arena.row_bytes
         self._handshakes: OrderedDict[bytes, _Handshake] = OrderedDict()
         self._sessions: dict[bytes, _Session] = {}
@@ -314,7 +325,7 @@ class PeerServer:
         if isinstance(msg, pm.Lease):
             return [(identity, pm.encode(self._lease(session, msg, now)))]
         if isinstance(msg, pm.Release):
-            self._release(session, msg.lease)
+            self._release(session, msg.lease, fetched=True)
             return []
         if isinstance(msg, pm.Offer):
             return [(identity, pm.encode(self._offer(session, msg)))]
@@ -408,7 +419,11 @@ class PeerServer:
     # -- reads ----------------------------------------------------------------------------------
 
     def _lookup(self, session: _Session, msg: pm.Lookup) -> pm.LookupReply:
-        states = self.manager.serve_lookup(msg.keys, session.name) if msg.keys else b""
+        states = (
+            self.manager.serve_lookup(msg.keys, session.name, self.max_leased_chunks)
+            if msg.keys
+            else b""
+        )
         c = self._counts
         c["lookups_served"] += len(msg.keys)
         c["hits_served"] += states.count(pm.READY)
@@ -425,19 +440,24 @@ class PeerServer:
         pinned = sum(1 for s in slots if s >= 0)
         if pinned:
             ttl = min(msg.ttl_s, self.max_lease_s)
-            session.leases[lease_id] = _Lease(holder, now + ttl, pinned, msg.kv_request_id)
+            kvr = msg.kv_request_id
+            leased = [k for k, s in zip(keys, slots) if s >= 0] if kvr else []
+            session.leases[lease_id] = _Lease(holder, now + ttl, pinned, kvr, leased)
             self._leased += pinned
             self._counts["leases_granted"] += 1
             self._counts["chunks_leased"] += pinned
         return pm.LeaseReply(msg.req, lease_id, slots)
 
-    def _release(self, session: _Session, lease_id: int) -> None:
+    def _release(self, session: _Session, lease_id: int, fetched: bool = False) -> None:
         lease = session.leases.pop(lease_id, None)
         if lease is None:
             self._counts["unknown_releases"] += 1
             return
         self.manager.release(lease.holder)
         self._leased -= lease.chunks
+        if fetched and lease.kv_request_id and self._on_fetched is not None:
+            # a decoder released what it read for kv_request_id: the prefill's hold may end
+            self._on_fetched(lease.kv_request_id, lease.keys)
 
     # -- pushes ---------------------------------------------------------------------------------
 

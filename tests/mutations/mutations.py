@@ -8,8 +8,8 @@ longer applies after a refactoring is noticed instead of silently passing.
 To add one: append a ``Mutation(...)``; check it with
 ``python tests/mutations/run.py --case CNN`` (it first runs the named tests unpatched, then patched).
 
-C18 (the shared location index of the p2p tier) has no entry: the p2p tier is not built yet
-(DESIGN.md), so there is no code that could regress and no test for it.
+C18 (the shared location index of the p2p tier): its index is ``PeerLocations``
+(``kvoffload/tiers/p2p_locations.py``), which learns from the peers' KV events.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ P2PW = "tests/test_p2p_worker.py::"
 XTP = "tests/test_cross_tp.py::"
 BP = "tests/test_backpressure.py::"
 OPS = "tests/test_ops_commands.py::"
+LOC = "tests/test_p2p_locations.py::"
 
 _ID = "        return xxhash.xxh3_128_digest(msgspec.json.encode(self))"
 
@@ -387,6 +388,17 @@ MUTATIONS: list[Mutation] = [
         "        if why:\n",
         "        if why and False:\n",
         (P2PW + "test_c17_a_hung_peer_worker_is_killed_so_its_transfers_settle",),
+    ),
+    Mutation(
+        "C18",
+        "a chunk leaving one tier of a peer is unregistered from all of them",
+        "kvoffload/tiers/p2p_locations.py",
+        "                        bits &= ~bit\n",
+        "                        bits = 0\n",
+        (
+            LOC + "test_c18_a_chunk_spilled_to_a_peers_fs_tier_stays_located_until_it_leaves_"
+            "every_tier",
+        ),
     ),
     # -- C19-C23: metrics, events, config, buffer lifetime, performance ---------------------------
     Mutation(

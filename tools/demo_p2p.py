@@ -30,6 +30,7 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -238,11 +239,11 @@ def run_p2p(
             f"[P] served {len(p_results)} turns of {len(docs)} conversations in "
             f"{time.perf_counter() - t0:.1f} s"
         )
-        rows = []
+        rows: list[dict[str, Any]] = []
         for c, messages in enumerate(histories):
             t, src, nbytes = continuation(d, messages, args["max_tokens"], params[c][1])
             salt = {"cache_salt": f"recompute-{secrets.token_hex(16)}"}
-            r, rsrc, _ = continuation(d, messages, args["max_tokens"], salt)
+            r, _, _ = continuation(d, messages, args["max_tokens"], salt)
             row = {
                 "conversation": c,
                 "prompt_tokens": t.prompt_tokens,
@@ -257,13 +258,13 @@ def run_p2p(
             rows.append(row)
             echo(
                 f"[D] conversation {c}: {t.prompt_tokens} prompt tokens, "
-                f"{row['tokens_from']['p2p']} from P; TTFT {t.ttft_s:.3f} s "
+                f"{src.get('p2p', 0)} from P; TTFT {t.ttft_s:.3f} s "
                 f"vs {r.ttft_s:.3f} s recomputed; "
                 f"{'identical' if row['identical'] else 'DIFFERENT'}"
             )
     tokens_from = {k: sum(r["tokens_from"][k] for r in rows) for k in rows[0]["tokens_from"]}
     pairs = [r for r in rows if r["tokens_from"]["p2p"] > 0 and r["recompute_cached_tokens"] == 0]
-    ttft = {"pairs": len(pairs)}
+    ttft: dict[str, float] = {"pairs": len(pairs)}
     if pairs:
         fetched = statistics.fmean(r["ttft_p2p_s"] for r in pairs)
         recomputed = statistics.fmean(r["ttft_recompute_s"] for r in pairs)

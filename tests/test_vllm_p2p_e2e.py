@@ -49,7 +49,6 @@ def pair(tmp_path_factory):
     args = {"device_tokens": 2048, "block_size": 32, "max_model_len": 2016, "host_tokens": 4096}
     p_spec, d_spec, p_port = pair_specs(model, args, "source", "auto", logs, secret)
     p, d = VLLMServer(p_spec), VLLMServer(d_spec)
-    arenas_before = {a.name for a in list_arenas()}
     start_pair(p, d)
     try:
         warm_up(p)
@@ -57,6 +56,9 @@ def pair(tmp_path_factory):
         group = {s: s._group() for s in (p, d)}
         for procs in group.values():  # each runs its peer worker (stopped with the server)
             assert any("kvoffload.workers.p2p_worker" in " ".join(pr.cmdline()) for pr in procs)
+        pids = {pr.pid for procs in group.values() for pr in procs}
+        ours = {a.name for a in list_arenas() if a.owner_pid in pids}
+        assert len(ours) == 2, ours  # one host arena per engine
         p.p2p_port, p.secret, d.secret = p_port, secret, secret
         yield p, d
     finally:
@@ -67,11 +69,11 @@ def pair(tmp_path_factory):
     workers = [pr for procs in group.values() for pr in procs]
     deadline = time.monotonic() + PATIENCE_S
     while time.monotonic() < deadline and (
-        any(pr.is_running() for pr in workers) or {a.name for a in list_arenas()} - arenas_before
+        any(pr.is_running() for pr in workers) or ours & {a.name for a in list_arenas()}
     ):
         time.sleep(0.2)
     assert not [pr.pid for pr in workers if pr.is_running()]
-    assert not {a.name for a in list_arenas()} - arenas_before
+    assert not ours & {a.name for a in list_arenas()}
 
 
 @pytest.fixture(scope="module")

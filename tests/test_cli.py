@@ -107,6 +107,7 @@ def test_a_command_whose_extra_is_missing_exits_2_and_names_it(args, extra):
             "--endpoint-url notaurl",
         ),
         (["sweep", "--fs-root", "{missing}", "--list"], 2, "no such directory"),
+        (["demo", "--p2p", "--turns", "1"], 2, "--turns"),
     ],
 )
 def test_bad_input_is_named_without_a_traceback(tmp_path, args, rc, message):

@@ -28,6 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -150,8 +151,9 @@ class RunResult:
     offload: dict | None = None
 
 
-def chat(url: str, messages: list[dict], max_tokens: int) -> Turn:
-    """One streamed chat completion: TTFT, token ids and usage."""
+def chat(url: str, messages: list[dict], max_tokens: int, extra: dict | None = None) -> Turn:
+    """One streamed chat completion: TTFT, token ids and usage. ``extra``: more request fields
+    (``kv_transfer_params``, ``cache_salt``)."""
     import httpx
 
     body = {
@@ -162,6 +164,7 @@ def chat(url: str, messages: list[dict], max_tokens: int) -> Turn:
         "stream": True,
         "stream_options": {"include_usage": True},
         "return_token_ids": True,
+        **(extra or {}),
     }
     t = Turn(-1, -1)
     t0 = time.perf_counter()
@@ -194,6 +197,17 @@ def round_order(n: int, r: int) -> list[int]:
     return order if r % 2 == 0 else order[::-1]
 
 
+def opening(docs: list[str]) -> list[list[dict]]:
+    """Each conversation's first prompt: the system prompt, its document and a question."""
+    return [
+        [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"{doc}\n\nQuestion: {FOLLOW_UPS[i % len(FOLLOW_UPS)]}"},
+        ]
+        for i, doc in enumerate(docs)
+    ]
+
+
 def run_workload(
     url: str,
     docs: list[str],
@@ -201,20 +215,22 @@ def run_workload(
     max_tokens: int,
     concurrency: int,
     reference: RunResult | None,
+    histories: list[list[dict]] | None = None,
+    extra: Callable[[int, int], dict | None] | None = None,
 ) -> list[Turn]:
-    """Run every conversation's turns in rounds; with ``reference``, replay its replies."""
-    histories = [
-        [
-            {"role": "system", "content": SYSTEM},
-            {"role": "user", "content": f"{doc}\n\nQuestion: {FOLLOW_UPS[i % len(FOLLOW_UPS)]}"},
-        ]
-        for i, doc in enumerate(docs)
-    ]
+    """Run every conversation's turns in rounds; with ``reference``, replay its replies.
+
+    ``histories`` (from :func:`opening`), when given, is extended in place: afterwards each ends
+    with the follow-up question of the next turn. ``extra(conversation, turn)``: more request
+    fields for that turn (see :func:`chat`).
+    """
+    if histories is None:
+        histories = opening(docs)
     ref = {(t.conversation, t.turn): t for t in reference.turns} if reference else {}
     results: list[Turn] = []
 
     def one(c: int, r: int) -> Turn:
-        t = chat(url, histories[c], max_tokens)
+        t = chat(url, histories[c], max_tokens, extra(c, r) if extra else None)
         t.conversation, t.turn = c, r
         return t
 
@@ -462,6 +478,29 @@ _POSITIVE = click.IntRange(min=1)
     show_default=True,
     help="Bucket for the obj tier (created when the demo runs its own server).",
 )
+@click.option(
+    "--p2p",
+    is_flag=True,
+    help="Instead: two servers with p2p tiers; D serves the continuations of P's conversations "
+    "with P's KV (read through the p2p tier), compared with recomputing them (--host-tokens "
+    "sizes both host tiers; --tiers and --small-host-tokens do not apply).",
+)
+@click.option(
+    "--p2p-route",
+    default="peers",
+    show_default=True,
+    type=click.Choice(["peers", "source", "prefiller"]),
+    help="With --p2p, how D finds P's chunks: its static peer list (peers), or only the "
+    "requests' kv_transfer_params: remote_kv_source (source), remote_decoder on P's and "
+    "remote_prefiller on D's requests (prefiller).",
+)
+@click.option(
+    "--p2p-transport",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["auto", "nixl", "tcp"]),
+    help="With --p2p, how bulk bytes move (auto: NIXL when importable).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 def demo(
     conversations,
@@ -478,14 +517,27 @@ def demo(
     tiers,
     obj_endpoint,
     obj_bucket,
+    p2p,
+    p2p_route,
+    p2p_transport,
     as_json,
 ) -> None:
     """Serve SmolLM2-135M on vLLM (CPU or CUDA build) with and without tiered offloading; compare
     replies and TTFT.
 
-    Exit status 1 when any reply differs from the reference run, 2 when a server fails.
+    With --p2p: servers P and D with p2p tiers on loopback; P serves the first --turns minus one
+    turns of each conversation, D the last one with P's KV (vLLM's per-source counter shows the
+    p2p tier's share), then again with nothing cached (recomputed); replies and TTFT compared.
+
+    Exit status 1 when any reply differs from the reference run (--p2p: also when D took no prompt
+    tokens from P), 2 when a server fails.
     """
     echo = (lambda msg: click.echo(msg, err=True)) if as_json else click.echo
+    if p2p and turns < 2:
+        raise click.BadParameter(
+            "--p2p needs at least 2 turns (P serves all but the last, D the last)",
+            param_hint="--turns",
+        )
     # Longest prompt + reply: the document, each turn's reply and follow-up, the chat template.
     needed = -(-(doc_tokens + turns * (max_tokens + 64) + 256) // block_size) * block_size
     if device_tokens < needed + block_size:
@@ -517,6 +569,11 @@ def demo(
     wd = Path(workdir)
     wd.mkdir(parents=True, exist_ok=True)
 
+    if p2p:
+        _demo_p2p(
+            model, docs, args, host_tokens, p2p_route, p2p_transport, wd, temporary, as_json, echo
+        )
+        return  # _demo_p2p exits
     tier_names = tiers.split(",")
     moto = None
     if "obj" in tier_names and obj_endpoint is None:
@@ -628,3 +685,59 @@ def demo(
                     f"  {r['name']}: differing turns (conversation, turn): {r['mismatches']}"
                 )
     sys.exit(0 if identical else 1)
+
+
+def _demo_p2p(
+    model: str,
+    docs: list[str],
+    args: dict,
+    host_tokens: int,
+    route: str,
+    transport: str,
+    wd: Path,
+    temporary: bool,
+    as_json: bool,
+    echo,
+) -> None:
+    """``kvoffload demo --p2p`` (:mod:`kvoffload.tools.demo_p2p`): print, then exit 0, 1 (a reply
+    differs, or D took nothing from P) or 2 (a server failed)."""
+    from kvoffload.tools.demo_p2p import run_p2p, table
+
+    try:
+        out = run_p2p(model, docs, {**args, "host_tokens": host_tokens}, route, transport, wd, echo)
+    except (RuntimeError, TimeoutError) as e:
+        err = click.ClickException(f"{e}\n(server logs kept in {wd})")
+        err.exit_code = 2
+        raise err from None
+    if temporary:
+        shutil.rmtree(wd, ignore_errors=True)
+    fetched = out["tokens_from"]["p2p"] > 0
+    if as_json:
+        click.echo(json.dumps(out))
+    else:
+        s = out["settings"]
+        click.echo("")
+        click.echo(
+            f"D's continuations (route {s['route']}, transport {s['transport']}), each served "
+            f"first with P's KV through the p2p tier, then recomputed (fresh cache_salt):"
+        )
+        click.echo(table(out))
+        ratio = out["ttft_p2p_vs_recompute"]
+        if ratio.get("pairs"):
+            click.echo(
+                f"\nTTFT of D's continuation, mean over {ratio['pairs']}: "
+                f"{ratio['p2p_ttft_s']:.3f} s with P's KV vs {ratio['recompute_ttft_s']:.3f} s "
+                f"recomputed ({ratio['ratio']:.3f}x)"
+            )
+        tf = out["tokens_from"]
+        click.echo(
+            f"D's prompt tokens: {out['prompt_tokens']}, from P (p2p) {tf['p2p']}, "
+            f"device {tf['device']}, host {tf['host']}"
+        )
+        click.echo(
+            f"every reply token-identical to its recomputation: "
+            f"{'yes' if out['identical'] else 'NO'}"
+        )
+        if not fetched:
+            click.echo("D took no prompt tokens from P (see the server logs: --workdir)")
+    sys.exit(0 if out["identical"] and fetched else 1)

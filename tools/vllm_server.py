@@ -46,6 +46,8 @@ class ServerSpec:
         threads: CPU cores for the model runner (``VLLM_CPU_OMP_THREADS_BIND``; CPU builds).
         extra_args: more command-line arguments.
         log_path: where the server's output goes.
+        env: more environment variables for the server (secrets go here, never in
+            ``extra_args``: a command line is visible to every user of the machine).
     """
 
     model: str
@@ -56,6 +58,7 @@ class ServerSpec:
     threads: str = "0-1"
     extra_args: list[str] = field(default_factory=list)
     log_path: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
 
 
 class VLLMServer:
@@ -124,6 +127,7 @@ class VLLMServer:
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
         env.setdefault("VLLM_DO_NOT_TRACK", "1")
         env["VLLM_CPU_OMP_THREADS_BIND"] = self.spec.threads
+        env.update(self.spec.env)
         # vLLM's IPC sockets go in a directory of this server's, removed at stop (not in /tmp).
         self._rpc_dir = tempfile.mkdtemp(prefix="kvoffload-vllm-rpc-")
         env["VLLM_RPC_BASE_PATH"] = self._rpc_dir

@@ -345,8 +345,13 @@ def test_lease_holds_for_a_remote_decoder_until_fetched_then_ends(world):
             "remote_port": int(tier(a).advertise.rsplit(":", 1)[1]),
         }
     }
-    assert_serves(b, keys, "decode-1", params)
-    # the decoder released its lease naming kvr-1: the prefiller's hold ends
+    # the decoder reads them in two leases (two steps' lookups): the hold ends only after both
+    assert_serves(b, keys[:2], "decode-1", params)
+    wait_until(lambda: b.tm.wait_idle(1) or None, PATIENCE_S, "B's first load done")
+    a.tm.step()
+    assert [j for j in a.tm.jobs_in_flight() if j[0] == tier(a).name], "ended before all were read"
+    assert_serves(b, keys[2:], "decode-1", params)
+    # the decoder released its leases naming kvr-1: the prefiller's hold ends
     wait_until(
         lambda: not a.tm.jobs_in_flight() or None, PATIENCE_S, "the hold ended", step=a.tm.step
     )

@@ -301,7 +301,8 @@ class P2PTier(SecondaryTierManager):
         self._routes: dict[str, _Route] = {}
         self._loads: dict[int, _LoadJob] = {}
         self._pushes: dict[int, JobMetadata] = {}
-        self._holds: dict[str, list[tuple[JobMetadata, float]]] = {}
+        # kv_request_id -> the store jobs held for its decoder: (job, deadline, keys fetched so far)
+        self._holds: dict[str, list[tuple[JobMetadata, float, set[bytes]]]] = {}
         self._finished: list[JobResult] = []
         self._peers = tuple(config.peers)
         self._located = bool(config.peer_events)  # the node may know peers beyond the configured
@@ -476,7 +477,7 @@ class P2PTier(SecondaryTierManager):
         route = self._routes.get(job.req_id)
         if route is not None and route.decoder_id:
             self._holds.setdefault(route.decoder_id, []).append(
-                (job, time.monotonic() + self.config.hold_s)
+                (job, time.monotonic() + self.config.hold_s, set())
             )
             return
         if self._node is None or self.config.push == "off":
@@ -596,32 +597,55 @@ class P2PTier(SecondaryTierManager):
                     del self._peer_of[k]
             elif kind == RES_FETCHED:
                 _, kvr, keys = r
-                self._end_holds(kvr, set(keys))
+                self._fetched(kvr, set(keys))
 
-    def _end_holds(self, kvr: str, fetched: set[bytes] | None) -> None:
-        """The decoder of ``kvr`` fetched ``fetched`` (None: the hold expired)."""
-        for meta, _ in self._holds.pop(kvr, []):
-            ok = [k for k in meta.keys if fetched is not None and k in fetched]
-            if len(ok) == len(meta.keys):
+    def _fetched(self, kvr: str, keys: set[bytes]) -> None:
+        """The decoder of ``kvr`` has read ``keys`` (one of its leases ended): a held job whose
+        every key has been read ends."""
+        holds = self._holds.get(kvr)
+        if not holds:
+            return
+        keep = []
+        for meta, deadline, fetched in holds:
+            fetched.update(k for k in meta.keys if k in keys)
+            if len(fetched) == len(set(meta.keys)):
                 self._finished.append(JobResult(job_id=meta.job_id, success=True))
             else:
+                keep.append((meta, deadline, fetched))
+        if keep:
+            self._holds[kvr] = keep
+        else:
+            del self._holds[kvr]
+
+    def _expire_holds(self, now: float | None) -> None:
+        """End the held jobs past their deadline (all of them with ``now`` None): the keys the
+        decoder read succeeded, the others failed ``not_fetched``."""
+        for kvr in list(self._holds):
+            keep = []
+            for meta, deadline, fetched in self._holds[kvr]:
+                if now is not None and deadline > now:
+                    keep.append((meta, deadline, fetched))
+                    continue
+                ok = [k for k in meta.keys if k in fetched]
                 self._finished.append(
                     JobResult(
                         job_id=meta.job_id,
                         success=False,
                         successful_keys=ok,
                         reason="not_fetched",
-                        failed={k: "not_fetched" for k in meta.keys if k not in set(ok)},
+                        failed={k: "not_fetched" for k in meta.keys if k not in fetched},
                     )
                 )
+            if keep:
+                self._holds[kvr] = keep
+            else:
+                del self._holds[kvr]
 
     @override
     def get_finished_jobs(self) -> list[JobResult]:
         self._drain()
         if self._holds:
-            now = time.monotonic()
-            for kvr in [k for k, v in self._holds.items() if any(d <= now for _, d in v)]:
-                self._end_holds(kvr, None)
+            self._expire_holds(time.monotonic())
         out, self._finished = self._finished, []
         return out
 
@@ -718,5 +742,4 @@ class P2PTier(SecondaryTierManager):
                 )
             )
         self._pushes.clear()
-        for kvr in list(self._holds):
-            self._end_holds(kvr, None)
+        self._expire_holds(None)

@@ -78,7 +78,7 @@ import sys
 import threading
 import time
 import types
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 import numpy as np
@@ -89,6 +89,7 @@ from kvoffload.tools.bench.harness import Payloads, busy_step, calibrate, machin
 from kvoffload.tools.extras import MissingExtra
 
 HOST = "127.0.0.1"
+_P = TypeVar("_P", bound="Pair")
 _TOKENS = 16
 _POLL_S = 0.001  # vLLM's default tier_poll_interval_s
 _WAIT_S = 0.0005  # pause between B's steps while it waits on transfers with no step work
@@ -390,7 +391,7 @@ class Pair:
             self.close()
             raise
 
-    def __enter__(self) -> Pair:
+    def __enter__(self: _P) -> _P:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -580,7 +581,7 @@ def _kv_producer(conn: Any, row_bytes: int, rows: int, poll_s: float) -> None:
             arena.rows[slot] = payloads.base
             payloads.stamp(arena.rows[slot], index[k])
         tm.complete_store(plan.keys, True)
-        conn.send(("ready", tm.tiers[0].advertise))  # type: ignore[attr-defined]
+        conn.send(("ready", tm.tiers[0].advertise))
         while True:
             if not conn.poll(0.01):
                 continue

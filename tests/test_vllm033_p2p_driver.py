@@ -19,6 +19,7 @@ import pytest
 
 from kvoffload.tools.bench import vllm_p2p
 from kvoffload.tools.extras import MissingExtra
+from kvoffload.workers.p2p_transport import nixl_available
 
 try:
     vllm_p2p.load_vllm_p2p()
@@ -28,6 +29,10 @@ except MissingExtra as e:
 
 needs_vllm_p2p = pytest.mark.skipif(
     MISSING is not None, reason=f"vLLM 0.33's p2p tier cannot run here: {MISSING}"
+)
+KV_NIXL_MISSING = nixl_available()
+needs_kv_nixl = pytest.mark.skipif(
+    bool(KV_NIXL_MISSING), reason=f"kvoffload's NIXL transport cannot run: {KV_NIXL_MISSING}"
 )
 ROW = 64 << 10
 slow = pytest.mark.slow  # each spawned producer imports vLLM and torch (tens of seconds here)
@@ -99,6 +104,7 @@ def kv_pair():
 
 @slow
 @needs_vllm_p2p
+@needs_kv_nixl
 def test_kvoffload_side_loads_every_byte_through_its_p2p_tier(kv_pair):
     r = vllm_p2p.throughput(kv_pair, 24, 5)  # 5 requests: four of 5 chunks, one of 4
     assert len(r["job_s"]) == 5 and r["gbps"] > 0
@@ -121,6 +127,7 @@ def test_kvoffload_side_loads_every_byte_through_its_p2p_tier(kv_pair):
 
 @slow
 @needs_vllm_p2p
+@needs_kv_nixl
 def test_kvoffload_side_verify_names_a_corrupted_chunk(kv_pair):
     vllm_p2p.throughput(kv_pair, 24, 8)
     kv_pair.b.rows[kv_pair.tm.host.slot_of(kv_pair.keys[17]), ROW // 3] ^= 0xFF
@@ -131,6 +138,7 @@ def test_kvoffload_side_verify_names_a_corrupted_chunk(kv_pair):
 
 @slow
 @needs_vllm_p2p
+@needs_kv_nixl
 def test_kvoffload_side_latency_and_step_jitter_runs_move_their_chunks(kv_pair):
     assert len(vllm_p2p.chunk_latency(kv_pair, 4)) == 4
     idle = vllm_p2p.step_jitter(kv_pair, 24, 6, 200, "idle")
@@ -167,6 +175,7 @@ def test_symmetric_flow_through_vllm_tiering_managers():
 
 @slow
 @needs_vllm_p2p
+@needs_kv_nixl
 def test_command_writes_its_figures(tmp_path):
     out = tmp_path / "r.json"
     cmd = [sys.executable, "-m", "kvoffload.tools.bench.vllm_p2p", "--chunk-kib", "64"]

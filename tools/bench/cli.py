@@ -7,6 +7,7 @@ import click
 from kvoffload.tools.bench.engine import bench_engine
 from kvoffload.tools.bench.memory import bench_memory
 from kvoffload.tools.bench.obj import bench_obj
+from kvoffload.tools.bench.p2p import main as bench_p2p
 from kvoffload.tools.bench.scaling import bench_scaling
 from kvoffload.tools.bench.tier import bench_tier
 from kvoffload.tools.bench.ttft import bench_ttft
@@ -27,6 +28,7 @@ for _command in (
     bench_ttft,
     vllm_fs,
     vllm_p2p,
+    bench_p2p,
     bench_scaling,
 ):
     bench.add_command(_command)

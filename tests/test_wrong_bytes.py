@@ -292,3 +292,20 @@ def test_a_stale_store_completion_never_ends_another_requests_write(success):
         rig.tm.complete_store([k], True, "s2")
         assert rig.tm.lookup(k, "r") is HIT
         assert (rig.read([k])[0] == 0x44).all()
+
+
+def test_a_promotion_never_evicts_a_chunk_the_engine_was_told_hit_in_the_same_step():
+    """The scheduler looks a request's chunks up, then prepare_loads them later in the same step;
+    a promotion started by another lookup in between must not evict one of them (vLLM would get a
+    KeyError from prepare_load). Here both host slots were told HIT: the promotion misses."""
+    with Rig([{"type": "memory", "max_bytes": 1 << 20}], num_slots=2) as rig:
+        k1, k2, k3 = keys_for(3, seed=41)
+        rig.store([k3])
+        rig.store([k1, k2])  # the host tier holds k1, k2; k3 is in the memory tier only
+        rig.tm.step()
+        assert rig.tm.lookup(k1, "r1") is HIT and rig.tm.lookup(k2, "r1") is HIT
+        assert rig.tm.lookup(k3, "r2") is MISS  # no slot it may take this step
+        rig.tm.prepare_load([k1, k2], "r1")  # a KeyError had k1 or k2 been evicted
+        rig.tm.complete_load([k1, k2], "r1")
+        rig.tm.step()  # a new step: k1 and k2 may be evicted now
+        assert _settle(rig, [k3], "r3") == [HIT]

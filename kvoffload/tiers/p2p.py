@@ -26,10 +26,14 @@ peer first).
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import os
+import signal
+import sys
 import time
+import traceback
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -720,10 +724,19 @@ class P2PTier(SecondaryTierManager):
             node.stop()
             stuck = node.is_alive()
             if stuck:  # its sockets are still open: terminating the context would hang
-                log.error("p2p tier %s: the node thread did not stop; its sockets leak", self.name)
+                frame = sys._current_frames().get(node.ident or -1)
+                where = "".join(traceback.format_stack(frame)) if frame is not None else "?"
+                log.error(
+                    "p2p tier %s: the node thread did not stop; its sockets leak. It is at:\n%s",
+                    self.name,
+                    where,
+                )
         if self._worker is not None:
             if not stuck:  # the handle belongs to the node thread while it runs
                 self._worker.close()
+            elif self._worker.pid is not None:  # no process outlives the tier, stuck or not
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self._worker.pid, signal.SIGKILL)
             self._worker = None
         if self._ctx is not None:
             if not stuck:

@@ -481,14 +481,6 @@ MUTATIONS: list[Mutation] = [
         (FS + "test_c22_store_source_slot_is_not_reused_while_the_writer_reads_it",),
     ),
     Mutation(
-        "C22",
-        "a failed p2p transfer reported while it may still write its local slots",
-        "workers/p2p_worker.py",
-        "            if st.state is TransferState.PENDING or not st.settled:\n",
-        "            if st.state is TransferState.PENDING:\n",
-        (P2PW + "test_c22_a_transfer_past_its_deadline_is_reported_only_once_settled[nixl]",),
-    ),
-    Mutation(
         "C23",
         "a full, fully pinned host tier asks the policy anyway",
         "kvoffload/host.py",

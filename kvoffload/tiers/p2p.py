@@ -64,6 +64,7 @@ log = logging.getLogger("kvoffload.p2p")
 
 _HIT, _MISS, _RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
 SECRET_ENV = "KVOFFLOAD_P2P_SECRET"
+_STUCK_CONTEXTS: list[Any] = []  # contexts of node threads that did not stop (see shutdown)
 _Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 
 
@@ -324,6 +325,9 @@ class P2PTier(SecondaryTierManager):
         cfg = self.config
         self._manager = manager
         self._ctx = zmq.Context()
+        # no socket of ours ever waits at close (a context finalized by the GC in some thread
+        # would otherwise block there on unsent messages)
+        self._ctx.setsockopt(zmq.LINGER, 0)
         self._worker = PeerWorkerHandle(
             self.arena.name,
             TransportConfig(
@@ -741,6 +745,11 @@ class P2PTier(SecondaryTierManager):
         if self._ctx is not None:
             if not stuck:
                 self._ctx.term()
+            else:
+                # Never let the GC finalize it: pyzmq's Context.__del__ would destroy() it from
+                # whatever thread allocates next (another tier's node thread, say) and block
+                # there on the sockets the stuck thread still holds.
+                _STUCK_CONTEXTS.append(self._ctx)
             self._ctx = None
         for lj in list(self._loads.values()):
             lj.failed.update({k: "cancelled" for k in lj.meta.keys if k not in set(lj.ok)})

@@ -352,6 +352,8 @@ class PeerLocations:
         )
         self._confirmed: set[str] = set()
         self._ctx = context if context is not None else zmq.Context(1)
+        if context is None:
+            self._ctx.setsockopt(zmq.LINGER, 0)  # closing never waits on unsent messages
         self._own_ctx = context is None
         self._feeds: dict[str, list[_Feed]] = {
             p: [_Feed(p, s) for s in sources[p]] for p in sources

@@ -494,7 +494,7 @@ class PeerNode(threading.Thread):
         except BlockingIOError:
             pass  # the pipe is full of wake-ups already
 
-    def stop(self, timeout_s: float = 5.0) -> None:
+    def stop(self, timeout_s: float = 30.0) -> None:
         """Stop the thread and close its sockets (engine thread)."""
         self._stopping = True
         self.submit(("stop",))

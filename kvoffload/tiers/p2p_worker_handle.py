@@ -128,6 +128,8 @@ class PeerWorkerHandle:
         self._started_at = 0.0
         self._own_ctx = ctx is None
         self._ctx = ctx if ctx is not None else zmq.Context(1)
+        if self._own_ctx:
+            self._ctx.setsockopt(zmq.LINGER, 0)  # closing never waits on unsent messages
         self._ep = select.epoll()
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._ep.register(self._wake, select.EPOLLIN)

@@ -13,7 +13,8 @@ _HANDED_OUT: set[int] = set()
 def _ephemeral_range() -> tuple[int, int]:
     """The kernel's range for ``bind(port 0)`` and outgoing connections (Linux default 32768-60999)."""
     try:
-        lo, hi = open("/proc/sys/net/ipv4/ip_local_port_range").read().split()
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = f.read().split()
         return int(lo), int(hi)
     except (OSError, ValueError):
         return 32768, 60999

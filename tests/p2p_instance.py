@@ -21,14 +21,13 @@ Errors are answered as ``{"error": "<type>", "message": ...}``; the process goes
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 _reply_fd = os.dup(1)
 os.dup2(2, 1)
 
-import msgspec  # noqa: E402
 import xxhash  # noqa: E402
+from pipe_commands import serve  # noqa: E402
 
 from kvoffload.config import parse_config  # noqa: E402
 from kvoffload.ipc.arena import Arena  # noqa: E402
@@ -137,18 +136,7 @@ class Instance:
 
 
 def main() -> None:
-    inst = Instance()
-    out = os.fdopen(_reply_fd, "wb", buffering=0)
-    for line in sys.stdin.buffer:
-        cmd = msgspec.json.decode(line)
-        op = cmd.pop("op")
-        try:
-            reply = getattr(inst, op)(**cmd)
-        except Exception as e:
-            reply = {"error": type(e).__name__, "message": str(e)}
-        out.write(msgspec.json.encode(reply) + b"\n")
-        if op == "close":
-            return
+    serve(Instance(), _reply_fd)
 
 
 if __name__ == "__main__":

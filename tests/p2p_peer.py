@@ -16,9 +16,9 @@ import time
 _reply_fd = os.dup(1)
 os.dup2(2, 1)
 
-import msgspec  # noqa: E402
 import numpy as np  # noqa: E402
 import xxhash  # noqa: E402
+from pipe_commands import serve  # noqa: E402
 
 from kvoffload.ipc.arena import Arena  # noqa: E402
 from kvoffload.workers import p2p_transport as pt  # noqa: E402
@@ -114,18 +114,7 @@ class Peer:
 
 
 def main() -> None:
-    peer = Peer()
-    out = os.fdopen(_reply_fd, "wb", buffering=0)
-    for line in sys.stdin.buffer:
-        cmd = msgspec.json.decode(line)
-        op = cmd.pop("op")
-        try:
-            reply = getattr(peer, op)(**cmd)
-        except Exception as e:
-            reply = {"error": type(e).__name__, "message": str(e)}
-        out.write(msgspec.json.encode(reply) + b"\n")
-        if op == "close":
-            return
+    serve(Peer(), _reply_fd)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,8 @@ _HIT, _MISS, _PENDING, _RETRY = (
     LookupResult.RETRY,
 )
 HOST = "host"
+_NO_RANK = 1 << 62
+"""The rank of a promotion no request waits for (a peer's): younger than every request's."""
 PEER_MEDIUM = "PEER"
 """The ``medium`` of a tier that reaches other instances' host tiers (the p2p tier): a peer's
 :meth:`TieringManager.serve_lookup` never asks it (a chunk is served from this instance only)."""
@@ -112,6 +114,14 @@ class Stats:
         self.stale_store_completions = 0  # complete_store of a write the caller does not hold
         self.unknown_job_results = 0  # results for a job id not in flight (duplicates, strays)
         self.reset_discarded_promotions = 0  # promotions a reset made moot while in flight
+        # Promotion holds (config promotion_hold_steps): host misses told RETRY because the host
+        # tier was full of chunks held for requests that asked earlier; held chunks evicted
+        # before their request loaded them (by a store with no other room, or by the promotion
+        # of a request that asked earlier); holds that lapsed (not looked up for
+        # promotion_hold_steps steps).
+        self.promotion_waits = 0
+        self.evicted_holds = 0
+        self.expired_holds = 0
         # The p2p serving side, counted apart from this instance's own lookups and loads:
         # keys peers looked up, found READY / PENDING, promotions started for them, chunks
         # leased, slots admitted for their pushes, pushes published / failed, and completions
@@ -290,6 +300,24 @@ class TieringManager:
         # the engine's calls) never evict them. The engine's own stores may: it prepares them
         # after its loads.
         self._hit_slots: set[int] = set()
+        # Promotion holds (docs/profiles/thrash.md): a chunk promoted for a request is held for it
+        # until it has loaded it (complete_load), finishes, or has not looked it up for
+        # promotion_hold_steps steps. Requests are ranked by their first promotion (older first):
+        # a promotion evicts no chunk held for an older request (or itself), a store evicts held
+        # chunks only when nothing else makes room. key -> [slot, holder, rank, step last seen].
+        self._hold_steps = config.promotion_hold_steps
+        # Holds take at most what one tier's in-flight stores may leave (tier_pin_fraction), so
+        # write-through keeps room without evicting held chunks (CASES C37).
+        self._hold_cap = max(1, arena.num_slots - self._pin_limit)
+        self._step_no = 0
+        self._promo_holds: dict[bytes, list] = {}
+        self._held_slots: dict[int, int] = {}  # slot -> its holder's rank
+        self._held_by: dict[str, set[bytes]] = {}
+        self._rank: dict[str, int] = {}
+        self._next_rank = 0
+        self._waiting_since: dict[str, int] = {}  # request -> step of its first wait for room
+        self._blocked_rank = _NO_RANK  # requests of this rank or younger found no room this step
+        self._oldest_rank: int | None = None  # cache of min(_held_slots.values())
         self._admits: dict[str, dict[bytes, int]] = {}
         self._peer_tier = next((t.name for t in self.tiers if t.medium == PEER_MEDIUM), "peer")
         self._poll_interval = poll_interval_s
@@ -320,6 +348,10 @@ class TieringManager:
                 stats.host_queries += 1
                 stats.host_hits += 1
                 self._hit_slots.add(slot)
+                if self._promo_holds:  # its holder still wants it: the hold lives on
+                    h = self._promo_holds.get(key)
+                    if h is not None and h[1] == req_id:
+                        h[3] = self._step_no
                 self._lookup_sample += 1
                 if self._lookup_sample & 63 == 0:  # time 1 in 64 host lookups (histogram's cost)
                     t0 = time.perf_counter()
@@ -337,6 +369,8 @@ class TieringManager:
                 r = tier.lookup(key, req_id)
                 if r is _HIT:
                     result = self._start_promotion(i, key, req_id)
+                    if result is _RETRY:  # no room yet: held for requests that asked earlier
+                        return result
                     self._count_verdict(i + 1, i if result is _PENDING else -1)
                     return result
                 if r is _RETRY:
@@ -362,29 +396,170 @@ class TieringManager:
     def _start_promotion(
         self, tier_idx: int, key: bytes, req_id: str, for_peer: bool = False
     ) -> LookupResult:
+        """Reserve a host slot for ``key`` (found in tier ``tier_idx``) and queue its promotion:
+        HIT_PENDING. No room: RETRY while the host tier is full of chunks held for requests that
+        asked earlier (at most ``promotion_hold_steps`` steps per request), else MISS."""
         host = self.host
-        plan = host.allocate([key], self._hit_slots)
+        holding = self._hold_steps > 0 and not for_peer
+        rank = _NO_RANK
+        if holding:
+            rank = self._rank.get(req_id, -1)
+            if rank < 0:
+                rank = self._rank[req_id] = self._next_rank
+                self._next_rank += 1
+            if rank >= self._blocked_rank:  # an older request found no room this step
+                return self._no_room(tier_idx, req_id, rank)
+        plan = None
+        hold = may_promote = holding
+        if holding and len(self._promo_holds) >= self._hold_cap:
+            # holds take at most what write-through's pins leave (tier_pin_fraction): beyond
+            # that, only the oldest request holding chunks goes on promoting, unheld
+            hold = False
+            may_promote = rank <= self._oldest_hold_rank()
+        elif not holding:
+            may_promote = True
+        if may_promote:
+            protect = self._protected(rank)
+            if host.num_used < host.num_slots or self._evictable_outside(protect) > 0:
+                plan = host.allocate([key], protect)
+        if plan is None and holding:
+            self._blocked_rank = min(self._blocked_rank, rank)
+            return self._no_room(tier_idx, req_id, rank)
         if plan is None or not plan.slots:  # no room, or a write a reset quarantined holds the key
-            self.stats.promotion_alloc_failures += 1
-            self._refuse(
-                HOST,
-                "load",
-                "no_evictable_slot",
-                1,
-                logging.WARNING,
-                "kvoffload: a chunk found in tier %s is not promoted (a miss): no "
-                "evictable host slot (%s)",
-                self.tier_names[tier_idx],
-                self._occupancy(),
-            )
-            return _MISS
+            return self._refuse_promotion(tier_idx)
+        if plan.evicted and self._promo_holds:
+            for k in plan.evicted:  # younger requests' holds
+                if self._drop_hold(k):
+                    self.stats.evicted_holds += 1
         per_req = self._promotions.setdefault(tier_idx, {})
         keys, slots = per_req.setdefault(req_id, ([], []))
         keys.append(key)
         slots.append(plan.slots[0])
         if not for_peer:  # a peer's promotion is no request's load
             self._load_source.setdefault(req_id, {})[key] = tier_idx
+        if hold:
+            self._hold(key, plan.slots[0], req_id, rank)
+        if holding:
+            self._waiting_since.pop(req_id, None)
         return _PENDING
+
+    def _refuse_promotion(self, tier_idx: int) -> LookupResult:
+        """A chunk found in tier ``tier_idx`` is not promoted: MISS, counted and logged."""
+        self.stats.promotion_alloc_failures += 1
+        self._refuse(
+            HOST,
+            "load",
+            "no_evictable_slot",
+            1,
+            logging.WARNING,
+            "kvoffload: a chunk found in tier %s is not promoted (a miss): no "
+            "evictable host slot (%s)",
+            self.tier_names[tier_idx],
+            self._occupancy(),
+        )
+        return _MISS
+
+    # -- promotion holds ------------------------------------------------------------------------
+
+    def _no_room(self, tier_idx: int, req_id: str, rank: int) -> LookupResult:
+        """No host slot for a request's promotion: RETRY while chunks held for older requests
+        fill the host tier (they end once those requests load them, or lapse) and the request
+        has waited at most ``promotion_hold_steps`` steps; else MISS. A request is never told
+        to wait for its own chunks or younger requests', so no two requests wait for each other."""
+        since = self._waiting_since.setdefault(req_id, self._step_no)
+        if self._step_no - since <= self._hold_steps and self._oldest_hold_rank() < rank:
+            self.stats.promotion_waits += 1
+            return _RETRY
+        return self._refuse_promotion(tier_idx)
+
+    def _oldest_hold_rank(self) -> int:
+        r = self._oldest_rank
+        if r is None:
+            r = self._oldest_rank = min(self._held_slots.values(), default=_NO_RANK)
+        return r
+
+    def _protected(self, rank: int) -> set[int]:
+        """Slots a promotion of a request of ``rank`` must not evict: those the engine was told
+        HIT since its last step, and those held for this or older requests (every held slot for
+        a peer's promotion, rank :data:`_NO_RANK`)."""
+        held = self._held_slots
+        if not held:
+            return self._hit_slots
+        out = set(self._hit_slots)
+        if rank == _NO_RANK:
+            out.update(held)
+        else:
+            out.update(s for s, r in held.items() if r <= rank)
+        return out
+
+    def _evictable_outside(self, protect: Iterable[int]) -> int:
+        """Evictable host slots (READY, unpinned) that are not in ``protect``."""
+        state, refs = self.host.state, self.host.refs
+        return self.host.num_evictable - sum(
+            1 for s in protect if state[s] == READY and not refs[s]
+        )
+
+    def _hold(self, key: bytes, slot: int, req_id: str, rank: int) -> None:
+        self._promo_holds[key] = [slot, req_id, rank, self._step_no]
+        self._held_slots[slot] = rank
+        self._held_by.setdefault(req_id, set()).add(key)
+        self._oldest_rank = None
+
+    def _drop_hold(self, key: bytes) -> bool:
+        """End the hold on ``key`` (False: none). Room may have appeared for waiting requests."""
+        h = self._promo_holds.pop(key, None)
+        if h is None:
+            return False
+        slot, req_id = h[0], h[1]
+        if self._held_slots.get(slot) == h[2]:
+            del self._held_slots[slot]
+        keys = self._held_by.get(req_id)
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self._held_by[req_id]
+                if req_id not in self._waiting_since:
+                    self._rank.pop(req_id, None)  # a later promotion ranks it anew
+        self._oldest_rank = None
+        self._blocked_rank = _NO_RANK
+        return True
+
+    def _forget_request_holds(self, req_id: str) -> None:
+        for k in list(self._held_by.get(req_id, ())):
+            self._drop_hold(k)
+        self._rank.pop(req_id, None)
+        self._waiting_since.pop(req_id, None)
+
+    def _expire_holds(self) -> None:
+        """Drop holds whose request has not looked their chunk up for ``promotion_hold_steps``
+        steps (it went elsewhere: the chunk is evictable again)."""
+        now, limit = self._step_no, self._hold_steps
+        stale = [k for k, h in self._promo_holds.items() if now - h[3] > limit]
+        for k in stale:
+            self._drop_hold(k)
+        self.stats.expired_holds += len(stale)
+
+    def _store_protect(self, keys: Sequence[bytes]) -> set[int]:
+        """Held slots a store of ``keys`` must not evict: all of them when the store fits
+        without them; else all but as many as it lacks, taking the chunks of the youngest
+        requests (least recently looked up first)."""
+        host = self.host
+        held = self._held_slots
+        new = sum(1 for k in dict.fromkeys(keys) if not host.is_present(k))
+        state, refs = host.state, host.refs
+        evictable_held = [s for s in held if state[s] == READY and not refs[s]]
+        free = host.num_slots - host.num_used
+        unheld = host.room_for(keys) - free - len(evictable_held)
+        lack = new - free - max(0, unheld)
+        if lack <= 0:
+            return set(held)
+        holds = self._promo_holds
+        by_age = sorted(
+            evictable_held,
+            key=lambda s: (-held[s], holds[k][3] if (k := host.keys[s]) in holds else 0),
+        )
+        give = set(by_age[:lack])
+        return {s for s in held if s not in give}
 
     def submit_promotions(self) -> None:
         """Submit the promotions queued by lookups since the last call: one load job per tier and
@@ -482,6 +657,11 @@ class TieringManager:
                 host.unpin_slot(h[0])
             if not holds:
                 self._holds.pop(req_id, None)
+            self._blocked_rank = _NO_RANK
+            held = self._held_by.get(req_id)
+            if held:  # loaded: its promotion holds end
+                for k in [k for k in keys if k in held]:
+                    self._drop_hold(k)
 
     def pins_held(self) -> dict[int, int]:
         """Pins held on host slots, by slot: accelerator copies (per holder), peers' leases (per
@@ -689,16 +869,19 @@ class TieringManager:
             if not new:
                 return out
             room = host.room_for(keys)
-            if self._hit_slots:  # evictable slots the engine may still load from are no room
+            # evictable slots the engine may still load from, or held for a request's load, are
+            # no room
+            protect = self._protected(_NO_RANK)
+            if protect:
                 mine = {host.index[k] for k in keys if k in host.index}
                 room -= sum(
                     1
-                    for s in self._hit_slots
+                    for s in protect
                     if s not in mine and host.state[s] == READY and not host.refs[s]
                 )
             take = list(new)[: max(0, room)]
             present = [k for k in keys if k not in new]
-            plan = host.allocate(take + present, self._hit_slots) if take else None
+            plan = host.allocate(take + present, protect) if take else None
             if plan is None or not plan.slots:
                 return out
             admitted = self._admits.setdefault(holder, {})
@@ -765,7 +948,9 @@ class TieringManager:
         with self.lock:
             self.poll()
             host = self.host
-            plan = host.allocate(keys)
+            # held chunks (promoted, not loaded yet) are evicted only when nothing else makes room
+            protect = self._store_protect(keys) if self._held_slots else ()
+            plan = host.allocate(keys, protect)
             if plan is None:
                 # Not enough room for the whole batch (slots pinned by in-flight transfers, or a batch
                 # larger than the tier): keep its longest prefix that fits now. Lookups are prefix
@@ -775,7 +960,7 @@ class TieringManager:
                 room = min(host.room_for(keys), len(new))
                 if room > 0:
                     cut = keys.index(new[room - 1]) + 1
-                    plan = host.allocate(keys[:cut])
+                    plan = host.allocate(keys[:cut], protect)
                     self.stats.store_truncations += 1
                     if plan is not None:
                         self._refuse(
@@ -802,6 +987,10 @@ class TieringManager:
                         len(new),
                         self._occupancy(),
                     )
+            if plan is not None and plan.evicted and self._promo_holds:
+                for k in plan.evicted:
+                    if self._drop_hold(k):
+                        self.stats.evicted_holds += 1
             if plan is not None and plan.keys:
                 writes = self._writes
                 for k in plan.keys:
@@ -849,6 +1038,7 @@ class TieringManager:
                 else:
                     self.stats.stale_store_completions += 1
             keys = mine
+            self._blocked_rank = _NO_RANK
             done = self.host.complete_write(keys, success)
             if not success and self._kv_events is not None:
                 self._kv_events.forget(keys, self.host.index)
@@ -950,6 +1140,7 @@ class TieringManager:
                         )
                         continue
                     meta = job.meta
+                    self._blocked_rank = _NO_RANK  # a result may free or publish slots
                     if job.orphaned and meta.is_promotion:
                         # A reset forgot these chunks while the load ran: the write has ended, so
                         # the quarantined slots can be reused; nothing is published.
@@ -989,6 +1180,9 @@ class TieringManager:
                             self._moved(ok, tier.name, HOST, self._localities[tier.name], tier)
                         if failed:
                             host.complete_write(failed, False)
+                            if self._promo_holds:
+                                for k in failed:
+                                    self._drop_hold(k)
                             src = self._load_source.get(meta.req_id)
                             if src:
                                 for k in failed:
@@ -1031,6 +1225,10 @@ class TieringManager:
         publish the step's KV events (sent after :attr:`lock` is released)."""
         with self.lock:
             self._hit_slots.clear()
+            self._step_no += 1
+            self._blocked_rank = _NO_RANK
+            if self._promo_holds:
+                self._expire_holds()
             self.poll()
             pub = self._publisher
             if pub is None:
@@ -1156,6 +1354,8 @@ class TieringManager:
         """Forget per-request bookkeeping (which tier served which chunk, its routing)."""
         with self.lock:
             self._load_source.pop(req_id, None)
+            if req_id in self._rank or req_id in self._held_by:
+                self._forget_request_holds(req_id)
             for tier in self.tiers:
                 tier.on_request_finished(req_id)
 
@@ -1188,6 +1388,13 @@ class TieringManager:
                 job.orphaned = True
             quarantined = self.host.clear()
             self._hit_slots.clear()
+            self._promo_holds.clear()
+            self._held_slots.clear()
+            self._held_by.clear()
+            self._rank.clear()
+            self._waiting_since.clear()
+            self._oldest_rank = None
+            self._blocked_rank = _NO_RANK
             if quarantined:
                 log.info(
                     "kvoffload: cache reset with %d host slot(s) still in use by transfers; "

@@ -9,6 +9,7 @@ from kvoffload.tools.bench.memory import bench_memory
 from kvoffload.tools.bench.obj import bench_obj
 from kvoffload.tools.bench.p2p import main as bench_p2p
 from kvoffload.tools.bench.scaling import bench_scaling
+from kvoffload.tools.bench.thrash import bench_thrash
 from kvoffload.tools.bench.tier import bench_tier
 from kvoffload.tools.bench.ttft import bench_ttft
 from kvoffload.tools.bench.vllm_fs import vllm_fs
@@ -30,5 +31,6 @@ for _command in (
     vllm_p2p,
     bench_p2p,
     bench_scaling,
+    bench_thrash,
 ):
     bench.add_command(_command)

@@ -277,12 +277,15 @@ def run_case(
     max_seconds: float = 60.0,
     policy: str = "lru",
     hold_steps: int = 64,
+    settle: bool = False,
 ) -> dict:
     """One run: an fs tier holding the first round's chunks of every request, an empty host tier
     of ``host_slots`` (64 KiB rows), then :class:`SchedulerModel` steps (each followed by a
     ``step_s`` sleep, the step's compute) until every request has run ``rounds`` times or
     ``max_seconds`` pass. ``hold_steps``: the tiering manager's ``promotion_hold_steps`` (0: no
-    holds). Returns the run's counts (see the module docstring).
+    holds). With ``settle``, each step also waits until the tier jobs it started have ended, so
+    a run's counts do not depend on the machine's speed (tests). Returns the run's counts (see
+    the module docstring).
 
     Raises:
         RuntimeError: the fs tier's workers did not start or its stores did not finish.
@@ -314,6 +317,8 @@ def run_case(
             for i in range(0, len(first), host_slots):  # through the host tier into the fs tier
                 batch = first[i : i + host_slots]
                 plan = tm.prepare_store([keys[j] for j in batch])
+                if plan is None:
+                    raise RuntimeError("the empty host tier refused a store")
                 for j, slot in zip(batch, plan.slots):
                     arena.rows[slot] = payloads.base
                     payloads.stamp(arena.rows[slot], j)
@@ -340,6 +345,8 @@ def run_case(
             deadline = t0 + max_seconds
             while not model.done and time.perf_counter() < deadline:
                 model.step()
+                if settle and not tm.wait_idle(120):
+                    raise RuntimeError("the fs tier's jobs did not finish")
                 time.sleep(step_s)
             wall = time.perf_counter() - t0
             after = tm.stats.snapshot()
@@ -371,3 +378,122 @@ def run_case(
             }
         finally:
             tm.shutdown()
+
+
+#: The cases of ``kvoffload bench thrash`` (name -> :func:`run_case` arguments): the three
+#: requests of 18 chunks through a 10-slot host tier of issue 13 (device room for all three, then
+#: for one at a time), and multi-turn conversations whose prompts each fit the host tier but not
+#: all together (with and without preemption).
+CASES: dict[str, dict] = {
+    "3x18 chunks, host 10, device 54": dict(host_slots=10, requests=3, chunks=18, device_chunks=54),
+    "3x18 chunks, host 10, device 18": dict(host_slots=10, requests=3, chunks=18, device_chunks=18),
+    "16x(6+2/turn) chunks, host 24, device 24": dict(
+        host_slots=24, requests=16, chunks=6, grow=2, device_chunks=24
+    ),
+    "8x(8+2/turn), host 24, device 30, preempt/9 steps": dict(
+        host_slots=24, requests=8, chunks=8, grow=2, device_chunks=30, preempt_every=9
+    ),
+}
+_COLUMNS = (
+    "finished",
+    "steps",
+    "wall_s",
+    "prompt_chunks",
+    "served_chunks",
+    "recomputed_chunks",
+    "cached_share",
+    "fs_loads",
+    "fs_loads_per_served",
+    "host_evictions",
+    "promotion_waits",
+    "evicted_holds",
+    "wrong_rows",
+)
+
+
+def _median_row(runs: list[dict]) -> dict:
+    out = dict(runs[0])
+    for k in _COLUMNS:
+        if k == "finished":
+            out[k] = all(r[k] for r in runs)
+        elif k == "wrong_rows":
+            out[k] = sum(r[k] for r in runs)
+        else:
+            out[k] = statistics.median(r[k] for r in runs)
+    return out
+
+
+@click.command("thrash")
+@click.option("--reps", default=3, show_default=True, help="Runs per case and policy (median).")
+@click.option(
+    "--hold-steps",
+    default=64,
+    show_default=True,
+    help="promotion_hold_steps of the measured configuration (the baseline runs with 0).",
+)
+@click.option("--rounds", default=3, show_default=True, help="Turns of each request.")
+@click.option("--step-ms", default=2.0, show_default=True, help="Compute time of a step.")
+@click.option("--max-seconds", default=60.0, show_default=True, help="Per run.")
+@click.option("--case", "cases", multiple=True, help="Only these cases (by name; repeatable).")
+@click.option("--workdir", default=None, help="Where the fs tier lives (default: a new dir here).")
+@click.option("--json", "json_path", default=None, help="Also write every run to this file.")
+def bench_thrash(reps, hold_steps, rounds, step_ms, max_seconds, cases, workdir, json_path):
+    """Requests whose chunks exceed the host tier, reloaded from the fs tier through the vLLM
+    plug-in's manager as vLLM's scheduler drives it: without promotion holds, then with."""
+    require("bench thrash", "demo", modules=("vllm",))
+    print_header()
+    names = list(cases) or list(CASES)
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        raise click.BadParameter(
+            f"unknown case(s) {unknown}; known: {list(CASES)}", param_hint="--case"
+        )
+    wd = make_workdir(workdir)
+    runs: dict[tuple[str, int], list[dict]] = {}
+    try:
+        for rep in range(reps):  # interleaved: baseline and holds one after the other
+            for name in names:
+                for hold in (0, hold_steps):
+                    r = run_case(
+                        wd,
+                        rounds=rounds,
+                        step_s=step_ms / 1e3,
+                        max_seconds=max_seconds,
+                        hold_steps=hold,
+                        **CASES[name],
+                    )
+                    click.echo(
+                        f"[{rep + 1}/{reps}] {name}, holds {hold}: "
+                        f"{r['fs_loads']} fs loads / {r['served_chunks']} served, "
+                        f"{r['recomputed_chunks']} recomputed, {r['wall_s']:.2f} s",
+                        err=True,
+                    )
+                    runs.setdefault((name, hold), []).append(r)
+    finally:
+        shutil.rmtree(wd / "fs", ignore_errors=True)
+        if not workdir:
+            shutil.rmtree(wd, ignore_errors=True)
+    click.echo(
+        f"\n{rounds} turns per request, a {step_ms:g} ms step, 64 KiB chunks; median of {reps} "
+        f"runs (holds 0 = before promotion holds)\n"
+    )
+    click.echo(
+        "| case | holds | finished | steps | wall s | prompt chunks | served | recomputed | "
+        "cached share | fs loads | fs loads / served | host evictions | waits | evicted holds | "
+        "wrong rows |"
+    )
+    click.echo("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name in names:
+        for hold in (0, hold_steps):
+            m = _median_row(runs[(name, hold)])
+            click.echo(
+                f"| {name} | {hold} | {'yes' if m['finished'] else 'no'} | {m['steps']:.0f} | "
+                f"{m['wall_s']:.2f} | {m['prompt_chunks']:.0f} | {m['served_chunks']:.0f} | "
+                f"{m['recomputed_chunks']:.0f} | {m['cached_share']:.2f} | {m['fs_loads']:.0f} | "
+                f"**{m['fs_loads_per_served']:.2f}** | {m['host_evictions']:.0f} | "
+                f"{m['promotion_waits']:.0f} | {m['evicted_holds']:.0f} | {m['wrong_rows']} |"
+            )
+    if json_path:
+        Path(json_path).write_text(
+            json.dumps([{"case": n, **r} for (n, _h), rs in runs.items() for r in rs], indent=2)
+        )

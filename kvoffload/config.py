@@ -108,13 +108,14 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             and starve new stores (CASES C37). Default 0.5, chosen by measurement (BENCHMARKS.md
             §7); 1.0 lets one slow tier pin every host slot.
         promotion_hold_steps: a chunk promoted from a secondary tier for a request is held for it
-            (no other request's promotion, and no peer, evicts it; a store only when nothing else
-            can make room) until that request has loaded it, finishes, or has not looked it up
-            for this many scheduler steps. A request whose promotion finds the host tier full of
-            chunks held for requests that asked before it is told RETRY (it waits for them to
-            load) rather than MISS (recompute), for at most this many steps. 0: no holds (every
-            promoted chunk is evictable at once, a promotion with no room is a MISS), the
-            behaviour before holds (BENCHMARKS.md §6b; CASES.md has no case for it).
+            (no promotion of a request that asked later, and no peer, evicts it; a store only
+            when nothing else can make room) until that request has loaded it, finishes, or has
+            not looked it up for this many scheduler steps. A request whose promotion finds the
+            host tier full of chunks held for requests that asked before it is told RETRY (it
+            waits for them to load) rather than MISS (recompute), for at most this many steps.
+            Holds take at most the host slots ``tier_pin_fraction`` leaves to them. 0: no holds
+            (every promoted chunk is evictable at once, a promotion with no room is a MISS), the
+            behaviour before holds (docs/profiles/thrash.md, BENCHMARKS.md §6b).
         canonical_layout: store rows in vLLM's canonical (parallelism-free) layout.
         self_describing_kv_events: vLLM's own KV events for offloaded chunks carry the request's
             parent hash and token ids (vLLM's tracker; default on here, off in vLLM's own spec).

@@ -850,23 +850,30 @@ class ProcessTierManager(SecondaryTierManager):
     @override
     def get_finished_jobs(self) -> list[JobResult]:
         chans = self._chans
-        if chans.results_pending():
-            for data in chans.recv_results():
-                try:
-                    res = m.decode_reply(data)
-                except msgspec.DecodeError:
-                    continue
-                if not isinstance(res, m.TaskResult):
-                    continue
-                self._on_result(res)
-        for pool in self._pools:
+        now = time.monotonic()
+        check = now - self._last_check >= _CHECK_INTERVAL_S
+        # Results answer tasks in flight; with none, the socket is read only at the health
+        # checks' pace (a stray or late reply waits that long to be counted)
+        pools = self._pools
+        if check or any(pool.inflight_count for pool in pools):
+            results = chans.recv_results()
+        else:
+            results = ()
+        for data in results:
+            try:
+                res = m.decode_reply(data)
+            except msgspec.DecodeError:
+                continue
+            if not isinstance(res, m.TaskResult):
+                continue
+            self._on_result(res)
+        for pool in pools:
             if pool.awaiting_hello:
                 for identity, _ in chans.recv_hellos(pool.kind):
                     pool.on_hello(identity)
-        now = time.monotonic()
-        if now - self._last_check >= _CHECK_INTERVAL_S:
+        if check:
             self._last_check = now
-            for pool in self._pools:
+            for pool in pools:
                 if pool.workers or pool.queue:
                     for task, code in pool.check(now):
                         rec = task.owner

@@ -29,6 +29,9 @@ import zmq
 
 LOADS = "loads"
 STORES = "stores"
+# Plain ints: an IntFlag operation per send or recv is a Python-level enum call.
+_NOBLOCK = int(zmq.NOBLOCK)
+_MORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
 
 
 def _readable(sock: zmq.Socket) -> bool:
@@ -80,8 +83,8 @@ class TierChannels:
             # Tasks are small: copying is cheaper than zero-copy frame bookkeeping. Two sends
             # are what send_multipart does, without its Python loop.
             sock = self.jobs[kind]
-            sock.send(worker_identity, zmq.SNDMORE | zmq.NOBLOCK)
-            sock.send(payload, zmq.NOBLOCK)
+            sock.send(worker_identity, _MORE_NOBLOCK)
+            sock.send(payload, _NOBLOCK)
             return True
         except zmq.ZMQError as e:
             if e.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
@@ -115,7 +118,7 @@ class TierChannels:
         recv = self.results.recv
         try:
             while len(out) < limit:
-                out.append(recv(zmq.NOBLOCK))
+                out.append(recv(_NOBLOCK))
             self._results_unsure = True  # stopped by the limit: more may be waiting
         except zmq.Again:
             self._results_unsure = False

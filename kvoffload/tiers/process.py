@@ -855,11 +855,8 @@ class ProcessTierManager(SecondaryTierManager):
         # Results answer tasks in flight; with none, the socket is read only at the health
         # checks' pace (a stray or late reply waits that long to be counted)
         pools = self._pools
-        if check or any(pool.inflight_count for pool in pools):
-            results = chans.recv_results()
-        else:
-            results = ()
-        for data in results:
+        busy = check or any(pool.inflight_count for pool in pools)
+        for data in chans.recv_results() if busy else ():
             try:
                 res = m.decode_reply(data)
             except msgspec.DecodeError:

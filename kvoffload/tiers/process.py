@@ -17,8 +17,9 @@ bookkeeping of deletes), :mod:`.breaker` (the circuit breaker), :mod:`.workerpoo
 processes of one direction) and :mod:`.resources` (sockets, pools and threads, closed by
 ``shutdown()`` or, for a tier dropped without one, by ``weakref.finalize``).
 
-Nothing here blocks: tasks are encoded and handed to ZMQ, results are drained with non-blocking reads,
-and worker health is checked by ``poll()`` on the child processes at most every 20 ms. A job is split
+Nothing here blocks: tasks are encoded and handed to ZMQ, results are drained with non-blocking reads
+(only while tasks are in flight, else at the health checks' pace: an idle step reads no socket), and
+worker health is checked by ``poll()`` on the child processes at most every 20 ms. A job is split
 into tasks of ``chunks_per_task`` chunks spread over the workers; its one :class:`JobResult` comes when
 the last task answers. Verdicts: a probe or a successful store makes a key present; a probe that finds
 nothing makes it absent for ``negative_ttl_s``; a failed load makes it absent for ``failed_load_ttl_s``,

@@ -23,11 +23,15 @@ from __future__ import annotations
 
 import os
 import secrets
+import select
 
 import zmq
 
 LOADS = "loads"
 STORES = "stores"
+# Plain ints: an IntFlag operation per send or recv is a Python-level enum call.
+_NOBLOCK = int(zmq.NOBLOCK)
+_MORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
 
 
 def _readable(sock: zmq.Socket) -> bool:
@@ -62,12 +66,25 @@ class TierChannels:
         ep = _endpoint(f"{tier_name}-results")
         self.results.bind(ep)
         self.endpoints["results"] = ep
+        # The results socket's ZMQ_FD is readable when commands wait for the socket, which is
+        # how a message that arrives after the socket was found empty makes itself known
+        # (libzmq's own zmq_poll works this way). One poll(2) on it costs a system call; asking
+        # the socket (ZMQ_EVENTS, or a recv that finds nothing) costs three here (libzmq checks
+        # getpid() for forks, then polls its mailbox) and a Python exception for the recv.
+        self._results_fd = select.poll()
+        self._results_fd.register(self.results.getsockopt(zmq.FD), select.POLLIN)
+        # False only while the socket is known drained (its last recv found nothing) and
+        # nothing else has touched it since: then an unreadable FD means no new result.
+        self._results_unsure = True
 
     def send_task(self, kind: str, worker_identity: bytes, payload: bytes) -> bool:
         """Send one encoded task to a worker. False when the worker is not connected."""
         try:
-            # Tasks are small: copying is cheaper than zero-copy frame bookkeeping.
-            self.jobs[kind].send_multipart((worker_identity, payload), flags=zmq.NOBLOCK)
+            # Tasks are small: copying is cheaper than zero-copy frame bookkeeping. Two sends
+            # are what send_multipart does, without its Python loop.
+            sock = self.jobs[kind]
+            sock.send(worker_identity, _MORE_NOBLOCK)
+            sock.send(payload, _NOBLOCK)
             return True
         except zmq.ZMQError as e:
             if e.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
@@ -85,21 +102,34 @@ class TierChannels:
         return out
 
     def results_pending(self) -> bool:
-        """True when at least one result is waiting (one cheap getsockopt)."""
-        return _readable(self.results)
+        """True when a result may be waiting (one poll(2) of the socket's ZMQ_FD once the socket
+        was found drained; :meth:`recv_results` tells for sure)."""
+        return self._results_unsure or bool(self._results_fd.poll(0))
 
     def recv_results(self, limit: int = 100_000) -> list[bytes]:
-        """Drain waiting result messages. Never blocks (and raises no zmq.Again: exceptions cost more
-        than a getsockopt)."""
+        """Drain waiting result messages (at most ``limit``). Never blocks.
+
+        Reads until the socket has nothing more (one ``zmq.Again``), which leaves it drained, so
+        that :meth:`results_pending` can trust the ZMQ_FD afterwards; when ``limit`` stops it
+        first, the next call reads again whatever the FD says."""
+        if not self.results_pending():
+            return []
         out: list[bytes] = []
-        sock = self.results
-        while len(out) < limit and _readable(sock):
-            out.append(sock.recv(flags=zmq.NOBLOCK))
+        recv = self.results.recv
+        try:
+            while len(out) < limit:
+                out.append(recv(_NOBLOCK))
+            self._results_unsure = True  # stopped by the limit: more may be waiting
+        except zmq.Again:
+            self._results_unsure = False
         return out
 
     def wait_results(self, timeout_s: float) -> bool:
         """Block up to ``timeout_s`` seconds for a result (standalone callers only, never the
         scheduler step)."""
+        # zmq_poll handles the socket's commands itself: the FD may then stay quiet while a
+        # result waits, so the next recv_results asks the socket
+        self._results_unsure = True
         return bool(self.results.poll(int(timeout_s * 1000)))
 
     def close(self) -> None:

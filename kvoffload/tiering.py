@@ -940,17 +940,25 @@ class TieringManager:
         the chunk's ``BlockStored`` events carry. Read only for reserved keys, and only when KV
         events are published.
 
-        Completions are processed first, so pins released by finished tier jobs count before any
-        eviction decision. When the whole batch does not fit, its longest prefix that fits is
-        reserved; returns None only when not a single slot can be freed (everything pinned).
-        The reserved writes belong to ``req_id``: only its :meth:`complete_store` ends them.
+        Completions are processed first (unless a poll ran within ``poll_interval_s``, as it
+        does for every request of one scheduler step after the first), and again before a batch
+        is found not to fit, so pins released by finished tier jobs count before any eviction
+        decision. When the whole batch does not fit, its longest prefix that fits is reserved;
+        returns None only when not a single slot can be freed (everything pinned). The reserved
+        writes belong to ``req_id``: only its :meth:`complete_store` ends them.
         """
         with self.lock:
-            self.poll()
+            polled = time.monotonic() - self._last_poll >= self._poll_interval
+            if polled:
+                self.poll()
             host = self.host
             # held chunks (promoted, not loaded yet) are evicted only when nothing else makes room
             protect = self._store_protect(keys) if self._held_slots else ()
             plan = host.allocate(keys, protect)
+            if plan is None and not polled:
+                self.poll()
+                protect = self._store_protect(keys) if self._held_slots else ()
+                plan = host.allocate(keys, protect)
             if plan is None:
                 # Not enough room for the whole batch (slots pinned by in-flight transfers, or a batch
                 # larger than the tier): keep its longest prefix that fits now. Lookups are prefix

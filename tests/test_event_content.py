@@ -322,7 +322,8 @@ def test_c30_a_second_data_parallel_rank_starts_with_kv_events_on(tmp_path):
     }
     specs = [KVOffloadSpec(_offloading_config(dict(extra), dp_index=r)) for r in (0, 1, 2)]
     managers = []
-    blocker = zmq.Context().socket(zmq.PUB)
+    blocker_ctx = zmq.Context()
+    blocker = blocker_ctx.socket(zmq.PUB)
     try:
         for spec in specs[:2]:
             managers.append(spec.get_manager())
@@ -352,6 +353,7 @@ def test_c30_a_second_data_parallel_rank_starts_with_kv_events_on(tmp_path):
         assert len(set(names)) == 3 and _segments(names) == set(names[:2])
     finally:
         blocker.close(linger=0)
+        blocker_ctx.term()
         for mgr in managers:
             mgr.shutdown()
     assert _segments(names) == set()

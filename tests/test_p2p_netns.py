@@ -19,17 +19,15 @@ a failure).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
-import select
 import subprocess
 import time
 
-import msgspec
 import pytest
 import xxhash
 from netns import NetnsPair, Side
+from pipe_commands import PipeClient
 
 from kvoffload.ipc.arena import list_arenas
 from kvoffload.workers import p2p_transport as pt
@@ -54,8 +52,10 @@ KINDS = [
 ]
 
 
-class NsPeer:
+class NsPeer(PipeClient):
     """A ``tests/p2p_peer.py`` process inside one side of a :class:`NetnsPair`."""
+
+    patience_s = PATIENCE_S
 
     def __init__(
         self,
@@ -84,21 +84,6 @@ class NsPeer:
         # /dev/shm is the machine's in every network namespace: the session-end check sees it.
         assert self.name in {a.name for a in list_arenas()}
 
-    def call(self, op: str, **args) -> dict:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(msgspec.json.encode({"op": op, **args}) + b"\n")
-        self.proc.stdin.flush()
-        ready, _, _ = select.select([self.proc.stdout], [], [], PATIENCE_S)
-        assert ready, f"peer {self.name} did not answer {op} within {PATIENCE_S} s"
-        line = self.proc.stdout.readline()
-        assert line, f"peer {self.name} exited (rc {self.proc.poll()}) while answering {op}"
-        return msgspec.json.decode(line)
-
-    def ok(self, op: str, **args) -> dict:
-        reply = self.call(op, **args)
-        assert "error" not in reply, reply
-        return reply
-
     def rows(self) -> list[str]:
         return self.ok("digest")["rows"]
 
@@ -108,11 +93,7 @@ class NsPeer:
 
     def stop(self) -> None:
         """Close the transport and arena, and let the process exit."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(Exception):
-                self.call("close")
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=PATIENCE_S)
+        self.stop_process()
 
 
 @pytest.fixture

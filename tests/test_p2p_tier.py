@@ -11,19 +11,18 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import select
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import msgspec
 import numpy as np
 import psutil
 import pytest
 import zmq
 from helpers import Rig, arena_name, namespace, wait_until
+from pipe_commands import PipeClient
 
 from kvoffload.ipc import peer_messages as pm
 from kvoffload.ipc.arena import list_arenas
@@ -64,8 +63,10 @@ def p2p(kind: str, port: int, peers: list[str] = (), **extra) -> dict:
     }
 
 
-class Instance:
+class Instance(PipeClient):
     """A serving instance in its own process, driven over a pipe."""
+
+    patience_s = PATIENCE_S
 
     def __init__(
         self,
@@ -87,33 +88,11 @@ class Instance:
         self.addr: str = reply["advertise"]
         self.worker_pid: int = reply["worker_pid"]
 
-    def call(self, op: str, **args) -> dict:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(msgspec.json.encode({"op": op, **args}) + b"\n")
-        self.proc.stdin.flush()
-        ready, _, _ = select.select([self.proc.stdout], [], [], PATIENCE_S)
-        assert ready, f"instance {self.name} did not answer {op} within {PATIENCE_S} s"
-        line = self.proc.stdout.readline()
-        assert line, f"instance {self.name} exited (rc {self.proc.poll()}) answering {op}"
-        return msgspec.json.decode(line)
-
-    def ok(self, op: str, **args) -> dict:
-        reply = self.call(op, **args)
-        assert "error" not in reply, reply
-        return reply
-
     def store(self, keys: list[bytes]) -> None:
         self.ok("store", keys=[k.hex() for k in keys])
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(Exception):
-                self.call("close")
-            try:
-                self.proc.wait(timeout=PATIENCE_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        self.stop_process()
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.worker_pid, signal.SIGKILL)
 

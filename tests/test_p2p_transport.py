@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import select
 import signal
 import socket
 import struct
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from pipe_commands import PipeClient
 
 from kvoffload.ipc.arena import Arena, list_arenas
 from kvoffload.workers import p2p_transport as pt
@@ -45,8 +45,10 @@ KINDS = [
 ]
 
 
-class PeerProc:
+class PeerProc(PipeClient):
     """One peer process and its command pipe."""
+
+    patience_s = PATIENCE_S
 
     def __init__(self, tag: str, kind: str, env: dict[str, str] | None = None):
         self.name = f"kvoffload_p2ptest_{os.getpid()}_{tag}_{secrets.token_hex(3)}"
@@ -67,21 +69,6 @@ class PeerProc:
         assert reply["kind"] == kind, reply
         self.descriptor: str = reply["descriptor"]
 
-    def call(self, op: str, **args) -> dict:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(msgspec.json.encode({"op": op, **args}) + b"\n")
-        self.proc.stdin.flush()
-        ready, _, _ = select.select([self.proc.stdout], [], [], PATIENCE_S)
-        assert ready, f"peer {self.name} did not answer {op} within {PATIENCE_S} s"
-        line = self.proc.stdout.readline()
-        assert line, f"peer {self.name} exited (rc {self.proc.poll()}) while answering {op}"
-        return msgspec.json.decode(line)
-
-    def ok(self, op: str, **args) -> dict:
-        reply = self.call(op, **args)
-        assert "error" not in reply, reply
-        return reply
-
     def rows(self) -> list[str]:
         return self.ok("digest")["rows"]
 
@@ -90,15 +77,7 @@ class PeerProc:
 
     def stop(self) -> None:
         """Close cleanly if alive, else reap."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(Exception):
-                os.kill(self.proc.pid, signal.SIGCONT)
-                self.call("close")
-            try:
-                self.proc.wait(timeout=PATIENCE_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        self.stop_process()
 
 
 @pytest.fixture

@@ -254,6 +254,12 @@ class EventPublisher:
             if replay_endpoint:
                 self._replay = replay = self._ctx.socket(zmq.ROUTER)
                 replay.setsockopt(zmq.LINGER, 0)
+                # A replay is every buffered batch at once: past a send high-water mark a ROUTER
+                # drops what does not fit, silently, and the client would take a gap for the
+                # whole history (it gets the end marker). No limit (a replay is bounded by the
+                # buffer), and a client that went away is an error, not a silent drop.
+                replay.setsockopt(zmq.SNDHWM, 0)
+                replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
                 replay.bind(replay_endpoint)
                 self.replay_endpoint = replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError:
@@ -363,7 +369,12 @@ class EventPublisher:
         client = frames[0]
         start = int.from_bytes(frames[2], "big")
         topic = frames[3] if len(frames) == 4 else self._topics[0]
-        for seq, payload in list(self._buffers.get(topic, ())):
-            if seq >= start:
-                replay.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload))
-        replay.send_multipart((client, b"", b"", END_SEQ, b""))
+        try:
+            for seq, payload in list(self._buffers.get(topic, ())):
+                if seq >= start:
+                    replay.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload))
+            replay.send_multipart((client, b"", b"", END_SEQ, b""))
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            log.warning("kvoffload events: a replay client went away mid-replay; its replay ends")

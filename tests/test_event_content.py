@@ -419,3 +419,27 @@ def test_published_movements_decode_with_the_one_movement_schema():
         decode_movement_batch(broken)
     with pytest.raises(ValueError, match="8-byte seq"):
         decode_movement_message([MOVEMENTS_TOPIC.encode(), b"\x00", body])
+
+
+def test_a_replay_longer_than_a_zmq_high_water_mark_has_no_gap():
+    """A replay sends every buffered batch at once: 5,000 of them (five times ZMQ's default send
+    high-water mark, where a ROUTER drops silently) all reach the client, in order, then the end
+    marker."""
+    from kvoffload.config import KVEventsConfig
+    from kvoffload.events import EventPublisher, Movement
+    from kvoffload.ipc.names import MOVEMENTS_TOPIC
+
+    n = 5000
+    config = KVEventsConfig(
+        endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", buffer_steps=2 * n
+    )
+    pub = EventPublisher(config, instance="m0", data_parallel_rank=0)
+    try:
+        moved = [Movement(key=b"\x01" * 16, src="host", dst="fs", locality="local", nbytes=4096)]
+        for _ in range(n):
+            pub.publish([], moved)
+        assert pub.flush()
+        got = replay(pub.replay_endpoint, 0, MOVEMENTS_TOPIC.encode())
+    finally:
+        pub.close()
+    assert [seq for seq, _ in got] == list(range(n))

@@ -2,9 +2,9 @@
 
 ::
 
-    engine ──task──▶ [jobs DEALER] ─▶ handle(task) ─▶ tier I/O module (fs_io, ...) ◀──▶ storage
-                                          │  reads/writes arena rows in place (no payload copies)
-    engine ◀─result── [results PUSH] ◀────┘
+    engine ──task──▶ [jobs DEALER] ─▶ loop ─chunks─▶ I/O threads ─▶ tier I/O module ◀──▶ storage
+                                       ▲  (fs_io, ...) reads/writes arena rows in place (no copies)
+    engine ◀─result── [results PUSH] ◀─┴── a task's last chunk done (wake-up pipe)
 
 Started by the engine-side worker pool as ``python -m kvoffload.workers.main`` (a fresh interpreter:
 spawn, never fork) with its :class:`~kvoffload.ipc.messages.WorkerSpec` as JSON in ``KVOFFLOAD_WORKER``
@@ -98,7 +98,9 @@ class _ErrorLog:
 
 
 class Worker:
-    """The worker loop: one task at a time from the jobs socket, one result each.
+    """The worker loop: tasks from the jobs socket, one result each. With I/O threads, store and
+    load tasks run side by side, started in the order they arrive, each answered when its chunks
+    are done; any other task waits for those and runs alone (:meth:`run`).
 
     Containment (CASES C25): whatever a task raises, the worker answers it and goes on. Per key, an
     ``OSError`` from the I/O module fails that key with ``IO_ERROR`` and anything else with

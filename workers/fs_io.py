@@ -191,7 +191,12 @@ class FsIO:
             header = cf.build_header(self.ns_bytes, key, src)
             d = os.path.dirname(final)
             if d not in self._dirs:
-                os.makedirs(d, exist_ok=True)
+                try:  # the leaf alone first: its parent usually exists (one syscall, not two)
+                    os.mkdir(d)
+                except FileExistsError:
+                    pass
+                except FileNotFoundError:
+                    os.makedirs(d, exist_ok=True)
                 self._dirs.add(d)
             tmp = os.path.join(
                 d, f".{key.hex()}.{self._tmp_tag}.{next(self._tmp_counter)}{cf.TMP_SUFFIX}"

@@ -166,6 +166,28 @@ class WorkerChannels:
             return self.jobs.recv()
         return None
 
+    def watch(self, fd: int) -> None:
+        """Also wake :meth:`wait` when the file descriptor ``fd`` is readable (a wake-up pipe)."""
+        self.poller.register(fd, zmq.POLLIN)
+
+    def wait(self, timeout_s: float, tasks: bool = True) -> dict:
+        """Wait up to ``timeout_s`` seconds for a task (unless ``tasks`` is False) or a watched
+        descriptor; returns what is ready (``self.jobs`` and/or the descriptors, as keys)."""
+        if not tasks:
+            self.poller.modify(self.jobs, 0)
+        try:
+            return dict(self.poller.poll(int(timeout_s * 1000)))
+        finally:
+            if not tasks:
+                self.poller.modify(self.jobs, zmq.POLLIN)
+
+    def try_task(self) -> bytes | None:
+        """The next task's bytes if one is there now, else None."""
+        try:
+            return self.jobs.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+
     def send_result(self, payload: bytes) -> None:
         """Send one encoded ``TaskResult`` to the engine (never blocks for long: a PUSH socket)."""
         self.results.send(payload)

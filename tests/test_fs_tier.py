@@ -763,3 +763,36 @@ def test_c23_lookup_among_100k_chunk_files_fanned_out_over_directories(tmp_path)
         rig.evict_all()
         assert rig.resolve([real]) == [HIT]
         assert np.array_equal(rig.read([real])[0], payload(real))
+
+
+def test_a_task_behind_a_paused_one_in_the_same_worker_is_not_held_up(tmp_path):
+    """A worker starts store and load tasks as they arrive: with its only writer paused inside one
+    store (before its rename), a store sent after it is written, published and answered, with no
+    deadline passing (a worker running one task at a time would answer it only after the gate)."""
+    gate = tmp_path / "gate"
+    k1, k2 = keys_for(2)
+    fault = {
+        "point": "before_publish",
+        "action": "wait_file",
+        "arg": str(gate),
+        "key_hex": k1.hex(),
+    }
+    root = tmp_path / "root"
+    cfg = fs_tier(root, write_workers=1, chunks_per_task=1, job_timeout_s=600.0, faults=[fault])
+    with Rig([cfg], num_slots=4) as rig:
+        rig.wait_workers_ready()
+        rig.store([k1], wait=False)
+        wait_paused(gate, step=rig.tm.poll)
+        rig.store([k2], wait=False)
+        wait_until(
+            lambda: rig.tm.stats.cascaded["fs"] == 1,
+            what="the second store answered while the first is paused",
+            step=rig.tm.poll,
+        )
+        assert os.path.exists(chunk_path(rig, root, k2))
+        assert not os.path.exists(chunk_path(rig, root, k1))
+        gate.touch()
+        assert rig.tm.wait_idle(120)
+        assert rig.tm.stats.cascaded["fs"] == 2
+        assert os.path.exists(chunk_path(rig, root, k1))
+        assert rig.fs.counters.get("job_timeouts", 0) == 0

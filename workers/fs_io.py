@@ -152,11 +152,15 @@ class FsIO:
         self._direct_writes = config.direct_io in ("writes", "both")
         self._fallback_lock = threading.Lock()
 
-    def _scratch(self) -> mmap.mmap:
-        buf = getattr(self._local, "buf", None)
-        if buf is None:
-            buf = self._local.buf = mmap.mmap(-1, cf.HEADER_BYTES)
-        return buf
+    def _scratch(self) -> tuple[memoryview, memoryview]:
+        """This thread's page-aligned scratch: the header page, and one page more that a load
+        reads past a chunk file's end into (a longer file fills it)."""
+        pages = getattr(self._local, "pages", None)
+        if pages is None:
+            buf = mmap.mmap(-1, 2 * cf.HEADER_BYTES)
+            view = memoryview(buf)
+            pages = self._local.pages = (view[: cf.HEADER_BYTES], view[cf.HEADER_BYTES :])
+        return pages
 
     def path(self, key: bytes) -> str:
         """The chunk file of ``key`` (under the namespace directory, fanned out by key prefix)."""
@@ -187,7 +191,12 @@ class FsIO:
             header = cf.build_header(self.ns_bytes, key, src)
             d = os.path.dirname(final)
             if d not in self._dirs:
-                os.makedirs(d, exist_ok=True)
+                try:  # the leaf alone first: its parent usually exists (one syscall, not two)
+                    os.mkdir(d)
+                except FileExistsError:
+                    pass
+                except FileNotFoundError:
+                    os.makedirs(d, exist_ok=True)
                 self._dirs.add(d)
             tmp = os.path.join(
                 d, f".{key.hex()}.{self._tmp_tag}.{next(self._tmp_counter)}{cf.TMP_SUFFIX}"
@@ -220,7 +229,7 @@ class FsIO:
         create the file first: CASES C31) or at the first aligned write, gets the chunk written
         again with buffered I/O, from a fresh file under the same name: the name is this writer's
         own (:func:`temp_tag`), so removing what the refused attempt left is safe."""
-        hbuf = self._scratch()
+        hbuf = self._scratch()[0]
         hbuf[:] = header  # aligned copy: O_DIRECT needs aligned buffers
         direct = self._direct_writes
         while True:
@@ -328,28 +337,26 @@ class FsIO:
                 os.close(fd)
 
     def _read_chunk(self, fd: int, path: str, key: bytes, dst: memoryview) -> IOOutcome:
-        size = os.fstat(fd).st_size
-        if size != self.file_bytes:
+        """Header and payload in one read (one I/O: the header page lands in this thread's
+        scratch, the payload straight in the arena row), one page past the end to see a longer
+        file, then the header and the payload checksum verified."""
+        self.faults.hit("after_metadata_before_read", key)
+        self.faults.hit("read_payload", key)
+        head, tail = self._scratch()
+        n = os.preadv(fd, [head, memoryview(dst).cast("B"), tail], 0)
+        if n != self.file_bytes:
+            size = os.fstat(fd).st_size
+            if size == self.file_bytes:  # a short read of a whole file: not the file's fault
+                return IOOutcome(m.IO_ERROR, 0, f"read {key.hex()[:16]}: {n} of {size} bytes")
             self._remove_corrupt(path, fd)
             return IOOutcome(
                 m.CORRUPT, 0, f"{key.hex()[:16]}: size {size}, expected {self.file_bytes}"
             )
-        hbuf = self._scratch()
-        n = os.preadv(fd, [hbuf], 0)
-        if n != cf.HEADER_BYTES:
-            self._remove_corrupt(path, fd)
-            return IOOutcome(m.CORRUPT, 0, f"{key.hex()[:16]}: short header")
         try:
-            checksum = cf.parse_header(hbuf[:], self.ns_bytes, key, self.cfg.row_bytes)
+            checksum = cf.parse_header(head.tobytes(), self.ns_bytes, key, self.cfg.row_bytes)
         except cf.ChunkFormatError as e:
             self._remove_corrupt(path, fd)
             return IOOutcome(m.CORRUPT, 0, f"{key.hex()[:16]}: {e}")
-        self.faults.hit("after_metadata_before_read", key)
-        self.faults.hit("read_payload", key)
-        n = _read_all(fd, dst, cf.HEADER_BYTES)
-        if n != self.cfg.row_bytes:
-            self._remove_corrupt(path, fd)
-            return IOOutcome(m.CORRUPT, 0, f"{key.hex()[:16]}: short payload ({n} bytes)")
         if cf.payload_checksum(dst) != checksum:
             self._remove_corrupt(path, fd)
             return IOOutcome(m.CORRUPT, 0, f"{key.hex()[:16]}: checksum mismatch")
@@ -430,17 +437,6 @@ def _write_all(fd: int, buffers: list) -> None:
             views.pop(0)
         if views and n:
             views[0] = views[0][n:]
-
-
-def _read_all(fd: int, dst: memoryview, offset: int) -> int:
-    view = memoryview(dst).cast("B")
-    total = 0
-    while total < view.nbytes:
-        n = os.preadv(fd, [view[total:]], offset + total)
-        if n == 0:
-            break
-        total += n
-    return total
 
 
 def make_io(config: FsIOConfig, faults: Faults) -> FsIO:  # a chunkio.MakeIO

@@ -2,9 +2,9 @@
 
 ::
 
-    engine ──task──▶ [jobs DEALER] ─▶ handle(task) ─▶ tier I/O module (fs_io, ...) ◀──▶ storage
-                                          │  reads/writes arena rows in place (no payload copies)
-    engine ◀─result── [results PUSH] ◀────┘
+    engine ──task──▶ [jobs DEALER] ─▶ loop ─chunks─▶ I/O threads ─▶ tier I/O module ◀──▶ storage
+                                       ▲  (fs_io, ...) reads/writes arena rows in place (no copies)
+    engine ◀─result── [results PUSH] ◀─┴── a task's last chunk done (wake-up pipe)
 
 Started by the engine-side worker pool as ``python -m kvoffload.workers.main`` (a fresh interpreter:
 spawn, never fork) with its :class:`~kvoffload.ipc.messages.WorkerSpec` as JSON in ``KVOFFLOAD_WORKER``
@@ -19,13 +19,15 @@ core, and exits within a poll interval once its engine process is gone (the engi
 from __future__ import annotations
 
 import errno
+import gc
 import importlib
 import os
+import queue
 import sys
 import threading
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
 
 import msgspec
 import psutil
@@ -96,7 +98,9 @@ class _ErrorLog:
 
 
 class Worker:
-    """The worker loop: one task at a time from the jobs socket, one result each.
+    """The worker loop: tasks from the jobs socket, one result each. With I/O threads, store and
+    load tasks run side by side, started in the order they arrive, each answered when its chunks
+    are done; any other task waits for those and runs alone (:meth:`run`).
 
     Containment (CASES C25): whatever a task raises, the worker answers it and goes on. Per key, an
     ``OSError`` from the I/O module fails that key with ``IO_ERROR`` and anything else with
@@ -128,17 +132,24 @@ class Worker:
                 f"{spec.io_module}.make_io returned {type(self.io).__name__}, which "
                 f"lacks {', '.join(missing)} (see kvoffload.workers.chunkio.ChunkIO)"
             )
-        # Several chunks of a task in flight at once: the I/O calls release the GIL, so threads
-        # give the disk a deeper queue without more processes.
-        self.pool = (
-            ThreadPoolExecutor(spec.io_threads, thread_name_prefix="io")
-            if spec.io_threads > 1
-            else None
-        )
         self.ctx = zmq.Context(1)
         self.chans = WorkerChannels(
             self.ctx, spec.jobs_endpoint, spec.results_endpoint, spec.identity
         )
+        # Chunks in flight at once, of this task and of the next ones: the I/O calls release the
+        # GIL, so threads give the disk a deeper queue without more processes.
+        self._chunks: queue.SimpleQueue[tuple[_Running, int] | None] = queue.SimpleQueue()
+        self._done: deque[_Running] = deque()
+        self._done_lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._wake_r = self._wake_w = -1
+        if spec.io_threads > 1:
+            self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+            self.chans.watch(self._wake_r)
+            for i in range(spec.io_threads):
+                t = threading.Thread(target=self._io_loop, name=f"io_{i}", daemon=True)
+                t.start()
+                self._threads.append(t)
 
     def parent_alive(self) -> bool:
         """True while the engine process that spawned this worker is its parent."""
@@ -152,34 +163,183 @@ class Worker:
             return "the arena is closed"
         return None
 
+    def populate_arena(self) -> None:
+        """A reader maps the arena's pages writable ahead of use, in a thread of its own at the
+        worker's priority, so its loads take no page fault per 4 KiB page the first time a file
+        lands in a row (:meth:`~kvoffload.ipc.arena.Arena.populate`; a refusal changes
+        nothing). Writers only read rows, and read faults map 16 pages at a time."""
+        if self.spec.kind == "loads":
+            threading.Thread(target=self.arena.populate, name="populate", daemon=True).start()
+
     def run(self) -> None:
-        """Say hello, then serve tasks until a stop task, the engine's death or the arena's loss."""
+        """Say hello, then serve tasks until a stop task, the engine's death or the arena's loss.
+
+        With I/O threads, store and load tasks are started as they arrive (their chunks queued to
+        the threads, in task order) and answered as they finish, so the next task's chunks keep
+        the disk busy while this one's last chunk is still moving. Any other task (probe,
+        delete, scan, stop) waits until every started task is answered, then runs alone, so it
+        sees what the tasks sent before it did."""
         self.chans.say_hello(m.encode(m.Hello(self.spec.worker_id, os.getpid())))
-        while True:
-            data = self.chans.next_task(_POLL_S)
-            if not self.parent_alive():
-                return  # the engine is gone; its janitor removes the arena
-            if data is None:
-                continue
-            try:
-                task = m.decode_task(data)
-            except msgspec.DecodeError:
-                continue  # not ours to answer: the engine fails tasks it never hears back about
-            if isinstance(task, m.StopTask):
-                return
-            try:
-                result = self.handle(task)
-            except DropTask:
-                continue
-            except Exception as e:
-                if self.fatal():
+        if not self._threads:
+            while True:
+                data = self.chans.next_task(_POLL_S)
+                if not self.parent_alive():
+                    return  # the engine is gone; its janitor removes the arena
+                if data is not None and not self._serve(data):
                     return
-                result = self.failed_task(task, e)
-            messages = self.replies(task, result) if self.faults else [result]
-            if messages:
-                messages[-1].counters = counters.take()
-            for msg in messages:
-                self.chans.send_result(m.encode(msg))
+        running = 0
+        held: m.Task | None = None  # a task that waits until the started ones are answered
+        while True:
+            taking = held is None
+            events = self.chans.wait(_POLL_S, tasks=taking)
+            if not self.parent_alive():
+                return
+            if self._wake_r in events:
+                _drain(self._wake_r)
+            while self._done:
+                run = self._done.popleft()
+                running -= 1
+                if not self._finish(run):
+                    return
+            if held is not None:
+                if running:
+                    continue
+                task, held = held, None
+                if not self._serve_task(task):
+                    return
+                continue
+            if self.chans.jobs not in events:
+                continue
+            while held is None:
+                data = self.chans.try_task()
+                if data is None:
+                    break
+                try:
+                    task = m.decode_task(data)
+                except msgspec.DecodeError:
+                    continue  # not ours to answer: the engine fails tasks it never hears back about
+                if isinstance(task, (m.StoreTask, m.LoadTask)):
+                    started = self._start(task)
+                    if started is None:
+                        return
+                    running += started
+                elif running:
+                    held = task
+                elif not self._serve_task(task):
+                    return
+
+    def _serve(self, data: bytes) -> bool:
+        """Decode one task, run it here and answer it; False when the worker must stop."""
+        try:
+            task = m.decode_task(data)
+        except msgspec.DecodeError:
+            return True  # not ours to answer: the engine fails tasks it never hears back about
+        return self._serve_task(task)
+
+    def _serve_task(self, task: m.Task) -> bool:
+        """Run one task here and answer it; False when the worker must stop."""
+        if isinstance(task, m.StopTask):
+            return False
+        try:
+            result = self.handle(task)
+        except DropTask:
+            return True
+        except Exception as e:
+            if self.fatal():
+                return False
+            result = self.failed_task(task, e)
+        self._answer(task, result)
+        return True
+
+    def _answer(self, task: m.Task, result: m.TaskResult) -> None:
+        """Send ``result`` (as the reply faults leave it), with the worker's counts."""
+        messages = self.replies(task, result) if self.faults else [result]
+        if messages:
+            messages[-1].counters = counters.take()
+        for msg in messages:
+            self.chans.send_result(m.encode(msg))
+
+    def _start(self, task: m.StoreTask | m.LoadTask) -> int | None:
+        """Hand a store or load task's chunks to the I/O threads. Returns 1 when started, 0 when
+        it was answered (or dropped) at once, None when the worker must stop."""
+        try:
+            if self.faults:
+                first = _first_key(task)
+                self.faults.hit("task", first)
+                self.faults.hit(type(task).__name__.removesuffix("Task").lower(), first)
+            n = min(len(task.keys), len(task.slots))
+        except DropTask:
+            return 0
+        except Exception as e:
+            if self.fatal():
+                return None
+            self._answer(task, self.failed_task(task, e))
+            return 0
+        if n == 0:
+            self._answer(task, _result(task.task_id, self.spec.worker_id, [], 0.0))
+            return 0
+        run = _Running(task, n)
+        put = self._chunks.put
+        for i in range(n):
+            put((run, i))
+        return 1
+
+    def _io_loop(self) -> None:
+        """One I/O thread: moves queued chunks; the thread that moves a task's last chunk hands
+        the task back to the loop and wakes it."""
+        get = self._chunks.get
+        rows = self.rows
+        nrows = len(rows)
+        while True:
+            item = get()
+            if item is None:
+                return
+            run, i = item
+            task = run.task
+            slot, key = task.slots[i], task.keys[i]
+            try:
+                if not 0 <= slot < nrows:
+                    run.outcomes[i] = IOOutcome(m.REJECTED, 0, f"slot {slot} out of range")
+                elif run.store:
+                    run.outcomes[i] = self.contained(
+                        "store", key, self.io.store, memoryview(rows[slot])
+                    )
+                else:
+                    run.outcomes[i] = self.contained(
+                        "load", key, self.io.load, memoryview(rows[slot])
+                    )
+            except DropTask:
+                run.dropped = True
+            except BaseException as e:
+                run.error = e
+            with self._done_lock:
+                run.left -= 1
+                last = run.left == 0
+            if last:
+                self._done.append(run)
+                try:
+                    os.write(self._wake_w, b"\0")
+                except BlockingIOError:
+                    pass  # the pipe is full: the loop will wake anyway
+
+    def _finish(self, run: _Running) -> bool:
+        """Answer a task whose chunks have all moved; False when the worker must stop."""
+        task = run.task
+        if run.dropped:
+            return True
+        if run.error is not None:
+            if self.fatal():
+                return False
+            if not isinstance(run.error, Exception):
+                raise run.error
+            result = self.failed_task(task, run.error)
+        else:
+            outcomes: list[IOOutcome] = run.outcomes  # type: ignore[assignment]
+            result = _result(
+                task.task_id, self.spec.worker_id, outcomes, time.perf_counter() - run.t0
+            )
+        self._answer(task, result)
+        return True
 
     def replies(self, task: m.Task, result: m.TaskResult) -> list[m.TaskResult]:
         """The messages that answer ``task``: ``result``, as the faults armed at the reply points
@@ -252,18 +412,12 @@ class Worker:
                 else ("load", self.io.load)
             )
             rows = self.rows
-
-            def one(slot_key: tuple[int, bytes]) -> IOOutcome:
-                slot, key = slot_key
+            outcomes = []
+            for slot, key in zip(task.slots, task.keys):
                 if not 0 <= slot < len(rows):
-                    return IOOutcome(m.REJECTED, 0, f"slot {slot} out of range")
-                return self.contained(what, key, op, memoryview(rows[slot]))
-
-            pairs = list(zip(task.slots, task.keys))
-            if self.pool is not None and len(pairs) > 1:
-                outcomes = list(self.pool.map(one, pairs))
-            else:
-                outcomes = [one(p) for p in pairs]
+                    outcomes.append(IOOutcome(m.REJECTED, 0, f"slot {slot} out of range"))
+                else:
+                    outcomes.append(self.contained(what, key, op, memoryview(rows[slot])))
             return _result(task.task_id, wid, outcomes, time.perf_counter() - t0)
         if isinstance(task, m.ProbeTask):
             outcomes = [self.contained("probe", key, self.io.probe) for key in task.keys]
@@ -284,11 +438,38 @@ class Worker:
 
     def close(self) -> None:
         """Release the I/O threads, sockets and the arena mapping."""
-        if self.pool is not None:
-            self.pool.shutdown(wait=False)
+        for _ in self._threads:
+            self._chunks.put(None)
+        if self._wake_r >= 0:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
         self.chans.close()
         self.ctx.term()
         self.arena.close()
+
+
+class _Running:
+    """A store or load task whose chunks are with the I/O threads."""
+
+    __slots__ = ("task", "store", "outcomes", "left", "error", "dropped", "t0")
+
+    def __init__(self, task: m.StoreTask | m.LoadTask, n: int):
+        self.task = task
+        self.store = isinstance(task, m.StoreTask)
+        self.outcomes: list[IOOutcome | None] = [None] * n
+        self.left = n
+        self.error: BaseException | None = None
+        self.dropped = False
+        self.t0 = time.perf_counter()
+
+
+def _drain(fd: int) -> None:
+    """Read the wake-up pipe empty."""
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
 
 
 def _first_key(task: m.Task) -> bytes | None:
@@ -332,6 +513,12 @@ def main() -> int:
             f"kvoffload worker {spec.tier_name}/{spec.kind}#{spec.worker_id}: {e}", file=sys.stderr
         )
         return 3
+    # What the imports and the set-up allocated lives as long as the worker: freeze it, so the
+    # cyclic collector, triggered by what the tasks allocate, never walks it again (it took a
+    # tenth of a busy worker's CPU time).
+    gc.collect()
+    gc.freeze()
+    worker.populate_arena()
     try:
         worker.run()
     except KeyboardInterrupt:

@@ -118,7 +118,8 @@ class ProcessTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
         failed_load_ttl_s: how long a key whose load failed answers MISS (seconds, 0 to 86400;
             with 0, the request whose load failed still gets one MISS).
         lookup_cache_entries: bound on remembered "present" verdicts.
-        io_threads: chunks of one task each worker moves at once (threads inside the worker).
+        io_threads: chunks each worker moves at once, of one task or of several (threads inside
+            the worker; store and load tasks start as they arrive).
         worker_nice: niceness added to worker processes (0-19).
         breaker_failures: consecutive failed tasks (transport errors, 5xx, timeouts, dead workers)
             that open the circuit breaker (:mod:`kvoffload.tiers.breaker`): lookups then answer

@@ -226,8 +226,8 @@ class WorkerPool:
         if task is not None:
             self.inflight_count -= 1
             if was_head and inflight:
-                # A worker runs its tasks in order: the next one starts now, and its deadline
-                # counts from now rather than from when it was queued behind this one.
+                # A worker starts its tasks in order: the next one has started by now, and its
+                # deadline counts from now rather than from when it was queued behind this one.
                 head = next(iter(inflight.values()))
                 head.deadline = max(
                     head.deadline, time.monotonic() + (head.timeout_s or self.task_timeout_s)
@@ -273,8 +273,9 @@ class WorkerPool:
                     )
                 rerun = []
                 # A worker that crashed (exited by itself, or on a crash signal) may have been
-                # killed by the task it was running (it runs its tasks in order): that task fails,
-                # never re-run, so a poison task cannot kill a second worker (C25). One killed from
+                # killed by the oldest task it held (it starts its tasks in order; with I/O
+                # threads, several side by side): that task fails, never re-run; the others are
+                # re-run once, so a poison task kills at most two workers (C25). One killed from
                 # outside (SIGKILL / SIGTERM: an operator, the OOM killer) has its tasks re-run.
                 crashed = not w.killed and _crashed(w.proc.returncode)
                 running = next(iter(w.inflight.values()), None) if crashed else None

@@ -334,7 +334,7 @@ class Worker:
                 raise run.error
             result = self.failed_task(task, run.error)
         else:
-            outcomes: list[IOOutcome] = run.outcomes  # type: ignore[assignment]
+            outcomes: list[IOOutcome] = run.outcomes
             result = _result(
                 task.task_id, self.spec.worker_id, outcomes, time.perf_counter() - run.t0
             )

@@ -119,3 +119,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    pt.exit_process(0)

@@ -46,6 +46,7 @@ from kvoffload.workers.p2p_transport import (
     Transport,
     TransportConfig,
     TransportError,
+    exit_process,
     make_transport,
 )
 
@@ -338,4 +339,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

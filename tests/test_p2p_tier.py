@@ -306,6 +306,36 @@ def test_a_peer_sigkilled_mid_transfer_fails_the_job_no_hang_no_leak(world, kind
     wait_until(lambda: tier(b).peers_up() == [] or None, PATIENCE_S, "A marked down")
 
 
+def test_what_a_peer_held_is_forgotten_when_it_goes_down(world):
+    """B learnt that A holds some keys (its lookups HIT); A dies: once B marks it down, none of
+    those keys is a HIT any more and none names A as its origin."""
+    a = world.instance(p2p("tcp", free_port()))
+    keys = keys_for(6, seed=12)
+    a.store(keys)
+    b = world.rig(p2p("tcp", free_port(), [a.addr]))
+    wait_until(
+        lambda: all(tier(b).lookup(k, "r") is HIT for k in keys) or None,
+        PATIENCE_S,
+        "B to find A's keys",
+        step=b.tm.step,
+    )
+    assert {tier(b).origin(k) for k in keys} == {a.addr}
+    os.kill(a.proc.pid, signal.SIGKILL)
+    os.kill(a.worker_pid, signal.SIGKILL)
+    a.proc.wait(PATIENCE_S)
+    wait_until(
+        lambda: tier(b).peers_up() == [] or None, PATIENCE_S, "A marked down", step=b.tm.step
+    )
+    # the node thread tells the engine side right after it marks the link down
+    wait_until(
+        lambda: not [k for k in keys if tier(b).lookup(k, "r2") is HIT] or None,
+        PATIENCE_S,
+        "A's keys to be forgotten",
+        step=b.tm.step,
+    )
+    assert {tier(b).origin(k) for k in keys} == {""}
+
+
 def test_lease_holds_for_a_remote_decoder_until_fetched_then_ends(world):
     pa, pb = free_port(), free_port()
     a = world.rig(p2p("tcp", pa, hold_s=3600.0))

@@ -297,7 +297,12 @@ class P2PTier(SecondaryTierManager):
         self._ctx: zmq.Context | None = None
         self.advertise = ""
         # verdicts: key -> the peer that has it READY; keys no peer has (for negative_ttl_s)
-        self._peer_of: LRUCache[bytes, str] = LRUCache(maxsize=config.lookup_cache_entries)
+        # key -> (the peer that has it, that peer's down count when it was learnt): a peer going
+        # down bumps its count, which voids its entries as they are next read (no scan)
+        self._peer_of: LRUCache[bytes, tuple[str, int]] = LRUCache(
+            maxsize=config.lookup_cache_entries
+        )
+        self._downs: dict[str, int] = {}
         self._absent: TLRUCache[bytes, float] = TLRUCache(
             maxsize=config.lookup_cache_entries, ttu=lambda k, ttl, now: now + ttl
         )
@@ -435,7 +440,7 @@ class P2PTier(SecondaryTierManager):
     @override
     def lookup(self, key: bytes, req_id: str = "") -> LookupResult:
         self._drain()
-        if key in self._peer_of:
+        if self._holder(key):
             return _HIT
         route = self._routes.get(req_id)
         if route is None and key in self._absent:
@@ -459,7 +464,18 @@ class P2PTier(SecondaryTierManager):
 
     @override
     def origin(self, key: bytes) -> str:
-        return self._peer_of.get(key, "")
+        return self._holder(key)
+
+    def _holder(self, key: bytes) -> str:
+        """The peer known to hold ``key`` ("" for none, or one that went down since)."""
+        entry = self._peer_of.get(key)
+        if entry is None:
+            return ""
+        peer, downs = entry
+        if downs != self._downs.get(peer, 0):
+            del self._peer_of[key]
+            return ""
+        return peer
 
     @override
     def wants_store(self, req_id: str) -> bool:
@@ -506,8 +522,8 @@ class P2PTier(SecondaryTierManager):
         by_peer: dict[str, tuple[list[bytes], list[int]]] = {}
         missing = {}
         for key, slot in zip(job.keys, job.slots):
-            peer = self._peer_of.get(key)
-            if peer is None:
+            peer = self._holder(key)
+            if not peer:
                 missing[key] = "missing"
                 continue
             keys, slots = by_peer.setdefault(peer, ([], []))
@@ -568,7 +584,7 @@ class P2PTier(SecondaryTierManager):
                 _, key, peer = r
                 waiting = self._waiting.pop(key, None)
                 if peer is not None:
-                    self._peer_of[key] = peer
+                    self._peer_of[key] = (peer, self._downs.get(peer, 0))
                     self._absent.pop(key, None)
                 else:
                     if self.config.negative_ttl_s > 0:
@@ -592,8 +608,9 @@ class P2PTier(SecondaryTierManager):
                 if meta is None:
                     continue
                 if peer is not None:
+                    downs = self._downs.get(peer, 0)
                     for k in ok:
-                        self._peer_of[k] = peer
+                        self._peer_of[k] = (peer, downs)
                 self._finished.append(
                     JobResult(job_id=job_id, success=not failed, successful_keys=ok, failed=failed)
                     if failed
@@ -601,8 +618,7 @@ class P2PTier(SecondaryTierManager):
                 )
             elif kind == RES_DOWN:
                 _, peer = r
-                for k in [k for k, p in self._peer_of.items() if p == peer]:
-                    del self._peer_of[k]
+                self._downs[peer] = self._downs.get(peer, 0) + 1
             elif kind == RES_FETCHED:
                 _, kvr, keys = r
                 self._fetched(kvr, set(keys))

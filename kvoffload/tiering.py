@@ -24,9 +24,11 @@ Prometheus through :func:`kvoffload.metrics.refresh`; the stress tool and tests 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -310,7 +312,8 @@ class TieringManager:
         # write-through keeps room without evicting held chunks (CASES C37).
         self._hold_cap = max(1, arena.num_slots - self._pin_limit)
         self._step_no = 0
-        self._promo_holds: dict[bytes, list] = {}
+        # in the order their request last looked them up (oldest first): expiry reads the front
+        self._promo_holds: OrderedDict[bytes, list] = OrderedDict()
         self._held_slots: dict[int, int] = {}  # slot -> its holder's rank
         self._held_by: dict[str, set[bytes]] = {}
         self._rank: dict[str, int] = {}
@@ -352,6 +355,7 @@ class TieringManager:
                     h = self._promo_holds.get(key)
                     if h is not None and h[1] == req_id:
                         h[3] = self._step_no
+                        self._promo_holds.move_to_end(key)
                 self._lookup_sample += 1
                 if self._lookup_sample & 63 == 0:  # time 1 in 64 host lookups (histogram's cost)
                     t0 = time.perf_counter()
@@ -501,6 +505,7 @@ class TieringManager:
 
     def _hold(self, key: bytes, slot: int, req_id: str, rank: int) -> None:
         self._promo_holds[key] = [slot, req_id, rank, self._step_no]
+        self._promo_holds.move_to_end(key)
         self._held_slots[slot] = rank
         self._held_by.setdefault(req_id, set()).add(key)
         self._oldest_rank = None
@@ -532,9 +537,10 @@ class TieringManager:
 
     def _expire_holds(self) -> None:
         """Drop holds whose request has not looked their chunk up for ``promotion_hold_steps``
-        steps (it went elsewhere: the chunk is evictable again)."""
-        now, limit = self._step_no, self._hold_steps
-        stale = [k for k, h in self._promo_holds.items() if now - h[3] > limit]
+        steps (it went elsewhere: the chunk is evictable again). The holds are in the order they
+        were last looked up, so only the stale ones at the front are read."""
+        now, limit, holds = self._step_no, self._hold_steps, self._promo_holds
+        stale = list(itertools.takewhile(lambda k: now - holds[k][3] > limit, holds))
         for k in stale:
             self._drop_hold(k)
         self.stats.expired_holds += len(stale)
@@ -556,7 +562,10 @@ class TieringManager:
         holds = self._promo_holds
         by_age = sorted(
             evictable_held,
-            key=lambda s: (-held[s], holds[k][3] if (k := host.keys[s]) in holds else 0),
+            key=lambda s: (
+                -held[s],
+                holds[k][3] if (k := host.keys[s]) is not None and k in holds else 0,
+            ),
         )
         give = set(by_age[:lack])
         return {s for s in held if s not in give}

@@ -48,6 +48,27 @@ def _leftover_namespaces(before: set[str]) -> list[str]:
     return out
 
 
+_exit_status = 0
+
+
+def pytest_sessionfinish(session, exitstatus):
+    global _exit_status
+    _exit_status = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """Where a test made a NIXL agent in this process (vLLM 0.33's p2p tier, driven in-process by
+    tests/test_vllm033_p2p_driver.py), pytest ends through ``exit_process`` after its report: NIXL
+    1.5.1 crashes such a process at interpreter exit (SIGSEGV), which would replace pytest's exit
+    status with -11."""
+    import sys
+
+    pt = sys.modules.get("kvoffload.workers.p2p_transport")
+    if pt is not None and pt.nixl_agent_made():
+        pt.exit_process(_exit_status)
+
+
 def pytest_collection_modifyitems(config, items):
     """``soak`` tests run only when the marker expression names them (``pytest -m soak``)."""
     if "soak" in (config.option.markexpr or ""):

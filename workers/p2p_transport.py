@@ -831,6 +831,18 @@ _nixl_agents_made = False
 """True once this process made a NIXL agent (see :func:`exit_process`)."""
 
 
+def note_nixl_agent() -> None:
+    """Record that this process made a NIXL agent through another library (vLLM's p2p tier, say),
+    so that :func:`exit_process` skips the interpreter's finalization here too."""
+    global _nixl_agents_made
+    _nixl_agents_made = True
+
+
+def nixl_agent_made() -> bool:
+    """Whether this process made a NIXL agent (ours, or one noted by :func:`note_nixl_agent`)."""
+    return _nixl_agents_made
+
+
 def exit_process(status: int) -> NoReturn:
     """End this process with exit ``status``.
 

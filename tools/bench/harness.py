@@ -13,6 +13,7 @@ import platform
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -189,3 +190,50 @@ def plot_bars(
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def ends_process(fn: Callable[..., object]) -> Callable[..., None]:
+    """Decorator for a bench command, or the target of a spawned process, whose process may make a
+    NIXL agent (kvoffload's transport or vLLM's p2p tier): once ``fn`` returns or raises, the
+    process ends through :func:`kvoffload.workers.p2p_transport.exit_process` when an agent was
+    made, so NIXL 1.5.1's SIGSEGV at interpreter exit never replaces its exit status. Status: 0
+    when ``fn`` returns; a ``SystemExit``'s code; a click exception shown with its exit code; 130
+    on Ctrl-C; otherwise the traceback is printed and the status is 1. Without an agent, ``fn``
+    returns and raises as usual."""
+    import functools
+
+    from kvoffload.workers import p2p_transport as pt
+
+    @functools.wraps(fn)
+    def run(*args: object, **kwargs: object) -> None:
+        try:
+            fn(*args, **kwargs)
+        except BaseException as e:
+            if not pt.nixl_agent_made():
+                raise
+            pt.exit_process(_status_of(e))
+        if pt.nixl_agent_made():
+            pt.exit_process(0)
+
+    return run
+
+
+def _status_of(e: BaseException) -> int:
+    """The exit status a process ending on ``e`` has (printing what click or Python would)."""
+    import traceback
+
+    if isinstance(e, SystemExit):
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)
+        return 1
+    if isinstance(e, click.exceptions.Exit):
+        return e.exit_code
+    if isinstance(e, click.ClickException):
+        e.show()
+        return e.exit_code
+    if isinstance(e, (KeyboardInterrupt, click.Abort)):
+        print("Aborted!", file=sys.stderr)
+        return 130 if isinstance(e, KeyboardInterrupt) else 1
+    traceback.print_exception(e)
+    return 1

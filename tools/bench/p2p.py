@@ -37,6 +37,7 @@ import numpy as np
 
 from kvoffload.ipc.arena import Arena
 from kvoffload.tiers.base import LookupResult
+from kvoffload.tools.bench.harness import ends_process
 from kvoffload.workers import p2p_transport as pt
 
 _REQ = struct.Struct("<QQ")  # first slot, number of slots
@@ -57,6 +58,7 @@ def _raw_tcp_server(arena: Arena, sock: socket.socket) -> None:
             conn.sendall(mv[first * row : (first + n) * row])
 
 
+@ends_process
 def _serve(kind: str, num_slots: int, row_bytes: int, conn: Any) -> None:
     """Serving process: owns arena S, runs a transport of ``kind`` and the raw TCP server."""
     arena = Arena.create(f"kvoffload_benchp2p_s_{secrets.token_hex(4)}", num_slots, row_bytes)
@@ -106,6 +108,7 @@ def _bench_keys(n: int) -> list[bytes]:
     return [i.to_bytes(8, "little") + b"kvoffload-bench-p2p-key!" for i in range(n)]
 
 
+@ends_process
 def _serve_tier(kind: str, num_slots: int, row_bytes: int, conn: Any) -> None:
     """Serving instance: an arena whose every slot holds a chunk, served by its p2p tier."""
     arena, tm = _tier_instance(kind, num_slots, row_bytes, [])
@@ -319,6 +322,7 @@ def run(
 @click.option("--latency-n", default=200, show_default=True, help="one-chunk transfers timed")
 @click.option("--ucx-tls", default="", help="UCX_TLS for both processes (e.g. tcp); default UCX's")
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
+@ends_process
 def main(chunk_kib, kinds, total_mib, batch_mib, reps, latency_n, ucx_tls, json_out) -> None:
     """p2p READ throughput and per-chunk latency on loopback, with raw baselines."""
     if ucx_tls:

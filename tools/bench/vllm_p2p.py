@@ -85,8 +85,15 @@ import numpy as np
 import zmq
 
 from kvoffload.tiers.base import LookupResult
-from kvoffload.tools.bench.harness import Payloads, busy_step, calibrate, machine_facts
+from kvoffload.tools.bench.harness import (
+    Payloads,
+    busy_step,
+    calibrate,
+    ends_process,
+    machine_facts,
+)
 from kvoffload.tools.extras import MissingExtra
+from kvoffload.workers import p2p_transport as pt
 
 HOST = "127.0.0.1"
 _P = TypeVar("_P", bound="Pair")
@@ -237,6 +244,7 @@ class Side:
         self.view = self.arena.data  # (rows, row_bytes) memoryview
         self.lock = threading.Lock()
         self.tier: Any = None
+        pt.note_nixl_agent()  # vLLM's p2p tier makes one in this process (see ends_process)
         for attempt in range(5):  # a free port can be taken between the probe and the bind
             self.port = _free_port()
             try:
@@ -308,6 +316,7 @@ class Side:
 # -- producer A (spawned) --------------------------------------------------------------------------
 
 
+@ends_process
 def _producer(conn: Any, row_bytes: int, rows: int, poll_s: float) -> None:
     """Producer process: A's tier on an arena whose row ``i`` holds chunk ``i``'s payload. Parks
     stores on request, steps its tier between messages, reports its counts and CPU time."""
@@ -562,6 +571,7 @@ def kv_key(row_bytes: int, i: int | str) -> bytes:
     return hashlib.sha256(f"kvoffload-bench-vllm-p2p/{row_bytes}/{i}".encode()).digest()
 
 
+@ends_process
 def _kv_producer(conn: Any, row_bytes: int, rows: int, poll_s: float) -> None:
     """Producer process of kvoffload's side: a TieringManager whose host tier holds chunk ``i``
     (:class:`Payloads`) under :func:`kv_key` ``i`` for every row, and one p2p tier (NIXL, ``auth:
@@ -976,6 +986,7 @@ def tiering_manager(row_bytes: int, rows: int, port: int, poll_s: float) -> Any:
 
 
 def _manager_with_port(row_bytes: int, rows: int, poll_s: float) -> tuple[Any, int]:
+    pt.note_nixl_agent()  # vLLM's p2p tier makes one in this process (before: it may fail late)
     for attempt in range(5):  # a free port can be taken between the probe and the bind
         port = _free_port()
         try:
@@ -992,6 +1003,7 @@ def primary_rows(mgr: Any, row_bytes: int) -> np.ndarray:
     return np.asarray(mv).view(np.uint8).reshape(-1, row_bytes)
 
 
+@ends_process
 def _sym_producer(conn: Any, row_bytes: int, rows: int, poll_s: float) -> None:
     """Producer process of the symmetric mode: vLLM's manager stores chunks ``(tag, i)`` with chunk
     ``i``'s payload on request (prepare_store, rows written, complete_store); peers are served by
@@ -1221,6 +1233,7 @@ def sym_measure(
 )
 @click.option("--ucx-tls", default="", help="UCX_TLS for both processes (e.g. tcp); default UCX's")
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
+@ends_process
 def vllm_p2p(
     chunk_kib,
     total_mib,

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import errno
 import importlib
+import mmap
 import os
+import struct
 import sys
 import threading
 import time
@@ -34,13 +36,14 @@ import zmq
 from kvoffload.ipc import messages as m
 from kvoffload.ipc.arena import Arena, ArenaError
 from kvoffload.ipc.channels import WorkerChannels
-from kvoffload.ipc.names import TASK_ERRORS, WORKER_SPEC_ENV
+from kvoffload.ipc.names import TASK_ERRORS, WORKER_MARKER_FD_ENV, WORKER_SPEC_ENV
 from kvoffload.workers import counters
 from kvoffload.workers.chunkio import ChunkIO, IOOutcome, MakeIO
 from kvoffload.workers.faults import DropTask, Faults
 from kvoffload.workers.ioconfig import decode_io_config
 
 _POLL_S = 0.2
+_IDLE = -1  # the task marker between tasks
 _NO_SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 
 
@@ -135,6 +138,7 @@ class Worker:
             if spec.io_threads > 1
             else None
         )
+        self.marker = _open_marker()
         self.ctx = zmq.Context(1)
         self.chans = WorkerChannels(
             self.ctx, spec.jobs_endpoint, spec.results_endpoint, spec.identity
@@ -152,14 +156,24 @@ class Worker:
             return "the arena is closed"
         return None
 
+    def mark(self, task_id: int) -> None:
+        """Publish which task runs now (``_IDLE`` between tasks) in the task marker the engine
+        reads when this process dies (a plain store into shared memory, no system call): a crash
+        is then blamed on the task that was running, not on one whose result was still unsent."""
+        if self.marker is not None:
+            _MARK.pack_into(self.marker, 0, task_id)
+
     def run(self) -> None:
         """Say hello, then serve tasks until a stop task, the engine's death or the arena's loss."""
+        self.mark(_IDLE)
         self.chans.say_hello(m.encode(m.Hello(self.spec.worker_id, os.getpid())))
         while True:
             data = self.chans.next_task(_POLL_S)
             if not self.parent_alive():
                 return  # the engine is gone; its janitor removes the arena
             if data is None:
+                if self.faults:
+                    self.send(self.faults.release())
                 continue
             try:
                 task = m.decode_task(data)
@@ -167,19 +181,29 @@ class Worker:
                 continue  # not ours to answer: the engine fails tasks it never hears back about
             if isinstance(task, m.StopTask):
                 return
+            self.mark(task.task_id)
             try:
                 result = self.handle(task)
             except DropTask:
+                self.mark(_IDLE)
                 continue
             except Exception as e:
                 if self.fatal():
                     return
                 result = self.failed_task(task, e)
-            messages = self.replies(task, result) if self.faults else [result]
+            if self.faults:
+                messages = self.faults.release() + self.replies(task, result)
+            else:
+                messages = [result]
             if messages:
                 messages[-1].counters = counters.take()
-            for msg in messages:
-                self.chans.send_result(m.encode(msg))
+            self.send(messages)
+            self.mark(_IDLE)
+
+    def send(self, messages: list[m.TaskResult]) -> None:
+        """Send results on the results socket, in order."""
+        for msg in messages:
+            self.chans.send_result(m.encode(msg))
 
     def replies(self, task: m.Task, result: m.TaskResult) -> list[m.TaskResult]:
         """The messages that answer ``task``: ``result``, as the faults armed at the reply points
@@ -289,6 +313,26 @@ class Worker:
         self.chans.close()
         self.ctx.term()
         self.arena.close()
+        if self.marker is not None:
+            self.marker.close()
+            self.marker = None
+
+
+_MARK = struct.Struct("=q")
+
+
+def _open_marker() -> mmap.mmap | None:
+    """Map the task marker the worker pool passed (its descriptor in
+    :data:`~kvoffload.ipc.names.WORKER_MARKER_FD_ENV`; the descriptor is closed once mapped), or
+    None when started without one."""
+    raw = os.environ.get(WORKER_MARKER_FD_ENV)
+    if not raw:
+        return None
+    fd = int(raw)
+    try:
+        return mmap.mmap(fd, _MARK.size)
+    finally:
+        os.close(fd)
 
 
 def _first_key(task: m.Task) -> bytes | None:

@@ -5,8 +5,8 @@
     tier manager ──submit(task)──▶ queue ──dispatch──▶ worker k (least loaded, ≤ max_inflight tasks)
                  ◀──take(result)── (the tier manager drains the results socket and hands results here)
     check(now): worker exited → its tasks re-run (attempt 2) or fail WORKER_DIED; after a crash
-                (not a kill from outside) the task it was running fails at once, never re-run (it
-                may be what crashed it); replacement started
+                (not a kill from outside) the task it was running (named by its task marker) fails
+                at once, never re-run (it may be what crashed it); replacement started
                 task past its deadline → worker SIGKILLed; once it has exited, that task fails TIMEOUT
                 and the worker's other tasks re-run
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -32,7 +33,7 @@ import msgspec
 
 from kvoffload.ipc import messages as m
 from kvoffload.ipc.channels import TierChannels
-from kvoffload.ipc.names import WORKER_SPEC_ENV
+from kvoffload.ipc.names import WORKER_MARKER_FD_ENV, WORKER_SPEC_ENV
 
 log = logging.getLogger("kvoffload.tiers.workerpool")
 
@@ -44,6 +45,10 @@ _BROKEN_RETRY_S = 10.0
 _CRASH_SIGNALS = frozenset(
     {signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGFPE, signal.SIGILL}
 )
+
+
+_MARK = struct.Struct("=q")  # the worker's task marker (see WORKER_MARKER_FD_ENV)
+_IDLE = -1
 
 
 def _crashed(returncode: int | None) -> bool:
@@ -80,9 +85,9 @@ class PoolTask:
 
 
 class _WorkerProc:
-    __slots__ = ("wid", "identity", "proc", "ready", "inflight", "killed", "started")
+    __slots__ = ("wid", "identity", "proc", "ready", "inflight", "killed", "started", "marker")
 
-    def __init__(self, wid: int, identity: bytes, proc: subprocess.Popen):
+    def __init__(self, wid: int, identity: bytes, proc: subprocess.Popen, marker: int):
         self.wid = wid
         self.identity = identity
         self.proc = proc
@@ -90,6 +95,20 @@ class _WorkerProc:
         self.inflight: dict[int, PoolTask] = {}
         self.killed = False
         self.started = time.monotonic()
+        self.marker = marker  # descriptor of the worker's task marker (memfd), -1 once closed
+
+    def running_task(self) -> int:
+        """What the worker's task marker says it was running: a task id, ``_IDLE`` (between
+        tasks) or 0 (never written: no marker)."""
+        if self.marker < 0:
+            return 0
+        data = os.pread(self.marker, _MARK.size, 0)
+        return _MARK.unpack(data)[0] if len(data) == _MARK.size else 0
+
+    def close_marker(self) -> None:
+        if self.marker >= 0:
+            os.close(self.marker)
+            self.marker = -1
 
 
 class WorkerPool:
@@ -153,13 +172,24 @@ class WorkerPool:
         spec = self.make_spec(wid, identity)
         env = dict(os.environ)
         env[WORKER_SPEC_ENV] = msgspec.json.encode(spec).decode()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvoffload.workers.main"],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            close_fds=True,
-        )
-        self.workers[identity] = self._by_wid[wid] = _WorkerProc(wid, identity, proc)
+        # The worker's task marker: it stores there the id of the task it runs (no system call per
+        # task); read when it crashes, it names the task to blame even when the result of the task
+        # before was still unsent (CASES C25). Close-on-exec: only this worker inherits it.
+        marker = os.memfd_create(f"kvoffload-{identity.decode()}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(marker, _MARK.size)
+            env[WORKER_MARKER_FD_ENV] = str(marker)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "kvoffload.workers.main"],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                close_fds=True,
+                pass_fds=(marker,),
+            )
+        except BaseException:
+            os.close(marker)
+            raise
+        self.workers[identity] = self._by_wid[wid] = _WorkerProc(wid, identity, proc, marker)
         self.awaiting_hello += 1
         self._last_start = time.monotonic()
 
@@ -273,11 +303,21 @@ class WorkerPool:
                     )
                 rerun = []
                 # A worker that crashed (exited by itself, or on a crash signal) may have been
-                # killed by the task it was running (it runs its tasks in order): that task fails,
-                # never re-run, so a poison task cannot kill a second worker (C25). One killed from
-                # outside (SIGKILL / SIGTERM: an operator, the OOM killer) has its tasks re-run.
+                # killed by the task it was running: that task fails, never re-run, so a poison task
+                # cannot kill a second worker (C25). Its task marker names it; the oldest task it
+                # holds is not enough, as the result of a task finished just before may not have
+                # reached us (lost with the process). Between tasks (idle) none is blamed. Without
+                # a marker, the oldest it holds (it runs them in order). One killed from outside
+                # (SIGKILL / SIGTERM: an operator, the OOM killer) has its tasks re-run.
                 crashed = not w.killed and _crashed(w.proc.returncode)
-                running = next(iter(w.inflight.values()), None) if crashed else None
+                running = None
+                if crashed:
+                    marked = w.running_task()
+                    if marked == 0:
+                        running = next(iter(w.inflight.values()), None)
+                    elif marked != _IDLE:
+                        running = w.inflight.get(marked)
+                w.close_marker()
                 for task in w.inflight.values():
                     self.inflight_count -= 1
                     task.worker = None
@@ -357,6 +397,7 @@ class WorkerPool:
             except subprocess.TimeoutExpired:
                 w.proc.kill()  # busy in a task past the deadline
                 w.proc.wait()
+            w.close_marker()
         self.workers.clear()
         self._by_wid.clear()
         self.inflight_count = 0

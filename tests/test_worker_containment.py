@@ -179,6 +179,22 @@ def test_c25_a_task_that_kills_its_worker_is_not_rerun_on_a_second_worker(tmp_pa
         assert rig.fs.worker_pids()["stores"] == [second]
         assert rig.fs.counters["worker_restarts"] == 1
         _assert_stored(rig, tmp_path, [k for k in keys if k != bad] + nxt)
+        # One task marker per live worker: the dead worker's was closed when it was replaced.
+        live = sum(len(pids) for pids in rig.fs.worker_pids().values())
+        assert len(_task_markers()) == live
+    assert _task_markers() == []
+
+
+def _task_markers() -> list[str]:
+    """This process's open descriptors that are worker task markers (memfds)."""
+    fds = pathlib.Path("/proc/self/fd")
+    links = []
+    for fd in fds.iterdir():
+        try:
+            links.append(os.readlink(fd))
+        except OSError:
+            continue  # the directory's own descriptor, gone by now
+    return [link for link in links if link.startswith("/memfd:kvoffload-")]
 
 
 def test_c25_an_io_module_that_breaks_the_contract_fails_that_key_with_error(

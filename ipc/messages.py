@@ -195,6 +195,7 @@ FaultAction = Literal[
     "reply_long",
     "reply_bad_code",
     "reply_stray",
+    "reply_hold",
 ]
 
 FAULT_ERRORS = (
@@ -235,7 +236,9 @@ class Fault(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             the worker first appends its pid to ``<arg>.reached``, so a test can wait until it is
             paused there); at a reply point only: ``reply_short``, ``reply_empty``, ``reply_long``,
             ``reply_bad_code``, ``reply_stray`` (malformed replies, CASES C24, see
-            :meth:`kvoffload.workers.faults.Faults.reply`).
+            :meth:`kvoffload.workers.faults.Faults.reply`), ``reply_hold`` (the reply is held back
+            and sent before the worker's next reply or when it is next idle: a result finished but
+            not yet on its way when the worker crashes, CASES C25).
         key_hex: only for chunk keys whose hex (lowercase) starts with this; None matches all.
         count: how many times it fires; -1 for always.
         arg: the action's argument.

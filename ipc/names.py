@@ -1,7 +1,8 @@
 """Names that cross a process or module boundary, each defined once here.
 
-- The environment variable that hands a tier worker its spec (:data:`WORKER_SPEC_ENV`): set by the
-  engine's worker pool, read by ``kvoffload.workers.main``; the p2p peer worker's
+- The environment variable that hands a tier worker its spec (:data:`WORKER_SPEC_ENV`), and its
+  task marker (:data:`WORKER_MARKER_FD_ENV`): set by the engine's worker pool, read by
+  ``kvoffload.workers.main``; the p2p peer worker's
   (:data:`PEER_WORKER_SPEC_ENV`), read by ``kvoffload.workers.p2p_worker``.
 - The default topics of the KV-events PUB socket (:data:`EVENTS_TOPIC`, :data:`MOVEMENTS_TOPIC`):
   defaults of ``kv_events.topic`` / ``kv_events.movements_topic``, and what ``kvoffload top``
@@ -18,6 +19,11 @@ from __future__ import annotations
 
 WORKER_SPEC_ENV = "KVOFFLOAD_WORKER"
 """Environment variable holding a tier worker's ``WorkerSpec`` as JSON."""
+WORKER_MARKER_FD_ENV = "KVOFFLOAD_WORKER_MARKER_FD"
+"""Environment variable holding the descriptor number of a tier worker's task marker: a memfd of
+``8 * (1 + io_threads)`` bytes the engine's worker pool creates and passes to the worker. Slot 0
+belongs to the worker's loop, slot ``1 + i`` to its I/O thread ``i``; each stores there (signed
+64-bit, native byte order) the id of the task it is running, -1 when none (0: never written)."""
 PEER_WORKER_SPEC_ENV = "KVOFFLOAD_PEER_WORKER"
 """Environment variable holding the p2p peer worker's ``PeerWorkerSpec`` as JSON."""
 

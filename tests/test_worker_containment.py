@@ -157,11 +157,17 @@ def test_c25_an_error_outside_the_per_key_calls_fails_that_task_only(tmp_path, c
 def test_c25_a_task_that_kills_its_worker_is_not_rerun_on_a_second_worker(tmp_path):
     """A task that takes its worker process down (an ``exit`` fault: what a crash in native code
     does) fails with ``worker_died``; it is not re-run to kill the replacement too. The tasks
-    queued behind it are re-run and stored."""
+    queued behind it are re-run and stored. The result of the task the worker finished just before
+    is held back (``reply_hold``) and dies with the process, as an unflushed reply does: the crash
+    is still blamed on the task that was running, not on that older one. One I/O thread: the
+    worker runs one task at a time (several: the next test)."""
     keys = keys_for(4)
-    bad = keys[0]
-    fault = {"point": "before_read_slot", "action": "exit", "key_hex": bad.hex(), "count": -1}
-    cfg = fs_tier(tmp_path, chunks_per_task=1, faults=[fault])
+    done, bad = keys[0], keys[1]
+    faults = [
+        {"point": "store_reply", "action": "reply_hold", "key_hex": done.hex(), "count": 1},
+        {"point": "before_read_slot", "action": "exit", "key_hex": bad.hex(), "count": -1},
+    ]
+    cfg = fs_tier(tmp_path, chunks_per_task=1, io_threads=1, faults=faults)
     with Rig([cfg], num_slots=8) as rig:
         first = _ready_writer_pid(rig)
         rig.store(keys)
@@ -174,7 +180,53 @@ def test_c25_a_task_that_kills_its_worker_is_not_rerun_on_a_second_worker(tmp_pa
         assert _store_failures(rig) == {"worker_died": 1}
         assert rig.fs.worker_pids()["stores"] == [second]
         assert rig.fs.counters["worker_restarts"] == 1
-        _assert_stored(rig, tmp_path, keys[1:] + nxt)
+        _assert_stored(rig, tmp_path, [k for k in keys if k != bad] + nxt)
+        # One task marker per live worker: the dead worker's was closed when it was replaced.
+        live = sum(len(pids) for pids in rig.fs.worker_pids().values())
+        assert len(_task_markers()) == live
+    assert _task_markers() == []
+
+
+def test_c25_a_crash_with_several_tasks_moving_fails_those_and_kills_one_worker_only(tmp_path):
+    """With I/O threads the worker moves several tasks' chunks at once. When one of them takes the
+    process down, every task whose chunk was moving fails with ``worker_died`` (which one crashed
+    it cannot be told) and none of them is re-run: the poison task never reaches the replacement,
+    which stores what it is given next."""
+    keys = keys_for(8)
+    bad = keys[3]
+    fault = {"point": "before_read_slot", "action": "exit", "key_hex": bad.hex(), "count": -1}
+    cfg = fs_tier(tmp_path, chunks_per_task=1, io_threads=4, faults=[fault])
+    with Rig([cfg], num_slots=16) as rig:
+        first = _ready_writer_pid(rig)
+        rig.store(keys)
+        failed = _store_failures(rig)
+        assert set(failed) == {"worker_died"}
+        assert 1 <= failed["worker_died"] <= 4  # at most one task per I/O thread was moving
+        second = _ready_writer_pid(rig)
+        assert second != first
+        assert rig.fs.counters["worker_restarts"] == 1
+        nxt = keys_for(4, seed=1)
+        rig.store(nxt)
+        assert _store_failures(rig) == failed
+        assert rig.fs.worker_pids()["stores"] == [second]
+        assert rig.fs.counters["worker_restarts"] == 1
+        rig.evict_all()
+        got = rig.resolve(keys)
+        assert got[3] == MISS
+        assert got.count(MISS) == failed["worker_died"]
+        _assert_stored(rig, tmp_path, [k for k, r in zip(keys, got) if r == HIT] + nxt)
+
+
+def _task_markers() -> list[str]:
+    """This process's open descriptors that are worker task markers (memfds)."""
+    fds = pathlib.Path("/proc/self/fd")
+    links = []
+    for fd in fds.iterdir():
+        try:
+            links.append(os.readlink(fd))
+        except OSError:
+            continue  # the directory's own descriptor, gone by now
+    return [link for link in links if link.startswith("/memfd:kvoffload-")]
 
 
 def test_c25_an_io_module_that_breaks_the_contract_fails_that_key_with_error(

@@ -37,6 +37,7 @@ class Faults:
     def __init__(self, specs: list[Fault]):
         self._by_point: dict[str, list[Fault]] = {}
         self._left: dict[int, int] = {}
+        self._held: list[TaskResult] = []
         for f in specs:
             self._by_point.setdefault(f.point, []).append(f)
             self._left[id(f)] = f.count
@@ -65,7 +66,8 @@ class Faults:
         ``probe_reply``, ...) fires (CASES C24): ``reply_short`` (the last verdict left out),
         ``reply_empty`` (no verdicts), ``reply_long`` (one verdict too many), ``reply_bad_code``
         (the last verdict an unknown code), ``reply_stray`` (an extra reply for a task id
-        never sent, before the real one)."""
+        never sent, before the real one); ``reply_hold`` keeps the messages back (none now) until
+        :meth:`release`."""
         out = [result]
         armed = [*self._armed("reply", key), *self._armed(f"{kind}_reply", key)]
         for f in armed:
@@ -85,9 +87,18 @@ class Faults:
                         result.task_id + 1_000_000, result.worker_id, [0] * max(1, len(codes))
                     ),
                 )
+            elif f.action == "reply_hold":
+                self._held.extend(out)
+                return []
             else:
                 self._fire(f)
         return out
+
+    def release(self) -> list[TaskResult]:
+        """The replies held back by ``reply_hold`` faults (sent before the worker's next reply, or
+        when it is next idle); a worker that crashes meanwhile never sends them (CASES C25)."""
+        held, self._held = self._held, []
+        return held
 
     def _armed(self, point: str, key: bytes | None):
         """The faults at ``point`` that fire now for ``key`` (their counts are used up)."""

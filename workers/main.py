@@ -21,8 +21,10 @@ from __future__ import annotations
 import errno
 import gc
 import importlib
+import mmap
 import os
 import queue
+import struct
 import sys
 import threading
 import time
@@ -36,13 +38,15 @@ import zmq
 from kvoffload.ipc import messages as m
 from kvoffload.ipc.arena import Arena, ArenaError
 from kvoffload.ipc.channels import WorkerChannels
-from kvoffload.ipc.names import TASK_ERRORS, WORKER_SPEC_ENV
+from kvoffload.ipc.names import TASK_ERRORS, WORKER_MARKER_FD_ENV, WORKER_SPEC_ENV
 from kvoffload.workers import counters
 from kvoffload.workers.chunkio import ChunkIO, IOOutcome, MakeIO
 from kvoffload.workers.faults import DropTask, Faults
 from kvoffload.workers.ioconfig import decode_io_config
 
 _POLL_S = 0.2
+_IDLE = -1  # a task marker's slot between tasks
+_MARK = struct.Struct("=q")  # one slot of the task marker (WORKER_MARKER_FD_ENV)
 _NO_SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 
 
@@ -132,6 +136,7 @@ class Worker:
                 f"{spec.io_module}.make_io returned {type(self.io).__name__}, which "
                 f"lacks {', '.join(missing)} (see kvoffload.workers.chunkio.ChunkIO)"
             )
+        self.marker = _open_marker()
         self.ctx = zmq.Context(1)
         self.chans = WorkerChannels(
             self.ctx, spec.jobs_endpoint, spec.results_endpoint, spec.identity
@@ -147,7 +152,9 @@ class Worker:
             self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
             self.chans.watch(self._wake_r)
             for i in range(spec.io_threads):
-                t = threading.Thread(target=self._io_loop, name=f"io_{i}", daemon=True)
+                t = threading.Thread(
+                    target=self._io_loop, args=(1 + i,), name=f"io_{i}", daemon=True
+                )
                 t.start()
                 self._threads.append(t)
 
@@ -162,6 +169,14 @@ class Worker:
         if self.arena.closed:
             return "the arena is closed"
         return None
+
+    def mark(self, slot: int, task_id: int) -> None:
+        """Publish in slot ``slot`` of the task marker (0: the loop, 1 + i: I/O thread ``i``)
+        which task that thread is running now, ``_IDLE`` when none: a plain store into shared
+        memory, no system call. The engine reads the marker when this process dies and blames
+        the crash on the tasks named there, not on a task whose result was still unsent."""
+        if self.marker is not None and slot * _MARK.size < len(self.marker):
+            _MARK.pack_into(self.marker, slot * _MARK.size, task_id)
 
     def populate_arena(self) -> None:
         """A reader maps the arena's pages writable ahead of use, in a thread of its own at the
@@ -179,13 +194,17 @@ class Worker:
         the disk busy while this one's last chunk is still moving. Any other task (probe,
         delete, scan, stop) waits until every started task is answered, then runs alone, so it
         sees what the tasks sent before it did."""
+        for slot in range(1 + len(self._threads)):
+            self.mark(slot, _IDLE)
         self.chans.say_hello(m.encode(m.Hello(self.spec.worker_id, os.getpid())))
         if not self._threads:
             while True:
                 data = self.chans.next_task(_POLL_S)
                 if not self.parent_alive():
                     return  # the engine is gone; its janitor removes the arena
-                if data is not None and not self._serve(data):
+                if data is None:
+                    self._release_held()
+                elif not self._serve(data):
                     return
         running = 0
         held: m.Task | None = None  # a task that waits until the started ones are answered
@@ -194,6 +213,8 @@ class Worker:
             events = self.chans.wait(_POLL_S, tasks=taking)
             if not self.parent_alive():
                 return
+            if not events:
+                self._release_held()
             if self._wake_r in events:
                 _drain(self._wake_r)
             while self._done:
@@ -240,6 +261,7 @@ class Worker:
         """Run one task here and answer it; False when the worker must stop."""
         if isinstance(task, m.StopTask):
             return False
+        self.mark(0, task.task_id)
         try:
             result = self.handle(task)
         except DropTask:
@@ -248,20 +270,32 @@ class Worker:
             if self.fatal():
                 return False
             result = self.failed_task(task, e)
+        finally:
+            self.mark(0, _IDLE)
         self._answer(task, result)
         return True
 
     def _answer(self, task: m.Task, result: m.TaskResult) -> None:
         """Send ``result`` (as the reply faults leave it), with the worker's counts."""
-        messages = self.replies(task, result) if self.faults else [result]
+        if self.faults:
+            messages = self.faults.release() + self.replies(task, result)
+        else:
+            messages = [result]
         if messages:
             messages[-1].counters = counters.take()
         for msg in messages:
             self.chans.send_result(m.encode(msg))
 
+    def _release_held(self) -> None:
+        """Send the replies a ``reply_hold`` fault held back, now that the worker is idle."""
+        if self.faults:
+            for msg in self.faults.release():
+                self.chans.send_result(m.encode(msg))
+
     def _start(self, task: m.StoreTask | m.LoadTask) -> int | None:
         """Hand a store or load task's chunks to the I/O threads. Returns 1 when started, 0 when
         it was answered (or dropped) at once, None when the worker must stop."""
+        self.mark(0, task.task_id)
         try:
             if self.faults:
                 first = _first_key(task)
@@ -275,6 +309,8 @@ class Worker:
                 return None
             self._answer(task, self.failed_task(task, e))
             return 0
+        finally:
+            self.mark(0, _IDLE)
         if n == 0:
             self._answer(task, _result(task.task_id, self.spec.worker_id, [], 0.0))
             return 0
@@ -284,12 +320,14 @@ class Worker:
             put((run, i))
         return 1
 
-    def _io_loop(self) -> None:
-        """One I/O thread: moves queued chunks; the thread that moves a task's last chunk hands
-        the task back to the loop and wakes it."""
+    def _io_loop(self, marker_slot: int) -> None:
+        """One I/O thread: moves queued chunks, each under its task's id in slot ``marker_slot``
+        of the task marker; the thread that moves a task's last chunk hands the task back to the
+        loop and wakes it."""
         get = self._chunks.get
         rows = self.rows
         nrows = len(rows)
+        mark = self.mark
         while True:
             item = get()
             if item is None:
@@ -297,6 +335,7 @@ class Worker:
             run, i = item
             task = run.task
             slot, key = task.slots[i], task.keys[i]
+            mark(marker_slot, task.task_id)
             try:
                 if not 0 <= slot < nrows:
                     run.outcomes[i] = IOOutcome(m.REJECTED, 0, f"slot {slot} out of range")
@@ -312,6 +351,7 @@ class Worker:
                 run.dropped = True
             except BaseException as e:
                 run.error = e
+            mark(marker_slot, _IDLE)
             with self._done_lock:
                 run.left -= 1
                 last = run.left == 0
@@ -446,6 +486,7 @@ class Worker:
         self.chans.close()
         self.ctx.term()
         self.arena.close()
+        # The task marker stays mapped until the process ends: an I/O thread may still mark.
 
 
 class _Running:
@@ -461,6 +502,20 @@ class _Running:
         self.error: BaseException | None = None
         self.dropped = False
         self.t0 = time.perf_counter()
+
+
+def _open_marker() -> mmap.mmap | None:
+    """Map the task marker the worker pool passed (its descriptor in
+    :data:`~kvoffload.ipc.names.WORKER_MARKER_FD_ENV`; closed once mapped), or None when started
+    without one."""
+    raw = os.environ.get(WORKER_MARKER_FD_ENV)
+    if not raw:
+        return None
+    fd = int(raw)
+    try:
+        return mmap.mmap(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
 
 
 def _drain(fd: int) -> None:

@@ -5,8 +5,8 @@
     tier manager ──submit(task)──▶ queue ──dispatch──▶ worker k (least loaded, ≤ max_inflight tasks)
                  ◀──take(result)── (the tier manager drains the results socket and hands results here)
     check(now): worker exited → its tasks re-run (attempt 2) or fail WORKER_DIED; after a crash
-                (not a kill from outside) the task it was running fails at once, never re-run (it
-                may be what crashed it); replacement started
+                (not a kill from outside) the tasks it was running (named by its task marker) fail
+                at once, never re-run (one may be what crashed it); replacement started
                 task past its deadline → worker SIGKILLed; once it has exited, that task fails TIMEOUT
                 and the worker's other tasks re-run
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -32,7 +33,7 @@ import msgspec
 
 from kvoffload.ipc import messages as m
 from kvoffload.ipc.channels import TierChannels
-from kvoffload.ipc.names import WORKER_SPEC_ENV
+from kvoffload.ipc.names import WORKER_MARKER_FD_ENV, WORKER_SPEC_ENV
 
 log = logging.getLogger("kvoffload.tiers.workerpool")
 
@@ -44,6 +45,10 @@ _BROKEN_RETRY_S = 10.0
 _CRASH_SIGNALS = frozenset(
     {signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGFPE, signal.SIGILL}
 )
+
+
+_MARK = struct.Struct("=q")  # one slot of a worker's task marker (see WORKER_MARKER_FD_ENV)
+_IDLE = -1
 
 
 def _crashed(returncode: int | None) -> bool:
@@ -80,9 +85,9 @@ class PoolTask:
 
 
 class _WorkerProc:
-    __slots__ = ("wid", "identity", "proc", "ready", "inflight", "killed", "started")
+    __slots__ = ("wid", "identity", "proc", "ready", "inflight", "killed", "started", "marker")
 
-    def __init__(self, wid: int, identity: bytes, proc: subprocess.Popen):
+    def __init__(self, wid: int, identity: bytes, proc: subprocess.Popen, marker: int):
         self.wid = wid
         self.identity = identity
         self.proc = proc
@@ -90,6 +95,25 @@ class _WorkerProc:
         self.inflight: dict[int, PoolTask] = {}
         self.killed = False
         self.started = time.monotonic()
+        self.marker = marker  # descriptor of the worker's task marker (memfd), -1 once closed
+
+    def running_tasks(self) -> set[int] | None:
+        """The ids of the tasks the worker's task marker says it was running (one slot for its
+        loop and one per I/O thread; ``_IDLE`` slots name none), or None when the worker never
+        wrote it (no marker: started by an older worker module, or it died before its hello)."""
+        if self.marker < 0:
+            return None
+        size = os.fstat(self.marker).st_size
+        data = os.pread(self.marker, size, 0)
+        slots = [v for (v,) in _MARK.iter_unpack(data[: len(data) - len(data) % _MARK.size])]
+        if not any(slots):
+            return None
+        return {v for v in slots if v > 0}
+
+    def close_marker(self) -> None:
+        if self.marker >= 0:
+            os.close(self.marker)
+            self.marker = -1
 
 
 class WorkerPool:
@@ -153,13 +177,25 @@ class WorkerPool:
         spec = self.make_spec(wid, identity)
         env = dict(os.environ)
         env[WORKER_SPEC_ENV] = msgspec.json.encode(spec).decode()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvoffload.workers.main"],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            close_fds=True,
-        )
-        self.workers[identity] = self._by_wid[wid] = _WorkerProc(wid, identity, proc)
+        # The worker's task marker: one slot for its loop and one per I/O thread, where each
+        # stores the id of the task it runs (no system call per task); read when the worker
+        # crashes, it names the tasks to blame even when the result of a task finished just
+        # before was still unsent (CASES C25). Close-on-exec: only this worker inherits it.
+        marker = os.memfd_create(f"kvoffload-{identity.decode()}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(marker, _MARK.size * (1 + max(1, spec.io_threads)))
+            env[WORKER_MARKER_FD_ENV] = str(marker)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "kvoffload.workers.main"],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                close_fds=True,
+                pass_fds=(marker,),
+            )
+        except BaseException:
+            os.close(marker)
+            raise
+        self.workers[identity] = self._by_wid[wid] = _WorkerProc(wid, identity, proc, marker)
         self.awaiting_hello += 1
         self._last_start = time.monotonic()
 
@@ -273,18 +309,28 @@ class WorkerPool:
                     )
                 rerun = []
                 # A worker that crashed (exited by itself, or on a crash signal) may have been
-                # killed by the oldest task it held (it starts its tasks in order; with I/O
-                # threads, several side by side): that task fails, never re-run; the others are
-                # re-run once, so a poison task kills at most two workers (C25). One killed from
-                # outside (SIGKILL / SIGTERM: an operator, the OOM killer) has its tasks re-run.
+                # killed by a task it was running: those fail, never re-run, so a poison task
+                # cannot kill a second worker (C25). Its task marker names them (with I/O
+                # threads, the tasks whose chunks were moving); the oldest task it holds is not
+                # enough, as the result of a task finished just before may not have reached us
+                # (lost with the process). Idle, none is blamed. Without a marker, the oldest it
+                # holds. One killed from outside (SIGKILL / SIGTERM: an operator, the OOM killer)
+                # has its tasks re-run.
                 crashed = not w.killed and _crashed(w.proc.returncode)
-                running = next(iter(w.inflight.values()), None) if crashed else None
+                running: set[int] = set()
+                if crashed:
+                    marked = w.running_tasks()
+                    if marked is None:
+                        running = {next(iter(w.inflight), -1)}
+                    else:
+                        running = marked
+                w.close_marker()
                 for task in w.inflight.values():
                     self.inflight_count -= 1
                     task.worker = None
                     if task.timed_out:
                         failed.append((task, m.TIMEOUT))
-                    elif task is running:
+                    elif task.task_id in running:
                         failed.append((task, m.WORKER_DIED))
                     elif task.attempt < self.max_attempts:
                         rerun.append(task)
@@ -358,6 +404,7 @@ class WorkerPool:
             except subprocess.TimeoutExpired:
                 w.proc.kill()  # busy in a task past the deadline
                 w.proc.wait()
+            w.close_marker()
         self.workers.clear()
         self._by_wid.clear()
         self.inflight_count = 0

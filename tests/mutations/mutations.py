@@ -541,6 +541,14 @@ MUTATIONS: list[Mutation] = [
         (WC + "test_c25_an_injected_non_io_error_fails_its_key_and_the_worker_goes_on",),
     ),
     Mutation(
+        "C25",
+        "a worker crash blamed on the oldest task in flight, not on the one its marker names",
+        "kvoffload/tiers/workerpool.py",
+        "                        running = marked\n",
+        "                        running = {next(iter(w.inflight), -1)}\n",
+        (WC + "test_c25_a_task_that_kills_its_worker_is_not_rerun_on_a_second_worker",),
+    ),
+    Mutation(
         "C26",
         "a reset frees slots with transfers in flight",
         "kvoffload/host.py",

@@ -165,6 +165,23 @@ CORE_METRICS: tuple[MetricDef, ...] = (
         ("tier", "state"),
     ),
     Counter("kvoffload_host_evictions", "Chunks evicted from the host tier."),
+    Gauge(
+        "kvoffload_promotion_holds",
+        "Host chunks held for the requests they were promoted for, not loaded yet "
+        "(promotion_hold_steps).",
+    ),
+    Counter(
+        "kvoffload_promotion_waits",
+        "Host-miss lookups told to wait (RETRY) because chunks held for earlier requests' "
+        "promotions filled the host tier.",
+    ),
+    Counter(
+        "kvoffload_promotion_hold_losses",
+        "Promoted chunks whose hold ended before their request loaded them, by reason: evicted "
+        "(a store or an older request's promotion found no other room), expired (not looked up "
+        "for promotion_hold_steps steps). A lost chunk is loaded again if its request returns.",
+        ("reason",),
+    ),
     Counter("kvoffload_tier_evictions", "Chunks evicted from a capacity-bounded tier.", T),
     Counter(
         "kvoffload_dropped_stores",
@@ -422,6 +439,10 @@ def refresh(tm: TieringManager) -> MetricSet:
         m.set_total("kvoffload_tier_queries", st.host_queries, HOST)
         m.set_total("kvoffload_tier_hits", st.host_hits, HOST)
         m.set_total("kvoffload_host_evictions", host.evictions)
+        m.set("kvoffload_promotion_holds", tm.promotion_holds)
+        m.set_total("kvoffload_promotion_waits", st.promotion_waits)
+        m.set_total("kvoffload_promotion_hold_losses", st.evicted_holds, "evicted")
+        m.set_total("kvoffload_promotion_hold_losses", st.expired_holds, "expired")
         dev = tm.arena.device_stats.sum(axis=0)
         m.set_total("kvoffload_device_transfer_bytes", float(dev[0]), "load")
         m.set_total("kvoffload_device_transfer_seconds", float(dev[1]), "load")

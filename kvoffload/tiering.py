@@ -386,6 +386,11 @@ class TieringManager:
         finally:
             lock.release()
 
+    @property
+    def promotion_holds(self) -> int:
+        """Host chunks held now for the requests they were promoted for (not loaded yet)."""
+        return len(self._promo_holds)
+
     def _count_verdict(self, num_tiers: int, hit_tier: int) -> None:
         """A host miss got its verdict after asking the first ``num_tiers`` tiers (``hit_tier``
         answered with a hit, -1 for none)."""

@@ -38,6 +38,9 @@ def test_a_chunk_promoted_for_a_request_is_kept_until_it_loads_and_later_request
         assert [tm.lookup(k, "a") for k in a] == [HIT, HIT]
         assert [tm.lookup(k, "b") for k in b] == [RETRY, RETRY]
         assert tm.stats.promotion_waits == 4
+        ms = tm.refresh_metrics()  # what Prometheus is shown
+        assert ms.get("kvoffload_promotion_waits") == 4
+        assert ms.get("kvoffload_promotion_holds") == 2
         tm.step()
         tm.prepare_load(a, "a")  # a is scheduled: the accelerator copies its chunks
         assert [tm.lookup(k, "b") for k in b] == [RETRY, RETRY]  # still a's until copied
@@ -49,6 +52,9 @@ def test_a_chunk_promoted_for_a_request_is_kept_until_it_loads_and_later_request
         assert [tm.lookup(k, "a") for k in a] == [HIT, HIT]  # nothing of a's was evicted
         assert tm.stats.promotions["fs"] == 4  # each chunk loaded from the fs tier once
         assert tm.stats.evicted_holds == tm.stats.promotion_alloc_failures == 0
+        ms = tm.refresh_metrics()
+        assert ms.get("kvoffload_promotion_holds") == 2  # b's, until b loads them
+        assert ms.get("kvoffload_promotion_hold_losses", "evicted") == 0
 
 
 def test_the_oldest_request_never_waits_and_a_wait_is_bounded(tmp_path):
@@ -84,6 +90,7 @@ def test_holds_lapse_when_their_request_stops_asking(tmp_path):
         for _ in range(3):
             tm.step()
         assert tm.stats.expired_holds == 2
+        assert tm.refresh_metrics().get("kvoffload_promotion_hold_losses", "expired") == 2
         assert [tm.lookup(k, "b") for k in b] == [PENDING, PENDING]
 
 
@@ -127,6 +134,7 @@ def test_a_store_evicts_held_chunks_only_when_nothing_else_makes_room(tmp_path):
         plan = tm.prepare_store(keys_for(2, seed=5), "w")
         assert plan is not None and sorted(plan.evicted) == sorted(a)
         assert tm.stats.evicted_holds == 2
+        assert tm.refresh_metrics().get("kvoffload_promotion_hold_losses", "evicted") == 2
         tm.complete_store(plan.keys, True, "w")
         tm.complete_load(new, "x")
         assert tm.wait_idle(120)

@@ -82,6 +82,7 @@ class _Job:
 HOST_REFUSALS = (
     ("store", "no_evictable_slot"),
     ("store", "batch_truncated"),
+    ("store", "in_tier"),
     ("load", "no_evictable_slot"),
 )
 TIER_REFUSALS = (("store", "pin_limit"), ("store", "queue_full"), ("store", "breaker_open"))
@@ -967,7 +968,11 @@ class TieringManager:
                 self.poll()
             host = self.host
             # held chunks (promoted, not loaded yet) are evicted only when nothing else makes room
-            protect = self._store_protect(keys) if self._held_slots else ()
+            held = self._held_slots
+            protect = self._store_protect(keys) if held else ()
+            if held and len(protect) < len(held):
+                keys = self._spare_holds(keys)
+                protect = self._store_protect(keys)
             plan = host.allocate(keys, protect)
             if plan is None and not polled:
                 self.poll()
@@ -1020,6 +1025,30 @@ class TieringManager:
             if chunk_info is not None and plan is not None and self._kv_events is not None:
                 self._kv_events.remember(plan.keys, chunk_info)
             return plan
+
+    def _spare_holds(self, keys: Sequence[bytes]) -> Sequence[bytes]:
+        """A store of ``keys`` that would evict chunks held for waiting requests, less the new
+        keys a secondary tier is known to hold (:meth:`~kvoffload.tiers.base.SecondaryTierManager
+        .known_present`: a recomputed prefix tail offered again): the host tier does not take
+        those now (counted as refused, reason ``in_tier``), so the held chunks their requests are
+        about to load are not evicted for a copy the tier already has (docs/profiles/thrash.md).
+        Later lookups find them in that tier as before."""
+        host, tiers = self.host, self.tiers
+        keep = [k for k in keys if host.is_present(k) or not any(t.known_present(k) for t in tiers)]
+        skipped = len(keys) - len(keep)
+        if skipped:
+            self._refuse(
+                HOST,
+                "store",
+                "in_tier",
+                skipped,
+                logging.INFO,
+                "kvoffload: host tier left %d chunk(s) of a store to the secondary tier that holds "
+                "them: its room goes to chunks promoted for waiting requests (%s)",
+                skipped,
+                self._occupancy(),
+            )
+        return keep
 
     def _occupancy(self) -> str:
         """Why host slots cannot be evicted, for a log line."""

@@ -141,6 +141,37 @@ def test_a_store_evicts_held_chunks_only_when_nothing_else_makes_room(tmp_path):
         assert [tm.lookup(k, "a") for k in a] == [PENDING, PENDING]  # promoted again
 
 
+def test_a_store_of_chunks_the_fs_tier_holds_does_not_evict_held_chunks(tmp_path):
+    """A request's recomputed tail is offered for store again although the fs tier already holds
+    it (only its prefix was loaded). Where taking it would evict chunks promoted for a waiting
+    request, the host tier leaves it to the fs tier (refused, reason ``in_tier``) and keeps the
+    held chunks; a tail the fs tier does not hold is still taken (CASES C37: the host tier always
+    takes new chunks)."""
+    with Rig([fs_tier(tmp_path / "fs")], num_slots=4) as rig:
+        tm = rig.tm
+        a, tail = keys_for(2, seed=1), keys_for(2, seed=5)
+        _only_in_fs(rig, a + tail)
+        assert [tm.lookup(k, "a") for k in a] == [PENDING, PENDING]
+        tm.step()
+        _landed(rig)
+        new = keys_for(2, seed=4)
+        rig.store(new)
+        tm.prepare_load(new, "x")  # pinned by an accelerator copy: only a's chunks are evictable
+        plan = tm.prepare_store(tail, "w")
+        assert plan is not None and plan.keys == [] and plan.evicted == []
+        assert [tm.lookup(k, "a") for k in a] == [HIT, HIT]  # nothing of a's was evicted
+        assert tm.stats.evicted_holds == 0
+        assert tm.refresh_metrics().get("kvoffload_refused_chunks", "host", "store", "in_tier") == 2
+        fresh = keys_for(2, seed=6)  # not in the fs tier: taken, evicting a's held chunks
+        plan = tm.prepare_store(fresh, "w")
+        assert plan is not None and plan.keys == fresh and sorted(plan.evicted) == sorted(a)
+        assert tm.stats.evicted_holds == 2
+        tm.complete_store(plan.keys, True, "w")
+        tm.complete_load(new, "x")
+        assert tm.wait_idle(120)
+        assert [tm.lookup(k, "t") for k in tail] == [PENDING, PENDING]  # still served by fs
+
+
 def test_without_holds_a_promotion_with_no_room_is_a_miss(tmp_path):
     """``promotion_hold_steps: 0``: the behaviour before holds. A promoted chunk is evictable at
     once and a request that finds no room is told MISS (it recomputes), never RETRY."""

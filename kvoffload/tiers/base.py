@@ -171,6 +171,12 @@ class SecondaryTierManager(ABC):
         empty for a tier of this instance's own (fs, obj, memory)."""
         return ""
 
+    def known_present(self, key: bytes) -> bool:
+        """True when the tier is known to hold ``key`` without asking it (what it stored, or a
+        cached verdict); False when it does not, or cannot tell now. Never blocks or probes: the
+        host tier asks it on the scheduler's thread (see ``TieringManager.prepare_store``)."""
+        return False
+
     def wants_store(self, req_id: str) -> bool:
         """False when this tier does not keep ``req_id``'s chunks at all (a peer tier stores only
         what a remote decoder will fetch or what it pushes): the write-through skips it, and

@@ -64,6 +64,10 @@ class MemoryTier(SecondaryTierManager):
         return LookupResult.HIT if key in self._chunks else LookupResult.MISS
 
     @override
+    def known_present(self, key: bytes) -> bool:
+        return key in self._chunks
+
+    @override
     def submit_store(self, job: JobMetadata) -> None:
         stored, evicted, nbytes = [], [], 0
         for key, slot in zip(job.keys, job.slots):

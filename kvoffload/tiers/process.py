@@ -663,6 +663,11 @@ class ProcessTierManager(SecondaryTierManager):
             self._probe(key)
         return _RETRY
 
+    @override
+    def known_present(self, key: bytes) -> bool:
+        br = self.breaker
+        return (br is None or not br.tripped) and self.verdicts.is_present(key)
+
     def _lookup_tripped(self, key: bytes, br: CircuitBreaker) -> LookupResult:
         """Lookup while the breaker is open or half-open: MISS, unless this lookup is one of the
         half-open trials. A trial asks the tier (a probe), even for a key it is known to hold: the

@@ -86,7 +86,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, NoReturn
+from typing import Any, Literal, NoReturn, TypeVar
 
 import msgspec
 from typing_extensions import override
@@ -215,6 +215,7 @@ def decode_descriptor(raw: bytes) -> Descriptor:
 
 Pairs = Sequence[tuple[int, int]]
 Op = Literal["read", "write"]
+_D = TypeVar("_D", NixlDescriptor, TcpDescriptor)
 
 
 class Transport(abc.ABC):
@@ -242,11 +243,12 @@ class Transport(abc.ABC):
         """Forget peer ``name``; its pending transfers fail (``reason`` "peer removed"). Their local
         slots are free once :meth:`poll` reports them settled (NIXL may need the peer to answer)."""
 
-    @abc.abstractmethod
     def peer_up(self, name: str) -> bool:
         """True when ``name`` was added and no transfer to it has failed since."""
+        with self._lock:
+            peer = self._peers.get(name)
+        return peer is not None and not peer.down
 
-    @abc.abstractmethod
     def read(self, peer: str, pairs: Pairs, deadline_s: float | None = None) -> int:
         """Copy the peer's rows into local rows: ``pairs`` = ``[(remote_slot, local_slot), ...]``.
 
@@ -255,12 +257,17 @@ class Transport(abc.ABC):
         long list, a slot outside either arena, a local slot named twice or a deadline <= 0;
         :class:`PeerDownError` for an unknown or down peer.
         """
+        return self._submit(peer, "read", pairs, deadline_s)
 
-    @abc.abstractmethod
     def write(self, peer: str, pairs: Pairs, deadline_s: float | None = None) -> int:
         """Copy local rows into the peer's rows: ``pairs`` = ``[(local_slot, remote_slot), ...]``.
 
         Same checks as :meth:`read` (a remote slot named twice is refused)."""
+        return self._submit(peer, "write", pairs, deadline_s)
+
+    @abc.abstractmethod
+    def _submit(self, peer: str, op: Op, pairs: Pairs, deadline_s: float | None) -> int:
+        """Start a transfer of ``op`` (see :meth:`read`, :meth:`write`); returns its handle."""
 
     @abc.abstractmethod
     def poll(self, handle: int) -> TransferStatus:
@@ -270,6 +277,45 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Fail every pending transfer, stop threads, release registrations. Idempotent."""
+
+    # What both transports keep: ``_lock`` guards ``_peers`` (name -> peer with ``down`` and
+    # ``desc``) and ``_closed``.
+    _lock: threading.Lock
+    _peers: dict[str, Any]
+    _closed: bool
+
+    def _peer_descriptor(self, name: str, descriptor: bytes, kind: type[_D]) -> _D:
+        """Peer ``name``'s descriptor, decoded and checked: this transport's kind, this arena's
+        row size, and no live peer of that name (TransportError otherwise)."""
+        desc = decode_descriptor(descriptor)
+        if not isinstance(desc, kind):
+            raise TransportError(
+                f"peer {name!r} offers a {type(desc).__name__.removesuffix('Descriptor').lower()} "
+                f"descriptor; this side runs {self.kind}"
+            )
+        if desc.row_bytes != self.arena.row_bytes:
+            raise TransportError(
+                f"peer {name!r} has {desc.row_bytes}-byte slots, this arena "
+                f"{self.arena.row_bytes}-byte slots"
+            )
+        with self._lock:
+            old = self._peers.get(name)
+            if old is not None and not old.down:
+                raise TransportError(f"peer {name!r} is already up; remove it first")
+        return desc
+
+    def _checked(self, peer: str, op: Op, pairs: Pairs) -> tuple[Any, list[int], list[int]]:
+        """Caller holds the lock: the live peer ``peer`` and ``pairs`` split into (local slots,
+        remote slots), validated (see :meth:`read`)."""
+        if self._closed:
+            raise TransportError("transport is closed")
+        p = self._peers.get(peer)
+        if p is None or p.down:
+            raise PeerDownError(f"peer {peer!r} is {'down' if p else 'unknown'}")
+        local, remote = _check_pairs(
+            pairs, self.arena.num_slots, p.desc.num_slots, 1 if op == "read" else 0, peer
+        )
+        return p, local, remote
 
 
 def _deadline(deadline_s: float | None, default_s: float) -> float:
@@ -647,14 +693,7 @@ class TcpTransport(Transport):
 
     @override
     def add_peer(self, name: str, descriptor: bytes) -> None:
-        desc = decode_descriptor(descriptor)
-        if not isinstance(desc, TcpDescriptor):
-            raise TransportError(f"peer {name!r} offers a nixl descriptor; this side runs tcp")
-        if desc.row_bytes != self.arena.row_bytes:
-            raise TransportError(
-                f"peer {name!r} has {desc.row_bytes}-byte slots, this arena "
-                f"{self.arena.row_bytes}-byte slots"
-            )
+        desc = self._peer_descriptor(name, descriptor, TcpDescriptor)
         with self._lock:
             old = self._peers.get(name)
             if old is not None and not old.down:
@@ -676,21 +715,9 @@ class TcpTransport(Transport):
             self._finish(x, TransferState.FAILED, "peer removed")
 
     @override
-    def peer_up(self, name: str) -> bool:
-        with self._lock:
-            peer = self._peers.get(name)
-        return peer is not None and not peer.down
-
     def _submit(self, peer: str, op: Op, pairs: Pairs, deadline_s: float | None) -> int:
         with self._lock:
-            if self._closed:
-                raise TransportError("transport is closed")
-            p = self._peers.get(peer)
-            if p is None or p.down:
-                raise PeerDownError(f"peer {peer!r} is {'down' if p else 'unknown'}")
-            local, remote = _check_pairs(
-                pairs, self.arena.num_slots, p.desc.num_slots, 1 if op == "read" else 0, peer
-            )
+            p, local, remote = self._checked(peer, op, pairs)
             x = _Xfer(
                 next(self._ids),
                 peer,
@@ -702,14 +729,6 @@ class TcpTransport(Transport):
             self._xfers[x.xid] = x
         p.queue.put(x)
         return x.xid
-
-    @override
-    def read(self, peer: str, pairs: Pairs, deadline_s: float | None = None) -> int:
-        return self._submit(peer, "read", pairs, deadline_s)
-
-    @override
-    def write(self, peer: str, pairs: Pairs, deadline_s: float | None = None) -> int:
-        return self._submit(peer, "write", pairs, deadline_s)
 
     def _start(self, x: _Xfer) -> bool:
         with self._lock:
@@ -924,18 +943,9 @@ class NixlTransport(Transport):
 
     @override
     def add_peer(self, name: str, descriptor: bytes) -> None:
-        desc = decode_descriptor(descriptor)
-        if not isinstance(desc, NixlDescriptor):
-            raise TransportError(f"peer {name!r} offers a tcp descriptor; this side runs nixl")
-        if desc.row_bytes != self.arena.row_bytes:
-            raise TransportError(
-                f"peer {name!r} has {desc.row_bytes}-byte slots, this arena "
-                f"{self.arena.row_bytes}-byte slots"
-            )
+        desc = self._peer_descriptor(name, descriptor, NixlDescriptor)
         with self._lock:
             old = self._peers.get(name)
-            if old is not None and not old.down:
-                raise TransportError(f"peer {name!r} is already up; remove it first")
         if old is not None:
             self.remove_peer(name)
         with self._lock:
@@ -983,21 +993,9 @@ class NixlTransport(Transport):
             self.agent.remove_remote_agent(peer.agent_name)
 
     @override
-    def peer_up(self, name: str) -> bool:
-        with self._lock:
-            peer = self._peers.get(name)
-        return peer is not None and not peer.down
-
     def _submit(self, peer: str, op: Op, pairs: Pairs, deadline_s: float | None) -> int:
         with self._lock:
-            if self._closed:
-                raise TransportError("transport is closed")
-            p = self._peers.get(peer)
-            if p is None or p.down:
-                raise PeerDownError(f"peer {peer!r} is {'down' if p else 'unknown'}")
-            local, remote = _check_pairs(
-                pairs, self.arena.num_slots, p.desc.num_slots, 1 if op == "read" else 0, peer
-            )
+            p, local, remote = self._checked(peer, op, pairs)
             xid = next(self._ids)
             deadline = _deadline(deadline_s, self.config.deadline_s)
             try:
@@ -1026,14 +1024,6 @@ class NixlTransport(Transport):
         for x in self._xfers.values():
             if x.peer is peer and not x.failed:
                 x.failed = f"peer is down ({why})"
-
-    @override
-    def read(self, peer: str, pairs: Pairs, deadline_s: float | None = None) -> int:
-        return self._submit(peer, "read", pairs, deadline_s)
-
-    @override
-    def write(self, peer: str, pairs: Pairs, deadline_s: float | None = None) -> int:
-        return self._submit(peer, "write", pairs, deadline_s)
 
     @override
     def poll(self, handle: int) -> TransferStatus:

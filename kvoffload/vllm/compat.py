@@ -198,7 +198,7 @@ def calling_kv_cache_config() -> Any:
         from vllm.v1.kv_cache_interface import KVCacheConfig
     except ImportError:  # pragma: no cover - a vLLM without v1 KV-cache configs
         return None
-    frame = sys._getframe(1)
+    frame: Any = sys._getframe(1)
     try:
         for _ in range(8):  # the spec's __init__, the factory, the connector (subclasses add a few)
             frame = frame.f_back

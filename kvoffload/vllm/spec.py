@@ -292,7 +292,7 @@ class KVOffloadSpec(OffloadingSpec):
             )
             for layout, row in zip(self.group_layouts, self.group_rows, strict=True):
                 log.info("kvoffload: %s", describe_group(layout, row))
-            max_len = getattr(current_model_config(), "max_model_len", None)
+            max_len: int = getattr(current_model_config(), "max_model_len", None) or 0
             # Every group of a request takes its own rows (a windowed group at most its window).
             rows_per_request = chunks_per_request(self.group_layouts, max_len) if max_len else 0
             host_tokens = arena.num_slots * max_len // rows_per_request if rows_per_request else 0

@@ -211,8 +211,26 @@ def chunks_per_request(groups: Sequence[GroupLayout], num_tokens: int) -> int:
     return total
 
 
+def describe_groups(groups: Sequence[GroupLayout], rows: Sequence[GroupRow]) -> list[str]:
+    """Lines for the start-up log, one per run of consecutive groups offloaded alike (vLLM splits
+    e.g. a model's sliding-window layers into several equal groups): ``KV groups 0-4 (...)``."""
+    lines: list[str] = []
+    runs: list[tuple[int, int, str]] = []  # first id, last id, the line after the ids
+    for g, row in zip(groups, rows, strict=True):
+        text = describe_group(g, row).split(" ", 3)[3]
+        if runs and runs[-1][2] == text and runs[-1][1] + 1 == g.group_id:
+            runs[-1] = (runs[-1][0], g.group_id, text)
+        else:
+            runs.append((g.group_id, g.group_id, text))
+    for first, last, text in runs:
+        ids = f"groups {first}-{last}" if last > first else f"group {first}"
+        lines.append(f"KV {ids} {text}")
+    return lines
+
+
 def describe_group(g: GroupLayout, row: GroupRow) -> str:
-    """One line for the start-up log: what is offloaded of group ``g`` and how it fills a row."""
+    """One line for the start-up log: what is offloaded of group ``g`` and how it fills a row
+    (``KV group <id> (<kind>, ...): ...``)."""
     if g.window_chunks is None:
         what = "every chunk of the prefix"
     elif g.is_state:

@@ -47,6 +47,7 @@ from kvoffload.hybrid import (  # noqa: E402
     SLIDING_WINDOW,
     GroupLayout,
     chunks_per_request,
+    describe_groups,
     hit_step,
     hit_tokens,
     row_geometry,
@@ -432,6 +433,15 @@ def test_the_start_log_names_every_offloaded_group_and_how():
     assert "sliding_window" in groups[1] and "only the 2 chunk(s)" in groups[1]
     assert "mamba" in groups[2] and "state at each chunk boundary" in groups[2]
     assert all(f"+ {spec.row_bytes - 2 * 2 * ATTN_PAGE} padding" in g for g in groups)
+
+
+def test_groups_offloaded_alike_share_one_log_line():
+    kvc = kv_cache_config(*[(sliding(), 1)] * 5, (full(), 1))
+    spec = connector_spec(kvc)
+    lines = describe_groups(spec.group_layouts, spec.group_rows)
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("KV groups 0-4 (sliding_window, 1 layers")
+    assert lines[1].startswith("KV group 5 (full_attention, 1 layers")
 
 
 def test_blocks_of_every_group_go_to_their_own_rows_and_come_back_bit_exact():

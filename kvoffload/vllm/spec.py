@@ -24,7 +24,7 @@ from kvoffload.config import (
     ineffective_vllm_keys,
     parse_config,
 )
-from kvoffload.hybrid import GroupLayout, chunks_per_request, describe_group, row_geometry
+from kvoffload.hybrid import GroupLayout, chunks_per_request, describe_groups, row_geometry
 from kvoffload.ipc.arena import Arena, default_name, round_up_to_page, sweep
 from kvoffload.namespace import GroupShape, Namespace, model_fingerprint
 from kvoffload.tiering import TieringManager
@@ -290,8 +290,8 @@ class KVOffloadSpec(OffloadingSpec):
                 ns.id(),
                 tm.tier_names,
             )
-            for layout, row in zip(self.group_layouts, self.group_rows, strict=True):
-                log.info("kvoffload: %s", describe_group(layout, row))
+            for line in describe_groups(self.group_layouts, self.group_rows):
+                log.info("kvoffload: %s", line)
             max_len: int = getattr(current_model_config(), "max_model_len", None) or 0
             # Every group of a request takes its own rows (a windowed group at most its window).
             rows_per_request = chunks_per_request(self.group_layouts, max_len) if max_len else 0

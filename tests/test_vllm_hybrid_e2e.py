@@ -9,8 +9,9 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 pytest.importorskip("vllm")
 
+from hybrid_models import prepare_hybrid_model  # noqa: E402
+
 from kvoffload.tools.demo import SYSTEM, chat, maintenance_log  # noqa: E402
-from kvoffload.tools.hybrid_models import prepare_hybrid_model  # noqa: E402
 from kvoffload.tools.vllm_server import (  # noqa: E402
     ServerSpec,
     VLLMServer,

@@ -6,9 +6,11 @@ weights drawn from a fixed seed, bf16 safetensors, and the demo model's tokenize
 what matters is that they are deterministic, so a reload can be compared token by token with a
 recomputation.
 
-- ``gemma3``: Gemma-3 style text model: sliding-window layers with a full-attention layer every
-  ``sliding_window_pattern`` layers; vLLM's hybrid allocator gives the window layers and the
-  global layers separate KV-cache groups.
+- ``gemma3``: Gemma-3 style text model: five sliding-window layers, then a full-attention one;
+  vLLM's hybrid allocator gives the window layers and the global layer separate KV-cache groups.
+
+Test-only for now (``tools/`` holds what installed commands use); the sliding-window benchmark of
+BENCHMARKS.md will move it there.
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ recomputation.
 
 - ``gemma3``: Gemma-3 style text model: five sliding-window layers, then a full-attention one;
   vLLM's hybrid allocator gives the window layers and the global layer separate KV-cache groups.
+- ``granite4``: Granite-4 style (``GraniteMoeHybridForCausalLM`` without experts): three Mamba2
+  layers, then a full-attention one; a Mamba-state group and an attention group.
 
 Test-only for now (``tools/`` holds what installed commands use); the sliding-window benchmark of
 BENCHMARKS.md will move it there.
@@ -35,6 +37,24 @@ GEMMA3 = {
     "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
     "max_position_embeddings": 4096,
 }
+# Granite-4 style: Mamba2 layers with a full-attention layer every fourth, dense (no experts).
+GRANITE4 = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "shared_intermediate_size": 256,
+    "num_local_experts": 0,
+    "num_hidden_layers": 4,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "mamba_n_heads": 4,
+    "mamba_d_head": 64,
+    "mamba_d_state": 16,
+    "mamba_n_groups": 1,
+    "mamba_chunk_size": 64,
+    "max_position_embeddings": 4096,
+}
+KINDS = ("gemma3", "granite4")
 
 
 def hybrid_model_dir(kind: str, cache_dir: str | os.PathLike | None = None) -> Path:
@@ -47,34 +67,38 @@ def prepare_hybrid_model(kind: str = "gemma3", cache_dir: str | os.PathLike | No
     """Write tiny hybrid model ``kind`` once and return its directory (idempotent).
 
     Args:
-        kind: ``gemma3`` (sliding-window and full-attention layers).
+        kind: one of :data:`KINDS`.
         cache_dir: where to write it; default :func:`hybrid_model_dir`.
 
     Raises:
         ValueError: an unknown ``kind``.
         RuntimeError: the demo model (whose tokenizer is used) cannot be prepared.
     """
-    if kind != "gemma3":
-        raise ValueError(f"unknown hybrid model kind {kind!r}; known: 'gemma3'")
+    if kind not in KINDS:
+        raise ValueError(f"unknown hybrid model kind {kind!r}; known: {', '.join(KINDS)}")
     path = hybrid_model_dir(kind, cache_dir)
     if is_prepared(path):
         return path
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     import torch
-    from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
+    import transformers
 
-    tokenizer = AutoTokenizer.from_pretrained(str(prepare_model()))
-    config = Gemma3TextConfig(
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(prepare_model()))
+    config_cls, model_cls, fields = {
+        "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", GEMMA3),
+        "granite4": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", GRANITE4),
+    }[kind]
+    config = getattr(transformers, config_cls)(
         vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
         tie_word_embeddings=True,
-        **GEMMA3,
+        **fields,
     )
     torch.manual_seed(SEED)
-    model = Gemma3ForCausalLM(config).to(torch.bfloat16)
+    model = getattr(transformers, model_cls)(config).to(torch.bfloat16)
     path.mkdir(parents=True, exist_ok=True)
     (path / _MARKER).unlink(missing_ok=True)
     model.save_pretrained(path, safe_serialization=True)

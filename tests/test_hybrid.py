@@ -493,16 +493,20 @@ def vllm_scheduler():
     """vLLM's ``OffloadingConnectorScheduler`` over our manager (a real host tier), for a model with
     a full-attention, a sliding-window (64 tokens = 4 chunks) and a Mamba group, 16 tokens per
     chunk."""
-    from vllm.config import CacheConfig, VllmConfig
+    from vllm.config import CacheConfig, DeviceConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
         OffloadingConnectorScheduler,
     )
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import init_none_hash
 
+    # the device named: vLLM 0.33's GPU wheel cannot infer one on a machine without a GPU
+    vllm_config = VllmConfig(
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        device_config=DeviceConfig(device="cpu"),
+    )
     kvc = kv_cache_config((full(), 2), (sliding(window=64), 2), (mamba(), 2))
     spec = connector_spec(kvc, {"arena_name": arena_name()})
-    vllm_config = VllmConfig(cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True))
     init_none_hash(sha256)
     sched = OffloadingConnectorScheduler(spec, vllm_config, kvc)
     yield spec, sched

@@ -1,5 +1,6 @@
 """``kvoffload bench ttft``: time to first token on vLLM-CPU for a ≥2k-token history reloaded from
-the fs tier, against the same history recomputed and against a device-cache hit.
+the fs tier, against the same history recomputed and against a device-cache hit (the floor: the
+reload's ratio to it is issue 13's target 5; where its time goes: docs/profiles/ttft.md).
 """
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ def ttft(pairs: int, doc_tokens: int, workdir: Path) -> dict:
         "pairs": pairs,
         "doc_tokens": doc_tokens,
         **med,
+        # each reload against the device hit measured right after it, then the median
+        "reload_vs_device": statistics.median(r["reload_s"] / r["device_s"] for r in rows),
         "reload_vs_recompute": med["reload_s"] / med["recompute_s"],
         "device_vs_recompute": med["device_s"] / med["recompute_s"],
         "rows": rows,
@@ -102,10 +105,10 @@ def bench_ttft(pairs, doc_tokens) -> None:
     finally:
         shutil.rmtree(wd, ignore_errors=True)
     click.echo(
-        f"\n| history | recompute TTFT | fs reload TTFT | device-hit TTFT | reload / recompute "
-        f"| device / recompute |\n|---|---|---|---|---|---|\n"
+        f"\n| history | recompute TTFT | fs reload TTFT | device-hit TTFT | reload / device "
+        f"| reload / recompute | device / recompute |\n|---|---|---|---|---|---|---|\n"
         f"| {r['rows'][0]['prompt_tokens']} tokens | {r['recompute_s']:.3f} s | "
-        f"{r['reload_s']:.3f} s | {r['device_s']:.3f} s | {r['reload_vs_recompute']:.3f}x | "
-        f"{r['device_vs_recompute']:.3f}x |"
+        f"{r['reload_s']:.3f} s | {r['device_s']:.3f} s | {r['reload_vs_device']:.2f}x | "
+        f"{r['reload_vs_recompute']:.3f}x | {r['device_vs_recompute']:.3f}x |"
     )
     click.echo(f"<!-- rows {json.dumps(r['rows'])} -->", err=True)

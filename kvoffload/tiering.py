@@ -3,7 +3,9 @@
 ::
 
     lookup(key) ── host READY ──▶ HIT          (no I/O, no polling: the hot path)
-         │  host WRITING ───────▶ HIT_PENDING  (a store or promotion is in flight)
+         │  host WRITING ─ poll ─▶ HIT_PENDING  (a store or promotion is in flight; a poll, at
+         │                                      most every poll_interval_s while tier jobs are
+         │                                      out, first applies a promotion that landed: HIT)
          └─ host miss: poll completions, then ask tiers in order
                tier HIT  ─▶ reserve a host slot now (WRITING), queue a promotion ─▶ HIT_PENDING
                tier RETRY ─▶ RETRY (probe in flight)          all MISS ─▶ MISS
@@ -347,6 +349,12 @@ class TieringManager:
         try:
             host = self.host
             slot = host.index.get(key)
+            if slot is not None and host.state[slot] != READY and (self._jobs or self._promotions):
+                # being written: a promotion that landed since the last poll answers HIT now,
+                # not one scheduler step later (docs/profiles/ttft.md)
+                if time.monotonic() - self._last_poll >= self._poll_interval:
+                    self.poll()
+                    slot = host.index.get(key)  # a failed promotion freed it: ask the tiers
             stats = self.stats
             if slot is not None:
                 stats.host_queries += 1

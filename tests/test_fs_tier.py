@@ -56,6 +56,62 @@ def test_lookup_never_blocks_retry_while_probing(tmp_path):
         assert b.resolve(keys) == [HIT, HIT]
 
 
+def _lookups_until_settled(rig: Rig, keys: list[bytes]) -> list:
+    """A request's lookups of ``keys`` repeated, with no scheduler step in between, until none is
+    HIT_PENDING; the last answers."""
+    last: list = []
+
+    def settled() -> bool:
+        last[:] = [rig.tm.lookup(k, "r") for k in keys]
+        return PENDING not in last
+
+    wait_until(settled, what="the promotions to land without a scheduler step")
+    return last
+
+
+def test_a_promotion_that_landed_is_a_hit_at_its_requests_next_lookup_without_a_step(tmp_path):
+    """Chunks promoted from the fs tier for a request answer HIT at the request's next lookup
+    once they have landed (the lookup applies the finished promotion), not one scheduler step
+    later: the steps between a reload's last fs read and its accelerator copy
+    (docs/profiles/ttft.md). The bytes are the ones stored, each chunk read from the fs tier
+    once."""
+    with Rig([fs_tier(tmp_path)], num_slots=8) as rig:
+        keys = keys_for(4)
+        rig.store(keys)
+        rig.evict_all()
+        assert [rig.tm.lookup(k, "r") for k in keys] == [PENDING] * 4
+        assert _lookups_until_settled(rig, keys) == [HIT] * 4
+        for k, row in zip(keys, rig.read(keys)):
+            assert np.array_equal(row, payload(k))
+        assert rig.tm.stats.promotions["fs"] == 4
+        assert rig.tm.stats.promotion_failures["fs"] == 0
+
+
+def test_a_promotion_that_failed_is_a_miss_at_its_requests_next_lookup_never_a_hit(tmp_path):
+    """A lookup that applies a finished promotion whose read failed (EIO on one chunk) answers
+    MISS for that chunk (its slot is freed, the fs tier's verdict is the failed load), never HIT;
+    the other chunks of the request are HITs with the bytes stored."""
+    keys = keys_for(4)
+    bad = keys[2]
+    fault = {
+        "point": "read_payload",
+        "action": "raise",
+        "arg": 5,
+        "key_hex": bad.hex(),
+        "count": -1,
+    }
+    with Rig([fs_tier(tmp_path, faults=[fault])], num_slots=8) as rig:
+        rig.store(keys)
+        rig.evict_all()
+        assert [rig.tm.lookup(k, "r") for k in keys] == [PENDING] * 4
+        assert _lookups_until_settled(rig, keys) == [HIT, HIT, MISS, HIT]
+        good = [k for k in keys if k != bad]
+        for k, row in zip(good, rig.read(good)):
+            assert np.array_equal(row, payload(k))
+        assert rig.tm.host.lookup(bad) is MISS
+        assert rig.tm.stats.promotion_failures["fs"] == 1
+
+
 def test_c06_same_length_corruption_is_a_miss_and_the_file_is_removed(tmp_path):
     with Rig([fs_tier(tmp_path)], num_slots=4) as rig:
         k = keys_for(1)[0]

@@ -54,6 +54,7 @@ from kvoffload.hybrid import (  # noqa: E402
 )
 from kvoffload.ipc.arena import Arena  # noqa: E402
 from kvoffload.vllm import KVOffloadSpec  # noqa: E402
+from kvoffload.vllm.hybrid import config_names_window  # noqa: E402
 from kvoffload.vllm.worker import KVOffloadWorker  # noqa: E402
 
 EXTRA = {"spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.vllm"}
@@ -75,9 +76,15 @@ ATTN_PAGE = full().page_size_bytes  # 2 heads x 16 tokens x (64 + 64) x 2 bytes
 
 
 def mamba(conv=(3, 64), ssm=(2, 16, 32)):
-    # vLLM's hybrid allocator pads a Mamba state page to the attention page size
+    # vLLM's hybrid allocator pads a Mamba state page to the attention page size; prefix caching
+    # (which offloading a hybrid model needs) puts Mamba groups in "align" mode, a state kept at
+    # each block boundary (MambaModelConfig.verify_and_update_config, vLLM 0.32 and 0.33)
     return MambaSpec(
-        BLOCK, shapes=(conv, ssm), dtypes=(BF16, torch.float32), page_size_padded=ATTN_PAGE
+        BLOCK,
+        shapes=(conv, ssm),
+        dtypes=(BF16, torch.float32),
+        page_size_padded=ATTN_PAGE,
+        mamba_cache_mode="align",
     )
 
 
@@ -97,12 +104,29 @@ def kv_cache_config(*specs_and_layers):
     )
 
 
+def window_field(spec, tokens_per_chunk: int) -> dict:
+    """The group config's window as vLLM's ``build_offloading_config`` fills it: from 0.33 on
+    ``OffloadingGroupConfig`` carries ``sliding_window_size_in_chunks`` (its scheduler reads it;
+    a config built without it makes every group need the whole prefix); 0.32 has no such field."""
+    if not config_names_window(OffloadingGroupConfig(tokens_per_block=1, layer_names=(),
+                                                     group_id=0)):  # fmt: skip
+        return {}
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
+        get_sliding_window_size_in_chunks,
+    )
+    from vllm.v1.kv_cache_interface import iter_layer_specs
+
+    window = get_sliding_window_size_in_chunks(next(iter(iter_layer_specs(spec))), tokens_per_chunk)
+    return {"sliding_window_size_in_chunks": window}
+
+
 def offloading_config(kvc: KVCacheConfig, extra, *, bpc=1, tp=1, replicated=False):
     groups = tuple(
         OffloadingGroupConfig(
             tokens_per_block=g.kv_cache_spec.block_size,
             layer_names=tuple(g.layer_names),
             group_id=i,
+            **window_field(g.kv_cache_spec, g.kv_cache_spec.block_size * bpc),
         )
         for i, g in enumerate(kvc.kv_cache_groups)
     )
@@ -177,11 +201,15 @@ def test_groups_take_kind_window_bytes_and_shape_from_vllm_specs():
 
 
 def test_a_spec_made_outside_a_connector_keeps_whole_prefix_groups():
+    """Without the engine's KVCacheConfig a group's kind is unknown; its window is the one the
+    group config names (vLLM 0.33: 64 tokens over 16-token chunks), else the whole prefix."""
     kvc = kv_cache_config((full(), 2), (sliding(), 2))
-    spec = KVOffloadSpec(offloading_config(kvc, {**EXTRA, "cpu_bytes_to_use": 1 << 22}))
+    config = offloading_config(kvc, {**EXTRA, "cpu_bytes_to_use": 1 << 22})
+    spec = KVOffloadSpec(config)
+    window = 4 if config_names_window(config.groups[1]) else None
     assert [(g.kind, g.window_chunks) for g in spec.group_layouts] == [
         ("unknown", None),
-        ("unknown", None),
+        ("unknown", window),
     ]
     assert {g.block_bytes for g in spec.group_layouts} == {spec.config.worker_kv_bytes_per_block}
 
@@ -531,8 +559,9 @@ def test_vllm_scheduler_hits_what_every_group_can_serve(vllm_scheduler, prompt, 
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_offload.base import ReqContext, make_offload_key
-    from vllm.v1.request import Request
+    from vllm.v1.request import Request, RequestStatus
 
     spec, sched = vllm_scheduler
     n = next(_REQUESTS)
@@ -553,6 +582,14 @@ def test_vllm_scheduler_hits_what_every_group_can_serve(vllm_scheduler, prompt, 
     sched.on_new_request(req)
     computed = min(computed_chunks * BLOCK, len(req.block_hashes) * BLOCK)
     hit, _ = sched.get_num_new_matched_tokens(req, computed)
+    # the step ends as the engine ends it for a request aborted before it was scheduled: the
+    # connector hears of its finish and builds the step's metadata (where vLLM 0.33 releases the
+    # manager lock that its lookup took)
+    req.status = RequestStatus.FINISHED_ABORTED
+    sched.request_finished(req)
+    step = SchedulerOutput.make_empty()
+    step.finished_req_ids = {req.request_id}
+    sched.build_connector_meta(step)
     want = hit_tokens(
         spec.group_layouts, lambda g, i: stored[g.group_id][i], computed, min(prompt - 1, len(req.block_hashes) * BLOCK)
     )  # fmt: skip

@@ -5,14 +5,33 @@ block and layer names (0.33 adds a sliding window in chunks); the layer kind, pa
 are in the engine's ``KVCacheConfig`` (``kv_cache_groups[group_id].kv_cache_spec``), which the
 ``OffloadingConnector`` holds while it creates the spec (:func:`kvoffload.vllm.compat.calling_kv_cache_config`).
 With it each group gets its kind, window and shape; without it (a spec made outside a connector)
-each group is ``unknown``, sized by the whole worker block, and needs the whole prefix.
+each group is ``unknown``, sized by the whole worker block, and needs the whole prefix (or, 0.33,
+the window the config names).
+
+A group's window is the one vLLM's offloading scheduler uses to compute a hit: from 0.33 on the
+scheduler (and vLLM's own CPU spec) reads the group config's ``sliding_window_size_in_chunks``
+(None: the whole prefix), so that field is taken as it is; 0.32's scheduler computes the window
+from the group's ``KVCacheSpec`` with ``get_sliding_window_size_in_chunks``, and so does this
+module for 0.32.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from kvoffload.hybrid import UNKNOWN, GroupLayout
+
+# vLLM 0.33's ``OffloadingGroupConfig`` field: a group's window in chunks, which its scheduler reads
+CONFIG_WINDOW = "sliding_window_size_in_chunks"
+
+
+def config_names_window(group_config: Any) -> bool:
+    """Whether vLLM's ``OffloadingGroupConfig`` carries the group's window (0.33+), so that its
+    scheduler takes a hit's window from there rather than from the group's ``KVCacheSpec``."""
+    return dataclasses.is_dataclass(group_config) and any(
+        f.name == CONFIG_WINDOW for f in dataclasses.fields(group_config)
+    )
 
 
 def _spec_shape(spec: Any) -> str:
@@ -45,8 +64,9 @@ def _spec_shape(spec: Any) -> str:
 
 
 def _window_chunks(spec: Any, tokens_per_chunk: int) -> int | None:
-    """vLLM's own count of chunks a load of this group needs (its offloading scheduler's
-    ``get_sliding_window_size_in_chunks``), so the two never disagree."""
+    """vLLM 0.32's count of chunks a load of this group needs (its offloading scheduler's
+    ``get_sliding_window_size_in_chunks``, which 0.33 moved to its offloading config), so the two
+    never disagree."""
     try:  # 0.33
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
             get_sliding_window_size_in_chunks,
@@ -82,7 +102,7 @@ def group_layouts(
                 tokens_per_chunk=g.tokens_per_block * blocks_per_chunk,
                 num_layers=len(g.layer_names),
                 block_bytes=cfg.worker_kv_bytes_per_block,
-                window_chunks=getattr(g, "sliding_window_size_in_chunks", None),
+                window_chunks=getattr(g, CONFIG_WINDOW, None),
             )
             for g in cfg.groups
         )
@@ -109,6 +129,11 @@ def group_layouts(
             block_bytes = spec.page_size_bytes
         shapes = sorted({_spec_shape(s) for s in layer_specs})
         tokens_per_chunk = g.tokens_per_block * blocks_per_chunk
+        window = (
+            getattr(g, CONFIG_WINDOW)
+            if config_names_window(g)
+            else _window_chunks(layer_specs[0], tokens_per_chunk)
+        )
         out.append(
             GroupLayout(
                 group_id=g.group_id,
@@ -116,7 +141,7 @@ def group_layouts(
                 tokens_per_chunk=tokens_per_chunk,
                 num_layers=len(group.layer_names),
                 block_bytes=block_bytes,
-                window_chunks=_window_chunks(layer_specs[0], tokens_per_chunk),
+                window_chunks=window,
                 replicated=all(
                     isinstance(s, MLAAttentionSpec)
                     or (isinstance(s, MambaSpec) and s.tp_replicated)

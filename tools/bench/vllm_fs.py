@@ -123,6 +123,11 @@ class Ours(_Driver):
                 # Only the pin budget and the back-pressure bound are raised, so no store of the
                 # measured batch is dropped (burst mode hands every job over before any completes).
                 "tier_pin_fraction": 1.0,
+                # Every job's promotions are started at once, each for its own request: with
+                # promotion holds all but the oldest would wait (RETRY) for the host room the
+                # holds' share leaves (none at tier_pin_fraction 1.0). A scheduling policy, not
+                # the tier's I/O, and vLLM's tier has none: off, as in vLLM.
+                "promotion_hold_steps": 0,
                 "secondary_tiers": [
                     {
                         "type": "fs",

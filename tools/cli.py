@@ -36,7 +36,8 @@ LAZY_COMMANDS: dict[str, tuple[str, str | None, str]] = {
     "bench": (
         "kvoffload.tools.bench.cli:bench",
         None,
-        "Measurements for BENCHMARKS.md (tier, obj, engine, memory, ttft, vllm-fs, scaling).",
+        "Measurements for BENCHMARKS.md (tier, obj, engine, memory, ttft, thrash, vllm-fs, "
+        "vllm-p2p, p2p, scaling).",
     ),
     "stress": (
         "kvoffload.tools.stress:stress",

@@ -382,8 +382,9 @@ MUTATIONS: list[Mutation] = [
         "C17",
         "a late reply from a replaced worker accepted",
         "kvoffload/tiers/workerpool.py",
-        "            return None\n",
+        "        if w is None or w.killed:\n            return None\n",
         (
+            "        if w is None or w.killed:\n"
             "            w = next((x for x in self._by_wid.values() if task_id in x.inflight), None)\n"
             "            if w is None:\n"
             "                return None\n"

@@ -194,8 +194,8 @@ CORE_METRICS: tuple[MetricDef, ...] = (
         "Chunks a tier refused to take, by direction and reason. host store: "
         "no_evictable_slot (the whole batch), batch_truncated (the tail of a batch that did "
         "not fit), in_tier (chunks a secondary tier holds, left there so as not to evict "
-        "chunks promoted for waiting requests); host load: no_evictable_slot (a promotion); secondary tier store: "
-        "pin_limit, queue_full, breaker_open.",
+        "chunks promoted for waiting requests); host load: no_evictable_slot (a promotion); "
+        "secondary tier store: pin_limit, queue_full, breaker_open.",
         ("tier", "direction", "reason"),
     ),
     Counter(

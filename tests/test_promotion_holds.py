@@ -22,6 +22,14 @@ def _landed(rig: Rig) -> None:
     assert rig.tm.wait_idle(120), "tier jobs did not finish"
 
 
+def _promoted_for_a(rig: Rig, a: list[bytes]) -> None:
+    """Request ``a`` looks up its chunks (each promoted and held for it), a step hands the
+    promotions to the fs tier, and they land."""
+    assert [rig.tm.lookup(k, "a") for k in a] == [PENDING] * len(a)
+    rig.tm.step()
+    _landed(rig)
+
+
 def test_a_chunk_promoted_for_a_request_is_kept_until_it_loads_and_later_requests_wait(tmp_path):
     """Host tier of 4 slots (holds may take 2: tier_pin_fraction 0.5 leaves them). Request a's
     two chunks are promoted and held; b, asking later, is told RETRY (not MISS: its chunks are in
@@ -83,9 +91,7 @@ def test_holds_lapse_when_their_request_stops_asking(tmp_path):
         tm = rig.tm
         a, b = keys_for(2, seed=1), keys_for(2, seed=2)
         _only_in_fs(rig, a + b)
-        assert [tm.lookup(k, "a") for k in a] == [PENDING, PENDING]
-        tm.step()
-        _landed(rig)
+        _promoted_for_a(rig, a)
         assert [tm.lookup(k, "b") for k in b] == [RETRY, RETRY]
         for _ in range(3):
             tm.step()
@@ -119,9 +125,7 @@ def test_a_store_evicts_held_chunks_only_when_nothing_else_makes_room(tmp_path):
         tm = rig.tm
         a = keys_for(2, seed=1)
         _only_in_fs(rig, a)
-        assert [tm.lookup(k, "a") for k in a] == [PENDING, PENDING]
-        tm.step()
-        _landed(rig)
+        _promoted_for_a(rig, a)
         old = keys_for(2, seed=3)
         rig.store(old)  # the two free slots; a's chunks are the least recently used
         new = keys_for(2, seed=4)
@@ -151,9 +155,7 @@ def test_a_store_of_chunks_the_fs_tier_holds_does_not_evict_held_chunks(tmp_path
         tm = rig.tm
         a, tail = keys_for(2, seed=1), keys_for(2, seed=5)
         _only_in_fs(rig, a + tail)
-        assert [tm.lookup(k, "a") for k in a] == [PENDING, PENDING]
-        tm.step()
-        _landed(rig)
+        _promoted_for_a(rig, a)
         new = keys_for(2, seed=4)
         rig.store(new)
         tm.prepare_load(new, "x")  # pinned by an accelerator copy: only a's chunks are evictable

@@ -136,7 +136,7 @@ class Worker:
                 f"{spec.io_module}.make_io returned {type(self.io).__name__}, which "
                 f"lacks {', '.join(missing)} (see kvoffload.workers.chunkio.ChunkIO)"
             )
-        self.marker = _open_marker()
+        self.marker = _open_marker(1 + max(1, spec.io_threads))
         self.ctx = zmq.Context(1)
         self.chans = WorkerChannels(
             self.ctx, spec.jobs_endpoint, spec.results_endpoint, spec.identity
@@ -175,7 +175,7 @@ class Worker:
         which task that thread is running now, ``_IDLE`` when none: a plain store into shared
         memory, no system call. The engine reads the marker when this process dies and blames
         the crash on the tasks named there, not on a task whose result was still unsent."""
-        if self.marker is not None and slot * _MARK.size < len(self.marker):
+        if self.marker is not None:
             _MARK.pack_into(self.marker, slot * _MARK.size, task_id)
 
     def populate_arena(self) -> None:
@@ -283,14 +283,17 @@ class Worker:
             messages = [result]
         if messages:
             messages[-1].counters = counters.take()
-        for msg in messages:
-            self.chans.send_result(m.encode(msg))
+        self._send(messages)
 
     def _release_held(self) -> None:
         """Send the replies a ``reply_hold`` fault held back, now that the worker is idle."""
         if self.faults:
-            for msg in self.faults.release():
-                self.chans.send_result(m.encode(msg))
+            self._send(self.faults.release())
+
+    def _send(self, messages: list[m.TaskResult]) -> None:
+        """Send results on the results socket, in order."""
+        for msg in messages:
+            self.chans.send_result(m.encode(msg))
 
     def _start(self, task: m.StoreTask | m.LoadTask) -> int | None:
         """Hand a store or load task's chunks to the I/O threads. Returns 1 when started, 0 when
@@ -504,16 +507,20 @@ class _Running:
         self.t0 = time.perf_counter()
 
 
-def _open_marker() -> mmap.mmap | None:
+def _open_marker(slots: int) -> mmap.mmap | None:
     """Map the task marker the worker pool passed (its descriptor in
-    :data:`~kvoffload.ipc.names.WORKER_MARKER_FD_ENV`; closed once mapped), or None when started
-    without one."""
+    :data:`~kvoffload.ipc.names.WORKER_MARKER_FD_ENV`; closed once mapped): its first ``slots``
+    slots. None when started without one.
+
+    Raises:
+        ValueError: the marker holds fewer than ``slots`` slots.
+    """
     raw = os.environ.get(WORKER_MARKER_FD_ENV)
     if not raw:
         return None
     fd = int(raw)
     try:
-        return mmap.mmap(fd, os.fstat(fd).st_size)
+        return mmap.mmap(fd, slots * _MARK.size)
     finally:
         os.close(fd)
 

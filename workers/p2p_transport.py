@@ -285,8 +285,8 @@ class Transport(abc.ABC):
     _closed: bool
 
     def _peer_descriptor(self, name: str, descriptor: bytes, kind: type[_D]) -> _D:
-        """Peer ``name``'s descriptor, decoded and checked: this transport's kind, this arena's
-        row size, and no live peer of that name (TransportError otherwise)."""
+        """Peer ``name``'s descriptor, decoded and checked: this transport's kind and this arena's
+        row size (TransportError otherwise)."""
         desc = decode_descriptor(descriptor)
         if not isinstance(desc, kind):
             raise TransportError(
@@ -298,11 +298,18 @@ class Transport(abc.ABC):
                 f"peer {name!r} has {desc.row_bytes}-byte slots, this arena "
                 f"{self.arena.row_bytes}-byte slots"
             )
-        with self._lock:
-            old = self._peers.get(name)
-            if old is not None and not old.down:
-                raise TransportError(f"peer {name!r} is already up; remove it first")
         return desc
+
+    def _replaced_peer(self, name: str) -> Any:
+        """Caller holds the lock: the down peer that a new ``name`` replaces, or None.
+
+        Raises:
+            TransportError: ``name`` is up.
+        """
+        old = self._peers.get(name)
+        if old is not None and not old.down:
+            raise TransportError(f"peer {name!r} is already up; remove it first")
+        return old
 
     def _checked(self, peer: str, op: Op, pairs: Pairs) -> tuple[Any, list[int], list[int]]:
         """Caller holds the lock: the live peer ``peer`` and ``pairs`` split into (local slots,
@@ -695,9 +702,7 @@ class TcpTransport(Transport):
     def add_peer(self, name: str, descriptor: bytes) -> None:
         desc = self._peer_descriptor(name, descriptor, TcpDescriptor)
         with self._lock:
-            old = self._peers.get(name)
-            if old is not None and not old.down:
-                raise TransportError(f"peer {name!r} is already up; remove it first")
+            old = self._replaced_peer(name)
             self._peers[name] = _TcpPeer(self, name, desc)
         if old is not None:
             old.kill()
@@ -945,7 +950,7 @@ class NixlTransport(Transport):
     def add_peer(self, name: str, descriptor: bytes) -> None:
         desc = self._peer_descriptor(name, descriptor, NixlDescriptor)
         with self._lock:
-            old = self._peers.get(name)
+            old = self._replaced_peer(name)
         if old is not None:
             self.remove_peer(name)
         with self._lock:

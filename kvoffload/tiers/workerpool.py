@@ -103,9 +103,9 @@ class _WorkerProc:
         wrote it (no marker: started by an older worker module, or it died before its hello)."""
         if self.marker < 0:
             return None
-        size = os.fstat(self.marker).st_size
-        data = os.pread(self.marker, size, 0)
-        slots = [v for (v,) in _MARK.iter_unpack(data[: len(data) - len(data) % _MARK.size])]
+        # a whole number of slots: the pool sized it (_spawn)
+        data = os.pread(self.marker, os.fstat(self.marker).st_size, 0)
+        slots = [v for (v,) in _MARK.iter_unpack(data)]
         if not any(slots):
             return None
         return {v for v in slots if v > 0}
@@ -317,13 +317,8 @@ class WorkerPool:
                 # holds. One killed from outside (SIGKILL / SIGTERM: an operator, the OOM killer)
                 # has its tasks re-run.
                 crashed = not w.killed and _crashed(w.proc.returncode)
-                running: set[int] = set()
-                if crashed:
-                    marked = w.running_tasks()
-                    if marked is None:
-                        running = {next(iter(w.inflight), -1)}
-                    else:
-                        running = marked
+                marked = w.running_tasks() if crashed else set()
+                running = {next(iter(w.inflight), -1)} if marked is None else marked
                 w.close_marker()
                 for task in w.inflight.values():
                     self.inflight_count -= 1

@@ -545,8 +545,8 @@ MUTATIONS: list[Mutation] = [
         "C25",
         "a worker crash blamed on the oldest task in flight, not on the one its marker names",
         "kvoffload/tiers/workerpool.py",
-        "                        running = marked\n",
-        "                        running = {next(iter(w.inflight), -1)}\n",
+        "                running = {next(iter(w.inflight), -1)} if marked is None else marked\n",
+        "                running = {next(iter(w.inflight), -1)}\n",
         (WC + "test_c25_a_task_that_kills_its_worker_is_not_rerun_on_a_second_worker",),
     ),
     Mutation(

@@ -126,3 +126,56 @@ def test_bad_input_is_named_without_a_traceback(tmp_path, args, rc, message):
     assert message in proc.stderr and "Traceback" not in proc.stderr
     if args[0] == "sweep":
         assert "arenas" not in proc.stdout  # refused before any arena was listed or swept
+
+
+_KILLED_COMMAND = r"""
+import subprocess, sys
+import click
+from kvoffload.tools.cli import main
+
+@main.command("hold-child")
+def hold_child():
+    # As the demo and the benchmarks hold a vLLM server: a child in a process group of its own,
+    # stopped in a finally block.
+    child = subprocess.Popen(
+        ["sleep", "300"], start_new_session=True, stdout=subprocess.DEVNULL
+    )
+    try:
+        print(child.pid, flush=True)
+        sys.stdin.read()
+    finally:
+        child.kill()
+        child.wait()
+        print("stopped", flush=True)
+
+main(["hold-child"])
+"""
+
+
+def test_sigterm_ends_a_command_through_its_cleanup():
+    """SIGTERM to a kvoffload command runs its cleanup (the servers it started are stopped):
+    killed by the default action, ``bench scaling`` left its vLLM server running."""
+    import os
+    import signal
+
+    import psutil
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_COMMAND],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    child = None
+    try:
+        child = int(proc.stdout.readline())
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 128 + signal.SIGTERM
+        assert "stopped" in out
+        assert not psutil.pid_exists(child)
+    finally:
+        proc.kill()
+        proc.wait()
+        if child is not None and psutil.pid_exists(child):
+            os.kill(child, signal.SIGKILL)

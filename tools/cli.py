@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import signal
 import sys
 
 import click
@@ -98,6 +99,21 @@ def _needs_extra(name: str, extra: str, short_help: str) -> click.Command:
 @click.version_option(__version__, prog_name="kvoffload")
 def main() -> None:
     """kvoffload: hierarchical KV-cache offloading for LLM serving (vLLM plug-in and tools)."""
+    exit_on_signals()
+
+
+def exit_on_signals() -> None:
+    """Make SIGTERM and SIGHUP end the command as an exception (``SystemExit(128 + signal)``), so
+    its ``finally`` blocks and context managers run: the vLLM servers the demo and the benchmarks
+    start live in process groups of their own, and a command killed by the default action left
+    them running. A handler some caller installed before is kept."""
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(signum) is signal.SIG_DFL:
+            signal.signal(signum, _exit_for_signal)
+
+
+def _exit_for_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 @main.command()

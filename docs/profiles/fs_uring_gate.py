@@ -48,7 +48,7 @@ from kvoffload.workers.fs_io import FsIO
 from kvoffload.workers.ioconfig import FsIOConfig
 
 NS = "00112233445566778899aabbccddeeff"
-ENGINES = ("threads", "uring")
+ENGINES = ("threads", "uring", "threads-aged")
 
 
 def _cpu() -> tuple[float, float]:
@@ -243,7 +243,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--depth", type=int, default=8, help="uring: chunks in flight")
     ap.add_argument("--round", type=int, default=256, help="chunks per turn (engines alternate)")
+    ap.add_argument(
+        "--engines",
+        default="threads,uring",
+        help="comma list of " + ", ".join(ENGINES) + " (threads-aged: the threads path on a "
+        "root whose 65,536 shard directories all exist, as in an aged tier)",
+    )
     a = ap.parse_args()
+    a.engines = tuple(a.engines.split(","))
+    if len(a.engines) < 2 or not set(a.engines) <= set(ENGINES):
+        ap.error(f"--engines: two or more of {', '.join(ENGINES)}")
     row = a.chunk_kib * 1024
     n = a.chunks
     st = os.statvfs(os.path.dirname(os.path.abspath(a.dir)) or ".")
@@ -256,8 +265,10 @@ def main() -> None:
         for s in (src, dst):
             try:
                 s.close()
-            except BufferError:  # a view still held by a traceback: unlinking is what matters
-                pass
+            except BufferError:
+                # liburing's Iovec keeps exports of the rows it was given (never released): the
+                # mapping stays until exit; unlinking the segment is what matters
+                s._mmap = None  # type: ignore[attr-defined]  # no second close at exit
             s.unlink()
 
 
@@ -271,29 +282,35 @@ def _run(a: argparse.Namespace, row: int, floor: int, sv: memoryview, dv: memory
     res: dict[tuple[str, str], list[tuple[float, float]]] = {}
     gb = n * row / 1e9
     rnd = max(1, min(a.round, n))
+    engines = a.engines
+    # loads read what the next engine in the list stored
+    source = {e: engines[(i + 1) % len(engines)] for i, e in enumerate(engines)}
     for rep in range(a.reps):
         roots = {}
-        for eng in ENGINES:
+        for eng in engines:
             root = os.path.join(a.dir, f"{eng}-{rep}")
             shutil.rmtree(root, ignore_errors=True)
             os.makedirs(os.path.join(root, NS))
+            if eng == "threads-aged":
+                for d in range(65536):
+                    os.makedirs(os.path.join(root, NS, f"{d >> 8:02x}", f"{d & 255:02x}"))
             roots[eng] = (root, [os.urandom(16) + j.to_bytes(4, "little") for j in range(n)])
         for phase in ("store", "load"):
-            # loads read what the *other* engine stored
             ios = {
-                e: _fs(roots[e if phase == "store" else _other(e)][0], row, floor) for e in ENGINES
+                e: _fs(roots[e if phase == "store" else source[e]][0], row, floor) for e in engines
             }
-            ring = UringFs(ios["uring"], a.depth)
+            ring = UringFs(ios["uring"], a.depth) if "uring" in ios else None
             pool = ThreadPoolExecutor(a.threads)
-            acc = {e: [0.0, 0.0, 0.0] for e in ENGINES}
+            acc = {e: [0.0, 0.0, 0.0] for e in engines}
             rows = srows if phase == "store" else drows
-            for r0 in range(0, n, rnd):  # engines alternate every `rnd` chunks
-                order = ENGINES if (r0 // rnd + rep) % 2 == 0 else ENGINES[::-1]
+            for r0 in range(0, n, rnd):  # engines take turns every `rnd` chunks, order rotating
+                turn = (r0 // rnd + rep) % len(engines)
+                order = engines[turn:] + engines[:turn]
                 for eng in order:
-                    keys = roots[eng if phase == "store" else _other(eng)][1][r0 : r0 + rnd]
+                    keys = roots[eng if phase == "store" else source[eng]][1][r0 : r0 + rnd]
                     part = rows[r0 : r0 + rnd]
                     c0, t0 = _cpu(), time.perf_counter()
-                    if eng == "threads":
+                    if ring is None or eng != "uring":
                         status = _threads(ios[eng], pool, phase, keys, part)
                     elif phase == "store":
                         status = ring.store_all(keys, part)
@@ -310,15 +327,16 @@ def _run(a: argparse.Namespace, row: int, floor: int, sv: memoryview, dv: memory
                         if dv[lo:hi] != sv[lo:hi]:
                             raise SystemExit(f"{eng} load: rows differ from the source")
                         dv[lo:hi] = bytes(hi - lo)
-            ring.close()
+            if ring is not None:
+                ring.close()
             pool.shutdown()
-            for eng in ENGINES:
+            for eng in engines:
                 wall, usr, sys_ = acc[eng]
                 res.setdefault((eng, phase), []).append(
                     (gb / wall, (usr + sys_) / gb, usr / gb, sys_ / gb)
                 )
                 print(
-                    f"rep {rep} {eng:7s} {phase}: {gb / wall:.2f} GB/s, "
+                    f"rep {rep} {eng:12s} {phase}: {gb / wall:.2f} GB/s, "
                     f"{(usr + sys_) / gb:.2f} CPU s/GB (usr {usr / gb:.2f}, sys {sys_ / gb:.2f})",
                     flush=True,
                 )
@@ -326,18 +344,14 @@ def _run(a: argparse.Namespace, row: int, floor: int, sv: memoryview, dv: memory
             shutil.rmtree(roots[eng][0], ignore_errors=True)
     print(f"\n{n} chunks of {a.chunk_kib} KiB, medians of {a.reps}:")
     for phase in ("store", "load"):
-        for eng in ("threads", "uring"):
+        for eng in engines:
             v = res[(eng, phase)]
             print(
-                f"  {phase:5s} {eng:7s} {statistics.median(x[0] for x in v):.2f} GB/s  "
+                f"  {phase:5s} {eng:12s} {statistics.median(x[0] for x in v):.2f} GB/s  "
                 f"{statistics.median(x[1] for x in v):.2f} CPU s/GB (usr "
                 f"{statistics.median(x[2] for x in v):.2f}, sys "
                 f"{statistics.median(x[3] for x in v):.2f})"
             )
-
-
-def _other(eng: str) -> str:
-    return "uring" if eng == "threads" else "threads"
 
 
 if __name__ == "__main__":

@@ -15,7 +15,9 @@ directories made on the way; the free-space floor checked per chunk), two ways, 
   existence check, free-space check and header (with its xxh3 checksum) done in Python exactly as
   the threads path does. Loads: ``openat`` -> ``readv`` (header page, payload into the row, one
   page past the end; hard-linked so the close runs after the expected short read) -> ``close``,
-  the size, header and payload checksum verified in Python.
+  the size, header and payload checksum verified in Python;
+- ``threads-aged`` (only with ``--engines``): the threads path into a tree whose 65,536 shard
+  directories were all made before the repetition, as in an aged tier.
 
 Each engine loads the files the other wrote and compares every row with the source, so the check
 also shows the two write the same format. The engines take turns every ``--round`` chunks (the

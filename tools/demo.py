@@ -745,9 +745,9 @@ def demo(
         click.echo(f"Error: {message}", err=True)
     if missing:
         click.echo(
-            "(a reload needs a history re-sent after its KV left the device cache: --turns of at "
-            "least 2, more --conversations than --device-tokens holds; configuration 3's host tier "
-            f"(--small-host-tokens) smaller than the working set){_logs_note(wd, temporary)}",
+            "(a reload needs a history re-sent after its KV left the device cache: at least 2 "
+            "--turns, more conversations than --device-tokens holds, and for configuration 3 a "
+            f"--small-host-tokens smaller than the working set; server logs in {wd})",
             err=True,
         )
     sys.exit(status)
@@ -777,10 +777,6 @@ def _clean_workdir(wd: Path, temporary: bool, keep_logs: bool) -> None:
     for path in wd.iterdir():
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
-
-
-def _logs_note(wd: Path, temporary: bool) -> str:
-    return f"; server logs in {wd}" if temporary else ""
 
 
 def _demo_p2p(
@@ -836,8 +832,8 @@ def _demo_p2p(
         )
     if not fetched:
         click.echo(
-            "Error: D took 0 prompt tokens from P through the p2p tier; expected > 0"
-            f"{_logs_note(wd, temporary)}",
+            "Error: D took 0 prompt tokens from P through the p2p tier; expected > 0 "
+            f"(server logs in {wd})",
             err=True,
         )
     sys.exit(status)

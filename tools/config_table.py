@@ -41,14 +41,18 @@ def _show(value: Any) -> str:
 NOT_SET = "not set"
 
 
-def _baseline(struct: msgspec.Struct) -> msgspec.Struct:
-    """``struct``'s class built from its required fields only: every other field at its default."""
+def _baseline(struct: msgspec.Struct) -> msgspec.Struct | None:
+    """``struct``'s class built from its required fields only: every other field at its default
+    (None where its own checks refuse that combination: then each field's default is compared)."""
     required = {
         f.name: getattr(struct, f.name)
         for f in msgspec.structs.fields(struct)
         if _default_of(f) is msgspec.NODEFAULT
     }
-    return type(struct)(**required)
+    try:
+        return type(struct)(**required)
+    except (ValueError, TypeError, msgspec.ValidationError):
+        return None
 
 
 def _struct_rows(
@@ -105,7 +109,9 @@ def config_rows(raw: dict[str, Any], cfg: OffloadConfig) -> list[tuple[str, str,
         rows.append((f"{where}.name", spec.name, "set" if "name" in tier else "default"))
         if spec.module_path is not None:
             rows.append((f"{where}.module_path", spec.module_path, "set"))
-        baseline = spec.tier_class.effective_config(_baseline(spec.config))
+        baseline = _baseline(spec.config)
+        if baseline is not None:
+            baseline = spec.tier_class.effective_config(baseline)
         _struct_rows(spec.config, baseline, shown, tier, f"{where}.", rows)
     return rows
 

@@ -266,7 +266,9 @@ def test_demo_whose_server_does_not_start_exits_1_with_its_log(model_dir, tmp_pa
     config["architectures"] = ["NoSuchArchitectureForCausalLM"]
     (broken / "config.json").write_text(json.dumps(config))
     workdir = tmp_path / "work"
-    proc = run_demo(*SMALL_DEMO, "--model-dir", str(broken), "--workdir", str(workdir))
+    proc = run_demo(
+        *SMALL_DEMO, "--turns", "1", "--model-dir", str(broken), "--workdir", str(workdir)
+    )
     assert proc.returncode == 1, (proc.stdout, proc.stderr[-4000:])
     assert "vLLM server exited with code" in proc.stderr
     assert "NoSuchArchitectureForCausalLM" in proc.stderr

@@ -25,7 +25,7 @@ Example::
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 import msgspec
 
@@ -57,6 +57,7 @@ __all__ = [
     "closest",
     "convert",
     "describe",
+    "effective_config",
     "ineffective_vllm_keys",
     "parse_config",
     "parse_tier_config",
@@ -76,6 +77,8 @@ class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         buffer_steps: batches kept per topic for replay.
         hwm: the PUB socket's send high-water mark (messages); beyond it ZMQ drops.
     """
+
+    unset_means: ClassVar[dict[str, str]] = {"replay_endpoint": "off: no replay socket"}
 
     endpoint: str = "tcp://*:5557"
     replay_endpoint: str | None = None
@@ -132,6 +135,23 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             :func:`ineffective_vllm_keys`). ``store_threshold`` above 1 is refused, as vLLM's
             tiering spec refuses it.
     """
+
+    # What a field left None means once :func:`effective_config` has run: decided at run time, or
+    # off (``kvoffload check`` prints these words instead of null).
+    unset_means: ClassVar[dict[str, str]] = {
+        "blocks_per_chunk": "auto: block_size / the engine's block size (tokens)",
+        "block_size": "auto: blocks_per_chunk x the engine's block size (tokens), from the model",
+        "cache_policy_module_path": "none: eviction_policy is built in",
+        "arena_name": "auto: derived from the engine id at start",
+        "model_revision": "auto: the revision vLLM reports for the model",
+        "kv_events": "off",
+        "instance_id": "auto: process id and a counter",
+        **dict.fromkeys(("lock", "config_info", "expedited"), "none (vLLM 0.33's key; unused)"),
+        **dict.fromkeys(
+            ("tier_poll_interval_s", "backpressure", "max_tracker_size"),
+            "none (vLLM's key; no effect here)",
+        ),
+    }
 
     cpu_bytes_to_use: Positive
     blocks_per_chunk: Positive | None = None
@@ -275,7 +295,8 @@ def _mask(obj: Any) -> Any:
     if isinstance(obj, dict):
         out = {}
         for k, v in obj.items():
-            if isinstance(v, str) and v and _SECRET_RE.search(k):
+            # ``*_env`` keys name an environment variable (p2p's ``secret_env``), not a secret.
+            if isinstance(v, str) and v and _SECRET_RE.search(k) and not k.endswith("_env"):
                 out[k] = "***"
             elif isinstance(v, str) and v and k in ("access_key_id", "access_key"):
                 out[k] = v[:4] + "***"
@@ -287,9 +308,28 @@ def _mask(obj: Any) -> Any:
     return obj
 
 
+def effective_config(cfg: OffloadConfig) -> OffloadConfig:
+    """``cfg`` with every default that the configuration alone decides filled in, as the engine
+    will run with it: ``blocks_per_chunk`` 1 when neither it nor ``block_size`` is set (vLLM's
+    rule: vLLM reads both keys and hands the spec its ``blocks_per_chunk``), and each tier's config
+    through its class's :meth:`~kvoffload.tiers.base.SecondaryTierManager.effective_config` (the
+    one the tier starts with). What stays None is decided at run time or off: the struct's
+    ``unset_means`` says which."""
+    blocks_per_chunk = cfg.blocks_per_chunk
+    if blocks_per_chunk is None and cfg.block_size is None:
+        blocks_per_chunk = 1
+    tiers = [
+        msgspec.structs.replace(spec, config=spec.tier_class.effective_config(spec.config))
+        for spec in cfg.secondary_tiers
+    ]
+    return msgspec.structs.replace(cfg, blocks_per_chunk=blocks_per_chunk, secondary_tiers=tiers)
+
+
 def describe(cfg: OffloadConfig) -> str:
-    """One-line JSON of the effective configuration, tier defaults included and secrets masked
-    (logged once at start)."""
+    """One-line JSON of the effective configuration (:func:`effective_config`: null where a
+    value is decided at run time or off), tier defaults included and secrets masked (logged once
+    at start)."""
+    cfg = effective_config(cfg)
     resolved = msgspec.to_builtins(cfg)
     tiers = []
     for spec in cfg.secondary_tiers:

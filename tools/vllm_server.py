@@ -13,6 +13,7 @@ only.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -159,17 +160,19 @@ class VLLMServer:
         raise RuntimeError(f"vLLM server not healthy after {timeout_s:.0f} s:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 40) -> str:
-        """The server log's error lines (or its last ``lines`` lines when it has none)."""
+        """The server log's error lines, each with the indented lines that continue it (pydantic
+        puts the reason there: ``ValidationError: 1 validation error`` then ``  Value error,
+        ...``), or its last ``lines`` lines when it has none."""
         if not self.spec.log_path or not os.path.exists(self.spec.log_path):
             return "(no log)"
         with open(self.spec.log_path, "rb") as f:
             text = f.read().decode("utf-8", "replace").splitlines()
-        errors = [
-            line
-            for line in text
-            if any(m in line for m in ("Error:", "ConfigError", "ValueError", "RuntimeError:"))
-        ]
-        shown = errors[-8:] if errors else text[-lines:]
+        errors: list[str] = []
+        for i, line in enumerate(text):
+            if any(m in line for m in ("Error:", "ConfigError", "ValueError", "RuntimeError:")):
+                errors.append(line)
+                errors.extend(itertools.takewhile(lambda x: x[:1].isspace(), text[i + 1 : i + 3]))
+        shown = errors[-12:] if errors else text[-lines:]
         return "\n".join(shown) + f"\n(full log: {self.spec.log_path})"
 
     def metrics(self) -> dict[tuple[str, tuple], float]:

@@ -128,6 +128,16 @@ class SecondaryTierManager(ABC):
         self.metrics = MetricSet(CORE_METRICS + type(self).metric_definitions)
         self._own_counters = {d.name for d in type(self).metric_definitions if d.kind == "counter"}
 
+    @classmethod
+    def effective_config(cls, config: Any) -> Any:
+        """``config`` (an instance of ``config_class``) with every default that this tier decides
+        from the configuration alone filled in, as the tier will run with it: the tier uses this
+        to start, and ``kvoffload check`` and the start-up log line show it. A field still None
+        is decided at run time (from the model, the filesystem...) or off; the config class's
+        ``unset_means`` (``{field: words}``, optional) says which. This base: ``config``
+        unchanged."""
+        return config
+
     def count(self, counter: str, n: float = 1) -> None:
         """Add ``n`` to one of this tier's counters: a declared counter of ``metric_definitions``
         (label ``tier``), else ``kvoffload_tier_events_total{tier, event=counter}``."""

@@ -45,7 +45,7 @@ import logging
 import os
 import threading
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 from typing_extensions import override
@@ -82,6 +82,12 @@ class FsTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True):
             throttling; the host tier is the cache), ``writes``, ``reads`` or ``none``. Falls back
             to buffered I/O where the filesystem refuses O_DIRECT (tmpfs).
     """
+
+    unset_means: ClassVar[dict[str, str]] = {
+        **ProcessTierConfig.unset_means,
+        "max_bytes": f"auto: {DEFAULT_FREE_FRACTION:.0%} of the free space on root_dir's "
+        "filesystem at start, plus this namespace's chunks there",
+    }
 
     root_dir: str
     max_bytes: Positive | Literal["unbounded"] | None = None

@@ -73,6 +73,17 @@ class ObjTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True)
         "access_key": "access_key_id",
         "secret_key": "secret_access_key",
     }
+    unset_means: ClassVar[dict[str, str]] = {
+        **ProcessTierConfig.unset_means,
+        "endpoint_override": "auto: AWS S3, unless the boto3 chain names one (AWS_ENDPOINT_URL)",
+        "region": "auto: from the boto3 chain",
+        "access_key_id": "auto: from the boto3 chain (environment, shared config, instance role)",
+        "secret_access_key": "auto: from the boto3 chain",
+        "session_token": "auto: from the boto3 chain",
+        "io_workers": "none: read_workers / write_workers apply",
+        "ca_bundle": "auto: the system's CA certificates",
+        "max_bytes": "unbounded: nothing is deleted",
+    }
     # vLLM's ObjStoreConfig fields (vllm/v1/kv_offload/tiering/obj/config.py); "" means unset there.
     store_config_keys: ClassVar[tuple[str, ...]] = (
         "bucket",
@@ -216,10 +227,6 @@ class ObjTier(ProcessTierManager):
         config: ObjTierConfig,
         arena: Any,
     ):
-        if config.io_workers is not None:
-            config = msgspec.structs.replace(
-                config, read_workers=config.io_workers, write_workers=config.io_workers
-            )
         super().__init__(
             name=name, arena_view=arena_view, namespace=namespace, config=config, arena=arena
         )
@@ -233,6 +240,19 @@ class ObjTier(ProcessTierManager):
         if self.capacity.bounded:
             # Count the namespace's objects already there (earlier runs, other instances).
             self._scan_at_start(_SCAN_TIMEOUT_S, list_entries=True)
+
+    @classmethod
+    @override
+    def effective_config(cls, config: Any) -> Any:
+        """As :meth:`ProcessTierManager.effective_config`, after ``io_workers`` (when set) has
+        replaced ``read_workers`` and ``write_workers``; ``io_workers`` itself shows the common
+        count when the two are equal."""
+        c: ObjTierConfig = config
+        if c.io_workers is not None:
+            c = msgspec.structs.replace(c, read_workers=c.io_workers, write_workers=c.io_workers)
+        elif c.read_workers == c.write_workers:
+            c = msgspec.structs.replace(c, io_workers=c.read_workers)
+        return super().effective_config(c)
 
     @override
     def io_config(self) -> ObjIOConfig:

@@ -34,7 +34,7 @@ import signal
 import sys
 import time
 import traceback
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 import zmq
@@ -105,6 +105,13 @@ class P2PTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         max_located_chunks: chunk locations kept per peer publisher (LRU).
         replay_timeout_s: how long a replay of a peer's events may take (seconds).
     """
+
+    # What a field left None means (``kvoffload check`` prints these words).
+    unset_means: ClassVar[dict[str, str]] = {
+        "advertise_host": "auto: host's value",
+        "data_host": "auto: host's value",
+        "secret": "auto: from the environment variable secret_env names",
+    }
 
     host: str = "127.0.0.1"
     port: _Port = 5710

@@ -146,6 +146,16 @@ class ProcessTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
         "n_read_threads": "read_io_threads",
         "n_write_threads": "write_io_threads",
     }
+    # What a field left None means, where the tier decides it only at run time or it is off
+    # (``kvoffload check`` prints these words; see SecondaryTierManager.effective_config).
+    unset_means: ClassVar[dict[str, str]] = {
+        "chunks_per_task": "auto: about 8 MiB a task (1 to 64 chunks), from the chunk size",
+        "breaker_failures": "off: no circuit breaker",
+        "read_io_threads": "auto: read_workers x io_threads",
+        "write_io_threads": "auto: write_workers x io_threads",
+        "locality": "auto: the tier type's own",
+        "backpressure": "none (vLLM's key; no effect here)",
+    }
 
     read_workers: Positive = 2
     write_workers: Positive = 2
@@ -278,9 +288,9 @@ class ProcessTierManager(SecondaryTierManager):
         config: ProcessTierConfig,
         arena: Any,
     ):
+        config = self.effective_config(config)  # locality and I/O thread totals filled in
         super().__init__(name=name, arena_view=arena_view, namespace=namespace, config=config)
-        if config.locality is not None:
-            self.locality = config.locality
+        self.locality = config.locality or self.locality
         strides = arena_view.strides
         if arena_view.ndim != 2 or not strides:
             raise ValueError(
@@ -552,6 +562,21 @@ class ProcessTierManager(SecondaryTierManager):
             io_module=self.io_module,
             io_config=encode_io_config(self.io_config()),
             faults=list(self.config.faults),
+        )
+
+    @classmethod
+    @override
+    def effective_config(cls, config: Any) -> Any:
+        """``config`` with ``locality`` (None: the tier class's own) and the total
+        ``read_io_threads`` / ``write_io_threads`` (None: ``io_threads`` per worker, so workers x
+        ``io_threads``) filled in; the workers run ``ceil(total / workers)`` threads each either
+        way. ``chunks_per_task`` stays None: it depends on the chunk size."""
+        c: ProcessTierConfig = config
+        return msgspec.structs.replace(
+            c,
+            locality=c.locality or cls.locality,
+            read_io_threads=c.read_io_threads or c.read_workers * c.io_threads,
+            write_io_threads=c.write_io_threads or c.write_workers * c.io_threads,
         )
 
     def _io_threads(self, kind: str) -> int:

@@ -199,6 +199,86 @@ def hit_tokens(
     return 0
 
 
+class WindowScans:
+    """Which chunks of windowed groups are promoted from a secondary tier: only those of the
+    window the hit can end with.
+
+    vLLM's scheduler finds a windowed group's hit by looking its chunks up from the right (the
+    prompt's end) until it has a window of consecutive hits; a RETRY resets its count, and it
+    scans on to the first chunk only so that the manager starts its tier lookups. Promoting every
+    chunk such a scan finds in a tier would move (and hold host slots for) chunks that fall out of
+    every window the hit can end with. So during a scan a tier's chunk is answered RETRY, not
+    promoted (:meth:`TieringManager.lookup <kvoffload.tiering.TieringManager.lookup>` with
+    ``promote`` False), and each lookup's answer is recorded (:meth:`record`); at the step's end
+    (:meth:`chosen`) the scan picks its window: the rightmost run of chunks not answered MISS
+    (a RETRY may still be a hit) of at least ``window_chunks`` chunks, and promotes its rightmost
+    ``window_chunks``. Where vLLM looked past chunks it was told HIT or HIT_PENDING it needs more
+    than they are (a window one chunk wider where the rightmost chunk is partial, vLLM's
+    ``load_window_size_in_chunks``): a run of only those is skipped, and a run's next chunk past
+    them is promoted too, one step later. Chunks in the host tier are answered as ever.
+
+    A scan is the keys of one request and group looked up one chunk apart, right to left (a key
+    that is not the previous one's left neighbour starts a new scan; a step's last scan counts).
+
+    Args:
+        groups: the engine's groups; those with ``window_chunks`` are tracked.
+    """
+
+    def __init__(self, groups: Sequence[GroupLayout]):
+        self._groups = {g.group_id: g for g in groups if g.window_chunks is not None}
+        # (request id, group id) -> the step's last scan: [(key, end token, answer)], right to left
+        self._scans: dict[tuple[str, int], list[tuple[bytes, int, str]]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._groups)
+
+    def tracks(self, group_id: int) -> bool:
+        """Whether chunks of ``group_id`` are promoted only in their window."""
+        return group_id in self._groups
+
+    def record(self, req_id: str, group_id: int, key: bytes, end: int, answer: str) -> None:
+        """``req_id``'s lookup of ``key``, the chunk of ``group_id`` ending at token ``end``, was
+        answered ``answer`` (``HIT``, ``HIT_PENDING``, ``RETRY`` or ``MISS``)."""
+        g = self._groups[group_id]
+        scan = self._scans.get((req_id, group_id))
+        if scan is None or end != scan[-1][1] - g.tokens_per_chunk:
+            scan = self._scans[(req_id, group_id)] = []
+        scan.append((key, end, answer))
+
+    def chosen(self) -> list[tuple[str, bytes]]:
+        """``(request id, key)`` of the chunks answered RETRY that the step's scans chose to
+        promote (see the class docstring); forgets the scans."""
+        out: list[tuple[str, bytes]] = []
+        for (req_id, group_id), scan in self._scans.items():
+            g = self._groups[group_id]
+            assert g.window_chunks is not None
+            start = 0
+            while start < len(scan):
+                if scan[start][2] == "MISS":
+                    start += 1
+                    continue
+                stop = start
+                while stop < len(scan) and scan[stop][2] != "MISS":
+                    stop += 1
+                run = scan[start:stop]
+                hits = next((i for i, c in enumerate(run) if c[2] not in _HIT_LIKE), len(run))
+                if len(run) >= g.window_chunks and not (hits == len(run) and stop < len(scan)):
+                    need = max(g.window_chunks, hits + 1)
+                    out += [(req_id, k) for k, _, a in run[:need] if a == "RETRY"]
+                    break
+                start = stop
+        self._scans.clear()
+        return out
+
+    def forget(self, req_id: str) -> None:
+        """The request finished: drop its scans."""
+        for k in [k for k in self._scans if k[0] == req_id]:
+            del self._scans[k]
+
+
+_HIT_LIKE = ("HIT", "HIT_PENDING")
+
+
 def chunks_per_request(groups: Sequence[GroupLayout], num_tokens: int) -> int:
     """Rows one request of ``num_tokens`` tokens needs to be served whole: per group its chunks,
     at most its window (how the host tier's capacity in tokens is counted)."""

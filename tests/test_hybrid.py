@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 vllm = pytest.importorskip("vllm")  # the vllm extra; always installed by tox / .ci/run
 
-from helpers import arena_name  # noqa: E402
+from helpers import arena_name, fs_tier, wait_until  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
@@ -46,6 +46,7 @@ from kvoffload.hybrid import (  # noqa: E402
     MAMBA,
     SLIDING_WINDOW,
     GroupLayout,
+    WindowScans,
     chunks_per_request,
     describe_groups,
     hit_step,
@@ -595,3 +596,101 @@ def test_vllm_scheduler_hits_what_every_group_can_serve(vllm_scheduler, prompt, 
     )  # fmt: skip
     event(f"hit {'0' if not want else '< 64' if want < 64 else '>= 64'} tokens")
     assert hit == want, (hit, want)
+
+
+# -- promotions of windowed groups ---------------------------------------------------------------
+
+PATIENCE_S = 120.0  # upper bound for a stuck run, never a measure of speed
+
+
+@pytest.mark.parametrize(
+    "answers, chosen",
+    [
+        # no answer yet: the rightmost window
+        ("RRRRRRRR", [0, 1, 2, 3]),
+        # vLLM looked past four hits: it needs a wider window (a partial rightmost chunk)
+        ("HHHHRR", [4]),
+        # a run of only hits that vLLM looked past cannot serve; nor can a run shorter than the
+        # window; the next run that can: its rightmost window
+        ("HHHHMRRRRR", [5, 6, 7, 8]),
+        ("RMPRRRRR", [3, 4, 5]),
+        ("RRRMRR", []),
+    ],
+)
+def test_a_scan_promotes_the_window_the_hit_can_end_with(answers, chosen):
+    """:class:`WindowScans` (window 4 chunks) over one scan of vLLM's, right to left (H: HIT,
+    P: HIT_PENDING, R: RETRY, M: MISS): the chunks answered RETRY it promotes at the step's end."""
+    names = {"H": "HIT", "P": "HIT_PENDING", "R": "RETRY", "M": "MISS"}
+    scans = WindowScans([layout(0, FULL_ATTENTION, 16), layout(1, SLIDING_WINDOW, 16, window=4)])
+    assert scans.tracks(1) and not scans.tracks(0)
+    n = len(answers)
+    for i, a in enumerate(answers):
+        scans.record("r", 1, bytes([i]), (n - i) * 16, names[a])
+    assert scans.chosen() == [("r", bytes([i])) for i in chosen]
+    assert scans.chosen() == []  # a step's scans are forgotten once chosen
+
+
+def test_a_window_group_promotes_only_the_window_its_hit_ends_with(tmp_path):
+    """A 12-chunk prompt of a full-attention and a sliding-window group (window 4 chunks): the
+    full-attention chunks in the host tier, the window group's only in a shared fs tier, chunks 2,
+    5, 8 and 11 written there by another engine (ours has no verdict for them: its first lookups
+    are RETRY while the tier looks). vLLM's scheduler, asking our manager step by step, scans on
+    past each RETRY; every chunk it finds is in the tier, yet only chunks 8-11, the window the hit
+    ends with, are promoted (before WindowScans: 0, 1, 3, 4, 6, 7, 9 and 10 at the first step),
+    and the hit is the one every group can serve."""
+    from vllm.config import CacheConfig, DeviceConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+        OffloadingConnectorScheduler,
+    )
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_offload.base import make_offload_key
+    from vllm.v1.request import Request
+
+    vllm_config = VllmConfig(
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        device_config=DeviceConfig(device="cpu"),
+    )
+    kvc = kv_cache_config((full(), 2), (sliding(window=64), 2))
+    tier = fs_tier(tmp_path / "fs")
+    ours = connector_spec(kvc, {"arena_name": arena_name(), "secondary_tiers": [tier]})
+    other = connector_spec(kvc, {"arena_name": arena_name(), "secondary_tiers": [tier]})
+    try:
+        assert [g.window_chunks for g in ours.group_layouts] == [None, 4]
+        init_none_hash(sha256)
+        tokens = [(5 + 7 * i) % 30000 for i in range(12 * BLOCK + 8)]
+        req = Request("windowed", tokens, SamplingParams(max_tokens=1), None,
+                      block_hasher=get_request_block_hasher(BLOCK, sha256))  # fmt: skip
+        full_keys = [make_offload_key(h, 0) for h in req.block_hashes]
+        win = [make_offload_key(h, 1) for h in req.block_hashes]
+        assert len(win) == 12
+        theirs = [win[i] for i in (2, 5, 8, 11)]
+        known = [k for k in win if k not in theirs]
+        for spec, keys in ((other, theirs), (ours, full_keys + known)):
+            tm = spec.get_manager().tm
+            plan = tm.prepare_store(keys)
+            assert plan is not None and list(plan.keys) == keys
+            tm.complete_store(plan.keys, True)
+            assert tm.wait_idle(PATIENCE_S), "the fs tier's store job did not end"
+        tm = ours.get_manager().tm
+        assert tm.host.remove(known) == known  # the window group's chunks: only in the fs tier
+
+        sched = OffloadingConnectorScheduler(ours, vllm_config, kvc)
+        sched.on_new_request(req)
+        promoted: set[int] = set()
+
+        def step():
+            hit, _ = sched.get_num_new_matched_tokens(req, 0)
+            sched.build_connector_meta(SchedulerOutput.make_empty())  # the step ends
+            promoted.update(i for i, k in enumerate(win) if k in tm.host.index)
+            return None if hit is None else (hit,)
+
+        (hit,) = wait_until(step, PATIENCE_S, "vLLM's lookup to settle")
+        assert promoted == {8, 9, 10, 11}
+        want = hit_tokens(ours.group_layouts, lambda g, i: True, 0, len(tokens) - 1)
+        assert hit == want == 12 * BLOCK
+    finally:
+        for spec in (ours, other):
+            spec.get_manager().shutdown()

@@ -24,7 +24,13 @@ from kvoffload.config import (
     ineffective_vllm_keys,
     parse_config,
 )
-from kvoffload.hybrid import GroupLayout, chunks_per_request, describe_groups, row_geometry
+from kvoffload.hybrid import (
+    GroupLayout,
+    WindowScans,
+    chunks_per_request,
+    describe_groups,
+    row_geometry,
+)
 from kvoffload.ipc.arena import Arena, default_name, round_up_to_page, sweep
 from kvoffload.namespace import GroupShape, Namespace, model_fingerprint
 from kvoffload.tiering import TieringManager
@@ -305,7 +311,9 @@ class KVOffloadSpec(OffloadingSpec):
                     max_len,
                     host_tokens,
                 )
-            self._manager = KVOffloadManager(tm, self._event_geometry())
+            self._manager = KVOffloadManager(
+                tm, self._event_geometry(), WindowScans(self.group_layouts)
+            )
         return self._manager
 
     def _event_geometry(self) -> dict[int, tuple[int, int]]:

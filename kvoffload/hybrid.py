@@ -152,11 +152,24 @@ def hit_step(groups: Sequence[GroupLayout]) -> int:
     return math.lcm(*(g.tokens_per_chunk for g in groups)) if groups else 0
 
 
+def ends_inside_chunk(groups: Sequence[GroupLayout]) -> bool:
+    """Whether the engine may end a hit inside a chunk, at its limit (the last prompt token but
+    one): vLLM's offloading scheduler does where a group is windowed and none is a Mamba group
+    (a Mamba group aligns every hit to its chunks). 0.32 and 0.33 alike."""
+    return any(g.window_chunks is not None for g in groups) and not any(g.is_state for g in groups)
+
+
+def _ceil(tokens: int, g: GroupLayout) -> int:
+    """The first boundary of ``g``'s chunks at or after token ``tokens``."""
+    return -(-tokens // g.tokens_per_chunk) * g.tokens_per_chunk
+
+
 def hit_tokens(
     groups: Sequence[GroupLayout],
     present: Callable[[GroupLayout, int], bool],
     computed_tokens: int,
     max_tokens: int,
+    last_chunk_whole: bool = False,
 ) -> int:
     """Tokens after ``computed_tokens`` that the offloaded chunks can serve: the longest prefix
     every group can serve.
@@ -168,12 +181,20 @@ def hit_tokens(
     its window, and a Mamba group the state at ``T`` itself: attention KV is never loaded without
     the state at the same boundary, nor the state without the KV before it.
 
+    Where the chunk holding token ``max_tokens`` is whole (``last_chunk_whole``) and
+    :func:`ends_inside_chunk` (vLLM with windowed groups and no Mamba group), a hit may also end
+    at ``max_tokens`` itself, inside that chunk: it is served when every group serves the
+    boundary after it (the chunk is loaded whole, its tokens from ``max_tokens`` on recomputed),
+    and vLLM takes that end before any boundary.
+
     Args:
         groups: the engine's groups (none: nothing is served).
         present: whether chunk ``index`` of a group is stored (a host or tier hit).
         computed_tokens: tokens the engine already holds (its own prefix-cache hit).
         max_tokens: the longest hit the engine may take (vLLM keeps the last prompt token to
             recompute: pass ``prompt_tokens - 1``).
+        last_chunk_whole: the chunk holding token ``max_tokens`` is a whole chunk, stored like
+            the others (vLLM: the prompt ends on a chunk boundary, so its last chunk has a key).
 
     Returns:
         ``T - computed_tokens`` for the largest served ``T``, else 0.
@@ -191,6 +212,17 @@ def hit_tokens(
                 i += 1
             limit = min(limit, i * g.tokens_per_chunk // step * step)
     windowed = [g for g in groups if g.window_chunks is not None]
+    if (
+        last_chunk_whole
+        and max_tokens % step
+        and max_tokens - computed_tokens >= min_hit
+        and ends_inside_chunk(groups)
+    ):
+        if all(
+            all(present(g, i) for i in g.load_chunks(computed_tokens, _ceil(max_tokens, g)))
+            for g in groups
+        ):
+            return max_tokens - computed_tokens
     for end in range(limit, computed_tokens, -step):
         if end - computed_tokens < min_hit:
             break

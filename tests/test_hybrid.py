@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import event, given, settings
+from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
 vllm = pytest.importorskip("vllm")  # the vllm extra; always installed by tox / .ci/run
@@ -362,23 +362,36 @@ def hybrid_cases(draw):
 
 
 @settings(max_examples=300, deadline=None)
-@given(hybrid_cases())
-def test_hit_is_the_longest_prefix_every_group_can_serve(case):
+@given(hybrid_cases(), st.booleans())
+def test_hit_is_the_longest_prefix_every_group_can_serve(case, whole):
+    """Against a brute force; with ``whole`` (the chunk holding ``max_tokens`` is whole) a hit
+    of windowed groups without a Mamba group may end at ``max_tokens`` itself, as vLLM's does,
+    where every group serves the boundary after it."""
     groups, stored, computed, max_tokens = case
 
     def present(g, i):
         return stored[g.group_id][i]
 
-    hit = hit_tokens(groups, present, computed, max_tokens)
+    hit = hit_tokens(groups, present, computed, max_tokens, whole)
     step = hit_step(groups)
     best = max(
         (e for e in range(step, max_tokens + 1, step) if served(groups, present, computed, e)),
         default=computed,
     )
-    assert hit == best - computed
+    inside = (
+        whole
+        and max_tokens % step
+        and any(g.window_chunks for g in groups)
+        and all(g.kind != MAMBA for g in groups)
+        and all(served([g], present, computed, -(-max_tokens // g.tokens_per_chunk)
+                       * g.tokens_per_chunk) for g in groups)
+        and max_tokens - computed >= max(g.tokens_per_chunk for g in groups)
+    )  # fmt: skip
+    assert hit == (max_tokens if inside else best) - computed
     if hit:  # what a load of the hit reads is all present
         for g in groups:
-            assert all(present(g, i) for i in g.load_chunks(computed, computed + hit))
+            end = -(-(computed + hit) // g.tokens_per_chunk) * g.tokens_per_chunk
+            assert all(present(g, i) for i in g.load_chunks(computed, end))
 
 
 @settings(max_examples=200, deadline=None)
@@ -517,11 +530,12 @@ def test_blocks_of_every_group_go_to_their_own_rows_and_come_back_bit_exact():
 # -- agreement with vLLM's own offloading scheduler ----------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def vllm_scheduler():
+@pytest.fixture(scope="module", params=["with_mamba", "without_mamba"])
+def vllm_scheduler(request):
     """vLLM's ``OffloadingConnectorScheduler`` over our manager (a real host tier), for a model with
-    a full-attention, a sliding-window (64 tokens = 4 chunks) and a Mamba group, 16 tokens per
-    chunk."""
+    a full-attention, a sliding-window (64 tokens = 4 chunks) and (``with_mamba``) a Mamba group,
+    16 tokens per chunk. Without a Mamba group vLLM may end a hit inside the prompt's last chunk
+    (:func:`kvoffload.hybrid.ends_inside_chunk`)."""
     from vllm.config import CacheConfig, DeviceConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
         OffloadingConnectorScheduler,
@@ -534,7 +548,8 @@ def vllm_scheduler():
         cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
         device_config=DeviceConfig(device="cpu"),
     )
-    kvc = kv_cache_config((full(), 2), (sliding(window=64), 2), (mamba(), 2))
+    groups = [(full(), 2), (sliding(window=64), 2), (mamba(), 2)]
+    kvc = kv_cache_config(*groups[: 3 if request.param == "with_mamba" else 2])
     spec = connector_spec(kvc, {"arena_name": arena_name()})
     init_none_hash(sha256)
     sched = OffloadingConnectorScheduler(spec, vllm_config, kvc)
@@ -546,8 +561,10 @@ _REQUESTS = iter(range(1 << 30))
 
 
 @settings(max_examples=60, deadline=None)
+@example(prompt=8 * BLOCK, computed_chunks=0, stored=[[True] * 13] * 3)  # ends inside chunk 7
 @given(
-    prompt=st.integers(20, 200),
+    # prompts ending on a chunk boundary too: vLLM's hit may then end inside the last chunk
+    prompt=st.one_of(st.integers(20, 200), st.integers(2, 12).map(lambda k: k * BLOCK)),
     computed_chunks=st.integers(0, 4),
     stored=st.lists(
         st.lists(st.integers(0, 7).map(bool), min_size=13, max_size=13), min_size=3, max_size=3
@@ -592,9 +609,11 @@ def test_vllm_scheduler_hits_what_every_group_can_serve(vllm_scheduler, prompt, 
     step.finished_req_ids = {req.request_id}
     sched.build_connector_meta(step)
     want = hit_tokens(
-        spec.group_layouts, lambda g, i: stored[g.group_id][i], computed, min(prompt - 1, len(req.block_hashes) * BLOCK)
+        spec.group_layouts, lambda g, i: stored[g.group_id][i], computed, min(prompt - 1, len(req.block_hashes) * BLOCK),
+        last_chunk_whole=prompt % BLOCK == 0,
     )  # fmt: skip
     event(f"hit {'0' if not want else '< 64' if want < 64 else '>= 64'} tokens")
+    event(f"hit inside a chunk: {bool(want % BLOCK)}")
     assert hit == want, (hit, want)
 
 

@@ -264,9 +264,12 @@ class WindowScans:
     def __bool__(self) -> bool:
         return bool(self._groups)
 
-    def tracks(self, group_id: int) -> bool:
-        """Whether chunks of ``group_id`` are promoted only in their window."""
-        return group_id in self._groups
+    def tracks(self, group_id: int, end: int | None = None) -> bool:
+        """Whether chunks of ``group_id`` are promoted only in their window (with ``end``: the
+        chunk ending at token ``end``; a key off the chunk grid, such as vLLM's partial-tail
+        boundary key, is not)."""
+        g = self._groups.get(group_id)
+        return g is not None and (end is None or end % g.tokens_per_chunk == 0)
 
     def record(self, req_id: str, group_id: int, key: bytes, end: int, answer: str) -> None:
         """``req_id``'s lookup of ``key``, the chunk of ``group_id`` ending at token ``end``, was

@@ -642,6 +642,7 @@ def test_a_scan_promotes_the_window_the_hit_can_end_with(answers, chosen):
     names = {"H": "HIT", "P": "HIT_PENDING", "R": "RETRY", "M": "MISS"}
     scans = WindowScans([layout(0, FULL_ATTENTION, 16), layout(1, SLIDING_WINDOW, 16, window=4)])
     assert scans.tracks(1) and not scans.tracks(0)
+    assert scans.tracks(1, 48) and not scans.tracks(1, 47)  # a partial-tail key: not windowed
     n = len(answers)
     for i, a in enumerate(answers):
         scans.record("r", 1, bytes([i]), (n - i) * 16, names[a])

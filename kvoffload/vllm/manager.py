@@ -128,7 +128,7 @@ class KVOffloadManager(OffloadingManager):
         if scans is not None:
             group = int.from_bytes(key[-4:], "big")
             end = req_context.get_offload_key_position(key) if scans.tracks(group) else None
-            if end is not None:  # a windowed group's chunk: promoted at the step's end if chosen
+            if end is not None and scans.tracks(group, end):  # promoted at the step's end if chosen
                 r = self.tm.lookup(key, req_context.req_id, promote=False)
                 scans.record(req_context.req_id, group, key, end, r.name)
                 return _TO_VLLM[r]

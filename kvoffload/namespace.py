@@ -31,15 +31,24 @@ class GroupShape(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     Attributes:
         tokens_per_block: tokens per engine block of this group.
         num_layers: layers in the group.
-        page_bytes: bytes of one block as the engine lays it out (for vLLM: one worker's bytes per
-            block across the group's layers).
-        kind: the group's identity or attention kind (e.g. ``group0``, ``full``, ``mamba``).
+        page_bytes: bytes of one block of this group as a row holds it (for vLLM: the group's
+            pages across its layers, times the worker pages a canonical page holds).
+        kind: the layer kind (vLLM's ``KVCacheSpecKind`` value: ``full_attention``,
+            ``sliding_window``, ``mamba``, ``mla_attention``...; ``unknown`` when not known).
+        group_id: the group's index in the engine's KV-cache config (its chunk keys' suffix).
+        window_chunks: chunks a load needs at a hit's boundary; None: the whole prefix
+            (:class:`kvoffload.hybrid.GroupLayout`).
+        shape: what else decides the group's bytes (heads, head sizes, dtypes, window, state
+            shapes), ``name=value;...``.
     """
 
     tokens_per_block: int
     num_layers: int
     page_bytes: int
     kind: str = "full"
+    group_id: int | None = None
+    window_chunks: int | None = None
+    shape: str = ""
 
 
 class Namespace(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -340,9 +340,14 @@ class TieringManager:
 
     # -- lookup ---------------------------------------------------------------------------------
 
-    def lookup(self, key: bytes, req_id: str = "") -> LookupResult:
+    def lookup(self, key: bytes, req_id: str = "", promote: bool = True) -> LookupResult:
         """Where is ``key``? HIT (host, readable now), HIT_PENDING (host, being written or promoted),
-        RETRY (a tier is still looking) or MISS. Never blocks (beyond :attr:`lock`)."""
+        RETRY (a tier is still looking) or MISS. Never blocks (beyond :attr:`lock`).
+
+        A tier's HIT starts the key's promotion into the host tier (HIT_PENDING); with ``promote``
+        False it starts none and answers RETRY (the caller may not need the key: a chunk outside
+        every window a sliding-window lookup can still choose, :class:`kvoffload.hybrid.WindowScans`);
+        a later lookup with ``promote`` promotes it."""
         # acquire/release rather than ``with``: half the cost on the hot path (BENCHMARKS.md)
         lock = self.lock
         lock.acquire()
@@ -381,6 +386,8 @@ class TieringManager:
             for i, tier in enumerate(self.tiers):
                 r = tier.lookup(key, req_id)
                 if r is _HIT:
+                    if not promote:
+                        return _RETRY
                     result = self._start_promotion(i, key, req_id)
                     if result is _RETRY:  # no room yet: held for requests that asked earlier
                         return result

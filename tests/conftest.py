@@ -100,6 +100,23 @@ def _leaves_nothing_behind():
     assert not netns, f"network namespaces left (ip netns list): {netns}"
 
 
+_LD_PRELOAD = os.environ.get("LD_PRELOAD")  # as the session began
+
+
+@pytest.fixture(autouse=True)
+def _keeps_ld_preload():
+    """A test leaves ``LD_PRELOAD`` as the session began with it: every process a later test
+    starts inherits it. (Building a vLLM config in pytest's process makes vLLM-CPU preload
+    torch's libgomp into every later child, so a worker that must not load torch maps it: build
+    one with the environment kept, as tests/test_hybrid.py's ``cpu_vllm_config`` does.)"""
+    yield
+    now = os.environ.get("LD_PRELOAD")
+    assert now == _LD_PRELOAD, (
+        f"the test changed LD_PRELOAD, which every later child process inherits: {now!r} (the "
+        f"session began with {_LD_PRELOAD!r})"
+    )
+
+
 @pytest.fixture
 def netns_pair():
     """Two fresh network namespaces joined by a veth pair (``tests/netns.py``), torn down after the

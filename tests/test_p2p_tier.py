@@ -666,3 +666,27 @@ def test_a_taken_port_is_a_config_error_and_leaves_nothing(world):
         PATIENCE_S,
         "the peer worker of the failed instance to exit",
     )
+
+
+def test_the_demo_pairs_p2p_tiers_take_the_liveness_limits_they_are_given(tmp_path):
+    """``pair_specs`` (the p2p demo's and the vLLM p2p end-to-end test's two servers) hands its
+    ``p2p_settings`` to both servers' p2p tiers, as each server's config parser reads them: the
+    end-to-end test sets upper bounds there instead of the 2 s defaults, which a busy machine's
+    stalls exceed (its prefiller route then got 0 or 32 of ~1,200 tokens from P). Without
+    settings the tiers keep the defaults (the demo's)."""
+    from kvoffload.config import parse_config
+    from kvoffload.tiers.p2p import P2PTierConfig
+    from kvoffload.tools.demo_p2p import pair_specs
+
+    args = {"device_tokens": 2048, "block_size": 32, "max_model_len": 2016, "host_tokens": 4096}
+    limits = {"peer_timeout_s": 30.0, "transfer_deadline_s": 30.0, "lease_ttl_s": 150.0}
+    for settings, want in (
+        (limits, limits),
+        (None, {k: getattr(P2PTierConfig(), k) for k in limits}),
+    ):
+        p, d, p_port = pair_specs("model", args, "prefiller", "auto", tmp_path, "s", settings)
+        tiers = [parse_config(s.offload).secondary_tiers[0].config for s in (p, d)]
+        assert tiers[0].port == p_port
+        assert tiers[0].peers == [f"127.0.0.1:{tiers[1].port}"] and tiers[1].peers == []
+        for t in tiers:
+            assert {k: getattr(t, k) for k in want} == want

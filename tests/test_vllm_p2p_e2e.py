@@ -35,6 +35,17 @@ from kvoffload.tools.vllm_server import VLLMServer  # noqa: E402
 
 DOC_TOKENS = 1200
 PATIENCE_S = 180.0  # upper bound for anything to happen: never a measure of speed
+# The p2p tiers' liveness limits, as upper bounds: the defaults (a peer silent 2 s is down, a
+# transfer not done in 2 s fails) measure speed. On a busy 2-core machine engines' p2p threads
+# go 2-2.7 s without running (two pairs run side by side counted their links down at the same
+# instants, main's as often as one with the hybrid code); a peer then counts the other down and
+# every probe and load in flight fails, so D recomputes what P holds (the prefiller route got 0
+# or 32 of ~1,200 history tokens from P, the source route 0 once its 37 loads failed). These
+# tests check routing and the replies, not liveness (tests/test_p2p_tier.py and
+# tests/test_p2p_server.py do, with their own limits).
+# 30 s: ten times the longest stall seen, and short enough that a Hello lost while a server was
+# still starting is retried soon.
+P2P_LIMITS = {"peer_timeout_s": 30.0, "transfer_deadline_s": 30.0, "lease_ttl_s": 150.0}
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +58,9 @@ def pair(tmp_path_factory):
     logs = tmp_path_factory.mktemp("p2p-logs")
     secret = secrets.token_urlsafe(32)
     args = {"device_tokens": 2048, "block_size": 32, "max_model_len": 2016, "host_tokens": 4096}
-    p_spec, d_spec, p_port = pair_specs(model, args, "source", "auto", logs, secret)
+    p_spec, d_spec, p_port = pair_specs(
+        model, args, "source", "auto", logs, secret, p2p_settings=P2P_LIMITS
+    )
     p, d = VLLMServer(p_spec), VLLMServer(d_spec)
     start_pair(p, d)
     try:

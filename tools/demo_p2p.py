@@ -50,10 +50,17 @@ _SUCCESS = "vllm:request_success_total"
 
 
 def p2p_offload(
-    host_tokens: int, port: int, peers: list[str], transport: str, data_port: int
+    host_tokens: int,
+    port: int,
+    peers: list[str],
+    transport: str,
+    data_port: int,
+    p2p_settings: dict | None = None,
 ) -> dict:
     """``kv_connector_extra_config`` of one server: a host tier of ``host_tokens`` tokens and a p2p
-    tier on loopback ``port`` (its secret from ``KVOFFLOAD_P2P_SECRET``, never in the config)."""
+    tier on loopback ``port`` (its secret from ``KVOFFLOAD_P2P_SECRET``, never in the config);
+    ``p2p_settings``: further ``P2PTierConfig`` fields of the p2p tier (e.g. its liveness limits
+    ``peer_timeout_s``, ``transfer_deadline_s``), checked by the server at start."""
     return {
         "spec_name": "KVOffloadSpec",
         "spec_module_path": "kvoffload.vllm",
@@ -66,6 +73,7 @@ def p2p_offload(
                 "peers": peers,
                 "transport": transport,
                 "data_port": data_port,
+                **(p2p_settings or {}),
             }
         ],
     }
@@ -155,9 +163,11 @@ def pair_specs(
     transport: str,
     workdir: Path,
     secret: str,
+    p2p_settings: dict | None = None,
 ) -> tuple[ServerSpec, ServerSpec, int]:
     """Server specs of P and D (p2p tiers on free loopback ports, pointing at each other; D without
-    static peers unless ``route`` is ``peers``) and P's p2p port."""
+    static peers unless ``route`` is ``peers``; both with ``p2p_settings``, see
+    :func:`p2p_offload`) and P's p2p port."""
     p_port, d_port = free_port(), free_port()
     env = {SECRET_ENV: secret}
 
@@ -173,6 +183,7 @@ def pair_specs(
                 peers,
                 transport,
                 free_port() if transport != "nixl" else 0,
+                p2p_settings,
             ),
             log_path=str(workdir / f"server-{name}.log"),
             env=env,

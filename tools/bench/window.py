@@ -206,9 +206,12 @@ def run_rep(kind: str, rep: int, doc_tokens: int, workdir: Path, max_tokens: int
     }
     # The device cache: about one conversation, not two. Gemma-3 style: what the end-to-end test
     # runs with a 1024-token limit (~110 blocks of one layer: the global group's prefix plus the
-    # window groups' window and prefill budget), scaled; full attention: every layer's prefix x 1.1.
+    # window groups' window and prefill budget), scaled, but at least what vLLM asks for one
+    # request (the global layer's max_len x 1.1, each window layer's window + prefill budget +
+    # a block); full attention: every layer's prefix x 1.1.
     if kind == "gemma3":
-        device_units = -(-40 * max_len // 1024)
+        need = (max_len * 11 // 10 + 5 * (64 + 256 + BLOCK)) * KV_BYTES_PER_TOKEN // 6
+        device_units = max(-(-40 * max_len // 1024), -(-need // BLOCK_BYTES_PER_TOKEN_F32))
     else:
         device_units = -(-max_len * KV_BYTES_PER_TOKEN * 11 // (10 * BLOCK_BYTES_PER_TOKEN_F32))
     spec = ServerSpec(

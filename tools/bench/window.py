@@ -299,7 +299,9 @@ def run_rep(kind: str, rep: int, doc_tokens: int, workdir: Path, max_tokens: int
 
 
 @click.command("window")
-@click.option("--reps", default=3, show_default=True, help="Follow-up turns per model.")
+@click.option(
+    "--reps", default=3, show_default=True, help="Reps; each starts one server per model."
+)
 @click.option(
     "--doc-tokens", default=700, show_default=True, help="Tokens of the conversation's document."
 )

@@ -42,7 +42,7 @@ from kvoffload.tools.extras import require
 
 MODELS = ("gemma3", "gemma3_full")
 DEVICE_LOAD = ("kvoffload_device_transfer_bytes_total", {"direction": "load"})
-HOST_SLOTS = ("kvoffload_host_slots", {})
+HOST_SLOTS: tuple[str, dict[str, str]] = ("kvoffload_host_slots", {})
 FS_LOAD = ("kvoffload_tier_transfer_bytes_total", {"tier": "fs", "direction": "load"})
 BLOCK = 32
 # KV bytes per token of either model in float32: 6 layers x 1 KV head x 64 x (K, V) x 4 bytes

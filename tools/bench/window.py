@@ -168,9 +168,9 @@ def run_rep(kind: str, rep: int, doc_tokens: int, workdir: Path, max_tokens: int
     conversation ``rep`` (the same for every model) reloaded from the fs tier, then recomputed.
     Returns the rep's dict (see :func:`summarize`).
 
-    One server per rep: on one Gemma-3 style server with this small host tier, the first turn of
-    a fresh conversation after a reload from the fs tier has been seen deferred for good (vLLM
-    "Deferred: 1 reqs", kvoffload's lookups answering it over and over); see BENCHMARKS.md.
+    One server per rep: on one Gemma-3 style server the fresh conversation after a reload is
+    deferred for good (its first chunk, shared, is in the fs tier only for the window groups, and
+    ``WindowScans`` never promotes a run shorter than the window; BENCHMARKS.md §4b).
 
     Raises:
         RuntimeError: the server does not start (its log tail in the message).

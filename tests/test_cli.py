@@ -83,6 +83,7 @@ def test_base_commands_run_without_the_demo_and_bench_extras(args):
         (["bench", "tier"], "extra [bench]"),
         (["bench", "ttft"], "extra [demo]"),
         (["bench", "scaling"], "extra [demo,bench]"),
+        (["bench", "window"], "extra [demo]"),
         (["stress", "--obj", "--duration", "1"], "extra [stress]"),
     ],
 )

@@ -39,7 +39,7 @@ LAZY_COMMANDS: dict[str, tuple[str, str | None, str]] = {
         "kvoffload.tools.bench.cli:bench",
         None,
         "Measurements for BENCHMARKS.md (tier, obj, engine, memory, ttft, thrash, vllm-fs, "
-        "vllm-p2p, p2p, scaling).",
+        "vllm-p2p, p2p, scaling, window).",
     ),
     "stress": (
         "kvoffload.tools.stress:stress",

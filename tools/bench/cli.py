@@ -14,6 +14,7 @@ from kvoffload.tools.bench.tier import bench_tier
 from kvoffload.tools.bench.ttft import bench_ttft
 from kvoffload.tools.bench.vllm_fs import vllm_fs
 from kvoffload.tools.bench.vllm_p2p import vllm_p2p
+from kvoffload.tools.bench.window import bench_window
 
 
 @click.group()
@@ -32,5 +33,6 @@ for _command in (
     bench_p2p,
     bench_scaling,
     bench_thrash,
+    bench_window,
 ):
     bench.add_command(_command)

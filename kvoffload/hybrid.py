@@ -252,14 +252,29 @@ class WindowScans:
     A scan is the keys of one request and group looked up one chunk apart, right to left (a key
     that is not the previous one's left neighbour starts a new scan; a step's last scan counts).
 
+    A bound on waiting: a chunk answered RETRY in ``max_retry_steps`` steps' scans of a request
+    without ever being chosen is given up (:meth:`exhausted`): the caller answers MISS for it from
+    then on, so a scan this class cannot resolve costs the request a recompute of that part,
+    never a request that waits forever (vLLM asks again every step while it is told RETRY).
+
     Args:
         groups: the engine's groups; those with ``window_chunks`` are tracked.
+        max_retry_steps: steps a chunk may be answered RETRY unchosen before it is given up
+            (>= 1).
+
+    Raises:
+        ValueError: ``max_retry_steps`` below 1.
     """
 
-    def __init__(self, groups: Sequence[GroupLayout]):
+    def __init__(self, groups: Sequence[GroupLayout], max_retry_steps: int = 64):
+        if max_retry_steps < 1:
+            raise ValueError(f"max_retry_steps: must be >= 1, got {max_retry_steps}")
         self._groups = {g.group_id: g for g in groups if g.window_chunks is not None}
         # (request id, group id) -> the step's last scan: [(key, end token, answer)], right to left
         self._scans: dict[tuple[str, int], list[tuple[bytes, int, str]]] = {}
+        self.max_retry_steps = max_retry_steps
+        # (request id, key) -> steps in which the key was answered RETRY and not chosen
+        self._unchosen: dict[tuple[str, bytes], int] = {}
 
     def __bool__(self) -> bool:
         return bool(self._groups)
@@ -284,7 +299,9 @@ class WindowScans:
         """``(request id, key)`` of the chunks answered RETRY that the step's scans chose to
         promote (see the class docstring); forgets the scans."""
         out: list[tuple[str, bytes]] = []
+        retried: list[tuple[str, bytes]] = []
         for (req_id, group_id), scan in self._scans.items():
+            retried += [(req_id, k) for k, _, a in scan if a == "RETRY"]
             g = self._groups[group_id]
             assert g.window_chunks is not None
             start = 0
@@ -306,12 +323,26 @@ class WindowScans:
                     break
                 start = stop
         self._scans.clear()
+        picked = set(out)
+        unchosen = self._unchosen
+        for rk in retried:
+            if rk in picked:
+                unchosen.pop(rk, None)
+            else:
+                unchosen[rk] = unchosen.get(rk, 0) + 1
         return out
+
+    def exhausted(self, req_id: str, key: bytes) -> bool:
+        """Whether ``req_id``'s chunk ``key`` has been answered RETRY unchosen in
+        ``max_retry_steps`` steps (the caller then answers MISS: see the class docstring)."""
+        return self._unchosen.get((req_id, key), 0) >= self.max_retry_steps
 
     def forget(self, req_id: str) -> None:
         """The request finished: drop its scans."""
         for k in [k for k in self._scans if k[0] == req_id]:
             del self._scans[k]
+        for rk in [rk for rk in self._unchosen if rk[0] == req_id]:
+            del self._unchosen[rk]
 
 
 _HIT_LIKE = ("HIT", "HIT_PENDING")

@@ -182,6 +182,12 @@ CORE_METRICS: tuple[MetricDef, ...] = (
         "for promotion_hold_steps steps). A lost chunk is loaded again if its request returns.",
         ("reason",),
     ),
+    Counter(
+        "kvoffload_window_retry_giveups",
+        "Sliding-window chunks answered MISS (recomputed) after being told RETRY for 64 "
+        "scheduler steps without being chosen for promotion: nonzero means a scan the manager "
+        "could not resolve (a defect to report).",
+    ),
     Counter("kvoffload_tier_evictions", "Chunks evicted from a capacity-bounded tier.", T),
     Counter(
         "kvoffload_dropped_stores",
@@ -444,6 +450,7 @@ def refresh(tm: TieringManager) -> MetricSet:
         m.set_total("kvoffload_promotion_waits", st.promotion_waits)
         m.set_total("kvoffload_promotion_hold_losses", st.evicted_holds, "evicted")
         m.set_total("kvoffload_promotion_hold_losses", st.expired_holds, "expired")
+        m.set_total("kvoffload_window_retry_giveups", st.window_retry_giveups)
         dev = tm.arena.device_stats.sum(axis=0)
         m.set_total("kvoffload_device_transfer_bytes", float(dev[0]), "load")
         m.set_total("kvoffload_device_transfer_seconds", float(dev[1]), "load")

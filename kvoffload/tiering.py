@@ -127,6 +127,9 @@ class Stats:
         self.promotion_waits = 0
         self.evicted_holds = 0
         self.expired_holds = 0
+        # Sliding-window chunks answered MISS after max_retry_steps steps of RETRY unchosen
+        # (kvoffload.hybrid.WindowScans): a recompute instead of a request that never runs.
+        self.window_retry_giveups = 0
         # The p2p serving side, counted apart from this instance's own lookups and loads:
         # keys peers looked up, found READY / PENDING, promotions started for them, chunks
         # leased, slots admitted for their pushes, pushes published / failed, and completions

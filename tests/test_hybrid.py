@@ -680,6 +680,39 @@ def test_a_scan_promotes_the_window_the_hit_can_end_with(answers, chosen):
     assert scans.chosen() == []  # a step's scans are forgotten once chosen
 
 
+def test_a_chunk_retried_unchosen_for_max_retry_steps_is_given_up():
+    """A scan whose run can never serve (shorter than the window, not reaching the first chunk):
+    its RETRY chunks are never chosen, so after ``max_retry_steps`` steps they are exhausted (the
+    manager answers MISS: a recompute, not a request that waits forever); a chosen chunk never
+    is; a finished request's counts are dropped."""
+    scans = WindowScans([layout(1, SLIDING_WINDOW, 16, window=4)], max_retry_steps=3)
+    names = {"R": "RETRY", "M": "MISS"}
+    answers = "RRRMRRM"  # chunks 6..0: runs of 3 and 2, neither a whole window
+    keys = [bytes([i]) for i in range(len(answers))]
+
+    def step(req: str) -> list:
+        for i, a in enumerate(answers):
+            scans.record(req, 1, keys[i], (len(answers) - i) * 16, names[a])
+        return scans.chosen()
+
+    for _ in range(3):
+        assert not any(scans.exhausted("r", k) for k in keys)
+        assert step("r") == []
+    assert [scans.exhausted("r", k) for k in keys] == [a == "R" for a in answers]
+    assert not scans.exhausted("other", keys[0])
+    scans.forget("r")
+    assert not any(scans.exhausted("r", k) for k in keys)
+    # a chunk chosen in a step is not counted: a whole window is promoted, never given up
+    for _ in range(5):
+        scans.record("q", 1, keys[0], 64, "RETRY")
+        for i in range(1, 4):
+            scans.record("q", 1, keys[i], 64 - 16 * i, "RETRY")
+        assert len(scans.chosen()) == 4
+    assert not any(scans.exhausted("q", k) for k in keys[:4])
+    with pytest.raises(ValueError, match="max_retry_steps"):
+        WindowScans([], max_retry_steps=0)
+
+
 def test_a_window_group_promotes_only_the_window_its_hit_ends_with(tmp_path):
     """A 12-chunk prompt of a full-attention and a sliding-window group (window 4 chunks): the
     full-attention chunks in the host tier, the window group's only in a shared fs tier, chunks 2,

@@ -18,6 +18,7 @@ from typing_extensions import override
 
 from kvoffload.events import ChunkEventInfo
 from kvoffload.hybrid import WindowScans
+from kvoffload.logs import RateLimitedLog
 from kvoffload.tiering import HOST, TieringManager
 from kvoffload.tiers.base import LookupResult as KVLookup
 from kvoffload.vllm.compat import (
@@ -38,6 +39,7 @@ from kvoffload.vllm.compat import (
 )
 
 log = logging.getLogger("kvoffload.vllm")
+_giveups = RateLimitedLog(log)
 _STATS_INTERVAL_S = 0.5
 
 _TO_VLLM = {
@@ -129,8 +131,20 @@ class KVOffloadManager(OffloadingManager):
             group = int.from_bytes(key[-4:], "big")
             end = req_context.get_offload_key_position(key) if scans.tracks(group) else None
             if end is not None and scans.tracks(group, end):  # promoted at the step's end if chosen
-                r = self.tm.lookup(key, req_context.req_id, promote=False)
-                scans.record(req_context.req_id, group, key, end, r.name)
+                req_id = req_context.req_id
+                r = self.tm.lookup(key, req_id, promote=False)
+                if r is KVLookup.RETRY and scans.exhausted(req_id, key):
+                    r = KVLookup.MISS  # never chosen: a recompute, not a request that never runs
+                    self.tm.stats.window_retry_giveups += 1
+                    _giveups.log(
+                        logging.WARNING,
+                        "window",
+                        "kvoffload: a sliding-window chunk of request %s was answered RETRY for "
+                        "%d steps without being promoted; answered MISS (recomputed)",
+                        req_id,
+                        scans.max_retry_steps,
+                    )
+                scans.record(req_id, group, key, end, r.name)
                 return _TO_VLLM[r]
         return _TO_VLLM[self.tm.lookup(key, req_context.req_id)]
 

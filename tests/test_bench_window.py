@@ -3,14 +3,9 @@ ratios per model, the Markdown table; and the full-attention twin of the Gemma-3
 
 import pytest
 
-from kvoffload.tools.bench.window import (
-    DEVICE_LOAD,
-    FS_LOAD,
-    format_table,
-    metric_delta,
-    summarize,
-)
+from kvoffload.tools.bench.window import DEVICE_LOAD, FS_LOAD, format_table, summarize
 from kvoffload.tools.hybrid_models import GEMMA3, GEMMA3_FULL, KINDS
+from kvoffload.tools.vllm_server import metric_delta
 
 
 def _sample(name, value, **labels):

@@ -173,6 +173,22 @@ class RunResult:
     ``fs``), or None (the reference)."""
 
 
+def doc_question(doc: str, follow: str | None = None) -> list[dict]:
+    """The benchmarks' conversation about one maintenance log: the system prompt and ``doc`` with
+    a question; with ``follow``, a fixed first reply and ``follow`` as the second turn (the turn
+    that re-sends the history)."""
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": f"{doc}\n\nQuestion: Which site is mentioned first?"},
+    ]
+    if follow:
+        messages += [
+            {"role": "assistant", "content": "North Yard."},
+            {"role": "user", "content": follow},
+        ]
+    return messages
+
+
 def chat(url: str, messages: list[dict], max_tokens: int, extra: dict | None = None) -> Turn:
     """One streamed chat completion: TTFT, token ids and usage. ``extra``: more request fields
     (``kv_transfer_params``, ``cache_salt``)."""

@@ -42,6 +42,7 @@ from kvoffload.tools.vllm_server import (
     ServerSpec,
     VLLMServer,
     cached_by_source,
+    metric_delta,
 )
 
 ROUTES = ("peers", "source", "prefiller")
@@ -124,11 +125,7 @@ def settled_metrics(
 def p2p_loaded_bytes(before: dict, after: dict) -> int:
     """Bytes the p2p tier read from peers between two scrapes (``kvoffload_p2p_bytes_total``,
     direction load; published with vLLM's periodic stats, so it may lag)."""
-    total = 0.0
-    for (name, labels), v in after.items():
-        if name == "kvoffload_p2p_bytes_total" and dict(labels).get("direction") == "load":
-            total += v - before.get((name, labels), 0.0)
-    return int(total)
+    return int(metric_delta(before, after, "kvoffload_p2p_bytes_total", {"direction": "load"}))
 
 
 def warm_up(server: VLLMServer) -> None:

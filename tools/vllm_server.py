@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -229,6 +230,18 @@ class VLLMServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def metric_delta(before: Mapping, after: Mapping, name: str, labels: Mapping[str, str]) -> float:
+    """Growth of the samples named ``name`` whose labels include ``labels``, summed, between two
+    :meth:`VLLMServer.metrics` scrapes
+    (``{(name, sorted label pairs): value}``); a sample absent before counts from 0."""
+    total = 0.0
+    for key, value in after.items():
+        n, pairs = key
+        if n == name and labels.items() <= dict(pairs).items():
+            total += value - before.get(key, 0.0)
+    return total
 
 
 def cached_by_source(before: dict, after: dict) -> dict[str, int]:

@@ -134,24 +134,18 @@ class UringFs:
                 pending[slot] = [i, n_ops, {}, (tmp, final, iov, d, parent)]
                 i += 1
             L.io_uring_submit_and_wait(self.ring, 1)
-            for slot, res in self._reap():
-                p = pending[slot >> 3]
-                p[2][slot & 7] = res
-                p[1] -= 1
-                if p[1] == 0:
-                    del pending[slot >> 3]
-                    free.append(slot >> 3)
-                    r = p[2]
-                    if r[3] == 0:
-                        status[p[0]] = 2
-                        self._dirs.update(p[3][3:])  # known to exist: later chunks skip the mkdir
-                    else:  # a failed link: report the first real error, remove the temp file
-                        err = next(v for k, v in sorted(r.items()) if k < 4 and v < 0)
-                        status[p[0]] = err
-                        try:
-                            os.unlink(p[3][0])
-                        except FileNotFoundError:
-                            pass
+            for p in self._finished(pending, free):
+                r = p[2]
+                if r[3] == 0:
+                    status[p[0]] = 2
+                    self._dirs.update(p[3][3:])  # known to exist: later chunks skip the mkdir
+                else:  # a failed link: report the first real error, remove the temp file
+                    err = next(v for k, v in sorted(r.items()) if k < 4 and v < 0)
+                    status[p[0]] = err
+                    try:
+                        os.unlink(p[3][0])
+                    except FileNotFoundError:
+                        pass
         return status
 
     def load_all(self, keys: list[bytes], rows: list[memoryview]) -> list[int]:
@@ -182,14 +176,8 @@ class UringFs:
                 pending[slot] = [i, 3, {}, (path, iov, head, row, key)]
                 i += 1
             L.io_uring_submit_and_wait(self.ring, 1)
-            for slot, res in self._reap():
-                p = pending[slot >> 3]
-                p[2][slot & 7] = res
-                p[1] -= 1
-                if p[1] == 0:
-                    del pending[slot >> 3]
-                    free.append(slot >> 3)
-                    status[p[0]] = self._verify(p[2], p[3])
+            for p in self._finished(pending, free):
+                status[p[0]] = self._verify(p[2], p[3])
         return status
 
     def _verify(self, r: dict, keep: tuple) -> int:
@@ -206,6 +194,21 @@ class UringFs:
         if cf.payload_checksum(row) != checksum:
             return -1002
         return 2
+
+    def _finished(self, pending: dict[int, list], free: list[int]) -> list[list]:
+        """The chains whose every operation has completed (each ``[index, ops left, {op: result},
+        kept]``), taken out of ``pending`` with their slots back in ``free``."""
+        done = []
+        for user_data, res in self._reap():
+            slot = user_data >> 3
+            p = pending[slot]
+            p[2][user_data & 7] = res
+            p[1] -= 1
+            if p[1] == 0:
+                del pending[slot]
+                free.append(slot)
+                done.append(p)
+        return done
 
     def _reap(self) -> list[tuple[int, int]]:
         out = []

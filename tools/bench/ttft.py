@@ -75,7 +75,7 @@ def ttft(pairs: int, doc_tokens: int, workdir: Path) -> dict:
     """
     from transformers import AutoTokenizer
 
-    from kvoffload.tools.demo import SYSTEM, chat, maintenance_log
+    from kvoffload.tools.demo import chat, doc_question, maintenance_log
     from kvoffload.tools.model import prepare_model
     from kvoffload.tools.vllm_server import (
         BLOCK_BYTES_PER_TOKEN_F32,
@@ -103,32 +103,20 @@ def ttft(pairs: int, doc_tokens: int, workdir: Path) -> dict:
         log_path=str(workdir / "ttft-server.log"),
     )
 
-    def convo(doc, follow=None):
-        m = [
-            {"role": "system", "content": SYSTEM},
-            {"role": "user", "content": f"{doc}\n\nQuestion: Which site is mentioned first?"},
-        ]
-        if follow:
-            m += [
-                {"role": "assistant", "content": "North Yard."},
-                {"role": "user", "content": follow},
-            ]
-        return m
-
     rows = []
     with VLLMServer(spec) as server:
-        chat(server.url, convo(docs[-1]), 4)  # warm-up
+        chat(server.url, doc_question(docs[-1]), 4)  # warm-up
         for i in range(pairs):
             a, b, c = docs[2 * i], docs[2 * i + 1], docs[-2]
-            chat(server.url, convo(a), 4)  # computed, offloaded to host and fs
-            chat(server.url, convo(c), 4)  # evicts a from the device cache and the host tier
+            chat(server.url, doc_question(a), 4)  # computed, offloaded to host and fs
+            chat(server.url, doc_question(c), 4)  # evicts a from the device cache and the host tier
             before = server.metrics()
-            reload = chat(server.url, convo(a, "Name one part."), 4)
+            reload = chat(server.url, doc_question(a, "Name one part."), 4)
             from_fs = cached_by_source(before, server.metrics()).get("disk", 0)
-            device = chat(server.url, convo(a, "Name one site."), 4)
+            device = chat(server.url, doc_question(a, "Name one site."), 4)
             # the disk's share: as many chunk files (one block each) as the reload promoted
             read_s, _ = raw_read_s(workdir / "fs-ttft", from_fs // spec.block_size, seed=i)
-            recompute = chat(server.url, convo(b, "Name one part."), 4)
+            recompute = chat(server.url, doc_question(b, "Name one part."), 4)
             rows.append(
                 {
                     "prompt_tokens": reload.prompt_tokens,

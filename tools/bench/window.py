@@ -49,18 +49,6 @@ BLOCK = 32
 KV_BYTES_PER_TOKEN = 6 * 64 * 2 * 4
 
 
-def metric_delta(before: Mapping, after: Mapping, name: str, labels: Mapping[str, str]) -> float:
-    """Growth of the samples named ``name`` whose labels include ``labels``, summed, between two
-    :meth:`VLLMServer.metrics <kvoffload.tools.vllm_server.VLLMServer.metrics>` scrapes
-    (``{(name, sorted label pairs): value}``); a sample absent before counts from 0."""
-    total = 0.0
-    for key, value in after.items():
-        n, pairs = key
-        if n == name and labels.items() <= dict(pairs).items():
-            total += value - before.get(key, 0.0)
-    return total
-
-
 def summarize(rows: Mapping[str, list[dict]]) -> dict[str, dict]:
     """Per model: medians over its reps and ratios.
 
@@ -168,9 +156,10 @@ def run_rep(kind: str, rep: int, doc_tokens: int, workdir: Path, max_tokens: int
     conversation ``rep`` (the same for every model) reloaded from the fs tier, then recomputed.
     Returns the rep's dict (see :func:`summarize`).
 
-    One server per rep: on one Gemma-3 style server the fresh conversation after a reload is
-    deferred for good (its first chunk, shared, is in the fs tier only for the window groups, and
-    ``WindowScans`` never promotes a run shorter than the window; BENCHMARKS.md §4b).
+    One server per rep: written while, on one Gemma-3 style server, the fresh conversation after
+    a reload was deferred for good (its first chunk, shared, in the fs tier only for the window
+    groups, and ``WindowScans`` then never promoted a run shorter than the window; fixed since,
+    BENCHMARKS.md §4b).
 
     Raises:
         RuntimeError: the server does not start (its log tail in the message).
@@ -178,13 +167,14 @@ def run_rep(kind: str, rep: int, doc_tokens: int, workdir: Path, max_tokens: int
     """
     from transformers import AutoTokenizer
 
-    from kvoffload.tools.demo import SYSTEM, chat, maintenance_log
+    from kvoffload.tools.demo import chat, doc_question, maintenance_log
     from kvoffload.tools.hybrid_models import prepare_hybrid_model
     from kvoffload.tools.vllm_server import (
         BLOCK_BYTES_PER_TOKEN_F32,
         ServerSpec,
         VLLMServer,
         cached_by_source,
+        metric_delta,
     )
 
     model = str(prepare_hybrid_model(kind))
@@ -225,24 +215,12 @@ def run_rep(kind: str, rep: int, doc_tokens: int, workdir: Path, max_tokens: int
         extra_args=["--max-num-batched-tokens", "256"],
     )
 
-    def convo(doc: str, follow: str | None = None) -> list[dict]:
-        m = [
-            {"role": "system", "content": SYSTEM},
-            {"role": "user", "content": f"{doc}\n\nQuestion: Which site is mentioned first?"},
-        ]
-        if follow:
-            m += [
-                {"role": "assistant", "content": "North Yard."},
-                {"role": "user", "content": follow},
-            ]
-        return m
-
     with VLLMServer(spec) as server:
 
         def ping() -> None:  # an engine step publishes kvoffload's counters with vLLM's stats
             chat(server.url, [{"role": "user", "content": "Hi"}], 1)
 
-        chat(server.url, convo(doc(-1)), max_tokens)  # warm-up
+        chat(server.url, doc_question(doc(-1)), max_tokens)  # warm-up
         ping()
         slots = metric_delta({}, server.metrics(), *HOST_SLOTS)
         # The first turn of conversation 0, then other conversations until they have stored as
@@ -256,13 +234,13 @@ def run_rep(kind: str, rep: int, doc_tokens: int, workdir: Path, max_tokens: int
         since = None
         while since is None or _fs_files(root) - since < slots:
             files = _fs_files(root)
-            turn = chat(server.url, convo(doc(n)), max_tokens)
+            turn = chat(server.url, doc_question(doc(n)), max_tokens)
             n += 1
             _wait_stores(root, files + turn.prompt_tokens // BLOCK - 1)
             since = _fs_files(root) if since is None else since
         ping()
         before = server.metrics()
-        reload = chat(server.url, convo(doc(0), "Name one part."), max_tokens)
+        reload = chat(server.url, doc_question(doc(0), "Name one part."), max_tokens)
         sources = cached_by_source(before, server.metrics())
         deadline = time.monotonic() + 120
         while True:
@@ -278,7 +256,7 @@ def run_rep(kind: str, rep: int, doc_tokens: int, workdir: Path, max_tokens: int
         after = server.metrics()
         recompute = chat(
             server.url,
-            convo(doc(0), "Name one part."),
+            doc_question(doc(0), "Name one part."),
             max_tokens,
             {"cache_salt": f"recompute-{secrets.token_hex(8)}"},
         )

@@ -54,6 +54,11 @@ class GroupLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
             group's layers (vLLM's page size, padding included).
         window_chunks: chunks ending at a hit's boundary that a load needs; None: every chunk of
             the prefix (full attention, MLA). A Mamba group needs 1: the state at the boundary.
+        reach_tokens: for a sliding-window group, the tokens before a hit's end that its load
+            must hold (vLLM: ``sliding_window - 1 + extra_retained_tokens``, the second being
+            the tokens multi-module speculative decoding re-prefills); a hit ending inside a chunk
+            may then need one chunk more than ``window_chunks`` (:meth:`end_window_chunks`).
+            None: the window is whole chunks (chunked local attention) or there is none.
         replicated: every tensor-parallel rank holds the same bytes (an MLA latent, a replicated
             Mamba state), so a row needs one copy, not one per rank (whether it holds one is the
             engine's layout: vLLM's ``replicated_layout``).
@@ -67,6 +72,7 @@ class GroupLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     num_layers: int
     block_bytes: int
     window_chunks: int | None = None
+    reach_tokens: int | None = None
     replicated: bool = False
     shape: str = ""
 
@@ -99,6 +105,29 @@ class GroupLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
         start = computed_tokens // self.tokens_per_chunk
         if self.window_chunks is not None:
             start = max(start, end - self.window_chunks)
+        return range(start, max(start, end))
+
+    def end_window_chunks(self, hit_end: int) -> int | None:
+        """Chunks ending with the one holding token ``hit_end - 1`` that a load of a hit ending at
+        token ``hit_end`` needs (``hit_end`` may be inside a chunk): ``window_chunks``, widened
+        where the window's reach plus the chunk's tokens from ``hit_end`` on spans more chunks
+        (vLLM's ``load_window_size_in_chunks``, 0.32 and 0.33: only with
+        ``extra_retained_tokens``, since ``window_chunks`` already covers the window itself)."""
+        w = self.window_chunks
+        if w is None or self.reach_tokens is None:
+            return w
+        tpc = self.tokens_per_chunk
+        return max(w, -(-(self.reach_tokens + (-hit_end % tpc)) // tpc))
+
+    def end_load_chunks(self, computed_tokens: int, hit_end: int) -> range:
+        """Indices of this group's chunks a load of tokens ``[computed_tokens, hit_end)`` reads
+        where ``hit_end`` may be inside a chunk (the chunk holding it is read whole): like
+        :meth:`load_chunks` at the next boundary, over :meth:`end_window_chunks` chunks."""
+        end = -(-hit_end // self.tokens_per_chunk)
+        start = computed_tokens // self.tokens_per_chunk
+        w = self.end_window_chunks(hit_end)
+        if w is not None:
+            start = max(start, end - w)
         return range(start, max(start, end))
 
 
@@ -159,11 +188,6 @@ def ends_inside_chunk(groups: Sequence[GroupLayout]) -> bool:
     return any(g.window_chunks is not None for g in groups) and not any(g.is_state for g in groups)
 
 
-def _ceil(tokens: int, g: GroupLayout) -> int:
-    """The first boundary of ``g``'s chunks at or after token ``tokens``."""
-    return -(-tokens // g.tokens_per_chunk) * g.tokens_per_chunk
-
-
 def hit_tokens(
     groups: Sequence[GroupLayout],
     present: Callable[[GroupLayout, int], bool],
@@ -183,9 +207,10 @@ def hit_tokens(
 
     Where the chunk holding token ``max_tokens`` is whole (``last_chunk_whole``) and
     :func:`ends_inside_chunk` (vLLM with windowed groups and no Mamba group), a hit may also end
-    at ``max_tokens`` itself, inside that chunk: it is served when every group serves the
-    boundary after it (the chunk is loaded whole, its tokens from ``max_tokens`` on recomputed),
-    and vLLM takes that end before any boundary.
+    at ``max_tokens`` itself, inside that chunk: it is served when every group holds the chunks
+    of :meth:`GroupLayout.end_load_chunks` (the boundary after it, over a window that
+    ``extra_retained_tokens`` may widen by a chunk; the last chunk is loaded whole, its tokens from
+    ``max_tokens`` on recomputed), and vLLM takes that end before any boundary.
 
     Args:
         groups: the engine's groups (none: nothing is served).
@@ -219,7 +244,7 @@ def hit_tokens(
         and ends_inside_chunk(groups)
     ):
         if all(
-            all(present(g, i) for i in g.load_chunks(computed_tokens, _ceil(max_tokens, g)))
+            all(present(g, i) for i in g.end_load_chunks(computed_tokens, max_tokens))
             for g in groups
         ):
             return max_tokens - computed_tokens

@@ -63,6 +63,17 @@ def _spec_shape(spec: Any) -> str:
     return ";".join(f"{k}={v}" for k, v in parts)
 
 
+def _reach_tokens(spec: Any) -> int | None:
+    """Tokens before a hit's end a sliding-window layer's load must hold: ``sliding_window - 1 +
+    extra_retained_tokens`` (vLLM's ``load_window_size_in_chunks``, 0.32 and 0.33); None for any
+    other kind (a chunked-local window is whole chunks)."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    if not isinstance(spec, SlidingWindowSpec):
+        return None
+    return spec.sliding_window - 1 + getattr(spec, "extra_retained_tokens", 0)
+
+
 def _window_chunks(spec: Any, tokens_per_chunk: int) -> int | None:
     """vLLM 0.32's count of chunks a load of this group needs (its offloading scheduler's
     ``get_sliding_window_size_in_chunks``, which 0.33 moved to its offloading config), so the two
@@ -142,6 +153,7 @@ def group_layouts(
                 num_layers=len(group.layer_names),
                 block_bytes=block_bytes,
                 window_chunks=window,
+                reach_tokens=_reach_tokens(layer_specs[0]) if window is not None else None,
                 replicated=all(
                     isinstance(s, MLAAttentionSpec)
                     or (isinstance(s, MambaSpec) and s.tp_replicated)

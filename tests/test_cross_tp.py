@@ -14,7 +14,7 @@ import torch
 
 vllm = pytest.importorskip("vllm")  # the vllm extra; always installed by tox / .ci/run
 
-from helpers import arena_name, keys_for, wait_until  # noqa: E402
+from helpers import NO_FLOOR, arena_name, keys_for, wait_until  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import (  # noqa: E402
     _layer_mapping,
     _RankContext,
@@ -80,7 +80,13 @@ class Engine:
             "arena_name": arena_name(),
             "canonical_layout": canonical,
             "secondary_tiers": [
-                {"type": "fs", "root_dir": str(root), "read_workers": 1, "write_workers": 1}
+                {
+                    "type": "fs",
+                    "root_dir": str(root),
+                    "read_workers": 1,
+                    "write_workers": 1,
+                    **NO_FLOOR,
+                }
             ],
         }
         self.specs = [KVOffloadSpec(self._config(extra, rank, canonical)) for rank in range(tp)]

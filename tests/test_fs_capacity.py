@@ -266,6 +266,26 @@ def test_free_space_floor_makes_the_tier_evict_instead_of_writing():
             assert rig.fs.accounted_bytes == disk_bytes(root)
 
 
+def test_a_disk_already_past_the_default_floor_is_named_at_start_and_stores_nothing(caplog):
+    """The default floor (``min_free_fraction`` 0.05) on a disk already fuller than that: the tier
+    says so when it starts (CI's disk once sat at 2 % free, and the first word of it was a warning
+    at the first store), and no store writes below the floor."""
+    with small_tmpfs(1 << 20) as mnt, caplog.at_level(logging.WARNING, logger="kvoffload.tiers"):
+        filler = os.path.join(mnt, "filler")
+        with open(filler, "wb") as f:  # leave ~2 % free: under the default 5 % floor
+            f.write(b"\0" * (1000 << 10))
+        root = os.path.join(mnt, "fs")
+        tier = {"type": "fs", "root_dir": root, "max_bytes": 10 * FB}  # no min_free_fraction
+        with Rig([tier], num_slots=8) as rig:
+            assert rig.fs.config.min_free_fraction == 0.05  # the default, not the tests' 0
+            assert rig.fs.min_free_bytes == int(0.05 * (1 << 20))
+            assert "below the free-space floor" in caplog.text and root in caplog.text
+            assert "lower min_free_fraction" in caplog.text
+            rig.store(keys_for(2))
+            assert rig.tm.stats.cascaded["fs"] == 0 and no_space_failures(rig) == 2
+            assert not chunk_files(root)
+
+
 def test_unbounded_fs_tier_deletes_nothing_and_stops_at_the_floor():
     with small_tmpfs(1 << 20) as mnt:
         root = os.path.join(mnt, "fs")

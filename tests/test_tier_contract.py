@@ -43,6 +43,7 @@ def fs_tier(root) -> TierUnderTest:
             "read_workers": 1,
             "write_workers": 1,
             "job_timeout_s": 60.0,
+            "min_free_fraction": 0.0,  # helpers.NO_FLOOR: not this disk's free space
         }
         if capacity_chunks is not None:
             cfg["max_bytes"] = capacity_chunks * (HEADER_BYTES + 16384)

@@ -47,7 +47,7 @@ import time
 import numpy as np
 import pytest
 import xxhash
-from helpers import HIT, MISS, PENDING, RETRY, Rig, payload
+from helpers import HIT, MISS, NO_FLOOR, PENDING, RETRY, Rig, payload
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -241,6 +241,7 @@ class TierStack(RuleBasedStateMachine):
             "io_threads": 2,
             "job_timeout_s": JOB_TIMEOUT_S,
             "max_bytes": FS_CHUNKS * (cf.HEADER_BYTES + ROW),
+            **NO_FLOOR,
             "faults": fs_faults(self.gates["load"], self.gates["store"]),
         }
         memory = {"type": "memory", "max_bytes": MEMORY_CHUNKS * ROW}

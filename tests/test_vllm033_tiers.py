@@ -44,6 +44,7 @@ def fs_entry(root, **extra):
         "read_workers": 1,
         "write_workers": 1,
         "job_timeout_s": 10.0,
+        "min_free_fraction": 0.0,  # helpers.NO_FLOOR: not this disk's free space
         **extra,
     }
 

@@ -11,7 +11,7 @@ import copy
 
 import numpy as np
 import pytest
-from helpers import HIT, Rig, keys_for, payload
+from helpers import HIT, NO_FLOOR, Rig, keys_for, payload
 from s3 import ACCESS, SECRET, new_bucket, start_moto
 
 from kvoffload.config import (
@@ -94,6 +94,7 @@ def test_vllm_fs_thread_counts_reach_the_worker_processes(tmp_path):
         "read_workers": 2,
         "write_workers": 1,
         "locality": "REMOTE",
+        **NO_FLOOR,
     }
     with Rig([raw], num_slots=4) as rig:
         fs = rig.fs

@@ -13,6 +13,7 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 pytest.importorskip("vllm")
 
+from helpers import NO_FLOOR  # noqa: E402
 from hybrid_models import prepare_hybrid_model  # noqa: E402
 
 from kvoffload.tools.demo import SYSTEM, chat, maintenance_log  # noqa: E402
@@ -155,7 +156,7 @@ def tiered_server(request, tmp_path_factory):
         "spec_name": "KVOffloadSpec",
         "spec_module_path": "kvoffload.vllm",
         "cpu_bytes_to_use": host_rows * row_bytes,
-        "secondary_tiers": [{"type": "fs", "root_dir": str(root)}],
+        "secondary_tiers": [{"type": "fs", "root_dir": str(root), **NO_FLOOR}],
     }
     spec = ServerSpec(
         model=path,

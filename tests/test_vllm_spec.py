@@ -6,7 +6,7 @@ import torch
 
 vllm = pytest.importorskip("vllm")  # the vllm extra; always installed by tox / .ci/run
 
-from helpers import arena_name  # noqa: E402
+from helpers import NO_FLOOR, arena_name  # noqa: E402
 from vllm.v1.kv_offload.base import (  # noqa: E402
     CanonicalKVCacheRef,
     CanonicalKVCaches,
@@ -119,7 +119,13 @@ def test_manager_round_trip_through_vllm_types(tmp_path):
         "cpu_bytes_to_use": 4 * 2 * PAGE,
         "arena_name": arena_name(),
         "secondary_tiers": [
-            {"type": "fs", "root_dir": str(tmp_path), "read_workers": 1, "write_workers": 1}
+            {
+                "type": "fs",
+                "root_dir": str(tmp_path),
+                "read_workers": 1,
+                "write_workers": 1,
+                **NO_FLOOR,
+            }
         ],
     }
     spec = KVOffloadSpec(offloading_config(extra))
@@ -219,7 +225,13 @@ def test_c21_the_resolved_config_is_logged_once_at_start(tmp_path):
         "cpu_bytes_to_use": 4 * 2 * PAGE,
         "arena_name": arena_name(),
         "secondary_tiers": [
-            {"type": "fs", "root_dir": str(tmp_path), "read_workers": 1, "write_workers": 1}
+            {
+                "type": "fs",
+                "root_dir": str(tmp_path),
+                "read_workers": 1,
+                "write_workers": 1,
+                **NO_FLOOR,
+            }
         ],
     }
     spec = KVOffloadSpec(offloading_config(extra))

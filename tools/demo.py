@@ -41,6 +41,7 @@ from typing import NoReturn
 import click
 import httpx
 
+from kvoffload.tools import scratch_fs_tier
 from kvoffload.tools.vllm_server import (
     BLOCK_BYTES_PER_TOKEN_F32,
     ServerSpec,
@@ -655,7 +656,7 @@ def demo(
         secondary = []
         for t in tier_names:
             if t == "fs":
-                secondary.append({"type": "fs", "root_dir": str(wd / f"fs-{tag}")})
+                secondary.append(scratch_fs_tier(wd / f"fs-{tag}"))
             else:
                 secondary.append(
                     {

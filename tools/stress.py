@@ -41,6 +41,7 @@ from kvoffload.ipc.arena import Arena, ArenaError, round_up_to_page, sweep
 from kvoffload.namespace import Namespace
 from kvoffload.tiering import HOST, TieringManager
 from kvoffload.tiers.base import LookupResult
+from kvoffload.tools import scratch_fs_tier
 from kvoffload.tools.extras import require
 
 _HIT, _MISS, _PENDING, _RETRY = (
@@ -57,7 +58,7 @@ def default_config(root_dir: str) -> dict[str, Any]:
     return {
         "cpu_bytes_to_use": 64 << 20,
         "eviction_policy": "lru",
-        "secondary_tiers": [{"type": "fs", "root_dir": root_dir, "max_bytes": 2 << 30}],
+        "secondary_tiers": [scratch_fs_tier(root_dir, max_bytes=2 << 30)],
     }
 
 

@@ -183,6 +183,20 @@ class FsTier(ProcessTierManager):
         self._write_namespace_config()
         st = os.statvfs(self.ns_dir)
         self.min_free_bytes = int(config.min_free_fraction * st.f_blocks * st.f_frsize)
+        if st.f_bavail * st.f_frsize < self.min_free_bytes:
+            # Said at start, not first at the first store: a tier on a disk already past its floor
+            # stores nothing until room is made (its own chunks evicted, or space freed).
+            log.warning(
+                "kvoffload tier %s: %s has %d bytes free, below the free-space floor of %d bytes "
+                "(min_free_fraction %g of %d bytes): this tier stores nothing until space is "
+                "freed there; lower min_free_fraction (0: no floor) to use it",
+                name,
+                config.root_dir,
+                st.f_bavail * st.f_frsize,
+                self.min_free_bytes,
+                config.min_free_fraction,
+                st.f_blocks * st.f_frsize,
+            )
         # Capacity (bytes): none for "unbounded"; without max_bytes, a share of the free space.
         self._default_free: int | None = None
         max_bytes: int | None

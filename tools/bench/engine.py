@@ -46,6 +46,7 @@ from kvoffload.ipc.arena import Arena
 from kvoffload.tiering import TieringManager
 from kvoffload.tiers.base import LookupResult
 from kvoffload.tiers.process import ProcessTierManager
+from kvoffload.tools import scratch_fs_tier
 from kvoffload.tools.bench.harness import (
     arena_name,
     bench_namespace,
@@ -120,9 +121,7 @@ class _Engine:
         cfg = parse_config(
             {
                 "cpu_bytes_to_use": arena.num_slots * arena.row_bytes,
-                "secondary_tiers": [
-                    {"type": "fs", "root_dir": str(root), "chunks_per_task": _TASK_CHUNKS}
-                ],
+                "secondary_tiers": [scratch_fs_tier(root, chunks_per_task=_TASK_CHUNKS)],
             }
         )
         self.tm = TieringManager(

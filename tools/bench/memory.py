@@ -17,6 +17,7 @@ from kvoffload.config import parse_config
 from kvoffload.ipc.arena import Arena
 from kvoffload.namespace import chunk_keys
 from kvoffload.tiering import TieringManager
+from kvoffload.tools import scratch_fs_tier
 from kvoffload.tools.bench.harness import arena_name, bench_namespace, make_workdir, print_header
 
 
@@ -54,7 +55,7 @@ def memory_per_chunk(n_chunks: int, workdir: Path) -> dict:
     cfg = parse_config(
         {
             "cpu_bytes_to_use": 64 * row,
-            "secondary_tiers": [{"type": "fs", "root_dir": str(workdir / "fs-mem")}],
+            "secondary_tiers": [scratch_fs_tier(workdir / "fs-mem")],
         }
     )
     with Arena.create(arena_name("memw"), 64, row) as arena:

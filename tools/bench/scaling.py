@@ -18,6 +18,7 @@ from pathlib import Path
 import click
 import numpy as np
 
+from kvoffload.tools import scratch_fs_tier
 from kvoffload.tools.bench.harness import print_header
 from kvoffload.tools.extras import EXTRA_MODULES, require
 
@@ -76,7 +77,7 @@ def run_sweep(
     for name in CONFIGS:
         offload = None
         if name != "recompute":
-            tiers = [{"type": "fs", "root_dir": str(workdir / "fs")}] if name == "host+fs" else []
+            tiers = [scratch_fs_tier(workdir / "fs")] if name == "host+fs" else []
             offload = {
                 "spec_name": "KVOffloadSpec",
                 "spec_module_path": "kvoffload.vllm",

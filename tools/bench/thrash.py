@@ -42,6 +42,7 @@ import click
 from kvoffload.config import parse_config
 from kvoffload.ipc.arena import Arena
 from kvoffload.tiering import TieringManager
+from kvoffload.tools import scratch_fs_tier
 from kvoffload.tools.bench.harness import (
     Payloads,
     arena_name,
@@ -303,9 +304,7 @@ def run_case(
             "cpu_bytes_to_use": host_slots * _ROW,
             "eviction_policy": policy,
             "promotion_hold_steps": hold_steps,
-            "secondary_tiers": [
-                {"type": "fs", "root_dir": str(root), "max_pending_store_chunks": n_keys + 1}
-            ],
+            "secondary_tiers": [scratch_fs_tier(root, max_pending_store_chunks=n_keys + 1)],
         }
     )
     with Arena.create(arena_name("thrash"), host_slots, _ROW) as arena:

@@ -21,6 +21,7 @@ from kvoffload.config import parse_config
 from kvoffload.ipc.arena import Arena
 from kvoffload.namespace import chunk_keys
 from kvoffload.tiering import TieringManager
+from kvoffload.tools import scratch_fs_tier
 from kvoffload.tools.bench.harness import (
     arena_name,
     bench_namespace,
@@ -77,15 +78,14 @@ def tier_throughput(
         {
             "cpu_bytes_to_use": n * chunk_bytes,
             "secondary_tiers": [
-                {
-                    "type": "fs",
-                    "root_dir": str(root),
-                    "read_workers": readers,
-                    "write_workers": writers,
-                    "max_pending_store_chunks": n + 1,
-                    "direct_io": direct_io,
-                    "io_threads": io_threads,
-                }
+                scratch_fs_tier(
+                    root,
+                    read_workers=readers,
+                    write_workers=writers,
+                    max_pending_store_chunks=n + 1,
+                    direct_io=direct_io,
+                    io_threads=io_threads,
+                )
             ],
         }
     )

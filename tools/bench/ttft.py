@@ -18,6 +18,7 @@ from pathlib import Path
 
 import click
 
+from kvoffload.tools import scratch_fs_tier
 from kvoffload.tools.bench.harness import make_workdir, print_header
 from kvoffload.tools.extras import require
 
@@ -91,7 +92,7 @@ def ttft(pairs: int, doc_tokens: int, workdir: Path) -> dict:
         "spec_name": "KVOffloadSpec",
         "spec_module_path": "kvoffload.vllm",
         "cpu_bytes_to_use": (doc_tokens + 512) * BLOCK_BYTES_PER_TOKEN_F32,
-        "secondary_tiers": [{"type": "fs", "root_dir": str(workdir / "fs-ttft")}],
+        "secondary_tiers": [scratch_fs_tier(workdir / "fs-ttft")],
     }
     max_len = -(-(doc_tokens + 256) // 32) * 32
     spec = ServerSpec(

@@ -38,6 +38,7 @@ from kvoffload.ipc.arena import Arena
 from kvoffload.namespace import chunk_keys
 from kvoffload.tiering import TieringManager
 from kvoffload.tiers.base import LookupResult
+from kvoffload.tools import scratch_fs_tier
 from kvoffload.tools.bench.harness import (
     Payloads,
     arena_name,
@@ -129,12 +130,11 @@ class Ours(_Driver):
                 # the tier's I/O, and vLLM's tier has none: off, as in vLLM.
                 "promotion_hold_steps": 0,
                 "secondary_tiers": [
-                    {
-                        "type": "fs",
-                        "root_dir": str(self.root),
-                        "max_pending_store_chunks": max(4096, self.n + 1),
+                    scratch_fs_tier(
+                        self.root,
+                        max_pending_store_chunks=max(4096, self.n + 1),
                         **self.tier_opts,
-                    }
+                    )
                 ],
             }
         )

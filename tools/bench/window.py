@@ -37,6 +37,7 @@ from pathlib import Path
 
 import click
 
+from kvoffload.tools import scratch_fs_tier
 from kvoffload.tools.bench.harness import make_workdir, print_header
 from kvoffload.tools.extras import require
 
@@ -192,7 +193,7 @@ def run_rep(kind: str, rep: int, doc_tokens: int, workdir: Path, max_tokens: int
         # fs tier's writes may pin half of it (tier_pin_fraction), one conversation, so no store
         # is dropped; the turns after a conversation evict it.
         "cpu_bytes_to_use": 2 * max_len * KV_BYTES_PER_TOKEN,
-        "secondary_tiers": [{"type": "fs", "root_dir": str(root)}],
+        "secondary_tiers": [scratch_fs_tier(root)],
     }
     # The device cache: about one conversation, not two. Gemma-3 style: what the end-to-end test
     # runs with a 1024-token limit (~110 blocks of one layer: the global group's prefix plus the

@@ -350,7 +350,7 @@ class WindowScans:
         self._scans.clear()
         picked = set(out)
         unchosen = self._unchosen
-        for rk in retried:
+        for rk in dict.fromkeys(retried):  # once a step, however often the step scanned it
             if rk in picked:
                 unchosen.pop(rk, None)
             else:

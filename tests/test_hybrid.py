@@ -55,6 +55,7 @@ from kvoffload.hybrid import (  # noqa: E402
     row_geometry,
 )
 from kvoffload.ipc.arena import Arena  # noqa: E402
+from kvoffload.tiers.base import LookupResult as KVLookup  # noqa: E402
 from kvoffload.vllm import KVOffloadSpec  # noqa: E402
 from kvoffload.vllm.hybrid import config_names_window  # noqa: E402
 from kvoffload.vllm.worker import KVOffloadWorker  # noqa: E402
@@ -812,6 +813,76 @@ def test_a_window_group_promotes_only_the_window_its_hit_ends_with(tmp_path):
         assert promoted == {8, 9, 10, 11}
         want = hit_tokens(ours.group_layouts, lambda g, i: True, 0, len(tokens) - 1)
         assert hit == want == 12 * BLOCK
+    finally:
+        for spec in (ours, other):
+            spec.get_manager().shutdown()
+
+
+def test_a_window_run_that_can_never_serve_is_given_up_through_vllms_scheduler(tmp_path):
+    """vLLM's scheduler defers a request while any chunk of its window scan is RETRY. Here the
+    window group's chunks 9 and 10 (window 4 chunks) are in a shared fs tier only, between chunks
+    missing everywhere: a run no hit can end with, so :class:`WindowScans` never promotes it and,
+    unbounded, the request would wait forever although chunks 0-3 in the host tier serve a hit.
+    After ``max_retry_steps`` steps those chunks are answered MISS: the hit the host tier serves
+    is taken (64 tokens), nothing of the run is promoted, and the give-ups are counted. (The
+    absent chunks' MISS verdicts are in before the first step and kept, ``negative_ttl_s``: while
+    a probe is out they are RETRY, and a run of them with chunks 9 and 10 would be a window.)"""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+        OffloadingConnectorScheduler,
+    )
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_offload.base import make_offload_key
+    from vllm.v1.request import Request
+
+    vllm_config = cpu_vllm_config()
+    kvc = kv_cache_config((full(), 2), (sliding(window=64), 2))
+    tier = fs_tier(tmp_path / "fs", negative_ttl_s=3600)
+    ours = connector_spec(kvc, {"arena_name": arena_name(), "secondary_tiers": [tier]})
+    other = connector_spec(kvc, {"arena_name": arena_name(), "secondary_tiers": [tier]})
+    try:
+        init_none_hash(sha256)
+        tokens = [(11 + 13 * i) % 30000 for i in range(12 * BLOCK + 8)]
+        req = Request("stranded", tokens, SamplingParams(max_tokens=1), None,
+                      block_hasher=get_request_block_hasher(BLOCK, sha256))  # fmt: skip
+        full_keys = [make_offload_key(h, 0) for h in req.block_hashes]
+        win = [make_offload_key(h, 1) for h in req.block_hashes]
+        stranded = [win[9], win[10]]
+        for spec, keys in ((other, stranded), (ours, full_keys + win[:4])):
+            tm = spec.get_manager().tm
+            plan = tm.prepare_store(keys)
+            assert plan is not None and list(plan.keys) == keys
+            tm.complete_store(plan.keys, True)
+            assert tm.wait_idle(PATIENCE_S), "the fs tier's store job did not end"
+        tm = ours.get_manager().tm
+        scans = ours.get_manager()._scans
+        assert scans is not None and not any(k in tm.host.index for k in stranded)
+        for k in (win[i] for i in (4, 5, 6, 7, 8, 11)):  # absent everywhere: MISS, and kept
+            wait_until(
+                lambda k=k: tm.lookup(k, "warm-up", promote=False) is KVLookup.MISS,
+                PATIENCE_S,
+                "the fs tier's verdict on an absent chunk",
+            )
+
+        sched = OffloadingConnectorScheduler(ours, vllm_config, kvc)
+        sched.on_new_request(req)
+        steps = 0
+        hit = None
+        while hit is None and steps <= 2 * scans.max_retry_steps:
+            hit, _ = sched.get_num_new_matched_tokens(req, 0)
+            sched.build_connector_meta(SchedulerOutput.make_empty())  # the step ends
+            steps += 1
+        assert hit is not None, f"still deferred after {steps} steps"
+        assert steps == scans.max_retry_steps + 1  # deferred exactly until the give-up
+        stored = {0: set(range(12)), 1: {0, 1, 2, 3}}
+        want = hit_tokens(
+            ours.group_layouts, lambda g, i: i in stored[g.group_id], 0, len(tokens) - 1
+        )
+        assert hit == want == 4 * BLOCK
+        assert not any(k in tm.host.index for k in stranded)  # the run was never promoted
+        assert tm.stats.window_retry_giveups >= len(stranded)
     finally:
         for spec in (ours, other):
             spec.get_manager().shutdown()

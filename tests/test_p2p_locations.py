@@ -359,7 +359,7 @@ class LossyForwarder:
     """Forwards a publisher's batches to a subscriber, dropping those it is told to: the SUB
     socket side of a network that loses messages. Its XPUB tells when the subscriber is in."""
 
-    def __init__(self, endpoint: str, topic: bytes = b"kv-events"):
+    def __init__(self, endpoint: str, topic: bytes = b"kv-events", bind: str | None = None):
         self.ctx = zmq.Context()
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.LINGER, 0)
@@ -367,7 +367,7 @@ class LossyForwarder:
         self.sub.connect(endpoint)
         self.pub = self.ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
-        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self.endpoint = bind or f"tcp://127.0.0.1:{free_port()}"
         self.pub.bind(self.endpoint)
         self.seen: set[bytes] = set()  # the chunks of the batches received (forwarded or not)
 
@@ -436,6 +436,28 @@ def test_a_lost_batch_is_replayed_or_the_peers_locations_are_dropped(make, repla
         else:
             assert loc.where(k1) == loc.where(k2) == []
             assert loc.counts["lost"] == 1
+    finally:
+        fwd.close()
+
+
+def test_a_burst_published_while_the_subscription_joins_is_caught_up_without_a_later_batch(make):
+    """The peer publishes right after the subscriber's first replay ended but before its SUB
+    socket's subscription reached the PUB socket (which drops the batch), then goes quiet: no
+    later batch shows a gap. The feed asks again (a catch-up replay) until its first live batch,
+    so the chunk is located anyway."""
+    ev = _kv_events()
+    a = make.peer(ev, num_slots=16)
+    joining = f"tcp://127.0.0.1:{free_port()}"  # the SUB socket's way in: not there yet
+    loc = make.locations({A: {"endpoint": joining, "replay_endpoint": ev["replay_endpoint"]}})
+    until(loc, lambda: loc.counts["replays"] >= 1 and not loc.replaying(A), "the first replay")
+    k = keys_for(1, seed=31)[0]
+    a.store([k])  # no subscriber at the PUB socket: the live batch is dropped
+    fwd = LossyForwarder(ev["endpoint"], bind=joining)  # the subscription reaches it now
+    try:
+        fwd.wait_subscriber()
+        until(loc, lambda: loc.where(k) == [A], "the quiet peer's chunk located")
+        assert loc.counts["catch_ups"] >= 1 and loc.counts["gaps"] == 0
+        assert loc.counts["messages"] == 0  # nothing came live: the replay found it
     finally:
         fwd.close()
 
@@ -602,12 +624,18 @@ def test_a_late_live_batch_already_replayed_is_not_a_restart(make, fake):
     )
     until(
         loc,
-        lambda: loc.counts["replayed_batches"] == 3 and loc.next_timeout_s() is None,
+        lambda: loc.counts["replayed_batches"] == 3 and not loc.replaying(A),
         "the replay applied and ended",
     )
+
+    def catch_ups():  # answered: nothing more buffered (a live batch may arrive meanwhile)
+        for _ in fake.requests():
+            fake.answer([b"", b"", END_SEQ, b""])
+        loc.poll()
+
     fake.send_frames([b"kv-events", (2).to_bytes(8, "big"), payloads[2]])
     fake.send_frames([b"kv-events", (3).to_bytes(8, "big"), payloads[3]])
-    until(loc, lambda: loc.where(h[3]) == [A], "batch 3 applied")
+    wait_until(lambda: loc.where(h[3]) == [A], what="batch 3 applied", step=catch_ups)
     assert [loc.where(x) for x in h] == [[A]] * 4
     assert loc.counts["duplicates"] == 1 and loc.counts["restarts"] == 0
 

@@ -138,16 +138,27 @@ def _amx_available() -> bool:
     return bool(torch.cpu._is_amx_tile_supported())
 
 
+def why_mla_cannot_run() -> str | None:
+    """None where this file's MLA model can run with prefix caching: a CUDA device (a GPU vLLM;
+    ``tools/gpu_check.sh`` runs this file there) or vLLM-CPU on a CPU with AMX tiles; else why."""
+    import torch
+
+    if torch.cuda.is_available() or _amx_available():
+        return None
+    return (
+        "vLLM-CPU 0.32 keeps prefix caching for MLA only on its AMX_MLA backend (AMX tiles, absent "
+        "here); its reference CPU_MLA backend disables prefix caching (vllm/platforms/cpu.py). On a "
+        "GPU machine tools/gpu_check.sh runs this test"
+    )
+
+
 @pytest.fixture(scope="module", params=list(TIERED))
 def tiered_server(request, tmp_path_factory):
     """A device cache that holds one ~740-token prompt, a host tier that holds two, an fs tier
     for all. One engine per model for the module."""
     kind = request.param
-    if kind == "deepseek_v2" and not _amx_available():
-        pytest.skip(
-            "vLLM-CPU 0.32 keeps prefix caching for MLA only on its AMX_MLA backend (AMX tiles); "
-            "its reference CPU_MLA backend disables prefix caching (vllm/platforms/cpu.py)"
-        )
+    if kind == "deepseek_v2" and (why := why_mla_cannot_run()):
+        pytest.skip(why)
     dtype, kv_tokens, row_bytes, host_rows = TIERED[kind]
     path = _model_path(kind)
     root = tmp_path_factory.mktemp("fs-tier")

@@ -14,7 +14,9 @@
 #           when present), --no-deps;
 #   kvoffload itself, editable, --no-deps.
 # Checks: tests/test_gpu.py (--quick leaves out the slow demo), figures written to
-#   $KVOFFLOAD_GPU_REPORT (default $VENV/gpu-report.json) and printed.
+#   $KVOFFLOAD_GPU_REPORT (default $VENV/gpu-report.json) and printed; without --quick also
+#   tests/test_vllm_hybrid_e2e.py (the hybrid models on the GPU vLLM: sliding window, Mamba2 and
+#   MLA, which vLLM-CPU runs with prefix caching only on AMX).
 # Time: set-up under $KVOFFLOAD_GPU_SETUP_S (480) seconds, tests under $KVOFFLOAD_GPU_TEST_S (900).
 # Exit: 0 every check ran and passed, each copy ratio >= $KVOFFLOAD_GPU_TARGET (0.8);
 #       1 a check failed or a ratio is below target; 2 set-up failed (no CUDA, an install failed,
@@ -158,7 +160,7 @@ EOF
 rm -f "$REPORT"
 mkdir -p "$(dirname "$REPORT")"
 args=(tests/test_gpu.py -rs -v -s -p no:cacheprovider)
-if [ "$QUICK" = 1 ]; then args+=(-m "not slow"); fi
+if [ "$QUICK" = 1 ]; then args+=(-m "not slow"); else args+=(tests/test_vllm_hybrid_e2e.py); fi
 say "pytest ${args[*]}"
 KVOFFLOAD_GPU_REPORT=$REPORT timeout -k 30 "$TEST_S" "$VPY" -m pytest "${args[@]}"
 rc=$?

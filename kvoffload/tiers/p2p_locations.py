@@ -74,7 +74,11 @@ from the expected one on, buffers the live batches that arrive meanwhile and app
 the replay; without one, it forgets its locations and goes on from the batch received. A number
 between the two is a batch a replay already gave (ignored). At the start, after a restart seen
 mid-stream and after :meth:`PeerLocations.drop_peer`, a feed with a replay endpoint replays from
-0 (what the publisher still buffers). A replay that does not end within ``replay_timeout_s`` is
+0 (what the publisher still buffers). Until its first live batch arrives, such a feed asks again
+(a catch-up replay from the next number it expects, after 0.25 s, then at doubling intervals up to
+60 s): a PUB socket drops what it publishes before the SUB socket's subscription reaches it, so a
+peer that published during the join and then went quiet would otherwise be located only at its
+next batch. A replay that does not end within ``replay_timeout_s`` is
 abandoned (what arrived is applied; a hole forgets the feed's locations) and the feed asks for
 none for a backoff that doubles up to 60 s. A restart whose new publisher has already passed the
 old number when the SUB reconnects looks like a gap; the p2p node's :meth:`drop_peer` on the
@@ -124,6 +128,8 @@ _HOST_BIT = 1
 _MAX_PLACES = 31  # secondary places per feed, besides the host tier
 _NOT_SERVABLE = frozenset({None, "GPU", "PEER"})
 _MAX_BACKOFF_S = 60.0
+_CATCH_UP_FIRST_S = 0.25  # the first catch-up replay after a (re)start's replay ended
+_CATCH_UP_MAX_S = 60.0
 
 _decoder = msgspec.msgpack.Decoder(KVEventBatch)
 
@@ -251,6 +257,8 @@ class _Feed:
 
     __slots__ = (
         "backoff_s",
+        "catch_up_at",
+        "catch_up_s",
         "chunks",
         "last_live",
         "next_seq",
@@ -277,6 +285,10 @@ class _Feed:
         self.last_live = -1  # the last sequence number received live (on the SUB socket)
         self.replay: _Replay | None = None
         self.replay_after = 0.0  # monotonic time before which no replay is asked (backoff)
+        # No live batch since the feed's last (re)start: when to ask for a catch-up replay (None:
+        # not waiting for one), and the interval after that one
+        self.catch_up_at: float | None = None
+        self.catch_up_s = _CATCH_UP_FIRST_S
         self.backoff_s = 0.0
 
 
@@ -341,7 +353,8 @@ class PeerLocations:
                 "gaps",  # sequence gaps seen on a live stream
                 "duplicates",  # live batches a replay had already given
                 "restarts",  # sequence numbers going back: a new publisher
-                "replays",  # replays asked for
+                "replays",  # replays asked for (catch-ups included)
+                "catch_ups",  # replays asked for while no live batch had arrived since a start
                 "replayed_batches",  # batches received from replays
                 "replay_failures",  # replays abandoned (timeout, too much buffered)
                 "stale_replies",  # replay answers arriving with no replay in flight
@@ -432,9 +445,14 @@ class PeerLocations:
             poller.register(s, zmq.POLLIN)
 
     def next_timeout_s(self) -> float | None:
-        """Seconds until :meth:`poll` must run even without traffic (a replay deadline); None
-        when nothing is waiting."""
+        """Seconds until :meth:`poll` must run even without traffic (a replay deadline, a
+        catch-up replay due); None when nothing is waiting."""
         deadlines = [f.replay.deadline for f in self._all if f.replay is not None]
+        deadlines += [
+            max(f.catch_up_at, f.replay_after)
+            for f in self._all
+            if f.replay is None and f.catch_up_at is not None
+        ]
         if not deadlines:
             return None
         return max(0.0, min(deadlines) - time.monotonic())
@@ -478,6 +496,9 @@ class PeerLocations:
                     self.replay_timeout_s,
                 )
                 self._abandon_replay(feed, now)
+            due = feed.catch_up_at
+            if due is not None and feed.replay is None and now >= due and self._can_replay(feed):
+                self._catch_up(feed, now)
             taken += n
         return taken
 
@@ -502,6 +523,8 @@ class PeerLocations:
             feed.last_live = -1
             feed.backoff_s = 0.0
             feed.replay_after = 0.0
+            feed.catch_up_at = None
+            feed.catch_up_s = _CATCH_UP_FIRST_S
             if feed.replay_sock is not None:
                 self._start_replay(feed, 0, now)
 
@@ -564,6 +587,10 @@ class PeerLocations:
         peer)."""
         return sum(len(f.chunks) for f in self._feeds.get(peer, ()))
 
+    def replaying(self, peer: str) -> bool:
+        """True while a replay of one of ``peer``'s feeds is in flight (owner thread)."""
+        return any(f.replay is not None for f in self._feeds.get(peer, ()))
+
     def confirmed(self, peer: str) -> bool:
         """True when :meth:`where` answers with ``peer`` (see :meth:`confirm_peer`)."""
         return peer in self._confirmed
@@ -587,6 +614,7 @@ class PeerLocations:
             return
         seq = int.from_bytes(frames[1], "big")
         payload = frames[2]
+        feed.catch_up_at = None  # the subscription is in: a gap from now on shows in the numbers
         # One PUB connection delivers in order: a live number not above the last live one is a
         # new publisher (the peer restarted). One below the next expected but above the last
         # live one is a batch a replay already gave.
@@ -683,11 +711,13 @@ class PeerLocations:
         self.counts["replayed_batches"] += 1
         self._take_in_order(feed, int.from_bytes(seq_bytes, "big"), payload)
 
-    def _take_in_order(self, feed: _Feed, seq: int, payload: bytes) -> None:
-        """Apply a batch of a replay (or buffered during one) if it is not older than the next
-        expected; a hole before it forgets the feed's locations."""
+    def _take_in_order(self, feed: _Feed, seq: int, payload: bytes, live: bool = False) -> None:
+        """Apply a batch of a replay (or, ``live``, one buffered during it) if it is not older
+        than the next expected; a hole before it forgets the feed's locations."""
         expected = feed.next_seq
         if expected is not None and seq < expected:
+            if live:
+                self.counts["duplicates"] += 1  # a live batch the replay had already given
             return  # already taken
         if expected is not None and seq > expected:
             self._forget(feed, lost=True)
@@ -700,7 +730,25 @@ class PeerLocations:
         feed.replay = None
         feed.backoff_s = 0.0
         for seq in sorted(replay.live):
-            self._take_in_order(feed, seq, replay.live[seq])
+            self._take_in_order(feed, seq, replay.live[seq], live=True)
+        self._await_live(feed, time.monotonic())
+
+    def _await_live(self, feed: _Feed, now: float) -> None:
+        """After a replay ended: while no live batch has arrived since the feed's (re)start, a
+        catch-up replay is due (the batches published before the subscription took effect are
+        lost to the SUB socket, and an idle publisher sends nothing that would show the gap)."""
+        if feed.last_live < 0 and feed.replay_sock is not None:
+            feed.catch_up_at = now + feed.catch_up_s
+            feed.catch_up_s = min(_CATCH_UP_MAX_S, 2 * feed.catch_up_s)
+
+    def _catch_up(self, feed: _Feed, now: float) -> None:
+        """Ask for what the publisher buffered after the batches taken so far."""
+        feed.catch_up_at = None
+        start = feed.next_seq if feed.next_seq is not None else 0
+        if not self._start_replay(feed, start, now):
+            self._await_live(feed, now)  # ask again later
+        else:
+            self.counts["catch_ups"] += 1
 
     def _abandon_replay(self, feed: _Feed, now: float) -> None:
         """Give up the feed's replay: apply what arrived, stop asking for a backoff."""
@@ -711,7 +759,8 @@ class PeerLocations:
         feed.backoff_s = min(_MAX_BACKOFF_S, max(self.replay_timeout_s, 2 * feed.backoff_s))
         feed.replay_after = now + feed.backoff_s
         for seq in sorted(replay.live):
-            self._take_in_order(feed, seq, replay.live[seq])
+            self._take_in_order(feed, seq, replay.live[seq], live=True)
+        self._await_live(feed, now)
 
     def _cancel_replay(self, feed: _Feed) -> None:
         """End the feed's replay and discard its answers still in flight (reconnecting the

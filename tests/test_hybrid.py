@@ -128,7 +128,7 @@ def window_field(spec, tokens_per_chunk: int) -> dict:
     return {"sliding_window_size_in_chunks": window}
 
 
-def offloading_config(kvc: KVCacheConfig, extra, *, bpc=1, tp=1, replicated=False):
+def offloading_config(kvc: KVCacheConfig, extra, *, bpc=1, tp=1, replicated=False, rank=0):
     groups = tuple(
         OffloadingGroupConfig(
             tokens_per_block=g.kv_cache_spec.block_size,
@@ -150,7 +150,7 @@ def offloading_config(kvc: KVCacheConfig, extra, *, bpc=1, tp=1, replicated=Fals
         model=OffloadingModelConfig(name="org/hybrid", dtype="bfloat16"),
         cache=OffloadingCacheConfig(tokens_per_hash=BLOCK, blocks_per_chunk=bpc),
         parallel=OffloadingParallelConfig(
-            rank=0,
+            rank=rank,
             world_size=tp,
             tp_size=tp,
             pp_size=1,
@@ -561,6 +561,54 @@ def test_blocks_of_every_group_go_to_their_own_rows_and_come_back_bit_exact():
         assert torch.equal(device[0][11], torch.zeros(page, dtype=torch.int8))
         assert torch.equal(device[0][12, :state], original[0][7, :state])
         worker.shutdown()
+
+
+def test_an_mla_latent_takes_one_copy_in_a_row_for_every_tp_rank():
+    """TP=2 with an MLA group (vLLM's ``replicated_layout``: every rank holds the same latent,
+    here of the real shape: blocks x 16 tokens x 576, bf16): a row holds one copy, not one per
+    rank; rank 1 reloads what rank 0 stored, bit-exact, from the same place in the row."""
+    from kvoffload.ipc.arena import round_up_to_page
+
+    layers, num_blocks = 2, 8
+    kvc = kv_cache_config((mla(), layers))
+    page = mla().page_size_bytes  # 16 x 576 x 2 bytes
+    assert page == 16 * 576 * 2
+    per_rank = connector_spec(kvc, {"arena_name": arena_name()}, tp=2)
+    assert per_rank.row_bytes == round_up_to_page(2 * layers * page)  # one area per rank
+    name = arena_name()
+    ranks = [
+        connector_spec(kvc, {"arena_name": name}, tp=2, replicated=True, rank=r) for r in (0, 1)
+    ]
+    assert all(s.row_bytes == round_up_to_page(layers * page) for s in ranks)  # one copy
+    assert ranks[0].namespace().id() != per_rank.namespace().id()
+    gen = torch.Generator().manual_seed(5)
+    latent = [torch.randn(num_blocks, 16, 576, generator=gen).to(BF16) for _ in range(layers)]
+
+    def caches(tensors):
+        return CanonicalKVCaches(
+            tensors=[CanonicalKVCacheTensor(t, page) for t in tensors],
+            group_data_refs=[[CanonicalKVCacheRef(i, page) for i in range(layers)]],
+        )
+
+    manager = ranks[0].get_manager()  # the scheduler side: makes the arena
+    workers = []
+    try:
+        replica = [t.clone() for t in latent]  # rank 1's copy of the same latent
+        workers = [ranks[0].get_worker(caches(latent)), ranks[1].get_worker(caches(replica))]
+        assert workers[0].submit_store(1, GPULoadStoreSpec([3], [1], [0]), CPULoadStoreSpec([2]))
+        (res,) = workers[0].get_finished()
+        assert res.success and res.transfer_size == layers * page
+        for t in replica:
+            t.zero_()
+        assert workers[1].submit_load(2, CPULoadStoreSpec([2]), GPULoadStoreSpec([6], [1], [0]))
+        assert workers[1].get_finished()[0].success
+        for mine, theirs in zip(replica, latent):
+            assert torch.equal(mine[6], theirs[3])
+            assert not mine[[0, 1, 2, 3, 4, 5, 7]].any()
+    finally:
+        for w in workers:
+            w.shutdown()
+        manager.shutdown()
 
 
 # -- agreement with vLLM's own offloading scheduler ----------------------------------------------

@@ -151,6 +151,7 @@ def plot(results: dict[str, list[dict]], path: Path, title: str) -> None:
     for ax in (a, b):
         ax.set_xticks([r["concurrency"] for r in next(iter(results.values()))])
         ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.get_xaxis().set_minor_formatter(matplotlib.ticker.NullFormatter())  # 2x10^1 over 16
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(title, fontsize=9)

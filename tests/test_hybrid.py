@@ -804,6 +804,51 @@ def test_a_chunk_retried_unchosen_for_max_retry_steps_is_given_up():
         WindowScans([], max_retry_steps=0)
 
 
+def _window_engines(tmp_path, **tier_opts):
+    """Ours and another engine of a full-attention + sliding-window model (window 4 chunks),
+    sharing an fs tier; vLLM's scheduler for ours. Returns ``(ours, other, scheduler factory)``."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+        OffloadingConnectorScheduler,
+    )
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+
+    vllm_config = cpu_vllm_config()
+    kvc = kv_cache_config((full(), 2), (sliding(window=64), 2))
+    tier = fs_tier(tmp_path / "fs", **tier_opts)
+    ours = connector_spec(kvc, {"arena_name": arena_name(), "secondary_tiers": [tier]})
+    other = connector_spec(kvc, {"arena_name": arena_name(), "secondary_tiers": [tier]})
+    assert [g.window_chunks for g in ours.group_layouts] == [None, 4]
+    init_none_hash(sha256)
+    return ours, other, lambda: OffloadingConnectorScheduler(ours, vllm_config, kvc)
+
+
+def _window_request(req_id: str, seed: int):
+    """A 12-chunk (and 8-token) request: ``(request, its full-attention keys, its window keys)``."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.kv_offload.base import make_offload_key
+    from vllm.v1.request import Request
+
+    tokens = [(seed + (seed + 2) * i) % 30000 for i in range(12 * BLOCK + 8)]
+    req = Request(req_id, tokens, SamplingParams(max_tokens=1), None,
+                  block_hasher=get_request_block_hasher(BLOCK, sha256))  # fmt: skip
+    full_keys = [make_offload_key(h, 0) for h in req.block_hashes]
+    win = [make_offload_key(h, 1) for h in req.block_hashes]
+    assert len(win) == 12
+    return req, full_keys, win
+
+
+def _store_through(spec, keys) -> None:
+    """Store ``keys`` in ``spec``'s host tier and (write-through) its fs tier."""
+    tm = spec.get_manager().tm
+    plan = tm.prepare_store(keys)
+    assert plan is not None and list(plan.keys) == keys
+    tm.complete_store(plan.keys, True)
+    assert tm.wait_idle(PATIENCE_S), "the fs tier's store job did not end"
+
+
 def test_a_window_group_promotes_only_the_window_its_hit_ends_with(tmp_path):
     """A 12-chunk prompt of a full-attention and a sliding-window group (window 4 chunks): the
     full-attention chunks in the host tier, the window group's only in a shared fs tier, chunks 2,
@@ -812,42 +857,19 @@ def test_a_window_group_promotes_only_the_window_its_hit_ends_with(tmp_path):
     past each RETRY; every chunk it finds is in the tier, yet only chunks 8-11, the window the hit
     ends with, are promoted (before WindowScans: 0, 1, 3, 4, 6, 7, 9 and 10 at the first step),
     and the hit is the one every group can serve."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
-        OffloadingConnectorScheduler,
-    )
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.kv_offload.base import make_offload_key
-    from vllm.v1.request import Request
 
-    vllm_config = cpu_vllm_config()
-    kvc = kv_cache_config((full(), 2), (sliding(window=64), 2))
-    tier = fs_tier(tmp_path / "fs")
-    ours = connector_spec(kvc, {"arena_name": arena_name(), "secondary_tiers": [tier]})
-    other = connector_spec(kvc, {"arena_name": arena_name(), "secondary_tiers": [tier]})
+    ours, other, scheduler = _window_engines(tmp_path)
     try:
-        assert [g.window_chunks for g in ours.group_layouts] == [None, 4]
-        init_none_hash(sha256)
-        tokens = [(5 + 7 * i) % 30000 for i in range(12 * BLOCK + 8)]
-        req = Request("windowed", tokens, SamplingParams(max_tokens=1), None,
-                      block_hasher=get_request_block_hasher(BLOCK, sha256))  # fmt: skip
-        full_keys = [make_offload_key(h, 0) for h in req.block_hashes]
-        win = [make_offload_key(h, 1) for h in req.block_hashes]
-        assert len(win) == 12
+        req, full_keys, win = _window_request("windowed", 5)
         theirs = [win[i] for i in (2, 5, 8, 11)]
         known = [k for k in win if k not in theirs]
-        for spec, keys in ((other, theirs), (ours, full_keys + known)):
-            tm = spec.get_manager().tm
-            plan = tm.prepare_store(keys)
-            assert plan is not None and list(plan.keys) == keys
-            tm.complete_store(plan.keys, True)
-            assert tm.wait_idle(PATIENCE_S), "the fs tier's store job did not end"
+        _store_through(other, theirs)
+        _store_through(ours, full_keys + known)
         tm = ours.get_manager().tm
         assert tm.host.remove(known) == known  # the window group's chunks: only in the fs tier
 
-        sched = OffloadingConnectorScheduler(ours, vllm_config, kvc)
+        sched = scheduler()
         sched.on_new_request(req)
         promoted: set[int] = set()
 
@@ -859,7 +881,7 @@ def test_a_window_group_promotes_only_the_window_its_hit_ends_with(tmp_path):
 
         (hit,) = wait_until(step, PATIENCE_S, "vLLM's lookup to settle")
         assert promoted == {8, 9, 10, 11}
-        want = hit_tokens(ours.group_layouts, lambda g, i: True, 0, len(tokens) - 1)
+        want = hit_tokens(ours.group_layouts, lambda g, i: True, 0, req.num_tokens - 1)
         assert hit == want == 12 * BLOCK
     finally:
         for spec in (ours, other):
@@ -875,35 +897,14 @@ def test_a_window_run_that_can_never_serve_is_given_up_through_vllms_scheduler(t
     is taken (64 tokens), nothing of the run is promoted, and the give-ups are counted. (The
     absent chunks' MISS verdicts are in before the first step and kept, ``negative_ttl_s``: while
     a probe is out they are RETRY, and a run of them with chunks 9 and 10 would be a window.)"""
-    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
-        OffloadingConnectorScheduler,
-    )
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.kv_offload.base import make_offload_key
-    from vllm.v1.request import Request
 
-    vllm_config = cpu_vllm_config()
-    kvc = kv_cache_config((full(), 2), (sliding(window=64), 2))
-    tier = fs_tier(tmp_path / "fs", negative_ttl_s=3600)
-    ours = connector_spec(kvc, {"arena_name": arena_name(), "secondary_tiers": [tier]})
-    other = connector_spec(kvc, {"arena_name": arena_name(), "secondary_tiers": [tier]})
+    ours, other, scheduler = _window_engines(tmp_path, negative_ttl_s=3600)
     try:
-        init_none_hash(sha256)
-        tokens = [(11 + 13 * i) % 30000 for i in range(12 * BLOCK + 8)]
-        req = Request("stranded", tokens, SamplingParams(max_tokens=1), None,
-                      block_hasher=get_request_block_hasher(BLOCK, sha256))  # fmt: skip
-        full_keys = [make_offload_key(h, 0) for h in req.block_hashes]
-        win = [make_offload_key(h, 1) for h in req.block_hashes]
+        req, full_keys, win = _window_request("stranded", 11)
         stranded = [win[9], win[10]]
-        for spec, keys in ((other, stranded), (ours, full_keys + win[:4])):
-            tm = spec.get_manager().tm
-            plan = tm.prepare_store(keys)
-            assert plan is not None and list(plan.keys) == keys
-            tm.complete_store(plan.keys, True)
-            assert tm.wait_idle(PATIENCE_S), "the fs tier's store job did not end"
+        _store_through(other, stranded)
+        _store_through(ours, full_keys + win[:4])
         tm = ours.get_manager().tm
         scans = ours.get_manager()._scans
         assert scans is not None and not any(k in tm.host.index for k in stranded)
@@ -914,7 +915,7 @@ def test_a_window_run_that_can_never_serve_is_given_up_through_vllms_scheduler(t
                 "the fs tier's verdict on an absent chunk",
             )
 
-        sched = OffloadingConnectorScheduler(ours, vllm_config, kvc)
+        sched = scheduler()
         sched.on_new_request(req)
         steps = 0
         hit = None
@@ -926,7 +927,7 @@ def test_a_window_run_that_can_never_serve_is_given_up_through_vllms_scheduler(t
         assert steps == scans.max_retry_steps + 1  # deferred exactly until the give-up
         stored = {0: set(range(12)), 1: {0, 1, 2, 3}}
         want = hit_tokens(
-            ours.group_layouts, lambda g, i: i in stored[g.group_id], 0, len(tokens) - 1
+            ours.group_layouts, lambda g, i: i in stored[g.group_id], 0, req.num_tokens - 1
         )
         assert hit == want == 4 * BLOCK
         assert not any(k in tm.host.index for k in stranded)  # the run was never promoted

@@ -187,7 +187,8 @@ def test_sigterm_ends_a_command_through_its_cleanup():
 def test_a_stopped_servers_shared_memory_is_removed_and_live_segments_stay():
     """What a stopped vLLM server leaves in /dev/shm (its shm broadcast queues, ``psm_*``, kept
     from Python's resource tracker) is removed once no process maps or holds it; a segment a live
-    process maps, or one that was there before the server started, stays."""
+    process maps stays, and so does one that was never the server's (another server may have
+    made it and not yet opened it where it will: vLLM hands segments over by name)."""
     from multiprocessing import resource_tracker, shared_memory
 
     from kvoffload.tools.vllm_server import remove_orphaned_shm, shm_in_use, vllm_shm_names
@@ -197,20 +198,22 @@ def test_a_stopped_servers_shared_memory_is_removed_and_live_segments_stay():
         resource_tracker.unregister(shm._name, "shared_memory")  # as vLLM's queues are
         return shm
 
-    earlier = segment()
-    earlier.close()  # unmapped, but there before the "server": not ours to remove
-    before = vllm_shm_names()
-    left, live = segment(), segment()
-    left.close()  # unmapped and never unlinked: what a killed server leaves
+    left, live, other = segment(), segment(), segment()
     try:
+        # what stop() takes as the server's: the segments its processes hold before it stops them
+        ours = shm_in_use([os.getpid()]) & vllm_shm_names()
+        assert {left.name, live.name, other.name} <= ours
+        assert not shm_in_use([os.getpid() + 10**7])  # no such process: holds nothing
+        left.close()  # unmapped and never unlinked: what a killed server leaves
+        other.close()  # unmapped too, but not the stopped server's
         assert live.name in shm_in_use() and left.name not in shm_in_use()
-        removed = remove_orphaned_shm(before)
-        assert left.name in removed and live.name not in removed
+        removed = remove_orphaned_shm(ours - {other.name})
+        assert removed == [left.name]
         names = vllm_shm_names()
-        assert left.name not in names and live.name in names and earlier.name in names
+        assert left.name not in names and live.name in names and other.name in names
     finally:
         live.close()
-        for shm in (live, left, earlier):  # not shm.unlink(): the tracker no longer knows them
+        for shm in (live, left, other):  # not shm.unlink(): the tracker no longer knows them
             try:
                 os.unlink(f"/dev/shm/{shm.name}")
             except FileNotFoundError:

@@ -74,14 +74,13 @@ def server(model_dir, tmp_path_factory):
         log_path=str(logs / "server.log"),
         extra_args=["--kv-events-config", json.dumps(theirs)],
     )
-    shm_before = vllm_shm_names()
     srv = VLLMServer(spec).start()
     srv.fs_root = root
     srv.our_events = ours
     srv.vllm_events = theirs
     yield srv
     srv.stop()
-    assert not vllm_shm_names() - shm_before, "the stopped server's shared memory is left"
+    assert not srv.held_shm & vllm_shm_names(), "the stopped server's shared memory is left"
     # The engine's arena is gone with it: the tier workers remove it once the owner has died.
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and any(

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,13 +52,14 @@ def vllm_shm_names() -> set[str]:
         return set()
 
 
-def shm_in_use() -> set[str]:
-    """Names in :data:`SHM_DIR` that a live process maps or holds open (from ``/proc/<pid>/maps``
-    and ``/proc/<pid>/fd``). Processes whose entries cannot be read (another user's, when not root)
-    are skipped: they cannot map this user's segments, which are created mode 0600."""
+def shm_in_use(pids: Iterable[int] | None = None) -> set[str]:
+    """Names in :data:`SHM_DIR` that a live process (of ``pids``; None: any) maps or holds open
+    (from ``/proc/<pid>/maps`` and ``/proc/<pid>/fd``). Processes whose entries cannot be read
+    (another user's, when not root) are skipped: they cannot map this user's segments, which are
+    created mode 0600."""
     prefix = SHM_DIR + "/"
     held: set[str] = set()
-    for pid in os.listdir("/proc"):
+    for pid in (str(p) for p in pids) if pids is not None else os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
@@ -76,16 +77,16 @@ def shm_in_use() -> set[str]:
     return held
 
 
-def remove_orphaned_shm(before: set[str]) -> list[str]:
-    """Remove the names of :func:`vllm_shm_names` that are not in ``before`` (taken before the
-    server started), belong to this user, and no live process maps or holds open
-    (:func:`shm_in_use`): what a stopped server left. Another server's live segments are held by
-    its processes and stay.
+def remove_orphaned_shm(candidates: set[str]) -> list[str]:
+    """Remove the names in ``candidates`` (a stopped server's segments: :meth:`VLLMServer.stop`
+    takes those its processes held before it stopped them) that belong to this user and that no
+    live process maps or holds open (:func:`shm_in_use`). A name is never removed on the
+    strength of nobody holding it alone: another server may have made it and not yet opened it
+    in the process that will (vLLM hands segments between its processes by name).
 
     Returns:
         The names removed.
     """
-    candidates = vllm_shm_names() - before
     if not candidates:
         return []
     held = shm_in_use()
@@ -142,7 +143,9 @@ class VLLMServer:
         self.proc: subprocess.Popen | None = None
         self._log = None
         self._shm_before: set[str] = set()
-        # Names :meth:`stop` removed from /dev/shm: what the stopped server left there.
+        # Names in /dev/shm the server's processes held when :meth:`stop` began, and those of
+        # them it removed after they exited (what the stopped server left there).
+        self.held_shm: set[str] = set()
         self.left_shm: list[str] = []
 
     def command(self) -> list[str]:
@@ -273,6 +276,9 @@ class VLLMServer:
         (:func:`remove_orphaned_shm`)."""
         if self.proc is None:
             return
+        # this server's segments: those its processes hold now (made since it started)
+        ours = shm_in_use(p.pid for p in self._group()) & (vllm_shm_names() - self._shm_before)
+        self.held_shm = ours
         try:
             os.killpg(self.proc.pid, signal.SIGTERM)
         except ProcessLookupError:
@@ -290,7 +296,7 @@ class VLLMServer:
             pass
         self.proc.wait()
         self.proc = None
-        self.left_shm = remove_orphaned_shm(self._shm_before)
+        self.left_shm = remove_orphaned_shm(ours)
         if getattr(self, "_rpc_dir", None):
             shutil.rmtree(self._rpc_dir, ignore_errors=True)
             self._rpc_dir = None

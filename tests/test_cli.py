@@ -111,6 +111,10 @@ def test_a_command_whose_extra_is_missing_exits_2_and_names_it(args, extra):
         ),
         (["sweep", "--fs-root", "{missing}", "--list"], 2, "no such directory"),
         (["demo", "--p2p", "--turns", "1"], 2, "--turns"),
+        # checked before any server starts (it used to fail after the reference run, exit 1)
+        (["demo", "--host-tokens", "16"], 2, "cannot hold one chunk"),
+        (["demo", "--small-host-tokens", "31"], 2, "--small-host-tokens"),
+        (["bench", "scaling", "--points", "8,x"], 2, "--points"),
     ],
 )
 def test_bad_input_is_named_without_a_traceback(tmp_path, args, rc, message):
@@ -218,6 +222,53 @@ def test_a_stopped_servers_shared_memory_is_removed_and_live_segments_stay():
                 os.unlink(f"/dev/shm/{shm.name}")
             except FileNotFoundError:
                 pass
+
+
+class _FakeServer:
+    """A stand-in for the vLLM command (a process that never answers ``/health``, or one that exits
+    at once), so a start's failure paths run without an engine."""
+
+    @staticmethod
+    def make(tmp_path, code: str):
+        from kvoffload.tools.vllm_server import ServerSpec, VLLMServer
+
+        class Server(VLLMServer):
+            def command(self) -> list[str]:
+                return [sys.executable, "-c", code]
+
+        return Server(
+            ServerSpec(model="none", kv_cache_tokens=32, log_path=str(tmp_path / "s.log"))
+        )
+
+
+def test_an_interrupted_server_start_stops_the_server(tmp_path, monkeypatch):
+    """Ctrl-C while ``start`` waits for ``/health`` (the server runs in a session of its own, which
+    the terminal's SIGINT never reaches): the server's process group is stopped and its RPC
+    directory removed before the KeyboardInterrupt propagates."""
+    import httpx
+    import psutil
+
+    srv = _FakeServer.make(tmp_path, "import time; time.sleep(600)")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(httpx, "get", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        srv.start()
+    assert srv.proc is None and srv._rpc_dir is None
+    assert not [p for p in psutil.process_iter(["cmdline"]) if "time.sleep(600)" in
+                " ".join(p.info["cmdline"] or [])]  # fmt: skip
+
+
+def test_a_server_that_exits_during_its_start_leaves_nothing(tmp_path):
+    """A server that dies while starting: RuntimeError with its exit code, and no process or RPC
+    directory left behind."""
+    srv = _FakeServer.make(tmp_path, "import sys; print('Error: no model'); sys.exit(3)")
+    with pytest.raises(RuntimeError, match="exited with code 3") as e:
+        srv.start()
+    assert "Error: no model" in str(e.value)
+    assert srv.proc is None and srv._rpc_dir is None
 
 
 # -- kvoffload demo: what --help promises ------------------------------------------------------------

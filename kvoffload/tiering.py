@@ -56,6 +56,8 @@ _HIT, _MISS, _PENDING, _RETRY = (
 HOST = "host"
 _NO_RANK = 1 << 62
 """The rank of a promotion no request waits for (a peer's): younger than every request's."""
+_MAX_COUNTED_REQUESTS = 65_536
+"""Requests whose counted lookup verdicts are kept (see :meth:`TieringManager._first_verdict`)."""
 PEER_MEDIUM = "PEER"
 """The ``medium`` of a tier that reaches other instances' host tiers (the p2p tier): a peer's
 :meth:`TieringManager.serve_lookup` never asks it (a chunk is served from this instance only)."""
@@ -101,7 +103,9 @@ class Stats:
     """
 
     def __init__(self, tier_names: Sequence[str]):
-        # Lookups are counted at their verdict (HIT, HIT_PENDING, MISS), never at a RETRY; every
+        # Lookups are counted at their verdict (HIT, HIT_PENDING, MISS), never at a RETRY, and once
+        # per request and chunk (the first verdict: vLLM looks a deferred request's chunks up again
+        # every step, and a promoted chunk would then count as a tier hit and as host hits); every
         # verdict passes the host tier, so host_queries is the number of chunks looked up.
         self.host_queries = 0
         self.host_hits = 0
@@ -300,6 +304,9 @@ class TieringManager:
         # Writes reserved by prepare_store and not yet completed: key -> the request that holds it.
         self._writes: dict[bytes, str] = {}
         self._load_source: dict[str, dict[bytes, int]] = {}
+        # Chunks whose lookup verdict has been counted, per request (dropped when it finishes; at
+        # most _MAX_COUNTED_REQUESTS requests kept, the oldest forgotten first)
+        self._counted: dict[str, set[bytes]] = {}
         # The p2p serving side's pins and writes, per holder (one holder per lease / offer):
         # holder -> slot -> pins, and holder -> key -> the slot its write reserved.
         self._leases: dict[str, dict[int, int]] = {}
@@ -365,8 +372,9 @@ class TieringManager:
                     slot = host.index.get(key)  # a failed promotion freed it: ask the tiers
             stats = self.stats
             if slot is not None:
-                stats.host_queries += 1
-                stats.host_hits += 1
+                if self._first_verdict(key, req_id):
+                    stats.host_queries += 1
+                    stats.host_hits += 1
                 self._hit_slots.add(slot)
                 if self._promo_holds:  # its holder still wants it: the hold lives on
                     h = self._promo_holds.get(key)
@@ -394,13 +402,13 @@ class TieringManager:
                     result = self._start_promotion(i, key, req_id)
                     if result is _RETRY:  # no room yet: held for requests that asked earlier
                         return result
-                    self._count_verdict(i + 1, i if result is _PENDING else -1)
+                    self._count_verdict(key, req_id, i + 1, i if result is _PENDING else -1)
                     return result
                 if r is _RETRY:
                     any_retry = True
             if any_retry:
                 return _RETRY
-            self._count_verdict(len(self.tiers), -1)
+            self._count_verdict(key, req_id, len(self.tiers), -1)
             return _MISS
         finally:
             lock.release()
@@ -410,9 +418,26 @@ class TieringManager:
         """Host chunks held now for the requests they were promoted for (not loaded yet)."""
         return len(self._promo_holds)
 
-    def _count_verdict(self, num_tiers: int, hit_tier: int) -> None:
-        """A host miss got its verdict after asking the first ``num_tiers`` tiers (``hit_tier``
-        answered with a hit, -1 for none)."""
+    def _first_verdict(self, key: bytes, req_id: str) -> bool:
+        """Whether this is the first verdict on ``key`` for request ``req_id`` (always, for a
+        caller that names no request): only that one is counted (see :class:`TierStats`)."""
+        if not req_id:
+            return True
+        counted = self._counted.get(req_id)
+        if counted is None:
+            if len(self._counted) >= _MAX_COUNTED_REQUESTS:  # requests never finished
+                del self._counted[next(iter(self._counted))]
+            counted = self._counted[req_id] = set()
+        elif key in counted:
+            return False
+        counted.add(key)
+        return True
+
+    def _count_verdict(self, key: bytes, req_id: str, num_tiers: int, hit_tier: int) -> None:
+        """A host miss of ``req_id`` got its verdict after asking the first ``num_tiers`` tiers
+        (``hit_tier`` answered with a hit, -1 for none); counted if it is the first."""
+        if not self._first_verdict(key, req_id):
+            return
         stats = self.stats
         stats.host_queries += 1
         tq = stats.tier_queries
@@ -1423,6 +1448,7 @@ class TieringManager:
         """Forget per-request bookkeeping (which tier served which chunk, its routing)."""
         with self.lock:
             self._load_source.pop(req_id, None)
+            self._counted.pop(req_id, None)
             if req_id in self._rank or req_id in self._held_by:
                 self._forget_request_holds(req_id)
             for tier in self.tiers:

@@ -106,6 +106,41 @@ def test_c19_hit_rate_counts_every_lookup_not_only_hits(tmp_path, endpoint):
         assert value(after, "kvoffload_host_slots", inst) == 16
 
 
+def test_a_requests_chunk_is_counted_once_however_often_it_is_looked_up(tmp_path):
+    """vLLM looks a deferred request's chunks up again every step: a chunk promoted from the fs
+    tier for a request is one fs hit, not an fs hit plus a host hit for each later step (a fresh
+    user's dashboard showed 91 host hits for a 13-chunk reload from fs, where vLLM counted none).
+    Another request's lookups count on their own; a finished request's are forgotten."""
+    with Rig([fs_tier(tmp_path / "fs")], num_slots=16) as rig:
+        keys = keys_for(4, seed=41)
+        store(rig, keys)
+        assert rig.tm.wait_idle(120)
+        rig.tm.host.remove(keys)  # only the fs tier holds them now
+        st = rig.tm.stats
+        lookups = 0
+        deadline = time.monotonic() + 120  # an upper bound for a stuck run, not a measure
+
+        def all_hit(req: str) -> bool:
+            nonlocal lookups
+            lookups += len(keys)
+            return all(rig.tm.lookup(k, req) is HIT for k in keys)
+
+        while not all_hit("r"):
+            assert time.monotonic() < deadline, "the promotions never landed"
+            rig.tm.step()
+            time.sleep(0.002)
+        for _ in range(3):  # vLLM's later steps, and its own re-checks
+            assert all_hit("r")
+        assert lookups >= 5 * len(keys)
+        assert (st.host_queries, st.host_hits, st.tier_hits["fs"]) == (4, 0, 4)
+        assert st.tier_queries["fs"] == 4
+        assert all_hit("q")  # another request: its own verdicts, host hits now
+        assert (st.host_queries, st.host_hits, st.tier_hits["fs"]) == (8, 4, 4)
+        rig.tm.on_request_finished("r")
+        assert all_hit("r")  # a new request under the old id counts again
+        assert (st.host_queries, st.host_hits) == (12, 8)
+
+
 def test_every_metric_is_exported_with_plausible_values(tmp_path, endpoint):
     from kvoffload.tools.stress import Stress, Workload
 

@@ -401,6 +401,30 @@ def test_settings_out_of_their_range_are_refused_naming_the_key(tmp_path, key, v
     assert expected in _refused(tmp_path, key, value)
 
 
+def test_a_root_dir_that_cannot_be_made_is_refused_with_the_reason(tmp_path):
+    """``kvoffload check`` and the tier's start agree on a ``root_dir`` the tier cannot use, and
+    the message names why: a file where a directory of the path must be (an executable file too:
+    it once passed the check and the start failed with ``Not a directory``), a file as the root."""
+    blocker = tmp_path / "afile"
+    blocker.write_bytes(b"")
+    for mode in (0o644, 0o755):
+        blocker.chmod(mode)
+        msg = _refused(tmp_path, "root_dir", str(blocker / "kv"))
+        assert f"{str(blocker)!r} is not a directory" in msg, msg
+    assert "exists and is not a directory" in _refused(tmp_path, "root_dir", str(blocker))
+
+
+def test_a_root_dir_on_a_read_only_filesystem_is_named_so():
+    """A read-only mount is "read-only", not "not writable" (root may write any directory's
+    mode bits, so the mount is the reason)."""
+    with small_tmpfs(1 << 20) as mnt:
+        r = subprocess.run(["mount", "-o", "remount,ro", mnt], capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot remount a tmpfs read-only here: {r.stderr.strip()}")
+        msg = _refused(mnt, "root_dir", os.path.join(mnt, "kv"))
+        assert "read-only filesystem" in msg, msg
+
+
 @pytest.mark.parametrize("key", ["connect_timeout_s", "read_timeout_s", "job_timeout_s"])
 def test_c36_obj_tier_durations_must_be_finite(key):
     from kvoffload.config import parse_tier_config

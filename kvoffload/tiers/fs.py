@@ -110,10 +110,12 @@ class FsTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True):
         probe = path
         while not os.path.exists(probe):
             probe = os.path.dirname(probe)
-        if not os.access(probe, os.W_OK | os.X_OK):
-            raise ValueError(f"root_dir: {probe!r} is not writable")
+        if not os.path.isdir(probe):  # a file where a directory of the path must be made
+            raise ValueError(f"root_dir: {probe!r} is not a directory (in {self.root_dir!r})")
         if os.statvfs(probe).f_flag & os.ST_RDONLY:
             raise ValueError(f"root_dir: {probe!r} is on a read-only filesystem")
+        if not os.access(probe, os.W_OK | os.X_OK):
+            raise ValueError(f"root_dir: {probe!r} is not writable")
         if os.path.realpath(probe).startswith(("/proc", "/sys")):
             raise ValueError(f"root_dir: {self.root_dir!r} is on a pseudo filesystem")
 

@@ -3,6 +3,7 @@ import time
 
 import psutil
 import pytest
+import zmq
 from netns import NetnsPair, creator_pid, our_namespaces, require_netns
 
 from kvoffload.ipc.arena import list_arenas
@@ -49,6 +50,37 @@ def _leftover_namespaces(before: set[str]) -> list[str]:
 
 
 _exit_status = 0
+
+# A ZMQ context that the garbage collector finalizes unclosed, with sockets of the same garbage
+# cycle still open, blocks for ever in term(): the cycle's weak references are cleared before
+# finalizers run, so pyzmq's Context.__del__ -> destroy() finds no socket to close. It hangs
+# whichever test allocates next (a CI run hung so in tests/test_p2p_tier.py, in a test that had
+# made no context). In pytest's process such a context is kept instead, and the end of the run
+# names how many there were and the test during which the GC found each.
+_UNCLOSED_CONTEXTS: list[tuple[object, str]] = []
+_current_test = "(collection)"
+
+
+def _keep_unclosed_context(self) -> None:
+    if not getattr(self, "_shadow", False) and not self.closed:
+        _UNCLOSED_CONTEXTS.append((self, _current_test))  # kept alive: never terminated here
+
+
+zmq.Context.__del__ = _keep_unclosed_context
+
+
+@pytest.fixture(autouse=True)
+def _names_the_running_test(request):
+    global _current_test
+    _current_test = request.node.nodeid
+    yield
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _UNCLOSED_CONTEXTS:
+        terminalreporter.write_sep("=", "ZMQ contexts dropped unclosed (kept, not terminated)")
+        for ctx, test in _UNCLOSED_CONTEXTS:
+            terminalreporter.write_line(f"{ctx!r}: found by the garbage collector during {test}")
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -479,6 +479,34 @@ def table_rows(output: str) -> dict[str, tuple[str, str]]:
     return rows
 
 
+def test_check_warns_of_an_fs_tier_on_a_disk_already_past_its_floor(tmp_path):
+    """A config can be valid and still make a tier that stores nothing: its disk already has less
+    free than ``min_free_fraction``. ``check`` says so (exit 0: the config is valid); a tier with
+    no floor, or room above it, gets no warning."""
+    from kvoffload.tools.stress_faults import FaultError, small_tmpfs
+
+    try:
+        mount = small_tmpfs(1 << 20)
+        mnt = mount.__enter__()
+    except FaultError as e:
+        pytest.skip(f"needs a small tmpfs of its own (root, mount permitted): {e}")
+    try:
+        with open(os.path.join(mnt, "filler"), "wb") as f:
+            f.write(b"\0" * (1000 << 10))  # ~2 % free: under the default 5 % floor
+        path = tmp_path / "extra.json"
+        for tier, warned in (
+            ({"type": "fs", "root_dir": os.path.join(mnt, "kv")}, True),
+            ({"type": "fs", "root_dir": os.path.join(mnt, "kv"), "min_free_fraction": 0}, False),
+            ({"type": "fs", "root_dir": str(tmp_path / "kv"), "min_free_fraction": 0}, False),
+        ):
+            path.write_text(json.dumps({"cpu_bytes_to_use": 1 << 20, "secondary_tiers": [tier]}))
+            res = run_cli("check", str(path))
+            assert res.exit_code == 0, res.output
+            assert ("below its free-space floor" in res.output) == warned, res.output
+    finally:
+        mount.__exit__(None, None, None)
+
+
 def test_check_prints_no_null_for_any_documented_setting(tmp_path):
     """Every built-in tier type, kv_events on, nothing else set: each setting shows the value the
     engine will use, or words saying how it is decided at run time, never null (a fresh user read

@@ -213,7 +213,19 @@ def check(config_file, as_json: bool) -> None:
 
     from kvoffload.tools.config_table import render
 
-    render(raw, cfg, Console(), title=f"{config_file.name}: valid")
+    console = Console()
+    render(raw, cfg, console, title=f"{config_file.name}: valid")
+    for spec in cfg.secondary_tiers:
+        free_space = getattr(spec.config, "free_space_now", None)
+        space = free_space() if free_space is not None else None
+        if space is not None and space[0] < space[1]:
+            console.print(
+                f"[yellow]warning:[/yellow] tier {spec.name}: {spec.config.root_dir} has "
+                f"{space[0]} bytes free now, below its free-space floor of {space[1]} bytes "
+                f"(min_free_fraction {spec.config.min_free_fraction:g}): it would store nothing "
+                "until space is freed there",
+                highlight=False,
+            )
 
 
 #: Spec names vLLM resolves from its own registry, never reading ``spec_module_path``.

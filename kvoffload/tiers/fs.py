@@ -119,6 +119,19 @@ class FsTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True):
         if os.path.realpath(probe).startswith(("/proc", "/sys")):
             raise ValueError(f"root_dir: {self.root_dir!r} is on a pseudo filesystem")
 
+    def free_space_now(self) -> tuple[int, int] | None:
+        """``(bytes free, the free-space floor in bytes)`` of the filesystem that holds (or will
+        hold) ``root_dir``, now; None when no part of the path can be looked at. For
+        ``kvoffload check``: a disk already past the floor makes a tier that stores nothing."""
+        probe = os.path.abspath(self.root_dir)
+        while not os.path.exists(probe) and probe != os.path.dirname(probe):
+            probe = os.path.dirname(probe)
+        try:
+            st = os.statvfs(probe)
+        except OSError:
+            return None
+        return st.f_bavail * st.f_frsize, int(self.min_free_fraction * st.f_blocks * st.f_frsize)
+
 
 class _FreeSpaceSampler:
     """A daemon thread that samples the free space of ``path`` (``statvfs``: ``f_bavail`` bytes)

@@ -107,9 +107,7 @@ class FsTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True):
         path = os.path.abspath(self.root_dir)
         if os.path.exists(path) and not os.path.isdir(path):
             raise ValueError(f"root_dir: {self.root_dir!r} exists and is not a directory")
-        probe = path
-        while not os.path.exists(probe):
-            probe = os.path.dirname(probe)
+        probe = _existing_ancestor(path)
         if not os.path.isdir(probe):  # a file where a directory of the path must be made
             raise ValueError(f"root_dir: {probe!r} is not a directory (in {self.root_dir!r})")
         if os.statvfs(probe).f_flag & os.ST_RDONLY:
@@ -123,14 +121,18 @@ class FsTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True):
         """``(bytes free, the free-space floor in bytes)`` of the filesystem that holds (or will
         hold) ``root_dir``, now; None when no part of the path can be looked at. For
         ``kvoffload check``: a disk already past the floor makes a tier that stores nothing."""
-        probe = os.path.abspath(self.root_dir)
-        while not os.path.exists(probe) and probe != os.path.dirname(probe):
-            probe = os.path.dirname(probe)
         try:
-            st = os.statvfs(probe)
+            st = os.statvfs(_existing_ancestor(os.path.abspath(self.root_dir)))
         except OSError:
             return None
         return st.f_bavail * st.f_frsize, int(self.min_free_fraction * st.f_blocks * st.f_frsize)
+
+
+def _existing_ancestor(path: str) -> str:
+    """``path`` (absolute) or its nearest ancestor that exists: where its filesystem is."""
+    while not os.path.exists(path) and path != os.path.dirname(path):
+        path = os.path.dirname(path)
+    return path
 
 
 class _FreeSpaceSampler:
@@ -198,7 +200,8 @@ class FsTier(ProcessTierManager):
         self._write_namespace_config()
         st = os.statvfs(self.ns_dir)
         self.min_free_bytes = int(config.min_free_fraction * st.f_blocks * st.f_frsize)
-        if st.f_bavail * st.f_frsize < self.min_free_bytes:
+        free_now = st.f_bavail * st.f_frsize
+        if free_now < self.min_free_bytes:
             # Said at start, not first at the first store: a tier on a disk already past its floor
             # stores nothing until room is made (its own chunks evicted, or space freed).
             log.warning(
@@ -207,7 +210,7 @@ class FsTier(ProcessTierManager):
                 "freed there; lower min_free_fraction (0: no floor) to use it",
                 name,
                 config.root_dir,
-                st.f_bavail * st.f_frsize,
+                free_now,
                 self.min_free_bytes,
                 config.min_free_fraction,
                 st.f_blocks * st.f_frsize,

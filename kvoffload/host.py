@@ -18,7 +18,7 @@ the table costs one dict entry and one reference to the key, plus 13 bytes in fl
 from __future__ import annotations
 
 from array import array
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 
 from kvoffload.policies import EvictionPolicy
 from kvoffload.tiers.base import LookupResult, TierEvent
@@ -37,6 +37,18 @@ class StorePlan:
         self.keys = keys
         self.slots = slots
         self.evicted = evicted
+
+
+class _Union:
+    """``slot in u``: in either container (neither copied)."""
+
+    __slots__ = ("a", "b")
+
+    def __init__(self, a: Container[int], b: Container[int]):
+        self.a, self.b = a, b
+
+    def __contains__(self, slot: object) -> bool:
+        return slot in self.a or slot in self.b
 
 
 class HostTier:
@@ -89,7 +101,7 @@ class HostTier:
 
     # -- writes ---------------------------------------------------------------------------------
 
-    def allocate(self, keys: Sequence[bytes], protect: Collection[int] = ()) -> StorePlan | None:
+    def allocate(self, keys: Sequence[bytes], protect: Container[int] = ()) -> StorePlan | None:
         """Reserve WRITING slots for the keys not yet present, evicting as needed.
 
         Keys already present (in any state) are skipped and, with every other key of ``keys``
@@ -111,9 +123,11 @@ class HostTier:
         if need > 0:
             if need > self.num_evictable:
                 return None
-            protected = {index[k] for k in keys if k in index}
+            protected: Container[int] = {index[k] for k in keys if k in index}
             if protect:
-                protected.update(protect)
+                # the caller's container as it is when no key of the batch holds a slot (a
+                # promotion's): copying it would cost one step per protected slot
+                protected = _Union(protected, protect) if protected else protect
             victims = self.policy.evict(need, protected, self.keys)
             if victims is None:
                 return None

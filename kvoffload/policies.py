@@ -13,7 +13,8 @@ Protocol (called by :class:`~kvoffload.host.HostTier`):
     make_pinned(slot)     the slot got its first pin: unlink it
     access(slot)          the chunk was used (a hit)
     remove(slot)          the chunk left without eviction (failed write, explicit removal)
-    evict(n, protected)   pick n evictable slots, never one in ``protected``; None if impossible
+    evict(n, protected)   pick n evictable slots, never one in ``protected`` (a container: ask it
+                          ``slot in protected`` only, it may be no set); None if impossible
 
 Out-of-tree policies subclass :class:`EvictionPolicy` and are named by ``module.path:ClassName``.
 """
@@ -24,6 +25,7 @@ import importlib
 from abc import ABC, abstractmethod
 from array import array
 from collections import OrderedDict
+from collections.abc import Container
 
 from typing_extensions import override
 
@@ -73,6 +75,11 @@ class _Lists:
             yield cur
             cur = following
 
+    def any_outside(self, lst: int, protected: Container[int]) -> bool:
+        """Whether list ``lst`` links a slot not in ``protected`` (walked from its head, the
+        next victim's end, where protected slots, recently used or admitted, are rare)."""
+        return any(slot not in protected for slot in self.iter_from_head(lst))
+
     def clear(self) -> None:
         type(self).__init__(self, self.n, len(self.sizes))
 
@@ -111,9 +118,17 @@ class EvictionPolicy(ABC):
         forget it."""
 
     @abstractmethod
-    def evict(self, n: int, protected: set[int], keys: list) -> list[int] | None:
+    def evict(self, n: int, protected: Container[int], keys: list) -> list[int] | None:
         """Choose ``n`` evictable slots outside ``protected`` (``keys[slot]`` gives a slot's key).
+        ``protected`` supports ``in`` only (it may be a view over the tiering manager's holds).
         Returns None, evicting nothing, when that many cannot be found."""
+
+    def has_victim(self, protected: Container[int]) -> bool | None:
+        """Whether :meth:`evict` would find one slot outside ``protected``, changing nothing;
+        None when the policy cannot tell (the caller then counts the protected slots itself).
+        Asked before a promotion, with the slots told HIT and held for requests as
+        ``protected``."""
+        return None
 
     @abstractmethod
     def clear(self) -> None:
@@ -151,7 +166,7 @@ class LRUPolicy(EvictionPolicy):
         self._l.unlink(slot)
 
     @override
-    def evict(self, n: int, protected: set[int], keys: list) -> list[int] | None:
+    def evict(self, n: int, protected: Container[int], keys: list) -> list[int] | None:
         if n > self._l.sizes[0]:
             return None
         out = []
@@ -166,6 +181,10 @@ class LRUPolicy(EvictionPolicy):
         for slot in out:
             self._l.unlink(slot)
         return out
+
+    @override
+    def has_victim(self, protected: Container[int]) -> bool:
+        return self._l.any_outside(0, protected)
 
     @override
     def clear(self) -> None:
@@ -245,14 +264,14 @@ class ARCPolicy(EvictionPolicy):
             self._sizes[lst] -= 1
             self._member[slot] = 0
 
-    def _pick(self, lst: int, protected: set[int], taken: set[int]) -> int | None:
+    def _pick(self, lst: int, protected: Container[int], taken: set[int]) -> int | None:
         for slot in self._l.iter_from_head(lst):
             if slot not in protected and slot not in taken:
                 return slot
         return None
 
     @override
-    def evict(self, n: int, protected: set[int], keys: list) -> list[int] | None:
+    def evict(self, n: int, protected: Container[int], keys: list) -> list[int] | None:
         if n > self._l.sizes[_T1] + self._l.sizes[_T2]:
             return None
         chosen: list[int] = []
@@ -278,6 +297,10 @@ class ARCPolicy(EvictionPolicy):
             ghost[keys[slot]] = None
         self._trim_ghosts()
         return chosen
+
+    @override
+    def has_victim(self, protected: Container[int]) -> bool:
+        return self._l.any_outside(_T1, protected) or self._l.any_outside(_T2, protected)
 
     def _trim_ghosts(self) -> None:
         c = self.c

@@ -162,6 +162,27 @@ class Stats:
         return {k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(self).items()}
 
 
+class _Protected:
+    """The slots a promotion for a request of ``rank`` must not evict (those told HIT since the
+    last step, those held for this or older requests), as a container: ``slot in p`` costs two
+    dict lookups where building the set (:meth:`TieringManager._protected`) costs one step per
+    held slot, once per promoted chunk."""
+
+    __slots__ = ("hit", "held", "rank")
+
+    def __init__(self, hit: set[int], held: dict[int, int], rank: int):
+        self.hit, self.held, self.rank = hit, held, rank
+
+    def __contains__(self, slot: object) -> bool:
+        if slot in self.hit:
+            return True
+        r = self.held.get(slot)  # type: ignore[call-overload]
+        return r is not None and r <= self.rank
+
+    def __bool__(self) -> bool:
+        return bool(self.hit) or bool(self.held)
+
+
 class TieringManager:
     """Host tier plus ordered secondary tiers over one arena.
 
@@ -472,8 +493,8 @@ class TieringManager:
         elif not holding:
             may_promote = True
         if may_promote:
-            protect = self._protected(rank)
-            if host.num_used < host.num_slots or self._evictable_outside(protect) > 0:
+            protect = _Protected(self._hit_slots, self._held_slots, rank)
+            if host.num_used < host.num_slots or self._victim_outside(protect, rank):
                 plan = host.allocate([key], protect)
         if plan is None and holding:
             self._blocked_rank = min(self._blocked_rank, rank)
@@ -545,6 +566,19 @@ class TieringManager:
             out.update(s for s, r in held.items() if r <= rank)
         return out
 
+    def _victim_outside(self, protect: _Protected, rank: int) -> bool:
+        """Whether an evictable host slot is outside ``protect`` (the promotion's, for a request
+        of ``rank``). Asked of the policy, which walks its eviction order from the next victim
+        and stops at the first unprotected slot; the slots protected are never counted, which
+        cost one step per held slot for every promoted chunk (quadratic in a long prompt)."""
+        host = self.host
+        if host.num_evictable > len(protect.hit) + len(protect.held):
+            return True  # more evictable slots than protected ones
+        found = host.policy.has_victim(protect)
+        if found is None:  # an out-of-tree policy that cannot tell
+            return self._evictable_outside(self._protected(rank)) > 0
+        return found
+
     def _evictable_outside(self, protect: Iterable[int]) -> int:
         """Evictable host slots (READY, unpinned) that are not in ``protect``."""
         state, refs = self.host.state, self.host.refs
@@ -555,9 +589,13 @@ class TieringManager:
     def _hold(self, key: bytes, slot: int, req_id: str, rank: int) -> None:
         self._promo_holds[key] = [slot, req_id, rank, self._step_no]
         self._promo_holds.move_to_end(key)
-        self._held_slots[slot] = rank
+        held = self._held_slots
+        r = self._oldest_rank
+        # the cached minimum stays true when a new slot is held (no scan of the holds per
+        # promotion); a slot held again may have held the minimum: recomputed when asked
+        self._oldest_rank = None if r is None or slot in held else min(r, rank)
+        held[slot] = rank
         self._held_by.setdefault(req_id, set()).add(key)
-        self._oldest_rank = None
 
     def _drop_hold(self, key: bytes) -> bool:
         """End the hold on ``key`` (False: none). Room may have appeared for waiting requests."""

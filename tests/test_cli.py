@@ -95,6 +95,33 @@ def test_a_command_whose_extra_is_missing_exits_2_and_names_it(args, extra):
     assert "Traceback" not in proc.stderr
 
 
+def test_a_bench_told_to_draw_no_plot_runs_without_matplotlib(tmp_path):
+    """``--plot ''`` draws none, so the bench needs no matplotlib and writes no file (it used
+    to stop for the missing extra, and with it, write ``.png``)."""
+    pytest.importorskip("vllm")  # bench engine drives vLLM's manager interface
+    proc = subprocess.run(
+        [sys.executable, "-c", _BLOCKED_RUN.format(blocked=["matplotlib"])]
+        + ["bench", "engine", "--plot", "", "--chunks", "64", "--job-chunks", "4"]
+        + ["--run-chunks", "64", "--step-ms", "0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "| 64 | 4 |" in proc.stdout  # the all-in row of 4-chunk jobs
+    assert list(tmp_path.iterdir()) == []
+
+
+_BLOCKED_RUN = """
+import sys
+for name in {blocked!r}:
+    sys.modules[name] = None
+from kvoffload.tools.cli import main
+main(sys.argv[1:], prog_name="kvoffload")
+"""
+
+
 @pytest.mark.parametrize(
     "args, rc, message",
     [

@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 from helpers import HIT, MISS, PENDING, RETRY, Rig, fs_tier, keys_for
 
+from kvoffload.policies import LRUPolicy
+
 
 def _only_in_fs(rig: Rig, keys: list[bytes]) -> None:
     """Store ``keys`` (written through to the fs tier), then drop them from the host tier."""
@@ -187,6 +189,68 @@ def test_without_holds_a_promotion_with_no_room_is_a_miss(tmp_path):
         _landed(rig)
         assert [tm.lookup(k, "b") for k in b] == [PENDING, PENDING]  # a's chunks evicted
         assert tm.stats.promotion_waits == 0
+
+
+class _ScanCounting(dict):
+    """A dict that counts the passes over it (iteration, keys, values, items)."""
+
+    scans = 0
+
+    def __iter__(self):
+        self.scans += 1
+        return super().__iter__()
+
+    def keys(self):
+        self.scans += 1
+        return super().keys()
+
+    def values(self):
+        self.scans += 1
+        return super().values()
+
+    def items(self):
+        self.scans += 1
+        return super().items()
+
+
+class UntoldLRU(LRUPolicy):
+    """An out-of-tree policy that cannot tell whether it has a victim (the base class's
+    answer): the tiering manager counts the protected slots itself."""
+
+    def has_victim(self, protected):
+        return None
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc", "UntoldLRU"])
+def test_a_promotion_costs_the_same_however_many_chunks_are_held(tmp_path, policy):
+    """Promotions into a full host tier while many chunks are held (a long prompt's, promoted
+    and not loaded yet) read the holds by slot only: no promotion passes over them. (Each used
+    to build the set of protected slots from every hold and count the evictable ones in it, so
+    a prompt of n chunks cost O(n^2); a policy that cannot say whether it has a victim still
+    costs that.) What a promotion may evict is unchanged: a younger request's promotions evict
+    other chunks, never those held for the older request, and its own chunks land."""
+    module = {"cache_policy_module_path": "test_promotion_holds"} if "Untold" in policy else {}
+    with Rig(
+        [fs_tier(tmp_path / "fs")], num_slots=64, tier_pin_fraction=0.1, policy=policy, **module
+    ) as rig:
+        tm = rig.tm
+        a, b = keys_for(40, seed=1), keys_for(12, seed=2)
+        _only_in_fs(rig, a + b)
+        for i in range(0, 64, 8):  # the host tier full of other chunks
+            rig.store(keys_for(8, seed=100 + i))
+        assert tm.wait_idle(120)
+        assert tm.host.num_used == tm.host.num_slots
+        held = tm._held_slots = _ScanCounting(tm._held_slots)
+        assert [tm.lookup(k, "a") for k in a] == [PENDING] * len(a)
+        assert [tm.lookup(k, "b") for k in b] == [PENDING] * len(b)
+        assert (held.scans > 0) if "Untold" in policy else (held.scans == 0)
+        assert len(held) == len(a) + len(b)
+        tm.step()
+        _landed(rig)
+        assert [tm.lookup(k, "a") for k in a] == [HIT] * len(a)  # none evicted by b's
+        assert [tm.lookup(k, "b") for k in b] == [HIT] * len(b)
+        assert tm.stats.promotions["fs"] == len(a) + len(b)
+        assert tm.stats.evicted_holds == tm.stats.promotion_alloc_failures == 0
 
 
 @pytest.mark.parametrize("case", ["16x(6+2/turn) chunks, host 24, device 24"])

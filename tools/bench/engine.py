@@ -442,14 +442,20 @@ _FLOWS = (("store", "store"), ("fs_load", "fs load"), ("host_load", "host load")
     help="Break each flow down by manager call (more clock readings: noisier).",
 )
 @click.option("--profile", "profile_path", default=None, help="cProfile output of the first N.")
-@click.option("--plot", "plot_path", default="docs/bench/engine.png", show_default=True)
+@click.option(
+    "--plot",
+    "plot_path",
+    default="docs/bench/engine.png",
+    show_default=True,
+    help='Where to draw the plot (needs matplotlib, the bench extra); "" draws none.',
+)
 def bench_engine(
     chunks, job_chunks, run_chunks, jobs_per_step, step_ms, by_call, profile_path, plot_path
 ) -> None:
     """Engine-thread µs per host-hit lookup and per chunk of whole jobs (all-in: lookup,
     hand-off, completion, metrics, through vLLM's manager interface), as the number of stored
     chunks grows."""
-    require("bench engine", "bench", modules=("matplotlib",))
+    require("bench engine", "bench", modules=("matplotlib",) if plot_path else ())
     wd = make_workdir(None)
     print_header()
     if missing_modules(("vllm",)):
@@ -518,7 +524,9 @@ def bench_engine(
 
 
 def _plot(path: str, rows: list[dict[str, Any]], job_chunks: tuple[int, ...]) -> None:
-    """All-in µs per chunk against stored chunks, a line per flow and job size."""
+    """All-in µs per chunk against stored chunks, a line per flow and job size ("": none)."""
+    if not path:
+        return
     series = {}
     for k in job_chunks:
         for f, label in _FLOWS:

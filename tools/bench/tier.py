@@ -178,7 +178,13 @@ def arena_copy(chunk_bytes: int, total_bytes: int, reps: int) -> dict:
     show_default=True,
 )
 @click.option("--total-mib", default=1024, show_default=True, help="Bytes moved per measurement.")
-@click.option("--plot", "plot_path", default="docs/bench/tier.png", show_default=True)
+@click.option(
+    "--plot",
+    "plot_path",
+    default="docs/bench/tier.png",
+    show_default=True,
+    help='Where to draw the plot (needs matplotlib, the bench extra); "" draws none.',
+)
 @click.option("--reps", default=3, show_default=True)
 @click.option("--readers", default=2, show_default=True)
 @click.option("--writers", default=2, show_default=True)
@@ -199,7 +205,7 @@ def bench_tier(
     chunk_kib, total_mib, reps, readers, writers, direct_io, io_threads, workdir, plot_path
 ) -> None:
     """host ↔ fs store/load GB/s against fio on the same disk (needs fio and root for drop_caches)."""
-    require("bench tier", "bench", modules=("matplotlib",))
+    require("bench tier", "bench", modules=("matplotlib",) if plot_path else ())
     if shutil.which("fio") is None:
         raise click.ClickException("fio is not installed (apt-get install fio)")
     wd = make_workdir(workdir)
@@ -234,6 +240,8 @@ def bench_tier(
         c = arena_copy(kib << 10, min(total_mib, 512) << 20, reps)
         copies.append(c)
         click.echo(f"| {kib} KiB | {c['memcpy']:.2f} | {c['arena']:.2f} | {c['ratio']:.2f}x |")
+    if not plot_path:
+        return
     groups = [f"{kib} KiB" for kib in chunk_kib]
     plot_bars(
         plot_path,

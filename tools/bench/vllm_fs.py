@@ -639,7 +639,13 @@ def _leftovers() -> list[str]:
     default=None,
     help="kvoffload tier worker niceness (default: the tier's default, 10).",
 )
-@click.option("--plot", "plot_path", default="docs/bench/vllm_fs.png", show_default=True)
+@click.option(
+    "--plot",
+    "plot_path",
+    default="docs/bench/vllm_fs.png",
+    show_default=True,
+    help='Where to draw the plot (needs matplotlib, the bench extra); "" draws none.',
+)
 @click.option(
     "--dir",
     "workdir",
@@ -662,7 +668,9 @@ def vllm_fs(
     """kvoffload's fs tier vs vLLM's FileSystemTierManager on the same arena and chunks:
     store/load GB/s, and a scheduler loop's step-time jitter while each moves data."""
     # checked before minutes of measuring: vLLM's fs tier is the baseline, matplotlib draws the plot
-    require("bench vllm-fs", "demo", "bench", modules=("vllm", "matplotlib"))
+    require(
+        "bench vllm-fs", "demo", "bench", modules=("vllm", "matplotlib") if plot_path else ("vllm",)
+    )
     try:
         from vllm.v1.kv_offload.tiering.fs import io as vllm_io_mod
     except ImportError as e:
@@ -753,8 +761,9 @@ def vllm_fs(
                 f"| {r['chunk_bytes'] >> 10} KiB | {s['while']} | {s['steps']} | {s['p50_ms']:.2f} | "
                 f"{s['p99_ms']:.2f} | {s['inflation']:.2f}x | {gbps} | {cpu} |"
             )
-    plot(results, plot_path, step_ms)
-    click.echo(f"\nplot: {plot_path}")
+    if plot_path:
+        plot(results, plot_path, step_ms)
+        click.echo(f"\nplot: {plot_path}")
     left = _leftovers()
     if left:
         click.echo(f"warning: left behind: {', '.join(left)}", err=True)

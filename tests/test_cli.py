@@ -110,6 +110,7 @@ def test_a_bench_told_to_draw_no_plot_runs_without_matplotlib(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert "| 64 | 4 |" in proc.stdout  # the all-in row of 4-chunk jobs
+    assert "against vLLM's own CPUOffloadingManager" in proc.stdout  # the host-only baseline
     assert list(tmp_path.iterdir()) == []
 
 

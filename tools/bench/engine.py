@@ -15,6 +15,9 @@ jobs, as the number of stored chunks grows.
                   get_load_source, (next step) complete_load, on_request_finished
         host load on_new_request, lookups (host hits), prepare_load, get_load_source, (next step)
                   complete_load, on_request_finished
+      host only   the store and host-load flows with no secondary tier, kvoffload's manager and,
+                  as the baseline in the same run, vLLM's own pure-Python CPUOffloadingManager
+                  (LRU): the managers' bookkeeping alone, without a tier's hand-off
 
 The fs tier's workers run in other processes and really move the chunks (4 KiB rows here, so the
 disk is not what the run waits on; tasks are cut at 32 chunks, what the fs tier's default gives
@@ -191,9 +194,60 @@ class _Engine:
         self.tm.shutdown()
 
 
+class _HostOnly(_Engine):
+    """Host tier only, no secondary tier: kvoffload's manager (a :class:`TieringManager` built
+    with no ``secondary_tiers``) or, as the baseline, vLLM's own pure-Python
+    ``CPUOffloadingManager`` (vllm.v1.kv_offload.cpu.manager, LRU) behind the same calls; each
+    filled to every slot (every store evicts). Its store is the host publish
+    alone (nothing is handed to a tier), so the two managers' store and host-load flows do the
+    same work: their ratio is the cost of kvoffload's bookkeeping over vLLM's own. Every slot
+    of ``arena`` is filled (kvoffload's host tier uses its slots; vLLM's manager, as many)."""
+
+    def __init__(self, arena: Arena, vllm_own: bool):
+        from vllm.v1.kv_offload.base import ReqContext, ScheduleEndContext
+
+        self.ReqContext = ReqContext
+        self.end_ctx = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+        self.tm = None  # type: ignore[assignment]
+        if vllm_own:
+            from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+            self.mgr = CPUOffloadingManager(num_chunks=arena.num_slots)
+        else:
+            from kvoffload.vllm import KVOffloadManager
+
+            cfg = parse_config({"cpu_bytes_to_use": arena.num_slots * arena.row_bytes})
+            self.tm = TieringManager(
+                arena, bench_namespace(arena.row_bytes), cfg, record_events=False,
+                keep_metric_samples=True,
+            )  # fmt: skip
+            self.mgr = KVOffloadManager(self.tm)
+        ctx = ReqContext(req_id="fill")
+        n = arena.num_slots
+        for i in range(0, n, _FILL_BATCH):
+            keys = [_key(j, 1) for j in range(i, min(n, i + _FILL_BATCH))]
+            out = self.mgr.prepare_store(keys, ctx)
+            assert out is not None and len(out.keys_to_store) == len(keys)
+            self.mgr.complete_store(keys, ctx)
+        self._tag = 10
+
+    def tier_done(self) -> int:
+        return 0
+
+    def check(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        if self.tm is not None:
+            self.tm.shutdown()
+        else:
+            self.mgr.shutdown()
+
+
 def _store_flow(eng: _Engine, jobs: list[list[bytes]], per_step: int, m: _Meter) -> None:
     mgr, ctx_of = eng.mgr, eng.ReqContext
-    target = eng.tier_done() + sum(map(len, jobs))
+    # written through: until the tier's completions are applied (a host-only engine: none)
+    target = 0 if isinstance(eng, _HostOnly) else eng.tier_done() + sum(map(len, jobs))
     copying: list[tuple[list[bytes], Any]] = []  # prepared this step, copied by the next
     i = 0
     while copying or i < len(jobs) or eng.tier_done() < target:
@@ -229,7 +283,7 @@ def _load_flow(
     looked up again once they landed) or from the host tier."""
     mgr, tm, ctx_of = eng.mgr, eng.tm, eng.ReqContext
     want = LookupResult.HIT_PENDING if from_fs else LookupResult.HIT
-    index, state, ready = tm.host.index, tm.host.state, 2  # host.READY
+    index, state, ready = (tm.host.index, tm.host.state, 2) if from_fs else ({}, [], 2)
     promoting: list[tuple[list[bytes], Any]] = []
     landed: list[tuple[list[bytes], Any]] = []
     copying: list[tuple[list[bytes], Any]] = []
@@ -307,6 +361,8 @@ def all_in(
         ("host_load", lambda m: _load_flow(eng, jobs, per_step, m, False)),
     )
     for name, run in flows:
+        if name == "fs_load" and isinstance(eng, _HostOnly):
+            continue
         if name == "fs_load":  # the stored chunks leave the host tier: they load from fs
             assert eng.tm.wait_idle(120)
             removed = eng.tm.host.remove(keys)
@@ -392,6 +448,25 @@ def engine_cost(
         finally:
             eng.shutdown()
             shutil.rmtree(root, ignore_errors=True)
+        out["host_only"] = host_only_cost(arena, job_sizes, run_chunks, per_step, busy_iters)
+    return out
+
+
+def host_only_cost(
+    arena: Arena, job_sizes: tuple[int, ...], run_chunks: int, per_step: int, busy_iters: int
+) -> list[dict[str, Any]]:
+    """Store and host-load flows, host tier only, kvoffload's manager and vLLM's own
+    ``CPUOffloadingManager`` (the baseline), run in turn per job size (:class:`_HostOnly`)."""
+    out = []
+    for k in job_sizes:
+        row: dict[str, Any] = {"chunks_per_job": k}
+        for who, vllm_own in (("ours", False), ("vllm", True)):
+            eng = _HostOnly(arena, vllm_own)
+            try:
+                row[who] = all_in(eng, k, run_chunks, per_step, busy_iters)
+            finally:
+                eng.shutdown()
+        out.append(row)
     return out
 
 
@@ -501,6 +576,7 @@ def bench_engine(
                 + " | ".join(f"{a[f]['us_per_chunk']:.2f}" for f, _ in _FLOWS)
                 + f" | {a['store']['us_per_job']:.1f} | {a['fs_load']['us_per_job']:.1f} |"
             )
+    _host_only_table(rows, jobs_per_step, step_ms, run_chunks)
     if not by_call:
         _plot(plot_path, rows, job_chunks)
         return
@@ -521,6 +597,25 @@ def bench_engine(
                     + " |"
                 )
     _plot(plot_path, rows, job_chunks)
+
+
+def _host_only_table(rows: list[dict[str, Any]], per_step: int, step_ms: float, run: int) -> None:
+    click.echo(
+        "\nHost tier only (no secondary tier): kvoffload's manager against vLLM's own "
+        f"CPUOffloadingManager (LRU), engine-thread CPU µs per chunk ({per_step} job(s) a step, "
+        f"{step_ms:g} ms steps, {run} chunks per flow):\n"
+        "\n| stored chunks | chunks/job | store ours | store vLLM | ours / vLLM | "
+        "host load ours | host load vLLM | ours / vLLM |\n|---|---|---|---|---|---|---|---|"
+    )
+    for r in rows:
+        for h in r.get("host_only", ()):
+            cells = []
+            for f in ("store", "host_load"):
+                ours, theirs = h["ours"][f]["us_per_chunk"], h["vllm"][f]["us_per_chunk"]
+                cells.append(f"{ours:.2f} | {theirs:.2f} | {ours / theirs:.2f}x")
+            click.echo(
+                f"| {r['stored_chunks']:,} | {h['chunks_per_job']} | " + " | ".join(cells) + " |"
+            )
 
 
 def _plot(path: str, rows: list[dict[str, Any]], job_chunks: tuple[int, ...]) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Container, Iterable, Sequence
 
-from kvoffload.policies import EvictionPolicy
+from kvoffload.policies import ARCPolicy, EvictionPolicy, LRUPolicy
 from kvoffload.tiers.base import LookupResult, TierEvent
 
 FREE, WRITING, READY = 0, 1, 2
@@ -63,6 +63,10 @@ class HostTier:
     def __init__(self, num_slots: int, policy: EvictionPolicy, record_events: bool = True):
         self.num_slots = num_slots
         self.policy = policy
+        # LRU and ARC (not a subclass: it may keep another order) read ``protected`` by
+        # membership alone and walk their own lists: they get the caller's container (no copy)
+        # and say whether they have a victim; an out-of-tree policy gets a set, and a count
+        self._builtin_policy = type(policy) in (LRUPolicy, ARCPolicy)
         self.index: dict[bytes, int] = {}
         self.keys: list[bytes | None] = [None] * num_slots
         self.state = bytearray(num_slots)
@@ -123,12 +127,17 @@ class HostTier:
         if need > 0:
             if need > self.num_evictable:
                 return None
-            protected: Container[int] = {index[k] for k in keys if k in index}
-            if protect:
-                # the caller's container as it is when no key of the batch holds a slot (a
-                # promotion's): copying it would cost one step per protected slot
-                protected = _Union(protected, protect) if protected else protect
-            victims = self.policy.evict(need, protected, self.keys)
+            protected = {index[k] for k in keys if k in index}
+            if not protect:
+                victims = self.policy.evict(need, protected, self.keys)
+            elif self._builtin_policy:
+                # the caller's container as it is (a promotion's: no key of the batch holds a
+                # slot); copying it would cost one step per protected slot
+                mine: Container[int] = _Union(protected, protect) if protected else protect
+                victims = self.policy.evict(need, mine, self.keys)
+            else:  # an out-of-tree policy gets a set, as the protocol always gave it
+                protected.update(protect)  # type: ignore[arg-type]  # iterable too
+                victims = self.policy.evict(need, protected, self.keys)
             if victims is None:
                 return None
             for slot in victims:
@@ -153,6 +162,12 @@ class HostTier:
             slots.append(slot)
         self.num_writing += len(new)
         return StorePlan(new, slots, evicted)
+
+    def has_victim(self, protect: Container[int]) -> bool | None:
+        """Whether an evictable slot lies outside ``protect``, from the policy's eviction order
+        (:meth:`~kvoffload.policies.EvictionPolicy.has_victim`); None for an out-of-tree policy
+        (the caller counts)."""
+        return self.policy.has_victim(protect) if self._builtin_policy else None
 
     def room_for(self, keys: Sequence[bytes]) -> int:
         """How many slots could be filled right now for a batch of ``keys``: free slots plus

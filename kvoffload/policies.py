@@ -13,8 +13,9 @@ Protocol (called by :class:`~kvoffload.host.HostTier`):
     make_pinned(slot)     the slot got its first pin: unlink it
     access(slot)          the chunk was used (a hit)
     remove(slot)          the chunk left without eviction (failed write, explicit removal)
-    evict(n, protected)   pick n evictable slots, never one in ``protected`` (a container: ask it
-                          ``slot in protected`` only, it may be no set); None if impossible
+    evict(n, protected)   pick n evictable slots, never one in ``protected``; None if impossible
+                          (``protected`` is a set for out-of-tree policies; the built-in ones get
+                          a container read by ``slot in protected`` alone)
 
 Out-of-tree policies subclass :class:`EvictionPolicy` and are named by ``module.path:ClassName``.
 """
@@ -120,14 +121,15 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def evict(self, n: int, protected: Container[int], keys: list) -> list[int] | None:
         """Choose ``n`` evictable slots outside ``protected`` (``keys[slot]`` gives a slot's key).
-        ``protected`` supports ``in`` only (it may be a view over the tiering manager's holds).
+        Out-of-tree policies get a set; the built-in LRU and ARC a container that supports
+        ``in`` only (a view over the tiering manager's holds, never copied).
         Returns None, evicting nothing, when that many cannot be found."""
 
     def has_victim(self, protected: Container[int]) -> bool | None:
         """Whether :meth:`evict` would find one slot outside ``protected``, changing nothing;
         None when the policy cannot tell (the caller then counts the protected slots itself).
         Asked before a promotion, with the slots told HIT and held for requests as
-        ``protected``."""
+        ``protected``, of the built-in policies only."""
         return None
 
     @abstractmethod

@@ -31,7 +31,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from kvoffload import metrics as _metrics
@@ -181,6 +181,15 @@ class _Protected:
 
     def __bool__(self) -> bool:
         return bool(self.hit) or bool(self.held)
+
+    def __iter__(self) -> Iterator[int]:
+        """Every protected slot once (one step per held slot: for an out-of-tree policy, which
+        gets a set)."""
+        hit, rank = self.hit, self.rank
+        yield from hit
+        for slot, r in self.held.items():
+            if r <= rank and slot not in hit:
+                yield slot
 
 
 class TieringManager:
@@ -574,7 +583,7 @@ class TieringManager:
         host = self.host
         if host.num_evictable > len(protect.hit) + len(protect.held):
             return True  # more evictable slots than protected ones
-        found = host.policy.has_victim(protect)
+        found = host.has_victim(protect)
         if found is None:  # an out-of-tree policy that cannot tell
             return self._evictable_outside(self._protected(rank)) > 0
         return found

@@ -109,9 +109,21 @@ def test_a_bench_told_to_draw_no_plot_runs_without_matplotlib(tmp_path):
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr
+    # the command as typed, quoted so that it pastes back
+    assert "command: kvoffload bench engine --plot '' --chunks 64 " in proc.stdout
     assert "| 64 | 4 |" in proc.stdout  # the all-in row of 4-chunk jobs
     assert "against vLLM's own CPUOffloadingManager" in proc.stdout  # the host-only baseline
     assert list(tmp_path.iterdir()) == []
+    # without the option, the missing extra is named, and the way out without it
+    proc = subprocess.run(
+        [sys.executable, "-c", _BLOCKED_RUN.format(blocked=["matplotlib"]), "bench", "engine"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert "extra [bench]" in proc.stderr and "--plot ''" in proc.stderr
 
 
 _BLOCKED_RUN = """

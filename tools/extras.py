@@ -42,10 +42,13 @@ def missing_modules(modules: tuple[str, ...] | list[str]) -> list[str]:
     return missing
 
 
-def require(command: str, *extras: str, modules: tuple[str, ...] | None = None) -> None:
+def require(
+    command: str, *extras: str, modules: tuple[str, ...] | None = None, hint: str = ""
+) -> None:
     """Stop ``command`` with exit status 2 unless the modules of ``extras`` can be imported.
 
-    ``modules`` overrides the modules checked (when a command needs only part of an extra).
+    ``modules`` overrides the modules checked (when a command needs only part of an extra);
+    ``hint`` is added to the message (another way out, e.g. an option that needs no module).
     Raises :class:`MissingExtra` naming the missing modules and the ``pip install`` that brings them.
     """
     wanted = modules if modules is not None else tuple(m for e in extras for m in EXTRA_MODULES[e])
@@ -54,5 +57,5 @@ def require(command: str, *extras: str, modules: tuple[str, ...] | None = None) 
         spec = ",".join(extras)
         raise MissingExtra(
             f"`kvoffload {command}` needs the extra [{spec}] (missing: {', '.join(missing)}): "
-            f"from the kvoffload checkout, pip install -e '.[{spec}]'"
+            f"from the kvoffload checkout, pip install -e '.[{spec}]'{hint}"
         )

@@ -98,10 +98,12 @@ def main() -> None:
     _install()
     busy = calibrate(args.step_ms)
     with tempfile.TemporaryDirectory() as d:
-        with Arena.create(E.arena_name("engine"), args.chunks, E._ROW) as arena:
+        # sized as the bench sizes it: room for the flows' own chunks beside the stored ones
+        slots = max(args.chunks, 4 * args.run_chunks)
+        with Arena.create(E.arena_name("engine"), slots, E._ROW) as arena:
             eng = E._Engine(arena, args.chunks, Path(d) / "fs")
             try:
-                E.all_in(eng, args.job_chunks, 256, 1, busy)  # warm-up, not counted
+                E.all_in(eng, args.job_chunks, min(256, args.run_chunks), 1, busy)  # warm-up
                 _spent.clear()
                 _calls.clear()
                 out = E.all_in(eng, args.job_chunks, args.run_chunks, 1, busy)
@@ -116,8 +118,7 @@ def main() -> None:
     print("\n| flow | function (inclusive) | µs per job | calls per job |\n|---|---|---|---|")
     for key in sorted(_spent, key=lambda k: (k[0], -_spent[k])):
         print(
-            f"| {key[0]} | {key[1]} | {_spent[key] / jobs * 1e6:.1f} | "
-            f"{_calls[key] / jobs:.2f} |"
+            f"| {key[0]} | {key[1]} | {_spent[key] / jobs * 1e6:.1f} | {_calls[key] / jobs:.2f} |"
         )
 
 

@@ -529,13 +529,26 @@ def bench_engine(
 ) -> None:
     """Engine-thread µs per host-hit lookup and per chunk of whole jobs (all-in: lookup,
     hand-off, completion, metrics, through vLLM's manager interface), as the number of stored
-    chunks grows."""
-    require("bench engine", "bench", modules=("matplotlib",) if plot_path else ())
+    chunks grows; and, as the baseline, the store and host-load flows with the host tier only,
+    kvoffload's manager against vLLM's own CPUOffloadingManager. The host tier holds
+    max(N, 4 x run chunks) slots, the fs tier's index N chunks."""
+    require(
+        "bench engine",
+        "bench",
+        modules=("matplotlib",) if plot_path else (),
+        hint=" (or --plot '' to draw no plot)",
+    )
     wd = make_workdir(None)
     print_header()
     if missing_modules(("vllm",)):
         click.echo("vLLM is not installed: the all-in table (vLLM's manager calls) is left out")
     busy_iters = calibrate(step_ms) if step_ms else 0
+    small = [n for n in chunks if n < 4 * run_chunks]
+    if small:
+        click.echo(
+            f"host tier: {4 * run_chunks:,} slots where stored chunks < 4 x run chunks "
+            f"({', '.join(f'{n:,}' for n in small)}): the flows need room for their own chunks"
+        )
     rows = []
     try:
         for i, n in enumerate(chunks):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shlex
 import sys
 import tempfile
 import time
@@ -136,7 +137,7 @@ def make_workdir(path: str | None) -> Path:
 
 def print_header() -> None:
     """The first lines of every report: the command as typed and the machine."""
-    click.echo(f"command: kvoffload bench {' '.join(sys.argv[2:])}")
+    click.echo(f"command: kvoffload bench {shlex.join(sys.argv[2:])}")  # pastes back as typed
     click.echo(f"machine: {machine_facts()}")
 
 

@@ -217,7 +217,13 @@ def bench_scaling(
     from kvoffload.tools.model import prepare_model
 
     plotting = ("matplotlib",) if plot_path else ()
-    require("bench scaling", "demo", "bench", modules=EXTRA_MODULES["demo"] + plotting)
+    require(
+        "bench scaling",
+        "demo",
+        "bench",
+        modules=EXTRA_MODULES["demo"] + plotting,
+        hint=" (or --plot '' to draw no plot)",
+    )
     print_header()
     model = str(prepare_model(model_dir))
     pts = points

@@ -205,7 +205,12 @@ def bench_tier(
     chunk_kib, total_mib, reps, readers, writers, direct_io, io_threads, workdir, plot_path
 ) -> None:
     """host ↔ fs store/load GB/s against fio on the same disk (needs fio and root for drop_caches)."""
-    require("bench tier", "bench", modules=("matplotlib",) if plot_path else ())
+    require(
+        "bench tier",
+        "bench",
+        modules=("matplotlib",) if plot_path else (),
+        hint=" (or --plot '' to draw no plot)",
+    )
     if shutil.which("fio") is None:
         raise click.ClickException("fio is not installed (apt-get install fio)")
     wd = make_workdir(workdir)

@@ -669,7 +669,11 @@ def vllm_fs(
     store/load GB/s, and a scheduler loop's step-time jitter while each moves data."""
     # checked before minutes of measuring: vLLM's fs tier is the baseline, matplotlib draws the plot
     require(
-        "bench vllm-fs", "demo", "bench", modules=("vllm", "matplotlib") if plot_path else ("vllm",)
+        "bench vllm-fs",
+        "demo",
+        "bench",
+        modules=("vllm", "matplotlib") if plot_path else ("vllm",),
+        hint=" (or --plot '' to draw no plot)",
     )
     try:
         from vllm.v1.kv_offload.tiering.fs import io as vllm_io_mod

@@ -128,16 +128,14 @@ class HostTier:
             if need > self.num_evictable:
                 return None
             protected = {index[k] for k in keys if k in index}
-            if not protect:
-                victims = self.policy.evict(need, protected, self.keys)
-            elif self._builtin_policy:
+            outside: Container[int] = protected
+            if protect and self._builtin_policy:
                 # the caller's container as it is (a promotion's: no key of the batch holds a
                 # slot); copying it would cost one step per protected slot
-                mine: Container[int] = _Union(protected, protect) if protected else protect
-                victims = self.policy.evict(need, mine, self.keys)
-            else:  # an out-of-tree policy gets a set, as the protocol always gave it
+                outside = _Union(protected, protect) if protected else protect
+            elif protect:  # an out-of-tree policy gets a set, as the protocol always gave it
                 protected.update(protect)  # type: ignore[arg-type]  # iterable too
-                victims = self.policy.evict(need, protected, self.keys)
+            victims = self.policy.evict(need, outside, self.keys)
             if victims is None:
                 return None
             for slot in victims:

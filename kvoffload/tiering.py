@@ -164,9 +164,10 @@ class Stats:
 
 class _Protected:
     """The slots a promotion for a request of ``rank`` must not evict (those told HIT since the
-    last step, those held for this or older requests), as a container: ``slot in p`` costs two
-    dict lookups where building the set (:meth:`TieringManager._protected`) costs one step per
-    held slot, once per promoted chunk."""
+    last step, those held for this or older requests; every held slot for rank
+    :data:`_NO_RANK`), as a view over the manager's own tables: ``slot in p`` costs two dict
+    lookups, where building the set would cost one step per held slot, once per promoted
+    chunk. Iterating it (counting, or a set for an out-of-tree policy) takes that step."""
 
     __slots__ = ("hit", "held", "rank")
 
@@ -183,8 +184,7 @@ class _Protected:
         return bool(self.hit) or bool(self.held)
 
     def __iter__(self) -> Iterator[int]:
-        """Every protected slot once (one step per held slot: for an out-of-tree policy, which
-        gets a set)."""
+        """Every protected slot once."""
         hit, rank = self.hit, self.rank
         yield from hit
         for slot, r in self.held.items():
@@ -502,8 +502,8 @@ class TieringManager:
         elif not holding:
             may_promote = True
         if may_promote:
-            protect = _Protected(self._hit_slots, self._held_slots, rank)
-            if host.num_used < host.num_slots or self._victim_outside(protect, rank):
+            protect = self._protected(rank)
+            if host.num_used < host.num_slots or self._victim_outside(protect):
                 plan = host.allocate([key], protect)
         if plan is None and holding:
             self._blocked_rank = min(self._blocked_rank, rank)
@@ -561,31 +561,23 @@ class TieringManager:
             r = self._oldest_rank = min(self._held_slots.values(), default=_NO_RANK)
         return r
 
-    def _protected(self, rank: int) -> set[int]:
+    def _protected(self, rank: int) -> _Protected:
         """Slots a promotion of a request of ``rank`` must not evict: those the engine was told
         HIT since its last step, and those held for this or older requests (every held slot for
-        a peer's promotion, rank :data:`_NO_RANK`)."""
-        held = self._held_slots
-        if not held:
-            return self._hit_slots
-        out = set(self._hit_slots)
-        if rank == _NO_RANK:
-            out.update(held)
-        else:
-            out.update(s for s, r in held.items() if r <= rank)
-        return out
+        a peer's promotion, rank :data:`_NO_RANK`); a view, never copied."""
+        return _Protected(self._hit_slots, self._held_slots, rank)
 
-    def _victim_outside(self, protect: _Protected, rank: int) -> bool:
-        """Whether an evictable host slot is outside ``protect`` (the promotion's, for a request
-        of ``rank``). Asked of the policy, which walks its eviction order from the next victim
-        and stops at the first unprotected slot; the slots protected are never counted, which
-        cost one step per held slot for every promoted chunk (quadratic in a long prompt)."""
+    def _victim_outside(self, protect: _Protected) -> bool:
+        """Whether an evictable host slot is outside ``protect``. Asked of the policy, which
+        walks its eviction order from the next victim and stops at the first unprotected slot;
+        the slots protected are never counted, which cost one step per held slot for every
+        promoted chunk (quadratic in a long prompt)."""
         host = self.host
         if host.num_evictable > len(protect.hit) + len(protect.held):
             return True  # more evictable slots than protected ones
         found = host.has_victim(protect)
         if found is None:  # an out-of-tree policy that cannot tell
-            return self._evictable_outside(self._protected(rank)) > 0
+            return self._evictable_outside(protect) > 0
         return found
 
     def _evictable_outside(self, protect: Iterable[int]) -> int:

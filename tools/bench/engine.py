@@ -51,12 +51,14 @@ from kvoffload.tiers.base import LookupResult
 from kvoffload.tiers.process import ProcessTierManager
 from kvoffload.tools import scratch_fs_tier
 from kvoffload.tools.bench.harness import (
+    NO_PLOT_HINT,
     arena_name,
     bench_namespace,
     busy_step,
     calibrate,
     make_workdir,
     plot_lines,
+    plot_option,
     print_header,
 )
 from kvoffload.tools.extras import missing_modules, require
@@ -114,24 +116,11 @@ class _Engine:
     events), with an fs tier; the host tier is filled (every slot) and the fs tier's index given
     ``n`` chunks (:meth:`ProcessTierManager.mark_present`), without writing them."""
 
+    writes_through = True  # a store is done once the tier's completion is applied
+
     def __init__(self, arena: Arena, n: int, root: Path):
-        from vllm.v1.kv_offload.base import ReqContext, ScheduleEndContext
-
-        from kvoffload.vllm import KVOffloadManager
-
-        self.ReqContext = ReqContext
-        self.end_ctx = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
-        cfg = parse_config(
-            {
-                "cpu_bytes_to_use": arena.num_slots * arena.row_bytes,
-                "secondary_tiers": [scratch_fs_tier(root, chunks_per_task=_TASK_CHUNKS)],
-            }
-        )
-        self.tm = TieringManager(
-            arena, bench_namespace(arena.row_bytes), cfg, record_events=False,
-            keep_metric_samples=True,
-        )  # fmt: skip
-        self.mgr = KVOffloadManager(self.tm)
+        self._vllm_contexts()
+        self._kvoffload_manager(arena, [scratch_fs_tier(root, chunks_per_task=_TASK_CHUNKS)])
         tier = self.tm.tiers[0]
         assert isinstance(tier, ProcessTierManager)
         self.tier = tier
@@ -145,6 +134,27 @@ class _Engine:
         if not self.tm.wait_workers_ready(600):
             raise RuntimeError("fs tier workers did not start")
         self._tag = 10
+
+    def _vllm_contexts(self) -> None:
+        """vLLM's request context class and an empty end-of-step context."""
+        from vllm.v1.kv_offload.base import ReqContext, ScheduleEndContext
+
+        self.ReqContext = ReqContext
+        self.end_ctx = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+
+    def _kvoffload_manager(self, arena: Arena, tiers: list[dict]) -> None:
+        """A :class:`TieringManager` over every slot of ``arena`` with ``tiers``, behind
+        ``KVOffloadManager`` (metric samples kept for vLLM's stats, no KV events)."""
+        from kvoffload.vllm import KVOffloadManager
+
+        cfg = parse_config(
+            {"cpu_bytes_to_use": arena.num_slots * arena.row_bytes, "secondary_tiers": tiers}
+        )
+        self.tm = TieringManager(
+            arena, bench_namespace(arena.row_bytes), cfg, record_events=False,
+            keep_metric_samples=True,
+        )  # fmt: skip
+        self.mgr = KVOffloadManager(self.tm)
 
     def new_keys(self, count: int) -> list[bytes]:
         self._tag += 1
@@ -203,26 +213,18 @@ class _HostOnly(_Engine):
     same work: their ratio is the cost of kvoffload's bookkeeping over vLLM's own. Every slot
     of ``arena`` is filled (kvoffload's host tier uses its slots; vLLM's manager, as many)."""
 
-    def __init__(self, arena: Arena, vllm_own: bool):
-        from vllm.v1.kv_offload.base import ReqContext, ScheduleEndContext
+    writes_through = False
 
-        self.ReqContext = ReqContext
-        self.end_ctx = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+    def __init__(self, arena: Arena, vllm_own: bool):
+        self._vllm_contexts()
         self.tm = None  # type: ignore[assignment]
         if vllm_own:
             from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
             self.mgr = CPUOffloadingManager(num_chunks=arena.num_slots)
         else:
-            from kvoffload.vllm import KVOffloadManager
-
-            cfg = parse_config({"cpu_bytes_to_use": arena.num_slots * arena.row_bytes})
-            self.tm = TieringManager(
-                arena, bench_namespace(arena.row_bytes), cfg, record_events=False,
-                keep_metric_samples=True,
-            )  # fmt: skip
-            self.mgr = KVOffloadManager(self.tm)
-        ctx = ReqContext(req_id="fill")
+            self._kvoffload_manager(arena, [])
+        ctx = self.ReqContext(req_id="fill")
         n = arena.num_slots
         for i in range(0, n, _FILL_BATCH):
             keys = [_key(j, 1) for j in range(i, min(n, i + _FILL_BATCH))]
@@ -247,7 +249,7 @@ class _HostOnly(_Engine):
 def _store_flow(eng: _Engine, jobs: list[list[bytes]], per_step: int, m: _Meter) -> None:
     mgr, ctx_of = eng.mgr, eng.ReqContext
     # written through: until the tier's completions are applied (a host-only engine: none)
-    target = 0 if isinstance(eng, _HostOnly) else eng.tier_done() + sum(map(len, jobs))
+    target = eng.tier_done() + sum(map(len, jobs)) if eng.writes_through else 0
     copying: list[tuple[list[bytes], Any]] = []  # prepared this step, copied by the next
     i = 0
     while copying or i < len(jobs) or eng.tier_done() < target:
@@ -361,7 +363,7 @@ def all_in(
         ("host_load", lambda m: _load_flow(eng, jobs, per_step, m, False)),
     )
     for name, run in flows:
-        if name == "fs_load" and isinstance(eng, _HostOnly):
+        if name == "fs_load" and not eng.writes_through:
             continue
         if name == "fs_load":  # the stored chunks leave the host tier: they load from fs
             assert eng.tm.wait_idle(120)
@@ -517,13 +519,7 @@ _FLOWS = (("store", "store"), ("fs_load", "fs load"), ("host_load", "host load")
     help="Break each flow down by manager call (more clock readings: noisier).",
 )
 @click.option("--profile", "profile_path", default=None, help="cProfile output of the first N.")
-@click.option(
-    "--plot",
-    "plot_path",
-    default="docs/bench/engine.png",
-    show_default=True,
-    help='Where to draw the plot (needs matplotlib, the bench extra); "" draws none.',
-)
+@plot_option("docs/bench/engine.png")
 def bench_engine(
     chunks, job_chunks, run_chunks, jobs_per_step, step_ms, by_call, profile_path, plot_path
 ) -> None:
@@ -536,7 +532,7 @@ def bench_engine(
         "bench engine",
         "bench",
         modules=("matplotlib",) if plot_path else (),
-        hint=" (or --plot '' to draw no plot)",
+        hint=NO_PLOT_HINT,
     )
     wd = make_workdir(None)
     print_header()

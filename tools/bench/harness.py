@@ -135,6 +135,21 @@ def make_workdir(path: str | None) -> Path:
     return p
 
 
+NO_PLOT_HINT = " (or --plot '' to draw no plot)"
+"""What a bench's missing-matplotlib error adds (:func:`kvoffload.tools.extras.require`)."""
+
+
+def plot_option(default: str):
+    """The benches' ``--plot PATH`` option (``plot_path``; "" draws none, needing no matplotlib)."""
+    return click.option(
+        "--plot",
+        "plot_path",
+        default=default,
+        show_default=True,
+        help='Where to draw the plot (needs matplotlib, the bench extra); "" draws none.',
+    )
+
+
 def print_header() -> None:
     """The first lines of every report: the command as typed and the machine."""
     click.echo(f"command: kvoffload bench {shlex.join(sys.argv[2:])}")  # pastes back as typed

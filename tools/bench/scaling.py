@@ -23,7 +23,7 @@ import click
 import numpy as np
 
 from kvoffload.tools import scratch_fs_tier
-from kvoffload.tools.bench.harness import print_header
+from kvoffload.tools.bench.harness import NO_PLOT_HINT, plot_option, print_header
 from kvoffload.tools.extras import EXTRA_MODULES, require
 
 CONFIGS = ("recompute", "host", "host+fs")
@@ -193,13 +193,7 @@ def _points(ctx, param, value: str) -> list[int]:
     help="Also recompute with a device KV cache this large (tokens; 0: not run): the ceiling.",
 )
 @click.option("--model-dir", default=None, help="Prepared model directory (default: the cache).")
-@click.option(
-    "--plot",
-    "plot_path",
-    default="docs/bench/scaling.png",
-    show_default=True,
-    help='Where to draw the plot (needs matplotlib, the bench extra); "" draws none.',
-)
+@plot_option("docs/bench/scaling.png")
 @click.option("--json", "json_path", default=None, help="Also write the results to this file.")
 def bench_scaling(
     points,
@@ -222,7 +216,7 @@ def bench_scaling(
         "demo",
         "bench",
         modules=EXTRA_MODULES["demo"] + plotting,
-        hint=" (or --plot '' to draw no plot)",
+        hint=NO_PLOT_HINT,
     )
     print_header()
     model = str(prepare_model(model_dir))

@@ -23,12 +23,14 @@ from kvoffload.namespace import chunk_keys
 from kvoffload.tiering import TieringManager
 from kvoffload.tools import scratch_fs_tier
 from kvoffload.tools.bench.harness import (
+    NO_PLOT_HINT,
     arena_name,
     bench_namespace,
     drop_caches,
     load_all,
     make_workdir,
     plot_bars,
+    plot_option,
     print_header,
 )
 from kvoffload.tools.extras import require
@@ -178,13 +180,7 @@ def arena_copy(chunk_bytes: int, total_bytes: int, reps: int) -> dict:
     show_default=True,
 )
 @click.option("--total-mib", default=1024, show_default=True, help="Bytes moved per measurement.")
-@click.option(
-    "--plot",
-    "plot_path",
-    default="docs/bench/tier.png",
-    show_default=True,
-    help='Where to draw the plot (needs matplotlib, the bench extra); "" draws none.',
-)
+@plot_option("docs/bench/tier.png")
 @click.option("--reps", default=3, show_default=True)
 @click.option("--readers", default=2, show_default=True)
 @click.option("--writers", default=2, show_default=True)
@@ -209,7 +205,7 @@ def bench_tier(
         "bench tier",
         "bench",
         modules=("matplotlib",) if plot_path else (),
-        hint=" (or --plot '' to draw no plot)",
+        hint=NO_PLOT_HINT,
     )
     if shutil.which("fio") is None:
         raise click.ClickException("fio is not installed (apt-get install fio)")

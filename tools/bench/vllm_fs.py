@@ -40,6 +40,7 @@ from kvoffload.tiering import TieringManager
 from kvoffload.tiers.base import LookupResult
 from kvoffload.tools import scratch_fs_tier
 from kvoffload.tools.bench.harness import (
+    NO_PLOT_HINT,
     Payloads,
     arena_name,
     bench_namespace,
@@ -47,6 +48,7 @@ from kvoffload.tools.bench.harness import (
     calibrate,
     drop_caches,
     make_workdir,
+    plot_option,
     print_header,
 )
 from kvoffload.tools.extras import MissingExtra, require
@@ -639,13 +641,7 @@ def _leftovers() -> list[str]:
     default=None,
     help="kvoffload tier worker niceness (default: the tier's default, 10).",
 )
-@click.option(
-    "--plot",
-    "plot_path",
-    default="docs/bench/vllm_fs.png",
-    show_default=True,
-    help='Where to draw the plot (needs matplotlib, the bench extra); "" draws none.',
-)
+@plot_option("docs/bench/vllm_fs.png")
 @click.option(
     "--dir",
     "workdir",
@@ -673,7 +669,7 @@ def vllm_fs(
         "demo",
         "bench",
         modules=("vllm", "matplotlib") if plot_path else ("vllm",),
-        hint=" (or --plot '' to draw no plot)",
+        hint=NO_PLOT_HINT,
     )
     try:
         from vllm.v1.kv_offload.tiering.fs import io as vllm_io_mod

@@ -69,6 +69,12 @@ def _keep_unclosed_context(self) -> None:
 zmq.Context.__del__ = _keep_unclosed_context
 
 
+def pytest_runtest_setup(item):
+    import prom
+
+    prom.CURRENT_TEST_MARKED = item.get_closest_marker("prometheus") is not None
+
+
 @pytest.fixture(autouse=True)
 def _names_the_running_test(request):
     global _current_test

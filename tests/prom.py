@@ -18,8 +18,12 @@
   address). Targets without their own ``instance`` label still get the target address.
 - :meth:`PromServer.stop` (or leaving the ``with`` block) terminates the server, waits for it and
   removes the temporary directory. The server also gets SIGTERM if the test process dies.
-- Without the binary, :func:`start_prometheus` raises :class:`PrometheusNotFound` when
-  ``KVOFFLOAD_REQUIRE_PROMETHEUS=1`` (tox sets it) and skips the calling test otherwise.
+- Without the binary, :func:`start_prometheus` skips the calling test, naming why (pytest's ``-ra``
+  summary prints it): the README's ``tox -e py`` passes on a machine without Prometheus. With
+  ``KVOFFLOAD_REQUIRE_PROMETHEUS=1`` a missing binary is an error instead (:class:`PrometheusNotFound`):
+  ``.ci/run`` installs the server and sets it for its run of the ``prometheus``-marked tests.
+- Every test that uses the server is marked ``prometheus`` (so ``pytest -m prometheus`` runs them all);
+  an unmarked one is an error (``tests/conftest.py`` sets :data:`CURRENT_TEST_MARKED`).
 """
 
 from __future__ import annotations
@@ -50,6 +54,11 @@ class PrometheusNotFound(RuntimeError):
     pass
 
 
+#: Whether the test being set up is marked ``prometheus`` (set by ``tests/conftest.py`` before its
+#: fixtures run; None outside pytest).
+CURRENT_TEST_MARKED: bool | None = None
+
+
 class PromQueryError(RuntimeError):
     def __init__(self, expr: str, error_type: str, error: str):
         super().__init__(f"{error_type}: {error} (query: {expr})")
@@ -72,6 +81,12 @@ def prometheus_binary() -> str | None:
 def require_prometheus() -> str:
     """The binary's path; if there is none, an error under ``KVOFFLOAD_REQUIRE_PROMETHEUS=1``, else a
     skip of the calling test."""
+    if CURRENT_TEST_MARKED is False:
+        raise RuntimeError(
+            "a test that uses a real Prometheus must be marked @pytest.mark.prometheus: .ci/run runs "
+            "`-m prometheus` with the server installed, and the README's test command skips them "
+            "without it"
+        )
     binary = prometheus_binary()
     if binary:
         return binary

@@ -238,6 +238,7 @@ def test_counters_are_rated_and_gauges_are_not():
     assert not errors, "\n".join(errors)
 
 
+@pytest.mark.prometheus
 def test_promtool_parses_every_expression(tmp_path):
     binary = require_prometheus()
     promtool = str(Path(binary).with_name("promtool"))
@@ -308,6 +309,7 @@ def scraped():
         thread.join(5)
 
 
+@pytest.mark.prometheus
 @pytest.mark.parametrize(
     "where,expr", _all_exprs(), ids=[re.sub(r"\W+", "-", w).strip("-") for w, _ in _all_exprs()]
 )

@@ -148,7 +148,9 @@ CORE_METRICS: tuple[MetricDef, ...] = (
     Counter(
         "kvoffload_tier_failed_chunks",
         "Chunks of failed host <-> tier jobs, by reason (missing, corrupt, io_error, no_space, "
-        "timeout, worker_died, cancelled, rejected, dropped).",
+        "timeout, worker_died, cancelled, rejected, error, bad_reply; p2p: busy, peer_down, "
+        "transfer_failed, deadline, not_fetched, no_peer; docs/observability.md says what each "
+        "means).",
         ("tier", "direction", "reason"),
     ),
     Counter(

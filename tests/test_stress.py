@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from kvoffload.reasons import explain
+
 
 def _stress(*args: str, timeout: float = 240) -> tuple[int, dict | None, str]:
     proc = subprocess.run(
@@ -68,6 +70,11 @@ def test_stress_with_every_fault_runs_clean():
         assert inj["disk_filled"] > 0 and out["failures"].get("fs.store.no_space", 0) > 0
     failure_causes = {k.rsplit(".", 1)[1] for k in out["failures"]}
     assert failure_causes & {"corrupt", "missing"}, out["failures"]
+    # Every reason the run counted is explained to its reader (docs/observability.md, the summary).
+    refusals = {k.rsplit(".", 1)[1] for k in out["refused"]}
+    assert "breaker_open" in refusals, out["refused"]
+    assert all(explain(r) for r in failure_causes), out["failures"]
+    assert all(explain(r, refused=True) for r in refusals), out["refused"]
 
 
 def test_stress_refuses_a_bad_config(tmp_path):

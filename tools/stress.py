@@ -161,7 +161,8 @@ class Report:
     tier_hit_rate: dict[str, float] = field(default_factory=dict)
     tokens_from: dict[str, int] = field(default_factory=dict)
     tier_gbps: dict[str, dict[str, float]] = field(default_factory=dict)
-    failures: dict[str, int] = field(default_factory=dict)
+    failures: dict[str, int] = field(default_factory=dict)  # "tier.direction.reason" -> chunks
+    refused: dict[str, int] = field(default_factory=dict)  # the same, chunks a tier refused
     dropped_stores: dict[str, int] = field(default_factory=dict)
     worker_restarts: dict[str, int] = field(default_factory=dict)
     injected: dict[str, int] = field(default_factory=dict)
@@ -381,6 +382,7 @@ class Stress:
         for (tname, direction, reason), v in st.failed.items():
             failures[f"{tname}.{direction}.{reason}"] += v
         rep.failures = dict(failures)
+        rep.refused = {f"{t}.{d}.{r}": v for (t, d, r), v in st.refused.items() if v}
         rep.dropped_stores = dict(st.dropped_stores)
 
     def close(self) -> None:
@@ -414,6 +416,8 @@ def _print_summary(rep: Report, console) -> None:
     rows.append(("tokens from", ", ".join(f"{k} {v}" for k, v in rep.tokens_from.items())))
     for k, v in sorted(rep.failures.items()):
         rows.append((f"failed chunks {k}", str(v)))
+    for k, v in sorted(rep.refused.items()):
+        rows.append((f"refused chunks {k}", str(v)))
     for k, v in rep.dropped_stores.items():
         if v:
             rows.append((f"dropped stores {k}", str(v)))
@@ -440,6 +444,25 @@ def _print_summary(rep: Report, console) -> None:
     for r in rows:
         t.add_row(*r)
     console.print(t)
+    for line in reason_notes(rep):
+        console.print(line, highlight=False, soft_wrap=True)
+
+
+def reason_notes(rep: Report) -> list[str]:
+    """One line per failure or refusal reason the run counted: what it means and whether to act
+    (:mod:`kvoffload.reasons`, the same words as docs/observability.md)."""
+    from kvoffload.reasons import explain
+
+    lines = []
+    for refused, counted in ((False, rep.failures), (True, rep.refused)):
+        what = "refused" if refused else "failed"
+        for reason in sorted({k.rsplit(".", 1)[-1] for k in counted}):
+            entry = explain(reason, refused)
+            if entry is None:
+                lines.append(f"{what} '{reason}': not in the catalogue (docs/observability.md)")
+            else:
+                lines.append(f"{what} '{reason}': {entry.meaning}. Action: {entry.action}.")
+    return lines
 
 
 def _bad_input(message: str):

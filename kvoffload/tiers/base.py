@@ -63,7 +63,8 @@ class JobResult(msgspec.Struct, kw_only=True, gc=False):
             fate given by ``success``.
         reason: on failure, a summary such as ``"corrupt=1 missing=2"``.
         failed: per failed key, its cause (``missing``, ``corrupt``, ``io_error``, ``no_space``,
-            ``timeout``, ``worker_died``, ``cancelled``, ``rejected``, ``dropped``).
+            ``timeout``, ``worker_died``, ``cancelled``, ``rejected``, ...: the keys of
+            :data:`kvoffload.reasons.FAILED`, which says what each means).
         transfer_bytes: bytes moved (bytes).
         transfer_seconds: wall time from submit to completion (seconds).
         status: protocol status per failed key where one exists (e.g. HTTP status), else empty.

@@ -1,0 +1,152 @@
+"""What each failure and refusal reason means, and whether an operator should act on it.
+
+Two metrics count chunks by a ``reason`` label, and ``kvoffload stress`` prints the same counts:
+
+- ``kvoffload_tier_failed_chunks_total{tier, direction, reason}``: a chunk of a job that a tier
+  accepted and could not complete (a load becomes a miss: the engine recomputes; a store leaves the
+  chunk out of that tier). The reasons are the workers' result codes (``kvoffload.ipc.messages``
+  ``CODE_NAMES``) and the engine's own (:data:`FAILED`).
+- ``kvoffload_refused_chunks_total{tier, direction, reason}``: a chunk a tier would not take at all
+  (:data:`REFUSED`; the host tier's and every secondary tier's, ``kvoffload.tiering``
+  ``HOST_REFUSALS`` and ``TIER_REFUSALS``).
+
+Each entry is ``(what happened, what to do)``; the second is ``"none"`` where the reason is part of
+normal operation. docs/observability.md carries the same table (a test keeps the two equal).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Reason(NamedTuple):
+    """One reason label value: ``meaning`` (what happened) and ``action`` (``"none"`` when it is
+    normal operation, else what to look at or change)."""
+
+    meaning: str
+    action: str
+
+
+NO_ACTION = "none"
+
+#: ``reason`` values of ``kvoffload_tier_failed_chunks_total``.
+FAILED: dict[str, Reason] = {
+    "missing": Reason(
+        "the chunk was not in the tier when the job ran (evicted, or removed by another instance "
+        "or a cleaner, after the lookup): a miss",
+        "none, unless it rises steadily on a shared root: then something else deletes chunks",
+    ),
+    "corrupt": Reason(
+        "the stored copy failed its header or checksum check and was removed: a miss, never "
+        "wrong bytes",
+        "look at the storage if it keeps rising (truncated files, a co-tenant writing the root)",
+    ),
+    "io_error": Reason(
+        "a transient I/O failure (EIO, a timeout, an S3 5xx after retries); the stored copy is "
+        "left alone",
+        "if it persists, the storage is unhealthy: the tier's log names the error; "
+        "breaker_failures cuts the tier off while it lasts",
+    ),
+    "no_space": Reason(
+        "the tier is full (ENOSPC, a quota, or its min_free_fraction floor); it evicts its own "
+        "oldest chunks to make room",
+        "none if occasional; if steady, give the tier room (free disk, max_bytes, "
+        "min_free_fraction)",
+    ),
+    "timeout": Reason(
+        "a task ran past job_timeout_s (or a peer transfer past transfer_deadline_s); its worker "
+        "was replaced",
+        "the storage or peer is slower than the deadline: look at it, or raise job_timeout_s",
+    ),
+    "worker_died": Reason(
+        "the worker process holding the task died (killed, out of memory, a crash); other tasks "
+        "it held ran again on its replacement",
+        "none if rare; if recurring, the worker's stderr and the kernel log say why",
+    ),
+    "cancelled": Reason(
+        "the tier shut down, or the job's chunks were reset, before it ran", NO_ACTION
+    ),
+    "rejected": Reason(
+        "refused without an attempt: a store of a chunk whose delete (after its eviction) was "
+        "still pending, written on a later offer; an object store's 4xx other than 404 "
+        "(permissions, credentials); a p2p store with no decoder route",
+        "none for fs stores; for an obj tier check its credentials and bucket policy if it rises",
+    ),
+    "error": Reason(
+        "the worker's I/O code raised something unexpected (a bug, or an out-of-tree I/O "
+        "module's error); counted in kvoffload_tier_events_total{event='task_errors'} with a "
+        "traceback on the worker's stderr",
+        "report it, with that traceback",
+    ),
+    "bad_reply": Reason(
+        "a worker's or peer's reply did not answer the chunk (a protocol breach): the chunk "
+        "failed rather than trust it",
+        "report it (a peer running another kvoffload version also causes it)",
+    ),
+    "busy": Reason(
+        "p2p load: the peer had leased as many chunks as it allows at once (half its host "
+        "tier); asked again later",
+        "none if occasional; if steady, raise the serving peer's cpu_bytes_to_use",
+    ),
+    "peer_down": Reason(
+        "p2p load: the peer went silent or its session dropped mid-load; the next lookup asks "
+        "another peer",
+        "if recurring, check the network to that peer and peer_timeout_s",
+    ),
+    "transfer_failed": Reason(
+        "p2p load: the bulk transfer (NIXL or TCP) failed; the session starts again",
+        "if recurring, the p2p tier's log names the transport error",
+    ),
+    "deadline": Reason(
+        "p2p load: the transfer did not settle by its deadline (transfer_deadline_s)",
+        "a slow or congested link: look at it, or raise transfer_deadline_s",
+    ),
+    "not_fetched": Reason(
+        "p2p store held for a remote decoder: the decoder did not read it within hold_s; the "
+        "chunks stay in the host tier",
+        "none if the decoder was rerouted; else check the decoder's p2p tier and routing",
+    ),
+    "no_peer": Reason(
+        "p2p push: no peer was up to offer the chunks to", "none; check peers if it persists"
+    ),
+}
+
+#: ``reason`` values of ``kvoffload_refused_chunks_total`` (and of the dropped stores they count).
+REFUSED: dict[str, Reason] = {
+    "no_evictable_slot": Reason(
+        "host tier: every slot was pinned (being copied to or from the device or to a tier) or "
+        "being written, so a store or a promotion found no room",
+        "raise cpu_bytes_to_use: the host tier should hold at least one request's chunks "
+        "(max_model_len tokens; the engine's start-up warning gives the figure)",
+    ),
+    "batch_truncated": Reason(
+        "host tier: the tail of a store batch that did not fit; its head was kept",
+        "none if occasional; if steady, raise cpu_bytes_to_use",
+    ),
+    "in_tier": Reason(
+        "host tier: chunks a secondary tier already holds were left there rather than evict "
+        "chunks promoted for waiting requests (a recomputed tail offered again)",
+        NO_ACTION,
+    ),
+    "pin_limit": Reason(
+        "a secondary tier's stores in flight already pin tier_pin_fraction of the host slots: "
+        "the tier is slower than the offload rate, and the host tier keeps taking chunks",
+        "none if bursts; if steady, give the tier more writers (write_workers, io_threads) or "
+        "faster storage",
+    ),
+    "queue_full": Reason(
+        "a secondary tier already has max_pending_store_chunks chunks in flight",
+        "as for pin_limit: the tier cannot keep up with the offload rate",
+    ),
+    "breaker_open": Reason(
+        "the tier's circuit breaker is open or half-open (its tasks kept failing): stores are "
+        "dropped until a trial succeeds",
+        "look at why the tier fails (kvoffload_tier_failed_chunks_total, the tier's log)",
+    ),
+}
+
+
+def explain(reason: str, refused: bool = False) -> Reason | None:
+    """The catalogue entry of a failure (``refused=False``) or refusal reason, None when the
+    reason is not in it."""
+    return (REFUSED if refused else FAILED).get(reason)

@@ -413,8 +413,11 @@ def test_sweep_fs_root_removes_old_temp_files_only_and_lists_without_removing(tm
 
 
 def test_sweep_bad_input_exits_2(tmp_path):
+    a_file = tmp_path / "kv.json"
+    a_file.write_text("{}")
     for args, message in (
         (["--fs-root", str(tmp_path / "missing")], "no such directory"),
+        (["--fs-root", str(a_file)], f"--fs-root {a_file}: not a directory"),
         (["--fs-root", str(tmp_path)], "not an fs tier root"),
         (["--older-than", "60"], "--older-than applies to --fs-root"),
     ):

@@ -151,8 +151,10 @@ def sweep(list_only: bool, fs_roots: tuple[str, ...], older_than: float | None) 
     if older_than is not None and not fs_roots:
         _bad_input("--older-than applies to --fs-root; name the tier root(s) to sweep")
     for root in fs_roots:  # checked before anything is swept
-        if not os.path.isdir(root):
+        if not os.path.exists(root):
             _bad_input(f"--fs-root {root}: no such directory")
+        if not os.path.isdir(root):
+            _bad_input(f"--fs-root {root}: not a directory (name an fs tier's root_dir)")
     if list_only:
         arenas = list_arenas()
         if not arenas:

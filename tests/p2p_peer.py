@@ -41,7 +41,11 @@ class Peer:
         self.arena = Arena.create(name, num_slots, row_bytes)
         config = pt.TransportConfig(kind=kind, deadline_s=deadline_s, host=host)  # type: ignore[arg-type]
         self.transport = pt.make_transport(self.arena, config)
-        return {"descriptor": self.transport.descriptor().hex(), "kind": self.transport.kind}
+        return {
+            "descriptor": self.transport.descriptor().hex(),
+            "kind": self.transport.kind,
+            "choice": self.transport.choice,
+        }
 
     def fill(self, seed: int) -> dict:
         assert self.arena is not None

@@ -68,6 +68,7 @@ class PeerProc(PipeClient):
         )
         assert kind == "auto" or reply["kind"] == kind, reply
         self.kind: str = reply["kind"]
+        self.choice: str = reply["choice"]
         self.descriptor: str = reply["descriptor"]
 
     def rows(self) -> list[str]:
@@ -334,7 +335,14 @@ def test_descriptors_are_checked():
 
 def test_auto_chooses_nixl_when_it_imports_else_tcp_and_peers_must_match(peers):
     # in a peer process: a process that made a NIXL agent dies at exit (pt.exit_process)
-    assert peers("auto", "auto").kind == ("tcp" if NIXL_MISSING else "nixl")
+    auto = peers("auto", "auto")
+    assert auto.kind == ("tcp" if NIXL_MISSING else "nixl")
+    # why it runs, as the peer worker logs it and `kvoffload demo --p2p` prints it
+    assert auto.choice == (
+        f"auto: NIXL cannot run here ({NIXL_MISSING})"
+        if NIXL_MISSING
+        else "auto: NIXL imports and its UCX back end started"
+    )
     arena = Arena.create(f"kvoffload_p2ptest_{os.getpid()}_auto", 4, 4096)
     try:
         if NIXL_MISSING:
@@ -342,6 +350,7 @@ def test_auto_chooses_nixl_when_it_imports_else_tcp_and_peers_must_match(peers):
                 pt.make_transport(arena, pt.TransportConfig(kind="nixl"))
         tcp = pt.make_transport(arena, pt.TransportConfig(kind="tcp"))
         try:
+            assert tcp.choice == "configured"
             other_kind = msgspec.msgpack.encode(pt.NixlDescriptor(b"md", 4096, 4, 4096))
             with pytest.raises(pt.TransportError, match="offers a nixl descriptor"):
                 tcp.add_peer("x", other_kind)

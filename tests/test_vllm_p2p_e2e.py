@@ -26,12 +26,15 @@ from kvoffload.tools.demo_p2p import (  # noqa: E402
     continuation,
     p2p_loaded_bytes,
     route_params,
+    running_transport,
     settled_metrics,
     start_pair,
+    transport_report,
     warm_up,
 )
 from kvoffload.tools.model import prepare_model  # noqa: E402
 from kvoffload.tools.vllm_server import VLLMServer  # noqa: E402
+from kvoffload.workers.p2p_transport import nixl_available  # noqa: E402
 
 DOC_TOKENS = 1200
 PATIENCE_S = 180.0  # upper bound for anything to happen: never a measure of speed
@@ -168,6 +171,11 @@ def test_p2p_metrics_and_the_secret_stays_out_of_logs_and_command_lines(pair):
         if name == "kvoffload_p2p_peer_up"
     }
     assert up and all(v == 1 for v in up.values()), up
+    # which transport ran, as `kvoffload demo --p2p` reports it (auto: NIXL where it can run)
+    ran = running_transport(m)
+    assert ran == ("tcp" if nixl_available() else "nixl"), m
+    report = transport_report("auto", {"D": ran})
+    assert report["why"].startswith("auto: NIXL"), report
     for s in (p, d):
         with open(s.spec.log_path, "rb") as f:
             assert s.secret.encode() not in f.read()

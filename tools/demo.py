@@ -836,9 +836,11 @@ def _demo_p2p(
     else:
         s = out["settings"]
         click.echo("")
+        ran = out["transport"]
         click.echo(
-            f"D's continuations (route {s['route']}, transport {s['transport']}), each served "
-            f"first with P's KV through the p2p tier, then recomputed (fresh cache_salt):"
+            f"D's continuations (route {s['route']}, transport {ran['ran']['D'] or 'unknown'}: "
+            f"{ran['why']}), each served first with P's KV through the p2p tier, then recomputed "
+            f"(fresh cache_salt):"
         )
         click.echo(table(out))
         ratio = out["ttft_p2p_vs_recompute"]

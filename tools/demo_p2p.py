@@ -28,6 +28,7 @@ import contextlib
 import secrets
 import statistics
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -191,6 +192,35 @@ def pair_specs(
     return p, d, p_port
 
 
+def running_transport(metrics: Mapping) -> str | None:
+    """The bulk transport a server's p2p tier runs (``nixl`` or ``tcp``), from its
+    ``kvoffload_p2p_transport`` gauge in a :meth:`VLLMServer.metrics` scrape; None before the
+    gauge is published (with vLLM's periodic stats) or the peer worker is ready."""
+    for (name, labels), value in metrics.items():
+        if name == "kvoffload_p2p_transport" and value == 1:
+            return dict(labels).get("transport")
+    return None
+
+
+def transport_report(configured: str, ran: dict[str, str | None]) -> dict[str, Any]:
+    """What ran, per server, and why: ``configured`` for ``nixl``/``tcp``; for ``auto``, NIXL
+    where it can run, and the reason it cannot (as the peer worker's log line says; the same
+    environment as the servers, so the same answer) when TCP ran."""
+    kinds = set(ran.values())
+    if configured != "auto":
+        why = "configured"
+    elif kinds == {"nixl"}:
+        why = "auto: NIXL imports and its UCX back end started"
+    elif "tcp" in kinds:
+        from kvoffload.workers.p2p_transport import nixl_available
+
+        reason = nixl_available() or "its back end did not start in the server (see its log)"
+        why = f"auto: NIXL cannot run here ({reason})"
+    else:
+        why = "not reported on /metrics yet"
+    return {"configured": configured, "ran": ran, "why": why}
+
+
 def continuation(
     d: VLLMServer, messages: list[dict], max_tokens: int, extra: dict
 ) -> tuple[Turn, dict[str, int], int]:
@@ -270,6 +300,13 @@ def run_p2p(
                 f"vs {r.ttft_s:.3f} s recomputed; "
                 f"{'identical' if row['identical'] else 'DIFFERENT'}"
             )
+        ran = transport_report(
+            transport, {"P": running_transport(p.metrics()), "D": running_transport(d.metrics())}
+        )
+        echo(
+            f"[p2p] transport: P {ran['ran']['P'] or 'unknown'}, D {ran['ran']['D'] or 'unknown'} "
+            f"({ran['why']})"
+        )
     tokens_from = {k: sum(r["tokens_from"][k] for r in rows) for k in rows[0]["tokens_from"]}
     pairs = [r for r in rows if r["tokens_from"]["p2p"] > 0 and r["recompute_cached_tokens"] == 0]
     ttft: dict[str, float] = {"pairs": len(pairs)}
@@ -282,6 +319,7 @@ def run_p2p(
         "tokens_from": tokens_from,
         "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
         "ttft_p2p_vs_recompute": ttft,
+        "transport": ran,
         "conversations": rows,
         "prefill": {
             "turns": len(p_results),

@@ -223,6 +223,9 @@ class Transport(abc.ABC):
 
     kind: str
     arena: Arena
+    #: Why this transport runs (set by :func:`make_transport`): ``configured``, or for ``auto``
+    #: the reason NIXL was or was not taken.
+    choice: str = "configured"
 
     @abc.abstractmethod
     def descriptor(self) -> bytes:
@@ -1101,9 +1104,15 @@ def make_transport(arena: Arena, config: TransportConfig | None = None) -> Trans
     why = nixl_available()
     if not why:
         try:
-            return NixlTransport(arena, config)
+            nixl = NixlTransport(arena, config)
         except TransportError as e:
             why = str(e)
+        else:
+            if config.kind == "auto":
+                nixl.choice = "auto: NIXL imports and its UCX back end started"
+            return nixl
     if config.kind == "nixl":
         raise TransportError(f"transport 'nixl' cannot start: {why}")
-    return TcpTransport(arena, config)
+    tcp = TcpTransport(arena, config)
+    tcp.choice = f"auto: NIXL cannot run here ({why})"
+    return tcp

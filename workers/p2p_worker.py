@@ -126,13 +126,15 @@ Command = AddPeer | RemovePeer | Transfer | Stop
 
 class Ready(msgspec.Struct, tag="ready", array_like=True, forbid_unknown_fields=True):
     """The worker is serving: its pid, transport kind ("nixl"/"tcp"), the descriptor peers need to
-    reach it, and the arena's shape (slots, bytes per slot)."""
+    reach it, the arena's shape (slots, bytes per slot), and why that transport runs
+    (``Transport.choice``: ``configured``, or for ``auto`` why NIXL was or was not taken)."""
 
     pid: int
     kind: str
     descriptor: bytes
     num_slots: int
     row_bytes: int
+    choice: str = ""
 
 
 class StartFailed(msgspec.Struct, tag="start_failed", array_like=True, forbid_unknown_fields=True):
@@ -208,7 +210,12 @@ class PeerWorker:
         self.chan.send(
             encode(
                 Ready(
-                    os.getpid(), t.kind, t.descriptor(), self.arena.num_slots, self.arena.row_bytes
+                    os.getpid(),
+                    t.kind,
+                    t.descriptor(),
+                    self.arena.num_slots,
+                    self.arena.row_bytes,
+                    t.choice,
                 )
             )
         )

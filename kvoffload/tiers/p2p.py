@@ -263,6 +263,12 @@ class P2PTier(SecondaryTierManager):
         ),
         Gauge("kvoffload_p2p_peer_up", "1 while the session with a peer is up.", ("tier", "peer")),
         Gauge(
+            "kvoffload_p2p_transport",
+            "1 for the bulk transport this instance's peer worker runs (nixl or tcp; with transport "
+            "auto, NIXL when it can run), 0 for the other; both 0 until the worker is ready.",
+            ("tier", "transport"),
+        ),
+        Gauge(
             "kvoffload_p2p_leases_held",
             "Leases this instance holds for peers' transfers (pinned host slots).",
             ("tier",),
@@ -724,6 +730,9 @@ class P2PTier(SecondaryTierManager):
             metrics.observe("kvoffload_p2p_load_latency_seconds", secs, name, peer)
         for addr, link in list(node.links.items()):
             metrics.set("kvoffload_p2p_peer_up", 1 if link.up else 0, name, node.label(addr))
+        running = node.worker.kind
+        for kind in ("nixl", "tcp"):
+            metrics.set("kvoffload_p2p_transport", 1 if kind == running else 0, name, kind)
         counters = node.server_counters  # a snapshot the node thread takes
         metrics.set("kvoffload_p2p_leases_held", counters.get("leases_held", 0), name)
         for k, v in counters.items():

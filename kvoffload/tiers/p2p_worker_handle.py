@@ -512,6 +512,9 @@ class PeerWorkerHandle:
                 if (rep.num_slots, rep.row_bytes) != (self.num_slots, self.row_bytes):
                     log.error("kvoffload p2p: the peer worker mapped another arena shape")
                 self._descriptor, self.kind = rep.descriptor, rep.kind
+                log.info(
+                    "kvoffload p2p: peer worker ready, transport %s (%s)", rep.kind, rep.choice
+                )
             elif isinstance(rep, pw.StartFailed):
                 self.start_error = rep.reason
                 log.error("kvoffload p2p: the peer worker could not start: %s", rep.reason)

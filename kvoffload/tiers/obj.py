@@ -229,6 +229,58 @@ class ObjTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True)
         raise_problems(problems)
 
 
+def io_config_of(c: ObjTierConfig, **fields: Any) -> ObjIOConfig:
+    """The worker I/O config of tier config ``c``; ``fields``: the namespace's (``namespace_id``,
+    ``row_bytes``), ``max_connections``, and overrides of ``c``'s own (``max_attempts``, the
+    timeouts)."""
+    base: dict[str, Any] = dict(
+        bucket=c.bucket,
+        prefix=c.prefix,
+        endpoint_url=c.endpoint_override,
+        region=c.region,
+        access_key_id=c.access_key_id,
+        secret_access_key=c.secret_access_key,
+        session_token=c.session_token,
+        max_attempts=c.max_attempts,
+        connect_timeout_s=c.connect_timeout_s,
+        read_timeout_s=c.read_timeout_s,
+        verify_tls=c.verify_tls,
+        ca_bundle=c.ca_bundle,
+        addressing_style=c.addressing_style,
+    )
+    base.update(fields)
+    return ObjIOConfig(**base)
+
+
+def bucket_problem(client: Any, c: ObjTierConfig) -> str | None:
+    """One HeadBucket of ``c.bucket`` with ``client`` (the tier at start, ``kvoffload check
+    --online``): None when the bucket exists and the credentials are accepted, else
+    ``"<key>: <why>"`` naming the key to fix."""
+    from botocore.exceptions import NoCredentialsError
+
+    where = c.endpoint_override or "AWS S3"
+    try:
+        client.head_bucket(Bucket=c.bucket)
+    except NoCredentialsError:
+        return (
+            f"access_key_id: no credentials for {where}: set access_key_id and "
+            "secret_access_key, or give them to the boto3 chain (AWS_ACCESS_KEY_ID / "
+            "AWS_SECRET_ACCESS_KEY, a profile, an instance role)"
+        )
+    except Exception as e:
+        _, status, detail = classify(e)
+        if status == 404:
+            return f"bucket: {c.bucket!r} does not exist at {where}"
+        if status in (400, 401, 403):
+            return (
+                f"access_key_id: the credentials were refused by {where} for bucket "
+                f"{c.bucket!r} (HTTP {status}); check access_key_id / secret_access_key or the "
+                "boto3 credential chain"
+            )
+        return f"endpoint_override: cannot use {where} for bucket {c.bucket!r}: {detail}"
+    return None
+
+
 class ObjTier(ProcessTierManager):
     """Object-store secondary tier; see the module docstring."""
 
@@ -280,27 +332,13 @@ class ObjTier(ProcessTierManager):
         return self._io_config()
 
     def _io_config(self, **overrides: Any) -> ObjIOConfig:
-        c = self.config
-        fields = dict(
-            bucket=c.bucket,
-            prefix=c.prefix,
+        fields: dict[str, Any] = dict(
             namespace_id=self.ns_id,
             row_bytes=self.row_bytes,
-            endpoint_url=c.endpoint_override,
-            region=c.region,
-            access_key_id=c.access_key_id,
-            secret_access_key=c.secret_access_key,
-            session_token=c.session_token,
-            max_attempts=c.max_attempts,
-            connect_timeout_s=c.connect_timeout_s,
-            read_timeout_s=c.read_timeout_s,
-            verify_tls=c.verify_tls,
-            ca_bundle=c.ca_bundle,
-            addressing_style=c.addressing_style,
             max_connections=max(self._io_threads(LOADS), self._io_threads(STORES)) + 2,
         )
         fields.update(overrides)
-        return ObjIOConfig(**fields)
+        return io_config_of(self.config, **fields)
 
     def _check_bucket_and_write_namespace(self) -> None:
         c = self.config
@@ -310,21 +348,9 @@ class ObjTier(ProcessTierManager):
                 max_attempts=1, connect_timeout_s=_START_TIMEOUT_S, read_timeout_s=_START_TIMEOUT_S
             )
         )
-        try:
-            client.head_bucket(Bucket=c.bucket)
-        except Exception as e:
-            code, status, detail = classify(e)
-            if status == 404:
-                raise ValueError(f"bucket: {c.bucket!r} does not exist at {where}") from None
-            if status in (400, 401, 403):
-                raise ValueError(
-                    f"access_key_id: the credentials were refused by {where} for bucket "
-                    f"{c.bucket!r} (HTTP {status}); check access_key_id / secret_access_key or the "
-                    f"boto3 credential chain"
-                ) from None
-            raise ValueError(
-                f"endpoint_override: cannot use {where} for bucket {c.bucket!r}: {detail}"
-            ) from None
+        problem = bucket_problem(client, c)
+        if problem is not None:
+            raise ValueError(problem)
         config_key = self.base + "config.json"
         try:
             client.put_object(Bucket=c.bucket, Key=config_key, Body=self.namespace.to_json())

@@ -3,18 +3,27 @@
 Every struct forbids unknown fields. An unknown key, a wrong type or an impossible size raises
 :class:`ConfigError` whose message names the full key path (``secondary_tiers[0].max_byte``), suggests
 the closest valid key for a near miss and lists the allowed keys, before any process or segment is
-created. Sizes are integers in bytes: ``"10GB"`` is rejected, not guessed.
+created. Sizes are integers in bytes: ``"10GB"`` is rejected, not guessed (the message gives the
+integer). Every error of a configuration is reported at once, not only the first: the top level and
+each tier entry are checked independently, and within a struct a bad key is dropped and the rest
+checked again (:func:`kvoffload.validation.convert_all`); ``ConfigError.errors`` lists them as
+:class:`ConfigIssue` (key path, message), and the message starts with the first.
 
 ::
 
     kv_connector_extra_config (dict)
-        │ parse_config()
-        ├─ top-level keys ────▶ OffloadConfig, KVEventsConfig   (validation.convert: errors name the key)
-        └─ secondary_tiers[i] ─▶ tiers.registry.parse_tier_config ─▶ TierSpec(name, type, config)
-                                   type ─▶ tier class ─▶ its config_class struct
+        │ parse_config() = parse_config_all() + raise ConfigError(every error)
+        ├─ top-level keys ────▶ OffloadConfig, KVEventsConfig   (validation.convert_all: errors name the key)
+        ├─ secondary_tiers[i] ─▶ tiers.registry.parse_tier_entry ─▶ TierSpec(name, type, config)
+        │                          type ─▶ tier class ─▶ its config_class struct (+ validate(),
+        │                          check_on_this_machine(): an fs root_dir is a writable directory)
+        └─ settings that depend on each other (blocks_per_chunk / block_size, eviction policy,
+           event topics, unique tier names)
 
 Each tier entry is parsed once, here; the engine builds its tiers from the :class:`TierSpec` objects
-in ``OffloadConfig.secondary_tiers``.
+in ``OffloadConfig.secondary_tiers``. ``kvoffload check`` (:mod:`kvoffload.tools.config_check`)
+calls :func:`parse_config_all` and goes further (this machine, a model, endpoints); the engine's
+start does only what is here.
 
 Example::
 

@@ -548,14 +548,6 @@ class RenamedWithErrors(ConfigError):
         return (ConfigError, (list(self.errors),))
 
 
-def name_given_keys(msg: str, where: str, renamed: dict[str, str]) -> str:
-    """Rewrite an error about one of our keys to name the key the user wrote (a vLLM alias)."""
-    for ours, given in renamed.items():
-        if msg.startswith(f"{where}.{ours}:"):
-            return f"{where}.{given}:" + msg[len(f"{where}.{ours}:") :]
-    return msg
-
-
 def name_given_key(issue: ConfigIssue, where: str, renamed: dict[str, str]) -> ConfigIssue:
     """``issue`` naming the key the user wrote (a vLLM alias) rather than ours."""
     for ours, given in renamed.items():

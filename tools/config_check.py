@@ -2,33 +2,34 @@
 
 ::
 
-    FILE ──json (keys given twice found)──▶ the whole --kv-transfer-config object? ─ yes ─▶ its keys
-                                                       │ no                        kv_connector_extra_config
-                                                       ▼                                      │
-    kv_connector_extra_config ◀────────────────────────────────────────────────────────────┘
-        │ how vLLM loads the spec (spec_name, spec_module_path)
-        │ parse_config_all(this_machine=False): every error, by key path ────────────── syntax
-        │ (what parsed; a check that needs a key with an error says it was not checked)
-        ├─ /dev/shm against cpu_bytes_to_use, each p2p tier's secret in this environment, each
-        │  fs root (relative, a directory, writable, free-space floor), one chunk of the
-        │  namespaces already in an fs root ─────────────────────────── this machine (not with
-        │                                                                            --syntax-only)
-        ├─ --model DIR: KV bytes per token from its config.json: one chunk, one request ─── model
-        └─ --online: each obj bucket (one HeadBucket), each p2p peer (a TCP connect) ────── online
+    FILE ──json (keys given twice)──▶ the whole --kv-transfer-config object? ── yes: its own keys ─┐
+      │ no: the file is kv_connector_extra_config              its kv_connector_extra_config ◀─┘
+      ▼
+    kv_connector_extra_config
+      │ spec_name / spec_module_path: will vLLM load kvoffload's spec?            ─────── syntax
+      │ parse_config_all(this_machine=False): every error, by key path            ─────── syntax
+      │ (a later check that needs a key with an error says it was not checked)
+      ├─ /dev/shm against cpu_bytes_to_use, each p2p tier's secret in this
+      │  environment, each fs root (relative, a directory, writable, free-space
+      │  floor), one chunk of the namespaces already in an fs root                ─ this machine
+      ├─ --model DIR: KV bytes per token from config.json: one chunk, one request ──────── model
+      └─ --online: each obj bucket (one HeadBucket), each p2p peer (TCP connect)  ─────── online
     ──▶ Report: one Check per fact (what, key path, scope, result, detail)
 
 Scopes say how far a fact was checked: ``syntax`` (the file alone: what the engine checks when it
 parses the configuration), ``this machine`` (this machine's /dev/shm, filesystems and environment,
-now: the server's may differ), ``model`` (the model directory given), ``online`` (endpoints reached
-from here, now), ``not checked`` (with why). Errors are what would stop the engine at start (or make
-vLLM never load kvoffload); warnings are what would make it run worse than meant, or may differ on
-the server. The engine itself runs none of this beyond parsing (:func:`kvoffload.config.parse_config`,
-with the fs ``root_dir`` checks it always made).
+now: the server's may differ; skipped with ``--syntax-only``), ``model`` (the model directory
+given), ``online`` (endpoints reached from here, now), ``not checked`` (with why). Errors are what
+would stop the engine at start (or make vLLM never load kvoffload); warnings what would make it run
+worse than meant, or may differ on the server. None of this runs at engine start: the engine parses
+(:func:`kvoffload.config.parse_config`, with the fs ``root_dir`` checks it always made) and finds the
+rest as it reaches it.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import math
 import os
@@ -844,7 +845,7 @@ def _online_checks(
         elif c.bucket is None or any(f"{at}.{k}" in bad for k in keys):
             report.not_checked(check, f"{at}.bucket", "a key it needs has an error")
         else:
-            out.append(lambda: _head_bucket(c, at, options.timeout_s))
+            out.append(functools.partial(_head_bucket, c, at, options.timeout_s))
     if isinstance(c, P2PTierConfig) and c.peers:
         check = "peer answers"
         if not options.online:
@@ -855,7 +856,7 @@ def _online_checks(
             for i, peer in enumerate(c.peers):
                 if f"{at}.peers[{i}]" in bad:
                     continue
-                out.append(lambda p=peer, j=i: _connect_peer(p, f"{at}.peers[{j}]", options))
+                out.append(functools.partial(_connect_peer, peer, f"{at}.peers[{i}]", options))
     return out
 
 

@@ -939,11 +939,14 @@ def render(report: Report, console: Any) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    t = Table(title="checks", title_justify="left")
+    # On a terminal the result (the longest cell) gets most of the width; elsewhere the console
+    # is unbounded (see kvoffload.tools.cli) and every cell stays on one line.
+    wide = console.is_terminal
+    t = Table(title="checks", title_justify="left", expand=wide)
     t.add_column("key", style="cyan", no_wrap=True)
-    t.add_column("check")
-    t.add_column("scope")
-    t.add_column("result", overflow="fold")
+    t.add_column("check", ratio=1 if wide else None)
+    t.add_column("scope", no_wrap=True)
+    t.add_column("result", overflow="fold", ratio=3 if wide else None)
     style = {OK: "green", WARNING: "yellow", ERROR: "red"}
     for c in report.checks:
         if c.scope == NOT_CHECKED:

@@ -20,7 +20,7 @@ import sys
 
 import pytest
 from click.testing import CliRunner
-from s3 import free_port, new_bucket, obj_tier, start_moto
+from s3 import Nanio, free_port, new_bucket, obj_tier, start_moto
 
 from kvoffload.config import ConfigError, parse_config
 from kvoffload.namespace import Namespace
@@ -486,6 +486,26 @@ def test_online_reaches_each_bucket_and_peer_and_says_whether_they_answer(tmp_pa
     scope, result = row(res.stdout, f"{t}[3].peers[1]", "peer answers")
     assert result.startswith(f"warning: 127.0.0.1:{closed} does not answer from here (")
     assert only in result
+
+
+@pytest.mark.slow
+def test_online_names_refused_credentials_without_showing_them(tmp_path):
+    """A SigV4 server (moto checks no signature): a wrong secret is refused, named by key."""
+    server = Nanio(str(tmp_path / "nanio-data"))
+    try:
+        tier = obj_tier(server.endpoint, new_bucket(server.endpoint), secret_access_key="wrong-one")
+        res = run_check(
+            tmp_path, {**SPEC, "cpu_bytes_to_use": 1 << 20, "secondary_tiers": [tier]}, "--online"
+        )
+    finally:
+        server.stop()
+    assert res.exit_code == 1, res.output
+    (error,) = error_lines(res)
+    assert error.startswith(
+        f"{EXTRA}.secondary_tiers[0].access_key_id: the credentials were refused by "
+        f"{server.endpoint} for bucket "
+    )
+    assert "wrong-one" not in res.output
 
 
 # -- output ----------------------------------------------------------------------------------------

@@ -330,7 +330,7 @@ def _check_outer(raw: dict[str, Any], report: Report) -> Any:
         )
     extra = raw.get(EXTRA)
     if not isinstance(extra, dict):
-        got = "not given" if extra is None else f"a {type(extra).__name__}"
+        got = "not given" if extra is None else f"expected an object, got {type(extra).__name__}"
         report.add(
             "kvoffload's settings",
             EXTRA,

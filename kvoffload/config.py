@@ -3,18 +3,27 @@
 Every struct forbids unknown fields. An unknown key, a wrong type or an impossible size raises
 :class:`ConfigError` whose message names the full key path (``secondary_tiers[0].max_byte``), suggests
 the closest valid key for a near miss and lists the allowed keys, before any process or segment is
-created. Sizes are integers in bytes: ``"10GB"`` is rejected, not guessed.
+created. Sizes are integers in bytes: ``"10GB"`` is rejected, not guessed (the message gives the
+integer). Every error of a configuration is reported at once, not only the first: the top level and
+each tier entry are checked independently, and within a struct a bad key is dropped and the rest
+checked again (:func:`kvoffload.validation.convert_all`); ``ConfigError.errors`` lists them as
+:class:`ConfigIssue` (key path, message), and the message starts with the first.
 
 ::
 
     kv_connector_extra_config (dict)
-        │ parse_config()
-        ├─ top-level keys ────▶ OffloadConfig, KVEventsConfig   (validation.convert: errors name the key)
-        └─ secondary_tiers[i] ─▶ tiers.registry.parse_tier_config ─▶ TierSpec(name, type, config)
-                                   type ─▶ tier class ─▶ its config_class struct
+        │ parse_config() = parse_config_all() + raise ConfigError(every error)
+        ├─ top-level keys ────▶ OffloadConfig, KVEventsConfig   (validation.convert_all: errors name the key)
+        ├─ secondary_tiers[i] ─▶ tiers.registry.parse_tier_entry ─▶ TierSpec(name, type, config)
+        │                          type ─▶ tier class ─▶ its config_class struct (+ validate(),
+        │                          check_on_this_machine(): an fs root_dir is a writable directory)
+        └─ settings that depend on each other (blocks_per_chunk / block_size, eviction policy,
+           event topics, unique tier names)
 
 Each tier entry is parsed once, here; the engine builds its tiers from the :class:`TierSpec` objects
-in ``OffloadConfig.secondary_tiers``.
+in ``OffloadConfig.secondary_tiers``. ``kvoffload check`` (:mod:`kvoffload.tools.config_check`)
+calls :func:`parse_config_all` and goes further (this machine, a model, endpoints); the engine's
+start does only what is here.
 
 Example::
 
@@ -30,26 +39,40 @@ from typing import Annotated, Any, ClassVar
 import msgspec
 
 from kvoffload.ipc.names import EVENTS_TOPIC, MOVEMENTS_TOPIC
-from kvoffload.tiers.registry import BUILTIN_TIERS, TierSpec, parse_tier_config, tier_class
+from kvoffload.tiers.registry import (
+    BUILTIN_TIERS,
+    TierSpec,
+    parse_tier_config,
+    parse_tier_entry,
+    tier_class,
+)
 from kvoffload.validation import (
+    Bytes,
+    BytesOrZero,
     ConfigError,
+    ConfigIssue,
     NonNegative,
     Positive,
     PositiveFloat,
     apply_aliases,
     closest,
     convert,
+    convert_all,
     import_user_module,
 )
 
 __all__ = [
     "BUILTIN_TIERS",
+    "Bytes",
+    "BytesOrZero",
     "VLLM_ONLY_KEYS",
     "VLLM_ONLY_TIER_KEYS",
     "ConfigError",
+    "ConfigIssue",
     "KVEventsConfig",
     "NonNegative",
     "OffloadConfig",
+    "ParsedConfig",
     "Positive",
     "PositiveFloat",
     "TierSpec",
@@ -60,6 +83,7 @@ __all__ = [
     "effective_config",
     "ineffective_vllm_keys",
     "parse_config",
+    "parse_config_all",
     "parse_tier_config",
     "tier_class",
 ]
@@ -153,7 +177,7 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         ),
     }
 
-    cpu_bytes_to_use: Positive
+    cpu_bytes_to_use: Bytes
     blocks_per_chunk: Positive | None = None
     block_size: Positive | None = None
     eviction_policy: str = "lru"
@@ -174,7 +198,7 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     lock: Any = None
     config_info: Any = None
     expedited: Any = None
-    sync_load_budget_bytes: NonNegative = 0
+    sync_load_budget_bytes: BytesOrZero = 0
     tier_poll_interval_s: float | None = None
     backpressure: dict[str, Any] | None = None
     store_threshold: Annotated[int, msgspec.Meta(ge=0, le=1)] = 0
@@ -197,79 +221,129 @@ VLLM_ONLY_TIER_KEYS = {
 
 
 def parse_config(extra_config: dict[str, Any]) -> OffloadConfig:
-    """Parse and validate the whole configuration, secondary tiers included.
+    """Parse and validate the whole configuration, secondary tiers included
+    (:func:`parse_config_all`, raising every error it found).
 
     Raises:
-        ConfigError: anything invalid, named by key path.
+        ConfigError: anything invalid: every error, each named by key path, the first one first.
     """
-    if not isinstance(extra_config, dict):
-        raise ConfigError(
-            f"kv_connector_extra_config: expected an object (dict), got "
-            f"{type(extra_config).__name__}"
-        )
+    parsed = parse_config_all(extra_config)
+    if parsed.errors or parsed.config is None:
+        raise ConfigError(parsed.errors)
+    return parsed.config
+
+
+class ParsedConfig(msgspec.Struct, kw_only=True):
+    """What :func:`parse_config_all` made of a ``kv_connector_extra_config``.
+
+    Attributes:
+        config: the top-level settings with the valid tiers in ``secondary_tiers``; a key with an
+            error holds its default (a missing ``cpu_bytes_to_use``: None); None when the
+            configuration is not an object at all.
+        tiers: one entry per ``secondary_tiers`` item as written (so index ``i`` is
+            ``secondary_tiers[i]``): its spec, or None when no config could be built from it.
+        errors: every error found, in document order (the top level, then each tier).
+    """
+
+    config: OffloadConfig | None
+    tiers: list[TierSpec | None] = []
+    errors: list[ConfigIssue] = []
+
+
+def parse_config_all(extra_config: Any, *, this_machine: bool = True) -> ParsedConfig:
+    """Parse and validate the whole configuration and report every error, not only the first.
+
+    The top level and each ``secondary_tiers`` entry are checked independently, each reporting all
+    of its errors (:func:`kvoffload.validation.convert_all`,
+    :func:`kvoffload.tiers.registry.parse_tier_entry`), then the settings that depend on each other
+    (one of ``blocks_per_chunk`` / ``block_size``, the eviction policy, the event topics, unique
+    tier names).
+
+    Args:
+        extra_config: the ``kv_connector_extra_config`` dict.
+        this_machine: also run each tier config's ``check_on_this_machine()`` (an fs
+            ``root_dir``), as the engine does at start.
+    """
     where = "kv_connector_extra_config"
-    top = dict(extra_config)
-    written = {"secondary_tiers": top.pop("secondary_tiers")} if "secondary_tiers" in top else {}
-    cfg = convert(top, OffloadConfig, where)
-    raw_tiers = convert(written, _WrittenTiers, where).secondary_tiers
-    if cfg.blocks_per_chunk is not None and cfg.block_size is not None:
-        raise ConfigError(
-            "kv_connector_extra_config: set only one of 'blocks_per_chunk' and 'block_size'"
+    if not isinstance(extra_config, dict):
+        got = type(extra_config).__name__
+        return ParsedConfig(
+            config=None, errors=[ConfigIssue(where, f"expected an object (dict), got {got}")]
         )
+    top = dict(extra_config)
+    written = top.pop("secondary_tiers", [])
+    cfg, errors = convert_all(top, OffloadConfig, where)
+    assert cfg is not None  # top is a dict
+    reported = {i.path for i in errors}
+    if cfg.blocks_per_chunk is not None and cfg.block_size is not None:
+        errors.append(ConfigIssue(where, "set only one of 'blocks_per_chunk' and 'block_size'"))
+    policy_at = f"{where}.cache_policy_module_path"
     if cfg.cache_policy_module_path is not None:
         from kvoffload.policies import make_policy
 
-        import_user_module(
-            cfg.cache_policy_module_path, "kv_connector_extra_config.cache_policy_module_path"
-        )
         try:
+            import_user_module(cfg.cache_policy_module_path, policy_at)
             make_policy(cfg.eviction_policy, 1, cfg.cache_policy_module_path)
+        except ConfigError as e:
+            errors += e.errors
         except (ImportError, ValueError) as e:
-            raise ConfigError(f"kv_connector_extra_config.cache_policy_module_path: {e}") from None
-    else:
+            errors.append(ConfigIssue(policy_at, str(e)))
+    elif f"{where}.eviction_policy" not in reported and policy_at not in reported:
         from kvoffload.policies import BUILTIN_POLICIES
 
         if cfg.eviction_policy not in BUILTIN_POLICIES:
             close = closest(cfg.eviction_policy, list(BUILTIN_POLICIES))
             hint = f" (did you mean {close!r}?)" if close else ""
-            raise ConfigError(
-                f"kv_connector_extra_config.eviction_policy: unknown policy "
-                f"{cfg.eviction_policy!r}{hint}; allowed: {', '.join(BUILTIN_POLICIES)}, or a class "
-                f"name together with cache_policy_module_path"
+            errors.append(
+                ConfigIssue(
+                    f"{where}.eviction_policy",
+                    f"unknown policy {cfg.eviction_policy!r}{hint}; allowed: "
+                    f"{', '.join(BUILTIN_POLICIES)}, or a class name together with "
+                    "cache_policy_module_path",
+                )
             )
     ev = cfg.kv_events
     if (
         ev is not None and ev.replay_endpoint == ev.endpoint and not ev.endpoint.endswith(":0")
     ):  # port 0: each socket gets its own free port
-        raise ConfigError(
-            "kv_connector_extra_config.kv_events.replay_endpoint: the same as endpoint "
-            f"({ev.endpoint!r}); the replay socket needs its own address"
+        errors.append(
+            ConfigIssue(
+                f"{where}.kv_events.replay_endpoint",
+                f"the same as endpoint ({ev.endpoint!r}); the replay socket needs its own address",
+            )
         )
     if ev is not None:
         a, b = ev.topic, ev.movements_topic
         if a.startswith(b) or b.startswith(a):
-            raise ConfigError(
-                f"kv_connector_extra_config.kv_events.movements_topic: {b!r} and topic {a!r} overlap "
-                f"(a ZMQ subscription to one would also receive the other); pick topics that are not "
-                f"prefixes of each other"
+            errors.append(
+                ConfigIssue(
+                    f"{where}.kv_events.movements_topic",
+                    f"{b!r} and topic {a!r} overlap (a ZMQ subscription to one would also receive "
+                    "the other); pick topics that are not prefixes of each other",
+                )
             )
-    names = set()
-    for i, raw in enumerate(raw_tiers):
-        spec = parse_tier_config(raw, f"{where}.secondary_tiers[{i}]")
+    tiers: list[TierSpec | None] = []
+    if not isinstance(written, list):
+        errors.append(
+            ConfigIssue(
+                f"{where}.secondary_tiers",
+                f"expected an array (list) of tier objects, got {type(written).__name__}",
+            )
+        )
+        written = []
+    names: set[str] = set()
+    for i, raw in enumerate(written):
+        at = f"{where}.secondary_tiers[{i}]"
+        spec, found = parse_tier_entry(raw, at, this_machine=this_machine)
+        errors += found
+        tiers.append(spec)
+        if spec is None:
+            continue
         if spec.name in names:
-            raise ConfigError(
-                f"{where}.secondary_tiers[{i}].name: duplicate tier name {spec.name!r}"
-            )
+            errors.append(ConfigIssue(f"{at}.name", f"duplicate tier name {spec.name!r}"))
         names.add(spec.name)
         cfg.secondary_tiers.append(spec)
-    return cfg
-
-
-class _WrittenTiers(msgspec.Struct, forbid_unknown_fields=True):
-    """``secondary_tiers`` as written, before each entry is parsed by its tier's config struct
-    (:func:`kvoffload.tiers.registry.parse_tier_config`)."""
-
-    secondary_tiers: list[dict[str, Any]] = []
+    return ParsedConfig(config=cfg, tiers=tiers, errors=errors)
 
 
 def ineffective_vllm_keys(extra_config: dict[str, Any]) -> list[str]:

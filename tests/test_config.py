@@ -70,7 +70,16 @@ def test_c21_unknown_tier_type():
     [
         (-5, "Expected `int` >= 1"),
         (0, "Expected `int` >= 1"),
-        ("10GB", "Expected `int`, got `str`"),
+        (
+            "10GB",
+            "a size in bytes, as an integer, not the string '10GB' "
+            "(10 GiB is 10737418240, 10 GB is 10000000000)",
+        ),
+        (
+            "lots",
+            "a size in bytes, as an integer (e.g. 1073741824 for 1 GiB), not the string 'lots'",
+        ),
+        ("4096", "a size in bytes, as an integer: write 4096 without quotes"),
         (1.5, "Expected `int`, got `float`"),
     ],
 )
@@ -79,12 +88,26 @@ def test_c21_wrong_unit_or_type_for_sizes(value, why):
     assert msg == f"kv_connector_extra_config.cpu_bytes_to_use: {why}"
 
 
+FS_MAX_BYTES_FORMS = (
+    '; also allowed: "unbounded", null (auto: 50% of the free space on root_dir\'s filesystem at '
+    "start, plus this namespace's chunks there)"
+)
+
+
 @pytest.mark.parametrize(
     "max_bytes, why",
     [
         (0, "Expected `int` >= 1"),
         (-1, "Expected `int` >= 1"),
-        ("10GB", "Invalid enum value '10GB'; allowed: unbounded, an integer, null"),
+        (
+            "10GB",
+            "a size in bytes, as an integer, not the string '10GB' (10 GiB is 10737418240, "
+            f"10 GB is 10000000000){FS_MAX_BYTES_FORMS}",
+        ),
+        (
+            "1GiB",
+            f"a size in bytes, as an integer, not the string '1GiB' (1 GiB is 1073741824){FS_MAX_BYTES_FORMS}",
+        ),
     ],
 )
 def test_c21_tier_capacity_must_be_positive_bytes(max_bytes, why):

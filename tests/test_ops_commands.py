@@ -469,7 +469,7 @@ def test_check_prints_every_setting_with_its_source_and_masks_secrets(tmp_path):
 
     as_json = run_cli("check", str(path), "--json")
     assert as_json.exit_code == 0
-    assert json.loads(as_json.output) == json.loads(describe(parse_config(raw)))
+    assert json.loads(as_json.stdout) == json.loads(describe(parse_config(raw)))  # warnings: stderr
 
 
 def table_rows(output: str) -> dict[str, tuple[str, str]]:
@@ -558,7 +558,7 @@ def test_check_prints_no_null_for_any_documented_setting(tmp_path):
     assert rows[p2p + "secret_env"] == ("KVOFFLOAD_P2P_SECRET", "default")  # a name, not masked
     # --json (the start-up log line) has the same effective values; null only where the table
     # says the value is decided at run time.
-    as_json = json.loads(run_cli("check", str(path), "--json").output)
+    as_json = json.loads(run_cli("check", str(path), "--json").stdout)  # warnings go to stderr
     assert as_json["blocks_per_chunk"] == 1
     assert as_json["secondary_tiers"][0]["locality"] == "LOCAL"
     assert as_json["secondary_tiers"][1]["io_workers"] == 2

@@ -181,81 +181,151 @@ def sweep(list_only: bool, fs_roots: tuple[str, ...], older_than: float | None) 
 
 
 @main.command(
-    epilog="Exit status: 0 the config is valid; 1 it is not (the reason names the key); 2 a usage "
-    "error (no such file, a directory)."
+    epilog="Checks and their scope: syntax (the file alone, as the engine parses it at start); "
+    "this machine (/dev/shm against cpu_bytes_to_use, p2p secrets in this environment, fs roots: "
+    "absolute, a writable directory, above their free-space floor, the chunk size of the "
+    "namespaces already there; skipped with --syntax-only); model (with --model: cpu_bytes_to_use "
+    "against one chunk and against the longest request); online (with --online: each obj bucket "
+    "answers a HeadBucket, each p2p peer a TCP connect). A check that could not be made says "
+    "why.\n\n"
+    "Exit status: 0 no error (warnings are printed, and do not change it); 1 at least one error "
+    "(every one is listed, on stderr; with --json, a JSON object {file, form, valid: false, "
+    "errors: [{path, message, scope}], warnings, checks} on stdout); 2 a usage error (no such "
+    "file, a directory, --model without a config.json)."
 )
 @click.argument("config_file", type=click.File("r"))
 @click.option(
     "--json",
     "as_json",
     is_flag=True,
-    help="Print the resolved config as one JSON line (as logged at start) instead; null where "
-    "the table says in words that a value is decided at run time.",
+    help="Print the resolved config as one JSON line (as logged at start) instead, warnings on "
+    "stderr; null where the table says in words that a value is decided at run time. On an "
+    "invalid config, a JSON object of the errors (see below).",
 )
-def check(config_file, as_json: bool) -> None:
-    """Validate CONFIG_FILE (the JSON of kv_connector_extra_config) and print the resolved config:
-    every key, the value the engine will use and whether it was set or is a default. A value
-    decided only at run time (from the model, the filesystem) is said in words."""
-    from kvoffload.config import ConfigError, describe, parse_config
+@click.option(
+    "--syntax-only",
+    is_flag=True,
+    help="Check the file only, not this machine (a config meant for another machine).",
+)
+@click.option(
+    "--online",
+    is_flag=True,
+    help="Also reach each obj tier's bucket (HeadBucket: it exists, the credentials are "
+    "accepted) and each p2p peer (TCP connect), from here: a few seconds each at most, no "
+    "retries.",
+)
+@click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(exists=True, file_okay=False),
+    default=None,
+    metavar="DIR",
+    help="A local Hugging Face model directory (config.json): check cpu_bytes_to_use against one "
+    "chunk (KV bytes per token = 2 x layers x KV heads x head dim x dtype bytes, for plain "
+    "attention models) and against the longest request.",
+)
+@click.option(
+    "--block-size",
+    "engine_block_size",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="TOKENS",
+    help="With --model: the engine's block size (vLLM's --block-size) [default: 16, vLLM's on "
+    "GPUs; vLLM-CPU's is 128].",
+)
+@click.option(
+    "--max-model-len",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="TOKENS",
+    help="With --model: the longest request (vLLM's --max-model-len) [default: the model's "
+    "max_position_embeddings].",
+)
+@click.option(
+    "--kv-cache-dtype",
+    type=click.Choice(["auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"]),
+    default="auto",
+    show_default=True,
+    help="With --model: the KV cache dtype; auto: the model's (a float32 model counts 2 bytes: "
+    "vLLM's --dtype auto runs it in 16 bits; give float32 for a server run with --dtype float32).",
+)
+def check(
+    config_file,
+    as_json: bool,
+    syntax_only: bool,
+    online: bool,
+    model_dir: str | None,
+    engine_block_size: int | None,
+    max_model_len: int | None,
+    kv_cache_dtype: str,
+) -> None:
+    """Check CONFIG_FILE, the JSON of kv_connector_extra_config or the whole --kv-transfer-config
+    object, and print the resolved config: every key, the value the engine will use and whether
+    it was set or is a default (a value decided only at run time is said in words), then a table
+    of what was checked: every error at once, each named by its key path."""
+    from kvoffload.tools import config_check
 
+    if syntax_only and online:
+        _bad_input("--online reaches endpoints from this machine; drop --syntax-only")
+    for given, name in ((engine_block_size, "--block-size"), (max_model_len, "--max-model-len")):
+        if given is not None and model_dir is None:
+            _bad_input(f"{name} applies to --model; name the model directory")
+    if kv_cache_dtype != "auto" and model_dir is None:
+        _bad_input("--kv-cache-dtype applies to --model; name the model directory")
+    options = config_check.Options(
+        syntax_only=syntax_only,
+        online=online,
+        model_dir=model_dir,
+        engine_block_size=engine_block_size,
+        max_model_len=max_model_len,
+        kv_cache_dtype=kv_cache_dtype,
+    )
     try:
-        raw = json.load(config_file)
-        _refuse_vllm_spec_names(raw)
-        cfg = parse_config(raw)
+        checked = config_check.check_text(config_file.read(), config_file.name, options)
     except json.JSONDecodeError as e:
         raise click.ClickException(f"{config_file.name}: not JSON: {e}") from None
     except UnicodeDecodeError as e:
         raise click.ClickException(f"{config_file.name}: not UTF-8 text (JSON): {e}") from None
-    except ConfigError as e:
-        raise click.ClickException(str(e)) from None
+    except config_check.CheckInputError as e:
+        _bad_input(str(e))
+    report, parsed = checked.report, checked.parsed
+    valid = parsed is not None and not parsed.errors and parsed.config is not None
     if as_json:
-        click.echo(describe(cfg))
-        return
-    from rich.console import Console
+        if report.errors:
+            click.echo(config_check.to_json(report))
+            sys.exit(1)
+        from kvoffload.config import describe
 
+        assert parsed is not None and parsed.config is not None
+        click.echo(describe(parsed.config))
+        for c in report.warnings:
+            click.echo(f"warning: {c.path}: {c.detail}", err=True)
+        return
     from kvoffload.tools.config_table import render
 
-    console = Console()
-    render(raw, cfg, console, title=f"{config_file.name}: valid")
-    for spec in cfg.secondary_tiers:
-        free_space = getattr(spec.config, "free_space_now", None)
-        space = free_space() if free_space is not None else None
-        if space is not None and space[0] < space[1]:
-            console.print(
-                f"[yellow]warning:[/yellow] tier {spec.name}: {spec.config.root_dir} has "
-                f"{space[0]} bytes free now, below its free-space floor of {space[1]} bytes "
-                f"(min_free_fraction {spec.config.min_free_fraction:g}): it would store nothing "
-                "until space is freed there",
-                highlight=False,
-            )
+    console = _console()
+    if valid:
+        assert parsed is not None and parsed.config is not None
+        render(checked.extra_config, parsed.config, console, title=f"{config_file.name}: settings")
+    config_check.render(report, console)
+    errors, warnings = report.errors, report.warnings
+    if not errors:
+        more = f", {len(warnings)} warning(s) (see checks)" if warnings else ""
+        console.print(f"{config_file.name}: valid{more}", highlight=False)
+        return
+    lines = [f"{config_file.name}: {len(errors)} error(s)"]
+    lines += [f"  {c.path}: {c.detail}" for c in errors]
+    raise click.ClickException("\n".join(lines))
 
 
-#: Spec names vLLM resolves from its own registry, never reading ``spec_module_path``.
-VLLM_SPEC_NAMES = ("CPUOffloadingSpec", "TieringOffloadingSpec")
+def _console():
+    """A rich Console for stdout: today's look on a terminal; on a pipe or a file no width to
+    fit, so no line is folded and a path copied from the output stays whole."""
+    from rich.console import Console
 
-
-def _refuse_vllm_spec_names(raw: object) -> None:
-    """``kvoffload check`` validates configs of kvoffload's spec. One naming a spec of vLLM's own
-    registry would never reach kvoffload (vLLM ignores ``spec_module_path`` for those): say so.
-
-    Raises:
-        ConfigError: ``spec_name`` is one of :data:`VLLM_SPEC_NAMES`.
-    """
-    from kvoffload.config import ConfigError
-
-    name = raw.get("spec_name") if isinstance(raw, dict) else None
-    if name in VLLM_SPEC_NAMES:
-        raise ConfigError(
-            f"spec_name: '{name}' is vLLM's own spec: vLLM resolves it from its registry and never "
-            "loads kvoffload (spec_module_path is ignored). For kvoffload's spec use "
-            '"spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.vllm"'
-            + (
-                ". To use kvoffload's tiers under vLLM's TieringOffloadingSpec, see README "
-                "'kvoffload's tiers inside vLLM's TieringOffloadingSpec' (vLLM validates that config)"
-                if name == "TieringOffloadingSpec"
-                else ""
-            )
-        )
+    if sys.stdout.isatty():
+        return Console()
+    return Console(width=100_000)
 
 
 @main.command("inspect")
@@ -281,9 +351,7 @@ def inspect_tier(target: str, as_json: bool, endpoint_url: str | None, region: s
     if as_json:
         click.echo(tier_inspect.to_json(report))
         return
-    from rich.console import Console
-
-    tier_inspect.render(report, Console())
+    tier_inspect.render(report, _console())
 
 
 def _bad_input(message: str):

@@ -180,14 +180,38 @@ def _scan_fs_namespace(entry: os.DirEntry, stale_age_s: float, now: float) -> Na
     if not has_config:
         rep.problem = "no config.json (not written by an engine, or removed)"
         return rep
+    _read_fs_identity(rep, entry)
+    return rep
+
+
+def _read_fs_identity(rep: NamespaceReport, entry: os.DirEntry) -> None:
+    """Fill ``rep.identity`` (or ``rep.problem``) from the namespace's ``config.json``."""
     try:
         with open(os.path.join(entry.path, _CONFIG), "rb") as f:
             raw = f.read(_CONFIG_MAX_BYTES)
+    except FileNotFoundError:
+        rep.problem = "no config.json (not written by an engine, or removed)"
+        return
     except OSError as e:
         rep.problem = f"config.json cannot be read: {e}"
-        return rep
+        return
     rep.identity, rep.problem = _check_identity(entry.name, raw)
-    return rep
+
+
+def namespace_identities(root: str) -> list[NamespaceReport]:
+    """The namespaces of an fs tier root with their identity only (``config.json``: model,
+    tokens per chunk, row bytes...); no chunk is listed, so this is cheap however large the root
+    (``kvoffload check`` reads the chunk size from it). Counts and times stay empty.
+
+    Raises:
+        InspectError: ``root`` is missing, not a directory, unreadable, or holds no namespace.
+    """
+    out = []
+    for entry in namespace_dirs(root):
+        rep = NamespaceReport(id=entry.name, location=entry.path)
+        _read_fs_identity(rep, entry)
+        out.append(rep)
+    return out
 
 
 def namespace_dirs(root: str) -> list[os.DirEntry]:

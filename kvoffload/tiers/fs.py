@@ -50,8 +50,9 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 from typing_extensions import override
 
-from kvoffload.config import Positive
+from kvoffload.config import Bytes
 from kvoffload.tiers.process import ProcessTierConfig, ProcessTierManager
+from kvoffload.validation import raise_problems
 from kvoffload.workers import chunkfile as cf
 from kvoffload.workers import fs_io
 
@@ -90,32 +91,46 @@ class FsTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True):
     }
 
     root_dir: str
-    max_bytes: Positive | Literal["unbounded"] | None = None
+    max_bytes: Bytes | Literal["unbounded"] | None = None
     min_free_fraction: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.05
     fsync: bool = False
     direct_io: Literal["none", "writes", "reads", "both"] = "both"
 
     def validate(self) -> None:
-        """Static checks of ``root_dir`` (the tier re-checks by writing a file at start).
+        """Checks of the settings themselves.
 
         Raises:
-            ValueError: ``"<key>: <why>"``.
+            Problems: each ``"<key>: <why>"``.
+        """
+        problems = self.io_thread_problems(self.read_workers, self.write_workers)
+        if not self.root_dir:
+            problems.append("root_dir: must be a directory path")
+        raise_problems(problems)
+
+    def check_on_this_machine(self) -> list[str]:
+        """Checks of ``root_dir`` against this machine's filesystems, made when the configuration
+        is parsed at engine start (the tier re-checks by writing a file when it starts) and by
+        ``kvoffload check`` (unless ``--syntax-only``).
+
+        Returns:
+            ``"root_dir: <why>"`` problems: a path that is not a directory, a read-only or pseudo
+            filesystem, a directory this user cannot write; empty when none.
         """
         if not self.root_dir:
-            raise ValueError("root_dir: must be a directory path")
-        self.check_io_threads(self.read_workers, self.write_workers)
+            return []  # validate() says so
         path = os.path.abspath(self.root_dir)
         if os.path.exists(path) and not os.path.isdir(path):
-            raise ValueError(f"root_dir: {self.root_dir!r} exists and is not a directory")
+            return [f"root_dir: {self.root_dir!r} exists and is not a directory"]
         probe = _existing_ancestor(path)
         if not os.path.isdir(probe):  # a file where a directory of the path must be made
-            raise ValueError(f"root_dir: {probe!r} is not a directory (in {self.root_dir!r})")
+            return [f"root_dir: {probe!r} is not a directory (in {self.root_dir!r})"]
         if os.statvfs(probe).f_flag & os.ST_RDONLY:
-            raise ValueError(f"root_dir: {probe!r} is on a read-only filesystem")
+            return [f"root_dir: {probe!r} is on a read-only filesystem"]
         if not os.access(probe, os.W_OK | os.X_OK):
-            raise ValueError(f"root_dir: {probe!r} is not writable")
+            return [f"root_dir: {probe!r} is not writable"]
         if os.path.realpath(probe).startswith(("/proc", "/sys")):
-            raise ValueError(f"root_dir: {self.root_dir!r} is on a pseudo filesystem")
+            return [f"root_dir: {self.root_dir!r} is on a pseudo filesystem"]
+        return []
 
     def free_space_now(self) -> tuple[int, int] | None:
         """``(bytes free, the free-space floor in bytes)`` of the filesystem that holds (or will

@@ -15,7 +15,7 @@ import msgspec
 import numpy as np
 from typing_extensions import override
 
-from kvoffload.config import Positive
+from kvoffload.config import Bytes
 from kvoffload.tiers.base import (
     JobMetadata,
     JobResult,
@@ -32,7 +32,7 @@ class MemoryTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
         max_bytes: capacity in payload bytes; least recently used chunks are dropped beyond it.
     """
 
-    max_bytes: Positive
+    max_bytes: Bytes
 
 
 class MemoryTier(SecondaryTierManager):

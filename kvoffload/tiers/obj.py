@@ -31,9 +31,10 @@ from typing import Any, ClassVar, Literal
 import msgspec
 from typing_extensions import override
 
-from kvoffload.config import ConfigError, Positive, apply_aliases, closest
+from kvoffload.config import Bytes, Positive, apply_aliases, closest
 from kvoffload.ipc.channels import LOADS, STORES
 from kvoffload.tiers.process import ProcessTierConfig, ProcessTierManager, Seconds
+from kvoffload.validation import ConfigIssue, RenamedWithErrors, raise_problems
 from kvoffload.workers import chunkfile as cf
 from kvoffload.workers.obj_io import ObjIOConfig, classify, make_client, object_prefix
 
@@ -110,7 +111,7 @@ class ObjTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True)
     verify_tls: bool = True
     ca_bundle: str | None = None
     addressing_style: Literal["auto", "path", "virtual"] = "auto"
-    max_bytes: Positive | None = None
+    max_bytes: Bytes | None = None
     breaker_failures: Positive | None = 5
     job_timeout_s: Seconds = 60.0
 
@@ -124,41 +125,52 @@ class ObjTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True)
         strings for unset credentials, region, endpoint and CA bundle mean unset.
 
         Raises:
-            ConfigError: a setting given twice (under two names or in and out of
-                ``store_config``), an unknown ``store_config`` key, a bad ``scheme``.
+            RenamedWithErrors: a setting given twice (under two names or in and out of
+                ``store_config``), an unknown ``store_config`` key, a bad ``scheme``; the other
+                keys renamed (so they are checked too).
         """
         body = dict(body)
         renamed: dict[str, str] = {}
+        issues: list[ConfigIssue] = []
         vllm_given: set[str] = set()
         nested = body.pop("store_config", None)
-        if nested is not None:
-            if not isinstance(nested, dict):
-                raise ConfigError(
-                    f"{where}.store_config: expected an object (dict), got {type(nested).__name__}"
+        if nested is not None and not isinstance(nested, dict):
+            issues.append(
+                ConfigIssue(
+                    f"{where}.store_config",
+                    f"expected an object (dict), got {type(nested).__name__}",
                 )
-            store_config: dict[str, Any] = nested
-            for key, value in store_config.items():
-                if key not in cls.store_config_keys:
-                    close = closest(key, list(cls.store_config_keys))
-                    hint = f" (did you mean {close!r}?)" if close else ""
-                    raise ConfigError(
-                        f"{where}.store_config: unknown key {key!r}{hint}; allowed keys: "
-                        f"{', '.join(cls.store_config_keys)}"
+            )
+            nested = None
+        for key, value in (nested or {}).items():
+            if key not in cls.store_config_keys:
+                close = closest(key, list(cls.store_config_keys))
+                hint = f" (did you mean {close!r}?)" if close else ""
+                issues.append(
+                    ConfigIssue(
+                        f"{where}.store_config",
+                        f"unknown key {key!r}{hint}; allowed keys: "
+                        f"{', '.join(cls.store_config_keys)}",
                     )
-                ours = cls.vllm_aliases.get(key, key)
-                if key in body or ours in body:
-                    other = key if key in body else ours
-                    raise ConfigError(
-                        f"{where}: {'store_config.' + key!r} and {other!r} set the "
-                        f"same thing; keep one"
+                )
+                continue
+            ours = cls.vllm_aliases.get(key, key)
+            if key in body or ours in body:
+                other = key if key in body else ours
+                issues.append(
+                    ConfigIssue(
+                        where,
+                        f"{'store_config.' + key!r} and {other!r} set the same thing; keep one",
                     )
-                body[ours] = value
-                renamed[ours] = f"store_config.{key}"
-                vllm_given.add(ours)
+                )
+                continue
+            body[ours] = value
+            renamed[ours] = f"store_config.{key}"
+            vllm_given.add(ours)
         for alias, ours in cls.vllm_aliases.items():
             if alias in body:
                 vllm_given.add(ours)
-        apply_aliases(body, cls.vllm_aliases, where, renamed)
+        apply_aliases(body, cls.vllm_aliases, where, renamed, issues=issues)
         for ours in (
             "access_key_id",
             "secret_access_key",
@@ -173,39 +185,100 @@ class ObjTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True)
         scheme = body.pop("scheme", "http" if nested is not None else None)
         if scheme is not None:
             given = renamed.get("scheme", "scheme")
-            if scheme not in ("http", "https"):
-                raise ConfigError(f"{where}.{given}: 'http' or 'https', got {scheme!r}")
             endpoint = body.get("endpoint_override")
-            if isinstance(endpoint, str) and endpoint:
+            if scheme not in ("http", "https"):
+                issues.append(ConfigIssue(f"{where}.{given}", f"'http' or 'https', got {scheme!r}"))
+            elif isinstance(endpoint, str) and endpoint:
                 if "://" not in endpoint:
                     body["endpoint_override"] = f"{scheme}://{endpoint}"
                 elif scheme_given and not endpoint.startswith(f"{scheme}://"):
-                    raise ConfigError(
-                        f"{where}.{given}: {scheme!r} contradicts endpoint_override {endpoint!r}"
+                    issues.append(
+                        ConfigIssue(
+                            f"{where}.{given}",
+                            f"{scheme!r} contradicts endpoint_override {endpoint!r}",
+                        )
                     )
+        if issues:
+            raise RenamedWithErrors(issues, body, renamed)
         return body, renamed
 
     def validate(self) -> None:
         """Check settings that depend on each other.
 
         Raises:
-            ValueError: naming the key (``bucket``, ``io_workers``, ``ca_bundle``...).
+            Problems: naming each key (``bucket``, ``io_workers``, ``ca_bundle``...).
         """
+        problems = []
         if not self.bucket:
-            raise ValueError("bucket: required, the name of an existing bucket")
+            problems.append("bucket: required, the name of an existing bucket")
         workers = self.io_workers
-        self.check_io_threads(workers or self.read_workers, workers or self.write_workers)
+        problems += self.io_thread_problems(
+            workers or self.read_workers, workers or self.write_workers
+        )
         if self.ca_bundle is not None and not self.verify_tls:
-            raise ValueError("ca_bundle: set, but verify_tls is false (nothing would be checked)")
+            problems.append("ca_bundle: set, but verify_tls is false (nothing would be checked)")
         if (self.access_key_id is None) != (self.secret_access_key is None):
-            raise ValueError(
+            problems.append(
                 "access_key_id: set both access_key_id and secret_access_key, or "
                 "neither (to use the boto3 credential chain)"
             )
         if self.endpoint_override is not None and not self.endpoint_override.startswith(
             ("http://", "https://")
         ):
-            raise ValueError(f"endpoint_override: {self.endpoint_override!r} is not an http(s) URL")
+            problems.append(f"endpoint_override: {self.endpoint_override!r} is not an http(s) URL")
+        raise_problems(problems)
+
+
+def io_config_of(c: ObjTierConfig, **fields: Any) -> ObjIOConfig:
+    """The worker I/O config of tier config ``c``; ``fields``: the namespace's (``namespace_id``,
+    ``row_bytes``), ``max_connections``, and overrides of ``c``'s own (``max_attempts``, the
+    timeouts)."""
+    base: dict[str, Any] = dict(
+        bucket=c.bucket,
+        prefix=c.prefix,
+        endpoint_url=c.endpoint_override,
+        region=c.region,
+        access_key_id=c.access_key_id,
+        secret_access_key=c.secret_access_key,
+        session_token=c.session_token,
+        max_attempts=c.max_attempts,
+        connect_timeout_s=c.connect_timeout_s,
+        read_timeout_s=c.read_timeout_s,
+        verify_tls=c.verify_tls,
+        ca_bundle=c.ca_bundle,
+        addressing_style=c.addressing_style,
+    )
+    base.update(fields)
+    return ObjIOConfig(**base)
+
+
+def bucket_problem(client: Any, c: ObjTierConfig) -> str | None:
+    """One HeadBucket of ``c.bucket`` with ``client`` (the tier at start, ``kvoffload check
+    --online``): None when the bucket exists and the credentials are accepted, else
+    ``"<key>: <why>"`` naming the key to fix."""
+    from botocore.exceptions import NoCredentialsError
+
+    where = c.endpoint_override or "AWS S3"
+    try:
+        client.head_bucket(Bucket=c.bucket)
+    except NoCredentialsError:
+        return (
+            f"access_key_id: no credentials for {where}: set access_key_id and "
+            "secret_access_key, or give them to the boto3 chain (AWS_ACCESS_KEY_ID / "
+            "AWS_SECRET_ACCESS_KEY, a profile, an instance role)"
+        )
+    except Exception as e:
+        _, status, detail = classify(e)
+        if status == 404:
+            return f"bucket: {c.bucket!r} does not exist at {where}"
+        if status in (400, 401, 403):
+            return (
+                f"access_key_id: the credentials were refused by {where} for bucket "
+                f"{c.bucket!r} (HTTP {status}); check access_key_id / secret_access_key or the "
+                "boto3 credential chain"
+            )
+        return f"endpoint_override: cannot use {where} for bucket {c.bucket!r}: {detail}"
+    return None
 
 
 class ObjTier(ProcessTierManager):
@@ -259,27 +332,13 @@ class ObjTier(ProcessTierManager):
         return self._io_config()
 
     def _io_config(self, **overrides: Any) -> ObjIOConfig:
-        c = self.config
-        fields = dict(
-            bucket=c.bucket,
-            prefix=c.prefix,
+        fields: dict[str, Any] = dict(
             namespace_id=self.ns_id,
             row_bytes=self.row_bytes,
-            endpoint_url=c.endpoint_override,
-            region=c.region,
-            access_key_id=c.access_key_id,
-            secret_access_key=c.secret_access_key,
-            session_token=c.session_token,
-            max_attempts=c.max_attempts,
-            connect_timeout_s=c.connect_timeout_s,
-            read_timeout_s=c.read_timeout_s,
-            verify_tls=c.verify_tls,
-            ca_bundle=c.ca_bundle,
-            addressing_style=c.addressing_style,
             max_connections=max(self._io_threads(LOADS), self._io_threads(STORES)) + 2,
         )
         fields.update(overrides)
-        return ObjIOConfig(**fields)
+        return io_config_of(self.config, **fields)
 
     def _check_bucket_and_write_namespace(self) -> None:
         c = self.config
@@ -289,21 +348,9 @@ class ObjTier(ProcessTierManager):
                 max_attempts=1, connect_timeout_s=_START_TIMEOUT_S, read_timeout_s=_START_TIMEOUT_S
             )
         )
-        try:
-            client.head_bucket(Bucket=c.bucket)
-        except Exception as e:
-            code, status, detail = classify(e)
-            if status == 404:
-                raise ValueError(f"bucket: {c.bucket!r} does not exist at {where}") from None
-            if status in (400, 401, 403):
-                raise ValueError(
-                    f"access_key_id: the credentials were refused by {where} for bucket "
-                    f"{c.bucket!r} (HTTP {status}); check access_key_id / secret_access_key or the "
-                    f"boto3 credential chain"
-                ) from None
-            raise ValueError(
-                f"endpoint_override: cannot use {where} for bucket {c.bucket!r}: {detail}"
-            ) from None
+        problem = bucket_problem(client, c)
+        if problem is not None:
+            raise ValueError(problem)
         config_key = self.base + "config.json"
         try:
             client.put_object(Bucket=c.bucket, Key=config_key, Body=self.namespace.to_json())

@@ -59,6 +59,7 @@ from kvoffload.tiers.p2p_node import (
     parse_peer,
 )
 from kvoffload.tiers.process import Seconds, TTLSeconds
+from kvoffload.validation import raise_problems
 
 log = logging.getLogger("kvoffload.p2p")
 
@@ -139,29 +140,37 @@ class P2PTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     replay_timeout_s: Seconds = 5.0
 
     def __post_init__(self) -> None:
+        problems = []
         for i, p in enumerate(self.peers):
-            parse_peer(p, f"peers[{i}]")
-        event_sources(self.peer_events, "peer_events")
+            try:
+                parse_peer(p, f"peers[{i}]")
+            except ValueError as e:
+                problems.append(str(e))
+        try:
+            event_sources(self.peer_events, "peer_events")
+        except ValueError as e:
+            problems.append(str(e))
         if self.lease_ttl_s < 5 * self.transfer_deadline_s:
-            raise ValueError(
+            problems.append(
                 f"lease_ttl_s ({self.lease_ttl_s}) must be at least 5x transfer_deadline_s "
                 f"({self.transfer_deadline_s}): a lease must outlive every transfer of it"
             )
         if self.heartbeat_s >= self.peer_timeout_s:
-            raise ValueError(
+            problems.append(
                 f"heartbeat_s ({self.heartbeat_s}) must be below peer_timeout_s "
                 f"({self.peer_timeout_s})"
             )
         if self.host in ("0.0.0.0", "::") and not self.advertise_host:
-            raise ValueError(
+            problems.append(
                 f"advertise_host: required when host is {self.host!r} (peers must be told an "
                 "address they can reach)"
             )
         if self.auth == "none" and not _is_loopback(self.host):
-            raise ValueError(
+            problems.append(
                 f'auth: "none" is accepted only on a loopback host, not {self.host!r}; set '
                 f"secret or the {self.secret_env} environment variable"
             )
+        raise_problems(problems)
 
 
 def _is_loopback(host: str) -> bool:

@@ -61,6 +61,7 @@ from kvoffload.tiers.capacity import Capacity
 from kvoffload.tiers.resources import TierResources, weak_callback
 from kvoffload.tiers.verdicts import VerdictCache
 from kvoffload.tiers.workerpool import PoolTask, WorkerPool
+from kvoffload.validation import ConfigIssue, RenamedWithErrors
 from kvoffload.workers.ioconfig import IOConfig, encode_io_config
 
 log = logging.getLogger("kvoffload.tiers")
@@ -187,28 +188,33 @@ class ProcessTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
             ``(body with our names, our name -> the name as written)``.
 
         Raises:
-            ConfigError: a setting given under both names.
+            RenamedWithErrors: a setting given under both names (the other keys renamed).
         """
         renamed: dict[str, str] = {}
+        issues: list[ConfigIssue] = []
         body = dict(body)
-        apply_aliases(body, cls.vllm_aliases, where, renamed)
+        apply_aliases(body, cls.vllm_aliases, where, renamed, issues=issues)
+        if issues:
+            raise RenamedWithErrors(issues, body, renamed)
         return body, renamed
 
     def io_threads_for(self, total: int | None, workers: int) -> int:
         """I/O threads per worker of one side: ``ceil(total / workers)``, or ``io_threads``."""
         return self.io_threads if total is None else -(-total // workers)
 
-    def check_io_threads(self, read_workers: int, write_workers: int) -> None:
-        """Raises ValueError (``"<key>: <why>"``) when a side needs over 64 threads a worker."""
+    def io_thread_problems(self, read_workers: int, write_workers: int) -> list[str]:
+        """``"<key>: <why>"`` for each side that needs over 64 threads a worker."""
+        problems = []
         for key, total, workers, wkey in (
             ("read_io_threads", self.read_io_threads, read_workers, "read_workers"),
             ("write_io_threads", self.write_io_threads, write_workers, "write_workers"),
         ):
             if total is not None and self.io_threads_for(total, workers) > 64:
-                raise ValueError(
+                problems.append(
                     f"{key}: {total} threads over {workers} {wkey} is more than 64 "
                     f"a worker; raise {wkey}"
                 )
+        return problems
 
 
 class _Job:

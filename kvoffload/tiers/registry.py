@@ -5,12 +5,14 @@
     {"type": "fs", "name": "nvme", "root_dir": ...}
         │ type (+ module_path) ──▶ tier_class() ──▶ BUILTIN_TIERS[type] or <module_path>.<type>
         │ the other keys ─────────▶ cls.config_class (a msgspec struct, forbid_unknown_fields)
-        ▼                              (vLLM's key names renamed first, then validate())
+        ▼                              (vLLM's key names renamed first, then validate(), then
+        │                               check_on_this_machine())
     TierSpec(name="nvme", type="fs", module_path=None, config=FsTierConfig(...))
 
 Every entry is parsed once, by :func:`kvoffload.config.parse_config` (the engine builds tiers from
 the :class:`TierSpec` objects, see :func:`kvoffload.tiers.create_tier`), so a bad entry is an error
-naming its key before any process or segment exists. A new built-in tier is one entry in
+naming its key before any process or segment exists; every error of an entry is reported, not only
+the first (:func:`parse_tier_entry`). A new built-in tier is one entry in
 :data:`BUILTIN_TIERS`; an out-of-tree tier needs none: ``{"type": "<ClassName>", "module_path":
 "<module>"}`` names it.
 
@@ -31,10 +33,14 @@ import msgspec
 from kvoffload.tiers.base import SecondaryTierManager
 from kvoffload.validation import (
     ConfigError,
+    ConfigIssue,
+    RenamedWithErrors,
+    check_issues,
     closest,
-    convert,
+    convert_all,
     import_user_module,
-    name_given_keys,
+    name_given_key,
+    problems_of,
 )
 
 BUILTIN_TIERS: dict[str, str] = {
@@ -101,42 +107,94 @@ def tier_class(type_name: str, module_path: str | None, where: str) -> type[Seco
 
 
 def parse_tier_config(raw: dict[str, Any], where: str) -> TierSpec:
-    """Validate one ``secondary_tiers`` entry.
+    """Validate one ``secondary_tiers`` entry (:func:`parse_tier_entry`, raising its errors).
+
+    Raises:
+        ConfigError: every error found, each naming its key path (a vLLM key name as written).
+    """
+    spec, issues = parse_tier_entry(raw, where)
+    if issues or spec is None:
+        raise ConfigError(issues or [ConfigIssue(where, "cannot be read")])
+    return spec
+
+
+def parse_tier_entry(
+    raw: Any, where: str, *, this_machine: bool = True
+) -> tuple[TierSpec | None, list[ConfigIssue]]:
+    """Validate one ``secondary_tiers`` entry and report every error of it.
+
+    Steps: ``type`` (+ ``module_path``) resolves the tier class; its config struct's
+    ``from_vllm_keys`` hook (optional) renames vLLM's key names; :func:`convert_all` checks the keys;
+    the struct's ``validate()`` (optional; :class:`~kvoffload.validation.Problems` for several)
+    checks settings that depend on each other; with ``this_machine``, its
+    ``check_on_this_machine()`` (optional, a list of ``"<key>: <why>"``) checks them against this
+    machine (an fs ``root_dir``: a directory, writable), as the engine does at start.
 
     Args:
         raw: the entry as written (``{"type": ..., "name": ..., "module_path": ..., <settings>}``).
         where: its key path for error messages (``kv_connector_extra_config.secondary_tiers[0]``).
+        this_machine: run ``check_on_this_machine()`` (``kvoffload check --syntax-only`` does not,
+            and runs it itself to report it as a check of this machine).
 
     Returns:
-        The entry's :class:`TierSpec`.
-
-    Raises:
-        ConfigError: naming the key path (a vLLM key name as written).
+        ``(spec, issues)``: spec is None when no config could be built (no type, an unknown one);
+        otherwise its config holds the valid keys (see :func:`convert_all`). Issues name the keys
+        as written (a vLLM alias as such).
     """
     if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: expected an object with a 'type', got {type(raw).__name__}")
+        return None, [
+            ConfigIssue(where, f"expected an object with a 'type', got {type(raw).__name__}")
+        ]
     body = dict(raw)
     type_name = body.pop("type", None)
     if not isinstance(type_name, str):
-        raise ConfigError(f"{where}.type: required, a string such as 'fs'")
+        return None, [
+            ConfigIssue(
+                f"{where}.type",
+                "required, a string such as 'fs' (the entry's other keys are checked once it "
+                "names its type)",
+            )
+        ]
+    issues: list[ConfigIssue] = []
     module_path = body.pop("module_path", None)
     name = body.pop("name", type_name)
     if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
-        raise ConfigError(f"{where}.name: 1-40 characters of [A-Za-z0-9_.-], got {name!r}")
-    cls = tier_class(type_name, module_path, where)
+        issues.append(
+            ConfigIssue(f"{where}.name", f"1-40 characters of [A-Za-z0-9_.-], got {name!r}")
+        )
+        name = type_name
+    try:
+        cls = tier_class(type_name, module_path, where)
+    except ConfigError as e:
+        return None, [*issues, *e.errors]
     config_class = cls.config_class
     renamed: dict[str, str] = {}
     from_vllm = getattr(config_class, "from_vllm_keys", None)
     if from_vllm is not None:
-        body, renamed = from_vllm(body, where)
-    try:
-        config = convert(body, config_class, where)
-    except ConfigError as e:
-        raise ConfigError(name_given_keys(str(e), where, renamed)) from None
+        try:
+            body, renamed = from_vllm(body, where)
+        except RenamedWithErrors as e:
+            issues += e.errors
+            body, renamed = e.body, e.renamed
+        except ConfigError as e:
+            return None, [*issues, *e.errors]
+    config, own = convert_all(body, config_class, where)
+    if config is None:
+        return None, [*issues, *(name_given_key(i, where, renamed) for i in own)]
+    problems: list[str] = []
+    stood_in = type(config) is not config_class  # required keys missing: None stands in
     validate = getattr(config, "validate", None)
     if validate is not None:
         try:
             validate()
         except ValueError as e:
-            raise ConfigError(name_given_keys(f"{where}.{e}", where, renamed)) from None
-    return TierSpec(name=name, type=type_name, module_path=module_path, config=config)
+            problems += problems_of(e)
+        except (TypeError, AttributeError):
+            if not stood_in:  # else a check tripped over a stand-in of a key already reported
+                raise
+    machine = getattr(config, "check_on_this_machine", None) if this_machine else None
+    if machine is not None and not stood_in:
+        problems += machine()
+    check_issues(own, problems, where, config_class)
+    issues += [name_given_key(i, where, renamed) for i in own]
+    return TierSpec(name=name, type=type_name, module_path=module_path, config=config), issues

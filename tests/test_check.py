@@ -1,0 +1,581 @@
+"""``kvoffload check``: every error at once (each with its key path), keys given twice, the whole
+``--kv-transfer-config`` object, and what it checks beyond the file, each with its scope: this
+machine (a real /dev/shm, real directories, a real tmpfs, this process's environment), a model
+directory (``--model``), and endpoints (``--online``: a real S3 server on loopback, a closed port,
+a real listening socket); tables that a pipe gets unfolded.
+
+Each test runs the command as a user would (in-process through click, or as a process on a pipe or
+a terminal) and asserts what the user sees: the error's key path and text, the exit status.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+from s3 import Nanio, free_port, new_bucket, obj_tier, start_moto
+
+from kvoffload.config import ConfigError, parse_config
+from kvoffload.namespace import Namespace
+from kvoffload.tools import config_check
+from kvoffload.tools.cli import main
+
+EXTRA = "kv_connector_extra_config"
+SPEC = {"spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.vllm"}
+# SmolLM2-135M's shape: 2 (K, V) x 30 layers x 3 KV heads x 64 head dim x 2 bytes = 23,040 bytes a
+# token; a chunk of one 16-token block is 368,640 bytes (a multiple of the page size).
+SMOLLM2 = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "dtype": "bfloat16",
+    "hidden_size": 576,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "num_hidden_layers": 30,
+    "max_position_embeddings": 8192,
+}
+CHUNK = 368_640
+
+
+def run_check(tmp_path, config, *args, env=None):
+    """``kvoffload check FILE ARGS`` on ``config`` (a dict, or the file's text)."""
+    path = tmp_path / "extra.json"
+    path.write_text(config if isinstance(config, str) else json.dumps(config))
+    return CliRunner().invoke(main, ["check", str(path), *args], env=env or {})
+
+
+def checks(output: str) -> list[tuple[str, str, str, str]]:
+    """``(key, check, scope, result)`` rows of the checks table."""
+    rows = []
+    for line in output.splitlines():
+        cells = [c.strip() for c in line.strip("│┃ ").split("│")]
+        if len(cells) == 4 and cells[0] != "key":
+            rows.append(tuple(cells))
+    return rows
+
+
+def row(output: str, key: str, check: str) -> tuple[str, str]:
+    """``(scope, result)`` of the one check named ``check`` about ``key``."""
+    found = [(s, r) for k, c, s, r in checks(output) if k == key and c == check]
+    assert len(found) == 1, (key, check, checks(output))
+    return found[0]
+
+
+def error_lines(result) -> list[str]:
+    """The errors listed on stderr, one ``path: message`` each."""
+    return [line.strip() for line in result.stderr.splitlines()[1:]]
+
+
+# -- every error at once ---------------------------------------------------------------------------
+
+
+def test_every_error_of_a_config_is_listed_at_once_each_with_its_key_path(tmp_path):
+    """Errors at the top level and in two tiers, and a key given twice, are all reported in one
+    run (fixing one no longer reveals the next), in document order, each once; exit status 1."""
+    text = json.dumps(
+        {
+            **SPEC,
+            "cpu_bytes_to_use": "8GB",
+            "evicton_policy": "arc",
+            "secondary_tiers": [
+                {
+                    "type": "fs",
+                    "root_dir": str(tmp_path / "kv"),
+                    "max_bytes": "1GB",
+                    "io_threads": 0,
+                },
+                {"type": "memory", "max_bytes": 1 << 20},
+                {"type": "p2p", "peers": ["node-b"], "heartbeat_s": 5},
+            ],
+        }
+    )
+    text = text.replace('"type": "memory",', '"type": "memory", "name": "m", "name": "mem",')
+    res = run_check(tmp_path, text)
+    assert res.exit_code == 1, res.output
+    assert res.stderr.splitlines()[0] == f"Error: {tmp_path / 'extra.json'}: 7 error(s)"
+    errors = error_lines(res)
+    t = f"{EXTRA}.secondary_tiers"
+    assert errors == [
+        f"{t}[1].name: given 2 times: only the last one counts, silently (here and when vLLM "
+        "reads it); keep one",
+        f"{EXTRA}.cpu_bytes_to_use: a size in bytes, as an integer, not the string '8GB' "
+        "(8 GiB is 8589934592, 8 GB is 8000000000)",
+        f"{EXTRA}: unknown key 'evicton_policy' (did you mean 'eviction_policy'?); allowed keys: "
+        + errors[2].split("allowed keys: ")[1],
+        f"{t}[0].max_bytes: a size in bytes, as an integer, not the string '1GB' (1 GiB is "
+        '1073741824, 1 GB is 1000000000); also allowed: "unbounded", null (auto: 50% of the free '
+        "space on root_dir's filesystem at start, plus this namespace's chunks there)",
+        f"{t}[0].io_threads: Expected `int` >= 1",
+        f"{t}[2].peers[0]: 'node-b' is not host:port (port 1-65535)",
+        f"{t}[2].heartbeat_s: heartbeat_s (5.0) must be below peer_timeout_s (2.0)",
+    ]
+    # what could not be checked because of them says so
+    assert row(res.stdout, "cpu_bytes_to_use", "host tier fits /dev/shm") == (
+        "not checked",
+        "cpu_bytes_to_use has an error",
+    )
+
+
+def test_parse_config_at_engine_start_raises_one_error_listing_all_first_first(tmp_path):
+    """The engine's parse (no checks of the machine beyond today's) lists every error in one
+    ConfigError, the first one first; each is also there as a key path and a message, and the
+    whole survives pickling (vLLM's engine core sends it between processes)."""
+    import pickle
+
+    raw = {
+        "cpu_bytes_to_use": 0,
+        "tier_pin_fraction": 2,
+        "secondary_tiers": [{"type": "fs"}, {"type": "obj", "bucket": "b", "io_workers": 0}],
+    }
+    with pytest.raises(ConfigError) as e:
+        parse_config(raw)
+    t = f"{EXTRA}.secondary_tiers"
+    assert [(i.path, i.message) for i in e.value.errors] == [
+        (f"{EXTRA}.cpu_bytes_to_use", "Expected `int` >= 1"),
+        (f"{EXTRA}.tier_pin_fraction", "Expected `float` <= 1.0"),
+        (f"{t}[0].root_dir", "required, and missing"),
+        (f"{t}[1].io_workers", "Expected `int` >= 1"),
+    ]
+    assert str(e.value).splitlines() == [
+        f"{EXTRA}.cpu_bytes_to_use: Expected `int` >= 1",
+        "and 3 more errors:",
+        f"  {EXTRA}.tier_pin_fraction: Expected `float` <= 1.0",
+        f"  {t}[0].root_dir: required, and missing",
+        f"  {t}[1].io_workers: Expected `int` >= 1",
+    ]
+    assert pickle.loads(pickle.dumps(e.value)).errors == e.value.errors
+    # the root_dir checks of this machine still run at start, as before
+    (tmp_path / "a-file").write_text("")
+    bad_root = {"cpu_bytes_to_use": 1 << 20, "secondary_tiers": [{"type": "fs"}]}
+    bad_root["secondary_tiers"][0]["root_dir"] = str(tmp_path / "a-file")
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\]\.root_dir: .* is not a directory"):
+        parse_config(bad_root)
+
+
+def test_a_key_given_twice_is_an_error_naming_its_path(tmp_path):
+    text = (
+        '{"spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.vllm", '
+        '"cpu_bytes_to_use": 1048576, "secondary_tiers": [{"type": "memory", '
+        '"max_bytes": 1000, "max_bytes": 2000, "max_bytes": 3000}]}'
+    )
+    res = run_check(tmp_path, text)
+    assert res.exit_code == 1, res.output
+    assert error_lines(res) == [
+        f"{EXTRA}.secondary_tiers[0].max_bytes: given 3 times: only the last one counts, "
+        "silently (here and when vLLM reads it); keep one"
+    ]
+
+
+def test_invalid_config_as_json_is_an_object_of_its_errors(tmp_path):
+    res = run_check(tmp_path, {**SPEC, "cpu_bytes_to_use": "1GiB", "block_size": 0}, "--json")
+    assert res.exit_code == 1
+    doc = json.loads(res.stdout)
+    assert doc["valid"] is False and doc["form"] == EXTRA
+    assert doc["errors"] == [
+        {
+            "path": f"{EXTRA}.cpu_bytes_to_use",
+            "message": "a size in bytes, as an integer, not the string '1GiB' (1 GiB is 1073741824)",
+            "scope": "syntax",
+        },
+        {"path": f"{EXTRA}.block_size", "message": "Expected `int` >= 1", "scope": "syntax"},
+    ]
+    assert {c["scope"] for c in doc["checks"]} >= {"syntax", "not checked"}
+
+
+# -- the whole --kv-transfer-config object ---------------------------------------------------------
+
+
+def test_the_whole_kv_transfer_config_object_is_checked_as_far_as_kvoffload_knows_it(tmp_path):
+    inner = {**SPEC, "cpu_bytes_to_use": 1 << 20}
+    whole = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}
+    res = run_check(tmp_path, {**whole, "kv_connector_extra_config": inner})
+    assert res.exit_code == 0, res.output
+    assert re.search(r"│ cpu_bytes_to_use +│ 1048576 +│ set", res.stdout)  # the inner settings
+    assert row(res.stdout, "kv_transfer_config.kv_connector", "connector")[1].startswith("ok")
+    # a connector that never loads kvoffload, a missing role, an unknown outer key, and an
+    # error of the inner object: all named, the inner one by its own path
+    res = run_check(
+        tmp_path,
+        {
+            "kv_connector": "LMCacheConnectorV1",
+            "kv_buffer_devce": "cpu",
+            "kv_connector_extra_config": {**inner, "cpu_bytes_to_use": -1},
+        },
+    )
+    assert res.exit_code == 1, res.output
+    errors = error_lines(res)
+    assert errors[0].startswith(
+        "kv_transfer_config.kv_connector: 'LMCacheConnectorV1': kvoffload's spec is loaded only "
+        "by vLLM's OffloadingConnector"
+    )
+    assert errors[1].startswith("kv_transfer_config.kv_role: not given: vLLM needs one of")
+    assert errors[2] == f"{EXTRA}.cpu_bytes_to_use: Expected `int` >= 1"
+    assert row(res.stdout, "kv_transfer_config.kv_buffer_devce", "vLLM key")[1].startswith(
+        "warning: not a key of vLLM's KVTransferConfig as kvoffload knows it (did you mean "
+        "'kv_buffer_device'?)"
+    )
+    # without spec_name vLLM loads its own CPUOffloadingSpec: an error in the whole object
+    res = run_check(tmp_path, {**whole, "kv_connector_extra_config": {"cpu_bytes_to_use": 4096}})
+    assert res.exit_code == 1
+    assert error_lines(res) == [
+        f"{EXTRA}.spec_name: not given: vLLM then loads its own CPUOffloadingSpec, which does "
+        'not read kvoffload\'s keys; add "spec_name": "KVOffloadSpec", "spec_module_path": '
+        '"kvoffload.vllm"'
+    ]
+
+
+# -- this machine ----------------------------------------------------------------------------------
+
+
+def test_a_host_tier_larger_than_dev_shm_is_an_error_and_one_past_its_free_space_a_warning(
+    tmp_path,
+):
+    st = os.statvfs("/dev/shm")
+    size = st.f_blocks * st.f_frsize
+    res = run_check(tmp_path, {**SPEC, "cpu_bytes_to_use": 2 * size})
+    assert res.exit_code == 1, res.output
+    (error,) = error_lines(res)
+    assert error.startswith(f"{EXTRA}.cpu_bytes_to_use: the host arena needs ")
+    assert "more than its whole size here" in error and "lower cpu_bytes_to_use" in error
+    ok = run_check(tmp_path, {**SPEC, "cpu_bytes_to_use": 1 << 20})
+    assert ok.exit_code == 0
+    assert row(ok.stdout, "cpu_bytes_to_use", "host tier fits /dev/shm")[0] == "this machine"
+    # --syntax-only: a config for another machine
+    res = run_check(tmp_path, {**SPEC, "cpu_bytes_to_use": 2 * size}, "--syntax-only")
+    assert res.exit_code == 0, res.output
+    assert row(res.stdout, EXTRA, "/dev/shm, fs roots, p2p secrets") == (
+        "not checked",
+        "--syntax-only (a config for another machine)",
+    )
+
+
+def test_a_host_tier_past_the_free_space_of_its_shm_now_is_a_warning():
+    """/dev/shm as large as needed but already partly used: the engine would fail if started
+    now (a warning: it may be freed by then). A tmpfs of its own stands for /dev/shm."""
+    from kvoffload.tools.stress_faults import FaultError, small_tmpfs
+
+    try:
+        mount = small_tmpfs(4 << 20)
+        mnt = mount.__enter__()
+    except FaultError as e:
+        pytest.skip(f"needs a small tmpfs of its own (root, mount permitted): {e}")
+    try:
+        with open(os.path.join(mnt, "other-engine"), "wb") as f:
+            f.write(b"\0" * (3 << 20))
+        text = json.dumps({**SPEC, "cpu_bytes_to_use": 2 << 20})
+        report = config_check.check_text(text, "x.json", config_check.Options(shm_dir=mnt)).report
+        (c,) = [c for c in report.checks if c.check == "host tier fits /dev/shm"]
+        assert (c.scope, c.result) == ("this machine", "warning")
+        assert "free now" in c.detail and "`kvoffload sweep` removes arenas of dead" in c.detail
+        assert not report.errors
+    finally:
+        mount.__exit__(None, None, None)
+
+
+def test_a_p2p_tier_without_its_secret_in_this_environment_is_a_warning(tmp_path):
+    cfg = {**SPEC, "cpu_bytes_to_use": 1 << 20, "secondary_tiers": [{"type": "p2p"}]}
+    res = run_check(tmp_path, cfg, env={"KVOFFLOAD_P2P_SECRET": None})
+    assert res.exit_code == 0, res.output  # a warning: the server's environment may differ
+    scope, result = row(res.stdout, "secondary_tiers[0].secret_env", "p2p secret")
+    assert scope == "this machine"
+    assert result.startswith(
+        "warning: KVOFFLOAD_P2P_SECRET is not set in this environment and secret is not given: "
+        "an engine started with this environment stops at start"
+    )
+    assert "extra.json: valid, 1 warning(s) (see checks)\n" in res.stdout
+    res = run_check(tmp_path, cfg, env={"KVOFFLOAD_P2P_SECRET": "s3cr3t"})
+    assert row(res.stdout, "secondary_tiers[0].secret_env", "p2p secret")[1] == (
+        "ok: KVOFFLOAD_P2P_SECRET is set in this environment (the server's may differ)"
+    )
+    assert "s3cr3t" not in res.output
+
+
+def test_fs_roots_relative_not_a_directory_and_past_the_floor(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("")
+    cfg = {
+        **SPEC,
+        "cpu_bytes_to_use": 1 << 20,
+        "secondary_tiers": [
+            {"type": "fs", "name": "rel", "root_dir": "kv"},
+            {"type": "fs", "name": "file", "root_dir": str(tmp_path / "a-file")},
+            {
+                "type": "fs",
+                "name": "full",
+                "root_dir": str(tmp_path / "kv2"),
+                "min_free_fraction": 0.99,
+            },
+        ],
+    }
+    res = run_check(tmp_path, cfg)
+    assert res.exit_code == 1, res.output
+    assert error_lines(res) == [
+        f"{EXTRA}.secondary_tiers[1].root_dir: '{tmp_path / 'a-file'}' exists and is not a directory"
+    ]
+    assert row(res.stdout, "secondary_tiers[0].root_dir", "root_dir absolute") == (
+        "this machine",
+        f"warning: 'kv' is relative: the engine resolves it against the server's working "
+        f"directory (from here: {tmp_path / 'kv'}); give an absolute path",
+    )
+    scope, result = row(res.stdout, "secondary_tiers[2].root_dir", "free space above the floor")
+    assert result.startswith("warning: ") and "below its free-space floor" in result
+    # the same file on another machine: only its syntax
+    res = run_check(tmp_path, cfg, "--syntax-only")
+    assert res.exit_code == 0, res.output
+
+
+# -- the chunk size ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(SMOLLM2))
+    return d
+
+
+def test_a_host_tier_below_one_chunk_of_the_model_is_an_error(tmp_path, model_dir):
+    res = run_check(tmp_path, {**SPEC, "cpu_bytes_to_use": 100_000}, "--model", str(model_dir))
+    assert res.exit_code == 1, res.output
+    assert error_lines(res) == [
+        f"{EXTRA}.cpu_bytes_to_use: 100000 bytes cannot hold one chunk of {CHUNK} bytes (16 "
+        "tokens: blocks_per_chunk 1 x engine block size 16, vLLM's default on GPUs "
+        "(--block-size); x 2 (K, V) x 30 layers x 3 KV heads x 64 head dim x 2 bytes (bfloat16)): "
+        f"the engine would refuse to start; raise cpu_bytes_to_use to at least {CHUNK}"
+    ]
+    # the engine's block size as served, and the longest request
+    res = run_check(
+        tmp_path,
+        {**SPEC, "cpu_bytes_to_use": 10 * CHUNK, "blocks_per_chunk": 2},
+        "--model",
+        str(model_dir),
+        "--block-size",
+        "8",
+    )
+    assert res.exit_code == 0, res.output
+    assert row(res.stdout, "cpu_bytes_to_use", "host tier holds one chunk") == (
+        "model",
+        f"ok: 10 chunks of {CHUNK} bytes (16 tokens each)",
+    )
+    assert row(res.stdout, "cpu_bytes_to_use", "host tier holds the longest request") == (
+        "model",
+        "warning: the host tier holds 160 tokens, fewer than 8192 (the model's "
+        "max_position_embeddings): a longer request is offloaded only up to what fits; "
+        f"cpu_bytes_to_use {512 * CHUNK} holds one request of that length",
+    )
+    res = run_check(
+        tmp_path,
+        {**SPEC, "cpu_bytes_to_use": 10 * CHUNK},
+        "--model",
+        str(model_dir),
+        "--max-model-len",
+        "160",
+    )
+    assert row(res.stdout, "cpu_bytes_to_use", "host tier holds the longest request")[1] == (
+        "ok: 160 tokens, at least 160 (--max-model-len)"
+    )
+
+
+def test_the_chunk_size_of_an_mla_model_cannot_be_told_and_says_so(tmp_path, model_dir):
+    (model_dir / "config.json").write_text(json.dumps({**SMOLLM2, "kv_lora_rank": 512}))
+    res = run_check(tmp_path, {**SPEC, "cpu_bytes_to_use": 4096}, "--model", str(model_dir))
+    assert res.exit_code == 0, res.output
+    assert row(res.stdout, "cpu_bytes_to_use", "host tier holds one chunk") == (
+        "not checked",
+        "the KV size cannot be told from --model: an MLA model (kv_lora_rank): its KV is a "
+        "compressed latent per token",
+    )
+    res = run_check(tmp_path, {**SPEC, "cpu_bytes_to_use": 4096}, "--model", str(tmp_path))
+    assert res.exit_code == 2 and "cannot read" in res.output and "config.json" in res.output
+
+
+def test_the_chunk_size_of_a_namespace_already_in_an_fs_root_is_checked(tmp_path):
+    root = tmp_path / "kv"
+    ns = Namespace(
+        model="org/model",
+        kv_dtype="bfloat16",
+        layout="raw-v1",
+        tokens_per_chunk=16,
+        row_bytes=CHUNK,
+    )
+    (root / ns.id()).mkdir(parents=True)
+    (root / ns.id() / "config.json").write_bytes(ns.to_json())
+    cfg = {
+        **SPEC,
+        "cpu_bytes_to_use": 100_000,
+        "secondary_tiers": [{"type": "fs", "root_dir": str(root)}],
+    }
+    res = run_check(tmp_path, cfg)
+    assert res.exit_code == 0, res.output  # the root may serve another model next: a warning
+    scope, result = row(res.stdout, "cpu_bytes_to_use", "host tier holds one chunk")
+    assert scope == "this machine"
+    assert result == (
+        f"warning: 100000 bytes cannot hold one chunk of namespace {ns.id()} in {root} (model "
+        f"org/model): chunks of {CHUNK} bytes (16 tokens): an engine serving that model again "
+        f"would refuse to start; raise cpu_bytes_to_use to at least {CHUNK}"
+    )
+
+
+# -- online ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def moto():
+    srv, endpoint = start_moto()
+    yield endpoint
+    srv.stop()
+
+
+def test_online_reaches_each_bucket_and_peer_and_says_whether_they_answer(tmp_path, moto):
+    closed = free_port()  # nothing listens there
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    listening.listen()
+    peer_port = listening.getsockname()[1]
+    try:
+        cfg = {
+            **SPEC,
+            "cpu_bytes_to_use": 1 << 20,
+            "secondary_tiers": [
+                obj_tier(moto, new_bucket(moto), name="there"),
+                obj_tier(moto, "no-such-bucket", name="missing"),
+                obj_tier(f"http://127.0.0.1:{closed}", "b", name="refused"),
+                {
+                    "type": "p2p",
+                    "auth": "none",
+                    "peers": [f"127.0.0.1:{peer_port}", f"127.0.0.1:{closed}"],
+                },
+            ],
+        }
+        offline = run_check(tmp_path, cfg)
+        assert offline.exit_code == 0, offline.output
+        assert row(offline.stdout, "secondary_tiers[2].bucket", "bucket answers") == (
+            "not checked",
+            f"--online reaches http://127.0.0.1:{closed} from here",
+        )
+        res = run_check(tmp_path, cfg, "--online")
+    finally:
+        listening.close()
+    assert res.exit_code == 1, res.output
+    t = "secondary_tiers"
+    assert row(res.stdout, f"{t}[0].bucket", "bucket answers")[0] == "online"
+    assert row(res.stdout, f"{t}[0].bucket", "bucket answers")[1].startswith("ok: ")
+    errors = error_lines(res)
+    assert errors[0] == (
+        f"{EXTRA}.{t}[1].bucket: 'no-such-bucket' does not exist at {moto} (from here, now): "
+        "the engine would stop at start"
+    )
+    assert errors[1].startswith(
+        f"{EXTRA}.{t}[2].endpoint_override: cannot use http://127.0.0.1:{closed} for bucket 'b'"
+    )
+    assert len(errors) == 2
+    only = "only reachability is checked, not the shared secret"
+    assert row(res.stdout, f"{t}[3].peers[0]", "peer answers") == (
+        "online",
+        f"ok: 127.0.0.1:{peer_port} accepts a TCP connection; {only}",
+    )
+    scope, result = row(res.stdout, f"{t}[3].peers[1]", "peer answers")
+    assert result.startswith(f"warning: 127.0.0.1:{closed} does not answer from here (")
+    assert only in result
+
+
+@pytest.mark.slow
+def test_online_names_refused_credentials_without_showing_them(tmp_path):
+    """A SigV4 server (moto checks no signature): a wrong secret is refused, named by key."""
+    server = Nanio(str(tmp_path / "nanio-data"))
+    try:
+        tier = obj_tier(server.endpoint, new_bucket(server.endpoint), secret_access_key="wrong-one")
+        res = run_check(
+            tmp_path, {**SPEC, "cpu_bytes_to_use": 1 << 20, "secondary_tiers": [tier]}, "--online"
+        )
+    finally:
+        server.stop()
+    assert res.exit_code == 1, res.output
+    (error,) = error_lines(res)
+    assert error.startswith(
+        f"{EXTRA}.secondary_tiers[0].access_key_id: the credentials were refused by "
+        f"{server.endpoint} for bucket "
+    )
+    assert "wrong-one" not in res.output
+
+
+# -- output ----------------------------------------------------------------------------------------
+
+
+def _long_root(tmp_path) -> str:
+    root = tmp_path / ("a-directory-with-a-long-name-" * 4) / "kv-cache-root"
+    root.mkdir(parents=True)
+    return str(root)
+
+
+def test_tables_on_a_pipe_are_not_folded_so_paths_copy_whole(tmp_path):
+    root = _long_root(tmp_path)
+    ns = Namespace(
+        model="m", kv_dtype="bfloat16", layout="raw-v1", tokens_per_chunk=16, row_bytes=4096
+    )
+    os.makedirs(os.path.join(root, ns.id()))
+    with open(os.path.join(root, ns.id(), "config.json"), "wb") as f:
+        f.write(ns.to_json())
+    path = tmp_path / "extra.json"
+    path.write_text(
+        json.dumps(
+            {
+                **SPEC,
+                "cpu_bytes_to_use": 1 << 20,
+                "secondary_tiers": [{"type": "fs", "root_dir": root}],
+            }
+        )
+    )
+    for args in (["check", str(path)], ["inspect", root]):
+        out = subprocess.run(
+            [sys.executable, "-m", "kvoffload.tools.cli", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "COLUMNS": "80"},
+        )
+        assert out.returncode == 0, out.stderr
+        assert any(root in line for line in out.stdout.splitlines()), out.stdout
+    # a terminal keeps today's look: folded to its width
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvoffload.tools.cli", "check", str(path)],
+        stdout=slave,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "COLUMNS": "80", "TERM": "dumb"},
+    )
+    os.close(slave)
+    data = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: the command closed the terminal
+            break
+        if not chunk:
+            break
+        data += chunk
+    os.close(master)
+    assert proc.wait(timeout=120) == 0, proc.stderr.read()
+    proc.stderr.close()
+    lines = data.decode().splitlines()
+    assert lines and max(len(line) for line in lines) <= 80
+    assert not any(root in line for line in lines)  # folded
+
+
+def test_help_says_the_exit_statuses():
+    res = CliRunner().invoke(main, ["check", "--help"])
+    assert res.exit_code == 0
+    text = " ".join(res.output.split())
+    assert (
+        "Exit status: 0 no error (warnings are printed, and do not change it); 1 at least one"
+        in text
+    )

@@ -23,6 +23,7 @@ import sys
 import click
 
 from kvoffload import __version__
+from kvoffload.tools import stdout_console
 from kvoffload.tools.extras import EXTRA_MODULES, missing_modules, require
 
 #: Commands whose modules are imported only when the command runs: ``name -> (module:attribute,
@@ -303,7 +304,7 @@ def check(
         return
     from kvoffload.tools.config_table import render
 
-    console = _console()
+    console = stdout_console()
     if valid:
         assert parsed is not None and parsed.config is not None
         render(checked.extra_config, parsed.config, console, title=f"{config_file.name}: settings")
@@ -316,16 +317,6 @@ def check(
     lines = [f"{config_file.name}: {len(errors)} error(s)"]
     lines += [f"  {c.path}: {c.detail}" for c in errors]
     raise click.ClickException("\n".join(lines))
-
-
-def _console():
-    """A rich Console for stdout: today's look on a terminal; on a pipe or a file no width to
-    fit, so no line is folded and a path copied from the output stays whole."""
-    from rich.console import Console
-
-    if sys.stdout.isatty():
-        return Console()
-    return Console(width=100_000)
 
 
 @main.command("inspect")
@@ -351,7 +342,7 @@ def inspect_tier(target: str, as_json: bool, endpoint_url: str | None, region: s
     if as_json:
         click.echo(tier_inspect.to_json(report))
         return
-    tier_inspect.render(report, _console())
+    tier_inspect.render(report, stdout_console())
 
 
 def _bad_input(message: str):

@@ -41,7 +41,7 @@ from kvoffload.ipc.arena import Arena, ArenaError, round_up_to_page, sweep
 from kvoffload.namespace import Namespace
 from kvoffload.tiering import HOST, TieringManager
 from kvoffload.tiers.base import LookupResult
-from kvoffload.tools import scratch_fs_tier
+from kvoffload.tools import scratch_fs_tier, stdout_console
 from kvoffload.tools.extras import require
 
 _HIT, _MISS, _PENDING, _RETRY = (
@@ -815,7 +815,7 @@ def stress(
         out["ok"] = rep.ok
         click.echo(json.dumps(out, indent=2))
     else:
-        _print_summary(rep, Console())
+        _print_summary(rep, stdout_console())
     sys.exit(0 if rep.ok else 1)
 
 

@@ -135,9 +135,9 @@ def sweep_roots(
         InspectError: a root is missing or not a tier root (roots before it were swept).
         ValueError: ``older_than_s`` <= 0.
     """
-    from rich.console import Console
+    from kvoffload.tools import stdout_console
 
-    console = Console(highlight=False)
+    console = stdout_console(highlight=False)
     age = fs_io.STALE_TEMP_AGE_S if older_than_s is None else older_than_s
     results = []
     for root in roots:

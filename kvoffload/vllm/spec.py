@@ -42,9 +42,10 @@ from kvoffload.vllm.compat import (
     OffloadingSpec,
     OffloadingWorker,
     calling_kv_cache_config,
-    current_model_config,
     drop_tolerated,
+    engine_vllm_config,
     event_block_hash,
+    max_model_len,
     nondeterministic_block_hashes,
 )
 from kvoffload.vllm.hybrid import group_layouts
@@ -64,6 +65,7 @@ def engine_namespace(
     model_revision: str | None,
     cache_salt: str,
     layouts: Sequence[GroupLayout] | None = None,
+    model_config: Any = None,
 ) -> Namespace:
     """The namespace of one vLLM engine's chunks (DESIGN.md §4, "Keys and namespaces").
 
@@ -76,17 +78,19 @@ def engine_namespace(
         cache_salt: the ``cache_salt`` setting.
         layouts: the groups' kinds and shapes (:func:`kvoffload.vllm.hybrid.group_layouts`,
             one per ``cfg.groups`` entry); None: each group ``unknown``, as big as a worker block.
+        model_config: the engine's vLLM ``ModelConfig`` (the ``model_config`` of
+            :func:`kvoffload.vllm.compat.engine_vllm_config`): its ``revision`` (``--revision``)
+            and KV-head count (canonical pages); None outside an engine.
     """
     import os
 
-    mc = current_model_config()
-    revision = getattr(mc, "revision", None) or model_revision
+    revision = getattr(model_config, "revision", None) or model_revision
     model = cfg.model.name
     path = os.path.realpath(model) if os.path.isdir(model) else None
     agnostic = bool(cfg.canonical_layout) and cfg.parallel.is_parallelism_agnostic
     # A canonical page holds every rank's heads: its size, not one worker's share, is the same
     # under every geometry (CASES C35).
-    page_copies = canonical_copies(cfg) if cfg.canonical_layout else 1
+    page_copies = canonical_copies(cfg, model_config) if cfg.canonical_layout else 1
     if layouts is None:
         layouts = group_layouts(cfg, None, blocks_per_chunk)
     groups = tuple(
@@ -120,7 +124,7 @@ def engine_namespace(
     )
 
 
-def canonical_copies(cfg: OffloadingConfig) -> int:
+def canonical_copies(cfg: OffloadingConfig, model_config: Any = None) -> int:
     """How many workers' pages of a block make one canonical page (vLLM's
     ``CanonicalPageMapping.canonical_page_size_bytes`` / ``local_page_size_bytes``), known on the
     scheduler side, before any worker has reported its mapping.
@@ -128,13 +132,15 @@ def canonical_copies(cfg: OffloadingConfig) -> int:
     Attention KV is split by heads across TP ranks: ``min(tp_size, total KV heads)`` distinct head
     shards (ranks beyond the head count hold replicas); an MLA latent is replicated on every rank
     (one shard). Context parallelism splits a block's tokens over ``dcp_size * pcp_size`` ranks.
-    Without a model config in this process (standalone use) the head count is unknown and every
-    TP rank is taken to hold its own heads. The worker checks the figure against its mappings
+    ``model_config`` is the engine's vLLM ``ModelConfig`` (the scheduler and every model-runner
+    rank must pass the same one: the figure sizes the rows of the arena they share); without one
+    (standalone use) the head count is unknown and every TP rank is taken to hold its own heads.
+    The worker checks the figure against its mappings
     (:class:`kvoffload.vllm.worker.KVOffloadWorker`) and refuses to start on a mismatch.
     """
     par = cfg.parallel
     tp = max(par.tp_size, 1)
-    mc = current_model_config()
+    mc = model_config
     if cfg.replicated_layout or getattr(mc, "use_mla", False):
         shards = 1
     else:
@@ -173,6 +179,12 @@ class KVOffloadSpec(OffloadingSpec):
         drop_tolerated(kwargs)
         logs.setup()
         super().__init__(config)
+        #: The engine's ``VllmConfig`` (None outside an engine): its model config, which vLLM's
+        #: current-config global does not give the scheduler process (compat.engine_vllm_config).
+        self.vllm_config = engine_vllm_config()
+        self.model_config = getattr(self.vllm_config, "model_config", None)
+        #: The longest request the engine accepts, in tokens (0: unknown).
+        self.max_model_len = max_model_len(config, self.vllm_config)
         self.settings: OffloadConfig = parse_config(dict(config.extra_config))
         for note in ineffective_vllm_keys(dict(config.extra_config)):
             if note not in _NOTED:
@@ -195,7 +207,7 @@ class KVOffloadSpec(OffloadingSpec):
         self.replicated = bool(config.replicated_layout) and not config.canonical_layout
         if config.canonical_layout:
             # One canonical area holding every rank's heads: the same row under any TP size.
-            num_copies = canonical_copies(config)
+            num_copies = canonical_copies(config, self.model_config)
         else:
             num_copies = 1 if self.replicated else max(par.world_size, 1)
         self.canonical_copies = num_copies if config.canonical_layout else None
@@ -242,6 +254,7 @@ class KVOffloadSpec(OffloadingSpec):
             model_revision=self.settings.model_revision,
             cache_salt=self.settings.cache_salt,
             layouts=self.group_layouts,
+            model_config=self.model_config,
         )
 
     def _open_arena(self) -> Arena:
@@ -258,7 +271,7 @@ class KVOffloadSpec(OffloadingSpec):
     @override
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
-            reason = nondeterministic_block_hashes()
+            reason = nondeterministic_block_hashes(self.vllm_config)
             if reason and self.settings.secondary_tiers:
                 raise ConfigError(
                     f"kvoffload: vLLM block hashes are not reproducible across processes ({reason}); "
@@ -298,7 +311,7 @@ class KVOffloadSpec(OffloadingSpec):
             )
             for line in describe_groups(self.group_layouts, self.group_rows):
                 log.info("kvoffload: %s", line)
-            max_len: int = getattr(current_model_config(), "max_model_len", None) or 0
+            max_len = self.max_model_len
             # Every group of a request takes its own rows (a windowed group at most its window).
             rows_per_request = chunks_per_request(self.group_layouts, max_len) if max_len else 0
             host_tokens = arena.num_slots * max_len // rows_per_request if rows_per_request else 0

@@ -84,6 +84,32 @@ def test_spec_config_errors_name_the_key():
         KVOffloadSpec(offloading_config({**EXTRA, "cpu_bytes_to_use": 100}))
 
 
+def test_a_host_tier_below_one_chunk_names_only_levers_that_exist():
+    """The minimum is one chunk's bytes; a smaller chunk is named only when chunks hold several
+    blocks, under the key the config used (kvoffload's blocks_per_chunk, vLLM's block_size)."""
+    with pytest.raises(ConfigError) as one_block:
+        KVOffloadSpec(offloading_config({**EXTRA, "cpu_bytes_to_use": 100}))
+    assert str(one_block.value) == (
+        "kv_connector_extra_config.cpu_bytes_to_use: 100 bytes cannot hold one chunk (16 tokens "
+        "of every KV layer: 24576 bytes); set it to at least 24576"
+    )
+    with pytest.raises(ConfigError) as two_blocks:
+        KVOffloadSpec(
+            offloading_config({**EXTRA, "cpu_bytes_to_use": 100, "blocks_per_chunk": 2}, bpc=2)
+        )
+    assert str(two_blocks.value).endswith(
+        "(32 tokens of every KV layer: 49152 bytes); set it to at least 49152; or make chunks "
+        "smaller: blocks_per_chunk (now 2) at 1 makes a chunk of 24576 bytes"
+    )
+    with pytest.raises(ConfigError) as in_tokens:
+        KVOffloadSpec(
+            offloading_config({**EXTRA, "cpu_bytes_to_use": 100, "block_size": 32}, bpc=2)
+        )
+    assert str(in_tokens.value).endswith(
+        "; or make chunks smaller: block_size (now 32) at 16 makes a chunk of 24576 bytes"
+    )
+
+
 def test_spec_tolerates_vllm_033_arguments():
     KVOffloadSpec(
         offloading_config({**EXTRA, "cpu_bytes_to_use": 1 << 20}), lock=object(), config_info={}
@@ -274,6 +300,38 @@ def test_c05_nondeterministic_block_hashes_with_a_shared_tier_fail_at_start(
         scheduler_manager(vc).shutdown()
     finally:
         init_none_hash(sha256)  # vLLM's scheduler seeds its hash chain for the engine's algorithm
+
+
+def test_a_host_tier_smaller_than_one_request_is_warned_in_the_scheduler(tiny_model, caplog):
+    """The scheduler warns at start when the host tier holds fewer tokens than max_model_len,
+    naming both figures and the cpu_bytes_to_use that holds one request (vLLM 0.32 and 0.33:
+    the scheduler's max_model_len comes from the engine's config, not vLLM's unset global)."""
+    import logging
+
+    row = 2 * len(LAYERS) * 16 * 2 * 16 * 4  # K and V of 2 heads, 16 tokens, 2 layers; float32
+    vc = engine_config(
+        tiny_model, {"cpu_bytes_to_use": 100 * row, "arena_name": arena_name()}, max_model_len=3000
+    )
+    logger = logging.getLogger("kvoffload")
+    logger.addHandler(caplog.handler)  # kvoffload's logger does not propagate
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvoffload"):
+            manager = scheduler_manager(vc)
+    finally:
+        logger.removeHandler(caplog.handler)
+    try:
+        warnings = [r.getMessage() for r in caplog.records if "max_model_len" in r.getMessage()]
+        # 3000 tokens are 188 chunks of 16 tokens; 100 chunks hold 1,595 of them
+        assert warnings == [
+            f"kvoffload: the host tier holds 1595 tokens (cpu_bytes_to_use {100 * row}: 100 "
+            f"chunks of {row} bytes), fewer than max_model_len 3000: every offloaded chunk "
+            f"passes through it, so a longer request is offloaded and reloaded only up to its "
+            f"first 1595 tokens; set cpu_bytes_to_use to at least {188 * row} (188 chunks) to "
+            f"hold one request"
+        ]
+        assert manager.tm.request_chunks == 188  # the host tier's refusals name that size too
+    finally:
+        manager.shutdown()
 
 
 def test_manager_round_trip_through_vllm_types(tmp_path):

@@ -216,11 +216,6 @@ class KVOffloadSpec(OffloadingSpec):
             round_up_to_page(self.worker_page_bytes * num_copies) if (self.worker_page_bytes) else 0
         )
         self.num_slots = s.cpu_bytes_to_use // self.row_bytes if self.row_bytes else 0
-        if self.row_bytes and self.num_slots == 0:
-            raise ConfigError(
-                f"kv_connector_extra_config.cpu_bytes_to_use: {s.cpu_bytes_to_use} bytes cannot hold "
-                f"one chunk of {self.row_bytes} bytes; raise it or lower blocks_per_chunk"
-            )
         try:
             self.group_layouts = group_layouts(
                 config, calling_kv_cache_config(), self.blocks_per_chunk
@@ -232,10 +227,66 @@ class KVOffloadSpec(OffloadingSpec):
             )
         except ValueError as e:
             raise ConfigError(f"kvoffload: {e}; this KV-cache layout cannot be offloaded") from None
+        #: Host-tier rows one request of ``max_model_len`` tokens takes (every group's chunks, a
+        #: windowed group at most its window); 0 when ``max_model_len`` is not known.
+        self.request_rows = (
+            chunks_per_request(self.group_layouts, self.max_model_len) if self.max_model_len else 0
+        )
+        if self.row_bytes and self.num_slots == 0:
+            raise ConfigError(self._too_small_for_one_chunk(num_copies))
         self.arena_name = s.arena_name or default_name(config.engine_id)
         self._arena: Arena | None = None
         self._manager: KVOffloadManager | None = None
         self._worker: KVOffloadWorker | None = None
+
+    def _too_small_for_one_chunk(self, num_copies: int) -> str:
+        """The error for a ``cpu_bytes_to_use`` below one chunk: the minimum (one chunk's
+        bytes), a useful size (one request's rows, when ``max_model_len`` is known) and, for
+        chunks of several blocks, the smaller chunk one block would make."""
+        s, row = self.settings, self.row_bytes
+        tokens = self.config.groups[0].tokens_per_block * self.blocks_per_chunk
+        msg = (
+            f"kv_connector_extra_config.cpu_bytes_to_use: {s.cpu_bytes_to_use} bytes cannot hold "
+            f"one chunk ({tokens} tokens of every KV layer: {row} bytes); set it to at least {row}"
+        )
+        if self.request_rows:
+            msg += (
+                f", and to be useful to {self.request_rows * row} or more: one request of "
+                f"max_model_len {self.max_model_len} tokens is {self.request_rows} chunks"
+            )
+        if self.blocks_per_chunk > 1:  # only then is there a smaller chunk to name
+            one_block = round_up_to_page(self.config.worker_kv_bytes_per_block * num_copies)
+            tokens_per_block = self.config.groups[0].tokens_per_block
+            if "block_size" in self.config.extra_config:  # vLLM's key: tokens per chunk
+                lever = f"block_size (now {tokens}) at {tokens_per_block}"
+            else:
+                lever = f"blocks_per_chunk (now {self.blocks_per_chunk}) at 1"
+            msg += f"; or make chunks smaller: {lever} makes a chunk of {one_block} bytes"
+        return msg
+
+    def _host_capacity_warning(self, num_slots: int) -> None:
+        """Warn when the host tier holds fewer tokens than one request of ``max_model_len``:
+        every offloaded chunk passes through it, so a longer request is offloaded (and reloaded)
+        only up to what it holds. Names both figures and the ``cpu_bytes_to_use`` that holds one
+        request."""
+        max_len, rows = self.max_model_len, self.request_rows
+        host_tokens = num_slots * max_len // rows if rows else 0
+        if not rows or host_tokens >= max_len:
+            return
+        log.warning(
+            "kvoffload: the host tier holds %d tokens (cpu_bytes_to_use %d: %d chunks of %d "
+            "bytes), fewer than max_model_len %d: every offloaded chunk passes through it, so a "
+            "longer request is offloaded and reloaded only up to its first %d tokens; set "
+            "cpu_bytes_to_use to at least %d (%d chunks) to hold one request",
+            host_tokens,
+            self.settings.cpu_bytes_to_use,
+            num_slots,
+            self.row_bytes,
+            max_len,
+            host_tokens,
+            rows * self.row_bytes,
+            rows,
+        )
 
     # -- identity -------------------------------------------------------------------------------
 
@@ -295,6 +346,7 @@ class KVOffloadSpec(OffloadingSpec):
                     keep_metric_samples=True,
                     event_block_hash=event_block_hash,
                     data_parallel_rank=getattr(self.config.parallel, "data_parallel_index", 0),
+                    request_chunks=self.request_rows,
                 )
             except BaseException:
                 if owned:  # a rank that cannot start leaves no segment (CASES C30)
@@ -311,19 +363,7 @@ class KVOffloadSpec(OffloadingSpec):
             )
             for line in describe_groups(self.group_layouts, self.group_rows):
                 log.info("kvoffload: %s", line)
-            max_len = self.max_model_len
-            # Every group of a request takes its own rows (a windowed group at most its window).
-            rows_per_request = chunks_per_request(self.group_layouts, max_len) if max_len else 0
-            host_tokens = arena.num_slots * max_len // rows_per_request if rows_per_request else 0
-            if max_len and host_tokens < max_len:
-                log.warning(
-                    "kvoffload: the host tier holds %d tokens, less than max_model_len %d: "
-                    "every offloaded chunk passes through it, so longer requests are only "
-                    "partly offloaded (their first %d tokens); raise cpu_bytes_to_use",
-                    host_tokens,
-                    max_len,
-                    host_tokens,
-                )
+            self._host_capacity_warning(arena.num_slots)
             self._manager = KVOffloadManager(
                 tm, self._event_geometry(), WindowScans(self.group_layouts)
             )

@@ -690,6 +690,7 @@ MUTATIONS: list[Mutation] = [
             SPEC
             + "test_c35_scheduler_and_model_runner_size_canonical_rows_alike_past_the_kv_heads",
             SPEC + "test_c02_the_scheduler_namespace_carries_vllms_model_revision",
+            SPEC + "test_a_host_tier_smaller_than_one_request_is_warned_in_the_scheduler",
         ),
     ),
     Mutation(

@@ -294,3 +294,40 @@ def test_demo_whose_server_does_not_start_exits_1_with_its_log(model_dir, tmp_pa
     assert "NoSuchArchitectureForCausalLM" in proc.stderr
     assert proc.stderr.rstrip().endswith(f"(server logs kept in {workdir})"), proc.stderr[-2000:]
     assert (workdir / "server-no offload.log").stat().st_size > 0
+
+
+def test_a_start_kvoffload_stops_ends_with_its_reason_after_every_other_kvoffload_line(
+    model_dir, tmp_path
+):
+    """A host tier below one chunk: the model runner's spec refuses it, vLLM prints the error in
+    several tracebacks and stops. The server exits, and the log's last line naming kvoffload is
+    the banner, once, at ERROR, with levers that exist: the minimum (one chunk's bytes) and a
+    useful size (one request's), not a smaller blocks_per_chunk (it is 1 already)."""
+    log_path = tmp_path / "server.log"
+    spec = ServerSpec(
+        model=model_dir,
+        kv_cache_tokens=2048,
+        max_model_len=MAX_MODEL_LEN,
+        offload={"spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.vllm",
+                 "cpu_bytes_to_use": 1000},
+        log_path=str(log_path),
+    )  # fmt: skip
+    srv = VLLMServer(spec)
+    with pytest.raises(RuntimeError, match="vLLM server exited with code"):
+        srv.start()  # a failed start stops the server's process group
+    lines = log_path.read_text(errors="replace").splitlines()
+    ours = [i for i, line in enumerate(lines) if "kvoffload" in line]
+    banners = [i for i, line in enumerate(lines) if "kvoffload: not started:" in line]
+    assert len(banners) == 1 and banners[0] == ours[-1], "\n".join(lines[-60:])
+    banner = lines[banners[0]]
+    chunk = 32 * BLOCK_BYTES_PER_TOKEN_F32
+    assert (
+        " kvoffload ERROR kvoffload: not started: kv_connector_extra_config.cpu_bytes_to_use: "
+        in banner
+    )
+    assert (
+        f"1000 bytes cannot hold one chunk (32 tokens of every KV layer: {chunk} bytes)" in banner
+    )
+    assert f"set it to at least {chunk}, and to be useful to {63 * chunk} or more" in banner
+    assert "max_model_len 2016 tokens is 63 chunks" in banner
+    assert "blocks_per_chunk" not in banner

@@ -10,9 +10,10 @@ it.
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, cast
 
 from typing_extensions import override
 
@@ -54,6 +55,44 @@ from kvoffload.vllm.worker import KVOffloadWorker
 
 log = logging.getLogger("kvoffload.vllm")
 _NOTED: set[str] = set()  # vLLM-only keys already logged in this process
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _stops_the_start(method: _Method) -> _Method:
+    """Wrap a step of the engine's start (the spec's construction, ``get_manager``,
+    ``get_worker``): an exception it raises stops vLLM's start, and is said once more, at the
+    end, by :func:`not_started`."""
+
+    @functools.wraps(method)
+    def step(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        except Exception as e:
+            not_started(e)
+            raise
+
+    return cast(_Method, step)
+
+
+def not_started(error: BaseException) -> None:
+    """kvoffload stopped an engine's start with ``error``: log ``kvoffload: not started:
+    <reason>`` at ERROR as this process's last kvoffload line, when it exits
+    (:func:`kvoffload.logs.log_at_exit`). vLLM prints the error inside a traceback in every
+    process it crosses, then ends the log with its own "Engine core initialization failed";
+    this line says, after all of that, why kvoffload stopped it. Only in a process vLLM started
+    for an engine (a ``multiprocessing`` child holding a vLLM config: the engine core, a model
+    runner), which ends with the failed start: in a main process (vLLM in-process, a program or
+    test that makes a spec) the exception reaches the program, which may go on. The reason is
+    the error's message on one line (other than a :class:`ConfigError`'s, prefixed with its
+    type)."""
+    import multiprocessing
+
+    if multiprocessing.parent_process() is None or engine_vllm_config() is None:
+        return
+    reason = " ".join(str(error).split()).removeprefix("kvoffload: ")
+    if not isinstance(error, ConfigError):
+        reason = f"{type(error).__name__}: {reason}"
+    logs.log_at_exit(logging.ERROR, f"kvoffload: not started: {reason}")
 
 
 def engine_namespace(
@@ -175,6 +214,7 @@ class KVOffloadSpec(OffloadingSpec):
             defs.extend(spec.tier_class.metric_definitions)
         return metrics.vllm_metric_definitions(metrics.MetricSet(defs).defs.values())
 
+    @_stops_the_start
     def __init__(self, config: OffloadingConfig, *args: Any, **kwargs: Any):
         drop_tolerated(kwargs)
         logs.setup()
@@ -320,6 +360,7 @@ class KVOffloadSpec(OffloadingSpec):
     # -- vLLM interface -------------------------------------------------------------------------
 
     @override
+    @_stops_the_start
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             reason = nondeterministic_block_hashes(self.vllm_config)
@@ -380,6 +421,7 @@ class KVOffloadSpec(OffloadingSpec):
         }
 
     @override
+    @_stops_the_start
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
             logs.setup()

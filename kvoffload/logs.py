@@ -6,11 +6,14 @@ reach stderr only at WARNING and above.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import threading
 import time
 
 _configured = False
+_last_line: tuple[int, str] | None = None  # what log_at_exit logs when this process ends
 
 
 def setup() -> None:
@@ -27,6 +30,33 @@ def setup() -> None:
         handler.setFormatter(logging.Formatter("%(asctime)s kvoffload %(levelname)s %(message)s"))
         logger.addHandler(handler)
         logger.propagate = False
+
+
+def log_at_exit(level: int, msg: str) -> None:
+    """Log ``msg`` at ``level`` on the ``kvoffload`` logger when this process ends, after
+    whatever it prints on its way out (a traceback of the error that ends it): the last line it
+    logs. At most one per process, the first asked for (a later error follows from the first).
+
+    Runs in ``threading``'s exit hooks (before the interpreter joins its threads), which a
+    ``multiprocessing`` child runs too, after printing its traceback, where ``atexit`` would not
+    run in a forked one (it ends with ``os._exit``); ``atexit`` where those hooks are not
+    available. A process killed with SIGKILL logs nothing.
+    """
+    global _last_line
+    if _last_line is not None:
+        return
+    _last_line = (level, msg)
+    try:
+        # CPython's own hook for this (concurrent.futures registers its thread shutdown there)
+        threading._register_atexit(_log_last_line)  # type: ignore[attr-defined]
+    except (AttributeError, RuntimeError):  # not in this Python, or already shutting down
+        atexit.register(_log_last_line)
+
+
+def _log_last_line() -> None:
+    if _last_line is not None:
+        setup()
+        logging.getLogger("kvoffload").log(*_last_line)
 
 
 class RateLimitedLog:

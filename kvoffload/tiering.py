@@ -212,6 +212,9 @@ class TieringManager:
             configured ports + this rank and carry it (:class:`~kvoffload.events.EventPublisher`).
         event_block_hash: ``key -> block hash`` published for a chunk stored without a
             :class:`~kvoffload.events.ChunkEventInfo` and in removals (default: the key itself).
+        request_chunks: host-tier chunks one request of the engine's longest length takes (vLLM:
+            ``max_model_len`` tokens; 0: unknown). The warnings of the host tier's refusals then
+            name a ``cpu_bytes_to_use`` that holds one such request.
 
     Metrics: :meth:`refresh_metrics` (also called by :func:`kvoffload.metrics.serve`'s endpoint,
     where this manager is exported under its ``instance`` label). KV events: with
@@ -233,6 +236,7 @@ class TieringManager:
         keep_metric_samples: bool = False,
         data_parallel_rank: int = 0,
         event_block_hash: Any = None,
+        request_chunks: int = 0,
     ):
         #: Taken by every entry point that reads or changes host-tier or tier state (reentrant:
         #: entry points call each other). Held briefly: no I/O, no waiting under it.
@@ -240,6 +244,7 @@ class TieringManager:
         self.arena = arena
         self.namespace = namespace
         self.config = config
+        self.request_chunks = request_chunks
         self.host = HostTier(
             arena.num_slots,
             make_policy(config.eviction_policy, arena.num_slots, config.cache_policy_module_path),
@@ -536,9 +541,10 @@ class TieringManager:
             1,
             logging.WARNING,
             "kvoffload: a chunk found in tier %s is not promoted (a miss): no "
-            "evictable host slot (%s)",
+            "evictable host slot (%s); %s",
             self.tier_names[tier_idx],
             self._occupancy(),
+            self._room_advice(1),
         )
         return _MISS
 
@@ -1079,10 +1085,11 @@ class TieringManager:
                             len(new) - room,
                             logging.INFO,
                             "kvoffload: host tier took %d of %d new chunk(s) of a store; the "
-                            "rest did not fit (%s)",
+                            "rest did not fit (%s); %s",
                             room,
                             len(new),
                             self._occupancy(),
+                            self._room_advice(len(new) - room),
                         )
                 if plan is None:
                     self.stats.store_rejections += 1
@@ -1092,9 +1099,11 @@ class TieringManager:
                         "no_evictable_slot",
                         len(new),
                         logging.WARNING,
-                        "kvoffload: host tier refused a store of %d chunk(s): no evictable slot (%s)",
+                        "kvoffload: host tier refused a store of %d chunk(s): no evictable slot "
+                        "(%s); %s",
                         len(new),
                         self._occupancy(),
+                        self._room_advice(len(new)),
                     )
             if plan is not None and plan.evicted and self._promo_holds:
                 for k in plan.evicted:
@@ -1139,6 +1148,21 @@ class TieringManager:
         return (
             f"of {host.num_slots} slots, {host.num_pinned} pinned by transfers in flight and "
             f"{writing} being written"
+        )
+
+    def _room_advice(self, short: int) -> str:
+        """The fix for a host tier that had no room for ``short`` more chunks, for a log line:
+        the ``cpu_bytes_to_use`` that would have held them beside every chunk in flight (no slot
+        was evictable: each was being written or read), or one request of the engine's longest
+        length (:attr:`request_chunks`) when that is more."""
+        host, row = self.host, self.arena.row_bytes
+        need = host.num_slots + short
+        what = f"room for the {host.num_slots} in flight and {short} more"
+        if self.request_chunks > need:
+            need, what = self.request_chunks, "one request of the engine's longest length"
+        return (
+            f"raise cpu_bytes_to_use (now {self.config.cpu_bytes_to_use} bytes, {host.num_slots} "
+            f"chunks) to at least {need * row} bytes: {need} chunks of {row} bytes, {what}"
         )
 
     def _refuse(

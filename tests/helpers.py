@@ -106,6 +106,7 @@ class Rig:
         policy: str = "lru",
         ns: Namespace | None = None,
         name: str | None = None,
+        request_chunks: int = 0,
         **cfg,
     ):
         self.row_bytes = row_bytes
@@ -120,7 +121,9 @@ class Rig:
         self.arena = Arena.create(name or arena_name(), num_slots, row_bytes)
         self.ns = ns or namespace(row_bytes=row_bytes)
         try:
-            self.tm = TieringManager(self.arena, self.ns, self.config)
+            self.tm = TieringManager(
+                self.arena, self.ns, self.config, request_chunks=request_chunks
+            )
         except BaseException:
             self.arena.close()
             raise

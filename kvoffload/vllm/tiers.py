@@ -95,12 +95,19 @@ class _Job:
         self.slots: list[int] = []
 
 
-def tiering_namespace(spec: Any, row_bytes: int, cache_salt: str, model_revision: str | None):
+def tiering_namespace(
+    spec: Any,
+    row_bytes: int,
+    cache_salt: str,
+    model_revision: str | None,
+    model_config: Any = None,
+):
     """The namespace of chunks laid out as vLLM's tiering primary rows (``row_bytes`` each).
 
     The layout id (``vllm-tiering-v1...``) differs from the one
     :class:`kvoffload.vllm.KVOffloadSpec` uses for its own arena rows, so the two formats never
-    share a chunk.
+    share a chunk. ``model_config``: the engine's vLLM ``ModelConfig`` (its revision), None
+    outside an engine.
     """
     from kvoffload.vllm.spec import engine_namespace
 
@@ -116,6 +123,7 @@ def tiering_namespace(spec: Any, row_bytes: int, cache_salt: str, model_revision
         row_bytes=row_bytes,
         model_revision=model_revision,
         cache_salt=cache_salt,
+        model_config=model_config,
     )
 
 
@@ -169,11 +177,20 @@ class _KVOffloadTier(VLLMSecondaryTierManager):
         self._primary = primary.reshape(-1, self.block_size_bytes)
         row_bytes = self.block_size_bytes
         num_slots = max(1, min(len(self._primary), staging_bytes // row_bytes))
-        namespace = tiering_namespace(offloading_spec, row_bytes, cache_salt, model_revision)
-        if tier_cls.shared:
-            from kvoffload.vllm.compat import nondeterministic_block_hashes
+        # vLLM builds its tiers in the scheduler process, whose vLLM global names no model: the
+        # engine's config comes from the calling frames (compat.engine_vllm_config)
+        from kvoffload.vllm.compat import engine_vllm_config, nondeterministic_block_hashes
 
-            reason = nondeterministic_block_hashes()
+        vllm_config = engine_vllm_config()
+        namespace = tiering_namespace(
+            offloading_spec,
+            row_bytes,
+            cache_salt,
+            model_revision,
+            getattr(vllm_config, "model_config", None),
+        )
+        if tier_cls.shared:
+            reason = nondeterministic_block_hashes(vllm_config)
             if reason:
                 raise ConfigError(
                     f"{where}: vLLM's block hashes differ between processes ({reason}), so chunks "

@@ -94,6 +94,14 @@ MUTATIONS: list[Mutation] = [
         (NS + "test_c02_model_revision_and_local_path_are_part_of_the_identity",),
     ),
     Mutation(
+        "C02",
+        "vLLM's --revision left out of the engine's namespace",
+        "kvoffload/vllm/spec.py",
+        '    revision = getattr(model_config, "revision", None) or model_revision\n',
+        "    revision = model_revision\n",
+        (SPEC + "test_c02_the_scheduler_namespace_carries_vllms_model_revision",),
+    ),
+    Mutation(
         "C03",
         "tensor-parallel rank left out of the namespace id",
         "kvoffload/namespace.py",
@@ -140,6 +148,14 @@ MUTATIONS: list[Mutation] = [
         '_KEY_ROOT = xxhash.xxh3_128_digest(b"kvoffload/chunk-key/v1")\n',
         '_KEY_ROOT = xxhash.xxh3_128_digest(b"kvoffload/chunk-key/v1" + str(hash("kvoffload")).encode())\n',
         (NS + "test_c05_chunk_keys_do_not_depend_on_a_per_process_seed",),
+    ),
+    Mutation(
+        "C05",
+        "the scheduler does not see the engine's prefix-hash algorithm",
+        "kvoffload/vllm/spec.py",
+        "            reason = nondeterministic_block_hashes(self.vllm_config)\n",
+        "            reason = nondeterministic_block_hashes(None)\n",
+        (SPEC + "test_c05_nondeterministic_block_hashes_with_a_shared_tier_fail_at_start",),
     ),
     # -- C06-C10: integrity and failure propagation ---------------------------------------------
     Mutation(
@@ -663,6 +679,19 @@ MUTATIONS: list[Mutation] = [
         "    return shards * max(par.dcp_size, 1) * max(par.pcp_size, 1)\n",
         "    return 1\n",
         (XTP + "test_c35_canonical_layout_is_shared_across_tensor_parallel_sizes",),
+    ),
+    Mutation(
+        "C35",
+        "the scheduler reads vLLM's current config, which its process does not set",
+        "kvoffload/vllm/compat.py",
+        '    found = _calling_local("vllm_config", VllmConfig, 32)\n',
+        "    found = None\n",
+        (
+            SPEC
+            + "test_c35_scheduler_and_model_runner_size_canonical_rows_alike_past_the_kv_heads",
+            SPEC + "test_c02_the_scheduler_namespace_carries_vllms_model_revision",
+            SPEC + "test_a_host_tier_smaller_than_one_request_is_warned_in_the_scheduler",
+        ),
     ),
     Mutation(
         "C36",

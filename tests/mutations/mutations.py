@@ -44,6 +44,7 @@ XTP = "tests/test_cross_tp.py::"
 BP = "tests/test_backpressure.py::"
 OPS = "tests/test_ops_commands.py::"
 LOC = "tests/test_p2p_locations.py::"
+CO = "tests/test_arena_cotenant.py::"
 
 _ID = "        return xxhash.xxh3_128_digest(msgspec.json.encode(self))"
 
@@ -708,5 +709,73 @@ MUTATIONS: list[Mutation] = [
         "    tier_pin_fraction: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.5\n",
         "    tier_pin_fraction: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0\n",
         (BP + "test_c37_a_slow_tier_does_not_stop_the_host_tier_taking_new_chunks",),
+    ),
+    # -- C38-C55: cases added after the peer tier was tried by an attacker and by operators -------
+    Mutation(
+        "C44",
+        "sweeping removes another user's segment whose owner is gone",
+        "ipc/arena.py",
+        "        why = _not_ours(st)\n        if why is not None:\n            return SkippedSegment(",
+        "        why = None\n        if why is not None:\n            return SkippedSegment(",
+        (
+            CO + "test_c44_sweep_leaves_another_users_segments_alone_and_logs_each_once",
+            CO + "test_c44_the_janitor_never_removes_another_users_segment_under_its_arenas_name",
+        ),
+    ),
+    Mutation(
+        "C44",
+        "a segment sweeping cannot open stops the sweep (and the engine's start)",
+        "ipc/arena.py",
+        "    except OSError as e:\n        return _unopenable(name, e)\n",
+        "    except OSError:\n        raise\n",
+        (CO + "test_c44_a_non_root_engine_start_is_not_stopped_by_another_users_segment",),
+    ),
+    Mutation(
+        "C44",
+        "a co-tenant's segment is logged again at every engine start",
+        "ipc/arena.py",
+        "        if skipped.name in _reported:\n            return\n",
+        "",
+        (CO + "test_c44_sweep_leaves_another_users_segments_alone_and_logs_each_once",),
+    ),
+    Mutation(
+        "C44",
+        "the janitor raises on a segment it cannot open",
+        "ipc/arena.py",
+        "        except (OSError, ArenaError):\n            return False  # gone, or not ours to open",
+        "        except FileNotFoundError:\n            return False",
+        (CO + "test_c44_a_non_root_engine_start_is_not_stopped_by_another_users_segment",),
+    ),
+    Mutation(
+        "C44",
+        "an engine attaches another user's 0600 segment under its fixed arena_name",
+        "ipc/arena.py",
+        "    st = os.fstat(fd)\n    why = _not_ours(st)\n    if why is None and",
+        "    st = os.fstat(fd)\n    why = None\n    if why is None and",
+        (CO + "test_c44_a_squatters_segment_under_a_fixed_arena_name_is_refused[0600]",),
+    ),
+    Mutation(
+        "C44",
+        "an engine attaches a segment readable or writable by others",
+        "ipc/arena.py",
+        "    if why is None and stat.S_IMODE(st.st_mode) != ARENA_MODE:\n",
+        "    if False:\n",
+        (CO + "test_c44_own_segment_readable_by_others_is_not_attached",),
+    ),
+    Mutation(
+        "C44",
+        "an engine attaches another engine's arena that uses the same arena_name",
+        "ipc/arena.py",
+        "                    if engine_id and hengine != _header_engine_id(engine_id):\n",
+        "                    if False:\n",
+        (CO + "test_c44_another_engines_arena_under_the_same_name_is_not_attached",),
+    ),
+    Mutation(
+        "C44",
+        "kvoffload sweep --list shows another user's segment as a dead engine's",
+        "tools/cli.py",
+        "            if not a.ours:\n",
+        "            if False:\n",
+        (CO + "test_c44_kvoffload_sweep_lists_another_users_segment_as_not_ours",),
     ),
 ]

@@ -25,7 +25,8 @@ header of this version with a live owner lock, and the nonce (tier workers) or t
 
 Views (:attr:`Arena.rows`, :meth:`Arena.torch_rows`, :meth:`Arena.memoryview`) are zero-copy and keep the
 mapping alive: they are built with ``np.frombuffer`` on the ``mmap`` object (``torch.frombuffer`` does
-not keep an mmap alive). This module imports nothing of the project and no torch at import time.
+not keep an mmap alive). This module imports nothing of the project outside :mod:`kvoffload.ipc`, and no
+torch.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import posix_ipc
+
+from kvoffload.ipc.childenv import child_environment
 
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "kvoffload"
@@ -832,7 +835,8 @@ def unlink_if_orphaned(name: str, nonce: bytes, wait_s: float = 0.0) -> bool:
 
 def _spawn_janitor(name: str, nonce: bytes) -> None:
     """Start the detached process that unlinks arena ``name`` once this process (its owner) is
-    gone. Returns when the janitor has detached (its first process exits at once)."""
+    gone. Returns when the janitor has detached (its first process exits at once). It gets only
+    :data:`kvoffload.ipc.childenv.BASE_ENV` of this process's environment: no secret."""
     import subprocess
     import sys
 
@@ -849,6 +853,7 @@ def _spawn_janitor(name: str, nonce: bytes) -> None:
             str(me.pid),
             repr(me.create_time()),
         ],
+        env=child_environment(),
         stdin=subprocess.DEVNULL,
         close_fds=True,
         check=False,

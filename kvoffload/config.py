@@ -85,6 +85,7 @@ __all__ = [
     "parse_config",
     "parse_config_all",
     "parse_tier_config",
+    "secret_env_names",
     "tier_class",
 ]
 
@@ -397,6 +398,19 @@ def effective_config(cfg: OffloadConfig) -> OffloadConfig:
         for spec in cfg.secondary_tiers
     ]
     return msgspec.structs.replace(cfg, blocks_per_chunk=blocks_per_chunk, secondary_tiers=tiers)
+
+
+def secret_env_names(cfg: OffloadConfig) -> list[str]:
+    """The environment variables the configuration names with its tiers' ``*_env`` keys (the p2p
+    tier's ``secret_env``): they hold secrets, so no child process of the engine gets them
+    (:func:`kvoffload.ipc.childenv.withhold`)."""
+    out: list[str] = []
+    for spec in cfg.secondary_tiers:
+        for f in msgspec.structs.fields(spec.config):
+            value = getattr(spec.config, f.name)
+            if f.name.endswith("_env") and isinstance(value, str) and value:
+                out.append(value)
+    return out
 
 
 def describe(cfg: OffloadConfig) -> str:

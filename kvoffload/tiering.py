@@ -35,10 +35,11 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from kvoffload import metrics as _metrics
-from kvoffload.config import OffloadConfig
+from kvoffload.config import OffloadConfig, secret_env_names
 from kvoffload.events import EventPublisher, Movement
 from kvoffload.host import READY, WRITING, HostTier, StorePlan
 from kvoffload.ipc import peer_messages as pm
+from kvoffload.ipc.childenv import withhold
 from kvoffload.logs import RateLimitedLog
 from kvoffload.policies import make_policy
 from kvoffload.tiers import create_tier
@@ -250,6 +251,9 @@ class TieringManager:
             make_policy(config.eviction_policy, arena.num_slots, config.cache_policy_module_path),
             record_events=record_events,
         )
+        # The variables holding this engine's secrets (a p2p tier's secret_env) never reach a
+        # child process (tier workers, janitors), whatever allow-list admits them.
+        withhold(*secret_env_names(config))
         self.tiers: list[SecondaryTierManager] = []
         if tiers is not None:
             self.tiers = list(tiers)

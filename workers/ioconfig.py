@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import msgspec
+
+from kvoffload.ipc.childenv import CLOUD_ENV
 
 STALE_TEMP_AGE_S = 3600.0
 """Default age (seconds since its last write) past which a temporary file is an orphan: 120x the
@@ -31,7 +33,17 @@ skew between the hosts that share one (a file's mtime comes from the file server
 
 
 class IOConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, tag_field="io"):
-    """Base of every I/O module's config; subclasses set ``tag=`` (the value of field ``io``)."""
+    """Base of every I/O module's config; subclasses set ``tag=`` (the value of field ``io``).
+
+    Attributes:
+        worker_env: (class attribute) environment variables, names or ``fnmatch`` patterns, that
+            the module's worker processes get beyond the base allow-list
+            (:data:`kvoffload.ipc.childenv.BASE_ENV`); nothing else of the engine's environment
+            reaches them. An out-of-tree module that reads credentials from the environment
+            names them here.
+    """
+
+    worker_env: ClassVar[tuple[str, ...]] = ()
 
 
 class FsIOConfig(IOConfig, kw_only=True, tag="fs"):
@@ -75,7 +87,11 @@ class ObjIOConfig(IOConfig, kw_only=True, tag="obj"):
         verify_tls, ca_bundle: TLS certificate checking.
         addressing_style: ``auto``, ``path`` or ``virtual``.
         max_connections: the client's connection pool size.
+        worker_env: (class attribute) :data:`kvoffload.ipc.childenv.CLOUD_ENV`: boto3's
+            credentials chain and settings, proxies and CA bundles.
     """
+
+    worker_env: ClassVar[tuple[str, ...]] = CLOUD_ENV
 
     bucket: str
     prefix: str = ""

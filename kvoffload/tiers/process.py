@@ -361,6 +361,7 @@ class ProcessTierManager(SecondaryTierManager):
         # the worker specs made now, and reach the tier's counters through a weak reference.
         specs = {kind: self._spec(0, b"", kind) for kind in (LOADS, STORES)}
         on_event = weak_callback(self._on_pool_event)
+        env_allow = type(self.io_config()).worker_env  # e.g. an obj worker's credentials
 
         def pool(kind: str, count: int) -> WorkerPool:
             base = specs[kind]
@@ -376,6 +377,7 @@ class ProcessTierManager(SecondaryTierManager):
                     task_timeout_s=cfg.job_timeout_s,
                     max_inflight=cfg.max_inflight_per_worker,
                     on_event=on_event,
+                    env_allow=env_allow,
                 )
             )
 

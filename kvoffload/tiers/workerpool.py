@@ -13,7 +13,8 @@
 Tasks are addressed to one worker each, so the pool always knows which tasks a worker holds. A task
 belonging to a killed worker is reported only after the process has exited: until then the worker
 might still write into the task's arena slots, so the slots must not be reused. Workers are started
-with ``subprocess`` (a fresh interpreter, never a fork of the engine).
+with ``subprocess`` (a fresh interpreter, never a fork of the engine), with only the environment they
+need (:func:`kvoffload.ipc.childenv.child_environment`: the base allow-list, plus ``env_allow``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import msgspec
 
 from kvoffload.ipc import messages as m
 from kvoffload.ipc.channels import TierChannels
+from kvoffload.ipc.childenv import child_environment
 from kvoffload.ipc.names import WORKER_MARKER_FD_ENV, WORKER_SPEC_ENV
 
 log = logging.getLogger("kvoffload.tiers.workerpool")
@@ -128,6 +130,9 @@ class WorkerPool:
         task_timeout_s: a task not answered after this long kills its worker (seconds).
         max_inflight: tasks sent to one worker at a time; the rest wait in the engine.
         on_event: called with ``"restart"`` / ``"timeout"`` for the tier's counters.
+        env_allow: environment variables (names or ``fnmatch`` patterns) the workers get beyond
+            :data:`kvoffload.ipc.childenv.BASE_ENV`: the I/O config's ``worker_env``
+            (credentials for an object store). Nothing else of the engine's environment passes.
     """
 
     def __init__(
@@ -142,6 +147,7 @@ class WorkerPool:
         max_inflight: int = 4,
         max_attempts: int = 2,
         on_event: Callable[[str], None] | None = None,
+        env_allow: tuple[str, ...] = (),
     ):
         self.tier_name = tier_name
         self.kind = kind
@@ -152,6 +158,7 @@ class WorkerPool:
         self.max_inflight = max_inflight
         self.max_attempts = max_attempts
         self.on_event = on_event or (lambda what: None)
+        self.env_allow = env_allow
         self.queue: deque[PoolTask] = deque()
         self.workers: dict[bytes, _WorkerProc] = {}
         self._by_wid: dict[int, _WorkerProc] = {}
@@ -175,8 +182,9 @@ class WorkerPool:
         self._next_wid += 1
         identity = f"{self.kind[0]}{wid}-{os.getpid()}".encode()
         spec = self.make_spec(wid, identity)
-        env = dict(os.environ)
-        env[WORKER_SPEC_ENV] = msgspec.json.encode(spec).decode()
+        env = child_environment(
+            self.env_allow, {WORKER_SPEC_ENV: msgspec.json.encode(spec).decode()}
+        )
         # The worker's task marker: one slot for its loop and one per I/O thread, where each
         # stores the id of the task it runs (no system call per task); read when the worker
         # crashes, it names the tasks to blame even when the result of a task finished just

@@ -94,8 +94,11 @@ class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """KV events on a ZMQ PUB socket (``kv_events`` in ``kv_connector_extra_config``).
 
     Attributes:
-        endpoint: ZMQ endpoint the PUB socket binds (``tcp://*:5557``; port 0 picks one).
-        replay_endpoint: ROUTER endpoint serving recent batches to late subscribers (None: off).
+        endpoint: ZMQ endpoint the PUB socket binds (default ``tcp://127.0.0.1:5557``, loopback
+            only: a ``BlockStored`` carries the token ids and block hashes of users' prompts; bind
+            ``tcp://*:5557`` for routers on other hosts, behind a firewall; port 0 picks one).
+        replay_endpoint: ROUTER endpoint serving recent batches to late subscribers (None: off;
+            the same content as ``endpoint``).
         topic: topic of vLLM-format ``KVEventBatch`` messages (``BlockStored`` / ``BlockRemoved``).
         movements_topic: topic of chunk-movement batches (key, source, destination, locality).
             Neither topic may be a prefix of the other (a ZMQ subscription matches by prefix).
@@ -105,7 +108,7 @@ class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     unset_means: ClassVar[dict[str, str]] = {"replay_endpoint": "off: no replay socket"}
 
-    endpoint: str = "tcp://*:5557"
+    endpoint: str = "tcp://127.0.0.1:5557"
     replay_endpoint: str | None = None
     topic: str = EVENTS_TOPIC
     movements_topic: str = MOVEMENTS_TOPIC

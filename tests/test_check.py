@@ -579,3 +579,50 @@ def test_help_says_the_exit_statuses():
         "Exit status: 0 no error (warnings are printed, and do not change it); 1 at least one"
         in text
     )
+
+
+def test_kv_events_bound_beyond_loopback_are_a_warning_naming_what_travels_there(tmp_path):
+    """An events endpoint binding all interfaces and a replay endpoint on a non-loopback address:
+    each a warning of scope syntax (so also with --syntax-only, for a config meant for another
+    machine) saying that the token ids and block hashes of users' prompts travel there
+    unauthenticated; the exit status stays 0. Loopback (the default), ``localhost``, ``[::1]`` and
+    ``ipc://`` are ok."""
+    events = {"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://10.1.2.3:5558"}
+    res = run_check(
+        tmp_path, {**SPEC, "cpu_bytes_to_use": 1 << 20, "kv_events": events}, "--syntax-only"
+    )
+    assert res.exit_code == 0, res.output
+    scope, result = row(res.stdout, "kv_events.endpoint", "KV events on loopback")
+    assert scope == "syntax"
+    assert result.startswith(
+        "warning: tcp://*:5557 binds all interfaces: every subscriber that reaches it receives "
+        "each BlockStored event, with the token ids and block hashes of users' prompts, without "
+        "authentication or encryption. Bind 127.0.0.1"
+    )
+    scope, result = row(res.stdout, "kv_events.replay_endpoint", "KV events on loopback")
+    assert scope == "syntax"
+    assert result.startswith(
+        "warning: tcp://10.1.2.3:5558 binds the address 10.1.2.3: any client that reaches it is "
+        "sent the recent batches, with the token ids"
+    )
+    assert "valid, 2 warning(s)" in res.stdout
+    for events, ok in (
+        ({}, {"kv_events.endpoint": "ok: tcp://127.0.0.1:5557: this host only"}),
+        (
+            {"endpoint": "tcp://[::1]:5557", "replay_endpoint": "ipc:///run/kv-replay"},
+            {
+                "kv_events.endpoint": "ok: tcp://[::1]:5557: this host only",
+                "kv_events.replay_endpoint": "ok: ipc:///run/kv-replay: this host only",
+            },
+        ),
+        (
+            {"endpoint": "tcp://localhost:5557"},
+            {"kv_events.endpoint": "ok: tcp://localhost:5557: this host only"},
+        ),
+    ):
+        res = run_check(tmp_path, {**SPEC, "cpu_bytes_to_use": 1 << 20, "kv_events": events})
+        for key, want in ok.items():
+            assert row(res.stdout, key, "KV events on loopback") == ("syntax", want)
+        assert "KV events" not in res.stdout.split("checks")[-1].replace(
+            "KV events on loopback", ""
+        )

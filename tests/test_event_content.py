@@ -382,6 +382,37 @@ def test_c30_rank_offsets_follow_vllm_publisher():
         assert ZmqEventPublisher.offset_endpoint_port(endpoint, rank) == want
 
 
+def test_kv_events_bind_loopback_by_default_and_all_interfaces_when_asked():
+    """kvoffload's events socket binds loopback unless the config says otherwise (a
+    ``BlockStored`` carries the token ids and block hashes of users' prompts); a config that binds
+    all interfaces still publishes, and a client on this host gets its batches."""
+    from kvoffload.config import parse_config
+    from kvoffload.events import EventPublisher, Movement, decode_movement_batch
+    from kvoffload.ipc.names import MOVEMENTS_TOPIC
+
+    default = parse_config({"cpu_bytes_to_use": 1 << 20, "kv_events": {}}).kv_events
+    assert default is not None and default.endpoint == "tcp://127.0.0.1:5557"
+    assert default.replay_endpoint is None
+    everywhere = parse_config(
+        {
+            "cpu_bytes_to_use": 1 << 20,
+            "kv_events": {"endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"},
+        }
+    ).kv_events
+    assert everywhere is not None
+    pub = EventPublisher(everywhere, instance="all")
+    try:
+        assert pub.endpoint.startswith("tcp://0.0.0.0:")
+        moved = [Movement(key=b"\x03" * 16, src="host", dst="fs", locality="local", nbytes=4096)]
+        pub.publish([], moved)
+        assert pub.flush()
+        port = pub.replay_endpoint.rpartition(":")[2]
+        ((_, body),) = replay(f"tcp://127.0.0.1:{port}", 0, MOVEMENTS_TOPIC.encode())
+    finally:
+        pub.close()
+    assert decode_movement_batch(body).events == moved
+
+
 def test_published_movements_decode_with_the_one_movement_schema():
     """What the publisher sends on the movements topic decodes with ``decode_movement_message``
     (the schema the publisher encodes with); a payload of another shape is refused, naming the

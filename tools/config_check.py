@@ -9,6 +9,7 @@
       │ spec_name / spec_module_path: will vLLM load kvoffload's spec?            ─────── syntax
       │ parse_config_all(this_machine=False): every error, by key path            ─────── syntax
       │ (a later check that needs a key with an error says it was not checked)
+      │ KV-event sockets bound to loopback only (prompts' token ids travel there) ─────── syntax
       ├─ /dev/shm against cpu_bytes_to_use, each p2p tier's secret in this
       │  environment, each fs root (relative, a directory, writable, free-space
       │  floor), one chunk of the namespaces already in an fs root                ─ this machine
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import ipaddress
 import json
 import math
 import os
@@ -414,6 +416,8 @@ def _check_parsed(parsed: ParsedConfig, report: Report, options: Options) -> Non
     cpu_at = f"{EXTRA}.cpu_bytes_to_use"
     cpu = cfg.cpu_bytes_to_use if cpu_at not in bad else None
     online: list[Callable[[], Check]] = []
+    if cfg.kv_events is not None:
+        _check_events_bind(cfg.kv_events, bad, report)
     if options.syntax_only:
         report.not_checked(
             "/dev/shm, fs roots, p2p secrets", EXTRA, "--syntax-only (a config for another machine)"
@@ -442,6 +446,57 @@ def _check_parsed(parsed: ParsedConfig, report: Report, options: Options) -> Non
     if online:
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(online))) as pool:
             report.checks += list(pool.map(lambda f: f(), online))
+
+
+def bind_reach(endpoint: str) -> str | None:
+    """Who can reach a ZMQ ``endpoint`` this host binds: None for this host only (a loopback
+    address or interface, ``ipc://``, ``inproc://``), else in words (``all interfaces``, ``the
+    address 10.0.0.5``)."""
+    transport, _, rest = endpoint.partition("://")
+    if transport in ("ipc", "inproc"):
+        return None
+    if transport != "tcp":
+        return f"the {transport} transport"
+    host = rest.rpartition(":")[0].strip("[]")
+    if host in ("*", "0.0.0.0", "::"):
+        return "all interfaces"
+    if host in ("localhost", "lo"):
+        return None
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return None
+        return f"the address {host}"
+    except ValueError:
+        return f"the interface or host {host!r}"
+
+
+def _check_events_bind(ev: Any, bad: set[str], report: Report) -> None:
+    """Whether the KV-event sockets are reachable from other hosts: every ``BlockStored`` carries
+    the token ids and block hashes of users' prompts, and neither socket authenticates or
+    encrypts (a warning: routers on other hosts need it, behind a firewall)."""
+    what = {
+        "endpoint": "every subscriber that reaches it receives each BlockStored event",
+        "replay_endpoint": "any client that reaches it is sent the recent batches",
+    }
+    for key, gets in what.items():
+        at = f"{EXTRA}.kv_events.{key}"
+        endpoint = getattr(ev, key)
+        if endpoint is None or at in bad:
+            continue
+        reach = bind_reach(endpoint)
+        if reach is None:
+            report.add("KV events on loopback", at, SYNTAX, OK, f"{endpoint}: this host only")
+            continue
+        report.add(
+            "KV events on loopback",
+            at,
+            SYNTAX,
+            WARNING,
+            f"{endpoint} binds {reach}: {gets}, with the token ids and block hashes of users' "
+            "prompts, without authentication or encryption. Bind 127.0.0.1 (as the default "
+            "endpoint, tcp://127.0.0.1:5557, does) unless routers on other hosts subscribe, and "
+            "then let only them reach the port (a firewall rule)",
+        )
 
 
 def _check_shm(cpu: int, shm_dir: str, report: Report) -> None:

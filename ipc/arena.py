@@ -370,6 +370,25 @@ def _remove_if_stale(name: str) -> bool | SkippedSegment:
         os.close(fd)
 
 
+def _headerless(name: str, size: int, uid: int, mode: int, ours: bool, alive: bool) -> ArenaInfo:
+    """An :class:`ArenaInfo` without a header: not read (another user's) or not an arena's."""
+    return ArenaInfo(
+        name=name,
+        owner_pid=0,
+        created_ns=0,
+        num_slots=0,
+        row_bytes=0,
+        nonce=b"",
+        engine_id="",
+        ready=False,
+        size_bytes=size,
+        owner_alive=alive,
+        uid=uid,
+        mode=mode,
+        ours=ours,
+    )
+
+
 def list_arenas(prefix: str = NAME_PREFIX) -> list[ArenaInfo]:
     """Headers of every arena segment in /dev/shm whose name starts with ``prefix``.
 
@@ -390,46 +409,36 @@ def list_arenas(prefix: str = NAME_PREFIX) -> list[ArenaInfo]:
             continue
         except OSError as e:
             skipped = _unopenable(name, e)
-            out.append(
-                ArenaInfo(
-                    name, 0, 0, 0, 0, b"", "", False, 0, False, skipped.uid, skipped.mode, False
-                )
-            )
+            out.append(_headerless(name, 0, skipped.uid, skipped.mode, False, False))
             continue
         try:
             st = os.fstat(fd)
             mode = stat.S_IMODE(st.st_mode)
             if _not_ours(st) is not None:
-                out.append(
-                    ArenaInfo(
-                        name, 0, 0, 0, 0, b"", "", False, st.st_size, False, st.st_uid, mode, False
-                    )
-                )
+                out.append(_headerless(name, st.st_size, st.st_uid, mode, False, False))
                 continue
             header = _read_header(fd)
             alive = _owner_alive(fd)
         finally:
             os.close(fd)
         if header is None:
-            out.append(
-                ArenaInfo(name, 0, 0, 0, 0, b"", "", False, st.st_size, alive, st.st_uid, mode)
-            )
+            out.append(_headerless(name, st.st_size, st.st_uid, mode, True, alive))
             continue
         _, _, state, pid, created, num_slots, row_bytes, nonce, engine = header
         out.append(
             ArenaInfo(
-                name,
-                pid,
-                created,
-                num_slots,
-                row_bytes,
-                nonce,
-                engine,
-                state == _STATE_READY,
-                st.st_size,
-                alive,
-                st.st_uid,
-                mode,
+                name=name,
+                owner_pid=pid,
+                created_ns=created,
+                num_slots=num_slots,
+                row_bytes=row_bytes,
+                nonce=nonce,
+                engine_id=engine,
+                ready=state == _STATE_READY,
+                size_bytes=st.st_size,
+                owner_alive=alive,
+                uid=st.st_uid,
+                mode=mode,
             )
         )
     return out

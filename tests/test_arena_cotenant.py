@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib.util
 import io
 import logging
 import os
@@ -41,43 +42,55 @@ def _name(tag: str, prefix: str = "kvoffload") -> str:
     return f"{prefix}_c44_{tag}_{os.getpid()}_{time.monotonic_ns()}"
 
 
-def _squat(conn, name: str, mode: int, hold_lock: bool, nonce: bytes) -> None:
+def _squat(
+    conn, name: str, mode: int, hold_lock: bool, nonce: bytes, slots: int, row: int, engine: str
+) -> None:
     """The co-tenant's side: pre-create ``name`` with ``mode`` and a valid, ready header naming
     the victim's engine (the header format is in the source), optionally hold its owner lock (a
     live "owner"), say ``ready``; when told, send back every byte after the header (what it can
     read of anything the victim wrote), remove the segment, return."""
     path = os.path.join(arena_mod.SHM_DIR, name)
+    size = HEADER_BYTES + slots * row
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
     try:
         os.fchmod(fd, mode)  # the umask may have taken bits away
-        os.ftruncate(fd, SIZE)
+        os.ftruncate(fd, size)
         header = arena_mod._HEADER.pack(
             arena_mod._MAGIC,
             arena_mod._VERSION,
             arena_mod._STATE_READY,
             os.getpid(),
             time.time_ns(),
-            SLOTS,
-            ROW,
+            slots,
+            row,
             nonce,
-            VICTIM.encode(),
+            engine.encode(),
         )
         os.pwrite(fd, header, 0)
         if hold_lock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         conn.send("ready")
         conn.recv()
-        conn.send(os.pread(fd, SIZE - HEADER_BYTES, HEADER_BYTES))
+        conn.send(os.pread(fd, size - HEADER_BYTES, HEADER_BYTES))
     finally:
         os.close(fd)
         os.unlink(path)
 
 
 @contextlib.contextmanager
-def squatter(name: str, mode: int = 0o600, hold_lock: bool = True, nonce: bytes = b"n" * 16):
-    """A co-tenant's segment ``name`` for the duration of the block; yields a function that
-    returns what the co-tenant reads after the header (call it last: the segment then goes)."""
-    with CotenantProcess(_squat, name, mode, hold_lock, nonce) as proc:
+def squatter(
+    name: str,
+    mode: int = 0o600,
+    hold_lock: bool = True,
+    nonce: bytes = b"n" * 16,
+    slots: int = SLOTS,
+    row: int = ROW,
+    engine: str = VICTIM,
+):
+    """A co-tenant's segment ``name`` (``slots`` x ``row`` bytes, a header naming ``engine``)
+    for the duration of the block; yields a function that returns what the co-tenant reads
+    after the header (call it last: the segment then goes)."""
+    with CotenantProcess(_squat, name, mode, hold_lock, nonce, slots, row, engine) as proc:
         assert proc.recv() == "ready"
         taken: list[bytes] = []
 
@@ -285,3 +298,23 @@ def test_created_arenas_are_mode_0600_whatever_the_umask():
             assert stat.S_IMODE(os.stat(f"/dev/shm/{a.name}").st_mode) == 0o600
     finally:
         os.umask(old)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (the vllm extra)")
+def test_c44_a_vllm_engine_start_with_a_squatted_fixed_arena_name_fails_naming_the_owner():
+    """Through the vLLM plug-in: the scheduler's start (``get_manager``: the sweep, then the
+    arena) with a fixed ``arena_name`` a co-tenant squats (0666, a live lock, a header naming
+    this engine) stops with the error naming the owner; the squatter reads nothing."""
+    from test_event_content import EXTRA, _offloading_config
+
+    from kvoffload.vllm import KVOffloadSpec
+
+    name = _name("spec")
+    uid = cotenant().pw_uid
+    config = _offloading_config({**EXTRA, "cpu_bytes_to_use": 4 * 2 * 4096 * 3, "arena_name": name})
+    spec = KVOffloadSpec(config)
+    shape = {"slots": spec.num_slots, "row": spec.row_bytes, "engine": config.engine_id}
+    with squatter(name, mode=0o666, **shape) as read_back:
+        with pytest.raises(ArenaForeignError, match=f"owner uid {uid} .*mode 0666"):
+            spec.get_manager()
+        assert read_back() == bytes(spec.num_slots * spec.row_bytes)

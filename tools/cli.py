@@ -196,7 +196,8 @@ def sweep(list_only: bool, fs_roots: tuple[str, ...], older_than: float | None) 
 
 
 @main.command(
-    epilog="Checks and their scope: syntax (the file alone, as the engine parses it at start); "
+    epilog="Checks and their scope: syntax (the file alone, as the engine parses it at start; "
+    "KV-event endpoints bound beyond loopback, a warning); "
     "this machine (/dev/shm against cpu_bytes_to_use, p2p secrets in this environment, fs roots: "
     "absolute, a writable directory, above their free-space floor, the chunk size of the "
     "namespaces already there; skipped with --syntax-only); model (with --model: cpu_bytes_to_use "

@@ -11,10 +11,10 @@ from kvoffload.ipc.arena import list_arenas
 
 def _leaked_segments(before: set[str]) -> list[str]:
     """Arenas created during the session whose owner is this process or dead (other live engines on
-    the machine are not ours to judge)."""
+    the machine, and other users' segments, are not ours to judge)."""
     out = []
     for a in list_arenas():
-        if a.name in before:
+        if a.name in before or not a.ours:
             continue
         if a.owner_pid == os.getpid() or not psutil.pid_exists(a.owner_pid):
             out.append(a.name)

@@ -754,4 +754,37 @@ MUTATIONS: list[Mutation] = [
             COT + "test_c43_a_chunk_a_group_member_plants_is_a_forged_miss_with_an_integrity_key",
         ),
     ),
+    Mutation(
+        "C43",
+        "the obj worker serves an object whose MAC it does not check",
+        "workers/obj_io.py",
+        "        if self._mac_key is not None:\n            why = cf.mac_problem(header, payload, self._mac_key)\n",
+        "        if False:\n            why = cf.mac_problem(header, payload, self._mac_key)\n",
+        (
+            OBJ
+            + "test_c43_with_an_integrity_key_an_object_written_without_it_is_a_forged_miss_and_deleted",
+        ),
+    ),
+    Mutation(
+        "C45",
+        "the obj worker reads a body to its end",
+        "workers/obj_io.py",
+        "                data = read_at_most(body, self.object_bytes + 1)\n",
+        "                data = body.read()\n",
+        (
+            OBJ
+            + "test_c45_a_hostile_body_is_a_corrupt_miss_and_the_readers_memory_stays_flat[endless]",
+        ),
+    ),
+    Mutation(
+        "C45",
+        "the obj worker reads a body whose Content-Length is not one object's",
+        "workers/obj_io.py",
+        "            if length is not None and length != self.object_bytes:\n",
+        "            if False:\n",
+        (
+            OBJ + "test_c45_a_hostile_body_is_a_corrupt_miss_and_the_readers_memory_stays_flat"
+            "[lying_length]",
+        ),
+    ),
 ]

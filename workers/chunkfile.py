@@ -22,8 +22,8 @@ MAC verifies (:func:`mac_problem`); anything else is *forged*: the unkeyed xxh3 
 only that bytes were not damaged, and anyone who can write the storage can compute them. Unkeyed
 chunks are the same bytes as before the key existed (flags 0, zeros at the MAC's place): the format
 version did not change. HMAC-SHA256 rather than keyed BLAKE2b: OpenSSL's SHA-256 (SHA-NI) hashes
-2 MiB in ~1.8 ms here, CPython's BLAKE2b in ~3.8 ms (BENCHMARKS.md "Keyed integrity"); both are in
-the standard library.
+2 MiB in ~1.6 ms here, CPython's BLAKE2b in 3-4.3 ms (BENCHMARKS.md §1c); both are in the standard
+library and release the GIL.
 
 Names are content-based:
 ``<namespace id>/<hh>/<hh>/<key hex>.kv`` with the two shard levels taken from xxh3-64 of the key, so no

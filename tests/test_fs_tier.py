@@ -998,7 +998,8 @@ def _forged_chunk(ns_id: str, key: bytes, body, mac_secret: bytes | None = None)
 def test_c43_with_an_integrity_key_a_chunk_written_without_it_is_a_forged_miss_and_removed(
     tmp_path, monkeypatch
 ):
-    monkeypatch.setenv(INTEGRITY_ENV, "correct horse battery staple 0123")
+    secret = "correct horse battery staple 0123"
+    monkeypatch.setenv(INTEGRITY_ENV, secret)
     fb = HEADER_BYTES + ROW
     keys = keys_for(4)
     evil = np.full(ROW, 0x66, dtype=np.uint8)
@@ -1031,6 +1032,11 @@ def test_c43_with_an_integrity_key_a_chunk_written_without_it_is_a_forged_miss_a
         assert rig.resolve(keys[:3]) == [MISS] * 3
     with Rig([fs_tier(tmp_path)], num_slots=4) as plain:  # no key: another namespace
         assert plain.resolve([keys[3]]) == [MISS]
+    from kvoffload.tools.tier_inspect import inspect_fs
+
+    by_id = {ns.id: ns for ns in inspect_fs(str(tmp_path)).namespaces}
+    assert by_id[ns_id].problem is None  # config.json hashes to the keyed namespace's id
+    assert by_id[ns_id].identity["integrity_key_id"] == cf.key_id(secret.encode())
 
 
 def test_c43_an_integrity_key_that_is_missing_short_or_pasted_in_is_refused_never_shown(

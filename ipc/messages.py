@@ -33,6 +33,9 @@ REJECTED = 8  # the request was refused (HTTP 4xx other than 404, permissions)
 ERROR = 9  # the worker's code raised something unexpected (a bug, an out-of-tree I/O module's
 #            error; CASES C25): that key failed, the worker goes on; its stored copy is left alone
 BAD_REPLY = 10  # the worker's reply did not answer this key (set by the engine, CASES C24)
+FORGED = 11  # the tier has an integrity key and the chunk's MAC is missing or wrong (removed; C43)
+UNSAFE_PATH = 12  # a symbolic link (removed) or a special file where the tier's layout has its own
+#                   directory or file: nothing was followed or written there (CASES C43)
 
 CODE_NAMES = {
     OK: "ok",
@@ -46,6 +49,8 @@ CODE_NAMES = {
     REJECTED: "rejected",
     ERROR: "error",
     BAD_REPLY: "bad_reply",
+    FORGED: "forged",
+    UNSAFE_PATH: "unsafe_path",
 }
 
 

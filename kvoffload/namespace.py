@@ -20,6 +20,7 @@ import msgspec
 import numpy as np
 import xxhash
 
+from kvoffload.workers import chunkfile as cf
 from kvoffload.workers.chunkfile import FORMAT_VERSION
 
 _KEY_ROOT = xxhash.xxh3_128_digest(b"kvoffload/chunk-key/v1")
@@ -101,6 +102,39 @@ class Namespace(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     def to_json(self) -> bytes:
         """The ``config.json`` written next to the namespace's chunks."""
         return msgspec.json.format(msgspec.json.encode(self), indent=2) + b"\n"
+
+
+class KeyedNamespace(Namespace, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """A :class:`Namespace` whose chunks carry a keyed MAC (a tier's ``integrity_key_env``,
+    CASES C43): the same fields plus the key's id, so its id differs from the unkeyed one's and
+    from every other key's, and keyed and unkeyed instances (or two keys) never share a directory
+    or prefix, where each would remove the other's chunks as forged.
+
+    Attributes:
+        integrity_key_id: :func:`kvoffload.workers.chunkfile.key_id` of the integrity secret (16
+            hex digits; an HMAC of a constant, which says nothing of the key).
+    """
+
+    integrity_key_id: str
+
+
+def for_integrity_key(namespace: Namespace, env_name: str | None) -> Namespace:
+    """``namespace`` as a tier with integrity key ``env_name`` (an environment variable's name,
+    None: no key) stores it: unchanged without a key, else its :class:`KeyedNamespace`.
+
+    Raises:
+        ValueError: the variable is unset, empty or holds too short a key; the message names the
+            setting and the variable, never the key.
+    """
+    if env_name is None:
+        return namespace
+    try:
+        secret = cf.secret_from_env(env_name)
+    except cf.IntegrityKeyError as e:
+        raise ValueError(str(e)) from None
+    fields = msgspec.structs.asdict(namespace)
+    fields.pop("integrity_key_id", None)
+    return KeyedNamespace(**fields, integrity_key_id=cf.key_id(secret))
 
 
 def model_fingerprint(model_path: str) -> str | None:

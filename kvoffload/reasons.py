@@ -83,6 +83,20 @@ FAILED: dict[str, Reason] = {
         "failed rather than trust it",
         "report it (a peer running another kvoffload version also causes it)",
     ),
+    "forged": Reason(
+        "the tier has an integrity key (integrity_key_env) and the stored chunk's keyed MAC was "
+        "missing or wrong: it was written without the key (instances with another key or none "
+        "use another namespace); removed, a miss, never its bytes",
+        "something without the key writes the root or bucket prefix: find it (file owners, the "
+        "bucket's access logs) and take its write access away",
+    ),
+    "unsafe_path": Reason(
+        "fs: a symbolic link (removed, never followed) or a special file where the tier's own "
+        "shard directory or chunk file belongs; nothing was read or written there: a failed "
+        "store, or a miss",
+        "someone else writes the root: check its owners and modes (the tier creates it 0700, or "
+        "2770 with share_with_group) and who is in its group",
+    ),
     "busy": Reason(
         "p2p load: the peer had leased as many chunks as it allows at once (half its host "
         "tier); asked again later",

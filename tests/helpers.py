@@ -62,6 +62,25 @@ def wait_paused(gate, count: int = 1, timeout_s: float = 120.0, step=None) -> li
     return wait_until(paused, timeout_s, f"{count} worker(s) paused at {gate}", step)
 
 
+def failed_chunks(rig: Rig, direction: str) -> dict[str, int]:
+    """Chunks of ``rig``'s failed ``direction`` (``store`` / ``load``) jobs, by reason (what
+    ``kvoffload_tier_failed_chunks_total`` counts), every tier together."""
+    out: dict[str, int] = {}
+    for (_tier, d, reason), n in rig.tm.stats.failed.items():
+        if d == direction and n:
+            out[reason] = out.get(reason, 0) + n
+    return out
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """Peak resident memory of process ``pid`` so far (``VmHWM`` of ``/proc/<pid>/status``)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmHWM for pid {pid}")
+
+
 def arena_name() -> str:
     return f"kvoffload_test_{os.getpid()}_{next(_names)}"
 

@@ -1,12 +1,15 @@
 """Filesystem tier with real worker processes and real files: round trips, integrity, liveness."""
 
+import logging
 import os
 import signal
+import stat
 import time
 
 import numpy as np
 import psutil
 import pytest
+import xxhash
 import zmq
 from helpers import (
     HIT,
@@ -15,15 +18,19 @@ from helpers import (
     RETRY,
     ROW,
     Rig,
+    failed_chunks,
     fs_tier,
     keys_for,
+    namespace,
     payload,
+    peak_rss_bytes,
     wait_paused,
     wait_until,
 )
 
 from kvoffload.ipc import messages as m
-from kvoffload.workers.chunkfile import HEADER_BYTES, relative_name
+from kvoffload.workers import chunkfile as cf
+from kvoffload.workers.chunkfile import HEADER_BYTES, relative_name, shard_dirs
 from kvoffload.workers.fs_io import STALE_TEMP_AGE_S
 
 
@@ -613,8 +620,6 @@ def test_c14_chunks_from_earlier_runs_are_adopted_and_counted(tmp_path):
         )
         assert run2.fs.accounted_bytes == sum(os.path.getsize(f) for f in _files(ns_a_dir))
         assert not os.path.exists(orphan)
-    from helpers import namespace
-
     other = namespace(model="another/model")
     with Rig([fs_tier(tmp_path, max_bytes=10 * fb)], num_slots=4, ns=other) as run3:
         for i in range(0, 10, 2):
@@ -852,3 +857,231 @@ def test_a_task_behind_a_paused_one_in_the_same_worker_is_not_held_up(tmp_path):
         assert rig.tm.stats.cascaded["fs"] == 2
         assert os.path.exists(chunk_path(rig, root, k1))
         assert rig.fs.counters.get("job_timeouts", 0) == 0
+
+
+# -- CASES C43: private files, no link followed, keyed integrity (one user here; the second local
+# user of the case is in tests/test_cotenant_fs.py) ----------------------------------------------
+
+INTEGRITY_ENV = "KVOFFLOAD_TEST_INTEGRITY_KEY"
+
+
+def _modes_below(root) -> tuple[set[int], set[int]]:
+    """The permission bits (setgid included) of every directory (``root`` too) and of every file
+    below ``root``."""
+    dirs, files = set(), set()
+    for d, _, names in os.walk(root):
+        dirs.add(stat.S_IMODE(os.stat(d).st_mode))
+        files.update(stat.S_IMODE(os.stat(os.path.join(d, n)).st_mode) for n in names)
+    return dirs, files
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o077])
+@pytest.mark.parametrize("share", [False, True], ids=["private", "share_with_group"])
+def test_c43_directories_and_files_get_the_tiers_modes_whatever_the_umask(tmp_path, share, umask):
+    root = tmp_path / "root"  # the tier creates it
+    old = os.umask(umask)  # the workers are spawned under it too
+    try:
+        with Rig([fs_tier(root, share_with_group=share)], num_slots=4) as rig:
+            rig.store(keys_for(4))
+            assert rig.fs.counters["store_chunks"] == 4
+    finally:
+        os.umask(old)
+    dirs, files = _modes_below(root)
+    assert dirs == ({0o2770} if share else {0o700})  # root, namespace, both shard levels
+    assert files == ({0o660} if share else {0o600})  # chunk files and config.json
+    assert len(_files(root)) == 4
+
+
+def test_c43_a_symlinked_shard_directory_gets_no_store_and_is_removed(tmp_path):
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    outside.mkdir()
+    k, other = keys_for(2)
+    with Rig([fs_tier(root)], num_slots=4) as rig:
+        a, _ = shard_dirs(k)
+        link = root / rig.ns.id() / a
+        link.symlink_to(outside, target_is_directory=True)
+        rig.store([k])
+        assert failed_chunks(rig, "store") == {"unsafe_path": 1}
+        assert list(outside.iterdir()) == []  # nothing written through the link
+        assert not link.is_symlink()
+        assert rig.fs.counters["symlinks_removed"] == 1
+        rig.tm.host.remove([k])  # the next offer of the chunk goes into the root
+        rig.store([k, other])
+        assert os.path.isfile(chunk_path(rig, root, k)) and list(outside.iterdir()) == []
+        rig.evict_all()
+        assert rig.resolve([k, other]) == [HIT, HIT]
+
+
+def test_c43_a_symlink_at_a_chunk_path_is_never_read_through(tmp_path):
+    """A link at a chunk's name to a valid copy of that chunk outside the root: a load (the
+    tier believes it holds the chunk) and a probe (a fresh instance) are misses, the link is
+    removed, the copy outside is left as it was."""
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    outside.mkdir()
+    k1, k2 = keys_for(2)
+    with Rig([fs_tier(root)], num_slots=4) as rig:
+        rig.store([k1, k2])
+        rig.evict_all()
+        for k in (k1, k2):
+            path = chunk_path(rig, root, k)
+            copy = outside / os.path.basename(path)
+            os.rename(path, copy)
+            os.symlink(copy, path)
+        assert rig.resolve([k1]) == [MISS]  # loaded (known present): refused, not followed
+        assert failed_chunks(rig, "load") == {"unsafe_path": 1}
+        assert not os.path.lexists(chunk_path(rig, root, k1))
+    with Rig([fs_tier(root)], num_slots=4) as fresh:
+        assert fresh.resolve([k2]) == [MISS]  # probed: a link is not a chunk
+        assert not os.path.lexists(chunk_path(fresh, root, k2))
+        assert fresh.fs.counters["symlinks_removed"] == 1
+    assert sorted(p.name for p in outside.iterdir()) == sorted(f"{k.hex()}.kv" for k in (k1, k2))
+    assert all(os.path.getsize(p) == HEADER_BYTES + ROW for p in outside.iterdir())
+
+
+def test_c43_scans_count_no_chunk_behind_or_at_a_symlink(tmp_path):
+    fb = HEADER_BYTES + ROW
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (outside / "ff").mkdir(parents=True)
+    keys = keys_for(3)
+    with Rig([fs_tier(root, max_bytes=10 * fb)], num_slots=4) as rig:
+        rig.store(keys)
+        ns = rig.ns
+        ns_dir = root / ns.id()
+    real = chunk_path(rig, root, keys[0])
+    for n, k in enumerate(keys_for(3, seed=7)):  # chunk files outside, as a co-tenant plants them
+        target = outside / "ff" / f"{k.hex()}.kv"
+        target.write_bytes(open(real, "rb").read())
+        if n == 0:
+            os.symlink(target, os.path.join(os.path.dirname(real), f"{k.hex()}.kv"))  # named as one
+    os.symlink(outside, ns_dir / "zz")  # a link where a shard directory would be
+    with Rig([fs_tier(root, max_bytes=10 * fb)], num_slots=4, ns=ns) as again:
+        wait_until(
+            lambda: again.fs.counters.get("adopted_chunks") is not None,
+            what="the start scan",
+            step=again.tm.poll,
+        )
+        assert again.fs.counters["adopted_chunks"] == 3
+        assert again.fs.accounted_bytes == 3 * fb
+
+
+def test_c43_a_namespace_directory_that_is_a_symlink_stops_the_start(tmp_path):
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    outside.mkdir()
+    root.mkdir()
+    ns = namespace()
+    (root / ns.id()).symlink_to(outside, target_is_directory=True)
+    with pytest.raises(ValueError, match=r"root_dir: .*symbolic link"):
+        Rig([fs_tier(root)], num_slots=4, ns=ns)
+    assert list(outside.iterdir()) == []
+
+
+def test_c43_root_dir_may_itself_be_a_symlink(tmp_path):
+    real = tmp_path / "disk" / "kv"
+    real.mkdir(parents=True)
+    (tmp_path / "kv").symlink_to(real, target_is_directory=True)
+    with Rig([fs_tier(tmp_path / "kv")], num_slots=4) as rig:
+        keys = keys_for(2)
+        rig.store(keys)
+        rig.evict_all()
+        assert rig.resolve(keys) == [HIT, HIT]
+        assert all(os.path.isfile(real / rig.ns.id() / relative_name(k)) for k in keys)
+
+
+def _forged_chunk(ns_id: str, key: bytes, body, mac_secret: bytes | None = None) -> bytes:
+    """A well-formed chunk file of ``key`` in namespace ``ns_id`` (a directory name, on disk for
+    anyone to read), as anyone who can write the root builds it: unkeyed, or keyed with a key
+    that is not the tier's."""
+    mac = None if mac_secret is None else cf.mac_key(mac_secret)
+    return cf.build_header(bytes.fromhex(ns_id), key, body, mac) + body.tobytes()
+
+
+def test_c43_with_an_integrity_key_a_chunk_written_without_it_is_a_forged_miss_and_removed(
+    tmp_path, monkeypatch
+):
+    secret = "correct horse battery staple 0123"
+    monkeypatch.setenv(INTEGRITY_ENV, secret)
+    fb = HEADER_BYTES + ROW
+    keys = keys_for(4)
+    evil = np.full(ROW, 0x66, dtype=np.uint8)
+    keyed = fs_tier(tmp_path, integrity_key_env=INTEGRITY_ENV, max_bytes=10 * fb)
+    with Rig([keyed], num_slots=4) as rig:
+        ns_id = rig.fs.ns_id
+        assert ns_id != rig.ns.id()  # the key's id is part of the namespace
+        rig.store(keys)
+        rig.evict_all()
+        counted = rig.fs.accounted_bytes
+        paths = [os.path.join(tmp_path, ns_id, relative_name(k)) for k in keys]
+        with open(paths[0], "wb") as f:  # unkeyed, valid checksums
+            f.write(_forged_chunk(ns_id, keys[0], evil))
+        with open(paths[1], "wb") as f:  # keyed, with another key
+            f.write(_forged_chunk(ns_id, keys[1], evil, b"not the tier's key, but long"))
+        with open(paths[2], "r+b") as f:  # the tier's own chunk, flags cleared
+            head = bytearray(f.read(HEADER_BYTES))
+            head[12:16] = bytes(4)
+            fixed = bytes(head[:48])
+            head[48:56] = xxhash.xxh3_64_intdigest(fixed).to_bytes(8, "little")
+            f.seek(0)
+            f.write(head)
+        assert rig.resolve(keys) == [MISS, MISS, MISS, HIT]
+        assert failed_chunks(rig, "load") == {"forged": 3}
+        assert not any(os.path.exists(p) for p in paths[:3])
+        assert rig.fs.counters["forged_removed"] == 3
+        assert rig.fs.accounted_bytes == counted - 3 * fb  # removed: no longer counted
+        (row,) = rig.read([keys[3]])
+        assert np.array_equal(row, payload(keys[3]))
+        assert rig.resolve(keys[:3]) == [MISS] * 3
+    with Rig([fs_tier(tmp_path)], num_slots=4) as plain:  # no key: another namespace
+        assert plain.resolve([keys[3]]) == [MISS]
+    from kvoffload.tools.tier_inspect import inspect_fs
+
+    by_id = {ns.id: ns for ns in inspect_fs(str(tmp_path)).namespaces}
+    assert by_id[ns_id].problem is None  # config.json hashes to the keyed namespace's id
+    assert by_id[ns_id].identity["integrity_key_id"] == cf.key_id(secret.encode())
+
+
+def test_c43_an_integrity_key_that_is_missing_short_or_pasted_in_is_refused_never_shown(
+    tmp_path, monkeypatch, caplog
+):
+    from kvoffload.config import ConfigError, describe, parse_config
+
+    secret = "this-is-the-secret-key-itself-0123"
+    keyed = fs_tier(tmp_path, integrity_key_env=INTEGRITY_ENV)
+    monkeypatch.delenv(INTEGRITY_ENV, raising=False)
+    with pytest.raises(ValueError, match=f"integrity_key_env: .*{INTEGRITY_ENV} is not set"):
+        Rig([keyed], num_slots=4)
+    monkeypatch.setenv(INTEGRITY_ENV, "tiny")
+    with pytest.raises(ValueError, match=f"integrity_key_env: the key in {INTEGRITY_ENV} is 4 "):
+        Rig([keyed], num_slots=4)
+    pasted = {
+        "cpu_bytes_to_use": 1 << 20,
+        "secondary_tiers": [{**keyed, "integrity_key_env": secret}],
+    }
+    with pytest.raises(ConfigError, match="integrity_key_env: must name the environment") as e:
+        parse_config(pasted)
+    assert secret not in str(e.value)
+    monkeypatch.setenv(INTEGRITY_ENV, secret)
+    with caplog.at_level(logging.DEBUG), Rig([keyed], num_slots=4) as rig:
+        rig.store(keys_for(1))
+        assert rig.fs.counters["store_chunks"] == 1
+        shown = describe(rig.config)
+    assert INTEGRITY_ENV in shown and secret not in shown
+    assert secret not in caplog.text
+
+
+# -- CASES C45: sizes from storage are untrusted ----------------------------------------------
+
+
+def test_c45_a_chunk_file_longer_than_its_header_says_is_corrupt_and_not_read(tmp_path):
+    with Rig([fs_tier(tmp_path, read_workers=1)], num_slots=4) as rig:
+        k = keys_for(1)[0]
+        rig.store([k])
+        rig.evict_all()
+        path = chunk_path(rig, tmp_path, k)
+        os.truncate(path, 1 << 30)  # 1 GiB (sparse): far longer than header plus row
+        (reader,) = rig.fs.worker_pids()["loads"]
+        before = peak_rss_bytes(reader)
+        assert rig.resolve([k]) == [MISS]
+        assert failed_chunks(rig, "load") == {"corrupt": 1}
+        assert not os.path.exists(path)
+        assert rig.fs.worker_pids()["loads"] == [reader]
+        assert peak_rss_bytes(reader) - before < 4 << 20

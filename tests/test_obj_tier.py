@@ -5,10 +5,23 @@ import time
 import botocore.exceptions
 import numpy as np
 import pytest
-from helpers import HIT, MISS, PENDING, ROW, Rig, keys_for, namespace, payload, wait_until
+from helpers import (
+    HIT,
+    MISS,
+    PENDING,
+    ROW,
+    Rig,
+    failed_chunks,
+    keys_for,
+    namespace,
+    payload,
+    peak_rss_bytes,
+    wait_until,
+)
 from s3 import FaultProxy, Nanio, Rule, client, new_bucket, obj_tier, start_moto
 
 from kvoffload.config import ConfigError
+from kvoffload.workers import chunkfile as cf
 from kvoffload.workers.chunkfile import HEADER_BYTES, relative_name
 
 
@@ -383,3 +396,77 @@ def test_without_max_bytes_the_obj_tier_deletes_nothing(moto, bucket):
 def test_obj_max_bytes_below_one_object_is_refused_naming_the_key(moto, bucket):
     with pytest.raises(ConfigError, match=r"\.max_bytes: 100 is smaller than one chunk \("):
         Rig([obj_tier(moto, bucket, max_bytes=100)])
+
+
+# -- CASES C43: keyed integrity on a shared bucket ------------------------------------------------
+
+INTEGRITY_ENV = "KVOFFLOAD_TEST_INTEGRITY_KEY"
+
+
+def test_c43_with_an_integrity_key_an_object_written_without_it_is_a_forged_miss_and_deleted(
+    moto, bucket, monkeypatch
+):
+    monkeypatch.setenv(INTEGRITY_ENV, "a key the other credential does not have, 0123")
+    keys = keys_for(3)
+    evil = np.full(ROW, 0x66, dtype=np.uint8)
+    with Rig([obj_tier(moto, bucket, integrity_key_env=INTEGRITY_ENV)], num_slots=4) as rig:
+        ns_id = rig.fs.ns_id
+        assert ns_id != rig.ns.id()  # the key's id is part of the namespace
+        rig.store(keys)
+        rig.evict_all()
+        s3 = client(moto)
+        names = [f"{ns_id}/{relative_name(k)}" for k in keys]
+        ns_bytes = bytes.fromhex(ns_id)
+        forged = cf.build_header(ns_bytes, keys[0], evil) + evil.tobytes()  # unkeyed, valid
+        other = cf.build_header(ns_bytes, keys[1], evil, cf.mac_key(b"another key, long enough"))
+        s3.put_object(Bucket=bucket, Key=names[0], Body=forged)
+        s3.put_object(Bucket=bucket, Key=names[1], Body=other + evil.tobytes())
+        assert rig.resolve(keys) == [MISS, MISS, HIT]
+        assert failed_chunks(rig, "load") == {"forged": 2}
+        assert rig.fs.counters["forged_removed"] == 2
+        for name in names[:2]:
+            with pytest.raises(botocore.exceptions.ClientError):
+                s3.head_object(Bucket=bucket, Key=name)
+        (row,) = rig.read([keys[2]])
+        assert np.array_equal(row, payload(keys[2]))
+    with Rig([obj_tier(moto, bucket)], num_slots=4) as plain:  # no key: another namespace
+        assert plain.resolve([keys[2]]) == [MISS]
+
+
+# -- CASES C45: sizes from the endpoint are untrusted --------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [("oversized", 256 << 20), ("lying_length", 1 << 40), ("endless",)],
+    ids=["oversized", "lying_length", "endless"],
+)
+def test_c45_a_hostile_body_is_a_corrupt_miss_and_the_readers_memory_stays_flat(
+    moto, bucket, fault
+):
+    """A body of 256 MiB for a 20 KiB chunk (its true Content-Length), a Content-Length of 1
+    TiB over the real body, an endless chunked body: each load is a miss counted as corrupt,
+    the reader reads no more than one object (its peak RSS stays within a few MiB) and goes on
+    serving loads, with no deadline passed."""
+    keys = keys_for(3)
+    proxy = FaultProxy(moto)
+    try:
+        cfg = obj_tier(proxy.endpoint, bucket, job_timeout_s=60.0, breaker_failures=None)
+        with Rig([cfg], num_slots=8) as rig:
+            rig.store(keys)
+            rig.evict_all()
+            assert rig.resolve([keys[0]]) == [HIT]  # the reader has served a load already
+            (reader,) = rig.fs.worker_pids()["loads"]
+            before = peak_rss_bytes(reader)
+            rule = proxy.add(Rule("GET", keys[1].hex(), fault))
+            assert rig.resolve([keys[1]]) == [MISS]
+            assert rule.hits >= 1
+            assert failed_chunks(rig, "load") == {"corrupt": 1}
+            assert rig.fs.worker_pids()["loads"] == [reader]
+            assert rig.fs.counters.get("job_timeouts", 0) == 0
+            assert peak_rss_bytes(reader) - before < 8 << 20
+            assert rig.resolve([keys[2]]) == [HIT]
+            (row,) = rig.read([keys[2]])
+            assert np.array_equal(row, payload(keys[2]))
+    finally:
+        proxy.stop()

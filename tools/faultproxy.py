@@ -1,6 +1,9 @@
 """An HTTP proxy on loopback in front of an S3-compatible endpoint that injects S3 faults: error
 statuses with an S3 XML body, hangs, delays, dropped connections, a dead endpoint (stopped and
-restarted on the same port).
+restarted on the same port), and hostile bodies (CASES C45): a body far larger than the object
+(with its true Content-Length), a Content-Length that lies about the body, an endless chunked body.
+Hostile bodies are streamed from one small buffer, so the proxy's own memory stays flat; a stream
+ends when the client closes the connection.
 
 Used by ``kvoffload stress --flaky-s3`` (:func:`kvoffload.tools.stress_faults.flaky_rules`) and by
 the obj-tier tests; it needs nothing beyond the standard library.
@@ -17,14 +20,22 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from kvoffload.tools.ports import free_port
 
+BODY_FAULTS = ("oversized", "lying_length", "endless")
+"""Actions that replace the upstream's body (the request is forwarded first)."""
+_FILL = bytes(1 << 20)  # what hostile bodies are padded with, sent again and again
+
 
 class Rule:
     """A fault for requests whose method is ``method`` (``"*"``: any) and whose path contains
     ``path_contains``.
 
     ``action``: ``("status", code, s3_error_code)`` (an S3 XML error), ``("hang", seconds)`` (no
-    answer, then the connection closes), ``("delay", seconds)`` (answer normally, late) or
-    ``("drop",)`` (connection reset). ``count`` faults at most (-1: unlimited); ``probability`` of
+    answer, then the connection closes), ``("delay", seconds)`` (answer normally, late),
+    ``("drop",)`` (connection reset), or a hostile body after the upstream's own answer:
+    ``("oversized", nbytes)`` (the upstream body padded with zeros to ``nbytes``, with that
+    Content-Length), ``("lying_length", nbytes)`` (Content-Length says ``nbytes``; the upstream body
+    is sent and the connection closed) or ``("endless",)`` (chunked: the upstream body, then zeros
+    until the client hangs up). ``count`` faults at most (-1: unlimited); ``probability`` of
     applying to each matching request.
     """
 
@@ -81,6 +92,7 @@ class FaultProxy:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
                 proxy.requests.append((self.command, self.path))
+                body_fault = None
                 for rule in list(proxy.rules):
                     if (
                         rule.method in (self.command, "*")
@@ -93,21 +105,47 @@ class FaultProxy:
                         if rule.action[0] == "delay":
                             time.sleep(rule.action[1])
                             break
+                        if rule.action[0] in BODY_FAULTS:
+                            body_fault = rule.action
+                            break
                         return self._fault(rule.action)
                 conn = http.client.HTTPConnection(proxy.upstream, timeout=30)
                 headers = {k: v for k, v in self.headers.items() if k.lower() != "connection"}
                 conn.request(self.command, self.path, body=body, headers=headers)
                 resp = conn.getresponse()
                 data = resp.read()
+                conn.close()
                 self.send_response(resp.status)
                 for k, v in resp.getheaders():
                     if k.lower() not in ("transfer-encoding", "connection", "content-length"):
                         self.send_header(k, v)
+                if body_fault is not None and self.command != "HEAD":
+                    return self._hostile_body(body_fault, data)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)
-                conn.close()
+
+            def _hostile_body(self, action, data: bytes):
+                """Send ``data`` as a hostile body (headers sent so far: the upstream's own)."""
+                self.close_connection = True
+                kind = action[0]
+                if kind == "endless":
+                    self.send_header("Transfer-Encoding", "chunked")
+                    self.end_headers()
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                    chunk = b"%x\r\n%s\r\n" % (len(_FILL), _FILL)
+                    while True:  # until the client hangs up (BrokenPipe ends the handler)
+                        self.wfile.write(chunk)
+                self.send_header("Content-Length", str(action[1]))
+                self.end_headers()
+                self.wfile.write(data)
+                if kind == "oversized":
+                    left = action[1] - len(data)
+                    while left > 0:
+                        n = min(left, len(_FILL))
+                        self.wfile.write(memoryview(_FILL)[:n])
+                        left -= n
 
             def _fault(self, action):
                 if action[0] == "status":

@@ -19,9 +19,11 @@ adopts at start by it) and an object's LastModified (obj). Times are seconds sin
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import stat
 import time
 from typing import Any, Literal
 
@@ -105,8 +107,9 @@ class TierReport(msgspec.Struct, kw_only=True):
 
 
 def _check_identity(ns_id: str, raw: bytes) -> tuple[dict[str, Any] | None, str | None]:
-    """Decode a namespace's ``config.json``; a problem when it is not the namespace's own."""
-    from kvoffload.namespace import Namespace
+    """Decode a namespace's ``config.json``; a problem when it is not the namespace's own. A
+    keyed namespace's (``integrity_key_id``: its tier has an integrity key) is decoded as such."""
+    from kvoffload.namespace import KeyedNamespace, Namespace
 
     try:
         fields = json.loads(raw)
@@ -114,8 +117,9 @@ def _check_identity(ns_id: str, raw: bytes) -> tuple[dict[str, Any] | None, str 
         return None, f"config.json is not JSON: {e}"
     if not isinstance(fields, dict):
         return None, "config.json is not a JSON object"
+    kind = KeyedNamespace if "integrity_key_id" in fields else Namespace
     try:
-        ns = msgspec.convert(fields, Namespace)
+        ns = msgspec.convert(fields, kind)
     except msgspec.ValidationError as e:
         return fields, f"config.json does not describe a namespace of this version: {e}"
     if ns.id() != ns_id:
@@ -145,7 +149,7 @@ def _scan_fs_namespace(entry: os.DirEntry, stale_age_s: float, now: float) -> Na
     temp = rep.temp
     oldest = newest = None
 
-    def add_file(f: os.DirEntry) -> None:
+    def add_file(f: fs_io.NsFile) -> None:
         nonlocal oldest, newest
         try:
             st = f.stat(follow_symlinks=False)
@@ -185,10 +189,10 @@ def _scan_fs_namespace(entry: os.DirEntry, stale_age_s: float, now: float) -> Na
 
 
 def _read_fs_identity(rep: NamespaceReport, entry: os.DirEntry) -> None:
-    """Fill ``rep.identity`` (or ``rep.problem``) from the namespace's ``config.json``."""
+    """Fill ``rep.identity`` (or ``rep.problem``) from the namespace's ``config.json``, read
+    without following a symbolic link (a co-tenant's link could point at any file: CASES C43)."""
     try:
-        with open(os.path.join(entry.path, _CONFIG), "rb") as f:
-            raw = f.read(_CONFIG_MAX_BYTES)
+        raw = _read_config_json(entry.path)
     except FileNotFoundError:
         rep.problem = "no config.json (not written by an engine, or removed)"
         return
@@ -196,6 +200,29 @@ def _read_fs_identity(rep: NamespaceReport, entry: os.DirEntry) -> None:
         rep.problem = f"config.json cannot be read: {e}"
         return
     rep.identity, rep.problem = _check_identity(entry.name, raw)
+
+
+def _read_config_json(ns_dir: str) -> bytes:
+    """At most :data:`_CONFIG_MAX_BYTES` of ``<ns_dir>/config.json``, the directory and the file
+    opened with ``O_NOFOLLOW``.
+
+    Raises:
+        FileNotFoundError: no such file.
+        OSError: a symbolic link or not a regular file (naming it), or unreadable.
+    """
+    d = os.open(ns_dir, fs_io.DIR_FLAGS)
+    try:
+        fd = os.open(_CONFIG, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=d)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise OSError(e.errno, "a symbolic link (not followed)") from None
+        raise
+    finally:
+        os.close(d)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file (not read)")
+        return f.read(_CONFIG_MAX_BYTES)
 
 
 def namespace_identities(root: str) -> list[NamespaceReport]:
@@ -253,8 +280,8 @@ def inspect_fs(root: str, stale_temp_age_s: float = fs_io.STALE_TEMP_AGE_S) -> T
     for entry in namespace_dirs(root):
         try:
             namespaces.append(_scan_fs_namespace(entry, stale_temp_age_s, now))
-        except FileNotFoundError:
-            continue  # the namespace directory was removed while we looked
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # the namespace directory was removed (or replaced) while we looked
         except PermissionError as e:
             raise InspectError(
                 f"{root}: cannot read {e.filename or entry.path}: permission denied"

@@ -10,7 +10,9 @@ no writer left. The writer's PID in the name is never used: it means nothing in 
 namespace (container) or on another host, where that PID may be free or belong to something else.
 
 Fs tiers apply the same rule to their own namespace when they start; this command also reaches
-namespaces no engine is running for. Chunks and ``config.json`` are never touched.
+namespaces no engine is running for. Chunks and ``config.json`` are never touched. Directories are
+walked by descriptor with ``O_NOFOLLOW`` and files removed relative to theirs, so a symbolic link
+planted inside the root is never followed (CASES C43).
 """
 
 from __future__ import annotations
@@ -85,11 +87,11 @@ def sweep_fs_root(
                     out.kept += 1
                     continue
                 out.stale.append(StaleTemp(path=f.path, bytes=st.st_size, age_s=age))
-                if remove and fs_io.remove_if_stale(f.path, st.st_mtime, now, older_than_s):
+                if remove and fs_io.remove_if_stale(f, st.st_mtime, now, older_than_s):
                     out.removed += 1
                     out.removed_bytes += st.st_size
-        except FileNotFoundError:
-            continue  # the namespace directory was removed meanwhile
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # the namespace directory was removed (or replaced) meanwhile
         except PermissionError as e:
             raise InspectError(
                 f"{root}: cannot read {e.filename or ns.path}: permission denied"

@@ -25,7 +25,19 @@ import msgspec
 from kvoffload.ipc import messages as m
 from kvoffload.workers.faults import Faults
 
-WORKER_CODES = frozenset({m.OK, m.MISSING, m.CORRUPT, m.IO_ERROR, m.NO_SPACE, m.REJECTED, m.ERROR})
+WORKER_CODES = frozenset(
+    {
+        m.OK,
+        m.MISSING,
+        m.CORRUPT,
+        m.IO_ERROR,
+        m.NO_SPACE,
+        m.REJECTED,
+        m.ERROR,
+        m.FORGED,
+        m.UNSAFE_PATH,
+    }
+)
 """Codes an I/O module may answer (``TIMEOUT``, ``WORKER_DIED``, ``CANCELLED`` are the engine's)."""
 
 
@@ -76,7 +88,8 @@ class ChunkIO(Protocol):
 
     def load(self, key: bytes, dst: memoryview) -> IOOutcome:
         """Copy chunk ``key`` into arena row ``dst``, verified (``CORRUPT`` when it is not the
-        chunk stored under ``key``; the bad copy is removed). ``nbytes``: bytes read."""
+        chunk stored under ``key``, ``FORGED`` when the tier has an integrity key and the chunk
+        was not written with it; the bad copy is removed). ``nbytes``: bytes read."""
         ...
 
     def probe(self, key: bytes) -> IOOutcome:

@@ -9,13 +9,26 @@
   (PID plus a random tag: PIDs repeat across containers), then ``rename`` it over the final name:
   readers see the whole chunk or nothing, and two instances writing the same chunk at once are both
   safe (the last rename wins; the bytes are the same). A chunk already on disk is not rewritten.
+- Private by default (CASES C43): directories are created ``dir_mode`` (0700) and files
+  ``file_mode`` (0600) exactly, whatever the umask (a ``fchmod`` where the umask would take bits
+  away); a root shared with a group on purpose gets 2770 / 0660.
+- Nothing inside the root is reached through a symbolic link (CASES C43): every operation opens
+  the root (the engine resolved it once, so the operator's own link is fine), then the namespace
+  and both shard directories one at a time with ``O_DIRECTORY | O_NOFOLLOW``, and touches the chunk
+  or temporary file only relative to that last descriptor (``dir_fd``; ``O_NOFOLLOW`` on files),
+  so nothing is checked by name and then used by name. A symbolic link met on the way is removed
+  (unlinking a link follows nothing) and counted as ``symlinks_removed``; a store that meets one
+  fails that key as ``UNSAFE_PATH``, a load is a miss (``UNSAFE_PATH``), a probe answers
+  ``MISSING``. A chunk path that holds anything but a regular file is refused the same way.
 - Transfers bypass the page cache (O_DIRECT) as configured. A filesystem that refuses it with
   EINVAL, at the open (some create the file first, CASES C31) or at the first aligned read or
   write, gets that transfer redone with buffered I/O, and so does every later one of this worker;
   logged once per worker with the filesystem, counted as ``direct_io_fallbacks``, never a failure.
-- Loads read the header, check it, read the payload straight into the arena slot and verify its
-  checksum. Verified corruption (short file, wrong header, bad checksum) removes the file; transient
-  errors (EIO, EINTR, ...) leave it alone.
+- Loads check the file's size first (a file of any other size than header plus row is corrupt and
+  is never read: CASES C45), read the header and the payload straight into the arena slot and
+  verify both. Verified corruption (wrong size, wrong header, bad checksum) removes the file;
+  transient errors (EIO, EINTR, ...) leave it alone. With an integrity key, a chunk whose MAC is
+  missing or wrong is ``FORGED`` and removed.
 - Scans list the namespace's chunks for capacity accounting and remove orphaned temporary files.
   A temporary file is an orphan when it was last written more than ``stale_temp_age_s`` ago (default
   one hour, at least 10x the job deadline): a live writer renames or removes its file within its job
@@ -31,10 +44,12 @@ import itertools
 import mmap
 import os
 import secrets
+import stat
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from typing import NoReturn
 
 import psutil
 
@@ -47,9 +62,118 @@ from kvoffload.workers.faults import Faults
 from kvoffload.workers.ioconfig import STALE_TEMP_AGE_S, FsIOConfig
 
 _NO_SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
-_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+"""How every directory inside a root is opened: never through a symbolic link (one opened this way
+fails with ENOTDIR)."""
+_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_NONBLOCK: a FIFO planted at a chunk path opens at once (and is refused), never blocks the read.
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+PRIVATE_MODES = (0o700, 0o600)
+"""(directories, files) of a root private to the engine's user (the default)."""
+GROUP_MODES = (0o2770, 0o660)
+"""(directories, files) of a root shared with a group (``share_with_group``): setgid directories,
+so what is created below keeps the root's group."""
 IO_CONFIG = FsIOConfig
 """This module's I/O config (tag ``fs``): what :func:`make_io` takes."""
+
+
+class UnsafePath(Exception):
+    """Something other than the tier's own directory or regular file at a path inside a root: a
+    symbolic link (removed, not followed) or a special file. The message names the path (relative
+    to the root) and what was found there."""
+
+
+def modes(share_with_group: bool) -> tuple[int, int]:
+    """``(directory mode, file mode)`` the fs tier creates with: :data:`PRIVATE_MODES`, or
+    :data:`GROUP_MODES` for a root shared with a group."""
+    return GROUP_MODES if share_with_group else PRIVATE_MODES
+
+
+def current_umask() -> int:
+    """This process's umask, read without changing it (``/proc/self/status``; Linux >= 4.7),
+    else by setting it and back (only before threads start)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def open_dir(
+    parent_fd: int,
+    name: str,
+    *,
+    where: str,
+    create_mode: int | None = None,
+    remove_links: bool = True,
+) -> int:
+    """Open directory ``name`` in directory ``parent_fd`` without following a symbolic link
+    (:data:`DIR_FLAGS`); returns its descriptor (the caller closes it).
+
+    Args:
+        where: the directory's path relative to the root, for messages.
+        create_mode: create the directory when it is missing, with exactly these permission bits
+            (setgid included; a ``fchmod`` after ``mkdir``, so the umask cannot narrow them and
+            the mode needs no second look by name); None: a missing directory raises.
+        remove_links: remove a symbolic link found at ``name`` (counted as ``symlinks_removed``).
+
+    Raises:
+        FileNotFoundError: missing (and not created).
+        UnsafePath: a symbolic link or anything else than a directory is there.
+        OSError: the open or the creation failed otherwise.
+    """
+    try:
+        return os.open(name, DIR_FLAGS, dir_fd=parent_fd)
+    except FileNotFoundError:
+        if create_mode is None:
+            raise
+    except OSError as e:
+        if e.errno not in (errno.ENOTDIR, errno.ELOOP):
+            raise
+        _refuse(parent_fd, name, where, "directory", remove_links)
+    try:
+        os.mkdir(name, create_mode & 0o777, dir_fd=parent_fd)
+        created = True
+    except FileExistsError:
+        created = False  # made by another writer meanwhile (or something else is there)
+    try:
+        fd = os.open(name, DIR_FLAGS, dir_fd=parent_fd)
+    except OSError as e:
+        if e.errno not in (errno.ENOTDIR, errno.ELOOP):
+            raise
+        _refuse(parent_fd, name, where, "directory", remove_links)
+    if created:
+        try:
+            os.fchmod(fd, create_mode)
+        except BaseException:
+            os.close(fd)
+            raise
+    return fd
+
+
+def _refuse(parent_fd: int, name: str, where: str, belongs: str, remove_links: bool) -> NoReturn:
+    """Raise :class:`UnsafePath` for what is at ``name`` in ``parent_fd`` instead of the tier's
+    ``belongs`` (``directory``, ``chunk file``); a symbolic link is removed first when
+    ``remove_links``."""
+    try:
+        st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        raise UnsafePath(f"{where}: replaced while it was opened") from None
+    if not stat.S_ISLNK(st.st_mode):
+        raise UnsafePath(f"{where} is not a {belongs} (mode {stat.filemode(st.st_mode)})")
+    if remove_links:
+        try:
+            os.unlink(name, dir_fd=parent_fd)
+            counters.count(names.SYMLINKS_REMOVED)
+        except OSError:
+            pass
+        raise UnsafePath(f"{where} was a symbolic link where a {belongs} belongs (removed)")
+    raise UnsafePath(f"{where} is a symbolic link where a {belongs} belongs")
 
 
 def stale_temp_age_s(job_timeout_s: float) -> float:
@@ -72,14 +196,46 @@ def is_temp_name(name: str) -> bool:
     return name.endswith(cf.TMP_SUFFIX)
 
 
-def remove_if_stale(path: str, mtime: float, now: float, older_than_s: float) -> bool:
-    """Unlink the temporary file ``path`` if it was last written (``mtime``, seconds since the
+class NsFile:
+    """One entry of a namespace directory (:func:`namespace_files`), named relative to its open
+    directory, so it is looked at and removed without a path walk (nothing followed).
+
+    Attributes:
+        name: the file's name.
+        path: its path (the namespace directory's path joined with its place below it), for
+            messages and reports only.
+        dir_fd: its directory, open while the iteration is at this entry.
+    """
+
+    __slots__ = ("_entry", "dir_fd", "path")
+
+    def __init__(self, entry: os.DirEntry, dir_fd: int, path: str):
+        self._entry = entry
+        self.dir_fd = dir_fd
+        self.path = path
+
+    @property
+    def name(self) -> str:
+        """The file's name in its directory."""
+        return self._entry.name
+
+    def stat(self, follow_symlinks: bool = False) -> os.stat_result:
+        """Its ``lstat`` (a symbolic link is never followed, whatever ``follow_symlinks`` says)."""
+        return os.stat(self._entry.name, dir_fd=self.dir_fd, follow_symlinks=False)
+
+    def unlink(self) -> None:
+        """Remove it (a symbolic link itself, never what it points to)."""
+        os.unlink(self._entry.name, dir_fd=self.dir_fd)
+
+
+def remove_if_stale(f: NsFile, mtime: float, now: float, older_than_s: float) -> bool:
+    """Unlink the temporary file ``f`` if it was last written (``mtime``, seconds since the
     epoch) more than ``older_than_s`` seconds before ``now``. Returns True if this call removed it
     (False when it is younger, or already gone: its writer renamed it, or another sweep won)."""
     if now - mtime <= older_than_s:
         return False
     try:
-        os.unlink(path)
+        f.unlink()
     except OSError:
         return False
     return True
@@ -105,33 +261,40 @@ def filesystem_of(path: str) -> str:
     return f"{best.fstype} on {best.mountpoint} ({best.device})"
 
 
-def namespace_files(ns_dir: str) -> Iterator[os.DirEntry]:
+def namespace_files(ns_dir: str) -> Iterator[NsFile]:
     """Every file of one namespace directory, streamed (``os.scandir``; nothing is collected): its
     own files (``config.json``, temporary files), then those of each shard directory ``<hh>/<hh>/``.
-    A file may be gone by the time the caller stats it.
+    Directories are opened with ``O_NOFOLLOW`` and listed by descriptor: a symbolic link is listed
+    as a file, never entered. A file may be gone by the time the caller stats it.
 
     Raises:
         FileNotFoundError: ``ns_dir`` does not exist.
+        NotADirectoryError: ``ns_dir`` is a symbolic link or not a directory.
         PermissionError: a directory cannot be listed.
     """
-    yield from _files_below(ns_dir, shard_levels=2, missing_ok=False)
-
-
-def _files_below(path: str, shard_levels: int, missing_ok: bool = True) -> Iterator[os.DirEntry]:
-    """The files in ``path`` and, ``shard_levels`` directories deep, below it; a shard directory
-    removed meanwhile is skipped (``missing_ok``)."""
+    fd = os.open(ns_dir, DIR_FLAGS)
     try:
-        entries = os.scandir(path)
-    except FileNotFoundError:
-        if missing_ok:
-            return
-        raise
-    with entries:
+        yield from _files_below(fd, ns_dir, shard_levels=2)
+    finally:
+        os.close(fd)
+
+
+def _files_below(dir_fd: int, path: str, shard_levels: int) -> Iterator[NsFile]:
+    """The files in directory ``dir_fd`` (at ``path``) and, ``shard_levels`` directories deep,
+    below it; a shard directory removed or replaced meanwhile is skipped."""
+    with os.scandir(dir_fd) as entries:
         for e in entries:
             if not e.is_dir(follow_symlinks=False):
-                yield e
+                yield NsFile(e, dir_fd, os.path.join(path, e.name))
             elif shard_levels > 0:
-                yield from _files_below(e.path, shard_levels - 1)
+                try:
+                    sub = os.open(e.name, DIR_FLAGS, dir_fd=dir_fd)
+                except (FileNotFoundError, NotADirectoryError):
+                    continue
+                try:
+                    yield from _files_below(sub, os.path.join(path, e.name), shard_levels - 1)
+                finally:
+                    os.close(sub)
 
 
 class FsIO:
@@ -141,11 +304,18 @@ class FsIO:
         self.cfg = config
         self.faults = faults
         self.ns_bytes = bytes.fromhex(config.namespace_id)
+        self.root = config.root_dir  # resolved by the engine: no link of its own to follow
         self.ns_dir = os.path.join(config.root_dir, config.namespace_id)
         self.file_bytes = cf.HEADER_BYTES + config.row_bytes
-        self._dirs: set[str] = set()
         self._tmp_counter = itertools.count()
         self._tmp_tag = temp_tag()
+        # The umask only ever takes bits away: fchmod new files only when it would.
+        self._fchmod_files = config.file_mode & ~current_umask() != config.file_mode
+        self._mac_key = (
+            None
+            if config.integrity_key_env is None
+            else cf.mac_key(cf.secret_from_env(config.integrity_key_env))
+        )
         # Page-aligned scratch for headers (O_DIRECT needs aligned buffers), one per I/O thread.
         self._local = threading.local()
         self._direct_reads = config.direct_io in ("reads", "both")
@@ -163,17 +333,75 @@ class FsIO:
         return pages
 
     def path(self, key: bytes) -> str:
-        """The chunk file of ``key`` (under the namespace directory, fanned out by key prefix)."""
+        """The chunk file of ``key`` (under the namespace directory, fanned out by key prefix), for
+        messages: the file is reached through :meth:`_chunk_dir`, never by this path."""
         return os.path.join(self.ns_dir, cf.relative_name(key))
+
+    def _chunk_dir(self, key: bytes, create: bool) -> int:
+        """The open directory of ``key``'s chunk file, reached from the root one directory at a
+        time without following a link (:func:`open_dir`); with ``create``, missing directories are
+        made (``dir_mode``). The caller closes it.
+
+        Raises:
+            FileNotFoundError: a directory is missing (and not created).
+            UnsafePath: a symbolic link (removed) or something else than a directory on the way.
+            OSError: otherwise.
+        """
+        a, b = cf.shard_dirs(key)
+        ns = self.cfg.namespace_id
+        mode = self.cfg.dir_mode if create else None
+        fd = os.open(self.root, DIR_FLAGS)
+        try:
+            for name, where in ((ns, ns), (a, f"{ns}/{a}"), (b, f"{ns}/{a}/{b}")):
+                sub = open_dir(fd, name, where=where, create_mode=mode)
+                os.close(fd)
+                fd = sub
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    @staticmethod
+    def _unsafe(what: str, key: bytes, e: UnsafePath) -> IOOutcome:
+        return IOOutcome(m.UNSAFE_PATH, 0, f"{what} {key.hex()[:16]}: {e} (nothing followed)")
+
+    @staticmethod
+    def _chunk_name(key: bytes) -> str:
+        return f"{key.hex()}{cf.SUFFIX}"
 
     # -- store ---------------------------------------------------------------------------------
 
     def store(self, key: bytes, src: memoryview) -> IOOutcome:
         """Write one chunk; ``nbytes``: file bytes written (0 when it was already there)."""
-        final = self.path(key)
-        if os.path.exists(final):
-            counters.count(names.STORE_ALREADY_PRESENT)
-            return OK_EMPTY
+        try:
+            d = self._chunk_dir(key, create=True)
+        except UnsafePath as e:
+            return self._unsafe("store", key, e)
+        except OSError as e:
+            code = m.NO_SPACE if e.errno in _NO_SPACE_ERRNOS else m.IO_ERROR
+            return IOOutcome(code, 0, f"store {key.hex()[:16]}: {e}")
+        try:
+            return self._store_in(d, key, src)
+        finally:
+            os.close(d)
+
+    def _store_in(self, d: int, key: bytes, src: memoryview) -> IOOutcome:
+        """:meth:`store` in the chunk's open directory ``d``."""
+        final = self._chunk_name(key)
+        try:
+            found = os.stat(final, dir_fd=d, follow_symlinks=False).st_mode
+        except FileNotFoundError:
+            found = None
+        except OSError as e:
+            return IOOutcome(m.IO_ERROR, 0, f"store {key.hex()[:16]}: {e}")
+        if found is not None:
+            if stat.S_ISREG(found):
+                counters.count(names.STORE_ALREADY_PRESENT)
+                return OK_EMPTY
+            try:
+                _refuse(d, final, self.path(key), "chunk file", remove_links=True)
+            except UnsafePath as e:
+                return self._unsafe("store", key, e)
         if self.cfg.min_free_bytes and self._below_floor():
             counters.count(names.BELOW_FREE_FLOOR)
             return IOOutcome(
@@ -188,67 +416,54 @@ class FsIO:
         tmp = None
         try:
             self.faults.hit("before_read_slot", key)
-            header = cf.build_header(self.ns_bytes, key, src)
-            d = os.path.dirname(final)
-            if d not in self._dirs:
-                try:  # the leaf alone first: its parent usually exists (one syscall, not two)
-                    os.mkdir(d)
-                except FileExistsError:
-                    pass
-                except FileNotFoundError:
-                    os.makedirs(d, exist_ok=True)
-                self._dirs.add(d)
-            tmp = os.path.join(
-                d, f".{key.hex()}.{self._tmp_tag}.{next(self._tmp_counter)}{cf.TMP_SUFFIX}"
-            )
-            self._write_new_file(tmp, key, header, src)
+            header = cf.build_header(self.ns_bytes, key, src, self._mac_key)
+            tmp = f".{key.hex()}.{self._tmp_tag}.{next(self._tmp_counter)}{cf.TMP_SUFFIX}"
+            self._write_new_file(d, tmp, key, header, src)
             self.faults.hit("before_publish", key)
-            os.rename(tmp, final)
+            os.rename(tmp, final, src_dir_fd=d, dst_dir_fd=d)
             tmp = None
             if self.cfg.fsync:
-                dfd = os.open(d, os.O_RDONLY)
-                try:
-                    os.fsync(dfd)
-                finally:
-                    os.close(dfd)
+                os.fsync(d)
             return IOOutcome(m.OK, self.file_bytes)
         except OSError as e:
             if tmp is not None:
                 try:
-                    os.unlink(tmp)
+                    os.unlink(tmp, dir_fd=d)
                 except OSError:
                     pass
             code = m.NO_SPACE if e.errno in _NO_SPACE_ERRNOS else m.IO_ERROR
-            if e.errno == errno.ENOENT:
-                self._dirs.discard(os.path.dirname(final))
             return IOOutcome(code, 0, f"store {key.hex()[:16]}: {e}")
 
-    def _write_new_file(self, tmp: str, key: bytes, header: bytes, src: memoryview) -> None:
-        """Create ``tmp`` (O_EXCL) holding ``header`` + ``src``, through O_DIRECT while the
-        filesystem takes it. A filesystem that refuses O_DIRECT with EINVAL, at the open (some
-        create the file first: CASES C31) or at the first aligned write, gets the chunk written
-        again with buffered I/O, from a fresh file under the same name: the name is this writer's
-        own (:func:`temp_tag`), so removing what the refused attempt left is safe."""
+    def _write_new_file(self, d: int, tmp: str, key: bytes, header: bytes, src: memoryview) -> None:
+        """Create ``tmp`` (O_EXCL, O_NOFOLLOW, in directory ``d``, ``file_mode``) holding
+        ``header`` + ``src``, through O_DIRECT while the filesystem takes it. A filesystem that
+        refuses O_DIRECT with EINVAL, at the open (some create the file first: CASES C31) or at
+        the first aligned write, gets the chunk written again with buffered I/O, from a fresh file
+        under the same name: the name is this writer's own (:func:`temp_tag`), so removing what
+        the refused attempt left is safe."""
         hbuf = self._scratch()[0]
         hbuf[:] = header  # aligned copy: O_DIRECT needs aligned buffers
         direct = self._direct_writes
+        mode = self.cfg.file_mode
         while True:
             try:
                 fd = (
-                    self._open_direct_write(tmp, key)
+                    self._open_direct_write(d, tmp, key)
                     if direct
-                    else os.open(tmp, _WRITE_FLAGS, 0o644)
+                    else os.open(tmp, _WRITE_FLAGS, mode, dir_fd=d)
                 )
             except OSError as e:
                 if not (direct and e.errno == errno.EINVAL):
                     raise
-                self._direct_refused("writes", "the open", e, leftover=tmp)
+                self._direct_refused("writes", "the open", e, leftover=(d, tmp))
                 direct = False
                 continue
             try:
+                if self._fchmod_files:
+                    os.fchmod(fd, mode)
                 if direct:
                     self.faults.hit("direct_write", key)
-                _write_all(fd, [hbuf, src])
+                write_all(fd, [hbuf, src])
                 if self.cfg.fsync:
                     os.fsync(fd)
                 return
@@ -257,14 +472,14 @@ class FsIO:
                     raise
                 os.close(fd)
                 fd = -1
-                self._direct_refused("writes", "an aligned write", e, leftover=tmp)
+                self._direct_refused("writes", "an aligned write", e, leftover=(d, tmp))
                 direct = False
             finally:
                 if fd >= 0:
                     os.close(fd)
 
-    def _open_direct_write(self, tmp: str, key: bytes) -> int:
-        fd = os.open(tmp, _WRITE_FLAGS | os.O_DIRECT, 0o644)
+    def _open_direct_write(self, d: int, tmp: str, key: bytes) -> int:
+        fd = os.open(tmp, _WRITE_FLAGS | os.O_DIRECT, self.cfg.file_mode, dir_fd=d)
         try:
             self.faults.hit("direct_open_created", key)
         except BaseException:
@@ -273,14 +488,15 @@ class FsIO:
         return fd
 
     def _direct_refused(
-        self, transfers: str, where: str, exc: OSError, leftover: str | None = None
+        self, transfers: str, where: str, exc: OSError, leftover: tuple[int, str] | None = None
     ) -> None:
         """The filesystem refused O_DIRECT ``transfers`` (``reads`` / ``writes``) at ``where``:
-        remove the refused attempt's file ``leftover`` (ours) and use buffered I/O from now on,
-        logged once per worker with the filesystem and counted as ``direct_io_fallbacks``."""
+        remove the refused attempt's file ``leftover`` (ours: its directory and name) and use
+        buffered I/O from now on, logged once per worker with the filesystem and counted as
+        ``direct_io_fallbacks``."""
         if leftover is not None:
             try:
-                os.unlink(leftover)
+                os.unlink(leftover[1], dir_fd=leftover[0])
             except FileNotFoundError:
                 pass
         with self._fallback_lock:
@@ -301,7 +517,7 @@ class FsIO:
         """True when writing one more chunk file would leave less than ``min_free_bytes`` free
         (``f_bavail``: what an unprivileged writer may still use) on the tier's filesystem."""
         try:
-            st = os.statvfs(self.ns_dir)
+            st = os.statvfs(self.root)
         except OSError:
             return False  # the write itself will tell
         return st.f_bavail * st.f_frsize - self.file_bytes < self.cfg.min_free_bytes
@@ -310,11 +526,26 @@ class FsIO:
 
     def load(self, key: bytes, dst: memoryview) -> IOOutcome:
         """Read one chunk into ``dst`` (an arena row), verified; ``nbytes``: file bytes read."""
-        path = self.path(key)
+        try:
+            d = self._chunk_dir(key, create=False)
+        except FileNotFoundError:
+            return IOOutcome(m.MISSING, 0, f"{key.hex()[:16]}: missing")
+        except UnsafePath as e:
+            return self._unsafe("load", key, e)
+        except OSError as e:
+            return IOOutcome(m.IO_ERROR, 0, f"open {key.hex()[:16]}: {e}")
+        try:
+            return self._load_in(d, key, dst)
+        finally:
+            os.close(d)
+
+    def _load_in(self, d: int, key: bytes, dst: memoryview) -> IOOutcome:
+        """:meth:`load` from the chunk's open directory ``d``."""
+        name = self._chunk_name(key)
         direct = self._direct_reads
         while True:
             try:
-                fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+                fd = os.open(name, _READ_FLAGS | (os.O_DIRECT if direct else 0), dir_fd=d)
             except FileNotFoundError:
                 return IOOutcome(m.MISSING, 0, f"{key.hex()[:16]}: missing")
             except OSError as e:
@@ -322,11 +553,16 @@ class FsIO:
                     self._direct_refused("reads", "the open", e)
                     direct = False
                     continue
+                if e.errno == errno.ELOOP:
+                    try:
+                        _refuse(d, name, self.path(key), "chunk file", remove_links=True)
+                    except UnsafePath as u:
+                        return self._unsafe("load", key, u)
                 return IOOutcome(m.IO_ERROR, 0, f"open {key.hex()[:16]}: {e}")
             try:
                 if direct:
                     self.faults.hit("direct_read", key)
-                return self._read_chunk(fd, path, key, dst)
+                return self._read_chunk(fd, d, name, key, dst)
             except OSError as e:
                 if direct and e.errno == errno.EINVAL:
                     self._direct_refused("reads", "an aligned read", e)
@@ -336,10 +572,24 @@ class FsIO:
             finally:
                 os.close(fd)
 
-    def _read_chunk(self, fd: int, path: str, key: bytes, dst: memoryview) -> IOOutcome:
+    def _read_chunk(self, fd: int, d: int, name: str, key: bytes, dst: memoryview) -> IOOutcome:
         """Header and payload in one read (one I/O: the header page lands in this thread's
         scratch, the payload straight in the arena row), one page past the end to see a longer
-        file, then the header and the payload checksum verified."""
+        file, then the header, the payload checksum and (keyed) the MAC verified. A file that is
+        not a regular file, or not exactly header plus row long, is never read (CASES C45)."""
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return IOOutcome(
+                m.UNSAFE_PATH,
+                0,
+                f"load {key.hex()[:16]}: {self.path(key)} is not a regular file "
+                f"(mode {stat.filemode(st.st_mode)}); not read",
+            )
+        if st.st_size != self.file_bytes:
+            self._remove_bad(d, name, fd)
+            return IOOutcome(
+                m.CORRUPT, 0, f"{key.hex()[:16]}: size {st.st_size}, expected {self.file_bytes}"
+            )
         self.faults.hit("after_metadata_before_read", key)
         self.faults.hit("read_payload", key)
         head, tail = self._scratch()
@@ -348,85 +598,116 @@ class FsIO:
             size = os.fstat(fd).st_size
             if size == self.file_bytes:  # a short read of a whole file: not the file's fault
                 return IOOutcome(m.IO_ERROR, 0, f"read {key.hex()[:16]}: {n} of {size} bytes")
-            self._remove_corrupt(path, fd)
+            self._remove_bad(d, name, fd)
             return IOOutcome(
                 m.CORRUPT, 0, f"{key.hex()[:16]}: size {size}, expected {self.file_bytes}"
             )
         try:
             checksum = cf.parse_header(head.tobytes(), self.ns_bytes, key, self.cfg.row_bytes)
         except cf.ChunkFormatError as e:
-            self._remove_corrupt(path, fd)
+            self._remove_bad(d, name, fd)
             return IOOutcome(m.CORRUPT, 0, f"{key.hex()[:16]}: {e}")
         if cf.payload_checksum(dst) != checksum:
-            self._remove_corrupt(path, fd)
+            self._remove_bad(d, name, fd)
             return IOOutcome(m.CORRUPT, 0, f"{key.hex()[:16]}: checksum mismatch")
+        if self._mac_key is not None:
+            why = cf.mac_problem(head, dst, self._mac_key)
+            if why is not None:
+                self._remove_bad(d, name, fd, names.FORGED_REMOVED)
+                return IOOutcome(m.FORGED, 0, f"{key.hex()[:16]}: {why}")
         return IOOutcome(m.OK, self.file_bytes)
 
     @staticmethod
-    def _remove_corrupt(path: str, fd: int) -> None:
-        """Unlink ``path`` if it is still the file we verified (a writer may have replaced it)."""
-        counters.count(names.CORRUPT_REMOVED)
+    def _remove_bad(d: int, name: str, fd: int, counter: str = names.CORRUPT_REMOVED) -> None:
+        """Unlink ``name`` in directory ``d`` if it is still the file we verified (a writer may
+        have replaced it); counted under ``counter``."""
+        counters.count(counter)
         try:
-            if os.stat(path).st_ino == os.fstat(fd).st_ino:
-                os.unlink(path)
+            if os.stat(name, dir_fd=d, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                os.unlink(name, dir_fd=d)
         except OSError:
             pass
 
     # -- probe / delete / scan ---------------------------------------------------------------
 
     def probe(self, key: bytes) -> IOOutcome:
-        """``OK`` when ``key``'s chunk file exists, ``MISSING`` when not (ChunkIO)."""
+        """``OK`` when ``key``'s chunk file exists, ``MISSING`` when not (ChunkIO); a symbolic
+        link on the way or at the chunk's name is removed and answers ``MISSING``."""
         self.faults.hit("probe_key", key)
+        name = self._chunk_name(key)
         try:
-            os.stat(self.path(key))
-            return OK_EMPTY
-        except FileNotFoundError:
+            d = self._chunk_dir(key, create=False)
+        except (FileNotFoundError, UnsafePath):
             return IOOutcome(m.MISSING)
         except OSError as e:
             return IOOutcome(m.IO_ERROR, 0, f"probe {key.hex()[:16]}: {e}")
+        try:
+            found = os.stat(name, dir_fd=d, follow_symlinks=False).st_mode
+            if stat.S_ISREG(found):
+                return OK_EMPTY
+            if stat.S_ISLNK(found):
+                _refuse(d, name, self.path(key), "chunk file", remove_links=True)
+            return IOOutcome(m.MISSING)
+        except (FileNotFoundError, UnsafePath):
+            return IOOutcome(m.MISSING)
+        except OSError as e:
+            return IOOutcome(m.IO_ERROR, 0, f"probe {key.hex()[:16]}: {e}")
+        finally:
+            os.close(d)
 
     def delete(self, key: bytes) -> IOOutcome:
         """Remove one chunk file (a missing file is not an error). A removal that failed (EPERM
         on an immutable file, EBUSY on a network filesystem, EROFS after a read-only remount...)
         answers ``IO_ERROR`` with its errno as ``status``, so the tier keeps counting the file
-        that is still there (CASES C32)."""
+        that is still there (CASES C32). A symbolic link on the way is removed: none of the tier's
+        files can be behind it, so the chunk is gone."""
         try:
             self.faults.hit("unlink", key)
-            os.unlink(self.path(key))
+            d = self._chunk_dir(key, create=False)
+        except (FileNotFoundError, UnsafePath):
+            return OK_EMPTY
+        except OSError as e:
+            return IOOutcome(m.IO_ERROR, 0, f"delete {key.hex()[:16]}: {e}", e.errno or 0)
+        try:
+            os.unlink(self._chunk_name(key), dir_fd=d)
         except FileNotFoundError:
             pass
         except OSError as e:
             return IOOutcome(m.IO_ERROR, 0, f"delete {key.hex()[:16]}: {e}", e.errno or 0)
+        finally:
+            os.close(d)
         return OK_EMPTY
 
     def scan(self) -> list[tuple[bytes, int, float]]:
-        """``(key, bytes, mtime)`` of every chunk of the namespace; removes orphaned temporary files
-        on the way (counted as ``stale_temp_removed``)."""
+        """``(key, bytes, mtime)`` of every chunk file of the namespace (regular files only);
+        removes orphaned temporary files on the way (counted as ``stale_temp_removed``)."""
         entries: list[tuple[bytes, int, float]] = []
         now = time.time()
         try:
             for f in namespace_files(self.ns_dir):
                 self._scan_file(f, now, entries)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             pass
         return entries
 
-    def _scan_file(self, f: os.DirEntry, now: float, entries: list) -> None:
+    def _scan_file(self, f: NsFile, now: float, entries: list) -> None:
         name = f.name
         try:
-            st = f.stat(follow_symlinks=False)
+            st = f.stat()
         except OSError:
             return
         if is_temp_name(name):
-            if remove_if_stale(f.path, st.st_mtime, now, self.cfg.stale_temp_age_s):
+            if remove_if_stale(f, st.st_mtime, now, self.cfg.stale_temp_age_s):
                 counters.count(names.STALE_TEMP_REMOVED)
             return
         key = cf.key_from_name(name)
-        if key is not None:
+        if key is not None and stat.S_ISREG(st.st_mode):
             entries.append((key, st.st_size, st.st_mtime))
 
 
-def _write_all(fd: int, buffers: list) -> None:
+def write_all(fd: int, buffers: list) -> None:
+    """Write ``buffers`` (bytes-like, in order) at the start of ``fd``, whatever short writes
+    ``pwritev`` makes."""
     views = [memoryview(b).cast("B") for b in buffers]
     offset = 0
     while views:

@@ -61,6 +61,11 @@ class FsIOConfig(IOConfig, kw_only=True, tag="fs"):
             (seconds); see ``kvoffload.workers.fs_io.stale_temp_age_s``.
         min_free_bytes: a store that would leave less free space than this (bytes) on the
             filesystem answers ``NO_SPACE`` without writing (0: no floor).
+        dir_mode, file_mode: permission bits of the directories and chunk files the worker
+            creates, exactly (not filtered by the umask): 0o700 / 0o600 by default, 0o2770 / 0o660
+            for a root shared with a group (``share_with_group``).
+        integrity_key_env: the environment variable holding the integrity key (chunks are written
+            with, and must carry, a keyed MAC; see ``kvoffload.workers.chunkfile``); None: none.
     """
 
     root_dir: str
@@ -70,6 +75,9 @@ class FsIOConfig(IOConfig, kw_only=True, tag="fs"):
     direct_io: Literal["none", "writes", "reads", "both"] = "both"
     stale_temp_age_s: float = STALE_TEMP_AGE_S
     min_free_bytes: int = 0
+    dir_mode: int = 0o700
+    file_mode: int = 0o600
+    integrity_key_env: str | None = None
 
 
 class ObjIOConfig(IOConfig, kw_only=True, tag="obj"):
@@ -87,6 +95,8 @@ class ObjIOConfig(IOConfig, kw_only=True, tag="obj"):
         verify_tls, ca_bundle: TLS certificate checking.
         addressing_style: ``auto``, ``path`` or ``virtual``.
         max_connections: the client's connection pool size.
+        integrity_key_env: the environment variable holding the integrity key (as for
+            :class:`FsIOConfig`); None: none.
         worker_env: (class attribute) :data:`kvoffload.ipc.childenv.CLOUD_ENV`: boto3's
             credentials chain and settings, proxies and CA bundles.
     """
@@ -109,6 +119,7 @@ class ObjIOConfig(IOConfig, kw_only=True, tag="obj"):
     ca_bundle: str | None = None
     addressing_style: Literal["auto", "path", "virtual"] = "auto"
     max_connections: int = 16
+    integrity_key_env: str | None = None
 
 
 BUILTIN_IO_CONFIGS: tuple[type[IOConfig], ...] = (FsIOConfig, ObjIOConfig)

@@ -10,7 +10,13 @@
 - Loads GET the object, check the header (namespace, key, length) and the payload checksum, and copy
   the payload into the arena slot. A bad object is verified corruption: it is deleted and the load is
   a miss. A missing object is a miss; anything else (throttling, 5xx, timeouts, refused connections)
-  is an I/O error that leaves the object alone.
+  is an I/O error that leaves the object alone. With an integrity key, an object whose MAC is
+  missing or wrong is ``FORGED``, deleted, a miss.
+- Sizes from the endpoint are untrusted (CASES C45): a response whose Content-Length is not exactly
+  header plus row is corrupt and its body is never read (the connection is closed, not drained); a
+  body without a Content-Length (chunked, or ended by closing) is read at most one byte past that
+  size. So a worker never reads or holds more than one object (plus one byte), whatever the
+  endpoint sends.
 - Retries: botocore's "standard" retry mode (bounded attempts, exponential backoff with jitter, for
   throttling, 5xx and connection errors); timeouts bound every attempt; the engine bounds the whole
   task with the tier's job timeout.
@@ -136,6 +142,18 @@ class _Body(io.RawIOBase):
         return self._len
 
 
+def read_at_most(body, limit: int) -> bytes:
+    """Up to ``limit`` bytes of the response body ``body`` (a botocore ``StreamingBody``), fewer
+    only at its end: never more, whatever the endpoint sends."""
+    data = body.read(limit)
+    while len(data) < limit:
+        more = body.read(limit - len(data))
+        if not more:
+            break
+        data += more
+    return data
+
+
 class ObjIO:
     """:class:`~kvoffload.workers.chunkio.ChunkIO` over one object per chunk (module docstring)."""
 
@@ -145,6 +163,11 @@ class ObjIO:
         self.ns_bytes = bytes.fromhex(config.namespace_id)
         self.base = object_prefix(config.prefix, config.namespace_id)
         self.object_bytes = cf.HEADER_BYTES + config.row_bytes
+        self._mac_key = (
+            None
+            if config.integrity_key_env is None
+            else cf.mac_key(cf.secret_from_env(config.integrity_key_env))
+        )
         self._client = make_client(config)
         from botocore.exceptions import BotoCoreError, ClientError
 
@@ -161,7 +184,7 @@ class ObjIO:
         """PUT one chunk; ``nbytes``: object bytes sent, ``status``: the HTTP status."""
         try:
             self.faults.hit("before_read_slot", key)
-            header = cf.build_header(self.ns_bytes, key, src)
+            header = cf.build_header(self.ns_bytes, key, src, self._mac_key)
             self.faults.hit("before_publish", key)
             body = _Body(header, src)
             resp = self._client.put_object(
@@ -180,42 +203,70 @@ class ObjIO:
 
     def load(self, key: bytes, dst: memoryview) -> IOOutcome:
         """GET one chunk into ``dst`` (an arena row), verified; ``nbytes``: object bytes read,
-        ``status``: the HTTP status."""
+        ``status``: the HTTP status. At most one object plus one byte is read (module
+        docstring)."""
         name = self.name(key)
+        body = None
+        status = 0
+        data = None
+        why: str | None = None
         try:
             resp = self._client.get_object(Bucket=self.cfg.bucket, Key=name)
+            body = resp["Body"]
             meta = resp.get("ResponseMetadata", {})
             status = int(meta.get("HTTPStatusCode") or 200)
             if meta.get("RetryAttempts"):
                 counters.count(names.RETRIES, meta["RetryAttempts"])
             self.faults.hit("after_metadata_before_read", key)
             self.faults.hit("read_payload", key)
-            data = resp["Body"].read()
+            length = resp.get("ContentLength")
+            if length is not None and length != self.object_bytes:
+                why = f"Content-Length {length}, expected {self.object_bytes}; not read"
+            else:
+                data = read_at_most(body, self.object_bytes + 1)
         except OSError as e:
             return IOOutcome(m.IO_ERROR, 0, f"load {key.hex()[:16]}: {e}")
         except self._sdk_errors as e:
             code, status, detail = classify(e)
             return IOOutcome(code, 0, f"load {key.hex()[:16]}: {detail}", status)
-        why = None
-        if len(data) != self.object_bytes:
-            why = f"size {len(data)}, expected {self.object_bytes}"
+        finally:
+            if body is not None:
+                # Closes the connection when the body was not read to its end: never drained.
+                try:
+                    body.close()
+                except Exception:  # closing a broken connection: nothing left to release
+                    pass
+        code = m.CORRUPT
+        if data is None:
+            pass  # why: the Content-Length
+        elif len(data) != self.object_bytes:
+            got = f"more than {self.object_bytes}" if len(data) > self.object_bytes else len(data)
+            why = f"body of {got} bytes, expected {self.object_bytes}"
         else:
-            try:
-                checksum = cf.parse_header(
-                    data[: cf.HEADER_BYTES], self.ns_bytes, key, self.cfg.row_bytes
-                )
-                payload = memoryview(data)[cf.HEADER_BYTES :]
-                if cf.payload_checksum(payload) != checksum:
-                    why = "checksum mismatch"
-                else:
-                    memoryview(dst).cast("B")[:] = payload
-            except cf.ChunkFormatError as e:
-                why = str(e)
+            why, code = self._verify(data, key, dst)
         if why is not None:
-            counters.count(names.CORRUPT_REMOVED)
+            counters.count(names.FORGED_REMOVED if code == m.FORGED else names.CORRUPT_REMOVED)
             self._delete_quietly(name)
-            return IOOutcome(m.CORRUPT, 0, f"{key.hex()[:16]}: {why}", status)
+            return IOOutcome(code, 0, f"{key.hex()[:16]}: {why}", status)
         return IOOutcome(m.OK, self.object_bytes, "", status)
+
+    def _verify(self, data: bytes, key: bytes, dst: memoryview) -> tuple[str | None, int]:
+        """Check one object's bytes (``object_bytes`` long) and copy its payload into ``dst``:
+        ``(None, OK)``, or why not and ``CORRUPT`` / ``FORGED``."""
+        header = data[: cf.HEADER_BYTES]
+        try:
+            checksum = cf.parse_header(header, self.ns_bytes, key, self.cfg.row_bytes)
+        except cf.ChunkFormatError as e:
+            return str(e), m.CORRUPT
+        payload = memoryview(data)[cf.HEADER_BYTES :]
+        if cf.payload_checksum(payload) != checksum:
+            return "checksum mismatch", m.CORRUPT
+        if self._mac_key is not None:
+            why = cf.mac_problem(header, payload, self._mac_key)
+            if why is not None:
+                return why, m.FORGED
+        memoryview(dst).cast("B")[:] = payload
+        return None, m.OK
 
     def _delete_quietly(self, name: str) -> None:
         try:

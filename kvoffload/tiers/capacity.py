@@ -446,7 +446,8 @@ class Capacity:
 
     def loads_done(self, keys: list[bytes], failed: dict[bytes, int]) -> None:
         """A load job finished: a loaded chunk becomes the most recently used; a chunk found
-        missing or corrupt (and removed by the worker) is no longer counted."""
+        missing, corrupt or forged (and removed by the worker), or out of reach behind a
+        symbolic link (removed), is no longer counted."""
         if not self.bounded:
             return
         index = self.index
@@ -462,7 +463,7 @@ class Capacity:
                 # removed while open), so only refresh keys already counted.
                 if key in index:
                     index.move_to_end(key)
-            elif code in (m.MISSING, m.CORRUPT) and key in index:
+            elif code in (m.MISSING, m.CORRUPT, m.FORGED, m.UNSAFE_PATH) and key in index:
                 self.used_bytes -= index.pop(key)
                 self.undeletable.discard(key)
 

@@ -24,6 +24,22 @@ started are not counted here.
          chunk file written, counted                     delete failed (EPERM, EBUSY, EROFS...)
                                                          ─▶ the file stays counted, retried later
 
+Permissions and links (CASES C43): the root (when the tier creates it), the namespace and shard
+directories are created 0700 and chunk files and ``config.json`` 0600, whatever the umask, so no
+other local user reads a chunk or even its name. ``share_with_group`` widens that to 2770 / 0660
+for a group that shares the root on purpose (create the root with that group: ``chgrp <group>``;
+the setgid directories keep it below): every member can then read every chunk, and write them,
+so a member can forge chunks unless the tier has an integrity key. ``root_dir`` is resolved once
+at start (the operator's own link is fine); inside it nothing is followed: a namespace directory
+that is a symbolic link refuses the start, and the workers reach every file one directory at a
+time with ``O_NOFOLLOW`` (:mod:`kvoffload.workers.fs_io`).
+
+Integrity key (``integrity_key_env``): every chunk is written with a keyed MAC and one without a
+valid MAC is a miss, counted as ``forged`` and removed. The key's id is part of the namespace
+(:class:`~kvoffload.namespace.KeyedNamespace`), so keyed and unkeyed instances, or instances with
+different keys, never share a directory. Without a key, anyone who can write the root can forge
+chunks (the checksums are unkeyed).
+
 Whatever the cap, a writer refuses (``no_space``) a store that would leave less than
 ``min_free_fraction`` of the filesystem free, and a full disk (ENOSPC, quota) fails the store the
 same way; the tier then lowers its effective cap to the bytes it holds, evicts its own least
@@ -43,6 +59,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 import time
 from typing import Annotated, Any, ClassVar, Literal
@@ -51,7 +68,12 @@ import msgspec
 from typing_extensions import override
 
 from kvoffload.config import Bytes
-from kvoffload.tiers.process import ProcessTierConfig, ProcessTierManager
+from kvoffload.namespace import for_integrity_key
+from kvoffload.tiers.process import (
+    ProcessTierConfig,
+    ProcessTierManager,
+    integrity_key_env_problems,
+)
 from kvoffload.validation import raise_problems
 from kvoffload.workers import chunkfile as cf
 from kvoffload.workers import fs_io
@@ -82,12 +104,23 @@ class FsTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True):
             stream between the arena and the disk without page-cache copies or dirty-page
             throttling; the host tier is the cache), ``writes``, ``reads`` or ``none``. Falls back
             to buffered I/O where the filesystem refuses O_DIRECT (tmpfs).
+        share_with_group: create directories 2770 (setgid: they keep the root's group) and files
+            0660 instead of 0700 / 0600, for a group that shares the root on purpose. Every member
+            of the group can then read and write every chunk (and forge one, unless
+            ``integrity_key_env`` is set).
+        integrity_key_env: name of an environment variable holding an integrity key (at least 16
+            bytes; never the key itself here). Chunks are written with a keyed MAC (HMAC-SHA256)
+            and a chunk whose MAC is missing or wrong is a miss (``forged``) and removed. The
+            key's id is part of the namespace. None: no MAC; anyone who can write the root can
+            forge chunks.
     """
 
     unset_means: ClassVar[dict[str, str]] = {
         **ProcessTierConfig.unset_means,
         "max_bytes": f"auto: {DEFAULT_FREE_FRACTION:.0%} of the free space on root_dir's "
         "filesystem at start, plus this namespace's chunks there",
+        "integrity_key_env": "off: chunks carry no keyed MAC; anyone who can write root_dir can "
+        "forge them",
     }
 
     root_dir: str
@@ -95,6 +128,8 @@ class FsTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True):
     min_free_fraction: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.05
     fsync: bool = False
     direct_io: Literal["none", "writes", "reads", "both"] = "both"
+    share_with_group: bool = False
+    integrity_key_env: str | None = None
 
     def validate(self) -> None:
         """Checks of the settings themselves.
@@ -105,6 +140,7 @@ class FsTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True):
         problems = self.io_thread_problems(self.read_workers, self.write_workers)
         if not self.root_dir:
             problems.append("root_dir: must be a directory path")
+        problems += integrity_key_env_problems(self.integrity_key_env)
         raise_problems(problems)
 
     def check_on_this_machine(self) -> list[str]:
@@ -201,11 +237,15 @@ class FsTier(ProcessTierManager):
     def __init__(
         self, *, name: str, arena_view: memoryview, namespace: Any, config: FsTierConfig, arena: Any
     ):
+        namespace = for_integrity_key(namespace, config.integrity_key_env)
         super().__init__(
             name=name, arena_view=arena_view, namespace=namespace, config=config, arena=arena
         )
         self.ns_id = namespace.id()
-        self.ns_dir = os.path.join(config.root_dir, self.ns_id)
+        # Resolved once: the operator may make root_dir a link; nothing inside it is followed.
+        self.root = os.path.realpath(config.root_dir)
+        self.ns_dir = os.path.join(self.root, self.ns_id)
+        self.dir_mode, self.file_mode = fs_io.modes(config.share_with_group)
         self.file_bytes = cf.HEADER_BYTES + self.row_bytes
         if isinstance(config.max_bytes, int) and config.max_bytes < self.file_bytes:
             raise ValueError(
@@ -213,7 +253,7 @@ class FsTier(ProcessTierManager):
                 f"({self.file_bytes} bytes)"
             )
         self._write_namespace_config()
-        st = os.statvfs(self.ns_dir)
+        st = os.statvfs(self.root)
         self.min_free_bytes = int(config.min_free_fraction * st.f_blocks * st.f_frsize)
         free_now = st.f_bavail * st.f_frsize
         if free_now < self.min_free_bytes:
@@ -268,31 +308,108 @@ class FsTier(ProcessTierManager):
     def io_config(self) -> fs_io.FsIOConfig:
         c = self.config
         return fs_io.FsIOConfig(
-            root_dir=c.root_dir,
+            root_dir=self.root,
             namespace_id=self.ns_id,
             row_bytes=self.row_bytes,
             fsync=c.fsync,
             direct_io=c.direct_io,
             stale_temp_age_s=fs_io.stale_temp_age_s(c.job_timeout_s),
             min_free_bytes=self.min_free_bytes,
+            dir_mode=self.dir_mode,
+            file_mode=self.file_mode,
+            integrity_key_env=c.integrity_key_env,
         )
 
     def _write_namespace_config(self) -> None:
+        """Create the root (``dir_mode``, when missing) and the namespace directory, write its
+        ``config.json`` (``file_mode``) unless one is there, and check that files can be created.
+
+        Raises:
+            ValueError: naming ``root_dir``: not usable, or the namespace directory is a
+                symbolic link or not a directory.
+        """
+        root = self.root
         try:
-            os.makedirs(self.ns_dir, exist_ok=True)
-            path = os.path.join(self.ns_dir, "config.json")
-            tag = fs_io.temp_tag()
-            if not os.path.exists(path):
-                tmp = f"{path}.{tag}{cf.TMP_SUFFIX}"
-                with open(tmp, "wb") as f:
-                    f.write(self.namespace.to_json())
-                os.rename(tmp, path)
-            probe = os.path.join(self.ns_dir, f".write-test.{tag}{cf.TMP_SUFFIX}")
-            with open(probe, "wb"):
-                pass
-            os.unlink(probe)
+            os.makedirs(os.path.dirname(root), exist_ok=True)
+            try:
+                os.mkdir(root, self.dir_mode & 0o777)
+                created = True
+            except FileExistsError:
+                created = False
+            root_fd = os.open(root, fs_io.DIR_FLAGS)
+            try:
+                if created:
+                    os.fchmod(root_fd, self.dir_mode)
+                ns_fd = fs_io.open_dir(
+                    root_fd,
+                    self.ns_id,
+                    where=self.ns_dir,
+                    create_mode=self.dir_mode,
+                    remove_links=False,
+                )
+            finally:
+                os.close(root_fd)
+            try:
+                self._warn_if_open(ns_fd)
+                self._write_config_json(ns_fd)
+            finally:
+                os.close(ns_fd)
+        except fs_io.UnsafePath as e:
+            raise ValueError(
+                f"root_dir: {e}: the fs tier follows no link inside its root "
+                f"({self.config.root_dir!r}); remove it, or make root_dir itself the link"
+            ) from None
         except OSError as e:
             raise ValueError(f"root_dir: {self.config.root_dir!r} is not usable: {e}") from None
+
+    def _write_config_json(self, ns_fd: int) -> None:
+        """``config.json`` in the open namespace directory ``ns_fd`` unless a regular file is
+        there (a temporary file renamed over it: a link there is replaced, never followed), then
+        a probe that files can be created."""
+        tag = fs_io.temp_tag()
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            present = stat.S_ISREG(
+                os.stat("config.json", dir_fd=ns_fd, follow_symlinks=False).st_mode
+            )
+        except FileNotFoundError:
+            present = False
+        if not present:
+            tmp = f"config.json.{tag}{cf.TMP_SUFFIX}"
+            fd = os.open(tmp, flags, self.file_mode, dir_fd=ns_fd)
+            try:
+                os.fchmod(fd, self.file_mode)
+                fs_io.write_all(fd, [self.namespace.to_json()])
+            finally:
+                os.close(fd)
+            os.rename(tmp, "config.json", src_dir_fd=ns_fd, dst_dir_fd=ns_fd)
+        probe = f".write-test.{tag}{cf.TMP_SUFFIX}"
+        os.close(os.open(probe, flags, self.file_mode, dir_fd=ns_fd))
+        os.unlink(probe, dir_fd=ns_fd)
+
+    def _warn_if_open(self, ns_fd: int) -> None:
+        """Warn when the namespace directory (made by an earlier version, by hand, or by another
+        user before this tier started) lets more users in than this tier's setting: others may
+        then read its chunks, or (another owner) write them."""
+        st = os.fstat(ns_fd)
+        mode = st.st_mode & 0o777
+        extra = mode & ~self.dir_mode & 0o777
+        other_owner = st.st_uid != os.geteuid() and not self.config.share_with_group
+        if not extra and not other_owner:
+            return
+        log.warning(
+            "kvoffload tier %s: %s is mode %03o and owned by uid %d, more open than this "
+            "tier's %03o (share_with_group: %s): other users may list or read its chunks%s; "
+            "tighten it (chown, chmod -R %s) unless that is meant",
+            self.name,
+            self.ns_dir,
+            mode,
+            st.st_uid,
+            self.dir_mode & 0o777,
+            self.config.share_with_group,
+            " and write (forge) them" if other_owner else "",
+            "g-w,o-rwx" if self.config.share_with_group else "go-rwx",
+        )
 
     # -- capacity: the default bound, chunks found at start, a full disk ------------------------
 
@@ -317,7 +434,7 @@ class FsTier(ProcessTierManager):
         self.count("disk_full_stores", chunks)
         held = self.capacity.lower_cap(chunks)
         if self._sampler is None:
-            self._sampler = _FreeSpaceSampler(self.ns_dir)
+            self._sampler = _FreeSpaceSampler(self.root)
             self.resources.on_close(self._sampler.close)
         self._sampler.want(True)
         self._warn(

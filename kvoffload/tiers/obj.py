@@ -19,6 +19,13 @@ through the writer workers to stay within the cap; a delete that fails keeps its
 and is retried when it next comes up for eviction. The cap applies per namespace, as seen by this
 instance: objects another instance writes under the same prefix later are not counted here.
 
+Integrity key (``integrity_key_env``, as for the fs tier): every object is written with a keyed
+MAC, and one without a valid MAC is a miss, counted as ``forged`` and deleted; the key's id is part
+of the namespace, so keyed and unkeyed instances never share a prefix. Without a key, anyone who can
+write the bucket prefix can forge chunks. Sizes are untrusted (CASES C45): a GET whose
+Content-Length is not exactly one object's size is not read, and a body without one is read at
+most one byte past that size; either is ``corrupt``.
+
 Credentials: explicit ``access_key_id`` / ``secret_access_key`` / ``session_token`` fields, or the
 standard boto3 chain (environment, shared config and credentials files, instance or container role).
 They are never logged (the effective configuration shows them masked).
@@ -33,7 +40,13 @@ from typing_extensions import override
 
 from kvoffload.config import Bytes, Positive, apply_aliases, closest
 from kvoffload.ipc.channels import LOADS, STORES
-from kvoffload.tiers.process import ProcessTierConfig, ProcessTierManager, Seconds
+from kvoffload.namespace import for_integrity_key
+from kvoffload.tiers.process import (
+    ProcessTierConfig,
+    ProcessTierManager,
+    Seconds,
+    integrity_key_env_problems,
+)
 from kvoffload.validation import ConfigIssue, RenamedWithErrors, raise_problems
 from kvoffload.workers import chunkfile as cf
 from kvoffload.workers.obj_io import ObjIOConfig, classify, make_client, object_prefix
@@ -62,6 +75,10 @@ class ObjTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True)
         max_bytes: cap on this namespace's object bytes (bytes, headers included); the least
             recently used objects are deleted to stay under it, and the objects found under the
             prefix at start are counted. None (default): unbounded, nothing is deleted.
+        integrity_key_env: name of an environment variable holding an integrity key (at least 16
+            bytes; never the key itself here): objects carry a keyed MAC (HMAC-SHA256), and one
+            whose MAC is missing or wrong is a miss (``forged``) and deleted; the key's id is part
+            of the namespace. None: no MAC; anyone who can write the prefix can forge chunks.
 
     vLLM 0.33's obj-tier keys are accepted too (see :meth:`from_vllm_keys`): its nested
     ``store_config`` (``bucket``, ``endpoint_override`` as a bare host, ``scheme``, ``access_key``,
@@ -84,6 +101,8 @@ class ObjTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True)
         "io_workers": "none: read_workers / write_workers apply",
         "ca_bundle": "auto: the system's CA certificates",
         "max_bytes": "unbounded: nothing is deleted",
+        "integrity_key_env": "off: objects carry no keyed MAC; anyone who can write the "
+        "prefix can forge them",
     }
     # vLLM's ObjStoreConfig fields (vllm/v1/kv_offload/tiering/obj/config.py); "" means unset there.
     store_config_keys: ClassVar[tuple[str, ...]] = (
@@ -114,6 +133,7 @@ class ObjTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True)
     max_bytes: Bytes | None = None
     breaker_failures: Positive | None = 5
     job_timeout_s: Seconds = 60.0
+    integrity_key_env: str | None = None
 
     @classmethod
     def from_vllm_keys(cls, body: dict[str, Any], where: str) -> tuple[dict, dict[str, str]]:
@@ -226,6 +246,7 @@ class ObjTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True)
             ("http://", "https://")
         ):
             problems.append(f"endpoint_override: {self.endpoint_override!r} is not an http(s) URL")
+        problems += integrity_key_env_problems(self.integrity_key_env)
         raise_problems(problems)
 
 
@@ -247,6 +268,7 @@ def io_config_of(c: ObjTierConfig, **fields: Any) -> ObjIOConfig:
         verify_tls=c.verify_tls,
         ca_bundle=c.ca_bundle,
         addressing_style=c.addressing_style,
+        integrity_key_env=c.integrity_key_env,
     )
     base.update(fields)
     return ObjIOConfig(**base)
@@ -300,6 +322,7 @@ class ObjTier(ProcessTierManager):
         config: ObjTierConfig,
         arena: Any,
     ):
+        namespace = for_integrity_key(namespace, config.integrity_key_env)
         super().__init__(
             name=name, arena_view=arena_view, namespace=namespace, config=config, arena=arena
         )

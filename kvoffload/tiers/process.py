@@ -34,6 +34,7 @@ from __future__ import annotations
 import enum
 import logging
 import os
+import re
 import time
 import weakref
 from abc import abstractmethod
@@ -99,6 +100,20 @@ TASK_TYPES: dict[
 }
 _JOB_KINDS = (TaskKind.LOAD, TaskKind.STORE)
 _VERDICT_KINDS = (TaskKind.PROBE, TaskKind.LOAD, TaskKind.STORE)  # answers that feed the breaker
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def integrity_key_env_problems(value: str | None) -> list[str]:
+    """``["integrity_key_env: <why>"]`` when ``value`` is not the name of an environment variable
+    (a key pasted in by mistake, say); the value is never repeated, since it may be the key."""
+    if value is None or _ENV_NAME.fullmatch(value):
+        return []
+    return [
+        "integrity_key_env: must name the environment variable that holds the integrity key "
+        "(letters, digits and _, not starting with a digit), never hold the key itself"
+    ]
 
 
 class ProcessTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -45,6 +45,7 @@ BP = "tests/test_backpressure.py::"
 OPS = "tests/test_ops_commands.py::"
 LOC = "tests/test_p2p_locations.py::"
 CO = "tests/test_arena_cotenant.py::"
+COT = "tests/test_cotenant_fs.py::"
 
 _ID = "        return xxhash.xxh3_128_digest(msgspec.json.encode(self))"
 
@@ -193,7 +194,7 @@ MUTATIONS: list[Mutation] = [
         ),
         (
             "                    continue\n"
-            "                self._remove_corrupt(path, fd)\n"
+            "                self._remove_bad(d, name, fd)\n"
             '                return IOOutcome(m.IO_ERROR, 0, f"read {key.hex()[:16]}: {e}")\n'
         ),
         (FS + "test_c07_failed_load_does_not_livelock_the_request",),
@@ -202,8 +203,8 @@ MUTATIONS: list[Mutation] = [
         "C08",
         "the index entry of a missing file is kept",
         "kvoffload/tiers/capacity.py",
-        "            elif code in (m.MISSING, m.CORRUPT) and key in index:\n",
-        "            elif code == m.CORRUPT and key in index:\n",
+        "            elif code in (m.MISSING, m.CORRUPT, m.FORGED, m.UNSAFE_PATH) and key in index:\n",
+        "            elif code in (m.CORRUPT, m.FORGED, m.UNSAFE_PATH) and key in index:\n",
         (FS + "test_c08_file_deleted_outside_the_library_is_a_clean_miss",),
     ),
     Mutation(
@@ -288,7 +289,7 @@ MUTATIONS: list[Mutation] = [
         "C13",
         "a worker rewrites a chunk file that already exists",
         "workers/fs_io.py",
-        "        if os.path.exists(final):\n",
+        "        if found is not None:\n",
         "        if False:\n",
         (FS + "test_c13_repeated_puts_of_a_resident_chunk_are_not_double_counted",),
     ),
@@ -636,7 +637,7 @@ MUTATIONS: list[Mutation] = [
         "C31",
         "the refused O_DIRECT attempt's file is left for the buffered retry",
         "workers/fs_io.py",
-        '                self._direct_refused("writes", "the open", e, leftover=tmp)\n',
+        '                self._direct_refused("writes", "the open", e, leftover=(d, tmp))\n',
         '                self._direct_refused("writes", "the open", e)\n',
         (
             WC + "test_c31_a_filesystem_refusing_direct_io_half_way_stores_everything_buffered"
@@ -777,5 +778,82 @@ MUTATIONS: list[Mutation] = [
         "            if not a.ours:\n",
         "            if False:\n",
         (CO + "test_c44_kvoffload_sweep_lists_another_users_segment_as_not_ours",),
+    ),
+    # -- C43, C45: shared persistent tiers against co-tenants and hostile storage ---------------
+    Mutation(
+        "C43",
+        "directories and chunk files get what the umask leaves of rwx for all",
+        "workers/fs_io.py",
+        "PRIVATE_MODES = (0o700, 0o600)\n",
+        "PRIVATE_MODES = (0o777, 0o666)\n",
+        (
+            FS + "test_c43_directories_and_files_get_the_tiers_modes_whatever_the_umask[private-0]",
+            COT + "test_c43_a_cotenant_reads_no_chunk_and_lists_no_name_of_a_private_root",
+        ),
+    ),
+    Mutation(
+        "C43",
+        "a directory inside the root is opened through a symbolic link",
+        "workers/fs_io.py",
+        "DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC\n",
+        "DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC\n",
+        (
+            FS + "test_c43_a_symlinked_shard_directory_gets_no_store_and_is_removed",
+            COT
+            + "test_c43_a_shard_directory_link_a_group_member_plants_sends_nothing_outside_the_root",
+        ),
+    ),
+    Mutation(
+        "C43",
+        "a chunk file is read through a symbolic link",
+        "workers/fs_io.py",
+        "_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC\n",
+        "_READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC\n",
+        (FS + "test_c43_a_symlink_at_a_chunk_path_is_never_read_through",),
+    ),
+    Mutation(
+        "C43",
+        "the fs worker serves a chunk whose MAC it does not check",
+        "workers/fs_io.py",
+        "        if self._mac_key is not None:\n            why = cf.mac_problem(head, dst, self._mac_key)\n",
+        "        if False:\n            why = cf.mac_problem(head, dst, self._mac_key)\n",
+        (
+            FS
+            + "test_c43_with_an_integrity_key_a_chunk_written_without_it_is_a_forged_miss_and_removed",
+            COT + "test_c43_a_chunk_a_group_member_plants_is_a_forged_miss_with_an_integrity_key",
+        ),
+    ),
+    Mutation(
+        "C43",
+        "the obj worker serves an object whose MAC it does not check",
+        "workers/obj_io.py",
+        "        if self._mac_key is not None:\n            why = cf.mac_problem(header, payload, self._mac_key)\n",
+        "        if False:\n            why = cf.mac_problem(header, payload, self._mac_key)\n",
+        (
+            OBJ
+            + "test_c43_with_an_integrity_key_an_object_written_without_it_is_a_forged_miss_and_deleted",
+        ),
+    ),
+    Mutation(
+        "C45",
+        "the obj worker reads a body to its end",
+        "workers/obj_io.py",
+        "                data = read_at_most(body, self.object_bytes + 1)\n",
+        "                data = body.read()\n",
+        (
+            OBJ
+            + "test_c45_a_hostile_body_is_a_corrupt_miss_and_the_readers_memory_stays_flat[endless]",
+        ),
+    ),
+    Mutation(
+        "C45",
+        "the obj worker reads a body whose Content-Length is not one object's",
+        "workers/obj_io.py",
+        "            if length is not None and length != self.object_bytes:\n",
+        "            if False:\n",
+        (
+            OBJ + "test_c45_a_hostile_body_is_a_corrupt_miss_and_the_readers_memory_stays_flat"
+            "[lying_length]",
+        ),
     ),
 ]

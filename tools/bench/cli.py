@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from kvoffload.tools.bench.engine import bench_engine
+from kvoffload.tools.bench.integrity import bench_integrity
 from kvoffload.tools.bench.memory import bench_memory
 from kvoffload.tools.bench.obj import bench_obj
 from kvoffload.tools.bench.p2p import main as bench_p2p
@@ -34,5 +35,6 @@ for _command in (
     bench_scaling,
     bench_thrash,
     bench_window,
+    bench_integrity,
 ):
     bench.add_command(_command)

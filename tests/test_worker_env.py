@@ -136,3 +136,22 @@ def test_a_p2p_tiers_secret_env_is_withheld_even_where_a_pattern_admits_it():
         "SPEC": "z",
     }
     assert child_environment(environ=engine) == {"PATH": "/b"}
+
+
+def test_an_integrity_key_reaches_its_own_tiers_workers_only(engine_env, monkeypatch, tmp_path):
+    """A tier's integrity key is withheld from every child (its variable is a ``*_env`` key) but
+    that tier's own workers, which compute the chunks' MACs: a keyed fs tier beside an unkeyed
+    one stores and loads with its key; the unkeyed tier's workers and the janitor never see it."""
+    monkeypatch.setenv("KVOFFLOAD_TEST_INTEGRITY_KEY", "k" * 32)
+    keyed = fs_tier(tmp_path / "keyed", integrity_key_env="KVOFFLOAD_TEST_INTEGRITY_KEY")
+    with Rig([keyed, {**fs_tier(tmp_path / "plain"), "name": "plain"}]) as rig:
+        wait_until(lambda: all(t.workers_ready() for t in rig.tm.tiers), step=rig.tm.poll)
+        keyed_tier, plain_tier = rig.tm.tiers
+        for pid in [p for ps in keyed_tier.worker_pids().values() for p in ps]:
+            env = environ_of(pid)
+            assert env.get("KVOFFLOAD_TEST_INTEGRITY_KEY") == "k" * 32
+            assert not set(env) & {*SECRETS, *CLOUD}
+        others = [p for ps in plain_tier.worker_pids().values() for p in ps]
+        for pid in [*others, janitor_of(rig.arena.name)]:
+            assert "KVOFFLOAD_TEST_INTEGRITY_KEY" not in environ_of(pid)
+        round_trip(rig)

@@ -376,7 +376,12 @@ class ProcessTierManager(SecondaryTierManager):
         # the worker specs made now, and reach the tier's counters through a weak reference.
         specs = {kind: self._spec(0, b"", kind) for kind in (LOADS, STORES)}
         on_event = weak_callback(self._on_pool_event)
-        env_allow = type(self.io_config()).worker_env  # e.g. an obj worker's credentials
+        io = self.io_config()
+        env_allow = type(io).worker_env  # e.g. an obj worker's credentials
+        # The integrity key is withheld from every child (its variable is a tier's *_env key)
+        # but these workers', which compute the chunks' MACs.
+        key_env = getattr(io, "integrity_key_env", None)
+        env_set = {key_env: os.environ[key_env]} if key_env and key_env in os.environ else {}
 
         def pool(kind: str, count: int) -> WorkerPool:
             base = specs[kind]
@@ -393,6 +398,7 @@ class ProcessTierManager(SecondaryTierManager):
                     max_inflight=cfg.max_inflight_per_worker,
                     on_event=on_event,
                     env_allow=env_allow,
+                    env_set=env_set,
                 )
             )
 

@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -133,6 +133,9 @@ class WorkerPool:
         env_allow: environment variables (names or ``fnmatch`` patterns) the workers get beyond
             :data:`kvoffload.ipc.childenv.BASE_ENV`: the I/O config's ``worker_env``
             (credentials for an object store). Nothing else of the engine's environment passes.
+        env_set: variables set for these workers whatever the allow-list and the withheld names
+            say: a secret only they use (the tier's integrity key, under the name the tier's
+            ``integrity_key_env`` gives it).
     """
 
     def __init__(
@@ -148,6 +151,7 @@ class WorkerPool:
         max_attempts: int = 2,
         on_event: Callable[[str], None] | None = None,
         env_allow: tuple[str, ...] = (),
+        env_set: Mapping[str, str] | None = None,
     ):
         self.tier_name = tier_name
         self.kind = kind
@@ -159,6 +163,7 @@ class WorkerPool:
         self.max_attempts = max_attempts
         self.on_event = on_event or (lambda what: None)
         self.env_allow = env_allow
+        self.env_set = dict(env_set or {})
         self.queue: deque[PoolTask] = deque()
         self.workers: dict[bytes, _WorkerProc] = {}
         self._by_wid: dict[int, _WorkerProc] = {}
@@ -183,7 +188,7 @@ class WorkerPool:
         identity = f"{self.kind[0]}{wid}-{os.getpid()}".encode()
         spec = self.make_spec(wid, identity)
         env = child_environment(
-            self.env_allow, {WORKER_SPEC_ENV: msgspec.json.encode(spec).decode()}
+            self.env_allow, {**self.env_set, WORKER_SPEC_ENV: msgspec.json.encode(spec).decode()}
         )
         # The worker's task marker: one slot for its loop and one per I/O thread, where each
         # stores the id of the task it runs (no system call per task); read when the worker

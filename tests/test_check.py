@@ -298,6 +298,23 @@ def test_a_p2p_tier_without_its_secret_in_this_environment_is_a_warning(tmp_path
     assert "s3cr3t" not in res.output
 
 
+def test_an_integrity_key_unset_or_short_in_this_environment_is_a_warning(tmp_path):
+    tier = {"type": "fs", "root_dir": str(tmp_path / "kv"), "integrity_key_env": "KV_MAC_KEY"}
+    cfg = {**SPEC, "cpu_bytes_to_use": 1 << 20, "secondary_tiers": [tier]}
+    at = "secondary_tiers[0].integrity_key_env"
+    for value, says in ((None, "is not set"), ("short", "is 5 bytes")):
+        res = run_check(tmp_path, cfg, env={"KV_MAC_KEY": value})
+        assert res.exit_code == 0, res.output  # a warning: the server's environment may differ
+        scope, result = row(res.stdout, at, "integrity key")
+        assert scope == "this machine" and result.startswith("warning: "), result
+        assert says in result and "stops at start" in result, result
+    res = run_check(tmp_path, cfg, env={"KV_MAC_KEY": "k" * 32})
+    assert row(res.stdout, at, "integrity key")[1] == (
+        "ok: KV_MAC_KEY is set in this environment (the server's may differ)"
+    )
+    assert "k" * 32 not in res.output
+
+
 def test_fs_roots_relative_not_a_directory_and_past_the_floor(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "a-file").write_text("")

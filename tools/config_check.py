@@ -570,6 +570,8 @@ def _check_tier_here(spec: TierSpec, at: str, bad: set[str], report: Report) -> 
                 report.add("usable here", at, MACHINE, OK, f"{spec.type} tier")
     if isinstance(c, P2PTierConfig):
         _check_p2p_secret(c, at, bad, report)
+    if getattr(c, "integrity_key_env", None) is not None:
+        _check_integrity_key(c.integrity_key_env, at, bad, report)
     if isinstance(c, ObjTierConfig) and c.ca_bundle is not None and f"{at}.ca_bundle" not in bad:
         if os.path.isfile(c.ca_bundle):
             report.add("CA bundle readable", f"{at}.ca_bundle", MACHINE, OK, c.ca_bundle)
@@ -662,6 +664,37 @@ def _check_p2p_secret(c: Any, at: str, bad: set[str], report: Report) -> None:
             "engine started with this environment stops at start ('secret: the p2p tier needs a "
             f"shared secret'). Set {c.secret_env} to the same value on every instance (the "
             "server's environment may differ from this one)",
+        )
+
+
+def _check_integrity_key(env_name: str, at: str, bad: set[str], report: Report) -> None:
+    """A tier's integrity key in this environment, checked as the tier checks it at start (set,
+    long enough); its value is never shown."""
+    from kvoffload.workers.chunkfile import IntegrityKeyError, secret_from_env
+
+    key_at = f"{at}.integrity_key_env"
+    if key_at in bad:
+        report.not_checked("integrity key", key_at, "integrity_key_env has an error")
+        return
+    try:
+        secret_from_env(env_name)
+    except IntegrityKeyError as e:
+        why = str(e).removeprefix("integrity_key_env: ")
+        report.add(
+            "integrity key",
+            key_at,
+            MACHINE,
+            WARNING,
+            f"{why}: an engine started with this environment stops at start (the server's "
+            "environment may differ from this one)",
+        )
+    else:
+        report.add(
+            "integrity key",
+            key_at,
+            MACHINE,
+            OK,
+            f"{env_name} is set in this environment (the server's may differ)",
         )
 
 

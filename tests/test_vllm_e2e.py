@@ -4,6 +4,7 @@ does not start)."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -29,6 +30,7 @@ from kvoffload.tools.vllm_server import (  # noqa: E402
 DOC_TOKENS = 1200
 MAX_MODEL_LEN = 2016  # the device cache's 2,048 tokens, less the block vLLM keeps back
 HOST_TOKENS = MAX_MODEL_LEN - 32  # one chunk less than a request of max_model_len
+OUR_LOG_LINE = r" kvoffload (DEBUG|INFO|WARNING|ERROR|CRITICAL) "  # kvoffload.logs' format
 
 
 @pytest.fixture(scope="session")
@@ -300,8 +302,8 @@ def test_a_start_kvoffload_stops_ends_with_its_reason_after_every_other_kvoffloa
     model_dir, tmp_path
 ):
     """A host tier below one chunk: the model runner's spec refuses it, vLLM prints the error in
-    several tracebacks and stops. The server exits, and the log's last line naming kvoffload is
-    the banner, once, at ERROR, with levers that exist: the minimum (one chunk's bytes) and a
+    several tracebacks and stops. The server exits, and kvoffload's last line in the log is the
+    banner, once, at ERROR, with levers that exist: the minimum (one chunk's bytes) and a
     useful size (one request's), not a smaller blocks_per_chunk (it is 1 already)."""
     log_path = tmp_path / "server.log"
     spec = ServerSpec(
@@ -316,7 +318,9 @@ def test_a_start_kvoffload_stops_ends_with_its_reason_after_every_other_kvoffloa
     with pytest.raises(RuntimeError, match="vLLM server exited with code"):
         srv.start()  # a failed start stops the server's process group
     lines = log_path.read_text(errors="replace").splitlines()
-    ours = [i for i, line in enumerate(lines) if "kvoffload" in line]
+    # kvoffload's own log lines (kvoffload.logs' format), not any line with the word in it: a
+    # traceback's file paths name the checkout's directory, often called kvoffload
+    ours = [i for i, line in enumerate(lines) if re.search(OUR_LOG_LINE, line)]
     banners = [i for i, line in enumerate(lines) if "kvoffload: not started:" in line]
     assert len(banners) == 1 and banners[0] == ours[-1], "\n".join(lines[-60:])
     banner = lines[banners[0]]

@@ -381,8 +381,8 @@ class PeerNode(threading.Thread):
 
     Args:
         ctx: the tier's ZMQ context.
-        server: the serving role (:class:`kvoffload.tiers.p2p_server.PeerServer`), or None.
-        worker: the :class:`kvoffload.tiers.p2p_worker_handle.PeerWorkerHandle`.
+        server: the serving role (:class:`kvoffload.tiers.p2p.server.PeerServer`), or None.
+        worker: the :class:`kvoffload.tiers.p2p.worker_handle.PeerWorkerHandle`.
         bind: ``tcp://host:port`` of the serving ROUTER.
         advertise: ``host:port`` peers reach this instance at.
         incarnation: 16 random bytes, this start's identity.

@@ -12,9 +12,9 @@
          └─ push ─▶ Offer to the peer with the most free quota; it pulls the chunks itself; Pulled
 
 Control messages (:mod:`kvoffload.ipc.peer_messages`) and every socket live in the node thread
-(:mod:`kvoffload.tiers.p2p_node`); bytes move in the peer worker process
-(:mod:`kvoffload.tiers.p2p_worker_handle`, :mod:`kvoffload.workers.p2p_transport`); the serving role
-(:mod:`kvoffload.tiers.p2p_server`) answers peers from this instance's host tier under
+(:mod:`kvoffload.tiers.p2p.node`); bytes move in the peer worker process
+(:mod:`kvoffload.tiers.p2p.worker_handle`, :mod:`kvoffload.workers.p2p_transport`); the serving role
+(:mod:`kvoffload.tiers.p2p.server`) answers peers from this instance's host tier under
 ``TieringManager.lock``, so an idle engine still serves. The engine-thread methods here never block.
 
 Routing from an orchestrator comes per request in ``kv_transfer_params`` (:meth:`P2PTier.on_request`),
@@ -44,8 +44,8 @@ from typing_extensions import override
 from kvoffload.config import ConfigError, Positive
 from kvoffload.metrics import Counter, Gauge, Histogram, MetricSet
 from kvoffload.tiers.base import JobMetadata, JobResult, LookupResult, SecondaryTierManager
-from kvoffload.tiers.p2p_locations import PeerLocations, event_sources
-from kvoffload.tiers.p2p_node import (
+from kvoffload.tiers.p2p.locations import PeerLocations, event_sources
+from kvoffload.tiers.p2p.node import (
     CMD_CONNECT,
     CMD_LOAD,
     CMD_PROBE,
@@ -102,7 +102,7 @@ class P2PTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         peer_events: where peers publish their KV events, so that a lookup asks the peer that
             holds a chunk first: peer id (``host:port``) -> ``"tcp://host:port"``, or
             ``{"endpoint", "replay_endpoint", "topic"}``, or a list of them (one per
-            data-parallel rank); see :mod:`kvoffload.tiers.p2p_locations`.
+            data-parallel rank); see :mod:`kvoffload.tiers.p2p.locations`.
         max_located_chunks: chunk locations kept per peer publisher (LRU).
         replay_timeout_s: how long a replay of a peer's events may take (seconds).
     """
@@ -345,8 +345,8 @@ class P2PTier(SecondaryTierManager):
     def attach(self, manager: Any) -> None:
         """Join ``manager`` (a :class:`~kvoffload.tiering.TieringManager`): start the peer worker,
         the serving role over its host tier, and the node thread."""
-        from kvoffload.tiers.p2p_server import PeerServer
-        from kvoffload.tiers.p2p_worker_handle import PeerWorkerHandle
+        from kvoffload.tiers.p2p.server import PeerServer
+        from kvoffload.tiers.p2p.worker_handle import PeerWorkerHandle
         from kvoffload.workers.p2p_transport import TransportConfig
 
         cfg = self.config

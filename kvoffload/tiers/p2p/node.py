@@ -33,6 +33,7 @@ from typing import Any
 import zmq
 
 from kvoffload.ipc import peer_messages as pm
+from kvoffload.tiers.p2p.config import parse_peer
 
 log = logging.getLogger("kvoffload.p2p")
 
@@ -63,19 +64,6 @@ RES_LOAD = "load"  # (RES_LOAD, job_id, ok_keys, failed: dict[key, reason], nbyt
 RES_PUSH = "push"  # (RES_PUSH, job_id, peer | None, ok_keys, failed: dict[key, reason])
 RES_DOWN = "down"  # (RES_DOWN, peer)  drop every verdict and location naming it
 RES_FETCHED = "fetched"  # (RES_FETCHED, kv_request_id, keys)  a decoder released what it fetched
-
-
-def parse_peer(addr: str, where: str) -> tuple[str, int]:
-    """``"host:port"`` -> ``(host, port)``.
-
-    Raises:
-        ValueError: not ``host:port`` with a port in 1-65535 (the message names ``where``).
-    """
-    host, sep, port = addr.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{where}: {addr!r} is not host:port (port 1-65535)")
-    return host, int(port)
 
 
 class _Pending:

@@ -42,7 +42,7 @@ from typing_extensions import override
 from kvoffload.config import ConfigError
 from kvoffload.metrics import Counter, Gauge, Histogram, MetricSet
 from kvoffload.tiers.base import JobMetadata, JobResult, LookupResult, SecondaryTierManager
-from kvoffload.tiers.p2p.config import P2PTierConfig, parse_peer
+from kvoffload.tiers.p2p.config import P2PTierConfig
 from kvoffload.tiers.p2p.locations import PeerLocations
 from kvoffload.tiers.p2p.node import (
     CMD_CONNECT,
@@ -56,59 +56,12 @@ from kvoffload.tiers.p2p.node import (
     RES_VERDICT,
     PeerNode,
 )
+from kvoffload.tiers.p2p.routing import Route, parse_route
 
 log = logging.getLogger("kvoffload.p2p")
 
 _HIT, _MISS, _RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
 _STUCK_CONTEXTS: list[Any] = []  # contexts of node threads that did not stop (see shutdown)
-
-
-class _Route:
-    """One request's routing from its ``kv_transfer_params``."""
-
-    __slots__ = ("source", "only", "kv_request_id", "decoder_id")
-
-    def __init__(self, source: str | None, only: bool, kv_request_id: str, decoder_id: str):
-        self.source = source  # a peer to ask first ("host:port")
-        self.only = only  # remote_prefiller: that peer and no other
-        self.kv_request_id = kv_request_id
-        self.decoder_id = decoder_id  # remote_decoder: hold stores for this kv_request_id
-
-
-def parse_route(params: Any) -> _Route | None:
-    """The p2p routing of one request's ``kv_transfer_params`` (vLLM 0.33's shape), or None.
-
-    A sub-dict that lacks its fields is ignored (logged at debug): the request then takes the
-    default path (configured peers), never a wrong peer.
-    """
-    if not isinstance(params, dict):
-        return None
-    decoder = params.get("remote_decoder")
-    decoder_id = ""
-    if isinstance(decoder, dict) and isinstance(decoder.get("kv_request_id"), str):
-        decoder_id = decoder["kv_request_id"]
-    source, only, kvr = None, False, ""
-    for name, is_only in (("remote_prefiller", True), ("remote_kv_source", False)):
-        role = params.get(name)
-        if not isinstance(role, dict):
-            continue
-        host, port, rid = (
-            role.get("remote_host"),
-            role.get("remote_port"),
-            role.get("kv_request_id"),
-        )
-        try:
-            if host and port and isinstance(rid, str) and rid:
-                source = f"{host}:{int(port)}"
-                parse_peer(source, name)
-                only, kvr = is_only, rid
-                break
-        except (TypeError, ValueError):
-            log.debug("p2p: ignoring a malformed %s in kv_transfer_params: %r", name, role)
-            source = None
-    if source is None and not decoder_id:
-        return None
-    return _Route(source, only, kvr, decoder_id)
 
 
 class _LoadJob:
@@ -211,7 +164,7 @@ class P2PTier(SecondaryTierManager):
         )
         self._waiting: dict[bytes, set[str]] = {}
         self._owed: dict[bytes, set[str]] = {}
-        self._routes: dict[str, _Route] = {}
+        self._routes: dict[str, Route] = {}
         self._loads: dict[int, _LoadJob] = {}
         self._pushes: dict[int, JobMetadata] = {}
         # kv_request_id -> the store jobs held for its decoder: (job, deadline, keys fetched so far)
@@ -328,7 +281,7 @@ class P2PTier(SecondaryTierManager):
         """Forget the request's routing."""
         self._routes.pop(req_id, None)
 
-    def _candidates(self, route: _Route | None) -> tuple[tuple[str, ...], tuple[str, ...] | None]:
+    def _candidates(self, route: Route | None) -> tuple[tuple[str, ...], tuple[str, ...] | None]:
         """Whom to ask, as ``(head, tail)``: the request's named peer, then (the node puts the
         peers whose KV events show the key in between) the configured peers; ``tail`` None when
         the named peer is the only one to ask (``remote_prefiller``)."""

@@ -33,6 +33,18 @@ from typing import Any
 import zmq
 
 from kvoffload.ipc import peer_messages as pm
+from kvoffload.tiers.p2p.commands import (
+    Command,
+    Connect,
+    Load,
+    LoadDone,
+    PeerDown,
+    Probe,
+    Push,
+    PushDone,
+    Result,
+    Verdict,
+)
 from kvoffload.tiers.p2p.config import parse_peer
 
 log = logging.getLogger("kvoffload.p2p")
@@ -50,20 +62,6 @@ BACKOFF_NOT_READY_S = 0.05
 """A peer whose worker is still starting (Refused ``not_ready``) is asked again after this."""
 BACKOFF_MIN_S = 0.5
 BACKOFF_MAX_S = 10.0
-
-# commands, engine -> node
-CMD_PROBE = "probe"  # (CMD_PROBE, key, peers: tuple[str, ...])
-CMD_LOAD = "load"  # (CMD_LOAD, job_id, peer, keys, slots, kv_request_id)
-CMD_PUSH = "push"  # (CMD_PUSH, job_id, keys, slots)
-CMD_CONNECT = "connect"  # (CMD_CONNECT, peer)  a peer named by a request's routing
-# results, node -> engine
-RES_VERDICT = (
-    "verdict"  # (RES_VERDICT, key, peer | None)  where key is READY (None: no peer has it)
-)
-RES_LOAD = "load"  # (RES_LOAD, job_id, ok_keys, failed: dict[key, reason], nbytes, seconds)
-RES_PUSH = "push"  # (RES_PUSH, job_id, peer | None, ok_keys, failed: dict[key, reason])
-RES_DOWN = "down"  # (RES_DOWN, peer)  drop every verdict and location naming it
-RES_FETCHED = "fetched"  # (RES_FETCHED, kv_request_id, keys)  a decoder released what it fetched
 
 
 class _Pending:
@@ -413,8 +411,8 @@ class PeerNode(threading.Thread):
         self.lease_ttl_s = lease_ttl_s
         self.count = count
         self.server_free_quota = server_free_quota
-        self.commands: deque[tuple] = deque()
-        self.results: deque[tuple] = deque()
+        self.commands: deque[Command] = deque()
+        self.results: deque[Result] = deque()
         self.links: dict[str, PeerLink] = {}
         self.sock_links: dict[zmq.Socket, PeerLink] = {}
         self.next_req = 0
@@ -474,9 +472,12 @@ class PeerNode(threading.Thread):
 
     # -- engine thread side ------------------------------------------------------------------------
 
-    def submit(self, cmd: tuple) -> None:
+    def submit(self, cmd: Command) -> None:
         """Queue a command for the node thread (engine thread; never blocks)."""
         self.commands.append(cmd)
+        self._wake()
+
+    def _wake(self) -> None:
         try:
             os.write(self._wake_w, b"\0")
         except BlockingIOError:
@@ -485,7 +486,7 @@ class PeerNode(threading.Thread):
     def stop(self, timeout_s: float = 30.0) -> None:
         """Stop the thread and close its sockets (engine thread)."""
         self._stopping = True
-        self.submit(("stop",))
+        self._wake()
         if self.is_alive():
             self.join(timeout_s)
 
@@ -561,22 +562,22 @@ class PeerNode(threading.Thread):
         batches: dict[str, list[_Probe]] = {}
         while cmds:
             cmd = cmds.popleft()
-            kind = cmd[0]
-            if kind == CMD_PROBE:
-                _, key, head, tail = cmd
-                peers = head
-                if tail is not None:
-                    located = self.locations.where(key) if self.locations is not None else ()
-                    peers = tuple(dict.fromkeys((*head, *located, *tail)))
-                self._probe_next(_Probe(key, peers, now), batches, now)
-            elif kind == CMD_LOAD:
-                _, job_id, peer, keys, slots, kvr = cmd
-                self._start_load(job_id, peer, keys, slots, kvr, now)
-            elif kind == CMD_PUSH:
-                _, job_id, keys, slots = cmd
-                self._start_push(job_id, keys, slots, now)
-            elif kind == CMD_CONNECT:
-                self.link(cmd[1], now)
+            match cmd:
+                case Probe():
+                    peers = cmd.head
+                    if cmd.tail is not None:
+                        where = self.locations.where if self.locations is not None else None
+                        located = where(cmd.key) if where is not None else ()
+                        peers = tuple(dict.fromkeys((*cmd.head, *located, *cmd.tail)))
+                    self._probe_next(_Probe(cmd.key, peers, now), batches, now)
+                case Load():
+                    self._start_load(
+                        cmd.job_id, cmd.peer, cmd.keys, cmd.slots, cmd.kv_request_id, now
+                    )
+                case Push():
+                    self._start_push(cmd.job_id, cmd.keys, cmd.slots, now)
+                case Connect():
+                    self.link(cmd.peer, now)
         self._send_probes(batches, now)
 
     def _send_probes(self, batches: dict[str, list[_Probe]], now: float) -> None:
@@ -607,7 +608,7 @@ class PeerNode(threading.Thread):
             probe.since = now
             batches.setdefault(addr, []).append(probe)
             return
-        self.results.append((RES_VERDICT, probe.key, None))
+        self.results.append(Verdict(probe.key, None))
 
     # -- serving role ---------------------------------------------------------------------------
 
@@ -683,7 +684,7 @@ class PeerNode(threading.Thread):
             for probe, state in zip(probes, msg.states):
                 if state == pm.READY:
                     self.stat(link.addr, "lookup_hits")
-                    self.results.append((RES_VERDICT, probe.key, link.addr))
+                    self.results.append(Verdict(probe.key, link.addr))
                 elif state == pm.PENDING and (
                     not probe.pending_since or now - probe.pending_since < self.peer_timeout_s
                 ):
@@ -726,7 +727,7 @@ class PeerNode(threading.Thread):
             if len(msg.accepted) != len(keys) or not any(msg.accepted):
                 reason = "bad_reply" if len(msg.accepted) != len(keys) else "refused"
                 self.pushes.pop(job_id, None)
-                self.results.append((RES_PUSH, job_id, None, [], dict.fromkeys(keys, reason)))
+                self.results.append(PushDone(job_id, None, [], dict.fromkeys(keys, reason)))
                 return
             # wait for Pulled (the receiver reads our slots); the job keeps them pinned meanwhile
             self.pushes[job_id] = (link, keys, now + self.lease_ttl_s)
@@ -745,7 +746,7 @@ class PeerNode(threading.Thread):
             self._load_done(p.ctx, [], "peer_down" if link.state == "down" else "timeout")
         elif p.kind == "offer":
             job_id, keys, _slots = p.ctx
-            self.results.append((RES_PUSH, job_id, None, [], dict.fromkeys(keys, "timeout")))
+            self.results.append(PushDone(job_id, None, [], dict.fromkeys(keys, "timeout")))
 
     def on_pulled(self, link: PeerLink, msg: pm.Pulled, now: float) -> None:
         """The receiver of our offer has read it: the push job ends."""
@@ -756,13 +757,13 @@ class PeerNode(threading.Thread):
         _, keys, _ = push
         if len(msg.ok) != len(keys):
             self.count("malformed_replies")
-            self.results.append((RES_PUSH, msg.lease, None, [], dict.fromkeys(keys, "bad_reply")))
+            self.results.append(PushDone(msg.lease, None, [], dict.fromkeys(keys, "bad_reply")))
             return
         ok = [k for k, b in zip(keys, msg.ok) if b]
         failed = {k: "refused" for k, b in zip(keys, msg.ok) if not b}
         self.stat(link.addr, "push_chunks", len(ok))
         self.stat(link.addr, "push_bytes", len(ok) * self.worker.row_bytes)
-        self.results.append((RES_PUSH, msg.lease, link.addr, ok, failed))
+        self.results.append(PushDone(msg.lease, link.addr, ok, failed))
 
     # -- client role: jobs ----------------------------------------------------------------------
 
@@ -826,7 +827,7 @@ class PeerNode(threading.Thread):
         group.remaining -= 1
         if group.remaining == 0:
             self.results.append(
-                (RES_LOAD, group.job_id, group.ok, group.failed, group.nbytes, now - group.t0)
+                LoadDone(group.job_id, group.ok, group.failed, group.nbytes, now - group.t0)
             )
         if part.sent:  # it counted in flight (a part that failed before leaving did not)
             part.sent = False
@@ -848,7 +849,7 @@ class PeerNode(threading.Thread):
             ):
                 best = link
         if best is None:
-            self.results.append((RES_PUSH, job_id, None, [], dict.fromkeys(keys, "no_peer")))
+            self.results.append(PushDone(job_id, None, [], dict.fromkeys(keys, "no_peer")))
             return
         best.free_quota -= len(keys)
         best.request(
@@ -924,7 +925,7 @@ class PeerNode(threading.Thread):
                 # The receiver never said it pulled: its reads (deadline far shorter than this)
                 # are over, so the slots can go back.
                 del self.pushes[job_id]
-                self.results.append((RES_PUSH, job_id, None, [], dict.fromkeys(keys, "timeout")))
+                self.results.append(PushDone(job_id, None, [], dict.fromkeys(keys, "timeout")))
         if self.server is not None:
             for to, out in self.server.tick(now):
                 self._route(to, out)
@@ -943,11 +944,11 @@ class PeerNode(threading.Thread):
             except Exception:
                 log.exception("p2p: removing peer %s from the worker failed", link.addr)
         # Pushes to it keep their pins until their deadline: the receiver's reads may still run.
-        self.results.append((RES_DOWN, link.addr))
+        self.results.append(PeerDown(link.addr))
 
     def peer_restarted(self, link: PeerLink) -> None:
         """``link``'s address answers with a new incarnation: drop what we knew of the old one."""
         self.count("peer_restarts")
         if self.locations is not None:
             self.locations.drop_peer(link.addr)
-        self.results.append((RES_DOWN, link.addr))
+        self.results.append(PeerDown(link.addr))

@@ -42,20 +42,20 @@ from typing_extensions import override
 from kvoffload.config import ConfigError
 from kvoffload.metrics import Counter, Gauge, Histogram, MetricSet
 from kvoffload.tiers.base import JobMetadata, JobResult, LookupResult, SecondaryTierManager
+from kvoffload.tiers.p2p.commands import (
+    Connect,
+    Fetched,
+    Load,
+    LoadDone,
+    PeerDown,
+    Probe,
+    Push,
+    PushDone,
+    Verdict,
+)
 from kvoffload.tiers.p2p.config import P2PTierConfig
 from kvoffload.tiers.p2p.locations import PeerLocations
-from kvoffload.tiers.p2p.node import (
-    CMD_CONNECT,
-    CMD_LOAD,
-    CMD_PROBE,
-    CMD_PUSH,
-    RES_DOWN,
-    RES_FETCHED,
-    RES_LOAD,
-    RES_PUSH,
-    RES_VERDICT,
-    PeerNode,
-)
+from kvoffload.tiers.p2p.node import PeerNode
 from kvoffload.tiers.p2p.routing import Route, parse_route
 
 log = logging.getLogger("kvoffload.p2p")
@@ -213,7 +213,7 @@ class P2PTier(SecondaryTierManager):
             max_lease_s=cfg.lease_ttl_s,
             pull=lambda *a: self._node.pull(*a) if self._node else None,
             on_fetched=lambda kvr, keys: (
-                self._node.results.append((RES_FETCHED, kvr, keys)) if self._node else None
+                self._node.results.append(Fetched(kvr, keys)) if self._node else None
             ),
         )
         locations = None
@@ -255,7 +255,7 @@ class P2PTier(SecondaryTierManager):
         self._node.advertise = self.advertise
         self._node.start()
         for p in dict.fromkeys([*cfg.peers, *cfg.peer_events]):  # a session confirms its events
-            self._node.submit((CMD_CONNECT, p))
+            self._node.submit(Connect(p))
         log.info(
             "p2p tier %s: serving on %s (advertised as %s), peers %s",
             self.name,
@@ -274,7 +274,7 @@ class P2PTier(SecondaryTierManager):
             return
         self._routes[req_id] = route
         if route.source is not None and self._node is not None:
-            self._node.submit((CMD_CONNECT, route.source))
+            self._node.submit(Connect(route.source))
 
     @override
     def on_request_finished(self, req_id: str) -> None:
@@ -315,7 +315,7 @@ class P2PTier(SecondaryTierManager):
         if self._node is None or not (head or tail or (tail is not None and self._located)):
             return _MISS
         self._waiting[key] = {req_id}
-        self._node.submit((CMD_PROBE, key, head, tail))
+        self._node.submit(Probe(key, head, tail))
         return _RETRY
 
     @override
@@ -371,7 +371,7 @@ class P2PTier(SecondaryTierManager):
             )
             return
         self._pushes[job.job_id] = job
-        self._node.submit((CMD_PUSH, job.job_id, list(job.keys), list(job.slots)))
+        self._node.submit(Push(job.job_id, list(job.keys), list(job.slots)))
 
     @override
     def submit_load(self, job: JobMetadata) -> None:
@@ -394,7 +394,7 @@ class P2PTier(SecondaryTierManager):
             return
         self._loads[job.job_id] = lj
         for peer, (keys, slots) in by_peer.items():
-            self._node.submit((CMD_LOAD, job.job_id, peer, keys, slots, kvr))
+            self._node.submit(Load(job.job_id, peer, keys, slots, kvr))
 
     def _finish_load(self, lj: _LoadJob) -> None:
         self._loads.pop(lj.meta.job_id, None)
@@ -435,49 +435,50 @@ class P2PTier(SecondaryTierManager):
         results = node.results
         while results:
             r = results.popleft()
-            kind = r[0]
-            if kind == RES_VERDICT:
-                _, key, peer = r
-                waiting = self._waiting.pop(key, None)
-                if peer is not None:
-                    self._peer_of[key] = (peer, self._downs.get(peer, 0))
-                    self._absent.pop(key, None)
-                else:
-                    if self.config.negative_ttl_s > 0:
-                        self._absent[key] = self.config.negative_ttl_s
-                    if waiting:
-                        self._owed.setdefault(key, set()).update(waiting)
-            elif kind == RES_LOAD:
-                _, job_id, ok, failed, nbytes, _secs = r
-                lj = self._loads.get(job_id)
-                if lj is None:
-                    continue
-                lj.ok.extend(ok)
-                lj.failed.update(failed)
-                lj.nbytes += nbytes
-                lj.parts -= 1
-                if lj.parts == 0:
-                    self._finish_load(lj)
-            elif kind == RES_PUSH:
-                _, job_id, peer, ok, failed = r
-                meta = self._pushes.pop(job_id, None)
-                if meta is None:
-                    continue
-                if peer is not None:
-                    downs = self._downs.get(peer, 0)
-                    for k in ok:
-                        self._peer_of[k] = (peer, downs)
-                self._finished.append(
-                    JobResult(job_id=job_id, success=not failed, successful_keys=ok, failed=failed)
-                    if failed
-                    else JobResult(job_id=job_id, success=True)
-                )
-            elif kind == RES_DOWN:
-                _, peer = r
-                self._downs[peer] = self._downs.get(peer, 0) + 1
-            elif kind == RES_FETCHED:
-                _, kvr, keys = r
-                self._fetched(kvr, set(keys))
+            match r:
+                case Verdict():
+                    key, peer = r.key, r.peer
+                    waiting = self._waiting.pop(key, None)
+                    if peer is not None:
+                        self._peer_of[key] = (peer, self._downs.get(peer, 0))
+                        self._absent.pop(key, None)
+                    else:
+                        if self.config.negative_ttl_s > 0:
+                            self._absent[key] = self.config.negative_ttl_s
+                        if waiting:
+                            self._owed.setdefault(key, set()).update(waiting)
+                case LoadDone():
+                    lj = self._loads.get(r.job_id)
+                    if lj is None:
+                        continue
+                    lj.ok.extend(r.ok)
+                    lj.failed.update(r.failed)
+                    lj.nbytes += r.nbytes
+                    lj.parts -= 1
+                    if lj.parts == 0:
+                        self._finish_load(lj)
+                case PushDone():
+                    meta = self._pushes.pop(r.job_id, None)
+                    if meta is None:
+                        continue
+                    if r.peer is not None:
+                        downs = self._downs.get(r.peer, 0)
+                        for k in r.ok:
+                            self._peer_of[k] = (r.peer, downs)
+                    self._finished.append(
+                        JobResult(
+                            job_id=r.job_id,
+                            success=False,
+                            successful_keys=r.ok,
+                            failed=r.failed,
+                        )
+                        if r.failed
+                        else JobResult(job_id=r.job_id, success=True)
+                    )
+                case PeerDown():
+                    self._downs[r.peer] = self._downs.get(r.peer, 0) + 1
+                case Fetched():
+                    self._fetched(r.kv_request_id, set(r.keys))
 
     def _fetched(self, kvr: str, keys: set[bytes]) -> None:
         """The decoder of ``kvr`` has read ``keys`` (one of its leases ended): a held job whose

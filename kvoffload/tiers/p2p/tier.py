@@ -42,6 +42,7 @@ from typing_extensions import override
 from kvoffload.config import ConfigError
 from kvoffload.metrics import Counter, Gauge, Histogram, MetricSet
 from kvoffload.tiers.base import JobMetadata, JobResult, LookupResult, SecondaryTierManager
+from kvoffload.tiers.p2p.client import PeerNode
 from kvoffload.tiers.p2p.commands import (
     Connect,
     Fetched,
@@ -55,7 +56,6 @@ from kvoffload.tiers.p2p.commands import (
 )
 from kvoffload.tiers.p2p.config import P2PTierConfig
 from kvoffload.tiers.p2p.locations import PeerLocations
-from kvoffload.tiers.p2p.node import PeerNode
 from kvoffload.tiers.p2p.routing import Route, parse_route
 
 log = logging.getLogger("kvoffload.p2p")

@@ -632,13 +632,13 @@ def test_a_lookup_asks_the_peer_whose_kv_events_show_the_chunk_first(world):
         "C to learn B's chunks from its events",
     )
     assert_serves(c, only_b)
-    asked = dict(node.peer_stats)
+    asked = dict(node.client.peer_stats)
     assert asked.get((a.addr, "lookup_chunks"), 0) == 0, asked
     assert asked[(b.addr, "lookup_chunks")] >= len(only_b)
     # a chunk no event shows is asked of the configured peers in order (A, then B)
     nowhere = keys_for(2, seed=19)
     assert settle(c, nowhere, "r3") == [MISS, MISS]
-    asked = dict(node.peer_stats)
+    asked = dict(node.client.peer_stats)
     assert asked.get((a.addr, "lookup_chunks"), 0) == len(nowhere)
 
 

@@ -1,36 +1,70 @@
-"""The p2p tier's node thread: every ZMQ socket of the tier, both roles, one thread.
+"""The p2p tier's client role: this instance's sessions with its peers, socket-free (frames in,
+``(peer, frame)`` out, a ``tick(now)`` for timers), so it is tested and fuzzed alone.
 
 ::
 
-    engine thread (P2PTier) ──commands (deque + wake-up fd)──▶ PeerNode thread ──results (deque)──▶ engine
-                                                                │
-        serving role: ROUTER on host:port ──▶ PeerServer.handle (host tier under TieringManager.lock)
-        client role:  one DEALER per peer (PeerLink: handshake, heartbeats, lookups, leases, offers)
-        bytes:        PeerWorkerHandle (the peer worker process: reads of leased slots, pulls of offers)
+    PeerNode thread                                        PeerClient (this module)
+      engine commands ─── commands(cmds, now) ─────────▶ Probe: Lookup at each peer in turn
+      (Probe, Load,                                      Load:  Lease in parts, READ, Release
+       Push, Connect)                                    Push:  Offer, wait for Pulled
+      a peer's DEALER ─── on_frame(peer, frame, now) ──▶ one PeerLink per peer: handshake,
+                                                         heartbeats, pending requests, parts
+      every loop ──────── tick(now) ───────────────────▶ reconnects, heartbeats, deadlines
+      worker reports ──── transfer_settled(tid, ...) ──▶ a part's READ settled: Release, result
+                     ◀─── [Send | Open | Close | Trusted | Restarted] (in order)
+      engine ◀─────────── results deque: Verdict, LoadDone, PushDone, PeerDown
+      peer worker ◀────── Transfers.read / acquire_peer / release_peer (answer at once)
 
-The engine thread never touches a socket; the node never touches engine-thread state. What crosses is
-plain tuples in two :class:`collections.deque` (appends and pops are atomic), so the engine's calls
-stay microseconds-cheap whatever the peers do.
+**Commands in.** The node hands over the engine's commands as it pops them. A Probe's peers are
+its ``head``, then (unless ``tail`` is None) the peers the KV-event locations show holding the key
+(``where``), then ``tail``; the probe asks them one at a time, skipping a peer whose session is
+down, until one answers READY; probes bound for one peer in one call share Lookup messages. A Load
+is leased and read in parts of at most :data:`LEASE_CHUNKS` keys, at most
+:data:`MAX_INFLIGHT_CHUNKS` chunks in flight per peer (the rest wait). A Push goes, as an Offer,
+to the peer whose session is up with the most free quota.
 
-Liveness: a link heartbeats every ``heartbeat_s``; a peer that has not been heard from for
+**Frames in.** One frame from a peer's socket. A link goes ``down`` → ``hello`` (Hello sent) →
+``auth`` (the peer's Challenge proved the secret; Auth and our transport descriptor sent) → ``up``
+(Welcome: the peer's descriptor added to our worker; queued requests sent). Before ``up`` any
+other message fails the session; once up, replies are matched to pending requests by ``req`` (an
+answer nobody asked for is counted ``unknown_replies``; one that does not fit its request
+``malformed_replies``, and the request is treated as unanswered); a Refused fails the session. A
+frame for a link that is down is ignored (the node closes the socket as it goes down, so none comes).
+
+**Out, in order.** :class:`Send` a frame on the peer's socket (dropped when it has none or its send
+queue is full: the request's deadline handles it); :class:`Open` a fresh DEALER socket to the peer
+(closing its old one) with the routing id given, before the Hello that follows it; :class:`Close`
+the peer's socket (unsent frames dropped); :class:`Trusted` the peer's server welcomed a Hello
+naming our namespace, so its KV events may be answered from; :class:`Restarted` the address
+answered with a new incarnation, so what its events said is void.
+
+**Bytes.** A part's leased slots are read by the peer worker through the :class:`Transfers` port
+(the node's, over :class:`~kvoffload.tiers.p2p.worker_handle.PeerWorkerHandle`): ``read`` returns
+a transfer id at once; the node reports each transfer back exactly once, settled, with
+:meth:`PeerClient.transfer_settled`; only then is the lease released and the part's result given.
+
+**Results out.** Into the deque the engine drains: one :class:`~.commands.Verdict` per Probe, one
+:class:`~.commands.LoadDone` per Load (once all its parts ended), one :class:`~.commands.PushDone`
+per Push, and :class:`~.commands.PeerDown` when a peer goes down or restarts (the engine drops the
+verdicts naming it).
+
+**Liveness.** A link heartbeats every ``heartbeat_s``; a peer not heard from for
 ``peer_timeout_s`` (or whose handshake does not finish within it) is down at once: its outstanding
-lookups answer "not there", its loads fail, its transfers are cancelled in the worker, the engine
-is told (locations and verdicts naming it are dropped), and the link reconnects with backoff (0.5 s
-doubling up to 10 s). A peer that comes back with a new incarnation is a new peer.
+lookups go to the next peer, its loads fail, its name is removed from the worker (its transfers
+settle failed), the engine is told, and the link reconnects with backoff (0.5 s doubling up to
+10 s). A peer that comes back with a new incarnation is a new peer.
+
+Not thread-safe: the node thread drives it. The engine thread reads only :meth:`peers_up`,
+:meth:`can_push`, ``links`` and the statistics, as snapshots.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import threading
-import time
 from collections import deque
-from collections.abc import Callable
-from typing import Any
-
-import zmq
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple, Protocol
 
 from kvoffload.ipc import peer_messages as pm
 from kvoffload.tiers.p2p.commands import (
@@ -62,6 +96,89 @@ BACKOFF_NOT_READY_S = 0.05
 """A peer whose worker is still starting (Refused ``not_ready``) is asked again after this."""
 BACKOFF_MIN_S = 0.5
 BACKOFF_MAX_S = 10.0
+DESCRIPTOR_WAIT_S = 0.05
+"""Our own worker has no transport descriptor yet: try to open the session again after this."""
+_WORKER_DIED = "worker_died"  # kvoffload.tiers.p2p.worker_handle.WORKER_DIED (not imported: heavy)
+
+
+# -- what the client asks of its node ----------------------------------------------------------
+
+
+class Send(NamedTuple):
+    """Send ``frame`` on ``peer``'s socket."""
+
+    peer: str
+    frame: bytes
+
+
+class Open(NamedTuple):
+    """Close ``peer``'s socket if it has one; open a DEALER with ZMQ routing id ``routing_id`` and
+    connect it to ``tcp://host:port``."""
+
+    peer: str
+    host: str
+    port: int
+    routing_id: bytes
+
+
+class Close(NamedTuple):
+    """Close ``peer``'s socket (unsent frames are dropped)."""
+
+    peer: str
+
+
+class Trusted(NamedTuple):
+    """``peer``'s server welcomed our namespace: its KV events may be answered from."""
+
+    peer: str
+
+
+class Restarted(NamedTuple):
+    """``peer`` answered with a new incarnation: what its KV events said is void."""
+
+    peer: str
+
+
+Out = Send | Open | Close | Trusted | Restarted
+"""One thing for the node to do, in the order given."""
+
+
+class Transfers(Protocol):
+    """The peer worker as the client role uses it (the node implements it over
+    :class:`~kvoffload.tiers.p2p.worker_handle.PeerWorkerHandle`). Every call answers at once."""
+
+    @property
+    def descriptor(self) -> bytes | None:
+        """Our worker's transport descriptor; None while it starts."""
+        ...
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes per chunk (one arena row)."""
+        ...
+
+    def acquire_peer(self, descriptor: bytes) -> str:
+        """The worker's name for the peer behind ``descriptor`` (counted: one per user).
+
+        Raises:
+            Exception: a descriptor the worker cannot use.
+        """
+        ...
+
+    def release_peer(self, name: str) -> None:
+        """One user of ``name`` is done; the last removes it (its transfers settle failed)."""
+        ...
+
+    def read(self, name: str, pairs: list[tuple[int, int]], deadline_s: float) -> int:
+        """Start a READ of ``(local slot, remote slot)`` pairs from ``name``: its transfer id.
+
+        Raises:
+            ValueError: a pair the worker refuses (e.g. a remote slot outside the peer's arena).
+        """
+        ...
+
+
+# -- per-peer state ----------------------------------------------------------------------------
 
 
 class _Pending:
@@ -93,13 +210,13 @@ class _LoadGroup:
 
     __slots__ = ("job_id", "remaining", "ok", "failed", "nbytes", "t0")
 
-    def __init__(self, job_id: int, parts: int):
+    def __init__(self, job_id: int, parts: int, now: float):
         self.job_id = job_id
         self.remaining = parts
         self.ok: list[bytes] = []
         self.failed: dict[bytes, str] = {}
         self.nbytes = 0
-        self.t0 = time.monotonic()
+        self.t0 = now
 
 
 class _Load:
@@ -121,7 +238,13 @@ class _Load:
     )
 
     def __init__(
-        self, group: _LoadGroup, keys: list[bytes], slots: list[int], kvr: str, link: PeerLink
+        self,
+        group: _LoadGroup,
+        keys: list[bytes],
+        slots: list[int],
+        kvr: str,
+        link: PeerLink,
+        now: float,
     ):
         self.group = group
         self.keys = keys
@@ -131,21 +254,20 @@ class _Load:
         self.tid = -1
         self.ok: list[bytes] = []
         self.refused: dict[bytes, str] = {}  # keys the peer would not lease, and why
-        self.t0 = time.monotonic()
+        self.t0 = now
         self.link = link
         self.sent = False
 
 
 class PeerLink:
-    """The client role towards one peer (``host:port``): one DEALER socket, its handshake state,
-    its outstanding requests. Used only by the node thread."""
+    """The client role's state towards one peer (``host:port``): its session's handshake state,
+    its outstanding requests, its load parts in flight and waiting."""
 
-    def __init__(self, node: PeerNode, addr: str):
-        self.node = node
+    def __init__(self, addr: str, label: str):
         self.addr = addr
+        self.label = label  # the ``peer`` label of its metrics
         self.host, self.port = parse_peer(addr, "peer")
-        self.sock: zmq.Socket | None = None
-        self.state = "down"  # down -> hello -> auth -> up
+        self.state = "down"  # down -> hello -> auth -> up; a socket is open unless down
         self.retry_at = 0.0
         self.backoff = 0.0
         self.nonce = b""
@@ -166,226 +288,33 @@ class PeerLink:
         """True once authenticated, and until the peer is noticed down."""
         return self.state == "up"
 
-    def connect(self, now: float) -> None:
-        """Open a fresh socket and say Hello (the previous socket, if any, is closed)."""
-        node = self.node
-        if node.worker.descriptor is None:
-            self.retry_at = now + 0.05  # our worker has not said hello yet: nothing to offer
-            return
-        self.close_socket()
-        s = node.ctx.socket(zmq.DEALER)
-        self.connects += 1
-        s.setsockopt(zmq.ROUTING_ID, node.incarnation + self.connects.to_bytes(4, "little"))
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.MAXMSGSIZE, pm.MAX_MESSAGE_BYTES)
-        s.setsockopt(zmq.SNDHWM, 10_000)
-        s.connect(f"tcp://{self.host}:{self.port}")
-        self.sock = s
-        node.poller.register(s, zmq.POLLIN)
-        node.sock_links[s] = self
-        self.nonce = os.urandom(pm.NONCE_BYTES)
-        self.state = "hello"
-        self.since = now
-        self.last_heard = now
-        self._send_now(
-            pm.Hello(
-                version=pm.PROTOCOL_VERSION,
-                incarnation=node.incarnation,
-                advertise=node.advertise,
-                namespace_id=node.namespace_id,
-                nonce=self.nonce,
-            )
-        )
 
-    def close_socket(self) -> None:
-        """Close this link's socket (unsent messages are dropped: LINGER 0)."""
-        s = self.sock
-        if s is not None:
-            self.node.poller.unregister(s)
-            self.node.sock_links.pop(s, None)
-            s.close(linger=0)
-            self.sock = None
-
-    def _send_now(self, msg: pm.PeerMessage) -> None:
-        s = self.sock
-        if s is None:
-            return
-        try:
-            s.send(pm.encode(msg), zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # the send queue is full: the request's deadline handles it
-
-    def send(self, msg: pm.PeerMessage) -> None:
-        """Send now when up, else once the handshake ends (or never, when it fails)."""
-        if self.state == "up":
-            self._send_now(msg)
-        else:
-            self.queued.append(msg)
-
-    def request(self, msg: Any, kind: str, ctx: Any, now: float) -> None:
-        """Send a request with a ``req`` field and remember what its answer is for."""
-        node = self.node
-        node.next_req += 1
-        msg.req = node.next_req
-        self.pending[msg.req] = _Pending(kind, ctx, now + node.peer_timeout_s)
-        self.send(msg)
-
-    def on_frame(self, frame: bytes, now: float) -> None:
-        """One message from the peer."""
-        node = self.node
-        try:
-            msg = pm.decode(frame)
-        except pm.BadMessage as e:
-            node.count("malformed_replies")
-            log.warning("p2p: malformed message from peer %s: %s", self.addr, e)
-            return
-        self.last_heard = now
-        if self.state == "hello":
-            if not isinstance(msg, pm.Challenge):
-                self.fail(now, f"answered Hello with {type(msg).__name__}")
-                return
-            expect = pm.mac(node.secret, "server", *self._mac_parts(msg.incarnation, msg.nonce))
-            if node.secret and not pm.mac_ok(expect, msg.mac):
-                node.count("refused_bad_mac")
-                self.fail(now, "its Challenge does not prove the shared secret")
-                return
-            if self.peer_incarnation and self.peer_incarnation != msg.incarnation:
-                node.peer_restarted(self)  # a new instance at that address: forget the old one
-            self.peer_incarnation = msg.incarnation
-            mine = pm.mac(node.secret, "client", *self._mac_parts(msg.incarnation, msg.nonce))
-            self.state = "auth"
-            desc = node.worker.descriptor
-            self._send_now(pm.Auth(mac=mine, descriptor=desc or b""))
-            return
-        if self.state == "auth":
-            if isinstance(msg, pm.Welcome):
-                try:
-                    self.worker_name = node.acquire_peer(msg.descriptor)
-                except Exception as e:  # a descriptor our transport cannot use
-                    self.fail(now, f"its transport descriptor is unusable: {e}")
-                    return
-                self.state = "up"
-                self.backoff = 0.0
-                if node.locations is not None:  # it serves our namespace: trust its events
-                    node.locations.confirm_peer(self.addr)
-                self.free_quota = msg.quota_chunks
-                self.next_heartbeat = now + node.heartbeat_s
-                log.info("p2p: peer %s is up", self.addr)
-                queued, self.queued = self.queued, []
-                for q in queued:
-                    self._send_now(q)
-                return
-            reason = msg.reason if isinstance(msg, pm.Refused) else type(msg).__name__
-            if reason == "not_ready":  # its peer worker is still starting: try again soon
-                self.fail(now, "its peer worker is starting", retry_s=BACKOFF_NOT_READY_S)
-            else:
-                self.fail(now, f"refused the session: {reason}")
-            return
-        # up
-        if isinstance(msg, pm.HeartbeatAck):
-            self.free_quota = msg.free_quota
-            return
-        if isinstance(msg, pm.Heartbeat):
-            self.free_quota = msg.free_quota
-            self._send_now(pm.HeartbeatAck(seq=msg.seq, free_quota=node.server_free_quota()))
-            return
-        if isinstance(msg, pm.Pulled):
-            node.on_pulled(self, msg, now)
-            return
-        if isinstance(msg, pm.Refused):
-            node.count("refused_by_peer")
-            log.warning("p2p: peer %s refused a message: %s", self.addr, msg.reason)
-            self.fail(now, f"refused: {msg.reason}")
-            return
-        req = getattr(msg, "req", None)
-        p = self.pending.pop(req, None) if req is not None else None
-        if p is None:
-            node.count("unknown_replies")
-            return
-        node.on_reply(self, p, msg, now)
-
-    def _mac_parts(self, server_incarnation: bytes, server_nonce: bytes) -> tuple[bytes, ...]:
-        node = self.node
-        return (
-            self.nonce,
-            server_nonce,
-            node.incarnation,
-            server_incarnation,
-            node.namespace_id.encode(),
-        )
-
-    def tick(self, now: float) -> None:
-        """Timers: reconnect, handshake deadline, heartbeats, silence, request deadlines."""
-        node = self.node
-        if self.state == "down":
-            if now >= self.retry_at:
-                self.connect(now)
-            return
-        if self.state != "up":
-            if now - self.since > node.peer_timeout_s:
-                self.fail(now, "the handshake did not finish in time")
-            return
-        if now - self.last_heard > node.peer_timeout_s:
-            self.fail(now, f"silent for {now - self.last_heard:.1f} s")
-            return
-        if now >= self.next_heartbeat:
-            self.next_heartbeat = now + node.heartbeat_s
-            node.heartbeat_seq += 1
-            self._send_now(
-                pm.Heartbeat(seq=node.heartbeat_seq, free_quota=node.server_free_quota())
-            )
-        expired = [r for r, p in self.pending.items() if p.deadline <= now]
-        for r in expired:
-            node.on_unanswered(self, self.pending.pop(r), now)
-
-    def fail(self, now: float, why: str, retry_s: float | None = None) -> None:
-        """The peer is down: fail everything outstanding, tell the engine, reconnect later
-        (after ``retry_s``, or with the link's backoff)."""
-        node = self.node
-        if retry_s is None:
-            log.warning("p2p: peer %s is down: %s", self.addr, why)
-            self.backoff = min(BACKOFF_MAX_S, max(BACKOFF_MIN_S, self.backoff * 2))
-            retry_s = self.backoff
-        else:
-            log.info("p2p: peer %s: %s", self.addr, why)
-        node.count("peer_down")
-        self.state = "down"
-        self.close_socket()
-        self.retry_at = now + retry_s
-        pending, self.pending = self.pending, {}
-        for p in pending.values():
-            node.on_unanswered(self, p, now)
-        waiting, self.waiting_loads = self.waiting_loads, deque()
-        for part in waiting:
-            node._load_done(part, [], "peer_down")
-        self.queued = []
-        node.link_down(self, now)
+# -- the role ----------------------------------------------------------------------------------
 
 
-class PeerNode(threading.Thread):
-    """The node thread of one p2p tier (see the module docstring).
+class PeerClient:
+    """The client role of one instance's p2p tier (see the module docstring).
 
     Args:
-        ctx: the tier's ZMQ context.
-        server: the serving role (:class:`kvoffload.tiers.p2p.server.PeerServer`), or None.
-        worker: the :class:`kvoffload.tiers.p2p.worker_handle.PeerWorkerHandle`.
-        bind: ``tcp://host:port`` of the serving ROUTER.
-        advertise: ``host:port`` peers reach this instance at.
-        incarnation: 16 random bytes, this start's identity.
+        transfers: the peer worker (:class:`Transfers`).
+        incarnation: this instance's identity for this start
+            (:data:`~kvoffload.ipc.peer_messages.INCARNATION_BYTES` random bytes).
         namespace_id: hex id of the namespace the sessions read.
-        secret: the shared secret (bytes; empty with ``auth: none``).
+        secret: the shared secret (bytes; empty with ``auth: none``: no MAC is checked).
         heartbeat_s, peer_timeout_s, transfer_deadline_s, lease_ttl_s: seconds.
-        count: ``count(counter, n=1)`` of the tier (thread-safe for distinct names: dict updates).
+        advertise: ``host:port`` peers reach this instance at (sent in Hello; may be set later,
+            before the first command).
+        results: the deque the engine drains (a new one by default).
+        count: ``count(counter, n=1)``: the tier's counters.
+        server_free_quota: chunks our serving role would admit now (sent in heartbeats).
+        where: ``where(key)``: peers the KV-event locations show holding ``key``, or None.
+        random_bytes: ``n -> n random bytes`` for nonces (tests may pass a seeded one).
     """
 
     def __init__(
         self,
         *,
-        ctx: zmq.Context,
-        server: Any,
-        worker: Any,
-        bind: str,
-        advertise: str,
+        transfers: Transfers,
         incarnation: bytes,
         namespace_id: str,
         secret: bytes,
@@ -393,15 +322,14 @@ class PeerNode(threading.Thread):
         peer_timeout_s: float,
         transfer_deadline_s: float,
         lease_ttl_s: float,
-        count: Callable[..., None],
-        server_free_quota: Callable[[], int],
-        locations: Any = None,
+        advertise: str = "",
+        results: deque[Result] | None = None,
+        count: Callable[..., None] | None = None,
+        server_free_quota: Callable[[], int] | None = None,
+        where: Callable[[bytes], Sequence[str]] | None = None,
+        random_bytes: Callable[[int], bytes] = os.urandom,
     ):
-        super().__init__(name="kvoffload-p2p-node", daemon=True)
-        self.ctx = ctx
-        self.server = server
-        self.worker = worker
-        self.advertise = advertise
+        self.transfers = transfers
         self.incarnation = incarnation
         self.namespace_id = namespace_id
         self.secret = secret
@@ -409,20 +337,16 @@ class PeerNode(threading.Thread):
         self.peer_timeout_s = peer_timeout_s
         self.transfer_deadline_s = transfer_deadline_s
         self.lease_ttl_s = lease_ttl_s
-        self.count = count
-        self.server_free_quota = server_free_quota
-        self.commands: deque[Command] = deque()
-        self.results: deque[Result] = deque()
+        self.advertise = advertise
+        self.results: deque[Result] = deque() if results is None else results
+        self.count: Callable[..., None] = count or (lambda *a: None)
+        self.server_free_quota: Callable[[], int] = server_free_quota or (lambda: 0)
+        self.where = where
+        self._random = random_bytes
         self.links: dict[str, PeerLink] = {}
-        self.sock_links: dict[zmq.Socket, PeerLink] = {}
         self.next_req = 0
         self.heartbeat_seq = 0
         self.loads: dict[int, _Load] = {}  # transfer id -> load part
-        # transfer id -> (client identity, lease, pairs, worker peer name): pulls of admitted offers
-        self.pulls: dict[int, tuple[bytes, int, int, str]] = {}
-        self._agents: dict[str, int] = {}  # worker peer name -> links and pulls using it
-        self.server_counters: dict[str, int] = {}  # the server's counters, as of the last tick
-        self._counters_at = 0.0
         self.pushes: dict[int, tuple[PeerLink, list[bytes], float]] = {}  # job id -> offer
         self.later: list[tuple[float, _Probe]] = []  # probes to send again at a time
         # Per-peer statistics, written by this thread only, read by scrapes (P2PTier.report_metrics):
@@ -430,34 +354,105 @@ class PeerNode(threading.Thread):
         self.peer_stats: dict[tuple[str, str], float] = {}
         self.latencies: deque[tuple[str, float]] = deque(maxlen=65536)
         self._labels: dict[str, str] = {}
-        self._stopping = False
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        self.poller = zmq.Poller()
-        self.router = ctx.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.LINGER, 0)
-        self.router.setsockopt(zmq.MAXMSGSIZE, pm.MAX_MESSAGE_BYTES)
-        self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        try:
-            self.router.bind(bind)
-        except zmq.ZMQError:
-            self.router.close(linger=0)
-            os.close(self._wake_r)
-            os.close(self._wake_w)
-            raise
-        self.bound = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self.poller.register(self.router, zmq.POLLIN)
-        self.poller.register(self._wake_r, zmq.POLLIN)
-        self.locations = locations  # PeerLocations, owned by this thread once it starts
-        if locations is not None:
-            locations.register(self.poller)
-        self._worker_fd: int | None = None
-        self._restart_at = 0.0
-        self.error: BaseException | None = None
+        self._out: list[Out] = []
+
+    # -- inputs ---------------------------------------------------------------------------------
+
+    def commands(self, cmds: Iterable[Command], now: float) -> list[Out]:
+        """The engine's commands, in order (probes bound for one peer share Lookup messages)."""
+        batches: dict[str, list[_Probe]] = {}
+        for cmd in cmds:
+            match cmd:
+                case Probe():
+                    peers = cmd.head
+                    if cmd.tail is not None:
+                        located = self.where(cmd.key) if self.where is not None else ()
+                        peers = tuple(dict.fromkeys((*cmd.head, *located, *cmd.tail)))
+                    self._probe_next(_Probe(cmd.key, peers, now), batches, now)
+                case Load():
+                    self._start_load(cmd, now)
+                case Push():
+                    self._start_push(cmd.job_id, cmd.keys, cmd.slots, now)
+                case Connect():
+                    self._link(cmd.peer, now)
+        self._send_probes(batches, now)
+        return self._take()
+
+    def on_frame(self, peer: str, frame: bytes, now: float) -> list[Out]:
+        """One frame from ``peer``'s socket at ``now`` (seconds, monotonic)."""
+        link = self.links.get(peer)
+        if link is None or link.state == "down":
+            return self._take()  # no socket of ours: nothing can come (see the module)
+        self._on_frame(link, frame, now)
+        return self._take()
+
+    def tick(self, now: float) -> list[Out]:
+        """Timers: probes to ask again, reconnects, handshake deadlines, heartbeats, silence,
+        request deadlines, offers never pulled."""
+        if self.later:
+            due = [p for t, p in self.later if t <= now]
+            if due:
+                self.later = [(t, p) for t, p in self.later if t > now]
+                batches: dict[str, list[_Probe]] = {}
+                for probe in due:
+                    self._probe_next(probe, batches, now)
+                self._send_probes(batches, now)
+        for link in list(self.links.values()):
+            self._tick_link(link, now)
+        for job_id, (_link, keys, deadline) in list(self.pushes.items()):
+            if deadline <= now:
+                # The receiver never said it pulled: its reads (deadline far shorter than this)
+                # are over, so the slots can go back.
+                del self.pushes[job_id]
+                self.results.append(PushDone(job_id, None, [], dict.fromkeys(keys, "timeout")))
+        return self._take()
+
+    def transfer_settled(self, tid: int, ok: bool, reason: str, now: float) -> list[Out]:
+        """The worker's READ ``tid`` has settled (``ok``, or failed for ``reason``). A transfer
+        that is not one of this role's load parts is ignored."""
+        part = self.loads.pop(tid, None)
+        if part is None:
+            return self._take()
+        self._release(part)
+        if ok:
+            self._load_done(part, part.ok, part.refused, now)
+        else:
+            self.count("transfer_failures")
+            self._load_done(part, [], reason or "transfer_failed", now)
+            # The transport marks a peer down on any failed transfer (its connection state is
+            # unknown): the session goes down with it and starts again.
+            if part.link.up and reason != _WORKER_DIED:
+                self._fail(part.link, now, f"a transfer failed: {reason}")
+        return self._take()
+
+    def transport_refused(self, name: str, reason: str, now: float) -> list[Out]:
+        """The worker refused the descriptor it knows as ``name``: its sessions go down."""
+        for link in list(self.links.values()):
+            if link.worker_name == name and link.state != "down":
+                self._fail(link, now, f"the peer worker refused its descriptor: {reason}")
+        return self._take()
+
+    def worker_restarted(self, now: float) -> list[Out]:
+        """Our worker was restarted (a new descriptor, no peers): every session starts again
+        now."""
+        for link in list(self.links.values()):
+            if link.state != "down":
+                self._fail(link, now, "our peer worker restarted")
+            link.retry_at = now
+        return self._take()
+
+    # -- what the engine thread reads ----------------------------------------------------------
+
+    def peers_up(self) -> list[str]:
+        """The peers whose session is up now, sorted (a snapshot; any thread)."""
+        return sorted(a for a, link in list(self.links.items()) if link.up)
+
+    def can_push(self) -> bool:
+        """True when some peer's session is up with free quota (a snapshot; any thread)."""
+        return any(link.up and link.free_quota > 0 for link in list(self.links.values()))
 
     def label(self, peer: str) -> str:
-        """The ``peer`` label value of ``peer`` in metrics."""
+        """The ``peer`` label value of ``peer`` in metrics (given when its link is made)."""
         label = self._labels.get(peer)
         if label is None:
             # bounded cardinality: the first MAX_PEER_LABELS peers by name, the rest as "other"
@@ -466,135 +461,212 @@ class PeerNode(threading.Thread):
         return label
 
     def stat(self, peer: str, what: str, n: float = 1) -> None:
-        """Add ``n`` to a per-peer statistic (node thread)."""
+        """Add ``n`` to a per-peer statistic."""
         k = (self.label(peer), what)
         self.peer_stats[k] = self.peer_stats.get(k, 0) + n
 
-    # -- engine thread side ------------------------------------------------------------------------
+    # -- sessions -------------------------------------------------------------------------------
 
-    def submit(self, cmd: Command) -> None:
-        """Queue a command for the node thread (engine thread; never blocks)."""
-        self.commands.append(cmd)
-        self._wake()
+    def _take(self) -> list[Out]:
+        out, self._out = self._out, []
+        return out
 
-    def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"\0")
-        except BlockingIOError:
-            pass  # the pipe is full of wake-ups already
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """Stop the thread and close its sockets (engine thread)."""
-        self._stopping = True
-        self._wake()
-        if self.is_alive():
-            self.join(timeout_s)
-
-    # -- the thread --------------------------------------------------------------------------------
-
-    def run(self) -> None:
-        """Serve until :meth:`stop`."""
-        try:
-            self._loop()
-        except BaseException as e:  # the tier reports it; peers see us go silent
-            self.error = e
-            log.exception("p2p: the node thread stopped on an error")
-        finally:
-            for link in list(self.links.values()):
-                link.close_socket()
-            if self.locations is not None:
-                self.locations.close()
-            self.router.close(linger=0)
-            os.close(self._wake_r)
-            os.close(self._wake_w)
-
-    def _loop(self) -> None:
-        poller = self.poller
-        while not self._stopping:
-            fd = self._worker_fileno()
-            if fd != self._worker_fd:
-                if self._worker_fd is not None:
-                    poller.unregister(self._worker_fd)
-                if fd is not None:
-                    poller.register(fd, zmq.POLLIN)
-                self._worker_fd = fd
-            events = dict(poller.poll(self._timeout_ms()))
-            now = time.monotonic()
-            if self._wake_r in events:
-                try:
-                    while os.read(self._wake_r, 4096):
-                        pass
-                except BlockingIOError:
-                    pass
-            if self.locations is not None:
-                self.locations.poll()
-            self._commands(now)
-            if self.router in events:
-                self._serve(now)
-            for s, link in list(self.sock_links.items()):
-                if s in events:
-                    self._drain_link(s, link, now)
-            self._worker_events(now)
-            self._tick(now)
-
-    def _drain_link(self, s: zmq.Socket, link: PeerLink, now: float) -> None:
-        for _ in range(1000):
-            try:
-                frame = s.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            link.on_frame(frame, now)
-            if link.sock is not s:  # the link failed and closed this socket
-                return
-
-    def _worker_fileno(self) -> int | None:
-        try:
-            return self.worker.fileno()
-        except Exception:
-            return None
-
-    def _timeout_ms(self) -> int:
-        # timers are coarse (heartbeats, deadlines): 20 ms granularity is plenty
-        return 20
-
-    def _commands(self, now: float) -> None:
-        cmds = self.commands
-        batches: dict[str, list[_Probe]] = {}
-        while cmds:
-            cmd = cmds.popleft()
-            match cmd:
-                case Probe():
-                    peers = cmd.head
-                    if cmd.tail is not None:
-                        where = self.locations.where if self.locations is not None else None
-                        located = where(cmd.key) if where is not None else ()
-                        peers = tuple(dict.fromkeys((*cmd.head, *located, *cmd.tail)))
-                    self._probe_next(_Probe(cmd.key, peers, now), batches, now)
-                case Load():
-                    self._start_load(
-                        cmd.job_id, cmd.peer, cmd.keys, cmd.slots, cmd.kv_request_id, now
-                    )
-                case Push():
-                    self._start_push(cmd.job_id, cmd.keys, cmd.slots, now)
-                case Connect():
-                    self.link(cmd.peer, now)
-        self._send_probes(batches, now)
-
-    def _send_probes(self, batches: dict[str, list[_Probe]], now: float) -> None:
-        for addr, probes in batches.items():
-            link = self.links[addr]
-            for i in range(0, len(probes), pm.MAX_KEYS):
-                batch = probes[i : i + pm.MAX_KEYS]
-                keys = [p.key for p in batch]
-                link.request(pm.Lookup(req=0, keys=keys), "lookup", batch, now)
-
-    def link(self, addr: str, now: float) -> PeerLink:
+    def _link(self, addr: str, now: float) -> PeerLink:
         """The link to ``addr``, opened on first use."""
         link = self.links.get(addr)
         if link is None:
-            link = self.links[addr] = PeerLink(self, addr)
-            link.connect(now)
+            link = PeerLink(addr, self.label(addr))
+            self.links[addr] = link
+            self._connect(link, now)
         return link
+
+    def _connect(self, link: PeerLink, now: float) -> None:
+        """Open a fresh socket and say Hello (the previous socket, if any, is closed)."""
+        if self.transfers.descriptor is None:
+            link.retry_at = now + DESCRIPTOR_WAIT_S  # our worker has not said hello yet
+            return
+        link.connects += 1
+        routing_id = self.incarnation + link.connects.to_bytes(4, "little")
+        self._out.append(Open(link.addr, link.host, link.port, routing_id))
+        link.nonce = self._random(pm.NONCE_BYTES)
+        link.state = "hello"
+        link.since = now
+        link.last_heard = now
+        self._send_now(
+            link,
+            pm.Hello(
+                version=pm.PROTOCOL_VERSION,
+                incarnation=self.incarnation,
+                advertise=self.advertise,
+                namespace_id=self.namespace_id,
+                nonce=link.nonce,
+            ),
+        )
+
+    def _send_now(self, link: PeerLink, msg: pm.PeerMessage) -> None:
+        if link.state != "down":  # a socket is open
+            self._out.append(Send(link.addr, pm.encode(msg)))
+
+    def _send(self, link: PeerLink, msg: pm.PeerMessage) -> None:
+        """Send now when up, else once the handshake ends (or never, when it fails)."""
+        if link.state == "up":
+            self._send_now(link, msg)
+        else:
+            link.queued.append(msg)
+
+    def _request(self, link: PeerLink, msg: Any, kind: str, ctx: Any, now: float) -> None:
+        """Send a request with a ``req`` field and remember what its answer is for."""
+        self.next_req += 1
+        msg.req = self.next_req
+        link.pending[msg.req] = _Pending(kind, ctx, now + self.peer_timeout_s)
+        self._send(link, msg)
+
+    def _mac_parts(
+        self, link: PeerLink, server_incarnation: bytes, server_nonce: bytes
+    ) -> tuple[bytes, ...]:
+        return (
+            link.nonce,
+            server_nonce,
+            self.incarnation,
+            server_incarnation,
+            self.namespace_id.encode(),
+        )
+
+    def _on_frame(self, link: PeerLink, frame: bytes, now: float) -> None:
+        try:
+            msg = pm.decode(frame)
+        except pm.BadMessage as e:
+            self.count("malformed_replies")
+            log.warning("p2p: malformed message from peer %s: %s", link.addr, e)
+            return
+        link.last_heard = now
+        if link.state == "hello":
+            if not isinstance(msg, pm.Challenge):
+                self._fail(link, now, f"answered Hello with {type(msg).__name__}")
+                return
+            parts = self._mac_parts(link, msg.incarnation, msg.nonce)
+            expect = pm.mac(self.secret, "server", *parts)
+            if self.secret and not pm.mac_ok(expect, msg.mac):
+                self.count("refused_bad_mac")
+                self._fail(link, now, "its Challenge does not prove the shared secret")
+                return
+            if link.peer_incarnation and link.peer_incarnation != msg.incarnation:
+                self._peer_restarted(link)  # a new instance at that address: forget the old one
+            link.peer_incarnation = msg.incarnation
+            mine = pm.mac(self.secret, "client", *parts)
+            link.state = "auth"
+            self._send_now(link, pm.Auth(mac=mine, descriptor=self.transfers.descriptor or b""))
+            return
+        if link.state == "auth":
+            if isinstance(msg, pm.Welcome):
+                try:
+                    link.worker_name = self.transfers.acquire_peer(msg.descriptor)
+                except Exception as e:  # a descriptor our transport cannot use
+                    self._fail(link, now, f"its transport descriptor is unusable: {e}")
+                    return
+                link.state = "up"
+                link.backoff = 0.0
+                self._out.append(Trusted(link.addr))  # it serves our namespace
+                link.free_quota = msg.quota_chunks
+                link.next_heartbeat = now + self.heartbeat_s
+                log.info("p2p: peer %s is up", link.addr)
+                queued, link.queued = link.queued, []
+                for q in queued:
+                    self._send_now(link, q)
+                return
+            reason = msg.reason if isinstance(msg, pm.Refused) else type(msg).__name__
+            if reason == "not_ready":  # its peer worker is still starting: try again soon
+                self._fail(link, now, "its peer worker is starting", retry_s=BACKOFF_NOT_READY_S)
+            else:
+                self._fail(link, now, f"refused the session: {reason}")
+            return
+        # up
+        if isinstance(msg, pm.HeartbeatAck):
+            link.free_quota = msg.free_quota
+            return
+        if isinstance(msg, pm.Heartbeat):
+            link.free_quota = msg.free_quota
+            ack = pm.HeartbeatAck(seq=msg.seq, free_quota=self.server_free_quota())
+            self._send_now(link, ack)
+            return
+        if isinstance(msg, pm.Pulled):
+            self._on_pulled(link, msg)
+            return
+        if isinstance(msg, pm.Refused):
+            self.count("refused_by_peer")
+            log.warning("p2p: peer %s refused a message: %s", link.addr, msg.reason)
+            self._fail(link, now, f"refused: {msg.reason}")
+            return
+        req = getattr(msg, "req", None)
+        p = link.pending.pop(req, None) if req is not None else None
+        if p is None:
+            self.count("unknown_replies")
+            return
+        self._on_reply(link, p, msg, now)
+
+    def _tick_link(self, link: PeerLink, now: float) -> None:
+        """A link's timers: reconnect, handshake deadline, heartbeats, silence, request
+        deadlines."""
+        if link.state == "down":
+            if now >= link.retry_at:
+                self._connect(link, now)
+            return
+        if link.state != "up":
+            if now - link.since > self.peer_timeout_s:
+                self._fail(link, now, "the handshake did not finish in time")
+            return
+        if now - link.last_heard > self.peer_timeout_s:
+            self._fail(link, now, f"silent for {now - link.last_heard:.1f} s")
+            return
+        if now >= link.next_heartbeat:
+            link.next_heartbeat = now + self.heartbeat_s
+            self.heartbeat_seq += 1
+            hb = pm.Heartbeat(seq=self.heartbeat_seq, free_quota=self.server_free_quota())
+            self._send_now(link, hb)
+        expired = [r for r, p in link.pending.items() if p.deadline <= now]
+        for r in expired:
+            self._on_unanswered(link, link.pending.pop(r), now)
+
+    def _fail(self, link: PeerLink, now: float, why: str, retry_s: float | None = None) -> None:
+        """The peer is down: fail everything outstanding, tell the engine, reconnect later
+        (after ``retry_s``, or with the link's backoff)."""
+        if retry_s is None:
+            log.warning("p2p: peer %s is down: %s", link.addr, why)
+            link.backoff = min(BACKOFF_MAX_S, max(BACKOFF_MIN_S, link.backoff * 2))
+            retry_s = link.backoff
+        else:
+            log.info("p2p: peer %s: %s", link.addr, why)
+        self.count("peer_down")
+        link.state = "down"
+        self._out.append(Close(link.addr))
+        link.retry_at = now + retry_s
+        pending, link.pending = link.pending, {}
+        for p in pending.values():
+            self._on_unanswered(link, p, now)
+        waiting, link.waiting_loads = link.waiting_loads, deque()
+        for part in waiting:
+            self._load_done(part, [], "peer_down", now)
+        link.queued = []
+        self._link_down(link)
+
+    def _link_down(self, link: PeerLink) -> None:
+        """``link``'s peer is down: cancel its transfers, tell the engine. (Pushes to it keep
+        their pins until their deadline: the receiver's reads may still run.)"""
+        if link.worker_name:
+            name, link.worker_name = link.worker_name, ""
+            try:
+                self.transfers.release_peer(name)  # its transfers settle failed
+            except Exception:
+                log.exception("p2p: removing peer %s from the worker failed", link.addr)
+        self.results.append(PeerDown(link.addr))
+
+    def _peer_restarted(self, link: PeerLink) -> None:
+        """``link``'s address answers with a new incarnation: drop what we knew of the old one."""
+        self.count("peer_restarts")
+        self._out.append(Restarted(link.addr))
+        self.results.append(PeerDown(link.addr))
+
+    # -- lookups --------------------------------------------------------------------------------
 
     def _probe_next(self, probe: _Probe, batches: dict[str, list[_Probe]], now: float) -> None:
         """Ask the probe's next peer that is not down; none left: the key is nowhere."""
@@ -602,7 +674,7 @@ class PeerNode(threading.Thread):
         while probe.idx < len(peers):
             addr = peers[probe.idx]
             probe.idx += 1
-            link = self.link(addr, now)
+            link = self._link(addr, now)
             if link.state == "down":
                 continue
             probe.since = now
@@ -610,74 +682,23 @@ class PeerNode(threading.Thread):
             return
         self.results.append(Verdict(probe.key, None))
 
-    # -- serving role ---------------------------------------------------------------------------
+    def _send_probes(self, batches: dict[str, list[_Probe]], now: float) -> None:
+        for addr, probes in batches.items():
+            link = self.links[addr]
+            for i in range(0, len(probes), pm.MAX_KEYS):
+                batch = probes[i : i + pm.MAX_KEYS]
+                keys = [p.key for p in batch]
+                self._request(link, pm.Lookup(req=0, keys=keys), "lookup", batch, now)
 
-    def _serve(self, now: float) -> None:
-        router = self.router
-        server = self.server
-        for _ in range(1000):
-            try:
-                parts = router.recv_multipart(zmq.NOBLOCK, copy=True)
-            except zmq.Again:
-                return
-            if len(parts) != 2:
-                self.count("refused_malformed")
-                continue
-            ident, frame = parts
-            if server is None:
-                continue
-            for to, out in server.handle(ident, frame, now):
-                self._route(to, out)
+    # -- replies --------------------------------------------------------------------------------
 
-    def _route(self, ident: bytes, frame: bytes) -> None:
-        try:
-            self.router.send_multipart([ident, frame], zmq.NOBLOCK)
-        except zmq.ZMQError:
-            self.count("unsent_replies")
-
-    def pull(self, ident: bytes, descriptor: bytes, lease: int, pairs: list[tuple[int, int]]):
-        """The serving role admitted an offer: read the pusher's leased slots into ours."""
-        try:
-            name = self.acquire_peer(descriptor)
-        except Exception as e:
-            log.warning("p2p: cannot pull an offer from a peer: %s", e)
-            raise  # the server frees the admitted slots and answers the offer as not accepted
-        tid = self.worker.read(name, pairs, self.transfer_deadline_s)
-        self.pulls[tid] = (ident, lease, len(pairs), name)
-
-    def acquire_peer(self, descriptor: bytes) -> str:
-        """The worker's name for the instance behind ``descriptor``, added on first use. One name
-        per remote agent, counted: a link and pulls from the same instance share it.
-
-        Raises:
-            TransportError, ValueError: a descriptor the worker cannot use.
-        """
-        name = "peer#" + hashlib.blake2b(descriptor, digest_size=8).hexdigest()
-        n = self._agents.get(name, 0)
-        if n == 0:
-            self.worker.add_peer(name, descriptor)
-        self._agents[name] = n + 1
-        return name
-
-    def release_peer(self, name: str) -> None:
-        """One user of ``name`` is done; the last removes it from the worker (its transfers
-        settle failed)."""
-        n = self._agents.get(name, 0)
-        if n <= 1:
-            if self._agents.pop(name, None) is not None:
-                self.worker.remove_peer(name)
-        else:
-            self._agents[name] = n - 1
-
-    # -- client role: replies -------------------------------------------------------------------
-
-    def on_reply(self, link: PeerLink, p: _Pending, msg: Any, now: float) -> None:
+    def _on_reply(self, link: PeerLink, p: _Pending, msg: Any, now: float) -> None:
         """A reply to one of ``link``'s requests."""
         if p.kind == "lookup" and isinstance(msg, pm.LookupReply):
             probes: list[_Probe] = p.ctx
             if len(msg.states) != len(probes):
                 self.count("malformed_replies")
-                self.on_unanswered(link, p, now)
+                self._on_unanswered(link, p, now)
                 return
             self.stat(link.addr, "lookup_chunks", len(probes))
             batches: dict[str, list[_Probe]] = {}
@@ -701,7 +722,7 @@ class PeerNode(threading.Thread):
             part: _Load = p.ctx
             if len(msg.slots) != len(part.keys):
                 self.count("malformed_replies")
-                self._load_done(part, [], "bad_reply")
+                self._load_done(part, [], "bad_reply", now)
                 return
             part.lease = msg.lease
             pairs = []
@@ -716,14 +737,14 @@ class PeerNode(threading.Thread):
             part.refused = refused
             if not pairs:
                 self._release(part)
-                self._load_done(part, [], refused)
+                self._load_done(part, [], refused, now)
                 return
             part.ok = keys
-            part.tid = self.worker.read(link.worker_name, pairs, self.transfer_deadline_s)
+            part.tid = self.transfers.read(link.worker_name, pairs, self.transfer_deadline_s)
             self.loads[part.tid] = part
             return
         if p.kind == "offer" and isinstance(msg, pm.OfferReply):
-            job_id, keys, slots = p.ctx
+            job_id, keys, _slots = p.ctx
             if len(msg.accepted) != len(keys) or not any(msg.accepted):
                 reason = "bad_reply" if len(msg.accepted) != len(keys) else "refused"
                 self.pushes.pop(job_id, None)
@@ -733,9 +754,9 @@ class PeerNode(threading.Thread):
             self.pushes[job_id] = (link, keys, now + self.lease_ttl_s)
             return
         self.count("malformed_replies")
-        self.on_unanswered(link, p, now)
+        self._on_unanswered(link, p, now)
 
-    def on_unanswered(self, link: PeerLink, p: _Pending, now: float) -> None:
+    def _on_unanswered(self, link: PeerLink, p: _Pending, now: float) -> None:
         """A request of ``link`` got no (usable) answer: its peer is down or too slow."""
         if p.kind == "lookup":
             batches: dict[str, list[_Probe]] = {}
@@ -743,12 +764,12 @@ class PeerNode(threading.Thread):
                 self._probe_next(probe, batches, now)
             self._send_probes(batches, now)
         elif p.kind == "lease":
-            self._load_done(p.ctx, [], "peer_down" if link.state == "down" else "timeout")
+            self._load_done(p.ctx, [], "peer_down" if link.state == "down" else "timeout", now)
         elif p.kind == "offer":
             job_id, keys, _slots = p.ctx
             self.results.append(PushDone(job_id, None, [], dict.fromkeys(keys, "timeout")))
 
-    def on_pulled(self, link: PeerLink, msg: pm.Pulled, now: float) -> None:
+    def _on_pulled(self, link: PeerLink, msg: pm.Pulled) -> None:
         """The receiver of our offer has read it: the push job ends."""
         push = self.pushes.pop(msg.lease, None)
         if push is None or push[0] is not link:
@@ -762,21 +783,20 @@ class PeerNode(threading.Thread):
         ok = [k for k, b in zip(keys, msg.ok) if b]
         failed = {k: "refused" for k, b in zip(keys, msg.ok) if not b}
         self.stat(link.addr, "push_chunks", len(ok))
-        self.stat(link.addr, "push_bytes", len(ok) * self.worker.row_bytes)
+        self.stat(link.addr, "push_bytes", len(ok) * self.transfers.row_bytes)
         self.results.append(PushDone(msg.lease, link.addr, ok, failed))
 
-    # -- client role: jobs ----------------------------------------------------------------------
+    # -- loads and pushes -----------------------------------------------------------------------
 
-    def _start_load(
-        self, job_id: int, addr: str, keys: list[bytes], slots: list[int], kvr: str, now: float
-    ) -> None:
-        link = self.link(addr, now)
+    def _start_load(self, cmd: Load, now: float) -> None:
+        keys, slots = cmd.keys, cmd.slots
+        link = self._link(cmd.peer, now)
         n = LEASE_CHUNKS
-        group = _LoadGroup(job_id, (len(keys) + n - 1) // n)
+        group = _LoadGroup(cmd.job_id, (len(keys) + n - 1) // n, now)
         for i in range(0, len(keys), n):
-            part = _Load(group, keys[i : i + n], slots[i : i + n], kvr, link)
+            part = _Load(group, keys[i : i + n], slots[i : i + n], cmd.kv_request_id, link, now)
             if link.state == "down":
-                self._load_done(part, [], "peer_down")
+                self._load_done(part, [], "peer_down", now)
             elif (
                 link.inflight_chunks + len(part.keys) > MAX_INFLIGHT_CHUNKS and link.inflight_chunks
             ):
@@ -788,21 +808,19 @@ class PeerNode(threading.Thread):
         part.sent = True
         part.link.inflight_chunks += len(part.keys)
         part.t0 = now
-        part.link.request(
-            pm.Lease(
-                req=0, keys=part.keys, ttl_s=self.lease_ttl_s, kv_request_id=part.kv_request_id
-            ),
-            "lease",
-            part,
-            now,
+        lease = pm.Lease(
+            req=0, keys=part.keys, ttl_s=self.lease_ttl_s, kv_request_id=part.kv_request_id
         )
+        self._request(part.link, lease, "lease", part, now)
 
     def _release(self, part: _Load) -> None:
         if part.lease >= 0 and part.link.state == "up":
-            part.link.send(pm.Release(lease=part.lease))
+            self._send(part.link, pm.Release(lease=part.lease))
         part.lease = -1
 
-    def _load_done(self, part: _Load, ok: list[bytes], failed: str | dict[bytes, str]) -> None:
+    def _load_done(
+        self, part: _Load, ok: list[bytes], failed: str | dict[bytes, str], now: float
+    ) -> None:
         """A part ended: ``ok`` its keys now in host slots; every other key failed, with the
         reason ``failed`` names for it (one reason for all, or per key)."""
         ok_set = set(ok)
@@ -811,15 +829,14 @@ class PeerNode(threading.Thread):
         else:
             why = {k: failed.get(k, "transfer_failed") for k in part.keys if k not in ok_set}
         link = part.link
-        nbytes = len(ok) * self.worker.row_bytes
+        nbytes = len(ok) * self.transfers.row_bytes
         peer = link.addr
         self.stat(peer, "load_bytes", nbytes)
         self.stat(peer, "load_chunks", len(ok))
         if why:
             self.stat(peer, "load_failed_chunks", len(why))
-        now = time.monotonic()
         if ok:
-            self.latencies.append((self.label(peer), now - part.t0))
+            self.latencies.append((link.label, now - part.t0))
         group = part.group
         group.ok.extend(ok)
         group.failed.update(why)
@@ -852,103 +869,5 @@ class PeerNode(threading.Thread):
             self.results.append(PushDone(job_id, None, [], dict.fromkeys(keys, "no_peer")))
             return
         best.free_quota -= len(keys)
-        best.request(
-            pm.Offer(req=0, keys=keys, lease=job_id, slots=slots),
-            "offer",
-            (job_id, keys, slots),
-            now,
-        )
-
-    # -- worker -------------------------------------------------------------------------------
-
-    def _worker_events(self, now: float) -> None:
-        worker = self.worker
-        results = worker.poll()
-        for name, err in worker.take_peer_errors():
-            for link in list(self.links.values()):
-                if link.worker_name == name and link.state != "down":
-                    link.fail(now, f"the peer worker refused its descriptor: {err}")
-        if not worker.alive and now >= self._restart_at:
-            # Our worker died (its transfers were reported failed above, after it exited): start
-            # a new one; its descriptor is new, so every session starts again (peers learn it).
-            self.count("worker_restarts")
-            log.warning("p2p: the peer worker died; restarting it")
-            self._restart_at = now + 1.0
-            worker.restart()
-            self._agents.clear()  # the new worker knows no peer
-            for link in list(self.links.values()):
-                if link.state != "down":
-                    link.fail(now, "our peer worker restarted")
-                link.retry_at = now
-            if self.server is not None:
-                self.server.close()  # peers hold our old descriptor: their sessions start again
-        self._settled(results, now)
-
-    def _settled(self, results: list, now: float) -> None:
-        for tid, state, reason in results:
-            done = state.name == "DONE"
-            part = self.loads.pop(tid, None)
-            if part is not None:
-                self._release(part)
-                if done:
-                    self._load_done(part, part.ok, part.refused)
-                else:
-                    self.count("transfer_failures")
-                    self._load_done(part, [], reason or "transfer_failed")
-                    # The transport marks a peer down on any failed transfer (its connection
-                    # state is unknown): the session goes down with it and starts again.
-                    if part.link.up and reason != "worker_died":
-                        part.link.fail(now, f"a transfer failed: {reason}")
-                continue
-            pull = self.pulls.pop(tid, None)
-            if pull is not None and self.server is not None:
-                ident, lease, n, name = pull
-                self.release_peer(name)
-                for to, out in self.server.pull_settled(ident, lease, [done] * n):
-                    self._route(to, out)
-
-    # -- timers -------------------------------------------------------------------------------
-
-    def _tick(self, now: float) -> None:
-        if self.later:
-            due = [p for t, p in self.later if t <= now]
-            if due:
-                self.later = [(t, p) for t, p in self.later if t > now]
-                batches: dict[str, list[_Probe]] = {}
-                for probe in due:
-                    self._probe_next(probe, batches, now)
-                self._send_probes(batches, now)
-        for link in list(self.links.values()):
-            link.tick(now)
-        for job_id, (_link, keys, deadline) in list(self.pushes.items()):
-            if deadline <= now:
-                # The receiver never said it pulled: its reads (deadline far shorter than this)
-                # are over, so the slots can go back.
-                del self.pushes[job_id]
-                self.results.append(PushDone(job_id, None, [], dict.fromkeys(keys, "timeout")))
-        if self.server is not None:
-            for to, out in self.server.tick(now):
-                self._route(to, out)
-            if now >= self._counters_at:
-                self._counters_at = now + 0.25
-                self.server_counters = self.server.counters
-
-    # -- liveness -----------------------------------------------------------------------------
-
-    def link_down(self, link: PeerLink, now: float) -> None:
-        """``link``'s peer is down: cancel its transfers, fail its pushes, tell the engine."""
-        if link.worker_name:
-            name, link.worker_name = link.worker_name, ""
-            try:
-                self.release_peer(name)  # its transfers settle failed
-            except Exception:
-                log.exception("p2p: removing peer %s from the worker failed", link.addr)
-        # Pushes to it keep their pins until their deadline: the receiver's reads may still run.
-        self.results.append(PeerDown(link.addr))
-
-    def peer_restarted(self, link: PeerLink) -> None:
-        """``link``'s address answers with a new incarnation: drop what we knew of the old one."""
-        self.count("peer_restarts")
-        if self.locations is not None:
-            self.locations.drop_peer(link.addr)
-        self.results.append(PeerDown(link.addr))
+        offer = pm.Offer(req=0, keys=keys, lease=job_id, slots=slots)
+        self._request(best, offer, "offer", (job_id, keys, slots), now)

@@ -42,7 +42,6 @@ from typing_extensions import override
 from kvoffload.config import ConfigError
 from kvoffload.metrics import Counter, Gauge, Histogram, MetricSet
 from kvoffload.tiers.base import JobMetadata, JobResult, LookupResult, SecondaryTierManager
-from kvoffload.tiers.p2p.client import PeerNode
 from kvoffload.tiers.p2p.commands import (
     Connect,
     Fetched,
@@ -56,6 +55,7 @@ from kvoffload.tiers.p2p.commands import (
 )
 from kvoffload.tiers.p2p.config import P2PTierConfig
 from kvoffload.tiers.p2p.locations import PeerLocations
+from kvoffload.tiers.p2p.node import PeerNode
 from kvoffload.tiers.p2p.routing import Route, parse_route
 
 log = logging.getLogger("kvoffload.p2p")
@@ -347,10 +347,8 @@ class P2PTier(SecondaryTierManager):
                 return False
         elif push != "always":
             return False
-        node = self._node  # a snapshot of the links: list() copies the dict atomically
-        return node is not None and any(
-            link.up and link.free_quota > 0 for link in list(node.links.values())
-        )
+        node = self._node
+        return node is not None and node.client.can_push()
 
     @override
     def submit_store(self, job: JobMetadata) -> None:
@@ -563,17 +561,18 @@ class P2PTier(SecondaryTierManager):
         if node is None:
             return
         name = self.name
-        stats = dict(node.peer_stats)
+        client = node.client
+        stats = dict(client.peer_stats)
         for stat, metric, labels in self._STATS:
             for (peer, what), v in stats.items():
                 if what == stat:
                     metrics.set_total(metric, v, name, peer, *labels)
-        lat = node.latencies
+        lat = client.latencies
         while lat:
             peer, secs = lat.popleft()
             metrics.observe("kvoffload_p2p_load_latency_seconds", secs, name, peer)
-        for addr, link in list(node.links.items()):
-            metrics.set("kvoffload_p2p_peer_up", 1 if link.up else 0, name, node.label(addr))
+        for link in list(client.links.values()):
+            metrics.set("kvoffload_p2p_peer_up", 1 if link.up else 0, name, link.label)
         running = node.worker.kind
         for kind in ("nixl", "tcp"):
             metrics.set("kvoffload_p2p_transport", 1 if kind == running else 0, name, kind)
@@ -594,7 +593,7 @@ class P2PTier(SecondaryTierManager):
         node = self._node
         if node is None:
             return []
-        return sorted(a for a, link in list(node.links.items()) if link.up)
+        return node.client.peers_up()
 
     @override
     def shutdown(self) -> None:

@@ -557,6 +557,24 @@ def test_keys_a_peer_will_not_lease_fail_alone_and_the_lease_is_released(rig):
     assert h.last(HOSTILE, pm.Release) == pm.Release(5)
 
 
+def test_a_lease_reply_naming_slots_beyond_the_peers_arena_fails_the_part_not_the_node(rig):
+    """The worker refuses to READ a slot the peer's arena does not have (ValueError, nothing
+    sent): the part fails as a bad reply and its lease is released; before, the error escaped
+    the client role and ended the node thread (every later lookup and job of the tier hung)."""
+    h = Harness(rig)
+    h.up(HOSTILE, desc=descriptor(8, "small"))
+    keys = keys_for(2, seed=30)
+    h.command(Load(5, HOSTILE, keys, [0, 1], ""))
+    lease = h.last(HOSTILE, pm.Lease)
+    h.deliver(HOSTILE, pm.LeaseReply(lease.req, 4, [3, 8]))  # slot 8: past its 8 slots
+    (done,) = h.results_of(LoadDone)
+    assert done.ok == [] and done.failed == dict.fromkeys(keys, "bad_reply")
+    assert h.last(HOSTILE, pm.Release) == pm.Release(4)
+    assert h.worker.inflight == {} and h.counts["malformed_replies"] == 1
+    link = h.link(HOSTILE)
+    assert link.up and link.inflight_chunks == 0 and not link.pending
+
+
 def test_a_failed_transfer_fails_its_part_and_takes_the_session_down(rig):
     h = Harness(rig)
     h.up(HOSTILE)

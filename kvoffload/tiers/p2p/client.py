@@ -740,7 +740,14 @@ class PeerClient:
                 self._load_done(part, [], refused, now)
                 return
             part.ok = keys
-            part.tid = self.transfers.read(link.worker_name, pairs, self.transfer_deadline_s)
+            try:
+                part.tid = self.transfers.read(link.worker_name, pairs, self.transfer_deadline_s)
+            except ValueError as e:  # e.g. a slot outside the peer's arena: nothing was sent
+                self.count("malformed_replies")
+                log.warning("p2p: peer %s leased slots that cannot be read: %s", link.addr, e)
+                self._release(part)
+                self._load_done(part, [], "bad_reply", now)
+                return
             self.loads[part.tid] = part
             return
         if p.kind == "offer" and isinstance(msg, pm.OfferReply):

@@ -630,6 +630,23 @@ def test_a_push_goes_to_the_peer_with_the_most_free_quota_and_ends_when_it_pulle
     assert h.results_of(PushDone)[-1] == PushDone(12, None, [], dict.fromkeys(keys, "no_peer"))
 
 
+def test_a_pulled_naming_another_peers_push_neither_ends_nor_loses_it(rig):
+    """Push job ids are small integers any peer can guess. A Pulled for a push offered to
+    another peer is counted and dropped; the push still ends when its own receiver pulled it.
+    Before, the push was forgotten: its job never ended and its host slots stayed pinned."""
+    h = Harness(rig)
+    h.add_honest(HONEST, quota_chunks=4)
+    h.command(Connect(HONEST))
+    h.up(HOSTILE, quota=1)
+    keys = keys_for(2, seed=31)
+    h.command(Push(21, keys, [3, 4]))  # to the honest peer: the most free quota
+    assert h.last(HONEST, pm.Offer) is not None
+    h.deliver(HOSTILE, pm.Pulled(21, b"\1\1"))
+    assert h.results_of(PushDone) == [] and h.counts["unknown_replies"] == 1
+    h.settle_pulls()
+    assert h.results_of(PushDone) == [PushDone(21, HONEST, keys, {})]
+
+
 def test_an_offer_never_pulled_ends_at_the_lease_ttl(rig):
     h = Harness(rig)
     h.up(HOSTILE, quota=5)

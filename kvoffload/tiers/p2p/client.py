@@ -778,10 +778,11 @@ class PeerClient:
 
     def _on_pulled(self, link: PeerLink, msg: pm.Pulled) -> None:
         """The receiver of our offer has read it: the push job ends."""
-        push = self.pushes.pop(msg.lease, None)
-        if push is None or push[0] is not link:
+        push = self.pushes.get(msg.lease)
+        if push is None or push[0] is not link:  # not an offer to this peer: it stays
             self.count("unknown_replies")
             return
+        del self.pushes[msg.lease]
         _, keys, _ = push
         if len(msg.ok) != len(keys):
             self.count("malformed_replies")

@@ -1,6 +1,7 @@
 """The p2p tier's client role (kvoffload.tiers.p2p.client.PeerClient) without sockets: its handshake,
 lookups, lease/load parts and offers against a real serving role (PeerServer over a real
-TieringManager and arena), and every message type at every handshake state.
+TieringManager and arena), every message type at every handshake state, and a hypothesis fuzz of a
+hostile peer (malformed, reordered, replayed and duplicated messages) beside an honest one.
 
 The client is socket-free: frames go in as bytes, and what it asks its node to do comes back as
 Open / Send / Close / Trusted / Restarted, which :class:`Harness` applies as the node thread would
@@ -19,6 +20,8 @@ from collections import Counter, defaultdict
 import numpy as np
 import pytest
 from helpers import Rig, keys_for, payload
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvoffload.ipc import peer_messages as pm
 from kvoffload.tiers.p2p.client import (
@@ -658,3 +661,304 @@ def test_an_offer_never_pulled_ends_at_the_lease_ttl(rig):
         h.deliver(HOSTILE, pm.Heartbeat(1, 5))
         h.tick(0.25)
     assert h.results_of(PushDone) == [PushDone(13, None, [], dict.fromkeys(keys, "timeout"))]
+
+
+# -- fuzz ---------------------------------------------------------------------------------------
+
+_HELD = keys_for(8, seed=20)  # the honest instance holds these
+_OTHER = keys_for(8, seed=21)
+_PUSHED = keys_for(6, seed=22)
+_ANY_KEY = st.sampled_from(_HELD + _OTHER)
+_id = st.integers(0, 40)
+_slot = st.integers(-3, 70)
+_desc = st.sampled_from([descriptor(64, "hostile"), descriptor(4, "tiny"), b"junk", b""])
+_bytes = st.binary(max_size=12)
+_message = st.one_of(  # every message type, well-formed, with hostile values
+    st.builds(
+        pm.Hello,
+        st.integers(0, 2),
+        st.just(b"X" * 16),
+        st.just("h:1"),
+        st.text(max_size=4),
+        st.just(b"n" * 32),
+    ),
+    st.builds(
+        pm.Challenge,
+        st.sampled_from([b"X" * 16, b"Y" * 16]),
+        st.just(b"n" * 32),
+        st.binary(min_size=32, max_size=32),
+    ),
+    st.builds(pm.Auth, st.binary(min_size=32, max_size=32), _desc),
+    st.builds(pm.Welcome, _desc, st.floats(0, 10), st.integers(0, 1 << 40)),
+    st.builds(pm.Refused, st.sampled_from(["not_ready", "busy", "x"])),
+    st.builds(pm.Lookup, _id, st.lists(_ANY_KEY, max_size=3)),
+    st.builds(pm.LookupReply, _id, _bytes),
+    st.builds(pm.Lease, _id, st.lists(_ANY_KEY, max_size=3), st.floats(0, 10)),
+    st.builds(pm.LeaseReply, _id, _id, st.lists(_slot, max_size=8)),
+    st.builds(pm.Release, _id),
+    st.builds(pm.Offer, _id, st.lists(_ANY_KEY, max_size=3), _id, st.lists(_slot, max_size=3)),
+    st.builds(pm.OfferReply, _id, _bytes),
+    st.builds(pm.Pulled, _id, _bytes),
+    st.builds(pm.Heartbeat, _id, st.integers(0, 1 << 40)),
+    st.builds(pm.HeartbeatAck, _id, st.integers(0, 1 << 40)),
+)
+_state_bytes = st.lists(st.sampled_from([pm.MISS, pm.READY, pm.PENDING, 7]), max_size=8)
+_load = st.tuples(
+    st.just("load"), st.booleans(), st.lists(st.integers(0, 7), min_size=1, max_size=5)
+)
+_answer = st.tuples(
+    st.just("answer"), st.integers(0, 30), st.tuples(_state_bytes, st.sampled_from([0, 0, 62, 999]))
+)
+_settle = st.tuples(st.just("settle"), st.integers(0, 30), st.booleans())
+_probe = st.tuples(st.just("probe"), st.integers(0, 15), st.integers(0, 4))
+_handshake = st.tuples(st.just("handshake"), _desc, st.integers(0, 6))
+
+
+def _weight(s: st.SearchStrategy, n: int) -> list[st.SearchStrategy]:
+    return [s.map(tuple) for _ in range(n)]  # distinct objects: one_of draws each branch alike
+
+
+_action = st.one_of(
+    # what a peer that knows the secret does, right or wrong (weighted up: they lead somewhere)
+    *_weight(_probe, 2),
+    *_weight(_load, 3),
+    *_weight(_answer, 4),
+    *_weight(_settle, 2),
+    *_weight(_handshake, 2),
+    st.tuples(st.just("push"), st.integers(1, 3), st.none()),
+    *_weight(st.tuples(st.just("pulls"), st.none(), st.none()), 2),
+    st.tuples(st.just("tick"), st.floats(0, 1.5), st.none()),
+    # and everything else, once each
+    st.tuples(st.just("challenge"), st.booleans(), st.booleans()),
+    st.tuples(st.just("welcome"), _desc, st.integers(0, 9)),
+    st.tuples(st.just("msg"), _message, st.none()),
+    st.tuples(st.just("reply"), st.integers(0, 30), st.tuples(_bytes, st.lists(_slot, max_size=8))),
+    st.tuples(st.just("pulled"), st.integers(0, 30), _bytes),
+    st.tuples(st.just("replay"), st.integers(0, 200), st.none()),
+    st.tuples(st.just("frame"), st.binary(max_size=48), st.none()),
+    st.tuples(st.just("mangle"), _message, st.integers(0, 40)),
+    st.tuples(st.just("restart"), st.none(), st.none()),
+    st.tuples(st.just("refuse"), st.none(), st.none()),
+)
+
+
+@pytest.fixture(scope="module")
+def fuzz_rig():
+    with Rig(num_slots=32) as r:
+        r.store(_HELD[:4])
+        r.store(_HELD[4:])
+        yield r
+
+
+def _check(h: Harness) -> None:
+    """What holds after every step: no error of its own, parts counted in flight exactly once,
+    every pending request due to expire, every load transfer known to the worker."""
+    c = h.client
+    assert h.counts["internal_errors"] == 0
+    for link in c.links.values():
+        sent = [p.ctx for p in link.pending.values() if p.kind == "lease"]
+        sent += [part for part in c.loads.values() if part.link is link]
+        assert link.inflight_chunks == sum(len(part.keys) for part in sent)
+        assert all(p.deadline <= h.now + PEER_TIMEOUT_S for p in link.pending.values())
+        if link.state == "down":
+            assert not link.pending and not link.waiting_loads and not link.queued
+    assert set(c.loads) <= set(h.worker.inflight)
+    assert h.rig.tm.pins_held() == refs_of(h.rig.tm)
+
+
+@settings(
+    max_examples=250,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(up=st.booleans(), actions=st.lists(_action, min_size=10, max_size=80))
+def test_a_hostile_peer_never_breaks_the_client_nor_an_honest_session_beside_it(
+    fuzz_rig, up, actions
+):
+    """A peer that knows the secret but sends anything (every message type, valid or not, at any
+    handshake state; answers right, wrong, late, twice, or to requests of the honest session;
+    frames replayed from either session) beside an honest peer: the client never raises, counts
+    every part in flight once, ends every job with exactly one result, and the honest session
+    neither goes down nor loses a verdict, a load or a lease release."""
+    h = Harness(fuzz_rig)
+    honest = h.add_honest(HONEST, quota_chunks=4)
+    try:
+        _fuzz(h, up, actions)
+    finally:  # nothing stays in the module's instance for the next run
+        for ident, _, lease, pairs in honest.pulls:
+            honest.server.pull_settled(ident, lease, [False] * len(pairs))
+        honest.server.tick(h.now + 10_000.0)
+        fuzz_rig.tm.host.remove(_PUSHED)
+    assert fuzz_rig.tm.pins_held() == refs_of(fuzz_rig.tm) == {}
+    assert fuzz_rig.tm.host.num_writing == 0
+    assert honest.server.counters["internal_errors"] == 0
+
+
+_ORDERS = [  # a probe's (head, tail): the honest peer first, the hostile one first, ...
+    ((HONEST,), None),
+    ((HOSTILE,), None),
+    ((), (HOSTILE, HONEST)),
+    ((), (HONEST, HOSTILE)),
+    ((HONEST,), (HOSTILE,)),
+]
+
+
+def _fuzz(h: Harness, up: bool, actions: list) -> None:
+    rig = h.rig
+    honest = h.honest[HONEST]
+    h.command(Connect(HONEST), Connect(HOSTILE))
+    if up:  # half the runs start with the hostile peer's session up (it knows the secret)
+        h.deliver(HOSTILE, h.challenge(HOSTILE))
+        h.deliver(HOSTILE, pm.Welcome(descriptor(64, "hostile"), HEARTBEAT_S, 5))
+    probes: Counter[bytes] = Counter()
+    honest_probes: list[bytes] = []  # keys the honest peer holds, asked of it first
+    loads: dict[int, tuple[str, list[bytes], list[int]]] = {}
+    pushes: list[int] = []
+    jobs = itertools.count(1)
+    slots = itertools.count()
+    seen: list[bytes] = []  # every frame the hostile peer sent, for replays
+    restarted = False
+
+    def hostile(msg_or_frame) -> None:
+        frame = msg_or_frame if isinstance(msg_or_frame, bytes) else pm.encode(msg_or_frame)
+        seen.append(frame)
+        h.deliver(HOSTILE, frame)
+
+    def step(dt: float) -> None:  # time passes; the honest worker's reads end as they do
+        h.tick(dt)
+        h.settle_honest()
+
+    for kind, a, b in actions:
+        if kind == "probe":
+            key = (_HELD + _OTHER)[a]
+            head, tail = _ORDERS[b]
+            probes[key] += 1
+            if key in _HELD and (head or tail or ("",))[0] == HONEST:
+                honest_probes.append(key)
+            h.command(Probe(key, head, tail))
+        elif kind == "load":
+            job = next(jobs)
+            peer = HONEST if a else HOSTILE
+            keys = list(dict.fromkeys((_HELD if a else _OTHER)[i] for i in b))
+            local = [next(slots) for _ in keys]
+            loads[job] = (peer, keys, local)
+            h.command(Load(job, peer, keys, local, "kvr" if a else ""))
+        elif kind == "push":
+            job = next(jobs)
+            pushes.append(job)
+            keys = _PUSHED[a : a + 3]
+            h.command(Push(job, keys, [next(slots) for _ in keys]))
+        elif kind == "handshake":  # the hostile peer knows the secret: its session comes up
+            link = h.link(HOSTILE)
+            while link.state == "down":
+                step(min(0.25, max(0.0, link.retry_at - h.now)))
+            if link.state == "hello":
+                hostile(h.challenge(HOSTILE))
+            if link.state == "auth":
+                hostile(pm.Welcome(a, HEARTBEAT_S, b))
+        elif kind == "challenge":
+            if h.last(HOSTILE, pm.Hello) is not None:
+                inc = b"Y" * 16 if b else b"X" * 16
+                hostile(h.challenge(HOSTILE, secret=SECRET if a else b"bad", incarnation=inc))
+        elif kind == "welcome":
+            hostile(pm.Welcome(a, HEARTBEAT_S, b))
+        elif kind == "msg":
+            hostile(a)
+        elif kind in ("answer", "reply"):  # an answer to one of our requests
+            asked = [m for m in h.sent[HOSTILE] if isinstance(m, (pm.Lookup, pm.Lease, pm.Offer))]
+            waiting = h.link(HOSTILE).pending
+            asked = [m for m in asked if m.req in waiting] or asked  # mostly those still open
+            if not asked:
+                continue
+            m = asked[a % len(asked)]
+            if kind == "answer":  # well-formed: one entry per key, slots in its arena or beyond
+                states, offset = b
+                n = len(m.keys)
+                given = (states * n)[:n] if states else [pm.READY] * n
+                remote = [offset + i if s != pm.MISS else -1 for i, s in enumerate(given)]
+                accepted = bytes(1 if s else 0 for s in given)
+                given_b = bytes(given)
+            else:  # any length
+                given_b, remote = b
+                accepted = given_b
+            if isinstance(m, pm.Lookup):
+                hostile(pm.LookupReply(m.req, given_b))
+            elif isinstance(m, pm.Lease):
+                hostile(pm.LeaseReply(m.req, m.req, remote))
+            else:
+                hostile(pm.OfferReply(m.req, accepted))
+        elif kind == "pulled":  # naming any push, the honest peer's included
+            if pushes:
+                hostile(pm.Pulled(pushes[a % len(pushes)], b))
+        elif kind == "replay":  # anything either peer sent before, on the hostile session
+            frames = seen + h.received[HONEST]
+            if frames:
+                hostile(frames[a % len(frames)])
+        elif kind == "frame":
+            hostile(a)
+        elif kind == "mangle":
+            good = pm.encode(a)
+            cut = b % (len(good) + 1)
+            hostile(good[:cut] + b"\xc1\x00" + good[cut + 2 :])
+        elif kind == "tick":
+            h.tick(a)
+        elif kind == "settle":
+            hostile_tids = [t for t, (n, _) in h.worker.inflight.items() if _is_hostile(h, n)]
+            if hostile_tids:
+                h.settle(hostile_tids[a % len(hostile_tids)], b)
+        elif kind == "pulls":  # the honest instance's worker finishes its pulls of our offers
+            h.settle_pulls()
+        elif kind == "restart":
+            restarted = True
+            dead = h.worker.restart()
+            h.apply(h.client.worker_restarted(h.now))  # the node's order: restart, then reports
+            for tid in dead:
+                h.settle(tid, False, "worker_died")
+        elif kind == "refuse":
+            name = h.link(HOSTILE).worker_name
+            if name:
+                h.apply(h.client.transport_refused(name, "refused", h.now))
+        h.settle_honest()  # its reads of the honest instance's slots end at once
+        _check(h)
+
+    # The hostile peer goes silent; the honest one keeps answering: everything ends.
+    for _ in range(int((LEASE_TTL_S + PEER_TIMEOUT_S) / 0.25) + 4):
+        step(0.25)
+        for tid, (name, _) in list(h.worker.inflight.items()):
+            if _is_hostile(h, name):
+                h.settle(tid, False, "peer removed")
+        h.settle_pulls()
+        _check(h)
+
+    # every job ended with exactly one result
+    verdicts = h.results_of(Verdict)
+    assert Counter(v.key for v in verdicts) == probes
+    assert sorted(r.job_id for r in h.results_of(LoadDone)) == sorted(loads)
+    assert sorted(r.job_id for r in h.results_of(PushDone)) == sorted(pushes)
+    for r in h.results_of(LoadDone):
+        keys = loads[r.job_id][1]
+        assert sorted(r.ok + list(r.failed)) == sorted(keys) and not set(r.ok) & set(r.failed)
+    c = h.client
+    assert not c.loads and not c.pushes and not c.later
+    if not restarted:
+        # the honest session never noticed the hostile one
+        assert h.link(HONEST).up and h.opened[HONEST] == 1
+        for key in honest_probes:
+            assert Verdict(key, HONEST) in verdicts
+        for r in h.results_of(LoadDone):
+            peer, keys, local = loads[r.job_id]
+            if peer == HONEST:
+                assert r.ok == keys and r.failed == {}, r
+                for k, s in zip(keys, local):
+                    row = np.frombuffer(h.local[s], np.uint8)
+                    assert np.array_equal(row, payload(k, rig.row_bytes))
+        assert honest.server.counters["chunks_leased_now"] == 0  # every lease released
+    # and the sessions end with nothing outstanding
+    h.tick(1000.0)
+    assert all(not link.pending and link.inflight_chunks == 0 for link in c.links.values())
+
+
+def _is_hostile(h: Harness, name: str) -> bool:
+    honest = h.client.links.get(HONEST)
+    return honest is None or name != honest.worker_name

@@ -374,6 +374,23 @@ def test_a_new_incarnation_at_the_same_address_is_a_new_peer(rig):
     assert h.results.count(PeerDown(HOSTILE)) == 2  # once down, once restarted
 
 
+def test_a_peer_no_socket_can_reach_is_down_and_its_probes_go_on(rig):
+    """The node could not open the socket (ZMQ refuses the address): that session is down."""
+    held = keys_for(1, seed=41)
+    rig.store(held)
+    h = Harness(rig)
+    h.add_honest(HONEST)
+    h.command(Connect(HONEST))
+    h.client.where = lambda key: ["*:5710"]
+    h.command(Probe(held[0], (), (HONEST,)))
+    assert h.link("*:5710").state == "hello"  # its Lookup waits for the handshake
+    h.apply(h.client.unreachable("*:5710", "Invalid argument", h.now))
+    h.pump()
+    assert h.link("*:5710").state == "down" and "*:5710" not in h.sockets
+    assert h.results_of(Verdict) == [Verdict(held[0], HONEST)]
+    assert PeerDown("*:5710") in h.results
+
+
 def test_without_a_worker_descriptor_no_session_starts(rig):
     h = Harness(rig)
     h.worker.ready = False

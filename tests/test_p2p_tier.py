@@ -642,6 +642,22 @@ def test_a_lookup_asks_the_peer_whose_kv_events_show_the_chunk_first(world):
     assert asked.get((a.addr, "lookup_chunks"), 0) == len(nowhere)
 
 
+def test_a_request_naming_a_peer_no_socket_can_reach_leaves_the_tier_serving(world):
+    """A request's kv_transfer_params name its peers: one whose address ZMQ refuses to connect to
+    ("*") is a peer down, and the configured peer still serves. Before, the error ended the node
+    thread, and every later lookup and job of the tier waited forever."""
+    a = world.instance(p2p("tcp", free_port()))
+    keys = keys_for(3, seed=40)
+    a.store(keys)
+    b = world.rig(p2p("tcp", free_port(), [a.addr]))
+    wait_until(lambda: tier(b).peers_up() or None, PATIENCE_S, "B's session with A")
+    route = {"remote_host": "*", "remote_port": 5710, "kv_request_id": "kvr-40"}
+    assert_serves(b, keys, "r40", {"remote_kv_source": route})
+    node = tier(b)._node
+    assert node.is_alive() and node.error is None
+    assert "*:5710" not in tier(b).peers_up()
+
+
 def test_a_taken_port_is_a_config_error_and_leaves_nothing(world):
     import socket
 

@@ -33,7 +33,9 @@ frame for a link that is down is ignored (the node closes the socket as it goes 
 
 **Out, in order.** :class:`Send` a frame on the peer's socket (dropped when it has none or its send
 queue is full: the request's deadline handles it); :class:`Open` a fresh DEALER socket to the peer
-(closing its old one) with the routing id given, before the Hello that follows it; :class:`Close`
+(closing its old one) with the routing id given, before the Hello that follows it (a socket
+ZMQ cannot connect, as for a request naming host ``*``, comes back as
+:meth:`PeerClient.unreachable`: that session is down); :class:`Close`
 the peer's socket (unsent frames dropped); :class:`Trusted` the peer's server welcomed a Hello
 naming our namespace, so its KV events may be answered from; :class:`Restarted` the address
 answered with a new incarnation, so what its events said is void.
@@ -430,6 +432,14 @@ class PeerClient:
         for link in list(self.links.values()):
             if link.worker_name == name and link.state != "down":
                 self._fail(link, now, f"the peer worker refused its descriptor: {reason}")
+        return self._take()
+
+    def unreachable(self, peer: str, why: str, now: float) -> list[Out]:
+        """The node could not open a socket to ``peer`` (an address ZMQ refuses to connect to):
+        its session is down, and retried with backoff like any peer down."""
+        link = self.links.get(peer)
+        if link is not None and link.state != "down":
+            self._fail(link, now, f"cannot connect: {why}")
         return self._take()
 
     def worker_restarted(self, now: float) -> list[Out]:

@@ -282,7 +282,7 @@ class PeerNode(threading.Thread):
             if self.locations is not None:
                 self.locations.poll()
             if self.commands:
-                self._apply(client.commands(self._take_commands(), now))
+                self._apply(client.commands(self._take_commands(), now), now)
             if self.router in events:
                 self._serve(now)
             for s, peer in list(self.sock_peers.items()):
@@ -306,7 +306,7 @@ class PeerNode(threading.Thread):
 
     # -- client role: sockets -------------------------------------------------------------------
 
-    def _apply(self, outs: list[Out]) -> None:
+    def _apply(self, outs: list[Out], now: float) -> None:
         """Do what the client role asked, in order."""
         for out in outs:
             match out:
@@ -324,7 +324,12 @@ class PeerNode(threading.Thread):
                     s.setsockopt(zmq.LINGER, 0)
                     s.setsockopt(zmq.MAXMSGSIZE, pm.MAX_MESSAGE_BYTES)
                     s.setsockopt(zmq.SNDHWM, 10_000)
-                    s.connect(f"tcp://{out.host}:{out.port}")
+                    try:
+                        s.connect(f"tcp://{out.host}:{out.port}")
+                    except zmq.ZMQError as e:  # an address ZMQ refuses ("*", a request's)
+                        s.close(linger=0)
+                        self._apply(self.client.unreachable(out.peer, str(e), now), now)
+                        continue
                     self.socks[out.peer] = s
                     self.sock_peers[s] = out.peer
                     self.poller.register(s, zmq.POLLIN)
@@ -350,7 +355,7 @@ class PeerNode(threading.Thread):
                 frame = s.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._apply(self.client.on_frame(peer, frame, now))
+            self._apply(self.client.on_frame(peer, frame, now), now)
             if self.socks.get(peer) is not s:  # the session went down and closed this socket
                 return
 
@@ -395,7 +400,7 @@ class PeerNode(threading.Thread):
         worker = self.worker
         results = worker.poll()
         for name, err in worker.take_peer_errors():
-            self._apply(self.client.transport_refused(name, err, now))
+            self._apply(self.client.transport_refused(name, err, now), now)
         if not worker.alive and now >= self._restart_at:
             # Our worker died (its transfers were reported failed above, after it exited): start
             # a new one; its descriptor is new, so every session starts again (peers learn it).
@@ -404,14 +409,14 @@ class PeerNode(threading.Thread):
             self._restart_at = now + 1.0
             worker.restart()
             self.port.agents.clear()  # the new worker knows no peer
-            self._apply(self.client.worker_restarted(now))
+            self._apply(self.client.worker_restarted(now), now)
             if self.server is not None:
                 self.server.close()  # peers hold our old descriptor: their sessions start again
         for tid, state, reason in results:
             done = state.name == "DONE"
             pull = self.pulls.pop(tid, None)
             if pull is None:
-                self._apply(self.client.transfer_settled(tid, done, reason, now))
+                self._apply(self.client.transfer_settled(tid, done, reason, now), now)
             elif self.server is not None:
                 ident, lease, n, name = pull
                 self.port.release_peer(name)
@@ -421,7 +426,7 @@ class PeerNode(threading.Thread):
     # -- timers -------------------------------------------------------------------------------
 
     def _tick(self, now: float) -> None:
-        self._apply(self.client.tick(now))
+        self._apply(self.client.tick(now), now)
         if self.server is not None:
             for to, out in self.server.tick(now):
                 self._route(to, out)

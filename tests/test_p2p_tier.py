@@ -27,7 +27,7 @@ from pipe_commands import PipeClient
 from kvoffload.ipc import peer_messages as pm
 from kvoffload.ipc.arena import list_arenas
 from kvoffload.testing.tier_contract import keys_for, payload
-from kvoffload.tiers.base import LookupResult
+from kvoffload.tiers.base import LookupResult, TierEvent
 from kvoffload.tools.ports import free_port
 from kvoffload.workers import p2p_transport as pt
 
@@ -406,6 +406,27 @@ def test_push_is_admitted_within_the_quota_and_read_back_later(world, kind):
     # A forgets them; they come back from B
     a.tm.host.remove(first)
     assert_serves(a, first, "again")
+
+
+def test_chunks_a_peer_pulled_from_our_push_are_stored_events_of_the_p2p_tier(world):
+    """KV events name a medium per tier (DESIGN §4, Observability; a peer's is PEER, REMOTE): a
+    chunk a peer took from our push is now held by the p2p tier, and its stored event is
+    published like any tier's (peers' locations ignore medium PEER). A chunk the peer refused,
+    or a store held for a remote decoder, is not."""
+    b = world.instance(p2p("tcp", free_port(), quota_chunks=2))
+    a = world.rig(p2p("tcp", free_port(), [b.addr], push="always", hold_s=0.5))
+    wait_until(lambda: tier(a).peers_up() or None, PATIENCE_S, "A's link to B", step=a.tm.step)
+    name = tier(a).name
+    a.tm.take_events()
+    keys = keys_for(3, seed=42)
+    a.store(keys)  # B admits two (its quota), refuses the third
+    assert a.tm.stats.cascaded[name] == 2
+    assert [e for t, e in a.tm.take_events() if t == name] == [TierEvent(keys[:2], False)]
+    a.tm.on_request("prefill", {"remote_decoder": {"kv_request_id": "kvr-42"}})
+    plan = a.tm.prepare_store(keys_for(2, seed=43), "prefill")
+    a.tm.complete_store(plan.keys, True, "prefill")
+    assert a.tm.wait_idle(PATIENCE_S)  # the hold expires: nothing was stored at a peer
+    assert [e for t, e in a.tm.take_events() if t == name] == []
 
 
 class RawClient:

@@ -41,7 +41,13 @@ from typing_extensions import override
 
 from kvoffload.config import ConfigError
 from kvoffload.metrics import Counter, Gauge, Histogram, MetricSet
-from kvoffload.tiers.base import JobMetadata, JobResult, LookupResult, SecondaryTierManager
+from kvoffload.tiers.base import (
+    JobMetadata,
+    JobResult,
+    LookupResult,
+    SecondaryTierManager,
+    TierEvent,
+)
 from kvoffload.tiers.p2p.commands import (
     Connect,
     Fetched,
@@ -170,6 +176,7 @@ class P2PTier(SecondaryTierManager):
         # kv_request_id -> the store jobs held for its decoder: (job, deadline, keys fetched so far)
         self._holds: dict[str, list[tuple[JobMetadata, float, set[bytes]]]] = {}
         self._finished: list[JobResult] = []
+        self._events: list[TierEvent] = []  # chunks peers took from our pushes
         self._peers = tuple(config.peers)
         self._located = bool(config.peer_events)  # the node may know peers beyond the configured
 
@@ -463,6 +470,8 @@ class P2PTier(SecondaryTierManager):
                         downs = self._downs.get(r.peer, 0)
                         for k in r.ok:
                             self._peer_of[k] = (r.peer, downs)
+                        if r.ok and self.record_events:  # held at a peer now: medium PEER
+                            self._events.append(TierEvent(list(r.ok), False))
                     self._finished.append(
                         JobResult(
                             job_id=r.job_id,
@@ -526,6 +535,13 @@ class P2PTier(SecondaryTierManager):
         if self._holds:
             self._expire_holds(time.monotonic())
         out, self._finished = self._finished, []
+        return out
+
+    @override
+    def take_events(self) -> list[TierEvent]:
+        """Chunks peers pulled from this tier's pushes, as their results were applied since the
+        last call (no removals: a peer evicts them unseen)."""
+        out, self._events = self._events, []
         return out
 
     @override

@@ -429,6 +429,19 @@ def test_chunks_a_peer_pulled_from_our_push_are_stored_events_of_the_p2p_tier(wo
     assert [e for t, e in a.tm.take_events() if t == name] == []
 
 
+def test_each_per_peer_counter_of_a_known_peer_is_exported_from_zero(world):
+    """A peer's counters exist once the tier knows it, at 0 until counted: a counter that appears
+    at its first increment loses that increase to rate(), and every metric a tier declares must
+    reach the scrape (the tier contract suite checks it; its p2p run asks no Lookup)."""
+    b = world.instance(p2p("tcp", free_port()))
+    a = world.rig(p2p("tcp", free_port(), [b.addr]))
+    wait_until(lambda: tier(a).peers_up() or None, PATIENCE_S, "A's link to B", step=a.tm.step)
+    values = a.tm.refresh_metrics().values
+    name = tier(a).name
+    for _stat, metric, labels in type(tier(a))._STATS:
+        assert values[metric][(name, b.addr, *labels)] == 0, (metric, labels)
+
+
 class RawClient:
     """A hand-driven control session with a serving instance (the protocol, no tier)."""
 

@@ -579,15 +579,17 @@ class P2PTier(SecondaryTierManager):
         name = self.name
         client = node.client
         stats = dict(client.peer_stats)
+        links = list(client.links.values())
+        # each peer known has every counter, at 0 until counted (rate() sees the first)
+        peers = {link.label for link in links}.union(peer for peer, _ in stats)
         for stat, metric, labels in self._STATS:
-            for (peer, what), v in stats.items():
-                if what == stat:
-                    metrics.set_total(metric, v, name, peer, *labels)
+            for peer in peers:
+                metrics.set_total(metric, stats.get((peer, stat), 0), name, peer, *labels)
         lat = client.latencies
         while lat:
             peer, secs = lat.popleft()
             metrics.observe("kvoffload_p2p_load_latency_seconds", secs, name, peer)
-        for link in list(client.links.values()):
+        for link in links:
             metrics.set("kvoffload_p2p_peer_up", 1 if link.up else 0, name, link.label)
         running = node.worker.kind
         for kind in ("nixl", "tcp"):

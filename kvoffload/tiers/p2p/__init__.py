@@ -1,10 +1,18 @@
 """The p2p tier (``type: "p2p"``): other instances' host tiers, reached host to host (arena to arena).
 
-One module per part (DESIGN.md §4, "The p2p tier"): :mod:`.config` (its settings), :mod:`.tier` (the engine
-thread's :class:`P2PTier`), :mod:`.node` (the node thread: every socket, both roles), :mod:`.server` (the
-serving role, socket-free), :mod:`.locations` (where chunks are, from peers' KV events),
-:mod:`.worker_handle` (the peer worker's engine-side handle). The control protocol is
-:mod:`kvoffload.ipc.peer_messages`; the bytes move in :mod:`kvoffload.workers.p2p_worker`.
+One module per part (DESIGN.md §4, "The p2p tier"):
+
+- :mod:`.tier`: :class:`P2PTier`, the engine thread's side (lookups, jobs, verdicts, holds);
+- :mod:`.config`: :class:`P2PTierConfig` and its checks; :mod:`.routing`: a request's routing
+  from its ``kv_transfer_params``;
+- :mod:`.commands`: the typed commands and results between the engine thread and the node thread;
+- :mod:`.node`: the node thread: every socket, the poll loop, the wiring of the roles;
+- :mod:`.client` and :mod:`.server`: the client and serving roles, socket-free;
+- :mod:`.locations`: where chunks are, from the peers' KV events;
+- :mod:`.worker_handle`: the engine side of the peer worker process.
+
+The control protocol is :mod:`kvoffload.ipc.peer_messages`; the bytes move in the peer worker,
+:mod:`kvoffload.workers.p2p_worker` over :mod:`kvoffload.workers.p2p_transport`.
 """
 
 from __future__ import annotations

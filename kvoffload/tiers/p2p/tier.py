@@ -11,17 +11,21 @@
          │              has fetched the chunks (its lease released) or ``hold_s`` passes
          └─ push ─▶ Offer to the peer with the most free quota; it pulls the chunks itself; Pulled
 
-Control messages (:mod:`kvoffload.ipc.peer_messages`) and every socket live in the node thread
-(:mod:`kvoffload.tiers.p2p.node`); bytes move in the peer worker process
-(:mod:`kvoffload.tiers.p2p.worker_handle`, :mod:`kvoffload.workers.p2p_transport`); the serving role
-(:mod:`kvoffload.tiers.p2p.server`) answers peers from this instance's host tier under
-``TieringManager.lock``, so an idle engine still serves. The engine-thread methods here never block.
+**Engine thread to node thread.** The methods here never block and never touch a socket: what the
+node must do goes as a command (:mod:`.commands`: Probe, Load, Push, Connect) on a deque with a
+wake-up byte, and what it found comes back as results on another deque (Verdict, LoadDone,
+PushDone, PeerDown, Fetched), applied at the next lookup or ``get_finished_jobs``.
 
-Routing from an orchestrator comes per request in ``kv_transfer_params`` (:meth:`P2PTier.on_request`),
-in vLLM 0.33's shape: ``remote_prefiller`` {``kv_request_id``, ``remote_host``, ``remote_port``} (a
-decoder: pull from that prefiller only), ``remote_decoder`` {``kv_request_id``} (a prefiller: hold the
-request's chunks for that decoder), ``remote_kv_source`` {same fields as ``remote_prefiller``} (probe that
-peer first).
+**Node thread to peers.** Control messages (:mod:`kvoffload.ipc.peer_messages`) and every socket live
+in the node thread (:mod:`.node`): its client role (:mod:`.client`) asks peers, its serving role
+(:mod:`.server`) answers them from this instance's host tier under ``TieringManager.lock``, so an
+idle engine still serves. Bytes move in the peer worker process (:mod:`.worker_handle`,
+:mod:`kvoffload.workers.p2p_transport`).
+
+**Routing** from an orchestrator comes per request in ``kv_transfer_params``
+(:meth:`P2PTier.on_request`, :mod:`.routing`): ``remote_prefiller`` (a decoder: pull from that
+prefiller only), ``remote_decoder`` (a prefiller: hold the request's chunks for that decoder),
+``remote_kv_source`` (probe that peer first).
 """
 
 from __future__ import annotations

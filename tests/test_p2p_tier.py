@@ -692,6 +692,26 @@ def test_a_request_naming_a_peer_no_socket_can_reach_leaves_the_tier_serving(wor
     assert "*:5710" not in tier(b).peers_up()
 
 
+def test_a_tier_whose_node_thread_ended_still_shuts_down_and_leaves_no_process(world):
+    """Whatever ends the node thread (a bug), the tier still shuts down and its peer worker
+    exits. Before, the ended thread had closed its wake-up pipe and stop() wrote to it: the
+    EBADF (or a byte into whatever file had taken that descriptor number) made shutdown fail
+    before it stopped the peer worker."""
+    r = world.rig(p2p("tcp", free_port()))
+    t = tier(r)
+    node = t._node
+
+    def a_bug(now):
+        raise RuntimeError("a bug in the node thread")
+
+    node.client.tick = a_bug
+    wait_until(lambda: not node.is_alive() or None, PATIENCE_S, "the node thread to end")
+    assert isinstance(node.error, RuntimeError)
+    pid = t.worker_pid
+    t.shutdown()
+    wait_until(lambda: not alive(pid) or None, PATIENCE_S, "the peer worker to exit")
+
+
 def test_a_taken_port_is_a_config_error_and_leaves_nothing(world):
     import socket
 

@@ -234,11 +234,17 @@ class PeerNode(threading.Thread):
             pass  # the pipe is full of wake-ups already
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """Stop the thread and close its sockets (engine thread)."""
+        """Stop the thread and close its sockets (engine thread). The wake-up pipe is closed
+        here, once the thread has ended (not by the thread: a write to a descriptor it closed
+        could land in whatever file took that number); a thread that does not end keeps it."""
         self._stopping = True
-        self._wake()
         if self.is_alive():
+            self._wake()
             self.join(timeout_s)
+        if not self.is_alive() and self._wake_w >= 0:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._wake_r = self._wake_w = -1
 
     # -- the thread --------------------------------------------------------------------------------
 
@@ -257,8 +263,6 @@ class PeerNode(threading.Thread):
             if self.locations is not None:
                 self.locations.close()
             self.router.close(linger=0)
-            os.close(self._wake_r)
-            os.close(self._wake_w)
 
     def _loop(self) -> None:
         poller = self.poller

@@ -1,5 +1,4 @@
-"""The p2p tier's client role: this instance's sessions with its peers, socket-free (frames in,
-``(peer, frame)`` out, a ``tick(now)`` for timers), so it is tested and fuzzed alone.
+"""The p2p tier's client role, socket-free: this instance's sessions with its peers.
 
 ::
 
@@ -15,6 +14,9 @@
       engine ◀─────────── results deque: Verdict, LoadDone, PushDone, PeerDown
       peer worker ◀────── Transfers.read / acquire_peer / release_peer (answer at once)
 
+Frames in, ``(peer, frame)`` out and a ``tick(now)`` for timers, with no socket, thread or process
+inside, so it is tested and fuzzed alone (``tests/test_p2p_client.py``), as the serving role is.
+
 **Commands in.** The node hands over the engine's commands as it pops them. A Probe's peers are
 its ``head``, then (unless ``tail`` is None) the peers the KV-event locations show holding the key
 (``where``), then ``tail``; the probe asks them one at a time, skipping a peer whose session is
@@ -28,17 +30,18 @@ to the peer whose session is up with the most free quota.
 (Welcome: the peer's descriptor added to our worker; queued requests sent). Before ``up`` any
 other message fails the session; once up, replies are matched to pending requests by ``req`` (an
 answer nobody asked for is counted ``unknown_replies``; one that does not fit its request
-``malformed_replies``, and the request is treated as unanswered); a Refused fails the session. A
-frame for a link that is down is ignored (the node closes the socket as it goes down, so none comes).
+``malformed_replies``, and the request is treated as unanswered, or its part fails ``bad_reply``);
+a Pulled ends a push only when it comes from the peer the offer went to; a Refused fails the
+session. A frame for a link that is down is ignored (the node closes the socket as it goes down, so
+none comes).
 
 **Out, in order.** :class:`Send` a frame on the peer's socket (dropped when it has none or its send
 queue is full: the request's deadline handles it); :class:`Open` a fresh DEALER socket to the peer
-(closing its old one) with the routing id given, before the Hello that follows it (a socket
-ZMQ cannot connect, as for a request naming host ``*``, comes back as
-:meth:`PeerClient.unreachable`: that session is down); :class:`Close`
-the peer's socket (unsent frames dropped); :class:`Trusted` the peer's server welcomed a Hello
-naming our namespace, so its KV events may be answered from; :class:`Restarted` the address
-answered with a new incarnation, so what its events said is void.
+(closing its old one) with the routing id given, before the Hello that follows it (a socket ZMQ
+cannot connect, as for a request naming host ``*``, comes back as :meth:`PeerClient.unreachable`:
+that session is down); :class:`Close` the peer's socket (unsent frames dropped); :class:`Trusted`
+the peer's server welcomed a Hello naming our namespace, so its KV events may be answered from;
+:class:`Restarted` the address answered with a new incarnation, so what its events said is void.
 
 **Bytes.** A part's leased slots are read by the peer worker through the :class:`Transfers` port
 (the node's, over :class:`~kvoffload.tiers.p2p.worker_handle.PeerWorkerHandle`): ``read`` returns

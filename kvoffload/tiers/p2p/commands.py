@@ -1,5 +1,4 @@
-"""What the p2p tier's engine thread and its node thread say to each other: typed commands and
-results, one struct per kind.
+"""The typed commands and results the p2p tier's engine thread and node thread exchange.
 
 ::
 

@@ -1,5 +1,7 @@
-"""The p2p tier's settings (``{"type": "p2p", ...}``) and their checks: :class:`P2PTierConfig`,
-:func:`parse_peer` (a peer's ``host:port``) and :data:`SECRET_ENV`."""
+"""The p2p tier's settings (``{"type": "p2p", ...}``) and their checks.
+
+:class:`P2PTierConfig`, :func:`parse_peer` (a peer's ``host:port``) and :data:`SECRET_ENV`.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The p2p tier's node thread: every ZMQ socket of the tier, the poll loop, and the wiring between
-the client role, the serving role and the peer worker.
+"""The p2p tier's node thread: its sockets, its poll loop, and the wiring of its roles and worker.
 
 ::
 
@@ -27,7 +26,8 @@ one peer share a Lookup.
 closes the peer's old DEALER and opens a new one (routing id, ``MAXMSGSIZE``, ``LINGER`` 0),
 ``Send`` sends without blocking (a full queue drops the frame: the request's deadline handles it),
 ``Close`` closes it, ``Trusted`` and ``Restarted`` confirm or drop the peer in the KV-event
-locations. Frames read from a DEALER go to the client role until it closes that socket.
+locations. An address ZMQ will not connect to goes back as :meth:`~.client.PeerClient.unreachable`.
+Frames read from a DEALER go to the client role until it closes that socket.
 
 **Serving role** (:mod:`.server`, socket-free). Frames from the ROUTER go to
 :meth:`~.server.PeerServer.handle`; its replies and those of its ``tick`` go back on the ROUTER.
@@ -42,6 +42,9 @@ and the serving role's sessions start again (our descriptor changed).
 **Node to engine.** Results (:mod:`.commands`) go into a deque the engine drains on its next
 lookup or step: verdicts, load and push results and peers down from the client role, fetched
 leases from the serving role.
+
+An error that escapes the loop ends the thread (logged, kept in :attr:`PeerNode.error`); its
+sockets close with it, and :meth:`PeerNode.stop` still ends the rest.
 """
 
 from __future__ import annotations

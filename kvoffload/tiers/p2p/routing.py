@@ -1,5 +1,7 @@
-"""A request's p2p routing, from the ``kv_transfer_params`` an orchestrator gives it (vLLM 0.33's
-shape): whom the p2p tier asks first, or only, and for which decoder it holds a prefill's chunks.
+"""A request's p2p routing, read from the ``kv_transfer_params`` an orchestrator gives it.
+
+In vLLM 0.33's shape: whom the p2p tier asks first, or only, and for which decoder it holds a
+prefill's chunks.
 
 - ``remote_prefiller`` {``kv_request_id``, ``remote_host``, ``remote_port``}: a decoder; pull from
   that prefiller and no other peer.

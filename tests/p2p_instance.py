@@ -5,9 +5,10 @@ Started as ``python tests/p2p_instance.py``; reads one JSON command per line on 
 JSON line each on the stdout it was started with (fd 1 is pointed at stderr first: NIXL logs to
 stdout). Commands (``op`` plus arguments):
 
-- ``init(tiers, num_slots, row_bytes, name, extra)``: build the instance (``extra``: more
-  ``kv_connector_extra_config`` keys, e.g. ``kv_events``); answers ``advertise`` (``host:port``
-  peers reach it at) and the peer worker's ``worker_pid``.
+- ``init(tiers, num_slots, row_bytes, name, extra, model)``: build the instance (``extra``: more
+  ``kv_connector_extra_config`` keys, e.g. ``kv_events``; ``model``: its namespace's model, which
+  peers must share); answers ``advertise`` (``host:port`` peers reach it at) and the peer worker's
+  ``worker_pid``.
 - ``store(keys)``: accelerator → host store of hex ``keys`` with their :func:`payload` bytes.
 - ``resolve(keys, req_id, params)``: look ``keys`` up every step until settled; answers the results.
 - ``lookup_once(keys, req_id)``: one round of lookups and one step; answers the results.
@@ -39,10 +40,11 @@ from kvoffload.tiers.base import LookupResult  # noqa: E402
 _UNSETTLED = (LookupResult.RETRY, LookupResult.HIT_PENDING)
 
 
-def namespace(row_bytes: int) -> Namespace:
-    """The namespace every p2p test instance shares (same as ``tests/helpers.namespace``)."""
+def namespace(row_bytes: int, model: str = "test/model") -> Namespace:
+    """The namespace every p2p test instance shares (same as ``tests/helpers.namespace``; the
+    tier contract suite's engines name their own ``model``)."""
     return Namespace(
-        model="test/model",
+        model=model,
         kv_dtype="bfloat16",
         layout="raw-v1",
         tokens_per_chunk=16,
@@ -56,13 +58,19 @@ class Instance:
         self.tm: TieringManager | None = None
 
     def init(
-        self, tiers: list, num_slots: int, row_bytes: int, name: str, extra: dict | None = None
+        self,
+        tiers: list,
+        num_slots: int,
+        row_bytes: int,
+        name: str,
+        extra: dict | None = None,
+        model: str = "test/model",
     ) -> dict:
         config = parse_config(
             {"cpu_bytes_to_use": num_slots * row_bytes, "secondary_tiers": tiers, **(extra or {})}
         )
         self.arena = Arena.create(name, num_slots, row_bytes)
-        self.tm = TieringManager(self.arena, namespace(row_bytes), config)
+        self.tm = TieringManager(self.arena, namespace(row_bytes, model), config)
         tier = self.tm.tiers[0]
         deadline = time.monotonic() + 120
         while not tier.workers_ready():

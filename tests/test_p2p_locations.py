@@ -28,7 +28,7 @@ from kvoffload.events import (
 )
 from kvoffload.ipc.arena import Arena
 from kvoffload.tiering import TieringManager
-from kvoffload.tiers.p2p_locations import PeerLocations, PeerLocationsConfig, event_sources
+from kvoffload.tiers.p2p.locations import PeerLocations, PeerLocationsConfig, event_sources
 from kvoffload.tools.ports import free_port
 from kvoffload.validation import convert
 from kvoffload.workers.chunkfile import HEADER_BYTES

@@ -1,4 +1,4 @@
-"""The p2p tier's serving role (kvoffload.tiers.p2p_server.PeerServer) over a real TieringManager and
+"""The p2p tier's serving role (kvoffload.tiers.p2p.server.PeerServer) over a real TieringManager and
 arena: handshake and refusals, leases and their expiry, restarts, push admission within the quota,
 and fuzzed frames and hostile messages that must never raise nor leak a pin.
 
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from kvoffload.host import WRITING
 from kvoffload.ipc import peer_messages as pm
-from kvoffload.tiers.p2p_server import PeerServer
+from kvoffload.tiers.p2p.server import PeerServer
 
 SECRET = b"s3cret-shared-by-the-peers"
 SERVER_DESC = b"server-transport-descriptor"

@@ -27,7 +27,7 @@ from pipe_commands import PipeClient
 from kvoffload.ipc import peer_messages as pm
 from kvoffload.ipc.arena import list_arenas
 from kvoffload.testing.tier_contract import keys_for, payload
-from kvoffload.tiers.base import LookupResult
+from kvoffload.tiers.base import LookupResult, TierEvent
 from kvoffload.tools.ports import free_port
 from kvoffload.workers import p2p_transport as pt
 
@@ -408,6 +408,40 @@ def test_push_is_admitted_within_the_quota_and_read_back_later(world, kind):
     assert_serves(a, first, "again")
 
 
+def test_chunks_a_peer_pulled_from_our_push_are_stored_events_of_the_p2p_tier(world):
+    """KV events name a medium per tier (DESIGN §4, Observability; a peer's is PEER, REMOTE): a
+    chunk a peer took from our push is now held by the p2p tier, and its stored event is
+    published like any tier's (peers' locations ignore medium PEER). A chunk the peer refused,
+    or a store held for a remote decoder, is not."""
+    b = world.instance(p2p("tcp", free_port(), quota_chunks=2))
+    a = world.rig(p2p("tcp", free_port(), [b.addr], push="always", hold_s=0.5))
+    wait_until(lambda: tier(a).peers_up() or None, PATIENCE_S, "A's link to B", step=a.tm.step)
+    name = tier(a).name
+    a.tm.take_events()
+    keys = keys_for(3, seed=42)
+    a.store(keys)  # B admits two (its quota), refuses the third
+    assert a.tm.stats.cascaded[name] == 2
+    assert [e for t, e in a.tm.take_events() if t == name] == [TierEvent(keys[:2], False)]
+    a.tm.on_request("prefill", {"remote_decoder": {"kv_request_id": "kvr-42"}})
+    plan = a.tm.prepare_store(keys_for(2, seed=43), "prefill")
+    a.tm.complete_store(plan.keys, True, "prefill")
+    assert a.tm.wait_idle(PATIENCE_S)  # the hold expires: nothing was stored at a peer
+    assert [e for t, e in a.tm.take_events() if t == name] == []
+
+
+def test_each_per_peer_counter_of_a_known_peer_is_exported_from_zero(world):
+    """A peer's counters exist once the tier knows it, at 0 until counted: a counter that appears
+    at its first increment loses that increase to rate(), and every metric a tier declares must
+    reach the scrape (the tier contract suite checks it; its p2p run asks no Lookup)."""
+    b = world.instance(p2p("tcp", free_port()))
+    a = world.rig(p2p("tcp", free_port(), [b.addr]))
+    wait_until(lambda: tier(a).peers_up() or None, PATIENCE_S, "A's link to B", step=a.tm.step)
+    values = a.tm.refresh_metrics().values
+    name = tier(a).name
+    for _stat, metric, labels in type(tier(a))._STATS:
+        assert values[metric][(name, b.addr, *labels)] == 0, (metric, labels)
+
+
 class RawClient:
     """A hand-driven control session with a serving instance (the protocol, no tier)."""
 
@@ -632,14 +666,50 @@ def test_a_lookup_asks_the_peer_whose_kv_events_show_the_chunk_first(world):
         "C to learn B's chunks from its events",
     )
     assert_serves(c, only_b)
-    asked = dict(node.peer_stats)
+    asked = dict(node.client.peer_stats)
     assert asked.get((a.addr, "lookup_chunks"), 0) == 0, asked
     assert asked[(b.addr, "lookup_chunks")] >= len(only_b)
     # a chunk no event shows is asked of the configured peers in order (A, then B)
     nowhere = keys_for(2, seed=19)
     assert settle(c, nowhere, "r3") == [MISS, MISS]
-    asked = dict(node.peer_stats)
+    asked = dict(node.client.peer_stats)
     assert asked.get((a.addr, "lookup_chunks"), 0) == len(nowhere)
+
+
+def test_a_request_naming_a_peer_no_socket_can_reach_leaves_the_tier_serving(world):
+    """A request's kv_transfer_params name its peers: one whose address ZMQ refuses to connect to
+    ("*") is a peer down, and the configured peer still serves. Before, the error ended the node
+    thread, and every later lookup and job of the tier waited forever."""
+    a = world.instance(p2p("tcp", free_port()))
+    keys = keys_for(3, seed=40)
+    a.store(keys)
+    b = world.rig(p2p("tcp", free_port(), [a.addr]))
+    wait_until(lambda: tier(b).peers_up() or None, PATIENCE_S, "B's session with A")
+    route = {"remote_host": "*", "remote_port": 5710, "kv_request_id": "kvr-40"}
+    assert_serves(b, keys, "r40", {"remote_kv_source": route})
+    node = tier(b)._node
+    assert node.is_alive() and node.error is None
+    assert "*:5710" not in tier(b).peers_up()
+
+
+def test_a_tier_whose_node_thread_ended_still_shuts_down_and_leaves_no_process(world):
+    """Whatever ends the node thread (a bug), the tier still shuts down and its peer worker
+    exits. Before, the ended thread had closed its wake-up pipe and stop() wrote to it: the
+    EBADF (or a byte into whatever file had taken that descriptor number) made shutdown fail
+    before it stopped the peer worker."""
+    r = world.rig(p2p("tcp", free_port()))
+    t = tier(r)
+    node = t._node
+
+    def a_bug(now):
+        raise RuntimeError("a bug in the node thread")
+
+    node.client.tick = a_bug
+    wait_until(lambda: not node.is_alive() or None, PATIENCE_S, "the node thread to end")
+    assert isinstance(node.error, RuntimeError)
+    pid = t.worker_pid
+    t.shutdown()
+    wait_until(lambda: not alive(pid) or None, PATIENCE_S, "the peer worker to exit")
 
 
 def test_a_taken_port_is_a_config_error_and_leaves_nothing(world):

@@ -1,5 +1,5 @@
 """The p2p peer worker (``kvoffload.workers.p2p_worker``) driven through its engine-side handle
-(``kvoffload.tiers.p2p_worker_handle.PeerWorkerHandle``).
+(``kvoffload.tiers.p2p.worker_handle.PeerWorkerHandle``).
 
 Each "instance" is an arena created in the test process (the test plays the engines) with a real
 peer worker process attached to it. Every behaviour runs over TCP and over NIXL; NIXL is skipped,
@@ -26,7 +26,7 @@ import pytest
 import zmq
 
 from kvoffload.ipc.arena import Arena, ArenaError, list_arenas
-from kvoffload.tiers.p2p_worker_handle import WORKER_DIED, PeerWorkerHandle
+from kvoffload.tiers.p2p.worker_handle import WORKER_DIED, PeerWorkerHandle
 from kvoffload.workers import p2p_transport as pt
 from kvoffload.workers.p2p_transport import TransferState, TransportConfig, TransportError
 
@@ -412,7 +412,7 @@ def test_worker_exits_when_its_engine_dies():
         f"""
         import os, select, sys
         from kvoffload.ipc.arena import Arena
-        from kvoffload.tiers.p2p_worker_handle import PeerWorkerHandle
+        from kvoffload.tiers.p2p.worker_handle import PeerWorkerHandle
         from kvoffload.workers.p2p_transport import TransportConfig
         arena = Arena.create("kvoffload_p2pwtest_{os.getpid()}_orphan", 4, {ROW})
         h = PeerWorkerHandle(arena.name, TransportConfig(kind="tcp"))

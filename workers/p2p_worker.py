@@ -8,7 +8,7 @@
                                                                  │ registered) or TCP server thread:
                                   peers' one-sided READ/WRITE ◀──┘ serves peers for as long as it lives
 
-Started by :class:`kvoffload.tiers.p2p_worker_handle.PeerWorkerHandle` as
+Started by :class:`kvoffload.tiers.p2p.worker_handle.PeerWorkerHandle` as
 ``python -m kvoffload.workers.p2p_worker`` (a fresh interpreter: spawn, never fork) with its
 :class:`PeerWorkerSpec` as JSON in ``KVOFFLOAD_PEER_WORKER``
 (:data:`~kvoffload.ipc.names.PEER_WORKER_SPEC_ENV`). It attaches the arena by name (checking its

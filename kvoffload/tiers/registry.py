@@ -47,7 +47,7 @@ BUILTIN_TIERS: dict[str, str] = {
     "fs": "kvoffload.tiers.fs:FsTier",
     "obj": "kvoffload.tiers.obj:ObjTier",
     "memory": "kvoffload.tiers.memory:MemoryTier",
-    "p2p": "kvoffload.tiers.p2p:P2PTier",
+    "p2p": "kvoffload.tiers.p2p.tier:P2PTier",
 }
 """Built-in tier types: ``type`` -> ``"<module>:<class>"`` (imported on first use)."""
 

@@ -9,7 +9,7 @@ To add one: append a ``Mutation(...)``; check it with
 ``python tests/mutations/run.py --case CNN`` (it first runs the named tests unpatched, then patched).
 
 C18 (the shared location index of the p2p tier): its index is ``PeerLocations``
-(``kvoffload/tiers/p2p_locations.py``), which learns from the peers' KV events.
+(``kvoffload/tiers/p2p/locations.py``), which learns from the peers' KV events.
 """
 
 from __future__ import annotations
@@ -420,7 +420,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "C17",
         "a peer worker that stops reporting is never killed",
-        "kvoffload/tiers/p2p_worker_handle.py",
+        "kvoffload/tiers/p2p/worker_handle.py",
         "        if why:\n",
         "        if why and False:\n",
         (P2PW + "test_c17_a_hung_peer_worker_is_killed_so_its_transfers_settle",),
@@ -428,7 +428,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "C18",
         "a chunk leaving one tier of a peer is unregistered from all of them",
-        "kvoffload/tiers/p2p_locations.py",
+        "kvoffload/tiers/p2p/locations.py",
         "                        bits &= ~bit\n",
         "                        bits = 0\n",
         (

@@ -11,223 +11,67 @@
          │              has fetched the chunks (its lease released) or ``hold_s`` passes
          └─ push ─▶ Offer to the peer with the most free quota; it pulls the chunks itself; Pulled
 
-Control messages (:mod:`kvoffload.ipc.peer_messages`) and every socket live in the node thread
-(:mod:`kvoffload.tiers.p2p_node`); bytes move in the peer worker process
-(:mod:`kvoffload.tiers.p2p_worker_handle`, :mod:`kvoffload.workers.p2p_transport`); the serving role
-(:mod:`kvoffload.tiers.p2p_server`) answers peers from this instance's host tier under
-``TieringManager.lock``, so an idle engine still serves. The engine-thread methods here never block.
+**Engine thread to node thread.** The methods here never block and never touch a socket: what the
+node must do goes as a command (:mod:`.commands`: Probe, Load, Push, Connect) on a deque with a
+wake-up byte, and what it found comes back as results on another deque (Verdict, LoadDone,
+PushDone, PeerDown, Fetched), applied at the next lookup or ``get_finished_jobs``.
 
-Routing from an orchestrator comes per request in ``kv_transfer_params`` (:meth:`P2PTier.on_request`),
-in vLLM 0.33's shape: ``remote_prefiller`` {``kv_request_id``, ``remote_host``, ``remote_port``} (a
-decoder: pull from that prefiller only), ``remote_decoder`` {``kv_request_id``} (a prefiller: hold the
-request's chunks for that decoder), ``remote_kv_source`` {same fields as ``remote_prefiller``} (probe that
-peer first).
+**Node thread to peers.** Control messages (:mod:`kvoffload.ipc.peer_messages`) and every socket live
+in the node thread (:mod:`.node`): its client role (:mod:`.client`) asks peers, its serving role
+(:mod:`.server`) answers them from this instance's host tier under ``TieringManager.lock``, so an
+idle engine still serves. Bytes move in the peer worker process (:mod:`.worker_handle`,
+:mod:`kvoffload.workers.p2p_transport`).
+
+**Routing** from an orchestrator comes per request in ``kv_transfer_params``
+(:meth:`P2PTier.on_request`, :mod:`.routing`): ``remote_prefiller`` (a decoder: pull from that
+prefiller only), ``remote_decoder`` (a prefiller: hold the request's chunks for that decoder),
+``remote_kv_source`` (probe that peer first).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import logging
 import os
 import signal
 import sys
 import time
 import traceback
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Any
 
-import msgspec
 import zmq
 from cachetools import LRUCache, TLRUCache
 from typing_extensions import override
 
-from kvoffload.config import ConfigError, Positive
+from kvoffload.config import ConfigError
 from kvoffload.metrics import Counter, Gauge, Histogram, MetricSet
-from kvoffload.tiers.base import JobMetadata, JobResult, LookupResult, SecondaryTierManager
-from kvoffload.tiers.p2p_locations import PeerLocations, event_sources
-from kvoffload.tiers.p2p_node import (
-    CMD_CONNECT,
-    CMD_LOAD,
-    CMD_PROBE,
-    CMD_PUSH,
-    RES_DOWN,
-    RES_FETCHED,
-    RES_LOAD,
-    RES_PUSH,
-    RES_VERDICT,
-    PeerNode,
-    parse_peer,
+from kvoffload.tiers.base import (
+    JobMetadata,
+    JobResult,
+    LookupResult,
+    SecondaryTierManager,
+    TierEvent,
 )
-from kvoffload.tiers.process import Seconds, TTLSeconds
-from kvoffload.validation import raise_problems
+from kvoffload.tiers.p2p.commands import (
+    Connect,
+    Fetched,
+    Load,
+    LoadDone,
+    PeerDown,
+    Probe,
+    Push,
+    PushDone,
+    Verdict,
+)
+from kvoffload.tiers.p2p.config import P2PTierConfig
+from kvoffload.tiers.p2p.locations import PeerLocations
+from kvoffload.tiers.p2p.node import PeerNode
+from kvoffload.tiers.p2p.routing import Route, parse_route
 
 log = logging.getLogger("kvoffload.p2p")
 
 _HIT, _MISS, _RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
-SECRET_ENV = "KVOFFLOAD_P2P_SECRET"
 _STUCK_CONTEXTS: list[Any] = []  # contexts of node threads that did not stop (see shutdown)
-_Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
-
-
-class P2PTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """``{"type": "p2p", ...}``.
-
-    Attributes:
-        host: where the control socket binds (``127.0.0.1`` unless told otherwise; ``0.0.0.0`` all
-            interfaces, then ``advertise_host`` is required).
-        port: the control port (+ the data-parallel rank); 0 picks a free one (tests).
-        advertise_host: the address peers reach this instance at; default ``host``.
-        peers: the static peer list, ``["host:port", ...]``, asked in this order.
-        transport: how bulk bytes move: ``nixl``, ``tcp`` or ``auto`` (NIXL when importable).
-        data_host, data_port: the TCP transport's data server (default: ``host``, any port).
-        secret: the shared secret peers authenticate with (never logged); default: the
-            environment variable named by ``secret_env``.
-        secret_env: the environment variable holding the secret (``KVOFFLOAD_P2P_SECRET``).
-        auth: ``secret`` (default) or ``none``, accepted only when ``host`` is a loopback address.
-        heartbeat_s: heartbeat interval (seconds).
-        peer_timeout_s: a peer silent this long is down: its jobs fail, it is reconnected with
-            backoff (seconds, default 2).
-        transfer_deadline_s: a bulk transfer not done by then fails (seconds, default 2).
-        lease_ttl_s: how long a serving instance keeps a lease's slots pinned at most (seconds;
-            at least 5x ``transfer_deadline_s``, so a transfer reported done always ran while
-            its lease held).
-        negative_ttl_s: how long "no peer has it" is trusted (seconds; 0: not kept).
-        failed_load_ttl_s: how long a key whose load failed answers MISS (seconds).
-        quota_chunks: chunks this instance admits from peers' pushes (0: none).
-        push: ``off`` (default), ``when_full`` (offer chunks to peers while the host tier is
-            full and evicting) or ``always`` (offer every stored chunk).
-        hold_s: how long a prefiller holds a request's chunks for its remote decoder (seconds).
-        lookup_cache_entries: bound on remembered "at peer X" verdicts.
-        locality: as reported in KV events (``REMOTE``).
-        peer_events: where peers publish their KV events, so that a lookup asks the peer that
-            holds a chunk first: peer id (``host:port``) -> ``"tcp://host:port"``, or
-            ``{"endpoint", "replay_endpoint", "topic"}``, or a list of them (one per
-            data-parallel rank); see :mod:`kvoffload.tiers.p2p_locations`.
-        max_located_chunks: chunk locations kept per peer publisher (LRU).
-        replay_timeout_s: how long a replay of a peer's events may take (seconds).
-    """
-
-    # What a field left None means (``kvoffload check`` prints these words).
-    unset_means: ClassVar[dict[str, str]] = {
-        "advertise_host": "auto: host's value",
-        "data_host": "auto: host's value",
-        "secret": "auto: from the environment variable secret_env names",
-    }
-
-    host: str = "127.0.0.1"
-    port: _Port = 5710
-    advertise_host: str | None = None
-    peers: list[str] = []
-    transport: Literal["nixl", "tcp", "auto"] = "auto"
-    data_host: str | None = None
-    data_port: _Port = 0
-    secret: str | None = None
-    secret_env: str = SECRET_ENV
-    auth: Literal["secret", "none"] = "secret"
-    heartbeat_s: Seconds = 0.5
-    peer_timeout_s: Seconds = 2.0
-    transfer_deadline_s: Seconds = 2.0
-    lease_ttl_s: Seconds = 30.0
-    negative_ttl_s: TTLSeconds = 1.0
-    failed_load_ttl_s: TTLSeconds = 10.0
-    quota_chunks: Annotated[int, msgspec.Meta(ge=0)] = 0
-    push: Literal["off", "when_full", "always"] = "off"
-    hold_s: Seconds = 60.0
-    lookup_cache_entries: Positive = 1_000_000
-    locality: Literal["LOCAL", "REMOTE"] = "REMOTE"
-    peer_events: dict[str, Any] = {}
-    max_located_chunks: Positive = 262_144
-    replay_timeout_s: Seconds = 5.0
-
-    def __post_init__(self) -> None:
-        problems = []
-        for i, p in enumerate(self.peers):
-            try:
-                parse_peer(p, f"peers[{i}]")
-            except ValueError as e:
-                problems.append(str(e))
-        try:
-            event_sources(self.peer_events, "peer_events")
-        except ValueError as e:
-            problems.append(str(e))
-        if self.lease_ttl_s < 5 * self.transfer_deadline_s:
-            problems.append(
-                f"lease_ttl_s ({self.lease_ttl_s}) must be at least 5x transfer_deadline_s "
-                f"({self.transfer_deadline_s}): a lease must outlive every transfer of it"
-            )
-        if self.heartbeat_s >= self.peer_timeout_s:
-            problems.append(
-                f"heartbeat_s ({self.heartbeat_s}) must be below peer_timeout_s "
-                f"({self.peer_timeout_s})"
-            )
-        if self.host in ("0.0.0.0", "::") and not self.advertise_host:
-            problems.append(
-                f"advertise_host: required when host is {self.host!r} (peers must be told an "
-                "address they can reach)"
-            )
-        if self.auth == "none" and not _is_loopback(self.host):
-            problems.append(
-                f'auth: "none" is accepted only on a loopback host, not {self.host!r}; set '
-                f"secret or the {self.secret_env} environment variable"
-            )
-        raise_problems(problems)
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-class _Route:
-    """One request's routing from its ``kv_transfer_params``."""
-
-    __slots__ = ("source", "only", "kv_request_id", "decoder_id")
-
-    def __init__(self, source: str | None, only: bool, kv_request_id: str, decoder_id: str):
-        self.source = source  # a peer to ask first ("host:port")
-        self.only = only  # remote_prefiller: that peer and no other
-        self.kv_request_id = kv_request_id
-        self.decoder_id = decoder_id  # remote_decoder: hold stores for this kv_request_id
-
-
-def parse_route(params: Any) -> _Route | None:
-    """The p2p routing of one request's ``kv_transfer_params`` (vLLM 0.33's shape), or None.
-
-    A sub-dict that lacks its fields is ignored (logged at debug): the request then takes the
-    default path (configured peers), never a wrong peer.
-    """
-    if not isinstance(params, dict):
-        return None
-    decoder = params.get("remote_decoder")
-    decoder_id = ""
-    if isinstance(decoder, dict) and isinstance(decoder.get("kv_request_id"), str):
-        decoder_id = decoder["kv_request_id"]
-    source, only, kvr = None, False, ""
-    for name, is_only in (("remote_prefiller", True), ("remote_kv_source", False)):
-        role = params.get(name)
-        if not isinstance(role, dict):
-            continue
-        host, port, rid = (
-            role.get("remote_host"),
-            role.get("remote_port"),
-            role.get("kv_request_id"),
-        )
-        try:
-            if host and port and isinstance(rid, str) and rid:
-                source = f"{host}:{int(port)}"
-                parse_peer(source, name)
-                only, kvr = is_only, rid
-                break
-        except (TypeError, ValueError):
-            log.debug("p2p: ignoring a malformed %s in kv_transfer_params: %r", name, role)
-            source = None
-    if source is None and not decoder_id:
-        return None
-    return _Route(source, only, kvr, decoder_id)
 
 
 class _LoadJob:
@@ -330,12 +174,13 @@ class P2PTier(SecondaryTierManager):
         )
         self._waiting: dict[bytes, set[str]] = {}
         self._owed: dict[bytes, set[str]] = {}
-        self._routes: dict[str, _Route] = {}
+        self._routes: dict[str, Route] = {}
         self._loads: dict[int, _LoadJob] = {}
         self._pushes: dict[int, JobMetadata] = {}
         # kv_request_id -> the store jobs held for its decoder: (job, deadline, keys fetched so far)
         self._holds: dict[str, list[tuple[JobMetadata, float, set[bytes]]]] = {}
         self._finished: list[JobResult] = []
+        self._events: list[TierEvent] = []  # chunks peers took from our pushes
         self._peers = tuple(config.peers)
         self._located = bool(config.peer_events)  # the node may know peers beyond the configured
 
@@ -345,8 +190,8 @@ class P2PTier(SecondaryTierManager):
     def attach(self, manager: Any) -> None:
         """Join ``manager`` (a :class:`~kvoffload.tiering.TieringManager`): start the peer worker,
         the serving role over its host tier, and the node thread."""
-        from kvoffload.tiers.p2p_server import PeerServer
-        from kvoffload.tiers.p2p_worker_handle import PeerWorkerHandle
+        from kvoffload.tiers.p2p.server import PeerServer
+        from kvoffload.tiers.p2p.worker_handle import PeerWorkerHandle
         from kvoffload.workers.p2p_transport import TransportConfig
 
         cfg = self.config
@@ -379,7 +224,7 @@ class P2PTier(SecondaryTierManager):
             max_lease_s=cfg.lease_ttl_s,
             pull=lambda *a: self._node.pull(*a) if self._node else None,
             on_fetched=lambda kvr, keys: (
-                self._node.results.append((RES_FETCHED, kvr, keys)) if self._node else None
+                self._node.results.append(Fetched(kvr, keys)) if self._node else None
             ),
         )
         locations = None
@@ -421,7 +266,7 @@ class P2PTier(SecondaryTierManager):
         self._node.advertise = self.advertise
         self._node.start()
         for p in dict.fromkeys([*cfg.peers, *cfg.peer_events]):  # a session confirms its events
-            self._node.submit((CMD_CONNECT, p))
+            self._node.submit(Connect(p))
         log.info(
             "p2p tier %s: serving on %s (advertised as %s), peers %s",
             self.name,
@@ -440,14 +285,14 @@ class P2PTier(SecondaryTierManager):
             return
         self._routes[req_id] = route
         if route.source is not None and self._node is not None:
-            self._node.submit((CMD_CONNECT, route.source))
+            self._node.submit(Connect(route.source))
 
     @override
     def on_request_finished(self, req_id: str) -> None:
         """Forget the request's routing."""
         self._routes.pop(req_id, None)
 
-    def _candidates(self, route: _Route | None) -> tuple[tuple[str, ...], tuple[str, ...] | None]:
+    def _candidates(self, route: Route | None) -> tuple[tuple[str, ...], tuple[str, ...] | None]:
         """Whom to ask, as ``(head, tail)``: the request's named peer, then (the node puts the
         peers whose KV events show the key in between) the configured peers; ``tail`` None when
         the named peer is the only one to ask (``remote_prefiller``)."""
@@ -481,7 +326,7 @@ class P2PTier(SecondaryTierManager):
         if self._node is None or not (head or tail or (tail is not None and self._located)):
             return _MISS
         self._waiting[key] = {req_id}
-        self._node.submit((CMD_PROBE, key, head, tail))
+        self._node.submit(Probe(key, head, tail))
         return _RETRY
 
     @override
@@ -513,10 +358,8 @@ class P2PTier(SecondaryTierManager):
                 return False
         elif push != "always":
             return False
-        node = self._node  # a snapshot of the links: list() copies the dict atomically
-        return node is not None and any(
-            link.up and link.free_quota > 0 for link in list(node.links.values())
-        )
+        node = self._node
+        return node is not None and node.client.can_push()
 
     @override
     def submit_store(self, job: JobMetadata) -> None:
@@ -537,7 +380,7 @@ class P2PTier(SecondaryTierManager):
             )
             return
         self._pushes[job.job_id] = job
-        self._node.submit((CMD_PUSH, job.job_id, list(job.keys), list(job.slots)))
+        self._node.submit(Push(job.job_id, list(job.keys), list(job.slots)))
 
     @override
     def submit_load(self, job: JobMetadata) -> None:
@@ -560,7 +403,7 @@ class P2PTier(SecondaryTierManager):
             return
         self._loads[job.job_id] = lj
         for peer, (keys, slots) in by_peer.items():
-            self._node.submit((CMD_LOAD, job.job_id, peer, keys, slots, kvr))
+            self._node.submit(Load(job.job_id, peer, keys, slots, kvr))
 
     def _finish_load(self, lj: _LoadJob) -> None:
         self._loads.pop(lj.meta.job_id, None)
@@ -601,49 +444,52 @@ class P2PTier(SecondaryTierManager):
         results = node.results
         while results:
             r = results.popleft()
-            kind = r[0]
-            if kind == RES_VERDICT:
-                _, key, peer = r
-                waiting = self._waiting.pop(key, None)
-                if peer is not None:
-                    self._peer_of[key] = (peer, self._downs.get(peer, 0))
-                    self._absent.pop(key, None)
-                else:
-                    if self.config.negative_ttl_s > 0:
-                        self._absent[key] = self.config.negative_ttl_s
-                    if waiting:
-                        self._owed.setdefault(key, set()).update(waiting)
-            elif kind == RES_LOAD:
-                _, job_id, ok, failed, nbytes, _secs = r
-                lj = self._loads.get(job_id)
-                if lj is None:
-                    continue
-                lj.ok.extend(ok)
-                lj.failed.update(failed)
-                lj.nbytes += nbytes
-                lj.parts -= 1
-                if lj.parts == 0:
-                    self._finish_load(lj)
-            elif kind == RES_PUSH:
-                _, job_id, peer, ok, failed = r
-                meta = self._pushes.pop(job_id, None)
-                if meta is None:
-                    continue
-                if peer is not None:
-                    downs = self._downs.get(peer, 0)
-                    for k in ok:
-                        self._peer_of[k] = (peer, downs)
-                self._finished.append(
-                    JobResult(job_id=job_id, success=not failed, successful_keys=ok, failed=failed)
-                    if failed
-                    else JobResult(job_id=job_id, success=True)
-                )
-            elif kind == RES_DOWN:
-                _, peer = r
-                self._downs[peer] = self._downs.get(peer, 0) + 1
-            elif kind == RES_FETCHED:
-                _, kvr, keys = r
-                self._fetched(kvr, set(keys))
+            match r:
+                case Verdict():
+                    key, peer = r.key, r.peer
+                    waiting = self._waiting.pop(key, None)
+                    if peer is not None:
+                        self._peer_of[key] = (peer, self._downs.get(peer, 0))
+                        self._absent.pop(key, None)
+                    else:
+                        if self.config.negative_ttl_s > 0:
+                            self._absent[key] = self.config.negative_ttl_s
+                        if waiting:
+                            self._owed.setdefault(key, set()).update(waiting)
+                case LoadDone():
+                    lj = self._loads.get(r.job_id)
+                    if lj is None:
+                        continue
+                    lj.ok.extend(r.ok)
+                    lj.failed.update(r.failed)
+                    lj.nbytes += r.nbytes
+                    lj.parts -= 1
+                    if lj.parts == 0:
+                        self._finish_load(lj)
+                case PushDone():
+                    meta = self._pushes.pop(r.job_id, None)
+                    if meta is None:
+                        continue
+                    if r.peer is not None:
+                        downs = self._downs.get(r.peer, 0)
+                        for k in r.ok:
+                            self._peer_of[k] = (r.peer, downs)
+                        if r.ok and self.record_events:  # held at a peer now: medium PEER
+                            self._events.append(TierEvent(list(r.ok), False))
+                    self._finished.append(
+                        JobResult(
+                            job_id=r.job_id,
+                            success=False,
+                            successful_keys=r.ok,
+                            failed=r.failed,
+                        )
+                        if r.failed
+                        else JobResult(job_id=r.job_id, success=True)
+                    )
+                case PeerDown():
+                    self._downs[r.peer] = self._downs.get(r.peer, 0) + 1
+                case Fetched():
+                    self._fetched(r.kv_request_id, set(r.keys))
 
     def _fetched(self, kvr: str, keys: set[bytes]) -> None:
         """The decoder of ``kvr`` has read ``keys`` (one of its leases ended): a held job whose
@@ -696,6 +542,13 @@ class P2PTier(SecondaryTierManager):
         return out
 
     @override
+    def take_events(self) -> list[TierEvent]:
+        """Chunks peers pulled from this tier's pushes, as their results were applied since the
+        last call (no removals: a peer evicts them unseen)."""
+        out, self._events = self._events, []
+        return out
+
+    @override
     def has_pending_work(self) -> bool:
         return bool(self._waiting or self._loads or self._pushes or self._holds or self._finished)
 
@@ -728,17 +581,20 @@ class P2PTier(SecondaryTierManager):
         if node is None:
             return
         name = self.name
-        stats = dict(node.peer_stats)
+        client = node.client
+        stats = dict(client.peer_stats)
+        links = list(client.links.values())
+        # each peer known has every counter, at 0 until counted (rate() sees the first)
+        peers = {link.label for link in links}.union(peer for peer, _ in stats)
         for stat, metric, labels in self._STATS:
-            for (peer, what), v in stats.items():
-                if what == stat:
-                    metrics.set_total(metric, v, name, peer, *labels)
-        lat = node.latencies
+            for peer in peers:
+                metrics.set_total(metric, stats.get((peer, stat), 0), name, peer, *labels)
+        lat = client.latencies
         while lat:
             peer, secs = lat.popleft()
             metrics.observe("kvoffload_p2p_load_latency_seconds", secs, name, peer)
-        for addr, link in list(node.links.items()):
-            metrics.set("kvoffload_p2p_peer_up", 1 if link.up else 0, name, node.label(addr))
+        for link in links:
+            metrics.set("kvoffload_p2p_peer_up", 1 if link.up else 0, name, link.label)
         running = node.worker.kind
         for kind in ("nixl", "tcp"):
             metrics.set("kvoffload_p2p_transport", 1 if kind == running else 0, name, kind)
@@ -759,7 +615,7 @@ class P2PTier(SecondaryTierManager):
         node = self._node
         if node is None:
             return []
-        return sorted(a for a, link in list(node.links.items()) if link.up)
+        return node.client.peers_up()
 
     @override
     def shutdown(self) -> None:

@@ -987,7 +987,7 @@ def _head_bucket(c: Any, at: str, timeout_s: float) -> Check:
 
 
 def _connect_peer(peer: str, at: str, options: Options) -> Check:
-    from kvoffload.tiers.p2p_node import parse_peer
+    from kvoffload.tiers.p2p import parse_peer
 
     host, port = parse_peer(peer, at)
     only = "only reachability is checked, not the shared secret"

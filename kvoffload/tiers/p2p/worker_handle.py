@@ -59,7 +59,7 @@ from kvoffload.workers.p2p_transport import (
     decode_descriptor,
 )
 
-log = logging.getLogger("kvoffload.tiers.p2p_worker_handle")
+log = logging.getLogger("kvoffload.p2p")
 
 #: Reason of every transfer failed because its worker process exited (or was not running).
 WORKER_DIED = "worker_died"

@@ -108,13 +108,35 @@ def exit_on_signals() -> None:
     """Make SIGTERM and SIGHUP end the command as an exception (``SystemExit(128 + signal)``), so
     its ``finally`` blocks and context managers run: the vLLM servers the demo and the benchmarks
     start live in process groups of their own, and a command killed by the default action left
-    them running. A handler some caller installed before is kept."""
+    them running. Only the first signal (SIGINT included: Ctrl-C raises ``KeyboardInterrupt``
+    once) interrupts; while the command cleans up, later ones are ignored with one note on
+    stderr, so a second Ctrl-C or a supervisor's repeated SIGTERM cannot cut the cleanup short
+    (SIGKILL still can). A handler some caller installed before is kept."""
+    global _signals_seen
+    _signals_seen = 0
     for signum in (signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(signum) is signal.SIG_DFL:
             signal.signal(signum, _exit_for_signal)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _exit_for_signal)
+
+
+_signals_seen = 0
+"""Signals :func:`_exit_for_signal` received since :func:`exit_on_signals`: the first one ends the
+command, later ones are ignored."""
 
 
 def _exit_for_signal(signum: int, frame: object) -> None:
+    global _signals_seen
+    _signals_seen += 1
+    if _signals_seen == 2:
+        print(f"kvoffload: {signal.Signals(signum).name} ignored while cleaning up after the "
+              "first signal (SIGKILL ends it at once, leaving what it started running)",
+              file=sys.stderr)  # fmt: skip
+    if _signals_seen > 1:
+        return
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
     raise SystemExit(128 + signum)
 
 

@@ -284,8 +284,15 @@ def sweep(list_only: bool, fs_roots: tuple[str, ...], older_than: float | None) 
     type=click.Choice(["auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"]),
     default="auto",
     show_default=True,
-    help="With --model: the KV cache dtype; auto: the model's (a float32 model counts 2 bytes: "
-    "vLLM's --dtype auto runs it in 16 bits; give float32 for a server run with --dtype float32).",
+    help="With --model: the KV cache dtype (vLLM's --kv-cache-dtype); auto: the engine's --dtype.",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["auto", "float32", "float", "float16", "half", "bfloat16"]),
+    default="auto",
+    show_default=True,
+    help="With --model: the engine's dtype (vLLM's --dtype; vLLM-CPU runs are often float32); "
+    "auto: the model's, a float32 model counted in 16 bits as vLLM's --dtype auto runs it.",
 )
 def check(
     config_file,
@@ -296,6 +303,7 @@ def check(
     engine_block_size: int | None,
     max_model_len: int | None,
     kv_cache_dtype: str,
+    dtype: str,
 ) -> None:
     """Check CONFIG_FILE, the JSON of kv_connector_extra_config or the whole --kv-transfer-config
     object, and print the resolved config: every key, the value the engine will use and whether
@@ -308,8 +316,9 @@ def check(
     for given, name in ((engine_block_size, "--block-size"), (max_model_len, "--max-model-len")):
         if given is not None and model_dir is None:
             _bad_input(f"{name} applies to --model; name the model directory")
-    if kv_cache_dtype != "auto" and model_dir is None:
-        _bad_input("--kv-cache-dtype applies to --model; name the model directory")
+    for given, name in ((kv_cache_dtype, "--kv-cache-dtype"), (dtype, "--dtype")):
+        if given != "auto" and model_dir is None:
+            _bad_input(f"{name} applies to --model; name the model directory")
     options = config_check.Options(
         syntax_only=syntax_only,
         online=online,
@@ -317,6 +326,7 @@ def check(
         engine_block_size=engine_block_size,
         max_model_len=max_model_len,
         kv_cache_dtype=kv_cache_dtype,
+        dtype=dtype,
     )
     try:
         checked = config_check.check_text(config_file.read(), config_file.name, options)

@@ -136,7 +136,13 @@ def load_vllm_p2p() -> dict[str, Any]:
             "(pip install vllm==0.33.0 into a separate environment)"
         ) from e
     from vllm.distributed.nixl_utils import is_nixl_available
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import init_none_hash
 
+    # As vLLM's engine core does at start (for its default algorithm): vLLM's p2p handshake
+    # compares the seed of each side's hash chain, PYTHONHASHSEED where set, and a process that
+    # never seeded its chain reports the default seed whatever PYTHONHASHSEED says.
+    init_none_hash(sha256)
     if not is_nixl_available():
         raise MissingExtra(
             "vLLM's p2p tier moves bytes with NIXL, which cannot be imported here: "

@@ -62,7 +62,7 @@ from kvoffload.host import READY, WRITING
 from kvoffload.workers import chunkfile as cf
 from kvoffload.workers import fs_io
 
-# Faults known on main whose fixes are under way (CASES.md): each name switches off the rule variants
+# Faults known on main whose fixes are under way (docs/cases.md): each name switches off the rule variants
 # that reach it, so the CI profile passes until the fix is merged; then remove the name. None now;
 # the names the model knows (all fixed on main, kept to replay a variant against an older checkout):
 #   C24: a worker reply that does not cover every key counts as success (key classes short, empty)

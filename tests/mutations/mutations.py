@@ -1,12 +1,13 @@
 """The fault-reintroducing patches of ``tox -e mutations`` (run by ``tests/mutations/run.py``).
 
-Each entry is the smallest product change that brings a case's failure back (CASES.md in the shared
-folder next to the checkout), and the case test(s) that must fail with it. ``old`` must occur exactly
-once in ``file`` (a repository path); the runner refuses the whole list otherwise, so a patch that no
-longer applies after a refactoring is noticed instead of silently passing.
+Each entry is the smallest product change that brings a case's failure back (the cases are in
+docs/cases.md), and the case test(s) that must fail with it. ``old`` must occur exactly once in
+``file`` (a repository path); the runner refuses the whole list otherwise, so a patch that no longer
+applies after a refactoring is noticed instead of silently passing.
 
-To add one: append a ``Mutation(...)``; check it with
-``python tests/mutations/run.py --case CNN`` (it first runs the named tests unpatched, then patched).
+To add one: append a ``Mutation(...)``, list its name under **Mutation:** in its case's entry in
+docs/cases.md (tests/test_cases_catalogue.py checks both), and check it with ``python
+tests/mutations/run.py --case CNN`` (it first runs the named tests unpatched, then patched).
 
 C18 (the shared location index of the p2p tier): its index is ``PeerLocations``
 (``kvoffload/tiers/p2p/locations.py``), which learns from the peers' KV events.

@@ -19,8 +19,9 @@ path). Worker processes inherit ``PYTHONPATH`` and the working directory, so the
 code too; each scratch copy is checked to import from itself before it is used.
 
 Usage: ``python tests/mutations/run.py [-j 2] [--case C08 ...] [--no-baseline] [--keep]``
-(``tox -e mutations`` runs it). Exit status: 0 every mutation killed, 1 one survived or errored,
-2 a patch does not apply or the baseline fails.
+(``tox -e mutations`` runs it); ``--list`` prints the mutations under their case's title from
+docs/cases.md, the catalogue of cases, and runs nothing. Exit status: 0 every mutation killed, 1
+one survived or errored, 2 a patch does not apply or the baseline fails.
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ from dataclasses import dataclass
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+sys.path.append(os.path.dirname(HERE))  # last: tests/ holds modules named like libraries (s3, prom)
 
+import case_catalogue  # noqa: E402
 from mutations import MUTATIONS, Mutation  # noqa: E402
 
 # setup.cfg's package_dir: these top-level folders are subpackages of kvoffload once installed.
@@ -231,6 +234,22 @@ def run_one(
     return Outcome(mu, "ERROR", secs, f"pytest exit status {rc}\n{tail}")
 
 
+def print_list(chosen: list[Mutation], whole: bool) -> None:
+    """The mutations grouped under their case's title from docs/cases.md, in case order; with
+    ``whole`` (no --case or --name), then the catalogue's cases that have no mutation."""
+    titles = case_catalogue.titles()
+    cases = sorted({mu.case for mu in chosen})
+    for case in cases:
+        print(titles.get(case, f"{case} (no entry in docs/cases.md)"))
+        for mu in chosen:
+            if mu.case == case:
+                print(f"  {mu.case}  {mu.name}  ({mu.file})  -> {' '.join(mu.tests)}")
+    if whole:
+        bare = [case for case in titles if case not in cases]
+        if bare:
+            print(f"\nno mutation yet ({len(bare)} of {len(titles)} cases): {', '.join(bare)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-j", "--jobs", type=int, default=2, help="mutations run at once (default 2)")
@@ -253,7 +272,11 @@ def main(argv: list[str] | None = None) -> int:
         help="time limit per mutation's test run (seconds; past it counts as killed)",
     )
     ap.add_argument("--keep", action="store_true", help="keep the scratch copies (for debugging)")
-    ap.add_argument("--list", action="store_true", help="list the mutations and exit")
+    ap.add_argument(
+        "--list",
+        action="store_true",
+        help="list the mutations under their case's title (docs/cases.md) and exit",
+    )
     args = ap.parse_args(argv)
 
     chosen = [
@@ -262,8 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         if (not args.case or mu.case in args.case) and (not args.name or mu.name in args.name)
     ]
     if args.list:
-        for mu in chosen:
-            print(f"{mu.case}  {mu.name}  ({mu.file})  -> {' '.join(mu.tests)}")
+        print_list(chosen, whole=not (args.case or args.name))
         return 0
     problems = check_patches(chosen, REPO)
     if problems:

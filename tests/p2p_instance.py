@@ -15,6 +15,10 @@ stdout). Commands (``op`` plus arguments):
 - ``digest(keys)``: xxh3 of the host rows of READY ``keys`` (None where not READY).
 - ``drop(keys)``: remove ``keys`` from the host tier.
 - ``state()``: pins held vs ref counts, busy slots, peers up.
+- ``counters()``: the p2p tier's refusals by kind and reason (``refused_messages`` of its server,
+  ``refused_connections`` of its node, ``failed_handshakes`` of its client, ``refused_routes``),
+  its server's other counters (``server``), its sessions' advertise addresses
+  (``authenticated``) and its links (``links``).
 - ``close()``.
 Errors are answered as ``{"error": "<type>", "message": ...}``; the process goes on.
 """
@@ -133,6 +137,21 @@ class Instance:
             "pinned": len(refs),
             "busy": len(self.tm.busy_slots()),
             "peers_up": self.tm.tiers[0].peers_up(),
+        }
+
+    def counters(self) -> dict:
+        assert self.tm is not None
+        tier = self.tm.tiers[0]
+        node = tier._node
+        server = node.server_counters
+        return {
+            "refused_messages": {k[8:]: v for k, v in server.items() if k.startswith("refused.")},
+            "server": {k: v for k, v in server.items() if not k.startswith("refused.")},
+            "refused_connections": dict(node.refused_connections),
+            "failed_handshakes": dict(node.client.handshake_failures),
+            "refused_routes": dict(tier.refused_routes),
+            "authenticated": sorted(node.authenticated_peers),
+            "links": sorted(node.client.links),
         }
 
     def close(self) -> dict:

@@ -25,7 +25,9 @@ idle engine still serves. Bytes move in the peer worker process (:mod:`.worker_h
 **Routing** from an orchestrator comes per request in ``kv_transfer_params``
 (:meth:`P2PTier.on_request`, :mod:`.routing`): ``remote_prefiller`` (a decoder: pull from that
 prefiller only), ``remote_decoder`` (a prefiller: hold the request's chunks for that decoder),
-``remote_kv_source`` (probe that peer first).
+``remote_kv_source`` (probe that peer first). A peer a request names must pass the allow-list
+(:class:`~.routing.PeerPolicy`) before anything is sent to the node: one that does not is
+refused (counted by reason, logged once per address) and the request goes on without it.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ from kvoffload.tiers.p2p.commands import (
 from kvoffload.tiers.p2p.config import P2PTierConfig
 from kvoffload.tiers.p2p.locations import PeerLocations
 from kvoffload.tiers.p2p.node import PeerNode
-from kvoffload.tiers.p2p.routing import Route, parse_route
+from kvoffload.tiers.p2p.routing import ROUTE_REFUSALS, PeerPolicy, Route, parse_route
 
 log = logging.getLogger("kvoffload.p2p")
 
@@ -129,7 +131,26 @@ class P2PTier(SecondaryTierManager):
         Counter(
             "kvoffload_p2p_refused_messages",
             "Control messages this instance refused, by reason (unauthenticated, bad_mac, "
-            "malformed, too_large, namespace, version, ...).",
+            "malformed, too_large, namespace, version, reflection, misrouted, "
+            "identity_collision, ...).",
+            ("tier", "reason"),
+        ),
+        Counter(
+            "kvoffload_p2p_refused_routes",
+            "Peers named by requests' kv_transfer_params that this instance did not ask, by "
+            "reason (not_allowed, malformed, self).",
+            ("tier", "reason"),
+        ),
+        Counter(
+            "kvoffload_p2p_refused_connections",
+            "Connections to the control port refused or closed before authentication, by reason "
+            "(per_source, total, handshake_timeout, wrong_key, mechanism, handshake_failed).",
+            ("tier", "reason"),
+        ),
+        Counter(
+            "kvoffload_p2p_failed_handshakes",
+            "Handshakes of this instance with its peers that failed, by reason (bad_mac, "
+            "reflection, version, timeout, refused_<the peer's reason>, ...).",
             ("tier", "reason"),
         ),
     )
@@ -148,7 +169,9 @@ class P2PTier(SecondaryTierManager):
             raise ValueError("type: the p2p tier needs the host arena (build it with create_tier)")
         self.locality = config.locality
         secret = config.secret if config.secret is not None else os.environ.get(config.secret_env)
-        if config.auth == "secret" and not secret:
+        if config.auth == "none":
+            secret = ""  # no CurveZMQ, no proof: allowed only on loopback for trusted users
+        elif not secret:
             raise ValueError(
                 f"secret: the p2p tier needs a shared secret (the secret key, or the "
                 f"{config.secret_env} environment variable), or auth: none on a loopback host"
@@ -183,6 +206,10 @@ class P2PTier(SecondaryTierManager):
         self._events: list[TierEvent] = []  # chunks peers took from our pushes
         self._peers = tuple(config.peers)
         self._located = bool(config.peer_events)  # the node may know peers beyond the configured
+        self._policy = PeerPolicy([*config.peers, *config.peer_events], config.allowed_peers)
+        #: Peers requests named that were not asked, by reason (:data:`ROUTE_REFUSALS`).
+        self.refused_routes: dict[str, int] = dict.fromkeys(ROUTE_REFUSALS, 0)
+        self._route_logged: LRUCache[str, bool] = LRUCache(maxsize=1024)
 
     # -- start ------------------------------------------------------------------------------------
 
@@ -222,6 +249,9 @@ class P2PTier(SecondaryTierManager):
             heartbeat_s=cfg.heartbeat_s,
             peer_timeout_s=cfg.peer_timeout_s,
             max_lease_s=cfg.lease_ttl_s,
+            max_handshakes=cfg.max_handshakes,
+            max_handshakes_per_source=cfg.max_handshakes_per_source,
+            reachable=lambda ident: self._node.reachable(ident) if self._node else True,
             pull=lambda *a: self._node.pull(*a) if self._node else None,
             on_fetched=lambda kvr, keys: (
                 self._node.results.append(Fetched(kvr, keys)) if self._node else None
@@ -255,6 +285,11 @@ class P2PTier(SecondaryTierManager):
                 lease_ttl_s=cfg.lease_ttl_s,
                 count=self.count,
                 server_free_quota=self._server.free_quota,
+                static_peers=self._policy.static,
+                request_peer_idle_s=cfg.request_peer_idle_s,
+                max_request_peers=cfg.max_request_peers,
+                max_half_open=cfg.max_handshakes,
+                max_half_open_per_source=cfg.max_handshakes_per_source,
             )
         except zmq.ZMQError as e:
             if locations is not None:
@@ -264,6 +299,11 @@ class P2PTier(SecondaryTierManager):
         bound_port = int(self._node.bound.rsplit(":", 1)[1])
         self.advertise = f"{cfg.advertise_host or cfg.host}:{bound_port}"
         self._node.advertise = self.advertise
+        own = [self.advertise]
+        if cfg.host not in ("0.0.0.0", "::"):
+            own.append(f"{cfg.host}:{bound_port}")
+        self._server.addresses = tuple(dict.fromkeys(own))  # a Hello must have dialed one
+        self._policy.own = frozenset(own)
         self._node.start()
         for p in dict.fromkeys([*cfg.peers, *cfg.peer_events]):  # a session confirms its events
             self._node.submit(Connect(p))
@@ -283,9 +323,37 @@ class P2PTier(SecondaryTierManager):
         route = parse_route(kv_transfer_params)
         if route is None:
             return
+        if route.malformed:
+            self._refuse_route(route.malformed, "malformed")
+        if route.source is not None:
+            node = self._node
+            why = self._policy.refusal(
+                route.source, node.authenticated_peers if node is not None else ()
+            )
+            if why is not None:
+                self._refuse_route(route.source, why)
+                route.source = None  # remote_prefiller: no other peer either (a miss)
         self._routes[req_id] = route
         if route.source is not None and self._node is not None:
             self._node.submit(Connect(route.source))
+
+    def _refuse_route(self, addr: str, why: str) -> None:
+        """A peer a request named is not asked: counted, logged once per address."""
+        self.refused_routes[why] = self.refused_routes.get(why, 0) + 1
+        if addr not in self._route_logged:
+            self._route_logged[addr] = True
+            log.warning(
+                "p2p tier %s: a request's kv_transfer_params named %r, which is %s; the "
+                "request goes on without it (add it to allowed_peers if it is a peer)",
+                self.name,
+                addr[:128],
+                {
+                    "not_allowed": "not an allowed peer (peers, peer_events, allowed_peers, or "
+                    "a peer authenticated to this instance)",
+                    "malformed": "not a host and port",
+                    "self": "this instance",
+                }.get(why, why),
+            )
 
     @override
     def on_request_finished(self, req_id: str) -> None:
@@ -296,9 +364,9 @@ class P2PTier(SecondaryTierManager):
         """Whom to ask, as ``(head, tail)``: the request's named peer, then (the node puts the
         peers whose KV events show the key in between) the configured peers; ``tail`` None when
         the named peer is the only one to ask (``remote_prefiller``)."""
+        if route is not None and route.only:
+            return ((route.source,) if route.source is not None else ()), None
         if route is not None and route.source is not None:
-            if route.only:
-                return (route.source,), None
             return (route.source,), self._peers
         return (), self._peers
 
@@ -603,6 +671,12 @@ class P2PTier(SecondaryTierManager):
         for k, v in counters.items():
             if k.startswith("refused."):
                 metrics.set_total("kvoffload_p2p_refused_messages", v, name, k[8:])
+        for reason, v in list(self.refused_routes.items()):
+            metrics.set_total("kvoffload_p2p_refused_routes", v, name, reason)
+        for reason, v in list(node.refused_connections.items()):
+            metrics.set_total("kvoffload_p2p_refused_connections", v, name, reason)
+        for reason, v in list(client.handshake_failures.items()):
+            metrics.set_total("kvoffload_p2p_failed_handshakes", v, name, reason)
 
     @property
     def worker_pid(self) -> int | None:

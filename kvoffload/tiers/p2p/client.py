@@ -815,8 +815,16 @@ class PeerClient:
         self.results.append(Verdict(probe.key, None))
 
     def _send_probes(self, batches: dict[str, list[_Probe]], now: float) -> None:
-        for addr, probes in batches.items():
-            link = self.links[addr]
+        while batches:
+            addr = next(iter(batches))
+            probes = batches.pop(addr)
+            link = self.links.get(addr)
+            if link is None or link.state == "down":
+                # forgotten (a link a request named, evicted for a later one) or down since
+                # the probes were batched for it: they go on to their next peer
+                for probe in probes:
+                    self._probe_next(probe, batches, now)
+                continue
             for i in range(0, len(probes), pm.MAX_KEYS):
                 batch = probes[i : i + pm.MAX_KEYS]
                 keys = [p.key for p in batch]

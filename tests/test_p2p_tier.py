@@ -742,5 +742,7 @@ def test_the_demo_pairs_p2p_tiers_take_the_liveness_limits_they_are_given(tmp_pa
         tiers = [parse_config(s.offload).secondary_tiers[0].config for s in (p, d)]
         assert tiers[0].port == p_port
         assert tiers[0].peers == [f"127.0.0.1:{tiers[1].port}"] and tiers[1].peers == []
+        # D's requests name P (remote_prefiller): P is an allowed peer of D's
+        assert tiers[1].allowed_peers == [f"127.0.0.1:{tiers[0].port}"]
         for t in tiers:
             assert {k: getattr(t, k) for k in want} == want

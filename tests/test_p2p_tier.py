@@ -746,3 +746,95 @@ def test_the_demo_pairs_p2p_tiers_take_the_liveness_limits_they_are_given(tmp_pa
         assert tiers[1].allowed_peers == [f"127.0.0.1:{tiers[0].port}"]
         for t in tiers:
             assert {k: getattr(t, k) for k in want} == want
+
+
+# -- the engine thread's verdicts and peers going down (no instance, no socket) -------------------
+
+
+def engine_side_tier(max_down_log: int | None = None):
+    """A p2p tier as its engine thread sees it, never attached: its node is a results deque the
+    test fills as the node thread would (``tier._node.results``)."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from kvoffload.tiers.p2p.config import P2PTierConfig
+    from kvoffload.tiers.p2p.tier import P2PTier, _DownLog
+
+    t = P2PTier(
+        name="p2p",
+        arena_view=memoryview(bytearray(ROW)),
+        namespace=namespace(),
+        config=P2PTierConfig(secret=SECRET),
+        arena=object(),
+    )
+    if max_down_log is not None:
+        t._downs = _DownLog(max_down_log)
+    t._node = SimpleNamespace(results=deque())
+    return t
+
+
+def test_many_distinct_peers_going_down_leave_the_tiers_memory_bounded():
+    """Requests may name many peers: 3x MAX_DOWN_LOG distinct peers each told HIT for a key and
+    then going down leave at most MAX_DOWN_LOG remembered, at most MAX_PEER_LABELS metric labels,
+    and no verdict of any of them standing."""
+    from kvoffload.tiers.p2p.client import MAX_PEER_LABELS, PeerClient
+    from kvoffload.tiers.p2p.commands import PeerDown, Verdict
+    from kvoffload.tiers.p2p.tier import MAX_DOWN_LOG
+
+    t = engine_side_tier()
+    n = 3 * MAX_DOWN_LOG
+    peers = [f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}:5710" for i in range(n)]
+    keys = [i.to_bytes(32, "little") for i in range(n)]
+    for key, peer in zip(keys, peers):
+        t._node.results.extend((Verdict(key, peer), PeerDown(peer)))
+    assert t.lookup(keys[0]) == MISS  # drains them all
+    assert len(t._downs) <= MAX_DOWN_LOG
+    assert [k for k in keys if t.lookup(k) == HIT] == []
+
+    client = PeerClient.__new__(PeerClient)  # its labels alone
+    client._labels = {}
+    labels = {client.label(p) for p in peers}
+    assert len(client._labels) == MAX_PEER_LABELS
+    assert labels == {*peers[:MAX_PEER_LABELS], "other"}
+    assert client.label(peers[0]) == peers[0]  # a labelled peer keeps its label
+
+
+def test_forgetting_a_peer_can_only_void_verdicts_never_revive_one():
+    """Verdicts and peers going down in random order against a down log of 8 peers, compared
+    with unbounded memory: a verdict learnt before its peer went down is never HIT again, even
+    once that peer is forgotten; a verdict learnt after the last peer went down stands."""
+    import random
+
+    from kvoffload.tiers.p2p.commands import PeerDown, Verdict
+
+    rng = random.Random(23)
+    t = engine_side_tier(max_down_log=8)
+    peers = [f"peer-{i}:5710" for i in range(40)]
+    learnt: dict[bytes, tuple[str, int]] = {}  # key -> (peer, downs of all peers so far)
+    downs: dict[str, int] = {}  # peer -> how many went down before its last going down
+    total = 0
+    voided = 0
+    for step in range(5000):
+        peer = rng.choice(peers)
+        if rng.random() < 0.4:
+            total += 1
+            downs[peer] = total
+            t._node.results.append(PeerDown(peer))
+        else:
+            key = rng.randrange(200).to_bytes(32, "little")
+            learnt[key] = (peer, total)
+            t._node.results.append(Verdict(key, peer))
+        key = rng.choice(list(learnt)) if learnt else b"\0" * 32
+        got = t.lookup(key)
+        holder, at = learnt.get(key, ("", 0))
+        void = holder == "" or downs.get(holder, 0) > at
+        if void:
+            assert got == MISS, f"step {step}: a void verdict of {holder} revived"
+        elif got == MISS:
+            voided += 1  # forgetting voided a verdict still good: allowed, never the reverse
+            learnt.pop(key)
+    assert len(t._downs) <= 8
+    assert voided > 0  # the log did forget peers whose verdicts it then voided
+    key = b"fresh".ljust(32, b"\0")
+    t._node.results.append(Verdict(key, peers[0]))
+    assert t.lookup(key) == HIT  # learnt after every going down so far: it stands

@@ -521,9 +521,11 @@ class PeerClient:
         """The ``peer`` label value of ``peer`` in metrics (given when its link is made)."""
         label = self._labels.get(peer)
         if label is None:
-            # bounded cardinality: the first MAX_PEER_LABELS peers by name, the rest as "other"
-            label = peer if len(self._labels) < MAX_PEER_LABELS else "other"
-            self._labels[peer] = label
+            # bounded cardinality (and memory): the first MAX_PEER_LABELS peers by name, the rest
+            # as "other"
+            if len(self._labels) >= MAX_PEER_LABELS:
+                return "other"
+            label = self._labels[peer] = peer
         return label
 
     def stat(self, peer: str, what: str, n: float = 1) -> None:

@@ -76,6 +76,32 @@ _HIT, _MISS, _RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
 _STUCK_CONTEXTS: list[Any] = []  # contexts of node threads that did not stop (see shutdown)
 
 
+MAX_DOWN_LOG = 4096
+"""Peers whose last going down the engine thread remembers (requests may name many peers)."""
+
+
+class _DownLog(LRUCache[str, int]):
+    """peer -> the sequence number of its last going down, for at most ``maxsize`` peers (least
+    recently used forgotten first). A peer no longer in it is taken to have gone down at the
+    latest number forgotten (:meth:`last`), which is at least its own: so forgetting a peer can
+    only void verdicts learnt before that number, never revive one learnt before its going down.
+    Entries only ever leave by eviction (nothing deletes one)."""
+
+    def __init__(self, maxsize: int):
+        super().__init__(maxsize=maxsize)
+        self.floor = 0  # the latest sequence number forgotten
+
+    def popitem(self) -> tuple[str, int]:  # cachetools calls it to evict
+        peer, seq = super().popitem()
+        self.floor = max(self.floor, seq)
+        return peer, seq
+
+    def last(self, peer: str) -> int:
+        """The sequence number of ``peer``'s last going down (0: never, as far as known)."""
+        seq = self.get(peer)
+        return self.floor if seq is None else seq
+
+
 class _LoadJob:
     __slots__ = ("meta", "parts", "ok", "failed", "nbytes", "t0")
 
@@ -186,12 +212,14 @@ class P2PTier(SecondaryTierManager):
         self._ctx: zmq.Context | None = None
         self.advertise = ""
         # verdicts: key -> the peer that has it READY; keys no peer has (for negative_ttl_s)
-        # key -> (the peer that has it, that peer's down count when it was learnt): a peer going
-        # down bumps its count, which voids its entries as they are next read (no scan)
+        # key -> (the peer that has it, the down sequence number when it was learnt): a peer
+        # going down takes the next number, which voids its older entries as they are next read
+        # (no scan)
         self._peer_of: LRUCache[bytes, tuple[str, int]] = LRUCache(
             maxsize=config.lookup_cache_entries
         )
-        self._downs: dict[str, int] = {}
+        self._downs = _DownLog(MAX_DOWN_LOG)
+        self._down_seq = 0
         self._absent: TLRUCache[bytes, float] = TLRUCache(
             maxsize=config.lookup_cache_entries, ttu=lambda k, ttl, now: now + ttl
         )
@@ -406,8 +434,8 @@ class P2PTier(SecondaryTierManager):
         entry = self._peer_of.get(key)
         if entry is None:
             return ""
-        peer, downs = entry
-        if downs != self._downs.get(peer, 0):
+        peer, learnt = entry
+        if self._downs.last(peer) > learnt:  # it went down since
             del self._peer_of[key]
             return ""
         return peer
@@ -517,7 +545,7 @@ class P2PTier(SecondaryTierManager):
                     key, peer = r.key, r.peer
                     waiting = self._waiting.pop(key, None)
                     if peer is not None:
-                        self._peer_of[key] = (peer, self._downs.get(peer, 0))
+                        self._peer_of[key] = (peer, self._down_seq)
                         self._absent.pop(key, None)
                     else:
                         if self.config.negative_ttl_s > 0:
@@ -539,9 +567,8 @@ class P2PTier(SecondaryTierManager):
                     if meta is None:
                         continue
                     if r.peer is not None:
-                        downs = self._downs.get(r.peer, 0)
                         for k in r.ok:
-                            self._peer_of[k] = (r.peer, downs)
+                            self._peer_of[k] = (r.peer, self._down_seq)
                         if r.ok and self.record_events:  # held at a peer now: medium PEER
                             self._events.append(TierEvent(list(r.ok), False))
                     self._finished.append(
@@ -555,7 +582,8 @@ class P2PTier(SecondaryTierManager):
                         else JobResult(job_id=r.job_id, success=True)
                     )
                 case PeerDown():
-                    self._downs[r.peer] = self._downs.get(r.peer, 0) + 1
+                    self._down_seq += 1
+                    self._downs[r.peer] = self._down_seq
                 case Fetched():
                     self._fetched(r.kv_request_id, set(r.keys))
 

@@ -152,6 +152,61 @@ def test_c38_a_peer_authenticated_to_this_instance_may_be_named_by_a_request(wor
     assert not any(tier(v).refused_routes.values())
 
 
+def test_c38_with_auth_none_a_session_claiming_an_address_allows_no_request_to_name_it(world):
+    """With ``auth: none`` a session proves nothing: a local program that opens one advertising
+    some address (here a listener of its own) does not make that address one a request may
+    name: refused ``not_allowed`` before any socket, and the listener gets no connection."""
+    v = world.rig(p2p("tcp", free_port(), auth="none", trust_local_users=True, secret=None))
+    t = tier(v)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        bait = f"127.0.0.1:{listener.getsockname()[1]}"
+        claim = RawClient(t.advertise, namespace(row_bytes=ROW).id(), None, advertise=bait)
+        try:
+            assert isinstance(claim.handshake(), pm.Welcome)
+            wait_until(
+                lambda: bait in t._node.authenticated_peers or None,
+                PATIENCE_S,
+                "the claiming session to be up",
+            )
+            v.tm.on_request("r", {"remote_prefiller": route(bait)})
+            assert settle(v, keys_for(2, seed=386), "r") == [MISS, MISS]
+            readable, _, _ = select.select([listener], [], [], 0)
+            assert readable == [], "a connection reached the address a session claimed"
+        finally:
+            claim.close()
+    assert t.refused_routes["not_allowed"] == 1
+    assert bait not in t._node.client.links
+
+
+def test_c38_a_listener_without_curvezmq_at_a_peers_address_gets_no_frame(world):
+    """A downgrade from the client's side: V's configured peer address is taken by a plain ZMQ
+    ROUTER (no CurveZMQ, as a program without the secret would run): V's client completes no
+    ZMQ handshake with it, so the listener receives no frame (no Hello, no descriptor) and no
+    session comes up."""
+    import zmq
+
+    ctx = zmq.Context()
+    plain = ctx.socket(zmq.ROUTER)
+    plain.setsockopt(zmq.LINGER, 0)
+    try:
+        port = plain.bind_to_random_port("tcp://127.0.0.1")
+        bait = f"127.0.0.1:{port}"
+        v = world.rig(p2p("tcp", free_port(), [bait], heartbeat_s=0.1, peer_timeout_s=0.5))
+        t = tier(v)
+        v.tm.on_request("r", {"remote_prefiller": route(bait)})
+        assert settle(v, keys_for(2, seed=387), "r") == [MISS, MISS]
+        wait_until(
+            lambda: t._node.client.links[bait].connects >= 2 or None,
+            PATIENCE_S,
+            "V's client to have tried twice",
+        )
+        assert plain.poll(500) == 0, "the plain listener received a frame"
+        assert t.peers_up() == []
+    finally:
+        plain.close()
+        ctx.term()
+
+
 def test_c38_300_request_named_allowed_addresses_leave_at_most_the_bound_and_none_when_idle(
     world,
 ):

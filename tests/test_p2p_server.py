@@ -391,6 +391,23 @@ def test_c42_a_second_live_instance_claiming_a_peers_address_is_refused_and_both
     assert srv.server.counters["restarts"] == 2
 
 
+def test_c42_a_peer_advertising_this_instances_own_address_is_refused_as_a_collision(rig, caplog):
+    """A peer that proves the secret but advertises an address this instance is dialed at (two
+    instances configured with one identity) is refused ``identity_collision``, counted and
+    logged naming the address; it gets no session and no descriptor."""
+    srv = Server(rig)
+    claims = Client(srv, identity=b"twin", advertise=SERVER_ADDR, source="198.18.0.3")
+    with caplog.at_level("ERROR", logger="kvoffload.p2p"):
+        assert claims.handshake() == pm.Refused("identity_collision")
+    assert srv.server.refused["identity_collision"] == 1
+    assert srv.server.counters["collisions"] == 1
+    assert srv.server.sessions() == []
+    assert all(SERVER_DESC not in f for f in claims.frames)
+    assert "identity collision" in caplog.text and SERVER_ADDR in caplog.text
+    # a peer advertising an address of its own is welcomed as before
+    assert isinstance(Client(srv, identity=b"other").connect(), pm.Welcome)
+
+
 # -- lookups and leases -------------------------------------------------------------------------
 
 

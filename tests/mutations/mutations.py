@@ -953,4 +953,26 @@ MUTATIONS: list[Mutation] = [
             ATT + "test_c42_two_readers_in_two_namespaces_advertising_one_address",
         ),
     ),
+    Mutation(
+        "C38",
+        "with auth none a session's claimed address allows requests to name it",
+        "kvoffload/tiers/p2p/tier.py",
+        "if node is not None and self._secret else ()",
+        "if node is not None else ()",
+        (
+            ATT + "test_c38_with_auth_none_a_session_claiming_an_address_allows_no_request_to_"
+            "name_it",
+        ),
+    ),
+    Mutation(
+        "C42",
+        "a peer advertising this instance's own address is welcomed",
+        "kvoffload/tiers/p2p/server.py",
+        "        if hello.advertise in self.addresses:  # another instance claims to be this one\n",
+        "        if False:\n",
+        (
+            P2PS + "test_c42_a_peer_advertising_this_instances_own_address_is_refused_as_a_"
+            "collision",
+        ),
+    ),
 ]

@@ -115,7 +115,7 @@ class P2PTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         peers: the static peer list, ``["host:port", ...]``, asked in this order.
         allowed_peers: the peers a request's ``kv_transfer_params`` may name besides the
             static ``peers``, the ``peer_events`` peers and the peers authenticated to this
-            instance: ``host:port``, ``host`` (any port) or a network (``10.0.0.0/8``, with an
+            instance (with ``auth: secret``): ``host:port``, ``host`` (any port) or a network (``10.0.0.0/8``, with an
             optional ``:port``); names are compared as written, never resolved. Any other
             address a request names is refused before a socket is made (counted).
         request_peer_idle_s: a link to a peer a request named is closed and forgotten when no

@@ -12,8 +12,8 @@ prefill's chunks.
 
 ``kv_transfer_params`` come from whoever sends the API request, so an address they name is only a
 choice among peers this instance already trusts (:class:`PeerPolicy`): the static ``peers``, the
-``peer_events`` peers, the peers authenticated to this instance now (their advertise address) and
-``allowed_peers``. Any other is refused: the request goes on without it (a ``remote_prefiller``
+``peer_events`` peers, the peers authenticated to this instance now (their advertise address; with
+``auth: secret`` only, as a session under ``auth: none`` proves nothing) and ``allowed_peers``. Any other is refused: the request goes on without it (a ``remote_prefiller``
 refused leaves that request no peer: a miss), never an error to the API user.
 """
 
@@ -119,7 +119,7 @@ class PeerPolicy:
     def refusal(self, addr: str, authenticated: Collection[str] = ()) -> str | None:
         """None if a request may name ``addr`` (``host:port``), else why not (one of
         :data:`ROUTE_REFUSALS`). ``authenticated``: the advertise addresses of the peers
-        authenticated to this instance now. Names are compared as written, never resolved."""
+        authenticated to this instance now (the tier passes none under ``auth: none``). Names are compared as written, never resolved."""
         if addr in self.own:
             return "self"
         if addr in self.static or addr in authenticated:

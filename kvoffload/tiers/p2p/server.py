@@ -33,7 +33,8 @@ Hello whose ``advertise`` an authenticated session already holds with another in
 restart only when that session is gone (its connection closed: ``reachable`` says no) or silent
 for ``peer_timeout_s``; while it lives, the newcomer is a second instance claiming the same
 address, refused ``identity_collision`` (logged with both incarnations and sources), and the live
-session and its leases stay.
+session and its leases stay. A peer advertising one of this instance's own :attr:`addresses`
+claims this instance's identity: refused ``identity_collision`` too.
 
 Leases: each Lease message is one holder of pins in the manager (``lease:<id>``), released by the
 client's Release, at its expiry (``min(ttl_s, max_lease_s)``), when its session goes silent for
@@ -468,6 +469,8 @@ class PeerServer:
         if mine is None:
             return self._refuse(identity, "not_ready")
         hello = hs.hello
+        if hello.advertise in self.addresses:  # another instance claims to be this one
+            return self._own_address_claimed(identity, hs)
         same = [s for s in self._sessions.values() if s.advertise == hello.advertise]
         for other in same:
             if other.incarnation != hello.incarnation and self._alive(other, now):
@@ -517,6 +520,23 @@ class PeerServer:
             live.advertise,
             live.incarnation.hex()[:8],
             live.source or "?",
+        )
+        return self._refuse(identity, "identity_collision")
+
+    def _own_address_claimed(self, identity: bytes, hs: _Handshake) -> list[Reply]:
+        """A peer (its incarnation is not ours: that was refused as a reflection) advertises an
+        address this instance is dialed at: two instances claim one identity, and peers dialing
+        it may reach either. Refused, as a collision with this instance's own."""
+        self._counts["collisions"] += 1
+        log.error(
+            "kvoffload p2p: refused a session: identity collision: a second instance "
+            "(incarnation %s, connected from %s) claims the advertise address %s of this "
+            "instance (incarnation %s). Two instances advertise the same address: give each an "
+            "advertise_host:port peers reach it at",
+            hs.hello.incarnation.hex()[:8],
+            hs.source or "?",
+            hs.hello.advertise,
+            self.incarnation.hex()[:8],
         )
         return self._refuse(identity, "identity_collision")
 

@@ -355,9 +355,10 @@ class P2PTier(SecondaryTierManager):
             self._refuse_route(route.malformed, "malformed")
         if route.source is not None:
             node = self._node
-            why = self._policy.refusal(
-                route.source, node.authenticated_peers if node is not None else ()
-            )
+            # with auth none a session proves nothing: its advertise address is any local
+            # user's claim, so it allows no route
+            authenticated = node.authenticated_peers if node is not None and self._secret else ()
+            why = self._policy.refusal(route.source, authenticated)
             if why is not None:
                 self._refuse_route(route.source, why)
                 route.source = None  # remote_prefiller: no other peer either (a miss)

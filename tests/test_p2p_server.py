@@ -689,7 +689,7 @@ def test_fuzzed_frames_and_hostile_messages_never_raise_nor_leak_a_pin(fuzz_rig,
             srv,
             identity=b"peer-%d" % i,
             incarnation=bytes([65 + i]) * 16,
-            advertise=f"10.0.0.{i}:5710",
+            advertise=f"10.0.0.{i + 2}:5710",  # 10.0.0.1 is the server's (SERVER_ADDR)
         )
         for i in range(3)
     ]
@@ -712,12 +712,13 @@ def test_fuzzed_frames_and_hostile_messages_never_raise_nor_leak_a_pin(fuzz_rig,
             c.hello = pm.Hello(
                 pm.PROTOCOL_VERSION,
                 c.hello.incarnation,
-                f"10.0.0.{b}:5710",
+                f"10.0.0.{b + 1}:5710",
                 SERVER_ADDR,
                 c.hello.namespace_id,
                 os.urandom(32),
             )
-            c.handshake(now)  # another live client's address: refused identity_collision
+            # the server's own address or a live client's: refused identity_collision
+            c.handshake(now)
         elif kind == "settle" and srv.pulls:
             ident, _, lease, pairs = srv.pulls.pop(a % len(srv.pulls))
             for (s, _r), ok in zip(pairs, b):

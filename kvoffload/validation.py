@@ -23,6 +23,7 @@ import copy
 import difflib
 import functools
 import importlib
+import json
 import re
 from types import ModuleType
 from typing import Annotated, Any, TypeVar
@@ -413,7 +414,22 @@ def _value_problem(root: type[msgspec.Struct], parts: list, msg: str, value: Any
     values = _literal_values(root, sub) if "Invalid enum value" in msg else None
     if values:
         detail += f"; allowed: {', '.join(map(str, values))}"
+    elif not _SECRET_NAME_RE.search(str(name)):  # msgspec's message names the type, not the value
+        detail += f" (given: {_given(value)})"
     return detail
+
+
+_SECRET_NAME_RE = re.compile(r"secret|token|password|credential|key", re.IGNORECASE)
+"""Keys whose wrongly typed value is not repeated in an error (it may be the secret itself)."""
+
+
+def _given(value: Any, limit: int = 60) -> str:
+    """``value`` as JSON, shortened to ``limit`` characters."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _field_info(owner: type[msgspec.Struct] | None, name: str) -> msgspec.inspect.Field | None:

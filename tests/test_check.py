@@ -17,6 +17,7 @@ import re
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -113,7 +114,7 @@ def test_every_error_of_a_config_is_listed_at_once_each_with_its_key_path(tmp_pa
         f"{t}[0].max_bytes: a size in bytes, as an integer, not the string '1GB' (1 GiB is "
         '1073741824, 1 GB is 1000000000); also allowed: "unbounded", null (auto: 50% of the free '
         "space on root_dir's filesystem at start, plus this namespace's chunks there)",
-        f"{t}[0].io_threads: Expected `int` >= 1",
+        f"{t}[0].io_threads: Expected `int` >= 1 (given: 0)",
         f"{t}[2].peers[0]: 'node-b' is not host:port (port 1-65535)",
         f"{t}[2].heartbeat_s: heartbeat_s (5.0) must be below peer_timeout_s (2.0)",
     ]
@@ -139,17 +140,17 @@ def test_parse_config_at_engine_start_raises_one_error_listing_all_first_first(t
         parse_config(raw)
     t = f"{EXTRA}.secondary_tiers"
     assert [(i.path, i.message) for i in e.value.errors] == [
-        (f"{EXTRA}.cpu_bytes_to_use", "Expected `int` >= 1"),
-        (f"{EXTRA}.tier_pin_fraction", "Expected `float` <= 1.0"),
+        (f"{EXTRA}.cpu_bytes_to_use", "Expected `int` >= 1 (given: 0)"),
+        (f"{EXTRA}.tier_pin_fraction", "Expected `float` <= 1.0 (given: 2)"),
         (f"{t}[0].root_dir", "required, and missing"),
-        (f"{t}[1].io_workers", "Expected `int` >= 1"),
+        (f"{t}[1].io_workers", "Expected `int` >= 1 (given: 0)"),
     ]
     assert str(e.value).splitlines() == [
-        f"{EXTRA}.cpu_bytes_to_use: Expected `int` >= 1",
+        f"{EXTRA}.cpu_bytes_to_use: Expected `int` >= 1 (given: 0)",
         "and 3 more errors:",
-        f"  {EXTRA}.tier_pin_fraction: Expected `float` <= 1.0",
+        f"  {EXTRA}.tier_pin_fraction: Expected `float` <= 1.0 (given: 2)",
         f"  {t}[0].root_dir: required, and missing",
-        f"  {t}[1].io_workers: Expected `int` >= 1",
+        f"  {t}[1].io_workers: Expected `int` >= 1 (given: 0)",
     ]
     assert pickle.loads(pickle.dumps(e.value)).errors == e.value.errors
     # the root_dir checks of this machine still run at start, as before
@@ -185,7 +186,11 @@ def test_invalid_config_as_json_is_an_object_of_its_errors(tmp_path):
             "message": "a size in bytes, as an integer, not the string '1GiB' (1 GiB is 1073741824)",
             "scope": "syntax",
         },
-        {"path": f"{EXTRA}.block_size", "message": "Expected `int` >= 1", "scope": "syntax"},
+        {
+            "path": f"{EXTRA}.block_size",
+            "message": "Expected `int` >= 1 (given: 0)",
+            "scope": "syntax",
+        },
     ]
     assert {c["scope"] for c in doc["checks"]} >= {"syntax", "not checked"}
 
@@ -217,7 +222,7 @@ def test_the_whole_kv_transfer_config_object_is_checked_as_far_as_kvoffload_know
         "by vLLM's OffloadingConnector"
     )
     assert errors[1].startswith("kv_transfer_config.kv_role: not given: vLLM needs one of")
-    assert errors[2] == f"{EXTRA}.cpu_bytes_to_use: Expected `int` >= 1"
+    assert errors[2] == f"{EXTRA}.cpu_bytes_to_use: Expected `int` >= 1 (given: -1)"
     assert row(res.stdout, "kv_transfer_config.kv_buffer_devce", "vLLM key")[1].startswith(
         "warning: not a key of vLLM's KVTransferConfig as kvoffload knows it (did you mean "
         "'kv_buffer_device'?)"
@@ -230,6 +235,11 @@ def test_the_whole_kv_transfer_config_object_is_checked_as_far_as_kvoffload_know
         'not read kvoffload\'s keys; add "spec_name": "KVOffloadSpec", "spec_module_path": '
         '"kvoffload.vllm"'
     ]
+    # and the settings table says so, rather than showing the field's own default
+    assert re.search(
+        r"│ spec_name +│ not set: vLLM loads its own CPUOffloadingSpec, not kvoffload's +│ default",
+        res.stdout,
+    ), res.stdout
 
 
 # -- this machine ----------------------------------------------------------------------------------
@@ -441,9 +451,16 @@ def test_a_host_tier_below_one_chunk_of_the_model_is_an_error(tmp_path, model_di
     assert error_lines(res) == [
         f"{EXTRA}.cpu_bytes_to_use: 100000 bytes cannot hold one chunk of {CHUNK} bytes (16 "
         "tokens: blocks_per_chunk 1 x engine block size 16, vLLM's default on GPUs "
-        "(--block-size); x 2 (K, V) x 30 layers x 3 KV heads x 64 head dim x 2 bytes (bfloat16)): "
-        f"the engine would refuse to start; raise cpu_bytes_to_use to at least {CHUNK}"
+        "(--block-size); x 2 (K, V) x 30 layers x 3 KV heads x 64 head dim x 2 bytes (the model's "
+        f"bfloat16)): the engine would refuse to start; raise cpu_bytes_to_use to at least {CHUNK}"
     ]
+    # the engine's --dtype as given to vLLM (vLLM-CPU runs in float32): twice the bytes
+    res = run_check(
+        tmp_path, {**SPEC, "cpu_bytes_to_use": CHUNK}, "--model", str(model_dir), "--dtype", "float"
+    )
+    assert res.exit_code == 1, res.output
+    assert "x 4 bytes (--dtype float)): the engine would refuse to start; raise cpu_bytes_to_use " \
+        f"to at least {2 * CHUNK}" in error_lines(res)[0]  # fmt: skip
     # the engine's block size as served, and the longest request
     res = run_check(
         tmp_path,
@@ -719,3 +736,26 @@ def test_kv_events_bound_beyond_loopback_are_a_warning_naming_what_travels_there
         assert "KV events" not in res.stdout.split("checks")[-1].replace(
             "KV events on loopback", ""
         )
+
+
+def test_every_kvoffload_config_in_the_readme_is_valid_and_loads_kvoffload(tmp_path):
+    """A config copied from README.md passes ``check --syntax-only`` and names kvoffload's spec
+    (an example without ``spec_name`` made vLLM load its own CPUOffloadingSpec). The blocks for
+    vLLM's TieringOffloadingSpec are vLLM's to validate and are skipped."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    configs = []
+    for block in re.findall(r"```(?:json|bash)\n(.*?)\n```", readme, re.S):
+        for text in [block, *re.findall(r"--kv-transfer-config '(\{.*?\})'", block, re.S)]:
+            try:
+                raw = json.loads(text)
+            except ValueError:
+                continue
+            extra = raw.get("kv_connector_extra_config", raw) if isinstance(raw, dict) else None
+            if isinstance(extra, dict) and extra.get("spec_name") != "TieringOffloadingSpec":
+                configs.append(raw)
+    assert len(configs) >= 5, configs
+    for raw in configs:
+        res = run_check(tmp_path, raw, "--syntax-only")
+        assert res.exit_code == 0, (raw, res.output)
+        spec = [r for k, c, _, r in checks(res.stdout) if c == "spec loaded by vLLM"]
+        assert len(spec) == 1 and spec[0].startswith("ok"), (raw, res.stdout)

@@ -68,8 +68,8 @@ def test_c21_unknown_tier_type():
 @pytest.mark.parametrize(
     "value, why",
     [
-        (-5, "Expected `int` >= 1"),
-        (0, "Expected `int` >= 1"),
+        (-5, "Expected `int` >= 1 (given: -5)"),
+        (0, "Expected `int` >= 1 (given: 0)"),
         (
             "10GB",
             "a size in bytes, as an integer, not the string '10GB' "
@@ -80,7 +80,7 @@ def test_c21_unknown_tier_type():
             "a size in bytes, as an integer (e.g. 1073741824 for 1 GiB), not the string 'lots'",
         ),
         ("4096", "a size in bytes, as an integer: write 4096 without quotes"),
-        (1.5, "Expected `int`, got `float`"),
+        (1.5, "Expected `int`, got `float` (given: 1.5)"),
     ],
 )
 def test_c21_wrong_unit_or_type_for_sizes(value, why):
@@ -97,8 +97,8 @@ FS_MAX_BYTES_FORMS = (
 @pytest.mark.parametrize(
     "max_bytes, why",
     [
-        (0, "Expected `int` >= 1"),
-        (-1, "Expected `int` >= 1"),
+        (0, "Expected `int` >= 1 (given: 0)"),
+        (-1, "Expected `int` >= 1 (given: -1)"),
         (
             "10GB",
             "a size in bytes, as an integer, not the string '10GB' (10 GiB is 10737418240, "
@@ -208,3 +208,15 @@ def test_config_and_tier_registry_import_alone():
             [sys.executable, "-c", f"import {module}"], capture_output=True, text=True
         )
         assert out.returncode == 0, (module, out.stderr)
+
+
+def test_a_wrongly_typed_value_is_repeated_in_its_error_unless_it_may_be_a_secret():
+    msg = fails({**BASE, "block_size": [16]})
+    assert msg == (
+        "kv_connector_extra_config.block_size: Expected `int | null`, got `array` (given: [16])"
+    )
+    # a secret given as a number by mistake is still the secret: not echoed into logs
+    msg = fails(
+        {**BASE, "secondary_tiers": [{"type": "p2p", "secret": 918273645546372819}]}, "secret"
+    )
+    assert "918273645546372819" not in msg and "given" not in msg, msg

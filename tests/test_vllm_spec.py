@@ -286,7 +286,6 @@ def test_c05_nondeterministic_block_hashes_with_a_shared_tier_fail_at_start(
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import init_none_hash
 
-    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     extra = {
         "cpu_bytes_to_use": 1 << 22,
         "arena_name": arena_name(),
@@ -294,12 +293,19 @@ def test_c05_nondeterministic_block_hashes_with_a_shared_tier_fail_at_start(
     }
     vc = engine_config(tiny_model, extra, hash_algo="xxhash")
     try:
-        with pytest.raises(ConfigError, match="prefix_caching_hash_algo='xxhash'.*PYTHONHASHSEED"):
-            scheduler_manager(vc)
-        monkeypatch.setenv("PYTHONHASHSEED", "0")
-        scheduler_manager(vc).shutdown()
+        with monkeypatch.context() as env:
+            env.delenv("PYTHONHASHSEED", raising=False)
+            with pytest.raises(
+                ConfigError, match="prefix_caching_hash_algo='xxhash'.*PYTHONHASHSEED"
+            ):
+                scheduler_manager(vc)
+            env.setenv("PYTHONHASHSEED", "0")
+            scheduler_manager(vc).shutdown()
     finally:
-        init_none_hash(sha256)  # vLLM's scheduler seeds its hash chain for the engine's algorithm
+        # vLLM's scheduler seeded this process's hash chain for xxhash (and the seed "0"): seed it
+        # again as the engine's default algorithm under the environment as it was, or later tests
+        # of this process (vLLM 0.33's p2p tier compares seeds with a spawned peer) see "0".
+        init_none_hash(sha256)
 
 
 def test_a_host_tier_smaller_than_one_request_is_warned_in_the_scheduler(tiny_model, caplog):

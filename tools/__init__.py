@@ -20,11 +20,13 @@ def scratch_fs_tier(root_dir: str, **settings) -> dict:
 def stdout_console(**settings: Any) -> Any:
     """A rich ``Console`` for a command's report on stdout: today's look on a terminal; on a pipe or
     a file no width to fit, so no line or table cell is folded and a path copied from the output
-    stays whole (``kvoffload check``, ``inspect``, ``sweep``, ``stress``)."""
+    stays whole (``kvoffload check``, ``inspect``, ``sweep``, ``stress``). With ``stderr=True``
+    the same for a command's errors on stderr."""
     import sys
 
     from rich.console import Console
 
-    if sys.stdout.isatty():
+    stream = sys.stderr if settings.get("stderr") else sys.stdout
+    if stream.isatty():
         return Console(**settings)
     return Console(width=100_000, **settings)

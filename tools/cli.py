@@ -108,13 +108,35 @@ def exit_on_signals() -> None:
     """Make SIGTERM and SIGHUP end the command as an exception (``SystemExit(128 + signal)``), so
     its ``finally`` blocks and context managers run: the vLLM servers the demo and the benchmarks
     start live in process groups of their own, and a command killed by the default action left
-    them running. A handler some caller installed before is kept."""
+    them running. Only the first signal (SIGINT included: Ctrl-C raises ``KeyboardInterrupt``
+    once) interrupts; while the command cleans up, later ones are ignored with one note on
+    stderr, so a second Ctrl-C or a supervisor's repeated SIGTERM cannot cut the cleanup short
+    (SIGKILL still can). A handler some caller installed before is kept."""
+    global _signals_seen
+    _signals_seen = 0
     for signum in (signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(signum) is signal.SIG_DFL:
             signal.signal(signum, _exit_for_signal)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _exit_for_signal)
+
+
+_signals_seen = 0
+"""Signals :func:`_exit_for_signal` received since :func:`exit_on_signals`: the first one ends the
+command, later ones are ignored."""
 
 
 def _exit_for_signal(signum: int, frame: object) -> None:
+    global _signals_seen
+    _signals_seen += 1
+    if _signals_seen == 2:
+        print(f"kvoffload: {signal.Signals(signum).name} ignored while cleaning up after the "
+              "first signal (SIGKILL ends it at once, leaving what it started running)",
+              file=sys.stderr)  # fmt: skip
+    if _signals_seen > 1:
+        return
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
     raise SystemExit(128 + signum)
 
 
@@ -262,8 +284,15 @@ def sweep(list_only: bool, fs_roots: tuple[str, ...], older_than: float | None) 
     type=click.Choice(["auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"]),
     default="auto",
     show_default=True,
-    help="With --model: the KV cache dtype; auto: the model's (a float32 model counts 2 bytes: "
-    "vLLM's --dtype auto runs it in 16 bits; give float32 for a server run with --dtype float32).",
+    help="With --model: the KV cache dtype (vLLM's --kv-cache-dtype); auto: the engine's --dtype.",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["auto", "float32", "float", "float16", "half", "bfloat16"]),
+    default="auto",
+    show_default=True,
+    help="With --model: the engine's dtype (vLLM's --dtype; vLLM-CPU runs are often float32); "
+    "auto: the model's, a float32 model counted in 16 bits as vLLM's --dtype auto runs it.",
 )
 def check(
     config_file,
@@ -274,6 +303,7 @@ def check(
     engine_block_size: int | None,
     max_model_len: int | None,
     kv_cache_dtype: str,
+    dtype: str,
 ) -> None:
     """Check CONFIG_FILE, the JSON of kv_connector_extra_config or the whole --kv-transfer-config
     object, and print the resolved config: every key, the value the engine will use and whether
@@ -286,8 +316,9 @@ def check(
     for given, name in ((engine_block_size, "--block-size"), (max_model_len, "--max-model-len")):
         if given is not None and model_dir is None:
             _bad_input(f"{name} applies to --model; name the model directory")
-    if kv_cache_dtype != "auto" and model_dir is None:
-        _bad_input("--kv-cache-dtype applies to --model; name the model directory")
+    for given, name in ((kv_cache_dtype, "--kv-cache-dtype"), (dtype, "--dtype")):
+        if given != "auto" and model_dir is None:
+            _bad_input(f"{name} applies to --model; name the model directory")
     options = config_check.Options(
         syntax_only=syntax_only,
         online=online,
@@ -295,6 +326,7 @@ def check(
         engine_block_size=engine_block_size,
         max_model_len=max_model_len,
         kv_cache_dtype=kv_cache_dtype,
+        dtype=dtype,
     )
     try:
         checked = config_check.check_text(config_file.read(), config_file.name, options)

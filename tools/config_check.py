@@ -80,10 +80,13 @@ DEFAULT_ENGINE_BLOCK_SIZE = 16
 """vLLM's default block size (tokens) on GPUs; vLLM-CPU's is 128 (``--block-size`` sets it)."""
 ONLINE_TIMEOUT_S = 3.0
 """Connect and read timeout of each ``--online`` check (seconds); no retries."""
-#: Bytes per KV element by ``--kv-cache-dtype``.
+#: Bytes per KV element by ``--kv-cache-dtype`` (or ``--dtype``: ``half`` and ``float`` are vLLM's
+#: aliases of float16 and float32).
 DTYPE_BYTES = {
     "float32": 4,
+    "float": 4,
     "float16": 2,
+    "half": 2,
     "bfloat16": 2,
     "fp8": 1,
     "fp8_e4m3": 1,
@@ -165,7 +168,9 @@ class Options(msgspec.Struct, kw_only=True):
         model_dir: a local Hugging Face model directory (``config.json``): the chunk size.
         engine_block_size: the engine's block size (tokens); None: vLLM's GPU default.
         max_model_len: the longest request (tokens); None: the model's ``max_position_embeddings``.
-        kv_cache_dtype: ``auto`` (the model's dtype) or a :data:`DTYPE_BYTES` name.
+        kv_cache_dtype: ``auto`` (the engine's ``dtype``) or a :data:`DTYPE_BYTES` name.
+        dtype: the engine's ``--dtype``: ``auto`` (the model's, float32 run in 16 bits, as vLLM
+            does) or a :data:`DTYPE_BYTES` name (``half``, ``float`` too, vLLM's aliases).
         shm_dir: where host arenas live (``/dev/shm``).
         timeout_s: connect and read timeout of each online check (seconds).
     """
@@ -176,6 +181,7 @@ class Options(msgspec.Struct, kw_only=True):
     engine_block_size: int | None = None
     max_model_len: int | None = None
     kv_cache_dtype: str = "auto"
+    dtype: str = "auto"
     shm_dir: str = "/dev/shm"
     timeout_s: float = ONLINE_TIMEOUT_S
 
@@ -833,9 +839,11 @@ class ModelKV(msgspec.Struct, kw_only=True):
     max_len: int | None = None
 
 
-def model_kv(model_dir: str, kv_cache_dtype: str = "auto") -> ModelKV:
+def model_kv(model_dir: str, kv_cache_dtype: str = "auto", dtype: str = "auto") -> ModelKV:
     """KV bytes per token of a local Hugging Face model directory, for plain attention models
-    (every layer full or sliding-window attention, K and V per KV head).
+    (every layer full or sliding-window attention, K and V per KV head). The KV cache's dtype is
+    ``kv_cache_dtype``, else the engine's ``dtype`` (vLLM's ``--dtype``), else the model's
+    (vLLM's ``--dtype auto``: a float32 model runs in 16 bits); ``how`` names which.
 
     Raises:
         CheckInputError: no readable ``config.json`` in ``model_dir``.
@@ -880,14 +888,21 @@ def model_kv(model_dir: str, kv_cache_dtype: str = "auto") -> ModelKV:
     missing = [k for k, v in shape.items() if not (isinstance(v, int) and v > 0)]
     if missing:
         return unknown(f"config.json does not give {', '.join(missing)}")
-    if kv_cache_dtype == "auto":
-        dtype = text.get("dtype") or text.get("torch_dtype")
-        if dtype not in ("float32", "float16", "bfloat16"):
-            return unknown(f"config.json names no dtype ({dtype!r}): give --kv-cache-dtype")
-        # vLLM's --dtype auto runs float32 models in 16 bits
-        nbytes, named = 2, f"{dtype}, run in 16 bits" if dtype == "float32" else dtype
+    if kv_cache_dtype != "auto":
+        nbytes, named = DTYPE_BYTES[kv_cache_dtype], f"--kv-cache-dtype {kv_cache_dtype}"
+    elif dtype != "auto":
+        nbytes, named = DTYPE_BYTES[dtype], f"--dtype {dtype}"
     else:
-        nbytes, named = DTYPE_BYTES[kv_cache_dtype], kv_cache_dtype
+        model_dtype = text.get("dtype") or text.get("torch_dtype")
+        if model_dtype not in ("float32", "float16", "bfloat16"):
+            return unknown(f"config.json names no dtype ({model_dtype!r}): give --dtype")
+        # vLLM's --dtype auto runs float32 models in 16 bits
+        nbytes = 2
+        named = f"the model's {model_dtype}" + (
+            ", run in 16 bits by vLLM's --dtype auto; give --dtype float32 for a server run with it"
+            if model_dtype == "float32"
+            else ""
+        )
     assert isinstance(layers, int) and isinstance(kv_heads, int) and isinstance(head_dim, int)
     return ModelKV(
         bytes_per_token=2 * layers * kv_heads * head_dim * nbytes,
@@ -909,7 +924,7 @@ def _check_model(
     from kvoffload.ipc.arena import round_up_to_page
 
     assert options.model_dir is not None
-    kv = model_kv(options.model_dir, options.kv_cache_dtype)
+    kv = model_kv(options.model_dir, options.kv_cache_dtype, options.dtype)
     one = "host tier holds one chunk"
     if cpu is None:
         report.not_checked(one, cpu_at, "cpu_bytes_to_use has an error")

@@ -85,6 +85,13 @@ def _struct_rows(
         rows.append((f"{prefix}{name}", shown, source))
 
 
+_VLLM_SPEC_DEFAULTS = {
+    "spec_name": "not set: vLLM loads its own CPUOffloadingSpec, not kvoffload's",
+    "spec_module_path": "not set: vLLM looks for spec_name among its own specs",
+}
+"""What an unset ``spec_name`` / ``spec_module_path`` means: vLLM's defaults, not the fields'."""
+
+
 def config_rows(raw: dict[str, Any], cfg: OffloadConfig) -> list[tuple[str, str, str]]:
     """``(key path, value, "set" | "default")`` for every setting of a parsed configuration, with
     its effective value (:func:`~kvoffload.config.effective_config`) or, where that is decided at
@@ -99,6 +106,9 @@ def config_rows(raw: dict[str, Any], cfg: OffloadConfig) -> list[tuple[str, str,
     rows: list[tuple[str, str, str]] = []
     top = effective_config(OffloadConfig(cpu_bytes_to_use=cfg.cpu_bytes_to_use))
     _struct_rows(cfg, top, resolved, raw, "", rows, skip=("secondary_tiers",))
+    for i, (key, _, _) in enumerate(rows):  # which spec vLLM loads is vLLM's default, not ours
+        if key in _VLLM_SPEC_DEFAULTS and key not in raw:
+            rows[i] = (key, _VLLM_SPEC_DEFAULTS[key], "default")
     if not cfg.secondary_tiers:
         rows.append(("secondary_tiers", "[]", "set" if "secondary_tiers" in raw else "default"))
     written = raw.get("secondary_tiers") or []

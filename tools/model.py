@@ -64,10 +64,14 @@ def prepare_model(cache_dir: str | os.PathLike | None = None) -> Path:
 
     Raises:
         RuntimeError: the GGUF cannot be found or its weights do not match the architecture.
+        OSError: ``cache_dir`` cannot be made or written (checked before the ~30 s conversion).
     """
     path = Path(cache_dir) if cache_dir else default_cache_dir()
     if is_prepared(path):
         return path
+    path.mkdir(parents=True, exist_ok=True)
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise PermissionError(f"{path} is not writable")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     import torch
@@ -149,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as e:
         print(f"kvoffload.tools.model: {e}", file=sys.stderr)
         return 1
+    except OSError as e:
+        print(f"kvoffload.tools.model: cannot write the model to {path}: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

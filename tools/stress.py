@@ -637,7 +637,6 @@ def stress(
     """
     import contextlib
 
-    from rich.console import Console
     from rich.live import Live
 
     from kvoffload import logs, metrics
@@ -645,7 +644,7 @@ def stress(
 
     os.environ.setdefault("KVOFFLOAD_LOG_LEVEL", "WARNING")  # injected faults would flood INFO
     logs.setup()
-    err = Console(stderr=True)
+    err = stdout_console(stderr=True)  # a path in an error stays whole on a pipe
     stack = contextlib.ExitStack()
     run = injector = None
     evidence: dict[str, dict[str, float]] = {}

@@ -8,13 +8,15 @@ Imported by the measurement modules of this package; imports none of them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import shlex
+import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import click
@@ -133,6 +135,32 @@ def make_workdir(path: str | None) -> Path:
     p = Path(path) if path else Path(tempfile.mkdtemp(prefix="kvoffload-bench-", dir="."))
     p.mkdir(parents=True, exist_ok=True)
     return p
+
+
+@contextlib.contextmanager
+def server_workdir() -> Iterator[Path]:
+    """A new ``kvoffload-bench-*`` directory under the current one (absolute), for a bench that
+    starts vLLM servers: removed when the bench ends; when it fails or is interrupted, everything
+    but the servers' logs (``*.log``) is removed and where they are is printed on stderr, so the
+    path a server's failure names still leads to its log."""
+    wd = make_workdir(None).resolve()
+    try:
+        yield wd
+    except BaseException:
+        logs = [p for p in wd.rglob("*.log") if p.is_file()]
+        for p in sorted(wd.rglob("*"), key=lambda q: len(q.parts), reverse=True):
+            if p in logs or any(log.is_relative_to(p) for log in logs):
+                continue
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+        if logs:
+            click.echo(f"(server logs kept in {wd})", err=True)
+        else:
+            shutil.rmtree(wd, ignore_errors=True)
+        raise
+    shutil.rmtree(wd, ignore_errors=True)
 
 
 NO_PLOT_HINT = " (or --plot '' to draw no plot)"

@@ -15,7 +15,6 @@ throughput no tier can beat on this machine (what is left is decode, scheduling 
 from __future__ import annotations
 
 import json
-import tempfile
 import time
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import click
 import numpy as np
 
 from kvoffload.tools import scratch_fs_tier
-from kvoffload.tools.bench.harness import NO_PLOT_HINT, plot_option, print_header
+from kvoffload.tools.bench.harness import NO_PLOT_HINT, plot_option, print_header, server_workdir
 from kvoffload.tools.extras import EXTRA_MODULES, require
 
 CONFIGS = ("recompute", "host", "host+fs")
@@ -221,7 +220,7 @@ def bench_scaling(
     print_header()
     model = str(prepare_model(model_dir))
     pts = points
-    with tempfile.TemporaryDirectory(prefix="kvoffload-scaling-") as wd:
+    with server_workdir() as wd:
         results = run_sweep(
             model,
             pts,
@@ -230,7 +229,7 @@ def bench_scaling(
             max_tokens,
             device_tokens,
             host_tokens,
-            Path(wd),
+            wd,
             lambda s: click.echo(s, err=True),
             ceiling_tokens,
         )

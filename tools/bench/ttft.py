@@ -10,7 +10,6 @@ import json
 import mmap
 import os
 import random
-import shutil
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +18,7 @@ from pathlib import Path
 import click
 
 from kvoffload.tools import scratch_fs_tier
-from kvoffload.tools.bench.harness import make_workdir, print_header
+from kvoffload.tools.bench.harness import print_header, server_workdir
 from kvoffload.tools.extras import require
 
 READ_THREADS = 16
@@ -156,12 +155,9 @@ def ttft(pairs: int, doc_tokens: int, workdir: Path) -> dict:
 def bench_ttft(pairs, doc_tokens) -> None:
     """TTFT on vLLM-CPU: history reloaded from the fs tier vs recomputed vs a device-cache hit."""
     require("bench ttft", "demo")
-    wd = make_workdir(None)
     print_header()
-    try:
+    with server_workdir() as wd:
         r = ttft(pairs, doc_tokens, wd)
-    finally:
-        shutil.rmtree(wd, ignore_errors=True)
     click.echo(
         f"\n| history | recompute TTFT | fs reload TTFT | device-hit TTFT | reload / device "
         f"| reload / recompute | device / recompute |\n|---|---|---|---|---|---|---|\n"

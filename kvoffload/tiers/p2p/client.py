@@ -68,8 +68,9 @@ settle failed), the engine is told, and the link reconnects with backoff (0.5 s 
 ``peers`` and ``peer_events``) exists because a request's routing named it (the tier checked it
 against its allow-list first). Such a link is closed and forgotten once no command has used it
 for ``request_peer_idle_s`` and nothing of it is outstanding; at most ``max_request_peers`` exist
-at once (a new one makes the least recently used go), so requests naming many addresses leave
-neither sockets nor reconnects behind.
+at once (a new one makes the least recently used idle one go, or the least recently used when
+none is idle), so requests naming many addresses leave neither sockets nor reconnects behind, and
+cut no other request's transfers short while an idle link can go instead.
 
 Not thread-safe: the node thread drives it. The engine thread reads only :meth:`peers_up`,
 :meth:`can_push`, ``links`` and the statistics, as snapshots.
@@ -546,9 +547,13 @@ class PeerClient:
             static = addr in self.static_peers
             if not static:
                 while len(self._request_links) >= self.max_request_peers:
-                    lru = next(iter(self._request_links.values()))
+                    # the least recently used idle link goes; a busy one (its loads, probes and
+                    # pushes would fail) only when none is idle, so requests naming many
+                    # addresses cannot cut another request's transfers short
+                    links = self._request_links.values()
+                    victim = next((lk for lk in links if self._idle(lk)), None)
                     self.request_links_evicted += 1
-                    self._forget_link(lru, now)
+                    self._forget_link(victim or next(iter(links)), now)
             link = PeerLink(addr, self.label(addr), static)
             self.links[addr] = link
             if not static:

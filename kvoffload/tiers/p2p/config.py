@@ -120,8 +120,8 @@ class P2PTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             address a request names is refused before a socket is made (counted).
         request_peer_idle_s: a link to a peer a request named is closed and forgotten when no
             request has used it for this long (seconds).
-        max_request_peers: links to peers requests named, at most, at once (least recently
-            used closed first).
+        max_request_peers: links to peers requests named, at most, at once (the least
+            recently used idle one closed first, else the least recently used).
         transport: how bulk bytes move: ``nixl``, ``tcp`` or ``auto`` (NIXL when importable).
         data_host, data_port: the TCP transport's data server (default: ``host``, any port).
         secret: the shared secret peers authenticate with (never logged); default: the

@@ -3,11 +3,15 @@ frame per message (client DEALER → server ROUTER; the server may also send to 
 
 ::
 
-    client ──Hello(version, incarnation, advertise, namespace_id, nonce)─────────▶ server
-    client ◀──Challenge(incarnation, nonce, mac = HMAC(secret, "server" ...))──── server   proves the secret
-    client ──Auth(mac = HMAC(secret, "client" ...), descriptor)─────────────────▶ server   proves it back
-    client ◀──Welcome(descriptor, heartbeat_s, quota_chunks) | Refused(reason)──── server
-    ── authenticated from here; transport descriptors have now crossed, never before ──
+    ── with auth: secret, every control socket runs CurveZMQ under a keypair derived from the
+       shared secret (:func:`curve_keypair`): a party without the secret completes no ZMQ
+       handshake, and everything below is encrypted and authenticated end to end ──
+    client ──Hello(version, incarnation, advertise, dialed, namespace_id, nonce)──▶ server
+    client ◀──Challenge(version, incarnation, advertise, nonce, mac "server")─────── server  proves
+    client ──Auth(mac "client", descriptor)───────────────────────────────────────▶ server  proves
+    client ◀──Welcome(descriptor, heartbeat_s, quota_chunks, mac "welcome")──────── server  binds
+              | Refused(reason)
+    ── authenticated from here; transport descriptors cross only after the other side proved ──
     Lookup(req, keys)                    ◀▶ LookupReply(req, states)   one byte per key (MISS/READY/PENDING)
     Lease(req, keys, ttl_s, kv_request_id) ◀▶ LeaseReply(req, lease, slots)   slot -1: not leasable,
                                                                         -2: lease cap reached
@@ -15,6 +19,18 @@ frame per message (client DEALER → server ROUTER; the server may also send to 
     Offer(req, keys, lease, slots)       ◀▶ OfferReply(req, accepted)  a push: the receiver pulls
     Pulled(lease, ok)                    (receiver → pusher) its reads of that lease have settled
     Heartbeat(seq, free_quota)           ◀▶ HeartbeatAck(seq, free_quota)   either side
+
+**The handshake's MACs** (:func:`handshake_mac`, HMAC-SHA256 under :func:`transcript_key`) each
+cover the whole transcript so far: every message of the handshake as encoded, the one being sent
+with its ``mac`` zeroed, so every field of each (versions, both incarnations, both advertise
+addresses, the address the client dialed, both nonces, the namespace, both descriptors and
+whatever is added to Auth or Welcome later) is bound to this one session, and each MAC names its
+role (``server``, ``client``, ``welcome``) so none stands in for another. The server refuses a Hello
+of another version (no downgrade), of another namespace, carrying its own incarnation (a
+reflection) or naming a dialed address that is not its own (a relay or a misroute); the client
+refuses a Challenge of another version or carrying its own incarnation. Each side checks the
+other's MAC before it uses anything the other sent, and sends its descriptor only after the other
+proved the secret.
 
 The namespace is fixed per session by ``Hello.namespace_id``: a session reads and offers only chunks of
 exactly that namespace. Every message is size-checked before it is decoded (:func:`decode`), and lists
@@ -31,9 +47,12 @@ import hmac
 from typing import Annotated
 
 import msgspec
+import zmq
+from zmq.utils import z85
 
-PROTOCOL_VERSION = 1
-"""Bumped on any incompatible change; a Hello of another version is refused."""
+PROTOCOL_VERSION = 2
+"""Bumped on any incompatible change; a Hello or Challenge of another version is refused (2: CurveZMQ,
+the dialed address, whole-transcript MACs)."""
 
 MAX_MESSAGE_BYTES = 1 << 20
 """Largest control message accepted (bytes): a batch of :data:`MAX_KEYS` 32-byte keys fits easily."""
@@ -47,6 +66,11 @@ MAX_KEY_BYTES = 64
 NONCE_BYTES = 32
 INCARNATION_BYTES = 16
 MAC_BYTES = 32  # HMAC-SHA256
+ZERO_MAC = bytes(MAC_BYTES)
+"""What a message's own ``mac`` field holds while its MAC is computed (:func:`handshake_mac`)."""
+CURVE_OVERHEAD_BYTES = 64
+"""Bytes CurveZMQ adds to a message on the wire (its MESSAGE command: 33); the sockets' ``MAXMSGSIZE``
+is :data:`MAX_MESSAGE_BYTES` plus this."""
 
 LEASE_BUSY = -2
 """A LeaseReply slot: not leased now because the server's cap on leased slots is reached (ask
@@ -84,6 +108,8 @@ class Hello(_Msg, tag="hello"):
         version: :data:`PROTOCOL_VERSION` of the client.
         incarnation: the client instance's identity for this start (16 random bytes, new per start).
         advertise: where the client's own p2p tier listens (``host:port``), so the server can name it.
+        dialed: the address (``host:port``) the client connected to; the server refuses one that
+            is not its own (a relay, or a misroute).
         namespace_id: hex id of the namespace whose chunks the session reads and offers.
         nonce: 32 random bytes the server's MAC must cover.
     """
@@ -91,20 +117,33 @@ class Hello(_Msg, tag="hello"):
     version: int
     incarnation: _Incarnation
     advertise: _Short
+    dialed: _Short
     namespace_id: _Short
     nonce: _Nonce
 
 
 class Challenge(_Msg, tag="challenge"):
-    """Server → client: the server's identity and proof that it knows the secret (:func:`mac`)."""
+    """Server → client: the server's identity and its proof of the secret over the transcript so
+    far (:func:`handshake_mac`, role ``server``, over the Hello and this Challenge).
 
+    Attributes:
+        version: :data:`PROTOCOL_VERSION` of the server.
+        incarnation: the server instance's identity for this start.
+        advertise: where the server says it is reached (``host:port``).
+        nonce: 32 random bytes.
+        mac: the server's MAC.
+    """
+
+    version: int
     incarnation: _Incarnation
+    advertise: _Short
     nonce: _Nonce
     mac: _Mac
 
 
 class Auth(_Msg, tag="auth"):
-    """Client → server: the client's proof (:func:`mac`) and its transport descriptor (opaque bytes,
+    """Client → server: the client's proof (:func:`handshake_mac`, role ``client``, over Hello,
+    Challenge and this Auth, so its descriptor too) and its transport descriptor (opaque bytes,
     :mod:`kvoffload.workers.p2p_transport`; sent only now, after the server proved the secret)."""
 
     mac: _Mac
@@ -118,11 +157,15 @@ class Welcome(_Msg, tag="welcome"):
         descriptor: the server's transport descriptor.
         heartbeat_s: how often the server expects a heartbeat (seconds).
         quota_chunks: chunks the server admits from this client's offers now (0: it takes no pushes).
+        mac: :func:`handshake_mac`, role ``welcome``, over the whole handshake and this Welcome
+            with ``mac`` zeroed: every field of it, any field added later included, is covered;
+            the client checks it before it uses the descriptor.
     """
 
     descriptor: Annotated[bytes, msgspec.Meta(max_length=MAX_MESSAGE_BYTES // 2)]
     heartbeat_s: _Seconds
     quota_chunks: _Count
+    mac: _Mac
 
 
 class Refused(_Msg, tag="refused"):
@@ -258,17 +301,76 @@ def decode(frame: bytes | memoryview) -> PeerMessage:
         raise BadMessage(str(e)) from None
 
 
-def mac(secret: bytes, role: str, *parts: bytes) -> bytes:
-    """HMAC-SHA256 over ``role`` and ``parts`` (each length-prefixed, so no two part lists collide).
+class _HelloVersion(msgspec.Struct, array_like=True, tag="hello"):
+    version: int
 
-    The server's Challenge MAC uses role ``"server"`` over (client nonce, server nonce, client
-    incarnation, server incarnation, namespace id); the client's Auth MAC role ``"client"`` over the
-    same parts. Compare with :func:`hmac.compare_digest` (:func:`mac_ok`).
+
+_version_decoder = msgspec.msgpack.Decoder(_HelloVersion)
+
+
+def hello_version(frame: bytes | memoryview) -> int | None:
+    """The ``version`` of a frame that is a Hello of any protocol version (its first field since
+    version 1), or None: so that a Hello of another version is refused as ``version``, not as
+    malformed. Call only on frames :func:`decode` refused (size already checked)."""
+    try:
+        return _version_decoder.decode(frame).version
+    except msgspec.DecodeError:
+        return None
+
+
+# -- keys ----------------------------------------------------------------------------------------
+
+KDF_SALT = b"kvoffload p2p v2"
+"""HKDF salt of every key derived from the shared secret (:func:`derive_key`)."""
+
+
+def derive_key(secret: bytes, purpose: str) -> bytes:
+    """32 bytes for ``purpose`` from the shared ``secret``: HKDF-SHA256 (RFC 5869), extract with
+    salt :data:`KDF_SALT`, expand with info ``purpose`` (one block). Distinct purposes give
+    independent keys, so the secret itself never keys anything."""
+    prk = hmac.new(KDF_SALT, secret, hashlib.sha256).digest()
+    return hmac.new(prk, purpose.encode() + b"\x01", hashlib.sha256).digest()
+
+
+def transcript_key(secret: bytes) -> bytes:
+    """The key of the handshake's MACs (:func:`handshake_mac`)."""
+    return derive_key(secret, "transcript mac")
+
+
+def curve_keypair(secret: bytes) -> tuple[bytes, bytes]:
+    """``(public, secret)`` Z85-encoded: the CurveZMQ long-term keypair every instance that knows
+    ``secret`` shares (the Curve25519 secret key is :func:`derive_key` ``"curve secret key"``).
+    Servers run with it and admit only clients proving it (their ZAP handler), and clients
+    expect it of the server: both ends prove knowledge of the secret before a byte of the
+    protocol crosses, and a listener that does not know it completes no ZMQ handshake."""
+    sk = z85.encode(derive_key(secret, "curve secret key"))
+    return zmq.curve_public(sk), sk
+
+
+# -- MACs ---------------------------------------------------------------------------------------
+
+
+def _unmacked(msg: PeerMessage) -> bytes:
+    if isinstance(msg, (Challenge, Auth, Welcome)):
+        msg = msgspec.structs.replace(msg, mac=ZERO_MAC)
+    return encode(msg)
+
+
+def handshake_mac(key: bytes, role: str, *transcript: PeerMessage) -> bytes:
+    """HMAC-SHA256 under ``key`` (:func:`transcript_key`) over ``role`` and the ``transcript``:
+    each message encoded (:func:`encode`, so every field counts), length-prefixed, the last one
+    (the message the MAC goes into) with its ``mac`` field zeroed (:data:`ZERO_MAC`).
+
+    The server's Challenge MAC is role ``"server"`` over (Hello, Challenge); the client's Auth
+    ``"client"`` over (Hello, Challenge, Auth); the server's Welcome ``"welcome"`` over (Hello,
+    Challenge, Auth, Welcome). Compare with :func:`mac_ok`.
     """
-    h = hmac.new(secret, role.encode(), hashlib.sha256)
-    for p in parts:
-        h.update(len(p).to_bytes(4, "little"))
-        h.update(p)
+    h = hmac.new(key, b"kvoffload p2p handshake " + role.encode(), hashlib.sha256)
+    last = len(transcript) - 1
+    for i, msg in enumerate(transcript):
+        part = _unmacked(msg) if i == last else encode(msg)
+        h.update(len(part).to_bytes(4, "little"))
+        h.update(part)
     return h.digest()
 
 

@@ -15,6 +15,10 @@ stdout). Commands (``op`` plus arguments):
 - ``digest(keys)``: xxh3 of the host rows of READY ``keys`` (None where not READY).
 - ``drop(keys)``: remove ``keys`` from the host tier.
 - ``state()``: pins held vs ref counts, busy slots, peers up.
+- ``counters()``: (as of a snapshot the node thread took after the call) the p2p tier's refusals by kind and reason (``refused_messages`` of its server,
+  ``refused_connections`` of its node, ``failed_handshakes`` of its client, ``refused_routes``),
+  its server's other counters (``server``), its sessions' advertise addresses
+  (``authenticated``) and its links (``links``).
 - ``close()``.
 Errors are answered as ``{"error": "<type>", "message": ...}``; the process goes on.
 """
@@ -133,6 +137,29 @@ class Instance:
             "pinned": len(refs),
             "busy": len(self.tm.busy_slots()),
             "peers_up": self.tm.tiers[0].peers_up(),
+        }
+
+    def counters(self) -> dict:
+        assert self.tm is not None
+        tier = self.tm.tiers[0]
+        node = tier._node
+        # the node thread snapshots its server's counters every 0.25 s: wait for one taken after
+        # this call began, so that what happened before it is in
+        asked = time.monotonic()
+        deadline = asked + 120
+        while node._counters_at <= asked + 0.25 and node.is_alive():
+            if time.monotonic() > deadline:
+                raise TimeoutError("the node thread took no snapshot of its counters")
+            time.sleep(0.01)
+        server = node.server_counters
+        return {
+            "refused_messages": {k[8:]: v for k, v in server.items() if k.startswith("refused.")},
+            "server": {k: v for k, v in server.items() if not k.startswith("refused.")},
+            "refused_connections": dict(node.refused_connections),
+            "failed_handshakes": dict(node.client.handshake_failures),
+            "refused_routes": dict(tier.refused_routes),
+            "authenticated": sorted(node.authenticated_peers),
+            "links": sorted(node.client.links),
         }
 
     def close(self) -> dict:

@@ -290,6 +290,81 @@ def test_a_host_tier_past_the_free_space_of_its_shm_now_is_a_warning():
         mount.__exit__(None, None, None)
 
 
+def test_c42_a_loopback_advertise_host_in_front_of_a_wider_bind_is_a_warning(tmp_path):
+    """Peers elsewhere would dial their own loopback, and every instance so configured claims one
+    identity (CASES C42); a loopback bind or a real advertise address is fine."""
+    tier = {"type": "p2p", "host": "0.0.0.0", "advertise_host": "localhost"}
+    cfg = {**SPEC, "cpu_bytes_to_use": 1 << 20, "secondary_tiers": [tier]}
+    res = run_check(tmp_path, cfg, "--syntax-only")
+    assert res.exit_code == 0, res.output
+    scope, result = row(res.stdout, "secondary_tiers[0].advertise_host", "p2p advertise address")
+    assert scope == "syntax"
+    assert result.startswith(
+        "warning: 'localhost' is a loopback address while host '0.0.0.0' binds all interfaces"
+    )
+    assert "identity collision" in result
+    for fine in (
+        {"type": "p2p", "host": "0.0.0.0", "advertise_host": "10.0.0.5"},
+        {"type": "p2p", "host": "127.0.0.1", "advertise_host": "localhost"},
+    ):
+        res = run_check(tmp_path, {**cfg, "secondary_tiers": [fine]}, "--syntax-only")
+        assert not [r for k, c, _, r in checks(res.stdout) if c == "p2p advertise address"]
+
+
+def test_the_p2p_tiers_exposed_settings_are_warnings_each_naming_its_key(tmp_path):
+    """A bind on all interfaces, the secret written in the file (and short), allowed_peers open
+    to the internet, auth none (accepted only with trust_local_users): each a warning naming its
+    key; a secret in the environment is measured but never shown."""
+    tiers = [
+        {
+            "type": "p2p",
+            "host": "0.0.0.0",
+            "advertise_host": "10.0.0.5",
+            "secret": "short",
+            "allowed_peers": ["10.0.0.0/16", "0.0.0.0/0"],
+        },
+        {
+            "type": "p2p",
+            "name": "p2p-local",
+            "auth": "none",
+            "trust_local_users": True,
+            "port": 5711,
+        },
+    ]
+    cfg = {**SPEC, "cpu_bytes_to_use": 1 << 20, "secondary_tiers": tiers}
+    res = run_check(tmp_path, cfg, "--syntax-only")
+    assert res.exit_code == 0, res.output
+    t0, t1 = "secondary_tiers[0]", "secondary_tiers[1]"
+    want = {
+        (f"{t0}.host", "p2p control port reach"): "warning: 0.0.0.0 binds all interfaces",
+        (f"{t0}.secret", "p2p secret kept out of the file"): "warning: the secret is written",
+        (f"{t0}.secret", "p2p secret length"): "warning: the secret is 5 characters long",
+        (f"{t0}.allowed_peers[1]", "p2p allowed_peers narrow"): "warning: '0.0.0.0/0' lets any",
+        (f"{t1}.auth", "p2p auth"): "warning: auth none: no secret and no encryption",
+        (f"{t1}.host", "p2p control port reach"): "ok: 127.0.0.1: this host only",
+    }
+    for (key, check), start in want.items():
+        assert row(res.stdout, key, check)[1].startswith(start), (key, check)
+    assert not [k for k, c, _, _ in checks(res.stdout) if k == f"{t0}.allowed_peers[0]"]
+    env = {"KVOFFLOAD_P2P_SECRET": "guessable"}
+    res = run_check(tmp_path, {**cfg, "secondary_tiers": [{"type": "p2p"}]}, env=env)
+    assert row(res.stdout, "secondary_tiers[0].secret_env", "p2p secret length")[1].startswith(
+        "warning: the secret is 9 characters long"
+    )
+    assert "guessable" not in res.output
+
+
+def test_auth_none_without_trust_local_users_is_an_error_that_says_why(tmp_path):
+    tier = {"type": "p2p", "auth": "none"}
+    res = run_check(tmp_path, {**SPEC, "cpu_bytes_to_use": 1 << 20, "secondary_tiers": [tier]})
+    assert res.exit_code == 1
+    (err,) = error_lines(res)
+    assert err.startswith(
+        f'{EXTRA}.secondary_tiers[0].auth: "none" needs trust_local_users: true: without a '
+        "secret any local user"
+    ), err
+
+
 def test_a_p2p_tier_without_its_secret_in_this_environment_is_a_warning(tmp_path):
     cfg = {**SPEC, "cpu_bytes_to_use": 1 << 20, "secondary_tiers": [{"type": "p2p"}]}
     res = run_check(tmp_path, cfg, env={"KVOFFLOAD_P2P_SECRET": None})
@@ -486,6 +561,7 @@ def test_online_reaches_each_bucket_and_peer_and_says_whether_they_answer(tmp_pa
                 {
                     "type": "p2p",
                     "auth": "none",
+                    "trust_local_users": True,
                     "peers": [f"127.0.0.1:{peer_port}", f"127.0.0.1:{closed}"],
                 },
             ],

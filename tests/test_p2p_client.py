@@ -17,6 +17,7 @@ import itertools
 import typing
 from collections import Counter, defaultdict
 
+import msgspec
 import numpy as np
 import pytest
 from helpers import Rig, keys_for, payload
@@ -123,7 +124,7 @@ class FakeWorker:
 class HonestPeer:
     """A serving instance that follows the protocol: a real PeerServer over a rig."""
 
-    def __init__(self, rig: Rig, quota_chunks: int = 0):
+    def __init__(self, rig: Rig, addr: str, quota_chunks: int = 0):
         self.rig = rig
         self.pulls: list[tuple[bytes, bytes, int, list[tuple[int, int]]]] = []
         self.server = PeerServer(
@@ -131,6 +132,7 @@ class HonestPeer:
             secret=SECRET,
             namespace_id=rig.ns.id(),
             incarnation=b"H" * pm.INCARNATION_BYTES,
+            addresses=[addr],
             descriptor=lambda: descriptor(rig.arena.num_slots, "honest"),
             pull=lambda *a: self.pulls.append(a),
             quota_chunks=quota_chunks,
@@ -150,6 +152,7 @@ class Harness:
         self.counts: Counter[str] = Counter()
         nonces = itertools.count()
         kw.setdefault("lease_ttl_s", LEASE_TTL_S)
+        kw.setdefault("static_peers", (HONEST, HOSTILE))  # configured: never forgotten when idle
         self.client = PeerClient(
             transfers=self.worker,
             incarnation=b"C" * pm.INCARNATION_BYTES,
@@ -175,6 +178,7 @@ class Harness:
         self.local: dict[int, bytes] = {}  # local slot -> the bytes a settled READ put there
         self.received: defaultdict[str, list[bytes]] = defaultdict(list)  # honest peers' frames
         self.results: list = []
+        self.challenges: dict[str, pm.Challenge] = {}  # the last one made for each peer
 
     # -- the node's side ------------------------------------------------------------------------
 
@@ -266,7 +270,7 @@ class Harness:
         self.pump()
 
     def add_honest(self, peer: str, quota_chunks: int = 0) -> HonestPeer:
-        h = self.honest[peer] = HonestPeer(self.rig, quota_chunks)
+        h = self.honest[peer] = HonestPeer(self.rig, peer, quota_chunks)
         return h
 
     def link(self, peer: str):
@@ -276,18 +280,38 @@ class Harness:
         msgs = [m for m in self.sent[peer] if isinstance(m, kind)]
         return msgs[-1] if msgs else None
 
-    def challenge(self, peer: str, *, secret: bytes = SECRET, incarnation: bytes = b"X" * 16):
+    def challenge(
+        self,
+        peer: str,
+        *,
+        secret: bytes = SECRET,
+        incarnation: bytes = b"X" * 16,
+        version: int = pm.PROTOCOL_VERSION,
+    ) -> pm.Challenge:
         """The Challenge a server knowing ``secret`` answers the last Hello to ``peer`` with."""
         hello = self.last(peer, pm.Hello)
-        nonce = b"n" * pm.NONCE_BYTES
-        parts = (hello.nonce, nonce, hello.incarnation, incarnation, hello.namespace_id.encode())
-        return pm.Challenge(incarnation, nonce, pm.mac(secret, "server", *parts))
+        ch = pm.Challenge(version, incarnation, peer, b"n" * pm.NONCE_BYTES, pm.ZERO_MAC)
+        ch.mac = pm.handshake_mac(pm.transcript_key(secret), "server", hello, ch)
+        self.challenges[peer] = ch
+        return ch
+
+    def welcome(
+        self, peer: str, quota: int = 0, desc: bytes | None = None, secret: bytes = SECRET
+    ) -> pm.Welcome:
+        """The Welcome a server knowing ``secret`` answers our last Auth to ``peer`` with (after
+        the last :meth:`challenge` made for it)."""
+        w = pm.Welcome(
+            descriptor(64, peer) if desc is None else desc, HEARTBEAT_S, quota, pm.ZERO_MAC
+        )
+        transcript = (self.last(peer, pm.Hello), self.challenges[peer], self.last(peer, pm.Auth))
+        w.mac = pm.handshake_mac(pm.transcript_key(secret), "welcome", *transcript, w)
+        return w
 
     def up(self, peer: str, quota: int = 0, desc: bytes | None = None) -> None:
         """Take a scripted (non-honest) peer's session up."""
         self.command(Connect(peer))
         self.deliver(peer, self.challenge(peer))
-        self.deliver(peer, pm.Welcome(desc or descriptor(64, peer), HEARTBEAT_S, quota))
+        self.deliver(peer, self.welcome(peer, quota, desc))
         assert self.link(peer).up
 
     def results_of(self, kind: type) -> list:
@@ -401,14 +425,118 @@ def test_without_a_worker_descriptor_no_session_starts(rig):
     assert h.opened[HOSTILE] == 1
 
 
+def test_c38_our_own_challenge_relayed_back_is_a_reflection_and_gets_no_descriptor(rig):
+    """A Challenge carrying our own incarnation (our Hello went to our own server through a
+    relay): the link goes down before Auth, so our descriptor never leaves; counted."""
+    h = Harness(rig)
+    h.command(Connect(HOSTILE))
+    h.deliver(HOSTILE, h.challenge(HOSTILE, incarnation=b"C" * 16))
+    assert h.link(HOSTILE).state == "down"
+    assert [type(m) for m in h.sent[HOSTILE]] == [pm.Hello]
+    assert h.client.handshake_failures["reflection"] == 1
+
+
+def test_c38_our_hello_names_the_address_we_dialed(rig):
+    h = Harness(rig)
+    h.command(Connect(HOSTILE))
+    assert h.last(HOSTILE, pm.Hello).dialed == HOSTILE
+
+
+def test_c38_a_challenge_of_an_older_version_is_refused_even_with_a_valid_mac(rig):
+    h = Harness(rig)
+    h.command(Connect(HOSTILE))
+    h.deliver(HOSTILE, h.challenge(HOSTILE, version=1))
+    assert h.link(HOSTILE).state == "down"
+    assert [type(m) for m in h.sent[HOSTILE]] == [pm.Hello]
+    assert h.client.handshake_failures["version"] == 1
+
+
+def test_c38_a_welcome_is_used_only_when_its_mac_covers_our_handshake(rig):
+    """A Welcome whose descriptor was swapped, or one replayed from an earlier session: its
+    descriptor is never handed to our worker, and the session goes down."""
+    h = Harness(rig)
+    h.command(Connect(HOSTILE))
+    h.deliver(HOSTILE, h.challenge(HOSTILE))
+    good = h.welcome(HOSTILE, 1, descriptor(64, "good"))
+    swapped = msgspec.structs.replace(good, descriptor=descriptor(64, "attacker"))
+    h.deliver(HOSTILE, swapped)
+    assert h.link(HOSTILE).state == "down" and h.worker.users == {}
+    assert h.client.handshake_failures["bad_mac"] == 1
+    h.tick(1.0)  # a new session: the old Challenge and Welcome replayed prove nothing in it
+    old_challenge = h.challenges[HOSTILE]
+    h.deliver(HOSTILE, old_challenge)
+    assert h.link(HOSTILE).state == "down" and h.client.handshake_failures["bad_mac"] == 2
+    h.tick(2.0)
+    h.deliver(HOSTILE, h.challenge(HOSTILE))
+    h.deliver(HOSTILE, good)
+    assert h.link(HOSTILE).state == "down" and h.worker.users == {}
+    assert h.client.handshake_failures["bad_mac"] == 3
+
+
+def test_c42_a_refusal_for_an_identity_collision_is_counted_and_names_our_address(rig, caplog):
+    h = Harness(rig)
+    h.command(Connect(HOSTILE))
+    h.deliver(HOSTILE, h.challenge(HOSTILE))
+    with caplog.at_level("ERROR", logger="kvoffload.p2p"):
+        h.deliver(HOSTILE, pm.Refused("identity_collision"))
+    assert h.client.handshake_failures["refused_identity_collision"] == 1
+    assert "identity collision" in caplog.text and "10.0.0.1:5710" in caplog.text
+
+
+def test_c38_links_requests_named_are_bounded_and_forgotten_when_unused(rig):
+    """Links to peers only requests named: at most max_request_peers at once (the least
+    recently used goes, its probes moving on), and none once unused for request_peer_idle_s;
+    a configured peer's link stays."""
+    h = Harness(rig, max_request_peers=4, request_peer_idle_s=5.0)
+    h.add_honest(HONEST)
+    named = [f"10.8.{i // 250}.{i % 250}:5710" for i in range(300)]
+    for i, addr in enumerate(named):
+        h.command(Probe(b"k%031d" % i, (addr,), None))
+        assert len(h.client.links) <= 4 + 1  # + HONEST (configured) once connected
+        assert len(h.sockets) <= 4
+    h.command(Connect(HONEST))
+    assert h.client.request_links_evicted == 296
+    assert len(h.results_of(Verdict)) == 296  # each evicted probe ended: a miss
+    for _ in range(21):  # 5.25 s in heartbeat-sized steps (the honest session stays up)
+        h.tick(0.25)
+    assert set(h.client.links) == {HONEST} and set(h.sockets) == {HONEST}
+    assert len(h.results_of(Verdict)) == 300
+    opened = sum(h.opened.values())
+    for _ in range(40):  # nothing reconnects to a forgotten address
+        h.tick(0.25)
+    assert sum(h.opened.values()) == opened and h.link(HONEST).up
+
+
+def test_c38_a_new_request_link_makes_an_idle_one_go_before_a_busy_one(rig):
+    """At max_request_peers, a request naming one more address makes the least recently used
+    *idle* link go: an older link with a lookup outstanding keeps it (requests naming many
+    addresses cut no other request's work short); only when every link is busy does the least
+    recently used go, its probe moving on."""
+    h = Harness(rig, max_request_peers=2)
+    busy, idle, new, newer = (f"10.8.9.{i}:5710" for i in range(4))
+    h.up(busy)
+    h.command(Probe(b"b" * 32, (busy,), None))  # its Lookup goes unanswered: busy
+    assert h.last(busy, pm.Lookup) is not None and h.results_of(Verdict) == []
+    h.command(Connect(idle))
+    h.command(Connect(new))  # the least recently used is `busy`, yet `idle` goes
+    assert set(h.client.links) == {busy, new}
+    assert h.link(busy).up and h.results_of(Verdict) == []
+    h.command(Probe(b"n" * 32, (new,), None))  # waits for `new`'s handshake: busy too
+    assert h.results_of(Verdict) == []
+    h.command(Connect(newer))  # every link busy: the least recently used (`busy`) goes
+    assert set(h.client.links) == {new, newer}
+    assert [v.key for v in h.results_of(Verdict)] == [b"b" * 32]  # its probe ended: a miss
+    assert h.client.request_links_evicted == 2
+
+
 # -- every message type at every handshake state ---------------------------------------------------
 
 _K = b"k" * 32
 _EVERY_MESSAGE = [
-    pm.Hello(pm.PROTOCOL_VERSION, b"Z" * 16, "10.9.9.9:1", "ns", b"z" * 32),
-    pm.Challenge(b"Z" * 16, b"z" * 32, b"m" * 32),
+    pm.Hello(pm.PROTOCOL_VERSION, b"Z" * 16, "10.9.9.9:1", HOSTILE, "ns", b"z" * 32),
+    pm.Challenge(pm.PROTOCOL_VERSION, b"Z" * 16, HOSTILE, b"z" * 32, b"m" * 32),
     pm.Auth(b"m" * 32, b"d"),
-    pm.Welcome(descriptor(8, "w"), 0.5, 3),
+    pm.Welcome(descriptor(8, "w"), 0.5, 3, b"m" * 32),
     pm.Refused("nope"),
     pm.Lookup(999, [_K]),
     pm.LookupReply(999, b"\1"),
@@ -431,16 +559,17 @@ def _to_state(h: Harness, state: str) -> None:
     if state in ("auth", "up"):
         h.deliver(HOSTILE, h.challenge(HOSTILE))
     if state == "up":
-        h.deliver(HOSTILE, pm.Welcome(descriptor(8, "p"), HEARTBEAT_S, 1))
+        h.deliver(HOSTILE, h.welcome(HOSTILE, 1, descriptor(8, "p")))
     assert h.link(HOSTILE).state == state
 
 
 @pytest.mark.parametrize("state", ["down", "hello", "auth", "up"])
 @pytest.mark.parametrize("msg", _EVERY_MESSAGE, ids=lambda m: type(m).__name__)
 def test_every_message_type_at_every_handshake_state_is_taken_or_ends_the_session(rig, state, msg):
-    """What each state accepts: hello a proving Challenge, auth a Welcome, up the replies to its
-    own requests, heartbeats, Pulled and Refused; anything else before up ends the session, and
-    once up is counted and dropped. A frame for a link that is down changes nothing."""
+    """What each state accepts: hello a proving Challenge, auth a proving Welcome, up the replies
+    to its own requests, heartbeats, Pulled and Refused; anything else before up ends the session
+    (these messages prove nothing: their MACs are not over our handshake), and once up is counted
+    and dropped. A frame for a link that is down changes nothing."""
     h = Harness(rig)
     _to_state(h, state)
     sent_before, results_before = len(h.sent[HOSTILE]), len(h.results)
@@ -452,7 +581,7 @@ def test_every_message_type_at_every_handshake_state_is_taken_or_ends_the_sessio
     elif state == "hello":
         want = "down"  # this Challenge's MAC proves nothing
     elif state == "auth":
-        want = "up" if name == "Welcome" else "down"
+        want = "down"  # this Welcome's MAC proves nothing
     else:
         want = "down" if name == "Refused" else "up"
     assert link.state == want
@@ -693,20 +822,23 @@ _bytes = st.binary(max_size=12)
 _message = st.one_of(  # every message type, well-formed, with hostile values
     st.builds(
         pm.Hello,
-        st.integers(0, 2),
+        st.integers(0, 3),
         st.just(b"X" * 16),
         st.just("h:1"),
+        st.sampled_from([HOSTILE, HONEST, "h:1"]),
         st.text(max_size=4),
         st.just(b"n" * 32),
     ),
     st.builds(
         pm.Challenge,
-        st.sampled_from([b"X" * 16, b"Y" * 16]),
+        st.integers(0, 3),
+        st.sampled_from([b"X" * 16, b"Y" * 16, b"C" * 16]),
+        st.sampled_from([HOSTILE, HONEST]),
         st.just(b"n" * 32),
         st.binary(min_size=32, max_size=32),
     ),
     st.builds(pm.Auth, st.binary(min_size=32, max_size=32), _desc),
-    st.builds(pm.Welcome, _desc, st.floats(0, 10), st.integers(0, 1 << 40)),
+    st.builds(pm.Welcome, _desc, st.floats(0, 10), st.integers(0, 1 << 40), st.just(b"m" * 32)),
     st.builds(pm.Refused, st.sampled_from(["not_ready", "busy", "x"])),
     st.builds(pm.Lookup, _id, st.lists(_ANY_KEY, max_size=3)),
     st.builds(pm.LookupReply, _id, _bytes),
@@ -827,7 +959,7 @@ def _fuzz(h: Harness, up: bool, actions: list) -> None:
     h.command(Connect(HONEST), Connect(HOSTILE))
     if up:  # half the runs start with the hostile peer's session up (it knows the secret)
         h.deliver(HOSTILE, h.challenge(HOSTILE))
-        h.deliver(HOSTILE, pm.Welcome(descriptor(64, "hostile"), HEARTBEAT_S, 5))
+        h.deliver(HOSTILE, h.welcome(HOSTILE, 5, descriptor(64, "hostile")))
     probes: Counter[bytes] = Counter()
     honest_probes: list[bytes] = []  # keys the honest peer holds, asked of it first
     loads: dict[int, tuple[str, list[bytes], list[int]]] = {}
@@ -873,13 +1005,13 @@ def _fuzz(h: Harness, up: bool, actions: list) -> None:
             if link.state == "hello":
                 hostile(h.challenge(HOSTILE))
             if link.state == "auth":
-                hostile(pm.Welcome(a, HEARTBEAT_S, b))
+                hostile(h.welcome(HOSTILE, b, a))
         elif kind == "challenge":
             if h.last(HOSTILE, pm.Hello) is not None:
                 inc = b"Y" * 16 if b else b"X" * 16
                 hostile(h.challenge(HOSTILE, secret=SECRET if a else b"bad", incarnation=inc))
-        elif kind == "welcome":
-            hostile(pm.Welcome(a, HEARTBEAT_S, b))
+        elif kind == "welcome":  # one whose MAC proves nothing
+            hostile(pm.Welcome(a, HEARTBEAT_S, b, b"m" * 32))
         elif kind == "msg":
             hostile(a)
         elif kind in ("answer", "reply"):  # an answer to one of our requests

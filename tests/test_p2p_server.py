@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import time
 
+import msgspec
 import numpy as np
 import pytest
 from helpers import Rig, fs_tier, keys_for, payload
@@ -23,6 +24,7 @@ from kvoffload.ipc import peer_messages as pm
 from kvoffload.tiers.p2p.server import PeerServer
 
 SECRET = b"s3cret-shared-by-the-peers"
+SERVER_ADDR = "10.0.0.1:5710"  # where the clients dial the server
 SERVER_DESC = b"server-transport-descriptor"
 CLIENT_DESC = b"client-transport-descriptor"
 
@@ -43,6 +45,7 @@ class Server:
             secret=secret,
             namespace_id=rig.ns.id(),
             incarnation=b"S" * pm.INCARNATION_BYTES,
+            addresses=[SERVER_ADDR],
             descriptor=lambda: SERVER_DESC,
             pull=lambda *a: self.pulls.append(a),
             **kw,
@@ -61,22 +64,26 @@ class Client:
         incarnation: bytes = b"A" * pm.INCARNATION_BYTES,
         namespace_id: str | None = None,
         version: int = pm.PROTOCOL_VERSION,
+        dialed: str = SERVER_ADDR,
+        source: str = "10.0.0.99",
     ):
         self.srv = srv
         self.server = srv.server
         self.identity = identity
-        self.secret = secret
+        self.key = pm.transcript_key(secret)
+        self.source = source
         self.hello = pm.Hello(
             version,
             incarnation,
             advertise,
+            dialed,
             srv.rig.ns.id() if namespace_id is None else namespace_id,
             os.urandom(pm.NONCE_BYTES),
         )
         self.frames: list[bytes] = []  # every frame this client received
 
     def send_frame(self, frame: bytes, now: float = 0.0) -> list[pm.PeerMessage]:
-        replies = self.server.handle(self.identity, frame, now)
+        replies = self.server.handle(self.identity, frame, now, self.source)
         assert all(ident == self.identity for ident, _ in replies)
         self.frames.extend(f for _, f in replies)
         return [pm.decode(f) for _, f in replies]
@@ -93,20 +100,33 @@ class Client:
         assert isinstance(ch, pm.Challenge), ch
         return ch
 
-    def parts(self, ch: pm.Challenge) -> tuple[bytes, ...]:
-        h = self.hello
-        return (h.nonce, ch.nonce, h.incarnation, ch.incarnation, h.namespace_id.encode())
-
     def server_proved(self, ch: pm.Challenge) -> bool:
-        return pm.mac_ok(pm.mac(self.secret, "server", *self.parts(ch)), ch.mac)
+        return pm.mac_ok(pm.handshake_mac(self.key, "server", self.hello, ch), ch.mac)
 
-    def auth(self, ch: pm.Challenge) -> pm.Auth:
-        return pm.Auth(pm.mac(self.secret, "client", *self.parts(ch)), CLIENT_DESC)
+    def auth(self, ch: pm.Challenge, descriptor: bytes = CLIENT_DESC) -> pm.Auth:
+        auth = pm.Auth(pm.ZERO_MAC, descriptor)
+        auth.mac = pm.handshake_mac(self.key, "client", self.hello, ch, auth)
+        return auth
+
+    def welcome_proved(self, ch: pm.Challenge, auth: pm.Auth, welcome: pm.Welcome) -> bool:
+        want = pm.handshake_mac(self.key, "welcome", self.hello, ch, auth, welcome)
+        return pm.mac_ok(want, welcome.mac)
+
+    def handshake(self, now: float = 0.0) -> pm.PeerMessage:
+        """Hello and Auth: the server's last answer (a Welcome whose MAC was checked, or a
+        Refused)."""
+        ch = self.one(self.hello, now)
+        if not isinstance(ch, pm.Challenge):
+            return ch
+        assert self.server_proved(ch)
+        auth = self.auth(ch)
+        welcome = self.one(auth, now)
+        if isinstance(welcome, pm.Welcome):
+            assert self.welcome_proved(ch, auth, welcome)
+        return welcome
 
     def connect(self, now: float = 0.0) -> pm.Welcome:
-        ch = self.challenge(now)
-        assert self.server_proved(ch)
-        welcome = self.one(self.auth(ch), now)
+        welcome = self.handshake(now)
         assert isinstance(welcome, pm.Welcome), welcome
         return welcome
 
@@ -126,8 +146,9 @@ def test_a_client_that_proves_the_secret_is_welcomed_after_the_server_proved_it_
     ch = c.challenge()
     assert c.server_proved(ch) and ch.incarnation == b"S" * pm.INCARNATION_BYTES
     assert SERVER_DESC not in b"".join(c.frames)  # no descriptor before the client proved it
-    welcome = c.one(c.auth(ch))
-    assert isinstance(welcome, pm.Welcome)
+    auth = c.auth(ch)
+    welcome = c.one(auth)
+    assert isinstance(welcome, pm.Welcome) and c.welcome_proved(ch, auth, welcome)
     assert welcome.descriptor == SERVER_DESC and welcome.quota_chunks == 4
     assert srv.server.sessions() == [(b"client-1", "10.0.0.2:5710", b"A" * 16)]
     assert sum(srv.server.refused.values()) == 0
@@ -158,7 +179,7 @@ def test_a_replayed_auth_is_refused(rig):
     recorded_hello, recorded_auth = first.hello, first.auth(ch)
     assert isinstance(first.one(recorded_auth), pm.Welcome)
     # an eavesdropper replays the whole exchange on a connection of its own
-    thief = Client(srv, identity=b"thief", secret=b"")
+    thief = Client(srv, identity=b"thief", secret=b"", source="10.0.0.98")
     assert isinstance(thief.one(recorded_hello), pm.Challenge)  # a fresh server nonce
     assert thief.one(recorded_auth) == pm.Refused("bad_mac")
     # and an Auth with no handshake in progress is refused as unauthenticated
@@ -214,11 +235,177 @@ def test_malformed_and_oversized_frames_are_refused_and_counted(rig):
 def test_the_handshake_table_is_bounded(rig):
     srv = Server(rig, max_handshakes=8)
     for i in range(100):
-        Client(srv, identity=b"x%d" % i).challenge()
+        Client(srv, identity=b"x%d" % i, source=f"10.1.0.{i}").challenge()
     assert srv.server.counters["handshakes"] == 8
     assert srv.server.counters["handshake_drops"] == 92
     srv.server.tick(10.0)  # silent handshakes go too
     assert srv.server.counters["handshakes"] == 0
+
+
+def test_c38_a_hello_carrying_the_servers_own_incarnation_is_refused_as_a_reflection(rig):
+    """Our own client's Hello relayed back to our own server: refused before any Challenge."""
+    srv = Server(rig)
+    mirror = Client(srv, incarnation=b"S" * pm.INCARNATION_BYTES)
+    assert mirror.send(mirror.hello) == [pm.Refused("reflection")]
+    assert srv.server.refused["reflection"] == 1
+    assert srv.server.counters["handshakes"] == 0
+
+
+def test_c38_a_hello_naming_a_dialed_address_not_the_servers_is_refused_as_misrouted(rig):
+    """A client that dialed another address (a relay there forwards to us) is refused, and the
+    dialed address cannot be changed under the MACs: a relay that rewrites it breaks them."""
+    srv = Server(rig)
+    relayed = Client(srv, dialed="127.0.0.1:40000")
+    assert relayed.send(relayed.hello) == [pm.Refused("misrouted")]
+    assert srv.server.refused["misrouted"] == 1
+    # the client computes its MAC over the Hello it sent (dialed: the relay); a relay that
+    # rewrote dialed on the way (the server saw SERVER_ADDR) breaks the client's MAC
+    c = Client(srv, identity=b"c2")
+    ch = c.challenge()
+    sent_hello = msgspec.structs.replace(c.hello, dialed="127.0.0.1:40000")
+    auth = pm.Auth(pm.ZERO_MAC, CLIENT_DESC)
+    auth.mac = pm.handshake_mac(c.key, "client", sent_hello, ch, auth)
+    assert c.one(auth) == pm.Refused("bad_mac")
+    assert srv.server.sessions() == [] and SERVER_DESC not in b"".join(c.frames)
+
+
+def test_c38_every_field_of_the_handshake_is_under_the_macs(rig):
+    """Each field of Hello, Challenge and Auth (its descriptor included) is covered: a value
+    changed anywhere between the two ends fails the MAC, and Welcome's MAC covers its own fields
+    (the descriptor, and whatever is added later) over the whole transcript."""
+    srv = Server(rig)
+    c = Client(srv)
+    ch = c.challenge()
+    for field, value in (
+        ("version", 1),
+        ("incarnation", b"Q" * 16),
+        ("advertise", "10.9.9.9:1"),
+        ("dialed", "10.9.9.9:2"),
+        ("namespace_id", "00"),
+        ("nonce", b"N" * 32),
+    ):
+        changed = msgspec.structs.replace(c.hello, **{field: value})
+        assert not pm.mac_ok(pm.handshake_mac(c.key, "server", changed, ch), ch.mac), field
+    for field, value in (
+        ("version", 1),
+        ("incarnation", b"Q" * 16),
+        ("advertise", "x:1"),
+        ("nonce", b"N" * 32),
+    ):
+        changed = msgspec.structs.replace(ch, **{field: value})
+        assert not c.server_proved(changed), field
+    auth = c.auth(ch)
+    swapped = msgspec.structs.replace(auth, descriptor=b"an-attacker's-descriptor")
+    assert c.one(swapped) == pm.Refused("bad_mac")  # the descriptor is under the client's MAC
+    c2 = Client(srv, identity=b"c2")
+    ch2 = c2.challenge()
+    auth2 = c2.auth(ch2)
+    welcome = c2.one(auth2)
+    assert c2.welcome_proved(ch2, auth2, welcome)
+    for field, value in (("descriptor", b"other"), ("heartbeat_s", 9.0), ("quota_chunks", 99)):
+        changed = msgspec.structs.replace(welcome, **{field: value})
+        assert not c2.welcome_proved(ch2, auth2, changed), field
+    assert not c2.welcome_proved(ch, auth, welcome)  # bound to its own session
+
+
+def test_c38_a_replayed_challenge_or_welcome_proves_nothing_to_a_new_session(rig):
+    """Frames recorded from one session and replayed into another fail its MACs (nonces)."""
+    srv = Server(rig)
+    a = Client(srv, identity=b"a")
+    ch_a = a.challenge()
+    auth_a = a.auth(ch_a)
+    welcome_a = a.one(auth_a)
+    b = Client(srv, identity=b"b", incarnation=b"A" * 16)
+    ch_b = b.challenge()
+    assert not b.server_proved(ch_a)  # a's Challenge replayed to b
+    auth_b = b.auth(ch_b)
+    assert not b.welcome_proved(ch_b, auth_b, welcome_a)  # a's Welcome replayed to b
+    assert b.one(auth_a) == pm.Refused("bad_mac")  # a's Auth replayed by b
+
+
+def test_c38_an_older_protocol_version_is_refused_as_a_downgrade(rig):
+    """A Hello of version 1 (its shape had no dialed address) is refused ``version``, not
+    taken as malformed, and gets no Challenge."""
+    srv = Server(rig)
+    c = Client(srv)
+    v1 = msgspec.msgpack.encode(
+        ["hello", 1, b"A" * 16, "10.0.0.2:5710", c.hello.namespace_id, b"n" * 32]
+    )
+    assert c.send_frame(v1) == [pm.Refused("version")]
+    newer = msgspec.structs.replace(c.hello, version=pm.PROTOCOL_VERSION + 1)
+    assert c.send(newer) == [pm.Refused("version")]
+    assert srv.server.refused["version"] == 2 and srv.server.counters["handshakes"] == 0
+
+
+def test_c41_one_source_cannot_fill_the_handshake_table_nor_push_out_anothers(rig):
+    """Handshakes in progress: at most max_handshakes_per_source per source address (more are
+    refused), and when the table is full the oldest of the source holding most goes; an honest
+    peer from another source then completes its handshake."""
+    srv = Server(rig, max_handshakes=8, max_handshakes_per_source=4)
+    flood = [Client(srv, identity=b"f%d" % i, source="10.6.6.6") for i in range(20)]
+    answers = [f.send(f.hello) for f in flood]
+    assert [type(a[0]) for a in answers].count(pm.Challenge) == 4
+    assert srv.server.refused["handshake_busy"] == 16
+    spread = [Client(srv, identity=b"s%d" % i, source=f"10.7.0.{i}") for i in range(4)]
+    for c in spread:
+        c.challenge()
+    assert srv.server.counters["handshakes"] == 8  # full: 4 of 10.6.6.6, 4 others
+    honest = Client(srv, identity=b"honest", source="10.0.0.2")
+    assert isinstance(honest.connect(), pm.Welcome)
+    assert srv.server.counters["handshake_drops"] == 1  # the oldest of 10.6.6.6 went
+    assert [s[0] for s in srv.server.sessions()] == [b"honest"]
+
+
+def test_c42_a_second_live_instance_claiming_a_peers_address_is_refused_and_both_keep_theirs(
+    rig,
+):
+    """Two instances advertise one address: the second, while the first's session lives, is
+    refused ``identity_collision`` (counted, logged) and the first keeps its session and
+    leases. Once the first's connection is gone, or it is silent for peer_timeout_s, a new
+    incarnation there is a restart."""
+    srv = Server(rig, peer_timeout_s=2.0)
+    held = keys_for(2, seed=71)
+    rig.store(held)
+    first = Client(srv, identity=b"first", source="198.18.0.1")
+    first.connect(now=0.0)
+    lease = first.one(pm.Lease(1, held, 60.0, ""), now=0.0)
+    second = Client(
+        srv, identity=b"second", incarnation=b"B" * pm.INCARNATION_BYTES, source="198.18.0.2"
+    )
+    assert second.handshake(now=1.0) == pm.Refused("identity_collision")
+    assert srv.server.refused["identity_collision"] == 1
+    assert srv.server.counters["collisions"] == 1 and srv.server.counters["restarts"] == 0
+    assert [s[0] for s in srv.server.sessions()] == [b"first"]
+    assert len(refs_of(rig.tm)) == 2  # the first's lease holds
+    assert first.one(pm.Lookup(2, held), now=1.5).states == bytes([pm.READY] * 2)
+    first.send(pm.Release(lease.lease), now=1.5)
+    assert refs_of(rig.tm) == {}
+    # the first goes silent past peer_timeout_s: a new incarnation there is a restart
+    assert isinstance(second.handshake(now=3.6), pm.Welcome)
+    assert srv.server.counters["restarts"] == 1
+    assert [s[0] for s in srv.server.sessions()] == [b"second"]
+    # and one whose connection is gone (the node's ROUTER no longer routes it) at once
+    srv.server._reachable = lambda identity: identity != b"second"
+    third = Client(srv, identity=b"third", incarnation=b"C" * pm.INCARNATION_BYTES)
+    assert isinstance(third.handshake(now=3.7), pm.Welcome)
+    assert srv.server.counters["restarts"] == 2
+
+
+def test_c42_a_peer_advertising_this_instances_own_address_is_refused_as_a_collision(rig, caplog):
+    """A peer that proves the secret but advertises an address this instance is dialed at (two
+    instances configured with one identity) is refused ``identity_collision``, counted and
+    logged naming the address; it gets no session and no descriptor."""
+    srv = Server(rig)
+    claims = Client(srv, identity=b"twin", advertise=SERVER_ADDR, source="198.18.0.3")
+    with caplog.at_level("ERROR", logger="kvoffload.p2p"):
+        assert claims.handshake() == pm.Refused("identity_collision")
+    assert srv.server.refused["identity_collision"] == 1
+    assert srv.server.counters["collisions"] == 1
+    assert srv.server.sessions() == []
+    assert all(SERVER_DESC not in f for f in claims.frames)
+    assert "identity collision" in caplog.text and SERVER_ADDR in caplog.text
+    # a peer advertising an address of its own is welcomed as before
+    assert isinstance(Client(srv, identity=b"other").connect(), pm.Welcome)
 
 
 # -- lookups and leases -------------------------------------------------------------------------
@@ -335,7 +522,9 @@ def test_a_restarted_client_drops_the_old_sessions_leases_and_a_reconnect_keeps_
     assert refs_of(tm) == {}
     lease2 = again.one(pm.Lease(2, held, 60.0, ""))
     assert len(refs_of(tm)) == 2
-    # the instance restarts: same advertise, new incarnation; the old leases go
+    # the instance restarts: same advertise, new incarnation, and its old connection is gone;
+    # the old leases go
+    srv.server._reachable = lambda identity: identity != b"conn-2"
     restarted = Client(srv, identity=b"conn-3", incarnation=b"B" * pm.INCARNATION_BYTES)
     restarted.connect()
     assert tm.pins_held() == refs_of(tm) == {}
@@ -451,8 +640,17 @@ _valid = st.one_of(  # well-formed, so they reach the server's logic, with hosti
 _out_of_place = st.one_of(  # messages a server never expects from a client
     st.builds(pm.HeartbeatAck, _id, st.integers(0, 10)),
     st.builds(pm.Refused, st.text(max_size=8)),
-    st.builds(pm.Challenge, st.just(b"C" * 16), st.just(b"n" * 32), st.just(b"m" * 32)),
-    st.builds(pm.Welcome, st.binary(max_size=8), st.floats(0, 10), st.integers(0, 9)),
+    st.builds(
+        pm.Challenge,
+        st.integers(0, 3),
+        st.just(b"C" * 16),
+        st.just("h:1"),
+        st.just(b"n" * 32),
+        st.just(b"m" * 32),
+    ),
+    st.builds(
+        pm.Welcome, st.binary(max_size=8), st.floats(0, 10), st.integers(0, 9), st.just(b"m" * 32)
+    ),
     st.builds(pm.Pulled, _id, st.binary(max_size=4)),
     st.builds(pm.Auth, st.binary(min_size=32, max_size=32), st.binary(max_size=8)),
 )
@@ -491,7 +689,7 @@ def test_fuzzed_frames_and_hostile_messages_never_raise_nor_leak_a_pin(fuzz_rig,
             srv,
             identity=b"peer-%d" % i,
             incarnation=bytes([65 + i]) * 16,
-            advertise=f"10.0.0.{i}:5710",
+            advertise=f"10.0.0.{i + 2}:5710",  # 10.0.0.1 is the server's (SERVER_ADDR)
         )
         for i in range(3)
     ]
@@ -514,11 +712,13 @@ def test_fuzzed_frames_and_hostile_messages_never_raise_nor_leak_a_pin(fuzz_rig,
             c.hello = pm.Hello(
                 pm.PROTOCOL_VERSION,
                 c.hello.incarnation,
-                f"10.0.0.{b}:5710",
+                f"10.0.0.{b + 1}:5710",
+                SERVER_ADDR,
                 c.hello.namespace_id,
                 os.urandom(32),
             )
-            c.connect(now)
+            # the server's own address or a live client's: refused identity_collision
+            c.handshake(now)
         elif kind == "settle" and srv.pulls:
             ident, _, lease, pairs = srv.pulls.pop(a % len(srv.pulls))
             for (s, _r), ok in zip(pairs, b):

@@ -22,6 +22,7 @@ import psutil
 import pytest
 import zmq
 from helpers import Rig, arena_name, namespace, wait_until
+from p2p_raw import RawClient as _RawClient
 from pipe_commands import PipeClient
 
 from kvoffload.ipc import peer_messages as pm
@@ -229,31 +230,37 @@ def test_a_peer_with_another_secret_gets_nothing(world):
     assert tier(c).peers_up() == []
 
 
-def test_an_unauthenticated_client_is_refused_and_learns_nothing(world):
+def test_a_client_without_the_secrets_curve_keys_gets_no_answer_and_is_counted(world):
+    """A client speaking plain ZMQ (no CurveZMQ) to an instance with a secret: ZMQ refuses its
+    handshake, counted ``mechanism`` (or ``handshake_failed`` when the client reads the server's
+    greeting first and hangs up: ZMQ then reports a broken pipe, naming no mechanism); no frame
+    of it reaches the protocol (nothing answered, nothing refused by the serving role, nothing
+    pinned)."""
     a = world.instance(p2p("tcp", free_port()))
     keys = keys_for(2, seed=7)
     a.store(keys)
-    ctx = zmq.Context()
+    c = _RawClient(a.addr, namespace(row_bytes=ROW).id(), secret=None)
     try:
-        s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.connect(f"tcp://{a.addr}")
-        answers = []
         for msg in (
+            c.hello(),
             pm.Lookup(req=1, keys=keys),
             pm.Lease(req=2, keys=keys, ttl_s=10),
             pm.Auth(mac=b"\0" * 32, descriptor=b""),
         ):
-            s.send(pm.encode(msg))
-            assert s.poll(int(PATIENCE_S * 1000)), "no answer"
-            answers.append(pm.decode(s.recv()))
-        s.send(b"\xc1 not msgpack")
-        assert s.poll(int(PATIENCE_S * 1000)), "no answer to garbage"
-        answers.append(pm.decode(s.recv()))
-        assert all(isinstance(x, pm.Refused) for x in answers), answers
-        s.close()
+            c.send(msg)
+
+        def refused():
+            counted = a.ok("counters")["refused_connections"]
+            return counted["mechanism"] + counted["handshake_failed"] or None
+
+        wait_until(refused, PATIENCE_S, "the instance to refuse the plain client's handshake")
+        with pytest.raises(zmq.Again):
+            c.sock.recv(zmq.NOBLOCK)
     finally:
-        ctx.term()
+        c.close()
+    counters = a.ok("counters")
+    assert not any(counters["refused_messages"].values()), counters  # nothing reached the role
+    assert counters["authenticated"] == []
     assert a.ok("state")["pinned"] == 0
 
 
@@ -339,7 +346,7 @@ def test_what_a_peer_held_is_forgotten_when_it_goes_down(world):
 def test_lease_holds_for_a_remote_decoder_until_fetched_then_ends(world):
     pa, pb = free_port(), free_port()
     a = world.rig(p2p("tcp", pa, hold_s=3600.0))
-    b = world.rig(p2p("tcp", pb))
+    b = world.rig(p2p("tcp", pb, allowed_peers=[f"127.0.0.1:{pa}"]))  # the prefiller routes name
     keys = keys_for(4, seed=9)
     a.tm.on_request("prefill-1", {"remote_decoder": {"kv_request_id": "kvr-1"}})
     plan = a.tm.prepare_store(keys, "prefill-1")
@@ -442,41 +449,17 @@ def test_each_per_peer_counter_of_a_known_peer_is_exported_from_zero(world):
         assert values[metric][(name, b.addr, *labels)] == 0, (metric, labels)
 
 
-class RawClient:
-    """A hand-driven control session with a serving instance (the protocol, no tier)."""
+class RawClient(_RawClient):
+    """A hand-driven control session with a serving instance (the protocol, no tier), knowing
+    the tests' secret by default."""
 
-    def __init__(self, addr: str, namespace_id: str, secret: str = SECRET):
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(f"tcp://{addr}")
-        self.secret = secret.encode()
-        self.incarnation = os.urandom(pm.INCARNATION_BYTES)
-        self.namespace_id = namespace_id
+    def __init__(self, addr: str, namespace_id: str, secret: str = SECRET, **kw):
+        super().__init__(addr, namespace_id, secret.encode(), **kw)
 
-    def ask(self, msg) -> object:
-        self.sock.send(pm.encode(msg))
-        return self.recv()
-
-    def recv(self) -> object:
-        assert self.sock.poll(int(PATIENCE_S * 1000)), "no answer"
-        return pm.decode(self.sock.recv())
-
-    def handshake(self) -> pm.Welcome:
-        nonce = os.urandom(pm.NONCE_BYTES)
-        ch = self.ask(
-            pm.Hello(pm.PROTOCOL_VERSION, self.incarnation, "127.0.0.1:1", self.namespace_id, nonce)
-        )
-        assert isinstance(ch, pm.Challenge), ch
-        parts = (nonce, ch.nonce, self.incarnation, ch.incarnation, self.namespace_id.encode())
-        assert pm.mac_ok(pm.mac(self.secret, "server", *parts), ch.mac)
-        welcome = self.ask(pm.Auth(pm.mac(self.secret, "client", *parts), b""))
+    def handshake(self, descriptor: bytes = b"") -> pm.Welcome:
+        welcome = super().handshake(descriptor)
         assert isinstance(welcome, pm.Welcome), welcome
         return welcome
-
-    def close(self) -> None:
-        self.sock.close()
-        self.ctx.term()
 
 
 def test_a_lease_expires_and_its_pins_are_released(world):
@@ -530,8 +513,9 @@ def test_fuzzed_control_messages_never_crash_a_serving_instance(world):
         pm.Offer(req=3, keys=keys, lease=7, slots=[10**9] * 3),
         pm.Offer(req=4, keys=keys, lease=8, slots=[1]),
         pm.Pulled(lease=1, ok=b"\1" * 9),
-        pm.Welcome(b"x" * 100, 0.1, 5),
-        pm.Challenge(os.urandom(16), os.urandom(32), os.urandom(32)),
+        pm.Welcome(b"x" * 100, 0.1, 5, os.urandom(32)),
+        pm.Challenge(pm.PROTOCOL_VERSION, os.urandom(16), "127.0.0.1:1", os.urandom(32), b"m" * 32),
+        pm.Hello(1, os.urandom(16), "127.0.0.1:1", "10.9.9.9:1", ns_id, os.urandom(32)),
         pm.LookupReply(req=1, states=b"\1\2"),
     ]
     for authenticated in (False, True):
@@ -678,8 +662,10 @@ def test_a_lookup_asks_the_peer_whose_kv_events_show_the_chunk_first(world):
 
 def test_a_request_naming_a_peer_no_socket_can_reach_leaves_the_tier_serving(world):
     """A request's kv_transfer_params name its peers: one whose address ZMQ refuses to connect to
-    ("*") is a peer down, and the configured peer still serves. Before, the error ended the node
-    thread, and every later lookup and job of the tier waited forever."""
+    ("*") is no allowed peer, refused and counted before any socket (were it allowed, the node
+    would take it as a peer down: tests/test_p2p_client.py), and the configured peer still
+    serves. Before, the error ended the node thread, and every later lookup and job of the tier
+    waited forever."""
     a = world.instance(p2p("tcp", free_port()))
     keys = keys_for(3, seed=40)
     a.store(keys)
@@ -689,7 +675,8 @@ def test_a_request_naming_a_peer_no_socket_can_reach_leaves_the_tier_serving(wor
     assert_serves(b, keys, "r40", {"remote_kv_source": route})
     node = tier(b)._node
     assert node.is_alive() and node.error is None
-    assert "*:5710" not in tier(b).peers_up()
+    assert "*:5710" not in node.client.links
+    assert tier(b).refused_routes["not_allowed"] == 1
 
 
 def test_a_tier_whose_node_thread_ended_still_shuts_down_and_leaves_no_process(world):
@@ -758,5 +745,99 @@ def test_the_demo_pairs_p2p_tiers_take_the_liveness_limits_they_are_given(tmp_pa
         tiers = [parse_config(s.offload).secondary_tiers[0].config for s in (p, d)]
         assert tiers[0].port == p_port
         assert tiers[0].peers == [f"127.0.0.1:{tiers[1].port}"] and tiers[1].peers == []
+        # D's requests name P (remote_prefiller): P is an allowed peer of D's
+        assert tiers[1].allowed_peers == [f"127.0.0.1:{tiers[0].port}"]
         for t in tiers:
             assert {k: getattr(t, k) for k in want} == want
+
+
+# -- the engine thread's verdicts and peers going down (no instance, no socket) -------------------
+
+
+def engine_side_tier(max_down_log: int | None = None):
+    """A p2p tier as its engine thread sees it, never attached: its node is a results deque the
+    test fills as the node thread would (``tier._node.results``)."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from kvoffload.tiers.p2p.config import P2PTierConfig
+    from kvoffload.tiers.p2p.tier import P2PTier, _DownLog
+
+    t = P2PTier(
+        name="p2p",
+        arena_view=memoryview(bytearray(ROW)),
+        namespace=namespace(),
+        config=P2PTierConfig(secret=SECRET),
+        arena=object(),
+    )
+    if max_down_log is not None:
+        t._downs = _DownLog(max_down_log)
+    t._node = SimpleNamespace(results=deque())
+    return t
+
+
+def test_many_distinct_peers_going_down_leave_the_tiers_memory_bounded():
+    """Requests may name many peers: 3x MAX_DOWN_LOG distinct peers each told HIT for a key and
+    then going down leave at most MAX_DOWN_LOG remembered, at most MAX_PEER_LABELS metric labels,
+    and no verdict of any of them standing."""
+    from kvoffload.tiers.p2p.client import MAX_PEER_LABELS, PeerClient
+    from kvoffload.tiers.p2p.commands import PeerDown, Verdict
+    from kvoffload.tiers.p2p.tier import MAX_DOWN_LOG
+
+    t = engine_side_tier()
+    n = 3 * MAX_DOWN_LOG
+    peers = [f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}:5710" for i in range(n)]
+    keys = [i.to_bytes(32, "little") for i in range(n)]
+    for key, peer in zip(keys, peers):
+        t._node.results.extend((Verdict(key, peer), PeerDown(peer)))
+    assert t.lookup(keys[0]) == MISS  # drains them all
+    assert len(t._downs) <= MAX_DOWN_LOG
+    assert [k for k in keys if t.lookup(k) == HIT] == []
+
+    client = PeerClient.__new__(PeerClient)  # its labels alone
+    client._labels = {}
+    labels = {client.label(p) for p in peers}
+    assert len(client._labels) == MAX_PEER_LABELS
+    assert labels == {*peers[:MAX_PEER_LABELS], "other"}
+    assert client.label(peers[0]) == peers[0]  # a labelled peer keeps its label
+
+
+def test_forgetting_a_peer_can_only_void_verdicts_never_revive_one():
+    """Verdicts and peers going down in random order against a down log of 8 peers, compared
+    with unbounded memory: a verdict learnt before its peer went down is never HIT again, even
+    once that peer is forgotten; a verdict learnt after the last peer went down stands."""
+    import random
+
+    from kvoffload.tiers.p2p.commands import PeerDown, Verdict
+
+    rng = random.Random(23)
+    t = engine_side_tier(max_down_log=8)
+    peers = [f"peer-{i}:5710" for i in range(40)]
+    learnt: dict[bytes, tuple[str, int]] = {}  # key -> (peer, downs of all peers so far)
+    downs: dict[str, int] = {}  # peer -> how many went down before its last going down
+    total = 0
+    voided = 0
+    for step in range(5000):
+        peer = rng.choice(peers)
+        if rng.random() < 0.4:
+            total += 1
+            downs[peer] = total
+            t._node.results.append(PeerDown(peer))
+        else:
+            key = rng.randrange(200).to_bytes(32, "little")
+            learnt[key] = (peer, total)
+            t._node.results.append(Verdict(key, peer))
+        key = rng.choice(list(learnt)) if learnt else b"\0" * 32
+        got = t.lookup(key)
+        holder, at = learnt.get(key, ("", 0))
+        void = holder == "" or downs.get(holder, 0) > at
+        if void:
+            assert got == MISS, f"step {step}: a void verdict of {holder} revived"
+        elif got == MISS:
+            voided += 1  # forgetting voided a verdict still good: allowed, never the reverse
+            learnt.pop(key)
+    assert len(t._downs) <= 8
+    assert voided > 0  # the log did forget peers whose verdicts it then voided
+    key = b"fresh".ljust(32, b"\0")
+    t._node.results.append(Verdict(key, peers[0]))
+    assert t.lookup(key) == HIT  # learnt after every going down so far: it stands

@@ -10,6 +10,8 @@
       │ parse_config_all(this_machine=False): every error, by key path            ─────── syntax
       │ (a later check that needs a key with an error says it was not checked)
       │ KV-event sockets bound to loopback only (prompts' token ids travel there) ─────── syntax
+      │ each p2p tier's exposure: its bind and advertise address, its secret in
+      │ the file, allowed_peers wide open, auth none                              ─────── syntax
       ├─ /dev/shm against cpu_bytes_to_use, each p2p tier's secret in this
       │  environment, each fs root (relative, a directory, writable, free-space
       │  floor), one chunk of the namespaces already in an fs root                ─ this machine
@@ -440,6 +442,7 @@ def _check_parsed(parsed: ParsedConfig, report: Report, options: Options) -> Non
             continue
         if not options.syntax_only:
             _check_tier_here(spec, at, bad, report)
+        _check_p2p_exposure(spec, at, bad, report)
         online += _online_checks(spec, at, bad, report, options)
     if options.model_dir is not None:
         _check_model(cfg, cpu, cpu_at, bad, report, options)
@@ -474,6 +477,117 @@ def bind_reach(endpoint: str) -> str | None:
         return f"the address {host}"
     except ValueError:
         return f"the interface or host {host!r}"
+
+
+MIN_SECRET_CHARS = 32
+"""A p2p secret shorter than this is reported: one handshake recorded by whoever a client dials
+lets them test guesses of the secret offline (its CurveZMQ keys derive from it)."""
+
+
+def _check_p2p_exposure(spec: TierSpec, at: str, bad: set[str], report: Report) -> None:
+    """What a p2p tier exposes, from its settings alone (README, "Security model"): the control
+    port's reach, an advertise address that names a loopback while the port binds beyond it
+    (peers dial their own loopback, and every instance so configured claims one identity: CASES
+    C42), a secret written in the file, allowed_peers wide open, auth none."""
+    from kvoffload.tiers.p2p import P2PTierConfig
+    from kvoffload.tiers.p2p.config import is_loopback, parse_allowed
+
+    c = spec.config
+    if not isinstance(c, P2PTierConfig):
+        return
+    if f"{at}.host" not in bad:
+        reach = bind_reach(f"tcp://{c.host}:{c.port}")
+        host_at = f"{at}.host"
+        if reach is None:
+            report.add("p2p control port reach", host_at, SYNTAX, OK, f"{c.host}: this host only")
+        elif reach == "all interfaces":
+            report.add(
+                "p2p control port reach",
+                host_at,
+                SYNTAX,
+                WARNING,
+                f"{c.host} binds all interfaces: every network this host is on reaches the "
+                "control port (CurveZMQ admits only peers that know the secret, but anyone can "
+                "make it spend a handshake); bind the address peers use",
+            )
+        else:
+            report.add(
+                "p2p control port reach",
+                host_at,
+                SYNTAX,
+                OK,
+                f"binds {reach}; only peers that know the secret complete a handshake",
+            )
+        adv_at = f"{at}.advertise_host"
+        if (
+            c.advertise_host is not None
+            and adv_at not in bad
+            and is_loopback(c.advertise_host)
+            and reach is not None
+        ):
+            report.add(
+                "p2p advertise address",
+                adv_at,
+                SYNTAX,
+                WARNING,
+                f"{c.advertise_host!r} is a loopback address while host {c.host!r} binds "
+                f"{reach}: peers on other hosts dialing it reach their own loopback, and every "
+                "instance configured so claims the same identity (a second one is refused as "
+                "an identity collision); set advertise_host to the address peers reach this "
+                "instance at",
+            )
+    if c.secret is not None and f"{at}.secret" not in bad:
+        report.add(
+            "p2p secret kept out of the file",
+            f"{at}.secret",
+            SYNTAX,
+            WARNING,
+            "the secret is written in the configuration: vLLM logs its engine arguments (this "
+            "kv-transfer-config with them) at start, and every local user can read a command "
+            f"line; give it in the environment variable secret_env names ({c.secret_env})",
+        )
+        if len(c.secret) < MIN_SECRET_CHARS:
+            report.add(
+                "p2p secret length",
+                f"{at}.secret",
+                SYNTAX,
+                WARNING,
+                _short_secret(len(c.secret)),
+            )
+    if f"{at}.allowed_peers" not in bad:
+        for i, entry in enumerate(c.allowed_peers):
+            try:
+                net = parse_allowed(entry, "").network
+            except ValueError:
+                continue
+            if net is not None and net.prefixlen < (8 if net.version == 4 else 32):
+                report.add(
+                    "p2p allowed_peers narrow",
+                    f"{at}.allowed_peers[{i}]",
+                    SYNTAX,
+                    WARNING,
+                    f"{entry!r} lets any API request make this instance dial any of "
+                    f"{net.num_addresses:,} addresses; name the peers' hosts or their subnet",
+                )
+    if c.auth == "none" and f"{at}.auth" not in bad:
+        report.add(
+            "p2p auth",
+            f"{at}.auth",
+            SYNTAX,
+            WARNING,
+            "auth none: no secret and no encryption; any local user of this machine can connect "
+            "to the loopback port and read (and push) the KV of every user of this engine "
+            "(trust_local_users says that is meant)",
+        )
+
+
+def _short_secret(n: int) -> str:
+    return (
+        f"the secret is {n} characters long: whoever a client dials can test guesses of it "
+        "offline from one recorded handshake; use at least "
+        f"{MIN_SECRET_CHARS} random characters (python -c 'import secrets; "
+        "print(secrets.token_hex(32))')"
+    )
 
 
 def _check_events_bind(ev: Any, bad: set[str], report: Report) -> None:
@@ -660,6 +774,9 @@ def _check_p2p_secret(c: Any, at: str, bad: set[str], report: Report) -> None:
             OK,
             f"{c.secret_env} is set in this environment (the server's may differ)",
         )
+        n = len(os.environ[c.secret_env])
+        if n < MIN_SECRET_CHARS:
+            report.add("p2p secret length", f"{at}.secret_env", MACHINE, WARNING, _short_secret(n))
     else:
         report.add(
             "p2p secret",

@@ -58,11 +58,13 @@ def p2p_offload(
     transport: str,
     data_port: int,
     p2p_settings: dict | None = None,
+    allowed_peers: list[str] | None = None,
 ) -> dict:
     """``kv_connector_extra_config`` of one server: a host tier of ``host_tokens`` tokens and a p2p
     tier on loopback ``port`` (its secret from ``KVOFFLOAD_P2P_SECRET``, never in the config);
     ``p2p_settings``: further ``P2PTierConfig`` fields of the p2p tier (e.g. its liveness limits
-    ``peer_timeout_s``, ``transfer_deadline_s``), checked by the server at start."""
+    ``peer_timeout_s``, ``transfer_deadline_s``), checked by the server at start;
+    ``allowed_peers``: the peers requests' ``kv_transfer_params`` may name besides ``peers``."""
     return {
         "spec_name": "KVOffloadSpec",
         "spec_module_path": "kvoffload.vllm",
@@ -73,6 +75,7 @@ def p2p_offload(
                 "host": LOOPBACK,
                 "port": port,
                 "peers": peers,
+                "allowed_peers": allowed_peers or [],
                 "transport": transport,
                 "data_port": data_port,
                 **(p2p_settings or {}),
@@ -164,12 +167,13 @@ def pair_specs(
     p2p_settings: dict | None = None,
 ) -> tuple[ServerSpec, ServerSpec, int]:
     """Server specs of P and D (p2p tiers on free loopback ports, pointing at each other; D without
-    static peers unless ``route`` is ``peers``; both with ``p2p_settings``, see
-    :func:`p2p_offload`) and P's p2p port."""
+    static peers unless ``route`` is ``peers``, but with P's address in its ``allowed_peers``
+    for the requests that name it; both with ``p2p_settings``, see :func:`p2p_offload`) and P's
+    p2p port."""
     p_port, d_port = free_port(), free_port()
     env = {SECRET_ENV: secret}
 
-    def spec(name: str, port: int, peers: list[str]) -> ServerSpec:
+    def spec(name: str, port: int, peers: list[str], allowed: list[str]) -> ServerSpec:
         return ServerSpec(
             model=model,
             kv_cache_tokens=args["device_tokens"],
@@ -182,13 +186,15 @@ def pair_specs(
                 transport,
                 free_port() if transport != "nixl" else 0,
                 p2p_settings,
+                allowed,
             ),
             log_path=str(workdir / f"server-{name}.log"),
             env=env,
         )
 
-    p = spec("P", p_port, [f"{LOOPBACK}:{d_port}"])
-    d = spec("D", d_port, [f"{LOOPBACK}:{p_port}"] if route == "peers" else [])
+    p = spec("P", p_port, [f"{LOOPBACK}:{d_port}"], [])
+    p_addr = f"{LOOPBACK}:{p_port}"
+    d = spec("D", d_port, [p_addr] if route == "peers" else [], [p_addr])
     return p, d, p_port
 
 

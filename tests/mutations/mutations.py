@@ -47,6 +47,9 @@ OPS = "tests/test_ops_commands.py::"
 LOC = "tests/test_p2p_locations.py::"
 CO = "tests/test_arena_cotenant.py::"
 COT = "tests/test_cotenant_fs.py::"
+P2PS = "tests/test_p2p_server.py::"
+P2PC = "tests/test_p2p_client.py::"
+ATT = "tests/test_p2p_attacks.py::"
 
 _ID = "        return xxhash.xxh3_128_digest(msgspec.json.encode(self))"
 
@@ -855,6 +858,130 @@ MUTATIONS: list[Mutation] = [
         (
             OBJ + "test_c45_a_hostile_body_is_a_corrupt_miss_and_the_readers_memory_stays_flat"
             "[lying_length]",
+        ),
+    ),
+    Mutation(
+        "C38",
+        "a request's route is dialed whether or not it names an allowed peer",
+        "kvoffload/tiers/p2p/tier.py",
+        "            if why is not None:\n                self._refuse_route(route.source, why)\n",
+        "            if False:\n                self._refuse_route(route.source, why)\n",
+        (ATT + "test_c38_a_request_naming_an_address_that_is_no_allowed_peer_makes_no_socket",),
+    ),
+    Mutation(
+        "C38",
+        "the server takes a Hello carrying its own incarnation",
+        "kvoffload/tiers/p2p/server.py",
+        "        if hello.incarnation == self.incarnation:  # our own client's Hello",
+        "        if False:  # our own client's Hello",
+        (
+            P2PS
+            + "test_c38_a_hello_carrying_the_servers_own_incarnation_is_refused_as_a_reflection",
+            ATT + "test_c38_a_relay_without_the_secret_between_our_client_and_our_own_server_"
+            "gets_nothing",
+        ),
+    ),
+    Mutation(
+        "C38",
+        "the server takes a Hello that dialed another address",
+        "kvoffload/tiers/p2p/server.py",
+        "        if hello.dialed not in self.addresses:",
+        "        if False:",
+        (
+            P2PS
+            + "test_c38_a_hello_naming_a_dialed_address_not_the_servers_is_refused_as_misrouted",
+            ATT + "test_c38_a_relay_to_another_peer_completes_no_session_there_either",
+        ),
+    ),
+    Mutation(
+        "C38",
+        "the control sockets run without CurveZMQ: a relay reads the handshake",
+        "kvoffload/tiers/p2p/node.py",
+        "            if secret:\n                self._curve = pm.curve_keypair(secret)\n",
+        "            if False:\n                self._curve = pm.curve_keypair(secret)\n",
+        (
+            ATT + "test_c38_a_relay_without_the_secret_between_our_client_and_our_own_server_"
+            "gets_nothing",
+        ),
+    ),
+    Mutation(
+        "C38",
+        "the client's MAC leaves its descriptor out",
+        "ipc/peer_messages.py",
+        "        msg = msgspec.structs.replace(msg, mac=ZERO_MAC)\n",
+        "        msg = msgspec.structs.replace(msg, mac=ZERO_MAC)\n"
+        "        if isinstance(msg, Auth):\n"
+        '            msg = msgspec.structs.replace(msg, descriptor=b"")\n',
+        (P2PS + "test_c38_every_field_of_the_handshake_is_under_the_macs",),
+    ),
+    Mutation(
+        "C38",
+        "links requests named are never forgotten",
+        "kvoffload/tiers/p2p/client.py",
+        "                if self._idle(link):\n                    self._forget_link(link, now)\n",
+        "                if False:\n                    self._forget_link(link, now)\n",
+        (
+            P2PC + "test_c38_links_requests_named_are_bounded_and_forgotten_when_unused",
+            ATT + "test_c38_300_request_named_allowed_addresses_leave_at_most_the_bound_and_"
+            "none_when_idle",
+        ),
+    ),
+    Mutation(
+        "C41",
+        "one source may hold any number of half-open connections",
+        "kvoffload/tiers/p2p/node.py",
+        "        if per_source[source] >= self.max_half_open_per_source:\n",
+        "        if False:\n",
+        (ATT + "test_c41_a_flood_of_unauthenticated_connections_locks_no_honest_peer_out",),
+    ),
+    Mutation(
+        "C41",
+        "one source may fill the server's handshake table",
+        "kvoffload/tiers/p2p/server.py",
+        "        if self._per_source[source] >= self.max_handshakes_per_source:\n",
+        "        if False:\n",
+        (P2PS + "test_c41_one_source_cannot_fill_the_handshake_table_nor_push_out_anothers",),
+    ),
+    Mutation(
+        "C42",
+        "a second live instance at a peer's address is taken for its restart",
+        "kvoffload/tiers/p2p/server.py",
+        "            if other.incarnation != hello.incarnation and self._alive(other, now):\n",
+        "            if False:\n",
+        (
+            P2PS + "test_c42_a_second_live_instance_claiming_a_peers_address_is_refused_and_both_"
+            "keep_theirs",
+            ATT + "test_c42_two_readers_in_two_namespaces_advertising_one_address",
+        ),
+    ),
+    Mutation(
+        "C38",
+        "with auth none a session's claimed address allows requests to name it",
+        "kvoffload/tiers/p2p/tier.py",
+        "if node is not None and self._secret else ()",
+        "if node is not None else ()",
+        (
+            ATT + "test_c38_with_auth_none_a_session_claiming_an_address_allows_no_request_to_"
+            "name_it",
+        ),
+    ),
+    Mutation(
+        "C38",
+        "a new request link makes the least recently used go even while busy",
+        "kvoffload/tiers/p2p/client.py",
+        "                    victim = next((lk for lk in links if self._idle(lk)), None)\n",
+        "                    victim = None\n",
+        (P2PC + "test_c38_a_new_request_link_makes_an_idle_one_go_before_a_busy_one",),
+    ),
+    Mutation(
+        "C42",
+        "a peer advertising this instance's own address is welcomed",
+        "kvoffload/tiers/p2p/server.py",
+        "        if hello.advertise in self.addresses:  # another instance claims to be this one\n",
+        "        if False:\n",
+        (
+            P2PS + "test_c42_a_peer_advertising_this_instances_own_address_is_refused_as_a_"
+            "collision",
         ),
     ),
 ]

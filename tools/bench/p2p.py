@@ -73,8 +73,11 @@ def _serve(kind: str, num_slots: int, row_bytes: int, conn: Any) -> None:
     arena.close()
 
 
-def _tier_instance(kind: str, num_slots: int, row_bytes: int, peers: list[str]) -> tuple:
-    """An arena and a TieringManager with one p2p tier (``auth: none`` on loopback)."""
+def _tier_instance(
+    kind: str, num_slots: int, row_bytes: int, peers: list[str], secret: str
+) -> tuple:
+    """An arena and a TieringManager with one p2p tier on loopback, authenticated with ``secret``
+    (CurveZMQ on its control sockets, as deployed)."""
     from kvoffload.config import parse_config
     from kvoffload.namespace import Namespace
     from kvoffload.tiering import TieringManager
@@ -86,7 +89,7 @@ def _tier_instance(kind: str, num_slots: int, row_bytes: int, peers: list[str]) 
         "port": 0,
         "peers": peers,
         "transport": kind,
-        "auth": "none",
+        "secret": secret,
         "transfer_deadline_s": 60.0,
         "lease_ttl_s": 600.0,
     }
@@ -109,9 +112,9 @@ def _bench_keys(n: int) -> list[bytes]:
 
 
 @ends_process
-def _serve_tier(kind: str, num_slots: int, row_bytes: int, conn: Any) -> None:
+def _serve_tier(kind: str, num_slots: int, row_bytes: int, secret: str, conn: Any) -> None:
     """Serving instance: an arena whose every slot holds a chunk, served by its p2p tier."""
-    arena, tm = _tier_instance(kind, num_slots, row_bytes, [])
+    arena, tm = _tier_instance(kind, num_slots, row_bytes, [], secret)
     keys = _bench_keys(num_slots)
     plan = tm.prepare_store(keys)
     assert plan is not None and len(plan.keys) == num_slots
@@ -129,12 +132,13 @@ def tier_fetch(kind: str, chunk_bytes: int, num_slots: int, reps: int, latency_n
     from the lookups to the last chunk READY in the reader's host tier."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    server = ctx.Process(target=_serve_tier, args=(kind, num_slots, chunk_bytes, child))
+    secret = secrets.token_hex(32)
+    server = ctx.Process(target=_serve_tier, args=(kind, num_slots, chunk_bytes, secret, child))
     server.start()
     arena = tm = None
     try:
         addr = parent.recv()
-        arena, tm = _tier_instance(kind, num_slots, chunk_bytes, [addr])
+        arena, tm = _tier_instance(kind, num_slots, chunk_bytes, [addr], secret)
         tier = tm.tiers[0]
         keys = _bench_keys(num_slots)
         deadline = time.monotonic() + 120

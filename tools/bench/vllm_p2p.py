@@ -33,7 +33,8 @@ kvoffload's side (``--system kvoffload``; both run by default) uses the same pro
 the same chunks (sizes, count, payloads, every byte checked): producer A, spawned, is a
 ``TieringManager`` whose host tier holds chunk ``i`` in a POSIX shm arena, with one p2p tier
 (``kvoffload.tiers.p2p``: control on its node thread, bytes moved by its peer worker process through
-NIXL; ``auth: none`` on loopback); consumer B here is the same with A as its peer. A request is
+NIXL; authenticated with a random secret on loopback, CurveZMQ on its control sockets, as
+deployed); consumer B here is the same with A as its peer. A request is
 ``on_request`` and a lookup per chunk (the tier leases the chunks on A and its peer worker READs
 them into reserved slots), then per step ``TieringManager.step()`` and the lookups of the chunks
 not yet HIT; it is done when all are HIT (``prepare_load`` pins them). A chunk is dropped from B's
@@ -72,6 +73,7 @@ import mmap
 import multiprocessing as mp
 import os
 import resource
+import secrets
 import socket
 import statistics
 import sys
@@ -578,14 +580,14 @@ def kv_key(row_bytes: int, i: int | str) -> bytes:
 
 
 @ends_process
-def _kv_producer(conn: Any, row_bytes: int, rows: int, poll_s: float) -> None:
+def _kv_producer(conn: Any, row_bytes: int, rows: int, poll_s: float, secret: str) -> None:
     """Producer process of kvoffload's side: a TieringManager whose host tier holds chunk ``i``
-    (:class:`Payloads`) under :func:`kv_key` ``i`` for every row, and one p2p tier (NIXL, ``auth:
-    none`` on loopback) serving it. Peers are answered by the tier's node thread and peer worker;
+    (:class:`Payloads`) under :func:`kv_key` ``i`` for every row, and one p2p tier (NIXL, on
+    loopback, authenticated with ``secret``) serving it. Peers are answered by the tier's node thread and peer worker;
     this process's engine thread is never stepped (an idle engine is not), it only answers ``conn``."""
     from kvoffload.tools.bench.p2p import _tier_instance
 
-    arena, tm = _tier_instance("nixl", rows, row_bytes, [])
+    arena, tm = _tier_instance("nixl", rows, row_bytes, [], secret)
     try:
         keys = [kv_key(row_bytes, i) for i in range(rows)]
         plan = tm.prepare_store(keys)
@@ -638,8 +640,9 @@ class KvPair(Pair):
         self.reasked = 0  # lookups of a requested chunk that answered MISS and were asked again
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
+        secret = secrets.token_hex(32)
         self.proc = ctx.Process(
-            target=this._kv_producer, args=(child, row_bytes, rows, poll_s), daemon=True
+            target=this._kv_producer, args=(child, row_bytes, rows, poll_s, secret), daemon=True
         )
         self.proc.start()
         self.b: Any = None
@@ -648,7 +651,7 @@ class KvPair(Pair):
             addr = self.ask(("hello",), expect="ready")
             from kvoffload.tools.bench.p2p import _tier_instance
 
-            self.b, self.tm = _tier_instance("nixl", rows, row_bytes, [addr])
+            self.b, self.tm = _tier_instance("nixl", rows, row_bytes, [addr], secret)
             deadline = time.monotonic() + _REPLY_TIMEOUT_S
             while not self.tm.tiers[0].peers_up():
                 if time.monotonic() > deadline:

@@ -25,10 +25,15 @@ is leased and read in parts of at most :data:`LEASE_CHUNKS` keys, at most
 :data:`MAX_INFLIGHT_CHUNKS` chunks in flight per peer (the rest wait). A Push goes, as an Offer,
 to the peer whose session is up with the most free quota.
 
-**Frames in.** One frame from a peer's socket. A link goes ``down`` → ``hello`` (Hello sent) →
-``auth`` (the peer's Challenge proved the secret; Auth and our transport descriptor sent) → ``up``
-(Welcome: the peer's descriptor added to our worker; queued requests sent). Before ``up`` any
-other message fails the session; once up, replies are matched to pending requests by ``req`` (an
+**Frames in.** One frame from a peer's socket. A link goes ``down`` → ``hello`` (Hello sent, naming
+the address dialed) → ``auth`` (the peer's Challenge is of our protocol version, is not our own
+(a reflection: our Hello relayed to our own server) and proved the secret over the transcript;
+Auth and our transport descriptor sent) → ``up`` (Welcome's MAC over the whole handshake checked,
+then the peer's descriptor added to our worker; queued requests sent). Before ``up`` any other
+message fails the session, and a handshake that fails is counted by reason
+(:attr:`PeerClient.handshake_failures`: what we found, or ``refused_<reason>`` the peer gave; an
+``identity_collision`` is logged as an error naming our advertise address); once up, replies are
+matched to pending requests by ``req`` (an
 answer nobody asked for is counted ``unknown_replies``; one that does not fit its request
 ``malformed_replies``, and the request is treated as unanswered, or its part fails ``bad_reply``);
 a Pulled ends a push only when it comes from the peer the offer went to; a Refused fails the
@@ -59,6 +64,14 @@ lookups go to the next peer, its loads fail, its name is removed from the worker
 settle failed), the engine is told, and the link reconnects with backoff (0.5 s doubling up to
 10 s). A peer that comes back with a new incarnation is a new peer.
 
+**Links a request named.** A link to a peer that is not one of ``static_peers`` (the configured
+``peers`` and ``peer_events``) exists because a request's routing named it (the tier checked it
+against its allow-list first). Such a link is closed and forgotten once no command has used it
+for ``request_peer_idle_s`` and nothing of it is outstanding; at most ``max_request_peers`` exist
+at once (a new one makes the least recently used idle one go, or the least recently used when
+none is idle), so requests naming many addresses leave neither sockets nor reconnects behind, and
+cut no other request's transfers short while an idle link can go instead.
+
 Not thread-safe: the node thread drives it. The engine thread reads only :meth:`peers_up`,
 :meth:`can_push`, ``links`` and the statistics, as snapshots.
 """
@@ -67,7 +80,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -85,6 +98,7 @@ from kvoffload.tiers.p2p.commands import (
     Verdict,
 )
 from kvoffload.tiers.p2p.config import parse_peer
+from kvoffload.tiers.p2p.server import REFUSALS
 
 log = logging.getLogger("kvoffload.p2p")
 
@@ -103,6 +117,20 @@ BACKOFF_MIN_S = 0.5
 BACKOFF_MAX_S = 10.0
 DESCRIPTOR_WAIT_S = 0.05
 """Our own worker has no transport descriptor yet: try to open the session again after this."""
+HANDSHAKE_FAILURES = (
+    "bad_mac",
+    "reflection",
+    "version",
+    "unexpected",
+    "timeout",
+    "unusable_descriptor",
+    *(f"refused_{r}" for r in REFUSALS),
+    "refused_other",
+)
+"""Why a handshake of the client role failed (:attr:`PeerClient.handshake_failures`): the peer's
+MAC did not prove the secret, its Challenge carried our own incarnation, another protocol version,
+a message the handshake does not expect, no answer within ``peer_timeout_s``, a descriptor our
+worker refused, or the peer refused the session (``refused_<its reason>``)."""
 _WORKER_DIED = "worker_died"  # kvoffload.tiers.p2p.worker_handle.WORKER_DIED (not imported: heavy)
 
 
@@ -268,14 +296,16 @@ class PeerLink:
     """The client role's state towards one peer (``host:port``): its session's handshake state,
     its outstanding requests, its load parts in flight and waiting."""
 
-    def __init__(self, addr: str, label: str):
+    def __init__(self, addr: str, label: str, static: bool = True):
         self.addr = addr
         self.label = label  # the ``peer`` label of its metrics
         self.host, self.port = parse_peer(addr, "peer")
+        self.static = static  # a configured peer (else named by requests: forgotten when idle)
+        self.last_used = 0.0  # when a command last used it
         self.state = "down"  # down -> hello -> auth -> up; a socket is open unless down
         self.retry_at = 0.0
         self.backoff = 0.0
-        self.nonce = b""
+        self.handshake: list[pm.PeerMessage] = []  # Hello, Challenge, Auth so far (MACed)
         self.peer_incarnation = b""
         self.worker_name = ""  # the peer's name in our worker's transport (per incarnation)
         self.last_heard = 0.0
@@ -313,6 +343,11 @@ class PeerClient:
         count: ``count(counter, n=1)``: the tier's counters.
         server_free_quota: chunks our serving role would admit now (sent in heartbeats).
         where: ``where(key)``: peers the KV-event locations show holding ``key``, or None.
+        static_peers: the configured peers (``peers``, ``peer_events``); a link to any other
+            was named by a request (see the module docstring).
+        request_peer_idle_s: a link a request named is forgotten after this long unused
+            (seconds).
+        max_request_peers: links requests named, at most, at once (LRU).
         random_bytes: ``n -> n random bytes`` for nonces (tests may pass a seeded one).
     """
 
@@ -332,12 +367,15 @@ class PeerClient:
         count: Callable[..., None] | None = None,
         server_free_quota: Callable[[], int] | None = None,
         where: Callable[[bytes], Sequence[str]] | None = None,
+        static_peers: Iterable[str] = (),
+        request_peer_idle_s: float = 60.0,
+        max_request_peers: int = 16,
         random_bytes: Callable[[int], bytes] = os.urandom,
     ):
         self.transfers = transfers
         self.incarnation = incarnation
         self.namespace_id = namespace_id
-        self.secret = secret
+        self._key = pm.transcript_key(secret)
         self.heartbeat_s = heartbeat_s
         self.peer_timeout_s = peer_timeout_s
         self.transfer_deadline_s = transfer_deadline_s
@@ -347,8 +385,17 @@ class PeerClient:
         self.count: Callable[..., None] = count or (lambda *a: None)
         self.server_free_quota: Callable[[], int] = server_free_quota or (lambda: 0)
         self.where = where
+        self.static_peers = frozenset(static_peers)
+        self.request_peer_idle_s = request_peer_idle_s
+        self.max_request_peers = max(1, max_request_peers)
         self._random = random_bytes
         self.links: dict[str, PeerLink] = {}
+        # links requests named, least recently used first
+        self._request_links: OrderedDict[str, PeerLink] = OrderedDict()
+        #: Handshakes that failed, by reason (:data:`HANDSHAKE_FAILURES`); read by scrapes.
+        self.handshake_failures: dict[str, int] = dict.fromkeys(HANDSHAKE_FAILURES, 0)
+        #: Request links dropped to stay within ``max_request_peers`` (read by scrapes).
+        self.request_links_evicted = 0
         self.next_req = 0
         self.heartbeat_seq = 0
         self.loads: dict[int, _Load] = {}  # transfer id -> load part
@@ -404,6 +451,13 @@ class PeerClient:
                 self._send_probes(batches, now)
         for link in list(self.links.values()):
             self._tick_link(link, now)
+        if self._request_links:
+            limit = now - self.request_peer_idle_s
+            for link in list(self._request_links.values()):
+                if link.last_used > limit:
+                    break  # least recently used first: the rest are younger
+                if self._idle(link):
+                    self._forget_link(link, now)
         for job_id, (_link, keys, deadline) in list(self.pushes.items()):
             if deadline <= now:
                 # The receiver never said it pulled: its reads (deadline far shorter than this)
@@ -468,9 +522,11 @@ class PeerClient:
         """The ``peer`` label value of ``peer`` in metrics (given when its link is made)."""
         label = self._labels.get(peer)
         if label is None:
-            # bounded cardinality: the first MAX_PEER_LABELS peers by name, the rest as "other"
-            label = peer if len(self._labels) < MAX_PEER_LABELS else "other"
-            self._labels[peer] = label
+            # bounded cardinality (and memory): the first MAX_PEER_LABELS peers by name, the rest
+            # as "other"
+            if len(self._labels) >= MAX_PEER_LABELS:
+                return "other"
+            label = self._labels[peer] = peer
         return label
 
     def stat(self, peer: str, what: str, n: float = 1) -> None:
@@ -485,13 +541,48 @@ class PeerClient:
         return out
 
     def _link(self, addr: str, now: float) -> PeerLink:
-        """The link to ``addr``, opened on first use."""
+        """The link to ``addr``, opened on first use; a link a request named is used now."""
         link = self.links.get(addr)
         if link is None:
-            link = PeerLink(addr, self.label(addr))
+            static = addr in self.static_peers
+            if not static:
+                while len(self._request_links) >= self.max_request_peers:
+                    # the least recently used idle link goes; a busy one (its loads, probes and
+                    # pushes would fail) only when none is idle, so requests naming many
+                    # addresses cannot cut another request's transfers short
+                    links = self._request_links.values()
+                    victim = next((lk for lk in links if self._idle(lk)), None)
+                    self.request_links_evicted += 1
+                    self._forget_link(victim or next(iter(links)), now)
+            link = PeerLink(addr, self.label(addr), static)
             self.links[addr] = link
+            if not static:
+                self._request_links[addr] = link
             self._connect(link, now)
+        if not link.static:
+            link.last_used = now
+            self._request_links.move_to_end(addr)
         return link
+
+    def _idle(self, link: PeerLink) -> bool:
+        """Nothing of ``link`` is outstanding: no request, no load part, no push."""
+        return (
+            not link.pending
+            and not link.inflight_chunks
+            and not link.waiting_loads
+            and not any(p[0] is link for p in self.pushes.values())
+        )
+
+    def _forget_link(self, link: PeerLink, now: float) -> None:
+        """Close a link a request named and forget it: what it had outstanding fails as when
+        its peer goes down (probes go on to their next peer), and nothing reconnects."""
+        if link.state != "down":
+            self._fail(link, now, "unused: closed", retry_s=0.0)
+        self.links.pop(link.addr, None)
+        self._request_links.pop(link.addr, None)
+        for job_id in [j for j, p in self.pushes.items() if p[0] is link]:
+            _, keys, _ = self.pushes.pop(job_id)
+            self.results.append(PushDone(job_id, None, [], dict.fromkeys(keys, "peer_down")))
 
     def _connect(self, link: PeerLink, now: float) -> None:
         """Open a fresh socket and say Hello (the previous socket, if any, is closed)."""
@@ -501,20 +592,19 @@ class PeerClient:
         link.connects += 1
         routing_id = self.incarnation + link.connects.to_bytes(4, "little")
         self._out.append(Open(link.addr, link.host, link.port, routing_id))
-        link.nonce = self._random(pm.NONCE_BYTES)
         link.state = "hello"
         link.since = now
         link.last_heard = now
-        self._send_now(
-            link,
-            pm.Hello(
-                version=pm.PROTOCOL_VERSION,
-                incarnation=self.incarnation,
-                advertise=self.advertise,
-                namespace_id=self.namespace_id,
-                nonce=link.nonce,
-            ),
+        hello = pm.Hello(
+            version=pm.PROTOCOL_VERSION,
+            incarnation=self.incarnation,
+            advertise=self.advertise,
+            dialed=link.addr,
+            namespace_id=self.namespace_id,
+            nonce=self._random(pm.NONCE_BYTES),
         )
+        link.handshake = [hello]
+        self._send_now(link, hello)
 
     def _send_now(self, link: PeerLink, msg: pm.PeerMessage) -> None:
         if link.state != "down":  # a socket is open
@@ -534,16 +624,29 @@ class PeerClient:
         link.pending[msg.req] = _Pending(kind, ctx, now + self.peer_timeout_s)
         self._send(link, msg)
 
-    def _mac_parts(
-        self, link: PeerLink, server_incarnation: bytes, server_nonce: bytes
-    ) -> tuple[bytes, ...]:
-        return (
-            link.nonce,
-            server_nonce,
-            self.incarnation,
-            server_incarnation,
-            self.namespace_id.encode(),
-        )
+    def _handshake_failed(self, link: PeerLink, now: float, reason: str, why: str) -> None:
+        """The handshake with ``link``'s peer failed for ``reason`` (counted): the link is down."""
+        self.handshake_failures[reason] = self.handshake_failures.get(reason, 0) + 1
+        link.handshake = []
+        self._fail(link, now, why)
+
+    def _refused(self, link: PeerLink, reason: str, now: float) -> None:
+        """The peer refused our handshake for ``reason``."""
+        if reason == "not_ready":  # its peer worker is still starting: try again soon
+            self._fail(link, now, "its peer worker is starting", retry_s=BACKOFF_NOT_READY_S)
+            return
+        label = f"refused_{reason}" if reason in REFUSALS else "refused_other"
+        self.handshake_failures[label] = self.handshake_failures.get(label, 0) + 1
+        link.handshake = []
+        if reason == "identity_collision":
+            log.error(
+                "p2p: peer %s refused our session: identity collision: another live instance "
+                "already claims our advertise address %s. Two instances advertise the same "
+                "address: give each an advertise_host:port peers reach it at",
+                link.addr,
+                self.advertise,
+            )
+        self._fail(link, now, f"refused the session: {reason[:64]!r}")
 
     def _on_frame(self, link: PeerLink, frame: bytes, now: float) -> None:
         try:
@@ -554,28 +657,50 @@ class PeerClient:
             return
         link.last_heard = now
         if link.state == "hello":
-            if not isinstance(msg, pm.Challenge):
-                self._fail(link, now, f"answered Hello with {type(msg).__name__}")
+            if isinstance(msg, pm.Refused):
+                self._refused(link, msg.reason, now)
                 return
-            parts = self._mac_parts(link, msg.incarnation, msg.nonce)
-            expect = pm.mac(self.secret, "server", *parts)
-            if self.secret and not pm.mac_ok(expect, msg.mac):
+            if not isinstance(msg, pm.Challenge):
+                why = f"answered Hello with {type(msg).__name__}"
+                self._handshake_failed(link, now, "unexpected", why)
+                return
+            hello = link.handshake[0]
+            expect = pm.handshake_mac(self._key, "server", hello, msg)
+            if not pm.mac_ok(expect, msg.mac):
                 self.count("refused_bad_mac")
-                self._fail(link, now, "its Challenge does not prove the shared secret")
+                why = "its Challenge does not prove the shared secret"
+                self._handshake_failed(link, now, "bad_mac", why)
+                return
+            if msg.version != pm.PROTOCOL_VERSION:
+                why = f"it speaks protocol version {msg.version}, we {pm.PROTOCOL_VERSION}"
+                self._handshake_failed(link, now, "version", why)
+                return
+            if msg.incarnation == self.incarnation:
+                why = "it is this instance (our own Hello came back: a relay or a loop)"
+                self._handshake_failed(link, now, "reflection", why)
                 return
             if link.peer_incarnation and link.peer_incarnation != msg.incarnation:
                 self._peer_restarted(link)  # a new instance at that address: forget the old one
             link.peer_incarnation = msg.incarnation
-            mine = pm.mac(self.secret, "client", *parts)
+            auth = pm.Auth(mac=pm.ZERO_MAC, descriptor=self.transfers.descriptor or b"")
+            auth.mac = pm.handshake_mac(self._key, "client", hello, msg, auth)
+            link.handshake = [hello, msg, auth]
             link.state = "auth"
-            self._send_now(link, pm.Auth(mac=mine, descriptor=self.transfers.descriptor or b""))
+            self._send_now(link, auth)
             return
         if link.state == "auth":
             if isinstance(msg, pm.Welcome):
+                expect = pm.handshake_mac(self._key, "welcome", *link.handshake, msg)
+                if not pm.mac_ok(expect, msg.mac):
+                    why = "its Welcome does not prove the shared secret over our handshake"
+                    self._handshake_failed(link, now, "bad_mac", why)
+                    return
+                link.handshake = []
                 try:
                     link.worker_name = self.transfers.acquire_peer(msg.descriptor)
                 except Exception as e:  # a descriptor our transport cannot use
-                    self._fail(link, now, f"its transport descriptor is unusable: {e}")
+                    why = f"its transport descriptor is unusable: {e}"
+                    self._handshake_failed(link, now, "unusable_descriptor", why)
                     return
                 link.state = "up"
                 link.backoff = 0.0
@@ -587,11 +712,11 @@ class PeerClient:
                 for q in queued:
                     self._send_now(link, q)
                 return
-            reason = msg.reason if isinstance(msg, pm.Refused) else type(msg).__name__
-            if reason == "not_ready":  # its peer worker is still starting: try again soon
-                self._fail(link, now, "its peer worker is starting", retry_s=BACKOFF_NOT_READY_S)
+            if isinstance(msg, pm.Refused):
+                self._refused(link, msg.reason, now)
             else:
-                self._fail(link, now, f"refused the session: {reason}")
+                why = f"answered Auth with {type(msg).__name__}"
+                self._handshake_failed(link, now, "unexpected", why)
             return
         # up
         if isinstance(msg, pm.HeartbeatAck):
@@ -626,7 +751,8 @@ class PeerClient:
             return
         if link.state != "up":
             if now - link.since > self.peer_timeout_s:
-                self._fail(link, now, "the handshake did not finish in time")
+                why = "the handshake did not finish in time"
+                self._handshake_failed(link, now, "timeout", why)
             return
         if now - link.last_heard > self.peer_timeout_s:
             self._fail(link, now, f"silent for {now - link.last_heard:.1f} s")
@@ -696,8 +822,16 @@ class PeerClient:
         self.results.append(Verdict(probe.key, None))
 
     def _send_probes(self, batches: dict[str, list[_Probe]], now: float) -> None:
-        for addr, probes in batches.items():
-            link = self.links[addr]
+        while batches:
+            addr = next(iter(batches))
+            probes = batches.pop(addr)
+            link = self.links.get(addr)
+            if link is None or link.state == "down":
+                # forgotten (a link a request named, evicted for a later one) or down since
+                # the probes were batched for it: they go on to their next peer
+                for probe in probes:
+                    self._probe_next(probe, batches, now)
+                continue
             for i in range(0, len(probes), pm.MAX_KEYS):
                 batch = probes[i : i + pm.MAX_KEYS]
                 keys = [p.key for p in batch]

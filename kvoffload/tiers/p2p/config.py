@@ -1,12 +1,14 @@
 """The p2p tier's settings (``{"type": "p2p", ...}``) and their checks.
 
-:class:`P2PTierConfig`, :func:`parse_peer` (a peer's ``host:port``) and :data:`SECRET_ENV`.
+:class:`P2PTierConfig`, :func:`parse_peer` (a peer's ``host:port``), :func:`parse_allowed` (an
+``allowed_peers`` entry) and :data:`SECRET_ENV`.
 """
 
 from __future__ import annotations
 
 import ipaddress
-from typing import Annotated, Any, ClassVar, Literal
+import re
+from typing import Annotated, Any, ClassVar, Literal, NamedTuple
 
 import msgspec
 
@@ -33,6 +35,75 @@ def parse_peer(addr: str, where: str) -> tuple[str, int]:
     return host, int(port)
 
 
+_HOSTNAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,252})$")
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+class AllowedPeer(NamedTuple):
+    """One ``allowed_peers`` entry: a ``network`` (with any port, or ``port``), or a ``host`` (a
+    name, lower-cased, or an IP address as written canonically) with any port or ``port``."""
+
+    host: str
+    network: IPNetwork | None
+    port: int | None
+
+
+def parse_allowed(entry: str, where: str) -> AllowedPeer:
+    """An ``allowed_peers`` entry: ``host:port``, ``host`` (any port), or a network in CIDR form
+    with an optional port (``10.0.0.0/8``, ``10.0.0.0/8:5710``, ``[fd00::/8]:5710``); a host is
+    a name or an IP address (IPv6 in brackets when a port follows).
+
+    Raises:
+        ValueError: none of those (the message names ``where``).
+    """
+    bad = ValueError(
+        f"{where}: {entry!r} is not host:port, host, or a network (10.0.0.0/8, with an "
+        "optional :port)"
+    )
+    port: int | None = None
+    if "/" in entry:
+        net, _, rest = entry.partition("/")
+        plen, _, port_s = rest.replace("]", "").partition(":")
+        if port_s:
+            if not port_s.isdigit() or not 0 < int(port_s) < 65536:
+                raise bad
+            port = int(port_s)
+        try:
+            network = ipaddress.ip_network(f"{net.strip('[')}/{plen}", strict=False)
+        except ValueError:
+            raise bad from None
+        return AllowedPeer("", network, port)
+    ip = ip_literal(entry.strip("[]"))
+    if ip is not None and ":" in entry and not entry.startswith("["):  # a bare IPv6 address
+        return AllowedPeer(ip, None, None)
+    host, sep, port_s = entry.rpartition(":")
+    if not sep:
+        host, port_s = entry, ""
+    elif not port_s.isdigit() or not 0 < int(port_s) < 65536:
+        raise bad
+    else:
+        port = int(port_s)
+    host = host.strip("[]") if host.startswith("[") and host.endswith("]") else host
+    ip = ip_literal(host)
+    if ip is not None:
+        return AllowedPeer(ip, None, port)
+    if not _HOSTNAME.match(host):
+        raise bad
+    return AllowedPeer(host.lower(), None, port)
+
+
+def ip_literal(host: str) -> str | None:
+    """``host`` as a canonical IP address string if it is one (an IPv4-mapped IPv6 address as
+    its IPv4 address), else None. Names are never resolved."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return str(ip)
+
+
 class P2PTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """``{"type": "p2p", ...}``.
 
@@ -42,12 +113,27 @@ class P2PTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         port: the control port (+ the data-parallel rank); 0 picks a free one (tests).
         advertise_host: the address peers reach this instance at; default ``host``.
         peers: the static peer list, ``["host:port", ...]``, asked in this order.
+        allowed_peers: the peers a request's ``kv_transfer_params`` may name besides the
+            static ``peers``, the ``peer_events`` peers and the peers authenticated to this
+            instance (with ``auth: secret``): ``host:port``, ``host`` (any port) or a network (``10.0.0.0/8``, with an
+            optional ``:port``); names are compared as written, never resolved. Any other
+            address a request names is refused before a socket is made (counted).
+        request_peer_idle_s: a link to a peer a request named is closed and forgotten when no
+            request has used it for this long (seconds).
+        max_request_peers: links to peers requests named, at most, at once (the least
+            recently used idle one closed first, else the least recently used).
         transport: how bulk bytes move: ``nixl``, ``tcp`` or ``auto`` (NIXL when importable).
         data_host, data_port: the TCP transport's data server (default: ``host``, any port).
         secret: the shared secret peers authenticate with (never logged); default: the
             environment variable named by ``secret_env``.
         secret_env: the environment variable holding the secret (``KVOFFLOAD_P2P_SECRET``).
-        auth: ``secret`` (default) or ``none``, accepted only when ``host`` is a loopback address.
+        auth: ``secret`` (default: CurveZMQ on every control socket, keyed from the secret, and
+            whole-transcript MACs) or ``none``, accepted only when ``host`` is a loopback
+            address and ``trust_local_users`` is true.
+        trust_local_users: with ``auth: none``, says that every local user of this machine may
+            read and write this instance's KV (any of them can connect to a loopback port).
+        max_handshakes, max_handshakes_per_source: connections and handshakes not yet
+            authenticated, at most, in all and per source address.
         heartbeat_s: heartbeat interval (seconds).
         peer_timeout_s: a peer silent this long is down: its jobs fail, it is reconnected with
             backoff (seconds, default 2).
@@ -82,12 +168,18 @@ class P2PTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     port: _Port = 5710
     advertise_host: str | None = None
     peers: list[str] = []
+    allowed_peers: list[str] = []
+    request_peer_idle_s: Seconds = 60.0
+    max_request_peers: Positive = 16
     transport: Literal["nixl", "tcp", "auto"] = "auto"
     data_host: str | None = None
     data_port: _Port = 0
     secret: str | None = None
     secret_env: str = SECRET_ENV
     auth: Literal["secret", "none"] = "secret"
+    trust_local_users: bool = False
+    max_handshakes: Positive = 64
+    max_handshakes_per_source: Positive = 8
     heartbeat_s: Seconds = 0.5
     peer_timeout_s: Seconds = 2.0
     transfer_deadline_s: Seconds = 2.0
@@ -110,6 +202,11 @@ class P2PTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 parse_peer(p, f"peers[{i}]")
             except ValueError as e:
                 problems.append(str(e))
+        for i, p in enumerate(self.allowed_peers):
+            try:
+                parse_allowed(p, f"allowed_peers[{i}]")
+            except ValueError as e:
+                problems.append(str(e))
         try:
             event_sources(self.peer_events, "peer_events")
         except ValueError as e:
@@ -129,15 +226,23 @@ class P2PTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 f"advertise_host: required when host is {self.host!r} (peers must be told an "
                 "address they can reach)"
             )
-        if self.auth == "none" and not _is_loopback(self.host):
+        if self.auth == "none" and not is_loopback(self.host):
             problems.append(
                 f'auth: "none" is accepted only on a loopback host, not {self.host!r}; set '
                 f"secret or the {self.secret_env} environment variable"
             )
+        elif self.auth == "none" and not self.trust_local_users:
+            problems.append(
+                'auth: "none" needs trust_local_users: true: without a secret any local user '
+                "of this machine can connect to the loopback port and read (and push) every "
+                "user's KV; set trust_local_users if that is so, else set secret or the "
+                f"{self.secret_env} environment variable"
+            )
         raise_problems(problems)
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is ``localhost`` or a loopback IP address."""
     if host == "localhost":
         return True
     try:

@@ -5,7 +5,8 @@
     engine thread (P2PTier)
       │ submit(Command): deque + a byte on the wake-up pipe          ▲ results: deque (Result)
       ▼                                                              │
-    PeerNode thread ── poll(router, peers' DEALERs, wake-up pipe, worker fd, event feeds; 20 ms)
+    PeerNode thread ── poll(router, peers' DEALERs, wake-up pipe, worker fd, event feeds, ZAP,
+      │                     the router's monitor; 20 ms)
       │  commands ───────────────▶ PeerClient.commands ──┐
       │  a peer's DEALER frame ──▶ PeerClient.on_frame ──┼──▶ [Send | Open | Close | Trusted |
       │  every loop ─────────────▶ PeerClient.tick ──────┘     Restarted] applied here, in order
@@ -16,6 +17,30 @@
       │                                                         an admitted offer's pull
       │                                                         (PeerServer.pull_settled)
       └─ PeerLocations.poll (peers' KV events; the client asks it where a key is)
+
+**Sockets under CurveZMQ** (``auth: secret``). The ROUTER is a CURVE server and every DEALER a
+CURVE client, all with the keypair derived from the shared secret
+(:func:`~kvoffload.ipc.peer_messages.curve_keypair`); the node itself is the context's ZAP
+handler (a REP socket at ``inproc://zeromq.zap.01``, bound before the ROUTER, answered in the
+poll loop): it admits a client only when the long-term key it proved is that public key, and
+counts every other (``wrong_key``). A peer that does not know the secret completes no ZMQ
+handshake, so no frame of it ever reaches the roles, and everything on the control sockets is
+encrypted and authenticated end to end (a relay forwards ciphertext it cannot read or alter).
+
+**Before authentication** (C41). The ROUTER's handshake must finish within ``peer_timeout_s``
+(``HANDSHAKE_IVL``) and no frame may exceed
+:data:`~kvoffload.ipc.peer_messages.MAX_MESSAGE_BYTES` (``MAXMSGSIZE``, checked by ZMQ from a
+frame's header, before its body is buffered). The router's monitor tells the node of each
+connection accepted (its descriptor) and closed; a connection is *half-open* from its accept until
+its first frame reaches the roles (a frame's ``SRCFD``). At most ``max_half_open_per_source``
+half-open connections per source address (one beyond is shut down at once: ``shutdown(2)`` on a
+duplicate of its descriptor, after checking that it still is that connection to our port; ZMQ then
+closes it) and ``max_half_open`` in all (when full, the oldest of the source holding most is shut
+down to make room, so a source with few, as an honest peer has, still gets in); a half-open
+connection older than the handshake bound is shut down too; each counted by reason
+(:attr:`PeerNode.refused_connections`).
+ZMQ's own handshake failures (a client without CURVE, a bad CURVE handshake, a replay) are counted
+from the monitor. No thread is spent per connection.
 
 **Engine to node.** The engine thread appends a command (:mod:`.commands`) to a deque and writes a
 byte to a pipe the poller watches, so the node wakes at once; it never blocks and never touches a
@@ -50,15 +75,20 @@ sockets close with it, and :meth:`PeerNode.stop` still ends the rest.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
 import os
+import socket
+import stat
+import struct
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import zmq
+from zmq.utils import z85
 
 from kvoffload.ipc import peer_messages as pm
 from kvoffload.tiers.p2p.client import Close, Open, Out, PeerClient, Restarted, Send, Trusted
@@ -68,6 +98,28 @@ log = logging.getLogger("kvoffload.p2p")
 
 POLL_MS = 20
 """The poll loop's longest wait: timers (heartbeats, deadlines) are coarse, 20 ms is plenty."""
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+"""Where ZMQ asks a context's ZAP handler (RFC 27)."""
+ZAP_DOMAIN = b"kvoffload-p2p"
+REFUSED_CONNECTIONS = (
+    "per_source",
+    "total",
+    "handshake_timeout",
+    "wrong_key",
+    "mechanism",
+    "handshake_failed",
+)
+"""Why the node refused or closed a connection to its control port before authentication: more
+half-open connections from its source than allowed, more half-open in all, half-open past the
+handshake bound, a CURVE key that is not the shared secret's (ZAP), no CURVE (or another
+mechanism), a failed ZMQ handshake (bad CURVE messages, a replay, a frame over the limit)."""
+_MONITOR_EVENTS = (
+    zmq.EVENT_ACCEPTED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
 
 
 class WorkerPort:
@@ -128,8 +180,12 @@ class PeerNode(threading.Thread):
         advertise: ``host:port`` peers reach this instance at (settable until :meth:`start`).
         incarnation: 16 random bytes, this start's identity.
         namespace_id: hex id of the namespace the sessions read.
-        secret: the shared secret (bytes; empty with ``auth: none``).
+        secret: the shared secret (bytes; empty with ``auth: none``: no CurveZMQ).
         heartbeat_s, peer_timeout_s, transfer_deadline_s, lease_ttl_s: seconds.
+        static_peers: the configured peers (see :class:`~kvoffload.tiers.p2p.client.PeerClient`).
+        request_peer_idle_s, max_request_peers: links requests named (the client role's).
+        max_half_open, max_half_open_per_source: connections not yet authenticated, in all and
+            per source address (see the module docstring).
         count: ``count(counter, n=1)`` of the tier (thread-safe for distinct names: dict updates).
         server_free_quota: chunks the serving role would admit now.
         locations: the :class:`~kvoffload.tiers.p2p.locations.PeerLocations`, or None; this
@@ -157,6 +213,11 @@ class PeerNode(threading.Thread):
         count: Callable[..., None],
         server_free_quota: Callable[[], int],
         locations: Any = None,
+        static_peers: Iterable[str] = (),
+        request_peer_idle_s: float = 60.0,
+        max_request_peers: int = 16,
+        max_half_open: int = 64,
+        max_half_open_per_source: int = 8,
     ):
         super().__init__(name="kvoffload-p2p-node", daemon=True)
         self.ctx = ctx
@@ -181,6 +242,9 @@ class PeerNode(threading.Thread):
             count=count,
             server_free_quota=server_free_quota,
             where=locations.where if locations is not None else None,
+            static_peers=static_peers,
+            request_peer_idle_s=request_peer_idle_s,
+            max_request_peers=max_request_peers,
         )
         self.transfer_deadline_s = transfer_deadline_s
         self.socks: dict[str, zmq.Socket] = {}  # peer -> its DEALER (the client role's session)
@@ -190,23 +254,63 @@ class PeerNode(threading.Thread):
         self.server_counters: dict[str, int] = {}  # the server's counters, as of the last tick
         self._counters_at = 0.0
         self._stopping = False
+        self.handshake_ivl_s = peer_timeout_s
+        self.max_half_open = max(1, max_half_open)
+        self.max_half_open_per_source = max(1, max_half_open_per_source)
+        #: Connections refused or closed before authentication, by reason
+        #: (:data:`REFUSED_CONNECTIONS`); read by scrapes.
+        self.refused_connections: dict[str, int] = dict.fromkeys(REFUSED_CONNECTIONS, 0)
+        #: The advertise addresses of the peers authenticated to our server now (a snapshot the
+        #: engine thread reads: the tier's routing allows them).
+        self.authenticated_peers: frozenset[str] = frozenset()
+        self._session_changes = -1
+        # half-open connections: descriptor -> (peer (ip, port), accepted at)
+        self._half_open: dict[int, tuple[tuple[str, int], float]] = {}
+        self._active: set[int] = set()  # descriptors whose frames reached us, until closed
+        self._half_open_per_source: Counter[str] = Counter()
+        self._half_open_check_at = 0.0
+        self._curve: tuple[bytes, bytes] | None = None  # (public, secret), Z85
+        self._curve_public_raw = b""
+        self._zap: zmq.Socket | None = None
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self.poller = zmq.Poller()
         self.router = ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
-        self.router.setsockopt(zmq.MAXMSGSIZE, pm.MAX_MESSAGE_BYTES)
-        self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.router.setsockopt(zmq.MAXMSGSIZE, pm.MAX_MESSAGE_BYTES + pm.CURVE_OVERHEAD_BYTES)
+        self.router.setsockopt(zmq.HANDSHAKE_IVL, max(1, int(peer_timeout_s * 1000)))
+        # a send to an identity whose connection is gone raises: reachable() asks that way
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._monitor: zmq.Socket | None = None
         try:
+            if secret:
+                self._curve = pm.curve_keypair(secret)
+                self._curve_public_raw = z85.decode(self._curve[0])
+                # the ZAP handler must be bound before the first CURVE handshake: without one,
+                # ZMQ would admit any client key
+                self._zap = ctx.socket(zmq.REP)
+                self._zap.setsockopt(zmq.LINGER, 0)
+                self._zap.bind(ZAP_ENDPOINT)
+                self.router.setsockopt(zmq.CURVE_SERVER, 1)
+                self.router.setsockopt(zmq.CURVE_SECRETKEY, self._curve[1])
+                self.router.setsockopt(zmq.CURVE_PUBLICKEY, self._curve[0])
+                self.router.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+                self.router.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+            self._monitor = self.router.get_monitor_socket(_MONITOR_EVENTS)
+            self._monitor.setsockopt(zmq.LINGER, 0)
             self.router.bind(bind)
         except zmq.ZMQError:
-            self.router.close(linger=0)
+            self._close_server_sockets()
             os.close(self._wake_r)
             os.close(self._wake_w)
             raise
         self.bound = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._port = int(self.bound.rsplit(":", 1)[1])
         self.poller.register(self.router, zmq.POLLIN)
+        self.poller.register(self._monitor, zmq.POLLIN)
+        if self._zap is not None:
+            self.poller.register(self._zap, zmq.POLLIN)
         self.poller.register(self._wake_r, zmq.POLLIN)
         if locations is not None:
             locations.register(self.poller)
@@ -265,7 +369,20 @@ class PeerNode(threading.Thread):
             self.sock_peers.clear()
             if self.locations is not None:
                 self.locations.close()
-            self.router.close(linger=0)
+            self._close_server_sockets()
+
+    def _close_server_sockets(self) -> None:
+        if self._monitor is not None:
+            try:
+                self.router.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self._monitor.close(linger=0)
+            self._monitor = None
+        self.router.close(linger=0)
+        if self._zap is not None:
+            self._zap.close(linger=0)
+            self._zap = None
 
     def _loop(self) -> None:
         poller = self.poller
@@ -288,6 +405,10 @@ class PeerNode(threading.Thread):
                     pass
             if self.locations is not None:
                 self.locations.poll()
+            if self._zap is not None and self._zap in events:
+                self._answer_zap()
+            if self._monitor is not None and self._monitor in events:
+                self._watch_connections(now)
             if self.commands:
                 self._apply(client.commands(self._take_commands(), now), now)
             if self.router in events:
@@ -329,8 +450,16 @@ class PeerNode(threading.Thread):
                     s = self.ctx.socket(zmq.DEALER)
                     s.setsockopt(zmq.ROUTING_ID, out.routing_id)
                     s.setsockopt(zmq.LINGER, 0)
-                    s.setsockopt(zmq.MAXMSGSIZE, pm.MAX_MESSAGE_BYTES)
+                    s.setsockopt(zmq.MAXMSGSIZE, pm.MAX_MESSAGE_BYTES + pm.CURVE_OVERHEAD_BYTES)
                     s.setsockopt(zmq.SNDHWM, 10_000)
+                    # ZMQ's own reconnects stay slow: the link's handshake deadline and backoff
+                    # decide when to try again (a peer that is not there costs few connects)
+                    s.setsockopt(zmq.RECONNECT_IVL, 500)
+                    s.setsockopt(zmq.RECONNECT_IVL_MAX, 10_000)
+                    if self._curve is not None:
+                        s.setsockopt(zmq.CURVE_SERVERKEY, self._curve[0])
+                        s.setsockopt(zmq.CURVE_PUBLICKEY, self._curve[0])
+                        s.setsockopt(zmq.CURVE_SECRETKEY, self._curve[1])
                     try:
                         s.connect(f"tcp://{out.host}:{out.port}")
                     except zmq.ZMQError as e:  # an address ZMQ refuses ("*", a request's)
@@ -373,17 +502,183 @@ class PeerNode(threading.Thread):
         server = self.server
         for _ in range(1000):
             try:
-                parts = router.recv_multipart(zmq.NOBLOCK, copy=True)
+                parts = router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return
+                break
+            self._authenticated(parts[-1])
             if len(parts) != 2:
                 self.count("refused_malformed")
                 continue
-            ident, frame = parts
             if server is None:
                 continue
-            for to, out in server.handle(ident, frame, now):
+            ident, frame = parts
+            source = frame.get("Peer-Address") or ""
+            for to, out in server.handle(ident.bytes, frame.buffer, now, source):
                 self._route(to, out)
+        if server is not None and server.session_changes != self._session_changes:
+            self._session_changes = server.session_changes
+            self.authenticated_peers = server.authenticated_peers()
+
+    def reachable(self, identity: bytes) -> bool:
+        """Whether the connection of ``identity`` is still open (the serving role asks before it
+        takes a new incarnation at a peer's address for a restart): a Heartbeat is sent to it,
+        which a live client answers and ZMQ refuses for an identity it no longer routes."""
+        hb = pm.encode(pm.Heartbeat(seq=0, free_quota=0))
+        try:
+            self.router.send_multipart([identity, hb], zmq.NOBLOCK)
+        except zmq.Again:
+            return True  # routed, its queue is full
+        except zmq.ZMQError:
+            return False  # EHOSTUNREACH: no connection with that identity
+        return True
+
+    # -- before authentication ------------------------------------------------------------------
+
+    def _answer_zap(self) -> None:
+        """Answer ZMQ's authentication requests (RFC 27): a CURVE client is admitted only when
+        the long-term key it proved is the shared secret's."""
+        zap = self._zap
+        assert zap is not None
+        for _ in range(1000):
+            try:
+                req = zap.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(req) < 6:  # not a ZAP request: REP must still answer it
+                zap.send_multipart([b"1.0", b"", b"500", b"malformed", b"", b""])
+                continue
+            version, request_id, domain, address, _identity, mechanism = req[:6]
+            creds = req[6:]
+            ok = (
+                domain == ZAP_DOMAIN
+                and mechanism == b"CURVE"
+                and len(creds) == 1
+                and hmac.compare_digest(creds[0], self._curve_public_raw)
+            )
+            if not ok:
+                self.refused_connections["wrong_key"] += 1
+                log.warning(
+                    "p2p: refused a connection from %s: its CurveZMQ key is not the shared "
+                    "secret's (another secret, or no secret)",
+                    address.decode(errors="replace"),
+                )
+            code, text = (b"200", b"OK") if ok else (b"400", b"not the shared secret")
+            zap.send_multipart([version, request_id, code, text, b"", b""])
+
+    def _watch_connections(self, now: float) -> None:
+        """The ROUTER's monitor: track half-open connections, refuse those over the bounds,
+        count ZMQ's handshake failures."""
+        mon = self._monitor
+        assert mon is not None
+        for _ in range(10_000):
+            try:
+                head, _endpoint = mon.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            except ValueError:
+                continue  # not an event of this ZMQ version's shape
+            event, value = struct.unpack("=HI", head[:6])
+            if event == zmq.EVENT_ACCEPTED:
+                self._accepted(value, now)
+            elif event == zmq.EVENT_DISCONNECTED:
+                self._active.discard(value)
+                self._gone(value)
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                mismatch = value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+                self.refused_connections["mechanism" if mismatch else "handshake_failed"] += 1
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                self.refused_connections["handshake_failed"] += 1
+            # EVENT_HANDSHAKE_FAILED_AUTH: the ZAP handler counted it (wrong_key)
+        if self._half_open and now >= self._half_open_check_at:
+            self._half_open_check_at = now + 0.25
+            self._expire_half_open(now)
+
+    def _peer_of(self, fd: int) -> tuple[str, int] | None:
+        """The remote ``(ip, port)`` of ``fd`` if it is a connection to our control port now,
+        else None (the descriptor may already be closed, or reused for something else)."""
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                return None
+            with socket.socket(fileno=os.dup(fd)) as s:
+                if s.family not in (socket.AF_INET, socket.AF_INET6):
+                    return None
+                if s.getsockname()[1] != self._port:
+                    return None
+                peer = s.getpeername()
+                return str(peer[0]), int(peer[1])
+        except OSError:
+            return None
+
+    def _shut(self, fd: int, peer: tuple[str, int]) -> bool:
+        """Shut the connection on ``fd`` down if it still is the one from ``peer`` (ZMQ then
+        closes it); True if it was."""
+        if self._peer_of(fd) != peer:
+            return False
+        try:
+            with socket.socket(fileno=os.dup(fd)) as s:
+                s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            return False
+        return True
+
+    def _accepted(self, fd: int, now: float) -> None:
+        if fd in self._active:
+            return  # its first frame was read before this event: authenticated already
+        peer = self._peer_of(fd)
+        if peer is None:
+            return
+        self._gone(fd)  # a descriptor number reused: what it was is over
+        source = peer[0]
+        per_source = self._half_open_per_source
+        if per_source[source] >= self.max_half_open_per_source:
+            self.refused_connections["per_source"] += 1
+            self._shut(fd, peer)
+            return
+        if len(self._half_open) >= self.max_half_open:
+            # full: the oldest connection of the source holding most goes, unless that is the
+            # newcomer's own source; so a source with few half-open (an honest peer) gets in
+            worst = max(per_source, key=per_source.__getitem__)
+            self.refused_connections["total"] += 1
+            if per_source[worst] <= per_source[source]:
+                self._shut(fd, peer)
+                return
+            old_fd, (old_peer, _) = min(
+                ((f, e) for f, e in self._half_open.items() if e[0][0] == worst),
+                key=lambda item: item[1][1],
+            )
+            self._gone(old_fd)
+            self._shut(old_fd, old_peer)
+        self._half_open[fd] = (peer, now)
+        per_source[source] += 1
+
+    def _gone(self, fd: int) -> None:
+        """``fd`` is no longer half-open (closed, or its first frame arrived)."""
+        entry = self._half_open.pop(fd, None)
+        if entry is not None:
+            source = entry[0][0]
+            left = self._half_open_per_source[source] - 1
+            if left > 0:
+                self._half_open_per_source[source] = left
+            else:
+                del self._half_open_per_source[source]
+
+    def _authenticated(self, frame: Any) -> None:
+        """A frame reached us: its connection finished ZMQ's handshake (and CURVE's)."""
+        try:
+            fd = frame.get(zmq.SRCFD)
+        except zmq.ZMQError:
+            return
+        if fd not in self._active:
+            self._active.add(fd)
+            self._gone(fd)
+
+    def _expire_half_open(self, now: float) -> None:
+        limit = now - self.handshake_ivl_s - 1.0  # ZMQ's own handshake bound goes first
+        for fd, (peer, since) in list(self._half_open.items()):
+            if since <= limit:
+                self._gone(fd)
+                if self._shut(fd, peer):
+                    self.refused_connections["handshake_timeout"] += 1
 
     def _route(self, ident: bytes, frame: bytes) -> None:
         try:
@@ -434,9 +729,15 @@ class PeerNode(threading.Thread):
 
     def _tick(self, now: float) -> None:
         self._apply(self.client.tick(now), now)
+        if self._half_open and now >= self._half_open_check_at:
+            self._half_open_check_at = now + 0.25
+            self._expire_half_open(now)
         if self.server is not None:
             for to, out in self.server.tick(now):
                 self._route(to, out)
+            if self.server.session_changes != self._session_changes:
+                self._session_changes = self.server.session_changes
+                self.authenticated_peers = self.server.authenticated_peers()
             if now >= self._counters_at:
                 self._counters_at = now + 0.25
                 self.server_counters = self.server.counters

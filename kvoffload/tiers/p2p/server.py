@@ -16,19 +16,32 @@ the :class:`~kvoffload.tiering.TieringManager` (socket-free, so it is tested and
                                                      ──▶ manager.commit ──▶ Pulled reply
 
 Sessions, one per ZMQ identity: ``Hello`` → ``Challenge`` (the server proves the shared secret
-first, :func:`~kvoffload.ipc.peer_messages.mac`) → ``Auth`` (the client proves it, and sends its
-transport descriptor) → ``Welcome`` (this instance's descriptor: descriptors cross only now) or
-``Refused``. Anything else before that, a bad MAC, another protocol version, another namespace
-than this instance's, an oversized or malformed frame: ``Refused(reason)``, counted by reason, and
-the identity is forgotten. Handshakes in progress live in a bounded table (the oldest goes when it
-is full, and any older than ``peer_timeout_s``), so nothing grows per unauthenticated identity.
+first, :func:`~kvoffload.ipc.peer_messages.handshake_mac` over the transcript) → ``Auth`` (the
+client proves it over the whole transcript, its transport descriptor included) → ``Welcome``
+(this instance's descriptor, MACed likewise: descriptors cross only now) or ``Refused``. Anything
+else before that, a bad MAC, another protocol version (a downgrade), another namespace than this
+instance's, a Hello carrying this instance's own incarnation (a reflection: our own client's Hello
+relayed back to us), one naming a dialed address that is not one of :attr:`PeerServer.addresses`
+(a relay or a misroute), an oversized or malformed frame: ``Refused(reason)``, counted by reason,
+and the identity is forgotten. Handshakes in progress live in a bounded table: at most
+``max_handshakes_per_source`` per source address (more are refused ``handshake_busy``), and when
+it is full the oldest of the source holding most goes; any older than ``peer_timeout_s`` goes too.
+So nothing grows per unauthenticated identity, and one source cannot push out another's.
+
+Identity: a peer is named by its ``advertise`` address and proves a per-start ``incarnation``. A
+Hello whose ``advertise`` an authenticated session already holds with another incarnation is a
+restart only when that session is gone (its connection closed: ``reachable`` says no) or silent
+for ``peer_timeout_s``; while it lives, the newcomer is a second instance claiming the same
+address, refused ``identity_collision`` (logged with both incarnations and sources), and the live
+session and its leases stay. A peer advertising one of this instance's own :attr:`addresses`
+claims this instance's identity: refused ``identity_collision`` too.
 
 Leases: each Lease message is one holder of pins in the manager (``lease:<id>``), released by the
 client's Release, at its expiry (``min(ttl_s, max_lease_s)``), when its session goes silent for
 ``peer_timeout_s``, or when the same instance (same ``advertise``) comes back with a new
-incarnation (a restart: its transfers died with it). A reconnect of the same incarnation keeps
-its leases. At most ``max_leased_chunks`` host slots are leased to peers at once, so peers can
-never pin the whole host tier.
+incarnation after its old session is gone (a restart: its transfers died with it). A reconnect of
+the same incarnation keeps its leases. At most ``max_leased_chunks`` host slots are leased to peers
+at once, so peers can never pin the whole host tier.
 
 Lookups start promotions from this instance's own tiers (CASES C18) for at most
 ``max_leased_chunks`` chunks at once; beyond that a chunk found there is PENDING until they land.
@@ -47,8 +60,8 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from kvoffload.ipc import peer_messages as pm
@@ -68,6 +81,10 @@ REFUSALS = (
     "too_large",
     "namespace",
     "version",
+    "reflection",
+    "misrouted",
+    "identity_collision",
+    "handshake_busy",
     "unexpected",
     "not_ready",
     "busy",
@@ -77,17 +94,21 @@ REFUSALS = (
 """Why the server refuses (``Refused.reason`` and the ``refused`` counter's keys): a message
 before authentication, a wrong MAC, a frame that fails the schema, one over
 :data:`~kvoffload.ipc.peer_messages.MAX_MESSAGE_BYTES`, another namespace, another protocol
-version, a message the session's state does not allow, no transport descriptor yet (the peer
-worker is starting), the session table full, a silent session, a bug (logged)."""
+version (a downgrade), a Hello carrying this instance's own incarnation, a Hello naming a dialed
+address not this instance's, a second live instance claiming an authenticated peer's address,
+too many handshakes in progress from one source, a message the session's state does not allow,
+no transport descriptor yet (the peer worker is starting), the session table full, a silent
+session, a bug (logged)."""
 
 
 class _Handshake:
-    __slots__ = ("hello", "nonce", "since")
+    __slots__ = ("hello", "challenge", "since", "source")
 
-    def __init__(self, hello: pm.Hello, nonce: bytes, since: float):
+    def __init__(self, hello: pm.Hello, challenge: pm.Challenge, since: float, source: str):
         self.hello = hello
-        self.nonce = nonce
+        self.challenge = challenge
         self.since = since
+        self.source = source
 
 
 class _Lease:
@@ -112,9 +133,12 @@ class _Session:
         "last_seen",
         "leases",
         "name",
+        "source",
     )
 
-    def __init__(self, identity: bytes, hello: pm.Hello, descriptor: bytes, now: float) -> None:
+    def __init__(
+        self, identity: bytes, hello: pm.Hello, descriptor: bytes, now: float, source: str = ""
+    ) -> None:
         self.identity = identity
         self.incarnation = hello.incarnation
         self.advertise = hello.advertise
@@ -122,6 +146,7 @@ class _Session:
         self.last_seen = now
         self.leases: dict[int, _Lease] = {}
         self.name = f"peer:{hello.advertise}:{hello.incarnation.hex()}"
+        self.source = source  # the address its connection comes from (for logs), "" unknown
 
 
 class _Pull:
@@ -145,6 +170,10 @@ class PeerServer:
         namespace_id: this instance's namespace id (hex): a Hello naming another is refused.
         incarnation: this instance's identity for this start
             (:data:`~kvoffload.ipc.peer_messages.INCARNATION_BYTES` random bytes).
+        addresses: the ``host:port`` names this instance is dialed at (its advertise address
+            first, then its bind address): a Hello whose ``dialed`` is none of them is refused
+            ``misrouted``. Settable (:attr:`addresses`) until the first frame, as the port may be
+            known only once bound; none refuses every Hello.
         descriptor: returns this instance's transport descriptor, or None while the peer worker
             has not reported one (an Auth is then refused ``not_ready``; the client retries).
         pull: ``pull(identity, client_descriptor, lease, pairs)`` asks the node to READ
@@ -158,7 +187,13 @@ class PeerServer:
         max_leased_chunks: host slots leased to peers at once (default: half the host tier);
             also the most chunks promoted for peers' lookups at once.
         max_sessions: authenticated sessions at once (more are refused ``busy``).
-        max_handshakes: handshakes in progress at once (the oldest goes first).
+        max_handshakes: handshakes in progress at once (when full, the oldest of the source
+            holding most goes).
+        max_handshakes_per_source: handshakes in progress from one source address at once (more
+            are refused ``handshake_busy``).
+        reachable: ``reachable(identity)``: False once that identity's connection is gone (the
+            node asks its ROUTER); a collision with a session whose connection is gone is a
+            restart. Default: always True (judged by silence alone).
         random_bytes: ``n -> n random bytes`` for nonces (tests may pass a seeded one).
         on_fetched: ``on_fetched(kv_request_id, keys)`` when a client releases a lease that named
             a ``kv_request_id`` (a decoder has read a prefill's chunks; the p2p tier ends its hold).
@@ -171,6 +206,7 @@ class PeerServer:
         secret: bytes,
         namespace_id: str,
         incarnation: bytes,
+        addresses: Iterable[str] = (),
         descriptor: Callable[[], bytes | None],
         pull: Callable[[bytes, bytes, int, list[tuple[int, int]]], None],
         quota_chunks: int = 0,
@@ -180,6 +216,8 @@ class PeerServer:
         max_leased_chunks: int | None = None,
         max_sessions: int = 64,
         max_handshakes: int = 64,
+        max_handshakes_per_source: int = 8,
+        reachable: Callable[[bytes], bool] | None = None,
         random_bytes: Callable[[int], bytes] = os.urandom,
         on_fetched: Callable[[str, list[bytes]], None] | None = None,
     ):
@@ -188,9 +226,11 @@ class PeerServer:
                 f"incarnation: {len(incarnation)} bytes, expected {pm.INCARNATION_BYTES}"
             )
         self.manager = manager
-        self._secret = secret
+        self._key = pm.transcript_key(secret)
         self.namespace_id = namespace_id
         self.incarnation = incarnation
+        #: ``host:port`` names this instance is dialed at; the first is its advertise address.
+        self.addresses: tuple[str, ...] = tuple(dict.fromkeys(addresses))
         self._descriptor = descriptor
         self._pull = pull
         self.quota_chunks = max(0, quota_chunks)
@@ -203,11 +243,16 @@ class PeerServer:
         )
         self.max_sessions = max_sessions
         self.max_handshakes = max(1, max_handshakes)
+        self.max_handshakes_per_source = max(1, max_handshakes_per_source)
+        self._reachable = reachable or (lambda identity: True)
         self._random = random_bytes
         self._on_fetched = on_fetched
         self._row_bytes = manager.arena.row_bytes
         self._handshakes: OrderedDict[bytes, _Handshake] = OrderedDict()
+        self._per_source: Counter[str] = Counter()  # handshakes in progress per source
         self._sessions: dict[bytes, _Session] = {}
+        #: Bumped whenever a session starts or ends (the node refreshes its peers' set then).
+        self.session_changes = 0
         self._pulls: dict[tuple[bytes, int], _Pull] = {}
         self._pushed: dict[bytes, int] = {}  # pushed chunk -> its host slot, until evicted
         self._pulling = 0  # chunks admitted and being pulled
@@ -234,6 +279,7 @@ class PeerServer:
                 "session_timeouts",
                 "handshake_drops",  # handshakes dropped: table full, or silent
                 "restarts",  # a peer came back with a new incarnation: its leases dropped
+                "collisions",  # a second live instance claimed a peer's address: refused
                 "internal_errors",
             ),
             0,
@@ -263,6 +309,10 @@ class PeerServer:
         """``(identity, advertise, incarnation)`` of every authenticated session."""
         return [(s.identity, s.advertise, s.incarnation) for s in self._sessions.values()]
 
+    def authenticated_peers(self) -> frozenset[str]:
+        """The advertise addresses of the authenticated sessions now."""
+        return frozenset(s.advertise for s in self._sessions.values())
+
     def wants_poll(self) -> bool:
         """True while promotions started for peers are in flight: call :meth:`tick` (which polls
         the manager) every few milliseconds meanwhile."""
@@ -289,11 +339,14 @@ class PeerServer:
 
     # -- input ----------------------------------------------------------------------------------
 
-    def handle(self, identity: bytes, frame: bytes, now: float) -> list[Reply]:
-        """One frame from ``identity`` at ``now`` (seconds, monotonic): the replies to send.
-        Never raises (a failure of its own is logged, counted ``internal_errors`` and refused)."""
+    def handle(
+        self, identity: bytes, frame: bytes | memoryview, now: float, source: str = ""
+    ) -> list[Reply]:
+        """One frame from ``identity`` at ``now`` (seconds, monotonic), its connection from
+        ``source`` (the peer's IP address; "" unknown): the replies to send. Never raises (a
+        failure of its own is logged, counted ``internal_errors`` and refused)."""
         try:
-            return self._handle(identity, frame, now)
+            return self._handle(identity, frame, now, source)
         except Exception:
             log.exception("kvoffload p2p: serving a peer's message failed")
             self._counts["internal_errors"] += 1
@@ -302,21 +355,26 @@ class PeerServer:
             except Exception:
                 return []
 
-    def _handle(self, identity: bytes, frame: bytes, now: float) -> list[Reply]:
+    def _handle(
+        self, identity: bytes, frame: bytes | memoryview, now: float, source: str
+    ) -> list[Reply]:
         if len(frame) > pm.MAX_MESSAGE_BYTES:
             return self._refuse(identity, "too_large")
         try:
             msg = pm.decode(frame)
         except pm.BadMessage:
+            version = pm.hello_version(frame)
+            if version is not None and version != pm.PROTOCOL_VERSION:
+                return self._refuse(identity, "version")  # a Hello of another version
             return self._refuse(identity, "malformed")
         if isinstance(msg, pm.Hello):
-            return self._hello(identity, msg, now)
+            return self._hello(identity, msg, now, source)
         if isinstance(msg, pm.Auth):
             return self._auth(identity, msg, now)
         session = self._sessions.get(identity)
         if session is None:
             if isinstance(msg, pm.Refused):  # the other side gave up a handshake
-                self._handshakes.pop(identity, None)
+                self._drop_handshake(identity)
                 return []
             return self._refuse(identity, "unauthenticated")
         session.last_seen = now
@@ -344,10 +402,21 @@ class PeerServer:
         return [(identity, pm.encode(pm.Refused(reason)))]
 
     def _forget(self, identity: bytes) -> None:
-        self._handshakes.pop(identity, None)
+        self._drop_handshake(identity)
         session = self._sessions.pop(identity, None)
         if session is not None:
+            self.session_changes += 1
             self._drop_leases(session)
+
+    def _drop_handshake(self, identity: bytes) -> _Handshake | None:
+        hs = self._handshakes.pop(identity, None)
+        if hs is not None:
+            left = self._per_source[hs.source] - 1
+            if left > 0:
+                self._per_source[hs.source] = left
+            else:
+                del self._per_source[hs.source]
+        return hs
 
     def _drop_leases(self, session: _Session) -> None:
         for lease in session.leases.values():
@@ -357,47 +426,62 @@ class PeerServer:
 
     # -- handshake ------------------------------------------------------------------------------
 
-    def _parts(self, hello: pm.Hello, nonce: bytes) -> tuple[bytes, ...]:
-        return (
-            hello.nonce,
-            nonce,
-            hello.incarnation,
-            self.incarnation,
-            hello.namespace_id.encode(),
-        )
-
-    def _hello(self, identity: bytes, hello: pm.Hello, now: float) -> list[Reply]:
+    def _hello(self, identity: bytes, hello: pm.Hello, now: float, source: str) -> list[Reply]:
         self._forget(identity)  # a Hello starts over, whatever came before
         if hello.version != pm.PROTOCOL_VERSION:
             return self._refuse(identity, "version")
         if hello.namespace_id != self.namespace_id:
             return self._refuse(identity, "namespace")
+        if hello.incarnation == self.incarnation:  # our own client's Hello, relayed back to us
+            return self._refuse(identity, "reflection")
+        if hello.dialed not in self.addresses:  # dialed elsewhere and relayed here, or misrouted
+            return self._refuse(identity, "misrouted")
+        if self._per_source[source] >= self.max_handshakes_per_source:
+            return self._refuse(identity, "handshake_busy")
         while len(self._handshakes) >= self.max_handshakes:
-            self._handshakes.popitem(last=False)
+            # the oldest handshake of the source holding most goes: one source cannot push out
+            # another's
+            worst = max(self._per_source, key=self._per_source.__getitem__)
+            victim = next(i for i, h in self._handshakes.items() if h.source == worst)
+            self._drop_handshake(victim)
             self._counts["handshake_drops"] += 1
-        nonce = self._random(pm.NONCE_BYTES)
-        self._handshakes[identity] = _Handshake(hello, nonce, now)
-        mac = pm.mac(self._secret, "server", *self._parts(hello, nonce))
-        return [(identity, pm.encode(pm.Challenge(self.incarnation, nonce, mac)))]
+        challenge = pm.Challenge(
+            version=pm.PROTOCOL_VERSION,
+            incarnation=self.incarnation,
+            advertise=self.addresses[0] if self.addresses else "",
+            nonce=self._random(pm.NONCE_BYTES),
+            mac=pm.ZERO_MAC,
+        )
+        challenge.mac = pm.handshake_mac(self._key, "server", hello, challenge)
+        self._handshakes[identity] = _Handshake(hello, challenge, now, source)
+        self._per_source[source] += 1
+        return [(identity, pm.encode(challenge))]
 
     def _auth(self, identity: bytes, auth: pm.Auth, now: float) -> list[Reply]:
-        hs = self._handshakes.pop(identity, None)
+        hs = self._drop_handshake(identity)
         if hs is None:
             reason = "unexpected" if identity in self._sessions else "unauthenticated"
             return self._refuse(identity, reason)
-        expected = pm.mac(self._secret, "client", *self._parts(hs.hello, hs.nonce))
+        expected = pm.handshake_mac(self._key, "client", hs.hello, hs.challenge, auth)
         if not pm.mac_ok(expected, auth.mac):
             return self._refuse(identity, "bad_mac")
         mine = self._descriptor()
         if mine is None:
             return self._refuse(identity, "not_ready")
         hello = hs.hello
+        if hello.advertise in self.addresses:  # another instance claims to be this one
+            return self._own_address_claimed(identity, hs)
+        same = [s for s in self._sessions.values() if s.advertise == hello.advertise]
+        for other in same:
+            if other.incarnation != hello.incarnation and self._alive(other, now):
+                return self._collision(identity, hs, other)
         adopted: dict[int, _Lease] = {}
-        for other in [s for s in self._sessions.values() if s.advertise == hello.advertise]:
+        for other in same:
             del self._sessions[other.identity]
+            self.session_changes += 1
             if other.incarnation == hello.incarnation:  # a reconnect: its leases go on
                 adopted.update(other.leases)
-            else:  # a restart: its transfers died with it
+            else:  # a restart (the old session is gone or silent): its transfers died with it
                 self._counts["restarts"] += 1
                 self._drop_leases(other)
         if len(self._sessions) >= self.max_sessions:
@@ -405,16 +489,56 @@ class PeerServer:
                 self.manager.release(lease.holder)
                 self._leased -= lease.chunks
             return self._refuse(identity, "busy")
-        session = _Session(identity, hello, auth.descriptor, now)
+        session = _Session(identity, hello, auth.descriptor, now, hs.source)
         session.leases.update(adopted)
         self._sessions[identity] = session
+        self.session_changes += 1
         log.info(
             "kvoffload p2p: peer %s (incarnation %s) authenticated",
             hello.advertise,
             hello.incarnation.hex()[:8],
         )
-        welcome = pm.Welcome(mine, self.heartbeat_s, self.free_quota())
+        welcome = pm.Welcome(mine, self.heartbeat_s, self.free_quota(), pm.ZERO_MAC)
+        welcome.mac = pm.handshake_mac(self._key, "welcome", hello, hs.challenge, auth, welcome)
         return [(identity, pm.encode(welcome))]
+
+    def _alive(self, session: _Session, now: float) -> bool:
+        """Whether ``session`` still has a live instance behind it: heard from within
+        ``peer_timeout_s`` and its connection still open."""
+        return now - session.last_seen < self.peer_timeout_s and self._reachable(session.identity)
+
+    def _collision(self, identity: bytes, hs: _Handshake, live: _Session) -> list[Reply]:
+        """A second live instance claims ``live``'s advertise address: refused, ``live`` stays."""
+        self._counts["collisions"] += 1
+        log.error(
+            "kvoffload p2p: refused a session: identity collision: a second instance "
+            "(incarnation %s, connected from %s) claims the advertise address %s of a live peer "
+            "(incarnation %s, connected from %s), whose session and leases stay. Two instances "
+            "advertise the same address: give each an advertise_host:port peers reach it at",
+            hs.hello.incarnation.hex()[:8],
+            hs.source or "?",
+            live.advertise,
+            live.incarnation.hex()[:8],
+            live.source or "?",
+        )
+        return self._refuse(identity, "identity_collision")
+
+    def _own_address_claimed(self, identity: bytes, hs: _Handshake) -> list[Reply]:
+        """A peer (its incarnation is not ours: that was refused as a reflection) advertises an
+        address this instance is dialed at: two instances claim one identity, and peers dialing
+        it may reach either. Refused, as a collision with this instance's own."""
+        self._counts["collisions"] += 1
+        log.error(
+            "kvoffload p2p: refused a session: identity collision: a second instance "
+            "(incarnation %s, connected from %s) claims the advertise address %s of this "
+            "instance (incarnation %s). Two instances advertise the same address: give each an "
+            "advertise_host:port peers reach it at",
+            hs.hello.incarnation.hex()[:8],
+            hs.source or "?",
+            hs.hello.advertise,
+            self.incarnation.hex()[:8],
+        )
+        return self._refuse(identity, "identity_collision")
 
     # -- reads ----------------------------------------------------------------------------------
 
@@ -544,7 +668,7 @@ class PeerServer:
                 identity, hs = next(iter(self._handshakes.items()))
                 if hs.since > limit:
                     break
-                del self._handshakes[identity]
+                self._drop_handshake(identity)
                 self._counts["handshake_drops"] += 1
             for session in list(self._sessions.values()):
                 if session.last_seen <= limit:
@@ -568,3 +692,4 @@ class PeerServer:
         for identity in list(self._sessions):
             self._forget(identity)
         self._handshakes.clear()
+        self._per_source.clear()

@@ -25,7 +25,9 @@ idle engine still serves. Bytes move in the peer worker process (:mod:`.worker_h
 **Routing** from an orchestrator comes per request in ``kv_transfer_params``
 (:meth:`P2PTier.on_request`, :mod:`.routing`): ``remote_prefiller`` (a decoder: pull from that
 prefiller only), ``remote_decoder`` (a prefiller: hold the request's chunks for that decoder),
-``remote_kv_source`` (probe that peer first).
+``remote_kv_source`` (probe that peer first). A peer a request names must pass the allow-list
+(:class:`~.routing.PeerPolicy`) before anything is sent to the node: one that does not is
+refused (counted by reason, logged once per address) and the request goes on without it.
 """
 
 from __future__ import annotations
@@ -66,12 +68,38 @@ from kvoffload.tiers.p2p.commands import (
 from kvoffload.tiers.p2p.config import P2PTierConfig
 from kvoffload.tiers.p2p.locations import PeerLocations
 from kvoffload.tiers.p2p.node import PeerNode
-from kvoffload.tiers.p2p.routing import Route, parse_route
+from kvoffload.tiers.p2p.routing import ROUTE_REFUSALS, PeerPolicy, Route, parse_route
 
 log = logging.getLogger("kvoffload.p2p")
 
 _HIT, _MISS, _RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
 _STUCK_CONTEXTS: list[Any] = []  # contexts of node threads that did not stop (see shutdown)
+
+
+MAX_DOWN_LOG = 4096
+"""Peers whose last going down the engine thread remembers (requests may name many peers)."""
+
+
+class _DownLog(LRUCache[str, int]):
+    """peer -> the sequence number of its last going down, for at most ``maxsize`` peers (least
+    recently used forgotten first). A peer no longer in it is taken to have gone down at the
+    latest number forgotten (:meth:`last`), which is at least its own: so forgetting a peer can
+    only void verdicts learnt before that number, never revive one learnt before its going down.
+    Entries only ever leave by eviction (nothing deletes one)."""
+
+    def __init__(self, maxsize: int):
+        super().__init__(maxsize=maxsize)
+        self.floor = 0  # the latest sequence number forgotten
+
+    def popitem(self) -> tuple[str, int]:  # cachetools calls it to evict
+        peer, seq = super().popitem()
+        self.floor = max(self.floor, seq)
+        return peer, seq
+
+    def last(self, peer: str) -> int:
+        """The sequence number of ``peer``'s last going down (0: never, as far as known)."""
+        seq = self.get(peer)
+        return self.floor if seq is None else seq
 
 
 class _LoadJob:
@@ -129,7 +157,26 @@ class P2PTier(SecondaryTierManager):
         Counter(
             "kvoffload_p2p_refused_messages",
             "Control messages this instance refused, by reason (unauthenticated, bad_mac, "
-            "malformed, too_large, namespace, version, ...).",
+            "malformed, too_large, namespace, version, reflection, misrouted, "
+            "identity_collision, ...).",
+            ("tier", "reason"),
+        ),
+        Counter(
+            "kvoffload_p2p_refused_routes",
+            "Peers named by requests' kv_transfer_params that this instance did not ask, by "
+            "reason (not_allowed, malformed, self).",
+            ("tier", "reason"),
+        ),
+        Counter(
+            "kvoffload_p2p_refused_connections",
+            "Connections to the control port refused or closed before authentication, by reason "
+            "(per_source, total, handshake_timeout, wrong_key, mechanism, handshake_failed).",
+            ("tier", "reason"),
+        ),
+        Counter(
+            "kvoffload_p2p_failed_handshakes",
+            "Handshakes of this instance with its peers that failed, by reason (bad_mac, "
+            "reflection, version, timeout, refused_<the peer's reason>, ...).",
             ("tier", "reason"),
         ),
     )
@@ -148,7 +195,9 @@ class P2PTier(SecondaryTierManager):
             raise ValueError("type: the p2p tier needs the host arena (build it with create_tier)")
         self.locality = config.locality
         secret = config.secret if config.secret is not None else os.environ.get(config.secret_env)
-        if config.auth == "secret" and not secret:
+        if config.auth == "none":
+            secret = ""  # no CurveZMQ, no proof: allowed only on loopback for trusted users
+        elif not secret:
             raise ValueError(
                 f"secret: the p2p tier needs a shared secret (the secret key, or the "
                 f"{config.secret_env} environment variable), or auth: none on a loopback host"
@@ -163,12 +212,14 @@ class P2PTier(SecondaryTierManager):
         self._ctx: zmq.Context | None = None
         self.advertise = ""
         # verdicts: key -> the peer that has it READY; keys no peer has (for negative_ttl_s)
-        # key -> (the peer that has it, that peer's down count when it was learnt): a peer going
-        # down bumps its count, which voids its entries as they are next read (no scan)
+        # key -> (the peer that has it, the down sequence number when it was learnt): a peer
+        # going down takes the next number, which voids its older entries as they are next read
+        # (no scan)
         self._peer_of: LRUCache[bytes, tuple[str, int]] = LRUCache(
             maxsize=config.lookup_cache_entries
         )
-        self._downs: dict[str, int] = {}
+        self._downs = _DownLog(MAX_DOWN_LOG)
+        self._down_seq = 0
         self._absent: TLRUCache[bytes, float] = TLRUCache(
             maxsize=config.lookup_cache_entries, ttu=lambda k, ttl, now: now + ttl
         )
@@ -183,6 +234,10 @@ class P2PTier(SecondaryTierManager):
         self._events: list[TierEvent] = []  # chunks peers took from our pushes
         self._peers = tuple(config.peers)
         self._located = bool(config.peer_events)  # the node may know peers beyond the configured
+        self._policy = PeerPolicy([*config.peers, *config.peer_events], config.allowed_peers)
+        #: Peers requests named that were not asked, by reason (:data:`ROUTE_REFUSALS`).
+        self.refused_routes: dict[str, int] = dict.fromkeys(ROUTE_REFUSALS, 0)
+        self._route_logged: LRUCache[str, bool] = LRUCache(maxsize=1024)
 
     # -- start ------------------------------------------------------------------------------------
 
@@ -222,6 +277,9 @@ class P2PTier(SecondaryTierManager):
             heartbeat_s=cfg.heartbeat_s,
             peer_timeout_s=cfg.peer_timeout_s,
             max_lease_s=cfg.lease_ttl_s,
+            max_handshakes=cfg.max_handshakes,
+            max_handshakes_per_source=cfg.max_handshakes_per_source,
+            reachable=lambda ident: self._node.reachable(ident) if self._node else True,
             pull=lambda *a: self._node.pull(*a) if self._node else None,
             on_fetched=lambda kvr, keys: (
                 self._node.results.append(Fetched(kvr, keys)) if self._node else None
@@ -255,6 +313,11 @@ class P2PTier(SecondaryTierManager):
                 lease_ttl_s=cfg.lease_ttl_s,
                 count=self.count,
                 server_free_quota=self._server.free_quota,
+                static_peers=self._policy.static,
+                request_peer_idle_s=cfg.request_peer_idle_s,
+                max_request_peers=cfg.max_request_peers,
+                max_half_open=cfg.max_handshakes,
+                max_half_open_per_source=cfg.max_handshakes_per_source,
             )
         except zmq.ZMQError as e:
             if locations is not None:
@@ -264,6 +327,11 @@ class P2PTier(SecondaryTierManager):
         bound_port = int(self._node.bound.rsplit(":", 1)[1])
         self.advertise = f"{cfg.advertise_host or cfg.host}:{bound_port}"
         self._node.advertise = self.advertise
+        own = [self.advertise]
+        if cfg.host not in ("0.0.0.0", "::"):
+            own.append(f"{cfg.host}:{bound_port}")
+        self._server.addresses = tuple(dict.fromkeys(own))  # a Hello must have dialed one
+        self._policy.own = frozenset(own)
         self._node.start()
         for p in dict.fromkeys([*cfg.peers, *cfg.peer_events]):  # a session confirms its events
             self._node.submit(Connect(p))
@@ -283,9 +351,38 @@ class P2PTier(SecondaryTierManager):
         route = parse_route(kv_transfer_params)
         if route is None:
             return
+        if route.malformed:
+            self._refuse_route(route.malformed, "malformed")
+        if route.source is not None:
+            node = self._node
+            # with auth none a session proves nothing: its advertise address is any local
+            # user's claim, so it allows no route
+            authenticated = node.authenticated_peers if node is not None and self._secret else ()
+            why = self._policy.refusal(route.source, authenticated)
+            if why is not None:
+                self._refuse_route(route.source, why)
+                route.source = None  # remote_prefiller: no other peer either (a miss)
         self._routes[req_id] = route
         if route.source is not None and self._node is not None:
             self._node.submit(Connect(route.source))
+
+    def _refuse_route(self, addr: str, why: str) -> None:
+        """A peer a request named is not asked: counted, logged once per address."""
+        self.refused_routes[why] = self.refused_routes.get(why, 0) + 1
+        if addr not in self._route_logged:
+            self._route_logged[addr] = True
+            log.warning(
+                "p2p tier %s: a request's kv_transfer_params named %r, which is %s; the "
+                "request goes on without it (add it to allowed_peers if it is a peer)",
+                self.name,
+                addr[:128],
+                {
+                    "not_allowed": "not an allowed peer (peers, peer_events, allowed_peers, or "
+                    "a peer authenticated to this instance)",
+                    "malformed": "not a host and port",
+                    "self": "this instance",
+                }.get(why, why),
+            )
 
     @override
     def on_request_finished(self, req_id: str) -> None:
@@ -296,9 +393,9 @@ class P2PTier(SecondaryTierManager):
         """Whom to ask, as ``(head, tail)``: the request's named peer, then (the node puts the
         peers whose KV events show the key in between) the configured peers; ``tail`` None when
         the named peer is the only one to ask (``remote_prefiller``)."""
+        if route is not None and route.only:
+            return ((route.source,) if route.source is not None else ()), None
         if route is not None and route.source is not None:
-            if route.only:
-                return (route.source,), None
             return (route.source,), self._peers
         return (), self._peers
 
@@ -338,8 +435,8 @@ class P2PTier(SecondaryTierManager):
         entry = self._peer_of.get(key)
         if entry is None:
             return ""
-        peer, downs = entry
-        if downs != self._downs.get(peer, 0):
+        peer, learnt = entry
+        if self._downs.last(peer) > learnt:  # it went down since
             del self._peer_of[key]
             return ""
         return peer
@@ -449,7 +546,7 @@ class P2PTier(SecondaryTierManager):
                     key, peer = r.key, r.peer
                     waiting = self._waiting.pop(key, None)
                     if peer is not None:
-                        self._peer_of[key] = (peer, self._downs.get(peer, 0))
+                        self._peer_of[key] = (peer, self._down_seq)
                         self._absent.pop(key, None)
                     else:
                         if self.config.negative_ttl_s > 0:
@@ -471,9 +568,8 @@ class P2PTier(SecondaryTierManager):
                     if meta is None:
                         continue
                     if r.peer is not None:
-                        downs = self._downs.get(r.peer, 0)
                         for k in r.ok:
-                            self._peer_of[k] = (r.peer, downs)
+                            self._peer_of[k] = (r.peer, self._down_seq)
                         if r.ok and self.record_events:  # held at a peer now: medium PEER
                             self._events.append(TierEvent(list(r.ok), False))
                     self._finished.append(
@@ -487,7 +583,8 @@ class P2PTier(SecondaryTierManager):
                         else JobResult(job_id=r.job_id, success=True)
                     )
                 case PeerDown():
-                    self._downs[r.peer] = self._downs.get(r.peer, 0) + 1
+                    self._down_seq += 1
+                    self._downs[r.peer] = self._down_seq
                 case Fetched():
                     self._fetched(r.kv_request_id, set(r.keys))
 
@@ -603,6 +700,12 @@ class P2PTier(SecondaryTierManager):
         for k, v in counters.items():
             if k.startswith("refused."):
                 metrics.set_total("kvoffload_p2p_refused_messages", v, name, k[8:])
+        for reason, v in list(self.refused_routes.items()):
+            metrics.set_total("kvoffload_p2p_refused_routes", v, name, reason)
+        for reason, v in list(node.refused_connections.items()):
+            metrics.set_total("kvoffload_p2p_refused_connections", v, name, reason)
+        for reason, v in list(client.handshake_failures.items()):
+            metrics.set_total("kvoffload_p2p_failed_handshakes", v, name, reason)
 
     @property
     def worker_pid(self) -> int | None:

@@ -227,3 +227,20 @@ def test_the_parser_reads_headings_lists_and_marks(text, expect):
         assert [t.pending for t in cases[0].tests] == [True]
     else:
         assert [t.name for t in cases[0].tests] == expect and not cases[0].tests[0].pending
+
+
+def test_every_test_the_readmes_security_model_names_exists():
+    """README's Security model backs each guarantee with the test that attacks it: each test it
+    names (``tests/f.py::test_x``, a bare ``test_x``, or a pattern ``test_c43_*``) is there."""
+    import fnmatch
+
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    section = readme.split("\n## Security model\n", 1)[1].split("\n## ", 1)[0]
+    names = re.findall(r"`((?:tests/[\w/]+\.py::)?test_[\w*]+)`", section)
+    assert len(names) >= 20, names
+    everywhere = all_test_functions()
+    for name in names:
+        rel, _, func = name.rpartition("::")
+        found = [t for r, t in everywhere if (not rel or r == rel) and fnmatch.fnmatch(t, func)]
+        assert found, f"README's Security model names {name}, which is no test"

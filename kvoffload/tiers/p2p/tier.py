@@ -128,7 +128,9 @@ class P2PTier(SecondaryTierManager):
         ),
         Counter(
             "kvoffload_p2p_refused_messages",
-            "Control messages this instance refused, by reason (unauthenticated, bad_mac, "
+            "Control messages and data-plane connections or requests (reasons data_*: "
+            "data_unauthenticated, data_not_granted, data_write, data_flood, ...) this instance "
+            "refused, by reason (unauthenticated, bad_mac, "
             "malformed, too_large, namespace, version, ...).",
             ("tier", "reason"),
         ),
@@ -190,6 +192,7 @@ class P2PTier(SecondaryTierManager):
     def attach(self, manager: Any) -> None:
         """Join ``manager`` (a :class:`~kvoffload.tiering.TieringManager`): start the peer worker,
         the serving role over its host tier, and the node thread."""
+        from kvoffload.tiers.p2p.node import WorkerPort
         from kvoffload.tiers.p2p.server import PeerServer
         from kvoffload.tiers.p2p.worker_handle import PeerWorkerHandle
         from kvoffload.workers.p2p_transport import TransportConfig
@@ -212,6 +215,7 @@ class P2PTier(SecondaryTierManager):
             ),
         )
         port = cfg.port + getattr(manager, "data_parallel_rank", 0) if cfg.port else 0
+        worker_port = WorkerPort(self._worker)
         self._server = PeerServer(
             manager,
             secret=self._secret,
@@ -222,6 +226,8 @@ class P2PTier(SecondaryTierManager):
             heartbeat_s=cfg.heartbeat_s,
             peer_timeout_s=cfg.peer_timeout_s,
             max_lease_s=cfg.lease_ttl_s,
+            stale_lease_s=cfg.transfer_deadline_s,
+            grants=worker_port.role("server"),
             pull=lambda *a: self._node.pull(*a) if self._node else None,
             on_fetched=lambda kvr, keys: (
                 self._node.results.append(Fetched(kvr, keys)) if self._node else None
@@ -255,6 +261,7 @@ class P2PTier(SecondaryTierManager):
                 lease_ttl_s=cfg.lease_ttl_s,
                 count=self.count,
                 server_free_quota=self._server.free_quota,
+                port=worker_port,
             )
         except zmq.ZMQError as e:
             if locations is not None:

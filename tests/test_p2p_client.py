@@ -885,7 +885,14 @@ _message = st.one_of(  # every message type, well-formed, with hostile values
     st.builds(pm.Lookup, _id, st.lists(_ANY_KEY, max_size=3)),
     st.builds(pm.LookupReply, _id, _bytes),
     st.builds(pm.Lease, _id, st.lists(_ANY_KEY, max_size=3), st.floats(0, 10)),
-    st.builds(pm.LeaseReply, _id, _id, st.lists(_slot, max_size=8)),
+    st.builds(
+        pm.LeaseReply,
+        _id,
+        _id,
+        st.lists(_slot, max_size=8),
+        st.floats(0, 10) | st.just(0.0),
+        st.binary(max_size=8 * pm.DIGEST_BYTES) | st.just(bytes(4 * pm.DIGEST_BYTES)),
+    ),
     st.builds(pm.Release, _id),
     st.builds(
         pm.Offer,

@@ -10,9 +10,11 @@ protocol from this test process.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -22,6 +24,8 @@ from pathlib import Path
 import msgspec
 import pytest
 import xxhash
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from p2p_data import DataClient, frame
 from pipe_commands import PipeClient
 
@@ -521,3 +525,113 @@ def test_auto_chooses_nixl_when_it_imports_else_tcp_and_peers_must_match(peers):
             tcp.close()
     finally:
         arena.close()
+
+
+# -- fuzz of the TCP data port ----------------------------------------------------------------------
+
+_FUZZ_GRANTED = [0, 1, 2, 3]
+_slot_any = st.integers(-3, SLOTS + 3) | st.integers(-(1 << 63), (1 << 64) - 1)
+_request = st.builds(
+    pt.TcpRequest,
+    st.sampled_from(["read", "write", "READ", "put", ""]) | st.text(max_size=6),
+    st.integers(0, 1 << 62),
+    st.lists(st.sampled_from(_FUZZ_GRANTED) | _slot_any, max_size=6),
+)
+_hello = st.builds(
+    pt.DataHello, st.binary(min_size=16, max_size=16), st.binary(min_size=32, max_size=32)
+)
+_anything = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(1 << 63), (1 << 64) - 1)  # what msgpack can carry
+    | st.binary(max_size=40)
+    | st.text(max_size=10),
+    lambda inner: st.lists(inner, max_size=4),
+    max_leaves=8,
+)
+_read = st.builds(  # well-formed, so it reaches the grant check, of slots in the arena
+    pt.TcpRequest,
+    st.just("read"),
+    st.integers(0, 9),
+    st.lists(st.integers(0, SLOTS - 1), min_size=1, max_size=6),
+)
+_data_frame = st.one_of(
+    st.builds(frame, _read),
+    st.builds(frame, _read),
+    st.builds(frame, _request),
+    st.builds(frame, _hello),
+    st.builds(frame, st.builds(pt.DataAuth, st.binary(min_size=32, max_size=32))),
+    st.builds(frame, _anything),
+    # a length that lies: bigger (up to 4 GiB) or smaller than what follows
+    st.builds(
+        lambda n, body: struct.pack("<I", n) + body,
+        st.integers(0, (1 << 32) - 1),
+        st.binary(max_size=64),
+    ),
+    st.binary(max_size=300),
+)
+
+
+class _FuzzTarget:
+    """One TCP peer process whose slots 0-3 are granted to one session for the whole fuzz, and
+    every row's bytes as an oracle session read them."""
+
+    def __init__(self, peer: PeerProc):
+        self.peer = peer
+        peer.ok("fill", seed=31)
+        self.digests = peer.rows()
+        self.desc = pt.decode_descriptor(bytes.fromhex(peer.descriptor))
+        self.token = secrets.token_bytes(pt.TOKEN_BYTES)
+        oracle = secrets.token_bytes(pt.TOKEN_BYTES)
+        for t in (self.token, oracle):
+            peer.ok("add_session", token=t.hex())
+        peer.grant(self.token.hex(), _FUZZ_GRANTED)
+        gid, _ = peer.grant(oracle.hex(), list(range(SLOTS)))
+        c = DataClient(self.desc)
+        c.authenticate(oracle)
+        assert c.read(list(range(SLOTS))).error == ""
+        data = c.recv_exact(SLOTS * ROW)
+        c.sock.close()
+        assert peer.ok("revoke", gid=gid)["done"]
+        self.rows = [data[i * ROW : (i + 1) * ROW] for i in range(SLOTS)]
+
+
+@pytest.fixture(scope="module")
+def fuzz_target():
+    p = PeerProc("fuzz", "tcp", deadline_s=2.0)
+    try:
+        yield _FuzzTarget(p)
+    finally:
+        p.stop()
+        assert p.proc.returncode is not None
+        assert p.name not in {a.name for a in list_arenas()}
+
+
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(authenticated=st.booleans(), frames=st.lists(_data_frame, min_size=1, max_size=5))
+def test_fuzzed_frames_on_the_data_port_read_nothing_ungranted_and_break_nothing(
+    fuzz_target, authenticated, frames
+):
+    """Whatever an authenticated session (or a connection that proves none) sends on the data
+    port: no byte of a row outside its grant comes back, the arena is unchanged, and an honest
+    read on a fresh connection still gets its rows."""
+    t = fuzz_target
+    c = DataClient(t.desc, "127.0.0.4")
+    if authenticated:
+        c.authenticate(t.token)
+    with contextlib.suppress(OSError):
+        c.sock.sendall(b"".join(frames))
+        c.sock.shutdown(socket.SHUT_WR)
+    back = c.closed_after()
+    for s in range(len(_FUZZ_GRANTED), SLOTS):
+        assert t.rows[s][:64] not in back, f"row {s} was sent without a grant"
+    if not authenticated:
+        assert all(r[:64] not in back for r in t.rows)
+    honest = DataClient(t.desc)
+    honest.authenticate(t.token)
+    assert honest.read([3, 0]).error == ""
+    assert honest.recv_exact(2 * ROW) == t.rows[3] + t.rows[0]
+    honest.sock.close()
+    assert t.peer.rows() == t.digests

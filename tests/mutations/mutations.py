@@ -877,7 +877,22 @@ MUTATIONS: list[Mutation] = [
             TIER
             + "test_c39_an_authenticated_peer_reads_only_what_it_leased_while_the_lease_lives_and_"
             "writes_nothing",
+            P2PT + "test_fuzzed_frames_on_the_data_port_read_nothing_ungranted_and_break_nothing",
         ),
+    ),
+    Mutation(
+        "C39",
+        "the peer worker is spawned with the engine's whole environment, its p2p secret included",
+        "kvoffload/tiers/p2p/worker_handle.py",
+        "        env = child_environment(\n"
+        "            WORKER_ENV, {**self.env, PEER_WORKER_SPEC_ENV: msgspec.json.encode(spec).decode()}\n"
+        "        )\n",
+        "        env = {\n"
+        "            **os.environ,\n"
+        "            **self.env,\n"
+        "            PEER_WORKER_SPEC_ENV: msgspec.json.encode(spec).decode(),\n"
+        "        }\n",
+        (P2PW + "test_the_peer_worker_gets_no_secret_of_the_engines_environment",),
     ),
     Mutation(
         "C40",
@@ -915,6 +930,14 @@ MUTATIONS: list[Mutation] = [
             P2PW
             + "test_c45_lying_and_endless_frames_on_the_data_port_close_it_and_memory_stays_flat",
         ),
+    ),
+    Mutation(
+        "C45",
+        "the reading worker takes a data server's reply frame of any length",
+        "workers/p2p_transport.py",
+        "        reply = _reply_decoder.decode(_recv_frame(sock, deadline, MAX_REPLY_BYTES))\n",
+        "        reply = _reply_decoder.decode(_recv_frame(sock, deadline, 1 << 32))\n",
+        (P2PW + "test_c45_a_hostile_data_server_fails_the_read_and_the_readers_memory_stays_flat",),
     ),
     Mutation(
         "C46",

@@ -9,14 +9,17 @@ frame per message (client DEALER → server ROUTER; the server may also send to 
     client ──Hello(version, incarnation, advertise, dialed, namespace_id, nonce)──▶ server
     client ◀──Challenge(version, incarnation, advertise, nonce, mac "server")─────── server  proves
     client ──Auth(mac "client", descriptor)───────────────────────────────────────▶ server  proves
-    client ◀──Welcome(descriptor, heartbeat_s, quota_chunks, mac "welcome")──────── server  binds
+    client ◀──Welcome(descriptor, heartbeat_s, quota_chunks, data_token, mac "welcome")── server  binds
               | Refused(reason)
-    ── authenticated from here; transport descriptors cross only after the other side proved ──
+    ── authenticated from here; transport descriptors and the session's data token cross only
+       after the other side proved ──
     Lookup(req, keys)                    ◀▶ LookupReply(req, states)   one byte per key (MISS/READY/PENDING)
-    Lease(req, keys, ttl_s, kv_request_id) ◀▶ LeaseReply(req, lease, slots)   slot -1: not leasable,
-                                                                        -2: lease cap reached
+    Lease(req, keys, ttl_s, kv_request_id) ◀▶ LeaseReply(req, lease, slots, ttl_s, digests)
+                                              slot -1: not leasable, -2: lease cap reached;
+                                              ttl_s: the lifetime granted; a digest per slot
     Release(lease)                                                      no reply
-    Offer(req, keys, lease, slots)       ◀▶ OfferReply(req, accepted)  a push: the receiver pulls
+    Offer(req, keys, lease, slots, ttl_s, digests) ◀▶ OfferReply(req, accepted)   a push: the
+                                                                        receiver pulls
     Pulled(lease, ok)                    (receiver → pusher) its reads of that lease have settled
     Heartbeat(seq, free_quota)           ◀▶ HeartbeatAck(seq, free_quota)   either side
 
@@ -31,6 +34,12 @@ reflection) or naming a dialed address that is not its own (a relay or a misrout
 refuses a Challenge of another version or carrying its own incarnation. Each side checks the
 other's MAC before it uses anything the other sent, and sends its descriptor only after the other
 proved the secret.
+
+Bytes move on the data plane (``kvoffload.workers.p2p_transport``), never here: a session's data
+connections prove its ``data_token``, and read only the slots its leases (or a pusher's offers)
+grant, while they live; every chunk read is checked against the digest in the LeaseReply or Offer,
+taken by the serving side when it granted the slots (:data:`DIGEST_BYTES` each, concatenated in slot
+order; zeros for a slot not leased).
 
 The namespace is fixed per session by ``Hello.namespace_id``: a session reads and offers only chunks of
 exactly that namespace. Every message is size-checked before it is decoded (:func:`decode`), and lists
@@ -50,9 +59,10 @@ import msgspec
 import zmq
 from zmq.utils import z85
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Bumped on any incompatible change; a Hello or Challenge of another version is refused (2: CurveZMQ,
-the dialed address, whole-transcript MACs)."""
+the dialed address, whole-transcript MACs; 3: the session's data token in Welcome, granted lifetimes
+and digests in LeaseReply and Offer)."""
 
 MAX_MESSAGE_BYTES = 1 << 20
 """Largest control message accepted (bytes): a batch of :data:`MAX_KEYS` 32-byte keys fits easily."""
@@ -64,6 +74,10 @@ MAX_KEY_BYTES = 64
 """Longest chunk key (bytes): kvoffload keys are 32–40 bytes."""
 
 NONCE_BYTES = 32
+TOKEN_BYTES = 32
+"""A session's data token (``Welcome.data_token``): random, one per session."""
+DIGEST_BYTES = 16
+"""One chunk's digest (xxh3-128, ``kvoffload.workers.p2p_transport.chunk_digest``)."""
 INCARNATION_BYTES = 16
 MAC_BYTES = 32  # HMAC-SHA256
 ZERO_MAC = bytes(MAC_BYTES)
@@ -93,6 +107,8 @@ _Incarnation = Annotated[
     bytes, msgspec.Meta(min_length=INCARNATION_BYTES, max_length=INCARNATION_BYTES)
 ]
 _Seconds = Annotated[float, msgspec.Meta(ge=0, le=86400)]
+_Token = Annotated[bytes, msgspec.Meta(min_length=TOKEN_BYTES, max_length=TOKEN_BYTES)]
+_Digests = Annotated[bytes, msgspec.Meta(max_length=MAX_KEYS * DIGEST_BYTES)]
 _Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
 _Id = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 
@@ -157,6 +173,9 @@ class Welcome(_Msg, tag="welcome"):
         descriptor: the server's transport descriptor.
         heartbeat_s: how often the server expects a heartbeat (seconds).
         quota_chunks: chunks the server admits from this client's offers now (0: it takes no pushes).
+        data_token: the session's data token (:data:`TOKEN_BYTES` random bytes): data connections
+            of either side prove it (challenge-response; it never crosses the data plane), and
+            read only what the other side granted this session.
         mac: :func:`handshake_mac`, role ``welcome``, over the whole handshake and this Welcome
             with ``mac`` zeroed: every field of it, any field added later included, is covered;
             the client checks it before it uses the descriptor.
@@ -165,6 +184,7 @@ class Welcome(_Msg, tag="welcome"):
     descriptor: Annotated[bytes, msgspec.Meta(max_length=MAX_MESSAGE_BYTES // 2)]
     heartbeat_s: _Seconds
     quota_chunks: _Count
+    data_token: _Token
     mac: _Mac
 
 
@@ -189,7 +209,8 @@ class LookupReply(_Msg, tag="lookup_reply"):
 
 
 class Lease(_Msg, tag="lease"):
-    """Pin ``keys`` in the server's host tier for one transfer, for at most ``ttl_s`` seconds.
+    """Pin ``keys`` in the server's host tier for one transfer, for at most ``ttl_s`` seconds (the
+    server grants at most its own ``lease_ttl_s``, and bounds each peer's share of its leases).
 
     ``kv_request_id``: the orchestrator's id when the transfer is a decoder fetching a prefill's
     chunks (``remote_prefiller``), so the server can end what it holds for that decoder; else empty.
@@ -203,11 +224,18 @@ class Lease(_Msg, tag="lease"):
 
 class LeaseReply(_Msg, tag="lease_reply"):
     """The lease id and one host slot per key (-1: not leasable: absent or not READY;
-    :data:`LEASE_BUSY`: the server leases no more slots now)."""
+    :data:`LEASE_BUSY`: the server leases no more slots now).
+
+    ``ttl_s``: the lease's lifetime left when it was granted (seconds): the reader's transfer must be
+    over before ``ttl_s`` has passed since it sent the Lease (less a margin), else the slots may
+    have been reused. ``digests``: :data:`DIGEST_BYTES` per slot, taken when the slots were
+    granted (zeros for a slot not leased); a chunk read that does not match is not served."""
 
     req: _Id
     lease: _Id
     slots: _Slots
+    ttl_s: _Seconds
+    digests: _Digests
 
 
 class Release(_Msg, tag="release"):
@@ -217,14 +245,17 @@ class Release(_Msg, tag="release"):
 
 
 class Offer(_Msg, tag="offer"):
-    """A push: the sender holds ``keys`` leased in its own ``slots`` (``lease``) and asks the receiver
-    to pull them. The receiver reads them itself, so nothing ever writes into another instance's
-    memory."""
+    """A push: the sender holds ``keys`` pinned in its own ``slots`` (``lease``: the push's id) and
+    granted them to this session for ``ttl_s`` seconds; it asks the receiver to pull them. The
+    receiver reads them itself, so nothing ever writes into another instance's memory, and checks
+    each against ``digests`` (:data:`DIGEST_BYTES` per key, taken when the sender granted them)."""
 
     req: _Id
     keys: _Keys
     lease: _Id
     slots: _Slots
+    ttl_s: _Seconds
+    digests: _Digests
 
 
 class OfferReply(_Msg, tag="offer_reply"):

@@ -115,6 +115,19 @@ FAILED: dict[str, Reason] = {
         "p2p load: the transfer did not settle by its deadline (transfer_deadline_s)",
         "a slow or congested link: look at it, or raise transfer_deadline_s",
     ),
+    "lease_expired": Reason(
+        "p2p load or pulled push: the transfer was not over before the lease the serving peer "
+        "granted could end (its lifetime, reckoned from the request, less a margin): the slots may "
+        "have been reused, so the bytes are not served; the session starts again",
+        "none if rare; if steady, the serving peer is stalled or the link slow: look at it, or "
+        "raise the serving peer's lease_ttl_s",
+    ),
+    "digest_mismatch": Reason(
+        "p2p load or pulled push: a chunk's bytes did not match the digest the serving peer took "
+        "when it granted the slot: a miss, never its bytes",
+        "report it if it recurs: the serving peer changed a granted chunk (a bug), or someone "
+        "wrote its arena (with NIXL any authenticated peer can) or the data path",
+    ),
     "not_fetched": Reason(
         "p2p store held for a remote decoder: the decoder did not read it within hold_s; the "
         "chunks stay in the host tier",

@@ -14,7 +14,9 @@ stdout). Commands (``op`` plus arguments):
 - ``lookup_once(keys, req_id)``: one round of lookups and one step; answers the results.
 - ``digest(keys)``: xxh3 of the host rows of READY ``keys`` (None where not READY).
 - ``drop(keys)``: remove ``keys`` from the host tier.
-- ``state()``: pins held vs ref counts, busy slots, peers up.
+- ``scribble(keys, value)``: overwrite the host rows of ``keys`` with ``value`` behind the
+  manager's back (a slot reused for other bytes, as a lapsed lease would allow).
+- ``state()``: pins held vs ref counts, busy slots, peers up, the serving role's counters.
 - ``counters()``: (as of a snapshot the node thread took after the call) the p2p tier's refusals by kind and reason (``refused_messages`` of its server,
   ``refused_connections`` of its node, ``failed_handshakes`` of its client, ``refused_routes``),
   its server's other counters (``server``), its sessions' advertise addresses
@@ -126,6 +128,13 @@ class Instance:
         assert self.tm is not None
         return {"removed": len(self.tm.host.remove([bytes.fromhex(k) for k in keys]))}
 
+    def scribble(self, keys: list[str], value: int) -> dict:
+        assert self.tm is not None and self.arena is not None
+        slots = [self.tm.host.index[bytes.fromhex(k)] for k in keys]
+        for s in slots:
+            self.arena.rows[s] = value
+        return {"slots": slots}
+
     def state(self) -> dict:
         assert self.tm is not None
         host = self.tm.host
@@ -137,6 +146,7 @@ class Instance:
             "pinned": len(refs),
             "busy": len(self.tm.busy_slots()),
             "peers_up": self.tm.tiers[0].peers_up(),
+            "counters": dict(self.tm.tiers[0]._node.server_counters),
         }
 
     def counters(self) -> dict:

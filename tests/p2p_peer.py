@@ -2,9 +2,11 @@
 
 Started as ``python tests/p2p_peer.py``; reads one JSON command per line on stdin and answers one JSON
 line each on the stdout it was started with (the process's fd 1 is pointed at stderr first, because
-NIXL logs to stdout). Commands (``op`` plus arguments): ``init``, ``fill``, ``digest``, ``add_peer``,
-``remove_peer``, ``peer_up``, ``read``, ``write``, ``poll``, ``wait``, ``maps``, ``close``. Errors are
-answered as ``{"error": "<exception type>", "message": ...}``; the process goes on.
+NIXL logs to stdout). Commands (``op`` plus arguments): ``init``, ``fill``, ``scribble``, ``digest``,
+``add_peer``, ``remove_peer``, ``peer_up``, ``add_session``, ``drop_session``, ``grant``,
+``revoke``, ``revoked``, ``refused``, ``read``, ``poll``, ``wait``, ``maps``, ``close``.
+Bytes (descriptors, tokens, digests) travel as hex. Errors are answered as
+``{"error": "<exception type>", "message": ...}``; the process goes on.
 """
 
 from __future__ import annotations
@@ -53,13 +55,20 @@ class Peer:
         rows[:] = np.random.default_rng(seed).integers(0, 256, size=rows.shape, dtype=np.uint8)
         return {}
 
+    def scribble(self, slots: list[int], value: int) -> dict:
+        """Overwrite ``slots``' rows with ``value`` (a slot reused for other bytes)."""
+        assert self.arena is not None
+        for s in slots:
+            self.arena.rows[s] = value
+        return {}
+
     def digest(self) -> dict:
         assert self.arena is not None
         return {"rows": [xxhash.xxh3_64_hexdigest(r) for r in self.arena.rows]}
 
-    def add_peer(self, name: str, descriptor: str) -> dict:
+    def add_peer(self, name: str, descriptor: str, token: str) -> dict:
         assert self.transport is not None
-        self.transport.add_peer(name, bytes.fromhex(descriptor))
+        self.transport.add_peer(name, bytes.fromhex(descriptor), bytes.fromhex(token))
         return {}
 
     def remove_peer(self, name: str) -> dict:
@@ -71,18 +80,63 @@ class Peer:
         assert self.transport is not None
         return {"up": self.transport.peer_up(name)}
 
-    def read(self, peer: str, pairs: list, deadline_s: float | None = None) -> dict:
+    def add_session(self, token: str) -> dict:
         assert self.transport is not None
-        return {"handle": self.transport.read(peer, [tuple(p) for p in pairs], deadline_s)}
+        self.transport.add_session(bytes.fromhex(token))
+        return {}
 
-    def write(self, peer: str, pairs: list, deadline_s: float | None = None) -> dict:
+    def drop_session(self, token: str) -> dict:
         assert self.transport is not None
-        return {"handle": self.transport.write(peer, [tuple(p) for p in pairs], deadline_s)}
+        self.transport.drop_session(bytes.fromhex(token))
+        return {}
+
+    def grant(self, gid: int, token: str, slots: list[int], ttl_s: float) -> dict:
+        """Grant ``slots`` to ``token``'s session for ``ttl_s`` seconds from now."""
+        assert self.transport is not None
+        until = time.monotonic() + ttl_s
+        return {"digests": self.transport.grant(gid, bytes.fromhex(token), slots, until).hex()}
+
+    def revoke(self, gid: int) -> dict:
+        assert self.transport is not None
+        return {"done": self.transport.revoke(gid)}
+
+    def revoked(self) -> dict:
+        assert self.transport is not None
+        return {"gids": self.transport.take_revoked()}
+
+    def refused(self) -> dict:
+        assert self.transport is not None
+        return {"refused": self.transport.refused}
+
+    def read(
+        self,
+        peer: str,
+        pairs: list,
+        digests: str,
+        deadline_s: float | None = None,
+        not_after_s: float = 0.0,
+    ) -> dict:
+        """A READ checked against ``digests``; ``not_after_s``: seconds from now (0: none)."""
+        assert self.transport is not None
+        not_after = time.monotonic() + not_after_s if not_after_s else 0.0
+        handle = self.transport.read(
+            peer,
+            [tuple(p) for p in pairs],
+            deadline_s,
+            digests=bytes.fromhex(digests),
+            not_after=not_after,
+        )
+        return {"handle": handle}
 
     def poll(self, handle: int) -> dict:
         assert self.transport is not None
         st = self.transport.poll(handle)
-        return {"state": st.state.value, "reason": st.reason, "settled": st.settled}
+        return {
+            "state": st.state.value,
+            "reason": st.reason,
+            "settled": st.settled,
+            "bad": list(st.bad),
+        }
 
     def wait(self, handle: int, timeout_s: float, settled: bool = False) -> dict:
         """Poll until the transfer is final (and settled, if asked) or ``timeout_s`` passes."""
@@ -96,6 +150,7 @@ class Peer:
                     "state": st.state.value,
                     "reason": st.reason,
                     "settled": st.settled,
+                    "bad": list(st.bad),
                     "waited_s": time.monotonic() - t0,
                 }
             time.sleep(0.001)

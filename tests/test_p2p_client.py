@@ -8,7 +8,9 @@ Open / Send / Close / Trusted / Restarted, which :class:`Harness` applies as the
 (a frame for the honest peer is handed to its PeerServer, whose replies come back only while the
 socket that sent it is still open). Where the node's peer worker would READ a leased slot,
 :class:`FakeWorker` keeps to PeerWorkerHandle's contract (the same refusals of a bad pair, each
-transfer settled exactly once) and the test copies the honest instance's row itself.
+transfer settled exactly once, each grant and revocation answered once) and the test copies the
+honest instance's row itself; the honest instance's own worker grants its leases
+(``test_p2p_server.Grants``, answered at once).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import pytest
 from helpers import Rig, keys_for, payload
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_p2p_server import Grants
 
 from kvoffload.ipc import peer_messages as pm
 from kvoffload.tiers.p2p.client import (
@@ -54,6 +57,14 @@ LOCAL_SLOTS = 1 << 20
 MAX_PAIRS = 1024  # kvoffload.workers.p2p_transport.MAX_PAIRS (its transport is not needed here)
 
 
+TOKEN = b"T" * pm.TOKEN_BYTES  # a scripted peer's session data token
+
+
+def lease_reply(req: int, lease: int, slots: list[int], ttl_s: float = LEASE_TTL_S):
+    """A LeaseReply granting ``ttl_s`` with a digest per slot."""
+    return pm.LeaseReply(req, lease, slots, ttl_s, bytes(pm.DIGEST_BYTES * len(slots)))
+
+
 def descriptor(num_slots: int, who: str) -> bytes:
     """A transport descriptor :class:`FakeWorker` accepts: the peer arena's slot count."""
     return f"desc:{num_slots}:{who}".encode()
@@ -72,18 +83,26 @@ class FakeWorker:
         self.users: dict[str, int] = {}
         self.arenas: dict[str, int] = {}  # name -> the peer's slots
         self.inflight: dict[int, tuple[str, list[tuple[int, int]]]] = {}
+        self.reads: dict[int, tuple[float, bytes, float]] = {}  # tid -> (deadline, digests, end)
         self.tids = itertools.count(1)
+        self.sessions: Counter[bytes] = Counter()
+        self.grants: dict[int, tuple[bytes, list[int], float]] = {}  # gid -> token, slots, until
+        self.granting: list[int] = []
+        self.revoking: list[int] = []
+        self.gids = itertools.count(1)
 
     @property
     def descriptor(self) -> bytes | None:
         return descriptor(LOCAL_SLOTS, f"client-{self.generation}") if self.ready else None
 
-    def acquire_peer(self, desc: bytes) -> str:
+    def acquire_peer(self, desc: bytes, token: bytes) -> str:
         tag, _, rest = desc.partition(b":")
         slots = rest.partition(b":")[0]
         if tag != b"desc" or not slots.isdigit() or int(slots) == 0:
             raise ValueError(f"not a transport descriptor: {desc[:16]!r}")
-        name = "peer#" + desc.hex()[:24]
+        if len(token) != pm.TOKEN_BYTES:
+            raise ValueError("a session token is 32 bytes")
+        name = "peer#" + desc.hex()[:24] + token.hex()[:8]
         self.users[name] = self.users.get(name, 0) + 1
         self.arenas[name] = int(slots)
         return name
@@ -96,11 +115,20 @@ class FakeWorker:
         else:
             self.users[name] = n - 1
 
-    def read(self, name: str, pairs: list[tuple[int, int]], deadline_s: float) -> int:
+    def read(
+        self,
+        name: str,
+        pairs: list[tuple[int, int]],
+        deadline_s: float,
+        digests: bytes,
+        not_after: float,
+    ) -> int:
         if name not in self.arenas:
             raise ValueError(f"peer {name!r} was not added (or was removed)")
         if not 0 < len(pairs) <= MAX_PAIRS or not deadline_s > 0:
             raise ValueError("bad transfer")
+        if len(digests) != pm.DIGEST_BYTES * len(pairs):
+            raise ValueError("a digest per pair")
         for lo, re_ in pairs:
             if not 0 <= lo < LOCAL_SLOTS:
                 raise ValueError(f"local slot {lo} is outside the arena")
@@ -110,7 +138,28 @@ class FakeWorker:
             raise ValueError("a local destination slot is named twice in one transfer")
         tid = next(self.tids)
         self.inflight[tid] = (name, list(pairs))
+        self.reads[tid] = (deadline_s, digests, not_after)
         return tid
+
+    def add_session(self, token: bytes) -> None:
+        assert len(token) == pm.TOKEN_BYTES
+        self.sessions[token] += 1
+
+    def drop_session(self, token: bytes) -> None:
+        assert self.sessions[token] > 0, "a session dropped that was not added"
+        self.sessions[token] -= 1
+
+    def grant(self, token: bytes, slots: list[int], until: float) -> int:
+        if not slots or not all(0 <= s < LOCAL_SLOTS for s in slots):
+            raise ValueError("bad grant")
+        gid = next(self.gids)
+        self.grants[gid] = (token, list(slots), until)
+        self.granting.append(gid)
+        return gid
+
+    def revoke(self, gid: int) -> None:
+        assert gid in self.grants and gid not in self.revoking, gid
+        self.revoking.append(gid)
 
     def restart(self) -> list[int]:
         """The worker died and a new one runs: every transfer failed, no peer, a new descriptor."""
@@ -127,6 +176,7 @@ class HonestPeer:
     def __init__(self, rig: Rig, addr: str, quota_chunks: int = 0):
         self.rig = rig
         self.pulls: list[tuple[bytes, bytes, int, list[tuple[int, int]]]] = []
+        self.grants = Grants(rig)
         self.server = PeerServer(
             rig.tm,
             secret=SECRET,
@@ -134,13 +184,33 @@ class HonestPeer:
             incarnation=b"H" * pm.INCARNATION_BYTES,
             addresses=[addr],
             descriptor=lambda: descriptor(rig.arena.num_slots, "honest"),
-            pull=lambda *a: self.pulls.append(a),
+            grants=self.grants,
+            pull=lambda i, d, _t, lease, pairs, _d, _ttl: self.pulls.append((i, d, lease, pairs)),
             quota_chunks=quota_chunks,
             heartbeat_s=HEARTBEAT_S,
             peer_timeout_s=PEER_TIMEOUT_S,
             max_lease_s=LEASE_TTL_S,
             max_leased_chunks=rig.arena.num_slots,
         )
+
+    def answer(self, now: float) -> list[tuple[bytes, bytes]]:
+        """Its worker answers every grant and revocation asked so far (and those they lead to)."""
+        g, out = self.grants, []
+        while g.asked or g.revoking:
+            while g.asked:
+                gid = g.asked.pop(0)
+                out += self.server.granted(gid, g.digests(gid), now)
+            while g.revoking:
+                gid = g.revoking.pop(0)
+                del g.live[gid]
+                out += self.server.revoked(gid, now)
+        return out
+
+    def handle(self, ident: bytes, frame: bytes, now: float) -> list[tuple[bytes, bytes]]:
+        return self.server.handle(ident, frame, now) + self.answer(now)
+
+    def tick(self, now: float) -> list[tuple[bytes, bytes]]:
+        return self.server.tick(now) + self.answer(now)
 
 
 class Harness:
@@ -179,6 +249,7 @@ class Harness:
         self.received: defaultdict[str, list[bytes]] = defaultdict(list)  # honest peers' frames
         self.results: list = []
         self.challenges: dict[str, pm.Challenge] = {}  # the last one made for each peer
+        self.hold_worker = False  # True: our worker's grants and revocations wait for the test
 
     # -- the node's side ------------------------------------------------------------------------
 
@@ -202,6 +273,22 @@ class Harness:
                 case Restarted():
                     self.restarted.append(out.peer)
         self._collect()
+        if not self.hold_worker:
+            self.answer_worker()
+
+    def answer_worker(self) -> None:
+        """Our worker answers the grants (zero digests: its rows are not modelled) and the
+        revocations the client asked for."""
+        w = self.worker
+        while w.granting or w.revoking:
+            if w.granting:
+                gid = w.granting.pop(0)
+                d = bytes(pm.DIGEST_BYTES * len(w.grants[gid][1]))
+                self.apply(self.client.granted(gid, d, self.now))
+            else:
+                gid = w.revoking.pop(0)
+                del w.grants[gid]
+                self.apply(self.client.revoked(gid, self.now))
 
     def _collect(self) -> None:
         results = self.client.results
@@ -212,7 +299,7 @@ class Harness:
         """Hand frames to the honest peers and their replies back, until quiet."""
         while self.inbox:
             peer, ident, frame = self.inbox.pop(0)
-            for to, reply in self.honest[peer].server.handle(ident, frame, self.now):
+            for to, reply in self.honest[peer].handle(ident, frame, self.now):
                 self.reply(peer, to, reply)
 
     def reply(self, peer: str, ident: bytes, frame: bytes) -> None:
@@ -235,17 +322,18 @@ class Harness:
         self.now += dt
         self.apply(self.client.tick(self.now))
         for peer, h in self.honest.items():
-            for to, reply in h.server.tick(self.now):
+            for to, reply in h.tick(self.now):
                 self.reply(peer, to, reply)
         self.pump()
 
-    def settle(self, tid: int, ok: bool, reason: str = "") -> None:
+    def settle(self, tid: int, ok: bool, reason: str = "", bad: tuple[int, ...] = ()) -> None:
         name, pairs = self.worker.inflight.pop(tid)
         if ok:
             rows = self.rig.arena.rows
             for lo, re_ in pairs:  # what the READ wrote (meaningful for the honest peer's rows)
                 self.local[lo] = bytes(rows[re_ % self.rig.arena.num_slots])
-        self.apply(self.client.transfer_settled(tid, ok, reason or "transfer_failed", self.now))
+        why = reason or "transfer_failed"
+        self.apply(self.client.transfer_settled(tid, ok, why, self.now, bad))
         self.pump()
 
     def settle_honest(self) -> None:
@@ -266,6 +354,8 @@ class Harness:
                     if ok:
                         h.rig.arena.rows[s] = 7
                 for to, reply in h.server.pull_settled(ident, lease, [ok] * len(pairs)):
+                    self.reply(peer, to, reply)
+                for to, reply in h.answer(self.now):
                     self.reply(peer, to, reply)
         self.pump()
 
@@ -301,7 +391,7 @@ class Harness:
         """The Welcome a server knowing ``secret`` answers our last Auth to ``peer`` with (after
         the last :meth:`challenge` made for it)."""
         w = pm.Welcome(
-            descriptor(64, peer) if desc is None else desc, HEARTBEAT_S, quota, pm.ZERO_MAC
+            descriptor(64, peer) if desc is None else desc, HEARTBEAT_S, quota, TOKEN, pm.ZERO_MAC
         )
         transcript = (self.last(peer, pm.Hello), self.challenges[peer], self.last(peer, pm.Auth))
         w.mac = pm.handshake_mac(pm.transcript_key(secret), "welcome", *transcript, w)
@@ -536,14 +626,14 @@ _EVERY_MESSAGE = [
     pm.Hello(pm.PROTOCOL_VERSION, b"Z" * 16, "10.9.9.9:1", HOSTILE, "ns", b"z" * 32),
     pm.Challenge(pm.PROTOCOL_VERSION, b"Z" * 16, HOSTILE, b"z" * 32, b"m" * 32),
     pm.Auth(b"m" * 32, b"d"),
-    pm.Welcome(descriptor(8, "w"), 0.5, 3, b"m" * 32),
+    pm.Welcome(descriptor(8, "w"), 0.5, 3, TOKEN, b"m" * 32),
     pm.Refused("nope"),
     pm.Lookup(999, [_K]),
     pm.LookupReply(999, b"\1"),
     pm.Lease(999, [_K], 1.0, ""),
-    pm.LeaseReply(999, 1, [0]),
+    lease_reply(999, 1, [0]),
     pm.Release(1),
-    pm.Offer(999, [_K], 1, [0]),
+    pm.Offer(999, [_K], 1, [0], 1.0, bytes(pm.DIGEST_BYTES)),
     pm.OfferReply(999, b"\1"),
     pm.Pulled(999, b"\1"),
     pm.Heartbeat(7, 5),
@@ -671,19 +761,19 @@ def test_a_large_load_is_leased_in_parts_with_at_most_max_inflight_chunks_at_a_p
     assert sum(len(m.keys) for m in leases) == MAX_INFLIGHT_CHUNKS
     assert all(len(m.keys) <= LEASE_CHUNKS for m in leases)
     for lease in leases:  # the peer leases every key: its slots 0..
-        h.deliver(HOSTILE, pm.LeaseReply(lease.req, lease.req, list(range(len(lease.keys)))))
+        h.deliver(HOSTILE, lease_reply(lease.req, lease.req, list(range(len(lease.keys)))))
     first = min(h.worker.inflight)
     h.settle(first, True)  # one part ends: the next waiting one goes
     leases = [m for m in h.sent[HOSTILE] if isinstance(m, pm.Lease)]
     assert sum(len(m.keys) for m in leases) == MAX_INFLIGHT_CHUNKS + LEASE_CHUNKS
     assert h.results_of(LoadDone) == []
     for lease in leases[-1:]:
-        h.deliver(HOSTILE, pm.LeaseReply(lease.req, lease.req, list(range(len(lease.keys)))))
+        h.deliver(HOSTILE, lease_reply(lease.req, lease.req, list(range(len(lease.keys)))))
     for tid in sorted(h.worker.inflight):
         h.settle(tid, True)
     leases = [m for m in h.sent[HOSTILE] if isinstance(m, pm.Lease)]
     assert len(leases[-1].keys) == 10  # the last part went once room was made
-    h.deliver(HOSTILE, pm.LeaseReply(leases[-1].req, 99, list(range(9)) + [pm.LEASE_BUSY]))
+    h.deliver(HOSTILE, lease_reply(leases[-1].req, 99, list(range(9)) + [pm.LEASE_BUSY]))
     (tid,) = h.worker.inflight
     h.settle(tid, True)
     (done,) = h.results_of(LoadDone)
@@ -697,7 +787,7 @@ def test_keys_a_peer_will_not_lease_fail_alone_and_the_lease_is_released(rig):
     keys = keys_for(3, seed=4)
     h.command(Load(2, HOSTILE, keys, [0, 1, 2], ""))
     lease = h.last(HOSTILE, pm.Lease)
-    h.deliver(HOSTILE, pm.LeaseReply(lease.req, 5, [3, -1, pm.LEASE_BUSY]))
+    h.deliver(HOSTILE, lease_reply(lease.req, 5, [3, -1, pm.LEASE_BUSY]))
     (tid,) = h.worker.inflight
     assert h.worker.inflight[tid][1] == [(0, 3)]
     h.settle(tid, True)
@@ -715,7 +805,7 @@ def test_a_lease_reply_naming_slots_beyond_the_peers_arena_fails_the_part_not_th
     keys = keys_for(2, seed=30)
     h.command(Load(5, HOSTILE, keys, [0, 1], ""))
     lease = h.last(HOSTILE, pm.Lease)
-    h.deliver(HOSTILE, pm.LeaseReply(lease.req, 4, [3, 8]))  # slot 8: past its 8 slots
+    h.deliver(HOSTILE, lease_reply(lease.req, 4, [3, 8]))  # slot 8: past its 8 slots
     (done,) = h.results_of(LoadDone)
     assert done.ok == [] and done.failed == dict.fromkeys(keys, "bad_reply")
     assert h.last(HOSTILE, pm.Release) == pm.Release(4)
@@ -730,7 +820,7 @@ def test_a_failed_transfer_fails_its_part_and_takes_the_session_down(rig):
     keys = keys_for(2, seed=5)
     h.command(Load(3, HOSTILE, keys, [0, 1], ""))
     lease = h.last(HOSTILE, pm.Lease)
-    h.deliver(HOSTILE, pm.LeaseReply(lease.req, 5, [0, 1]))
+    h.deliver(HOSTILE, lease_reply(lease.req, 5, [0, 1]))
     (tid,) = h.worker.inflight
     h.settle(tid, False, "timeout")
     (done,) = h.results_of(LoadDone)
@@ -755,6 +845,86 @@ def test_a_silent_peer_fails_its_loads_and_its_pending_lookups_go_on(rig):
     (done,) = h.results_of(LoadDone)
     assert done.ok == [] and set(done.failed.values()) <= {"peer_down", "timeout"}
     assert h.results_of(Verdict) == [Verdict(held[0], HONEST)]
+
+
+def test_c40_a_read_is_checked_against_the_digests_and_over_before_the_lease_may_end(rig):
+    h = Harness(rig)
+    h.up(HOSTILE)
+    keys = keys_for(3, seed=40)
+    h.command(Load(8, HOSTILE, keys, [0, 1, 2], ""))
+    lease = h.last(HOSTILE, pm.Lease)
+    t0 = h.now  # when the Lease was sent: the server granted it later
+    d = bytes(range(16)), bytes(range(16, 32)), bytes(range(32, 48))
+    h.tick(0.1)
+    h.deliver(HOSTILE, pm.LeaseReply(lease.req, 6, [4, -1, 6], 0.4, b"".join(d)))
+    ((tid, (deadline_s, digests, not_after)),) = h.worker.reads.items()
+    assert digests == d[0] + d[2]  # those of the keys leased, in the order read
+    assert not_after == pytest.approx(t0 + 0.4 - 0.04)  # reckoned from the request, less a margin
+    assert deadline_s == pytest.approx(not_after - h.now) and deadline_s < DEADLINE_S
+    # a chunk that failed its digest is a failed key; the others are served
+    h.settle(tid, True, bad=(1,))
+    (done,) = h.results_of(LoadDone)
+    assert done.ok == [keys[0]]
+    assert done.failed == {keys[1]: "missing", keys[2]: "digest_mismatch"}
+    assert h.counts["digest_mismatches"] == 1 and h.link(HOSTILE).up
+    assert h.last(HOSTILE, pm.Release) == pm.Release(6)
+
+
+def test_c40_a_lease_that_may_have_ended_is_never_read_and_a_late_read_fails_lease_expired(rig):
+    h = Harness(rig)
+    h.up(HOSTILE)
+    keys = keys_for(2, seed=41)
+    h.command(Load(9, HOSTILE, keys, [0, 1], ""))
+    lease = h.last(HOSTILE, pm.Lease)
+    h.tick(0.5)  # the reply comes when the lifetime the server granted may be over
+    h.deliver(HOSTILE, lease_reply(lease.req, 7, [0, 1], ttl_s=0.5))
+    assert h.worker.inflight == {}
+    (done,) = h.results_of(LoadDone)
+    assert done.ok == [] and done.failed == dict.fromkeys(keys, "lease_expired")
+    assert h.last(HOSTILE, pm.Release) == pm.Release(7)
+    # the worker's read that was not over by the lease's end: failed, whatever it read
+    h.command(Load(10, HOSTILE, keys, [2, 3], ""))
+    lease = h.last(HOSTILE, pm.Lease)
+    h.deliver(HOSTILE, lease_reply(lease.req, 8, [0, 1]))
+    (tid,) = h.worker.inflight
+    h.settle(tid, False, "lease_expired")
+    done = h.results_of(LoadDone)[-1]
+    assert done.ok == [] and done.failed == dict.fromkeys(keys, "lease_expired")
+    assert h.counts["lease_expiries"] == 2
+    # a reply without a digest per slot is a bad reply; its lease is released
+    h.tick(1.0)  # the session, down since the failed read, starts again
+    h.deliver(HOSTILE, h.challenge(HOSTILE))
+    h.deliver(HOSTILE, h.welcome(HOSTILE, 0, descriptor(64, HOSTILE)))
+    h.command(Load(11, HOSTILE, keys, [4, 5], ""))
+    lease = h.last(HOSTILE, pm.Lease)
+    h.deliver(HOSTILE, pm.LeaseReply(lease.req, 9, [0, 1], 1.0, bytes(pm.DIGEST_BYTES)))
+    done = h.results_of(LoadDone)[-1]
+    assert done.failed == dict.fromkeys(keys, "bad_reply")
+    assert h.last(HOSTILE, pm.Release) == pm.Release(9)
+
+
+def test_a_push_is_granted_to_the_peers_session_offered_with_its_digests_and_ends_once_revoked(
+    rig,
+):
+    h = Harness(rig)
+    h.hold_worker = True
+    h.up(HOSTILE, quota=5)
+    assert h.worker.sessions[TOKEN] == 1  # the peer may pull from our data server
+    keys = keys_for(2, seed=42)
+    h.command(Push(14, keys, [7, 8]))
+    assert h.last(HOSTILE, pm.Offer) is None  # not before its slots are granted
+    ((gid, (token, slots, until)),) = h.worker.grants.items()
+    assert (token, slots, until) == (TOKEN, [7, 8], h.now + LEASE_TTL_S)
+    h.answer_worker()
+    offer = h.last(HOSTILE, pm.Offer)
+    assert offer.digests == bytes(2 * pm.DIGEST_BYTES) and offer.ttl_s == LEASE_TTL_S
+    h.deliver(HOSTILE, pm.OfferReply(offer.req, b"\1\1"))
+    h.deliver(HOSTILE, pm.Pulled(14, b"\1\0"))
+    assert h.worker.revoking == [gid] and h.results_of(PushDone) == []
+    h.answer_worker()  # no row of it will be sent any more: the slots may go back
+    assert h.results_of(PushDone) == [PushDone(14, HOSTILE, keys[:1], {keys[1]: "refused"})]
+    h.deliver(HOSTILE, pm.Refused("bye"))
+    assert h.worker.sessions[TOKEN] == 0
 
 
 # -- pushes -----------------------------------------------------------------------------------
@@ -838,14 +1008,36 @@ _message = st.one_of(  # every message type, well-formed, with hostile values
         st.binary(min_size=32, max_size=32),
     ),
     st.builds(pm.Auth, st.binary(min_size=32, max_size=32), _desc),
-    st.builds(pm.Welcome, _desc, st.floats(0, 10), st.integers(0, 1 << 40), st.just(b"m" * 32)),
+    st.builds(
+        pm.Welcome,
+        _desc,
+        st.floats(0, 10),
+        st.integers(0, 1 << 40),
+        st.just(TOKEN),
+        st.just(b"m" * 32),
+    ),
     st.builds(pm.Refused, st.sampled_from(["not_ready", "busy", "x"])),
     st.builds(pm.Lookup, _id, st.lists(_ANY_KEY, max_size=3)),
     st.builds(pm.LookupReply, _id, _bytes),
     st.builds(pm.Lease, _id, st.lists(_ANY_KEY, max_size=3), st.floats(0, 10)),
-    st.builds(pm.LeaseReply, _id, _id, st.lists(_slot, max_size=8)),
+    st.builds(
+        pm.LeaseReply,
+        _id,
+        _id,
+        st.lists(_slot, max_size=8),
+        st.floats(0, 10) | st.just(0.0),
+        st.binary(max_size=8 * pm.DIGEST_BYTES) | st.just(bytes(4 * pm.DIGEST_BYTES)),
+    ),
     st.builds(pm.Release, _id),
-    st.builds(pm.Offer, _id, st.lists(_ANY_KEY, max_size=3), _id, st.lists(_slot, max_size=3)),
+    st.builds(
+        pm.Offer,
+        _id,
+        st.lists(_ANY_KEY, max_size=3),
+        _id,
+        st.lists(_slot, max_size=3),
+        st.floats(0, 10),
+        st.binary(max_size=48),
+    ),
     st.builds(pm.OfferReply, _id, _bytes),
     st.builds(pm.Pulled, _id, _bytes),
     st.builds(pm.Heartbeat, _id, st.integers(0, 1 << 40)),
@@ -937,7 +1129,7 @@ def test_a_hostile_peer_never_breaks_the_client_nor_an_honest_session_beside_it(
     finally:  # nothing stays in the module's instance for the next run
         for ident, _, lease, pairs in honest.pulls:
             honest.server.pull_settled(ident, lease, [False] * len(pairs))
-        honest.server.tick(h.now + 10_000.0)
+        honest.tick(h.now + 10_000.0)
         fuzz_rig.tm.host.remove(_PUSHED)
     assert fuzz_rig.tm.pins_held() == refs_of(fuzz_rig.tm) == {}
     assert fuzz_rig.tm.host.num_writing == 0
@@ -1011,7 +1203,7 @@ def _fuzz(h: Harness, up: bool, actions: list) -> None:
                 inc = b"Y" * 16 if b else b"X" * 16
                 hostile(h.challenge(HOSTILE, secret=SECRET if a else b"bad", incarnation=inc))
         elif kind == "welcome":  # one whose MAC proves nothing
-            hostile(pm.Welcome(a, HEARTBEAT_S, b, b"m" * 32))
+            hostile(pm.Welcome(a, HEARTBEAT_S, b, TOKEN, b"m" * 32))
         elif kind == "msg":
             hostile(a)
         elif kind in ("answer", "reply"):  # an answer to one of our requests
@@ -1034,7 +1226,7 @@ def _fuzz(h: Harness, up: bool, actions: list) -> None:
             if isinstance(m, pm.Lookup):
                 hostile(pm.LookupReply(m.req, given_b))
             elif isinstance(m, pm.Lease):
-                hostile(pm.LeaseReply(m.req, m.req, remote))
+                hostile(lease_reply(m.req, m.req, remote))
             else:
                 hostile(pm.OfferReply(m.req, accepted))
         elif kind == "pulled":  # naming any push, the honest peer's included

@@ -4,11 +4,15 @@ and fuzzed frames and hostile messages that must never raise nor leak a pin.
 
 The server is socket-free: frames go in as bytes and replies come back as (identity, bytes), which
 is exactly what the node thread moves over its ROUTER socket. Where a pull's READ would write the
-pushed bytes (the peer worker), the test writes them into the reserved slots itself.
+pushed bytes (the peer worker), the test writes them into the reserved slots itself; where the
+peer worker grants leased slots to a session and acknowledges their revocation, :class:`Grants`
+keeps its contract (digests of the real rows, each grant and revocation answered once), answering
+at once unless a test holds its answers back.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 
@@ -22,6 +26,7 @@ from hypothesis import strategies as st
 from kvoffload.host import WRITING
 from kvoffload.ipc import peer_messages as pm
 from kvoffload.tiers.p2p.server import PeerServer
+from kvoffload.workers.p2p_transport import digest_seed, rows_digests
 
 SECRET = b"s3cret-shared-by-the-peers"
 SERVER_ADDR = "10.0.0.1:5710"  # where the clients dial the server
@@ -33,12 +38,52 @@ def refs_of(tm) -> dict[int, int]:
     return {s: r for s, r in enumerate(tm.host.refs) if r}
 
 
-class Server:
-    """A PeerServer over a rig, recording the pulls it asks for."""
+class Grants:
+    """The serving role's peer worker (:class:`~kvoffload.tiers.p2p.server.Grants`), keeping to
+    PeerWorkerHandle's contract: each grant answered once with the digests of the granted rows as
+    they are when it is answered, each revocation once; what it holds, by session."""
 
-    def __init__(self, rig: Rig, secret: bytes = SECRET, **kw):
+    def __init__(self, rig: Rig):
         self.rig = rig
+        self.sessions: set[bytes] = set()
+        self.live: dict[int, tuple[bytes, list[int], float]] = {}  # gid -> (token, slots, until)
+        self.asked: list[int] = []  # grants not answered yet
+        self.revoking: list[int] = []  # revocations not answered yet
+        self.gids = itertools.count(1)
+
+    def add_session(self, token: bytes) -> None:
+        assert len(token) == pm.TOKEN_BYTES
+        self.sessions.add(token)
+
+    def drop_session(self, token: bytes) -> None:
+        self.sessions.discard(token)
+
+    def grant(self, token: bytes, slots: list[int], until: float) -> int:
+        assert token in self.sessions and slots
+        gid = next(self.gids)
+        self.live[gid] = (token, list(slots), until)
+        self.asked.append(gid)
+        return gid
+
+    def revoke(self, gid: int) -> None:
+        assert gid in self.live and gid not in self.revoking, gid
+        self.revoking.append(gid)
+
+    def digests(self, gid: int) -> bytes:
+        token, slots, _ = self.live[gid]
+        return rows_digests(self.rig.arena, slots, digest_seed(token))
+
+
+class Server:
+    """A PeerServer over a rig, recording the pulls it asks for; its grants and revocations are
+    answered as soon as it asks (``auto``), else when the test calls :meth:`answer`."""
+
+    def __init__(self, rig: Rig, secret: bytes = SECRET, auto: bool = True, **kw):
+        self.rig = rig
+        self.auto = auto
+        self.grants = Grants(rig)
         self.pulls: list[tuple[bytes, bytes, int, list[tuple[int, int]]]] = []
+        self.pull_args: list[tuple] = []
         kw.setdefault("quota_chunks", 4)
         self.server = PeerServer(
             rig.tm,
@@ -47,9 +92,39 @@ class Server:
             incarnation=b"S" * pm.INCARNATION_BYTES,
             addresses=[SERVER_ADDR],
             descriptor=lambda: SERVER_DESC,
-            pull=lambda *a: self.pulls.append(a),
+            grants=self.grants,
+            pull=self._pull,
             **kw,
         )
+
+    def _pull(self, ident, desc, token, lease, pairs, digests, ttl_s) -> None:
+        self.pulls.append((ident, desc, lease, pairs))
+        self.pull_args.append((ident, token, lease, pairs, digests, ttl_s))
+
+    def handle(
+        self, identity: bytes, frame: bytes, now: float, source: str = ""
+    ) -> list[tuple[bytes, bytes]]:
+        return self.then(self.server.handle(identity, frame, now, source), now)
+
+    def tick(self, now: float) -> list[tuple[bytes, bytes]]:
+        return self.then(self.server.tick(now), now)
+
+    def then(self, replies: list, now: float) -> list[tuple[bytes, bytes]]:
+        return replies + (self.answer(now) if self.auto else [])
+
+    def answer(self, now: float = 0.0, grants: bool = True, revokes: bool = True) -> list:
+        """Answer the grants and revocations asked so far (and those they lead to)."""
+        out = []
+        g = self.grants
+        while (grants and g.asked) or (revokes and g.revoking):
+            while grants and g.asked:
+                gid = g.asked.pop(0)
+                out += self.server.granted(gid, g.digests(gid), now)
+            while revokes and g.revoking:
+                gid = g.revoking.pop(0)
+                del g.live[gid]
+                out += self.server.revoked(gid, now)
+        return out
 
 
 class Client:
@@ -83,7 +158,7 @@ class Client:
         self.frames: list[bytes] = []  # every frame this client received
 
     def send_frame(self, frame: bytes, now: float = 0.0) -> list[pm.PeerMessage]:
-        replies = self.server.handle(self.identity, frame, now, self.source)
+        replies = self.srv.handle(self.identity, frame, now, self.source)
         assert all(ident == self.identity for ident, _ in replies)
         self.frames.extend(f for _, f in replies)
         return [pm.decode(f) for _, f in replies]
@@ -129,6 +204,11 @@ class Client:
         welcome = self.handshake(now)
         assert isinstance(welcome, pm.Welcome), welcome
         return welcome
+
+
+def offer(req: int, keys: list[bytes], lease: int, slots: list[int], ttl_s: float = 60.0):
+    """An Offer with a digest per key (what the pusher's worker granted)."""
+    return pm.Offer(req, keys, lease, slots, ttl_s, bytes(range(16)) * len(keys))
 
 
 @pytest.fixture
@@ -206,7 +286,7 @@ def test_an_unauthenticated_client_gets_nothing(rig):
     messages = [
         pm.Lookup(1, held),
         pm.Lease(2, held, 10.0, ""),
-        pm.Offer(3, keys_for(2, seed=2), 7, [0, 1]),
+        offer(3, keys_for(2, seed=2), 7, [0, 1]),
         pm.Heartbeat(1, 0),
         pm.Release(1),
     ]
@@ -238,7 +318,7 @@ def test_the_handshake_table_is_bounded(rig):
         Client(srv, identity=b"x%d" % i, source=f"10.1.0.{i}").challenge()
     assert srv.server.counters["handshakes"] == 8
     assert srv.server.counters["handshake_drops"] == 92
-    srv.server.tick(10.0)  # silent handshakes go too
+    srv.tick(10.0)  # silent handshakes go too
     assert srv.server.counters["handshakes"] == 0
 
 
@@ -455,7 +535,7 @@ def test_c18_a_chunk_this_instance_moved_to_its_fs_tier_is_served_while_the_engi
                 break
             assert time.monotonic() < deadline, "k1 never landed"
             now += 0.001
-            srv.server.tick(now)
+            srv.tick(now)
             time.sleep(0.001)
         assert states[0] == pm.PENDING and states[-1] == pm.READY
         lease = c.one(pm.Lease(2, [k1], 10.0, ""), now)
@@ -475,13 +555,13 @@ def test_a_lease_expires_at_its_ttl_capped_by_max_lease_s(rig):
     short = c.one(pm.Lease(1, held[:1], 1.0, ""), now=0.0)
     long = c.one(pm.Lease(2, held[1:], 3600.0, ""), now=0.0)
     assert srv.server.counters["leases_held"] == 2
-    srv.server.tick(0.5)
+    srv.tick(0.5)
     assert refs_of(tm) == {short.slots[0]: 1, long.slots[0]: 1}
-    srv.server.tick(1.0)
+    srv.tick(1.0)
     assert refs_of(tm) == {long.slots[0]: 1}
-    srv.server.tick(4.9)
+    srv.tick(4.9)
     assert refs_of(tm) == {long.slots[0]: 1}
-    srv.server.tick(5.0)
+    srv.tick(5.0)
     assert tm.pins_held() == refs_of(tm) == {}
     assert srv.server.counters["lease_expiries"] == 2
     c.send(pm.Release(short.lease), now=6.0)  # too late: counted, nothing released twice
@@ -497,9 +577,9 @@ def test_a_silent_session_is_dropped_with_its_leases(rig):
     c.connect(now=0.0)
     c.one(pm.Lease(1, held, 60.0, ""), now=0.0)
     assert c.one(pm.Heartbeat(1, 0), now=1.5) == pm.HeartbeatAck(1, 4)
-    assert srv.server.tick(3.0) == []  # heard from at 1.5
+    assert srv.tick(3.0) == []  # heard from at 1.5
     assert refs_of(tm) != {}
-    replies = srv.server.tick(3.5)
+    replies = srv.tick(3.5)
     assert [pm.decode(f) for _, f in replies] == [pm.Refused("timeout")]
     assert tm.pins_held() == refs_of(tm) == {}
     assert srv.server.sessions() == []
@@ -550,6 +630,141 @@ def test_peers_never_lease_more_than_max_leased_chunks(rig):
     assert rig.tm.pins_held() == refs_of(rig.tm)
 
 
+def test_a_lease_is_answered_once_granted_with_the_digests_and_the_lifetime_the_server_decided(
+    rig,
+):
+    srv = Server(rig, auto=False, max_lease_s=5.0, peer_timeout_s=100.0)
+    held = keys_for(3, seed=30)
+    rig.store(held)
+    (absent,) = keys_for(1, seed=31)
+    c = Client(srv)
+    welcome = c.connect(now=0.0)
+    assert srv.grants.sessions == {welcome.data_token}
+    # the reply waits for the worker's grant: no peer learns a slot before it is granted
+    assert c.send(pm.Lease(1, [*held, absent], 3600.0, ""), now=1.0) == []
+    ((gid, (token, slots, until)),) = srv.grants.live.items()
+    assert token == welcome.data_token and until == 6.0  # capped by max_lease_s
+    assert slots == [rig.tm.host.index[k] for k in held]
+    rig.arena.rows[slots[0]] = 3  # digests are taken when granted, not when leased
+    replies = srv.answer(now=2.0)
+    (lr,) = [pm.decode(f) for _, f in replies]
+    assert isinstance(lr, pm.LeaseReply) and lr.req == 1 and lr.slots == [*slots, -1]
+    assert lr.ttl_s == 4.0  # what is left of the lifetime granted at 1.0
+    d = pm.DIGEST_BYTES
+    assert lr.digests == srv.grants.digests(gid) + bytes(d)
+    # a grant the worker could not make is answered as nothing leased, and its pins go
+    assert c.send(pm.Lease(2, held[1:], 10.0, ""), now=2.0) == []
+    (gid2,) = srv.grants.asked
+    srv.grants.asked.clear()
+    (lr2,) = [pm.decode(f) for _, f in srv.server.granted(gid2, None, 2.0)]
+    assert lr2.slots == [-1, -1] and srv.server.counters["grants_refused"] == 1
+    srv.answer(now=2.0)
+    assert rig.tm.pins_held() == refs_of(rig.tm) == {s: 1 for s in slots}
+
+
+def test_a_leases_pins_go_only_once_the_worker_acknowledged_its_revocation(rig):
+    srv = Server(rig, auto=False, peer_timeout_s=2.0)
+    tm = rig.tm
+    held = keys_for(3, seed=32)
+    rig.store(held)
+    c = Client(srv)
+    welcome = c.connect(now=0.0)
+    leases = []
+    for i, k in enumerate(held):
+        c.send(pm.Lease(i, [k], 1.0 + i, ""), now=0.0)
+        (lr,) = [pm.decode(f) for _, f in srv.answer(now=0.0)]
+        leases.append(lr)
+    assert len(refs_of(tm)) == 3
+    # released, expired, its session gone: each is revoked, and its pins stay until answered
+    c.send(pm.Release(leases[0].lease), now=0.5)
+    assert srv.grants.revoking and len(refs_of(tm)) == 3
+    srv.answer(now=0.5)
+    assert len(refs_of(tm)) == 2
+    srv.tick(2.1)  # the second lease expires
+    assert len(srv.grants.revoking) == 1 and len(refs_of(tm)) == 2
+    srv.answer(now=2.1)
+    srv.tick(2.6)  # the session is silent
+    assert welcome.data_token not in srv.grants.sessions
+    assert len(srv.grants.revoking) == 1 and len(refs_of(tm)) == 1
+    srv.answer(now=2.6)
+    assert tm.pins_held() == refs_of(tm) == {}
+    assert srv.grants.live == {}
+
+
+def test_c46_a_peer_leasing_all_it_can_and_never_reading_leaves_the_other_peer_its_share(rig):
+    srv = Server(rig, max_leased_chunks=8, max_lease_s=30.0, stale_lease_s=2.0)
+    held = keys_for(12, seed=33)
+    rig.store(held)
+    greedy = Client(srv, identity=b"greedy", advertise="10.0.0.9:5710")
+    honest = Client(srv, identity=b"honest", incarnation=b"H" * 16)
+    greedy.connect(now=0.0)
+    honest.connect(now=0.0)
+    # the greedy peer asks everything with a huge lifetime, and again: half the cap, 30 s
+    first = greedy.one(pm.Lease(1, held[:8], 86400.0, ""), now=0.0)
+    again = greedy.one(pm.Lease(2, held[8:], 86400.0, ""), now=0.0)
+    assert sum(s >= 0 for s in first.slots) == 4 and first.ttl_s == 30.0
+    assert again.slots == [pm.LEASE_BUSY] * 4
+    # the other peer is served its share
+    lr = honest.one(pm.Lease(3, held[4:8], 10.0, ""), now=0.1)
+    assert all(s >= 0 for s in lr.slots), lr
+    assert rig.tm.pins_held() == refs_of(rig.tm)
+
+
+def test_c46_leases_a_peer_holds_without_reading_are_taken_back_for_another_peer(rig):
+    srv = Server(rig, max_leased_chunks=8, max_lease_s=30.0, stale_lease_s=2.0, peer_timeout_s=10.0)
+    held = keys_for(12, seed=34)
+    rig.store(held)
+    greedy = Client(srv, identity=b"greedy", advertise="10.0.0.9:5710")
+    greedy.connect(now=0.0)
+    # alone, it takes the whole cap, in leases it never releases
+    for i in range(4):
+        lr = greedy.one(pm.Lease(i, held[2 * i : 2 * i + 2], 86400.0, ""), now=0.0)
+        assert all(s >= 0 for s in lr.slots)
+    assert srv.server.counters["chunks_leased_now"] == 8
+    honest = Client(srv, identity=b"honest", incarnation=b"H" * 16)
+    honest.connect(now=3.0)
+    # held past the transfer deadline: taken back, oldest first, just enough; the other is served
+    lr = honest.one(pm.Lease(9, held[8:11], 10.0, ""), now=3.0)
+    assert all(s >= 0 for s in lr.slots), lr
+    n = srv.server.counters
+    assert n["leases_reclaimed"] == 2 and n["chunks_leased_now"] == 7
+    assert rig.tm.pins_held() == refs_of(rig.tm)
+    # what was taken back is gone for the greedy peer (a Release of it is unknown)
+    assert greedy.send(pm.Release(first_lease_of(greedy)), now=3.1) == []
+    assert srv.server.counters["unknown_releases"] == 1
+
+
+def test_c46_leases_being_read_are_not_taken_back_the_other_peer_waits_for_room(rig):
+    srv = Server(rig, max_leased_chunks=4, stale_lease_s=100.0, peer_timeout_s=4.0)
+    held = keys_for(6, seed=35)
+    rig.store(held)
+    busy = Client(srv, identity=b"busy", advertise="10.0.0.9:5710")
+    busy.connect(now=0.0)
+    lr = busy.one(pm.Lease(1, held[:4], 10.0, ""), now=0.0)
+    other = Client(srv, identity=b"other", incarnation=b"H" * 16)
+    other.connect(now=0.5)
+    # the cap is reached and the busy peer's lease is fresh: the other peer's Lease waits...
+    assert other.send(pm.Lease(2, held[4:6], 10.0, ""), now=0.5) == []
+    assert srv.server.counters["leases_reclaimed"] == 0
+    # ...until the busy peer releases it (its read settled)
+    ((to, frame),) = srv.handle(busy.identity, pm.encode(pm.Release(lr.lease)), 1.0)
+    reply = pm.decode(frame)
+    assert to == other.identity and isinstance(reply, pm.LeaseReply), reply
+    assert all(s >= 0 for s in reply.slots), reply
+    # a wait that no room ends is answered with what fits by peer_timeout_s / 2
+    busy.one(pm.Lease(3, held[:2], 10.0, ""), now=1.0)  # the cap is reached again
+    third = Client(srv, identity=b"third", incarnation=b"T" * 16, advertise="10.0.0.7:5710")
+    third.connect(now=1.0)
+    assert third.send(pm.Lease(4, held[2:3], 10.0, ""), now=1.0) == []
+    assert [pm.decode(f) for _, f in srv.tick(2.0)] == []
+    (late,) = [pm.decode(f) for _, f in srv.tick(3.1)]
+    assert late.req == 4 and late.slots == [pm.LEASE_BUSY], late
+
+
+def first_lease_of(c: Client) -> int:
+    return next(m.lease for m in map(pm.decode, c.frames) if isinstance(m, pm.LeaseReply))
+
+
 # -- pushes -------------------------------------------------------------------------------------
 
 
@@ -559,16 +774,20 @@ def test_offers_are_admitted_within_the_quota_pulled_and_published(rig):
     c = Client(srv)
     c.connect()
     offered = keys_for(5, seed=9)
-    reply = c.one(pm.Offer(1, offered, 77, [10, 11, -1, 13, 14]))
+    reply = c.one(offer(1, offered, 77, [10, 11, -1, 13, 14]))
     # the third offered key has no leased slot on the pusher: not admitted
     assert reply == pm.OfferReply(1, bytes([1, 1, 0, 1, 0]))
     ((ident, desc, lease, pairs),) = srv.pulls
     assert (ident, desc, lease) == (b"client-1", CLIENT_DESC, 77)
+    # pulled with the session's token, checked against the offered keys' digests, in its time
+    ((_, token, _, _, digests, ttl_s),) = srv.pull_args
+    assert token in srv.grants.sessions and ttl_s == 60.0
+    assert digests == bytes(range(16)) * 3
     assert [r for _, r in pairs] == [10, 11, 13]
     local = [s for s, _ in pairs]
     assert all(tm.host.state[s] == WRITING for s in local)
     assert srv.server.free_quota() == 0
-    assert c.one(pm.Offer(2, keys_for(1, seed=10), 78, [20])) == pm.OfferReply(2, b"\x00")
+    assert c.one(offer(2, keys_for(1, seed=10), 78, [20])) == pm.OfferReply(2, b"\x00")
     # the READ lands (what the peer worker does), then settles: two keys ok, one failed
     pulled = [offered[0], offered[1], offered[3]]
     for k, s in zip(pulled, local):
@@ -596,9 +815,9 @@ def test_a_pull_outlives_its_session_and_its_slots_stay_reserved_until_it_settle
     c = Client(srv)
     c.connect(now=0.0)
     offered = keys_for(2, seed=11)
-    c.one(pm.Offer(1, offered, 5, [0, 1]), now=0.0)
+    c.one(offer(1, offered, 5, [0, 1]), now=0.0)
     ((_, _, _, pairs),) = srv.pulls
-    srv.server.tick(5.0)  # the pusher went silent
+    srv.tick(5.0)  # the pusher went silent
     assert srv.server.sessions() == []
     assert all(tm.host.state[s] == WRITING for s, _ in pairs)  # a READ may still write them
     rig.evict_all()  # a full store around them never takes them
@@ -613,9 +832,9 @@ def test_an_offer_that_does_not_add_up_is_answered_not_accepted(rig):
     c = Client(srv)
     c.connect()
     keys = keys_for(3, seed=12)
-    assert c.one(pm.Offer(1, keys, 9, [1, 2])) == pm.OfferReply(1, b"\x00\x00\x00")
-    assert c.one(pm.Offer(2, keys[:1], 9, [1])) == pm.OfferReply(2, b"\x01")
-    assert c.one(pm.Offer(3, keys[1:], 9, [2, 3])) == pm.OfferReply(3, b"\x00\x00")  # lease 9 busy
+    assert c.one(offer(1, keys, 9, [1, 2])) == pm.OfferReply(1, b"\x00\x00\x00")
+    assert c.one(offer(2, keys[:1], 9, [1])) == pm.OfferReply(2, b"\x01")
+    assert c.one(offer(3, keys[1:], 9, [2, 3])) == pm.OfferReply(3, b"\x00\x00")  # lease 9 busy
     assert srv.server.counters["bad_offers"] == 2
     srv.server.pull_settled(b"client-1", 9, [True])
 
@@ -633,8 +852,17 @@ _valid = st.one_of(  # well-formed, so they reach the server's logic, with hosti
     st.builds(pm.Lease, _id, _stored, st.floats(0, 100), st.text(max_size=8)),
     st.builds(pm.Lease, _id, _keys, st.floats(0, 100), st.just("")),
     st.builds(pm.Release, _id),
-    st.builds(pm.Offer, _id, _stored, _id, st.lists(_slot, min_size=1, max_size=6)),
-    st.builds(pm.Offer, _id, _keys, _id, st.lists(_slot, max_size=12)),
+    st.builds(offer, _id, _stored, _id, st.lists(_slot, min_size=1, max_size=6), st.floats(0, 100)),
+    st.builds(offer, _id, _keys, _id, st.lists(_slot, max_size=12), st.floats(0, 100)),
+    st.builds(
+        pm.Offer,
+        _id,
+        _keys,
+        _id,
+        st.lists(_slot, max_size=12),
+        st.floats(0, 9),
+        st.binary(max_size=40),
+    ),
     st.builds(pm.Heartbeat, _id, st.integers(0, 10)),
 )
 _out_of_place = st.one_of(  # messages a server never expects from a client
@@ -649,7 +877,12 @@ _out_of_place = st.one_of(  # messages a server never expects from a client
         st.just(b"m" * 32),
     ),
     st.builds(
-        pm.Welcome, st.binary(max_size=8), st.floats(0, 10), st.integers(0, 9), st.just(b"m" * 32)
+        pm.Welcome,
+        st.binary(max_size=8),
+        st.floats(0, 10),
+        st.integers(0, 9),
+        st.binary(min_size=32, max_size=32),
+        st.just(b"m" * 32),
     ),
     st.builds(pm.Pulled, _id, st.binary(max_size=4)),
     st.builds(pm.Auth, st.binary(min_size=32, max_size=32), st.binary(max_size=8)),
@@ -698,7 +931,7 @@ def test_fuzzed_frames_and_hostile_messages_never_raise_nor_leak_a_pin(fuzz_rig,
         c.connect(now)
     for kind, a, b in actions:
         if kind == "frame":
-            server.handle(clients[a].identity, b, now)
+            srv.handle(clients[a].identity, b, now)
         elif kind == "msg":
             clients[a].send(b, now)
         elif kind == "release":
@@ -727,7 +960,7 @@ def test_fuzzed_frames_and_hostile_messages_never_raise_nor_leak_a_pin(fuzz_rig,
             server.pull_settled(ident, lease, b)
         elif kind == "tick":
             now += a
-            server.tick(now)
+            srv.tick(now)
         elif kind == "store":
             plan = tm.prepare_store(_KEYS[a : a + 4])
             if plan is not None:
@@ -737,7 +970,7 @@ def test_fuzzed_frames_and_hostile_messages_never_raise_nor_leak_a_pin(fuzz_rig,
     # every pull still in flight settles; then every lease and session expires
     for ident, _, lease, pairs in srv.pulls:
         server.pull_settled(ident, lease, [False] * len(pairs))
-    server.tick(now + 10_000.0)
+    srv.tick(now + 10_000.0)
     assert server.counters["chunks_leased_now"] == 0 and server.counters["chunks_pulling"] == 0
     assert tm.pins_held() == refs_of(tm) == {}
     assert tm.host.num_writing == 0

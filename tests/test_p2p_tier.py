@@ -510,10 +510,10 @@ def test_fuzzed_control_messages_never_crash_a_serving_instance(world):
         pm.Lookup(req=1, keys=[b""] * 5),
         pm.Lease(req=2, keys=keys, ttl_s=86400.0),
         pm.Release(lease=(1 << 63) - 1),
-        pm.Offer(req=3, keys=keys, lease=7, slots=[10**9] * 3),
-        pm.Offer(req=4, keys=keys, lease=8, slots=[1]),
+        pm.Offer(req=3, keys=keys, lease=7, slots=[10**9] * 3, ttl_s=9.0, digests=b"d" * 48),
+        pm.Offer(req=4, keys=keys, lease=8, slots=[1], ttl_s=1.0, digests=b""),
         pm.Pulled(lease=1, ok=b"\1" * 9),
-        pm.Welcome(b"x" * 100, 0.1, 5, os.urandom(32)),
+        pm.Welcome(b"x" * 100, 0.1, 5, b"t" * 32, os.urandom(32)),
         pm.Challenge(pm.PROTOCOL_VERSION, os.urandom(16), "127.0.0.1:1", os.urandom(32), b"m" * 32),
         pm.Hello(1, os.urandom(16), "127.0.0.1:1", "10.9.9.9:1", ns_id, os.urandom(32)),
         pm.LookupReply(req=1, states=b"\1\2"),
@@ -841,3 +841,194 @@ def test_forgetting_a_peer_can_only_void_verdicts_never_revive_one():
     key = b"fresh".ljust(32, b"\0")
     t._node.results.append(Verdict(key, peers[0]))
     assert t.lookup(key) == HIT  # learnt after every going down so far: it stands
+
+
+def data_of(welcome: pm.Welcome) -> tuple[pt.TcpDescriptor, bytes]:
+    """The data port and session token a Welcome gives, once the serving instance's worker
+    accepts the token (it learns it just after the Welcome went: a connection before is
+    refused; an honest reader connects only after a LeaseReply, which waits for its worker)."""
+    from p2p_data import DataClient
+
+    desc = pt.decode_descriptor(welcome.descriptor)
+    assert isinstance(desc, pt.TcpDescriptor)
+
+    def accepted():
+        c = DataClient(desc)
+        try:
+            c.authenticate(welcome.data_token)
+            return True
+        except AssertionError:  # closed: not yet
+            return None
+        finally:
+            c.sock.close()
+
+    wait_until(accepted, PATIENCE_S, "the worker to accept the session", interval_s=0.01)
+    return desc, welcome.data_token
+
+
+def wait_counters(inst: Instance, want: dict[str, int]) -> None:
+    """Wait until the serving instance's counters (as its node publishes them, a few times a
+    second) are ``want``."""
+
+    def seen():
+        c = inst.ok("state")["counters"]
+        return {n: c.get(n, 0) for n in want} == want or None
+
+    wait_until(seen, PATIENCE_S, f"counters {want}", interval_s=0.05)
+
+
+def test_c39_an_authenticated_peer_reads_only_what_it_leased_while_the_lease_lives_and_writes_nothing(
+    world,
+):
+    """Instance A holds the chunks of two requests (different salts: different keys). B knows the
+    secret and authenticates, then tries A's data plane: without a lease it reads no slot and
+    writes none; with a lease of the first request's chunks it reads those (matching the
+    LeaseReply's digests), nothing of the second, and nothing once it released them."""
+    from p2p_data import DataClient, frame
+
+    a = world.instance(p2p("tcp", free_port()))
+    first, second = keys_for(4, seed=50), keys_for(4, seed=51)
+    a.store(first + second)
+    hexkeys = [k.hex() for k in first + second]
+    before = a.ok("digest", keys=hexkeys)["digests"]
+    b = RawClient(a.addr, namespace(row_bytes=ROW).id())
+    try:
+        desc, token = data_of(b.handshake())
+        for slot in range(SLOTS):  # no lease: every slot of A refused
+            c = DataClient(desc)
+            c.authenticate(token)
+            assert "not_granted" in c.read([slot]).error
+            c.sock.close()
+        for op in ("write", "put"):  # and a write of any slot, whatever the op is called
+            c = DataClient(desc)
+            c.authenticate(token)
+            c.closed_after(frame(pt.TcpRequest(op, 1, list(range(SLOTS)))) + b"\0" * ROW * 4)
+        lr = b.ask(pm.Lease(req=1, keys=first, ttl_s=60.0))
+        assert isinstance(lr, pm.LeaseReply) and all(s >= 0 for s in lr.slots), lr
+        c = DataClient(desc)
+        c.authenticate(token)
+        assert c.read(lr.slots).error == ""
+        seed = pt.digest_seed(token)
+        for i, k in enumerate(first):
+            row = c.recv_exact(ROW)
+            assert row == payload(k, ROW).tobytes()
+            d = lr.digests[i * pt.DIGEST_BYTES : (i + 1) * pt.DIGEST_BYTES]
+            assert pt.chunk_digest(row, seed) == d
+        other = [s for s in range(SLOTS) if s not in lr.slots]
+        assert "not_granted" in c.read(other[:1]).error
+        c.sock.close()
+        b.sock.send(pm.encode(pm.Release(lr.lease)))
+        wait_until(lambda: a.ok("state")["pinned"] == 0 or None, PATIENCE_S, "the release")
+        c = DataClient(desc)
+        c.authenticate(token)
+        assert "not_granted" in c.read(lr.slots[:1]).error
+        c.sock.close()
+    finally:
+        b.close()
+    assert a.ok("digest", keys=hexkeys)["digests"] == before  # nothing written
+    wait_counters(a, {"refused.data_not_granted": SLOTS + 2, "refused.data_write": 2})
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_c40_a_serving_slot_refilled_while_the_read_is_in_flight_is_a_miss_never_its_bytes(
+    world, kind
+):
+    """The serving instance's slot gets other bytes after the lease granted it (evicted and
+    refilled: a bug, or a writer of its arena) while the reader's READ waits to run: the
+    reader's worker finds the digest wrong, the chunk fails ``digest_mismatch``, the others
+    are served bit-exact."""
+    a = world.instance(p2p(kind, free_port(), lease_ttl_s=50.0, transfer_deadline_s=10.0))
+    keys = keys_for(4, seed=52)
+    a.store(keys)
+    b = world.rig(p2p(kind, free_port(), [a.addr], lease_ttl_s=50.0, transfer_deadline_s=10.0))
+    wait_until(
+        lambda: all(tier(b).lookup(k, "r") is HIT for k in keys) or None,
+        PATIENCE_S,
+        "B to find A's keys",
+        step=b.tm.step,
+    )
+    node = tier(b)._node
+    os.kill(tier(b).worker_pid, signal.SIGSTOP)  # B's READ waits, its lease granted
+    try:
+        assert all(r is LookupResult.HIT_PENDING for r in [b.tm.lookup(k, "r") for k in keys])
+        b.tm.step()
+        wait_until(lambda: node.client.loads or None, PATIENCE_S, "the lease granted")
+        a.ok("scribble", keys=[keys[1].hex()], value=9)
+    finally:
+        os.kill(tier(b).worker_pid, signal.SIGCONT)
+    assert b.tm.wait_idle(PATIENCE_S)
+    name = tier(b).name
+    assert b.tm.stats.failed.get((name, "load", "digest_mismatch")) == 1
+    assert b.tm.host.index.get(keys[1]) is None  # never a HIT with those bytes
+    for k in (keys[0], keys[2], keys[3]):
+        row = b.arena.rows[b.tm.host.index[k]]
+        assert np.array_equal(row, payload(k, ROW))
+    assert pins_consistent(b)
+
+
+def test_c40_a_lease_that_lapses_while_the_server_is_stalled_is_never_served(world):
+    """CASES C40: server deadline 1 s / lease 5 s, reader deadline 10 s / lease 50 s, each valid
+    on its own. The serving instance's worker stalls past the lease and its slots get other
+    bytes: the reader, bound by the lease it was granted (5 s, not its own 50 s or its 10 s
+    deadline), fails the load ``lease_expired`` and serves no HIT."""
+    a = world.instance(p2p("tcp", free_port(), transfer_deadline_s=1.0, lease_ttl_s=5.0))
+    keys = keys_for(4, seed=53)
+    a.store(keys)
+    b = world.rig(p2p("tcp", free_port(), [a.addr], transfer_deadline_s=10.0, lease_ttl_s=50.0))
+    wait_until(
+        lambda: all(tier(b).lookup(k, "r") is HIT for k in keys) or None,
+        PATIENCE_S,
+        "B to find A's keys",
+        step=b.tm.step,
+    )
+    node = tier(b)._node
+    own = tier(b).worker_pid
+    os.kill(own, signal.SIGSTOP)  # B's READ waits until A's worker stalls
+    stalled = False
+    try:
+        assert all(r is LookupResult.HIT_PENDING for r in [b.tm.lookup(k, "r") for k in keys])
+        b.tm.step()
+        wait_until(lambda: node.client.loads or None, PATIENCE_S, "the lease granted")
+        os.kill(a.worker_pid, signal.SIGSTOP)
+        stalled = True
+        os.kill(own, signal.SIGCONT)
+        assert b.tm.wait_idle(PATIENCE_S), "the load never ended"
+        a.ok("scribble", keys=[k.hex() for k in keys], value=5)  # its slots are reused
+    finally:
+        os.kill(own, signal.SIGCONT)
+        if stalled:
+            os.kill(a.worker_pid, signal.SIGCONT)
+    name = tier(b).name
+    assert b.tm.stats.failed.get((name, "load", "lease_expired")) == len(keys)
+    assert all(b.tm.host.index.get(k) is None for k in keys)
+    assert pins_consistent(b) and not b.tm.busy_slots()
+    # A acknowledges the revocation once it runs again: its pins go
+    wait_until(lambda: a.ok("state")["pinned"] == 0 or None, PATIENCE_S, "A's lease released")
+
+
+def test_c46_a_peer_that_leases_all_it_can_and_never_reads_does_not_starve_another(world):
+    """A greedy peer (it knows the secret) leases A's whole lease cap with a huge lifetime and
+    never reads or releases. The lifetime A grants is its own (30 s); once another peer
+    connects the greedy one is over its share, and its leases, unreleased past A's transfer
+    deadline, are taken back for the other peer, which is served bit-exact."""
+    a = world.instance(
+        p2p("tcp", free_port(), transfer_deadline_s=1.0, lease_ttl_s=30.0, peer_timeout_s=60.0)
+    )
+    keys = keys_for(SLOTS, seed=54)
+    a.store(keys)
+    greedy = RawClient(a.addr, namespace(row_bytes=ROW).id())
+    try:
+        greedy.handshake()
+        lr = greedy.ask(pm.Lease(req=1, keys=keys, ttl_s=86400.0))
+        assert isinstance(lr, pm.LeaseReply) and lr.ttl_s <= 30.0, lr
+        leased = sum(s >= 0 for s in lr.slots)
+        assert leased == SLOTS // 2 and pm.LEASE_BUSY in lr.slots  # the cap: half the host tier
+        since = time.monotonic()
+        # held without reading past A's transfer deadline (1 s)
+        wait_until(lambda: time.monotonic() > since + 1.0 or None, PATIENCE_S, "1 s to pass")
+        b = world.rig(p2p("tcp", free_port(), [a.addr]))
+        wait_until(lambda: tier(b).peers_up() or None, PATIENCE_S, "B's session with A")
+        assert_serves(b, keys[:4])
+        wait_counters(a, {"leases_reclaimed": 1})
+    finally:
+        greedy.close()

@@ -1,28 +1,38 @@
-"""Peer worker process of the p2p tier: maps the host arena, owns one Transport, runs slot transfers.
+"""Peer worker process of the p2p tier: maps the host arena, owns one Transport, runs slot READs and
+keeps the grants of its arena's slots to peers' sessions.
 
 ::
 
-    engine (PeerWorkerHandle, node thread)                peer worker (this module)
-      PAIR ──AddPeer / RemovePeer / Transfer / Stop──▶ PAIR ─▶ Transport (p2p_transport.py)
-           ◀──Ready / PeerAdded / Settled / StartFailed──        │ NIXL agent (whole arena
-                                                                 │ registered) or TCP server thread:
-                                  peers' one-sided READ/WRITE ◀──┘ serves peers for as long as it lives
+    engine (PeerWorkerHandle, node thread)                          peer worker (this module)
+      PAIR ──AddPeer / RemovePeer / Transfer ─────────────────▶ PAIR ─▶ Transport (p2p_transport.py)
+           ──AddSession / DropSession / Grant / Revoke / Stop ─▶         │ NIXL agent (the arena's rows
+           ◀──Ready / PeerAdded / Settled / Granted / Revoked ──         │ registered) or TCP data
+           ◀──Refusals / StartFailed                                     │ server: serves peers' READs
+                                         peers' one-sided READs ◀────────┘ of granted slots
 
 Started by :class:`kvoffload.tiers.p2p.worker_handle.PeerWorkerHandle` as
-``python -m kvoffload.workers.p2p_worker`` (a fresh interpreter: spawn, never fork) with its
+``python -m kvoffload.workers.p2p_worker`` (a fresh interpreter: spawn, never fork; its environment
+is an allow-list, :mod:`kvoffload.ipc.childenv`, holding no secret) with its
 :class:`PeerWorkerSpec` as JSON in ``KVOFFLOAD_PEER_WORKER``
 (:data:`~kvoffload.ipc.names.PEER_WORKER_SPEC_ENV`). It attaches the arena by name (checking its
 nonce), creates one :class:`~kvoffload.workers.p2p_transport.Transport`, says :class:`Ready` with the
 transport's descriptor, then serves commands until :class:`Stop`, its parent's death (polled every
 ``_IDLE_POLL_S``) or the socket's loss.
 
-A :class:`Transfer` names its slot pairs as ``local`` and ``remote`` lists (``local[i]`` <->
-``remote[i]``) for both directions; the transport's own pair order differs per direction and is
-applied here. Each transfer is answered exactly once, in a :class:`Settled` batch, and only once
-the transport says it has SETTLED (:attr:`TransferStatus.settled`): a failed NIXL transfer may still
-write its local slots until then, so the engine keeps them reserved until it hears. A transfer the
+A :class:`Transfer` is a READ: peer rows ``remote[i]`` into local rows ``local[i]``, each checked
+against ``digests`` (those the serving side took when it granted them); nothing ever writes into
+another instance's arena. Each transfer is answered exactly once, in a :class:`Settled` batch, and
+only once the transport says it has SETTLED (:attr:`TransferStatus.settled`): a failed NIXL transfer
+may still write its local slots until then, so the engine keeps them reserved until it hears. Its
+:class:`Outcome` names the rows that failed their digest (``bad``); a transfer whose bytes were not
+all in by ``not_after`` (the reader's end of its lease) fails as ``lease_expired``. A transfer the
 transport refuses at once (a bad slot, an unknown or down peer) is answered at once, failed and
 settled (nothing moved).
+
+A :class:`Grant` lets one session (named by its data token, added by :class:`AddSession`) read
+some slots until a time; it is answered by :class:`Granted` with the slots' digests, taken then.
+A :class:`Revoke` is answered by :class:`Revoked` once no row of the grant will be sent any more
+(at once, or when the row being sent ends): only then may the engine reuse the slots.
 
 The messages are private to this process and its handle: msgpack of a tagged union of
 ``msgspec.Struct`` (``array_like``), one ZMQ frame each. The process imports no torch (NIXL is
@@ -87,11 +97,13 @@ class PeerWorkerSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, f
 
 
 class AddPeer(msgspec.Struct, tag="add", array_like=True, forbid_unknown_fields=True):
-    """Make peer ``name`` reachable with its transport ``descriptor``; a peer of that name that is
-    still known is removed first. Answered by :class:`PeerAdded`."""
+    """Make peer ``name`` reachable with its transport ``descriptor`` and the data ``token`` of the
+    session its grants are made on; a peer of that name that is still known is removed first.
+    Answered by :class:`PeerAdded`."""
 
     name: str
     descriptor: bytes
+    token: bytes
 
 
 class RemovePeer(msgspec.Struct, tag="remove", array_like=True, forbid_unknown_fields=True):
@@ -102,23 +114,54 @@ class RemovePeer(msgspec.Struct, tag="remove", array_like=True, forbid_unknown_f
 
 
 class Transfer(msgspec.Struct, tag="xfer", array_like=True, forbid_unknown_fields=True):
-    """Move whole slots: ``op`` "read" copies peer rows ``remote[i]`` into local rows ``local[i]``,
-    "write" local rows ``local[i]`` into peer rows ``remote[i]``. ``deadline_s``: seconds from
-    receipt until it fails. ``tid``: the engine's id, echoed in :class:`Settled`."""
+    """READ peer rows ``remote[i]`` into local rows ``local[i]``, checking each against
+    ``digests`` (16 bytes per row, in order). ``deadline_s``: seconds from receipt until it fails;
+    ``not_after``: ``time.monotonic()`` by which every byte must be in (0: none). ``tid``: the
+    engine's id, echoed in :class:`Settled`."""
 
     tid: int
-    op: Literal["read", "write"]
     peer: str
     local: list[int]
     remote: list[int]
     deadline_s: float
+    digests: bytes
+    not_after: float = 0.0
+
+
+class AddSession(msgspec.Struct, tag="session", array_like=True, forbid_unknown_fields=True):
+    """Accept data connections proving ``token`` (a control session's data token)."""
+
+    token: bytes
+
+
+class DropSession(msgspec.Struct, tag="drop", array_like=True, forbid_unknown_fields=True):
+    """End ``token``'s session on the data plane: its connections close, its grants are no longer
+    served (each still awaits its :class:`Revoke`)."""
+
+    token: bytes
+
+
+class Grant(msgspec.Struct, tag="grant", array_like=True, forbid_unknown_fields=True):
+    """Session ``token`` may read ``slots`` until ``until`` (``time.monotonic()``). Answered by
+    :class:`Granted`."""
+
+    gid: int
+    token: bytes
+    slots: list[int]
+    until: float
+
+
+class Revoke(msgspec.Struct, tag="revoke", array_like=True, forbid_unknown_fields=True):
+    """End grant ``gid``; answered by :class:`Revoked` once none of its rows will be sent."""
+
+    gid: int
 
 
 class Stop(msgspec.Struct, tag="stop", array_like=True, forbid_unknown_fields=True):
     """Close the transport and exit (pending transfers are not answered)."""
 
 
-Command = AddPeer | RemovePeer | Transfer | Stop
+Command = AddPeer | RemovePeer | Transfer | AddSession | DropSession | Grant | Revoke | Stop
 
 
 # -- worker -> engine -----------------------------------------------------------------------------
@@ -152,11 +195,13 @@ class PeerAdded(msgspec.Struct, tag="added", array_like=True, forbid_unknown_fie
 
 
 class Outcome(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
-    """One settled transfer: ``state`` "done" or "failed", ``reason`` why it failed."""
+    """One settled transfer: ``state`` "done" or "failed", ``reason`` why it failed; for "done",
+    ``bad`` the positions of rows that failed their digest (their keys are not to be served)."""
 
     tid: int
     state: Literal["done", "failed"]
     reason: str = ""
+    bad: list[int] = []
 
 
 class Settled(msgspec.Struct, tag="settled", array_like=True, forbid_unknown_fields=True):
@@ -166,7 +211,28 @@ class Settled(msgspec.Struct, tag="settled", array_like=True, forbid_unknown_fie
     outcomes: list[Outcome]
 
 
-Report = Ready | StartFailed | PeerAdded | Settled
+class Granted(msgspec.Struct, tag="granted", array_like=True, forbid_unknown_fields=True):
+    """Answer to :class:`Grant`: the slots' digests (16 bytes each, in order), or ``error`` (empty
+    digests: nothing was granted)."""
+
+    gid: int
+    digests: bytes
+    error: str = ""
+
+
+class Revoked(msgspec.Struct, tag="revoked", array_like=True, forbid_unknown_fields=True):
+    """Grants none of whose rows will be sent any more."""
+
+    gids: list[int]
+
+
+class Refusals(msgspec.Struct, tag="refusals", array_like=True, forbid_unknown_fields=True):
+    """The data server's refusals so far, by reason (sent when they change)."""
+
+    counts: dict[str, int]
+
+
+Report = Ready | StartFailed | PeerAdded | Settled | Granted | Revoked | Refusals
 
 _encoder = msgspec.msgpack.Encoder()
 _command_decoder = msgspec.msgpack.Decoder(Command)
@@ -199,6 +265,8 @@ class PeerWorker:
         # tid -> transport handle of transfers not yet settled
         self.pending: dict[int, int] = {}
         self.outcomes: list[Outcome] = []
+        self.revoked: list[int] = []
+        self.refusals: dict[str, int] = {}
 
     def parent_alive(self) -> bool:
         """True while the engine process that spawned this worker is its parent."""
@@ -221,8 +289,8 @@ class PeerWorker:
         )
         busy_wait = _BUSY_POLL_MIN_S
         while True:
-            wait_s = busy_wait if self.pending else _IDLE_POLL_S
-            frames = self.chan.recv_all(wait_s)
+            busy = self.pending or t.grants.draining()
+            frames = self.chan.recv_all(busy_wait if busy else _IDLE_POLL_S)
             if not self.parent_alive():
                 return  # the engine is gone; its janitor removes the arena
             for data in frames:
@@ -238,6 +306,14 @@ class PeerWorker:
             if self.outcomes:
                 self.chan.send(encode(Settled(self.outcomes)))
                 self.outcomes = []
+            self.revoked.extend(t.take_revoked())
+            if self.revoked:
+                self.chan.send(encode(Revoked(self.revoked)))
+                self.revoked = []
+            refused = t.refused
+            if refused != self.refusals:
+                self.refusals = refused
+                self.chan.send(encode(Refusals(refused)))
             busy_wait = (
                 _BUSY_POLL_MIN_S if frames or progressed else min(busy_wait * 2, _BUSY_POLL_MAX_S)
             )
@@ -249,7 +325,7 @@ class PeerWorker:
             error = ""
             try:
                 t.remove_peer(cmd.name)
-                t.add_peer(cmd.name, cmd.descriptor)
+                t.add_peer(cmd.name, cmd.descriptor, cmd.token)
             except (TransportError, ValueError) as e:
                 error = str(e)
             self.chan.send(encode(PeerAdded(cmd.name, error)))
@@ -257,6 +333,23 @@ class PeerWorker:
             t.remove_peer(cmd.name)
         elif isinstance(cmd, Transfer):
             self.start(cmd)
+        elif isinstance(cmd, Grant):
+            try:
+                digests = t.grant(cmd.gid, cmd.token, cmd.slots, cmd.until)
+            except ValueError as e:
+                self.chan.send(encode(Granted(cmd.gid, b"", str(e) or "refused")))
+            else:
+                self.chan.send(encode(Granted(cmd.gid, digests)))
+        elif isinstance(cmd, Revoke):
+            if t.revoke(cmd.gid):
+                self.revoked.append(cmd.gid)
+        elif isinstance(cmd, AddSession):
+            try:
+                t.add_session(cmd.token)
+            except ValueError as e:
+                print(f"kvoffload peer worker: session refused: {e}", file=sys.stderr)
+        elif isinstance(cmd, DropSession):
+            t.drop_session(cmd.token)
 
     def start(self, x: Transfer) -> None:
         """Hand ``x`` to the transport; a refusal is answered at once (failed, nothing moved)."""
@@ -266,10 +359,13 @@ class PeerWorker:
         try:
             if len(x.local) != len(x.remote):
                 raise ValueError(f"{len(x.local)} local slots but {len(x.remote)} remote slots")
-            if x.op == "read":
-                h = self.transport.read(x.peer, list(zip(x.remote, x.local)), x.deadline_s)
-            else:
-                h = self.transport.write(x.peer, list(zip(x.local, x.remote)), x.deadline_s)
+            h = self.transport.read(
+                x.peer,
+                list(zip(x.remote, x.local)),
+                x.deadline_s,
+                digests=x.digests,
+                not_after=x.not_after,
+            )
         except (TransportError, ValueError) as e:
             self.outcomes.append(Outcome(x.tid, "failed", f"{type(e).__name__}: {e}"))
             return
@@ -286,7 +382,7 @@ class PeerWorker:
             del self.pending[tid]
             progressed = True
             if st.state is TransferState.DONE:
-                self.outcomes.append(Outcome(tid, "done"))
+                self.outcomes.append(Outcome(tid, "done", bad=list(st.bad)))
             else:
                 self.outcomes.append(Outcome(tid, "failed", st.reason or "failed"))
         return progressed

@@ -41,6 +41,10 @@ P2PH = "tests/test_p2p_host_access.py::"
 CAP = "tests/test_fs_capacity.py::"
 EV = "tests/test_event_content.py::"
 P2PW = "tests/test_p2p_worker.py::"
+P2PT = "tests/test_p2p_transport.py::"
+P2PS = "tests/test_p2p_server.py::"
+P2PC = "tests/test_p2p_client.py::"
+TIER = "tests/test_p2p_tier.py::"
 XTP = "tests/test_cross_tp.py::"
 BP = "tests/test_backpressure.py::"
 OPS = "tests/test_ops_commands.py::"
@@ -982,6 +986,108 @@ MUTATIONS: list[Mutation] = [
         (
             P2PS + "test_c42_a_peer_advertising_this_instances_own_address_is_refused_as_a_"
             "collision",
+        ),
+    ),
+    # -- C39-C46 (the p2p data plane): grants, digests, lease lifetimes, sizes, fair leases -------
+    Mutation(
+        "C39",
+        "the p2p data server serves reads no live grant of the session covers",
+        "workers/p2p_transport.py",
+        "            if isinstance(held, str):\n"
+        '                self._answer(conn, req.xfer_id, f"{held}: no live grant of this session")\n',
+        "            if isinstance(held, str):\n"
+        "                held = []\n"
+        "            if False:\n"
+        '                self._answer(conn, req.xfer_id, f"{held}: no live grant of this session")\n',
+        (
+            P2PT
+            + "test_c39_the_tcp_data_server_serves_only_reads_a_live_grant_of_the_session_covers",
+            TIER
+            + "test_c39_an_authenticated_peer_reads_only_what_it_leased_while_the_lease_lives_and_"
+            "writes_nothing",
+            P2PT + "test_fuzzed_frames_on_the_data_port_read_nothing_ungranted_and_break_nothing",
+        ),
+    ),
+    Mutation(
+        "C39",
+        "the peer worker is spawned with the engine's whole environment, its p2p secret included",
+        "kvoffload/tiers/p2p/worker_handle.py",
+        "        env = child_environment(\n"
+        "            WORKER_ENV, {**self.env, PEER_WORKER_SPEC_ENV: msgspec.json.encode(spec).decode()}\n"
+        "        )\n",
+        "        env = {\n"
+        "            **os.environ,\n"
+        "            **self.env,\n"
+        "            PEER_WORKER_SPEC_ENV: msgspec.json.encode(spec).decode(),\n"
+        "        }\n",
+        (P2PW + "test_the_peer_worker_gets_no_secret_of_the_engines_environment",),
+    ),
+    Mutation(
+        "C40",
+        "the reading worker serves a chunk that does not match its digest",
+        "workers/p2p_transport.py",
+        "                x.bad.append(i)\n",
+        "                pass\n",
+        (
+            P2PW
+            + "test_c40_a_chunk_changed_after_its_grant_is_reported_bad_and_the_others_are_good[tcp]",
+            TIER
+            + "test_c40_a_serving_slot_refilled_while_the_read_is_in_flight_is_a_miss_never_its_bytes"
+            "[tcp]",
+        ),
+    ),
+    Mutation(
+        "C40",
+        "the reader runs its transfer to its own lease, not the one it was granted",
+        "kvoffload/tiers/p2p/client.py",
+        "            not_after = part.t0 + msg.ttl_s - lease_margin_s(msg.ttl_s)\n",
+        "            not_after = part.t0 + self.lease_ttl_s\n",
+        (
+            TIER + "test_c40_a_lease_that_lapses_while_the_server_is_stalled_is_never_served",
+            P2PC
+            + "test_c40_a_read_is_checked_against_the_digests_and_over_before_the_lease_may_end",
+        ),
+    ),
+    Mutation(
+        "C45",
+        "the p2p data server reads a request frame of any length",
+        "workers/p2p_transport.py",
+        "            if n > MAX_REQUEST_BYTES:\n",
+        "            if False:\n",
+        (
+            P2PW
+            + "test_c45_lying_and_endless_frames_on_the_data_port_close_it_and_memory_stays_flat",
+        ),
+    ),
+    Mutation(
+        "C45",
+        "the reading worker takes a data server's reply frame of any length",
+        "workers/p2p_transport.py",
+        "        reply = _reply_decoder.decode(_recv_frame(sock, deadline, MAX_REPLY_BYTES))\n",
+        "        reply = _reply_decoder.decode(_recv_frame(sock, deadline, 1 << 32))\n",
+        (P2PW + "test_c45_a_hostile_data_server_fails_the_read_and_the_readers_memory_stays_flat",),
+    ),
+    Mutation(
+        "C46",
+        "one peer may hold the whole lease cap while another is connected",
+        "kvoffload/tiers/p2p/server.py",
+        "        return max(1, self.max_leased_chunks // max(1, len(self._sessions)))\n",
+        "        return self.max_leased_chunks\n",
+        (
+            P2PS
+            + "test_c46_a_peer_leasing_all_it_can_and_never_reading_leaves_the_other_peer_its_share",
+            P2PS + "test_c46_leases_a_peer_holds_without_reading_are_taken_back_for_another_peer",
+        ),
+    ),
+    Mutation(
+        "C46",
+        "leases held without reading are never taken back for another peer",
+        "kvoffload/tiers/p2p/server.py",
+        "                    self._reclaim(session, short, now)\n",
+        "                    pass\n",
+        (
+            P2PS + "test_c46_leases_a_peer_holds_without_reading_are_taken_back_for_another_peer",
+            TIER + "test_c46_a_peer_that_leases_all_it_can_and_never_reads_does_not_starve_another",
         ),
     ),
 ]

@@ -5,7 +5,8 @@ the same bytes, in the same run.
 ::
 
     this process (reader)                               serving process (spawned)
-    arena R  ◀── Transport.read(pairs) ──────────────── arena S + Transport (nixl | tcp)
+    token ─────────────── the session's data token ───▶ add_session, grant(every slot) -> digests
+    arena R  ◀── Transport.read(pairs, digests) ─────── arena S + Transport (nixl | tcp)
     arena R  ◀── raw NIXL make_prepped_xfer READ ────── the same agent's registration of S
     arena R  ◀── socket recv_into (one stream) ──────── sendall(arena S rows)
     TieringManager + p2p tier  ◀── Lookup, Lease, READ, Release ── TieringManager + p2p tier
@@ -15,12 +16,20 @@ Throughput: transfers of ``batch`` chunks each until ``total_mib`` moved, repeat
 (median GB/s, 1 GB = 1e9 bytes). Latency: ``latency_n`` one-chunk transfers, one at a time, from the
 call to the poll that sees it done (p50 / p99, microseconds). The tier row fetches the same number
 of chunks through the whole p2p tier (:func:`tier_fetch`): from the reader's lookups to the last
-chunk READY in its host tier, with the serving instance's locations already known. Run:
+chunk READY in its host tier, with the serving instance's locations already known.
+
+What verification costs: every row a transport reads is checked against the digest its grant
+returned (xxh3-128, ``p2p_transport.chunk_digest``). The "digests unchecked" row runs the same reads
+in the same passes, alternating with the checked ones, with the reader's digest computation
+replaced by a constant (:func:`_digests_unchecked`, this benchmark only): the pair's ratio is the
+reader's cost of checking. The serving side's cost (one digest per chunk when it grants it, off the
+transfer's path) is the "xxh3-128 digest" row: one core hashing the arena's rows. Run:
 ``python -m kvoffload.tools.bench.p2p [--chunk-kib 256 --chunk-kib 2048] [--ucx-tls tcp]``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -30,6 +39,8 @@ import statistics
 import struct
 import threading
 import time
+import types
+from collections.abc import Iterator
 from typing import Any
 
 import click
@@ -41,6 +52,35 @@ from kvoffload.tools.bench.harness import ends_process
 from kvoffload.workers import p2p_transport as pt
 
 _REQ = struct.Struct("<QQ")  # first slot, number of slots
+_NO_DIGEST = bytes(pt.DIGEST_BYTES)
+
+
+class _Unhashed:
+    """Stands in for ``xxhash.xxh3_128`` in :func:`_digests_unchecked`."""
+
+    def __init__(self, seed: int = 0):
+        pass
+
+    def update(self, data: Any) -> None:
+        pass
+
+    def digest(self) -> bytes:
+        return _NO_DIGEST
+
+
+@contextlib.contextmanager
+def _digests_unchecked() -> Iterator[None]:
+    """Within: this process's transports compute no digest of a row they read (every row "has"
+    the zero digest, so reads pass zero digests). The benchmark's baseline for what checking costs;
+    nothing else ever does this."""
+    real = pt.xxhash
+    pt.xxhash = types.SimpleNamespace(  # type: ignore[assignment]
+        xxh3_128_digest=lambda row, seed=0: _NO_DIGEST, xxh3_128=_Unhashed
+    )
+    try:
+        yield
+    finally:
+        pt.xxhash = real
 
 
 def _raw_tcp_server(arena: Arena, sock: socket.socket) -> None:
@@ -60,13 +100,21 @@ def _raw_tcp_server(arena: Arena, sock: socket.socket) -> None:
 
 @ends_process
 def _serve(kind: str, num_slots: int, row_bytes: int, conn: Any) -> None:
-    """Serving process: owns arena S, runs a transport of ``kind`` and the raw TCP server."""
+    """Serving process: owns arena S, runs a transport of ``kind`` (every slot granted to the
+    reader's session for an hour) and the raw TCP server."""
     arena = Arena.create(f"kvoffload_benchp2p_s_{secrets.token_hex(4)}", num_slots, row_bytes)
     arena.rows[:] = np.random.default_rng(7).integers(0, 256, arena.rows.shape, dtype=np.uint8)
     transport = pt.make_transport(arena, pt.TransportConfig(kind=kind, deadline_s=60.0))
+    token = conn.recv()
+    transport.add_session(token)
+    until = time.monotonic() + 3600
+    digests = b"".join(
+        transport.grant(gid, token, list(range(first, min(first + pt.MAX_PAIRS, num_slots))), until)
+        for gid, first in enumerate(range(0, num_slots, pt.MAX_PAIRS), 1)
+    )
     raw = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=_raw_tcp_server, args=(arena, raw), daemon=True).start()
-    conn.send((transport.descriptor(), raw.getsockname()[1]))
+    conn.send((transport.descriptor(), raw.getsockname()[1], digests))
     conn.recv()  # until the reader is done
     transport.close()
     raw.close()
@@ -192,6 +240,31 @@ def _measure(fn, nbytes: int, reps: int) -> float:
     return statistics.median(rates)
 
 
+def _measure_pair(fn_a, fn_b, nbytes: int, reps: int) -> tuple[float, float]:
+    """Median GB/s of ``fn_a`` and of ``fn_b`` (each moving ``nbytes``), run in turn ``reps``
+    times each, so that both see the same machine."""
+    a: list[float] = []
+    b: list[float] = []
+    for _ in range(reps):
+        a.append(_measure(fn_a, nbytes, 1))
+        b.append(_measure(fn_b, nbytes, 1))
+    return statistics.median(a), statistics.median(b)
+
+
+def digest_row(chunk_bytes: int, num_slots: int, reps: int) -> dict:
+    """One core computing :func:`~kvoffload.workers.p2p_transport.chunk_digest` of ``num_slots``
+    rows of ``chunk_bytes``: what the serving side spends per chunk it grants."""
+    arena = Arena.create(f"kvoffload_benchp2p_d_{secrets.token_hex(4)}", num_slots, chunk_bytes)
+    try:
+        arena.rows[:] = np.random.default_rng(9).integers(0, 256, arena.rows.shape, dtype=np.uint8)
+        slots = range(num_slots)
+        gbps = _measure(lambda: pt.rows_digests(arena, slots, 1), num_slots * chunk_bytes, reps)
+        per_chunk_us = chunk_bytes / (gbps * 1e9) * 1e6
+        return _row("xxh3-128 digest (1 core)", chunk_bytes, gbps, per_chunk_us, per_chunk_us)
+    finally:
+        arena.close()
+
+
 def _latency(fn, n: int) -> tuple[float, float]:
     """p50 and p99 in microseconds of ``n`` calls of ``fn`` (one chunk each)."""
     fn()  # connection set-up is not a chunk's latency
@@ -214,23 +287,45 @@ def run_one(kind: str, chunk_bytes: int, total_mib: int, batch: int, reps: int, 
     rows: list[dict] = []
     local = Arena.create(f"kvoffload_benchp2p_r_{secrets.token_hex(4)}", num_slots, chunk_bytes)
     try:
-        desc, raw_port = parent.recv()
+        token = secrets.token_bytes(pt.TOKEN_BYTES)
+        parent.send(token)
+        desc, raw_port, digests = parent.recv()
         transport = pt.make_transport(local, pt.TransportConfig(kind=kind, deadline_s=60.0))
-        transport.add_peer("s", desc)
+        transport.add_peer("s", desc, token)
         nbytes = num_slots * chunk_bytes
         batches = [list(range(i, min(i + batch, num_slots))) for i in range(0, num_slots, batch)]
+        D = pt.DIGEST_BYTES
 
         def kv_read_all() -> None:
-            handles = [transport.read("s", [(s, s) for s in b]) for b in batches]
+            handles = [
+                transport.read(
+                    "s",
+                    [(s, s) for s in b],
+                    digests=digests[b[0] * D : (b[-1] + 1) * D],
+                )
+                for b in batches
+            ]
             for h in handles:
                 _wait(transport, h)
 
-        def kv_read_one() -> None:
-            _wait(transport, transport.read("s", [(0, 1)]))
+        def kv_read_all_unchecked() -> None:
+            with _digests_unchecked():
+                handles = [
+                    transport.read("s", [(s, s) for s in b], digests=_NO_DIGEST * len(b))
+                    for b in batches
+                ]
+                for h in handles:
+                    _wait(transport, h)
 
-        gbps = _measure(kv_read_all, nbytes, reps)
+        def kv_read_one() -> None:
+            _wait(transport, transport.read("s", [(0, 1)], digests=digests[:D]))
+
+        gbps, unchecked = _measure_pair(kv_read_all, kv_read_all_unchecked, nbytes, reps)
         p50, p99 = _latency(kv_read_one, latency_n)
-        rows.append(_row(f"kvoffload {kind}", chunk_bytes, gbps, p50, p99))
+        row = _row(f"kvoffload {kind}", chunk_bytes, gbps, p50, p99)
+        row["verify_cost_pct"] = round(100 * (1 - gbps / unchecked), 1)
+        rows.append(row)
+        rows.append(_row(f"kvoffload {kind}, digests unchecked", chunk_bytes, unchecked))
 
         if kind == "nixl":
             assert isinstance(transport, pt.NixlTransport)
@@ -285,14 +380,21 @@ def run_one(kind: str, chunk_bytes: int, total_mib: int, batch: int, reps: int, 
     return rows
 
 
-def _row(what: str, chunk_bytes: int, gbps: float, p50: float, p99: float) -> dict:
+def _row(
+    what: str, chunk_bytes: int, gbps: float, p50: float | None = None, p99: float | None = None
+) -> dict:
+    """A report row; a path whose latency was not measured has None there."""
     return {
         "path": what,
         "chunk_kib": chunk_bytes // 1024,
         "read_gbps": round(gbps, 3),
-        "chunk_p50_us": round(p50, 1),
-        "chunk_p99_us": round(p99, 1),
+        "chunk_p50_us": None if p50 is None else round(p50, 1),
+        "chunk_p99_us": None if p99 is None else round(p99, 1),
     }
+
+
+def _us(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
 
 
 def run(
@@ -314,6 +416,7 @@ def run(
             out.extend(run_one(kind, kib * 1024, total_mib, batch, reps, latency_n))
             num_slots = max(batch, (total_mib << 10) // kib)
             out.append(tier_fetch(kind, kib * 1024, num_slots, reps, latency_n))
+        out.append(digest_row(kib * 1024, max(1, (total_mib << 10) // kib), reps))
     return out
 
 
@@ -332,18 +435,26 @@ def main(chunk_kib, kinds, total_mib, batch_mib, reps, latency_n, ucx_tls, json_
     if ucx_tls:
         os.environ["UCX_TLS"] = ucx_tls  # read by UCX when each process creates its agent
     rows = run(tuple(chunk_kib), tuple(kinds), total_mib, batch_mib, reps, latency_n)
-    click.echo(f"{'path':<28} {'chunk':>7} {'GB/s':>7} {'p50 us':>9} {'p99 us':>9}")
+    click.echo(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} (1, 5, 15 min)")
+    click.echo(
+        f"{'path':<36} {'chunk':>7} {'GB/s':>7} {'p50 us':>9} {'p99 us':>9} {'verify cost':>12}"
+    )
     for r in rows:
         if "skipped" in r:
-            click.echo(f"{r['path']:<28} {r['chunk_kib']:>5}Ki  skipped: {r['skipped']}")
+            click.echo(f"{r['path']:<36} {r['chunk_kib']:>5}Ki  skipped: {r['skipped']}")
             continue
+        cost = f"{r['verify_cost_pct']:>11.1f}%" if "verify_cost_pct" in r else ""
         click.echo(
-            f"{r['path']:<28} {r['chunk_kib']:>5}Ki {r['read_gbps']:>7.3f} "
-            f"{r['chunk_p50_us']:>9.1f} {r['chunk_p99_us']:>9.1f}"
+            f"{r['path']:<36} {r['chunk_kib']:>5}Ki {r['read_gbps']:>7.3f} "
+            f"{_us(r['chunk_p50_us']):>9} {_us(r['chunk_p99_us']):>9} {cost:>12}"
         )
     if json_out:
         with open(json_out, "w") as f:
-            json.dump({"ucx_tls": ucx_tls or "default", "rows": rows}, f, indent=2)
+            json.dump(
+                {"ucx_tls": ucx_tls or "default", "load_average": os.getloadavg(), "rows": rows},
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

@@ -52,6 +52,17 @@ the peer's server welcomed a Hello naming our namespace, so its KV events may be
 (the node's, over :class:`~kvoffload.tiers.p2p.worker_handle.PeerWorkerHandle`): ``read`` returns
 a transfer id at once; the node reports each transfer back exactly once, settled, with
 :meth:`PeerClient.transfer_settled`; only then is the lease released and the part's result given.
+Each chunk read is checked by the worker against the digest the LeaseReply carries (taken by the
+serving side when it granted the slots): one that does not match fails ``digest_mismatch``. The
+read must be over before the lease the server granted may end, measured from when the Lease was
+sent, less a margin (:func:`lease_margin_s`): its deadline is the shorter of that and
+``transfer_deadline_s``, and a read not over by then fails ``lease_expired``, never a HIT.
+
+**Pushes.** A Push's slots are first granted to the chosen peer's session on our own data plane
+(``grant``: the worker answers with their digests, :meth:`PeerClient.granted`), then offered with
+those digests and the grant's lifetime; when the peer says it pulled them (or the grant's time is
+up) the grant is revoked, and the push ends only once the revocation is acknowledged
+(:meth:`PeerClient.revoked`): the engine may reuse the slots then.
 
 **Results out.** Into the deque the engine drains: one :class:`~.commands.Verdict` per Probe, one
 :class:`~.commands.LoadDone` per Load (once all its parts ended), one :class:`~.commands.PushDone`
@@ -132,6 +143,28 @@ MAC did not prove the secret, its Challenge carried our own incarnation, another
 a message the handshake does not expect, no answer within ``peer_timeout_s``, a descriptor our
 worker refused, or the peer refused the session (``refused_<its reason>``)."""
 _WORKER_DIED = "worker_died"  # kvoffload.tiers.p2p.worker_handle.WORKER_DIED (not imported: heavy)
+LEASE_EXPIRED = "lease_expired"  # kvoffload.workers.p2p_transport.LEASE_EXPIRED
+DIGEST_MISMATCH = "digest_mismatch"
+
+
+def lease_margin_s(ttl_s: float) -> float:
+    """How long before the end of a lease of ``ttl_s`` seconds (as the reader reckons it, from
+    when it sent the Lease) a read of it must be over: a tenth of it, at most a second."""
+    return min(1.0, 0.1 * ttl_s)
+
+
+_TRANSFER_REASONS = frozenset(
+    (LEASE_EXPIRED, _WORKER_DIED, "timeout", "deadline", "peer_down", "transfer_failed")
+)
+
+
+def _failure(reason: str) -> str:
+    """A failed transfer's reason as its chunks' failure reason: one of a bounded set of labels
+    (``kvoffload/reasons.py``), never the transport's free text ("deadline passed", an
+    exception's message), which is logged instead."""
+    if reason in _TRANSFER_REASONS:
+        return reason
+    return "deadline" if "deadline" in reason else "transfer_failed"
 
 
 # -- what the client asks of its node ----------------------------------------------------------
@@ -178,7 +211,9 @@ Out = Send | Open | Close | Trusted | Restarted
 
 class Transfers(Protocol):
     """The peer worker as the client role uses it (the node implements it over
-    :class:`~kvoffload.tiers.p2p.worker_handle.PeerWorkerHandle`). Every call answers at once."""
+    :class:`~kvoffload.tiers.p2p.worker_handle.PeerWorkerHandle`). Every call answers at once;
+    a grant is answered later through :meth:`PeerClient.granted`, a revocation through
+    :meth:`PeerClient.revoked`."""
 
     @property
     def descriptor(self) -> bytes | None:
@@ -190,8 +225,9 @@ class Transfers(Protocol):
         """Bytes per chunk (one arena row)."""
         ...
 
-    def acquire_peer(self, descriptor: bytes) -> str:
-        """The worker's name for the peer behind ``descriptor`` (counted: one per user).
+    def acquire_peer(self, descriptor: bytes, token: bytes) -> str:
+        """The worker's name for the peer behind ``descriptor``, reached with the session data
+        ``token`` (counted: one per user).
 
         Raises:
             Exception: a descriptor the worker cannot use.
@@ -202,12 +238,36 @@ class Transfers(Protocol):
         """One user of ``name`` is done; the last removes it (its transfers settle failed)."""
         ...
 
-    def read(self, name: str, pairs: list[tuple[int, int]], deadline_s: float) -> int:
-        """Start a READ of ``(local slot, remote slot)`` pairs from ``name``: its transfer id.
+    def read(
+        self,
+        name: str,
+        pairs: list[tuple[int, int]],
+        deadline_s: float,
+        digests: bytes,
+        not_after: float,
+    ) -> int:
+        """Start a READ of ``(local slot, remote slot)`` pairs from ``name``, each checked
+        against ``digests``, all in by ``not_after`` (the clock of ``now``): its transfer id.
 
         Raises:
             ValueError: a pair the worker refuses (e.g. a remote slot outside the peer's arena).
         """
+        ...
+
+    def add_session(self, token: bytes) -> None:
+        """Our data server accepts the session holding ``token`` (the peer pulls our pushes)."""
+        ...
+
+    def drop_session(self, token: bytes) -> None:
+        """Our data server no longer serves ``token``'s session."""
+        ...
+
+    def grant(self, token: bytes, slots: list[int], until: float) -> int:
+        """Let ``token``'s session read our ``slots`` until ``until``: the grant's id."""
+        ...
+
+    def revoke(self, gid: int) -> None:
+        """End grant ``gid``."""
         ...
 
 
@@ -312,6 +372,7 @@ class PeerLink:
         self.next_heartbeat = 0.0
         self.since = 0.0  # when the current handshake started
         self.free_quota = 0
+        self.data_token = b""  # the session's data token (Welcome), while up
         self.pending: dict[int, _Pending] = {}
         self.queued: list[pm.PeerMessage] = []  # sent once up
         self.inflight_chunks = 0  # chunks of load parts sent and not yet done
@@ -399,7 +460,11 @@ class PeerClient:
         self.next_req = 0
         self.heartbeat_seq = 0
         self.loads: dict[int, _Load] = {}  # transfer id -> load part
-        self.pushes: dict[int, tuple[PeerLink, list[bytes], float]] = {}  # job id -> offer
+        # job id -> (link offered to, keys, end of its grant, grant id): offers being pulled
+        self.pushes: dict[int, tuple[PeerLink, list[bytes], float, int]] = {}
+        # grant id -> (job id, link, keys, slots, end of the grant): pushes waiting for digests
+        self.push_grants: dict[int, tuple[int, PeerLink, list[bytes], list[int], float]] = {}
+        self.push_ending: dict[int, PushDone] = {}  # grant id -> the push's result, once revoked
         self.later: list[tuple[float, _Probe]] = []  # probes to send again at a time
         # Per-peer statistics, written by this thread only, read by scrapes (P2PTier.report_metrics):
         # (peer label, statistic) -> total; load latencies (peer label, seconds) until taken.
@@ -458,26 +523,72 @@ class PeerClient:
                     break  # least recently used first: the rest are younger
                 if self._idle(link):
                     self._forget_link(link, now)
-        for job_id, (_link, keys, deadline) in list(self.pushes.items()):
+        for job_id, (_link, keys, deadline, gid) in list(self.pushes.items()):
             if deadline <= now:
-                # The receiver never said it pulled: its reads (deadline far shorter than this)
-                # are over, so the slots can go back.
+                # The receiver never said it pulled, and the grant's time is up: revoked, the
+                # slots can go back.
                 del self.pushes[job_id]
-                self.results.append(PushDone(job_id, None, [], dict.fromkeys(keys, "timeout")))
+                self._end_push(gid, PushDone(job_id, None, [], dict.fromkeys(keys, "timeout")))
         return self._take()
 
-    def transfer_settled(self, tid: int, ok: bool, reason: str, now: float) -> list[Out]:
-        """The worker's READ ``tid`` has settled (``ok``, or failed for ``reason``). A transfer
-        that is not one of this role's load parts is ignored."""
+    def granted(self, gid: int, digests: bytes | None, now: float) -> list[Out]:
+        """Our worker granted a push's slots (``digests`` one per slot) or could not (None): the
+        Offer goes to the peer chosen. A grant that is not one of this role's is ignored."""
+        pg = self.push_grants.pop(gid, None)
+        if pg is None:
+            return self._take()
+        job_id, link, keys, slots, until = pg
+        if digests is None or not link.up or until <= now:
+            failed = dict.fromkeys(keys, "no_peer" if not link.up else "transfer_failed")
+            self._end_push(gid, PushDone(job_id, None, [], failed))
+            return self._take()
+        offer = pm.Offer(
+            req=0, keys=keys, lease=job_id, slots=slots, ttl_s=until - now, digests=digests
+        )
+        self._request(link, offer, "offer", (job_id, keys, slots, gid, until), now)
+        return self._take()
+
+    def revoked(self, gid: int, now: float) -> list[Out]:
+        """Our worker will send no row of grant ``gid`` any more: its push ends."""
+        done = self.push_ending.pop(gid, None)
+        if done is not None:
+            self.results.append(done)
+        return self._take()
+
+    def _end_push(self, gid: int, done: PushDone) -> None:
+        """Revoke the push's grant; ``done`` is its result once that is acknowledged."""
+        self.push_ending[gid] = done
+        self.transfers.revoke(gid)
+
+    def transfer_settled(
+        self, tid: int, ok: bool, reason: str, now: float, bad: Sequence[int] = ()
+    ) -> list[Out]:
+        """The worker's READ ``tid`` has settled (``ok``, less the positions ``bad`` whose
+        chunks failed their digest; or failed for ``reason``). A transfer that is not one of this
+        role's load parts is ignored."""
         part = self.loads.pop(tid, None)
         if part is None:
             return self._take()
         self._release(part)
         if ok:
-            self._load_done(part, part.ok, part.refused, now)
+            wrong = {part.ok[i] for i in bad if 0 <= i < len(part.ok)}
+            if wrong:
+                self.count("digest_mismatches", len(wrong))
+                log.warning(
+                    "p2p: %d chunks read from peer %s did not match their digests",
+                    len(wrong),
+                    part.link.addr,
+                )
+            good = [k for k in part.ok if k not in wrong]
+            self._load_done(
+                part, good, {**part.refused, **dict.fromkeys(wrong, DIGEST_MISMATCH)}, now
+            )
         else:
             self.count("transfer_failures")
-            self._load_done(part, [], reason or "transfer_failed", now)
+            why = _failure(reason)
+            if why == LEASE_EXPIRED:
+                self.count("lease_expiries")
+            self._load_done(part, [], why, now)
             # The transport marks a peer down on any failed transfer (its connection state is
             # unknown): the session goes down with it and starts again.
             if part.link.up and reason != _WORKER_DIED:
@@ -581,8 +692,8 @@ class PeerClient:
         self.links.pop(link.addr, None)
         self._request_links.pop(link.addr, None)
         for job_id in [j for j, p in self.pushes.items() if p[0] is link]:
-            _, keys, _ = self.pushes.pop(job_id)
-            self.results.append(PushDone(job_id, None, [], dict.fromkeys(keys, "peer_down")))
+            _, keys, _, gid = self.pushes.pop(job_id)
+            self._end_push(gid, PushDone(job_id, None, [], dict.fromkeys(keys, "peer_down")))
 
     def _connect(self, link: PeerLink, now: float) -> None:
         """Open a fresh socket and say Hello (the previous socket, if any, is closed)."""
@@ -697,7 +808,9 @@ class PeerClient:
                     return
                 link.handshake = []
                 try:
-                    link.worker_name = self.transfers.acquire_peer(msg.descriptor)
+                    link.worker_name = self.transfers.acquire_peer(msg.descriptor, msg.data_token)
+                    link.data_token = msg.data_token  # it pulls our pushes with it
+                    self.transfers.add_session(msg.data_token)
                 except Exception as e:  # a descriptor our transport cannot use
                     why = f"its transport descriptor is unusable: {e}"
                     self._handshake_failed(link, now, "unusable_descriptor", why)
@@ -797,6 +910,12 @@ class PeerClient:
                 self.transfers.release_peer(name)  # its transfers settle failed
             except Exception:
                 log.exception("p2p: removing peer %s from the worker failed", link.addr)
+        if link.data_token:
+            token, link.data_token = link.data_token, b""
+            try:
+                self.transfers.drop_session(token)
+            except Exception:
+                log.exception("p2p: ending peer %s's data session failed", link.addr)
         self.results.append(PeerDown(link.addr))
 
     def _peer_restarted(self, link: PeerLink) -> None:
@@ -867,18 +986,23 @@ class PeerClient:
             return
         if p.kind == "lease" and isinstance(msg, pm.LeaseReply):
             part: _Load = p.ctx
-            if len(msg.slots) != len(part.keys):
+            d = pm.DIGEST_BYTES
+            if len(msg.slots) != len(part.keys) or len(msg.digests) != d * len(part.keys):
                 self.count("malformed_replies")
+                part.lease = msg.lease
+                self._release(part)
                 self._load_done(part, [], "bad_reply", now)
                 return
             part.lease = msg.lease
             pairs = []
             keys = []
+            digests = []
             refused: dict[bytes, str] = {}
-            for key, local, remote in zip(part.keys, part.slots, msg.slots):
+            for j, (key, local, remote) in enumerate(zip(part.keys, part.slots, msg.slots)):
                 if 0 <= remote:
                     pairs.append((local, remote))
                     keys.append(key)
+                    digests.append(msg.digests[j * d : (j + 1) * d])
                 else:  # -2: the peer's lease cap is reached now (not a verdict on the key)
                     refused[key] = "busy" if remote == pm.LEASE_BUSY else "missing"
             part.refused = refused
@@ -886,9 +1010,20 @@ class PeerClient:
                 self._release(part)
                 self._load_done(part, [], refused, now)
                 return
+            # The lease may end ttl_s after the server granted it, which was after we asked:
+            # reckoned from when we asked (part.t0), less a margin, the read must be over.
+            not_after = part.t0 + msg.ttl_s - lease_margin_s(msg.ttl_s)
+            deadline_s = min(self.transfer_deadline_s, not_after - now)
+            if deadline_s <= 0:
+                self.count("lease_expiries")
+                self._release(part)
+                self._load_done(part, [], {**refused, **dict.fromkeys(keys, LEASE_EXPIRED)}, now)
+                return
             part.ok = keys
             try:
-                part.tid = self.transfers.read(link.worker_name, pairs, self.transfer_deadline_s)
+                part.tid = self.transfers.read(
+                    link.worker_name, pairs, deadline_s, b"".join(digests), not_after
+                )
             except ValueError as e:  # e.g. a slot outside the peer's arena: nothing was sent
                 self.count("malformed_replies")
                 log.warning("p2p: peer %s leased slots that cannot be read: %s", link.addr, e)
@@ -898,14 +1033,14 @@ class PeerClient:
             self.loads[part.tid] = part
             return
         if p.kind == "offer" and isinstance(msg, pm.OfferReply):
-            job_id, keys, _slots = p.ctx
+            job_id, keys, _slots, gid, until = p.ctx
             if len(msg.accepted) != len(keys) or not any(msg.accepted):
                 reason = "bad_reply" if len(msg.accepted) != len(keys) else "refused"
                 self.pushes.pop(job_id, None)
-                self.results.append(PushDone(job_id, None, [], dict.fromkeys(keys, reason)))
+                self._end_push(gid, PushDone(job_id, None, [], dict.fromkeys(keys, reason)))
                 return
             # wait for Pulled (the receiver reads our slots); the job keeps them pinned meanwhile
-            self.pushes[job_id] = (link, keys, now + self.lease_ttl_s)
+            self.pushes[job_id] = (link, keys, until, gid)
             return
         self.count("malformed_replies")
         self._on_unanswered(link, p, now)
@@ -920,8 +1055,8 @@ class PeerClient:
         elif p.kind == "lease":
             self._load_done(p.ctx, [], "peer_down" if link.state == "down" else "timeout", now)
         elif p.kind == "offer":
-            job_id, keys, _slots = p.ctx
-            self.results.append(PushDone(job_id, None, [], dict.fromkeys(keys, "timeout")))
+            job_id, keys, _slots, gid, _until = p.ctx
+            self._end_push(gid, PushDone(job_id, None, [], dict.fromkeys(keys, "timeout")))
 
     def _on_pulled(self, link: PeerLink, msg: pm.Pulled) -> None:
         """The receiver of our offer has read it: the push job ends."""
@@ -930,16 +1065,16 @@ class PeerClient:
             self.count("unknown_replies")
             return
         del self.pushes[msg.lease]
-        _, keys, _ = push
+        _, keys, _, gid = push
         if len(msg.ok) != len(keys):
             self.count("malformed_replies")
-            self.results.append(PushDone(msg.lease, None, [], dict.fromkeys(keys, "bad_reply")))
+            self._end_push(gid, PushDone(msg.lease, None, [], dict.fromkeys(keys, "bad_reply")))
             return
         ok = [k for k, b in zip(keys, msg.ok) if b]
         failed = {k: "refused" for k, b in zip(keys, msg.ok) if not b}
         self.stat(link.addr, "push_chunks", len(ok))
         self.stat(link.addr, "push_bytes", len(ok) * self.transfers.row_bytes)
-        self.results.append(PushDone(msg.lease, link.addr, ok, failed))
+        self._end_push(gid, PushDone(msg.lease, link.addr, ok, failed))
 
     # -- loads and pushes -----------------------------------------------------------------------
 
@@ -1024,5 +1159,11 @@ class PeerClient:
             self.results.append(PushDone(job_id, None, [], dict.fromkeys(keys, "no_peer")))
             return
         best.free_quota -= len(keys)
-        offer = pm.Offer(req=0, keys=keys, lease=job_id, slots=slots)
-        self._request(best, offer, "offer", (job_id, keys, slots), now)
+        until = now + self.lease_ttl_s
+        try:
+            gid = self.transfers.grant(best.data_token, slots, until)
+        except ValueError as e:  # slots our own worker would not grant: nothing was offered
+            log.warning("p2p: a push's slots could not be granted: %s", e)
+            self.results.append(PushDone(job_id, None, [], dict.fromkeys(keys, "rejected")))
+            return
+        self.push_grants[gid] = (job_id, best, keys, slots, until)

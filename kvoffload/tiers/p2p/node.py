@@ -59,10 +59,12 @@ Frames read from a DEALER go to the client role until it closes that socket.
 When it admits an offer it asks :meth:`PeerNode.pull` to READ the pusher's slots.
 
 **Peer worker** (:mod:`.worker_handle`). Both roles use one worker through :class:`WorkerPort`,
-which names each remote agent once for both (counted: a session and pulls from the same instance
-share it). Settled transfers go to the role that started them; a refused descriptor fails the
+which names each remote agent once per session token (counted: a session and pulls on it share
+it). Settled transfers go to the role that started them, and so do answered grants and
+revocations (the serving role's leases, the client role's pushes); a refused descriptor fails the
 sessions using it; a dead worker is restarted (at most once a second), after which every session
-and the serving role's sessions start again (our descriptor changed).
+and the serving role's sessions start again (our descriptor changed). The worker's data-plane
+refusals are counted with the serving role's, as ``refused.data_<reason>``.
 
 **Node to engine.** Results (:mod:`.commands`) go into a deque the engine drains on its next
 lookup or step: verdicts, load and push results and peers down from the client role, fetched
@@ -91,7 +93,16 @@ import zmq
 from zmq.utils import z85
 
 from kvoffload.ipc import peer_messages as pm
-from kvoffload.tiers.p2p.client import Close, Open, Out, PeerClient, Restarted, Send, Trusted
+from kvoffload.tiers.p2p.client import (
+    Close,
+    Open,
+    Out,
+    PeerClient,
+    Restarted,
+    Send,
+    Trusted,
+    lease_margin_s,
+)
 from kvoffload.tiers.p2p.commands import Command, Result
 
 log = logging.getLogger("kvoffload.p2p")
@@ -124,12 +135,15 @@ _MONITOR_EVENTS = (
 
 class WorkerPort:
     """The peer worker as the roles use it (the client role's
-    :class:`~kvoffload.tiers.p2p.client.Transfers`): one worker name per remote agent, counted
-    per user, added on first use and removed by the last. Node thread only."""
+    :class:`~kvoffload.tiers.p2p.client.Transfers`, through :meth:`role`): one worker name per
+    remote agent and session token, counted per user, added on first use and removed by the last;
+    grants remembered per role, so that their answers go back to the role that asked. Node thread
+    only."""
 
     def __init__(self, worker: Any):
         self.worker = worker
         self.agents: dict[str, int] = {}  # worker peer name -> links and pulls using it
+        self.owners: dict[int, str] = {}  # grant id -> "client" | "server"
 
     @property
     def descriptor(self) -> bytes | None:
@@ -141,16 +155,18 @@ class WorkerPort:
         """Bytes per arena row."""
         return self.worker.row_bytes
 
-    def acquire_peer(self, descriptor: bytes) -> str:
-        """The worker's name for the instance behind ``descriptor``, added on first use.
+    def acquire_peer(self, descriptor: bytes, token: bytes) -> str:
+        """The worker's name for the instance behind ``descriptor`` reached with session data
+        ``token``, added on first use.
 
         Raises:
-            TransportError, ValueError: a descriptor the worker cannot use.
+            TransportError, ValueError: a descriptor or token the worker cannot use.
         """
-        name = "peer#" + hashlib.blake2b(descriptor, digest_size=8).hexdigest()
+        h = hashlib.blake2b(descriptor, digest_size=8, key=token[:64])
+        name = "peer#" + h.hexdigest()
         n = self.agents.get(name, 0)
         if n == 0:
-            self.worker.add_peer(name, descriptor)
+            self.worker.add_peer(name, descriptor, token)
         self.agents[name] = n + 1
         return name
 
@@ -164,9 +180,52 @@ class WorkerPort:
         else:
             self.agents[name] = n - 1
 
-    def read(self, name: str, pairs: list[tuple[int, int]], deadline_s: float) -> int:
+    def read(
+        self,
+        name: str,
+        pairs: list[tuple[int, int]],
+        deadline_s: float,
+        digests: bytes,
+        not_after: float,
+    ) -> int:
         """:meth:`~kvoffload.tiers.p2p.worker_handle.PeerWorkerHandle.read`."""
-        return self.worker.read(name, pairs, deadline_s)
+        return self.worker.read(name, pairs, deadline_s, digests=digests, not_after=not_after)
+
+    def add_session(self, token: bytes) -> None:
+        """:meth:`~kvoffload.tiers.p2p.worker_handle.PeerWorkerHandle.add_session`."""
+        self.worker.add_session(token)
+
+    def drop_session(self, token: bytes) -> None:
+        """:meth:`~kvoffload.tiers.p2p.worker_handle.PeerWorkerHandle.drop_session`."""
+        self.worker.drop_session(token)
+
+    def grant(self, token: bytes, slots: list[int], until: float, owner: str = "client") -> int:
+        """:meth:`~kvoffload.tiers.p2p.worker_handle.PeerWorkerHandle.grant`, for ``owner``."""
+        gid = self.worker.grant(token, slots, until)
+        self.owners[gid] = owner
+        return gid
+
+    def revoke(self, gid: int) -> None:
+        """:meth:`~kvoffload.tiers.p2p.worker_handle.PeerWorkerHandle.revoke`."""
+        self.worker.revoke(gid)
+
+    def role(self, owner: str) -> _RolePort:
+        """This port as the ``owner`` role's grants (``"client"`` or ``"server"``)."""
+        return _RolePort(self, owner)
+
+
+class _RolePort:
+    """A :class:`WorkerPort` whose grants are remembered as one role's."""
+
+    def __init__(self, port: WorkerPort, owner: str):
+        self.port = port
+        self.owner = owner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.port, name)
+
+    def grant(self, token: bytes, slots: list[int], until: float) -> int:
+        return self.port.grant(token, slots, until, self.owner)
 
 
 class PeerNode(threading.Thread):
@@ -190,6 +249,8 @@ class PeerNode(threading.Thread):
         server_free_quota: chunks the serving role would admit now.
         locations: the :class:`~kvoffload.tiers.p2p.locations.PeerLocations`, or None; this
             thread owns it once started.
+        port: the :class:`WorkerPort` over ``worker`` the serving role was given (default: a
+            new one).
 
     Raises:
         zmq.ZMQError: ``bind`` cannot be bound (nothing is left open).
@@ -218,18 +279,19 @@ class PeerNode(threading.Thread):
         max_request_peers: int = 16,
         max_half_open: int = 64,
         max_half_open_per_source: int = 8,
+        port: WorkerPort | None = None,
     ):
         super().__init__(name="kvoffload-p2p-node", daemon=True)
         self.ctx = ctx
         self.server = server
         self.worker = worker
-        self.port = WorkerPort(worker)
+        self.port = port if port is not None else WorkerPort(worker)
         self.count = count
         self.commands: deque[Command] = deque()
         self.results: deque[Result] = deque()
         self.locations = locations  # PeerLocations, owned by this thread once it starts
         self.client = PeerClient(
-            transfers=self.port,
+            transfers=self.port.role("client"),
             incarnation=incarnation,
             namespace_id=namespace_id,
             secret=secret,
@@ -686,14 +748,33 @@ class PeerNode(threading.Thread):
         except zmq.ZMQError:
             self.count("unsent_replies")
 
-    def pull(self, ident: bytes, descriptor: bytes, lease: int, pairs: list[tuple[int, int]]):
-        """The serving role admitted an offer: read the pusher's leased slots into ours."""
+    def pull(
+        self,
+        ident: bytes,
+        descriptor: bytes,
+        token: bytes,
+        lease: int,
+        pairs: list[tuple[int, int]],
+        digests: bytes,
+        ttl_s: float,
+    ) -> None:
+        """The serving role admitted an offer: read the pusher's granted slots into ours, each
+        checked against ``digests``, over before the pusher's grant of ``ttl_s`` may end."""
+        now = time.monotonic()
+        not_after = now + ttl_s - lease_margin_s(ttl_s)
+        deadline_s = min(self.transfer_deadline_s, not_after - now)
+        if deadline_s <= 0:
+            raise ValueError(f"the offer's grant ({ttl_s:.3f} s) ends before a pull could")
         try:
-            name = self.port.acquire_peer(descriptor)
+            name = self.port.acquire_peer(descriptor, token)
         except Exception as e:
             log.warning("p2p: cannot pull an offer from a peer: %s", e)
             raise  # the server frees the admitted slots and answers the offer as not accepted
-        tid = self.worker.read(name, pairs, self.transfer_deadline_s)
+        try:
+            tid = self.worker.read(name, pairs, deadline_s, digests=digests, not_after=not_after)
+        except Exception:
+            self.port.release_peer(name)
+            raise
         self.pulls[tid] = (ident, lease, len(pairs), name)
 
     # -- worker -------------------------------------------------------------------------------
@@ -714,16 +795,30 @@ class PeerNode(threading.Thread):
             self._apply(self.client.worker_restarted(now), now)
             if self.server is not None:
                 self.server.close()  # peers hold our old descriptor: their sessions start again
-        for tid, state, reason in results:
+        for tid, state, reason, bad in results:
             done = state.name == "DONE"
             pull = self.pulls.pop(tid, None)
             if pull is None:
-                self._apply(self.client.transfer_settled(tid, done, reason, now), now)
+                self._apply(self.client.transfer_settled(tid, done, reason, now, bad), now)
             elif self.server is not None:
                 ident, lease, n, name = pull
                 self.port.release_peer(name)
-                for to, out in self.server.pull_settled(ident, lease, [done] * n):
+                ok = [done and i not in bad for i in range(n)]
+                for to, out in self.server.pull_settled(ident, lease, ok, len(bad) if done else 0):
                     self._route(to, out)
+        owners = self.port.owners
+        for gid, digests in worker.take_granted():
+            if owners.get(gid) == "server" and self.server is not None:
+                for to, out in self.server.granted(gid, digests, now):
+                    self._route(to, out)
+            else:
+                self._apply(self.client.granted(gid, digests, now), now)
+        for gid in worker.take_revoked():
+            if owners.pop(gid, None) == "server" and self.server is not None:
+                for to, out in self.server.revoked(gid, now):
+                    self._route(to, out)
+            else:
+                self._apply(self.client.revoked(gid, now), now)
 
     # -- timers -------------------------------------------------------------------------------
 
@@ -740,4 +835,7 @@ class PeerNode(threading.Thread):
                 self.authenticated_peers = self.server.authenticated_peers()
             if now >= self._counters_at:
                 self._counters_at = now + 0.25
-                self.server_counters = self.server.counters
+                counters = self.server.counters
+                for reason, n in self.worker.refused.items():
+                    counters[f"refused.data_{reason}"] = n
+                self.server_counters = counters

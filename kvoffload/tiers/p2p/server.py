@@ -36,19 +36,33 @@ address, refused ``identity_collision`` (logged with both incarnations and sourc
 session and its leases stay. A peer advertising one of this instance's own :attr:`addresses`
 claims this instance's identity: refused ``identity_collision`` too.
 
-Leases: each Lease message is one holder of pins in the manager (``lease:<id>``), released by the
-client's Release, at its expiry (``min(ttl_s, max_lease_s)``), when its session goes silent for
-``peer_timeout_s``, or when the same instance (same ``advertise``) comes back with a new
-incarnation after its old session is gone (a restart: its transfers died with it). A reconnect of
-the same incarnation keeps its leases. At most ``max_leased_chunks`` host slots are leased to peers
-at once, so peers can never pin the whole host tier.
+Leases: each Lease message is one holder of pins in the manager (``lease:<id>``), granted to the
+session on this instance's data plane (:class:`Grants`: the peer worker's data server serves the
+session only those slots, until the lease's end, and returns their digests, which the LeaseReply
+carries with the lifetime granted; the reply waits for them, so no read races its grant). A lease
+ends at the client's Release, at its expiry (``min(ttl_s, max_lease_s)``: the server decides),
+when its session goes silent for ``peer_timeout_s``, or when the same instance (same ``advertise``)
+comes back with a new incarnation after its old session is gone (a restart: its transfers died
+with it); its pins are released
+only once the worker has acknowledged the grant's revocation (no row of it will be sent any more).
+A reconnect of the same incarnation keeps its leases. At most ``max_leased_chunks`` host slots are
+leased to peers at once, so peers can never pin the whole host tier.
+
+Fair shares (CASES C46): each session may hold at most ``max_leased_chunks // sessions`` chunks
+(all of them while it is the only session); a Lease asking more gets ``LEASE_BUSY`` for the rest.
+A Lease that fits its session's share but not the cap waits (at most ``peer_timeout_s / 2``) for
+room: leases of sessions above their share that are unreleased past ``stale_lease_s`` (a reader
+releases as soon as its read settles, so these are held without reading) are taken back for it,
+oldest first, and other sessions' releases and expiries free room too; then it is served with
+what fits.
 
 Lookups start promotions from this instance's own tiers (CASES C18) for at most
 ``max_leased_chunks`` chunks at once; beyond that a chunk found there is PENDING until they land.
 
 Pushes (a push is a pull the receiver performs): an Offer is admitted within ``quota_chunks``
 (per server: chunks being pulled plus pushed chunks still in the host tier, until they are
-evicted), slots are reserved WRITING (``manager.admit``), and the node is asked to pull them. The
+evicted), slots are reserved WRITING (``manager.admit``), and the node is asked to pull them,
+checking each against the Offer's digests before the pusher's grant ends. The
 slots stay reserved until the node reports the READ settled (:meth:`PeerServer.pull_settled`),
 even when the pushing session is gone: a late write never lands in a reused slot.
 
@@ -60,9 +74,9 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvoffload.ipc import peer_messages as pm
 
@@ -101,6 +115,35 @@ no transport descriptor yet (the peer worker is starting), the session table ful
 session, a bug (logged)."""
 
 
+MAX_LEASE_WAITERS = 64
+"""Lease requests waiting at once for leases taken back from peers over their share; more are
+answered at once with what fits."""
+
+
+class Grants(Protocol):
+    """This instance's peer worker as the serving role uses it (the node's, over
+    :class:`~kvoffload.tiers.p2p.worker_handle.PeerWorkerHandle`). Every call answers at once;
+    :meth:`grant` is answered later through :meth:`PeerServer.granted`, :meth:`revoke` through
+    :meth:`PeerServer.revoked`."""
+
+    def add_session(self, token: bytes) -> None:
+        """Accept data connections proving ``token``."""
+        ...
+
+    def drop_session(self, token: bytes) -> None:
+        """Close ``token``'s data connections; serve none of its grants any more."""
+        ...
+
+    def grant(self, token: bytes, slots: list[int], until: float) -> int:
+        """Let ``token``'s session read ``slots`` until ``until`` (the clock of ``now``): the
+        grant's id."""
+        ...
+
+    def revoke(self, gid: int) -> None:
+        """End grant ``gid``."""
+        ...
+
+
 class _Handshake:
     __slots__ = ("hello", "challenge", "since", "source")
 
@@ -112,16 +155,38 @@ class _Handshake:
 
 
 class _Lease:
-    __slots__ = ("holder", "expires", "chunks", "kv_request_id", "keys")
+    __slots__ = (
+        "holder",
+        "expires",
+        "chunks",
+        "kv_request_id",
+        "keys",
+        "req",
+        "slots",
+        "since",
+        "gid",
+    )
 
     def __init__(
-        self, holder: str, expires: float, chunks: int, kv_request_id: str, keys: list[bytes]
+        self,
+        holder: str,
+        expires: float,
+        chunks: int,
+        kv_request_id: str,
+        keys: list[bytes],
+        req: int,
+        slots: list[int],
+        since: float,
     ):
         self.holder = holder
         self.expires = expires
         self.chunks = chunks
         self.kv_request_id = kv_request_id
         self.keys = keys  # the leased keys, kept only for a lease naming a kv_request_id
+        self.req = req  # the Lease's request id, for the reply sent once granted
+        self.slots = slots  # the reply's slots (-1 / LEASE_BUSY for keys not leased)
+        self.since = since  # when it was granted
+        self.gid = -1  # its grant in the peer worker
 
 
 class _Session:
@@ -133,11 +198,18 @@ class _Session:
         "last_seen",
         "leases",
         "name",
+        "data_token",
         "source",
     )
 
     def __init__(
-        self, identity: bytes, hello: pm.Hello, descriptor: bytes, now: float, source: str = ""
+        self,
+        identity: bytes,
+        hello: pm.Hello,
+        descriptor: bytes,
+        now: float,
+        data_token: bytes,
+        source: str = "",
     ) -> None:
         self.identity = identity
         self.incarnation = hello.incarnation
@@ -147,6 +219,11 @@ class _Session:
         self.leases: dict[int, _Lease] = {}
         self.name = f"peer:{hello.advertise}:{hello.incarnation.hex()}"
         self.source = source  # the address its connection comes from (for logs), "" unknown
+        self.data_token = data_token  # its data connections prove it; its leases are granted to it
+
+    def held(self) -> int:
+        """Chunks this session holds leased now."""
+        return sum(lease.chunks for lease in self.leases.values())
 
 
 class _Pull:
@@ -176,16 +253,22 @@ class PeerServer:
             known only once bound; none refuses every Hello.
         descriptor: returns this instance's transport descriptor, or None while the peer worker
             has not reported one (an Auth is then refused ``not_ready``; the client retries).
-        pull: ``pull(identity, client_descriptor, lease, pairs)`` asks the node to READ
-            ``pairs`` (``[(local_slot, remote_slot)]``) from the client's leased slots; the node
-            answers later with :meth:`pull_settled`. If it raises, the admitted slots are freed
-            and the offer is answered as not accepted.
+        grants: this instance's peer worker's grants (:class:`Grants`); answered through
+            :meth:`granted` and :meth:`revoked`.
+        pull: ``pull(identity, client_descriptor, data_token, lease, pairs, digests, ttl_s)`` asks
+            the node to READ ``pairs`` (``[(local_slot, remote_slot)]``) from the client's granted
+            slots, checking each against ``digests``, within ``ttl_s``; the node answers later
+            with :meth:`pull_settled`. If it raises, the admitted slots are freed and the offer
+            is answered as not accepted.
         quota_chunks: chunks this server admits from all peers' offers (0: no pushes).
         heartbeat_s: how often clients are asked to send a heartbeat (seconds, in Welcome).
         peer_timeout_s: a session (or handshake) silent this long is dropped (seconds).
         max_lease_s: the longest lease granted, whatever a Lease asks (seconds).
         max_leased_chunks: host slots leased to peers at once (default: half the host tier);
-            also the most chunks promoted for peers' lookups at once.
+            also the most chunks promoted for peers' lookups at once. Each session may hold at
+            most its share of them (see the module docstring).
+        stale_lease_s: a lease unreleased this long is held without reading: the first taken
+            back when another peer needs room (seconds; the tier's ``transfer_deadline_s``).
         max_sessions: authenticated sessions at once (more are refused ``busy``).
         max_handshakes: handshakes in progress at once (when full, the oldest of the source
             holding most goes).
@@ -208,12 +291,14 @@ class PeerServer:
         incarnation: bytes,
         addresses: Iterable[str] = (),
         descriptor: Callable[[], bytes | None],
-        pull: Callable[[bytes, bytes, int, list[tuple[int, int]]], None],
+        grants: Grants,
+        pull: Callable[[bytes, bytes, bytes, int, list[tuple[int, int]], bytes, float], None],
         quota_chunks: int = 0,
         heartbeat_s: float = 0.5,
         peer_timeout_s: float = 2.0,
         max_lease_s: float = 30.0,
         max_leased_chunks: int | None = None,
+        stale_lease_s: float = 2.0,
         max_sessions: int = 64,
         max_handshakes: int = 64,
         max_handshakes_per_source: int = 8,
@@ -232,6 +317,7 @@ class PeerServer:
         #: ``host:port`` names this instance is dialed at; the first is its advertise address.
         self.addresses: tuple[str, ...] = tuple(dict.fromkeys(addresses))
         self._descriptor = descriptor
+        self._grants = grants
         self._pull = pull
         self.quota_chunks = max(0, quota_chunks)
         self.heartbeat_s = heartbeat_s
@@ -241,6 +327,7 @@ class PeerServer:
         self.max_leased_chunks = (
             max(1, slots // 2) if max_leased_chunks is None else max(0, max_leased_chunks)
         )
+        self.stale_lease_s = stale_lease_s
         self.max_sessions = max_sessions
         self.max_handshakes = max(1, max_handshakes)
         self.max_handshakes_per_source = max(1, max_handshakes_per_source)
@@ -256,7 +343,10 @@ class PeerServer:
         self._pulls: dict[tuple[bytes, int], _Pull] = {}
         self._pushed: dict[bytes, int] = {}  # pushed chunk -> its host slot, until evicted
         self._pulling = 0  # chunks admitted and being pulled
-        self._leased = 0  # host slots leased to peers now
+        self._leased = 0  # host slots leased to peers now (pinned: until revocations end)
+        self._granting: dict[int, tuple[bytes, int]] = {}  # gid -> (identity, lease) to answer
+        self._revoking: dict[int, _Lease] = {}  # gid -> lease whose pins go once it is revoked
+        self._waiters: deque[tuple[bytes, pm.Lease, float]] = deque()  # (identity, Lease, since)
         self._ids = itertools.count(1)
         #: Refusals by reason (:data:`REFUSALS`).
         self.refused: dict[str, int] = dict.fromkeys(REFUSALS, 0)
@@ -268,12 +358,16 @@ class PeerServer:
                 "leases_granted",
                 "chunks_leased",
                 "lease_expiries",
+                "leases_reclaimed",  # taken back from a peer over its share for another (C46)
+                "lease_waits",  # Lease requests that waited for leases taken back
+                "grants_refused",  # leases the peer worker could not grant (answered not leased)
                 "unknown_releases",  # a Release of no lease this session holds
                 "chunks_offered",
                 "bytes_offered",
                 "chunks_admitted",
                 "chunks_pulled",  # admitted, pulled and published
                 "pull_failures",  # admitted, pull failed: freed
+                "pull_digest_mismatches",  # of those, pulled bytes that failed their digest
                 "bad_offers",  # keys and slots of different lengths, a lease offered twice
                 "unknown_pulls",  # pull_settled of no pull in flight
                 "session_timeouts",
@@ -299,6 +393,7 @@ class PeerServer:
             handshakes=len(self._handshakes),
             leases_held=sum(len(s.leases) for s in self._sessions.values()),
             chunks_leased_now=self._leased,
+            leases_revoking=len(self._revoking),
             chunks_pulling=self._pulling,
             chunks_pushed_held=len(self._pushed),
             free_quota=self.quota_chunks - self._pulling - len(self._pushed),
@@ -322,6 +417,7 @@ class PeerServer:
         """The earliest time (the clock of ``now``) at which :meth:`tick` has something to
         expire, or None."""
         times = [h.since + self.peer_timeout_s for h in self._handshakes.values()]
+        times.extend(since + self.peer_timeout_s / 2 for _, _, since in self._waiters)
         for s in self._sessions.values():
             times.append(s.last_seen + self.peer_timeout_s)
             times.extend(lease.expires for lease in s.leases.values())
@@ -381,7 +477,7 @@ class PeerServer:
         if isinstance(msg, pm.Lookup):
             return [(identity, pm.encode(self._lookup(session, msg)))]
         if isinstance(msg, pm.Lease):
-            return [(identity, pm.encode(self._lease(session, msg, now)))]
+            return self._lease(session, msg, now)
         if isinstance(msg, pm.Release):
             self._release(session, msg.lease, fetched=True)
             return []
@@ -407,6 +503,7 @@ class PeerServer:
         if session is not None:
             self.session_changes += 1
             self._drop_leases(session)
+            self._grants.drop_session(session.data_token)
 
     def _drop_handshake(self, identity: bytes) -> _Handshake | None:
         hs = self._handshakes.pop(identity, None)
@@ -419,10 +516,8 @@ class PeerServer:
         return hs
 
     def _drop_leases(self, session: _Session) -> None:
-        for lease in session.leases.values():
-            self.manager.release(lease.holder)
-            self._leased -= lease.chunks
-        session.leases.clear()
+        for lease_id in list(session.leases):
+            self._end_lease(session, lease_id)
 
     # -- handshake ------------------------------------------------------------------------------
 
@@ -480,25 +575,28 @@ class PeerServer:
             del self._sessions[other.identity]
             self.session_changes += 1
             if other.incarnation == hello.incarnation:  # a reconnect: its leases go on
-                adopted.update(other.leases)
+                adopted.update(other.leases)  # (releasable; their reads died with the old one)
             else:  # a restart (the old session is gone or silent): its transfers died with it
                 self._counts["restarts"] += 1
                 self._drop_leases(other)
-        if len(self._sessions) >= self.max_sessions:
-            for lease in adopted.values():
-                self.manager.release(lease.holder)
-                self._leased -= lease.chunks
-            return self._refuse(identity, "busy")
-        session = _Session(identity, hello, auth.descriptor, now, hs.source)
+            self._grants.drop_session(other.data_token)
+        token = self._random(pm.TOKEN_BYTES)
+        session = _Session(identity, hello, auth.descriptor, now, token, hs.source)
         session.leases.update(adopted)
+        if len(self._sessions) >= self.max_sessions:
+            self._drop_leases(session)
+            return self._refuse(identity, "busy")
         self._sessions[identity] = session
         self.session_changes += 1
+        self._grants.add_session(session.data_token)
         log.info(
             "kvoffload p2p: peer %s (incarnation %s) authenticated",
             hello.advertise,
             hello.incarnation.hex()[:8],
         )
-        welcome = pm.Welcome(mine, self.heartbeat_s, self.free_quota(), pm.ZERO_MAC)
+        welcome = pm.Welcome(
+            mine, self.heartbeat_s, self.free_quota(), session.data_token, pm.ZERO_MAC
+        )
         welcome.mac = pm.handshake_mac(self._key, "welcome", hello, hs.challenge, auth, welcome)
         return [(identity, pm.encode(welcome))]
 
@@ -554,34 +652,175 @@ class PeerServer:
         c["pending_served"] += states.count(pm.PENDING)
         return pm.LookupReply(msg.req, states)
 
-    def _lease(self, session: _Session, msg: pm.Lease, now: float) -> pm.LeaseReply:
+    def _share(self) -> int:
+        """Chunks one session may hold leased: the cap divided among the sessions (C46)."""
+        return max(1, self.max_leased_chunks // max(1, len(self._sessions)))
+
+    def _lease(self, session: _Session, msg: pm.Lease, now: float) -> list[Reply]:
+        """Grant what fits of ``msg`` now, or, when the cap is reached and the session is below
+        its share, wait for leases taken back from sessions over theirs; the reply goes once the
+        worker has granted the slots (:meth:`granted`)."""
+        if self._room_short(session, msg) > 0 and len(self._waiters) < MAX_LEASE_WAITERS:
+            self._counts["lease_waits"] += 1
+            self._waiters.append((session.identity, msg, now))
+            return self._serve_waiters(now)
+        return self._grant_lease(session, msg, now)
+
+    def _room_short(self, session: _Session, msg: pm.Lease) -> int:
+        """Chunks of ``msg`` that fit ``session``'s share but not the cap now (0: none)."""
+        own_room = self._share() - session.held()
+        cap_room = self.max_leased_chunks - self._leased
+        return max(0, min(len(msg.keys), own_room) - max(0, cap_room))
+
+    def _reclaim(self, asker: _Session, need: int, now: float) -> None:
+        """Revoke leases held past ``stale_lease_s`` by sessions over their share (held without
+        reading: a reader releases as soon as its read settles), oldest first, until ``need``
+        chunks are coming back (counting the revocations already under way)."""
+        need -= sum(lease.chunks for lease in self._revoking.values())
+        if need <= 0:
+            return
+        share = self._share()
+        over = {
+            s.identity: s.held() - share
+            for s in self._sessions.values()
+            if s is not asker and s.held() > share
+        }
+        stale = sorted(
+            (lease.since, lease_id, s)
+            for s in self._sessions.values()
+            if s.identity in over
+            for lease_id, lease in s.leases.items()
+            if now - lease.since >= self.stale_lease_s
+        )
+        for _since, lease_id, s in stale:
+            if need <= 0:
+                return
+            if over[s.identity] <= 0:
+                continue
+            lease = s.leases[lease_id]
+            over[s.identity] -= lease.chunks
+            need -= lease.chunks
+            self._counts["leases_reclaimed"] += 1
+            self._end_lease(s, lease_id)
+
+    def _grant_lease(self, session: _Session, msg: pm.Lease, now: float) -> list[Reply]:
         lease_id = next(self._ids)
         keys = msg.keys
-        take = keys[: max(0, self.max_leased_chunks - self._leased)]
+        room = min(self._share() - session.held(), self.max_leased_chunks - self._leased)
+        take = keys[: max(0, room)]
         holder = f"lease:{lease_id}"
         slots = self.manager.lease(take, holder) if take else []
         slots += [pm.LEASE_BUSY] * (len(keys) - len(take))
-        pinned = sum(1 for s in slots if s >= 0)
-        if pinned:
-            ttl = min(msg.ttl_s, self.max_lease_s)
-            kvr = msg.kv_request_id
-            leased = [k for k, s in zip(keys, slots) if s >= 0] if kvr else []
-            session.leases[lease_id] = _Lease(holder, now + ttl, pinned, kvr, leased)
-            self._leased += pinned
-            self._counts["leases_granted"] += 1
-            self._counts["chunks_leased"] += pinned
-        return pm.LeaseReply(msg.req, lease_id, slots)
+        pinned = [s for s in slots if s >= 0]
+        if not pinned:
+            digests = bytes(pm.DIGEST_BYTES * len(slots))
+            return [
+                (session.identity, pm.encode(pm.LeaseReply(msg.req, lease_id, slots, 0.0, digests)))
+            ]
+        ttl = min(msg.ttl_s, self.max_lease_s)  # the server decides, whatever the reader asks
+        kvr = msg.kv_request_id
+        leased = [k for k, s in zip(keys, slots) if s >= 0] if kvr else []
+        lease = _Lease(holder, now + ttl, len(pinned), kvr, leased, msg.req, slots, now)
+        session.leases[lease_id] = lease
+        self._leased += len(pinned)
+        self._counts["leases_granted"] += 1
+        self._counts["chunks_leased"] += len(pinned)
+        lease.gid = self._grants.grant(session.data_token, pinned, now + ttl)
+        self._granting[lease.gid] = (session.identity, lease_id)
+        return []
+
+    def granted(self, gid: int, digests: bytes | None, now: float) -> list[Reply]:
+        """The peer worker has granted ``gid`` (``digests``: one per granted slot, in order) or
+        could not (None): the LeaseReply for its lease (none when the lease ended meanwhile, or
+        the grant is not one of this role's). Never raises."""
+        try:
+            ref = self._granting.pop(gid, None)
+            if ref is None:
+                return []
+            identity, lease_id = ref
+            session = self._sessions.get(identity)
+            lease = session.leases.get(lease_id) if session is not None else None
+            if session is None or lease is None:
+                return []
+            slots = lease.slots
+            pinned = sum(1 for s in slots if s >= 0)
+            if digests is None or len(digests) != pm.DIGEST_BYTES * pinned:
+                self._counts["grants_refused"] += 1
+                self._end_lease(session, lease_id)
+                reply = pm.LeaseReply(
+                    lease.req,
+                    lease_id,
+                    [-1 if s >= 0 else s for s in slots],
+                    0.0,
+                    bytes(pm.DIGEST_BYTES * len(slots)),
+                )
+                return [(identity, pm.encode(reply))]
+            out = bytearray(pm.DIGEST_BYTES * len(slots))
+            it = iter(range(0, len(digests), pm.DIGEST_BYTES))
+            for j, s in enumerate(slots):
+                if s >= 0:
+                    i = next(it)
+                    out[j * pm.DIGEST_BYTES : (j + 1) * pm.DIGEST_BYTES] = digests[
+                        i : i + pm.DIGEST_BYTES
+                    ]
+            left = max(0.0, lease.expires - now)
+            reply = pm.LeaseReply(lease.req, lease_id, slots, left, bytes(out))
+            return [(identity, pm.encode(reply))]
+        except Exception:
+            log.exception("kvoffload p2p: answering a granted lease failed")
+            self._counts["internal_errors"] += 1
+            return []
+
+    def revoked(self, gid: int, now: float) -> list[Reply]:
+        """The peer worker will send no row of grant ``gid`` any more: its lease's pins go, and
+        Lease requests waiting for room are served. Never raises."""
+        try:
+            lease = self._revoking.pop(gid, None)
+            if lease is None:
+                return []
+            self.manager.release(lease.holder)
+            self._leased -= lease.chunks
+            return self._serve_waiters(now)
+        except Exception:
+            log.exception("kvoffload p2p: releasing a revoked lease failed")
+            self._counts["internal_errors"] += 1
+            return []
+
+    def _serve_waiters(self, now: float) -> list[Reply]:
+        """Serve the Lease requests waiting for room, in order: each once its chunks fit, or once
+        it has waited ``peer_timeout_s / 2`` (then with what fits: the client gives up on an
+        answer after ``peer_timeout_s``). Meanwhile stale leases of sessions over their share are
+        taken back for it."""
+        out: list[Reply] = []
+        while self._waiters:
+            identity, msg, since = self._waiters[0]
+            session = self._sessions.get(identity)
+            if session is not None:
+                short = self._room_short(session, msg)
+                if short > 0 and now - since < self.peer_timeout_s / 2:
+                    self._reclaim(session, short, now)
+                    break
+                out.extend(self._grant_lease(session, msg, now))
+            self._waiters.popleft()
+        return out
 
     def _release(self, session: _Session, lease_id: int, fetched: bool = False) -> None:
-        lease = session.leases.pop(lease_id, None)
+        lease = session.leases.get(lease_id)
         if lease is None:
             self._counts["unknown_releases"] += 1
             return
-        self.manager.release(lease.holder)
-        self._leased -= lease.chunks
+        self._end_lease(session, lease_id)
         if fetched and lease.kv_request_id and self._on_fetched is not None:
             # a decoder released what it read for kv_request_id: the prefill's hold may end
             self._on_fetched(lease.kv_request_id, lease.keys)
+
+    def _end_lease(self, session: _Session, lease_id: int) -> None:
+        """The lease ends: its grant is revoked; its pins go once that is acknowledged
+        (:meth:`revoked`)."""
+        lease = session.leases.pop(lease_id)
+        self._granting.pop(lease.gid, None)
+        self._revoking[lease.gid] = lease
+        self._grants.revoke(lease.gid)
 
     # -- pushes ---------------------------------------------------------------------------------
 
@@ -592,7 +831,9 @@ class PeerServer:
         c["chunks_offered"] += len(keys)
         c["bytes_offered"] += len(keys) * self._row_bytes
         pull_id = (session.identity, msg.lease)
-        if len(remote) != len(keys) or pull_id in self._pulls:
+        digests = msg.digests
+        bad_shape = len(remote) != len(keys) or len(digests) != pm.DIGEST_BYTES * len(keys)
+        if bad_shape or pull_id in self._pulls:
             c["bad_offers"] += 1
             return pm.OfferReply(msg.req, bytes(accepted))
         free = self.free_quota()
@@ -606,8 +847,18 @@ class PeerServer:
         if not pairs:
             return pm.OfferReply(msg.req, bytes(accepted))
         pulled = [keys[j] for j in positions]
+        d = pm.DIGEST_BYTES
+        wanted_digests = b"".join(digests[j * d : (j + 1) * d] for j in positions)
         try:
-            self._pull(session.identity, session.descriptor, msg.lease, pairs)
+            self._pull(
+                session.identity,
+                session.descriptor,
+                session.data_token,
+                msg.lease,
+                pairs,
+                wanted_digests,
+                msg.ttl_s,
+            )
         except Exception:
             log.exception("kvoffload p2p: starting a pull from %s failed", session.advertise)
             self.manager.commit(pulled, holder, False)
@@ -620,17 +871,20 @@ class PeerServer:
             accepted[j] = 1
         return pm.OfferReply(msg.req, bytes(accepted))
 
-    def pull_settled(self, identity: bytes, lease: int, ok: Sequence[bool]) -> list[Reply]:
+    def pull_settled(
+        self, identity: bytes, lease: int, ok: Sequence[bool], mismatched: int = 0
+    ) -> list[Reply]:
         """The node's READ of the pull it was asked for ``(identity, lease)`` has SETTLED: ``ok``
-        one flag per pair it was given (a shorter list fails the rest). Publishes the chunks
-        read, frees the others' slots, and returns the ``Pulled`` message for the pusher (none
-        when its session is gone, or for a pull not in flight: counted ``unknown_pulls``).
-        Never raises."""
+        one flag per pair it was given (a shorter list fails the rest); ``mismatched`` of the
+        failures were rows that did not match their digest. Publishes the chunks read, frees the
+        others' slots, and returns the ``Pulled`` message for the pusher (none when its session
+        is gone, or for a pull not in flight: counted ``unknown_pulls``). Never raises."""
         try:
             p = self._pulls.pop((identity, lease), None)
             if p is None:
                 self._counts["unknown_pulls"] += 1
                 return []
+            self._counts["pull_digest_mismatches"] += mismatched
             self._pulling -= len(p.keys)
             flags = [bool(x) for x in ok[: len(p.keys)]]
             flags += [False] * (len(p.keys) - len(flags))
@@ -676,8 +930,10 @@ class PeerServer:
                     out.extend(self._refuse(session.identity, "timeout"))
                     continue
                 for lease_id in [i for i, x in session.leases.items() if x.expires <= now]:
-                    self._release(session, lease_id)
+                    self._end_lease(session, lease_id)
                     self._counts["lease_expiries"] += 1
+            if self._waiters:
+                out.extend(self._serve_waiters(now))
             if self.manager.serving_promotions():
                 self.manager.poll()
             return out
@@ -687,9 +943,11 @@ class PeerServer:
             return []
 
     def close(self) -> None:
-        """Drop every session and release every lease. Pulls in flight keep their slots
-        reserved until :meth:`pull_settled` (a READ may still write them)."""
+        """Drop every session and revoke every lease (its pins go once :meth:`revoked`). Pulls
+        in flight keep their slots reserved until :meth:`pull_settled` (a READ may still write
+        them)."""
         for identity in list(self._sessions):
             self._forget(identity)
         self._handshakes.clear()
         self._per_source.clear()
+        self._waiters.clear()

@@ -156,9 +156,10 @@ class P2PTier(SecondaryTierManager):
         ),
         Counter(
             "kvoffload_p2p_refused_messages",
-            "Control messages this instance refused, by reason (unauthenticated, bad_mac, "
-            "malformed, too_large, namespace, version, reflection, misrouted, "
-            "identity_collision, ...).",
+            "Control messages and data-plane connections or requests (reasons data_*: "
+            "data_unauthenticated, data_not_granted, data_write, data_flood, ...) this instance "
+            "refused, by reason (unauthenticated, bad_mac, malformed, too_large, namespace, "
+            "version, reflection, misrouted, identity_collision, ...).",
             ("tier", "reason"),
         ),
         Counter(
@@ -245,6 +246,7 @@ class P2PTier(SecondaryTierManager):
     def attach(self, manager: Any) -> None:
         """Join ``manager`` (a :class:`~kvoffload.tiering.TieringManager`): start the peer worker,
         the serving role over its host tier, and the node thread."""
+        from kvoffload.tiers.p2p.node import WorkerPort
         from kvoffload.tiers.p2p.server import PeerServer
         from kvoffload.tiers.p2p.worker_handle import PeerWorkerHandle
         from kvoffload.workers.p2p_transport import TransportConfig
@@ -267,6 +269,7 @@ class P2PTier(SecondaryTierManager):
             ),
         )
         port = cfg.port + getattr(manager, "data_parallel_rank", 0) if cfg.port else 0
+        worker_port = WorkerPort(self._worker)
         self._server = PeerServer(
             manager,
             secret=self._secret,
@@ -280,6 +283,8 @@ class P2PTier(SecondaryTierManager):
             max_handshakes=cfg.max_handshakes,
             max_handshakes_per_source=cfg.max_handshakes_per_source,
             reachable=lambda ident: self._node.reachable(ident) if self._node else True,
+            stale_lease_s=cfg.transfer_deadline_s,
+            grants=worker_port.role("server"),
             pull=lambda *a: self._node.pull(*a) if self._node else None,
             on_fetched=lambda kvr, keys: (
                 self._node.results.append(Fetched(kvr, keys)) if self._node else None
@@ -318,6 +323,7 @@ class P2PTier(SecondaryTierManager):
                 max_request_peers=cfg.max_request_peers,
                 max_half_open=cfg.max_handshakes,
                 max_half_open_per_source=cfg.max_handshakes_per_source,
+                port=worker_port,
             )
         except zmq.ZMQError as e:
             if locations is not None:

@@ -2,23 +2,31 @@
 
 ::
 
-    node thread ── add_peer / remove_peer / read / write ──▶ PeerWorkerHandle ──PAIR──▶ peer worker
-                ◀── poll(): [(tid, DONE | FAILED, reason)] ──┘   fileno(): one fd that is readable when
-                                                                 poll() has something to do (a report
-                                                                 arrived, the process exited, ...)
+    node thread ── add_peer / remove_peer / read ─────────────▶ PeerWorkerHandle ──PAIR──▶ peer worker
+                ── add_session / drop_session / grant / revoke ▶
+                ◀── poll(): [Result(tid, DONE | FAILED, reason, bad)] ┘  fileno(): one fd that is
+                ◀── take_granted(): [(gid, digests | None)]              readable when poll() has
+                ◀── take_revoked(): [gid]                                something to do
 
 One handle runs one worker process (spawned with ``subprocess``: a fresh interpreter, never a fork of
-the engine) that maps the host arena and owns the instance's one Transport (NIXL or TCP). Every call
-returns at once: commands are queued on the socket (and held here until the worker has connected),
-results come back through :meth:`PeerWorkerHandle.poll`.
+the engine, with an allow-listed environment, :func:`kvoffload.ipc.childenv.child_environment`: no
+secret of the engine's) that maps the host arena and owns the instance's one Transport (NIXL or
+TCP). Every call returns at once: commands are queued on the socket (and held here until the worker
+has connected), results come back through :meth:`PeerWorkerHandle.poll` and the ``take_*`` methods.
 
 Settling. A transfer is reported exactly once, and only once it has SETTLED: nothing will write its
-local slots any more, so the caller may free or publish them. The worker reports a transfer when its
-transport says so; the transfers of a worker that died are reported failed with reason
-:data:`WORKER_DIED` only after the process has *exited* (reaped), since until then it could still
-write into their slots. A worker that leaves a transfer unsettled for ``settle_timeout_s`` seconds
-past its deadline (a hung worker, or a NIXL request a stopped peer holds in flight) is SIGKILLed so
-that its transfers settle as :data:`WORKER_DIED`; the caller then restarts it.
+local slots any more, so the caller may free or publish them (less the rows its ``bad`` names,
+which failed their digest). The worker reports a transfer when its transport says so; the
+transfers of a worker that died are reported failed with reason :data:`WORKER_DIED` only after the
+process has *exited* (reaped), since until then it could still write into their slots. A worker
+that leaves a transfer unsettled, or a revocation unanswered, for ``settle_timeout_s`` seconds past
+its deadline (a hung worker, or a NIXL request a stopped peer holds in flight) is SIGKILLed so that
+they settle; the caller then restarts it.
+
+Grants. :meth:`PeerWorkerHandle.grant` is answered once, by :meth:`take_granted` (the digests, or
+None when the worker refused it or died first); :meth:`revoke` once, by :meth:`take_revoked`, when
+no row of the grant will be sent any more (a dead worker sends none: its grants are revoked once it
+has exited). Only then may the caller release the slots.
 
 Threads. A handle is used by ONE thread, the p2p tier's node thread (it owns the ZMQ socket; ZMQ
 sockets are not thread-safe): create it there, or hand it over before its first use. Another thread
@@ -41,17 +49,20 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import msgspec
 import zmq
 
 from kvoffload.ipc.arena import ArenaError, list_arenas
 from kvoffload.ipc.channels import PeerWorkerChannel
+from kvoffload.ipc.childenv import child_environment
 from kvoffload.ipc.names import PEER_WORKER_SPEC_ENV
 from kvoffload.workers import p2p_worker as pw
 from kvoffload.workers.p2p_transport import (
+    DIGEST_BYTES,
     MAX_PAIRS,
+    TOKEN_BYTES,
     Descriptor,
     TransferState,
     TransportConfig,
@@ -70,7 +81,21 @@ DEFAULT_SETTLE_TIMEOUT_S = 60.0
 DEFAULT_START_TIMEOUT_S = 120.0
 _SETTLE_CHECK_S = 0.1
 
-Result = tuple[int, TransferState, str]
+#: What the worker's environment may take from the engine's beyond the base allow-list: UCX's and
+#: NIXL's settings (``UCX_TLS``, ``UCX_NET_DEVICES``...).
+WORKER_ENV = ("UCX_*", "NIXL_*")
+
+
+class Result(NamedTuple):
+    """A settled transfer: its id, DONE or FAILED, why it failed, and for DONE the positions of
+    rows that failed their digest (their bytes are wrong: never serve them)."""
+
+    tid: int
+    state: TransferState
+    reason: str = ""
+    bad: tuple[int, ...] = ()
+
+
 PeerState = Literal["adding", "up", "refused"]
 
 
@@ -89,9 +114,11 @@ class PeerWorkerHandle:
             address, default deadline).
         nice: CPU niceness increment of the worker (like the tier workers', so transfers do not
             steal the scheduler's core).
-        env: extra environment variables for the worker (e.g. ``UCX_TLS``, ``UCX_NET_DEVICES``).
-        settle_timeout_s: seconds after a transfer's deadline before an unsettled transfer gets the
-            worker killed (None: never).
+        env: environment variables set for the worker (e.g. ``UCX_TLS``, ``UCX_NET_DEVICES``);
+            beside them it gets only the base allow-list and the engine's ``UCX_*`` and ``NIXL_*``
+            (:data:`WORKER_ENV`).
+        settle_timeout_s: seconds after a transfer's deadline before an unsettled transfer (or a
+            revocation unanswered that long) gets the worker killed (None: never).
         start_timeout_s: seconds a new worker has to say hello before it is killed (None: never).
         ctx: the ZMQ context for the socket (default: one of the handle's own, ended by close()).
 
@@ -140,6 +167,14 @@ class PeerWorkerHandle:
         self._pending: dict[int, _Pending] = {}
         self._outbox: deque[tuple[bytes, int]] = deque()  # (frame, tid or 0)
         self._results: list[Result] = []
+        self._gids = itertools.count(1)
+        self._granting: set[int] = set()  # grants the current worker has not answered
+        self._granted_gids: set[int] = set()  # grants the current worker holds (not revoked)
+        self._revoking: dict[int, float] = {}  # gid -> kill the worker if unanswered by then
+        self._granted: list[tuple[int, bytes | None]] = []
+        self._revoked: list[int] = []
+        #: The worker's data server refusals by reason (as it last reported them).
+        self.refused: dict[str, int] = {}
         self._peer_errors: list[tuple[str, str]] = []
         self._next_settle_check = 0.0
         self._closed = False
@@ -171,7 +206,9 @@ class PeerWorkerHandle:
             transport=self.config,
             nice=self.nice,
         )
-        env = {**os.environ, **self.env, PEER_WORKER_SPEC_ENV: msgspec.json.encode(spec).decode()}
+        env = child_environment(
+            WORKER_ENV, {**self.env, PEER_WORKER_SPEC_ENV: msgspec.json.encode(spec).decode()}
+        )
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "kvoffload.workers.p2p_worker"],
@@ -267,6 +304,11 @@ class PeerWorkerHandle:
         self._pending.clear()
         self._outbox.clear()
         self._results.clear()
+        self._granting.clear()
+        self._granted_gids.clear()
+        self._revoking.clear()
+        self._granted.clear()
+        self._revoked.clear()
         self._proc = None
         self._ep.close()
         os.close(self._wake)
@@ -309,27 +351,36 @@ class PeerWorkerHandle:
                 len(self._pending),
             )
         for tid in self._pending:
-            self._results.append((tid, TransferState.FAILED, WORKER_DIED))
+            self._results.append(Result(tid, TransferState.FAILED, WORKER_DIED))
         self._pending.clear()
+        # nothing serves the dead worker's grants any more
+        self._granted.extend((gid, None) for gid in sorted(self._granting))
+        self._revoked.extend(self._revoking)
+        self._granting.clear()
+        self._granted_gids.clear()
+        self._revoking.clear()
         self._outbox.clear()
         self._adding.clear()
         self._release_process()
 
     # -- peers ------------------------------------------------------------------------------------
 
-    def add_peer(self, name: str, descriptor: bytes) -> None:
-        """Make peer ``name`` reachable through its transport ``descriptor`` (replacing an earlier
+    def add_peer(self, name: str, descriptor: bytes, token: bytes) -> None:
+        """Make peer ``name`` reachable through its transport ``descriptor``, authenticating with
+        ``token``, the data token of the session its grants are made on (replacing an earlier
         one of that name). Checked here for shape; a refusal by the worker (e.g. a NIXL peer that
         still has unsettled transfers) comes back from :meth:`take_peer_errors`, and transfers to
         the peer then fail.
 
         Raises:
             TransportError: a malformed descriptor, or another slot size than this arena's.
-            ValueError: an empty name.
+            ValueError: an empty name, a token of another length than ``TOKEN_BYTES``.
         """
         self._check_open()
         if not name:
             raise ValueError("peer name is empty")
+        if len(token) != TOKEN_BYTES:
+            raise ValueError(f"a session token is {TOKEN_BYTES} bytes, not {len(token)}")
         desc = decode_descriptor(descriptor)
         if desc.row_bytes != self.row_bytes:
             raise TransportError(
@@ -339,7 +390,7 @@ class PeerWorkerHandle:
         self._peer_state[name] = "adding"
         if self._chan is not None:
             self._adding[name] = self._adding.get(name, 0) + 1
-        self._send(pw.encode(pw.AddPeer(name, descriptor)))
+        self._send(pw.encode(pw.AddPeer(name, descriptor, bytes(token))))
 
     def remove_peer(self, name: str) -> None:
         """Forget peer ``name``: its transfers fail ("peer removed") and are reported once settled.
@@ -361,37 +412,101 @@ class PeerWorkerHandle:
         out, self._peer_errors = self._peer_errors, []
         return out
 
+    # -- grants (the serving side) ----------------------------------------------------------------
+
+    def add_session(self, token: bytes) -> None:
+        """Let the worker's data server accept connections proving ``token`` (a control session's
+        data token, ``TOKEN_BYTES`` bytes).
+
+        Raises:
+            ValueError: a token of another length.
+        """
+        self._check_open()
+        if len(token) != TOKEN_BYTES:
+            raise ValueError(f"a session token is {TOKEN_BYTES} bytes, not {len(token)}")
+        self._send(pw.encode(pw.AddSession(bytes(token))))
+
+    def drop_session(self, token: bytes) -> None:
+        """End ``token``'s session on the data plane: its connections close and its grants are no
+        longer served (each still needs its :meth:`revoke`)."""
+        self._check_open()
+        self._send(pw.encode(pw.DropSession(bytes(token))))
+
+    def grant(self, token: bytes, slots: Sequence[int], until: float) -> int:
+        """Let ``token``'s session read ``slots`` until ``until`` (``time.monotonic()``); returns
+        the grant's id. Answered once by :meth:`take_granted`: the slots' digests (taken when the
+        worker granted them), or None (refused, or no worker). Until then no peer can have been
+        told the slots, so no read races the grant.
+
+        Raises:
+            ValueError: no slots or more than ``MAX_PAIRS``, a slot outside the arena.
+        """
+        self._check_open()
+        if not 0 < len(slots) <= MAX_PAIRS:
+            raise ValueError(f"a grant names 1..{MAX_PAIRS} slots, got {len(slots)}")
+        bad = next((s for s in slots if not 0 <= s < self.num_slots), None)
+        if bad is not None:
+            raise ValueError(f"slot {bad} is outside the arena (0..{self.num_slots - 1})")
+        gid = next(self._gids)
+        if self._chan is None:
+            self._granted.append((gid, None))
+            self._signal()
+            return gid
+        self._granting.add(gid)
+        self._send(pw.encode(pw.Grant(gid, bytes(token), [int(s) for s in slots], float(until))))
+        return gid
+
+    def revoke(self, gid: int) -> None:
+        """End grant ``gid``. Answered once by :meth:`take_revoked`, when no row of it will be
+        sent any more: then its slots may be reused. A grant the worker does not hold (refused, or
+        of a worker since gone) is answered at once."""
+        self._check_open()
+        if gid in self._revoking:
+            return
+        if self._chan is None or (gid not in self._granting and gid not in self._granted_gids):
+            self._revoked.append(gid)
+            self._signal()
+            return
+        self._granted_gids.discard(gid)
+        late = self.settle_timeout_s
+        self._revoking[gid] = time.monotonic() + (late if late is not None else float("inf"))
+        self._send(pw.encode(pw.Revoke(gid)))
+
+    def take_granted(self) -> list[tuple[int, bytes | None]]:
+        """``(gid, digests or None)`` for each grant answered since the last call."""
+        out, self._granted = self._granted, []
+        return out
+
+    def take_revoked(self) -> list[int]:
+        """Grants revoked since the last call: none of their rows will be sent any more."""
+        out, self._revoked = self._revoked, []
+        return out
+
     # -- transfers --------------------------------------------------------------------------------
 
     def read(
-        self, peer: str, pairs: Sequence[tuple[int, int]], deadline_s: float | None = None
+        self,
+        peer: str,
+        pairs: Sequence[tuple[int, int]],
+        deadline_s: float | None = None,
+        *,
+        digests: bytes,
+        not_after: float = 0.0,
     ) -> int:
-        """Copy peer rows into local rows: ``pairs`` = ``[(local_slot, remote_slot), ...]``.
+        """Copy peer rows into local rows: ``pairs`` = ``[(local_slot, remote_slot), ...]``, each
+        row checked against ``digests`` (``DIGEST_BYTES`` per pair, as the peer's grant gave them).
 
         ``deadline_s``: seconds the worker gives the transfer (default: the transport config's).
-        Returns the transfer id :meth:`poll` reports. With no worker running the transfer is
-        reported failed (:data:`WORKER_DIED`) by the next poll.
+        ``not_after``: ``time.monotonic()`` by which every byte must be in (the end of the lease it
+        reads, less a margin; 0: none), else it fails ``lease_expired``. Returns the transfer id
+        :meth:`poll` reports. With no worker running the transfer is reported failed
+        (:data:`WORKER_DIED`) by the next poll.
 
         Raises:
             ValueError: unknown peer, no pairs or more than ``MAX_PAIRS``, a slot outside either
-                arena, a local slot named twice, ``deadline_s`` <= 0. Nothing is sent.
+                arena, a local slot named twice, digests of another length, ``deadline_s`` <= 0.
+                Nothing is sent.
         """
-        return self._submit("read", peer, pairs, deadline_s)
-
-    def write(
-        self, peer: str, pairs: Sequence[tuple[int, int]], deadline_s: float | None = None
-    ) -> int:
-        """Copy local rows into peer rows the peer reserved: ``pairs`` = ``[(local_slot,
-        remote_slot), ...]``. As :meth:`read` (a remote slot named twice is refused)."""
-        return self._submit("write", peer, pairs, deadline_s)
-
-    def _submit(
-        self,
-        op: str,
-        peer: str,
-        pairs: Sequence[tuple[int, int]],
-        deadline_s: float | None,
-    ) -> int:
         self._check_open()
         desc = self._peers.get(peer)
         if desc is None:
@@ -403,6 +518,8 @@ class PeerWorkerHandle:
         n = len(pairs)
         if not 0 < n <= MAX_PAIRS:
             raise ValueError(f"a transfer needs 1..{MAX_PAIRS} slot pairs, got {n}")
+        if len(digests) != DIGEST_BYTES * n:
+            raise ValueError(f"{len(digests)} bytes of digests for {n} slots")
         local: list[int] = []
         remote: list[int] = []
         for pair in pairs:
@@ -417,17 +534,19 @@ class PeerWorkerHandle:
                 )
             local.append(lo)
             remote.append(re_)
-        dest = local if op == "read" else remote
-        if len(set(dest)) != n:
-            side = "local" if op == "read" else f"peer {peer!r}"
-            raise ValueError(f"a {side} destination slot is named twice in one transfer")
+        if len(set(local)) != n:
+            raise ValueError("a local destination slot is named twice in one transfer")
         tid = next(self._tids)
         if self._chan is None:
-            self._results.append((tid, TransferState.FAILED, WORKER_DIED))
+            self._results.append(Result(tid, TransferState.FAILED, WORKER_DIED))
             self._signal()
             return tid
         self._pending[tid] = _Pending(float(deadline_s))
-        frame = pw.encode(pw.Transfer(tid, op, peer, local, remote, float(deadline_s)))
+        frame = pw.encode(
+            pw.Transfer(
+                tid, peer, local, remote, float(deadline_s), bytes(digests), float(not_after)
+            )
+        )
         self._send(frame, tid)
         return tid
 
@@ -497,7 +616,20 @@ class PeerWorkerHandle:
                 for o in rep.outcomes:
                     if self._pending.pop(o.tid, None) is not None:
                         state = TransferState.DONE if o.state == "done" else TransferState.FAILED
-                        self._results.append((o.tid, state, o.reason))
+                        self._results.append(Result(o.tid, state, o.reason, tuple(o.bad)))
+            elif isinstance(rep, pw.Granted):
+                if rep.gid in self._granting:
+                    self._granting.discard(rep.gid)
+                    ok = not rep.error and len(rep.digests) % DIGEST_BYTES == 0
+                    if ok and rep.gid not in self._revoking:
+                        self._granted_gids.add(rep.gid)
+                    self._granted.append((rep.gid, rep.digests if ok else None))
+            elif isinstance(rep, pw.Revoked):
+                for gid in rep.gids:
+                    if self._revoking.pop(gid, None) is not None:
+                        self._revoked.append(gid)
+            elif isinstance(rep, pw.Refusals):
+                self.refused = dict(rep.counts)
             elif isinstance(rep, pw.PeerAdded):
                 if rep.error:
                     self._peer_errors.append((rep.name, rep.error))
@@ -543,6 +675,8 @@ class PeerWorkerHandle:
                     f"{late} transfers are unsettled {self.settle_timeout_s:.0f} s past their "
                     "deadline"
                 )
+            elif any(now > t for t in self._revoking.values()):
+                why = f"a revocation is unanswered after {self.settle_timeout_s:.0f} s"
         if why:
             log.warning("kvoffload p2p: killing the peer worker (pid %d): %s", self._proc.pid, why)
             with contextlib.suppress(ProcessLookupError):
@@ -553,5 +687,10 @@ class PeerWorkerHandle:
 
     def _signal_if_readable(self) -> None:
         # A send can consume the socket's ZMQ_FD edge while a message waits: make fileno() readable.
-        if self._results or (self._chan is not None and self._chan.readable()):
+        if (
+            self._results
+            or self._granted
+            or self._revoked
+            or (self._chan is not None and self._chan.readable())
+        ):
             self._signal()

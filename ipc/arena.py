@@ -409,7 +409,11 @@ def list_arenas(prefix: str = NAME_PREFIX) -> list[ArenaInfo]:
             continue
         except OSError as e:
             skipped = _unopenable(name, e)
-            out.append(_headerless(name, 0, skipped.uid, skipped.mode, False, False))
+            try:  # its size is in the directory entry, readable without opening it
+                size = os.lstat(os.path.join(SHM_DIR, name)).st_size
+            except OSError:
+                size = 0
+            out.append(_headerless(name, size, skipped.uid, skipped.mode, False, False))
             continue
         try:
             st = os.fstat(fd)

@@ -28,6 +28,7 @@ from kvoffload.ipc.arena import (
     HEADER_BYTES,
     Arena,
     ArenaForeignError,
+    list_arenas,
     sweep_report,
     unlink_if_orphaned,
 )
@@ -318,3 +319,15 @@ def test_c44_a_vllm_engine_start_with_a_squatted_fixed_arena_name_fails_naming_t
         with pytest.raises(ArenaForeignError, match=f"owner uid {uid} .*mode 0666"):
             spec.get_manager()
         assert read_back() == bytes(spec.num_slots * spec.row_bytes)
+
+
+def _listed(prefix: str) -> list[tuple[str, bool, int]]:
+    return [(a.name, a.ours, a.size_bytes) for a in list_arenas(prefix)]
+
+
+def test_another_users_segment_is_listed_with_its_size_even_when_it_cannot_be_opened():
+    """``kvoffload sweep --list`` by a user who cannot open another's segment (the co-tenant,
+    looking at root's 0600 arena) shows its size from the directory entry, not 0."""
+    with Arena.create(arena_name(), SLOTS, ROW, janitor=False) as a:
+        size = os.stat(f"/dev/shm/{a.name}").st_size
+        assert as_cotenant(_listed, a.name) == [(a.name, False, size)]

@@ -217,15 +217,22 @@ def test_the_whole_kv_transfer_config_object_is_checked_as_far_as_kvoffload_know
     )
     assert res.exit_code == 1, res.output
     errors = error_lines(res)
+    # a near miss of a known key is a typo vLLM refuses: an error
     assert errors[0].startswith(
+        "kv_transfer_config.kv_buffer_devce: not a key of vLLM's KVTransferConfig as kvoffload "
+        "knows it (did you mean 'kv_buffer_device'?); vLLM refuses unknown keys at start"
+    )
+    assert errors[1].startswith(
         "kv_transfer_config.kv_connector: 'LMCacheConnectorV1': kvoffload's spec is loaded only "
         "by vLLM's OffloadingConnector"
     )
-    assert errors[1].startswith("kv_transfer_config.kv_role: not given: vLLM needs one of")
-    assert errors[2] == f"{EXTRA}.cpu_bytes_to_use: Expected `int` >= 1 (given: -1)"
-    assert row(res.stdout, "kv_transfer_config.kv_buffer_devce", "vLLM key")[1].startswith(
-        "warning: not a key of vLLM's KVTransferConfig as kvoffload knows it (did you mean "
-        "'kv_buffer_device'?)"
+    assert errors[2].startswith("kv_transfer_config.kv_role: not given: vLLM needs one of")
+    assert errors[3] == f"{EXTRA}.cpu_bytes_to_use: Expected `int` >= 1 (given: -1)"
+    # a key like no known one may be a newer vLLM's: a warning
+    res = run_check(tmp_path, {**whole, "kv_future_knob": 1, "kv_connector_extra_config": inner})
+    assert res.exit_code == 0, res.output
+    assert row(res.stdout, "kv_transfer_config.kv_future_knob", "vLLM key")[1].startswith(
+        "warning: not a key of vLLM's KVTransferConfig as kvoffload knows it; vLLM refuses"
     )
     # without spec_name vLLM loads its own CPUOffloadingSpec: an error in the whole object
     res = run_check(tmp_path, {**whole, "kv_connector_extra_config": {"cpu_bytes_to_use": 4096}})
@@ -363,6 +370,23 @@ def test_auth_none_without_trust_local_users_is_an_error_that_says_why(tmp_path)
         f'{EXTRA}.secondary_tiers[0].auth: "none" needs trust_local_users: true: without a '
         "secret any local user"
     ), err
+    assert err.endswith(
+        'else remove auth (default "secret") and set the KVOFFLOAD_P2P_SECRET environment '
+        "variable (or secret)"
+    ), err
+    # beyond loopback, with a secret given: the fix is to drop auth none, not to set a secret
+    tier = {"type": "p2p", "auth": "none", "host": "0.0.0.0", "advertise_host": "10.0.0.5"}
+    res = run_check(
+        tmp_path,
+        {**SPEC, "cpu_bytes_to_use": 1 << 20, "secondary_tiers": [{**tier, "secret": "x" * 40}]},
+    )
+    assert res.exit_code == 1
+    (err,) = error_lines(res)
+    assert err == (
+        f'{EXTRA}.secondary_tiers[0].auth: "none" is accepted only on a loopback host, not '
+        "'0.0.0.0'; remove auth (its default, \"secret\", uses the secret given)"
+    )
+    assert "x" * 40 not in res.output
 
 
 def test_a_p2p_tier_without_its_secret_in_this_environment_is_a_warning(tmp_path):
@@ -432,6 +456,16 @@ def test_fs_roots_relative_not_a_directory_and_past_the_floor(tmp_path, monkeypa
     # the same file on another machine: only its syntax
     res = run_check(tmp_path, cfg, "--syntax-only")
     assert res.exit_code == 0, res.output
+    # a path no filesystem can hold, on any machine
+    res = run_check(
+        tmp_path, {**SPEC, "cpu_bytes_to_use": 1 << 20, "secondary_tiers": [
+            {"type": "fs", "root_dir": "/tmp/kv\u0000x"}]}, "--syntax-only"
+    )  # fmt: skip
+    assert res.exit_code == 1, res.output
+    assert error_lines(res) == [
+        f"{EXTRA}.secondary_tiers[0].root_dir: '/tmp/kv\\x00x' holds a NUL character, which no "
+        "path can: remove it"
+    ]
 
 
 # -- the chunk size ------------------------------------------------------------------------------
@@ -740,10 +774,11 @@ def test_kv_events_bound_beyond_loopback_are_a_warning_naming_what_travels_there
 
 def test_every_kvoffload_config_in_the_readme_is_valid_and_loads_kvoffload(tmp_path):
     """A config copied from README.md passes ``check --syntax-only`` and names kvoffload's spec
-    (an example without ``spec_name`` made vLLM load its own CPUOffloadingSpec). The blocks for
-    vLLM's TieringOffloadingSpec are vLLM's to validate and are skipped."""
+    (an example without ``spec_name`` made vLLM load its own CPUOffloadingSpec). A block for
+    vLLM's TieringOffloadingSpec running kvoffload's tiers passes with a warning that vLLM
+    validates it (kvoffload's own keys check made errors of its tier types)."""
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    configs = []
+    configs, vllms = [], 0
     for block in re.findall(r"```(?:json|bash)\n(.*?)\n```", readme, re.S):
         for text in [block, *re.findall(r"--kv-transfer-config '(\{.*?\})'", block, re.S)]:
             try:
@@ -753,7 +788,14 @@ def test_every_kvoffload_config_in_the_readme_is_valid_and_loads_kvoffload(tmp_p
             extra = raw.get("kv_connector_extra_config", raw) if isinstance(raw, dict) else None
             if isinstance(extra, dict) and extra.get("spec_name") != "TieringOffloadingSpec":
                 configs.append(raw)
-    assert len(configs) >= 5, configs
+            elif isinstance(extra, dict):
+                res = run_check(tmp_path, raw, "--syntax-only")
+                assert res.exit_code == 0, (raw, res.output)
+                spec = [r for k, c, _, r in checks(res.stdout) if c == "spec loaded by vLLM"]
+                assert spec[0].startswith("warning: vLLM's own TieringOffloadingSpec"), spec
+                assert "is not a SecondaryTierManager subclass" not in res.output
+                vllms += 1
+    assert len(configs) >= 5 and vllms == 1, configs
     for raw in configs:
         res = run_check(tmp_path, raw, "--syntax-only")
         assert res.exit_code == 0, (raw, res.output)

@@ -156,6 +156,8 @@ main(sys.argv[1:], prog_name="kvoffload")
             "--endpoint-url notaurl",
         ),
         (["sweep", "--fs-root", "{missing}", "--list"], 2, "no such directory"),
+        # checked before any arena is swept (it used to sweep, then refuse the root)
+        (["sweep", "--fs-root", "{empty}"], 2, "is not an fs tier root"),
         (["demo", "--p2p", "--turns", "1"], 2, "--turns"),
         # checked before any server starts (it used to fail after the reference run, exit 1)
         (["demo", "--host-tokens", "16"], 2, "cannot hold one chunk"),
@@ -174,19 +176,22 @@ main(sys.argv[1:], prog_name="kvoffload")
 def test_bad_input_is_named_without_a_traceback(tmp_path, args, rc, message):
     binary = tmp_path / "binary.json"
     binary.write_bytes(b"\xff\xfe{}")
+    empty = tmp_path / "empty-dir"
+    empty.mkdir()
     vllm_spec = tmp_path / "vllm-spec.json"
     vllm_spec.write_text(
         '{"spec_name": "CPUOffloadingSpec", "spec_module_path": "kvoffload.vllm",'
         ' "cpu_bytes_to_use": 1048576}'
     )
     args = [
-        a.format(binary=binary, vllm_spec=vllm_spec, missing=tmp_path / "missing") for a in args
+        a.format(binary=binary, vllm_spec=vllm_spec, missing=tmp_path / "missing", empty=empty)
+        for a in args
     ]
     proc = _kvoffload(args)
     assert proc.returncode == rc, (proc.stdout, proc.stderr)
     assert message in proc.stderr and "Traceback" not in proc.stderr
     if args[0] == "sweep":
-        assert "arenas" not in proc.stdout  # refused before any arena was listed or swept
+        assert "arena" not in proc.stdout  # refused before any arena was listed or swept
 
 
 _KILLED_COMMAND = r"""
@@ -361,6 +366,7 @@ def test_demo_help_lists_one_exit_status_per_outcome():
         demo.EXIT_USAGE,
         demo.EXIT_NOT_RELOADED,
         demo.EXIT_REPLIES_DIFFER,
+        demo.EXIT_INTERRUPTED,
     ]
     assert len(set(statuses)) == len(statuses)
     assert demo.EXIT_USAGE == click.UsageError.exit_code
@@ -372,6 +378,7 @@ def test_demo_help_lists_one_exit_status_per_outcome():
         (demo.EXIT_RUN_FAILED, "the run failed"),
         (demo.EXIT_NOT_RELOADED, "it ran, but a configuration took 0 prompt tokens"),
         (demo.EXIT_REPLIES_DIFFER, "a reply differs"),
+        (demo.EXIT_INTERRUPTED, "interrupted by Ctrl-C"),
     ):
         assert f"{status} {outcome}" in text
 
@@ -423,3 +430,50 @@ def test_demo_names_each_configuration_that_reloaded_nothing_from_its_tier():
     assert first.startswith("'host + fs': 0 prompt tokens reloaded from the host tier")
     assert second.startswith("'small host + fs': 0 prompt tokens reloaded from the fs tier")
     assert demo.missing_reloads([run("no offload", None)], "fs") == []  # the reference
+
+
+def test_a_failed_demo_request_says_what_the_servers_log_says(tmp_path):
+    """A request that fails because vLLM's engine died (a worker OOM-killed, as a fresh user's
+    demo met) is reported with the end of the server's log and the likely cause, not only the
+    HTTP status."""
+    pytest.importorskip("httpx")
+    import httpx
+
+    from kvoffload.tools.demo import _request_failed
+    from kvoffload.tools.vllm_server import ServerSpec, VLLMServer
+
+    log = tmp_path / "server.log"
+    log.write_text(
+        "INFO 12-02 00:45:01 engine started\n"
+        "ERROR 12-02 00:45:09 [multiproc_executor.py:154] Worker proc VllmWorker-0 died "
+        "unexpectedly, shutting down executor.\n"
+        "ERROR 12-02 00:45:09 [core.py:1020] EngineDeadError: EngineCore encountered an issue.\n"
+    )
+    server = VLLMServer(ServerSpec(model="m", kv_cache_tokens=0, log_path=str(log)))
+    request = httpx.Request("POST", "http://127.0.0.1:1/v1/chat/completions")
+    error = httpx.HTTPStatusError(
+        "Server error '500 Internal Server Error'",
+        request=request,
+        response=httpx.Response(500, request=request),
+    )
+    why = _request_failed(error, server)
+    assert why.startswith("a request to the vLLM server failed: Server error '500")
+    assert "EngineDeadError" in why and f"(full log: {log})" in why
+    assert "the server's engine process died" in why and "OOM killer" in why
+
+
+def test_an_interrupted_demo_exits_130_keeping_only_its_logs(tmp_path):
+    """Ctrl-C during a demo run: the fs tiers' chunks go, the server logs stay, and the status
+    is the shell's for an interrupt (130), not click's "Aborted!" (1, the status of a failed
+    run)."""
+    demo = _demo_module()
+    wd = tmp_path / "demo"
+    (wd / "fs-host").mkdir(parents=True)
+    (wd / "fs-host" / "chunk").write_bytes(b"x" * 4096)
+    (wd / "server-host-fs.log").write_text("INFO serving\n")
+    with pytest.raises(SystemExit) as e:
+        with demo._logs_kept_on_failure(wd, temporary=True):
+            raise KeyboardInterrupt
+    assert e.value.code == demo.EXIT_INTERRUPTED == 130
+    assert sorted(p.name for p in wd.iterdir()) == ["server-host-fs.log"]
+    assert demo.log_name("small host + fs") == "small-host-fs"

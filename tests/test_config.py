@@ -48,8 +48,9 @@ def test_c21_misspelled_top_level_key_suggests_the_right_one():
     ), msg
 
 
-def test_c21_misspelled_tier_key_names_the_tier_path():
-    msg = fails({**BASE, "secondary_tiers": [{"type": "fs", "root_dir": "/tmp/x", "max_byte": 10}]})
+def test_c21_misspelled_tier_key_names_the_tier_path(tmp_path):
+    tier = {"type": "fs", "root_dir": str(tmp_path / "kv"), "max_byte": 10}
+    msg = fails({**BASE, "secondary_tiers": [tier]})
     assert msg.startswith(
         "kv_connector_extra_config.secondary_tiers[0]: unknown key 'max_byte' "
         "(did you mean 'max_bytes'?); allowed keys: "
@@ -110,10 +111,9 @@ FS_MAX_BYTES_FORMS = (
         ),
     ],
 )
-def test_c21_tier_capacity_must_be_positive_bytes(max_bytes, why):
-    msg = fails(
-        {**BASE, "secondary_tiers": [{"type": "fs", "root_dir": "/tmp/x", "max_bytes": max_bytes}]}
-    )
+def test_c21_tier_capacity_must_be_positive_bytes(tmp_path, max_bytes, why):
+    tier = {"type": "fs", "root_dir": str(tmp_path / "kv"), "max_bytes": max_bytes}
+    msg = fails({**BASE, "secondary_tiers": [tier]})
     assert msg == f"kv_connector_extra_config.secondary_tiers[0].max_bytes: {why}"
 
 

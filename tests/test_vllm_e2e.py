@@ -295,7 +295,7 @@ def test_demo_whose_server_does_not_start_exits_1_with_its_log(model_dir, tmp_pa
     assert "vLLM server exited with code" in proc.stderr
     assert "NoSuchArchitectureForCausalLM" in proc.stderr
     assert proc.stderr.rstrip().endswith(f"(server logs kept in {workdir})"), proc.stderr[-2000:]
-    assert (workdir / "server-no offload.log").stat().st_size > 0
+    assert (workdir / "server-no-offload.log").stat().st_size > 0
 
 
 def test_a_start_kvoffload_stops_ends_with_its_reason_after_every_other_kvoffload_line(

@@ -234,6 +234,15 @@ def check_text(text: str, name: str, options: Options) -> Checked:
         return Checked(report=report)
     if isinstance(extra, dict):
         _check_spec_name(extra, whole, report)
+        if extra.get("spec_name") == "TieringOffloadingSpec":
+            # vLLM's own spec, its own config format (kvoffload's tiers may be in it by module
+            # path): kvoffload's parse would only add errors that are not this config's
+            report.not_checked(
+                "keys and values",
+                EXTRA,
+                "vLLM's TieringOffloadingSpec reads this config and validates it at start",
+            )
+            return Checked(report=report, extra_config=extra)
     parsed = parse_config_all(extra, this_machine=False)
     for issue in parsed.errors:
         report.issue("key and value", issue, SYNTAX)
@@ -298,11 +307,13 @@ def _check_outer(raw: dict[str, Any], report: Report) -> Any:
         if key not in KV_TRANSFER_CONFIG_KEYS:
             close = closest(key, list(KV_TRANSFER_CONFIG_KEYS))
             hint = f" (did you mean {close!r}?)" if close else ""
+            # A near miss of a known key is a typo: vLLM refuses it at start. Any other key may
+            # be one of a vLLM release newer than kvoffload's list: a warning.
             report.add(
                 "vLLM key",
                 f"{OUTER}.{key}",
                 SYNTAX,
-                WARNING,
+                ERROR if close else WARNING,
                 f"not a key of vLLM's KVTransferConfig as kvoffload knows it{hint}; vLLM refuses "
                 f"unknown keys at start (known: {', '.join(KV_TRANSFER_CONFIG_KEYS)})",
             )
@@ -359,7 +370,22 @@ def _check_spec_name(extra: dict[str, Any], whole: bool, report: Report) -> None
     name, module = extra.get("spec_name"), extra.get("spec_module_path")
     at = f"{EXTRA}.spec_name"
     use = f'"spec_name": "{SPEC_NAME}", "spec_module_path": "{SPEC_MODULE}"'
-    if name in VLLM_SPEC_NAMES:
+    tiers = extra.get("secondary_tiers")
+    ours_inside = name == "TieringOffloadingSpec" and any(
+        isinstance(t, dict) and str(t.get("module_path", "")).startswith("kvoffload")
+        for t in (tiers if isinstance(tiers, list) else [])
+    )
+    if ours_inside:  # vLLM's spec running kvoffload's tiers: README shows this use
+        report.add(
+            "spec loaded by vLLM",
+            at,
+            SYNTAX,
+            WARNING,
+            "vLLM's own TieringOffloadingSpec, with kvoffload's tiers by module_path: vLLM loads "
+            "and validates this config, not kvoffload's spec (README 'kvoffload's tiers inside "
+            f"vLLM's TieringOffloadingSpec'); for kvoffload's spec use {use}",
+        )
+    elif name in VLLM_SPEC_NAMES:
         report.add(
             "spec loaded by vLLM",
             at,

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import random
+import re
 import shutil
 import statistics
 import sys
@@ -56,12 +57,15 @@ EXIT_RUN_FAILED = 1  # also Python's own status for an uncaught exception: every
 EXIT_USAGE = 2  # click's, for a bad option or a missing extra
 EXIT_NOT_RELOADED = 3
 EXIT_REPLIES_DIFFER = 4
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it; SIGTERM / SIGHUP: 128 + theirs
 EXIT_STATUSES = f"""Exit status: {EXIT_OK} every reply token-identical to the reference and every offloading
 configuration reloaded prompt tokens from the tier it is there to show; {EXIT_RUN_FAILED} the run
 failed (a server did not start or died, a request failed; server logs kept); {EXIT_USAGE} usage
 error (a bad option, a missing extra); {EXIT_NOT_RELOADED} it ran, but a configuration took 0 prompt
 tokens from its tier (--p2p: D took none from P); {EXIT_REPLIES_DIFFER} a reply differs from the
-reference (--p2p: from its recomputation). The measurements are printed in every case that ran."""
+reference (--p2p: from its recomputation); {EXIT_INTERRUPTED} interrupted by Ctrl-C (128 + the
+signal's number for SIGTERM, SIGHUP; server logs kept). The measurements are printed in every case
+that ran."""
 
 SYSTEM = "You are a terse assistant for a railway maintenance team. Answer in one short sentence."
 _SITES = [
@@ -311,15 +315,18 @@ def run_config(
         block_size=args["block_size"],
         max_model_len=args["max_model_len"],
         offload=offload,
-        log_path=str(workdir / f"server-{name}.log"),
+        log_path=str(workdir / f"server-{log_name(name)}.log"),
     )
     echo(f"[{name}] starting vLLM (device KV {args['device_tokens']} tokens)...")
     with VLLMServer(spec) as server:
         before = server.metrics()
         t0 = time.perf_counter()
-        turns = run_workload(
-            server.url, docs, args["turns"], args["max_tokens"], args["concurrency"], reference
-        )
+        try:
+            turns = run_workload(
+                server.url, docs, args["turns"], args["max_tokens"], args["concurrency"], reference
+            )
+        except httpx.HTTPError as e:  # the request's error says little; the server's log why
+            raise RuntimeError(_request_failed(e, server)) from None
         wall = time.perf_counter() - t0
         time.sleep(0.5)
         after = server.metrics()
@@ -331,6 +338,26 @@ def run_config(
     }
     echo(f"[{name}] {len(turns)} turns in {wall:.1f} s; tokens from {tokens_from}")
     return RunResult(name, turns, wall, tokens_from, offload, reloads_from)
+
+
+def log_name(name: str) -> str:
+    """A configuration's name as part of a file name: no spaces or ``+`` (``host + fs`` ->
+    ``host-fs``), so a path copied from a message needs no quoting."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-")
+
+
+def _request_failed(error: Exception, server: VLLMServer) -> str:
+    """What a failed request of the workload tells: the error, the end of the server's log, and
+    for an engine process that died (vLLM: ``... died unexpectedly``), the likely cause."""
+    tail = server.log_tail(12)
+    why = f"a request to the vLLM server failed: {error}\nthe end of its log:\n{tail}"
+    if "died unexpectedly" in tail or "EngineDeadError" in tail:
+        why += (
+            "\nthe server's engine process died: on a machine short of memory the kernel's OOM "
+            "killer is the usual cause (see dmesg); give the demo a quieter machine or smaller "
+            "sizes (kvoffload demo --help)"
+        )
+    return why
 
 
 def missing_reloads(runs: list[RunResult], tier_label: str) -> list[str]:
@@ -845,10 +872,12 @@ def _logs_kept_on_failure(wd: Path, temporary: bool) -> Iterator[None]:
             _clean_workdir(wd, temporary, keep_logs=True)
             click.echo(f"interrupted (server logs kept in {wd})", err=True)
         raise
-    except BaseException as e:
+    except KeyboardInterrupt:  # Ctrl-C: the shell's status for it, not click's "Aborted!" (1)
         _clean_workdir(wd, temporary, keep_logs=True)
-        if isinstance(e, KeyboardInterrupt):
-            click.echo(f"interrupted (server logs kept in {wd})", err=True)
+        click.echo(f"interrupted (server logs kept in {wd})", err=True)
+        raise SystemExit(EXIT_INTERRUPTED) from None
+    except BaseException:
+        _clean_workdir(wd, temporary, keep_logs=True)
         raise
 
 

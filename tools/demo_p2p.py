@@ -36,7 +36,7 @@ from typing import Any
 import httpx
 
 from kvoffload.tiers.p2p import SECRET_ENV
-from kvoffload.tools.demo import Turn, chat, opening, run_workload
+from kvoffload.tools.demo import Turn, chat, log_name, opening, run_workload
 from kvoffload.tools.ports import free_port
 from kvoffload.tools.vllm_server import (
     BLOCK_BYTES_PER_TOKEN_F32,
@@ -188,7 +188,7 @@ def pair_specs(
                 p2p_settings,
                 allowed,
             ),
-            log_path=str(workdir / f"server-{name}.log"),
+            log_path=str(workdir / f"server-{log_name(name)}.log"),
             env=env,
         )
 

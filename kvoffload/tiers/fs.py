@@ -140,6 +140,10 @@ class FsTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True):
         problems = self.io_thread_problems(self.read_workers, self.write_workers)
         if not self.root_dir:
             problems.append("root_dir: must be a directory path")
+        elif "\0" in self.root_dir:
+            problems.append(
+                f"root_dir: {self.root_dir!r} holds a NUL character, which no path can: remove it"
+            )
         problems += integrity_key_env_problems(self.integrity_key_env)
         raise_problems(problems)
 
@@ -152,7 +156,7 @@ class FsTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True):
             ``"root_dir: <why>"`` problems: a path that is not a directory, a read-only or pseudo
             filesystem, a directory this user cannot write; empty when none.
         """
-        if not self.root_dir:
+        if not self.root_dir or "\0" in self.root_dir:
             return []  # validate() says so
         path = os.path.abspath(self.root_dir)
         if os.path.exists(path) and not os.path.isdir(path):
@@ -163,7 +167,14 @@ class FsTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True):
         if os.statvfs(probe).f_flag & os.ST_RDONLY:
             return [f"root_dir: {probe!r} is on a read-only filesystem"]
         if not os.access(probe, os.W_OK | os.X_OK):
-            return [f"root_dir: {probe!r} is not writable"]
+            if probe == path:
+                return [f"root_dir: {probe!r} is not writable by this user"]
+            return [
+                f"root_dir: {self.root_dir!r} does not exist and cannot be made: {probe!r}, "
+                "where it would be created, is not writable by this user (make it, writable, "
+                "before the engine starts; a config for another machine: kvoffload check "
+                "--syntax-only)"
+            ]
         if os.path.realpath(probe).startswith(("/proc", "/sys")):
             return [f"root_dir: {self.root_dir!r} is on a pseudo filesystem"]
         return []

@@ -226,17 +226,22 @@ class P2PTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 f"advertise_host: required when host is {self.host!r} (peers must be told an "
                 "address they can reach)"
             )
+        # the way out: a secret, or (one given already) dropping auth none
+        use_secret = (
+            'remove auth (its default, "secret", uses the secret given)'
+            if self.secret
+            else f'remove auth (default "secret") and set the {self.secret_env} environment '
+            "variable (or secret)"
+        )
         if self.auth == "none" and not is_loopback(self.host):
             problems.append(
-                f'auth: "none" is accepted only on a loopback host, not {self.host!r}; set '
-                f"secret or the {self.secret_env} environment variable"
+                f'auth: "none" is accepted only on a loopback host, not {self.host!r}; {use_secret}'
             )
         elif self.auth == "none" and not self.trust_local_users:
             problems.append(
                 'auth: "none" needs trust_local_users: true: without a secret any local user '
                 "of this machine can connect to the loopback port and read (and push) every "
-                "user's KV; set trust_local_users if that is so, else set secret or the "
-                f"{self.secret_env} environment variable"
+                f"user's KV; set trust_local_users if that is so, else {use_secret}"
             )
         raise_problems(problems)
 

@@ -586,7 +586,11 @@ def test_c42_a_restarted_peer_is_told_apart_from_a_second_instance(world):
     wait_until(lambda: r2.ok("state")["peers_up"] or None, PATIENCE_S, "R2's session")
     assert r2.ok("resolve", keys=[k.hex() for k in held])["results"] == ["HIT"] * len(held)
     counters = s.ok("counters")
-    assert counters["server"]["restarts"] == 1
+    # R1's session ends once: replaced by R2's (a restart) or, where R2 took longer than
+    # peer_timeout_s to come up (a loaded machine), dropped as silent first; never a collision
+    server = counters["server"]
+    assert server.get("restarts", 0) + server.get("session_timeouts", 0) == 1, server
+    assert server.get("collisions", 0) == 0, server
     assert counters["refused_messages"]["identity_collision"] == 0
     assert r2.ok("counters")["failed_handshakes"]["refused_identity_collision"] == 0
 

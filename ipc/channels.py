@@ -259,10 +259,16 @@ class PeerWorkerChannel:
             out.append(sock.recv(flags=zmq.NOBLOCK))
         return out
 
-    def recv_all(self, timeout_s: float) -> list[bytes]:
-        """Wait up to ``timeout_s`` seconds for a frame, then drain every waiting one."""
-        if not self.readable() and not self.sock.poll(max(1, round(timeout_s * 1000))):
-            return []
+    def recv_all(self, timeout_s: float, wake_fd: int | None = None) -> list[bytes]:
+        """Wait up to ``timeout_s`` seconds for a frame, or with ``wake_fd`` until that file
+        descriptor is readable (the worker's transport finished something), then drain every
+        waiting frame (none when woken by ``wake_fd`` alone)."""
+        if not self.readable():
+            ms = max(1, round(timeout_s * 1000))
+            if wake_fd is None:
+                self.sock.poll(ms)
+            else:
+                zmq.zmq_poll([(self.sock, zmq.POLLIN), (wake_fd, zmq.POLLIN)], ms)
         return self.recv_ready()
 
     def close(self) -> None:

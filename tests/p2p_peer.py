@@ -4,7 +4,8 @@ Started as ``python tests/p2p_peer.py``; reads one JSON command per line on stdi
 line each on the stdout it was started with (the process's fd 1 is pointed at stderr first, because
 NIXL logs to stdout). Commands (``op`` plus arguments): ``init``, ``fill``, ``scribble``, ``digest``,
 ``add_peer``, ``remove_peer``, ``peer_up``, ``add_session``, ``drop_session``, ``grant``,
-``revoke``, ``revoked``, ``refused``, ``read``, ``poll``, ``wait``, ``maps``, ``close``.
+``revoke``, ``revoked``, ``refused``, ``read``, ``poll``, ``wait``, ``wait_woken``, ``maps``,
+``close``.
 Bytes (descriptors, tokens, digests) travel as hex. Errors are answered as
 ``{"error": "<exception type>", "message": ...}``; the process goes on.
 """
@@ -12,6 +13,7 @@ Bytes (descriptors, tokens, digests) travel as hex. Errors are answered as
 from __future__ import annotations
 
 import os
+import select
 import sys
 import time
 
@@ -154,6 +156,20 @@ class Peer:
                     "waited_s": time.monotonic() - t0,
                 }
             time.sleep(0.001)
+
+    def wait_woken(self, handle: int, timeout_s: float) -> dict:
+        """Like :meth:`wait`, but sleeping on the transport's wake-up descriptor between polls
+        (50 ms at most: a NIXL READ itself is not signalled); ``woken``: whether the poll that
+        saw the transfer final followed a wake-up rather than a timeout."""
+        assert self.transport is not None
+        t0 = time.monotonic()
+        woken = False
+        while True:
+            self.transport.clear_wakeup()
+            st = self.transport.poll(handle)
+            if st.state is not pt.TransferState.PENDING or time.monotonic() - t0 > timeout_s:
+                return {"state": st.state.value, "woken": woken}
+            woken = bool(select.select([self.transport.fileno()], [], [], 0.05)[0])
 
     def maps(self) -> dict:
         with open(f"/proc/{os.getpid()}/maps") as f:

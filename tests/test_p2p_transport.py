@@ -183,6 +183,21 @@ def test_granted_reads_are_bit_exact_both_ways(peers, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_a_finished_read_wakes_its_owner_without_a_timer(peers, kind):
+    """The transport's descriptor turns readable when a read's outcome is ready (TCP: its last
+    row checked; NIXL: its digest check over), so the peer worker reports it at once instead of
+    at its next timed poll."""
+    a, b = peers("a", kind), peers("b", kind)
+    b.ok("fill", seed=3)
+    s = _pair_up(a, b)
+    for _ in range(3):
+        h = s[0, 1].read([(r, r) for r in range(8)])["handle"]
+        got = a.ok("wait_woken", handle=h, timeout_s=PATIENCE_S)
+        assert got == {"state": "done", "woken": True}
+    assert a.rows()[:8] == b.rows()[:8]
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_three_peers_read_each_other_at_once(peers, kind):
     ps = [peers(t, kind) for t in "abc"]
     for i, p in enumerate(ps):

@@ -35,6 +35,10 @@ is reported in ``TransferStatus.bad`` (the rest of the transfer is good); a tran
 were not all in by ``not_after`` (the reader's conservative end of the lease) fails as
 :data:`LEASE_EXPIRED`, since the serving side may have reused the slots meanwhile.
 
+Its owner sleeps on :meth:`Transport.fileno` (an eventfd, :class:`Wakeup`), which a transport's
+threads signal when a transfer's outcome is ready or a revocation is acknowledged: a finished
+transfer is reported at once rather than at the owner's next timed poll.
+
 Two implementations, chosen by :class:`TransportConfig` ``kind``:
 
 - ``"nixl"`` (:class:`NixlTransport`): the arena's rows are registered once with a NIXL agent (UCX
@@ -308,6 +312,42 @@ def data_mac(token: bytes, role: bytes, sid: bytes, cnonce: bytes, snonce: bytes
     return h.digest()
 
 
+class Wakeup:
+    """An eventfd that a transport's threads signal when a transfer or a revocation may have
+    finished, so that its owner sleeps on it (:meth:`Transport.fileno`) instead of polling on a
+    timer: a finished transfer is reported at once, not at the owner's next poll (1-8 ms later).
+    Thread-safe; signals after :meth:`close` are dropped (the descriptor's number could be reused).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+
+    def fileno(self) -> int:
+        """The eventfd (readable from a :meth:`signal` until :meth:`clear`; -1 once closed)."""
+        return self._fd
+
+    def signal(self) -> None:
+        """Make the descriptor readable (from any thread)."""
+        with self._lock:
+            if self._fd >= 0:
+                os.eventfd_write(self._fd, 1)
+
+    def clear(self) -> None:
+        """Make the descriptor unreadable until the next :meth:`signal`."""
+        with self._lock:
+            if self._fd >= 0:
+                with contextlib.suppress(BlockingIOError):
+                    os.eventfd_read(self._fd)
+
+    def close(self) -> None:
+        """Close the eventfd; later signals are dropped. Idempotent."""
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+
 @dataclass(slots=True)
 class _Grant:
     sid: bytes
@@ -324,10 +364,11 @@ class GrantTable:
     A grant is looked up per request (:meth:`acquire`: every slot must be covered by a live grant of
     the session) and held while its rows are sent (:meth:`release` after); :meth:`revoke` is
     acknowledged at once when no row of it is being sent, else when the last such request ends
-    (:meth:`take_acks`).
+    (:meth:`take_acks`; ``on_ack``, when given, is called after such an acknowledgement is queued).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_ack: Callable[[], None] | None = None) -> None:
+        self._on_ack = on_ack
         self._lock = threading.Lock()
         self._tokens: dict[bytes, bytes] = {}  # session id -> token
         self._grants: dict[int, _Grant] = {}
@@ -424,6 +465,7 @@ class GrantTable:
 
     def release(self, grants: Iterable[_Grant]) -> None:
         """A request that :meth:`acquire` held ``grants`` for has ended."""
+        acked = False
         with self._lock:
             for g in grants:
                 g.busy -= 1
@@ -431,6 +473,9 @@ class GrantTable:
                 if not g.busy:
                     del self._draining[gid]
                     self._acks.append(gid)
+                    acked = True
+        if acked and self._on_ack is not None:
+            self._on_ack()
 
     def take_acks(self) -> list[int]:
         """Revoked grants whose last request has ended since the last call."""
@@ -461,6 +506,17 @@ class Transport(abc.ABC):
     #: the reason NIXL was or was not taken.
     choice: str = "configured"
     grants: GrantTable
+    _wakeup: Wakeup
+
+    def fileno(self) -> int:
+        """A file descriptor that is readable once a transfer or a revocation may have finished
+        since :meth:`clear_wakeup` (register it with ``select`` / ``zmq.Poller``, ``POLLIN``). A
+        NIXL transfer's READ is not signalled (UCX is polled), its digest check's end is."""
+        return self._wakeup.fileno()
+
+    def clear_wakeup(self) -> None:
+        """Make :meth:`fileno` unreadable; call it before polling the transfers it signalled."""
+        self._wakeup.clear()
 
     @abc.abstractmethod
     def descriptor(self) -> bytes:
@@ -1143,7 +1199,8 @@ class TcpTransport(Transport):
     def __init__(self, arena: Arena, config: TransportConfig | None = None):
         self.config = config or TransportConfig(kind="tcp")
         self.arena = arena
-        self.grants = GrantTable()
+        self._wakeup = Wakeup()
+        self.grants = GrantTable(self._wakeup.signal)
         self.server = _TcpServer(
             arena, self.config.host, self.config.port, self.grants, self.config.deadline_s
         )
@@ -1232,6 +1289,7 @@ class TcpTransport(Transport):
             if x.status.state is TransferState.PENDING:
                 bad = tuple(x.bad) if state is TransferState.DONE else ()
                 x.status = TransferStatus(state, reason, bad=bad)
+        self._wakeup.signal()
 
     @override
     def poll(self, handle: int) -> TransferStatus:
@@ -1267,6 +1325,7 @@ class TcpTransport(Transport):
                 if x.status.state is TransferState.PENDING:
                     x.status = TransferStatus(TransferState.FAILED, "transport closed")
         self.server.close()
+        self._wakeup.close()
 
 
 # -- NIXL -------------------------------------------------------------------------------------------
@@ -1413,7 +1472,8 @@ class NixlTransport(Transport):
         nbytes = arena.num_slots * arena.row_bytes
         self._reg = self.agent.register_memory([(self._base, nbytes, 0, "")], mem_type="DRAM")
         self._local_side = self.agent.prep_xfer_dlist("", self._slot_descs(self._base), "DRAM")
-        self.grants = GrantTable()
+        self._wakeup = Wakeup()
+        self.grants = GrantTable(self._wakeup.signal)
         self._lock = threading.Lock()
         self._peers: dict[str, _NixlPeer] = {}
         self._retired: list[_NixlPeer] = []  # removed, some transfers unsettled
@@ -1579,9 +1639,11 @@ class NixlTransport(Transport):
             with self._lock:
                 if self._closed:
                     return TransferStatus(TransferState.FAILED, "transport closed")
-                self._verifying[handle] = self._verifier.submit(
+                fut = self._verifier.submit(
                     _mismatched, self.arena, x.local, x.digests, x.peer.seed
                 )
+                self._verifying[handle] = fut
+            fut.add_done_callback(lambda _: self._wakeup.signal())
             return TransferStatus(TransferState.PENDING, settled=False)
         return TransferStatus(TransferState.FAILED, x.failed)
 
@@ -1620,6 +1682,7 @@ class NixlTransport(Transport):
             self._local_side.release()
         with contextlib.suppress(Exception):
             self.agent.deregister_memory(self._reg)
+        self._wakeup.close()
 
 
 # -- choice ------------------------------------------------------------------------------------------

@@ -63,7 +63,9 @@ from kvoffload.workers.p2p_transport import (
 # How often an idle worker checks that its parent is alive (seconds).
 _IDLE_POLL_S = 0.2
 # While transfers are pending the worker polls the transport every _BUSY_POLL_MIN_S at first, backing
-# off (doubling) to _BUSY_POLL_MAX_S while nothing changes (seconds).
+# off (doubling) to _BUSY_POLL_MAX_S while nothing changes (seconds); it is woken at once when a
+# transfer or revocation ends (Transport.fileno), so these bound only what the transport cannot
+# signal: a NIXL READ's end in UCX, a deadline passing.
 _BUSY_POLL_MIN_S = 0.001
 _BUSY_POLL_MAX_S = 0.008
 
@@ -290,7 +292,9 @@ class PeerWorker:
         busy_wait = _BUSY_POLL_MIN_S
         while True:
             busy = self.pending or t.grants.draining()
-            frames = self.chan.recv_all(busy_wait if busy else _IDLE_POLL_S)
+            # woken by a command, or by the transport the moment a transfer or revocation ends
+            frames = self.chan.recv_all(busy_wait if busy else _IDLE_POLL_S, t.fileno())
+            t.clear_wakeup()
             if not self.parent_alive():
                 return  # the engine is gone; its janitor removes the arena
             for data in frames:

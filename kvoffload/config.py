@@ -33,7 +33,6 @@ Example::
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, ClassVar
 
 import msgspec
@@ -47,6 +46,7 @@ from kvoffload.tiers.registry import (
     tier_class,
 )
 from kvoffload.validation import (
+    SECRET_KEY_RE,
     Bytes,
     BytesOrZero,
     ConfigError,
@@ -365,16 +365,13 @@ def ineffective_vllm_keys(extra_config: dict[str, Any]) -> list[str]:
     return out
 
 
-_SECRET_RE = re.compile(r"secret|token|password|credential", re.IGNORECASE)
-
-
 def _mask(obj: Any) -> Any:
     """Copy of ``obj`` with secrets replaced (``***``) and access key ids shortened."""
     if isinstance(obj, dict):
         out = {}
         for k, v in obj.items():
             # ``*_env`` keys name an environment variable (p2p's ``secret_env``), not a secret.
-            if isinstance(v, str) and v and _SECRET_RE.search(k) and not k.endswith("_env"):
+            if isinstance(v, str) and v and SECRET_KEY_RE.search(k) and not k.endswith("_env"):
                 out[k] = "***"
             elif isinstance(v, str) and v and k in ("access_key_id", "access_key"):
                 out[k] = v[:4] + "***"

@@ -414,13 +414,14 @@ def _value_problem(root: type[msgspec.Struct], parts: list, msg: str, value: Any
     values = _literal_values(root, sub) if "Invalid enum value" in msg else None
     if values:
         detail += f"; allowed: {', '.join(map(str, values))}"
-    elif not _SECRET_NAME_RE.search(str(name)):  # msgspec's message names the type, not the value
+    elif not SECRET_KEY_RE.search(str(name)):  # msgspec's message names the type, not the value
         detail += f" (given: {_given(value)})"
     return detail
 
 
-_SECRET_NAME_RE = re.compile(r"secret|token|password|credential|key", re.IGNORECASE)
-"""Keys whose wrongly typed value is not repeated in an error (it may be the secret itself)."""
+SECRET_KEY_RE = re.compile(r"secret|token|password|credential", re.IGNORECASE)
+"""Setting names that hold a secret: their values are masked in the effective config
+(``kvoffload.config.describe``) and never repeated in an error."""
 
 
 def _given(value: Any, limit: int = 60) -> str:

@@ -22,52 +22,23 @@ from __future__ import annotations
 import json
 import logging
 import os
-import pwd
 import shutil
 import stat
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from cotenant import cotenant
 from helpers import HIT, MISS, ROW, Rig, failed_chunks, fs_tier, keys_for, namespace, payload
 
 from kvoffload.tools.cli import main
 from kvoffload.workers import chunkfile as cf
 
-COTENANT = "kvoffload-cotenant"
 INTEGRITY_ENV = "KVOFFLOAD_TEST_INTEGRITY_KEY"
 _PATIENCE_S = 120.0
-
-
-def cotenant() -> pwd.struct_passwd:
-    """The co-tenant user, created if missing. Skips the calling test without root (fails with
-    ``KVOFFLOAD_REQUIRE_NETNS=1``)."""
-    if os.geteuid() != 0:
-        why = f"needs root: creates the local user {COTENANT} and runs steps as it"
-        if os.environ.get("KVOFFLOAD_REQUIRE_NETNS") == "1":
-            pytest.fail(f"KVOFFLOAD_REQUIRE_NETNS=1 but the test {why}")
-        pytest.skip(why)
-    deadline = time.monotonic() + _PATIENCE_S
-    while True:
-        try:
-            return pwd.getpwnam(COTENANT)
-        except KeyError:
-            pass
-        res = subprocess.run(
-            ["useradd", "--system", "--no-create-home", "--home-dir", "/nonexistent"]
-            + ["--shell", "/usr/sbin/nologin", COTENANT],
-            capture_output=True,
-            text=True,
-        )
-        # 0 created; 9 already there (a concurrent creator won); 10 /etc/passwd locked by one
-        if res.returncode not in (0, 9, 10) or time.monotonic() > deadline:
-            pytest.fail(f"useradd {COTENANT} failed ({res.returncode}): {res.stderr.strip()}")
-        if res.returncode == 10:
-            time.sleep(0.1)
 
 
 def as_cotenant(*argv: str | os.PathLike, data: bytes | None = None) -> subprocess.CompletedProcess:

@@ -145,6 +145,16 @@ def tier(rig: Rig):
     return rig.tm.tiers[0]
 
 
+def wait_found(b: Rig, keys: list[bytes]) -> None:
+    """Step ``b``'s engine until its p2p tier answers HIT for every key (it learnt where they are)."""
+    wait_until(
+        lambda: all(tier(b).lookup(k, "r") is HIT for k in keys) or None,
+        PATIENCE_S,
+        "B to find A's keys",
+        step=b.tm.step,
+    )
+
+
 def assert_serves(rig: Rig, keys: list[bytes], req_id: str = "req", params=None) -> None:
     """``keys`` resolve to HIT through the p2p tier and their bytes are exact."""
     if params is not None:
@@ -285,12 +295,7 @@ def test_a_peer_sigkilled_mid_transfer_fails_the_job_no_hang_no_leak(world, kind
             else:
                 os.environ["UCX_TLS"] = old
     # B learns where the keys are, then A's data plane stops: the load's transfer hangs.
-    wait_until(
-        lambda: all(tier(b).lookup(k, "r") is HIT for k in keys) or None,
-        PATIENCE_S,
-        "B to find A's keys",
-        step=b.tm.step,
-    )
+    wait_found(b, keys)
     os.kill(a.worker_pid, signal.SIGSTOP)
     res = [b.tm.lookup(k, "r") for k in keys]
     assert all(r is LookupResult.HIT_PENDING for r in res), res
@@ -320,12 +325,7 @@ def test_what_a_peer_held_is_forgotten_when_it_goes_down(world):
     keys = keys_for(6, seed=12)
     a.store(keys)
     b = world.rig(p2p("tcp", free_port(), [a.addr]))
-    wait_until(
-        lambda: all(tier(b).lookup(k, "r") is HIT for k in keys) or None,
-        PATIENCE_S,
-        "B to find A's keys",
-        step=b.tm.step,
-    )
+    wait_found(b, keys)
     assert {tier(b).origin(k) for k in keys} == {a.addr}
     os.kill(a.proc.pid, signal.SIGKILL)
     os.kill(a.worker_pid, signal.SIGKILL)
@@ -952,12 +952,7 @@ def test_c40_a_serving_slot_refilled_while_the_read_is_in_flight_is_a_miss_never
     keys = keys_for(4, seed=52)
     a.store(keys)
     b = world.rig(p2p(kind, free_port(), [a.addr], lease_ttl_s=50.0, transfer_deadline_s=10.0))
-    wait_until(
-        lambda: all(tier(b).lookup(k, "r") is HIT for k in keys) or None,
-        PATIENCE_S,
-        "B to find A's keys",
-        step=b.tm.step,
-    )
+    wait_found(b, keys)
     node = tier(b)._node
     os.kill(tier(b).worker_pid, signal.SIGSTOP)  # B's READ waits, its lease granted
     try:
@@ -986,12 +981,7 @@ def test_c40_a_lease_that_lapses_while_the_server_is_stalled_is_never_served(wor
     keys = keys_for(4, seed=53)
     a.store(keys)
     b = world.rig(p2p("tcp", free_port(), [a.addr], transfer_deadline_s=10.0, lease_ttl_s=50.0))
-    wait_until(
-        lambda: all(tier(b).lookup(k, "r") is HIT for k in keys) or None,
-        PATIENCE_S,
-        "B to find A's keys",
-        step=b.tm.step,
-    )
+    wait_found(b, keys)
     node = tier(b)._node
     own = tier(b).worker_pid
     os.kill(own, signal.SIGSTOP)  # B's READ waits until A's worker stalls

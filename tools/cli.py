@@ -178,14 +178,12 @@ def sweep(list_only: bool, fs_roots: tuple[str, ...], older_than: float | None) 
             _bad_input(f"--fs-root {root}: no such directory")
         if not os.path.isdir(root):
             _bad_input(f"--fs-root {root}: not a directory (name an fs tier's root_dir)")
-    if fs_roots:
         from kvoffload.tools.tier_inspect import InspectError, namespace_dirs
 
-        for root in fs_roots:
-            try:
-                namespace_dirs(root)  # a tier root at all (namespace directories in it)
-            except InspectError as e:
-                _bad_input(f"--fs-root {e}")
+        try:
+            namespace_dirs(root)  # a tier root at all (namespace directories in it)
+        except InspectError as e:
+            _bad_input(f"--fs-root {e}")
     if list_only:
         arenas = list_arenas()
         if not arenas:

@@ -49,6 +49,7 @@ from kvoffload.tools.vllm_server import (
     ServerSpec,
     VLLMServer,
     cached_by_source,
+    keep_only_logs,
 )
 
 #: Exit statuses of ``kvoffload demo`` (its ``--help`` and README.md list them too).
@@ -882,16 +883,14 @@ def _logs_kept_on_failure(wd: Path, temporary: bool) -> Iterator[None]:
 
 
 def _clean_workdir(wd: Path, temporary: bool, keep_logs: bool) -> None:
-    """Remove a temporary ``wd``; with ``keep_logs``, only its tier directories (the server logs
-    stay, for a run that did not show what it should)."""
+    """Remove a temporary ``wd``; with ``keep_logs``, all of it but the server logs (for a run
+    that did not show what it should)."""
     if not temporary:
         return
-    if not keep_logs:
+    if keep_logs:
+        keep_only_logs(wd)
+    else:
         shutil.rmtree(wd, ignore_errors=True)
-        return
-    for path in wd.iterdir():
-        if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
 
 
 def _demo_p2p(

@@ -322,6 +322,21 @@ class VLLMServer:
         self.stop()
 
 
+def keep_only_logs(workdir: Path) -> bool:
+    """Remove everything under ``workdir`` but the servers' logs (``*.log``, at any depth), for a
+    run that failed or was interrupted: what it stored (tier files, often hundreds of MB) goes,
+    what says why stays. Returns whether any log is left."""
+    logs = [p for p in workdir.rglob("*.log") if p.is_file()]
+    for p in sorted(workdir.rglob("*"), key=lambda q: len(q.parts), reverse=True):
+        if p in logs or any(log.is_relative_to(p) for log in logs):
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    return bool(logs)
+
+
 def metric_delta(before: Mapping, after: Mapping, name: str, labels: Mapping[str, str]) -> float:
     """Growth of the samples named ``name`` whose labels include ``labels``, summed, between two
     :meth:`VLLMServer.metrics` scrapes

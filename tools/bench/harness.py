@@ -147,15 +147,9 @@ def server_workdir() -> Iterator[Path]:
     try:
         yield wd
     except BaseException:
-        logs = [p for p in wd.rglob("*.log") if p.is_file()]
-        for p in sorted(wd.rglob("*"), key=lambda q: len(q.parts), reverse=True):
-            if p in logs or any(log.is_relative_to(p) for log in logs):
-                continue
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p, ignore_errors=True)
-            else:
-                p.unlink(missing_ok=True)
-        if logs:
+        from kvoffload.tools.vllm_server import keep_only_logs
+
+        if keep_only_logs(wd):
             click.echo(f"(server logs kept in {wd})", err=True)
         else:
             shutil.rmtree(wd, ignore_errors=True)

@@ -124,6 +124,11 @@ def _leaves_nothing_behind():
             import vllm  # noqa: F401
         except ImportError as e:
             pytest.exit(f"vLLM is required for this run but cannot be imported: {e}", returncode=3)
+    if os.environ.get("KVOFFLOAD_REQUIRE_NIXL") == "1":
+        from kvoffload.workers.p2p_transport import nixl_available
+
+        if why := nixl_available():
+            pytest.exit(f"NIXL is required for this run but cannot start: {why}", returncode=3)
     before = {a.name for a in list_arenas()}
     namespaces_before = set(our_namespaces())
     yield

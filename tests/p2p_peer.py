@@ -41,9 +41,15 @@ class Peer:
         kind: str,
         deadline_s: float,
         host: str = "127.0.0.1",
+        nixl_part_bytes: int = pt.NIXL_PART_BYTES,
     ) -> dict:
         self.arena = Arena.create(name, num_slots, row_bytes)
-        config = pt.TransportConfig(kind=kind, deadline_s=deadline_s, host=host)  # type: ignore[arg-type]
+        config = pt.TransportConfig(
+            kind=kind,  # type: ignore[arg-type]
+            deadline_s=deadline_s,
+            host=host,
+            nixl_part_bytes=nixl_part_bytes,
+        )
         self.transport = pt.make_transport(self.arena, config)
         return {
             "descriptor": self.transport.descriptor().hex(),
@@ -159,17 +165,18 @@ class Peer:
 
     def wait_woken(self, handle: int, timeout_s: float) -> dict:
         """Like :meth:`wait`, but sleeping on the transport's wake-up descriptor between polls
-        (50 ms at most: a NIXL READ itself is not signalled); ``woken``: whether the poll that
-        saw the transfer final followed a wake-up rather than a timeout."""
+        (up to ``timeout_s`` in all); ``timer``: whether the poll that saw the transfer final
+        followed a timeout rather than a wake-up (False too when the first poll saw it final)."""
         assert self.transport is not None
         t0 = time.monotonic()
-        woken = False
+        timer = False
         while True:
             self.transport.clear_wakeup()
             st = self.transport.poll(handle)
             if st.state is not pt.TransferState.PENDING or time.monotonic() - t0 > timeout_s:
-                return {"state": st.state.value, "woken": woken}
-            woken = bool(select.select([self.transport.fileno()], [], [], 0.05)[0])
+                return {"state": st.state.value, "timer": timer}
+            left = max(0.0, timeout_s - (time.monotonic() - t0))
+            timer = not select.select([self.transport.fileno()], [], [], left)[0]
 
     def maps(self) -> dict:
         with open(f"/proc/{os.getpid()}/maps") as f:

@@ -42,7 +42,8 @@ transfer is reported at once rather than at the owner's next timed poll.
 Two implementations, chosen by :class:`TransportConfig` ``kind``:
 
 - ``"nixl"`` (:class:`NixlTransport`): the arena's rows are registered once with a NIXL agent (UCX
-  backend, ``DRAM`` memory); a transfer is one prepared NIXL request over per-slot descriptor lists.
+  backend, ``DRAM`` memory); a transfer is prepared NIXL requests of at most 2 MiB each over
+  per-slot descriptor lists, each checked as soon as it is done.
   UCX takes RDMA where the hardware has it, shared memory / CMA between processes of one host, TCP
   otherwise. One-sided operations of a registered region cannot be checked per grant: an
   authenticated NIXL peer can READ and WRITE every row of the arena while the agent lives (grants
@@ -97,7 +98,6 @@ from __future__ import annotations
 
 import abc
 import collections
-import concurrent.futures
 import contextlib
 import enum
 import hashlib
@@ -163,6 +163,16 @@ _SOCK_BUF_BYTES = 4 << 20
 #: loopback read's throughput here; pieces of 256 KiB, 8-10 % (64 KiB-512 KiB measured).
 _PIECE_BYTES = 256 << 10
 _MAX_ERROR_CHARS = 200
+#: Default bytes of one NIXL request within a transfer (whole rows, at least one): each is checked
+#: against its digests as soon as UCX reports it done, while the transfer's later requests move
+#: (BENCHMARKS 10c).
+NIXL_PART_BYTES = 2 << 20
+#: How long the NIXL checking thread sleeps between looks at unfinished requests (seconds: from
+#: the first, doubling to the second while none finished).
+_NIXL_CHECK_MIN_S = 50e-6
+_NIXL_CHECK_MAX_S = 1e-3
+#: Nice value of the threads a NIXL agent starts (its UCX progress thread busy-polls).
+_NIXL_THREAD_NICE = 19
 
 
 class TransportError(RuntimeError):
@@ -210,6 +220,8 @@ class TransportConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         deadline_s: default per-transfer deadline (seconds); also how long the TCP data server
             waits for one row or request to move before it closes the connection.
         nixl_backends: NIXL backends to instantiate (``["UCX"]``).
+        nixl_part_bytes: NIXL: bytes of one request within a transfer (whole rows, at least one
+            row); each is checked as soon as it is done (:class:`NixlTransport`).
     """
 
     kind: Literal["nixl", "tcp", "auto"] = "auto"
@@ -218,8 +230,11 @@ class TransportConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     advertise_host: str = ""
     deadline_s: float = DEFAULT_DEADLINE_S
     nixl_backends: list[str] = msgspec.field(default_factory=lambda: ["UCX"])
+    nixl_part_bytes: int = NIXL_PART_BYTES
 
     def __post_init__(self) -> None:
+        if self.nixl_part_bytes < 1:
+            raise ValueError(f"transport nixl_part_bytes must be >= 1, got {self.nixl_part_bytes}")
         if not self.deadline_s > 0:
             raise ValueError(f"transport deadline_s must be > 0 seconds, got {self.deadline_s}")
         if not 0 <= self.port <= 65535:
@@ -1390,14 +1405,34 @@ class _NixlPeer:
 
 
 @dataclass(slots=True)
+class _NixlPart:
+    """One NIXL request of a transfer: consecutive pairs of it, checked as soon as UCX is done."""
+
+    handle: Any
+    first: int  # position of its first pair in the transfer
+    local: list[int]
+    posted: bool = False  # transfer() returned: UCX may be asked about it
+    settled: bool = False  # UCX reported DONE or ERR; the handle is released
+
+
+@dataclass(slots=True)
 class _NixlXfer:
     peer: _NixlPeer
-    handle: Any
     deadline: float
-    local: list[int]
     digests: bytes
     not_after: float
+    parts: list[_NixlPart]
+    bad: list[int]  # positions whose row failed its digest
+    unsettled: int  # parts UCX has not finished (or that are being checked)
     failed: str = ""
+
+
+def _threads() -> set[int]:
+    """Ids of this process's threads (Linux; empty where /proc cannot tell)."""
+    try:
+        return {int(t) for t in os.listdir("/proc/self/task")}
+    except OSError:
+        return set()
 
 
 _nixl_agents_made = False
@@ -1441,12 +1476,20 @@ class NixlTransport(Transport):
     Registration: one region, the arena's rows ``(base, num_slots * row_bytes, 0, "")`` (not its
     header); transfer descriptor lists of one ``(address, row_bytes, 0)`` entry per slot are
     prepared once per side (local, and per peer), so a transfer is ``make_prepped_xfer`` with slot
-    numbers as indices. The agent runs NIXL's progress thread, so this side serves peers' one-sided
-    operations without calls from its owner, and without seeing them: grants are kept only for the
-    digests they return (:meth:`revoke` is done at once), and every authenticated peer holding the
-    agent's metadata can READ and WRITE any row while the agent lives. A READ is checked against
-    its digests once UCX reports it done, on one verifier thread (:meth:`poll` reports it PENDING
-    until the check is over), so that checking one transfer overlaps the others moving.
+    numbers as indices. The agent runs NIXL's progress thread (at nice :data:`_NIXL_THREAD_NICE`:
+    it busy-polls), so this side serves peers' one-sided operations without calls from its owner,
+    and without seeing them: grants are kept only for the digests they return (:meth:`revoke` is
+    done at once), and every authenticated peer holding the agent's metadata can READ and WRITE any
+    row while the agent lives.
+
+    Checking. A READ is posted in parts of at most :attr:`TransportConfig.nixl_part_bytes` (whole rows), each
+    outside the lock (the agent is made thread-safe on its data path, ``NIXL_THREAD_SYNC_RW``).
+    Over shared memory UCX copies a part's bytes inside ``transfer()``; elsewhere it finishes it
+    later. One checking thread hashes each finished part against its digests while the caller's
+    thread copies the next one, and asks UCX about unfinished parts every
+    :data:`_NIXL_CHECK_MIN_S` to :data:`_NIXL_CHECK_MAX_S` (failing a transfer past its deadline or
+    its lease's end). :meth:`poll` reports a transfer PENDING until its last part is checked; the
+    checking thread then signals :meth:`fileno`.
     """
 
     kind = "nixl"
@@ -1458,12 +1501,27 @@ class NixlTransport(Transport):
         self._name = f"kvoffload-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(6)}"
         global _nixl_agents_made
         _nixl_agents_made = True  # set before: a failed start may have made one too
+        sync = getattr(api, "nixl_thread_sync_t", None)
+        if sync is None:
+            raise TransportError(
+                "this NIXL has no thread-safe agent mode (nixl_thread_sync_t); install NIXL 1.x"
+            )
+        before = _threads()
         try:
             self.agent = api.nixl_agent(
-                self._name, api.nixl_agent_config(backends=list(self.config.nixl_backends))
+                self._name,
+                api.nixl_agent_config(
+                    backends=list(self.config.nixl_backends),
+                    sync_mode=sync.NIXL_THREAD_SYNC_RW,
+                ),
             )
         except Exception as e:  # NIXL raises its own exception types
             raise TransportError(f"NIXL agent could not start: {e}") from e
+        # NIXL's progress thread polls UCX without pause (a whole core while idle): at the
+        # lowest priority it takes only what nothing else wants
+        for tid in _threads() - before:
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, tid, _NIXL_THREAD_NICE)
         missing = [b for b in self.config.nixl_backends if b not in self.agent.backends]
         if missing:
             raise TransportError(f"NIXL backends {missing} are not available on this machine")
@@ -1478,12 +1536,15 @@ class NixlTransport(Transport):
         self._peers: dict[str, _NixlPeer] = {}
         self._retired: list[_NixlPeer] = []  # removed, some transfers unsettled
         self._xfers: dict[int, _NixlXfer] = {}
-        # transfers UCX finished, being checked against their digests (one thread: a check is
-        # bound by memory bandwidth)
-        self._verifying: dict[int, concurrent.futures.Future[tuple[int, ...]]] = {}
-        self._verifier = concurrent.futures.ThreadPoolExecutor(1, "p2p-nixl-verify")
         self._ids = itertools.count(1)
         self._closed = False
+        # the checking thread: looks at UCX's unfinished requests and checks each finished one
+        self._work = threading.Condition(self._lock)
+        self._ready: list[tuple[_NixlXfer, _NixlPart]] = []  # finished when posted, to check
+        self._checker = threading.Thread(
+            target=self._check_loop, name="p2p-nixl-check", daemon=True
+        )
+        self._checker.start()
 
     def _slot_descs(self, base: int, num_slots: int | None = None) -> Any:
         import numpy as np
@@ -1565,27 +1626,71 @@ class NixlTransport(Transport):
     ) -> int:
         with self._lock:
             p, local, remote = self._checked(peer, pairs)
-            xid = next(self._ids)
             deadline = _deadline(deadline_s, self.config.deadline_s)
+            # unsettled counts the posting itself until every part is posted: never seen settled
+            # before then
+            x = _NixlXfer(p, deadline, digests, not_after, parts=[], bad=[], unsettled=1)
+            xid = next(self._ids)
+            self._xfers[xid] = x
+        # Each part is posted outside the lock (the agent is thread-safe on its data path, sync
+        # mode RW): over shared memory UCX copies a READ's bytes inside transfer(), and the
+        # checking thread checks the parts copied before meanwhile, on another core.
+        per = max(1, self.config.nixl_part_bytes // self.arena.row_bytes)
+        try:
+            for first in range(0, len(local), per):
+                part = self._prepare(
+                    x, first, local[first : first + per], remote[first : first + per]
+                )
+                if part is None:
+                    break
+                try:
+                    state = self.agent.transfer(part.handle)
+                    why = "NIXL reported an error posting the transfer"
+                except Exception as e:  # e.g. nixlRemoteDisconnectError
+                    state, why = "ERR", f"{type(e).__name__}: {e}"
+                with self._lock:
+                    part.posted = True
+                    if state == "ERR":
+                        x.failed = x.failed or why
+                        self._mark_down(x.peer, why)
+                    elif state == "DONE":
+                        done, _ = self._settle(x, part, state, time.monotonic())
+                        if done is not None:
+                            self._ready.append((x, done))
+                    self._work.notify()
+        finally:
+            with self._lock:
+                x.unsettled -= 1
+                nothing = not x.parts
+                if nothing and x.failed:
+                    self._xfers.pop(xid, None)
+            if not x.unsettled:
+                self._wakeup.signal()
+        if nothing and x.failed:
+            raise PeerDownError(f"peer {peer!r}: {x.failed}")
+        return xid
+
+    def _prepare(
+        self, x: _NixlXfer, first: int, local: list[int], remote: list[int]
+    ) -> _NixlPart | None:
+        """One part of ``x`` (its pairs from position ``first``), prepared and counted unsettled
+        but not posted; None when ``x`` failed, the transport closed, or NIXL refused the request
+        (``x`` then fails and its peer is down)."""
+        with self._lock:
+            if x.failed or self._closed:
+                return None
             try:
                 handle = self.agent.make_prepped_xfer(
-                    "READ", self._local_side, local, p.remote_side, remote
+                    "READ", self._local_side, local, x.peer.remote_side, remote
                 )
             except Exception as e:
-                self._mark_down(p, f"NIXL refused the transfer: {e}")
-                raise PeerDownError(f"peer {peer!r}: NIXL refused the transfer: {e}") from e
-            x = _NixlXfer(p, handle, deadline, local, digests, not_after)
-            self._xfers[xid] = x
-            try:
-                state = self.agent.transfer(handle)
-            except Exception as e:  # e.g. nixlRemoteDisconnectError
-                state, why = "ERR", f"{type(e).__name__}: {e}"
-            else:
-                why = "NIXL reported an error posting the transfer"
-            if state == "ERR":
-                x.failed = why
-                self._mark_down(p, why)
-        return xid
+                x.failed = x.failed or f"NIXL refused the transfer: {e}"
+                self._mark_down(x.peer, x.failed)
+                return None
+            part = _NixlPart(handle, first, local)
+            x.parts.append(part)
+            x.unsettled += 1
+            return part
 
     def _mark_down(self, peer: _NixlPeer, why: str) -> None:
         """Caller holds the lock. Fails every pending transfer to ``peer``."""
@@ -1594,71 +1699,127 @@ class NixlTransport(Transport):
             if x.peer is peer and not x.failed:
                 x.failed = f"peer is down ({why})"
 
+    def _check_loop(self) -> None:
+        """The checking thread: while transfers are unfinished, looks at their requests every
+        :data:`_NIXL_CHECK_MIN_S` to :data:`_NIXL_CHECK_MAX_S` and checks the rows of each one UCX
+        finished against their digests (outside the lock: :func:`_mismatched` releases the GIL
+        while it hashes); signals the owner's :class:`Wakeup` when a transfer has settled."""
+        wait = _NIXL_CHECK_MIN_S
+        while True:
+            with self._lock:
+                while True:
+                    if self._closed:
+                        return
+                    if self._ready:  # finished when posted
+                        finished, settled = self._ready, False
+                        self._ready = []
+                        break
+                    if not any(x.unsettled for x in self._xfers.values()):
+                        self._work.wait()  # until a transfer is posted
+                        wait = _NIXL_CHECK_MIN_S
+                        continue
+                    finished, settled = self._look(time.monotonic())
+                    if finished or settled:
+                        break
+                    self._work.wait(wait)  # or until the next part is posted
+                    wait = min(wait * 2, _NIXL_CHECK_MAX_S)
+            wait = _NIXL_CHECK_MIN_S
+            for x, part in finished:
+                self._check(x, part)
+            if settled:
+                self._wakeup.signal()
+
+    def _check(self, x: _NixlXfer, part: _NixlPart) -> None:
+        """Checks the rows of ``part``, which UCX finished, against their digests (outside the
+        lock: :func:`_mismatched` releases the GIL while it hashes); signals the owner's
+        :class:`Wakeup` when that settles ``x``."""
+        end = part.first + len(part.local)
+        bad = _mismatched(
+            self.arena,
+            part.local,
+            x.digests[part.first * DIGEST_BYTES : end * DIGEST_BYTES],
+            x.peer.seed,
+        )
+        with self._lock:
+            x.bad.extend(part.first + i for i in bad)
+            x.unsettled -= 1
+            settled = not x.unsettled
+        if settled:
+            self._wakeup.signal()
+
+    def _look(self, now: float) -> tuple[list[tuple[_NixlXfer, _NixlPart]], bool]:
+        """Caller holds the lock: asks UCX about every unfinished request; returns the ones it
+        finished whose rows are to be checked (their transfer not failed), and whether a transfer
+        settled meanwhile (the others' ends settle it).
+        A transfer still moving past its deadline or its lease's end fails (its peer is then
+        down); one seen finished only after the lease's end fails too: it may have read slots the
+        serving side reused."""
+        finished: list[tuple[_NixlXfer, _NixlPart]] = []
+        settled = False
+        for x in self._xfers.values():
+            if not x.unsettled:
+                continue
+            for part in x.parts:
+                if part.settled or not part.posted:
+                    continue
+                try:
+                    state = self.agent.check_xfer_state(part.handle)
+                except Exception as e:  # nixlRemoteDisconnectError and kin
+                    state = "ERR"
+                    x.failed = x.failed or f"{type(e).__name__}: {e}"
+                done, ended = self._settle(x, part, state, now)
+                if done is not None:
+                    finished.append((x, done))
+                settled = settled or ended
+        return finished, settled
+
+    def _settle(
+        self, x: _NixlXfer, part: _NixlPart, state: str, now: float
+    ) -> tuple[_NixlPart | None, bool]:
+        """Caller holds the lock: what UCX's ``state`` of ``part`` (of ``x``) means at ``now``.
+        Still moving past ``x``'s deadline or its lease's end: ``x`` fails and its peer is down.
+        Finished (DONE or ERR): the request is released; seen finished only after the lease's
+        end, ``x`` fails (the serving side may have reused the slots). Returns the part when its
+        rows are to be checked (DONE, ``x`` not failed), and whether ``x`` settled."""
+        if state == "PROC" and not x.failed:
+            if x.not_after and now > x.not_after:
+                x.failed = LEASE_EXPIRED
+            elif now > x.deadline:
+                x.failed = "deadline passed"
+        if state == "DONE" and not x.failed and x.not_after and now > x.not_after:
+            x.failed = LEASE_EXPIRED
+        if state == "ERR" and not x.failed:
+            x.failed = "NIXL reported a transfer error"
+        if x.failed and state != "DONE":
+            self._mark_down(x.peer, x.failed)
+        if state == "PROC":
+            return None, False
+        # DONE or ERR: UCX is finished with the request, its local slots are settled
+        part.settled = True
+        with contextlib.suppress(Exception):
+            part.handle.release()
+        if state == "DONE" and not x.failed:
+            return part, False
+        x.unsettled -= 1
+        return None, not x.unsettled
+
     @override
     def poll(self, handle: int) -> TransferStatus:
         with self._lock:
-            checked = self._checked_status(handle)
-            if checked is not None:
-                return checked
             x = self._xfers[handle]
-            try:
-                state = self.agent.check_xfer_state(x.handle)
-            except Exception as e:  # nixlRemoteDisconnectError and kin
-                state = "ERR"
-                if not x.failed:
-                    x.failed = f"{type(e).__name__}: {e}"
-            now = time.monotonic()
-            if state == "PROC" and not x.failed:
-                if x.not_after and now > x.not_after:
-                    x.failed = LEASE_EXPIRED
-                elif now > x.deadline:
-                    x.failed = "deadline passed"
-            if state == "DONE" and not x.failed and x.not_after and now > x.not_after:
-                # seen done only after the lease's end: it may have read reused slots
-                x.failed = LEASE_EXPIRED
-            if state == "ERR" and not x.failed:
-                x.failed = "NIXL reported a transfer error"
-            if x.failed and state != "DONE":
-                self._mark_down(x.peer, x.failed)
-            if state == "PROC":
+            if x.unsettled:
                 if x.failed:
                     return TransferStatus(TransferState.FAILED, x.failed, settled=False)
                 return TransferStatus(TransferState.PENDING, settled=False)
-            # DONE or ERR: UCX is finished with the request, its local slots are settled
-            with contextlib.suppress(Exception):
-                x.handle.release()
             del self._xfers[handle]
             last = x.peer.removed and not any(y.peer is x.peer for y in self._xfers.values())
             if last:
                 self._retired.remove(x.peer)
         if last:
             self._drop(x.peer)
-        if state == "DONE" and not x.failed:
-            # checked on the verifier thread, so that the caller's loop goes on polling and
-            # posting other transfers meanwhile; reported DONE once checked
-            with self._lock:
-                if self._closed:
-                    return TransferStatus(TransferState.FAILED, "transport closed")
-                fut = self._verifier.submit(
-                    _mismatched, self.arena, x.local, x.digests, x.peer.seed
-                )
-                self._verifying[handle] = fut
-            fut.add_done_callback(lambda _: self._wakeup.signal())
-            return TransferStatus(TransferState.PENDING, settled=False)
-        return TransferStatus(TransferState.FAILED, x.failed)
-
-    def _checked_status(self, handle: int) -> TransferStatus | None:
-        """Caller holds the lock: the status of a transfer being checked against its digests, or
-        None when ``handle`` is not one."""
-        fut = self._verifying.get(handle)
-        if fut is None:
-            return None
-        if not fut.done():
-            return TransferStatus(TransferState.PENDING, settled=False)
-        del self._verifying[handle]
-        if fut.cancelled():
-            return TransferStatus(TransferState.FAILED, "transport closed")
-        return TransferStatus(TransferState.DONE, bad=fut.result())
+        if x.failed:
+            return TransferStatus(TransferState.FAILED, x.failed)
+        return TransferStatus(TransferState.DONE, bad=tuple(sorted(x.bad)))
 
     @override
     def close(self) -> None:
@@ -1671,11 +1832,14 @@ class NixlTransport(Transport):
             peers = list(self._peers.values()) + self._retired
             self._peers.clear()
             self._retired = []
+            self._work.notify_all()
         # a check reads local rows: over before the caller may unmap the arena
-        self._verifier.shutdown(wait=True, cancel_futures=True)
+        self._checker.join()
         for x in xfers:  # asks UCX to cancel; an unsettled request may still land (see above)
-            with contextlib.suppress(Exception):
-                x.handle.release()
+            for part in x.parts:
+                if not part.settled:
+                    with contextlib.suppress(Exception):
+                        part.handle.release()
         for p in peers:
             self._drop(p)
         with contextlib.suppress(Exception):

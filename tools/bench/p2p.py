@@ -34,6 +34,7 @@ import json
 import multiprocessing as mp
 import os
 import secrets
+import select
 import socket
 import statistics
 import struct
@@ -224,8 +225,11 @@ def tier_fetch(kind: str, chunk_bytes: int, num_slots: int, reps: int, latency_n
 
 
 def _wait(transport: pt.Transport, handle: int) -> None:
-    while (st := transport.poll(handle)).state is pt.TransferState.PENDING:
-        time.sleep(0)  # let the TCP transport's I/O thread take the GIL
+    """Until transfer ``handle`` is over, as a peer worker waits: asleep on the transport's
+    wake-up (signalled when a transfer's outcome is ready), looking at least every millisecond."""
+    while (st := transport.poll(handle)).state is pt.TransferState.PENDING or not st.settled:
+        select.select([transport.fileno()], [], [], 0.001)
+        transport.clear_wakeup()
     if st.state is not pt.TransferState.DONE:
         raise RuntimeError(f"transfer failed: {st.reason}")
 

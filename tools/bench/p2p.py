@@ -246,7 +246,10 @@ def _measure(fn, nbytes: int, reps: int) -> float:
 
 def _measure_pair(fn_a, fn_b, nbytes: int, reps: int) -> tuple[float, float]:
     """Median GB/s of ``fn_a`` and of ``fn_b`` (each moving ``nbytes``), run in turn ``reps``
-    times each, so that both see the same machine."""
+    times each, so that both see the same machine, after one untimed call of each (the first
+    touches the destination's pages)."""
+    fn_a()
+    fn_b()
     a: list[float] = []
     b: list[float] = []
     for _ in range(reps):

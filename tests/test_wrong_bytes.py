@@ -128,7 +128,7 @@ def test_c26_reset_while_a_tier_load_is_in_flight_never_reuses_its_slot(tmp_path
             lambda: rig.tm.lookup(k1, "req") is PENDING, what="a promotion of K1", step=rig.tm.step
         )
         wait_paused(gate, step=rig.tm.step)  # the worker is inside the load, before the payload
-        rig.tm.reset_cache(timeout_s=0.5)
+        rig.tm.reset_cache()
         assert rig.tm.has_pending_work(), "reset waited for the paused load"
         plan = rig.tm.prepare_store(fresh)
         assert plan is not None

@@ -563,8 +563,8 @@ def main() -> int:
         )
         return 3
     # What the imports and the set-up allocated lives as long as the worker: freeze it, so the
-    # cyclic collector, triggered by what the tasks allocate, never walks it again (it took a
-    # tenth of a busy worker's CPU time).
+    # cyclic collector, triggered by what the tasks allocate, never walks it again (walking it
+    # costs a tenth of a busy worker's CPU time).
     gc.collect()
     gc.freeze()
     worker.populate_arena()

@@ -228,11 +228,6 @@ class HostTier:
         self.state[slot] = FREE
         self._free.append(slot)
 
-    @property
-    def num_quarantined(self) -> int:
-        """Slots a reset left in use (a transfer still in or out of them)."""
-        return sum(self.quarantined)
-
     def _release(self, slot: int) -> None:
         key = self.keys[slot]
         assert key is not None  # only a slot holding a chunk is released

@@ -1,7 +1,8 @@
 """Logging for the ``kvoffload`` logger tree: ``KVOFFLOAD_LOG_LEVEL`` (default INFO) to stderr.
 
 Engines such as vLLM configure only their own loggers, so without this kvoffload's messages would
-reach stderr only at WARNING and above.
+reach stderr only at WARNING and above. The rate-limited log the engine side uses is
+:class:`kvoffload.ipc.ratelimit.RateLimitedLog` (the tier workers use it too), importable from here.
 """
 
 from __future__ import annotations
@@ -10,7 +11,10 @@ import atexit
 import logging
 import os
 import threading
-import time
+
+from kvoffload.ipc.ratelimit import RateLimitedLog
+
+__all__ = ["RateLimitedLog", "log_at_exit", "setup"]
 
 _configured = False
 _last_line: tuple[int, str] | None = None  # what log_at_exit logs when this process ends
@@ -57,37 +61,3 @@ def _log_last_line() -> None:
     if _last_line is not None:
         setup()
         logging.getLogger("kvoffload").log(*_last_line)
-
-
-class RateLimitedLog:
-    """At most one log line per reason every ``interval_s`` seconds, for things that may happen
-    thousands of times a second (refused stores, dropped chunks): the first occurrence of a reason
-    is logged at once; later ones within the interval are counted, and the next line logged for
-    that reason says how many were not.
-
-    Args:
-        logger: where the lines go.
-        interval_s: seconds between two lines of one reason (60 by default).
-        clock: monotonic seconds (tests pass a fake).
-    """
-
-    def __init__(self, logger: logging.Logger, interval_s: float = 60.0, clock=None):
-        self.logger = logger
-        self.interval_s = interval_s
-        self.clock = clock or time.monotonic
-        self._next: dict[str, float] = {}  # reason -> monotonic time its next line may go out
-        self._quiet: dict[str, int] = {}  # reason -> occurrences not logged since its last line
-
-    def log(self, level: int, reason: str, msg: str, *args) -> bool:
-        """Log ``msg % args`` at ``level`` unless a line for ``reason`` went out less than
-        ``interval_s`` ago. Returns True when a line was written."""
-        now = self.clock()
-        if now < self._next.get(reason, float("-inf")):
-            self._quiet[reason] = self._quiet.get(reason, 0) + 1
-            return False
-        self._next[reason] = now + self.interval_s
-        quiet = self._quiet.pop(reason, 0)
-        if quiet:
-            msg = f"{msg} ({quiet} more since the last such line, not logged)"
-        self.logger.log(level, msg, *args)
-        return True

@@ -1528,10 +1528,9 @@ class TieringManager:
             out, self._taken_events = self._taken_events, []
             return out
 
-    def reset_cache(self, timeout_s: float | None = None) -> None:
+    def reset_cache(self) -> None:
         """Forget every host-tier chunk now, without waiting for tier jobs (never blocks the
-        scheduler for a tier's I/O; ``timeout_s`` is accepted for callers of the old blocking
-        form and ignored).
+        scheduler for a tier's I/O). Takes no argument, as vLLM's ``OffloadingManager.reset_cache``.
 
         Slots with a transfer still in flight — promotions loading into them, tier stores reading
         them, accelerator copies not completed — are quarantined by the host tier and reused only

@@ -682,9 +682,7 @@ def test_peer_events_config_shapes_and_errors():
 
 def test_an_endpoint_zmq_cannot_connect_to_is_a_config_error_naming_the_peer():
     with pytest.raises(ConfigError, match=r"p2p.peer_events\['b:1'\].endpoint.*tcp://nohost"):
-        PeerLocations.from_config(
-            PeerLocationsConfig(peer_events={"b:1": "tcp://nohost"}), tokens_per_chunk=TPC
-        )
+        PeerLocations({"b:1": "tcp://nohost"}, tokens_per_chunk=TPC, where="p2p.peer_events")
 
 
 # -- fuzz ------------------------------------------------------------------------------------------

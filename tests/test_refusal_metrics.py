@@ -32,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from textual.widgets import DataTable
 
 from kvoffload import metrics
-from kvoffload.logs import RateLimitedLog
+from kvoffload.ipc.ratelimit import RateLimitedLog
 from kvoffload.tiers.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from kvoffload.tools.top.app import TopApp
 from kvoffload.tools.top.model import derive, parse_exposition

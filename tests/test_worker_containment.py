@@ -4,8 +4,10 @@ I/O contract is one typed Protocol, and a filesystem refusing O_DIRECT half-way 
 Real worker processes, real files, real out-of-tree modules (``poison_tier`` / ``poison_io``)."""
 
 import ast
+import logging
 import os
 import pathlib
+import sys
 import typing
 
 import numpy as np
@@ -250,28 +252,37 @@ def test_c25_an_io_module_that_breaks_the_contract_fails_that_key_with_error(
 
 
 def test_contained_errors_are_logged_at_most_burst_per_window_then_summed_up(capsys):
-    from kvoffload.workers.main import _ErrorLog
+    from kvoffload.ipc.ratelimit import RateLimitedLog
+    from kvoffload.workers.main import log_contained
 
-    now = [100.0]
-    errors = _ErrorLog("worker w", burst=2, window_s=60.0, clock=lambda: now[0])
-    for i in range(5):
-        try:
-            raise ValueError(f"bug {i}")
-        except ValueError as e:
-            errors.log(f"store k{i}", e)
-    err = capsys.readouterr().err
-    assert err.count("Traceback (most recent call last)") == 2
-    assert "ValueError: bug 0" in err and "ValueError: bug 1" in err and "bug 2" not in err
-    now[0] += 59.0
-    errors.log("store k5", why="still in the window")
-    assert capsys.readouterr().err == ""
-    now[0] += 1.0
-    errors.log("store k6", why="a new window")
-    err = capsys.readouterr().err.splitlines()
-    assert err == [
-        "worker w: 4 more unexpected errors in the last 60 s, not shown",
-        "worker w: store k6 failed; the worker goes on: a new window",
-    ]
+    logger = logging.getLogger("kvoffload.test.worker")
+    handler = logging.StreamHandler(sys.stderr)  # as a worker process's main() sets up
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        now = [100.0]
+        errors = RateLimitedLog(logger, interval_s=60.0, burst=2, clock=lambda: now[0])
+        for i in range(5):
+            try:
+                raise ValueError(f"bug {i}")
+            except ValueError as e:
+                log_contained(errors, "worker w", f"store k{i}", e)
+        err = capsys.readouterr().err
+        assert err.count("Traceback (most recent call last)") == 2
+        assert "ValueError: bug 0" in err and "ValueError: bug 1" in err and "bug 2" not in err
+        now[0] += 59.0
+        log_contained(errors, "worker w", "store k5", why="still in the window")
+        assert capsys.readouterr().err == ""
+        now[0] += 1.0
+        log_contained(errors, "worker w", "store k6", why="a new window")
+        err = capsys.readouterr().err.splitlines()
+        assert err == [
+            "worker w: store k6 failed; the worker goes on: a new window "
+            "(4 more since the last such line, not logged)",
+        ]
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = True
 
 
 # -- faults are checked when the config is parsed ------------------------------------------------

@@ -1,4 +1,4 @@
-"""Tiny random-weight hybrid models for end-to-end checks of hybrid KV-cache groups (issue 14).
+"""Tiny random-weight hybrid models for end-to-end checks of hybrid KV-cache groups.
 
 Built offline with transformers, like the demo model (:mod:`kvoffload.tools.model`): a config,
 weights drawn from a fixed seed, bf16 safetensors, and the demo model's tokenizer and chat template

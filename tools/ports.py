@@ -25,7 +25,7 @@ def free_port(consecutive: int = 1) -> int:
 
     ``bind(port 0)`` answers with a port from the ephemeral range, which any other process (vLLM's
     engine picks its own internal ports that way) may be handed too between this call and the
-    caller's bind: a CI run lost its engine to exactly that. The port comes from below the
+    caller's bind, and an engine that loses its port fails to start. The port comes from below the
     ephemeral range instead, is checked by binding it, and is never handed out twice by this process.
 
     Args:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import errno
 import gc
 import importlib
+import logging
 import mmap
 import os
 import queue
@@ -28,7 +29,6 @@ import struct
 import sys
 import threading
 import time
-import traceback
 from collections import deque
 
 import msgspec
@@ -39,6 +39,7 @@ from kvoffload.ipc import messages as m
 from kvoffload.ipc.arena import Arena, ArenaError
 from kvoffload.ipc.channels import WorkerChannels
 from kvoffload.ipc.names import TASK_ERRORS, WORKER_MARKER_FD_ENV, WORKER_SPEC_ENV
+from kvoffload.ipc.ratelimit import RateLimitedLog
 from kvoffload.workers import counters
 from kvoffload.workers.chunkio import ChunkIO, IOOutcome, MakeIO
 from kvoffload.workers.faults import DropTask, Faults
@@ -48,6 +49,8 @@ _POLL_S = 0.2
 _IDLE = -1  # a task marker's slot between tasks
 _MARK = struct.Struct("=q")  # one slot of the task marker (WORKER_MARKER_FD_ENV)
 _NO_SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+_ERRORS_PER_MINUTE = 5  # contained errors logged with their tracebacks; the rest are counted
+log = logging.getLogger("kvoffload.worker")
 
 
 def _lower_priority(nice: int) -> None:
@@ -62,43 +65,19 @@ def _lower_priority(nice: int) -> None:
         pass
 
 
-class _ErrorLog:
-    """Contained errors on the worker's stderr (with their tracebacks), at most ``burst`` per
-    ``window_s`` seconds; the rest are counted, and their number is printed with the first error of
-    a later window. Thread-safe. ``clock``: seconds, monotonic."""
-
-    def __init__(self, who: str, burst: int = 5, window_s: float = 60.0, clock=time.monotonic):
-        self.who = who
-        self.burst = burst
-        self.window_s = window_s
-        self.clock = clock
-        self._lock = threading.Lock()
-        self._window_start: float | None = None
-        self._logged = 0
-        self._suppressed = 0
-
-    def log(self, what: str, exc: BaseException | None = None, why: str = "") -> None:
-        """Report that ``what`` failed, with ``exc``'s traceback or the reason ``why``."""
-        now = self.clock()
-        with self._lock:
-            if self._window_start is None or now - self._window_start >= self.window_s:
-                if self._suppressed:
-                    print(
-                        f"{self.who}: {self._suppressed} more unexpected errors in the last "
-                        f"{self.window_s:.0f} s, not shown",
-                        file=sys.stderr,
-                    )
-                self._window_start, self._logged, self._suppressed = now, 0, 0
-            if self._logged >= self.burst:
-                self._suppressed += 1
-                return
-            self._logged += 1
-        if exc is not None:
-            tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-            text = f"{what} failed; the worker goes on\n{tb.rstrip()}"
-        else:
-            text = f"{what} failed; the worker goes on: {why}"
-        print(f"{self.who}: {text}", file=sys.stderr, flush=True)
+def log_contained(
+    errors: RateLimitedLog, who: str, what: str, exc: BaseException | None = None, why: str = ""
+) -> None:
+    """Log on ``errors`` (the worker's stderr) that ``what`` failed and the worker ``who`` goes on,
+    with ``exc``'s traceback or the reason ``why``."""
+    if exc is not None:
+        errors.log(
+            logging.ERROR, "contained", "%s: %s failed; the worker goes on", who, what, exc_info=exc
+        )
+    else:
+        errors.log(
+            logging.ERROR, "contained", "%s: %s failed; the worker goes on: %s", who, what, why
+        )
 
 
 class Worker:
@@ -118,7 +97,7 @@ class Worker:
         self.who = (
             f"kvoffload worker {spec.tier_name}/{spec.kind}#{spec.worker_id} (pid {os.getpid()})"
         )
-        self.errors = _ErrorLog(self.who)
+        self.errors = RateLimitedLog(log, burst=_ERRORS_PER_MINUTE)
         self.faults = Faults(spec.faults)
         self.arena = Arena.attach(spec.arena_name, nonce=spec.arena_nonce)
         self.rows = self.arena.rows
@@ -405,7 +384,7 @@ class Worker:
             code = m.NO_SPACE if exc.errno in _NO_SPACE_ERRNOS else m.IO_ERROR
         else:
             code = m.ERROR
-            self.errors.log(what, exc)
+            log_contained(self.errors, self.who, what, exc)
             counters.count(TASK_ERRORS)
         keys = getattr(task, "keys", ())
         return m.TaskResult(
@@ -425,7 +404,7 @@ class Worker:
             code = m.NO_SPACE if e.errno in _NO_SPACE_ERRNOS else m.IO_ERROR
             return IOOutcome(code, 0, f"{what} {key.hex()[:16]}: {e}")
         except Exception as e:
-            self.errors.log(f"{what} {key.hex()[:16]}", e)
+            log_contained(self.errors, self.who, f"{what} {key.hex()[:16]}", e)
             counters.count(TASK_ERRORS)
             return IOOutcome(m.ERROR, 0, f"{what} {key.hex()[:16]}: {type(e).__name__}: {e}")
         problem = (
@@ -436,7 +415,12 @@ class Worker:
         if problem is not None:
             counters.count(TASK_ERRORS)
             detail = f"{what} {key.hex()[:16]}: {self.spec.io_module}: {problem}"
-            self.errors.log(f"{what} {key.hex()[:16]}", why=f"{self.spec.io_module}: {problem}")
+            log_contained(
+                self.errors,
+                self.who,
+                f"{what} {key.hex()[:16]}",
+                why=f"{self.spec.io_module}: {problem}",
+            )
             return IOOutcome(m.ERROR, 0, detail)
         return out
 
@@ -559,6 +543,9 @@ def main() -> int:
     :class:`~kvoffload.ipc.messages.WorkerSpec` from the environment, serves tasks until told to
     stop or its parent is gone. Returns the exit status (2: no spec; 3: the arena cannot be
     attached)."""
+    # the worker's log lines go to stderr as they are (each names the worker), like its prints
+    log.addHandler(logging.StreamHandler(sys.stderr))
+    log.propagate = False
     raw = os.environ.get(WORKER_SPEC_ENV)
     if not raw:
         print(
@@ -576,8 +563,8 @@ def main() -> int:
         )
         return 3
     # What the imports and the set-up allocated lives as long as the worker: freeze it, so the
-    # cyclic collector, triggered by what the tasks allocate, never walks it again (it took a
-    # tenth of a busy worker's CPU time).
+    # cyclic collector, triggered by what the tasks allocate, never walks it again (walking it
+    # costs a tenth of a busy worker's CPU time).
     gc.collect()
     gc.freeze()
     worker.populate_arena()

@@ -558,12 +558,12 @@ MUTATIONS: list[Mutation] = [
         (
             '            return IOOutcome(code, 0, f"{what} {key.hex()[:16]}: {e}")\n'
             "        except Exception as e:\n"
-            '            self.errors.log(f"{what} {key.hex()[:16]}", e)\n'
+            '            log_contained(self.errors, self.who, f"{what} {key.hex()[:16]}", e)\n'
         ),
         (
             '            return IOOutcome(code, 0, f"{what} {key.hex()[:16]}: {e}")\n'
             "        except OSError as e:\n"
-            '            self.errors.log(f"{what} {key.hex()[:16]}", e)\n'
+            '            log_contained(self.errors, self.who, f"{what} {key.hex()[:16]}", e)\n'
         ),
         (WC + "test_c25_an_injected_non_io_error_fails_its_key_and_the_worker_goes_on",),
     ),

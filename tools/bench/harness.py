@@ -1,7 +1,8 @@
 """What every ``kvoffload bench`` measurement shares: machine facts and the header of a report, a
 host arena and namespace for a run, dropping the page cache, promoting chunks back into the host
-tier, chunk payloads that can be checked byte for byte, a calibrated pure-Python "scheduler step",
-work directories and plots (matplotlib, from the ``bench`` extra, imported only to draw).
+tier, chunk payloads that can be checked byte for byte, an instance with a p2p tier on loopback, a
+calibrated pure-Python "scheduler step", work directories and plots (matplotlib, from the
+``bench`` extra, imported only to draw).
 
 Imported by the measurement modules of this package; imports none of them.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import secrets
 import shlex
 import shutil
 import sys
@@ -22,6 +24,7 @@ from pathlib import Path
 import click
 import numpy as np
 
+from kvoffload.ipc.arena import Arena
 from kvoffload.namespace import Namespace
 from kvoffload.tiering import TieringManager
 from kvoffload.tiers.base import LookupResult
@@ -155,6 +158,43 @@ def server_workdir() -> Iterator[Path]:
             shutil.rmtree(wd, ignore_errors=True)
         raise
     shutil.rmtree(wd, ignore_errors=True)
+
+
+def p2p_tier_instance(
+    kind: str, num_slots: int, row_bytes: int, peers: list[str], secret: str
+) -> tuple:
+    """An arena of ``num_slots`` rows of ``row_bytes`` and a TieringManager with one p2p tier on
+    loopback (transport ``kind``: ``nixl`` or ``tcp``) naming ``peers``, authenticated with
+    ``secret`` (CurveZMQ on its control sockets, as deployed), its peer worker ready.
+
+    Raises:
+        RuntimeError: the peer worker did not start within 120 s.
+    """
+    from kvoffload.config import parse_config
+
+    arena = Arena.create(f"kvoffload_benchp2p_t_{secrets.token_hex(4)}", num_slots, row_bytes)
+    tier = {
+        "type": "p2p",
+        "host": "127.0.0.1",
+        "port": 0,
+        "peers": peers,
+        "transport": kind,
+        "secret": secret,
+        "transfer_deadline_s": 60.0,
+        "lease_ttl_s": 600.0,
+    }
+    config = parse_config({"cpu_bytes_to_use": num_slots * row_bytes, "secondary_tiers": [tier]})
+    ns = Namespace(
+        model="kvoffload/bench-p2p",
+        kv_dtype="bfloat16",
+        layout="raw-v1",
+        tokens_per_chunk=16,
+        row_bytes=row_bytes,
+    )
+    tm = TieringManager(arena, ns, config, record_events=False)
+    if not tm.wait_workers_ready(120):
+        raise RuntimeError("the p2p tier's peer worker did not start")
+    return arena, tm
 
 
 NO_PLOT_HINT = " (or --plot '' to draw no plot)"

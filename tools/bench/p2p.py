@@ -49,7 +49,7 @@ import numpy as np
 
 from kvoffload.ipc.arena import Arena
 from kvoffload.tiers.base import LookupResult
-from kvoffload.tools.bench.harness import ends_process
+from kvoffload.tools.bench.harness import ends_process, p2p_tier_instance
 from kvoffload.workers import p2p_transport as pt
 
 _REQ = struct.Struct("<QQ")  # first slot, number of slots
@@ -122,40 +122,6 @@ def _serve(kind: str, num_slots: int, row_bytes: int, conn: Any) -> None:
     arena.close()
 
 
-def _tier_instance(
-    kind: str, num_slots: int, row_bytes: int, peers: list[str], secret: str
-) -> tuple:
-    """An arena and a TieringManager with one p2p tier on loopback, authenticated with ``secret``
-    (CurveZMQ on its control sockets, as deployed)."""
-    from kvoffload.config import parse_config
-    from kvoffload.namespace import Namespace
-    from kvoffload.tiering import TieringManager
-
-    arena = Arena.create(f"kvoffload_benchp2p_t_{secrets.token_hex(4)}", num_slots, row_bytes)
-    tier = {
-        "type": "p2p",
-        "host": "127.0.0.1",
-        "port": 0,
-        "peers": peers,
-        "transport": kind,
-        "secret": secret,
-        "transfer_deadline_s": 60.0,
-        "lease_ttl_s": 600.0,
-    }
-    config = parse_config({"cpu_bytes_to_use": num_slots * row_bytes, "secondary_tiers": [tier]})
-    ns = Namespace(
-        model="kvoffload/bench-p2p",
-        kv_dtype="bfloat16",
-        layout="raw-v1",
-        tokens_per_chunk=16,
-        row_bytes=row_bytes,
-    )
-    tm = TieringManager(arena, ns, config, record_events=False)
-    if not tm.wait_workers_ready(120):
-        raise RuntimeError("the p2p tier's peer worker did not start")
-    return arena, tm
-
-
 def _bench_keys(n: int) -> list[bytes]:
     return [i.to_bytes(8, "little") + b"kvoffload-bench-p2p-key!" for i in range(n)]
 
@@ -163,7 +129,7 @@ def _bench_keys(n: int) -> list[bytes]:
 @ends_process
 def _serve_tier(kind: str, num_slots: int, row_bytes: int, secret: str, conn: Any) -> None:
     """Serving instance: an arena whose every slot holds a chunk, served by its p2p tier."""
-    arena, tm = _tier_instance(kind, num_slots, row_bytes, [], secret)
+    arena, tm = p2p_tier_instance(kind, num_slots, row_bytes, [], secret)
     keys = _bench_keys(num_slots)
     plan = tm.prepare_store(keys)
     assert plan is not None and len(plan.keys) == num_slots
@@ -187,7 +153,7 @@ def tier_fetch(kind: str, chunk_bytes: int, num_slots: int, reps: int, latency_n
     arena = tm = None
     try:
         addr = parent.recv()
-        arena, tm = _tier_instance(kind, num_slots, chunk_bytes, [addr], secret)
+        arena, tm = p2p_tier_instance(kind, num_slots, chunk_bytes, [addr], secret)
         tier = tm.tiers[0]
         keys = _bench_keys(num_slots)
         deadline = time.monotonic() + 120

@@ -380,7 +380,7 @@ def run_case(
 
 
 #: The cases of ``kvoffload bench thrash`` (name -> :func:`run_case` arguments): the three
-#: requests of 18 chunks through a 10-slot host tier of issue 13 (device room for all three, then
+#: requests of 18 chunks through a 10-slot host tier (device room for all three, then
 #: for one at a time), and multi-turn conversations whose prompts each fit the host tier but not
 #: all together (with and without preemption).
 CASES: dict[str, dict] = {

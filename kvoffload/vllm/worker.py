@@ -420,8 +420,9 @@ class _DeviceCopier:
             else torch.as_strided(v, (v.shape[0], v.shape[1] * v.shape[2]), (v.stride(0), 1))
             for v in plan.host_views
         ]
-        self.store, self.load = (
-            offloading_handler(
+
+        def handler(gpu_to_cpu: bool):
+            return offloading_handler(
                 gpu_to_cpu=gpu_to_cpu,
                 gpu_tensors=plan.device_tensors,
                 cpu_tensors=host_tensors,
@@ -430,8 +431,9 @@ class _DeviceCopier:
                 canonical_layout=canonical,
                 host_memory_is_pinned=self._pinning.pinned,
             )
-            for gpu_to_cpu in (True, False)
-        )
+
+        self.store = handler(gpu_to_cpu=True)
+        self.load = handler(gpu_to_cpu=False)
 
     def shutdown(self) -> None:
         self.store.shutdown()

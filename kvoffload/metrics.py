@@ -5,16 +5,19 @@ Two ways out, fed by the same values:
 - standalone: :func:`serve` starts prometheus-client's HTTP server on a registry holding one collector
   for every live :class:`~kvoffload.tiering.TieringManager` of the process, each with its own
   ``instance`` label (two managers in one process never collide);
-- under vLLM: :func:`vllm_metric_definitions` declares the metrics through the offloading spec's
-  ``build_metric_definitions`` hook and :meth:`MetricSet.take_stats` hands vLLM the increments since
-  the last call (``OffloadingManager.get_stats``), so they appear on vLLM's own ``/metrics``.
+- under vLLM: the offloading spec's ``build_metric_definitions`` hook declares the metrics
+  (:func:`kvoffload.vllm.compat.vllm_metric_definitions`) and :meth:`MetricSet.take_stats` hands
+  vLLM the increments since the last call (``OffloadingManager.get_stats``), so they appear on
+  vLLM's own ``/metrics``.
 
 Counters that the hot path touches are plain integers on the manager (no per-call metric object);
 they are read into a :class:`MetricSet` when a scrape or ``get_stats`` asks (:func:`refresh`), so
-metrics cost nothing between scrapes. Histograms are bucket arrays filled as observations come.
-Counts made in other processes (tier workers, accelerator workers) reach the same values: tier
-workers send theirs with their task results, accelerator workers add theirs to the arena's header
-page (:meth:`kvoffload.ipc.arena.Arena.device_stats`).
+metrics cost nothing between scrapes. :func:`refresh` reads a manager through the typed
+:class:`ManagerReadings` it hands over, never its attributes: this module imports nothing of the
+manager or the tiers (they import it), so no import cycle runs through it. Histograms are bucket
+arrays filled as observations come. Counts made in other processes (tier workers, accelerator
+workers) reach the same values: tier workers send theirs with their task results, accelerator
+workers add theirs to the arena's header page (:meth:`kvoffload.ipc.arena.Arena.device_stats`).
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ import itertools
 import logging
 import threading
 import weakref
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
@@ -34,8 +38,6 @@ from kvoffload.ipc import names
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
     from prometheus_client.core import Metric
-
-    from kvoffload.tiering import TieringManager
 
 log = logging.getLogger("kvoffload.metrics")
 
@@ -389,71 +391,168 @@ def _fmt(bound: float) -> str:
     return repr(float(bound))
 
 
-def vllm_metric_definitions(definitions: Iterable[MetricDef]) -> dict[str, Any]:
-    """Our definitions as vLLM's ``OffloadingMetricMetadata`` (for ``build_metric_definitions``)."""
-    from vllm.v1.kv_offload.base import (
-        OffloadingCounterMetadata,
-        OffloadingGaugeMetadata,
-        OffloadingHistogramMetadata,
-    )
-
-    out: dict[str, Any] = {}
-    for d in definitions:
-        if d.kind == COUNTER:
-            out[d.name] = OffloadingCounterMetadata(
-                documentation=d.documentation, labelnames=d.labelnames
-            )
-        elif d.kind == GAUGE:
-            out[d.name] = OffloadingGaugeMetadata(
-                documentation=d.documentation, labelnames=d.labelnames
-            )
-        else:
-            out[d.name] = OffloadingHistogramMetadata(
-                documentation=d.documentation, labelnames=d.labelnames, buckets=d.buckets
-            )
-    return out
-
-
 # -- the tiering manager's values ---------------------------------------------------------------
 
 
-def refresh(tm: TieringManager) -> MetricSet:
+class CounterReadings(Protocol):
+    """The counters of a tiering manager that :func:`refresh` exports (the manager's
+    :class:`~kvoffload.tiering.Stats`; chunks unless named). Read only."""
+
+    @property
+    def host_queries(self) -> int:
+        """Chunks looked up (every verdict passes the host tier)."""
+
+    @property
+    def host_hits(self) -> int:
+        """Chunks found in the host tier."""
+
+    @property
+    def tier_queries(self) -> Mapping[str, int]:
+        """Tier name -> lookups that reached it."""
+
+    @property
+    def tier_hits(self) -> Mapping[str, int]:
+        """Tier name -> lookups it answered with a hit."""
+
+    @property
+    def promotions(self) -> Mapping[str, int]:
+        """Tier name -> chunks loaded from it into the host tier."""
+
+    @property
+    def cascaded(self) -> Mapping[str, int]:
+        """Tier name -> chunks stored into it."""
+
+    @property
+    def dropped_stores(self) -> Mapping[str, int]:
+        """Tier name -> chunks not written to it."""
+
+    @property
+    def promotion_waits(self) -> int:
+        """Host misses told RETRY because held promotions filled the host tier."""
+
+    @property
+    def evicted_holds(self) -> int:
+        """Held chunks evicted before their request loaded them."""
+
+    @property
+    def expired_holds(self) -> int:
+        """Holds that lapsed unlooked-up."""
+
+    @property
+    def window_retry_giveups(self) -> int:
+        """Sliding-window chunks answered MISS after too many RETRYs."""
+
+    @property
+    def failed_jobs(self) -> Mapping[tuple[str, str], int]:
+        """``(tier, direction)`` -> jobs that failed for at least one chunk."""
+
+    @property
+    def failed(self) -> Mapping[tuple[str, str, str], int]:
+        """``(tier, direction, reason)`` -> chunks of failed jobs."""
+
+    @property
+    def refused(self) -> Mapping[tuple[str, str, str], int]:
+        """``(tier, direction, reason)`` -> chunks a tier refused."""
+
+
+class TierReadings(Protocol):
+    """A secondary tier as :func:`refresh` reads it (a
+    :class:`~kvoffload.tiers.base.SecondaryTierManager`)."""
+
+    @property
+    def name(self) -> str:
+        """The tier's name (its ``tier`` label)."""
+
+    @property
+    def counters(self) -> Mapping[str, float]:
+        """The tier's own named counters (engine and worker side)."""
+
+    def report_metrics(self, metrics: MetricSet) -> None:
+        """Set the tier's gauges in ``metrics``."""
+
+
+@dataclass(frozen=True)
+class ManagerReadings:
+    """What :func:`refresh` reads of a tiering manager, handed over by its
+    ``metric_readings()`` (:meth:`kvoffload.tiering.TieringManager.metric_readings`).
+
+    Attributes:
+        host_tier: the host tier's name (its ``tier`` label).
+        host_slots: host-tier slots.
+        host_slots_used: slots holding a chunk (ready, writing or pinned).
+        host_slots_pinned: slots pinned by in-flight transfers.
+        host_evictions: chunks evicted from the host tier so far.
+        slot_bytes: bytes per host slot (the arena's row bytes).
+        device_totals: the accelerator workers' counts in the arena header, summed over ranks:
+            load bytes, load seconds, store bytes, store seconds.
+        promotion_holds: host chunks held now for the requests they were promoted for.
+        stats: the manager's counters, read in place.
+        tiers: the secondary tiers, in order.
+        published: KV-event batches published per stream (empty without a publisher).
+    """
+
+    host_tier: str
+    host_slots: int
+    host_slots_used: int
+    host_slots_pinned: int
+    host_evictions: int
+    slot_bytes: int
+    device_totals: Sequence[float]
+    promotion_holds: int
+    stats: CounterReadings
+    tiers: Sequence[TierReadings]
+    published: Mapping[str, int]
+
+
+class MetricSource(Protocol):
+    """A tiering manager as :func:`refresh` sees it: its metric set and its readings."""
+
+    @property
+    def metrics(self) -> MetricSet:
+        """The manager's metric set (its lock guards a refresh)."""
+
+    def metric_readings(self) -> ManagerReadings:
+        """The manager's values to export now."""
+
+
+def refresh(tm: MetricSource) -> MetricSet:
     """Copy a tiering manager's counters into its metric set (``tm.metrics``) and return it.
 
-    Read: the host tier's slots (gauges), ``tm.stats`` (lookups, transfers, failures, refusals,
-    drops), each tier's own counters (``tier.counters``; ``<family>.<value>`` ones of
-    :data:`TIER_COUNTER_FAMILIES` as that metric, the others as ``kvoffload_tier_events``) and
-    its :meth:`~kvoffload.tiers.base.SecondaryTierManager.report_metrics`, the accelerator
-    workers' byte and second counts in the arena header, and the KV-event batches published.
-    Totals kept elsewhere only ever raise a counter (:meth:`MetricSet.set_total`). Safe from
-    another thread than the engine's (it only reads engine state, under ``tm.metrics.lock``).
+    Read, through ``tm.metric_readings()`` (:class:`ManagerReadings`, taken under
+    ``tm.metrics.lock``): the host tier's slots (gauges), the manager's counters (lookups,
+    transfers, failures, refusals, drops), each tier's own counters (``tier.counters``;
+    ``<family>.<value>`` ones of :data:`TIER_COUNTER_FAMILIES` as that metric, the others as
+    ``kvoffload_tier_events``) and its
+    :meth:`~kvoffload.tiers.base.SecondaryTierManager.report_metrics`, the accelerator workers'
+    byte and second counts in the arena header, and the KV-event batches published. Totals kept
+    elsewhere only ever raise a counter (:meth:`MetricSet.set_total`). Safe from another thread
+    than the engine's (it only reads engine state, under ``tm.metrics.lock``).
     """
-    from kvoffload.tiering import HOST
-
     m = tm.metrics
-    st = tm.stats
-    host = tm.host
     with m.lock:
-        n = host.num_slots
-        used = host.num_used
+        r = tm.metric_readings()
+        st = r.stats
+        host = r.host_tier
+        n = r.host_slots
+        used = r.host_slots_used
         m.set("kvoffload_host_slots", n)
-        m.set("kvoffload_host_slot_bytes", tm.arena.row_bytes)
+        m.set("kvoffload_host_slot_bytes", r.slot_bytes)
         m.set("kvoffload_host_slots_used", used)
-        m.set("kvoffload_host_slots_pinned", host.num_pinned)
+        m.set("kvoffload_host_slots_pinned", r.host_slots_pinned)
         m.set("kvoffload_host_usage_ratio", used / n if n else 0.0)
         tier_hits = dict(st.tier_hits)
         tier_queries = dict(st.tier_queries)
         m.set_total("kvoffload_lookup_requested_chunks", st.host_queries)
         m.set_total("kvoffload_lookup_hit_chunks", st.host_hits + sum(tier_hits.values()))
-        m.set_total("kvoffload_tier_queries", st.host_queries, HOST)
-        m.set_total("kvoffload_tier_hits", st.host_hits, HOST)
-        m.set_total("kvoffload_host_evictions", host.evictions)
-        m.set("kvoffload_promotion_holds", tm.promotion_holds)
+        m.set_total("kvoffload_tier_queries", st.host_queries, host)
+        m.set_total("kvoffload_tier_hits", st.host_hits, host)
+        m.set_total("kvoffload_host_evictions", r.host_evictions)
+        m.set("kvoffload_promotion_holds", r.promotion_holds)
         m.set_total("kvoffload_promotion_waits", st.promotion_waits)
         m.set_total("kvoffload_promotion_hold_losses", st.evicted_holds, "evicted")
         m.set_total("kvoffload_promotion_hold_losses", st.expired_holds, "expired")
         m.set_total("kvoffload_window_retry_giveups", st.window_retry_giveups)
-        dev = tm.arena.device_stats.sum(axis=0)
+        dev = r.device_totals
         m.set_total("kvoffload_device_transfer_bytes", float(dev[0]), "load")
         m.set_total("kvoffload_device_transfer_seconds", float(dev[1]), "load")
         m.set_total("kvoffload_device_transfer_bytes", float(dev[2]), "store")
@@ -464,8 +563,8 @@ def refresh(tm: TieringManager) -> MetricSet:
             m.set_total("kvoffload_tier_failed_chunks", v, tname, direction, reason)
         for (tname, direction, reason), v in list(st.refused.items()):
             m.set_total("kvoffload_refused_chunks", v, tname, direction, reason)
-        row = tm.arena.row_bytes
-        for tier in tm.tiers:
+        row = r.slot_bytes
+        for tier in r.tiers:
             name = tier.name
             c = dict(tier.counters)
             m.set_total("kvoffload_tier_queries", tier_queries[name], name)
@@ -487,9 +586,8 @@ def refresh(tm: TieringManager) -> MetricSet:
                 else:
                     m.set_total("kvoffload_tier_events", count, name, event)
             tier.report_metrics(m)
-        if tm.publisher is not None:
-            for stream, v in tm.publisher.published.items():
-                m.set_total("kvoffload_kv_events_published", v, stream)
+        for stream, v in r.published.items():
+            m.set_total("kvoffload_kv_events_published", v, stream)
     return m
 
 

@@ -58,9 +58,11 @@ def register_pieces(
 
 
 def _vllm_backend() -> tuple[Callable[[int, int], bool], Callable[[int], None]]:
-    from vllm.v1.kv_offload.cpu.host_register import host_register, host_unregister
+    # through the plug-in's compat, the one module that imports vLLM; loaded only when vLLM's
+    # registration is asked for, so the core imports nothing of the plug-in otherwise
+    from kvoffload.vllm.compat import host_register_functions
 
-    return host_register, host_unregister
+    return host_register_functions()
 
 
 def _torch_backend() -> tuple[Callable[[int, int], bool], Callable[[int], None]]:

@@ -40,11 +40,11 @@ from kvoffload.events import EventPublisher, Movement
 from kvoffload.host import READY, WRITING, HostTier, StorePlan
 from kvoffload.ipc import peer_messages as pm
 from kvoffload.ipc.childenv import withhold
+from kvoffload.kv_events import KVEventTranslator
 from kvoffload.logs import RateLimitedLog
 from kvoffload.policies import make_policy
 from kvoffload.tiers import create_tier
 from kvoffload.tiers.base import JobMetadata, LookupResult, SecondaryTierManager, TierEvent
-from kvoffload.vllm.kv_events import KVEventTranslator
 
 log = logging.getLogger("kvoffload")
 
@@ -1587,3 +1587,21 @@ class TieringManager:
                 tier.shutdown()
             except Exception:
                 log.exception("tier %s failed to shut down", tier.name)
+
+    def metric_readings(self) -> _metrics.ManagerReadings:
+        """What :func:`kvoffload.metrics.refresh` exports of this manager (the counters read in
+        place, as a scrape always read them)."""
+        host = self.host
+        return _metrics.ManagerReadings(
+            host_tier=HOST,
+            host_slots=host.num_slots,
+            host_slots_used=host.num_used,
+            host_slots_pinned=host.num_pinned,
+            host_evictions=host.evictions,
+            slot_bytes=self.arena.row_bytes,
+            device_totals=self.arena.device_stats.sum(axis=0).tolist(),
+            promotion_holds=self.promotion_holds,
+            stats=self.stats,
+            tiers=self.tiers,
+            published=self._publisher.published if self._publisher is not None else {},
+        )

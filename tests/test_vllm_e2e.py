@@ -16,7 +16,6 @@ pytest.importorskip("vllm")
 
 from helpers import NO_FLOOR, replay  # noqa: E402
 
-from kvoffload.tools.demo import SYSTEM, chat, maintenance_log  # noqa: E402
 from kvoffload.tools.model import prepare_model  # noqa: E402
 from kvoffload.tools.vllm_server import (  # noqa: E402
     BLOCK_BYTES_PER_TOKEN_F32,
@@ -26,6 +25,7 @@ from kvoffload.tools.vllm_server import (  # noqa: E402
     free_port,
     vllm_shm_names,
 )
+from kvoffload.tools.workload import SYSTEM, chat, maintenance_log  # noqa: E402
 
 DOC_TOKENS = 1200
 MAX_MODEL_LEN = 2016  # the device cache's 2,048 tokens, less the block vLLM keeps back

@@ -16,12 +16,12 @@ pytest.importorskip("vllm")
 from helpers import NO_FLOOR  # noqa: E402
 from hybrid_models import prepare_hybrid_model  # noqa: E402
 
-from kvoffload.tools.demo import SYSTEM, chat, maintenance_log  # noqa: E402
 from kvoffload.tools.vllm_server import (  # noqa: E402
     ServerSpec,
     VLLMServer,
     cached_by_source,
 )
+from kvoffload.tools.workload import SYSTEM, chat, maintenance_log  # noqa: E402
 
 DOC_TOKENS = 700
 

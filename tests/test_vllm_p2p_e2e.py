@@ -21,7 +21,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1800)]
 pytest.importorskip("vllm")
 
 from kvoffload.ipc.arena import list_arenas  # noqa: E402
-from kvoffload.tools.demo import chat, maintenance_log, opening  # noqa: E402
 from kvoffload.tools.demo_p2p import (  # noqa: E402
     continuation,
     p2p_loaded_bytes,
@@ -34,6 +33,7 @@ from kvoffload.tools.demo_p2p import (  # noqa: E402
 )
 from kvoffload.tools.model import prepare_model  # noqa: E402
 from kvoffload.tools.vllm_server import VLLMServer  # noqa: E402
+from kvoffload.tools.workload import chat, maintenance_log, opening  # noqa: E402
 from kvoffload.workers.p2p_transport import nixl_available  # noqa: E402
 
 DOC_TOKENS = 1200

@@ -36,7 +36,6 @@ from typing import Any
 import httpx
 
 from kvoffload.tiers.p2p import SECRET_ENV
-from kvoffload.tools.demo import Turn, chat, log_name, opening, run_workload
 from kvoffload.tools.ports import free_port
 from kvoffload.tools.vllm_server import (
     BLOCK_BYTES_PER_TOKEN_F32,
@@ -45,6 +44,7 @@ from kvoffload.tools.vllm_server import (
     cached_by_source,
     metric_delta,
 )
+from kvoffload.tools.workload import Turn, chat, log_name, opening, run_workload
 
 ROUTES = ("peers", "source", "prefiller")
 LOOPBACK = "127.0.0.1"

@@ -25,13 +25,13 @@ Modules:
 - :mod:`~kvoffload.vllm.compat`: the one place that knows which vLLM release runs;
 - :mod:`~kvoffload.vllm.tiers`: kvoffload's fs and obj tiers as vLLM's own out-of-tree secondary
   tiers (under vLLM's ``TieringOffloadingSpec``);
-- :mod:`~kvoffload.vllm.kv_events`: host and tier events as vLLM's KV-event types
-  (``BlockStored`` / ``BlockRemoved``), for kvoffload's own publisher. It imports no vLLM: the
-  publisher speaks vLLM's wire format standalone too.
+- :mod:`~kvoffload.vllm.kv_events`: the former name of :mod:`kvoffload.kv_events` (host and tier
+  events as vLLM's KV-event types, for kvoffload's own publisher; part of the core, no vLLM).
 
-The names above are loaded when first used (``from kvoffload.vllm import KVOffloadSpec``, or vLLM's
-``getattr`` on this package), so ``kvoffload.vllm.kv_events`` and ``import kvoffload`` work without
-vLLM installed; the others raise ``ImportError`` naming vLLM (or torch) when it is missing.
+Every vLLM import of kvoffload is in :mod:`~kvoffload.vllm.compat`. The names above are loaded
+when first used (``from kvoffload.vllm import KVOffloadSpec``, or vLLM's ``getattr`` on this
+package), so ``kvoffload.vllm.kv_events`` and ``import kvoffload`` work without vLLM installed; the
+others raise ``ImportError`` naming vLLM (or torch) when it is missing.
 """
 
 from __future__ import annotations

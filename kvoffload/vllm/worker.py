@@ -35,6 +35,7 @@ from kvoffload.vllm.compat import (
     LoadStoreSpec,
     OffloadingWorker,
     TransferResult,
+    offloading_handler,
 )
 
 log = logging.getLogger("kvoffload.vllm")
@@ -412,8 +413,6 @@ class _DeviceCopier:
     a stream of its own with CUDA events (``tests/test_gpu.py`` checks it on a GPU)."""
 
     def __init__(self, kv_caches: CanonicalKVCaches, plan: _Plan, arena, canonical: bool):
-        from vllm.v1.kv_offload.cpu.gpu_worker import SingleDirectionOffloadingHandler
-
         self._pinning = pin_arena(arena, backend="vllm")
         host_tensors = [
             v.reshape(v.shape[0], -1)
@@ -421,16 +420,20 @@ class _DeviceCopier:
             else torch.as_strided(v, (v.shape[0], v.shape[1] * v.shape[2]), (v.stride(0), 1))
             for v in plan.host_views
         ]
-        common = dict(
-            gpu_tensors=plan.device_tensors,
-            cpu_tensors=host_tensors,
-            blocks_per_chunk=plan.bpc,
-            layer_refs_per_group=kv_caches.group_data_refs,
-            canonical_layout=canonical,
-            host_memory_is_pinned=self._pinning.pinned,
-        )
-        self.store = SingleDirectionOffloadingHandler(gpu_to_cpu=True, **common)
-        self.load = SingleDirectionOffloadingHandler(gpu_to_cpu=False, **common)
+
+        def handler(gpu_to_cpu: bool):
+            return offloading_handler(
+                gpu_to_cpu=gpu_to_cpu,
+                gpu_tensors=plan.device_tensors,
+                cpu_tensors=host_tensors,
+                blocks_per_chunk=plan.bpc,
+                layer_refs_per_group=kv_caches.group_data_refs,
+                canonical_layout=canonical,
+                host_memory_is_pinned=self._pinning.pinned,
+            )
+
+        self.store = handler(gpu_to_cpu=True)
+        self.load = handler(gpu_to_cpu=False)
 
     def shutdown(self) -> None:
         self.store.shutdown()

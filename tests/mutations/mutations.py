@@ -671,7 +671,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "C34",
         "stored-block events without parent hash and token ids",
-        "kvoffload/vllm/kv_events.py",
+        "kvoffload/kv_events.py",
         (
             "                                parent_block_hash=info.parent_block_hash,\n"
             "                                token_ids=info.token_ids,\n"

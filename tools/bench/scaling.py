@@ -31,7 +31,7 @@ MAX_MODEL_LEN = 4096  # SmolLM2's max_position_embeddings is 8192; a conversatio
 
 
 def _point(url: str, tokenizer, c: int, doc_tokens: int, turns: int, max_tokens: int) -> dict:
-    from kvoffload.tools.demo import maintenance_log, run_workload
+    from kvoffload.tools.workload import maintenance_log, run_workload
 
     docs = [maintenance_log(tokenizer, 10_000 + 100 * c + i, doc_tokens) for i in range(c)]
     t0 = time.perf_counter()

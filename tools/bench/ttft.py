@@ -75,7 +75,6 @@ def ttft(pairs: int, doc_tokens: int, workdir: Path) -> dict:
     """
     from transformers import AutoTokenizer
 
-    from kvoffload.tools.demo import chat, doc_question, maintenance_log
     from kvoffload.tools.model import prepare_model
     from kvoffload.tools.vllm_server import (
         BLOCK_BYTES_PER_TOKEN_F32,
@@ -83,6 +82,7 @@ def ttft(pairs: int, doc_tokens: int, workdir: Path) -> dict:
         VLLMServer,
         cached_by_source,
     )
+    from kvoffload.tools.workload import chat, doc_question, maintenance_log
 
     model = str(prepare_model())
     tok = AutoTokenizer.from_pretrained(model)

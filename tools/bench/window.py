@@ -213,8 +213,8 @@ def run_model(kind: str, reps: int, doc_tokens: int, workdir: Path, max_tokens: 
 
 def _rep(server, tok, rep: int, root: Path, doc_tokens: int, max_tokens: int) -> dict:
     """One rep of :func:`run_model` on its running ``server`` (fs tier under ``root``)."""
-    from kvoffload.tools.demo import chat, doc_question, maintenance_log
     from kvoffload.tools.vllm_server import cached_by_source, metric_delta
+    from kvoffload.tools.workload import chat, doc_question, maintenance_log
 
     def doc(i: int) -> str:  # conversation 0 of each rep is the one measured
         return maintenance_log(tok, 1400 + 1000 * rep + i, doc_tokens)

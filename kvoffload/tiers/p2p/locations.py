@@ -26,7 +26,7 @@ first and still confirms with a ``Lookup``; a wrong or missing hint costs a roun
 fallback to asking the configured peers in order, never wrong bytes.
 
 **Which chunk an event names.** The publisher puts in ``block_hashes`` (see
-:class:`kvoffload.vllm.kv_events.KVEventTranslator`):
+:class:`kvoffload.kv_events.KVEventTranslator`):
 
 - for a chunk stored with a :class:`~kvoffload.events.ChunkEventInfo` (under vLLM, a chunk of a
   request): the engine's hashes of the chunk's blocks, one event per chunk, ``block_size`` the

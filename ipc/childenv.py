@@ -18,9 +18,9 @@ bug in out-of-tree I/O code takes over finds no secret in ``/proc/self/environ``
 inherited by whatever it starts. ``LD_PRELOAD`` is not passed: what an engine preloads (vLLM-CPU
 preloads its OpenMP and allocator libraries) is for its own compute.
 
-Used by the worker pool (``kvoffload.tiers.workerpool``) and the janitor's spawn
-(:mod:`kvoffload.ipc.arena`); made to be reused by every other spawn of a kvoffload process. Imports
-nothing of the project.
+Used by every spawn of a kvoffload process: the supervisor of worker processes
+(``kvoffload.supervisor``: the tier workers, the p2p peer worker) and the janitor's spawn
+(:mod:`kvoffload.ipc.arena`). Imports nothing of the project.
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ processes of one direction) and :mod:`.resources` (sockets, pools and threads, c
 
 Nothing here blocks: tasks are encoded and handed to ZMQ, results are drained with non-blocking reads
 (only while tasks are in flight, else at the health checks' pace: an idle step reads no socket), and
-worker health is checked by ``poll()`` on the child processes at most every 20 ms. A job is split
+worker health is checked at most every 20 ms (each worker's :class:`~kvoffload.supervisor.Supervisor`
+looks at its exit descriptor, a pidfd, and reaps a worker that has exited). A job is split
 into tasks of ``chunks_per_task`` chunks spread over the workers; its one :class:`JobResult` comes when
 the last task answers. Verdicts: a probe or a successful store makes a key present; a probe that finds
 nothing makes it absent for ``negative_ttl_s``; a failed load makes it absent for ``failed_load_ttl_s``,
@@ -660,7 +661,7 @@ class ProcessTierManager(SecondaryTierManager):
         metrics.set("kvoffload_tier_inflight_jobs", self._job_count, name)
         metrics.set(
             "kvoffload_tier_workers_alive",
-            sum(w.proc.poll() is None for p in self._pools for w in list(p.workers.values())),
+            sum(p.alive() for p in self._pools),
             name,
         )
         state = self.breaker_state

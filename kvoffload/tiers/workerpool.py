@@ -4,17 +4,20 @@
 
     tier manager ──submit(task)──▶ queue ──dispatch──▶ worker k (least loaded, ≤ max_inflight tasks)
                  ◀──take(result)── (the tier manager drains the results socket and hands results here)
-    check(now): worker exited → its tasks re-run (attempt 2) or fail WORKER_DIED; after a crash
-                (not a kill from outside) the tasks it was running (named by its task marker) fail
-                at once, never re-run (one may be what crashed it); replacement started
+    check(now): worker exited and reaped (its Supervisor says so) → its tasks re-run (attempt 2) or
+                fail WORKER_DIED; after a crash (not a kill from outside) the tasks it was running
+                (named by its task marker) fail at once, never re-run (one may be what crashed
+                it); replacement started
                 task past its deadline → worker SIGKILLed; once it has exited, that task fails TIMEOUT
                 and the worker's other tasks re-run
+                no hello within hello_timeout_s → worker SIGKILLed (a failed start)
 
 Tasks are addressed to one worker each, so the pool always knows which tasks a worker holds. A task
 belonging to a killed worker is reported only after the process has exited: until then the worker
-might still write into the task's arena slots, so the slots must not be reused. Workers are started
-with ``subprocess`` (a fresh interpreter, never a fork of the engine), with only the environment they
-need (:func:`kvoffload.ipc.childenv.child_environment`: the base allow-list, plus ``env_allow``).
+might still write into the task's arena slots, so the slots must not be reused. Each worker runs
+under a :class:`~kvoffload.supervisor.Supervisor` (spawned with only the environment it needs:
+the base allow-list, plus ``env_allow``; its exit watched through a pidfd; killed and reaped before
+its death is reported); the pool keeps the task accounting.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ import logging
 import os
 import signal
 import struct
-import subprocess
 import sys
 import time
 from collections import deque
@@ -34,12 +36,14 @@ import msgspec
 
 from kvoffload.ipc import messages as m
 from kvoffload.ipc.channels import TierChannels
-from kvoffload.ipc.childenv import child_environment
 from kvoffload.ipc.names import WORKER_MARKER_FD_ENV, WORKER_SPEC_ENV
+from kvoffload.supervisor import Supervisor
 
 log = logging.getLogger("kvoffload.tiers.workerpool")
 
 _RESTART_BACKOFF_S = 0.5
+#: Default seconds a new worker has to say hello before it is killed (a failed start).
+DEFAULT_HELLO_TIMEOUT_S = 120.0
 _BROKEN_AFTER_FAILED_STARTS = 3
 _BROKEN_RETRY_S = 10.0
 
@@ -87,17 +91,21 @@ class PoolTask:
 
 
 class _WorkerProc:
-    __slots__ = ("wid", "identity", "proc", "ready", "inflight", "killed", "started", "marker")
+    __slots__ = ("wid", "identity", "sup", "ready", "inflight", "killed", "marker")
 
-    def __init__(self, wid: int, identity: bytes, proc: subprocess.Popen, marker: int):
+    def __init__(self, wid: int, identity: bytes, sup: Supervisor, marker: int):
         self.wid = wid
         self.identity = identity
-        self.proc = proc
+        self.sup = sup
         self.ready = False
         self.inflight: dict[int, PoolTask] = {}
-        self.killed = False
-        self.started = time.monotonic()
+        self.killed = False  # for a task past its deadline (its tasks then time out)
         self.marker = marker  # descriptor of the worker's task marker (memfd), -1 once closed
+
+    @property
+    def proc(self) -> Any:
+        """The worker's ``subprocess.Popen``."""
+        return self.sup.proc
 
     def running_tasks(self) -> set[int] | None:
         """The ids of the tasks the worker's task marker says it was running (one slot for its
@@ -136,6 +144,8 @@ class WorkerPool:
         env_set: variables set for these workers whatever the allow-list and the withheld names
             say: a secret only they use (the tier's integrity key, under the name the tier's
             ``integrity_key_env`` gives it).
+        hello_timeout_s: seconds a new worker has to say hello before it is killed (its start
+            then counts as failed).
     """
 
     def __init__(
@@ -152,6 +162,7 @@ class WorkerPool:
         on_event: Callable[[str], None] | None = None,
         env_allow: tuple[str, ...] = (),
         env_set: Mapping[str, str] | None = None,
+        hello_timeout_s: float = DEFAULT_HELLO_TIMEOUT_S,
     ):
         self.tier_name = tier_name
         self.kind = kind
@@ -164,6 +175,7 @@ class WorkerPool:
         self.on_event = on_event or (lambda what: None)
         self.env_allow = env_allow
         self.env_set = dict(env_set or {})
+        self.hello_timeout_s = hello_timeout_s
         self.queue: deque[PoolTask] = deque()
         self.workers: dict[bytes, _WorkerProc] = {}
         self._by_wid: dict[int, _WorkerProc] = {}
@@ -187,9 +199,6 @@ class WorkerPool:
         self._next_wid += 1
         identity = f"{self.kind[0]}{wid}-{os.getpid()}".encode()
         spec = self.make_spec(wid, identity)
-        env = child_environment(
-            self.env_allow, {**self.env_set, WORKER_SPEC_ENV: msgspec.json.encode(spec).decode()}
-        )
         # The worker's task marker: one slot for its loop and one per I/O thread, where each
         # stores the id of the task it runs (no system call per task); read when the worker
         # crashes, it names the tasks to blame even when the result of a task finished just
@@ -197,18 +206,22 @@ class WorkerPool:
         marker = os.memfd_create(f"kvoffload-{identity.decode()}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(marker, _MARK.size * (1 + max(1, spec.io_threads)))
-            env[WORKER_MARKER_FD_ENV] = str(marker)
-            proc = subprocess.Popen(
+            sup = Supervisor(
                 [sys.executable, "-m", "kvoffload.workers.main"],
-                env=env,
-                stdin=subprocess.DEVNULL,
-                close_fds=True,
+                name=f"kvoffload tier {self.tier_name}: {self.kind} worker {wid}",
+                env_allow=self.env_allow,
+                env_set={
+                    **self.env_set,
+                    WORKER_SPEC_ENV: msgspec.json.encode(spec).decode(),
+                    WORKER_MARKER_FD_ENV: str(marker),
+                },
                 pass_fds=(marker,),
+                hello_timeout_s=self.hello_timeout_s,
             )
         except BaseException:
             os.close(marker)
             raise
-        self.workers[identity] = self._by_wid[wid] = _WorkerProc(wid, identity, proc, marker)
+        self.workers[identity] = self._by_wid[wid] = _WorkerProc(wid, identity, sup, marker)
         self.awaiting_hello += 1
         self._last_start = time.monotonic()
 
@@ -218,6 +231,7 @@ class WorkerPool:
         if w is None or w.ready:
             return
         w.ready = True
+        w.sup.hello()
         self.awaiting_hello -= 1
         self._failed_starts = 0
         self._broken_since = None
@@ -230,7 +244,12 @@ class WorkerPool:
 
     def pids(self) -> list[int]:
         """Process ids of the pool's workers (ready or starting)."""
-        return [w.proc.pid for w in self.workers.values()]
+        return [w.sup.pid for w in self.workers.values()]
+
+    def alive(self) -> int:
+        """How many of the pool's workers run (started, not exited). Reads only: safe from a
+        metrics scrape's thread."""
+        return sum(w.sup.running for w in list(self.workers.values()))
 
     # -- tasks ----------------------------------------------------------------------------------
 
@@ -293,7 +312,9 @@ class WorkerPool:
         """Find dead and hung workers. Returns ``(task, code)`` for tasks that failed for good."""
         failed: list[tuple[PoolTask, int]] = []
         for identity, w in list(self.workers.items()):
-            if w.proc.poll() is not None:
+            rc = w.sup.poll(now)  # reaped, or None (a worker silent past its hello is killed)
+            if rc is not None:
+                w.sup.close()
                 del self.workers[identity]
                 del self._by_wid[w.wid]
                 if not w.ready:
@@ -309,7 +330,7 @@ class WorkerPool:
                             "(exit code %s); failing its tasks",
                             self.tier_name,
                             self.kind,
-                            w.proc.returncode,
+                            rc,
                         )
                 elif not w.killed:
                     log.warning(
@@ -317,8 +338,8 @@ class WorkerPool:
                         self.tier_name,
                         self.kind,
                         w.wid,
-                        w.proc.pid,
-                        w.proc.returncode,
+                        w.sup.pid,
+                        rc,
                     )
                 rerun = []
                 # A worker that crashed (exited by itself, or on a crash signal) may have been
@@ -329,7 +350,7 @@ class WorkerPool:
                 # (lost with the process). Idle, none is blamed. Without a marker, the oldest it
                 # holds. One killed from outside (SIGKILL / SIGTERM: an operator, the OOM killer)
                 # has its tasks re-run.
-                crashed = not w.killed and _crashed(w.proc.returncode)
+                crashed = not w.killed and _crashed(rc)
                 marked = w.running_tasks() if crashed else set()
                 running = {next(iter(w.inflight), -1)} if marked is None else marked
                 w.close_marker()
@@ -354,21 +375,9 @@ class WorkerPool:
                 head = next(iter(w.inflight.values()))
                 if now > head.deadline:
                     head.timed_out = True
-                    log.warning(
-                        "kvoffload tier %s: %s worker %d (pid %d) did not answer within "
-                        "%.1f s; killing it",
-                        self.tier_name,
-                        self.kind,
-                        w.wid,
-                        w.proc.pid,
-                        self.task_timeout_s,
-                    )
                     w.killed = True
                     self.on_event("timeout")
-                    try:
-                        w.proc.send_signal(signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+                    w.sup.kill(f"it did not answer within {self.task_timeout_s:.1f} s")
         if not self._closed:
             live = len(self.workers)
             if self._broken_since is not None:
@@ -398,20 +407,13 @@ class WorkerPool:
         for w in self.workers.values():
             leftover.extend(w.inflight.values())
             w.inflight.clear()
-            if w.proc.poll() is None and not (
+            if w.sup.running and not (
                 w.ready and self.channels.send_task(self.kind, w.identity, stop)
             ):
-                try:
-                    w.proc.kill()  # not connected yet, or gone: nothing to finish
-                except ProcessLookupError:
-                    pass
+                w.sup.kill()  # not connected yet, or gone: nothing to finish
         deadline = time.monotonic() + timeout_s
         for w in self.workers.values():
-            try:
-                w.proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                w.proc.kill()  # busy in a task past the deadline
-                w.proc.wait()
+            w.sup.close(deadline)  # killed if still busy in a task at the deadline; reaped
             w.close_marker()
         self.workers.clear()
         self._by_wid.clear()

@@ -1011,15 +1011,9 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "C39",
         "the peer worker is spawned with the engine's whole environment, its p2p secret included",
-        "kvoffload/tiers/p2p/worker_handle.py",
-        "        env = child_environment(\n"
-        "            WORKER_ENV, {**self.env, PEER_WORKER_SPEC_ENV: msgspec.json.encode(spec).decode()}\n"
-        "        )\n",
-        "        env = {\n"
-        "            **os.environ,\n"
-        "            **self.env,\n"
-        "            PEER_WORKER_SPEC_ENV: msgspec.json.encode(spec).decode(),\n"
-        "        }\n",
+        "kvoffload/supervisor.py",
+        "        env = child_environment(env_allow, env_set)\n",
+        "        env = {**os.environ, **(env_set or {})}\n",
         (P2PW + "test_the_peer_worker_gets_no_secret_of_the_engines_environment",),
     ),
     Mutation(

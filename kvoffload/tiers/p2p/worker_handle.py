@@ -8,9 +8,9 @@
                 ◀── take_granted(): [(gid, digests | None)]              readable when poll() has
                 ◀── take_revoked(): [gid]                                something to do
 
-One handle runs one worker process (spawned with ``subprocess``: a fresh interpreter, never a fork of
-the engine, with an allow-listed environment, :func:`kvoffload.ipc.childenv.child_environment`: no
-secret of the engine's) that maps the host arena and owns the instance's one Transport (NIXL or
+One handle runs one worker process (under a :class:`~kvoffload.supervisor.Supervisor`: a fresh
+interpreter, never a fork of the engine, with an allow-listed environment, no secret of the
+engine's; its exit watched through a pidfd) that maps the host arena and owns the instance's one Transport (NIXL or
 TCP). Every call returns at once: commands are queued on the socket (and held here until the worker
 has connected), results come back through :meth:`PeerWorkerHandle.poll` and the ``take_*`` methods.
 
@@ -42,8 +42,6 @@ import itertools
 import logging
 import os
 import select
-import signal
-import subprocess
 import sys
 import time
 from collections import deque
@@ -56,8 +54,8 @@ import zmq
 
 from kvoffload.ipc.arena import ArenaError, list_arenas
 from kvoffload.ipc.channels import PeerWorkerChannel
-from kvoffload.ipc.childenv import child_environment
 from kvoffload.ipc.names import PEER_WORKER_SPEC_ENV
+from kvoffload.supervisor import Supervisor
 from kvoffload.workers import p2p_worker as pw
 from kvoffload.workers.p2p_transport import (
     DIGEST_BYTES,
@@ -152,7 +150,6 @@ class PeerWorkerHandle:
         self.env = dict(env or {})
         self.settle_timeout_s = settle_timeout_s
         self.start_timeout_s = start_timeout_s
-        self._started_at = 0.0
         self._own_ctx = ctx is None
         self._ctx = ctx if ctx is not None else zmq.Context(1)
         if self._own_ctx:
@@ -178,9 +175,8 @@ class PeerWorkerHandle:
         self._peer_errors: list[tuple[str, str]] = []
         self._next_settle_check = 0.0
         self._closed = False
-        self._proc: subprocess.Popen | None = None
+        self._sup: Supervisor | None = None
         self._chan: PeerWorkerChannel | None = None
-        self._pidfd: int | None = None
         self._descriptor: bytes | None = None
         self.kind: str | None = None
         self.start_error: str | None = None
@@ -206,39 +202,31 @@ class PeerWorkerHandle:
             transport=self.config,
             nice=self.nice,
         )
-        env = child_environment(
-            WORKER_ENV, {**self.env, PEER_WORKER_SPEC_ENV: msgspec.json.encode(spec).decode()}
-        )
         try:
-            proc = subprocess.Popen(
+            sup = Supervisor(
                 [sys.executable, "-m", "kvoffload.workers.p2p_worker"],
-                env=env,
-                stdin=subprocess.DEVNULL,
-                close_fds=True,
+                name="kvoffload p2p: peer worker",
+                env_allow=WORKER_ENV,
+                env_set={**self.env, PEER_WORKER_SPEC_ENV: msgspec.json.encode(spec).decode()},
+                hello_timeout_s=self.start_timeout_s,
             )
         except BaseException:
             chan.close()
             raise
-        self._chan, self._proc = chan, proc
-        self._started_at = time.monotonic()
+        self._chan, self._sup = chan, sup
         self._descriptor, self.kind, self.start_error, self.returncode = None, None, None, None
         self._ep.register(chan.fd, select.EPOLLIN)
-        try:
-            self._pidfd = os.pidfd_open(proc.pid)
-        except OSError:  # a kernel without pidfd: poll() still notices the exit, fileno() does not
-            self._pidfd = None
-        else:
-            self._ep.register(self._pidfd, select.EPOLLIN)
+        self._ep.register(sup.fileno(), select.EPOLLIN)  # readable once the worker has exited
 
     @property
     def pid(self) -> int | None:
         """The worker's process id (None after close)."""
-        return None if self._proc is None else self._proc.pid
+        return None if self._sup is None else self._sup.pid
 
     @property
     def alive(self) -> bool:
         """True while the worker process runs (it may not have said hello yet)."""
-        return self._chan is not None and self._proc is not None and self._proc.poll() is None
+        return self._chan is not None and self._sup is not None and self._sup.running
 
     @property
     def descriptor(self) -> bytes | None:
@@ -267,11 +255,9 @@ class PeerWorkerHandle:
         self._peers.clear()
         self._adding.clear()
         self._peer_state.clear()
-        if self._proc is not None and self._chan is not None:
-            if self._proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    self._proc.send_signal(signal.SIGKILL)
-                self._proc.wait()
+        if self._sup is not None and self._chan is not None:
+            self._sup.kill()
+            self._sup.wait()
             self._on_exit()
         self._spawn()
         self._signal()
@@ -284,23 +270,16 @@ class PeerWorkerHandle:
         if self._closed:
             return
         self._closed = True
-        proc, chan = self._proc, self._chan
-        if proc is not None and chan is not None and proc.poll() is None:
+        sup, chan = self._sup, self._chan
+        deadline = None
+        if sup is not None and chan is not None and sup.running:
             sent = self.descriptor is not None and chan.send(pw.encode(pw.Stop()))
             if not sent:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-            try:
-                proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                proc.wait()
-        if proc is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(0)
-            self.returncode = proc.returncode
-        self._release_process()
+                sup.kill()
+            deadline = time.monotonic() + timeout_s  # then SIGKILL
+        self._release_process(deadline)  # reaped before the socket closes
+        if sup is not None:
+            self.returncode = sup.returncode
         self._pending.clear()
         self._outbox.clear()
         self._results.clear()
@@ -309,7 +288,7 @@ class PeerWorkerHandle:
         self._revoking.clear()
         self._granted.clear()
         self._revoked.clear()
-        self._proc = None
+        self._sup = None
         self._ep.close()
         os.close(self._wake)
         if self._own_ctx:
@@ -325,28 +304,30 @@ class PeerWorkerHandle:
         if self._closed:
             raise RuntimeError("the peer worker handle is closed")
 
-    def _release_process(self) -> None:
+    def _release_process(self, deadline: float | None = None) -> None:
+        """Stop watching the worker and reap it (waiting until ``deadline``, SIGKILL past it; a
+        worker that exited is only reaped), then close its socket."""
+        sup = self._sup
+        if sup is not None and sup.fileno() >= 0:
+            with contextlib.suppress(OSError, ValueError):
+                self._ep.unregister(sup.fileno())
+            sup.close(deadline)
         if self._chan is not None:
             with contextlib.suppress(OSError, ValueError):
                 self._ep.unregister(self._chan.fd)
             self._chan.close()
             self._chan = None
-        if self._pidfd is not None:
-            with contextlib.suppress(OSError, ValueError):
-                self._ep.unregister(self._pidfd)
-            os.close(self._pidfd)
-            self._pidfd = None
         self._descriptor = None
 
     def _on_exit(self) -> None:
         """The worker has exited (reaped): take its last reports, then fail what it still held."""
-        assert self._proc is not None
+        assert self._sup is not None
         self._receive()
-        self.returncode = self._proc.returncode
+        self.returncode = self._sup.returncode
         if self.start_error is None and self._pending and not self._closed:
             log.warning(
                 "kvoffload p2p: peer worker (pid %d) exited with code %s; failing %d transfers",
-                self._proc.pid,
+                self._sup.pid,
                 self.returncode,
                 len(self._pending),
             )
@@ -592,8 +573,9 @@ class PeerWorkerHandle:
         if self._chan is not None:
             self._flush()
             self._receive()
-            assert self._proc is not None
-            if self._proc.poll() is not None:
+            assert self._sup is not None
+            # reaped, or None (a worker silent past start_timeout_s is killed, reported later)
+            if self._sup.poll() is not None:
                 self._on_exit()
             else:
                 self._check_timeouts()
@@ -644,29 +626,27 @@ class PeerWorkerHandle:
                 if (rep.num_slots, rep.row_bytes) != (self.num_slots, self.row_bytes):
                     log.error("kvoffload p2p: the peer worker mapped another arena shape")
                 self._descriptor, self.kind = rep.descriptor, rep.kind
+                if self._sup is not None:
+                    self._sup.hello()
                 log.info(
                     "kvoffload p2p: peer worker ready, transport %s (%s)", rep.kind, rep.choice
                 )
             elif isinstance(rep, pw.StartFailed):
                 self.start_error = rep.reason
+                if self._sup is not None:
+                    self._sup.hello()  # an answer: it exits by itself
                 log.error("kvoffload p2p: the peer worker could not start: %s", rep.reason)
 
     def _check_timeouts(self) -> None:
-        """SIGKILL a worker that has not said hello within ``start_timeout_s``, or holds a transfer
-        unsettled ``settle_timeout_s`` past its deadline; :meth:`poll` reports the exit."""
+        """SIGKILL a worker that holds a transfer unsettled ``settle_timeout_s`` past its deadline,
+        or a revocation unanswered that long (its Supervisor kills one that has not said hello
+        within ``start_timeout_s``); :meth:`poll` reports the exit once it is reaped."""
         now = time.monotonic()
-        if now < self._next_settle_check or self._proc is None:
+        if now < self._next_settle_check or self._sup is None:
             return
         self._next_settle_check = now + _SETTLE_CHECK_S
         why = ""
-        if (
-            self._descriptor is None
-            and self.start_error is None
-            and self.start_timeout_s is not None
-            and now - self._started_at > self.start_timeout_s
-        ):
-            why = f"it did not say hello within {self.start_timeout_s:.0f} s"
-        elif self.settle_timeout_s is not None:
+        if self.settle_timeout_s is not None:
             late = sum(
                 1 for p in self._pending.values() if p.settle_by is not None and now > p.settle_by
             )
@@ -678,9 +658,7 @@ class PeerWorkerHandle:
             elif any(now > t for t in self._revoking.values()):
                 why = f"a revocation is unanswered after {self.settle_timeout_s:.0f} s"
         if why:
-            log.warning("kvoffload p2p: killing the peer worker (pid %d): %s", self._proc.pid, why)
-            with contextlib.suppress(ProcessLookupError):
-                self._proc.send_signal(signal.SIGKILL)
+            self._sup.kill(why)
 
     def _signal(self) -> None:
         os.eventfd_write(self._wake, 1)

@@ -100,7 +100,7 @@ def test_c32_undeletable_chunk_file_stays_counted_and_the_next_lru_is_evicted(tm
         on_disk = {k for k in (k1, k2, k3, k4) if os.path.exists(chunk_path(rig, root, k))}
         assert on_disk == {k1, k3, k4}
         assert eviction_errors(rig, "EPERM") == 1
-        assert fs.accounted_bytes == disk_bytes(root) == 3 * FB  # K1 is still counted
+        assert fs.capacity.used_bytes == disk_bytes(root) == 3 * FB  # K1 is still counted
         # 2. Every removal fails: K5 is refused at once, with a reason, and nothing spins.
         if how == "chattr":
             assert _chattr("+i", *chunk_files(root))
@@ -121,7 +121,7 @@ def test_c32_undeletable_chunk_file_stays_counted_and_the_next_lru_is_evicted(tm
             assert errors == {"EPERM": 1, "EBUSY": 1, "EROFS": 1}
         else:
             assert errors["EPERM"] == 3
-        assert fs.accounted_bytes == disk_bytes(root) == 3 * FB  # never over the cap here
+        assert fs.capacity.used_bytes == disk_bytes(root) == 3 * FB  # never over the cap here
         # 3. K1 is retried later: when it next comes up for eviction.
         if how == "fault":
             rig.store([k6])  # K1 is the least recently used again: retried, fails again
@@ -139,7 +139,7 @@ def test_c32_undeletable_chunk_file_stays_counted_and_the_next_lru_is_evicted(tm
             rig.store([next(fresh)])
             assert rig.tm.stats.cascaded["fs"] == before + 1  # stores succeed again
         assert rig.tm.wait_idle(120)
-        assert fs.accounted_bytes == disk_bytes(root) <= 3 * FB
+        assert fs.capacity.used_bytes == disk_bytes(root) <= 3 * FB
         assert not temp_files(root)
 
 
@@ -163,13 +163,13 @@ def test_an_unanswered_delete_is_sent_again_until_it_answers(tmp_path):
             pids = wait_paused(gate, count=n, step=rig.tm.poll)
             os.kill(pids[-1], signal.SIGKILL)
         wait_paused(gate, count=4, step=rig.tm.poll)  # a fourth worker got it again
-        assert fs.has_pending_work() and fs.accounted_bytes <= FB
+        assert fs.has_pending_work() and fs.capacity.used_bytes <= FB
         gate.touch()
         assert rig.tm.wait_idle(120)
         # (the pool re-runs a dead worker's task once by itself; the tier asks again after that)
         assert fs.counters["worker_restarts"] >= 3 and fs.counters["delete_retries"] >= 1
         assert not os.path.exists(chunk_path(rig, root, k1))
-        assert fs.accounted_bytes == disk_bytes(root) <= FB  # K2 written, or refused for room
+        assert fs.capacity.used_bytes == disk_bytes(root) <= FB  # K2 written, or refused for room
         assert not any(k.startswith("eviction_errors") for k in fs.counters)
 
 
@@ -214,7 +214,7 @@ def test_c33_disk_full_before_the_cap_evicts_own_lru_chunks_and_stores_go_on(tmp
             assert fs.counters["disk_full_stores"] == no_space_failures(rig)
             assert fs.counters["evictions"] >= 8
             assert not temp_files(root)
-            assert fs.accounted_bytes == disk_bytes(root) <= 6 * FB
+            assert fs.capacity.used_bytes == disk_bytes(root) <= 6 * FB
             assert all(os.path.exists(chunk_path(rig, root, k)) for k in keys[13:15])
             # Space comes back outside the tier: both stores succeed, and the cap rises again.
             os.unlink(ballast)
@@ -224,9 +224,11 @@ def test_c33_disk_full_before_the_cap_evicts_own_lru_chunks_and_stores_go_on(tmp
             assert rig.tm.stats.cascaded["fs"] == sum(outcomes) + 2
             assert no_space_failures(rig) == failures
             wait_until(
-                lambda: fs.capacity_bytes > 20 * FB, what="the cap raised again", step=rig.tm.step
+                lambda: fs.capacity.capacity_bytes > 20 * FB,
+                what="the cap raised again",
+                step=rig.tm.step,
             )
-            assert fs.accounted_bytes == disk_bytes(root)
+            assert fs.capacity.used_bytes == disk_bytes(root)
             assert not temp_files(root)
 
 
@@ -236,14 +238,14 @@ def test_fs_tier_without_max_bytes_is_bounded_by_half_the_free_space_and_logs_it
         with Rig([fs_tier(root)], num_slots=8) as rig:
             st = os.statvfs(mnt)
             free = st.f_bavail * st.f_frsize
-            assert rig.fs.max_bytes == rig.fs.capacity_bytes
-            assert abs(rig.fs.max_bytes - free // 2) <= FB  # half the free space at start
-            assert f"capped at {rig.fs.max_bytes} bytes" in caplog.text
+            assert rig.fs.capacity.max_bytes == rig.fs.capacity.capacity_bytes
+            assert abs(rig.fs.capacity.max_bytes - free // 2) <= FB  # half the free space at start
+            assert f"capped at {rig.fs.capacity.max_bytes} bytes" in caplog.text
             keys = keys_for(80)  # 80 chunk files would be 1.6 MiB: more than the bound
             for i in range(0, 80, 4):
                 rig.store(keys[i : i + 4])
             assert rig.tm.stats.cascaded["fs"] == 80 and no_space_failures(rig) == 0
-            assert rig.fs.accounted_bytes == disk_bytes(root) <= rig.fs.max_bytes
+            assert rig.fs.capacity.used_bytes == disk_bytes(root) <= rig.fs.capacity.max_bytes
             assert rig.fs.counters["evictions"] > 0
 
 
@@ -263,7 +265,7 @@ def test_free_space_floor_makes_the_tier_evict_instead_of_writing():
                 assert st.f_bavail * st.f_frsize >= floor  # never written below the floor
             assert rig.fs.counters["below_free_floor"] >= 1
             assert outcomes[-10:] == [1] * 10  # the tier makes room among its own chunks
-            assert rig.fs.accounted_bytes == disk_bytes(root)
+            assert rig.fs.capacity.used_bytes == disk_bytes(root)
 
 
 def test_a_disk_already_past_the_default_floor_is_named_at_start_and_stores_nothing(caplog):
@@ -290,7 +292,7 @@ def test_unbounded_fs_tier_deletes_nothing_and_stops_at_the_floor():
     with small_tmpfs(1 << 20) as mnt:
         root = os.path.join(mnt, "fs")
         with Rig([fs_tier(root, max_bytes="unbounded", min_free_fraction=0.5)], num_slots=8) as rig:
-            assert rig.fs.capacity_bytes is None
+            assert rig.fs.capacity.capacity_bytes is None
             for k in keys_for(40):
                 rig.store([k])
             st = os.statvfs(mnt)

@@ -176,7 +176,7 @@ def test_c08_file_deleted_outside_the_library_is_a_clean_miss(tmp_path):
         assert rig.tm.stats.failed == {("fs", "load", "missing"): 1}
         assert rig.tm.stats.promotion_failures["fs"] == 1
         assert k2 not in rig.fs.capacity.index and k1 in rig.fs.capacity.index
-        assert rig.fs.accounted_bytes == sum(os.path.getsize(f) for f in _files(tmp_path))
+        assert rig.fs.capacity.used_bytes == sum(os.path.getsize(f) for f in _files(tmp_path))
         assert rig.resolve([k2]) == [MISS]  # and it stays a miss
         # the coordinator and the same worker processes are alive; later jobs succeed
         assert rig.fs.worker_pids() == pids
@@ -284,7 +284,7 @@ def test_c10_thousand_randomized_load_remove_races(tmp_path):
         # every failed promotion is one counted cleanly (a miss), every other load was whole
         assert rig.tm.stats.promotions["fs"] == full
         assert rig.tm.stats.promotion_failures["fs"] <= clean
-        assert rig.fs.accounted_bytes == sum(os.path.getsize(f) for f in _files(tmp_path))
+        assert rig.fs.capacity.used_bytes == sum(os.path.getsize(f) for f in _files(tmp_path))
 
 
 def test_c16_dropped_load_turns_pending_into_miss_after_the_deadline(tmp_path):
@@ -335,13 +335,13 @@ def test_c16_dropped_store_releases_its_reservation_after_the_deadline(tmp_path)
         assert (
             rig.tm.host.num_pinned == 0
             and not rig.fs.capacity.reserved
-            and rig.fs.accounted_bytes == 0
+            and rig.fs.capacity.used_bytes == 0
         )
         assert k not in rig.fs.verdicts.present and k not in rig.fs.capacity.index
         assert not os.path.exists(chunk_path(rig, tmp_path, k)) and not _files(tmp_path)
         assert rig.store(keys_for(2, seed=3)) == [k]  # its host slot is reusable
         assert rig.resolve([k]) == [MISS]
-        assert rig.fs.accounted_bytes == 2 * fb and rig.fs.counters.get("evictions", 0) == 0
+        assert rig.fs.capacity.used_bytes == 2 * fb and rig.fs.counters.get("evictions", 0) == 0
         assert rig.fs.counters.get("pending_deadline_expired", 0) == 0  # no load expired
 
 
@@ -514,7 +514,7 @@ def test_c13_repeated_puts_of_a_resident_chunk_are_not_double_counted(tmp_path):
 
     def check(rig):  # after every operation: accounted == Σ resident entries == Σ files on disk
         on_disk = sum(os.path.getsize(f) for f in _files(tmp_path))
-        assert rig.fs.accounted_bytes == sum(rig.fs.capacity.index.values()) == on_disk
+        assert rig.fs.capacity.used_bytes == sum(rig.fs.capacity.index.values()) == on_disk
 
     # The host tier with room for 2 chunks: put a, put a again, put b; nothing evicted.
     with Rig([], num_slots=2) as host:
@@ -533,7 +533,7 @@ def test_c13_repeated_puts_of_a_resident_chunk_are_not_double_counted(tmp_path):
         check(rig)
         rig.store([b])
         check(rig)
-        assert rig.fs.accounted_bytes == 2 * fb
+        assert rig.fs.capacity.used_bytes == 2 * fb
         assert rig.fs.counters.get("evictions", 0) == 0
     # Another engine on the root knows a and b only from its start-up scan: its puts of them reach
     # the workers, which must neither rewrite the files nor let the tier count them twice.
@@ -551,15 +551,15 @@ def test_c13_repeated_puts_of_a_resident_chunk_are_not_double_counted(tmp_path):
         assert other.fs.counters["store_already_present"] == 2  # the workers saw the files
         st2 = os.stat(path_a)
         assert (st2.st_ino, st2.st_mtime_ns) == (st.st_ino, st.st_mtime_ns)  # a not rewritten
-        assert other.fs.accounted_bytes == 2 * fb and other.fs.counters.get("evictions", 0) == 0
+        assert other.fs.capacity.used_bytes == 2 * fb and other.fs.counters.get("evictions", 0) == 0
         # variant: remove a through the public API, then put c
         other.fs.remove([a])
-        assert other.fs.accounted_bytes == fb
+        assert other.fs.capacity.used_bytes == fb
         wait_until(lambda: not os.path.exists(path_a), what="a's delete", step=other.tm.poll)
         check(other)
         other.store([c])
         check(other)
-        assert other.fs.accounted_bytes == 2 * fb and other.fs.counters.get("evictions", 0) == 0
+        assert other.fs.capacity.used_bytes == 2 * fb and other.fs.counters.get("evictions", 0) == 0
 
 
 def _files(root) -> list[str]:
@@ -578,7 +578,7 @@ def test_c21_capacity_setting_is_enforced(tmp_path):
             rig.tm.wait_idle(120)
         assert rig.tm.wait_idle(120)
         assert rig.tm.stats.cascaded["fs"] == 30 and rig.fs.counters.get("evictions", 0) == 20
-        assert rig.fs.accounted_bytes == 10 * fb  # a cap implies eviction
+        assert rig.fs.capacity.used_bytes == 10 * fb  # a cap implies eviction
         wait_until(
             lambda: sum(os.path.getsize(f) for f in _files(tmp_path)) <= 10 * fb,
             what="evicted chunks deleted",
@@ -618,7 +618,7 @@ def test_c14_chunks_from_earlier_runs_are_adopted_and_counted(tmp_path):
             what="chunks past the cap deleted",
             step=run2.tm.poll,
         )
-        assert run2.fs.accounted_bytes == sum(os.path.getsize(f) for f in _files(ns_a_dir))
+        assert run2.fs.capacity.used_bytes == sum(os.path.getsize(f) for f in _files(ns_a_dir))
         assert not os.path.exists(orphan)
     other = namespace(model="another/model")
     with Rig([fs_tier(tmp_path, max_bytes=10 * fb)], num_slots=4, ns=other) as run3:
@@ -961,7 +961,7 @@ def test_c43_scans_count_no_chunk_behind_or_at_a_symlink(tmp_path):
             step=again.tm.poll,
         )
         assert again.fs.counters["adopted_chunks"] == 3
-        assert again.fs.accounted_bytes == 3 * fb
+        assert again.fs.capacity.used_bytes == 3 * fb
 
 
 def test_c43_a_namespace_directory_that_is_a_symlink_stops_the_start(tmp_path):
@@ -1009,7 +1009,7 @@ def test_c43_with_an_integrity_key_a_chunk_written_without_it_is_a_forged_miss_a
         assert ns_id != rig.ns.id()  # the key's id is part of the namespace
         rig.store(keys)
         rig.evict_all()
-        counted = rig.fs.accounted_bytes
+        counted = rig.fs.capacity.used_bytes
         paths = [os.path.join(tmp_path, ns_id, relative_name(k)) for k in keys]
         with open(paths[0], "wb") as f:  # unkeyed, valid checksums
             f.write(_forged_chunk(ns_id, keys[0], evil))
@@ -1026,7 +1026,7 @@ def test_c43_with_an_integrity_key_a_chunk_written_without_it_is_a_forged_miss_a
         assert failed_chunks(rig, "load") == {"forged": 3}
         assert not any(os.path.exists(p) for p in paths[:3])
         assert rig.fs.counters["forged_removed"] == 3
-        assert rig.fs.accounted_bytes == counted - 3 * fb  # removed: no longer counted
+        assert rig.fs.capacity.used_bytes == counted - 3 * fb  # removed: no longer counted
         (row,) = rig.read([keys[3]])
         assert np.array_equal(row, payload(keys[3]))
         assert rig.resolve(keys[:3]) == [MISS] * 3

@@ -346,7 +346,7 @@ def test_max_bytes_deletes_the_least_recently_used_objects(moto, bucket):
     with Rig([obj_tier(moto, bucket, max_bytes=3 * ob)], num_slots=8) as rig:
         for k in (k0, k1, k2):
             rig.store([k])
-        assert rig.fs.accounted_bytes == 3 * ob and rig.fs.counters.get("evictions", 0) == 0
+        assert rig.fs.capacity.used_bytes == 3 * ob and rig.fs.counters.get("evictions", 0) == 0
         rig.tm.host.remove([k0])
         assert rig.resolve([k0]) == [HIT]  # loaded back from the tier: its most recently used
         rig.store([k3])  # one object too many: k1, the least recently used, is deleted
@@ -357,7 +357,9 @@ def test_max_bytes_deletes_the_least_recently_used_objects(moto, bucket):
             what="the evicted object deleted",
             step=rig.tm.poll,
         )
-        assert sum(stored_objects(moto, bucket, rig).values()) == rig.fs.accounted_bytes == 3 * ob
+        assert (
+            sum(stored_objects(moto, bucket, rig).values()) == rig.fs.capacity.used_bytes == 3 * ob
+        )
         scraped = rig.tm.refresh_metrics()
         assert scraped.get("kvoffload_tier_used_bytes", "obj") == 3 * ob
         assert scraped.get("kvoffload_tier_capacity_bytes", "obj") == 3 * ob
@@ -366,13 +368,13 @@ def test_max_bytes_deletes_the_least_recently_used_objects(moto, bucket):
     # A later instance counts what the bucket holds and keeps the cap with it.
     with Rig([obj_tier(moto, bucket, max_bytes=3 * ob)], num_slots=8) as again:
         wait_until(
-            lambda: again.fs.accounted_bytes == 3 * ob,
+            lambda: again.fs.capacity.used_bytes == 3 * ob,
             what="the objects of the earlier run adopted",
             step=again.tm.poll,
         )
         assert again.fs.counters["adopted_chunks"] == 3
         again.store([k4])
-        assert again.fs.counters["evictions"] == 1 and again.fs.accounted_bytes == 3 * ob
+        assert again.fs.counters["evictions"] == 1 and again.fs.capacity.used_bytes == 3 * ob
         wait_until(
             lambda: len(stored_objects(moto, bucket, again)) == 3,
             what="an adopted object deleted",
@@ -386,7 +388,7 @@ def test_without_max_bytes_the_obj_tier_deletes_nothing(moto, bucket):
     with Rig([obj_tier(moto, bucket)], num_slots=4) as rig:
         for i in range(0, 12, 4):
             rig.store(keys[i : i + 4])
-        assert rig.fs.capacity_bytes is None and rig.fs.accounted_bytes == 0
+        assert rig.fs.capacity.capacity_bytes is None and rig.fs.capacity.used_bytes == 0
         assert (
             rig.fs.counters.get("evictions", 0) == 0
             and len(stored_objects(moto, bucket, rig)) == 12

@@ -426,8 +426,8 @@ class TierStack(RuleBasedStateMachine):
                 continue
             on_disk += e.stat().st_size
             chunk_files[e.path] = e
-        assert self.fs.accounted_bytes == on_disk, (
-            f"fs tier accounts {self.fs.accounted_bytes} bytes, its chunk files hold {on_disk} "
+        assert self.fs.capacity.used_bytes == on_disk, (
+            f"fs tier accounts {self.fs.capacity.used_bytes} bytes, its chunk files hold {on_disk} "
             f"({sorted(self._name(k) for k in self._keys_of(chunk_files))} on disk, "
             f"{sorted(self._name(k) for k in getattr(self.fs, '_index', None) or ())} counted; "
             f"tier counters {self.fs.counters})"

@@ -49,6 +49,8 @@ RETRY_FIRST_S = 0.05
 """Seconds before a delete that got no answer is sent again; doubled at each further try."""
 RETRY_MAX_S = 5.0
 """The longest wait between two tries of the same unanswered delete (seconds)."""
+MEDIUM_FULL = "the medium is full"
+"""How :meth:`Capacity.why_no_room` names a full medium unless the tier names its own."""
 
 
 class Capacity:
@@ -61,6 +63,8 @@ class Capacity:
         count: ``(counter, n)``: the tier's counters (``evictions``, ``eviction_errors.<errno>``...).
         forget: called with each chunk evicted (the tier drops its present verdict).
         clock: monotonic seconds (``time.monotonic``; tests pass a fake).
+        full_why: what :meth:`why_no_room` says while the cap is lowered (the medium is full),
+            before "; evicting to make room" (the fs tier names its filesystem and floor).
 
     Raises:
         ValueError: ``"max_bytes: ..."`` when the cap is smaller than one chunk.
@@ -74,6 +78,7 @@ class Capacity:
         count: Callable[[str, float], None],
         forget: Callable[[bytes], None],
         clock: Callable[[], float] = time.monotonic,
+        full_why: str = MEDIUM_FULL,
     ):
         if max_bytes is not None and max_bytes < unit_bytes:
             raise ValueError(
@@ -84,6 +89,7 @@ class Capacity:
         self.count = count
         self.forget = forget
         self.clock = clock
+        self.full_why = full_why
         #: Chunks counted against the cap, least recently used first -> their bytes.
         self.index: OrderedDict[bytes, int] = OrderedDict()
         #: Bytes of the chunks in :attr:`index`.
@@ -228,7 +234,7 @@ class Capacity:
                 f"({self.last_removal_error}); space is reused once a removal succeeds"
             )
         if self.lowered_cap is not None:
-            return "the medium is full; evicting to make room"
+            return f"{self.full_why}; evicting to make room"
         return "every chunk is in use (loading) or part of this store"
 
     def evict_one(self, protect: Collection[bytes], retry: bool = False) -> bool:

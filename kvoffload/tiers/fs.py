@@ -307,8 +307,12 @@ class FsTier(ProcessTierManager):
             )
         else:
             max_bytes = config.max_bytes
+        full_why = (
+            f"the filesystem of {config.root_dir} is full (free space below "
+            f"{self.min_free_bytes} bytes, or ENOSPC)"
+        )
         if max_bytes is not None:
-            self.bound_capacity(max_bytes, self.file_bytes)
+            self.bound_capacity(max_bytes, self.file_bytes, full_why)
         self._sampler: _FreeSpaceSampler | None = None
         self._sample_seen: tuple[int, float] | None = None
         self.start()
@@ -424,20 +428,6 @@ class FsTier(ProcessTierManager):
 
     # -- capacity: the default bound, chunks found at start, a full disk ------------------------
 
-    def _admit_store(self, keys: list[bytes]) -> tuple[list[int], dict[bytes, int]]:
-        if self.capacity.lowered_cap is not None:
-            self._apply_free_space_sample()
-        return super()._admit_store(keys)
-
-    def _why_no_room(self) -> str:
-        cap = self.capacity
-        if not cap.undeletable and cap.lowered_cap is not None:
-            return (
-                f"the filesystem of {self.config.root_dir} is full (free space below "
-                f"{self.min_free_bytes} bytes, or ENOSPC); evicting to make room"
-            )
-        return cap.why_no_room()
-
     def _medium_full(self, chunks: int) -> None:
         """Writes of ``chunks`` chunks found the filesystem full: the cap becomes what the disk
         holds (the bytes counted now), the tier evicts ahead for as many chunks, and a background
@@ -455,9 +445,12 @@ class FsTier(ProcessTierManager):
         )
         self._enforce_cap()
 
-    def _apply_free_space_sample(self) -> None:
+    @override
+    def _refresh_capacity(self) -> None:
         """Raise the lowered cap to what the last free-space sample allows (never lower it: only a
         failed write does, so a sample taken before our own writes cannot undercut them)."""
+        if self.capacity.lowered_cap is None:
+            return
         sampler = self._sampler
         sample = sampler.latest if sampler is not None else None
         if sampler is None or sample is None or sample is self._sample_seen:
@@ -488,9 +481,3 @@ class FsTier(ProcessTierManager):
                 cap.max_bytes,
             )
         self._enforce_cap()
-
-    @override
-    def flush(self) -> None:
-        if self.capacity.lowered_cap is not None:
-            self._apply_free_space_sample()
-        super().flush()

@@ -59,7 +59,7 @@ from kvoffload.tiers.base import (
     TierEvent,
 )
 from kvoffload.tiers.breaker import HALF_OPEN, OPEN, STATES, CircuitBreaker
-from kvoffload.tiers.capacity import Capacity
+from kvoffload.tiers.capacity import MEDIUM_FULL, Capacity
 from kvoffload.tiers.resources import TierResources, weak_callback
 from kvoffload.tiers.verdicts import VerdictCache
 from kvoffload.tiers.workerpool import PoolTask, WorkerPool
@@ -273,8 +273,10 @@ class ProcessTierManager(SecondaryTierManager):
 
     Subclasses set ``io_module`` (the worker-side module with ``make_io``), implement
     :meth:`io_config`, call :meth:`bound_capacity` for a byte cap, and call :meth:`start` last in
-    their constructor. They may override :meth:`_medium_full` (a medium that fills before the cap)
-    and the ``_on_*`` hooks.
+    their constructor. They may override the hooks of a medium that fills before the cap
+    (:meth:`_medium_full`, :meth:`_refresh_capacity`) and :meth:`_on_scan`. The byte accounting
+    is read from :attr:`capacity` itself (``capacity.used_bytes``, ``capacity.capacity_bytes``,
+    ``capacity.max_bytes``).
 
     Attributes:
         verdicts: what the tier believes it holds (:class:`~kvoffload.tiers.verdicts.VerdictCache`).
@@ -351,16 +353,21 @@ class ProcessTierManager(SecondaryTierManager):
         self._finalizer: weakref.finalize | None = None
         self._pools: tuple[WorkerPool, ...] = ()
 
-    def bound_capacity(self, max_bytes: int, unit_bytes: int) -> None:
+    def bound_capacity(self, max_bytes: int, unit_bytes: int, full_why: str = MEDIUM_FULL) -> None:
         """Count stored chunks (``unit_bytes`` each, payload plus header) against ``max_bytes``
         and evict the least recently used by deleting them through the writer workers. Call it
-        before :meth:`start`.
+        before :meth:`start`. ``full_why``: how a refusal while the medium is full explains
+        itself (see :class:`~kvoffload.tiers.capacity.Capacity`).
 
         Raises:
             ValueError: ``"max_bytes: ..."`` when the cap is smaller than one chunk.
         """
         self.capacity = Capacity(
-            max_bytes, unit_bytes, count=self.count, forget=self.verdicts.forget
+            max_bytes,
+            unit_bytes,
+            count=self.count,
+            forget=self.verdicts.forget,
+            full_why=full_why,
         )
 
     def start(self) -> None:
@@ -431,19 +438,17 @@ class ProcessTierManager(SecondaryTierManager):
         """Which positions of ``keys`` to write; the rest fail with the returned codes. With a
         cap, room is made by evicting least recently used chunks."""
         cap = self.capacity
+        self._refresh_capacity()
         admitted, rejected = cap.admit(keys)
         if cap.bounded:
             refused = sum(1 for c in rejected.values() if c == m.NO_SPACE)
             if refused:
                 self._warn(
                     f"store of {refused} chunk(s) refused (no_space): no room under the cap "
-                    f"({cap.capacity_bytes} bytes) {self._why_no_room()}"
+                    f"({cap.capacity_bytes} bytes) {cap.why_no_room()}"
                 )
             self._enforce_cap()
         return admitted, rejected
-
-    def _why_no_room(self) -> str:
-        return self.capacity.why_no_room()
 
     def _on_stores_done(
         self, keys: list[bytes], failed: dict[bytes, int], removed: Collection[bytes] = ()
@@ -460,6 +465,11 @@ class ProcessTierManager(SecondaryTierManager):
         """Writes of ``chunks`` chunks found the medium full (``NO_SPACE`` from a worker) before
         the cap: the fs tier lowers its cap (CASES C33); others do nothing."""
 
+    def _refresh_capacity(self) -> None:
+        """Before a store is admitted and at each :meth:`flush`: a tier whose medium filled
+        may raise its lowered cap again (the fs tier, from its free-space sample); others do
+        nothing."""
+
     def _remove_unconfirmed_stores(self, keys: list[bytes]) -> None:
         """A write sent to a worker that failed may still have published its chunk (the worker
         died or timed out after the rename or upload, a verdict we do not know): remove what is
@@ -473,10 +483,6 @@ class ProcessTierManager(SecondaryTierManager):
             keys,
             m.DeleteTask(self._next_task_id(), keys),
         )
-
-    def _on_loads_done(self, keys: list[bytes], failed: dict[bytes, int]) -> None:
-        """A load job finished: ``failed`` maps the keys that failed to their codes."""
-        self.capacity.loads_done(keys, failed)
 
     def _on_deletes_done(self, keys: list[bytes], codes: list[int], status: list[int]) -> None:
         """A delete task answered: ``codes[i]`` is ``keys[i]``'s outcome (``OK``: removed or
@@ -492,15 +498,6 @@ class ProcessTierManager(SecondaryTierManager):
                 f"({self.capacity.last_removal_error}); they stay counted and are retried later"
             )
             self._enforce_cap()
-
-    def _removals_since(self, t: float) -> bool:
-        """True when this tier removed any chunk after monotonic time ``t``."""
-        return self.capacity.removals_since(t)
-
-    def _removed_since(self, key: bytes, t: float) -> bool:
-        """True when this tier removed ``key`` after monotonic time ``t`` (a probe sent before
-        then may have seen the chunk that is now gone)."""
-        return self.capacity.removed_since(key, t)
 
     def _on_scan(self, entries: list[tuple[bytes, int, float]]) -> None:
         """A scan listed ``(key, bytes, mtime)`` of the chunks stored: a bounded tier counts
@@ -540,31 +537,6 @@ class ProcessTierManager(SecondaryTierManager):
             m.ScanTask(tid, list_entries=list_entries),
             timeout_s=timeout_s,
         )
-
-    # -- capacity -------------------------------------------------------------------------------
-
-    @property
-    def max_bytes(self) -> int | None:
-        """The configured cap (bytes; for the fs tier, possibly the default bound); None when
-        unbounded."""
-        return self.capacity.max_bytes
-
-    @property
-    def capacity_bytes(self) -> int | None:
-        """The cap now (bytes): ``max_bytes``, lowered while the medium is full; None when
-        unbounded."""
-        return self.capacity.capacity_bytes
-
-    @property
-    def used_bytes(self) -> int:
-        """Bytes of the chunks counted in the index (0 when unbounded)."""
-        return self.capacity.used_bytes
-
-    @property
-    def accounted_bytes(self) -> int:
-        """Bytes of chunks this tier counts against its cap (0 when unbounded); chunks whose
-        delete has not answered yet are no longer counted."""
-        return self.capacity.used_bytes
 
     def remove(self, keys: list[bytes]) -> None:
         """Delete chunks from the tier (explicit removal); in-flight loads of them still finish with
@@ -668,7 +640,7 @@ class ProcessTierManager(SecondaryTierManager):
         metrics.set("kvoffload_tier_breaker_open", 1 if state == OPEN else 0, name)
         for s in STATES:
             metrics.set("kvoffload_tier_breaker_state", 1 if s == state else 0, name, s)
-        cap = self.capacity_bytes
+        cap = self.capacity.capacity_bytes
         if cap is not None:
             metrics.set("kvoffload_tier_used_bytes", self.capacity.used_bytes, name)
             metrics.set("kvoffload_tier_capacity_bytes", cap, name)
@@ -748,6 +720,7 @@ class ProcessTierManager(SecondaryTierManager):
 
     @override
     def flush(self) -> None:
+        self._refresh_capacity()
         queue = self._probe_queue
         while queue:
             batch, queue[:] = queue[:_PROBE_BATCH], queue[_PROBE_BATCH:]
@@ -817,15 +790,16 @@ class ProcessTierManager(SecondaryTierManager):
         failed = job.failed
         ok_keys = [k for k in meta.keys if k not in failed] if failed else meta.keys
         gone: Collection[bytes] = ()
-        if not job.is_load and self._removals_since(job.t0):
+        cap = self.capacity
+        if not job.is_load and cap.removals_since(job.t0):
             # Removed by this tier (evicted) while the job ran: a write that found the old file
             # and skipped may be followed by the delete. Stored for the engine, not present here.
-            gone = {k for k in ok_keys if self._removed_since(k, job.t0)}
+            gone = {k for k in ok_keys if cap.removed_since(k, job.t0)}
             self.verdicts.mark_present(k for k in ok_keys if k not in gone)
         else:
             self.verdicts.mark_present(ok_keys)
         if job.is_load:
-            self._on_loads_done(meta.keys, failed)
+            cap.loads_done(meta.keys, failed)
             for k in failed:
                 self.verdicts.mark_absent(k, self.config.failed_load_ttl_s)
                 self.verdicts.owe_miss(k, (meta.req_id,))
@@ -896,7 +870,7 @@ class ProcessTierManager(SecondaryTierManager):
         neg = self.config.negative_ttl_s
         for key, code in zip(rec.keys, codes):
             self._probing.discard(key)
-            if code == m.OK and not self._removed_since(key, rec.t0):
+            if code == m.OK and not self.capacity.removed_since(key, rec.t0):
                 self.verdicts.settle(key, True)
                 continue
             if code == m.OK:

@@ -194,17 +194,13 @@ class SecondaryTierManager(ABC):
         nothing is counted as dropped."""
         return True
 
-    def accepts_store(self, num_chunks: int) -> bool:
-        """False when the tier is too backed up to take ``num_chunks`` more (the store is dropped)."""
-        return True
-
     def store_refusal(self, num_chunks: int) -> str | None:
-        """Why the tier would not take a store of ``num_chunks`` more now, or None when it takes
-        it: ``queue_full`` (too many stores in flight) or ``breaker_open`` (its circuit breaker is
-        not closed); a tier may name its own reason (a short snake_case word: it becomes the
-        ``reason`` label of ``kvoffload_refused_chunks_total``). The default asks
-        :meth:`accepts_store`."""
-        return None if self.accepts_store(num_chunks) else "queue_full"
+        """Why the tier would not take a store of ``num_chunks`` more now (the store is then
+        dropped), or None when it takes it: ``queue_full`` (too many stores in flight) or
+        ``breaker_open`` (its circuit breaker is not closed); a tier may name its own reason (a
+        short snake_case word: it becomes the ``reason`` label of
+        ``kvoffload_refused_chunks_total``). The default takes every store."""
+        return None
 
     def flush(self) -> None:
         """Send work batched during this scheduler step (e.g. existence probes)."""

@@ -740,10 +740,6 @@ class ProcessTierManager(SecondaryTierManager):
         return "queue_full" if full else None
 
     @override
-    def accepts_store(self, num_chunks: int) -> bool:
-        return self.store_refusal(num_chunks) is None
-
-    @override
     def submit_store(self, job: JobMetadata) -> None:
         rec_job = _Job(job, is_load=False)
         keys = job.keys

@@ -248,7 +248,7 @@ class _KVOffloadTier(VLLMSecondaryTierManager):
             ),
             np.asarray(job.chunk_ids, dtype=np.int64),
         )
-        if not is_promotion and not self.tier.accepts_store(len(keys)):
+        if not is_promotion and self.tier.store_refusal(len(keys)) is not None:
             # Backed up (max_pending_store_chunks) or its circuit breaker is open: dropped and
             # counted by the tier, a failed cascade for vLLM (the chunks stay in its primary tier).
             self._results.append(VLLMJobResult(job_id=job.job_id, success=False))

@@ -16,7 +16,16 @@ one named worker: it always knows which worker holds which task, and when a work
 re-runs exactly that worker's tasks (a PUSH socket would hide where a task went). Endpoints are Linux
 abstract-namespace IPC sockets (``ipc://@...``): nothing to clean up on disk, gone when the engine dies.
 
-This module owns every socket of the project: nothing else opens one.
+This module owns the sockets between an engine and its own worker processes, both ends: nothing
+else talks to a tier worker or the peer worker. The project's other sockets each belong to the one
+part that serves them: the KV-event publisher's PUB and replay ROUTER (:mod:`kvoffload.events`);
+the p2p tier's control sockets (its ROUTER, a DEALER per peer, the ZAP handler's REP:
+:mod:`kvoffload.tiers.p2p.node`; the SUB and replay DEALER sockets of
+:mod:`kvoffload.tiers.p2p.locations`, made by the tier and handed to the node thread before it
+starts); the TCP sockets between peer workers (:mod:`kvoffload.workers.p2p_transport`); the
+standalone metrics endpoint's HTTP server (``prometheus_client``, :mod:`kvoffload.metrics`); and
+the tools' own (``kvoffload top``'s subscriber, ``kvoffload check``'s reachability probes, the
+benchmarks).
 """
 
 from __future__ import annotations

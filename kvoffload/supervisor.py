@@ -42,6 +42,7 @@ another, it changes nothing).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -56,6 +57,7 @@ from kvoffload.ipc.childenv import child_environment
 log = logging.getLogger("kvoffload.supervisor")
 
 
+@functools.cache
 def pidfd_supported() -> bool:
     """True when this kernel and Python give process descriptors (``os.pidfd_open``)."""
     if not hasattr(os, "pidfd_open"):
@@ -151,11 +153,11 @@ class Supervisor:
         fd = self._fd
         if self.returncode is not None or fd < 0:
             return False
-        try:
-            ready, _, _ = select.select([fd], [], [], 0)
-        except (OSError, ValueError):  # closed meanwhile by the owning thread
-            return False
-        return not ready
+        # A poll object of its own: the owner's may be in use on its thread (and select() cannot
+        # take a descriptor past 1023). A descriptor closed meanwhile answers POLLNVAL: not running.
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        return not poller.poll(0)
 
     def fileno(self) -> int:
         """A descriptor that is readable once the child has exited (for a poller; -1 once

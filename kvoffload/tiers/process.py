@@ -17,17 +17,18 @@ bookkeeping of deletes), :mod:`.breaker` (the circuit breaker), :mod:`.workerpoo
 processes of one direction) and :mod:`.resources` (sockets, pools and threads, closed by
 ``shutdown()`` or, for a tier dropped without one, by ``weakref.finalize``).
 
-Nothing here blocks: tasks are encoded and handed to ZMQ, results are drained with non-blocking reads
-(only while tasks are in flight, else at the health checks' pace: an idle step reads no socket), and
-worker health is checked at most every 20 ms (each worker's :class:`~kvoffload.supervisor.Supervisor`
-looks at its exit descriptor, a pidfd, and reaps a worker that has exited). A job is split
-into tasks of ``chunks_per_task`` chunks spread over the workers; its one :class:`JobResult` comes when
-the last task answers. Verdicts: a probe or a successful store makes a key present; a probe that finds
-nothing makes it absent for ``negative_ttl_s``; a failed load makes it absent for ``failed_load_ttl_s``,
-so a request never spins on a chunk that cannot be read (CASES C07). However short those lifetimes
-(0 included), a request told RETRY while a probe was out, or whose load of the key failed, is owed
-the verdict: its next lookup of that key answers MISS, so it waits at most one probe round trip
-(bounded by ``job_timeout_s``), never a probe after probe (CASES C36).
+Nothing here blocks: tasks are encoded and handed to ZMQ, results are drained with non-blocking
+reads (only while tasks are in flight, else at the health checks' pace: an idle step reads no
+socket), and worker health is checked at most every 20 ms (each worker's
+:class:`~kvoffload.supervisor.Supervisor` looks at its exit descriptor, a pidfd, and reaps a worker
+that has exited). A job is split into tasks of ``chunks_per_task`` chunks spread over the workers;
+its one :class:`JobResult` comes when the last task answers. Verdicts: a probe or a successful store
+makes a key present; a probe that finds nothing makes it absent for ``negative_ttl_s``; a failed
+load makes it absent for ``failed_load_ttl_s``, so a request never spins on a chunk that cannot be
+read (CASES C07). However short those lifetimes (0 included), a request told RETRY while a probe was
+out, or whose load of the key failed, is owed the verdict: its next lookup of that key answers MISS,
+so it waits at most one probe round trip (bounded by ``job_timeout_s``), never a probe after probe
+(CASES C36).
 """
 
 from __future__ import annotations

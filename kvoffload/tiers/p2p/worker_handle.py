@@ -10,9 +10,10 @@
 
 One handle runs one worker process (under a :class:`~kvoffload.supervisor.Supervisor`: a fresh
 interpreter, never a fork of the engine, with an allow-listed environment, no secret of the
-engine's; its exit watched through a pidfd) that maps the host arena and owns the instance's one Transport (NIXL or
-TCP). Every call returns at once: commands are queued on the socket (and held here until the worker
-has connected), results come back through :meth:`PeerWorkerHandle.poll` and the ``take_*`` methods.
+engine's; its exit watched through a pidfd) that maps the host arena and owns the instance's one
+Transport (NIXL or TCP). Every call returns at once: commands are queued on the socket (and held
+here until the worker has connected), results come back through :meth:`PeerWorkerHandle.poll` and
+the ``take_*`` methods.
 
 Settling. A transfer is reported exactly once, and only once it has SETTLED: nothing will write its
 local slots any more, so the caller may free or publish them (less the rows its ``bad`` names,

@@ -18,33 +18,42 @@ Reserving the host slot at lookup time means concurrent requests never promote t
 the second one finds it WRITING. A failed promotion frees the slot and the tier answers MISS for the
 chunk afterwards, so the request goes on with a shorter prefix instead of waiting forever.
 
-The manager routes: chunks between tiers, pins to holders, results to jobs. It imports no vLLM:
-:mod:`kvoffload.vllm.manager` adapts it to vLLM's ``OffloadingManager``, its published KV events
-take vLLM's event types from :mod:`kvoffload.vllm.kv_events` (vLLM-free), its counters reach
-Prometheus through :func:`kvoffload.metrics.refresh`; the stress tool and tests drive it directly.
+The manager routes: chunks between tiers, pins to holders, results to jobs. Its parts, each in its
+own module and each reset by itself: the promotion-hold policy (:class:`~kvoffload.holds
+.PromotionHolds`: which slots a promotion or store may evict, whether a request waits for room),
+the serving of peers from the host tier (:class:`~kvoffload.serving.PeerServing`, behind the
+manager's serving entry points and its lock), the store refusals (:class:`~kvoffload.refusals
+.Refusals`: counted and explained) and the counters (:class:`~kvoffload.stats.Stats`).
+
+It imports no vLLM: :mod:`kvoffload.vllm.manager` adapts it to vLLM's ``OffloadingManager``, its
+published KV events take vLLM's event types from :mod:`kvoffload.vllm.kv_events` (vLLM-free), its
+counters reach Prometheus through :func:`kvoffload.metrics.refresh`; the stress tool and tests
+drive it directly.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvoffload import metrics as _metrics
 from kvoffload.config import OffloadConfig, secret_env_names
 from kvoffload.events import EventPublisher, Movement
-from kvoffload.host import READY, WRITING, HostTier, StorePlan
-from kvoffload.ipc import peer_messages as pm
+from kvoffload.holds import NO_RANK, PromotionHolds
+from kvoffload.host import READY, HostTier, StorePlan
 from kvoffload.ipc.childenv import withhold
 from kvoffload.kv_events import KVEventTranslator
-from kvoffload.logs import RateLimitedLog
 from kvoffload.policies import make_policy
+from kvoffload.refusals import Refusals
+from kvoffload.serving import PEER_MEDIUM, PeerServing
+from kvoffload.stats import HOST, HOST_REFUSALS, TIER_REFUSALS, Stats
 from kvoffload.tiers import create_tier
 from kvoffload.tiers.base import JobMetadata, LookupResult, SecondaryTierManager, TierEvent
+
+__all__ = ["HOST", "HOST_REFUSALS", "PEER_MEDIUM", "TIER_REFUSALS", "Stats", "TieringManager"]
 
 log = logging.getLogger("kvoffload")
 
@@ -54,23 +63,10 @@ _HIT, _MISS, _PENDING, _RETRY = (
     LookupResult.HIT_PENDING,
     LookupResult.RETRY,
 )
-HOST = "host"
-_NO_RANK = 1 << 62
-"""The rank of a promotion no request waits for (a peer's): younger than every request's."""
 _MAX_COUNTED_REQUESTS = 65_536
 """Requests whose counted lookup verdicts are kept (see :meth:`TieringManager._first_verdict`)."""
-PEER_MEDIUM = "PEER"
-"""The ``medium`` of a tier that reaches other instances' host tiers (the p2p tier): a peer's
-:meth:`TieringManager.serve_lookup` never asks it (a chunk is served from this instance only)."""
 PEER_PROMOTION = "\x00peer"
 """The ``req_id`` of promotions :meth:`TieringManager.serve_lookup` starts for peers."""
-_DROP_WHY = {
-    "pin_limit": "its stores in flight already pin {pinned} host slots (tier_pin_fraction allows "
-    "{limit})",
-    "queue_full": "too many of its stores in flight (max_pending_store_chunks): the tier is slower "
-    "than the offload rate",
-    "breaker_open": "its circuit breaker is not closed (the tier keeps failing)",
-}
 
 
 class _Job:
@@ -82,125 +78,18 @@ class _Job:
         self.orphaned = False  # a reset forgot its chunks; its result only ends a quarantine
 
 
-#: Why a tier refuses chunks, by (tier kind, direction): the ``reason`` label values of
-#: ``kvoffload_refused_chunks_total`` (a secondary tier may add its own, see ``store_refusal``).
-HOST_REFUSALS = (
-    ("store", "no_evictable_slot"),
-    ("store", "batch_truncated"),
-    ("store", "in_tier"),
-    ("load", "no_evictable_slot"),
-)
-TIER_REFUSALS = (("store", "pin_limit"), ("store", "queue_full"), ("store", "breaker_open"))
-
-
-class Stats:
-    """Counters of one tiering manager (chunks unless named otherwise). ``per_tier`` maps a tier
-    name to its own counters.
-
-    Refusals: ``store_rejections`` / ``store_truncations`` count host-tier store batches refused
-    whole / cut short, ``promotion_alloc_failures`` promotions with no host slot, ``dropped_stores``
-    chunks not written to a tier; ``refused`` counts the chunks of all of them by
-    ``(tier, direction, reason)`` (reasons: :data:`HOST_REFUSALS`, :data:`TIER_REFUSALS`).
-    """
-
-    def __init__(self, tier_names: Sequence[str]):
-        # Lookups are counted at their verdict (HIT, HIT_PENDING, MISS), never at a RETRY, and once
-        # per request and chunk (the first verdict: vLLM looks a deferred request's chunks up again
-        # every step, and a promoted chunk would then count as a tier hit and as host hits); every
-        # verdict passes the host tier, so host_queries is the number of chunks looked up.
-        self.host_queries = 0
-        self.host_hits = 0
-        self.tier_queries = {n: 0 for n in tier_names}
-        self.tier_hits = {n: 0 for n in tier_names}
-        self.promotions = {n: 0 for n in tier_names}
-        self.promotion_failures = {n: 0 for n in tier_names}
-        self.promotion_alloc_failures = 0
-        self.cascaded = {n: 0 for n in tier_names}
-        self.cascade_failures = {n: 0 for n in tier_names}
-        self.dropped_stores = {n: 0 for n in tier_names}
-        self.store_rejections = 0
-        self.store_truncations = 0
-        self.unheld_completions = 0  # complete_load of a chunk the caller held no pin on (C28)
-        self.stale_store_completions = 0  # complete_store of a write the caller does not hold
-        self.unknown_job_results = 0  # results for a job id not in flight (duplicates, strays)
-        self.reset_discarded_promotions = 0  # promotions a reset made moot while in flight
-        # Promotion holds (config promotion_hold_steps): host misses told RETRY because the host
-        # tier was full of chunks held for requests that asked earlier; held chunks evicted
-        # before their request loaded them (by a store with no other room, or by the promotion
-        # of a request that asked earlier); holds that lapsed (not looked up for
-        # promotion_hold_steps steps).
-        self.promotion_waits = 0
-        self.evicted_holds = 0
-        self.expired_holds = 0
-        # Sliding-window chunks answered MISS after max_retry_steps steps of RETRY unchosen
-        # (kvoffload.hybrid.WindowScans): a recompute instead of a request that never runs.
-        self.window_retry_giveups = 0
-        # The p2p serving side, counted apart from this instance's own lookups and loads:
-        # keys peers looked up, found READY / PENDING, promotions started for them, chunks
-        # leased, slots admitted for their pushes, pushes published / failed, and completions
-        # (release, commit) naming nothing their holder holds.
-        self.peer_lookups = 0
-        self.peer_hits = 0
-        self.peer_pending = 0
-        self.peer_promotions = 0
-        self.peer_leased = 0
-        self.peer_admitted = 0
-        self.peer_committed = 0
-        self.peer_commit_failures = 0
-        self.stale_peer_completions = 0
-        self.loads_from = {HOST: 0, **{n: 0 for n in tier_names}}
-        self.failed: dict[tuple[str, str, str], int] = {}  # (tier, direction, reason) -> chunks
-        self.failed_jobs: dict[tuple[str, str], int] = {}  # (tier, direction) -> jobs
-        # (tier, direction, reason) -> chunks; the known reasons start at 0 so that a scrape sees
-        # every series from the start (Prometheus' increase() misses a series' first value)
-        self.refused: dict[tuple[str, str, str], int] = {
-            **{(HOST, d, r): 0 for d, r in HOST_REFUSALS},
-            **{(n, d, r): 0 for n in tier_names for d, r in TIER_REFUSALS},
-        }
-
-    def snapshot(self) -> dict[str, Any]:
-        """A copy of every counter (dict-valued ones copied too), for tools and tests to diff."""
-        return {k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(self).items()}
-
-
-class _Protected:
-    """The slots a promotion for a request of ``rank`` must not evict (those told HIT since the
-    last step, those held for this or older requests; every held slot for rank
-    :data:`_NO_RANK`), as a view over the manager's own tables: ``slot in p`` costs two dict
-    lookups, where building the set would cost one step per held slot, once per promoted
-    chunk. Iterating it (counting, or a set for an out-of-tree policy) takes that step."""
-
-    __slots__ = ("hit", "held", "rank")
-
-    def __init__(self, hit: set[int], held: dict[int, int], rank: int):
-        self.hit, self.held, self.rank = hit, held, rank
-
-    def __contains__(self, slot: object) -> bool:
-        if slot in self.hit:
-            return True
-        r = self.held.get(slot)  # type: ignore[call-overload]
-        return r is not None and r <= self.rank
-
-    def __bool__(self) -> bool:
-        return bool(self.hit) or bool(self.held)
-
-    def __iter__(self) -> Iterator[int]:
-        """Every protected slot once."""
-        hit, rank = self.hit, self.rank
-        yield from hit
-        for slot, r in self.held.items():
-            if r <= rank and slot not in hit:
-                yield slot
-
-
 class TieringManager:
     """Host tier plus ordered secondary tiers over one arena.
 
     Driven by the engine thread; the p2p tier's node thread also serves peers from the host tier
-    (:meth:`serve_lookup`, :meth:`lease`, :meth:`release`, :meth:`admit`, :meth:`commit`) and
-    polls. Every public entry point that reads or changes host-tier or tier state takes
-    :attr:`lock` (a :class:`threading.RLock`; uncontended, it adds well under a microsecond per
-    call); nothing waits or does I/O while holding it.
+    (:meth:`serve_lookup`, :meth:`lease`, :meth:`release`, :meth:`admit`, :meth:`commit`, which
+    take the lock and call :attr:`serving`) and polls. Every public entry point that reads or
+    changes host-tier or tier state takes :attr:`lock` (a :class:`threading.RLock`; uncontended,
+    it adds well under a microsecond per call); nothing waits or does I/O while holding it.
+
+    Parts: :attr:`holds` (the promotion-hold policy), :attr:`serving` (peers' leases and pushes),
+    :attr:`refusals` (store refusals, counted and explained), :attr:`stats` (the counters); the
+    manager keeps the jobs (tier jobs in flight, queued promotions) and the holders' pins.
 
     Args:
         arena: the host :class:`~kvoffload.ipc.arena.Arena` (its slots are the host tier).
@@ -331,50 +220,39 @@ class TieringManager:
                 max_infos=2 * self.host.num_slots,
             )
         self.stats = Stats(self.tier_names)
-        self._refusal_log = RateLimitedLog(log)
         self._store_pins = [0] * len(self.tiers)  # host slots pinned by each tier's stores
         self._pin_limit = max(1, int(config.tier_pin_fraction * arena.num_slots))
+        self.refusals = Refusals(
+            self.host,
+            self.stats,
+            arena.row_bytes,
+            config.cpu_bytes_to_use,
+            request_chunks,
+            self._pin_limit,
+        )
         self._jobs: dict[int, _Job] = {}
         self._next_job = 0
         self._promotions: dict[int, dict[str, tuple[list[bytes], list[int]]]] = {}
         # Pins held for host -> accelerator copies, per holder (request): req_id -> key ->
         # [slot, pins]. A completion drops only its own holder's pins (CASES C28).
-        self._holds: dict[str, dict[bytes, list[int]]] = {}
+        self._load_pins: dict[str, dict[bytes, list[int]]] = {}
         # Writes reserved by prepare_store and not yet completed: key -> the request that holds it.
         self._writes: dict[bytes, str] = {}
         self._load_source: dict[str, dict[bytes, int]] = {}
         # Chunks whose lookup verdict has been counted, per request (dropped when it finishes; at
         # most _MAX_COUNTED_REQUESTS requests kept, the oldest forgotten first)
         self._counted: dict[str, set[bytes]] = {}
-        # The p2p serving side's pins and writes, per holder (one holder per lease / offer):
-        # holder -> slot -> pins, and holder -> key -> the slot its write reserved.
-        self._leases: dict[str, dict[int, int]] = {}
-        # Slots the engine was told HIT since its last step: it may prepare_load them before the
-        # step ends, so promotions (the engine's, or a peer's) and admissions (which run between
-        # the engine's calls) never evict them. The engine's own stores may: it prepares them
-        # after its loads.
-        self._hit_slots: set[int] = set()
-        # Promotion holds (docs/profiles/thrash.md): a chunk promoted for a request is held for it
-        # until it has loaded it (complete_load), finishes, or has not looked it up for
-        # promotion_hold_steps steps. Requests are ranked by their first promotion (older first):
-        # a promotion evicts no chunk held for an older request (or itself), a store evicts held
-        # chunks only when nothing else makes room. key -> [slot, holder, rank, step last seen].
-        self._hold_steps = config.promotion_hold_steps
-        # Holds take at most what one tier's in-flight stores may leave (tier_pin_fraction), so
-        # write-through keeps room without evicting held chunks (CASES C37).
-        self._hold_cap = max(1, arena.num_slots - self._pin_limit)
-        self._step_no = 0
-        # in the order their request last looked them up (oldest first): expiry reads the front
-        self._promo_holds: OrderedDict[bytes, list] = OrderedDict()
-        self._held_slots: dict[int, int] = {}  # slot -> its holder's rank
-        self._held_by: dict[str, set[bytes]] = {}
-        self._rank: dict[str, int] = {}
-        self._next_rank = 0
-        self._waiting_since: dict[str, int] = {}  # request -> step of its first wait for room
-        self._blocked_rank = _NO_RANK  # requests of this rank or younger found no room this step
-        self._oldest_rank: int | None = None  # cache of min(_held_slots.values())
-        self._admits: dict[str, dict[bytes, int]] = {}
-        self._peer_tier = next((t.name for t in self.tiers if t.medium == PEER_MEDIUM), "peer")
+        #: The promotion-hold policy (docs/profiles/thrash.md). Holds take at most what one
+        #: tier's in-flight stores may leave (tier_pin_fraction), so write-through keeps room
+        #: without evicting held chunks (CASES C37).
+        self.holds = PromotionHolds(
+            self.host,
+            config.promotion_hold_steps,
+            max(1, arena.num_slots - self._pin_limit),
+            self.stats,
+        )
+        #: The serving side of the p2p tier: peers' leases and admitted writes.
+        self.serving = PeerServing(self)
         self._poll_interval = poll_interval_s
         self._last_poll = 0.0
         self._closed = False
@@ -414,12 +292,10 @@ class TieringManager:
                 if self._first_verdict(key, req_id):
                     stats.host_queries += 1
                     stats.host_hits += 1
-                self._hit_slots.add(slot)
-                if self._promo_holds:  # its holder still wants it: the hold lives on
-                    h = self._promo_holds.get(key)
-                    if h is not None and h[1] == req_id:
-                        h[3] = self._step_no
-                        self._promo_holds.move_to_end(key)
+                holds = self.holds
+                holds.hit_slots.add(slot)
+                if holds.chunks:  # its holder still wants it: the hold lives on
+                    holds.seen(key, req_id)
                 self._lookup_sample += 1
                 if self._lookup_sample & 63 == 0:  # time 1 in 64 host lookups (histogram's cost)
                     t0 = time.perf_counter()
@@ -455,7 +331,7 @@ class TieringManager:
     @property
     def promotion_holds(self) -> int:
         """Host chunks held now for the requests they were promoted for (not loaded yet)."""
-        return len(self._promo_holds)
+        return len(self.holds)
 
     def _first_verdict(self, key: bytes, req_id: str) -> bool:
         """Whether this is the first verdict on ``key`` for request ``req_id`` (always, for a
@@ -490,183 +366,42 @@ class TieringManager:
     ) -> LookupResult:
         """Reserve a host slot for ``key`` (found in tier ``tier_idx``) and queue its promotion:
         HIT_PENDING. No room: RETRY while the host tier is full of chunks held for requests that
-        asked earlier (at most ``promotion_hold_steps`` steps per request), else MISS."""
-        host = self.host
-        holding = self._hold_steps > 0 and not for_peer
-        rank = _NO_RANK
+        asked earlier (at most ``promotion_hold_steps`` steps per request, :attr:`holds`), else
+        MISS."""
+        host, holds = self.host, self.holds
+        holding = holds.steps > 0 and not for_peer
         if holding:
-            rank = self._rank.get(req_id, -1)
-            if rank < 0:
-                rank = self._rank[req_id] = self._next_rank
-                self._next_rank += 1
-            if rank >= self._blocked_rank:  # an older request found no room this step
-                return self._no_room(tier_idx, req_id, rank)
+            rank, hold, may_promote = holds.claim(req_id)
+        else:
+            rank, hold, may_promote = NO_RANK, False, True
         plan = None
-        hold = may_promote = holding
-        if holding and len(self._promo_holds) >= self._hold_cap:
-            # holds take at most what write-through's pins leave (tier_pin_fraction): beyond
-            # that, only the oldest request holding chunks goes on promoting, unheld
-            hold = False
-            may_promote = rank <= self._oldest_hold_rank()
-        elif not holding:
-            may_promote = True
         if may_promote:
-            protect = self._protected(rank)
-            if host.num_used < host.num_slots or self._victim_outside(protect):
+            protect = holds.protected(rank)
+            if host.num_used < host.num_slots or holds.victim_outside(protect):
                 plan = host.allocate([key], protect)
         if plan is None and holding:
-            self._blocked_rank = min(self._blocked_rank, rank)
-            return self._no_room(tier_idx, req_id, rank)
+            if holds.wait(req_id, rank):  # chunks held for requests that asked earlier
+                return _RETRY
+            return self._refuse_promotion(tier_idx)
         if plan is None or not plan.slots:  # no room, or a write a reset quarantined holds the key
             return self._refuse_promotion(tier_idx)
-        if plan.evicted and self._promo_holds:
-            for k in plan.evicted:  # younger requests' holds
-                if self._drop_hold(k):
-                    self.stats.evicted_holds += 1
+        if plan.evicted:
+            holds.evicted(plan.evicted)  # younger requests' holds
         per_req = self._promotions.setdefault(tier_idx, {})
         keys, slots = per_req.setdefault(req_id, ([], []))
         keys.append(key)
         slots.append(plan.slots[0])
         if not for_peer:  # a peer's promotion is no request's load
             self._load_source.setdefault(req_id, {})[key] = tier_idx
-        if hold:
-            self._hold(key, plan.slots[0], req_id, rank)
         if holding:
-            self._waiting_since.pop(req_id, None)
+            holds.promoted(key, plan.slots[0], req_id, rank, hold)
         return _PENDING
 
     def _refuse_promotion(self, tier_idx: int) -> LookupResult:
         """A chunk found in tier ``tier_idx`` is not promoted: MISS, counted and logged."""
         self.stats.promotion_alloc_failures += 1
-        self._refuse(
-            HOST,
-            "load",
-            "no_evictable_slot",
-            1,
-            logging.WARNING,
-            "kvoffload: a chunk found in tier %s is not promoted (a miss): no "
-            "evictable host slot (%s); %s",
-            self.tier_names[tier_idx],
-            self._occupancy(),
-            self._room_advice(1),
-        )
+        self.refusals.promotion(self.tier_names[tier_idx])
         return _MISS
-
-    # -- promotion holds ------------------------------------------------------------------------
-
-    def _no_room(self, tier_idx: int, req_id: str, rank: int) -> LookupResult:
-        """No host slot for a request's promotion: RETRY while chunks held for older requests
-        fill the host tier (they end once those requests load them, or lapse) and the request
-        has waited at most ``promotion_hold_steps`` steps; else MISS. A request is never told
-        to wait for its own chunks or younger requests', so no two requests wait for each other."""
-        since = self._waiting_since.setdefault(req_id, self._step_no)
-        if self._step_no - since <= self._hold_steps and self._oldest_hold_rank() < rank:
-            self.stats.promotion_waits += 1
-            return _RETRY
-        return self._refuse_promotion(tier_idx)
-
-    def _oldest_hold_rank(self) -> int:
-        r = self._oldest_rank
-        if r is None:
-            r = self._oldest_rank = min(self._held_slots.values(), default=_NO_RANK)
-        return r
-
-    def _protected(self, rank: int) -> _Protected:
-        """Slots a promotion of a request of ``rank`` must not evict: those the engine was told
-        HIT since its last step, and those held for this or older requests (every held slot for
-        a peer's promotion, rank :data:`_NO_RANK`); a view, never copied."""
-        return _Protected(self._hit_slots, self._held_slots, rank)
-
-    def _victim_outside(self, protect: _Protected) -> bool:
-        """Whether an evictable host slot is outside ``protect``. Asked of the policy, which
-        walks its eviction order from the next victim and stops at the first unprotected slot;
-        the slots protected are never counted, which cost one step per held slot for every
-        promoted chunk (quadratic in a long prompt)."""
-        host = self.host
-        if host.num_evictable > len(protect.hit) + len(protect.held):
-            return True  # more evictable slots than protected ones
-        found = host.has_victim(protect)
-        if found is None:  # an out-of-tree policy that cannot tell
-            return self._evictable_outside(protect) > 0
-        return found
-
-    def _evictable_outside(self, protect: Iterable[int]) -> int:
-        """Evictable host slots (READY, unpinned) that are not in ``protect``."""
-        state, refs = self.host.state, self.host.refs
-        return self.host.num_evictable - sum(
-            1 for s in protect if state[s] == READY and not refs[s]
-        )
-
-    def _hold(self, key: bytes, slot: int, req_id: str, rank: int) -> None:
-        self._promo_holds[key] = [slot, req_id, rank, self._step_no]
-        self._promo_holds.move_to_end(key)
-        held = self._held_slots
-        r = self._oldest_rank
-        # the cached minimum stays true when a new slot is held (no scan of the holds per
-        # promotion); a slot held again may have held the minimum: recomputed when asked
-        self._oldest_rank = None if r is None or slot in held else min(r, rank)
-        held[slot] = rank
-        self._held_by.setdefault(req_id, set()).add(key)
-
-    def _drop_hold(self, key: bytes) -> bool:
-        """End the hold on ``key`` (False: none). Room may have appeared for waiting requests."""
-        h = self._promo_holds.pop(key, None)
-        if h is None:
-            return False
-        slot, req_id = h[0], h[1]
-        if self._held_slots.get(slot) == h[2]:
-            del self._held_slots[slot]
-        keys = self._held_by.get(req_id)
-        if keys is not None:
-            keys.discard(key)
-            if not keys:
-                del self._held_by[req_id]
-                if req_id not in self._waiting_since:
-                    self._rank.pop(req_id, None)  # a later promotion ranks it anew
-        self._oldest_rank = None
-        self._blocked_rank = _NO_RANK
-        return True
-
-    def _forget_request_holds(self, req_id: str) -> None:
-        for k in list(self._held_by.get(req_id, ())):
-            self._drop_hold(k)
-        self._rank.pop(req_id, None)
-        self._waiting_since.pop(req_id, None)
-
-    def _expire_holds(self) -> None:
-        """Drop holds whose request has not looked their chunk up for ``promotion_hold_steps``
-        steps (it went elsewhere: the chunk is evictable again). The holds are in the order they
-        were last looked up, so only the stale ones at the front are read."""
-        now, limit, holds = self._step_no, self._hold_steps, self._promo_holds
-        stale = list(itertools.takewhile(lambda k: now - holds[k][3] > limit, holds))
-        for k in stale:
-            self._drop_hold(k)
-        self.stats.expired_holds += len(stale)
-
-    def _store_protect(self, keys: Sequence[bytes]) -> set[int]:
-        """Held slots a store of ``keys`` must not evict: all of them when the store fits
-        without them; else all but as many as it lacks, taking the chunks of the youngest
-        requests (least recently looked up first)."""
-        host = self.host
-        held = self._held_slots
-        new = sum(1 for k in dict.fromkeys(keys) if not host.is_present(k))
-        state, refs = host.state, host.refs
-        evictable_held = [s for s in held if state[s] == READY and not refs[s]]
-        free = host.num_slots - host.num_used
-        unheld = host.room_for(keys) - free - len(evictable_held)
-        lack = new - free - max(0, unheld)
-        if lack <= 0:
-            return set(held)
-        holds = self._promo_holds
-        by_age = sorted(
-            evictable_held,
-            key=lambda s: (
-                -held[s],
-                holds[k][3] if (k := host.keys[s]) is not None and k in holds else 0,
-            ),
-        )
-        give = set(by_age[:lack])
-        return {s for s in held if s not in give}
 
     def submit_promotions(self) -> None:
         """Submit the promotions queued by lookups since the last call: one load job per tier and
@@ -726,9 +461,9 @@ class TieringManager:
         """
         with self.lock:
             slots = self.host.pin(keys)
-            holds = self._holds.get(req_id)
+            holds = self._load_pins.get(req_id)
             if holds is None:
-                holds = self._holds[req_id] = {}
+                holds = self._load_pins[req_id] = {}
             for k, slot in zip(keys, slots):
                 h = holds.get(k)
                 if h is None:
@@ -737,7 +472,7 @@ class TieringManager:
                     h[1] += 1
             self.host.access(keys)
             if self._moves is not None:
-                self._moved(keys, HOST, "device", "local")
+                self.moved(keys, HOST, "device", "local")
             loads_from = self.stats.loads_from
             src = self._load_source.get(req_id)
             for k in keys:
@@ -751,7 +486,7 @@ class TieringManager:
         request's key) is ignored and counted (``Stats.unheld_completions``): it never releases
         someone else's pin (CASES C28)."""
         with self.lock:
-            holds = self._holds.get(req_id) or {}
+            holds = self._load_pins.get(req_id) or {}
             host = self.host
             for k in keys:
                 h = holds.get(k)
@@ -763,24 +498,19 @@ class TieringManager:
                     del holds[k]
                 host.unpin_slot(h[0])
             if not holds:
-                self._holds.pop(req_id, None)
-            self._blocked_rank = _NO_RANK
-            held = self._held_by.get(req_id)
-            if held:  # loaded: its promotion holds end
-                for k in [k for k in keys if k in held]:
-                    self._drop_hold(k)
+                self._load_pins.pop(req_id, None)
+            self.holds.loaded(req_id, keys)  # loaded: its promotion holds end
 
     def pins_held(self) -> dict[int, int]:
         """Pins held on host slots, by slot: accelerator copies (per holder), peers' leases (per
         holder) and in-flight tier stores. Equals the host tier's ref counts when the bookkeeping is right (tests)."""
         with self.lock:
             out: dict[int, int] = {}
-            for holds in self._holds.values():
+            for holds in self._load_pins.values():
                 for slot, n in holds.values():
                     out[slot] = out.get(slot, 0) + n
-            for pins in self._leases.values():
-                for slot, n in pins.items():
-                    out[slot] = out.get(slot, 0) + n
+            for slot, n in self.serving.pins():
+                out[slot] = out.get(slot, 0) + n
             for job in self._jobs.values():
                 if not job.meta.is_promotion:
                     for slot in job.meta.slots:
@@ -796,90 +526,26 @@ class TieringManager:
             for per_req in self._promotions.values():
                 for _, slots in per_req.values():
                     busy.update(slots)
-            for holds in self._holds.values():
+            for holds in self._load_pins.values():
                 busy.update(h[0] for h in holds.values())
-            for pins in self._leases.values():
-                busy.update(pins)
-            for admitted in self._admits.values():
-                busy.update(admitted.values())
+            busy.update(self.serving.busy_slots())
             return busy
 
-    # -- the serving side of the p2p tier (called from its node thread) -------------------------
+    # -- the serving side of the p2p tier (its node thread): PeerServing, under the lock --------
 
     def serve_lookup(
         self, keys: Sequence[bytes], requester: str = "peer", max_promotions: int | None = None
-    ) -> bytes:
-        """A peer's lookup of ``keys``: one state byte per key, as
-        :class:`~kvoffload.ipc.peer_messages.LookupReply` carries them: 0 MISS, 1 READY (in the
-        host tier, readable: lease it), 2 PENDING (being written or promoted: ask again).
-
-        A host miss asks this instance's own secondary tiers, in order, except those of medium
-        :data:`PEER_MEDIUM` (a peer is served only what this instance holds): a tier's HIT starts
-        a promotion into the host tier (PENDING; MISS when no host slot is free), a RETRY (the
-        tier is still looking) is PENDING. So a chunk this instance moved to its own fs tier is
-        still servable (CASES C18); its host slot never comes from evicting a chunk the engine
-        was told HIT since its last step. ``requester`` names the asking peer to those tiers (their
-        owed-miss bookkeeping, C36). Counted apart from this instance's own lookups
-        (``Stats.peer_lookups``, ``peer_hits``, ``peer_pending``, ``peer_promotions``); a
-        promotion's load is no request's (:meth:`source_of`, ``loads_from`` unchanged). The
-        promotions are submitted at once; :meth:`serving_promotions` says how many are still in
-        flight (the caller polls while there are); with ``max_promotions``, no more than that many
-        are in flight at once (a key found beyond it is PENDING, not promoted yet), so peers'
-        lookups cannot churn the host tier. Never blocks; after :meth:`shutdown` every key is a
-        MISS.
-        """
+    ) -> list[LookupResult]:
+        """A peer's lookup of ``keys``: per key HIT (in the host tier, readable: lease it),
+        HIT_PENDING (being written or promoted: ask again) or MISS; a host miss may start a
+        promotion from this instance's own tiers (:meth:`PeerServing.lookup
+        <kvoffload.serving.PeerServing.lookup>`, C18). ``requester`` names the asking peer to
+        the tiers; ``max_promotions`` caps the promotions for peers in flight. Never blocks;
+        after :meth:`shutdown` every key is a MISS."""
         with self.lock:
-            out = bytearray(len(keys))
             if self._tiers_stopped:
-                return bytes(out)
-            host = self.host
-            index, state = host.index, host.state
-            hits = pending = promoted = 0
-            budget = (
-                len(keys) if max_promotions is None else max_promotions - self.serving_promotions()
-            )
-            if time.monotonic() - self._last_poll >= self._poll_interval and any(
-                k not in index for k in keys
-            ):
-                self.poll()  # a promotion that just landed answers READY
-            for j, key in enumerate(keys):
-                slot = index.get(key)
-                if slot is not None:
-                    if state[slot] == READY:
-                        out[j] = pm.READY
-                        hits += 1
-                    else:
-                        out[j] = pm.PENDING
-                        pending += 1
-                    continue
-                any_retry = False
-                verdict = pm.MISS
-                for i, tier in enumerate(self.tiers):
-                    if tier.medium == PEER_MEDIUM:
-                        continue
-                    r = tier.lookup(key, requester)
-                    if r is _HIT:
-                        if promoted >= budget:  # ask again once promotions have landed
-                            verdict = pm.PENDING
-                        elif self._start_promotion(i, key, PEER_PROMOTION, True) is _PENDING:
-                            verdict = pm.PENDING
-                            promoted += 1
-                        break
-                    if r is _RETRY:
-                        any_retry = True
-                else:
-                    if any_retry:
-                        verdict = pm.PENDING
-                out[j] = verdict
-                pending += verdict == pm.PENDING
-            stats = self.stats
-            stats.peer_lookups += len(keys)
-            stats.peer_hits += hits
-            stats.peer_pending += pending
-            stats.peer_promotions += promoted
-            if promoted:
-                self.submit_promotions()
-            return bytes(out)
+                return [_MISS] * len(keys)
+            return self.serving.lookup(keys, requester, max_promotions)
 
     def serving_promotions(self) -> int:
         """Chunks :meth:`serve_lookup` is promoting for peers that have not landed yet (queued or
@@ -902,54 +568,32 @@ class TieringManager:
                     n += len(meta.keys)
             return n
 
+    def promote_for_peer(self, tier_idx: int, key: bytes) -> bool:
+        """Queue a promotion of ``key``, found in tier ``tier_idx``, for peers (True), or not
+        (False: no host slot). It is held for no request and is no request's load."""
+        with self.lock:
+            return self._start_promotion(tier_idx, key, PEER_PROMOTION, True) is _PENDING
+
     def lease(self, keys: Sequence[bytes], holder: str) -> list[int]:
         """Pin the READY ``keys`` for a peer's read, on behalf of ``holder`` (one holder per lease:
         its pins are dropped together by :meth:`release`). Returns one host slot per key, -1
         for a key not READY in the host tier (absent, being written, quarantined); nothing is
         pinned for those. Pins are counted per holder like a request's (CASES C28):
-        :meth:`pins_held` includes them, a reset quarantines their slots until released. A
-        lease is a use of the chunks (recency), not a load: no movement event, no
-        ``loads_from``."""
+        :meth:`pins_held` includes them, a reset quarantines their slots until released."""
         with self.lock:
-            host = self.host
-            index, state = host.index, host.state
-            pins = self._leases.get(holder)
-            if pins is None:
-                pins = {}
-            out: list[int] = []
-            used: list[bytes] = []
-            for k in keys:
-                slot = index.get(k)
-                if slot is None or state[slot] != READY:
-                    out.append(-1)
-                    continue
-                host.pin((k,))
-                pins[slot] = pins.get(slot, 0) + 1
-                out.append(slot)
-                used.append(k)
-            if pins:
-                self._leases[holder] = pins
-            host.access(used)
-            self.stats.peer_leased += len(used)
-            return out
+            return self.serving.lease(keys, holder)
 
     def release(self, holder: str) -> None:
         """Drop every pin ``holder`` took with :meth:`lease` (its peer's reads have settled, or
         its lease expired). An unknown holder is ignored and counted
         (``Stats.stale_peer_completions``)."""
         with self.lock:
-            pins = self._leases.pop(holder, None)
-            if pins is None:
-                self.stats.stale_peer_completions += 1
-                return
-            unpin = self.host.unpin_slots
-            for slot, n in pins.items():
-                unpin((slot,) * n)
+            self.serving.release(holder)
 
     def leased(self, holder: str) -> int:
         """Pins ``holder`` holds (0 when none)."""
         with self.lock:
-            return sum(self._leases.get(holder, {}).values())
+            return self.serving.leased(holder)
 
     def slots_of(self, keys: Iterable[bytes]) -> list[int]:
         """The host slot of each key (any state), -1 for a key not in the host tier."""
@@ -959,44 +603,12 @@ class TieringManager:
 
     def admit(self, keys: Sequence[bytes], holder: str) -> list[int]:
         """Reserve host slots (WRITING) for a peer's push of ``keys``, on behalf of ``holder``:
-        one slot per key, -1 where the key is present already (any state, a quarantined write
-        included), repeated earlier in ``keys``, or there is no room. Room is made by evicting
-        READY, unpinned chunks (never one of ``keys``); when not all fit, the first ones get
-        slots (keys are prefix ordered). Chunks the engine was told HIT since its last step are
-        not evicted (it may still load them). Each reserved write ends with :meth:`commit` by the same
-        holder, once the pull into it has settled (never before: a late write could land in a
-        reused slot)."""
+        one slot per key, -1 where the key is present already, repeated, or there is no room
+        (:meth:`PeerServing.admit <kvoffload.serving.PeerServing.admit>`). Each reserved write
+        ends with :meth:`commit` by the same holder, once the pull into it has settled (never
+        before: a late write could land in a reused slot)."""
         with self.lock:
-            host = self.host
-            out = [-1] * len(keys)
-            new: dict[bytes, int] = {}  # key -> its position in keys
-            for j, k in enumerate(keys):
-                if k not in new and not host.is_present(k):
-                    new[k] = j
-            if not new:
-                return out
-            room = host.room_for(keys)
-            # evictable slots the engine may still load from, or held for a request's load, are
-            # no room
-            protect = self._protected(_NO_RANK)
-            if protect:
-                mine = {host.index[k] for k in keys if k in host.index}
-                room -= sum(
-                    1
-                    for s in protect
-                    if s not in mine and host.state[s] == READY and not host.refs[s]
-                )
-            take = list(new)[: max(0, room)]
-            present = [k for k in keys if k not in new]
-            plan = host.allocate(take + present, protect) if take else None
-            if plan is None or not plan.slots:
-                return out
-            admitted = self._admits.setdefault(holder, {})
-            for k, slot in zip(plan.keys, plan.slots):
-                out[new[k]] = slot
-                admitted[k] = slot
-            self.stats.peer_admitted += len(plan.keys)
-            return out
+            return self.serving.admit(keys, holder)
 
     def commit(self, keys: Iterable[bytes], holder: str, ok: bool) -> list[bytes]:
         """End ``holder``'s writes of ``keys`` reserved by :meth:`admit`: publish them (READY,
@@ -1005,30 +617,7 @@ class TieringManager:
         counted (``Stats.stale_peer_completions``); a write a reset quarantined just ends its
         quarantine. Returns the keys published."""
         with self.lock:
-            host = self.host
-            admitted = self._admits.get(holder)
-            mine: list[bytes] = []
-            stale = 0
-            for k in keys:
-                slot = admitted.pop(k, None) if admitted else None
-                if slot is None:
-                    stale += 1
-                elif host.index.get(k) == slot and host.state[slot] == WRITING:
-                    mine.append(k)
-                else:  # a reset forgot it while the pull ran
-                    host.end_quarantined_write(slot)
-            if admitted is not None and not admitted:
-                del self._admits[holder]
-            stats = self.stats
-            stats.stale_peer_completions += stale
-            done = host.complete_write(mine, ok)
-            if ok:
-                stats.peer_committed += len(done)
-                if done and self._moves is not None:
-                    self._moved(done, self._peer_tier, HOST, "remote")
-            else:
-                stats.peer_commit_failures += len(done)
-            return done if ok else []
+            return self.serving.commit(keys, holder, ok)
 
     def touch(self, keys: Sequence[bytes], req_id: str = "") -> None:
         """Mark ``keys`` recently used in every tier."""
@@ -1055,20 +644,19 @@ class TieringManager:
         writes belong to ``req_id``: only its :meth:`complete_store` ends them.
         """
         with self.lock:
-            polled = time.monotonic() - self._last_poll >= self._poll_interval
+            polled = self.poll_due()
             if polled:
                 self.poll()
-            host = self.host
+            host, holds = self.host, self.holds
             # held chunks (promoted, not loaded yet) are evicted only when nothing else makes room
-            held = self._held_slots
-            protect = self._store_protect(keys) if held else ()
-            if held and len(protect) < len(held):
+            protect = holds.store_protect(keys)
+            if len(protect) < len(holds.slots):
                 keys = self._spare_holds(keys)
-                protect = self._store_protect(keys)
+                protect = holds.store_protect(keys)
             plan = host.allocate(keys, protect)
             if plan is None and not polled:
                 self.poll()
-                protect = self._store_protect(keys) if self._held_slots else ()
+                protect = holds.store_protect(keys)
                 plan = host.allocate(keys, protect)
             if plan is None:
                 # Not enough room for the whole batch (slots pinned by in-flight transfers, or a batch
@@ -1082,37 +670,12 @@ class TieringManager:
                     plan = host.allocate(keys[:cut], protect)
                     self.stats.store_truncations += 1
                     if plan is not None:
-                        self._refuse(
-                            HOST,
-                            "store",
-                            "batch_truncated",
-                            len(new) - room,
-                            logging.INFO,
-                            "kvoffload: host tier took %d of %d new chunk(s) of a store; the "
-                            "rest did not fit (%s); %s",
-                            room,
-                            len(new),
-                            self._occupancy(),
-                            self._room_advice(len(new) - room),
-                        )
+                        self.refusals.store_truncated(room, len(new))
                 if plan is None:
                     self.stats.store_rejections += 1
-                    self._refuse(
-                        HOST,
-                        "store",
-                        "no_evictable_slot",
-                        len(new),
-                        logging.WARNING,
-                        "kvoffload: host tier refused a store of %d chunk(s): no evictable slot "
-                        "(%s); %s",
-                        len(new),
-                        self._occupancy(),
-                        self._room_advice(len(new)),
-                    )
-            if plan is not None and plan.evicted and self._promo_holds:
-                for k in plan.evicted:
-                    if self._drop_hold(k):
-                        self.stats.evicted_holds += 1
+                    self.refusals.store_rejected(len(new))
+            if plan is not None and plan.evicted:
+                holds.evicted(plan.evicted)
             if plan is not None and plan.keys:
                 writes = self._writes
                 for k in plan.keys:
@@ -1132,52 +695,8 @@ class TieringManager:
         keep = [k for k in keys if host.is_present(k) or not any(t.known_present(k) for t in tiers)]
         skipped = len(keys) - len(keep)
         if skipped:
-            self._refuse(
-                HOST,
-                "store",
-                "in_tier",
-                skipped,
-                logging.INFO,
-                "kvoffload: host tier left %d chunk(s) of a store to the secondary tier that holds "
-                "them: its room goes to chunks promoted for waiting requests (%s)",
-                skipped,
-                self._occupancy(),
-            )
+            self.refusals.left_to_tier(skipped)
         return keep
-
-    def _occupancy(self) -> str:
-        """Why host slots cannot be evicted, for a log line."""
-        host = self.host
-        writing = host.num_used - host.num_evictable - host.num_pinned
-        return (
-            f"of {host.num_slots} slots, {host.num_pinned} pinned by transfers in flight and "
-            f"{writing} being written"
-        )
-
-    def _room_advice(self, short: int) -> str:
-        """The fix for a host tier that had no room for ``short`` more chunks, for a log line:
-        the ``cpu_bytes_to_use`` that would have held them beside every chunk in flight (no slot
-        was evictable: each was being written or read), or one request of the engine's longest
-        length (:attr:`request_chunks`) when that is more."""
-        host, row = self.host, self.arena.row_bytes
-        need = host.num_slots + short
-        what = f"room for the {host.num_slots} in flight and {short} more"
-        if self.request_chunks > need:
-            need, what = self.request_chunks, "one request of the engine's longest length"
-        return (
-            f"raise cpu_bytes_to_use (now {self.config.cpu_bytes_to_use} bytes, {host.num_slots} "
-            f"chunks) to at least {need * row} bytes: {need} chunks of {row} bytes, {what}"
-        )
-
-    def _refuse(
-        self, tier: str, direction: str, reason: str, chunks: int, level: int, msg: str, *args
-    ) -> None:
-        """Count ``chunks`` refused by ``tier`` (``kvoffload_refused_chunks_total``) and say why in
-        the log, at most once a minute per ``(tier, direction, reason)``."""
-        key = (tier, direction, reason)
-        refused = self.stats.refused
-        refused[key] = refused.get(key, 0) + chunks
-        self._refusal_log.log(level, "/".join(key), msg, *args)
 
     def complete_store(self, keys: Iterable[bytes], success: bool = True, req_id: str = "") -> None:
         """The accelerator → host copy finished: publish the chunks (or free their slots on
@@ -1199,12 +718,12 @@ class TieringManager:
                 else:
                     self.stats.stale_store_completions += 1
             keys = mine
-            self._blocked_rank = _NO_RANK
+            self.holds.unblock()
             done = self.host.complete_write(keys, success)
             if not success and self._kv_events is not None:
                 self._kv_events.forget(keys, self.host.index)
             if success and done and self._moves is not None:
-                self._moved(done, "device", HOST, "local")
+                self.moved(done, "device", HOST, "local")
             if success and done and self.tiers:
                 self.write_through(done, req_id)
 
@@ -1236,17 +755,7 @@ class TieringManager:
                 dropped = len(keys) - len(take)
                 if dropped:
                     self.stats.dropped_stores[tier.name] += dropped
-                    self._refuse(
-                        tier.name,
-                        "store",
-                        reason,
-                        dropped,
-                        logging.WARNING,
-                        "kvoffload: %d chunk(s) not written to tier %s: %s",
-                        dropped,
-                        tier.name,
-                        _DROP_WHY.get(reason, reason).format(pinned=pins[i], limit=self._pin_limit),
-                    )
+                    self.refusals.tier_store(tier.name, reason, dropped, pins[i])
                 if not take:
                     continue
                 pins[i] += len(take)
@@ -1267,6 +776,10 @@ class TieringManager:
 
     # -- completions ----------------------------------------------------------------------------
 
+    def poll_due(self) -> bool:
+        """Whether ``poll_interval_s`` has passed since the last :meth:`poll`."""
+        return time.monotonic() - self._last_poll >= self._poll_interval
+
     def poll(self) -> None:
         """Submit queued promotions and probes, and apply every finished tier job. Never blocks.
 
@@ -1284,112 +797,124 @@ class TieringManager:
             self._last_poll = time.monotonic()
             if self._promotions:
                 self.submit_promotions()
-            host = self.host
-            stats = self.stats
             for tier in self.tiers:
                 tier.flush()
                 for res in tier.get_finished_jobs():
-                    job = self._jobs.pop(res.job_id, None)
-                    if job is None or self.tiers[job.tier] is not tier:
-                        if job is not None:  # another tier's job: not this tier's to answer
-                            self._jobs[res.job_id] = job
-                        stats.unknown_job_results += 1
-                        log.warning(
-                            "tier %s reported job %d, which it does not hold; dropped",
-                            tier.name,
-                            res.job_id,
-                        )
+                    job = self._finished_job(tier, res)
+                    if job is None:
                         continue
-                    meta = job.meta
-                    self._blocked_rank = _NO_RANK  # a result may free or publish slots
-                    if job.orphaned and meta.is_promotion:
-                        # A reset forgot these chunks while the load ran: the write has ended, so
-                        # the quarantined slots can be reused; nothing is published.
-                        for slot in meta.slots:
-                            host.end_quarantined_write(slot)
-                        stats.reset_discarded_promotions += len(meta.keys)
-                        continue
-                    direction = "load" if meta.is_promotion else "store"
-                    self.metrics.observe(
-                        "kvoffload_tier_transfer_latency_seconds",
-                        res.transfer_seconds,
-                        tier.name,
-                        direction,
-                    )
-                    if not res.success:
-                        k2 = (tier.name, direction)
-                        stats.failed_jobs[k2] = stats.failed_jobs.get(k2, 0) + 1
-                        failed_stats = stats.failed
-                        for reason in (
-                            res.failed.values()
-                            if res.failed
-                            else ["unknown"] * (len(meta.keys) - len(res.successful_keys or ()))
-                        ):
-                            k3 = (tier.name, direction, reason)
-                            failed_stats[k3] = failed_stats.get(k3, 0) + 1
-                    if meta.is_promotion:
-                        if res.success:
-                            ok, failed = meta.keys, []
-                        else:
-                            # only keys of this job the tier confirmed: anything else it names is
-                            # ignored, anything it does not name failed
-                            ok_set = set(res.successful_keys or ())
-                            ok = [k for k in meta.keys if k in ok_set]
-                            failed = [k for k in meta.keys if k not in ok_set]
-                        host.complete_write(ok, True)
-                        if ok and self._moves is not None:
-                            self._moved(ok, tier.name, HOST, self._localities[tier.name], tier)
-                        if failed:
-                            host.complete_write(failed, False)
-                            if self._promo_holds:
-                                for k in failed:
-                                    self._drop_hold(k)
-                            src = self._load_source.get(meta.req_id)
-                            if src:
-                                for k in failed:
-                                    src.pop(k, None)
-                            stats.promotion_failures[tier.name] += len(failed)
-                            log.info(
-                                "promotion from %s failed for %d chunk(s): %s",
-                                tier.name,
-                                len(failed),
-                                res.reason,
-                            )
-                        stats.promotions[tier.name] += len(ok)
-                        if log.isEnabledFor(logging.DEBUG):
-                            log.debug(
-                                "promotion job %d done: %d/%d chunk(s), %.1f MB in %.1f ms",
-                                res.job_id,
-                                len(ok),
-                                len(meta.keys),
-                                res.transfer_bytes / 1e6,
-                                res.transfer_seconds * 1e3,
-                            )
+                    self.holds.unblock()  # a result may free or publish slots
+                    if not job.meta.is_promotion:
+                        self._store_done(tier, job, res)
+                    elif job.orphaned:
+                        self._orphaned_promotion_done(job)
                     else:
-                        host.unpin_slots(meta.slots)
-                        self._store_pins[job.tier] -= len(meta.slots)
-                        if res.success:
-                            stats.cascaded[tier.name] += len(meta.keys)
-                            stored = meta.keys
-                        else:
-                            ok_set = set(res.successful_keys or ())
-                            stored = [k for k in meta.keys if k in ok_set]
-                            stats.cascaded[tier.name] += len(stored)
-                            stats.cascade_failures[tier.name] += len(meta.keys) - len(stored)
-                        if stored and self._moves is not None:
-                            self._moved(stored, HOST, tier.name, self._localities[tier.name], tier)
+                        self._promotion_done(tier, job, res)
         finally:
             lock.release()
+
+    def _finished_job(self, tier: SecondaryTierManager, res: Any) -> _Job | None:
+        """The job ``res`` (a :class:`~kvoffload.tiers.base.JobResult`) answers, no longer in
+        flight; None, counted and logged, for a result of a job ``tier`` does not hold."""
+        job = self._jobs.pop(res.job_id, None)
+        if job is not None and self.tiers[job.tier] is tier:
+            return job
+        if job is not None:  # another tier's job: not this tier's to answer
+            self._jobs[res.job_id] = job
+        self.stats.unknown_job_results += 1
+        log.warning(
+            "tier %s reported job %d, which it does not hold; dropped", tier.name, res.job_id
+        )
+        return None
+
+    def _transfer_done(
+        self, tier: SecondaryTierManager, direction: str, meta: JobMetadata, res: Any
+    ) -> None:
+        """Count a finished job's time and, when it failed, its failed chunks by reason."""
+        self.metrics.observe(
+            "kvoffload_tier_transfer_latency_seconds", res.transfer_seconds, tier.name, direction
+        )
+        if res.success:
+            return
+        stats = self.stats
+        k2 = (tier.name, direction)
+        stats.failed_jobs[k2] = stats.failed_jobs.get(k2, 0) + 1
+        failed_stats = stats.failed
+        for reason in (
+            res.failed.values()
+            if res.failed
+            else ["unknown"] * (len(meta.keys) - len(res.successful_keys or ()))
+        ):
+            k3 = (tier.name, direction, reason)
+            failed_stats[k3] = failed_stats.get(k3, 0) + 1
+
+    def _orphaned_promotion_done(self, job: _Job) -> None:
+        """A reset forgot these chunks while the load ran: the write has ended, so the
+        quarantined slots can be reused; nothing is published."""
+        for slot in job.meta.slots:
+            self.host.end_quarantined_write(slot)
+        self.stats.reset_discarded_promotions += len(job.meta.keys)
+
+    def _promotion_done(self, tier: SecondaryTierManager, job: _Job, res: Any) -> None:
+        """A promotion's load ended: publish the chunks it loaded, free the others' slots (their
+        holds end; the tier served the request nothing)."""
+        meta, host, stats = job.meta, self.host, self.stats
+        self._transfer_done(tier, "load", meta, res)
+        if res.success:
+            ok, failed = meta.keys, []
+        else:
+            # only keys of this job the tier confirmed: anything else it names is ignored,
+            # anything it does not name failed
+            ok_set = set(res.successful_keys or ())
+            ok = [k for k in meta.keys if k in ok_set]
+            failed = [k for k in meta.keys if k not in ok_set]
+        host.complete_write(ok, True)
+        if ok and self._moves is not None:
+            self.moved(ok, tier.name, HOST, self._localities[tier.name], tier)
+        if failed:
+            host.complete_write(failed, False)
+            self.holds.failed(failed)
+            src = self._load_source.get(meta.req_id)
+            if src:
+                for k in failed:
+                    src.pop(k, None)
+            stats.promotion_failures[tier.name] += len(failed)
+            log.info(
+                "promotion from %s failed for %d chunk(s): %s", tier.name, len(failed), res.reason
+            )
+        stats.promotions[tier.name] += len(ok)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "promotion job %d done: %d/%d chunk(s), %.1f MB in %.1f ms",
+                res.job_id,
+                len(ok),
+                len(meta.keys),
+                res.transfer_bytes / 1e6,
+                res.transfer_seconds * 1e3,
+            )
+
+    def _store_done(self, tier: SecondaryTierManager, job: _Job, res: Any) -> None:
+        """A store to ``tier`` ended: its pins on the host slots drop; count what it stored."""
+        meta, stats = job.meta, self.stats
+        self._transfer_done(tier, "store", meta, res)
+        self.host.unpin_slots(meta.slots)
+        self._store_pins[job.tier] -= len(meta.slots)
+        if res.success:
+            stats.cascaded[tier.name] += len(meta.keys)
+            stored = meta.keys
+        else:
+            ok_set = set(res.successful_keys or ())
+            stored = [k for k in meta.keys if k in ok_set]
+            stats.cascaded[tier.name] += len(stored)
+            stats.cascade_failures[tier.name] += len(meta.keys) - len(stored)
+        if stored and self._moves is not None:
+            self.moved(stored, HOST, tier.name, self._localities[tier.name], tier)
 
     def step(self) -> None:
         """End of a scheduler step: submit this step's promotions and probes, apply completions,
         publish the step's KV events (sent after :attr:`lock` is released)."""
         with self.lock:
-            self._hit_slots.clear()
-            self._step_no += 1
-            self._blocked_rank = _NO_RANK
-            if self._promo_holds:
-                self._expire_holds()
+            self.holds.next_step()
             self.poll()
             pub = self._publisher
             if pub is None:
@@ -1404,7 +929,7 @@ class TieringManager:
 
     # -- events ---------------------------------------------------------------------------------
 
-    def _moved(
+    def moved(
         self,
         keys: Iterable[bytes],
         src: str,
@@ -1412,6 +937,8 @@ class TieringManager:
         locality: str,
         tier: SecondaryTierManager | None = None,
     ) -> None:
+        """Record movements of ``keys`` from ``src`` to ``dst`` for the KV-event stream (nothing
+        when KV events are not published)."""
         moves = self._moves
         if moves is not None:  # KV events published
             nbytes = self.arena.row_bytes
@@ -1437,7 +964,7 @@ class TieringManager:
         self._engine_events.extend(self._kv_events.translate(got, self.host.index))
         for name, ev in got:
             if ev.removed:
-                self._moved(ev.keys, name, "none", self._localities[name])
+                self.moved(ev.keys, name, "none", self._localities[name])
 
     # -- metrics --------------------------------------------------------------------------------
 
@@ -1516,8 +1043,7 @@ class TieringManager:
         with self.lock:
             self._load_source.pop(req_id, None)
             self._counted.pop(req_id, None)
-            if req_id in self._rank or req_id in self._held_by:
-                self._forget_request_holds(req_id)
+            self.holds.forget(req_id)
             for tier in self.tiers:
                 tier.on_request_finished(req_id)
 
@@ -1540,28 +1066,44 @@ class TieringManager:
         """
         with self.lock:
             self.poll()
-            for per_req in self._promotions.values():
-                for keys, _slots in per_req.values():
-                    self.host.complete_write(keys, False)  # never submitted: nothing writes there
-            self._promotions.clear()
-            self._load_source.clear()
-            for job in self._jobs.values():
-                job.orphaned = True
+            self._forget_jobs()
             quarantined = self.host.clear()
-            self._hit_slots.clear()
-            self._promo_holds.clear()
-            self._held_slots.clear()
-            self._held_by.clear()
-            self._rank.clear()
-            self._waiting_since.clear()
-            self._oldest_rank = None
-            self._blocked_rank = _NO_RANK
+            self.holds.reset()
+            # the serving side keeps its leases and admitted writes: their slots are quarantined
+            # (host.clear) until their holders release or commit them
             if quarantined:
                 log.info(
                     "kvoffload: cache reset with %d host slot(s) still in use by transfers; "
                     "they are reused once those end",
                     len(quarantined),
                 )
+
+    def _forget_jobs(self) -> None:
+        """A reset: queued promotions are dropped (never submitted: nothing writes their slots),
+        jobs in flight are orphaned (their results only end quarantines), and no request's load
+        source is kept."""
+        for per_req in self._promotions.values():
+            for keys, _slots in per_req.values():
+                self.host.complete_write(keys, False)
+        self._promotions.clear()
+        self._load_source.clear()
+        for job in self._jobs.values():
+            job.orphaned = True
+
+    # What the case test C12 reads (nothing is kept for a finished request): the hold policy's
+    # per-request tables.
+
+    @property
+    def _promo_holds(self) -> dict[bytes, list]:
+        return self.holds.chunks
+
+    @property
+    def _rank(self) -> dict[str, int]:
+        return self.holds._rank
+
+    @property
+    def _waiting_since(self) -> dict[str, int]:
+        return self.holds._waiting_since
 
     def shutdown(self) -> None:
         """Stop every tier (failing what is still in flight). Idempotent.

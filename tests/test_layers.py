@@ -46,12 +46,8 @@ CORE_TO_PLUGIN_ALLOWED = {
     ("kvoffload.pinning", "kvoffload.vllm.compat"),
 }
 #: core modules that may import the p2p wire module, and why.
-CORE_TO_WIRE_ALLOWED = {
-    # the manager's peer-serving methods (serve_lookup ... commit) encode peer messages; issue 24
-    # item 1 moves serving peers out of the manager, behind an interface returning lookup
-    # results: then this exception goes
-    "kvoffload.tiering",
-}
+CORE_TO_WIRE_ALLOWED: set[str] = set()  # none: the serving side returns lookup verdicts and
+# slots (kvoffload.serving), and the p2p server encodes the wire messages
 WIRE = "kvoffload.ipc.peer_messages"
 
 

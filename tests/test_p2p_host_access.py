@@ -15,6 +15,7 @@ from helpers import HIT, PENDING, Rig, fs_tier, keys_for, payload, wait_until
 
 from kvoffload.host import FREE, READY, WRITING
 from kvoffload.ipc import peer_messages as pm
+from kvoffload.tiers.base import LookupResult
 
 
 def refs_of(tm) -> dict[int, int]:
@@ -37,8 +38,16 @@ def assert_consistent(tm) -> None:
     assert host.num_pinned == sum(1 for r in host.refs if r)
 
 
-def served(tm, keys, requester: str = "peer-a") -> list[int]:
-    return list(tm.serve_lookup(keys, requester))
+_WIRE = {
+    LookupResult.MISS: pm.MISS,
+    LookupResult.HIT: pm.READY,
+    LookupResult.HIT_PENDING: pm.PENDING,
+}
+
+
+def served(tm, keys, requester: str = "peer-a", max_promotions=None) -> list[int]:
+    """The states a ``LookupReply`` carries for ``tm.serve_lookup``'s verdicts."""
+    return [_WIRE[r] for r in tm.serve_lookup(keys, requester, max_promotions)]
 
 
 def test_serve_lookup_answers_ready_pending_and_miss_counted_apart_from_own_lookups():
@@ -106,7 +115,7 @@ def test_serve_lookup_has_at_most_max_promotions_in_flight(tmp_path):
         assert a not in tm.host.index and b not in tm.host.index
 
         def both_ready():
-            states = list(tm.serve_lookup([a, b], "peer-a", max_promotions=1))
+            states = served(tm, [a, b], "peer-a", max_promotions=1)
             assert pm.MISS not in states
             assert tm.serving_promotions() <= 1
             return states == [pm.READY, pm.READY]

@@ -113,7 +113,7 @@ def test_a_finished_request_leaves_no_holds(tmp_path):
         assert [tm.lookup(k, "b") for k in b] == [RETRY, RETRY]
         tm.on_request_finished("a")
         tm.on_request_finished("b")
-        assert not tm._promo_holds and not tm._held_slots and not tm._rank
+        assert not tm._promo_holds and not tm.holds.slots and not tm._rank
         assert not tm._waiting_since
         assert [tm.lookup(k, "b") for k in b] == [PENDING, PENDING]
 
@@ -241,7 +241,7 @@ def test_a_promotion_costs_the_same_however_many_chunks_are_held(tmp_path, polic
             rig.store(keys_for(8, seed=100 + i))
         assert tm.wait_idle(120)
         assert tm.host.num_used == tm.host.num_slots
-        held = tm._held_slots = _ScanCounting(tm._held_slots)
+        held = tm.holds.slots = _ScanCounting(tm.holds.slots)
         assert [tm.lookup(k, "a") for k in a] == [PENDING] * len(a)
         assert [tm.lookup(k, "b") for k in b] == [PENDING] * len(b)
         assert (held.scans > 0) if "SetOps" in policy else (held.scans == 0)

@@ -79,6 +79,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from kvoffload.ipc import peer_messages as pm
+from kvoffload.tiers.base import LookupResult
 
 if TYPE_CHECKING:
     from kvoffload.tiering import TieringManager
@@ -87,6 +88,13 @@ log = logging.getLogger("kvoffload.p2p")
 
 Reply = tuple[bytes, bytes]
 """``(ZMQ identity, encoded message)`` to send on the ROUTER socket."""
+_WIRE_STATE = {
+    LookupResult.MISS: pm.MISS,
+    LookupResult.HIT: pm.READY,
+    LookupResult.HIT_PENDING: pm.PENDING,
+}
+"""A served lookup's verdict (:meth:`~kvoffload.tiering.TieringManager.serve_lookup`) as the state
+byte a ``LookupReply`` carries."""
 
 REFUSALS = (
     "unauthenticated",
@@ -641,11 +649,12 @@ class PeerServer:
     # -- reads ----------------------------------------------------------------------------------
 
     def _lookup(self, session: _Session, msg: pm.Lookup) -> pm.LookupReply:
-        states = (
+        found = (
             self.manager.serve_lookup(msg.keys, session.name, self.max_leased_chunks)
             if msg.keys
-            else b""
+            else []
         )
+        states = bytes(map(_WIRE_STATE.__getitem__, found))
         c = self._counts
         c["lookups_served"] += len(msg.keys)
         c["hits_served"] += states.count(pm.READY)

@@ -153,9 +153,12 @@ class PeerServing:
         return out
 
     def lease(self, keys: Sequence[bytes], holder: str) -> list[int]:
-        """Pin the READY ``keys`` for a peer's read, on behalf of ``holder``: one host slot per
-        key, -1 for a key not READY (absent, being written, quarantined), pinned for nothing.
-        A lease is a use of the chunks (recency), not a load: no movement, no ``loads_from``."""
+        """Pin the READY ``keys`` for a peer's read, on behalf of ``holder`` (one holder per
+        lease: its pins are dropped together by :meth:`release`): one host slot per key, -1 for
+        a key not READY (absent, being written, quarantined), pinned for nothing. Pins are
+        counted per holder like a request's (CASES C28): the manager's ``pins_held`` includes
+        them, a reset quarantines their slots until released. A lease is a use of the chunks
+        (recency), not a load: no movement, no ``loads_from``."""
         host = self.host
         index, state = host.index, host.state
         pins = self._leases.get(holder)
@@ -199,7 +202,9 @@ class PeerServing:
         included), repeated earlier in ``keys``, or there is no room. Room is made by evicting
         READY, unpinned chunks (never one of ``keys``, one the engine was told HIT since its last
         step, or one held for a request's load); when not all fit, the first ones get slots
-        (keys are prefix ordered)."""
+        (keys are prefix ordered). Each reserved write ends with :meth:`commit` by the same
+        holder, once the pull into it has settled (never before: a late write could land in a
+        reused slot)."""
         host = self.host
         out = [-1] * len(keys)
         new: dict[bytes, int] = {}  # key -> its position in keys
@@ -231,7 +236,8 @@ class PeerServing:
 
     def commit(self, keys: Iterable[bytes], holder: str, ok: bool) -> list[bytes]:
         """End ``holder``'s writes of ``keys`` reserved by :meth:`admit`: publish them (READY, a
-        movement from the p2p tier) when ``ok``, else free their slots. A key ``holder`` reserved
+        host ``stored`` event and a movement from the p2p tier) when ``ok``, else free their
+        slots. A key ``holder`` reserved
         no write for is ignored and counted (``stale_peer_completions``); a write a reset
         quarantined just ends its quarantine. Returns the keys published."""
         host = self.host

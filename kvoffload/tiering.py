@@ -536,12 +536,9 @@ class TieringManager:
     def serve_lookup(
         self, keys: Sequence[bytes], requester: str = "peer", max_promotions: int | None = None
     ) -> list[LookupResult]:
-        """A peer's lookup of ``keys``: per key HIT (in the host tier, readable: lease it),
-        HIT_PENDING (being written or promoted: ask again) or MISS; a host miss may start a
-        promotion from this instance's own tiers (:meth:`PeerServing.lookup
-        <kvoffload.serving.PeerServing.lookup>`, C18). ``requester`` names the asking peer to
-        the tiers; ``max_promotions`` caps the promotions for peers in flight. Never blocks;
-        after :meth:`shutdown` every key is a MISS."""
+        """A peer's lookup of ``keys``: HIT, HIT_PENDING or MISS per key
+        (:meth:`PeerServing.lookup <kvoffload.serving.PeerServing.lookup>`). Never blocks; after
+        :meth:`shutdown` every key is a MISS."""
         with self.lock:
             if self._tiers_stopped:
                 return [_MISS] * len(keys)
@@ -575,18 +572,15 @@ class TieringManager:
             return self._start_promotion(tier_idx, key, PEER_PROMOTION, True) is _PENDING
 
     def lease(self, keys: Sequence[bytes], holder: str) -> list[int]:
-        """Pin the READY ``keys`` for a peer's read, on behalf of ``holder`` (one holder per lease:
-        its pins are dropped together by :meth:`release`). Returns one host slot per key, -1
-        for a key not READY in the host tier (absent, being written, quarantined); nothing is
-        pinned for those. Pins are counted per holder like a request's (CASES C28):
-        :meth:`pins_held` includes them, a reset quarantines their slots until released."""
+        """Pin the READY ``keys`` for a peer's read, for ``holder``: a slot per key, -1 where not
+        READY (:meth:`PeerServing.lease <kvoffload.serving.PeerServing.lease>`). The pins count in
+        :meth:`pins_held`; a reset quarantines their slots until :meth:`release` (CASES C28)."""
         with self.lock:
             return self.serving.lease(keys, holder)
 
     def release(self, holder: str) -> None:
-        """Drop every pin ``holder`` took with :meth:`lease` (its peer's reads have settled, or
-        its lease expired). An unknown holder is ignored and counted
-        (``Stats.stale_peer_completions``)."""
+        """Drop every pin ``holder`` took with :meth:`lease` (an unknown holder is counted as
+        ``Stats.stale_peer_completions``)."""
         with self.lock:
             self.serving.release(holder)
 
@@ -595,29 +589,26 @@ class TieringManager:
         with self.lock:
             return self.serving.leased(holder)
 
+    def admit(self, keys: Sequence[bytes], holder: str) -> list[int]:
+        """Reserve host slots (WRITING) for a peer's push of ``keys``, for ``holder``: a slot per
+        key, -1 where present, repeated or without room (:meth:`PeerServing.admit
+        <kvoffload.serving.PeerServing.admit>`); each write ends with that holder's
+        :meth:`commit` once the pull into it has settled."""
+        with self.lock:
+            return self.serving.admit(keys, holder)
+
+    def commit(self, keys: Iterable[bytes], holder: str, ok: bool) -> list[bytes]:
+        """End ``holder``'s writes of ``keys`` reserved by :meth:`admit`: published when ``ok``,
+        else freed; returns the keys published (:meth:`PeerServing.commit
+        <kvoffload.serving.PeerServing.commit>`)."""
+        with self.lock:
+            return self.serving.commit(keys, holder, ok)
+
     def slots_of(self, keys: Iterable[bytes]) -> list[int]:
         """The host slot of each key (any state), -1 for a key not in the host tier."""
         with self.lock:
             index = self.host.index
             return [index.get(k, -1) for k in keys]
-
-    def admit(self, keys: Sequence[bytes], holder: str) -> list[int]:
-        """Reserve host slots (WRITING) for a peer's push of ``keys``, on behalf of ``holder``:
-        one slot per key, -1 where the key is present already, repeated, or there is no room
-        (:meth:`PeerServing.admit <kvoffload.serving.PeerServing.admit>`). Each reserved write
-        ends with :meth:`commit` by the same holder, once the pull into it has settled (never
-        before: a late write could land in a reused slot)."""
-        with self.lock:
-            return self.serving.admit(keys, holder)
-
-    def commit(self, keys: Iterable[bytes], holder: str, ok: bool) -> list[bytes]:
-        """End ``holder``'s writes of ``keys`` reserved by :meth:`admit`: publish them (READY,
-        a host ``stored`` event and a movement from the p2p tier) when ``ok``, else free their
-        slots. A key ``holder`` reserved no write for (a duplicate, a stray) is ignored and
-        counted (``Stats.stale_peer_completions``); a write a reset quarantined just ends its
-        quarantine. Returns the keys published."""
-        with self.lock:
-            return self.serving.commit(keys, holder, ok)
 
     def touch(self, keys: Sequence[bytes], req_id: str = "") -> None:
         """Mark ``keys`` recently used in every tier."""

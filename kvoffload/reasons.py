@@ -7,7 +7,7 @@ Two metrics count chunks by a ``reason`` label, and ``kvoffload stress`` prints 
   chunk out of that tier). The reasons are the workers' result codes (``kvoffload.ipc.messages``
   ``CODE_NAMES``) and the engine's own (:data:`FAILED`).
 - ``kvoffload_refused_chunks_total{tier, direction, reason}``: a chunk a tier would not take at all
-  (:data:`REFUSED`; the host tier's and every secondary tier's, ``kvoffload.tiering``
+  (:data:`REFUSED`; the host tier's and every secondary tier's, ``kvoffload.stats``
   ``HOST_REFUSALS`` and ``TIER_REFUSALS``).
 
 Each entry is ``(what happened, what to do)``; the second is ``"none"`` where the reason is part of

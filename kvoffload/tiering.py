@@ -335,7 +335,7 @@ class TieringManager:
 
     def _first_verdict(self, key: bytes, req_id: str) -> bool:
         """Whether this is the first verdict on ``key`` for request ``req_id`` (always, for a
-        caller that names no request): only that one is counted (see :class:`TierStats`)."""
+        caller that names no request): only that one is counted (see :class:`Stats`)."""
         if not req_id:
             return True
         counted = self._counted.get(req_id)

@@ -396,7 +396,7 @@ def _fmt(bound: float) -> str:
 
 class CounterReadings(Protocol):
     """The counters of a tiering manager that :func:`refresh` exports (the manager's
-    :class:`~kvoffload.tiering.Stats`; chunks unless named). Read only."""
+    :class:`~kvoffload.stats.Stats`; chunks unless named). Read only."""
 
     @property
     def host_queries(self) -> int:

@@ -192,10 +192,6 @@ class PeerServing:
         for slot, n in pins.items():
             unpin((slot,) * n)
 
-    def leased(self, holder: str) -> int:
-        """Pins ``holder`` holds (0 when none)."""
-        return sum(self._leases.get(holder, {}).values())
-
     def admit(self, keys: Sequence[bytes], holder: str) -> list[int]:
         """Reserve host slots (WRITING) for a peer's push of ``keys``, on behalf of ``holder``:
         one slot per key, -1 where the key is present already (any state, a quarantined write

@@ -584,11 +584,6 @@ class TieringManager:
         with self.lock:
             self.serving.release(holder)
 
-    def leased(self, holder: str) -> int:
-        """Pins ``holder`` holds (0 when none)."""
-        with self.lock:
-            return self.serving.leased(holder)
-
     def admit(self, keys: Sequence[bytes], holder: str) -> list[int]:
         """Reserve host slots (WRITING) for a peer's push of ``keys``, for ``holder``: a slot per
         key, -1 where present, repeated or without room (:meth:`PeerServing.admit

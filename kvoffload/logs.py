@@ -1,8 +1,8 @@
 """Logging for the ``kvoffload`` logger tree: ``KVOFFLOAD_LOG_LEVEL`` (default INFO) to stderr.
 
 Engines such as vLLM configure only their own loggers, so without this kvoffload's messages would
-reach stderr only at WARNING and above. The rate-limited log the engine side uses is
-:class:`kvoffload.ipc.ratelimit.RateLimitedLog` (the tier workers use it too), importable from here.
+reach stderr only at WARNING and above. The rate-limited log is
+:class:`kvoffload.ipc.ratelimit.RateLimitedLog` (the engine side and the tier workers use it).
 """
 
 from __future__ import annotations
@@ -12,9 +12,7 @@ import logging
 import os
 import threading
 
-from kvoffload.ipc.ratelimit import RateLimitedLog
-
-__all__ = ["RateLimitedLog", "log_at_exit", "setup"]
+__all__ = ["log_at_exit", "setup"]
 
 _configured = False
 _last_line: tuple[int, str] | None = None  # what log_at_exit logs when this process ends

@@ -50,7 +50,7 @@ from kvoffload.config import Positive, apply_aliases
 from kvoffload.ipc import messages as m
 from kvoffload.ipc import names
 from kvoffload.ipc.channels import LOADS, STORES
-from kvoffload.logs import RateLimitedLog
+from kvoffload.ipc.ratelimit import RateLimitedLog
 from kvoffload.metrics import Gauge, MetricSet
 from kvoffload.tiers.base import (
     JobMetadata,

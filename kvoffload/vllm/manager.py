@@ -18,7 +18,7 @@ from typing_extensions import override
 
 from kvoffload.events import ChunkEventInfo
 from kvoffload.hybrid import WindowScans
-from kvoffload.logs import RateLimitedLog
+from kvoffload.ipc.ratelimit import RateLimitedLog
 from kvoffload.tiering import HOST, TieringManager
 from kvoffload.tiers.base import LookupResult as KVLookup
 from kvoffload.vllm.compat import (

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import time
+from collections.abc import Iterator
 
 import numpy as np
+import psutil
 
 from kvoffload.config import parse_config
 from kvoffload.ipc.arena import Arena
@@ -23,6 +26,32 @@ HIT, MISS, PENDING, RETRY = (
 )
 ROW = ROW_BYTES
 _names = itertools.count()
+
+
+def open_descriptors(*kinds: str) -> set[str]:
+    """This process's descriptors whose target names one of ``kinds`` (e.g. ``"pidfd"``,
+    ``"pipe:"``, ``"memfd:kvoffload"``), each as ``"fd:target"``."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if any(k in target for k in kinds):
+            out.add(f"{fd}:{target}")
+    return out
+
+
+@contextlib.contextmanager
+def no_child_or_descriptor_left(*kinds: str) -> Iterator[None]:
+    """Every child process started within is gone afterwards, and no descriptor of ``kinds``
+    (:func:`open_descriptors`) opened within is still open."""
+    children = {p.pid for p in psutil.Process().children(recursive=True)}
+    before = open_descriptors(*kinds)
+    yield
+    left = {p.pid for p in psutil.Process().children(recursive=True)} - children
+    assert not left, f"child processes left: {left}"
+    assert open_descriptors(*kinds) <= before, f"a descriptor ({', '.join(kinds)}) is left open"
 
 
 def wait_until(

@@ -46,8 +46,8 @@ CORE_TO_PLUGIN_ALLOWED = {
     ("kvoffload.pinning", "kvoffload.vllm.compat"),
 }
 #: core modules that may import the p2p wire module, and why.
-CORE_TO_WIRE_ALLOWED: set[str] = set()  # none: the serving side returns lookup verdicts and
-# slots (kvoffload.serving), and the p2p server encodes the wire messages
+# The p2p wire module: only the p2p tier speaks it (the serving side, kvoffload.serving, returns
+# lookup verdicts and slots; the p2p server encodes the wire messages).
 WIRE = "kvoffload.ipc.peer_messages"
 
 
@@ -302,7 +302,6 @@ def test_the_core_outside_the_p2p_tier_does_not_speak_the_p2p_wire_format(graph)
         if _is_core(mods, e.importer)
         and not e.importer.startswith("kvoffload.tiers.p2p")
         and e.imported == WIRE
-        and e.importer not in CORE_TO_WIRE_ALLOWED
     ]
     assert not bad, "the p2p wire module imported outside the p2p tier:\n" + "\n".join(bad)
 

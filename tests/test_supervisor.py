@@ -13,7 +13,7 @@ import time
 
 import psutil
 import pytest
-from helpers import wait_until
+from helpers import no_child_or_descriptor_left, wait_until
 
 from kvoffload.supervisor import Supervisor, pidfd_supported
 
@@ -43,26 +43,11 @@ def zombie(pid: int) -> bool:
         return False
 
 
-def our_descriptors() -> set[str]:
-    """What this process's descriptors point at, for the pidfds and pipes a supervisor opens."""
-    out = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            out.add(f"{fd}:{os.readlink(f'/proc/self/fd/{fd}')}")
-        except OSError:
-            pass
-    return {d for d in out if "pidfd" in d or "pipe:" in d}
-
-
 @pytest.fixture
 def leaves_nothing():
     """Every child a test starts is reaped, and no pidfd or pipe of a supervisor stays open."""
-    children = {p.pid for p in psutil.Process().children(recursive=True)}
-    before = our_descriptors()
-    yield
-    left = {p.pid for p in psutil.Process().children(recursive=True)} - children
-    assert not left, f"child processes left: {left}"
-    assert our_descriptors() <= before, "a descriptor of a supervisor is left open"
+    with no_child_or_descriptor_left("pidfd", "pipe:"):
+        yield
 
 
 @pytest.mark.parametrize("use_pidfd", WATCHES)

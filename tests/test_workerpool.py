@@ -13,7 +13,17 @@ import time
 import msgspec
 import psutil
 import pytest
-from helpers import NO_FLOOR, ROW, arena_name, keys_for, namespace, wait_paused, wait_until
+from helpers import (
+    NO_FLOOR,
+    ROW,
+    arena_name,
+    keys_for,
+    namespace,
+    no_child_or_descriptor_left,
+    open_descriptors,
+    wait_paused,
+    wait_until,
+)
 
 from kvoffload.ipc import messages as m
 from kvoffload.ipc import names
@@ -32,27 +42,11 @@ def arena():
     a.close()
 
 
-def our_descriptors() -> set[str]:
-    """This process's pidfds and memfds (the pools' exit descriptors and task markers)."""
-    out = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if "pidfd" in target or "memfd:kvoffload" in target:
-            out.add(f"{fd}:{target}")
-    return out
-
-
 @pytest.fixture
 def leaves_nothing():
-    children = {p.pid for p in psutil.Process().children(recursive=True)}
-    before = our_descriptors()
-    yield
-    left = {p.pid for p in psutil.Process().children(recursive=True)} - children
-    assert not left, f"worker processes left: {left}"
-    assert our_descriptors() <= before, "a pidfd or task marker is left open"
+    """No worker process, pidfd or task marker (memfd) is left."""
+    with no_child_or_descriptor_left("pidfd", "memfd:kvoffload"):
+        yield
 
 
 def start_tier(arena, root, **cfg) -> FsTier:
@@ -171,6 +165,6 @@ def test_shutdown_stops_every_worker_and_closes_their_descriptors(arena, tmp_pat
     tier = start_tier(arena, tmp_path / "root", read_workers=2, write_workers=2)
     procs = [psutil.Process(pid) for pids in tier.worker_pids().values() for pid in pids]
     assert len(procs) == 4
-    assert sum("memfd:kvoffload" in d for d in our_descriptors()) >= 4  # a task marker each
+    assert len(open_descriptors("memfd:kvoffload")) >= 4  # a task marker each
     tier.shutdown()
     assert not any(psutil.pid_exists(p.pid) for p in procs)

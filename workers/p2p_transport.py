@@ -120,6 +120,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, NoReturn, TypeVar
 
 import msgspec
+import psutil
 import xxhash
 from typing_extensions import override
 
@@ -1428,10 +1429,10 @@ class _NixlXfer:
 
 
 def _threads() -> set[int]:
-    """Ids of this process's threads (Linux; empty where /proc cannot tell)."""
+    """Ids of this process's threads (empty where psutil cannot tell)."""
     try:
-        return {int(t) for t in os.listdir("/proc/self/task")}
-    except OSError:
+        return {t.id for t in psutil.Process().threads()}
+    except psutil.Error:
         return set()
 
 

@@ -12,6 +12,7 @@ a p2p tier bound to a free port.
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import multiprocessing as mp
 import resource
@@ -179,41 +180,6 @@ class ProducerPair:
         """A stores chunks ``first .. first + count - 1`` per job under its ``kv_request_id``."""
         self.ask(("park", jobs), expect="parked")
 
-    def submit(self, jobs: list[tuple[str, int, int]], out: dict) -> None:
-        """B starts a request per job; what it waits on goes into ``out``, keyed as :meth:`step`
-        and :meth:`settle` report it."""
-        raise NotImplementedError
-
-    def step(self, inflight: dict) -> list:
-        """One scheduler step of B: the requests of ``inflight`` whose loads are done."""
-        raise NotImplementedError
-
-    def settle(self, results: list, inflight: dict, latencies: list | None = None) -> int:
-        """Finish B's requests of ``results`` (dropped from ``inflight``, their seconds since
-        submitted appended to ``latencies``); returns the chunks they loaded."""
-        raise NotImplementedError
-
-    def load(self, jobs: list[tuple[str, int, int]], pause_s: float = WAIT_S) -> None:
-        """Park ``jobs`` on A and load them on B, stepping B every ``pause_s`` until all are done."""
-        self.park(jobs)
-        inflight: dict = {}
-        self.submit(jobs, inflight)
-        self.wait(inflight, pause_s)
-
-    def wait(self, inflight: dict, pause_s: float = WAIT_S, latencies: list | None = None) -> None:
-        """Step B every ``pause_s`` until every request of ``inflight`` is done.
-
-        Raises:
-            TimeoutError: some are not done after ``DONE_TIMEOUT_S``.
-        """
-        deadline = time.monotonic() + DONE_TIMEOUT_S
-        while inflight:
-            self.settle(self.step(inflight), inflight, latencies)
-            if inflight:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{len(inflight)} vLLM p2p load jobs did not finish")
-                time.sleep(pause_s)
-
     def close_consumer(self) -> None:
         """Shut B down (after A has stopped)."""
 
@@ -235,3 +201,43 @@ class ProducerPair:
             self.proc.join()
         self._conn.close()
         self.close_consumer()
+
+
+class LoadingPair(ProducerPair, abc.ABC):
+    """A :class:`ProducerPair` whose consumer B loads what A parked: B's side is :meth:`submit`,
+    :meth:`step` and :meth:`settle`; :meth:`load` and :meth:`wait` drive them."""
+
+    @abc.abstractmethod
+    def submit(self, jobs: list[tuple[str, int, int]], out: dict) -> None:
+        """B starts a request per job; what it waits on goes into ``out``, keyed as :meth:`step`
+        and :meth:`settle` report it."""
+
+    @abc.abstractmethod
+    def step(self, inflight: dict) -> list:
+        """One scheduler step of B: the requests of ``inflight`` whose loads are done."""
+
+    @abc.abstractmethod
+    def settle(self, results: list, inflight: dict, latencies: list | None = None) -> int:
+        """Finish B's requests of ``results`` (dropped from ``inflight``, their seconds since
+        submitted appended to ``latencies``); returns the chunks they loaded."""
+
+    def load(self, jobs: list[tuple[str, int, int]], pause_s: float = WAIT_S) -> None:
+        """Park ``jobs`` on A and load them on B, stepping B every ``pause_s`` until all are done."""
+        self.park(jobs)
+        inflight: dict = {}
+        self.submit(jobs, inflight)
+        self.wait(inflight, pause_s)
+
+    def wait(self, inflight: dict, pause_s: float = WAIT_S, latencies: list | None = None) -> None:
+        """Step B every ``pause_s`` until every request of ``inflight`` is done.
+
+        Raises:
+            TimeoutError: some are not done after ``DONE_TIMEOUT_S``.
+        """
+        deadline = time.monotonic() + DONE_TIMEOUT_S
+        while inflight:
+            self.settle(self.step(inflight), inflight, latencies)
+            if inflight:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{len(inflight)} vLLM p2p load jobs did not finish")
+                time.sleep(pause_s)

@@ -14,7 +14,7 @@ from kvoffload.tools.bench.harness import Payloads, ends_process, p2p_tier_insta
 from kvoffload.tools.bench.vllm_p2p.driver import (
     POLL_S,
     REPLY_TIMEOUT_S,
-    ProducerPair,
+    LoadingPair,
     answer,
     chunk_digest,
 )
@@ -53,7 +53,7 @@ def _kv_producer(conn: Any, row_bytes: int, rows: int, poll_s: float, secret: st
         conn.send(("stopped", None))
 
 
-class KvPair(ProducerPair):
+class KvPair(LoadingPair):
     """kvoffload's counterpart of :class:`~kvoffload.tools.bench.vllm_p2p.vllm_side.Pair`, with the
     same interface (so the measurements drive both): producer A in a spawned process
     holds the ``rows`` chunks in its host tier; consumer B here is a ``TieringManager`` with one p2p

@@ -1,4 +1,4 @@
-"""The measurements, the same for both sides (a :class:`~.driver.ProducerPair`): load throughput,
+"""The measurements, the same for both sides (a :class:`~.driver.LoadingPair`): load throughput,
 per-chunk latency and scheduler-step jitter in the ``pd`` flow (:func:`measure`), throughput and
 latency in the ``symmetric`` flow (:func:`sym_measure`)."""
 

@@ -22,6 +22,7 @@ from kvoffload.tools.bench.vllm_p2p.driver import (
     POLL_S,
     TOKENS,
     WAIT_S,
+    LoadingPair,
     ProducerPair,
     answer,
     chunk_digest,
@@ -249,7 +250,7 @@ def _producer(conn: Any, row_bytes: int, rows: int, poll_s: float) -> None:
         conn.send(("stopped", None))
 
 
-class Pair(ProducerPair):
+class Pair(LoadingPair):
     """Producer A in a spawned process and consumer B in this one, each with vLLM's p2p tier on a
     ``rows`` x ``row_bytes`` arena; B's first load (one chunk) opens the session (ZMQ handshake
     and NIXL registration both ways) before anything is measured. Use as a context manager."""

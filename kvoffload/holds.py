@@ -104,6 +104,11 @@ class PromotionHolds:
         """Chunks held now."""
         return len(self.chunks)
 
+    def requests(self) -> set[str]:
+        """The requests anything is kept for: a hold, a rank or a wait for room (empty once every
+        request has finished: :meth:`forget`, CASES C12)."""
+        return set(self._held_by) | set(self._rank) | set(self._waiting_since)
+
     # -- the engine's steps and lookups -----------------------------------------------------------
 
     def next_step(self) -> None:

@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
-from kvoffload.events import BlockRemoved, BlockStored, ChunkEventInfo
-from kvoffload.tiers.base import TierEvent
+from kvoffload.events import BlockRemoved, BlockStored, ChunkEventInfo, EventPublisher, Movement
+from kvoffload.tiers.base import SecondaryTierManager, TierEvent, routed
 
 
 class KVEventTranslator:
@@ -156,3 +156,175 @@ class KVEventTranslator:
             # bound it whatever happened (a cleared host tier, a store never completed)
             self.infos = {k: v for k, v in infos.items() if k in held}
         return out
+
+
+class EventStream:
+    """The tiering manager's events: what its host tier and tiers report, kept for
+    :meth:`take` (vLLM's own KV-event path, with ``keep``) and, with ``config`` (kvoffload
+    publishes: ``kv_connector_extra_config.kv_events``), turned into vLLM's event types and chunk
+    :class:`~kvoffload.events.Movement` s, published once per engine step.
+
+    Called under the manager's lock (engine thread, or a thread serving peers), except
+    :meth:`publish` and :meth:`close`, which must run outside it (the publisher's thread may wait).
+
+    Args:
+        host: the host tier (its stored/removed events, its index of held keys).
+        tiers: the secondary tiers, in order.
+        config: the publisher's settings, or None (nothing published).
+        keep: keep the collected events for :meth:`take`.
+        host_name: the host tier's name in events (``"host"``).
+        instance: this manager's metrics instance label (the publisher's ``instance``).
+        data_parallel_rank: the engine's data-parallel rank (the publisher binds port + rank).
+        block_size: tokens per chunk (the ``block_size`` of a chunk published without info).
+        block_hash: ``key -> block hash`` for chunks published without info (default: the key).
+        row_bytes: bytes per chunk (each movement's size).
+
+    Raises:
+        kvoffload.config.ConfigError: the publisher cannot bind its endpoints (in use, bad
+            address), naming them.
+    """
+
+    def __init__(
+        self,
+        host: Any,
+        tiers: Sequence[SecondaryTierManager],
+        config: Any,
+        *,
+        keep: bool,
+        host_name: str,
+        instance: str,
+        data_parallel_rank: int,
+        block_size: int,
+        block_hash: Callable[[bytes], Any] | None,
+        row_bytes: int,
+    ):
+        self.host = host
+        self.tiers = list(tiers)
+        self.host_name = host_name
+        self.row_bytes = row_bytes
+        self._keep = keep
+        self._taken: list[tuple[str, TierEvent]] = []
+        self._engine: list[BlockStored | BlockRemoved] = []
+        #: The publisher (None when nothing is published): ``endpoint``, ``replay_endpoint``,
+        #: ``published`` batch counts per stream, ``flush()``.
+        self.publisher: EventPublisher | None = None
+        self._moves: list[Movement] | None = None
+        self._translator: KVEventTranslator | None = None
+        if config is None:
+            return
+        try:
+            self.publisher = EventPublisher(config, instance, data_parallel_rank)
+        except Exception as e:
+            from kvoffload.config import ConfigError
+
+            where = repr(config.endpoint) + (
+                f" or replay_endpoint {config.replay_endpoint!r}" if config.replay_endpoint else ""
+            )
+            if data_parallel_rank:
+                where += f" (+ {data_parallel_rank} for data-parallel rank {data_parallel_rank})"
+            raise ConfigError(
+                f"kv_connector_extra_config.kv_events.endpoint: cannot bind {where}: {e}"
+            ) from None
+        self._moves = []
+        # a routed tier (a peer tier) names the instance each chunk came from or went to
+        self._origin = {t.name: t.origin for t in tiers if routed(t)}
+        self._localities = {host_name: "local", **{t.name: t.locality.lower() for t in tiers}}
+        self._translator = KVEventTranslator(
+            media={host_name: "CPU", **{t.name: t.medium for t in tiers}},
+            localities=self._localities,
+            host=host_name,
+            block_size=block_size,
+            block_hash=block_hash,
+            max_infos=2 * host.num_slots,
+        )
+
+    @property
+    def published(self) -> dict[str, int]:
+        """Batches published per stream (``engine``, ``movements``); empty when off."""
+        return self.publisher.published if self.publisher is not None else {}
+
+    def remember(self, keys: Iterable[bytes], chunk_info: Any) -> None:
+        """Keep what ``chunk_info.get(key)`` says of each of ``keys`` (just reserved in the host
+        tier) for their ``BlockStored`` events; nothing when events are not published."""
+        if self._translator is not None:
+            self._translator.remember(keys, chunk_info)
+
+    def forget(self, keys: Iterable[bytes]) -> None:
+        """The store of ``keys`` failed: drop what :meth:`remember` kept of those not held."""
+        if self._translator is not None:
+            self._translator.forget(keys, self.host.index)
+
+    def moved(
+        self,
+        keys: Iterable[bytes],
+        src: str,
+        dst: str,
+        tier: Any = None,
+        locality: str | None = None,
+    ) -> None:
+        """Record movements of ``keys`` from ``src`` to ``dst`` (nothing when events are not
+        published). ``tier``: the secondary tier moved to or from (its locality, and the
+        instance each chunk came from or went to for a peer tier); ``locality`` overrides
+        (``"local"`` without a tier)."""
+        moves = self._moves
+        if moves is None:
+            return
+        nbytes = self.row_bytes
+        if tier is None:
+            where = locality or "local"
+            moves.extend(Movement(k, src, dst, where, nbytes) for k in keys)
+        else:
+            where = locality or self._localities[tier.name]
+            origin = self._origin.get(tier.name)
+            if origin is None:
+                moves.extend(Movement(k, src, dst, where, nbytes) for k in keys)
+            else:
+                moves.extend(Movement(k, src, dst, where, nbytes, origin(k)) for k in keys)
+
+    def drain(self) -> None:
+        """Collect the host tier's and tiers' events: kept for :meth:`take` and, when
+        published, translated (an eviction also moves a chunk to ``none``)."""
+        name = self.host_name
+        got = [(name, e) for e in self.host.take_events()]
+        for tier in self.tiers:
+            got.extend((tier.name, e) for e in tier.take_events())
+        if not got:
+            return
+        if self._keep:
+            self._taken.extend(got)
+        if self._translator is None:
+            return
+        self._engine.extend(self._translator.translate(got, self.host.index))
+        localities = self._localities
+        for src, ev in got:
+            if ev.removed:
+                self.moved(ev.keys, src, "none", locality=localities[src])
+
+    def take(self) -> list[tuple[str, TierEvent]]:
+        """``(tier name, event)`` pairs collected since the last call, host first."""
+        self.drain()
+        out, self._taken = self._taken, []
+        return out
+
+    def take_batch(self) -> tuple[list[BlockStored | BlockRemoved], list[Movement]] | None:
+        """This step's engine events and movements, to :meth:`publish` once the manager's lock
+        is released; None when there is nothing to publish."""
+        if self.publisher is None:
+            return None
+        self.drain()
+        moves = self._moves or []
+        if not (self._engine or moves):
+            return None
+        events = self._engine
+        self._engine, self._moves = [], []
+        return events, moves
+
+    def publish(self, batch: tuple[list[BlockStored | BlockRemoved], list[Movement]]) -> None:
+        """Hand a :meth:`take_batch` to the publisher's thread (outside the manager's lock)."""
+        if self.publisher is not None:
+            self.publisher.publish(*batch)
+
+    def close(self) -> None:
+        """Close the publisher (what it holds is sent first, within its time limit)."""
+        if self.publisher is not None:
+            self.publisher.close()

@@ -24,6 +24,7 @@ from typing import Protocol
 
 from kvoffload.holds import NO_RANK, PromotionHolds
 from kvoffload.host import READY, WRITING, HostTier
+from kvoffload.kv_events import EventStream
 from kvoffload.stats import HOST, Stats
 from kvoffload.tiers.base import LookupResult, SecondaryTierManager
 
@@ -46,6 +47,7 @@ class ServingParent(Protocol):
     tiers: list[SecondaryTierManager]
     stats: Stats
     holds: PromotionHolds
+    events: EventStream
 
     def poll_due(self) -> bool:
         """Whether ``poll_interval_s`` has passed since the last :meth:`poll`."""
@@ -66,10 +68,6 @@ class ServingParent(Protocol):
 
     def serving_promotions(self) -> int:
         """Chunks promoted for peers that have not landed yet."""
-        ...
-
-    def moved(self, keys: Iterable[bytes], src: str, dst: str, locality: str) -> None:
-        """Record movements of ``keys`` for the KV-event stream."""
         ...
 
 
@@ -256,7 +254,7 @@ class PeerServing:
         if ok:
             stats.peer_committed += len(done)
             if done:
-                self.parent.moved(done, self._peer_tier, HOST, "remote")
+                self.parent.events.moved(done, self._peer_tier, HOST, locality="remote")
         else:
             stats.peer_commit_failures += len(done)
         return done if ok else []

@@ -41,17 +41,24 @@ from typing import Any
 
 from kvoffload import metrics as _metrics
 from kvoffload.config import OffloadConfig, secret_env_names
-from kvoffload.events import EventPublisher, Movement
+from kvoffload.events import EventPublisher
 from kvoffload.holds import NO_RANK, PromotionHolds
 from kvoffload.host import READY, HostTier, StorePlan
 from kvoffload.ipc.childenv import withhold
-from kvoffload.kv_events import KVEventTranslator
+from kvoffload.kv_events import EventStream
 from kvoffload.policies import make_policy
 from kvoffload.refusals import Refusals
 from kvoffload.serving import PEER_MEDIUM, PeerServing
 from kvoffload.stats import HOST, HOST_REFUSALS, TIER_REFUSALS, Stats
 from kvoffload.tiers import create_tier
-from kvoffload.tiers.base import JobMetadata, LookupResult, SecondaryTierManager, TierEvent
+from kvoffload.tiers.base import (
+    JobMetadata,
+    LookupResult,
+    RoutedTier,
+    SecondaryTierManager,
+    TierEvent,
+    routed,
+)
 
 __all__ = ["HOST", "HOST_REFUSALS", "PEER_MEDIUM", "TIER_REFUSALS", "Stats", "TieringManager"]
 
@@ -135,6 +142,8 @@ class TieringManager:
         self.namespace = namespace
         self.config = config
         self.request_chunks = request_chunks
+        keep_events = record_events
+        record_events = record_events or config.kv_events is not None
         self.host = HostTier(
             arena.num_slots,
             make_policy(config.eviction_policy, arena.num_slots, config.cache_policy_module_path),
@@ -161,13 +170,20 @@ class TieringManager:
                 for t in self.tiers:
                     t.shutdown()
                 raise
-        self._vllm_events = record_events
-        self._publisher: EventPublisher | None = None
-        record_events = record_events or config.kv_events is not None
-        self.host._events = [] if record_events else None
         for t in self.tiers:
             t.record_events = record_events
         self.tier_names = [t.name for t in self.tiers]
+        try:
+            #: The tiers that follow requests' routing (:class:`~kvoffload.tiers.base.RoutedTier`),
+            #: checked once here: only they are attached, told of requests and asked what to store.
+            self._routed_at: dict[int, RoutedTier] = {
+                i: t for i, t in enumerate(self.tiers) if routed(t)
+            }
+        except TypeError:
+            for t in self.tiers:
+                t.shutdown()
+            raise
+        self._routed = list(self._routed_at.values())
         defs = list(_metrics.CORE_METRICS)
         for t in self.tiers:
             defs.extend(type(t).metric_definitions)
@@ -183,42 +199,26 @@ class TieringManager:
                 for d in ("load", "store"):
                     self.metrics.histogram("kvoffload_tier_transfer_latency_seconds", name, d)
         self.instance = _metrics.register_source(self, config.instance_id)
-        self._taken_events: list[tuple[str, TierEvent]] = []
-        self._engine_events: list = []
-        self._moves: list[Movement] | None = None
-        self._kv_events: KVEventTranslator | None = None
         self._lookup_sample = 0
-        if config.kv_events is not None:
-            try:
-                self._publisher = EventPublisher(
-                    config.kv_events, self.instance, data_parallel_rank
-                )
-            except Exception as e:
-                for t in self.tiers:
-                    t.shutdown()
-                from kvoffload.config import ConfigError
-
-                ev = config.kv_events
-                where = repr(ev.endpoint) + (
-                    f" or replay_endpoint {ev.replay_endpoint!r}" if ev.replay_endpoint else ""
-                )
-                if data_parallel_rank:
-                    where += (
-                        f" (+ {data_parallel_rank} for data-parallel rank {data_parallel_rank})"
-                    )
-                raise ConfigError(
-                    f"kv_connector_extra_config.kv_events.endpoint: cannot bind {where}: {e}"
-                ) from None
-            self._moves = []
-            self._localities = {HOST: "local", **{t.name: t.locality.lower() for t in self.tiers}}
-            self._kv_events = KVEventTranslator(
-                media={HOST: "CPU", **{t.name: t.medium for t in self.tiers}},
-                localities=self._localities,
-                host=HOST,
+        try:
+            #: KV events: kept for :meth:`take_events`, published with ``config.kv_events``.
+            self.events = EventStream(
+                self.host,
+                self.tiers,
+                config.kv_events,
+                keep=keep_events,
+                host_name=HOST,
+                instance=self.instance,
+                data_parallel_rank=data_parallel_rank,
                 block_size=namespace.tokens_per_chunk,
                 block_hash=event_block_hash,
-                max_infos=2 * self.host.num_slots,
+                row_bytes=arena.row_bytes,
             )
+        except BaseException:
+            _metrics.unregister_source(self.instance)
+            for t in self.tiers:
+                t.shutdown()
+            raise
         self.stats = Stats(self.tier_names)
         self._store_pins = [0] * len(self.tiers)  # host slots pinned by each tier's stores
         self._pin_limit = max(1, int(config.tier_pin_fraction * arena.num_slots))
@@ -259,8 +259,8 @@ class TieringManager:
         self._tiers_stopped = False
         self.data_parallel_rank = data_parallel_rank
         try:
-            for t in self.tiers:
-                t.attach(self)
+            for hooks in self._routed:
+                hooks.attach(self)
         except BaseException:
             self.shutdown()
             raise
@@ -441,13 +441,13 @@ class TieringManager:
     @property
     def publishes_events(self) -> bool:
         """True when this manager publishes KV events itself (``config.kv_events``)."""
-        return self._publisher is not None
+        return self.events.publisher is not None
 
     @property
     def publisher(self) -> EventPublisher | None:
         """The KV-event publisher (``config.kv_events``; None when off): its bound ``endpoint``
         and ``replay_endpoint``, ``published`` batch counts per stream, ``flush()``."""
-        return self._publisher
+        return self.events.publisher
 
     # -- host ↔ accelerator ---------------------------------------------------------------------
 
@@ -471,8 +471,7 @@ class TieringManager:
                 else:
                     h[1] += 1
             self.host.access(keys)
-            if self._moves is not None:
-                self.moved(keys, HOST, "device", "local")
+            self.events.moved(keys, HOST, "device")
             loads_from = self.stats.loads_from
             src = self._load_source.get(req_id)
             for k in keys:
@@ -666,8 +665,8 @@ class TieringManager:
                 writes = self._writes
                 for k in plan.keys:
                     writes[k] = req_id
-            if chunk_info is not None and plan is not None and self._kv_events is not None:
-                self._kv_events.remember(plan.keys, chunk_info)
+            if chunk_info is not None and plan is not None:
+                self.events.remember(plan.keys, chunk_info)
             return plan
 
     def _spare_holds(self, keys: Sequence[bytes]) -> Sequence[bytes]:
@@ -706,10 +705,10 @@ class TieringManager:
             keys = mine
             self.holds.unblock()
             done = self.host.complete_write(keys, success)
-            if not success and self._kv_events is not None:
-                self._kv_events.forget(keys, self.host.index)
-            if success and done and self._moves is not None:
-                self.moved(done, "device", HOST, "local")
+            if not success:
+                self.events.forget(keys)
+            if success and done:
+                self.events.moved(done, "device", HOST)
             if success and done and self.tiers:
                 self.write_through(done, req_id)
 
@@ -728,8 +727,10 @@ class TieringManager:
         with self.lock:
             host = self.host
             pins = self._store_pins
+            routed_at = self._routed_at
             for i, tier in enumerate(self.tiers):
-                if not tier.wants_store(req_id):
+                hooks = routed_at.get(i)
+                if hooks is not None and not hooks.wants_store(req_id):
                     continue
                 take = keys[: max(0, self._pin_limit - pins[i])] if pins[i] else keys
                 reason = "pin_limit"  # why what is not taken is dropped
@@ -855,8 +856,8 @@ class TieringManager:
             ok = [k for k in meta.keys if k in ok_set]
             failed = [k for k in meta.keys if k not in ok_set]
         host.complete_write(ok, True)
-        if ok and self._moves is not None:
-            self.moved(ok, tier.name, HOST, self._localities[tier.name], tier)
+        if ok:
+            self.events.moved(ok, tier.name, HOST, tier)
         if failed:
             host.complete_write(failed, False)
             self.holds.failed(failed)
@@ -893,8 +894,8 @@ class TieringManager:
             stored = [k for k in meta.keys if k in ok_set]
             stats.cascaded[tier.name] += len(stored)
             stats.cascade_failures[tier.name] += len(meta.keys) - len(stored)
-        if stored and self._moves is not None:
-            self.moved(stored, HOST, tier.name, self._localities[tier.name], tier)
+        if stored:
+            self.events.moved(stored, HOST, tier.name, tier)
 
     def step(self) -> None:
         """End of a scheduler step: submit this step's promotions and probes, apply completions,
@@ -902,55 +903,9 @@ class TieringManager:
         with self.lock:
             self.holds.next_step()
             self.poll()
-            pub = self._publisher
-            if pub is None:
-                return
-            self._drain_events()
-            moves = self._moves or []
-            if not (self._engine_events or moves):
-                return
-            events = self._engine_events
-            self._engine_events, self._moves = [], []
-        pub.publish(events, moves)
-
-    # -- events ---------------------------------------------------------------------------------
-
-    def moved(
-        self,
-        keys: Iterable[bytes],
-        src: str,
-        dst: str,
-        locality: str,
-        tier: SecondaryTierManager | None = None,
-    ) -> None:
-        """Record movements of ``keys`` from ``src`` to ``dst`` for the KV-event stream (nothing
-        when KV events are not published)."""
-        moves = self._moves
-        if moves is not None:  # KV events published
-            nbytes = self.arena.row_bytes
-            if tier is None:
-                moves.extend(Movement(k, src, dst, locality, nbytes) for k in keys)
-            else:  # a peer tier names the instance each chunk came from or went to
-                origin = tier.origin
-                moves.extend(Movement(k, src, dst, locality, nbytes, origin(k)) for k in keys)
-
-    def _drain_events(self) -> None:
-        """Collect host and tier events: kept for :meth:`take_events` (vLLM) and, with KV events
-        published, turned into vLLM's event types (:mod:`kvoffload.vllm.kv_events`) and
-        movements (an eviction moves a chunk to ``none``)."""
-        got = [(HOST, e) for e in self.host.take_events()]
-        for tier in self.tiers:
-            got.extend((tier.name, e) for e in tier.take_events())
-        if not got:
-            return
-        if self._vllm_events:
-            self._taken_events.extend(got)
-        if self._kv_events is None:
-            return
-        self._engine_events.extend(self._kv_events.translate(got, self.host.index))
-        for name, ev in got:
-            if ev.removed:
-                self.moved(ev.keys, name, "none", self._localities[name])
+            batch = self.events.take_batch()
+        if batch is not None:
+            self.events.publish(batch)
 
     # -- metrics --------------------------------------------------------------------------------
 
@@ -1021,7 +976,7 @@ class TieringManager:
         """A request arrived with the orchestrator's routing (``kv_transfer_params``, a dict or
         None): each tier takes what it reads from it (the p2p tier: which peer to ask, what to
         hold for a remote decoder)."""
-        for tier in self.tiers:
+        for tier in self._routed:
             tier.on_request(req_id, kv_transfer_params)
 
     def on_request_finished(self, req_id: str) -> None:
@@ -1030,15 +985,13 @@ class TieringManager:
             self._load_source.pop(req_id, None)
             self._counted.pop(req_id, None)
             self.holds.forget(req_id)
-            for tier in self.tiers:
+            for tier in self._routed:
                 tier.on_request_finished(req_id)
 
     def take_events(self) -> list[tuple[str, TierEvent]]:
         """``(tier name, event)`` pairs since the last call, host first (tier name ``"host"``)."""
         with self.lock:
-            self._drain_events()
-            out, self._taken_events = self._taken_events, []
-            return out
+            return self.events.take()
 
     def reset_cache(self) -> None:
         """Forget every host-tier chunk now, without waiting for tier jobs (never blocks the
@@ -1076,21 +1029,6 @@ class TieringManager:
         for job in self._jobs.values():
             job.orphaned = True
 
-    # What the case test C12 reads (nothing is kept for a finished request): the hold policy's
-    # per-request tables.
-
-    @property
-    def _promo_holds(self) -> dict[bytes, list]:
-        return self.holds.chunks
-
-    @property
-    def _rank(self) -> dict[str, int]:
-        return self.holds._rank
-
-    @property
-    def _waiting_since(self) -> dict[str, int]:
-        return self.holds._waiting_since
-
     def shutdown(self) -> None:
         """Stop every tier (failing what is still in flight). Idempotent.
 
@@ -1101,15 +1039,14 @@ class TieringManager:
             if self._closed:
                 return
             self._closed = True
-            if self._publisher is not None:
+            if self.events.publisher is not None:
                 try:
                     self.step()
                 except Exception:
                     log.exception("kvoffload: publishing the last KV events failed")
             self._tiers_stopped = True
         _metrics.unregister_source(self.instance)
-        if self._publisher is not None:
-            self._publisher.close()
+        self.events.close()
         for tier in self.tiers:
             try:
                 tier.shutdown()
@@ -1131,5 +1068,5 @@ class TieringManager:
             promotion_holds=self.promotion_holds,
             stats=self.stats,
             tiers=self.tiers,
-            published=self._publisher.published if self._publisher is not None else {},
+            published=self.events.published,
         )

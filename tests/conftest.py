@@ -4,6 +4,7 @@ import time
 import psutil
 import pytest
 import zmq
+from helpers import vllm_installed
 from netns import NetnsPair, creator_pid, our_namespaces, require_netns
 
 from kvoffload.ipc.arena import list_arenas
@@ -120,10 +121,9 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True, scope="session")
 def _leaves_nothing_behind():
     if os.environ.get("KVOFFLOAD_REQUIRE_VLLM") == "1":
-        try:
-            import vllm  # noqa: F401
-        except ImportError as e:
-            pytest.exit(f"vLLM is required for this run but cannot be imported: {e}", returncode=3)
+        # installed, checked without importing it (seconds of CPU, for every pytest run of the
+        # mutation proof); a test that imports it and cannot stops the run (helpers.vllm_or_skip)
+        vllm_installed()
     if os.environ.get("KVOFFLOAD_REQUIRE_NIXL") == "1":
         from kvoffload.workers.p2p_transport import nixl_available
 

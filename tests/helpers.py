@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import itertools
 import os
 import time
@@ -10,6 +11,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import psutil
+import pytest
 
 from kvoffload.config import parse_config
 from kvoffload.ipc.arena import Arena
@@ -108,6 +110,33 @@ def peak_rss_bytes(pid: int) -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     raise AssertionError(f"no VmHWM for pid {pid}")
+
+
+def _vllm_required() -> bool:
+    return os.environ.get("KVOFFLOAD_REQUIRE_VLLM") == "1"
+
+
+def vllm_or_skip():
+    """vLLM, imported by the test (module) that needs it: skipped when it cannot be imported, or,
+    under ``KVOFFLOAD_REQUIRE_VLLM=1`` (tox, CI), the run stops naming why. Only tests that use
+    vLLM import it (seconds of CPU): a run of other tests never does."""
+    try:
+        import vllm
+    except ImportError as e:
+        if _vllm_required():
+            pytest.exit(f"vLLM is required for this run but cannot be imported: {e}", returncode=3)
+        pytest.skip(f"could not import 'vllm': {e}", allow_module_level=True)
+    return vllm
+
+
+def vllm_installed() -> bool:
+    """Whether vLLM is installed (not imported); False stops the run under
+    ``KVOFFLOAD_REQUIRE_VLLM=1``. For ``skipif`` marks of tests that import it themselves."""
+    if importlib.util.find_spec("vllm") is not None:
+        return True
+    if _vllm_required():
+        pytest.exit("vLLM is required for this run but is not installed", returncode=3)
+    return False
 
 
 def arena_name() -> str:

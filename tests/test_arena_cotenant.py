@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import importlib.util
 import io
 import logging
 import os
@@ -21,7 +20,7 @@ import time
 
 import pytest
 from cotenant import COTENANT, CotenantProcess, as_cotenant, cotenant
-from helpers import arena_name
+from helpers import arena_name, vllm_installed
 
 from kvoffload.ipc import arena as arena_mod
 from kvoffload.ipc.arena import (
@@ -301,7 +300,7 @@ def test_created_arenas_are_mode_0600_whatever_the_umask():
         os.umask(old)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (the vllm extra)")
+@pytest.mark.skipif(not vllm_installed(), reason="needs vLLM (the vllm extra)")
 def test_c44_a_vllm_engine_start_with_a_squatted_fixed_arena_name_fails_naming_the_owner():
     """Through the vLLM plug-in: the scheduler's start (``get_manager``: the sweep, then the
     arena) with a fixed ``arena_name`` a co-tenant squats (0666, a live lock, a header naming

@@ -2,6 +2,7 @@
 ratios per model, the Markdown table; and the full-attention twin of the Gemma-3 style model."""
 
 import pytest
+from helpers import vllm_or_skip
 
 from kvoffload.tools.bench.window import DEVICE_LOAD, FS_LOAD, format_table, summarize
 from kvoffload.tools.hybrid_models import GEMMA3, GEMMA3_FULL, KINDS
@@ -117,7 +118,7 @@ def test_the_window_reload_moves_only_the_window_of_the_sliding_groups(tmp_path)
     the Gemma-3 style model moves, host <- fs and device <- host, its global group's chunks of the
     hit plus two (its window) per window group, and the full-attention twin every layer's chunks
     of the hit."""
-    pytest.importorskip("vllm")
+    vllm_or_skip()
     from kvoffload.tools.bench.window import run_model
 
     row = 16384  # one 32-token block of one layer (float32, 1 KV head of 64): both models' unit

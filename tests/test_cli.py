@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import vllm_or_skip
 
 TOOL_MODULES = [
     "kvoffload.tools.demo",
@@ -104,7 +105,7 @@ def test_a_command_whose_extra_is_missing_exits_2_and_names_it(args, extra):
 def test_a_bench_told_to_draw_no_plot_runs_without_matplotlib(tmp_path):
     """``--plot ''`` draws none, so the bench needs no matplotlib and writes no file (it used
     to stop for the missing extra, and with it, write ``.png``)."""
-    pytest.importorskip("vllm")  # bench engine drives vLLM's manager interface
+    vllm_or_skip()  # bench engine drives vLLM's manager interface
     proc = subprocess.run(
         [sys.executable, "-c", _BLOCKED_RUN.format(blocked=["matplotlib"])]
         + ["bench", "engine", "--plot", "", "--chunks", "64", "--job-chunks", "4"]

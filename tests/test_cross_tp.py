@@ -11,8 +11,9 @@ import os
 
 import pytest
 import torch
+from helpers import vllm_or_skip
 
-vllm = pytest.importorskip("vllm")  # the vllm extra; always installed by tox / .ci/run
+vllm = vllm_or_skip()  # the vllm extra; always installed by tox / .ci/run
 
 from helpers import NO_FLOOR, arena_name, keys_for, wait_until  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import (  # noqa: E402

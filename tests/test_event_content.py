@@ -95,8 +95,8 @@ def test_c34_stored_block_events_carry_parent_hash_and_token_ids(tmp_path):
         _store(rig.tm, rig.arena, [k1], info)
         _store(rig.tm, rig.arena, [k2, k3], info)
         _store(rig.tm, rig.arena, [k4])  # no info: the plain event
-        rig.tm._publisher.flush()
-        events = _engine_events(rig.tm._publisher.replay_endpoint)
+        rig.tm.publisher.flush()
+        events = _engine_events(rig.tm.publisher.replay_endpoint)
     want = {k: (info[k].parent_block_hash, info[k].token_ids, BLOCK) for k in (k1, k2, k3)}
     for medium in ("CPU", "STORAGE"):
         got = per_block(events, medium)
@@ -223,8 +223,8 @@ def test_c34_plugin_events_equal_vllm_gpu_events_for_the_same_blocks(tmp_path):
         assert len(request.block_hashes) == 3
         gpu.cache_full_blocks(request, blocks, 1, 3, BLOCK, 0)
         offload(ctx, request, 1, 3)  # K2, K3 in a later batch
-        mgr.tm._publisher.flush()
-        ours = _engine_events(mgr.tm._publisher.replay_endpoint)
+        mgr.tm.publisher.flush()
+        ours = _engine_events(mgr.tm.publisher.replay_endpoint)
     finally:
         mgr.shutdown()
     theirs = per_block(gpu.take_events(), "GPU")
@@ -249,7 +249,7 @@ def test_object_store_events_are_remote_in_both_publishers(tmp_path):
             keys = chunk_keys(np.arange(3 * BLOCK), BLOCK)
             for k in keys:  # the third store evicts the first from the host tier
                 _store(rig.tm, rig.arena, [k])
-            pub = rig.tm._publisher
+            pub = rig.tm.publisher
             pub.flush()
             events = _engine_events(pub.replay_endpoint)
             moves = [
@@ -328,15 +328,15 @@ def test_c30_a_second_data_parallel_rank_starts_with_kv_events_on(tmp_path):
         for spec in specs[:2]:
             managers.append(spec.get_manager())
         for r, mgr in enumerate(managers):
-            assert mgr.tm._publisher.endpoint == f"tcp://127.0.0.1:{pub + r}"
-            assert mgr.tm._publisher.replay_endpoint == f"tcp://127.0.0.1:{rep + r}"
+            assert mgr.tm.publisher.endpoint == f"tcp://127.0.0.1:{pub + r}"
+            assert mgr.tm.publisher.replay_endpoint == f"tcp://127.0.0.1:{rep + r}"
             keys = [bytes([r, i]) * 16 + b"\0\0\0\0" for i in range(2)]
             ctx = ReqContext(req_id=f"r{r}")
             out = mgr.prepare_store(keys, ctx)
             mgr.complete_store(out.keys_to_store, ctx)
             assert mgr.tm.wait_idle(120)
             mgr.on_schedule_end(None)
-            mgr.tm._publisher.flush()
+            mgr.tm.publisher.flush()
         for r in (0, 1):  # each rank's replay endpoint answers with its own batches
             engine = replay(f"tcp://127.0.0.1:{rep + r}")
             moves = replay(f"tcp://127.0.0.1:{rep + r}", 0, b"kvoffload-movements")

@@ -11,10 +11,11 @@ import os
 import numpy as np
 import pytest
 import torch
+from helpers import vllm_or_skip
 from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
-vllm = pytest.importorskip("vllm")  # the vllm extra; always installed by tox / .ci/run
+vllm = vllm_or_skip()  # the vllm extra; always installed by tox / .ci/run
 
 from helpers import arena_name, fs_tier, wait_until  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402

@@ -372,7 +372,7 @@ def test_c20_offloaded_copies_emit_kv_events(tmp_path):
         faults=[{"point": "before_publish", "action": "raise", "arg": 5, "key_hex": bad.hex()}],
     )
     with Rig([fs], num_slots=4, kv_events=_events_cfg()) as rig:
-        pub = rig.tm._publisher
+        pub = rig.tm.publisher
         ctx = zmq.Context()
         sub = _sub(ctx, pub.endpoint, b"kv-events")
         try:
@@ -467,7 +467,7 @@ def test_movement_events_match_the_movements_the_manager_made(tmp_path):
         assert rep.ok and rep.requests >= requests
         stats = tm.stats.snapshot()
         evictions = tm.host.evictions
-        publisher = tm._publisher
+        publisher = tm.publisher
         publisher.flush()  # the publisher thread has sent (and buffered) all that was queued
         assert publisher.published["movements"] < publisher.config.buffer_steps
         batches = replay(publisher.replay_endpoint, 0, b"kvoffload-movements")

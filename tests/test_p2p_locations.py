@@ -6,13 +6,12 @@ and the subscriber makes gaps where a test needs one. Every wait is for a condit
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import time
 
 import msgspec
 import pytest
 import zmq
-from helpers import ROW, arena_name, fs_tier, keys_for, namespace, wait_until
+from helpers import ROW, arena_name, fs_tier, keys_for, namespace, vllm_installed, wait_until
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from zmq.utils.monitor import recv_monitor_message
@@ -252,7 +251,7 @@ def test_a_chunk_of_several_blocks_is_located_by_its_last_block(make):
     assert loc.located_chunks(A) == 2 and loc.counts["mismatched"] == 0
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (the vllm extra)")
+@pytest.mark.skipif(not vllm_installed(), reason="needs vLLM (the vllm extra)")
 def test_a_chunk_published_with_vllms_block_hash_is_located_by_its_key(make):
     """Under vLLM a chunk stored without its request's values (a promotion) is published with
     vLLM's converter of the key (the block hash without the group suffix, by default its low 64

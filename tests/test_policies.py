@@ -109,7 +109,7 @@ def test_c12_aborted_requests_leave_nothing_pinned_and_nothing_behind(tmp_path):
         assert (
             not tm._load_source and not tm._promotions and not tm._jobs
         )  # nothing kept per request
-        assert not tm._promo_holds and not tm._rank and not tm._waiting_since
+        assert not tm.holds.chunks and not tm.holds.requests()
 
 
 def test_c23_full_tier_with_everything_pinned_answers_at_once():

@@ -7,7 +7,7 @@ request that stops asking lapse. Real fs tier with worker processes; no timings.
 from __future__ import annotations
 
 import pytest
-from helpers import HIT, MISS, PENDING, RETRY, Rig, fs_tier, keys_for
+from helpers import HIT, MISS, PENDING, RETRY, Rig, fs_tier, keys_for, vllm_or_skip
 
 from kvoffload.policies import LRUPolicy
 
@@ -113,8 +113,7 @@ def test_a_finished_request_leaves_no_holds(tmp_path):
         assert [tm.lookup(k, "b") for k in b] == [RETRY, RETRY]
         tm.on_request_finished("a")
         tm.on_request_finished("b")
-        assert not tm._promo_holds and not tm.holds.slots and not tm._rank
-        assert not tm._waiting_since
+        assert not tm.holds.chunks and not tm.holds.slots and not tm.holds.requests()
         assert [tm.lookup(k, "b") for k in b] == [PENDING, PENDING]
 
 
@@ -262,7 +261,7 @@ def test_requests_past_the_host_tier_load_each_chunk_from_the_fs_tier_about_once
     holds the host and fs tiers evict each other's chunks (well over one fs load per chunk
     served, most prompts recomputed); with them, at most 1.1 fs loads per chunk served and most
     of every prompt is served. Every row loaded holds its chunk's bytes."""
-    pytest.importorskip("vllm")
+    vllm_or_skip()
     from kvoffload.tools.bench.thrash import CASES, run_case
 
     without = run_case(tmp_path, hold_steps=0, step_s=0, settle=True, **CASES[case])

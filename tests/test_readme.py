@@ -21,9 +21,10 @@ from pathlib import Path
 
 import psutil
 import pytest
+from helpers import vllm_or_skip
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
-pytest.importorskip("vllm")
+vllm_or_skip()
 
 from kvoffload.tools.vllm_server import ServerSpec, VLLMServer, vllm_shm_names  # noqa: E402
 

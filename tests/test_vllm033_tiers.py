@@ -13,8 +13,9 @@ import time
 
 import numpy as np
 import pytest
+from helpers import vllm_or_skip
 
-vllm = pytest.importorskip("vllm")
+vllm = vllm_or_skip()
 try:
     import kvoffload.vllm.tiers as adapters
 except ImportError as e:  # vLLM without the 0.33 secondary-tier API

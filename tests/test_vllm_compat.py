@@ -15,10 +15,10 @@ from __future__ import annotations
 import inspect
 from types import SimpleNamespace
 
-import pytest
 import torch
+from helpers import vllm_or_skip
 
-vllm = pytest.importorskip("vllm")  # the vllm extra; always installed by tox / .ci/run
+vllm = vllm_or_skip()  # the vllm extra; always installed by tox / .ci/run
 
 from vllm.v1.kv_offload.base import TransferResult  # noqa: E402
 from vllm.v1.kv_offload.cpu.gpu_worker import SingleDirectionOffloadingHandler  # noqa: E402

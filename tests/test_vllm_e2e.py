@@ -12,7 +12,9 @@ import time
 import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
-pytest.importorskip("vllm")
+from helpers import vllm_or_skip  # noqa: E402
+
+vllm_or_skip()
 
 from helpers import NO_FLOOR, replay  # noqa: E402
 

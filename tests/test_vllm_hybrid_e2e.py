@@ -11,7 +11,9 @@ import time
 import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
-pytest.importorskip("vllm")
+from helpers import vllm_or_skip  # noqa: E402
+
+vllm_or_skip()
 
 from helpers import NO_FLOOR  # noqa: E402
 from hybrid_models import prepare_hybrid_model  # noqa: E402

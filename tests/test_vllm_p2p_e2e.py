@@ -15,10 +15,11 @@ import time
 
 import psutil
 import pytest
+from helpers import vllm_or_skip
 
 # the first test also waits for the module's two engines (minutes on a busy 2-core machine)
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1800)]
-pytest.importorskip("vllm")
+vllm_or_skip()
 
 from kvoffload.ipc.arena import list_arenas  # noqa: E402
 from kvoffload.tools.demo_p2p import (  # noqa: E402

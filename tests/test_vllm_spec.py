@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 import torch
+from helpers import vllm_or_skip
 
-vllm = pytest.importorskip("vllm")  # the vllm extra; always installed by tox / .ci/run
+vllm = vllm_or_skip()  # the vllm extra; always installed by tox / .ci/run
 
 from helpers import NO_FLOOR, arena_name, fs_tier  # noqa: E402
 from vllm.v1.kv_offload.base import (  # noqa: E402

@@ -195,7 +195,7 @@ def test_c27_events_queued_at_a_reset_are_published_and_the_reset_too(tmp_path):
         rig.store([keys[4]])  # evicts K1; no step before the reset
         rig.tm.reset_cache()
         rig.tm.step()
-        pub = rig.tm._publisher
+        pub = rig.tm.publisher
         pub.flush()
         batches = replay(pub.replay_endpoint)
     held: dict[str, set] = {}

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
-from typing import Any, ClassVar
+from collections.abc import Iterable, Sequence
+from typing import Any, ClassVar, Protocol, TypeGuard, runtime_checkable
 
 import msgspec
 
@@ -166,33 +166,11 @@ class SecondaryTierManager(ABC):
     def get_finished_jobs(self) -> Iterable[JobResult]:
         """Results of jobs finished since the last call. Never blocks."""
 
-    def attach(self, manager: Any) -> None:
-        """Called once by the :class:`~kvoffload.tiering.TieringManager` the tier joins, after its
-        host tier exists (a tier that serves peers from the host tier keeps ``manager``)."""
-
-    def on_request(self, req_id: str, kv_transfer_params: Any) -> None:
-        """A request arrived; ``kv_transfer_params`` is the orchestrator's routing (a dict or
-        None), as vLLM passes it."""
-
-    def on_request_finished(self, req_id: str) -> None:
-        """The request finished: forget what :meth:`on_request` kept for it."""
-
-    def origin(self, key: bytes) -> str:
-        """The other instance (``host:port``) a chunk of this tier lives at, for movement events;
-        empty for a tier of this instance's own (fs, obj, memory)."""
-        return ""
-
     def known_present(self, key: bytes) -> bool:
         """True when the tier is known to hold ``key`` without asking it (what it stored, or a
         cached verdict); False when it does not, or cannot tell now. Never blocks or probes: the
         host tier asks it on the scheduler's thread (see ``TieringManager.prepare_store``)."""
         return False
-
-    def wants_store(self, req_id: str) -> bool:
-        """False when this tier does not keep ``req_id``'s chunks at all (a peer tier stores only
-        what a remote decoder will fetch or what it pushes): the write-through skips it, and
-        nothing is counted as dropped."""
-        return True
 
     def store_refusal(self, num_chunks: int) -> str | None:
         """Why the tier would not take a store of ``num_chunks`` more now (the store is then
@@ -229,3 +207,105 @@ class SecondaryTierManager(ABC):
 
     def shutdown(self) -> None:
         """Fail or finish in-flight jobs and release processes, sockets and memory."""
+
+
+class ServedHost(Protocol):
+    """What a :class:`RoutedTier` may use of the :class:`~kvoffload.tiering.TieringManager` it
+    joins (:meth:`RoutedTier.attach`): the arena and host tier, and the entry points that serve
+    peers from the host tier, each taking the manager's lock."""
+
+    arena: Any
+    host: Any
+    data_parallel_rank: int
+
+    def poll(self) -> None:
+        """Apply finished tier jobs (a promotion that landed is READY after it)."""
+        ...
+
+    def serving_promotions(self) -> int:
+        """Chunks promoted for peers that have not landed yet."""
+        ...
+
+    def slots_of(self, keys: Iterable[bytes]) -> list[int]:
+        """The host slot of each key, -1 for one not in the host tier."""
+        ...
+
+    def serve_lookup(
+        self, keys: Sequence[bytes], requester: str = "peer", max_promotions: int | None = None
+    ) -> list[LookupResult]:
+        """A peer's lookup of ``keys`` in the host tier (and this instance's own tiers)."""
+        ...
+
+    def lease(self, keys: Sequence[bytes], holder: str) -> list[int]:
+        """Pin READY ``keys`` for a peer's read; their slots (-1 for one not READY)."""
+        ...
+
+    def release(self, holder: str) -> None:
+        """Drop every pin ``holder`` holds."""
+        ...
+
+    def admit(self, keys: Sequence[bytes], holder: str) -> list[int]:
+        """Reserve host slots for a peer's push of ``keys``; -1 where not taken."""
+        ...
+
+    def commit(self, keys: Iterable[bytes], holder: str, ok: bool) -> list[bytes]:
+        """End ``holder``'s admitted writes of ``keys``: published (``ok``) or freed."""
+        ...
+
+
+@runtime_checkable
+class RoutedTier(Protocol):
+    """The hooks of a tier that follows the orchestrator's routing (the p2p tier): it joins the
+    manager's host tier, reads each request's ``kv_transfer_params``, names the instance each of
+    its chunks lives at and stores only what its routes need. A tier implements all of them or
+    none; :func:`routed` checks that once, when the manager is built.
+    """
+
+    name: str
+
+    def attach(self, manager: ServedHost) -> None:
+        """Called once by the manager the tier joins, after its host tier exists."""
+        ...
+
+    def on_request(self, req_id: str, kv_transfer_params: Any) -> None:
+        """A request arrived; ``kv_transfer_params`` is the orchestrator's routing (a dict or
+        None), as vLLM passes it."""
+        ...
+
+    def on_request_finished(self, req_id: str) -> None:
+        """The request finished: forget what :meth:`on_request` kept for it."""
+        ...
+
+    def origin(self, key: bytes) -> str:
+        """The other instance (``host:port``) a chunk of this tier lives at, for movement
+        events; empty when not known."""
+        ...
+
+    def wants_store(self, req_id: str) -> bool:
+        """False when this tier does not keep ``req_id``'s chunks at all (a peer tier stores
+        only what a remote decoder will fetch or what it pushes): the write-through skips it,
+        and nothing is counted as dropped."""
+        ...
+
+
+ROUTED_HOOKS = ("attach", "on_request", "on_request_finished", "origin", "wants_store")
+
+
+def routed(tier: SecondaryTierManager) -> TypeGuard[RoutedTier]:
+    """True when ``tier`` implements every hook of :class:`RoutedTier`, False when none.
+
+    Raises:
+        TypeError: it implements some of them only (naming those missing), as a tier written
+            against an older contract would.
+    """
+    have = [h for h in ROUTED_HOOKS if callable(getattr(tier, h, None))]
+    if not have:
+        return False
+    missing = [h for h in ROUTED_HOOKS if h not in have]
+    if missing:
+        raise TypeError(
+            f"tier {tier.name!r} ({type(tier).__qualname__}) defines {', '.join(have)} of "
+            f"kvoffload.tiers.base.RoutedTier's hooks but not {', '.join(missing)}: a tier "
+            "that follows requests' routing implements all of them, any other none"
+        )
+    return isinstance(tier, RoutedTier)

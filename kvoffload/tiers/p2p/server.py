@@ -76,13 +76,10 @@ import logging
 import os
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from kvoffload.ipc import peer_messages as pm
-from kvoffload.tiers.base import LookupResult
-
-if TYPE_CHECKING:
-    from kvoffload.tiering import TieringManager
+from kvoffload.tiers.base import LookupResult, ServedHost
 
 log = logging.getLogger("kvoffload.p2p")
 
@@ -292,7 +289,7 @@ class PeerServer:
 
     def __init__(
         self,
-        manager: TieringManager,
+        manager: ServedHost,
         *,
         secret: bytes,
         namespace_id: str,

@@ -52,6 +52,7 @@ from kvoffload.tiers.base import (
     JobResult,
     LookupResult,
     SecondaryTierManager,
+    ServedHost,
     TierEvent,
 )
 from kvoffload.tiers.p2p.commands import (
@@ -206,7 +207,7 @@ class P2PTier(SecondaryTierManager):
         self._secret = (secret or "").encode()
         self.arena = arena
         self.incarnation = os.urandom(16)
-        self._manager: Any = None
+        self._manager: ServedHost | None = None
         self._node: PeerNode | None = None
         self._worker: Any = None
         self._server: Any = None
@@ -242,8 +243,7 @@ class P2PTier(SecondaryTierManager):
 
     # -- start ------------------------------------------------------------------------------------
 
-    @override
-    def attach(self, manager: Any) -> None:
+    def attach(self, manager: ServedHost) -> None:
         """Join ``manager`` (a :class:`~kvoffload.tiering.TieringManager`): start the peer worker,
         the serving role over its host tier, and the node thread."""
         from kvoffload.tiers.p2p.node import WorkerPort
@@ -268,7 +268,7 @@ class P2PTier(SecondaryTierManager):
                 deadline_s=cfg.transfer_deadline_s,
             ),
         )
-        port = cfg.port + getattr(manager, "data_parallel_rank", 0) if cfg.port else 0
+        port = cfg.port + manager.data_parallel_rank if cfg.port else 0
         worker_port = WorkerPort(self._worker)
         self._server = PeerServer(
             manager,
@@ -351,7 +351,6 @@ class P2PTier(SecondaryTierManager):
 
     # -- requests ---------------------------------------------------------------------------------
 
-    @override
     def on_request(self, req_id: str, kv_transfer_params: Any) -> None:
         """A request arrived with ``kv_transfer_params`` (see the module docstring)."""
         route = parse_route(kv_transfer_params)
@@ -390,7 +389,6 @@ class P2PTier(SecondaryTierManager):
                 }.get(why, why),
             )
 
-    @override
     def on_request_finished(self, req_id: str) -> None:
         """Forget the request's routing."""
         self._routes.pop(req_id, None)
@@ -432,8 +430,8 @@ class P2PTier(SecondaryTierManager):
         self._node.submit(Probe(key, head, tail))
         return _RETRY
 
-    @override
     def origin(self, key: bytes) -> str:
+        """The peer (``host:port``) that holds ``key``, as last learnt; empty when none."""
         return self._holder(key)
 
     def _holder(self, key: bytes) -> str:
@@ -447,7 +445,6 @@ class P2PTier(SecondaryTierManager):
             return ""
         return peer
 
-    @override
     def wants_store(self, req_id: str) -> bool:
         """Store jobs this tier takes: a request's chunks held for its remote decoder, and pushes
         (``push``: always, or while the host tier is full)."""

@@ -9,21 +9,32 @@ from netns import NetnsPair, creator_pid, our_namespaces, require_netns
 
 from kvoffload.ipc.arena import list_arenas
 
+# What a run leaves behind is judged twice under pytest-xdist: each worker, at its end, what it
+# made itself (segments it owns, its child processes, namespaces it created); the controller, once
+# every worker has ended, what belongs to a dead process (a segment of a killed engine, a janitor
+# whose engine is gone, a namespace of a dead creator): while workers run, another worker's test may
+# be between killing an engine and seeing its segment removed. A run without xdist does both.
 
-def _leaked_segments(before: set[str]) -> list[str]:
-    """Arenas created during the session whose owner is this process or dead (other live engines on
-    the machine, and other users' segments, are not ours to judge)."""
+
+def _xdist_worker() -> bool:
+    return "PYTEST_XDIST_WORKER" in os.environ
+
+
+def _leaked_segments(before: set[str], dead_owners: bool) -> list[str]:
+    """Arenas created during the session whose owner is this process or (``dead_owners``) dead:
+    other live engines on the machine, and other users' segments, are not ours to judge."""
     out = []
     for a in list_arenas():
         if a.name in before or not a.ours:
             continue
-        if a.owner_pid == os.getpid() or not psutil.pid_exists(a.owner_pid):
+        if a.owner_pid == os.getpid() or (dead_owners and not psutil.pid_exists(a.owner_pid)):
             out.append(a.name)
     return out
 
 
-def _leftover_processes() -> list[str]:
-    """Tier workers spawned by this session, and janitors whose engine is already gone."""
+def _leftover_processes(orphaned_janitors: bool) -> list[str]:
+    """Tier workers spawned by this process, and (``orphaned_janitors``) janitors whose engine is
+    already gone."""
     out = []
     for p in psutil.Process().children(recursive=True):
         try:
@@ -31,6 +42,8 @@ def _leftover_processes() -> list[str]:
                 out.append(f"{p.pid} {' '.join(p.cmdline())}")
         except psutil.Error:
             pass
+    if not orphaned_janitors:
+        return out
     for p in psutil.process_iter(["cmdline"]):
         cmd = p.info["cmdline"] or []
         if "kvoffload.ipc.janitor" in cmd:
@@ -40,14 +53,65 @@ def _leftover_processes() -> list[str]:
     return out
 
 
-def _leftover_namespaces(before: set[str]) -> list[str]:
-    """Network namespaces of tests/netns.py made by this session, or new ones of a dead process."""
+def _leftover_namespaces(before: set[str], dead_creators: bool) -> list[str]:
+    """Network namespaces of tests/netns.py made by this process, or (``dead_creators``) new ones
+    of a dead process."""
     out = []
     for name in our_namespaces():
         creator = creator_pid(name)
-        if creator == os.getpid() or (name not in before and not psutil.pid_exists(creator)):
+        if creator == os.getpid() or (
+            dead_creators and name not in before and not psutil.pid_exists(creator)
+        ):
             out.append(name)
     return out
+
+
+def _leftovers(before: tuple[set[str], set[str]], dead: bool) -> list[str]:
+    """What is left behind, once the janitors have had 10 s to clean (empty when nothing)."""
+    arenas, namespaces = before
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (
+        _leaked_segments(arenas, dead) or _leftover_processes(dead)
+    ):
+        time.sleep(0.2)
+    problems = []
+    if leaked := _leaked_segments(arenas, dead):
+        problems.append(f"shared-memory segments left in /dev/shm: {leaked}")
+    if procs := _leftover_processes(dead):
+        problems.append(f"kvoffload processes left running: {procs}")
+    if netns := _leftover_namespaces(namespaces, dead):
+        problems.append(f"network namespaces left (ip netns list): {netns}")
+    return problems
+
+
+def _present() -> tuple[set[str], set[str]]:
+    return {a.name for a in list_arenas()}, set(our_namespaces())
+
+
+_SESSION_BEFORE: tuple[set[str], set[str]] | None = None
+
+
+def pytest_sessionstart(session):
+    global _SESSION_BEFORE
+    if not _xdist_worker():
+        _SESSION_BEFORE = _present()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    """Keeps the exit status (for :func:`pytest_unconfigure`); the xdist controller's check of
+    what dead processes left, once every worker has ended (see above)."""
+    global _exit_status
+    _exit_status = int(exitstatus)
+    if _SESSION_BEFORE is None or _xdist_worker():
+        return
+    if not session.config.pluginmanager.hasplugin("dsession"):
+        return  # no xdist: the session fixture checked everything
+    problems = _leftovers(_SESSION_BEFORE, dead=True)
+    if problems:
+        session.config.get_terminal_writer().line("\n".join(problems), red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        _exit_status = int(session.exitstatus)
 
 
 _exit_status = 0
@@ -90,11 +154,6 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(f"{ctx!r}: found by the garbage collector during {test}")
 
 
-def pytest_sessionfinish(session, exitstatus):
-    global _exit_status
-    _exit_status = int(exitstatus)
-
-
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config):
     """Where a test made a NIXL agent in this process (vLLM 0.33's p2p tier, driven in-process by
@@ -106,6 +165,33 @@ def pytest_unconfigure(config):
     pt = sys.modules.get("kvoffload.workers.p2p_transport")
     if pt is not None and pt.nixl_agent_made():
         pt.exit_process(_exit_status)
+
+
+#: Test files that start vLLM engines, in two groups of about five minutes each on an idle 2-core
+#: machine. Under pytest-xdist each group is one unit of work, run by one worker, one test after
+#: another: at most two engines start at once (each takes a core or more for tens of seconds).
+ENGINE_GROUPS = {
+    "test_vllm_e2e.py": "vllm-engines-a",
+    "test_readme.py": "vllm-engines-a",
+    "test_vllm_p2p_e2e.py": "vllm-engines-a",
+    "test_vllm_hybrid_e2e.py": "vllm-engines-b",
+    "test_bench_window.py": "vllm-engines-b",
+}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's ``load`` distribution (each test to the next free worker), but each group of
+    :data:`ENGINE_GROUPS` is one unit of work. (xdist's own ``loadgroup`` marks cannot do it under
+    pytest 9: xdist 3.8 tags a grouped test by rewriting ``item._nodeid``, which pytest 9 no
+    longer reads.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class EngineGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return ENGINE_GROUPS.get(os.path.basename(nodeid.split("::")[0]), nodeid)
+
+    return EngineGroups(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -129,18 +215,10 @@ def _leaves_nothing_behind():
 
         if why := nixl_available():
             pytest.exit(f"NIXL is required for this run but cannot start: {why}", returncode=3)
-    before = {a.name for a in list_arenas()}
-    namespaces_before = set(our_namespaces())
+    before = _present()
     yield
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and (_leaked_segments(before) or _leftover_processes()):
-        time.sleep(0.2)
-    leaked = _leaked_segments(before)
-    procs = _leftover_processes()
-    assert not leaked, f"shared-memory segments left in /dev/shm: {leaked}"
-    assert not procs, f"kvoffload processes left running: {procs}"
-    netns = _leftover_namespaces(namespaces_before)
-    assert not netns, f"network namespaces left (ip netns list): {netns}"
+    problems = _leftovers(before, dead=not _xdist_worker())
+    assert not problems, "; ".join(problems)
 
 
 _LD_PRELOAD = os.environ.get("LD_PRELOAD")  # as the session began

@@ -56,16 +56,28 @@ def no_child_or_descriptor_left(*kinds: str) -> Iterator[None]:
     assert open_descriptors(*kinds) <= before, f"a descriptor ({', '.join(kinds)}) is left open"
 
 
+_WAIT_CAP_S = float(os.environ.get("KVOFFLOAD_TEST_WAIT_S", "inf"))
+
+
+def patience(seconds: float) -> float:
+    """``seconds``, the most a test waits for something that should come (or a deadline that must
+    not pass first): a generous bound for a stuck run, never the thing tested. The environment's
+    ``KVOFFLOAD_TEST_WAIT_S`` caps it: the mutation proof (tests/mutations/run.py) sets 30 s, so
+    a patch that makes the awaited thing never come fails its test in that time, not in minutes."""
+    return min(seconds, _WAIT_CAP_S)
+
+
 def wait_until(
     condition,
-    timeout_s: float = 120.0,
+    timeout_s: float | None = None,
     what: str = "the condition",
     step=None,
     interval_s: float = 0.005,
 ):
     """Call ``step`` (if given) and check ``condition`` until it returns a true value, which is
     returned. ``timeout_s`` is a generous upper bound for a stuck run, never the thing tested: the
-    assertion fails only when the condition never comes."""
+    assertion fails only when the condition never comes (default: :func:`patience` of 120 s)."""
+    timeout_s = patience(120.0 if timeout_s is None else timeout_s)
     deadline = time.monotonic() + timeout_s
     while True:
         if step is not None:
@@ -77,7 +89,7 @@ def wait_until(
         time.sleep(interval_s)
 
 
-def wait_paused(gate, count: int = 1, timeout_s: float = 120.0, step=None) -> list[int]:
+def wait_paused(gate, count: int = 1, timeout_s: float | None = None, step=None) -> list[int]:
     """Until ``count`` workers have reached a ``wait_file`` fault gated on ``gate`` (each appends its
     pid to ``<gate>.reached``); returns their pids."""
     marker = f"{gate}.reached"
@@ -221,7 +233,7 @@ class Rig:
 
     def wait_workers_ready(self, timeout_s: float = 120.0) -> None:
         """Until every worker process of the first tier has said hello."""
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + patience(timeout_s)
         while any(p.awaiting_hello for p in self.fs._pools):
             assert time.monotonic() < deadline, "tier workers did not start"
             self.tm.poll()
@@ -235,14 +247,15 @@ class Rig:
             self.arena.rows[s] = payload(k, self.row_bytes) if fill is None else fill
         self.tm.complete_store(plan.keys, True)
         if wait:
-            assert self.tm.wait_idle(120), "tier jobs did not finish"
+            assert self.tm.wait_idle(patience(120)), "tier jobs did not finish"
         return plan.evicted
 
     def resolve(
         self, keys, timeout_s: float = 120.0, step_sleep: float = 0.002
     ) -> list[LookupResult]:
-        """Look up ``keys`` every step until none is RETRY or HIT_PENDING (or the timeout)."""
-        deadline = time.monotonic() + timeout_s
+        """Look up ``keys`` every step until none is RETRY or HIT_PENDING (or the timeout,
+        capped by :func:`patience`)."""
+        deadline = time.monotonic() + patience(timeout_s)
         while True:
             res = [self.tm.lookup(k, "req") for k in keys]
             if not any(r in (RETRY, PENDING) for r in res) or time.monotonic() > deadline:

@@ -10,10 +10,11 @@ import socket
 import struct
 
 import msgspec
+from helpers import patience
 
 from kvoffload.workers import p2p_transport as pt
 
-PATIENCE_S = 60.0  # upper bound for an answer: never a measure of speed
+PATIENCE_S = patience(60.0)  # upper bound for an answer: never a measure of speed
 
 
 def frame(obj) -> bytes:

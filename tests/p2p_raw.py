@@ -8,10 +8,11 @@ from __future__ import annotations
 import os
 
 import zmq
+from helpers import patience
 
 from kvoffload.ipc import peer_messages as pm
 
-PATIENCE_S = 120.0  # upper bound for an answer (seconds): never a measure of speed
+PATIENCE_S = patience(120.0)  # upper bound for an answer (seconds): never a measure of speed
 
 
 class RawClient:

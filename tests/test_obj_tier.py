@@ -14,6 +14,7 @@ from helpers import (
     failed_chunks,
     keys_for,
     namespace,
+    patience,
     payload,
     peak_rss_bytes,
     wait_until,
@@ -453,7 +454,7 @@ def test_c45_a_hostile_body_is_a_corrupt_miss_and_the_readers_memory_stays_flat(
     keys = keys_for(3)
     proxy = FaultProxy(moto)
     try:
-        cfg = obj_tier(proxy.endpoint, bucket, job_timeout_s=60.0, breaker_failures=None)
+        cfg = obj_tier(proxy.endpoint, bucket, job_timeout_s=patience(60.0), breaker_failures=None)
         with Rig([cfg], num_slots=8) as rig:
             rig.store(keys)
             rig.evict_all()

@@ -21,7 +21,7 @@ import numpy as np
 import psutil
 import pytest
 import zmq
-from helpers import Rig, arena_name, namespace, wait_until
+from helpers import Rig, arena_name, namespace, patience, wait_until
 from p2p_raw import RawClient as _RawClient
 from pipe_commands import PipeClient
 
@@ -37,7 +37,7 @@ INSTANCE_SCRIPT = Path(__file__).with_name("p2p_instance.py")
 ROW = 64 * 1024
 SLOTS = 32
 SECRET = "p2p-test-secret-" + secrets.token_hex(8)
-PATIENCE_S = 120.0  # upper bound for anything to happen: never a measure of speed
+PATIENCE_S = patience(120.0)  # upper bound for anything to happen: never a measure of speed
 
 NIXL_MISSING = pt.nixl_available()
 KINDS = [

@@ -24,6 +24,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import xxhash
+from helpers import patience
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from p2p_data import DataClient, frame
@@ -36,7 +37,7 @@ PEER_SCRIPT = Path(__file__).with_name("p2p_peer.py")
 SLOTS = 48
 ROW = 16 * 1024
 # Generous upper bound for anything to happen (seconds): never a measure of speed.
-PATIENCE_S = 60.0
+PATIENCE_S = patience(60.0)
 # The deadline of transfers that are meant to fail by it (a stopped peer cannot answer in any time).
 DEADLINE_S = 1.0
 

@@ -29,6 +29,7 @@ import numpy as np
 import psutil
 import pytest
 import zmq
+from helpers import patience
 
 from kvoffload.ipc.arena import Arena, ArenaError, list_arenas
 from kvoffload.tiers.p2p.worker_handle import WORKER_DIED, PeerWorkerHandle
@@ -38,7 +39,7 @@ from kvoffload.workers.p2p_transport import TransferState, TransportConfig, Tran
 SLOTS = 32
 ROW = 8 * 1024
 # Generous upper bound for anything to happen (seconds): never a measure of speed.
-PATIENCE_S = 60.0
+PATIENCE_S = patience(60.0)
 # The deadline of transfers meant to fail by it (a stopped peer cannot answer in any time).
 DEADLINE_S = 1.0
 DONE, FAILED = TransferState.DONE, TransferState.FAILED

@@ -16,7 +16,10 @@ temporary directory, ``workers``, ``ipc`` and ``tools`` are linked into the copy
 folder (as setup.cfg's ``package_dir`` maps them), and the copy is put first on ``PYTHONPATH``, so
 it is imported in place of the installed package (the editable install's finder comes after the
 path). Worker processes inherit ``PYTHONPATH`` and the working directory, so they run the patched
-code too; each scratch copy is checked to import from itself before it is used.
+code too; each scratch copy is checked to import from itself before it is used. Tests wait at most
+:data:`WAIT_S` for what should come (``KVOFFLOAD_TEST_WAIT_S``), so a patch that hangs a test costs
+seconds, not the suite's two-minute bounds. ``--no-baseline`` is for a run right after the suite has
+passed (CI): the baseline only re-runs tests it has just passed.
 
 Usage: ``python tests/mutations/run.py [-j 2] [--case C08 ...] [--no-baseline] [--keep]``
 (``tox -e mutations`` runs it); ``--list`` prints the mutations under their case's title from
@@ -134,8 +137,16 @@ def make_scratch(repo: str, files: list[str], parent: str, label: str) -> str:
     return root
 
 
+#: The most a test waits for what should come under a patch (``KVOFFLOAD_TEST_WAIT_S``, read by
+#: tests/helpers.py's ``patience`` and the tier contract's ``WAIT_S``): a patch that makes the
+#: awaited thing never come fails its test in this time, not in the suite's minutes. Thirty times
+#: what those waits take on an idle 2-core machine.
+WAIT_S = "30"
+
+
 def env_for(scratch: str) -> dict[str, str]:
     env = dict(os.environ)
+    env.setdefault("KVOFFLOAD_TEST_WAIT_S", WAIT_S)
     tree = os.path.join(scratch, "tree")
     env["PYTHONPATH"] = tree + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["PYTHONDONTWRITEBYTECODE"] = "1"

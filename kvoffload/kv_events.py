@@ -259,6 +259,7 @@ class EventStream:
         keys: Iterable[bytes],
         src: str,
         dst: str,
+        *,
         tier: Any = None,
         locality: str | None = None,
     ) -> None:

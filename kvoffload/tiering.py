@@ -857,7 +857,7 @@ class TieringManager:
             failed = [k for k in meta.keys if k not in ok_set]
         host.complete_write(ok, True)
         if ok:
-            self.events.moved(ok, tier.name, HOST, tier)
+            self.events.moved(ok, tier.name, HOST, tier=tier)
         if failed:
             host.complete_write(failed, False)
             self.holds.failed(failed)
@@ -895,7 +895,7 @@ class TieringManager:
             stats.cascaded[tier.name] += len(stored)
             stats.cascade_failures[tier.name] += len(meta.keys) - len(stored)
         if stored:
-            self.events.moved(stored, HOST, tier.name, tier)
+            self.events.moved(stored, HOST, tier.name, tier=tier)
 
     def step(self) -> None:
         """End of a scheduler step: submit this step's promotions and probes, apply completions,

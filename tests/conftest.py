@@ -109,7 +109,9 @@ def pytest_sessionfinish(session, exitstatus):
         return  # no xdist: the session fixture checked everything
     problems = _leftovers(_SESSION_BEFORE, dead=True)
     if problems:
-        session.config.get_terminal_writer().line("\n".join(problems), red=True)
+        tw = session.config.get_terminal_writer()
+        tw.sep("=", "FAILED: left behind by the run (xdist controller's check)", red=True)
+        tw.line("\n".join(problems), red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
         _exit_status = int(session.exitstatus)
 
@@ -185,6 +187,8 @@ def pytest_xdist_make_scheduler(config, log):
     :data:`ENGINE_GROUPS` is one unit of work. (xdist's own ``loadgroup`` marks cannot do it under
     pytest 9: xdist 3.8 tags a grouped test by rewriting ``item._nodeid``, which pytest 9 no
     longer reads.)"""
+    if config.getvalue("dist") != "load":
+        return None  # another --dist asked for: xdist's own
     from xdist.scheduler import LoadScopeScheduling
 
     class EngineGroups(LoadScopeScheduling):

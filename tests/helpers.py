@@ -56,7 +56,18 @@ def no_child_or_descriptor_left(*kinds: str) -> Iterator[None]:
     assert open_descriptors(*kinds) <= before, f"a descriptor ({', '.join(kinds)}) is left open"
 
 
-_WAIT_CAP_S = float(os.environ.get("KVOFFLOAD_TEST_WAIT_S", "inf"))
+def _wait_cap_s() -> float:
+    raw = os.environ.get("KVOFFLOAD_TEST_WAIT_S", "inf")
+    try:
+        cap = float(raw)
+    except ValueError:
+        cap = -1.0
+    if not cap > 0:
+        raise ValueError(f"KVOFFLOAD_TEST_WAIT_S={raw!r}: must be a number of seconds above 0")
+    return cap
+
+
+_WAIT_CAP_S = _wait_cap_s()
 
 
 def patience(seconds: float) -> float:

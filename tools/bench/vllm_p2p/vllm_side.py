@@ -266,6 +266,9 @@ class Pair(LoadingPair):
             self.a_port = self.ask(("hello",), expect="ready")
             self.b = Side(self.v, row_bytes, rows, poll_s)
             self.load([(self.kv_id("warm-up"), 0, 1)])
+            # A reports its store job done on its own next step, maybe after B's load ended: a
+            # count taken before that would see the warm-up's store land in what it measures
+            self.wait_stores(0, 1)
         except BaseException:
             self.close()
             raise

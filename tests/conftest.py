@@ -5,7 +5,7 @@ import psutil
 import pytest
 import zmq
 from helpers import vllm_installed
-from netns import NetnsPair, creator_pid, our_namespaces, require_netns
+from netns_pair import NetnsPair, creator_pid, our_namespaces, require_netns
 
 from kvoffload.ipc.arena import list_arenas
 
@@ -41,7 +41,7 @@ def _leftover_processes() -> list[str]:
 
 
 def _leftover_namespaces(before: set[str]) -> list[str]:
-    """Network namespaces of tests/netns.py made by this session, or new ones of a dead process."""
+    """Network namespaces of tests/netns_pair.py made by this session, or new ones of a dead process."""
     out = []
     for name in our_namespaces():
         creator = creator_pid(name)
@@ -162,7 +162,7 @@ def _keeps_ld_preload():
 
 @pytest.fixture
 def netns_pair():
-    """Two fresh network namespaces joined by a veth pair (``tests/netns.py``), torn down after the
+    """Two fresh network namespaces joined by a veth pair (``tests/netns_pair.py``), torn down after the
     test, also when it fails or is interrupted; skipped without root or iproute2 (a failure with
     ``KVOFFLOAD_REQUIRE_NETNS=1``)."""
     require_netns()

@@ -27,6 +27,9 @@ HIT, MISS, PENDING, RETRY = (
     LookupResult.RETRY,
 )
 ROW = ROW_BYTES
+#: tests/ itself: the helper modules, and the scripts tests start by path (p2p_instance.py, ...);
+#: the test files are in its subfolders (tests/README.md)
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 _names = itertools.count()
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from helpers import arena_name, wait_until
+from helpers import TESTS_DIR, arena_name, wait_until
 
 from kvoffload.ipc.arena import (
     Arena,
@@ -138,7 +138,7 @@ def _start_instance(name: str, root) -> tuple[subprocess.Popen, list[int]]:
     """An engine (arena of 64 MiB, fs tier with its worker processes, 4 chunks stored) in a
     process group of its own; returns it and its workers' pids."""
     p = subprocess.Popen(
-        [sys.executable, "-c", _INSTANCE, name, str(root), os.path.dirname(__file__)],
+        [sys.executable, "-c", _INSTANCE, name, str(root), TESTS_DIR],
         stdout=subprocess.PIPE,
         start_new_session=True,
     )

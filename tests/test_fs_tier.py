@@ -17,6 +17,7 @@ from helpers import (
     PENDING,
     RETRY,
     ROW,
+    TESTS_DIR,
     Rig,
     failed_chunks,
     fs_tier,
@@ -678,7 +679,7 @@ def test_worker_processes_import_no_torch_run_at_lower_priority_and_exit_with_th
             assert psutil.Process(pid).memory_info().rss < 200 * 2**20
     script = textwrap.dedent(f"""
         import sys, time
-        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        sys.path.insert(0, {TESTS_DIR!r})
         from helpers import Rig, fs_tier, keys_for
         rig = Rig([fs_tier({str(tmp_path)!r})], num_slots=2, name=sys.argv[1])
         rig.store(keys_for(1))

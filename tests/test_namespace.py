@@ -9,7 +9,7 @@ import unicodedata
 
 import numpy as np
 import pytest
-from helpers import HIT, MISS, ROW, Rig, fs_tier, keys_for, namespace
+from helpers import HIT, MISS, ROW, TESTS_DIR, Rig, fs_tier, keys_for, namespace
 
 from kvoffload.namespace import chunk_keys
 
@@ -162,7 +162,7 @@ _C05_PROC = textwrap.dedent("""
 
 
 def test_c05_chunk_keys_do_not_depend_on_a_per_process_seed(tmp_path):
-    here = os.path.dirname(__file__)
+    here = TESTS_DIR
     env1 = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
     env2 = dict(env1, PYTHONHASHSEED="12345")
     p1 = subprocess.run(

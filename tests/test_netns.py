@@ -1,4 +1,4 @@
-"""The two-network-namespace test helper (``tests/netns.py``) itself: what it builds, that the
+"""The two-network-namespace test helper (``tests/netns_pair.py``) itself: what it builds, that the
 namespaces are joined only by their veth pair, and that it leaves nothing behind.
 
 Needs root and iproute2 (skipped with the reason otherwise; ``KVOFFLOAD_REQUIRE_NETNS=1`` makes that
@@ -16,7 +16,7 @@ import time
 
 import psutil
 import pytest
-from netns import (
+from netns_pair import (
     ADDRESS_POOL,
     PREFIX,
     NetnsPair,

@@ -13,7 +13,7 @@ import numpy as np
 import psutil
 import pytest
 from click.testing import CliRunner
-from helpers import HIT, ROW, Rig, fs_tier, keys_for, namespace, payload
+from helpers import HIT, ROW, TESTS_DIR, Rig, fs_tier, keys_for, namespace, payload
 from s3 import ACCESS, SECRET, client, new_bucket, obj_tier, start_moto
 
 from kvoffload.config import describe, parse_config
@@ -21,7 +21,6 @@ from kvoffload.tools.cli import main
 from kvoffload.workers.chunkfile import HEADER_BYTES
 from kvoffload.workers.fs_io import STALE_TEMP_AGE_S
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 FILE_BYTES = HEADER_BYTES + ROW
 OLD = 2 * STALE_TEMP_AGE_S  # seconds: well past the orphan age
 

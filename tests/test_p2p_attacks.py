@@ -1,7 +1,7 @@
 """The p2p tier's control plane attacked the way CASES C38, C41 and C42 did: real instances in their
 own processes on loopback (``tests/p2p_instance.py``), the instance under attack built in this
 process where its tier must be inspected, and, where the case says so, two network namespaces
-(``tests/netns.py``) so that nothing rides on loopback.
+(``tests/netns_pair.py``) so that nothing rides on loopback.
 
 - C38: a request's ``kv_transfer_params`` name an address that is no allowed peer (no socket is
   made; counted; a remote_prefiller refused is a miss); 300 request-named allowed addresses leave
@@ -31,8 +31,8 @@ from pathlib import Path
 import psutil
 import pytest
 import xxhash
-from helpers import namespace, wait_until
-from netns import NetnsPair
+from helpers import TESTS_DIR, namespace, wait_until
+from netns_pair import NetnsPair
 from p2p_raw import RawClient
 from pipe_commands import PipeClient
 from test_p2p_tier import (
@@ -52,7 +52,7 @@ from kvoffload.tiers.base import LookupResult
 from kvoffload.tools.ports import free_port
 
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
-RELAY_SCRIPT = Path(__file__).with_name("p2p_relay.py")
+RELAY_SCRIPT = Path(TESTS_DIR) / "p2p_relay.py"
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """The p2p bulk transport between peers in two network namespaces: nothing rides on loopback.
 
 Each test makes two fresh network namespaces joined by a veth pair with a /30 of their own
-(``tests/netns.py``) and runs one peer process (``tests/p2p_peer.py``) in each. The namespaces'
+(``tests/netns_pair.py``) and runs one peer process (``tests/p2p_peer.py``) in each. The namespaces'
 loopbacks are separate, so the peers can reach each other only over the veth addresses; the tests
 check that (a loopback endpoint in one namespace is unreachable from the other) and that the bytes
 really crossed the veth (its byte counters grew by at least what moved).
@@ -26,7 +26,8 @@ import time
 
 import pytest
 import xxhash
-from netns import NetnsPair, Side
+from helpers import TESTS_DIR
+from netns_pair import NetnsPair, Side
 from pipe_commands import PipeClient
 
 from kvoffload.ipc.arena import list_arenas
@@ -34,7 +35,7 @@ from kvoffload.workers import p2p_transport as pt
 
 pytestmark = pytest.mark.netns
 
-PEER_SCRIPT = os.path.join(os.path.dirname(__file__), "p2p_peer.py")
+PEER_SCRIPT = os.path.join(TESTS_DIR, "p2p_peer.py")
 SLOTS = 32
 ROW = 16 * 1024
 # Generous upper bound for anything to happen (seconds): never a measure of speed.
@@ -192,7 +193,7 @@ def test_tcp_peer_on_loopback_is_unreachable_from_the_other_namespace(netns_pair
     assert veth_b.rows()[:4] == rows[:4]
 
 
-INSTANCE_SCRIPT = os.path.join(os.path.dirname(__file__), "p2p_instance.py")
+INSTANCE_SCRIPT = os.path.join(TESTS_DIR, "p2p_instance.py")
 TIER_ROW = 64 * 1024
 SECRET = "netns-" + secrets.token_hex(8)
 

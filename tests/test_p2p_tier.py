@@ -21,7 +21,7 @@ import numpy as np
 import psutil
 import pytest
 import zmq
-from helpers import Rig, arena_name, namespace, wait_until
+from helpers import TESTS_DIR, Rig, arena_name, namespace, wait_until
 from p2p_raw import RawClient as _RawClient
 from pipe_commands import PipeClient
 
@@ -33,7 +33,7 @@ from kvoffload.tools.ports import free_port
 from kvoffload.workers import p2p_transport as pt
 
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
-INSTANCE_SCRIPT = Path(__file__).with_name("p2p_instance.py")
+INSTANCE_SCRIPT = Path(TESTS_DIR) / "p2p_instance.py"
 ROW = 64 * 1024
 SLOTS = 32
 SECRET = "p2p-test-secret-" + secrets.token_hex(8)

@@ -24,6 +24,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import xxhash
+from helpers import TESTS_DIR
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from p2p_data import DataClient, frame
@@ -32,7 +33,7 @@ from pipe_commands import PipeClient
 from kvoffload.ipc.arena import Arena, list_arenas
 from kvoffload.workers import p2p_transport as pt
 
-PEER_SCRIPT = Path(__file__).with_name("p2p_peer.py")
+PEER_SCRIPT = Path(TESTS_DIR) / "p2p_peer.py"
 SLOTS = 48
 ROW = 16 * 1024
 # Generous upper bound for anything to happen (seconds): never a measure of speed.

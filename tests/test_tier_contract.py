@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import TESTS_DIR
 from pipe_commands import PipeClient
 from s3 import client, new_bucket, obj_tier, start_moto
 
@@ -90,7 +91,7 @@ def obj_tier_under_test(endpoint: str, bucket: str) -> TierUnderTest:
 
 
 P2P_SECRET = "contract-" + secrets.token_hex(8)
-P2P_INSTANCE = Path(__file__).with_name("p2p_instance.py")
+P2P_INSTANCE = Path(TESTS_DIR) / "p2p_instance.py"
 
 
 class PeerInstance(PipeClient):

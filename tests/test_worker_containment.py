@@ -13,7 +13,7 @@ import typing
 import numpy as np
 import psutil
 import pytest
-from helpers import HIT, MISS, ROW, Rig, fs_tier, keys_for, payload, wait_until
+from helpers import HIT, MISS, ROW, TESTS_DIR, Rig, fs_tier, keys_for, payload, wait_until
 
 from kvoffload.config import ConfigError, parse_config
 from kvoffload.ipc import messages as m
@@ -22,7 +22,6 @@ from kvoffload.workers.chunkfile import HEADER_BYTES, relative_name
 from kvoffload.workers.faults import Faults
 from kvoffload.workers.fs_io import filesystem_of
 
-TESTS_DIR = pathlib.Path(__file__).parent
 WORKERS_DIR = pathlib.Path(chunkio.__file__).parent
 
 

@@ -92,7 +92,7 @@ def creator_pid(name: str) -> int:
     """The pid of the test process that created namespace ``name`` (one of :func:`our_namespaces`)."""
     m = _NAME.match(name)
     if m is None:
-        raise ValueError(f"{name!r} is not a namespace of tests/netns.py")
+        raise ValueError(f"{name!r} is not a namespace of tests/netns_pair.py")
     return int(m.group(1))
 
 

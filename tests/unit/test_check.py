@@ -777,7 +777,7 @@ def test_every_kvoffload_config_in_the_readme_is_valid_and_loads_kvoffload(tmp_p
     (an example without ``spec_name`` made vLLM load its own CPUOffloadingSpec). A block for
     vLLM's TieringOffloadingSpec running kvoffload's tiers passes with a warning that vLLM
     validates it (kvoffload's own keys check made errors of its tier types)."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     configs, vllms = [], 0
     for block in re.findall(r"```(?:json|bash)\n(.*?)\n```", readme, re.S):
         for text in [block, *re.findall(r"--kv-transfer-config '(\{.*?\})'", block, re.S)]:

@@ -351,7 +351,7 @@ def test_worker_imports_no_torch(instances, kind):
         maps = f.read()
     # torch's libraries, not any path with "torch" in it: vLLM-CPU puts torch's libgomp in
     # LD_PRELOAD (vllm/platforms/cpu.py) once a config is built in the engine process, and every
-    # child inherits that preload without importing torch (as tests/test_fs_tier.py checks)
+    # child inherits that preload without importing torch (as tests/integration/test_fs_tier.py checks)
     assert "libtorch" not in maps and "torch/_C" not in maps
     if kind == "nixl":
         assert "nixl" in maps  # NIXL really is loaded

@@ -1,6 +1,6 @@
 """Capacity accounting of worker-backed tiers (kvoffload.tiers.capacity) on its own: no processes, no
-files, an injected clock. The same ledger runs under real workers in test_fs_tier.py,
-test_fs_capacity.py (fs) and test_obj_tier.py (obj with max_bytes)."""
+files, an injected clock. The same ledger runs under real workers in tests/integration/:
+test_fs_tier.py, test_fs_capacity.py (fs) and test_obj_tier.py (obj with max_bytes)."""
 
 import errno
 

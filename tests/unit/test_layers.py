@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 #: (importer, imported) edges of the core into the plug-in, each lazy and with its reason.
 CORE_TO_PLUGIN_ALLOWED = {

@@ -5,7 +5,7 @@ their locks and reads them, in a forked child that runs as that user; the engine
 test process (root) or, where the case is a non-root engine, as the co-tenant with root's segments
 in its way. Segments that no engine may sweep away during a test (other test runs sweep /dev/shm
 at every engine start) are either held (a live owner lock) or named outside the ``kvoffload``
-prefix and swept by that prefix, as tests/test_arena.py's C15 janitor test does.
+prefix and swept by that prefix, as tests/integration/test_arena.py's C15 janitor test does.
 """
 
 from __future__ import annotations
@@ -305,8 +305,7 @@ def test_c44_a_vllm_engine_start_with_a_squatted_fixed_arena_name_fails_naming_t
     """Through the vLLM plug-in: the scheduler's start (``get_manager``: the sweep, then the
     arena) with a fixed ``arena_name`` a co-tenant squats (0666, a live lock, a header naming
     this engine) stops with the error naming the owner; the squatter reads nothing."""
-    from test_event_content import EXTRA, _offloading_config
-
+    from integration.test_event_content import EXTRA, _offloading_config
     from kvoffload.vllm import KVOffloadSpec
 
     name = _name("spec")

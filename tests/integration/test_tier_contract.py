@@ -167,7 +167,7 @@ class TestTierContract(TierContract):
 
 def test_the_readme_example_runs_the_contract_on_an_out_of_tree_tier(tmp_path):
     """README "Testing an out-of-tree tier": its example, copied out of the tree, passes as is."""
-    readme = Path(__file__).resolve().parent.parent / "README.md"
+    readme = Path(__file__).resolve().parents[2] / "README.md"
     section = readme.read_text().split("### Testing an out-of-tree tier", 1)[1]
     example = section.split("```python\n", 1)[1].split("```", 1)[0]
     (tmp_path / "test_my_tier.py").write_text(example)

@@ -1,7 +1,7 @@
 """The calls the accelerator (GPU) path makes into vLLM-internal code, bound against the installed
 vLLM's signatures.
 
-No CPU test runs the CUDA copy path (``tests/test_gpu.py`` needs a GPU), so a vLLM release that
+No CPU test runs the CUDA copy path (``tests/integration/test_gpu.py`` needs a GPU), so a vLLM release that
 renames a keyword argument of ``SingleDirectionOffloadingHandler`` or of ``host_register`` would
 only show at a user's engine start. These tests record the arguments kvoffload's own code passes
 (the worker's ``_DeviceCopier`` through :func:`kvoffload.vllm.compat.offloading_handler`, the

@@ -209,7 +209,7 @@ def test_c34_offloaded_block_events_match_vllm_gpu_events(server, tokenizer):
     parent hash, token ids and block size of vLLM's own GPU ``BlockStored`` for the same blocks
     (vLLM's publisher, same engine), and so do vLLM's own events for our tiers."""
     import msgspec
-    from test_event_content import per_block
+    from integration.test_event_content import per_block
     from vllm.distributed.kv_events import KVEventBatch
 
     dec = msgspec.msgpack.Decoder(KVEventBatch)

@@ -663,7 +663,7 @@ def test_a_lookup_asks_the_peer_whose_kv_events_show_the_chunk_first(world):
 def test_a_request_naming_a_peer_no_socket_can_reach_leaves_the_tier_serving(world):
     """A request's kv_transfer_params name its peers: one whose address ZMQ refuses to connect to
     ("*") is no allowed peer, refused and counted before any socket (were it allowed, the node
-    would take it as a peer down: tests/test_p2p_client.py), and the configured peer still
+    would take it as a peer down: tests/integration/test_p2p_client.py), and the configured peer still
     serves. Before, the error ended the node thread, and every later lookup and job of the tier
     waited forever."""
     a = world.instance(p2p("tcp", free_port()))

@@ -22,7 +22,7 @@ from prom import require_prometheus, start_prometheus
 
 from kvoffload.metrics import CORE_METRICS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "contrib" / "grafana" / "kvoffload.json"
 DOC = ROOT / "docs" / "observability.md"
 

@@ -4,7 +4,7 @@ Each test runs the command in a fresh interpreter where chosen third-party modul
 (``sys.modules[name] = None`` makes their import fail as if they were not installed), so the check
 holds in an environment that has every extra. ``.ci/check_install.sh plain`` checks the same on a real
 base-only install. Also ``kvoffload demo``'s help, option checks and reload verdict (its runs on a
-real vLLM: tests/test_vllm_e2e.py).
+real vLLM: tests/e2e/test_vllm_e2e.py).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from kvoffload.reasons import FAILED, REFUSED
 from kvoffload.tiering import HOST_REFUSALS, TIER_REFUSALS
 from kvoffload.tools.stress import Report, reason_notes
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "observability.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "observability.md"
 
 
 def _doc_tables() -> list[dict[str, tuple[str, str]]]:

@@ -30,7 +30,7 @@ result, the fs tier's accounted bytes equal its chunk files' bytes on disk, ever
 READY host slot holds bytes stored under its key.
 
 Profiles: the CI one (``test_tier_model``, a few hundred steps) and a soak run on demand,
-``KVOFFLOAD_SOAK_STEPS=100000 pytest -m soak tests/test_tier_model.py`` (it prints the steps run).
+``KVOFFLOAD_SOAK_STEPS=100000 pytest -m soak tests/integration/test_tier_model.py`` (it prints the steps run).
 ``KNOWN_BUGS`` switches off the variants that reach faults known on main and being fixed.
 """
 
@@ -70,7 +70,7 @@ from kvoffload.workers import fs_io
 #        with a short timeout)
 #   C28: a duplicated completion releases another holder's pin (complete_load twice)
 #   stale_store_completion (found by this model, fixed: writes belong to the request that reserved
-#        them, tests/test_wrong_bytes.py): a
+#        them, tests/integration/test_wrong_bytes.py): a
 #        store completion that arrives again (or late) after its key was evicted or reset and
 #        reserved anew by another request completes that request's write: success=True publishes
 #        the new slot READY before its copy ended (a lookup would load bytes not yet written),

@@ -622,7 +622,7 @@ def cpu_vllm_config():
     variables for the engine it expects to follow (``LD_PRELOAD`` of torch's libgomp,
     ``LD_LIBRARY_PATH``, ``VLLM_*``, OpenMP and inductor threads, ``vllm/platforms/cpu.py``); left
     in place, every process a later test starts would inherit them (a peer worker would map
-    torch's libgomp, tests/test_p2p_transport.py's torch-free check failed on it)."""
+    torch's libgomp, tests/integration/test_p2p_transport.py's torch-free check failed on it)."""
     from vllm.config import CacheConfig, DeviceConfig, VllmConfig
 
     saved = dict(os.environ)

@@ -35,7 +35,8 @@ from helpers import TESTS_DIR, namespace, wait_until
 from netns_pair import NetnsPair
 from p2p_raw import RawClient
 from pipe_commands import PipeClient
-from test_p2p_tier import (
+
+from integration.test_p2p_tier import (
     PATIENCE_S,
     ROW,
     SECRET,
@@ -44,8 +45,7 @@ from test_p2p_tier import (
     settle,
     tier,
 )
-from test_p2p_tier import world as _world  # noqa: F401 (a fixture, taken by name)
-
+from integration.test_p2p_tier import world as _world  # noqa: F401 (a fixture, taken by name)
 from kvoffload.ipc import peer_messages as pm
 from kvoffload.testing.tier_contract import keys_for, payload
 from kvoffload.tiers.base import LookupResult
@@ -57,7 +57,7 @@ RELAY_SCRIPT = Path(TESTS_DIR) / "p2p_relay.py"
 
 @pytest.fixture
 def world(_world):  # noqa: F811
-    """tests/test_p2p_tier.py's: serving instances and rigs, cleaned up and checked."""
+    """tests/integration/test_p2p_tier.py's: serving instances and rigs, cleaned up and checked."""
     return _world
 
 
@@ -349,7 +349,7 @@ def test_c38_a_relay_to_another_peer_completes_no_session_there_either(world):
 def test_c38_a_relay_across_network_namespaces_gets_nothing(netns_pair):
     """The relay attack with nothing on loopback: V in namespace A, the relay in B at its veth
     address (which V allows), relaying to V's own server across the veth."""
-    from test_p2p_netns import NsInstance
+    from netns.test_p2p_netns import NsInstance
 
     pair = netns_pair
     port = free_port()
@@ -601,7 +601,7 @@ def test_c42_two_readers_in_two_namespaces_advertising_one_address(netns_pair):
     ``localhost:<same port>`` (a loopback advertise_host in front of an all-interfaces bind). The
     first reads 12 chunks from S; the second is refused ``identity_collision`` (counted at S and
     at the second); the first keeps reading all 12, its session never dropped."""
-    from test_p2p_netns import NsInstance
+    from netns.test_p2p_netns import NsInstance
 
     pair = netns_pair
     s_port, r_port = free_port(), free_port()

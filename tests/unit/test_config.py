@@ -199,17 +199,6 @@ def test_tier_entries_are_parsed_once_into_typed_specs(tmp_path):
     fails({**BASE, "secondary_tiers": ["fs"]}, "kv_connector_extra_config.secondary_tiers[0]:")
 
 
-def test_config_and_tier_registry_import_alone():
-    import subprocess
-    import sys
-
-    for module in ("kvoffload.config", "kvoffload.tiers.registry", "kvoffload.validation"):
-        out = subprocess.run(
-            [sys.executable, "-c", f"import {module}"], capture_output=True, text=True
-        )
-        assert out.returncode == 0, (module, out.stderr)
-
-
 def test_a_wrongly_typed_value_is_repeated_in_its_error_unless_it_may_be_a_secret():
     msg = fails({**BASE, "block_size": [16]})
     assert msg == (

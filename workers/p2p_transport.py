@@ -90,7 +90,7 @@ process that creates an arena and a :class:`NixlTransport`: through ``import nix
 248 MiB RSS; through this module's import 0.9-1.2 s and 61 MiB (an arena alone: 30 MiB). So this module
 imports the back-end wheel's API (``nixl_cu13._api`` / ``nixl_cu12._api`` / ``nixl_rocm._api``)
 directly, choosing the CUDA major version from torch's ``version.py`` read off disk, never importing
-torch (``tests/test_p2p_transport.py`` checks ``/proc/<pid>/maps`` and ``sys.modules`` of a peer process
+torch (``tests/integration/test_p2p_transport.py`` checks ``/proc/<pid>/maps`` and ``sys.modules`` of a peer process
 after a NIXL transfer). When torch is already imported it uses the ``nixl`` package as is.
 """
 

@@ -5,12 +5,12 @@ and a ``config_info`` to the spec, an ``expedited`` flag to loads); the adapters
 ignore what this release does not need, so the spec, manager and worker of :mod:`kvoffload.vllm`
 keep one signature.
 
-Every vLLM import of kvoffload's library is here (``tests/test_layers.py`` checks it; the
+Every vLLM import of kvoffload's library is here (``tests/unit/test_layers.py`` checks it; the
 benchmarks of vLLM's own offloading in ``tools/bench/`` import what they measure themselves), and
 so are the calls into vLLM-internal classes whose arguments a release may rename: the ``vllm033``
 tox env binds the arguments :func:`offloading_handler` passes to vLLM's
 ``SingleDirectionOffloadingHandler`` against that release's signature
-(``tests/test_vllm_compat.py``).
+(``tests/unit/test_vllm_compat.py``).
 """
 
 from __future__ import annotations

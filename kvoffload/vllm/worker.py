@@ -410,7 +410,7 @@ class KVOffloadWorker(OffloadingWorker):
 
 class _DeviceCopier:
     """CUDA/XPU path: pinned arena + vLLM's stream-based handlers, one per direction, each copy on
-    a stream of its own with CUDA events (``tests/test_gpu.py`` checks it on a GPU)."""
+    a stream of its own with CUDA events (``tests/integration/test_gpu.py`` checks it on a GPU)."""
 
     def __init__(self, kv_caches: CanonicalKVCaches, plan: _Plan, arena, canonical: bool):
         self._pinning = pin_arena(arena, backend="vllm")

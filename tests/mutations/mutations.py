@@ -6,7 +6,7 @@ docs/cases.md), and the case test(s) that must fail with it. ``old`` must occur 
 applies after a refactoring is noticed instead of silently passing.
 
 To add one: append a ``Mutation(...)``, list its name under **Mutation:** in its case's entry in
-docs/cases.md (tests/test_cases_catalogue.py checks both), and check it with ``python
+docs/cases.md (tests/unit/test_cases_catalogue.py checks both), and check it with ``python
 tests/mutations/run.py --case CNN`` (it first runs the named tests unpatched, then patched).
 
 C18 (the shared location index of the p2p tier): its index is ``PeerLocations``
@@ -27,33 +27,36 @@ class Mutation(NamedTuple):
     tests: tuple[str, ...]  # pytest node ids that must fail
 
 
-NS = "tests/test_namespace.py::"
-FS = "tests/test_fs_tier.py::"
-OBJ = "tests/test_obj_tier.py::"
-POL = "tests/test_policies.py::"
-ARENA = "tests/test_arena.py::"
-OBS = "tests/test_observability.py::"
-CFG = "tests/test_config.py::"
-SPEC = "tests/test_vllm_spec.py::"
-WB = "tests/test_wrong_bytes.py::"
-WC = "tests/test_worker_containment.py::"
-P2PH = "tests/test_p2p_host_access.py::"
-CAP = "tests/test_fs_capacity.py::"
-EV = "tests/test_event_content.py::"
-P2PW = "tests/test_p2p_worker.py::"
-P2PT = "tests/test_p2p_transport.py::"
-P2PS = "tests/test_p2p_server.py::"
-P2PC = "tests/test_p2p_client.py::"
-TIER = "tests/test_p2p_tier.py::"
-XTP = "tests/test_cross_tp.py::"
-BP = "tests/test_backpressure.py::"
-OPS = "tests/test_ops_commands.py::"
-LOC = "tests/test_p2p_locations.py::"
-CO = "tests/test_arena_cotenant.py::"
-COT = "tests/test_cotenant_fs.py::"
-P2PS = "tests/test_p2p_server.py::"
-P2PC = "tests/test_p2p_client.py::"
-ATT = "tests/test_p2p_attacks.py::"
+NS = "tests/integration/test_namespace.py::"
+FS = "tests/integration/test_fs_tier.py::"
+OBJ = "tests/integration/test_obj_tier.py::"
+POL = "tests/unit/test_policies.py::"
+ARENA = "tests/integration/test_arena.py::"
+OBS = "tests/integration/test_observability.py::"
+CFG = "tests/unit/test_config.py::"
+SPEC = "tests/integration/test_vllm_spec.py::"
+WB = "tests/integration/test_wrong_bytes.py::"
+WC = "tests/integration/test_worker_containment.py::"
+P2PH = "tests/integration/test_p2p_host_access.py::"
+CAP = "tests/integration/test_fs_capacity.py::"
+EV = "tests/integration/test_event_content.py::"
+P2PW = "tests/integration/test_p2p_worker.py::"
+P2PT = "tests/integration/test_p2p_transport.py::"
+P2PS = "tests/integration/test_p2p_server.py::"
+P2PC = "tests/integration/test_p2p_client.py::"
+TIER = "tests/integration/test_p2p_tier.py::"
+XTP = "tests/integration/test_cross_tp.py::"
+BP = "tests/integration/test_backpressure.py::"
+OPS = "tests/integration/test_ops_commands.py::"
+LOC = "tests/integration/test_p2p_locations.py::"
+CO = "tests/integration/test_arena_cotenant.py::"
+COT = "tests/integration/test_cotenant_fs.py::"
+P2PS = "tests/integration/test_p2p_server.py::"
+P2PC = "tests/integration/test_p2p_client.py::"
+ATT = "tests/integration/test_p2p_attacks.py::"
+# files split between tests/unit, tests/integration and tests/netns by what their tests do
+POL_RIG = "tests/integration/test_policies.py::"
+ATT_NS = "tests/netns/test_p2p_attacks.py::"
 
 _ID = "        return xxhash.xxh3_128_digest(msgspec.json.encode(self))"
 
@@ -283,7 +286,7 @@ MUTATIONS: list[Mutation] = [
             "                    return _HIT\n"
             "                return _PENDING\n"
         ),
-        (POL + "test_c12_aborted_requests_leave_nothing_pinned_and_nothing_behind",),
+        (POL_RIG + "test_c12_aborted_requests_leave_nothing_pinned_and_nothing_behind",),
     ),
     Mutation(
         "C12",
@@ -291,7 +294,7 @@ MUTATIONS: list[Mutation] = [
         "kvoffload/tiering.py",
         "            self._load_source.pop(req_id, None)\n",
         "            pass\n",
-        (POL + "test_c12_aborted_requests_leave_nothing_pinned_and_nothing_behind",),
+        (POL_RIG + "test_c12_aborted_requests_leave_nothing_pinned_and_nothing_behind",),
     ),
     Mutation(
         "C13",
@@ -955,7 +958,7 @@ MUTATIONS: list[Mutation] = [
         (
             P2PS + "test_c42_a_second_live_instance_claiming_a_peers_address_is_refused_and_both_"
             "keep_theirs",
-            ATT + "test_c42_two_readers_in_two_namespaces_advertising_one_address",
+            ATT_NS + "test_c42_two_readers_in_two_namespaces_advertising_one_address",
         ),
     ),
     Mutation(

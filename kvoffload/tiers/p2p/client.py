@@ -15,7 +15,7 @@
       peer worker ◀────── Transfers.read / acquire_peer / release_peer (answer at once)
 
 Frames in, ``(peer, frame)`` out and a ``tick(now)`` for timers, with no socket, thread or process
-inside, so it is tested and fuzzed alone (``tests/test_p2p_client.py``), as the serving role is.
+inside, so it is tested and fuzzed alone (``tests/integration/test_p2p_client.py``), as the serving role is.
 
 **Commands in.** The node hands over the engine's commands as it pops them. A Probe's peers are
 its ``head``, then (unless ``tail`` is None) the peers the KV-event locations show holding the key

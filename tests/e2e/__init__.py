@@ -1,0 +1,1 @@
+"""End-to-end tests: real vLLM engines and servers."""

@@ -1,0 +1,1 @@
+"""Unit tests: in-process only, no process, socket or arena (tests/unit/conftest.py enforces it)."""

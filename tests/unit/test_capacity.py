@@ -1,0 +1,205 @@
+"""Capacity accounting of worker-backed tiers (kvoffload.tiers.capacity) on its own: no processes, no
+files, an injected clock. The same ledger runs under real workers in tests/integration/:
+test_fs_tier.py, test_fs_capacity.py (fs) and test_obj_tier.py (obj with max_bytes)."""
+
+import errno
+
+import pytest
+
+from kvoffload.ipc import messages as m
+from kvoffload.tiers.capacity import RETRY_FIRST_S, RETRY_MAX_S, Capacity
+
+U = 100  # bytes of one stored chunk
+
+
+class Ledger:
+    """A Capacity with its counters, forgotten keys and clock in view."""
+
+    def __init__(self, max_bytes: int | None = 3 * U):
+        self.counters: dict[str, float] = {}
+        self.forgotten: list[bytes] = []
+        self.now = 10.0
+        self.cap = Capacity(
+            max_bytes,
+            U,
+            count=lambda name, n: self.counters.__setitem__(name, self.counters.get(name, 0) + n),
+            forget=self.forgotten.append,
+            clock=lambda: self.now,
+        )
+
+    def store(self, *keys: bytes) -> None:
+        """Admit and finish a successful store of ``keys``."""
+        admitted, rejected = self.cap.admit(list(keys))
+        assert not rejected and admitted == list(range(len(keys)))
+        assert self.cap.stores_done(list(keys), {}) == ([], 0)
+
+
+def test_stores_are_counted_and_the_least_recently_used_are_evicted_for_room():
+    led = Ledger()
+    cap = led.cap
+    led.store(b"a", b"b", b"c")
+    assert cap.used_bytes == 3 * U and list(cap.index) == [b"a", b"b", b"c"]
+    cap.loads_started([b"a"])
+    cap.loads_done([b"a"], {})  # a was read: now the most recently used
+    led.store(b"d")
+    assert list(cap.index) == [b"c", b"a", b"d"] and cap.used_bytes == 3 * U
+    assert led.forgotten == [b"b"] and led.counters["evictions"] == 1
+    assert cap.take_deletes() == [b"b"] and cap.deleting == {b"b": 1}
+    assert cap.unconfirmed_bytes == U  # still stored until the delete answers
+    assert cap.deletes_answered([b"b"], [m.OK], []) == []
+    assert cap.unconfirmed_bytes == 0 and not cap.deleting
+
+
+def test_chunks_loading_and_keys_of_the_store_are_never_evicted():
+    led = Ledger(max_bytes=2 * U)
+    cap = led.cap
+    led.store(b"a", b"b")
+    cap.loads_started([b"a"])
+    admitted, rejected = cap.admit([b"b", b"c"])  # b is part of this store, a is loading
+    assert admitted == [0] and rejected == {b"c": m.NO_SPACE}
+    assert led.counters["store_refused_no_room"] == 1 and not led.forgotten
+    cap.loads_done([b"a"], {})  # a was read after b was stored again: b is the LRU now
+    assert cap.stores_done([b"b", b"c"], {b"c": m.NO_SPACE}) == ([], 0)  # refused, never written
+    admitted, rejected = cap.admit([b"c"])
+    assert admitted == [0] and not rejected and led.forgotten == [b"b"]
+
+
+def test_a_store_of_a_chunk_whose_delete_is_pending_is_refused():
+    led = Ledger(max_bytes=U)
+    cap = led.cap
+    led.store(b"a")
+    led.store(b"b")  # evicts a
+    cap.take_deletes()
+    admitted, rejected = cap.admit([b"a"])
+    assert admitted == [] and rejected == {b"a": m.REJECTED}
+    assert led.counters["store_skipped_deleting"] == 1
+    assert cap.stores_done([b"a"], {b"a": m.REJECTED}) == ([], 0)
+    assert not cap.refused
+
+
+def test_c32_a_failed_removal_keeps_the_chunk_counted_and_space_is_reused_only_once_confirmed():
+    led = Ledger()
+    cap = led.cap
+    led.store(b"a", b"b", b"c")
+    led.store(b"d")  # evicts a
+    cap.take_deletes()
+    kept = cap.deletes_answered([b"a"], [m.IO_ERROR], [errno.EPERM])
+    assert kept == [b"a"] and not cap.retry_at
+    assert list(cap.index)[-1] == b"a" and cap.used_bytes == 4 * U  # over the cap, counted
+    assert led.counters["eviction_errors.EPERM"] == 1 and cap.undeletable == {b"a"}
+    assert cap.cautious() and "could not be removed" in cap.why_no_room()
+    cap.enforce()  # back under the cap, never retrying the failed removal in a loop
+    assert cap.used_bytes == 3 * U and cap.take_deletes() == [b"b"]
+    admitted, rejected = cap.admit([b"e"])  # b's removal not confirmed: no room yet
+    assert rejected == {b"e": m.NO_SPACE} and cap.headroom == U
+    cap.stores_done([b"e"], rejected)
+    cap.deletes_answered([b"b"], [m.OK], [])
+    cap.enforce()
+    cap.deletes_answered(cap.take_deletes(), [m.OK], [])  # the headroom evicted ahead
+    admitted, rejected = cap.admit([b"e"])
+    assert admitted == [0] and not rejected
+
+
+def test_a_delete_with_no_answer_is_asked_again_after_a_growing_wait_until_one_answers():
+    """No answer says nothing about whether the chunk is gone: it stays in flight and unconfirmed
+    (never counted, never forgotten) and is sent again after 0.05 s, 0.1 s, ... up to 5 s, for as
+    long as it takes (a soak met ten unanswered tries in a row when retries were bounded)."""
+    led = Ledger(max_bytes=U)
+    cap = led.cap
+    led.store(b"a")
+    led.store(b"b")  # evicts a
+    keys = cap.take_deletes()
+    assert keys == [b"a"]
+    waits = []
+    for i in range(12):
+        assert (
+            cap.deletes_answered(keys, [(m.WORKER_DIED, m.TIMEOUT, m.BAD_REPLY)[i % 3]], []) == []
+        )
+        assert cap.deleting == {b"a": 1} and cap.unconfirmed_bytes == U and b"a" not in cap.index
+        assert cap.due_retries() == []  # not before its wait is over
+        waits.append(cap.retry_at[b"a"] - led.now)
+        led.now = cap.retry_at[b"a"]
+        assert cap.due_retries() == [b"a"] and not cap.retry_at
+    assert waits[:3] == pytest.approx([RETRY_FIRST_S, 2 * RETRY_FIRST_S, 4 * RETRY_FIRST_S])
+    assert waits == sorted(waits) and waits[-1] == RETRY_MAX_S
+    assert led.counters["delete_retries"] == 12
+    assert cap.deletes_answered(keys, [m.OK], []) == []
+    assert not cap.deleting and cap.unconfirmed_bytes == 0 and not cap.delete_retries
+    assert cap.used_bytes == U and list(cap.index) == [b"b"]
+    assert not any(k.startswith("eviction_errors") for k in led.counters)
+
+
+def test_a_write_that_failed_after_a_worker_had_it_is_removed_as_unconfirmed():
+    led = Ledger()
+    cap = led.cap
+    admitted, _ = cap.admit([b"a", b"b"])
+    unconfirmed, full = cap.stores_done([b"a", b"b"], {b"a": m.WORKER_DIED})
+    assert unconfirmed == [b"a"] and full == 0 and list(cap.index) == [b"b"]
+    cap.unconfirmed_stores(unconfirmed)
+    assert cap.deleting == {b"a": 1} and cap.unconfirmed_bytes == U
+    assert cap.removed_since(b"a", led.now) and not cap.removed_since(b"b", 0.0)
+    assert led.counters["unconfirmed_store_removals"] == 1
+
+
+def test_removals_since_tell_a_probe_that_raced_an_eviction():
+    led = Ledger(max_bytes=U)
+    cap = led.cap
+    led.store(b"a")
+    t_probe = led.now
+    led.now += 1.0
+    led.store(b"b")  # evicts a after the probe was sent
+    assert cap.removed_since(b"a", t_probe) and cap.removals_since(t_probe)
+    cap.deletes_answered(cap.take_deletes(), [m.OK], [])
+    assert cap.removed_since(b"a", t_probe) and not cap.removed_since(b"a", led.now + 1)
+    assert not cap.removals_since(led.now + 1)
+
+
+def test_c33_a_full_medium_lowers_the_cap_until_a_sample_shows_room():
+    led = Ledger(max_bytes=10 * U)
+    cap = led.cap
+    led.store(b"a", b"b", b"c", b"d")
+    cap.admit([b"e"])
+    assert cap.stores_done([b"e"], {b"e": m.NO_SPACE}) == ([], 1)
+    assert cap.lower_cap(1) == 4 * U and cap.capacity_bytes == 4 * U and cap.cautious()
+    cap.enforce()  # evicts ahead for the chunk that did not fit
+    assert cap.used_bytes == 3 * U and cap.take_deletes() == [b"a"]
+    assert not cap.raise_cap(2 * U) and cap.capacity_bytes == 5 * U
+    assert not cap.raise_cap(0)  # a sample never lowers it
+    assert cap.capacity_bytes == 5 * U
+    assert cap.raise_cap(100 * U) and cap.capacity_bytes == 10 * U and cap.lowered_cap is None
+
+
+def test_chunks_found_at_start_are_adopted_oldest_first_and_older_than_new_ones():
+    led = Ledger(max_bytes=10 * U)
+    cap = led.cap
+    led.store(b"new")
+    assert cap.adopt([(b"mid", U, 200.0), (b"old", U, 100.0), (b"new", U, 300.0)]) == 2 * U
+    assert list(cap.index) == [b"old", b"mid", b"new"] and cap.used_bytes == 3 * U
+    assert led.counters["adopted_chunks"] == 2
+
+
+def test_a_loaded_chunk_found_missing_is_no_longer_counted():
+    led = Ledger()
+    cap = led.cap
+    led.store(b"a", b"b")
+    cap.loads_started([b"a", b"b"])
+    cap.loads_done([b"a", b"b"], {b"a": m.MISSING, b"b": m.IO_ERROR})
+    assert list(cap.index) == [b"b"] and cap.used_bytes == U and not cap.loading
+
+
+def test_unbounded_counts_nothing_but_tracks_explicit_removals():
+    led = Ledger(max_bytes=None)
+    cap = led.cap
+    assert cap.capacity_bytes is None and not cap.bounded
+    assert cap.admit([b"a", b"b"]) == ([0, 1], {})
+    assert cap.stores_done([b"a", b"b"], {b"a": m.WORKER_DIED}) == ([], 0)
+    assert cap.adopt([(b"c", U, 1.0)]) == 0 and cap.used_bytes == 0
+    cap.remove([b"a"])
+    assert cap.take_deletes() == [b"a"] and cap.removed_since(b"a", 0.0)
+    assert cap.deletes_answered([b"a"], [m.IO_ERROR], [errno.EBUSY]) == []
+    assert led.counters["eviction_errors.EBUSY"] == 1 and not cap.deleting
+
+
+def test_a_cap_smaller_than_one_chunk_is_refused_naming_max_bytes():
+    with pytest.raises(ValueError, match=r"^max_bytes: 99 is smaller than one chunk \(100 bytes\)"):
+        Capacity(99, U, count=lambda name, n: None, forget=lambda key: None)

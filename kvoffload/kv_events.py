@@ -21,7 +21,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from kvoffload.events import BlockRemoved, BlockStored, ChunkEventInfo, EventPublisher, Movement
-from kvoffload.tiers.base import SecondaryTierManager, TierEvent, routed
+from kvoffload.tiers.base import RoutedTier, SecondaryTierManager, TierEvent
 
 
 class KVEventTranslator:
@@ -171,6 +171,8 @@ class EventStream:
         host: the host tier (its stored/removed events, its index of held keys).
         tiers: the secondary tiers, in order.
         config: the publisher's settings, or None (nothing published).
+        routed: those of ``tiers`` that follow requests' routing, as the manager found them
+            (:func:`~kvoffload.tiers.base.routed`): their movements name the other instance.
         keep: keep the collected events for :meth:`take`.
         host_name: the host tier's name in events (``"host"``).
         instance: this manager's metrics instance label (the publisher's ``instance``).
@@ -190,6 +192,7 @@ class EventStream:
         tiers: Sequence[SecondaryTierManager],
         config: Any,
         *,
+        routed: Iterable[RoutedTier] = (),
         keep: bool,
         host_name: str,
         instance: str,
@@ -227,7 +230,7 @@ class EventStream:
             ) from None
         self._moves = []
         # a routed tier (a peer tier) names the instance each chunk came from or went to
-        self._origin = {t.name: t.origin for t in tiers if routed(t)}
+        self._origin = {t.name: t.origin for t in routed}
         self._localities = {host_name: "local", **{t.name: t.locality.lower() for t in tiers}}
         self._translator = KVEventTranslator(
             media={host_name: "CPU", **{t.name: t.medium for t in tiers}},

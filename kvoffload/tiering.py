@@ -183,7 +183,6 @@ class TieringManager:
             for t in self.tiers:
                 t.shutdown()
             raise
-        self._routed = list(self._routed_at.values())
         defs = list(_metrics.CORE_METRICS)
         for t in self.tiers:
             defs.extend(type(t).metric_definitions)
@@ -206,6 +205,7 @@ class TieringManager:
                 self.host,
                 self.tiers,
                 config.kv_events,
+                routed=self._routed_at.values(),
                 keep=keep_events,
                 host_name=HOST,
                 instance=self.instance,
@@ -259,7 +259,7 @@ class TieringManager:
         self._tiers_stopped = False
         self.data_parallel_rank = data_parallel_rank
         try:
-            for hooks in self._routed:
+            for hooks in self._routed_at.values():
                 hooks.attach(self)
         except BaseException:
             self.shutdown()
@@ -976,7 +976,7 @@ class TieringManager:
         """A request arrived with the orchestrator's routing (``kv_transfer_params``, a dict or
         None): each tier takes what it reads from it (the p2p tier: which peer to ask, what to
         hold for a remote decoder)."""
-        for tier in self._routed:
+        for tier in self._routed_at.values():
             tier.on_request(req_id, kv_transfer_params)
 
     def on_request_finished(self, req_id: str) -> None:
@@ -985,7 +985,7 @@ class TieringManager:
             self._load_source.pop(req_id, None)
             self._counted.pop(req_id, None)
             self.holds.forget(req_id)
-            for tier in self._routed:
+            for tier in self._routed_at.values():
                 tier.on_request_finished(req_id)
 
     def take_events(self) -> list[tuple[str, TierEvent]]:

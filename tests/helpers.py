@@ -16,7 +16,7 @@ import pytest
 from kvoffload.config import parse_config
 from kvoffload.ipc.arena import Arena
 from kvoffload.namespace import Namespace
-from kvoffload.testing.tier_contract import ROW_BYTES, keys_for, payload
+from kvoffload.testing.tier_contract import ROW_BYTES, keys_for, payload, wait_cap_s
 from kvoffload.tiering import TieringManager
 from kvoffload.tiers.base import LookupResult
 
@@ -59,18 +59,7 @@ def no_child_or_descriptor_left(*kinds: str) -> Iterator[None]:
     assert open_descriptors(*kinds) <= before, f"a descriptor ({', '.join(kinds)}) is left open"
 
 
-def _wait_cap_s() -> float:
-    raw = os.environ.get("KVOFFLOAD_TEST_WAIT_S", "inf")
-    try:
-        cap = float(raw)
-    except ValueError:
-        cap = -1.0
-    if not cap > 0:
-        raise ValueError(f"KVOFFLOAD_TEST_WAIT_S={raw!r}: must be a number of seconds above 0")
-    return cap
-
-
-_WAIT_CAP_S = _wait_cap_s()
+_WAIT_CAP_S = wait_cap_s()
 
 
 def patience(seconds: float) -> float:

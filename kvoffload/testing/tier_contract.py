@@ -72,9 +72,29 @@ from kvoffload.tiers.base import JobMetadata, JobResult, LookupResult, Secondary
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
 _UNSETTLED = (LookupResult.RETRY, LookupResult.HIT_PENDING)
 ROW_BYTES = 16384
+
+
+def wait_cap_s() -> float:
+    """The cap ``KVOFFLOAD_TEST_WAIT_S`` puts on every bounded wait of a test run (seconds; inf
+    when unset): kvoffload's mutation proof sets 30 s, so a patch that makes the awaited thing
+    never come fails its test in that time.
+
+    Raises:
+        ValueError: the variable is not a number of seconds above 0.
+    """
+    raw = os.environ.get("KVOFFLOAD_TEST_WAIT_S", "inf")
+    try:
+        cap = float(raw)
+    except ValueError:
+        cap = -1.0
+    if not cap > 0:
+        raise ValueError(f"KVOFFLOAD_TEST_WAIT_S={raw!r}: must be a number of seconds above 0")
+    return cap
+
+
 #: The most a check waits for what should come (seconds): a bound for a stuck run, never the thing
-#: checked. ``KVOFFLOAD_TEST_WAIT_S`` lowers it (kvoffload's mutation proof sets 30 s).
-WAIT_S = min(120.0, float(os.environ.get("KVOFFLOAD_TEST_WAIT_S", "inf")))
+#: checked, capped by :func:`wait_cap_s`.
+WAIT_S = min(120.0, wait_cap_s())
 """Upper bound (seconds) on any wait for a condition: generous for a stuck run, never what is
 tested."""
 _names = itertools.count()

@@ -34,7 +34,10 @@ plain() {
     python3 -m venv "$tmp/venv"
     # The CPU torch wheel (constraints-cpu.txt), not a CUDA build: the check is about kvoffload's own
     # dependencies, and the CPU wheel lies on this machine's disk.
-    "$tmp/venv/bin/pip" install --quiet --disable-pip-version-check -c constraints-cpu.txt "$root" \
+    # No bytecode compiled at install (--no-compile): the check imports a few modules of torch's
+    # thousands.
+    "$tmp/venv/bin/pip" install --quiet --disable-pip-version-check --no-compile \
+        -c constraints-cpu.txt "$root" \
         2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
     "$tmp/venv/bin/python" -c "import kvoffload" || fail "kvoffload did not install"
     for extra_module in vllm httpx transformers matplotlib moto pytest; do

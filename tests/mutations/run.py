@@ -149,7 +149,6 @@ def env_for(scratch: str) -> dict[str, str]:
     env.setdefault("KVOFFLOAD_TEST_WAIT_S", WAIT_S)
     tree = os.path.join(scratch, "tree")
     env["PYTHONPATH"] = tree + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env["PYTHONDONTWRITEBYTECODE"] = "1"
     return env
 
 

@@ -6,7 +6,9 @@ Slot states (DESIGN.md §4 "Host tier")::
       ▲                   │ complete_write(failed)       │ evict (only READY, unpinned, not protected)
       └───────────────────┴──────────────────────────────┘
 
-Only READY, unpinned slots are evictable, and never a key of the batch being stored. A reset
+Only READY, unpinned slots are evictable, and never a key of the batch being stored. The policy is
+told a batch of keys in prefix order, with the request it is for (``rank_prefix``), so that within
+a request the tail of a prefix is evicted before its head (CASES C47; :mod:`kvoffload.policies`). A reset
 (:meth:`HostTier.clear`) forgets every chunk at once, but a slot with a transfer still in or out of
 it (WRITING, or pinned) is *quarantined*: out of the index and off the free list until its last
 transfer ends (:meth:`HostTier.complete_write`, :meth:`HostTier.unpin_slot`), so a late write can
@@ -182,11 +184,13 @@ class HostTier:
         """True when ``key`` holds a slot: indexed, or a write quarantined by a reset."""
         return key in self.index or key in self._qwrites
 
-    def complete_write(self, keys: Iterable[bytes], success: bool) -> list[bytes]:
-        """Finish writes of WRITING keys: READY on success, freed on failure. Other keys are
-        ignored; a write a reset quarantined ends its quarantine (the chunk stays forgotten).
-        Returns the keys that changed state (quarantined ones excluded)."""
+    def complete_write(self, keys: Iterable[bytes], success: bool, req_id: str = "") -> list[bytes]:
+        """Finish writes of WRITING keys (prefix order; for request ``req_id``, "" for none):
+        READY on success, freed on failure. Other keys are ignored; a write a reset quarantined
+        ends its quarantine (the chunk stays forgotten). Returns the keys that changed state
+        (quarantined ones excluded)."""
         done = []
+        ready: list[int] = []
         index, state = self.index, self.state
         for k in keys:
             slot = index.get(k)
@@ -199,12 +203,17 @@ class HostTier:
             self.num_writing -= 1
             if success:
                 state[slot] = READY
-                if self.refs[slot] == 0:
-                    self.num_evictable += 1
-                    self.policy.make_evictable(slot)
+                ready.append(slot)
             else:
                 self._release(slot)
             done.append(k)
+        if ready:
+            policy, refs = self.policy, self.refs
+            policy.rank_prefix(ready, req_id, False)
+            for slot in reversed(ready):  # tail first (an out-of-tree policy's recency)
+                if refs[slot] == 0:
+                    self.num_evictable += 1
+                    policy.make_evictable(slot)
         if success and done and self._events is not None:
             self._events.append(TierEvent(done, False))
         return done
@@ -274,7 +283,8 @@ class HostTier:
 
     def unpin_slots(self, slots: Iterable[int]) -> None:
         """Drop one pin of each slot (batch form of :meth:`unpin_slot`)."""
-        refs, state, policy = self.refs, self.state, self.policy
+        refs, state = self.refs, self.state
+        evictable: list[int] = []
         for slot in slots:
             r = refs[slot]
             if r <= 0:
@@ -286,8 +296,12 @@ class HostTier:
                     if state[slot] == READY:
                         self._free_quarantined(slot)
                 elif state[slot] == READY:
-                    self.num_evictable += 1
-                    policy.make_evictable(slot)
+                    evictable.append(slot)
+        if evictable:
+            self.num_evictable += len(evictable)
+            make_evictable = self.policy.make_evictable
+            for slot in reversed(evictable):  # tail first (an out-of-tree policy's recency)
+                make_evictable(slot)
 
     def unpin_slot(self, slot: int) -> None:
         """Drop one pin of ``slot``; an unpinned slot is ignored."""
@@ -295,13 +309,27 @@ class HostTier:
 
     # -- use, removal ---------------------------------------------------------------------------
 
-    def access(self, keys: Iterable[bytes]) -> None:
-        """Record a use of each present key (recency / frequency)."""
+    def access(self, keys: Iterable[bytes], req_id: str = "") -> None:
+        """Record a use of the present ``keys`` (prefix order; by request ``req_id``, "" for
+        none) in the policy's order."""
         index = self.index
-        for k in keys:
-            slot = index.get(k)
-            if slot is not None:
-                self.policy.access(slot)
+        slots = [s for k in keys if (s := index.get(k)) is not None]
+        if slots:
+            self.policy.rank_prefix(slots, req_id, True)
+
+    def order(self, keys: Iterable[bytes], req_id: str) -> None:
+        """Rank the present ``keys`` (prefix order, any state) as request ``req_id``'s batch,
+        without counting a use: a store's batch, its new chunks and those it found present, so
+        that their positions in the request follow the prefix."""
+        index = self.index
+        slots = [s for k in keys if (s := index.get(k)) is not None]
+        if slots:
+            self.policy.rank_prefix(slots, req_id, False)
+
+    def request_finished(self, req_id: str) -> None:
+        """``req_id`` (a request, or a peer's lease holder) is done: the policy ranks its chunks
+        afresh (:meth:`~kvoffload.policies.EvictionPolicy.request_finished`)."""
+        self.policy.request_finished(req_id)
 
     def remove(self, keys: Iterable[bytes]) -> list[bytes]:
         """Remove READY, unpinned keys (explicit removal); returns those removed."""

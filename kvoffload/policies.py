@@ -1,88 +1,211 @@
 """Host-tier eviction policies over arena slots: ``lru`` and ``arc``.
 
-A policy orders only *evictable* slots (ready, no pins) in intrusive doubly-linked lists kept in
-``array('i')`` columns, so every operation is O(1), eviction included, and a full tier whose slots are
-all pinned answers "nothing to evict" without scanning (CASES C23). Membership of a chunk (for ARC's
-recency/frequency lists) is kept apart from evictability, so a pinned chunk keeps its place in ARC's
-bookkeeping.
+Every chunk has a *rank*; of the evictable chunks (ready, no pins) the lowest rank goes first. The
+built-in policies keep the evictable slots in lazily invalidated min-heaps of ranks (as vLLM's
+``LRUCachePolicy`` does): a rank change or a slot becoming evictable pushes an entry, an entry whose
+slot's rank or evictability has changed since is skipped when popped, and the heap is rebuilt from
+the evictable set once it holds twice as many entries. A pin removes a slot from the evictable set
+and keeps its rank, so a transfer out of a chunk (a write-through, a peer's read) never moves it in
+the eviction order; only a use does. Every operation is O(log n); a full tier whose slots are all
+pinned answers "nothing to evict" from a count, without scanning (CASES C23).
+
+Ranks follow prefixes (CASES C47). A request reads and stores its prefix head to tail, and a prefix
+is usable only up to its first missing chunk: ranked by time of use, a prefix's head would be its
+least recently used chunk and go first, leaving a tail that can never be served. So, as in vLLM 0.33:
+a request takes one rank when it first places chunks, shared by all its batches while it runs, and
+each of its chunks is ordered within it by its position in the request (the order the request first
+placed them: head first), the tail lowest; when the request finishes, every chunk it ranked that is
+still stored (since ranked by another request or not) is ranked afresh, tail first, head last (the
+most recently used). A use outside any request ranks its chunks afresh,
+tail first. No walk over a request's chunks per eviction: one walk per finished request.
 
 Protocol (called by :class:`~kvoffload.host.HostTier`):
     prepare(keys)         these new keys are about to be admitted (before any eviction for them)
     admit(slot, key)      a new chunk took the slot (still being written: not evictable)
-    make_evictable(slot)  the slot became ready and unpinned: link it at the most-recent end
-    make_pinned(slot)     the slot got its first pin: unlink it
-    access(slot)          the chunk was used (a hit)
+    rank_prefix(slots, request, use)
+                          a batch of chunks (prefix order, head first) was stored (``use`` False,
+                          once ready) or used (a hit, a load, a peer's read: ``use`` True), for
+                          ``request`` ("" for none)
+    make_evictable(slot)  the slot became ready and unpinned (after rank_prefix for a new chunk)
+    make_pinned(slot)     the slot got its first pin: not evictable until it has none
+    access(slot)          the chunk was used outside any batch
+    request_finished(request)
+                          the request is done (its chunks are ranked afresh)
     remove(slot)          the chunk left without eviction (failed write, explicit removal)
     evict(n, protected)   pick n evictable slots, never one in ``protected``; None if impossible
                           (``protected`` is a set for out-of-tree policies; the built-in ones get
                           a container read by ``slot in protected`` alone)
 
 Out-of-tree policies subclass :class:`EvictionPolicy` and are named by ``module.path:ClassName``.
+What they are told: every call above. :meth:`EvictionPolicy.rank_prefix` calls :meth:`access`
+once per slot for a use, tail first, and nothing for a store, whose slots
+:class:`~kvoffload.host.HostTier` then makes evictable tail first: a policy ordered by recency
+keeps a batch's head longest without knowing about requests; one that wants the order across a
+request's batches overrides ``rank_prefix`` and ``request_finished``, as LRU and ARC do.
 """
 
 from __future__ import annotations
 
+import heapq
 import importlib
 from abc import ABC, abstractmethod
 from array import array
 from collections import OrderedDict
-from collections.abc import Container
+from collections.abc import Container, Sequence
 
 from typing_extensions import override
 
+MAX_REQUESTS = 65536
+"""Requests in flight whose rank and chunks a built-in policy keeps (the oldest are forgotten past
+it: a request whose end is never reported cannot grow the table; a forgotten one's chunks keep
+their ranks and are not ranked afresh when it ends)."""
 
-class _Lists:
-    """Several intrusive doubly-linked lists over slots ``0..n-1`` sharing one pair of link
-    columns; list ``i``'s sentinel is index ``n + i``."""
 
-    __slots__ = ("n", "prev", "next", "linked", "sizes")
+class _Request:
+    __slots__ = ("token", "rank", "next_pos", "slots")
 
-    def __init__(self, n: int, num_lists: int):
-        self.n = n
-        total = n + num_lists
-        self.prev = array("i", range(total))
-        self.next = array("i", range(total))
-        self.linked = bytearray(n)  # 0 = not linked, else list index + 1
-        self.sizes = [0] * num_lists
+    def __init__(self, token: int, rank: int):
+        self.token = token  # tags the slots this request ranked (PrefixRanks.placed_by)
+        self.rank = rank
+        self.next_pos = 0
+        # (slot, its chunk's generation) in the order first ranked: head first
+        self.slots: list[tuple[int, int]] = []
 
-    def push_back(self, lst: int, slot: int) -> None:
-        s = self.n + lst
-        last = self.prev[s]
-        self.prev[slot] = last
-        self.next[slot] = s
-        self.next[last] = slot
-        self.prev[s] = slot
-        self.linked[slot] = lst + 1
-        self.sizes[lst] += 1
 
-    def unlink(self, slot: int) -> int:
-        """Unlink ``slot``; returns the list it was in, or -1."""
-        lst = self.linked[slot] - 1
-        if lst < 0:
-            return -1
-        p, nx = self.prev[slot], self.next[slot]
-        self.next[p] = nx
-        self.prev[nx] = p
-        self.linked[slot] = 0
-        self.sizes[lst] -= 1
-        return lst
+class PrefixRanks:
+    """The ranks of slots ``0..n-1``, ``(major, minor)``, lower evicted first (module docstring):
+    a request's chunks ``(its rank, -position)``, anything else ``(clock, 0)``."""
 
-    def iter_from_head(self, lst: int):
-        s = self.n + lst
-        cur = self.next[s]
-        nxt = self.next
-        while cur != s:
-            following = nxt[cur]
-            yield cur
-            cur = following
+    __slots__ = ("major", "minor", "placed_by", "gen", "clock", "tokens", "requests")
 
-    def any_outside(self, lst: int, protected: Container[int]) -> bool:
-        """Whether list ``lst`` links a slot not in ``protected`` (walked from its head, the
-        next victim's end, where protected slots, recently used or admitted, are rare)."""
-        return any(slot not in protected for slot in self.iter_from_head(lst))
+    def __init__(self, n: int):
+        self.major = array("q", bytes(8 * n))
+        self.minor = array("q", bytes(8 * n))
+        self.placed_by = array("q", bytes(8 * n))  # token of the last request that saw it (0: none)
+        self.gen = array("q", bytes(8 * n))  # chunks the slot has held
+        self.clock = 0
+        self.tokens = 0
+        self.requests: OrderedDict[str, _Request] = OrderedDict()
 
-    def clear(self) -> None:
-        type(self).__init__(self, self.n, len(self.sizes))
+    def admitted(self, slot: int) -> None:
+        """A new chunk took ``slot``: no request has ranked it."""
+        self.placed_by[slot] = 0
+        self.gen[slot] += 1
+
+    def fresh(self, slots: Sequence[int]) -> None:
+        """Rank ``slots`` (head first) as used now, tail first: the head highest."""
+        major, minor, placed_by = self.major, self.minor, self.placed_by
+        clock = self.clock
+        for slot in reversed(slots):
+            clock += 1
+            major[slot] = clock
+            minor[slot] = 0
+            placed_by[slot] = 0
+        self.clock = clock
+
+    def of_request(self, request: str, slots: Sequence[int]) -> None:
+        """Rank ``slots`` (head first) as ``request``'s: its rank, ordered by position (a slot
+        it ranked before keeps its position), where that raises a slot's rank."""
+        req = self.requests.get(request)
+        if req is None:
+            self.tokens += 1
+            self.clock += 1
+            req = _Request(self.tokens, self.clock)
+            if len(self.requests) >= MAX_REQUESTS:
+                self.requests.popitem(last=False)
+            self.requests[request] = req
+        major, minor, placed_by, gen = self.major, self.minor, self.placed_by, self.gen
+        token, rank, pos = req.token, req.rank, req.next_pos
+        mine = req.slots
+        for slot in slots:
+            if placed_by[slot] == token:
+                continue  # seen by this request already: its position stays
+            placed_by[slot] = token
+            mine.append((slot, gen[slot]))
+            # a rank only rises: an older request does not move a chunk a newer one (or a use
+            # since) ranked above it
+            if major[slot] < rank or (major[slot] == rank and minor[slot] < -pos):
+                major[slot] = rank
+                minor[slot] = -pos
+            pos += 1
+        req.next_pos = pos
+
+    def finished(self, request: str) -> list[int]:
+        """``request`` is done: every chunk it ranked that is still stored is ranked afresh,
+        tail first (its head the most recent). Returns their slots."""
+        req = self.requests.pop(request, None)
+        if req is None:
+            return []
+        gen = self.gen
+        mine = [s for s, g in req.slots if gen[s] == g]
+        self.fresh(mine)
+        return mine
+
+    def entry(self, slot: int) -> tuple[int, int, int]:
+        """``slot``'s heap entry: ``(major, minor, slot)``."""
+        return (self.major[slot], self.minor[slot], slot)
+
+
+class _RankHeap:
+    """Evictable slots by rank, lowest first: a lazily invalidated min-heap over ``ranks``."""
+
+    __slots__ = ("ranks", "members", "heap")
+
+    def __init__(self, ranks: PrefixRanks):
+        self.ranks = ranks
+        self.members: set[int] = set()
+        self.heap: list[tuple[int, int, int]] = []
+
+    def add(self, slot: int) -> None:
+        if slot not in self.members:
+            self.members.add(slot)
+            self._push(slot)
+
+    def discard(self, slot: int) -> None:
+        self.members.discard(slot)  # its entries go stale
+
+    def reranked(self, slot: int) -> None:
+        if slot in self.members:
+            self._push(slot)
+
+    def _push(self, slot: int) -> None:
+        heap = self.heap
+        if len(heap) >= max(64, 2 * len(self.members)):
+            entry = self.ranks.entry
+            heap[:] = [entry(s) for s in self.members]
+            heapq.heapify(heap)  # slot is a member: its entry is in
+        else:
+            heapq.heappush(heap, self.ranks.entry(slot))
+
+    def pop(self, protected: Container[int], deferred: list[tuple[int, int, int]]) -> int:
+        """Take the lowest-ranked member outside ``protected`` (-1: none); entries of protected
+        members are put in ``deferred`` (the caller pushes them back)."""
+        heap, members = self.heap, self.members
+        major, minor = self.ranks.major, self.ranks.minor
+        while heap:
+            e = heapq.heappop(heap)
+            slot = e[2]
+            if slot not in members or major[slot] != e[0] or minor[slot] != e[1]:
+                continue  # stale
+            if slot in protected:
+                deferred.append(e)
+                continue
+            members.discard(slot)
+            return slot
+        return -1
+
+    def restore(self, taken: Sequence[int], deferred: Sequence[tuple[int, int, int]]) -> None:
+        """Undo :meth:`pop`: ``taken`` are members again, ``deferred`` entries back."""
+        for slot in taken:
+            self.add(slot)
+        for e in deferred:
+            heapq.heappush(self.heap, e)
+
+    def any_outside(self, protected: Container[int]) -> bool:
+        return any(slot not in protected for slot in self.members)
+
+    def __len__(self) -> int:
+        return len(self.members)
 
 
 class EvictionPolicy(ABC):
@@ -99,10 +222,20 @@ class EvictionPolicy(ABC):
         """A new chunk ``key`` took ``slot`` (0 <= slot < num_slots); it is still being written, so
         not evictable until :meth:`make_evictable`."""
 
+    def rank_prefix(self, slots: Sequence[int], request: str, use: bool) -> None:
+        """A batch of chunks in ``slots`` (prefix order: head first) was stored (``use`` False:
+        they are ready, and those unpinned are made evictable next) or used (``use`` True), for
+        ``request`` ("" when none). Default: :meth:`access` per slot, tail first, for a use."""
+        if use:
+            for slot in reversed(slots):
+                self.access(slot)
+
+    def request_finished(self, request: str) -> None:
+        """``request`` (a request, or a peer's lease holder) is done. Default: nothing."""
+
     @abstractmethod
     def make_evictable(self, slot: int) -> None:
-        """``slot`` became ready and unpinned: it may be chosen by :meth:`evict` from now on (linked
-        at the most recently used end)."""
+        """``slot`` became ready and unpinned: it may be chosen by :meth:`evict` from now on."""
 
     @abstractmethod
     def make_pinned(self, slot: int) -> None:
@@ -111,7 +244,7 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def access(self, slot: int) -> None:
-        """The chunk in ``slot`` was used (a lookup hit): refresh its place in the order."""
+        """The chunk in ``slot`` was used (a hit outside any batch): refresh its place."""
 
     @abstractmethod
     def remove(self, slot: int) -> None:
@@ -138,59 +271,74 @@ class EvictionPolicy(ABC):
 
 
 class LRUPolicy(EvictionPolicy):
-    """Least recently used first."""
+    """Lowest rank first (:class:`PrefixRanks`: least recently used, a request's tail before its
+    head)."""
 
     def __init__(self, num_slots: int):
         super().__init__(num_slots)
-        self._l = _Lists(num_slots, 1)
+        self.ranks = PrefixRanks(num_slots)
+        self._heap = _RankHeap(self.ranks)
 
     @override
     def admit(self, slot: int, key: bytes) -> None:
-        pass
+        self.ranks.admitted(slot)
+
+    @override
+    def rank_prefix(self, slots: Sequence[int], request: str, use: bool) -> None:
+        if request:
+            self.ranks.of_request(request, slots)
+        else:
+            self.ranks.fresh(slots)
+        reranked = self._heap.reranked
+        for slot in slots:
+            reranked(slot)
+
+    @override
+    def request_finished(self, request: str) -> None:
+        reranked = self._heap.reranked
+        for slot in self.ranks.finished(request):
+            reranked(slot)
 
     @override
     def make_evictable(self, slot: int) -> None:
-        if not self._l.linked[slot]:
-            self._l.push_back(0, slot)
+        self._heap.add(slot)
 
     @override
     def make_pinned(self, slot: int) -> None:
-        self._l.unlink(slot)
+        self._heap.discard(slot)
 
     @override
     def access(self, slot: int) -> None:
-        if self._l.linked[slot]:
-            self._l.unlink(slot)
-            self._l.push_back(0, slot)
+        self.ranks.fresh((slot,))
+        self._heap.reranked(slot)
 
     @override
     def remove(self, slot: int) -> None:
-        self._l.unlink(slot)
+        self._heap.discard(slot)
 
     @override
     def evict(self, n: int, protected: Container[int], keys: list) -> list[int] | None:
-        if n > self._l.sizes[0]:
+        heap = self._heap
+        if n > len(heap):
             return None
-        out = []
-        for slot in self._l.iter_from_head(0):
-            if slot in protected:
-                continue
+        out: list[int] = []
+        deferred: list[tuple[int, int, int]] = []
+        while len(out) < n:
+            slot = heap.pop(protected, deferred)
+            if slot < 0:
+                heap.restore(out, deferred)
+                return None
             out.append(slot)
-            if len(out) == n:
-                break
-        if len(out) < n:
-            return None
-        for slot in out:
-            self._l.unlink(slot)
+        heap.restore((), deferred)
         return out
 
     @override
     def has_victim(self, protected: Container[int]) -> bool:
-        return self._l.any_outside(0, protected)
+        return self._heap.any_outside(protected)
 
     @override
     def clear(self) -> None:
-        self._l.clear()
+        type(self).__init__(self, self.num_slots)
 
 
 _T1, _T2 = 0, 1
@@ -201,15 +349,21 @@ class ARCPolicy(EvictionPolicy):
 
     T1 holds chunks seen once recently, T2 chunks seen at least twice; ghost lists B1/B2 remember the
     keys recently evicted from each. A new key found in B1 grows the target size ``p`` of T1, one
-    found in B2 shrinks it; eviction takes T1's least recent evictable chunk while T1 exceeds ``p``,
-    else T2's (falling back to the other list when one has nothing evictable).
+    found in B2 shrinks it; eviction takes T1's lowest-ranked evictable chunk while T1 exceeds
+    ``p``, else T2's (falling back to the other list when one has nothing evictable). Within each
+    list, chunks are ordered by :class:`PrefixRanks` (recency, a request's tail before its head).
+
+    One departure from the paper, for prefixes (CASES C47): a request's head is typically in T2
+    (used again) and its newly stored tail in T1, so evicting T2's candidate could leave a tail no
+    request can reach; when T1's candidate ranks lower than T2's, T1's goes first.
     """
 
     def __init__(self, num_slots: int):
         super().__init__(num_slots)
         self.c = num_slots
         self.p = 0.0
-        self._l = _Lists(num_slots, 2)
+        self.ranks = PrefixRanks(num_slots)
+        self._heaps = (_RankHeap(self.ranks), _RankHeap(self.ranks))
         self._member = bytearray(num_slots)  # 0 none, 1 T1, 2 T2
         self._sizes = [0, 0]  # members, evictable or not
         self.b1: OrderedDict[bytes, None] = OrderedDict()
@@ -235,74 +389,115 @@ class ARCPolicy(EvictionPolicy):
         lst = _T2 if key in self._ghost_hits else _T1
         self._member[slot] = lst + 1
         self._sizes[lst] += 1
+        self.ranks.admitted(slot)
 
-    @override
-    def make_evictable(self, slot: int) -> None:
-        if not self._l.linked[slot] and self._member[slot]:
-            self._l.push_back(self._member[slot] - 1, slot)
-
-    @override
-    def make_pinned(self, slot: int) -> None:
-        self._l.unlink(slot)
-
-    @override
-    def access(self, slot: int) -> None:
-        lst = self._member[slot] - 1
-        if lst < 0:
-            return
-        was_linked = self._l.unlink(slot) >= 0
-        if lst == _T1:
+    def _used_again(self, slot: int) -> None:
+        """A member of T1 seen again moves to T2 (evictable or not)."""
+        if self._member[slot] - 1 == _T1:
             self._sizes[_T1] -= 1
             self._sizes[_T2] += 1
             self._member[slot] = _T2 + 1
-        if was_linked:
-            self._l.push_back(_T2, slot)
+            t1, t2 = self._heaps
+            if slot in t1.members:
+                t1.discard(slot)
+                t2.members.add(slot)  # its entry is pushed when ranked, next
+
+    @override
+    def rank_prefix(self, slots: Sequence[int], request: str, use: bool) -> None:
+        member = self._member
+        slots = [s for s in slots if member[s]]
+        if use:
+            for slot in slots:
+                self._used_again(slot)
+        if request:
+            self.ranks.of_request(request, slots)
+        else:
+            self.ranks.fresh(slots)
+        heaps = self._heaps
+        for slot in slots:
+            heaps[member[slot] - 1].reranked(slot)
+
+    @override
+    def request_finished(self, request: str) -> None:
+        heaps, member = self._heaps, self._member
+        for slot in self.ranks.finished(request):
+            if member[slot]:
+                heaps[member[slot] - 1].reranked(slot)
+
+    @override
+    def make_evictable(self, slot: int) -> None:
+        if self._member[slot]:
+            self._heaps[self._member[slot] - 1].add(slot)
+
+    @override
+    def make_pinned(self, slot: int) -> None:
+        if self._member[slot]:
+            self._heaps[self._member[slot] - 1].discard(slot)
+
+    @override
+    def access(self, slot: int) -> None:
+        if not self._member[slot]:
+            return
+        self._used_again(slot)
+        self.ranks.fresh((slot,))
+        self._heaps[_T2].reranked(slot)
 
     @override
     def remove(self, slot: int) -> None:
-        self._l.unlink(slot)
         lst = self._member[slot] - 1
         if lst >= 0:
+            self._heaps[lst].discard(slot)
             self._sizes[lst] -= 1
             self._member[slot] = 0
-
-    def _pick(self, lst: int, protected: Container[int], taken: set[int]) -> int | None:
-        for slot in self._l.iter_from_head(lst):
-            if slot not in protected and slot not in taken:
-                return slot
-        return None
 
     @override
     def evict(self, n: int, protected: Container[int], keys: list) -> list[int] | None:
-        if n > self._l.sizes[_T1] + self._l.sizes[_T2]:
+        heaps = self._heaps
+        if n > len(heaps[_T1]) + len(heaps[_T2]):
             return None
-        chosen: list[int] = []
-        taken: set[int] = set()
+        chosen: list[list[int]] = [[], []]
+        deferred: list[list[tuple[int, int, int]]] = [[], []]
         t1 = self._sizes[_T1]
+        major, minor = self.ranks.major, self.ranks.minor
         for _ in range(n):
             first = _T1 if t1 > self.p else _T2
-            slot = self._pick(first, protected, taken)
-            if slot is None:
-                slot = self._pick(1 - first, protected, taken)
-            if slot is None:
+            lst = first
+            slot = heaps[lst].pop(protected, deferred[lst])
+            if slot >= 0 and lst == _T2:
+                # a prefix's tail before its head (C47): a request's head is in T2 (used
+                # again), its new tail in T1; T1's candidate goes first if it ranks lower
+                other = heaps[_T1].pop(protected, deferred[_T1])
+                if other >= 0 and (major[other], minor[other]) < (major[slot], minor[slot]):
+                    heaps[_T2].restore((slot,), ())
+                    slot, lst = other, _T1
+                elif other >= 0:
+                    heaps[_T1].restore((other,), ())
+            if slot < 0:
+                lst = 1 - first
+                slot = heaps[lst].pop(protected, deferred[lst])
+            if slot < 0:
+                for i in (_T1, _T2):
+                    heaps[i].restore(chosen[i], deferred[i])
                 return None
-            if self._member[slot] - 1 == _T1:
+            chosen[lst].append(slot)
+            if lst == _T1:
                 t1 -= 1
-            chosen.append(slot)
-            taken.add(slot)
-        for slot in chosen:
-            lst = self._member[slot] - 1
-            self._l.unlink(slot)
-            self._sizes[lst] -= 1
-            self._member[slot] = 0
+        out: list[int] = []
+        for lst in (_T1, _T2):
+            heaps[lst].restore((), deferred[lst])
             ghost = self.b1 if lst == _T1 else self.b2
-            ghost[keys[slot]] = None
+            for slot in chosen[lst]:
+                self._sizes[lst] -= 1
+                self._member[slot] = 0
+                ghost[keys[slot]] = None
+                out.append(slot)
         self._trim_ghosts()
-        return chosen
+        return out
 
     @override
     def has_victim(self, protected: Container[int]) -> bool:
-        return self._l.any_outside(_T1, protected) or self._l.any_outside(_T2, protected)
+        t1, t2 = self._heaps
+        return t1.any_outside(protected) or t2.any_outside(protected)
 
     def _trim_ghosts(self) -> None:
         c = self.c

@@ -470,7 +470,7 @@ class TieringManager:
                     holds[k] = [slot, 1]
                 else:
                     h[1] += 1
-            self.host.access(keys)
+            self.host.access(keys, req_id)
             self.events.moved(keys, HOST, "device")
             loads_from = self.stats.loads_from
             src = self._load_source.get(req_id)
@@ -607,7 +607,7 @@ class TieringManager:
     def touch(self, keys: Sequence[bytes], req_id: str = "") -> None:
         """Mark ``keys`` recently used in every tier."""
         with self.lock:
-            self.host.access(keys)
+            self.host.access(keys, req_id)
             for tier in self.tiers:
                 tier.touch(keys)
 
@@ -661,6 +661,14 @@ class TieringManager:
                     self.refusals.store_rejected(len(new))
             if plan is not None and plan.evicted:
                 holds.evicted(plan.evicted)
+            if plan is not None and req_id:
+                # the batch is the request's prefix, the chunks it found stored included (C47):
+                # ranked in its order, those found ready counted as used (as vLLM does)
+                host.order(keys, req_id)
+                written = set(plan.keys)
+                host.access(
+                    [k for k in keys if k not in written and host.lookup(k) is _HIT], req_id
+                )
             if plan is not None and plan.keys:
                 writes = self._writes
                 for k in plan.keys:
@@ -704,7 +712,7 @@ class TieringManager:
                     self.stats.stale_store_completions += 1
             keys = mine
             self.holds.unblock()
-            done = self.host.complete_write(keys, success)
+            done = self.host.complete_write(keys, success, req_id)
             if not success:
                 self.events.forget(keys)
             if success and done:
@@ -855,7 +863,8 @@ class TieringManager:
             ok_set = set(res.successful_keys or ())
             ok = [k for k in meta.keys if k in ok_set]
             failed = [k for k in meta.keys if k not in ok_set]
-        host.complete_write(ok, True)
+        # ranked as the request's (it loads them next); a promotion for a peer is no request's
+        host.complete_write(ok, True, "" if meta.req_id == PEER_PROMOTION else meta.req_id)
         if ok:
             self.events.moved(ok, tier.name, HOST, tier=tier)
         if failed:
@@ -985,6 +994,7 @@ class TieringManager:
             self._load_source.pop(req_id, None)
             self._counted.pop(req_id, None)
             self.holds.forget(req_id)
+            self.host.request_finished(req_id)
             for tier in self._routed_at.values():
                 tier.on_request_finished(req_id)
 

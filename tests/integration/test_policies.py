@@ -2,6 +2,7 @@
 its lookups leaves nothing pinned (C12), and a store batch that does not fit keeps its longest
 prefix. The slot table and the LRU / ARC policies alone are tests/unit/test_policies.py."""
 
+import pytest
 from helpers import PENDING, keys_for
 
 
@@ -65,3 +66,72 @@ def test_store_batch_that_does_not_fit_keeps_its_longest_prefix(tmp_path):
         rig.tm.host.pin(plan.keys)
         assert rig.tm.prepare_store(keys_for(2, seed=2)) is None
         assert rig.tm.stats.store_rejections == 1
+
+
+def _one_request(rig, rid: str, keys: list, batch: int) -> int:
+    """One request as vLLM makes it: look up its prefix, load the host hits, store the rest
+    ``batch`` chunks a step, finish. Returns the chunks it found."""
+    from helpers import HIT, payload
+
+    tm = rig.tm
+    hits = []
+    for k in keys:
+        if tm.lookup(k, rid) is not HIT:
+            break
+        hits.append(k)
+    if hits:
+        tm.touch(hits, rid)
+        tm.prepare_load(hits, rid)
+        tm.complete_load(hits, rid)
+    rest = keys[len(hits) :]
+    for i in range(0, len(rest), batch):
+        plan = tm.prepare_store(rest[i : i + batch], rid)
+        assert plan is not None
+        for k, s in zip(plan.keys, plan.slots):
+            rig.arena.rows[s] = payload(k, rig.row_bytes)
+        tm.complete_store(plan.keys, True, rid)
+    tm.on_request_finished(rid)
+    return len(hits)
+
+
+def _layout(host, keys: list) -> str:
+    """``x`` for a chunk the host tier holds, ``-`` for one it does not, head first."""
+    return "".join("x" if host.slot_of(k) is not None else "-" for k in keys)
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_c47_a_prefix_tail_is_evicted_before_its_head(policy):
+    """CASES C47: a host tier of 12 chunks; two conversations of 8-chunk prefixes come back in
+    turn, each storing what it misses 3 chunks a step. Every store evicts from the other
+    conversation, its tail first: each prefix the tier holds is usable from its head
+    (``xxxx----``, never ``----xxxx``), and every conversation that comes back finds its head
+    (4 chunks: the other took 8 of the 12 slots)."""
+    from helpers import Rig
+
+    with Rig([], num_slots=12, policy=policy) as rig:
+        prefixes = [keys_for(8, seed=470 + i) for i in range(2)]
+        found = []
+        for turn in range(4):
+            for i, keys in enumerate(prefixes):
+                found.append(_one_request(rig, f"t{turn}-c{i}", keys, 3))
+                for p in prefixes:
+                    layout = _layout(rig.tm.host, p)
+                    assert "-x" not in layout, f"turn {turn}, conversation {i}: host holds {layout}"
+        assert found == [0, 0] + [4] * 6, found
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_c47_a_write_through_does_not_move_chunks_in_the_eviction_order(tmp_path, policy):
+    """CASES C47 with an fs tier: every stored chunk is pinned while it is written through and
+    unpinned when that ends, in any order; a pin is not a use, so the prefix order holds."""
+    from helpers import Rig, fs_tier
+
+    with Rig([fs_tier(tmp_path)], num_slots=12, policy=policy) as rig:
+        prefixes = [keys_for(8, seed=480 + i) for i in range(3)]
+        for turn in range(3):
+            for i, keys in enumerate(prefixes):
+                _one_request(rig, f"t{turn}-c{i}", keys, 3)
+                assert rig.tm.wait_idle(120)
+                for p in prefixes:
+                    layout = _layout(rig.tm.host, p)
+                    assert "-x" not in layout, f"turn {turn}, conversation {i}: host holds {layout}"

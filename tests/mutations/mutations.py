@@ -1087,4 +1087,33 @@ MUTATIONS: list[Mutation] = [
             TIER + "test_c46_a_peer_that_leases_all_it_can_and_never_reads_does_not_starve_another",
         ),
     ),
+    Mutation(
+        "C47",
+        "a request's chunks ranked head lowest",
+        "kvoffload/policies.py",
+        "                minor[slot] = -pos\n",
+        "                minor[slot] = pos\n",
+        (POL + "test_c47_a_pin_keeps_a_chunks_rank_and_a_request_ranks_its_tail_lowest",),
+    ),
+    Mutation(
+        "C47",
+        "a pin drops a chunk's rank and an unpin ranks it as just used",
+        "kvoffload/policies.py",
+        "    def make_evictable(self, slot: int) -> None:\n        self._heap.add(slot)\n",
+        "    def make_evictable(self, slot: int) -> None:\n"
+        "        self.ranks.fresh((slot,))\n"
+        "        self._heap.add(slot)\n",
+        (
+            POL + "test_c47_a_pin_keeps_a_chunks_rank_and_a_request_ranks_its_tail_lowest",
+            POL_RIG + "test_c47_a_write_through_does_not_move_chunks_in_the_eviction_order",
+        ),
+    ),
+    Mutation(
+        "C47",
+        "ARC evicts T2's candidate before an older tail in T1",
+        "kvoffload/policies.py",
+        "                if other >= 0 and (major[other], minor[other]) < (major[slot], minor[slot]):\n",
+        "                if other >= 0 and False:\n",
+        (POL_RIG + "test_c47_a_prefix_tail_is_evicted_before_its_head",),
+    ),
 ]

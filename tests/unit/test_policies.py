@@ -180,3 +180,27 @@ def test_host_tier_invariants_under_random_operations(ops, policy):
         for k, c in pins.items():
             if c:
                 assert k in h.index
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_c47_a_pin_keeps_a_chunks_rank_and_a_request_ranks_its_tail_lowest(policy):
+    """CASES C47, in the slot table: a request stores its prefix in two batches; a pin (a
+    write-through, a peer's read) released in any order does not move a chunk; while the request
+    runs and after it finished, eviction takes its tail first."""
+    h = tier(8, policy)
+    k = keys_for(8)
+
+    def store(keys, req):
+        plan = h.allocate(keys)
+        h.order(keys, req)
+        h.complete_write(plan.keys, True, req)
+
+    store(k[:4], "a")
+    slots = h.pin(k[:4])  # written through, done in another order
+    h.unpin_slots([slots[1], slots[3], slots[0], slots[2]])
+    store(k[4:6], "a")
+    store(k[6:8], "")  # no request's: ranked as used now, above the running request's
+    assert h.allocate(keys_for(2, seed=1)).evicted == [k[5], k[4]]  # "a" runs
+    h.request_finished("a")  # ranked afresh, its head the most recent
+    assert h.allocate(keys_for(2, seed=2)).evicted == [k[7], k[6]]
+    assert h.allocate(keys_for(3, seed=3)).evicted == [k[3], k[2], k[1]]

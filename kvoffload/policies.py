@@ -88,7 +88,9 @@ class PrefixRanks:
         self.requests: OrderedDict[str, _Request] = OrderedDict()
 
     def admitted(self, slot: int) -> None:
-        """A new chunk took ``slot``: no request has ranked it."""
+        """A new chunk took ``slot``: no rank yet (the lowest), no request has ranked it."""
+        self.major[slot] = 0
+        self.minor[slot] = 0
         self.placed_by[slot] = 0
         self.gen[slot] += 1
 
@@ -103,9 +105,10 @@ class PrefixRanks:
             placed_by[slot] = 0
         self.clock = clock
 
-    def of_request(self, request: str, slots: Sequence[int]) -> None:
+    def of_request(self, request: str, slots: Sequence[int]) -> list[int]:
         """Rank ``slots`` (head first) as ``request``'s: its rank, ordered by position (a slot
-        it ranked before keeps its position), where that raises a slot's rank."""
+        it ranked before keeps its position), where that raises a slot's rank. Returns the slots
+        whose rank changed."""
         req = self.requests.get(request)
         if req is None:
             self.tokens += 1
@@ -117,6 +120,7 @@ class PrefixRanks:
         major, minor, placed_by, gen = self.major, self.minor, self.placed_by, self.gen
         token, rank, pos = req.token, req.rank, req.next_pos
         mine = req.slots
+        changed = []
         for slot in slots:
             if placed_by[slot] == token:
                 continue  # seen by this request already: its position stays
@@ -127,8 +131,10 @@ class PrefixRanks:
             if major[slot] < rank or (major[slot] == rank and minor[slot] < -pos):
                 major[slot] = rank
                 minor[slot] = -pos
+                changed.append(slot)
             pos += 1
         req.next_pos = pos
+        return changed
 
     def finished(self, request: str) -> list[int]:
         """``request`` is done: every chunk it ranked that is still stored is ranked afresh,
@@ -147,49 +153,65 @@ class PrefixRanks:
 
 
 class _RankHeap:
-    """Evictable slots by rank, lowest first: a lazily invalidated min-heap over ``ranks``."""
+    """Evictable slots (of ``0..n-1``) by rank, lowest first: a lazily invalidated min-heap over
+    ``ranks``. At most one entry per slot carries its current rank (``queued``): a slot made
+    evictable again with its rank unchanged (a pin released) pushes nothing."""
 
-    __slots__ = ("ranks", "members", "heap")
+    __slots__ = ("ranks", "n", "members", "heap", "queued")
 
-    def __init__(self, ranks: PrefixRanks):
+    def __init__(self, ranks: PrefixRanks, n: int):
         self.ranks = ranks
+        self.n = n
         self.members: set[int] = set()
         self.heap: list[tuple[int, int, int]] = []
+        self.queued = bytearray(n)  # 1: the heap holds an entry with the slot's current rank
 
     def add(self, slot: int) -> None:
         if slot not in self.members:
             self.members.add(slot)
-            self._push(slot)
+            if not self.queued[slot]:
+                self._push(slot)
 
     def discard(self, slot: int) -> None:
-        self.members.discard(slot)  # its entries go stale
+        self.members.discard(slot)  # its entry is skipped when popped
 
     def reranked(self, slot: int) -> None:
+        """``slot``'s rank changed (its entries are stale)."""
+        self.queued[slot] = 0
         if slot in self.members:
             self._push(slot)
 
     def _push(self, slot: int) -> None:
-        heap = self.heap
-        if len(heap) >= max(64, 2 * len(self.members)):
-            entry = self.ranks.entry
-            heap[:] = [entry(s) for s in self.members]
-            heapq.heapify(heap)  # slot is a member: its entry is in
+        heap, members = self.heap, self.members
+        if len(heap) >= 2 * len(members) + 64:
+            major, minor = self.ranks.major, self.ranks.minor
+            heap[:] = [(major[s], minor[s], s) for s in members]  # slot's included
+            heapq.heapify(heap)
+            queued = self.queued = bytearray(self.n)
+            for s in members:
+                queued[s] = 1
         else:
-            heapq.heappush(heap, self.ranks.entry(slot))
+            ranks = self.ranks
+            heapq.heappush(heap, (ranks.major[slot], ranks.minor[slot], slot))
+            self.queued[slot] = 1
 
     def pop(self, protected: Container[int], deferred: list[tuple[int, int, int]]) -> int:
         """Take the lowest-ranked member outside ``protected`` (-1: none); entries of protected
         members are put in ``deferred`` (the caller pushes them back)."""
-        heap, members = self.heap, self.members
+        heap, members, queued = self.heap, self.members, self.queued
         major, minor = self.ranks.major, self.ranks.minor
         while heap:
             e = heapq.heappop(heap)
             slot = e[2]
-            if slot not in members or major[slot] != e[0] or minor[slot] != e[1]:
-                continue  # stale
+            if major[slot] != e[0] or minor[slot] != e[1]:
+                continue  # an older rank's
+            if slot not in members:
+                queued[slot] = 0  # its current entry, gone: pushed again if it comes back
+                continue
             if slot in protected:
                 deferred.append(e)
                 continue
+            queued[slot] = 0
             members.discard(slot)
             return slot
         return -1
@@ -277,20 +299,22 @@ class LRUPolicy(EvictionPolicy):
     def __init__(self, num_slots: int):
         super().__init__(num_slots)
         self.ranks = PrefixRanks(num_slots)
-        self._heap = _RankHeap(self.ranks)
+        self._heap = _RankHeap(self.ranks, num_slots)
 
     @override
     def admit(self, slot: int, key: bytes) -> None:
-        self.ranks.admitted(slot)
+        self.ranks.admitted(slot)  # its first rank, from none, pushes a fresh entry
 
     @override
     def rank_prefix(self, slots: Sequence[int], request: str, use: bool) -> None:
+        changed: Sequence[int]
         if request:
-            self.ranks.of_request(request, slots)
+            changed = self.ranks.of_request(request, slots)
         else:
             self.ranks.fresh(slots)
+            changed = slots
         reranked = self._heap.reranked
-        for slot in slots:
+        for slot in changed:
             reranked(slot)
 
     @override
@@ -363,7 +387,7 @@ class ARCPolicy(EvictionPolicy):
         self.c = num_slots
         self.p = 0.0
         self.ranks = PrefixRanks(num_slots)
-        self._heaps = (_RankHeap(self.ranks), _RankHeap(self.ranks))
+        self._heaps = (_RankHeap(self.ranks, num_slots), _RankHeap(self.ranks, num_slots))
         self._member = bytearray(num_slots)  # 0 none, 1 T1, 2 T2
         self._sizes = [0, 0]  # members, evictable or not
         self.b1: OrderedDict[bytes, None] = OrderedDict()
@@ -390,6 +414,13 @@ class ARCPolicy(EvictionPolicy):
         self._member[slot] = lst + 1
         self._sizes[lst] += 1
         self.ranks.admitted(slot)
+        self._reranked(slot)
+
+    def _reranked(self, slot: int) -> None:
+        """``slot``'s rank changed: entries of it in either list's heap are stale."""
+        t1, t2 = self._heaps
+        t1.reranked(slot)
+        t2.reranked(slot)
 
     def _used_again(self, slot: int) -> None:
         """A member of T1 seen again moves to T2 (evictable or not)."""
@@ -400,7 +431,7 @@ class ARCPolicy(EvictionPolicy):
             t1, t2 = self._heaps
             if slot in t1.members:
                 t1.discard(slot)
-                t2.members.add(slot)  # its entry is pushed when ranked, next
+                t2.add(slot)
 
     @override
     def rank_prefix(self, slots: Sequence[int], request: str, use: bool) -> None:
@@ -409,20 +440,19 @@ class ARCPolicy(EvictionPolicy):
         if use:
             for slot in slots:
                 self._used_again(slot)
+        changed: Sequence[int]
         if request:
-            self.ranks.of_request(request, slots)
+            changed = self.ranks.of_request(request, slots)
         else:
             self.ranks.fresh(slots)
-        heaps = self._heaps
-        for slot in slots:
-            heaps[member[slot] - 1].reranked(slot)
+            changed = slots
+        for slot in changed:
+            self._reranked(slot)
 
     @override
     def request_finished(self, request: str) -> None:
-        heaps, member = self._heaps, self._member
         for slot in self.ranks.finished(request):
-            if member[slot]:
-                heaps[member[slot] - 1].reranked(slot)
+            self._reranked(slot)
 
     @override
     def make_evictable(self, slot: int) -> None:
@@ -440,7 +470,7 @@ class ARCPolicy(EvictionPolicy):
             return
         self._used_again(slot)
         self.ranks.fresh((slot,))
-        self._heaps[_T2].reranked(slot)
+        self._reranked(slot)
 
     @override
     def remove(self, slot: int) -> None:

@@ -130,12 +130,13 @@ class Model:
     """Reference model: key -> (state, pins)."""
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     st.lists(
         st.tuples(
-            st.sampled_from(["store", "fail", "pin", "unpin", "access", "remove"]),
+            st.sampled_from(["store", "fail", "pin", "unpin", "access", "remove", "finish"]),
             st.lists(st.integers(0, 11), min_size=1, max_size=4),
+            st.sampled_from(["", "a", "b"]),  # the request (none, or one of two)
         ),
         max_size=120,
     ),
@@ -146,7 +147,7 @@ def test_host_tier_invariants_under_random_operations(ops, policy):
     h = tier(n, policy)
     pool = keys_for(12)
     pins: dict[bytes, int] = {}
-    for op, idxs in ops:
+    for op, idxs, req in ops:
         ks = list(dict.fromkeys(pool[i] for i in idxs))
         if op in ("store", "fail"):
             before_pinned = {k for k, c in pins.items() if c}
@@ -154,7 +155,9 @@ def test_host_tier_invariants_under_random_operations(ops, policy):
             if plan is not None:
                 assert not set(plan.evicted) & set(ks)
                 assert not set(plan.evicted) & before_pinned
-                h.complete_write(plan.keys, op == "store")
+                if req:
+                    h.order(ks, req)
+                h.complete_write(plan.keys, op == "store", req)
         elif op == "pin":
             ready = [k for k in ks if h.lookup(k) is LookupResult.HIT]
             h.pin(ready)
@@ -166,10 +169,12 @@ def test_host_tier_invariants_under_random_operations(ops, policy):
                     h.unpin([k])
                     pins[k] -= 1
         elif op == "access":
-            h.access(ks)
+            h.access(ks, req)
         elif op == "remove":
             for k in h.remove(ks):
                 assert not pins.get(k)
+        elif op == "finish":
+            h.request_finished(req)
         # invariants
         ready_unpinned = sum(
             1 for k, s in h.index.items() if h.state[s] == READY and h.refs[s] == 0
@@ -180,6 +185,14 @@ def test_host_tier_invariants_under_random_operations(ops, policy):
         for k, c in pins.items():
             if c:
                 assert k in h.index
+        # the policy's evictable slots are exactly those, each with an entry of its current rank
+        pol = h.policy
+        heaps = [pol._heap] if policy == "lru" else list(pol._heaps)
+        evictable = {s for s in h.index.values() if h.state[s] == READY and h.refs[s] == 0}
+        assert set().union(*(hp.members for hp in heaps)) == evictable
+        for hp in heaps:
+            major, minor = hp.ranks.major, hp.ranks.minor
+            assert hp.members <= {s for a, b, s in hp.heap if (major[s], minor[s]) == (a, b)}
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])

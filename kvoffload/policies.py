@@ -76,7 +76,7 @@ class PrefixRanks:
     """The ranks of slots ``0..n-1``, ``(major, minor)``, lower evicted first (module docstring):
     a request's chunks ``(its rank, -position)``, anything else ``(clock, 0)``."""
 
-    __slots__ = ("major", "minor", "placed_by", "gen", "clock", "tokens", "requests")
+    __slots__ = ("major", "minor", "placed_by", "gen", "clock", "tokens", "requests", "done")
 
     def __init__(self, n: int):
         self.major = array("q", bytes(8 * n))
@@ -86,6 +86,10 @@ class PrefixRanks:
         self.clock = 0
         self.tokens = 0
         self.requests: OrderedDict[str, _Request] = OrderedDict()
+        # requests that finished (the last MAX_REQUESTS): a store or promotion of theirs that
+        # completes after the finish (vLLM ends a request before its last store's copy ends)
+        # does not bring them back
+        self.done: OrderedDict[str, None] = OrderedDict()
 
     def admitted(self, slot: int) -> None:
         """A new chunk took ``slot``: no rank yet (the lowest), no request has ranked it."""
@@ -105,11 +109,17 @@ class PrefixRanks:
             placed_by[slot] = 0
         self.clock = clock
 
-    def of_request(self, request: str, slots: Sequence[int]) -> list[int]:
+    def of_request(self, request: str, slots: Sequence[int], use: bool = False) -> list[int]:
         """Rank ``slots`` (head first) as ``request``'s: its rank, ordered by position (a slot
         it ranked before keeps its position), where that raises a slot's rank. Returns the slots
         whose rank changed."""
         req = self.requests.get(request)
+        if req is None and request in self.done:
+            # late: a store's chunks keep the rank its finish gave them, and one unranked yet
+            # (a promotion landing after the finish) is ranked as used now; a use is one now
+            late = list(slots) if use else [s for s in slots if self.major[s] == 0]
+            self.fresh(late)
+            return late
         if req is None:
             self.tokens += 1
             self.clock += 1
@@ -134,6 +144,8 @@ class PrefixRanks:
                 changed.append(slot)
             pos += 1
         req.next_pos = pos
+        if len(mine) > 2 * len(gen):  # a request that never finishes: keep its live slots only
+            mine[:] = [e for e in dict.fromkeys(mine) if gen[e[0]] == e[1]]
         return changed
 
     def finished(self, request: str) -> list[int]:
@@ -142,6 +154,9 @@ class PrefixRanks:
         req = self.requests.pop(request, None)
         if req is None:
             return []
+        if len(self.done) >= MAX_REQUESTS:
+            self.done.popitem(last=False)
+        self.done[request] = None
         gen = self.gen
         mine = [s for s, g in req.slots if gen[s] == g]
         self.fresh(mine)
@@ -303,13 +318,14 @@ class LRUPolicy(EvictionPolicy):
 
     @override
     def admit(self, slot: int, key: bytes) -> None:
-        self.ranks.admitted(slot)  # its first rank, from none, pushes a fresh entry
+        self.ranks.admitted(slot)
+        self._heap.reranked(slot)  # an entry of the slot's previous chunk is not its
 
     @override
     def rank_prefix(self, slots: Sequence[int], request: str, use: bool) -> None:
         changed: Sequence[int]
         if request:
-            changed = self.ranks.of_request(request, slots)
+            changed = self.ranks.of_request(request, slots, use)
         else:
             self.ranks.fresh(slots)
             changed = slots
@@ -442,7 +458,7 @@ class ARCPolicy(EvictionPolicy):
                 self._used_again(slot)
         changed: Sequence[int]
         if request:
-            changed = self.ranks.of_request(request, slots)
+            changed = self.ranks.of_request(request, slots, use)
         else:
             self.ranks.fresh(slots)
             changed = slots
@@ -493,15 +509,20 @@ class ARCPolicy(EvictionPolicy):
             first = _T1 if t1 > self.p else _T2
             lst = first
             slot = heaps[lst].pop(protected, deferred[lst])
-            if slot >= 0 and lst == _T2:
+            if slot >= 0:
                 # a prefix's tail before its head (C47): a request's head is in T2 (used
-                # again), its new tail in T1; T1's candidate goes first if it ranks lower
-                other = heaps[_T1].pop(protected, deferred[_T1])
-                if other >= 0 and (major[other], minor[other]) < (major[slot], minor[slot]):
-                    heaps[_T2].restore((slot,), ())
-                    slot, lst = other, _T1
-                elif other >= 0:
-                    heaps[_T1].restore((other,), ())
+                # again), its new tail in T1, so T2's candidate yields to a lower-ranked one
+                # of T1; T1's yields to a lower-ranked one of T2 of the same request (a tail
+                # its store found stored, counted as used)
+                o = 1 - lst
+                other = heaps[o].pop(protected, deferred[o])
+                if other >= 0:
+                    mine, theirs = (major[slot], minor[slot]), (major[other], minor[other])
+                    if theirs < mine and (lst == _T2 or theirs[0] == mine[0]):
+                        heaps[lst].restore((slot,), ())
+                        slot, lst = other, o
+                    else:
+                        heaps[o].restore((other,), ())
             if slot < 0:
                 lst = 1 - first
                 slot = heaps[lst].pop(protected, deferred[lst])

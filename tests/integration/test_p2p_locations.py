@@ -80,13 +80,17 @@ class Peer:
         self.closed = False
 
     def store(self, keys, info=None) -> None:
-        """Store ``keys`` (one batch), write them through, publish the step's events."""
+        """Store ``keys`` (one batch of a request that then finishes, as under vLLM), write them
+        through, publish the step's events."""
         tm = self.tm
-        plan = tm.prepare_store(list(keys), "req", *([info] if info is not None else []))
+        self.requests = getattr(self, "requests", 0) + 1
+        req = f"req-{self.requests}"
+        plan = tm.prepare_store(list(keys), req, *([info] if info is not None else []))
         assert plan is not None and list(plan.keys) == list(keys)
         for s in plan.slots:
             self.arena.rows[s] = 7
-        tm.complete_store(plan.keys, True, "req")
+        tm.complete_store(plan.keys, True, req)
+        tm.on_request_finished(req)
         assert tm.wait_idle(120), "tier jobs did not finish"
         self.publish()
 
@@ -246,8 +250,8 @@ def test_a_chunk_of_several_blocks_is_located_by_its_last_block(make):
     a.store(keys[:2], info)
     until(loc, lambda: loc.where(keys[0]) == loc.where(keys[1]) == [A], "both chunks located")
     assert loc.located_chunks(A) == 2  # the chunks' last blocks, not their 8 blocks
-    a.store(keys[2:], info)  # 2 host slots: the first chunk is evicted
-    until(loc, lambda: loc.where(keys[0]) == [] and loc.where(keys[2]) == [A], "K1 evicted")
+    a.store(keys[2:], info)  # 2 host slots: the first batch's tail is evicted (C47)
+    until(loc, lambda: loc.where(keys[1]) == [] and loc.where(keys[2]) == [A], "K2 evicted")
     assert loc.located_chunks(A) == 2 and loc.counts["mismatched"] == 0
 
 

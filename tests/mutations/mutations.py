@@ -1116,4 +1116,20 @@ MUTATIONS: list[Mutation] = [
         "                if other >= 0 and False:\n",
         (POL_RIG + "test_c47_a_prefix_tail_is_evicted_before_its_head",),
     ),
+    Mutation(
+        "C47",
+        "a store that completes after its request finished brings the request back",
+        "kvoffload/policies.py",
+        "        if req is None and request in self.done:\n",
+        "        if False:\n",
+        (POL + "test_c47_a_store_that_completes_after_its_request_finished_keeps_the_order",),
+    ),
+    Mutation(
+        "C47",
+        "ARC's T1 candidate goes before a lower-ranked tail of its request in T2",
+        "kvoffload/policies.py",
+        "                    if theirs < mine and (lst == _T2 or theirs[0] == mine[0]):\n",
+        "                    if theirs < mine and lst == _T2:\n",
+        (POL + "test_c47_arc_evicts_a_tail_counted_as_used_before_its_new_head",),
+    ),
 ]

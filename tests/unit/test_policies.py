@@ -217,3 +217,48 @@ def test_c47_a_pin_keeps_a_chunks_rank_and_a_request_ranks_its_tail_lowest(polic
     h.request_finished("a")  # ranked afresh, its head the most recent
     assert h.allocate(keys_for(2, seed=2)).evicted == [k[7], k[6]]
     assert h.allocate(keys_for(3, seed=3)).evicted == [k[3], k[2], k[1]]
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_c47_a_store_that_completes_after_its_request_finished_keeps_the_order(policy):
+    """CASES C47: vLLM reports a request finished before its last store's copy ends; that late
+    completion neither brings the request back (its rank frozen for good) nor ranks the tail
+    above the head."""
+    h = tier(6, policy)
+    k = keys_for(6)
+    plan = h.allocate(k[:4])
+    h.order(k[:4], "r")
+    h.complete_write(plan.keys, True, "r")
+    plan = h.allocate(k)  # the last step's store
+    h.order(k, "r")
+    h.request_finished("r")
+    h.complete_write(plan.keys, True, "r")  # its copy ends a step later
+    assert h.allocate(keys_for(1, seed=1)).evicted == [k[5]]
+    assert not h.policy.ranks.requests
+
+
+def test_c47_arc_evicts_a_tail_counted_as_used_before_its_new_head():
+    """CASES C47 in ARC: a request's store finds the tail of its prefix stored (counted as used:
+    T2) and stores the head again (new: T1); while ARC evicts from T1, the tail, ranked lower by
+    the same request, still goes before the head."""
+    h = tier(4, "arc")
+    k0, k1, k2 = keys_for(3)
+
+    def store(keys, req):
+        plan = h.allocate(keys)
+        if req:
+            h.order(keys, req)
+            written = set(plan.keys)
+            h.access([x for x in keys if x not in written and h.lookup(x) is LookupResult.HIT], req)
+        h.complete_write(plan.keys, True, req)
+
+    store([k0, k1, k2], "r")
+    h.request_finished("r")
+    h.pin([k2])  # a write-through reads the tail while the head is evicted
+    for u in keys_for(6, seed=2):
+        store([u], "")
+    h.unpin([k2])
+    h.access([k0], "s")
+    store([k0, k1, k2], "s")
+    victims = h.allocate(keys_for(1, seed=3)).evicted + h.allocate(keys_for(1, seed=4)).evicted
+    assert k2 in victims and k1 not in victims, victims

@@ -1112,8 +1112,8 @@ MUTATIONS: list[Mutation] = [
         "C47",
         "ARC evicts T2's candidate before an older tail in T1",
         "kvoffload/policies.py",
-        "                if other >= 0 and (major[other], minor[other]) < (major[slot], minor[slot]):\n",
-        "                if other >= 0 and False:\n",
+        "                    if theirs < mine and (lst == _T2 or theirs[0] == mine[0]):\n",
+        "                    if theirs < mine and theirs[0] == mine[0]:\n",
         (POL_RIG + "test_c47_a_prefix_tail_is_evicted_before_its_head",),
     ),
     Mutation(

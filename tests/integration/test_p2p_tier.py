@@ -705,6 +705,18 @@ def test_a_tier_whose_node_thread_ended_still_shuts_down_and_leaves_no_process(w
     pid = t.worker_pid
     t.shutdown()
     wait_until(lambda: not alive(pid) or None, PATIENCE_S, "the peer worker to exit")
+    # a command submitted after the stop (a request finishing during teardown) writes nothing:
+    # not into the closed pipe (EBADF), nor into a file that took its descriptor number since
+    r_fd, w_fd = os.pipe()
+    try:
+        node.submit(node.commands[0] if node.commands else object())
+        node.stop()  # again: nothing left to close
+        os.set_blocking(r_fd, False)
+        with pytest.raises(BlockingIOError):
+            os.read(r_fd, 1)  # nothing was written into a reused descriptor
+    finally:
+        os.close(r_fd)
+        os.close(w_fd)
 
 
 def test_a_taken_port_is_a_config_error_and_leaves_nothing(world):

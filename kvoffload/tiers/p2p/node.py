@@ -397,8 +397,11 @@ class PeerNode(threading.Thread):
         self._wake()
 
     def _wake(self) -> None:
+        fd = self._wake_w
+        if fd < 0:
+            return  # stopped: nobody to wake (a command submitted after stop() is dropped)
         try:
-            os.write(self._wake_w, b"\0")
+            os.write(fd, b"\0")
         except BlockingIOError:
             pass  # the pipe is full of wake-ups already
 
@@ -411,9 +414,10 @@ class PeerNode(threading.Thread):
             self._wake()
             self.join(timeout_s)
         if not self.is_alive() and self._wake_w >= 0:
-            os.close(self._wake_r)
-            os.close(self._wake_w)
-            self._wake_r = self._wake_w = -1
+            r, w = self._wake_r, self._wake_w
+            self._wake_r = self._wake_w = -1  # marked closed before the numbers can be reused
+            os.close(r)
+            os.close(w)
 
     # -- the thread --------------------------------------------------------------------------------
 

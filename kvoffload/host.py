@@ -8,8 +8,8 @@ Slot states (DESIGN.md §4 "Host tier")::
 
 Only READY, unpinned slots are evictable, and never a key of the batch being stored. The policy is
 told a batch of keys in prefix order, with the request it is for (``rank_prefix``), so that within
-a request the tail of a prefix is evicted before its head (CASES C47; :mod:`kvoffload.policies`). A reset
-(:meth:`HostTier.clear`) forgets every chunk at once, but a slot with a transfer still in or out of
+a request the tail of a prefix is evicted before its head (CASES C47; :mod:`kvoffload.policies`).
+A reset (:meth:`HostTier.clear`) forgets every chunk at once, but a slot with a transfer still in or out of
 it (WRITING, or pinned) is *quarantined*: out of the index and off the free list until its last
 transfer ends (:meth:`HostTier.complete_write`, :meth:`HostTier.unpin_slot`), so a late write can
 never land in a slot that already holds another chunk (CASES C26). Per stored chunk
@@ -312,19 +312,19 @@ class HostTier:
     def access(self, keys: Iterable[bytes], req_id: str = "") -> None:
         """Record a use of the present ``keys`` (prefix order; by request ``req_id``, "" for
         none) in the policy's order."""
-        index = self.index
-        slots = [s for k in keys if (s := index.get(k)) is not None]
-        if slots:
-            self.policy.rank_prefix(slots, req_id, True)
+        self._rank(keys, req_id, True)
 
     def order(self, keys: Iterable[bytes], req_id: str) -> None:
         """Rank the present ``keys`` (prefix order, any state) as request ``req_id``'s batch,
         without counting a use: a store's batch, its new chunks and those it found present, so
         that their positions in the request follow the prefix."""
+        self._rank(keys, req_id, False)
+
+    def _rank(self, keys: Iterable[bytes], req_id: str, use: bool) -> None:
         index = self.index
         slots = [s for k in keys if (s := index.get(k)) is not None]
         if slots:
-            self.policy.rank_prefix(slots, req_id, False)
+            self.policy.rank_prefix(slots, req_id, use)
 
     def request_finished(self, req_id: str) -> None:
         """``req_id`` (a request, or a peer's lease holder) is done: the policy ranks its chunks

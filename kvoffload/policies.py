@@ -11,8 +11,8 @@ pinned answers "nothing to evict" from a count, without scanning (CASES C23).
 
 Ranks follow prefixes (CASES C47). A request reads and stores its prefix head to tail, and a prefix
 is usable only up to its first missing chunk: ranked by time of use, a prefix's head would be its
-least recently used chunk and go first, leaving a tail that can never be served. So, as in vLLM 0.33:
-a request takes one rank when it first places chunks, shared by all its batches while it runs, and
+least recently used chunk and go first, leaving a tail that can never be served. So, as in vLLM
+0.33: a request takes one rank when it first places chunks, shared by all its batches while it runs, and
 each of its chunks is ordered within it by its position in the request (the order the request first
 placed them: head first), the tail lowest; when the request finishes, every chunk it ranked that is
 still stored (since ranked by another request or not) is ranked afresh, tail first, head last (the
@@ -148,6 +148,14 @@ class PrefixRanks:
             mine[:] = [e for e in dict.fromkeys(mine) if gen[e[0]] == e[1]]
         return changed
 
+    def rank(self, request: str, slots: Sequence[int], use: bool) -> Sequence[int]:
+        """Rank a batch (head first): as ``request``'s (:meth:`of_request`), or, for none, as
+        used now (:meth:`fresh`). Returns the slots whose rank changed."""
+        if request:
+            return self.of_request(request, slots, use)
+        self.fresh(slots)
+        return slots
+
     def finished(self, request: str) -> list[int]:
         """``request`` is done: every chunk it ranked that is still stored is ranked afresh,
         tail first (its head the most recent). Returns their slots."""
@@ -162,21 +170,16 @@ class PrefixRanks:
         self.fresh(mine)
         return mine
 
-    def entry(self, slot: int) -> tuple[int, int, int]:
-        """``slot``'s heap entry: ``(major, minor, slot)``."""
-        return (self.major[slot], self.minor[slot], slot)
-
 
 class _RankHeap:
     """Evictable slots (of ``0..n-1``) by rank, lowest first: a lazily invalidated min-heap over
     ``ranks``. At most one entry per slot carries its current rank (``queued``): a slot made
     evictable again with its rank unchanged (a pin released) pushes nothing."""
 
-    __slots__ = ("ranks", "n", "members", "heap", "queued")
+    __slots__ = ("ranks", "members", "heap", "queued")
 
     def __init__(self, ranks: PrefixRanks, n: int):
         self.ranks = ranks
-        self.n = n
         self.members: set[int] = set()
         self.heap: list[tuple[int, int, int]] = []
         self.queued = bytearray(n)  # 1: the heap holds an entry with the slot's current rank
@@ -202,7 +205,7 @@ class _RankHeap:
             major, minor = self.ranks.major, self.ranks.minor
             heap[:] = [(major[s], minor[s], s) for s in members]  # slot's included
             heapq.heapify(heap)
-            queued = self.queued = bytearray(self.n)
+            queued = self.queued = bytearray(len(self.queued))
             for s in members:
                 queued[s] = 1
         else:
@@ -323,14 +326,8 @@ class LRUPolicy(EvictionPolicy):
 
     @override
     def rank_prefix(self, slots: Sequence[int], request: str, use: bool) -> None:
-        changed: Sequence[int]
-        if request:
-            changed = self.ranks.of_request(request, slots, use)
-        else:
-            self.ranks.fresh(slots)
-            changed = slots
         reranked = self._heap.reranked
-        for slot in changed:
+        for slot in self.ranks.rank(request, slots, use):
             reranked(slot)
 
     @override
@@ -456,13 +453,7 @@ class ARCPolicy(EvictionPolicy):
         if use:
             for slot in slots:
                 self._used_again(slot)
-        changed: Sequence[int]
-        if request:
-            changed = self.ranks.of_request(request, slots, use)
-        else:
-            self.ranks.fresh(slots)
-            changed = slots
-        for slot in changed:
+        for slot in self.ranks.rank(request, slots, use):
             self._reranked(slot)
 
     @override

@@ -665,10 +665,11 @@ class TieringManager:
                 # the batch is the request's prefix, the chunks it found stored included (C47):
                 # ranked in its order, those found ready counted as used (as vLLM does)
                 host.order(keys, req_id)
-                written = set(plan.keys)
-                host.access(
-                    [k for k in keys if k not in written and host.lookup(k) is _HIT], req_id
-                )
+                if len(plan.keys) < len(keys):  # some were stored already
+                    written = set(plan.keys)
+                    host.access(
+                        [k for k in keys if k not in written and host.lookup(k) is _HIT], req_id
+                    )
             if plan is not None and plan.keys:
                 writes = self._writes
                 for k in plan.keys:

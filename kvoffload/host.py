@@ -327,7 +327,7 @@ class HostTier:
             self.policy.rank_prefix(slots, req_id, use)
 
     def request_finished(self, req_id: str) -> None:
-        """``req_id`` (a request, or a peer's lease holder) is done: the policy ranks its chunks
+        """``req_id`` (a request) is done: the policy ranks its chunks
         afresh (:meth:`~kvoffload.policies.EvictionPolicy.request_finished`)."""
         self.policy.request_finished(req_id)
 

@@ -271,7 +271,7 @@ class EvictionPolicy(ABC):
                 self.access(slot)
 
     def request_finished(self, request: str) -> None:
-        """``request`` (a request, or a peer's lease holder) is done. Default: nothing."""
+        """``request`` is done. Default: nothing."""
 
     @abstractmethod
     def make_evictable(self, slot: int) -> None:

@@ -175,7 +175,7 @@ class PeerServing:
             used.append(k)
         if pins:
             self._leases[holder] = pins
-        host.access(used, holder)
+        host.access(used)  # a use now, tail first: not a request of the policy's (C47 review)
         self.stats.peer_leased += len(used)
         return out
 
@@ -186,7 +186,6 @@ class PeerServing:
         if pins is None:
             self.stats.stale_peer_completions += 1
             return
-        self.host.request_finished(holder)
         unpin = self.host.unpin_slots
         for slot, n in pins.items():
             unpin((slot,) * n)

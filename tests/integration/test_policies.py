@@ -135,3 +135,23 @@ def test_c47_a_write_through_does_not_move_chunks_in_the_eviction_order(tmp_path
                 for p in prefixes:
                     layout = _layout(rig.tm.host, p)
                     assert "-x" not in layout, f"turn {turn}, conversation {i}: host holds {layout}"
+
+
+def test_c47_a_peers_leases_take_no_place_among_the_engines_requests():
+    """CASES C47: a lease ranks what a peer reads as used now, not as a request of the policy's:
+    however many leases a peer holds, the table of the engine's running requests (bounded, its
+    oldest forgotten) holds only the engine's."""
+    from helpers import Rig
+
+    with Rig([], num_slots=8) as rig:
+        tm = rig.tm
+        _one_request(rig, "engine", keys_for(4, seed=490), 2)
+        keys = keys_for(4, seed=491)
+        plan = tm.prepare_store(keys, "r1")
+        tm.complete_store(plan.keys, True, "r1")  # r1 runs on
+        for i in range(20):  # leases held at once
+            assert tm.lease(keys[:2], f"lease:{i}") != [-1, -1]
+        assert list(tm.host.policy.ranks.requests) == ["r1"]
+        for i in range(20):
+            tm.release(f"lease:{i}")
+        assert tm.host.num_pinned == 0

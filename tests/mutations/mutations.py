@@ -1132,4 +1132,12 @@ MUTATIONS: list[Mutation] = [
         "                    if theirs < mine and lst == _T2:\n",
         (POL + "test_c47_arc_evicts_a_tail_counted_as_used_before_its_new_head",),
     ),
+    Mutation(
+        "C47",
+        "a peer's lease is a request of the host tier's policy",
+        "kvoffload/serving.py",
+        "        host.access(used)  # a use now, tail first: not a request of the policy's (C47 review)\n",
+        "        host.access(used, holder)\n",
+        (POL_RIG + "test_c47_a_peers_leases_take_no_place_among_the_engines_requests",),
+    ),
 ]

@@ -91,6 +91,14 @@ class PrefixRanks:
         # does not bring them back
         self.done: OrderedDict[str, None] = OrderedDict()
 
+    def grow(self, n: int) -> None:
+        """Make room for slots up to ``n - 1`` (new ones unranked); never shrinks."""
+        more = n - len(self.gen)
+        if more > 0:
+            zeros = bytes(8 * more)
+            for a in (self.major, self.minor, self.placed_by, self.gen):
+                a.frombytes(zeros)
+
     def admitted(self, slot: int) -> None:
         """A new chunk took ``slot``: no rank yet (the lowest), no request has ranked it."""
         self.major[slot] = 0
@@ -171,7 +179,7 @@ class PrefixRanks:
         return mine
 
 
-class _RankHeap:
+class RankHeap:
     """Evictable slots (of ``0..n-1``) by rank, lowest first: a lazily invalidated min-heap over
     ``ranks``. At most one entry per slot carries its current rank (``queued``): a slot made
     evictable again with its rank unchanged (a pin released) pushes nothing."""
@@ -185,13 +193,20 @@ class _RankHeap:
         self.queued = bytearray(n)  # 1: the heap holds an entry with the slot's current rank
 
     def add(self, slot: int) -> None:
+        """``slot`` may be popped from now on (with its current rank)."""
         if slot not in self.members:
             self.members.add(slot)
             if not self.queued[slot]:
                 self._push(slot)
 
     def discard(self, slot: int) -> None:
-        self.members.discard(slot)  # its entry is skipped when popped
+        """``slot`` may not be popped until :meth:`add` (its entry is skipped when popped)."""
+        self.members.discard(slot)
+
+    def grow(self, n: int) -> None:
+        """Make room for slots up to ``n - 1`` (with :meth:`PrefixRanks.grow`)."""
+        if n > len(self.queued):
+            self.queued.extend(bytes(n - len(self.queued)))
 
     def reranked(self, slot: int) -> None:
         """``slot``'s rank changed (its entries are stale)."""
@@ -242,6 +257,7 @@ class _RankHeap:
             heapq.heappush(self.heap, e)
 
     def any_outside(self, protected: Container[int]) -> bool:
+        """Whether some member is not in ``protected`` (O(members))."""
         return any(slot not in protected for slot in self.members)
 
     def __len__(self) -> int:
@@ -317,7 +333,7 @@ class LRUPolicy(EvictionPolicy):
     def __init__(self, num_slots: int):
         super().__init__(num_slots)
         self.ranks = PrefixRanks(num_slots)
-        self._heap = _RankHeap(self.ranks, num_slots)
+        self._heap = RankHeap(self.ranks, num_slots)
 
     @override
     def admit(self, slot: int, key: bytes) -> None:
@@ -400,7 +416,7 @@ class ARCPolicy(EvictionPolicy):
         self.c = num_slots
         self.p = 0.0
         self.ranks = PrefixRanks(num_slots)
-        self._heaps = (_RankHeap(self.ranks, num_slots), _RankHeap(self.ranks, num_slots))
+        self._heaps = (RankHeap(self.ranks, num_slots), RankHeap(self.ranks, num_slots))
         self._member = bytearray(num_slots)  # 0 none, 1 T1, 2 T2
         self._sizes = [0, 0]  # members, evictable or not
         self.b1: OrderedDict[bytes, None] = OrderedDict()

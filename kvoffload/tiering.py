@@ -52,6 +52,7 @@ from kvoffload.serving import PEER_MEDIUM, PeerServing
 from kvoffload.stats import HOST, HOST_REFUSALS, TIER_REFUSALS, Stats
 from kvoffload.tiers import create_tier
 from kvoffload.tiers.base import (
+    PEER_PROMOTION,
     JobMetadata,
     LookupResult,
     RoutedTier,
@@ -72,8 +73,6 @@ _HIT, _MISS, _PENDING, _RETRY = (
 )
 _MAX_COUNTED_REQUESTS = 65_536
 """Requests whose counted lookup verdicts are kept (see :meth:`TieringManager._first_verdict`)."""
-PEER_PROMOTION = "\x00peer"
-"""The ``req_id`` of promotions :meth:`TieringManager.serve_lookup` starts for peers."""
 
 
 class _Job:
@@ -865,7 +864,7 @@ class TieringManager:
             ok = [k for k in meta.keys if k in ok_set]
             failed = [k for k in meta.keys if k not in ok_set]
         # ranked as the request's (it loads them next); a promotion for a peer is no request's
-        host.complete_write(ok, True, "" if meta.req_id == PEER_PROMOTION else meta.req_id)
+        host.complete_write(ok, True, meta.request)
         if ok:
             self.events.moved(ok, tier.name, HOST, tier=tier)
         if failed:
@@ -996,8 +995,10 @@ class TieringManager:
             self._counted.pop(req_id, None)
             self.holds.forget(req_id)
             self.host.request_finished(req_id)
-            for tier in self._routed_at.values():
-                tier.on_request_finished(req_id)
+            for tier in self.tiers:
+                tier.request_finished(req_id)
+            for hooks in self._routed_at.values():
+                hooks.on_request_finished(req_id)
 
     def take_events(self) -> list[tuple[str, TierEvent]]:
         """``(tier name, event)`` pairs since the last call, host first (tier name ``"host"``)."""

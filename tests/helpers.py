@@ -280,6 +280,44 @@ class Rig:
             self.store(fresh[i : i + 4])
 
 
+def serve_prefix(rig: Rig, rid: str, keys: list, batch: int) -> int:
+    """One request as vLLM makes it on a rig with secondary tiers: look up its prefix (host, then
+    the tiers), load what was found, store the rest ``batch`` chunks a step, finish. Each step's
+    write-through ends before the next (nothing dropped for the pin limit). Returns the chunks
+    found."""
+    tm = rig.tm
+    found = []
+    for k in keys:
+        verdict = wait_until(
+            lambda k=k: (r := tm.lookup(k, rid)) is not RETRY and r,
+            what="a verdict on the chunk",
+            step=tm.step,
+        )
+        if verdict is MISS:
+            break
+        found.append(k)
+    if found:
+        wait_until(
+            lambda: all(tm.lookup(k, rid) is HIT for k in found) or None,
+            what="the promotions",
+            step=tm.step,
+        )
+        tm.touch(found, rid)
+        tm.prepare_load(found, rid)
+        tm.complete_load(found, rid)
+    rest = keys[len(found) :]
+    for i in range(0, len(rest), batch):
+        plan = tm.prepare_store(rest[i : i + batch], rid)
+        assert plan is not None
+        for k, s in zip(plan.keys, plan.slots):
+            rig.arena.rows[s] = payload(k, rig.row_bytes)
+        tm.complete_store(plan.keys, True, rid)
+        assert tm.wait_idle(120)
+    tm.on_request_finished(rid)
+    assert tm.wait_idle(120)
+    return len(found)
+
+
 def replay(
     endpoint: str, start: int = 0, topic: bytes | None = None, timeout_s: float = 10.0
 ) -> list[tuple[int, bytes]]:

@@ -43,7 +43,8 @@ class JobMetadata(msgspec.Struct, kw_only=True, gc=False):
         keys: chunk keys (bytes), one per slot.
         slots: host-arena slot indices (rows of the arena), same order as ``keys``.
         is_promotion: True for tier → host loads, False for host → tier stores.
-        req_id: the request that caused it ("" when none).
+        req_id: the request that caused it ("" when none; :data:`PEER_PROMOTION` for a promotion
+            a peer's lookup started).
     """
 
     job_id: int
@@ -51,6 +52,18 @@ class JobMetadata(msgspec.Struct, kw_only=True, gc=False):
     slots: list[int]
     is_promotion: bool
     req_id: str = ""
+
+    @property
+    def request(self) -> str:
+        """The request whose prefix the job's chunks are ranked in for eviction (CASES C47):
+        ``req_id``, or "" (none: ranked as used now) for a peer's promotion, which never
+        finishes as a request does."""
+        return "" if self.req_id == PEER_PROMOTION else self.req_id
+
+
+PEER_PROMOTION = "\x00peer"
+"""The ``req_id`` of promotions :meth:`~kvoffload.tiering.TieringManager.serve_lookup` starts for
+peers."""
 
 
 class JobResult(msgspec.Struct, kw_only=True, gc=False):
@@ -189,6 +202,11 @@ class SecondaryTierManager(ABC):
 
     def touch(self, keys: Iterable[bytes]) -> None:
         """The keys were used: refresh them in the tier's own eviction order."""
+
+    def request_finished(self, req_id: str) -> None:
+        """The request finished (every tier is told; :meth:`RoutedTier.on_request_finished` is
+        the routing's own): a tier that ranks its chunks by request for eviction (CASES C47)
+        ranks that request's afresh. Default: nothing."""
 
     def take_events(self) -> list[TierEvent]:
         """Stored/removed events since the last call."""

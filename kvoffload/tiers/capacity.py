@@ -1,14 +1,14 @@
-"""Capacity accounting of a worker-backed tier: an LRU index of the chunks it stores, counted in
-bytes against a cap, and the bookkeeping of the deletes that enforce it. No I/O: the tier that
+"""Capacity accounting of a worker-backed tier: an index of the chunks it stores, counted in bytes
+against a cap and ranked for eviction, and the bookkeeping of the deletes that enforce it. No I/O: the tier that
 holds a :class:`Capacity` (:class:`~kvoffload.tiers.process.ProcessTierManager`, for the fs tier
 and for the obj tier with ``max_bytes``) sends the delete tasks it queues and reports their answers.
 
 ::
 
-    admit(keys) ── room under the cap? ── no ─▶ evict LRU chunks (delete queue) ─▶ room? ── no ─▶
+    admit(keys) ── room under the cap? ── no ─▶ evict lowest-ranked (delete queue) ─▶ room? ── no ─▶
         │ yes                                                                        NO_SPACE
         ▼
-    reserved (being written) ── stores_done ─▶ index (LRU, counted in used_bytes)
+    reserved (being written) ── stores_done ─▶ index (ranked, counted in used_bytes)
                                                 │ evicted / removed
                                                 ▼
                            unconfirmed (its delete not answered: still stored, no longer counted)
@@ -17,6 +17,13 @@ and for the obj tier with ``max_bytes``) sends the delete tasks it queues and re
                  OK: gone          no answer: asked again after     failed: counted again, as the
                                    0.05 s, doubling to 5 s, until    most recently used; retried
                                    one answers (due_retries)         when next evicted (C32)
+
+Eviction order follows prefixes, as the host tier's (:mod:`kvoffload.policies`, CASES C47): the
+chunks of a store or load job are ranked as its request's (``request``: shared rank, the tail of
+the prefix lowest) until :meth:`Capacity.request_finished` ranks them afresh, tail first; a job of
+no request ranks its chunks afresh, tail first; chunks found at start rank below everything this
+instance stored. The lowest-ranked chunk neither loading nor protected goes first, from a lazily
+invalidated min-heap (:class:`~kvoffload.policies.RankHeap`): no walk over the index per eviction.
 
 Whose bytes: ``unit_bytes`` per chunk written (payload plus header); chunks found at start
 (:meth:`Capacity.adopt`) count their listed size. ``used_bytes`` counts the index; chunks being
@@ -36,10 +43,11 @@ import errno as errno_mod
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 from kvoffload.ipc import messages as m
 from kvoffload.ipc import names
+from kvoffload.policies import PrefixRanks, RankHeap
 
 EVICTED_MEMORY = 65536
 """Evictions remembered to spot probes that saw a chunk just before it was deleted."""
@@ -53,8 +61,22 @@ MEDIUM_FULL = "the medium is full"
 """How :meth:`Capacity.why_no_room` names a full medium unless the tier names its own."""
 
 
+class _Unless:
+    """The ids :meth:`Capacity.evict_one` must skip: those of keys in ``protect``, and of keys whose
+    removal failed unless ``retry`` (a container of ids for :meth:`RankHeap.pop`)."""
+
+    __slots__ = ("keys", "protect", "undeletable")
+
+    def __init__(self, keys: list, protect: Collection[bytes], undeletable: Collection[bytes]):
+        self.keys, self.protect, self.undeletable = keys, protect, undeletable
+
+    def __contains__(self, ident: object) -> bool:
+        k = self.keys[ident]  # type: ignore[call-overload]
+        return k in self.protect or k in self.undeletable
+
+
 class Capacity:
-    """LRU byte accounting of one tier's chunks against a cap.
+    """Byte accounting of one tier's chunks against a cap, evicted in prefix order (C47).
 
     Args:
         max_bytes: the cap (bytes, >= ``unit_bytes``); None: unbounded (no index, nothing counted
@@ -90,8 +112,16 @@ class Capacity:
         self.forget = forget
         self.clock = clock
         self.full_why = full_why
-        #: Chunks counted against the cap, least recently used first -> their bytes.
-        self.index: OrderedDict[bytes, int] = OrderedDict()
+        #: Chunks counted against the cap -> their bytes (:meth:`eviction_order` for the order).
+        self.index: dict[bytes, int] = {}
+        #: Eviction ranks (module docstring) of the chunks in :attr:`index`, by id: ``_ids`` maps
+        #: a counted key to its id, ``_keys`` an id to its key (None: free, in ``_free``).
+        self.ranks = PrefixRanks(0)
+        self._heap = RankHeap(self.ranks, 0)
+        self._ids: dict[bytes, int] = {}
+        self._keys: list[bytes | None] = []
+        self._free: list[int] = []
+        self._adopted = 0
         #: Bytes of the chunks in :attr:`index`.
         self.used_bytes = 0
         #: Chunks admitted for writing, their store not finished -> bytes reserved.
@@ -172,7 +202,7 @@ class Capacity:
     # -- admission and eviction -----------------------------------------------------------------
 
     def admit(self, keys: list[bytes]) -> tuple[list[int], dict[bytes, int]]:
-        """Reserve room for a store of ``keys``, evicting least recently used chunks (never one
+        """Reserve room for a store of ``keys``, evicting the lowest-ranked chunks (never one
         loading or of this store). Returns the positions to write and the keys refused with their
         codes: ``REJECTED`` for a chunk whose delete is pending (a writer would find the old copy,
         skip the write, and the delete would remove the chunk counted as stored), ``NO_SPACE`` when
@@ -187,8 +217,7 @@ class Capacity:
         rejected: dict[bytes, int] = {}
         for i, k in enumerate(keys):
             if k in index:
-                index.move_to_end(k)
-                admitted.append(i)  # the worker sees the chunk and skips the write
+                admitted.append(i)  # the worker sees the chunk and skips the write (ranked then)
                 continue
             if k in self.reserved:
                 admitted.append(i)  # an earlier job is writing it; the worker skips or rewrites it
@@ -214,7 +243,7 @@ class Capacity:
         return admitted, rejected
 
     def make_room(self, protect: set[bytes]) -> bool:
-        """Evict least recently used chunks until one more fits under the cap; True when it fits.
+        """Evict the lowest-ranked chunks until one more fits under the cap; True when it fits.
         While cautious, room whose removal is not yet confirmed does not count."""
         cap = self.capacity_bytes
         if cap is None:
@@ -238,24 +267,27 @@ class Capacity:
         return "every chunk is in use (loading) or part of this store"
 
     def evict_one(self, protect: Collection[bytes], retry: bool = False) -> bool:
-        """Evict the least recently used chunk not loading nor in ``protect`` (queued for deletion);
+        """Evict the lowest-ranked chunk not loading nor in ``protect`` (queued for deletion);
         chunks whose removal failed are tried again only with ``retry`` (a store needs room), never
         in a loop. False when there is none."""
-        index = self.index
-        undeletable = self.undeletable
-        for k in index:
-            if k in self.loading or k in protect or (not retry and k in undeletable):
-                continue
-            nbytes = index.pop(k)
-            self.used_bytes -= nbytes
-            self.unconfirmed[k] = self.unconfirmed.get(k, 0) + nbytes
-            self.unconfirmed_bytes += nbytes
-            self.forget(k)
-            self.delete_queue.append(k)
-            self._remember_eviction(k, self.clock())
-            self.count(names.EVICTIONS, 1)
-            return True
-        return False
+        undeletable = () if retry else self.undeletable
+        skip = _Unless(self._keys, protect, undeletable) if protect or undeletable else ()
+        deferred: list[tuple[int, int, int]] = []
+        ident = self._heap.pop(skip, deferred)
+        if deferred:
+            self._heap.restore((), deferred)
+        if ident < 0:
+            return False
+        k = self._keys[ident]
+        assert k is not None
+        nbytes = self._uncount(k)
+        self.unconfirmed[k] = self.unconfirmed.get(k, 0) + nbytes
+        self.unconfirmed_bytes += nbytes
+        self.forget(k)
+        self.delete_queue.append(k)
+        self._remember_eviction(k, self.clock())
+        self.count(names.EVICTIONS, 1)
+        return True
 
     def enforce(self) -> None:
         """Evict (never retrying a failed removal) until the counted bytes fit under the cap, less
@@ -278,11 +310,71 @@ class Capacity:
         index = self.index
         for k in keys:
             if k in index:
-                nbytes = index.pop(k)
-                self.used_bytes -= nbytes
+                nbytes = self._uncount(k)
                 self.unconfirmed[k] = self.unconfirmed.get(k, 0) + nbytes
                 self.unconfirmed_bytes += nbytes
             self.delete_queue.append(k)
+
+    # -- the ranks ------------------------------------------------------------------------------
+
+    def _count(self, key: bytes, nbytes: int) -> int:
+        """Count ``key`` (``nbytes``) in the index, unranked and not yet evictable (the caller
+        ranks it, then :meth:`_evictable`). Returns its id."""
+        self.index[key] = nbytes
+        self.used_bytes += nbytes
+        if self._free:
+            ident = self._free.pop()
+        else:
+            ident = len(self._keys)
+            self._keys.append(None)
+            if ident >= len(self.ranks.gen):
+                n = max(64, 2 * ident)
+                self.ranks.grow(n)
+                self._heap.grow(n)
+        self._keys[ident] = key
+        self._ids[key] = ident
+        self.ranks.admitted(ident)
+        self._heap.reranked(ident)  # an entry of the id's previous key is not its
+        return ident
+
+    def _uncount(self, key: bytes) -> int:
+        """Stop counting ``key`` (in the index); returns its bytes."""
+        nbytes = self.index.pop(key)
+        self.used_bytes -= nbytes
+        ident = self._ids.pop(key)
+        self._heap.discard(ident)
+        self._keys[ident] = None
+        self._free.append(ident)
+        return nbytes
+
+    def _evictable(self, idents: Iterable[int]) -> None:
+        """Counted chunks (by id) that may be evicted now, unless loading."""
+        keys, loading, add = self._keys, self.loading, self._heap.add
+        for ident in idents:
+            if keys[ident] not in loading:
+                add(ident)
+
+    def _rank(self, keys: Sequence[bytes], request: str, use: bool) -> None:
+        """Rank the counted ones of ``keys`` (prefix order, head first) as ``request``'s, or as
+        used now for none (:meth:`PrefixRanks.rank`); ``use``: read, not stored."""
+        ids = self._ids
+        batch = [ids[k] for k in keys if k in ids]
+        if batch:
+            reranked = self._heap.reranked
+            for ident in self.ranks.rank(request, batch, use):
+                reranked(ident)
+
+    def request_finished(self, request: str) -> None:
+        """``request`` is done: the chunks its jobs ranked are ranked afresh, tail first."""
+        reranked = self._heap.reranked
+        for ident in self.ranks.finished(request):
+            reranked(ident)
+
+    def eviction_order(self) -> list[bytes]:
+        """The counted chunks, the next to be evicted first (loading ones included); for tests and
+        diagnostics: O(n log n)."""
+        major, minor, ids = self.ranks.major, self.ranks.minor, self._ids
+        return sorted(self.index, key=lambda k: (major[ids[k]], minor[ids[k]]))
 
     def _remember_eviction(self, key: bytes, now: float) -> None:
         evicted = self.evicted_at
@@ -367,8 +459,9 @@ class Capacity:
                 continue
             # Still stored: keep counting it, as the most recently used (retried when it comes up
             # for eviction again); the chunk is intact, so it stays loadable.
-            index[k] = nbytes
-            self.used_bytes += nbytes
+            ident = self._count(k, nbytes)
+            self.ranks.fresh((ident,))
+            self._evictable((ident,))
             self.undeletable.add(k)
             kept.append(k)
         now = self.clock()
@@ -397,10 +490,16 @@ class Capacity:
     # -- jobs -----------------------------------------------------------------------------------
 
     def stores_done(
-        self, keys: list[bytes], failed: dict[bytes, int], removed: Collection[bytes] = ()
+        self,
+        keys: list[bytes],
+        failed: dict[bytes, int],
+        removed: Collection[bytes] = (),
+        request: str = "",
     ) -> tuple[list[bytes], int]:
-        """A store job of ``keys`` finished (``failed``: key -> code; ``removed``: keys removed
-        while it ran, stored but not counted).
+        """A store job of ``keys`` (prefix order) finished for ``request`` ("" for none):
+        ``failed`` maps key -> code; ``removed``: keys removed while it ran, stored but not
+        counted. The counted keys of the job, those it found stored included, are ranked as the
+        request's.
 
         Returns:
             ``(unconfirmed, full)``: keys whose write failed once a worker had it (it may still
@@ -412,6 +511,7 @@ class Capacity:
         index = self.index
         full = 0
         unconfirmed: list[bytes] = []
+        new: list[int] = []
         for key in keys:
             code = failed.get(key)
             if code in (m.NO_SPACE, m.REJECTED) and key in self.refused:
@@ -422,12 +522,13 @@ class Capacity:
             nbytes = self.reserved.pop(key, None)
             if code is None:
                 if key not in index and key not in removed:
-                    index[key] = nbytes or self.unit_bytes
-                    self.used_bytes += index[key]
+                    new.append(self._count(key, nbytes or self.unit_bytes))
             elif code == m.NO_SPACE and nbytes is not None:
                 full += 1  # the writer found the medium full (ENOSPC, quota, the free-space floor)
             elif nbytes is not None and key not in index:
                 unconfirmed.append(key)
+        self._rank(keys, request, False)
+        self._evictable(new)
         return unconfirmed, full
 
     def unconfirmed_stores(self, keys: list[bytes]) -> None:
@@ -446,49 +547,58 @@ class Capacity:
         """Loads of ``keys`` were sent: they are not evicted until :meth:`loads_done`."""
         if not self.bounded:
             return
-        loading = self.loading
+        loading, ids, discard = self.loading, self._ids, self._heap.discard
         for k in keys:
-            loading[k] = loading.get(k, 0) + 1
+            n = loading.get(k, 0)
+            loading[k] = n + 1
+            if not n and k in ids:
+                discard(ids[k])
 
-    def loads_done(self, keys: list[bytes], failed: dict[bytes, int]) -> None:
-        """A load job finished: a loaded chunk becomes the most recently used; a chunk found
-        missing, corrupt or forged (and removed by the worker), or out of reach behind a
-        symbolic link (removed), is no longer counted."""
+    def loads_done(self, keys: list[bytes], failed: dict[bytes, int], request: str = "") -> None:
+        """A load job of ``keys`` (prefix order) finished for ``request`` ("" for none): the
+        chunks read are ranked as used by it (a successful read does not prove a chunk is still
+        there, so only chunks already counted); a chunk found missing, corrupt or forged (and
+        removed by the worker), or out of reach behind a symbolic link (removed), is no longer
+        counted."""
         if not self.bounded:
             return
-        index = self.index
+        index, loading, ids = self.index, self.loading, self._ids
+        ended: list[int] = []
         for key in keys:
-            n = self.loading.get(key, 0) - 1
+            n = loading.get(key, 0) - 1
             if n > 0:
-                self.loading[key] = n
+                loading[key] = n
             else:
-                self.loading.pop(key, None)
-            code = failed.get(key, m.OK)
-            if code == m.OK:
-                # A successful read does not prove the chunk is still there (it may have been
-                # removed while open), so only refresh keys already counted.
-                if key in index:
-                    index.move_to_end(key)
-            elif code in (m.MISSING, m.CORRUPT, m.FORGED, m.UNSAFE_PATH) and key in index:
-                self.used_bytes -= index.pop(key)
+                loading.pop(key, None)
+            if key not in index:
+                continue
+            if failed.get(key, m.OK) in (m.MISSING, m.CORRUPT, m.FORGED, m.UNSAFE_PATH):
+                self._uncount(key)
                 self.undeletable.discard(key)
+            elif n <= 0:
+                ended.append(ids[key])  # no other load of it in flight
+        self._rank([k for k in keys if k not in failed] if failed else keys, request, True)
+        self._evictable(ended)
 
     def adopt(self, entries: list[tuple[bytes, int, float]]) -> int:
-        """Count chunks found stored at start (``(key, bytes, mtime)``), older than anything this
-        instance wrote, oldest first. Returns the bytes adopted; counts ``adopted_chunks``.
-        Unbounded: nothing is counted."""
+        """Count chunks found stored at start (``(key, bytes, mtime)``), ranked below anything
+        this instance stored, the oldest lowest. Returns the bytes adopted; counts
+        ``adopted_chunks``. Unbounded: nothing is counted."""
         if not self.bounded:
             return 0
-        index = self.index
+        index, major, minor = self.index, self.ranks.major, self.ranks.minor
         adopted = 0
         adopted_bytes = 0
-        for key, size, _mtime in sorted(entries, key=lambda e: e[2], reverse=True):
+        new: list[int] = []
+        for key, size, _mtime in sorted(entries, key=lambda e: e[2]):
             if key in index or key in self.reserved or key in self.unconfirmed:
                 continue  # counted already, being written, or being deleted
-            index[key] = size
-            index.move_to_end(key, last=False)  # older than anything this instance wrote
-            self.used_bytes += size
+            ident = self._count(key, size)
+            self._adopted += 1
+            major[ident], minor[ident] = 0, self._adopted  # below every rank a use gives (>= 1)
+            new.append(ident)
             adopted += 1
             adopted_bytes += size
+        self._evictable(new)
         self.count("adopted_chunks", adopted)
         return adopted_bytes

@@ -452,11 +452,15 @@ class ProcessTierManager(SecondaryTierManager):
         return admitted, rejected
 
     def _on_stores_done(
-        self, keys: list[bytes], failed: dict[bytes, int], removed: Collection[bytes] = ()
+        self,
+        keys: list[bytes],
+        failed: dict[bytes, int],
+        removed: Collection[bytes] = (),
+        request: str = "",
     ) -> None:
-        """A store job finished: ``failed`` maps the keys that failed to their codes;
-        ``removed``: keys this tier removed while it ran (stored, not counted)."""
-        unconfirmed, full = self.capacity.stores_done(keys, failed, removed)
+        """A store job of ``request`` ("" for none) finished: ``failed`` maps the keys that failed
+        to their codes; ``removed``: keys this tier removed while it ran (stored, not counted)."""
+        unconfirmed, full = self.capacity.stores_done(keys, failed, removed, request)
         if unconfirmed:
             self._remove_unconfirmed_stores(unconfirmed)
         if full:
@@ -796,7 +800,7 @@ class ProcessTierManager(SecondaryTierManager):
         else:
             self.verdicts.mark_present(ok_keys)
         if job.is_load:
-            cap.loads_done(meta.keys, failed)
+            cap.loads_done(meta.keys, failed, meta.request)
             for k in failed:
                 self.verdicts.mark_absent(k, self.config.failed_load_ttl_s)
                 self.verdicts.owe_miss(k, (meta.req_id,))
@@ -804,7 +808,7 @@ class ProcessTierManager(SecondaryTierManager):
             if failed:
                 self.count("load_failures", len(failed))
         else:
-            self._on_stores_done(meta.keys, failed, gone)
+            self._on_stores_done(meta.keys, failed, gone, meta.request)
             if ok_keys and self.record_events:
                 self._events.append(TierEvent(list(ok_keys), False))
             self.count("store_chunks", len(ok_keys))
@@ -989,6 +993,11 @@ class ProcessTierManager(SecondaryTierManager):
     @override
     def touch(self, keys: Iterable[bytes]) -> None:
         self.verdicts.touch(keys)
+
+    @override
+    def request_finished(self, req_id: str) -> None:
+        if self.capacity.bounded:
+            self.capacity.request_finished(req_id)
 
     @override
     def take_events(self) -> list[TierEvent]:

@@ -9,7 +9,18 @@ import subprocess
 import time
 
 import pytest
-from helpers import HIT, MISS, PENDING, RETRY, Rig, fs_tier, keys_for, wait_paused, wait_until
+from helpers import (
+    HIT,
+    MISS,
+    PENDING,
+    RETRY,
+    Rig,
+    fs_tier,
+    keys_for,
+    serve_prefix,
+    wait_paused,
+    wait_until,
+)
 from unit.test_fs_capacity import FB, _refused
 
 from kvoffload.workers.chunkfile import relative_name
@@ -67,6 +78,31 @@ def _immutable_files_work(directory) -> str | None:
         _chattr("-i", probe)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(probe)
+
+
+def test_c47_the_fs_tier_evicts_a_prefix_tail_first_and_a_prefix_read_back_keeps_its_head(
+    tmp_path,
+):
+    """CASES C47 in a capped fs tier: a host tier of 8 chunks, an fs tier of 12, two conversations
+    of 8-chunk prefixes in turn. Each store evicts from the other conversation's tail; a
+    conversation that comes back reads its head from the fs tier and stores its tail again. Every
+    prefix the fs tier holds is usable from its head, on disk as in its ledger (``xxxx----``, never
+    ``----xxxx``: plain LRU evicted the head, written first, so nothing was found again)."""
+    with Rig([fs_tier(tmp_path, max_bytes=12 * FB)], num_slots=8) as rig:
+        prefixes = [keys_for(8, seed=470 + i) for i in range(2)]
+        found = []
+        for turn in range(3):
+            for i, keys in enumerate(prefixes):
+                found.append(serve_prefix(rig, f"t{turn}-c{i}", keys, 3))
+                for p in prefixes:
+                    on_disk = "".join(
+                        "x" if os.path.exists(chunk_path(rig, tmp_path, k)) else "-" for k in p
+                    )
+                    counted = "".join("x" if k in rig.fs.capacity.index else "-" for k in p)
+                    assert on_disk == counted, (on_disk, counted)
+                    assert "-x" not in on_disk, f"turn {turn}, conversation {i}: fs holds {on_disk}"
+        assert found == [0, 0] + [4] * 4, found
+        assert rig.tm.stats.promotions["fs"] == 16
 
 
 @pytest.mark.parametrize("how", ["fault", "chattr"])

@@ -17,6 +17,7 @@ from helpers import (
     patience,
     payload,
     peak_rss_bytes,
+    serve_prefix,
     wait_until,
 )
 from s3 import FaultProxy, Nanio, Rule, client, new_bucket, obj_tier, start_moto
@@ -382,6 +383,26 @@ def test_max_bytes_deletes_the_least_recently_used_objects(moto, bucket):
             step=again.tm.poll,
         )
         assert object_name(again, k4) in stored_objects(moto, bucket, again)
+
+
+def test_c47_an_obj_tier_with_max_bytes_evicts_a_prefix_tail_first(moto, bucket):
+    """CASES C47 in the obj tier: a host tier of 8 chunks, a bucket capped at 12 objects, two
+    conversations of 8-chunk prefixes in turn: each prefix the bucket holds is usable from its
+    head, in the bucket as in the tier's ledger, and a conversation that comes back finds 4."""
+    ob = HEADER_BYTES + ROW
+    with Rig([obj_tier(moto, bucket, max_bytes=12 * ob)], num_slots=8) as rig:
+        prefixes = [keys_for(8, seed=475 + i) for i in range(2)]
+        found = []
+        for turn in range(2):
+            for i, keys in enumerate(prefixes):
+                found.append(serve_prefix(rig, f"t{turn}-c{i}", keys, 3))
+                stored = stored_objects(moto, bucket, rig)
+                for p in prefixes:
+                    in_bucket = "".join("x" if object_name(rig, k) in stored else "-" for k in p)
+                    counted = "".join("x" if k in rig.fs.capacity.index else "-" for k in p)
+                    assert in_bucket == counted, (in_bucket, counted)
+                    assert "-x" not in in_bucket, f"turn {turn}, conversation {i}: {in_bucket}"
+        assert found == [0, 0, 4, 4], found
 
 
 def test_without_max_bytes_the_obj_tier_deletes_nothing(moto, bucket):

@@ -27,22 +27,24 @@ class Ledger:
             clock=lambda: self.now,
         )
 
-    def store(self, *keys: bytes) -> None:
-        """Admit and finish a successful store of ``keys``."""
-        admitted, rejected = self.cap.admit(list(keys))
-        assert not rejected and admitted == list(range(len(keys)))
-        assert self.cap.stores_done(list(keys), {}) == ([], 0)
+    def store(self, *keys: bytes, request: str = "") -> None:
+        """Admit and finish a successful store of ``keys``, each its own job (used one after the
+        other, as by separate requests) unless ``request`` names the request of one job."""
+        for batch in [list(keys)] if request else [[k] for k in keys]:
+            admitted, rejected = self.cap.admit(batch)
+            assert not rejected and admitted == list(range(len(batch)))
+            assert self.cap.stores_done(batch, {}, request=request) == ([], 0)
 
 
 def test_stores_are_counted_and_the_least_recently_used_are_evicted_for_room():
     led = Ledger()
     cap = led.cap
     led.store(b"a", b"b", b"c")
-    assert cap.used_bytes == 3 * U and list(cap.index) == [b"a", b"b", b"c"]
+    assert cap.used_bytes == 3 * U and cap.eviction_order() == [b"a", b"b", b"c"]
     cap.loads_started([b"a"])
     cap.loads_done([b"a"], {})  # a was read: now the most recently used
     led.store(b"d")
-    assert list(cap.index) == [b"c", b"a", b"d"] and cap.used_bytes == 3 * U
+    assert cap.eviction_order() == [b"c", b"a", b"d"] and cap.used_bytes == 3 * U
     assert led.forgotten == [b"b"] and led.counters["evictions"] == 1
     assert cap.take_deletes() == [b"b"] and cap.deleting == {b"b": 1}
     assert cap.unconfirmed_bytes == U  # still stored until the delete answers
@@ -58,8 +60,8 @@ def test_chunks_loading_and_keys_of_the_store_are_never_evicted():
     admitted, rejected = cap.admit([b"b", b"c"])  # b is part of this store, a is loading
     assert admitted == [0] and rejected == {b"c": m.NO_SPACE}
     assert led.counters["store_refused_no_room"] == 1 and not led.forgotten
-    cap.loads_done([b"a"], {})  # a was read after b was stored again: b is the LRU now
     assert cap.stores_done([b"b", b"c"], {b"c": m.NO_SPACE}) == ([], 0)  # refused, never written
+    cap.loads_done([b"a"], {})  # a was read after b was stored again: b is the LRU now
     admitted, rejected = cap.admit([b"c"])
     assert admitted == [0] and not rejected and led.forgotten == [b"b"]
 
@@ -85,7 +87,7 @@ def test_c32_a_failed_removal_keeps_the_chunk_counted_and_space_is_reused_only_o
     cap.take_deletes()
     kept = cap.deletes_answered([b"a"], [m.IO_ERROR], [errno.EPERM])
     assert kept == [b"a"] and not cap.retry_at
-    assert list(cap.index)[-1] == b"a" and cap.used_bytes == 4 * U  # over the cap, counted
+    assert cap.eviction_order()[-1] == b"a" and cap.used_bytes == 4 * U  # over the cap, counted
     assert led.counters["eviction_errors.EPERM"] == 1 and cap.undeletable == {b"a"}
     assert cap.cautious() and "could not be removed" in cap.why_no_room()
     cap.enforce()  # back under the cap, never retrying the failed removal in a loop
@@ -174,7 +176,7 @@ def test_chunks_found_at_start_are_adopted_oldest_first_and_older_than_new_ones(
     cap = led.cap
     led.store(b"new")
     assert cap.adopt([(b"mid", U, 200.0), (b"old", U, 100.0), (b"new", U, 300.0)]) == 2 * U
-    assert list(cap.index) == [b"old", b"mid", b"new"] and cap.used_bytes == 3 * U
+    assert cap.eviction_order() == [b"old", b"mid", b"new"] and cap.used_bytes == 3 * U
     assert led.counters["adopted_chunks"] == 2
 
 
@@ -203,3 +205,100 @@ def test_unbounded_counts_nothing_but_tracks_explicit_removals():
 def test_a_cap_smaller_than_one_chunk_is_refused_naming_max_bytes():
     with pytest.raises(ValueError, match=r"^max_bytes: 99 is smaller than one chunk \(100 bytes\)"):
         Capacity(99, U, count=lambda name, n: None, forget=lambda key: None)
+
+
+def _layout(cap: Capacity, keys: list[bytes]) -> str:
+    """``x`` for a chunk the ledger counts, ``-`` for one it does not, head first."""
+    return "".join("x" if k in cap.index else "-" for k in keys)
+
+
+def test_c47_a_requests_prefix_is_evicted_tail_first_and_a_read_keeps_its_head():
+    """CASES C47 in a capped tier's ledger: a request stores its prefix in batches (head first) and
+    finishes; room for another prefix is made from its tail. A request that reads a prefix head to
+    tail (one load job a step) and finishes leaves its head ranked highest: evictions go on from
+    the tail (never ``----xxxx``)."""
+    led = Ledger(max_bytes=8 * U)
+    cap = led.cap
+    a = [b"a%d" % i for i in range(8)]
+    b = [b"b%d" % i for i in range(4)]
+    for batch in (a[:3], a[3:6], a[6:]):
+        led.store(*batch, request="r1")
+    cap.request_finished("r1")
+    led.store(*b, request="r2")
+    assert _layout(cap, a) == "xxxx----" and led.forgotten == a[:3:-1]
+    cap.request_finished("r2")
+    for batch in (a[:2], a[2:4]):  # a third request reads a's head, two chunks a step
+        cap.loads_started(batch)
+        cap.loads_done(batch, {}, request="r3")
+    cap.request_finished("r3")
+    assert cap.eviction_order() == b[::-1] + a[3::-1]
+    led.store(b"c0", b"c1", b"c2", b"c3", b"c4", b"c5")  # no request: each as used now
+    assert _layout(cap, a) == "xx------" and _layout(cap, b) == "----"
+
+
+def test_c47_a_store_or_load_of_a_running_request_shares_its_rank_and_position_order():
+    """While a request runs, its stores and loads (in any order) rank its chunks by position
+    (the order it first placed them), its tail lowest; a store that ends after the request
+    finished keeps the fresh ranks the finish gave (vLLM ends a request before its last copy)."""
+    led = Ledger(max_bytes=10 * U)
+    cap = led.cap
+    led.store(b"p0", b"p1")  # an earlier prefix, no request
+    cap.loads_started([b"p0", b"p1"])
+    cap.loads_done([b"p0", b"p1"], {}, request="r")  # r reads it, then stores its own tail
+    led.store(b"t0", b"t1", request="r")
+    assert cap.eviction_order() == [b"t1", b"t0", b"p1", b"p0"]
+    admitted, _ = cap.admit([b"t2"])
+    cap.request_finished("r")
+    assert cap.stores_done([b"t2"], {}, request="r") == ([], 0)  # late: ranked as used now
+    assert cap.eviction_order() == [b"t1", b"t0", b"p1", b"p0", b"t2"]
+    led.store(b"q0", b"q1", request="s")  # another request: ranked above r's finish
+    assert cap.eviction_order()[:4] == [b"t1", b"t0", b"p1", b"p0"]
+
+
+def test_evictions_take_the_lowest_ranked_chunk_neither_loading_nor_protected():
+    """Random stores, loads, finishes, failed removals and evictions: every eviction takes the
+    lowest-ranked counted chunk that is not loading, not protected and (without retry) whose
+    removal has not failed, as a walk over the whole ledger would."""
+    import random
+
+    rnd = random.Random(47)
+    led = Ledger(max_bytes=40 * U)
+    cap = led.cap
+    keys = [b"k%d" % i for i in range(80)]
+    requests = [f"r{i}" for i in range(5)]
+    for _ in range(3000):
+        op = rnd.random()
+        if op < 0.35:
+            batch = rnd.sample(keys, rnd.randint(1, 4))
+            admitted, rejected = cap.admit(batch)
+            cap.stores_done(batch, rejected, request=rnd.choice(requests + [""]))
+        elif op < 0.55:
+            batch = [k for k in rnd.sample(keys, 4) if k in cap.index]
+            cap.loads_started(batch)
+            if rnd.random() < 0.8:
+                cap.loads_done(batch, {}, request=rnd.choice(requests + [""]))
+        elif op < 0.65:
+            cap.request_finished(rnd.choice(requests))
+        elif op < 0.7:
+            deletes = cap.take_deletes()
+            failing = set(rnd.sample(deletes, len(deletes) // 3))
+            codes = [m.IO_ERROR if k in failing else m.OK for k in deletes]
+            cap.deletes_answered(deletes, codes, [])
+        else:
+            protect = set(rnd.sample(keys, 6))
+            retry = rnd.random() < 0.5
+            order = cap.eviction_order()
+            expected = next(
+                (
+                    k
+                    for k in order
+                    if k not in cap.loading
+                    and k not in protect
+                    and (retry or k not in cap.undeletable)
+                ),
+                None,
+            )
+            before = set(cap.index)
+            assert cap.evict_one(protect, retry) is (expected is not None)
+            assert before - set(cap.index) == ({expected} if expected else set())
+        assert cap.used_bytes == sum(cap.index.values())

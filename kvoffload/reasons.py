@@ -170,6 +170,13 @@ REFUSED: dict[str, Reason] = {
         "dropped until a trial succeeds",
         "look at why the tier fails (kvoffload_tier_failed_chunks_total, the tier's log)",
     ),
+    "prefix_hole": Reason(
+        "a secondary tier: an earlier chunk of the same request was dropped (another reason) or "
+        "failed there, and a prefix is usable only up to its first missing chunk, so its later "
+        "chunks are not written to that tier (CASES C48)",
+        "as for the first chunk's reason (pin_limit, queue_full, breaker_open, or the tier's "
+        "failures in kvoffload_tier_failed_chunks_total)",
+    ),
 }
 
 

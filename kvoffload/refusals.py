@@ -23,6 +23,8 @@ _DROP_WHY = {
     "queue_full": "too many of its stores in flight (max_pending_store_chunks): the tier is slower "
     "than the offload rate",
     "breaker_open": "its circuit breaker is not closed (the tier keeps failing)",
+    "prefix_hole": "an earlier chunk of the same request was not written there (dropped or "
+    "failed), so no lookup could reach these past the hole",
 }
 
 

@@ -20,7 +20,12 @@ HOST_REFUSALS = (
     ("store", "in_tier"),
     ("load", "no_evictable_slot"),
 )
-TIER_REFUSALS = (("store", "pin_limit"), ("store", "queue_full"), ("store", "breaker_open"))
+TIER_REFUSALS = (
+    ("store", "pin_limit"),
+    ("store", "queue_full"),
+    ("store", "breaker_open"),
+    ("store", "prefix_hole"),
+)
 
 
 class Stats:

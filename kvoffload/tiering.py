@@ -241,6 +241,10 @@ class TieringManager:
         # Chunks whose lookup verdict has been counted, per request (dropped when it finishes; at
         # most _MAX_COUNTED_REQUESTS requests kept, the oldest forgotten first)
         self._counted: dict[str, set[bytes]] = {}
+        # The tiers (indices) each running request's prefix has a hole in: a chunk of it was
+        # dropped or failed there, so later ones are not written to them (CASES C48). Dropped when
+        # it finishes; at most _MAX_COUNTED_REQUESTS requests kept, the oldest forgotten first.
+        self._holes: dict[str, set[int]] = {}
         #: The promotion-hold policy (docs/profiles/thrash.md). Holds take at most what one
         #: tier's in-flight stores may leave (tier_pin_fraction), so write-through keeps room
         #: without evicting held chunks (CASES C37).
@@ -731,26 +735,37 @@ class TieringManager:
         are prefix ordered) and the rest is dropped and counted, never waited for, so a slow tier
         cannot keep the host tier from taking new chunks (CASES C37). A tier with nothing in
         flight takes the whole batch, so a batch larger than the limit still reaches every tier.
+
+        A request's chunks reach a tier in prefix order or not at all past the first one dropped
+        (CASES C48): once a chunk of ``req_id`` was dropped for a tier (unless the tier is known
+        to hold it) or failed there, its later chunks are dropped for that tier too (reason
+        ``prefix_hole``), as no lookup could reach them past the hole.
         """
         with self.lock:
             host = self.host
             pins = self._store_pins
             routed_at = self._routed_at
+            holes = self._holes.get(req_id) if req_id else None
             for i, tier in enumerate(self.tiers):
                 hooks = routed_at.get(i)
                 if hooks is not None and not hooks.wants_store(req_id):
                     continue
-                take = keys[: max(0, self._pin_limit - pins[i])] if pins[i] else keys
-                reason = "pin_limit"  # why what is not taken is dropped
-                # Asked even when over budget: a tier that refuses (open breaker, backlog) counts its
-                # own drops, so the cause stays visible whatever the pin budget did.
-                refusal = tier.store_refusal(len(take) or len(keys))
-                if refusal is not None:
-                    take, reason = [], refusal
+                if holes is not None and i in holes:
+                    take, reason = [], "prefix_hole"
+                else:
+                    take = keys[: max(0, self._pin_limit - pins[i])] if pins[i] else keys
+                    reason = "pin_limit"  # why what is not taken is dropped
+                    # Asked even when over budget: a tier that refuses (open breaker, backlog)
+                    # counts its own drops, so the cause stays visible whatever the pin budget did.
+                    refusal = tier.store_refusal(len(take) or len(keys))
+                    if refusal is not None:
+                        take, reason = [], refusal
                 dropped = len(keys) - len(take)
                 if dropped:
                     self.stats.dropped_stores[tier.name] += dropped
                     self.refusals.tier_store(tier.name, reason, dropped, pins[i])
+                    if req_id and not all(map(tier.known_present, keys[len(take) :])):
+                        holes = self._hole(req_id, i)
                 if not take:
                     continue
                 pins[i] += len(take)
@@ -764,6 +779,16 @@ class TieringManager:
                 )
                 self._jobs[meta.job_id] = _Job(i, meta)
                 tier.submit_store(meta)
+
+    def _hole(self, req_id: str, tier_idx: int) -> set[int]:
+        """``req_id``'s prefix has a hole in tier ``tier_idx`` (C48); returns its holes."""
+        holes = self._holes.get(req_id)
+        if holes is None:
+            if len(self._holes) >= _MAX_COUNTED_REQUESTS:  # requests never finished
+                del self._holes[next(iter(self._holes))]
+            holes = self._holes[req_id] = set()
+        holes.add(tier_idx)
+        return holes
 
     def _job_id(self) -> int:
         self._next_job += 1
@@ -903,6 +928,8 @@ class TieringManager:
             stored = [k for k in meta.keys if k in ok_set]
             stats.cascaded[tier.name] += len(stored)
             stats.cascade_failures[tier.name] += len(meta.keys) - len(stored)
+            if meta.request and len(stored) < len(meta.keys):
+                self._hole(meta.req_id, job.tier)  # its later chunks are not written there
         if stored:
             self.events.moved(stored, HOST, tier.name, tier=tier)
 
@@ -993,6 +1020,7 @@ class TieringManager:
         with self.lock:
             self._load_source.pop(req_id, None)
             self._counted.pop(req_id, None)
+            self._holes.pop(req_id, None)
             self.holds.forget(req_id)
             self.host.request_finished(req_id)
             for tier in self.tiers:

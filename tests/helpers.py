@@ -242,13 +242,14 @@ class Rig:
             self.tm.poll()
             time.sleep(0.01)
 
-    def store(self, keys, fill=None, wait: bool = True) -> list[bytes]:
-        """Accelerator → host store of ``keys`` with their payloads, then write-through."""
-        plan = self.tm.prepare_store(list(keys))
+    def store(self, keys, fill=None, wait: bool = True, request: str = "") -> list[bytes]:
+        """Accelerator → host store of ``keys`` with their payloads (for ``request``), then
+        write-through."""
+        plan = self.tm.prepare_store(list(keys), request)
         assert plan is not None, "host tier refused the store"
         for k, s in zip(plan.keys, plan.slots):
             self.arena.rows[s] = payload(k, self.row_bytes) if fill is None else fill
-        self.tm.complete_store(plan.keys, True)
+        self.tm.complete_store(plan.keys, True, request)
         if wait:
             assert self.tm.wait_idle(patience(120)), "tier jobs did not finish"
         return plan.evicted

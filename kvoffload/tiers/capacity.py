@@ -206,7 +206,9 @@ class Capacity:
         loading or of this store). Returns the positions to write and the keys refused with their
         codes: ``REJECTED`` for a chunk whose delete is pending (a writer would find the old copy,
         skip the write, and the delete would remove the chunk counted as stored), ``NO_SPACE`` when
-        no room can be made. Counts ``store_skipped_deleting`` and ``store_refused_no_room``.
+        no room can be made; every new chunk after a refused one with the same code (``keys`` are
+        a prefix: nothing past a hole could be served, C48). Counts ``store_skipped_deleting``,
+        ``store_refused_no_room`` and ``store_refused_after_hole``.
         Unbounded: every position, nothing reserved."""
         cap = self.capacity_bytes
         if cap is None:
@@ -215,6 +217,7 @@ class Capacity:
         protect = set(keys)
         admitted: list[int] = []
         rejected: dict[bytes, int] = {}
+        hole = after = 0  # the code of the first chunk refused; new chunks refused after it
         for i, k in enumerate(keys):
             if k in index:
                 admitted.append(i)  # the worker sees the chunk and skips the write (ranked then)
@@ -222,24 +225,31 @@ class Capacity:
             if k in self.reserved:
                 admitted.append(i)  # an earlier job is writing it; the worker skips or rewrites it
                 continue
+            if hole:
+                # past a chunk refused: the prefix is not usable beyond it (C48)
+                rejected[k] = hole
+                self.refused[k] = self.refused.get(k, 0) + 1
+                after += 1
+                continue
             if k in self.deleting:
                 # Evicted, its delete not yet done: a writer would find the old copy, skip the
                 # write, and the delete would then remove the chunk we count as stored.
-                rejected[k] = m.REJECTED
+                rejected[k] = hole = m.REJECTED
                 self.refused[k] = self.refused.get(k, 0) + 1
                 self.count("store_skipped_deleting", 1)
                 continue
             if not self.make_room(protect):
-                rejected[k] = m.NO_SPACE
+                rejected[k] = hole = m.NO_SPACE
                 self.refused[k] = self.refused.get(k, 0) + 1
                 continue
             self.reserved[k] = self.unit_bytes
             admitted.append(i)
-        refused = sum(1 for c in rejected.values() if c == m.NO_SPACE)
-        if refused:
-            self.count("store_refused_no_room", refused)
-            if self.cautious():  # evict ahead for as much, so the next store finds room
-                self.headroom = max(self.headroom, min(refused * self.unit_bytes, cap // 2))
+        if after:
+            self.count("store_refused_after_hole", after)
+        if hole == m.NO_SPACE:
+            self.count("store_refused_no_room", 1)
+            if self.cautious():  # evict ahead for them all, so the next store finds room
+                self.headroom = max(self.headroom, min((1 + after) * self.unit_bytes, cap // 2))
         return admitted, rejected
 
     def make_room(self, protect: set[bytes]) -> bool:

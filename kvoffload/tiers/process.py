@@ -437,7 +437,7 @@ class ProcessTierManager(SecondaryTierManager):
 
     def _admit_store(self, keys: list[bytes]) -> tuple[list[int], dict[bytes, int]]:
         """Which positions of ``keys`` to write; the rest fail with the returned codes. With a
-        cap, room is made by evicting least recently used chunks."""
+        cap, room is made by evicting its lowest-ranked chunks."""
         cap = self.capacity
         self._refresh_capacity()
         admitted, rejected = cap.admit(keys)

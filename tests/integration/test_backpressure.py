@@ -1,6 +1,11 @@
-"""Back-pressure: a slow secondary tier never stops the host tier taking new chunks (CASES C37)."""
+"""Back-pressure: a slow secondary tier never stops the host tier taking new chunks (CASES C37),
+and what it drops never leaves a hole in a prefix (C48)."""
+
+import os
 
 from helpers import HIT, MISS, Rig, fs_tier, keys_for, payload, wait_until
+
+from kvoffload.workers.chunkfile import relative_name
 
 
 def test_c37_a_slow_tier_does_not_stop_the_host_tier_taking_new_chunks(tmp_path):
@@ -66,3 +71,56 @@ def test_a_batch_over_a_tiers_pin_budget_gives_that_tier_its_longest_fitting_pre
         assert rig.resolve(first + second[:1]) == [HIT] * 4
         rig.tm.host.remove(first + second[:1])
         assert rig.resolve(second[1:]) == [MISS] * 2
+
+
+def test_c48_a_request_whose_chunk_was_dropped_or_failed_writes_nothing_past_it(tmp_path):
+    """CASES C48: a slow fs tier (its stores wait on a gate) and a request offering its 24-chunk
+    prefix 4 chunks a step. The first 8 are written (the tier's pin budget, half the host tier's
+    16 slots), the next 4 dropped (``pin_limit``); the gate opens and the tier catches up, and the
+    rest of the request's chunks are dropped too (``prefix_hole``): the tier holds the prefix's
+    head, never a chunk past the hole (it held ``xxxxxxxx----xxxxxxxxxxxx``). Another request's
+    chunks are written as before. A chunk that failed in the tier (EIO) stops its request's later
+    chunks the same way."""
+    gate = tmp_path / "stores-may-run"
+    root = tmp_path / "fs"
+    r1, r2, r3 = keys_for(24, seed=481), keys_for(8, seed=482), keys_for(8, seed=483)
+    slow = fs_tier(
+        root,
+        faults=[
+            {"point": "store", "action": "wait_file", "arg": str(gate), "count": -1},
+            {"point": "before_publish", "action": "raise", "arg": 5, "key_hex": r3[3].hex()},
+        ],
+    )
+    with Rig([slow], num_slots=16) as rig:
+        tm = rig.tm
+
+        def on_disk(keys: list) -> str:
+            names = (os.path.join(root, rig.ns.id(), relative_name(k)) for k in keys)
+            return "".join("x" if os.path.exists(p) else "-" for p in names)
+
+        for i in range(0, 24, 4):
+            if i == 12:  # the tier catches up: its pins drop, its budget is free again
+                gate.touch()
+                assert tm.wait_idle(120)
+            rig.store(r1[i : i + 4], wait=False, request="r1")
+            tm.step()
+        tm.on_request_finished("r1")
+        assert tm.wait_idle(120)
+        assert on_disk(r1) == "x" * 8 + "-" * 16
+        refused = tm.stats.refused
+        assert refused[("fs", "store", "pin_limit")] == 4
+        assert refused[("fs", "store", "prefix_hole")] == 12
+        scraped = tm.refresh_metrics()
+        assert scraped.get("kvoffload_refused_chunks", "fs", "store", "prefix_hole") == 12
+        assert tm.stats.dropped_stores["fs"] == 16
+        for i in range(0, 8, 4):  # another request: its own prefix, whole
+            rig.store(r2[i : i + 4], request="r2")
+        tm.on_request_finished("r2")
+        assert on_disk(r2) == "x" * 8
+        for i in range(0, 8, 2):  # r3's chunk 3 fails (EIO) in its second job
+            rig.store(r3[i : i + 2], request="r3")
+        tm.on_request_finished("r3")
+        assert on_disk(r3) == "xxx-----"
+        assert tm.stats.cascade_failures["fs"] == 1
+        assert refused[("fs", "store", "prefix_hole")] == 12 + 4
+        assert not tm._holes  # nothing kept once the requests finished

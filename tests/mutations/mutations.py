@@ -1162,4 +1162,20 @@ MUTATIONS: list[Mutation] = [
             + "test_c47_the_fs_tier_evicts_a_prefix_tail_first_and_a_prefix_read_back_keeps_its_head",
         ),
     ),
+    Mutation(
+        "C48",
+        "a request's later chunks are written to a tier past one dropped there",
+        "kvoffload/tiering.py",
+        "                if holes is not None and i in holes:\n",
+        "                if False:\n",
+        (BP + "test_c48_a_request_whose_chunk_was_dropped_or_failed_writes_nothing_past_it",),
+    ),
+    Mutation(
+        "C48",
+        "a chunk that failed in a tier leaves no hole for its request's later chunks",
+        "kvoffload/tiering.py",
+        "                self._hole(meta.req_id, job.tier)  # its later chunks are not written there\n",
+        "                pass\n",
+        (BP + "test_c48_a_request_whose_chunk_was_dropped_or_failed_writes_nothing_past_it",),
+    ),
 ]

@@ -302,3 +302,24 @@ def test_evictions_take_the_lowest_ranked_chunk_neither_loading_nor_protected():
             assert cap.evict_one(protect, retry) is (expected is not None)
             assert before - set(cap.index) == ({expected} if expected else set())
         assert cap.used_bytes == sum(cap.index.values())
+
+
+def test_c48_new_chunks_after_one_refused_in_a_store_are_refused_too():
+    """CASES C48 within one store: ``keys`` are a prefix, so once a chunk is refused (its delete
+    pending, or no room) every new chunk after it is refused with the same code (counted apart);
+    chunks already stored after it stay admitted (nothing to write)."""
+    led = Ledger(max_bytes=4 * U)
+    cap = led.cap
+    led.store(b"a", b"b")
+    cap.remove([b"a"])
+    cap.take_deletes()  # a's delete in flight
+    admitted, rejected = cap.admit([b"a", b"b", b"c", b"d"])
+    assert admitted == [1] and rejected == {b"a": m.REJECTED, b"c": m.REJECTED, b"d": m.REJECTED}
+    assert led.counters["store_refused_after_hole"] == 2
+    assert cap.stores_done([b"a", b"b", b"c", b"d"], rejected) == ([], 0) and not cap.refused
+    assert not cap.reserved and cap.used_bytes == U
+    cap.loads_started([b"b"])  # b cannot be evicted: the third new chunk finds no room
+    admitted, rejected = cap.admit([b"e", b"f", b"g", b"h", b"i"])
+    assert admitted == [0, 1, 2] and rejected == {b"h": m.NO_SPACE, b"i": m.NO_SPACE}
+    assert led.counters["store_refused_no_room"] == 1
+    assert led.counters["store_refused_after_hole"] == 3

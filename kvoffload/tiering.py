@@ -245,6 +245,12 @@ class TieringManager:
         # dropped or failed there, so later ones are not written to them (CASES C48). Dropped when
         # it finishes; at most _MAX_COUNTED_REQUESTS requests kept, the oldest forgotten first.
         self._holes: dict[str, set[int]] = {}
+        # The tiers that keep every chunk a request covers, loaded as well as stored (C49).
+        self._hold_covered = [
+            (i, t)
+            for i, t in enumerate(self.tiers)
+            if type(t).holds_covered is not SecondaryTierManager.holds_covered
+        ]
         #: The promotion-hold policy (docs/profiles/thrash.md). Holds take at most what one
         #: tier's in-flight stores may leave (tier_pin_fraction), so write-through keeps room
         #: without evicting held chunks (CASES C37).
@@ -480,6 +486,12 @@ class TieringManager:
             for k in keys:
                 idx = src.get(k) if src else None
                 loads_from[HOST if idx is None else self.tier_names[idx]] += 1
+            if req_id and self._hold_covered:
+                # chunks the request found stored (or promoted for it): a tier that keeps what a
+                # request covers gets them as a store of its own (CASES C49)
+                for i, tier in self._hold_covered:
+                    if tier.holds_covered(req_id):
+                        self._store_to(i, tier, list(keys), req_id)
             return slots
 
     def complete_load(self, keys: Iterable[bytes], req_id: str = "") -> None:
@@ -742,43 +754,44 @@ class TieringManager:
         ``prefix_hole``), as no lookup could reach them past the hole.
         """
         with self.lock:
-            host = self.host
-            pins = self._store_pins
             routed_at = self._routed_at
-            holes = self._holes.get(req_id) if req_id else None
             for i, tier in enumerate(self.tiers):
                 hooks = routed_at.get(i)
                 if hooks is not None and not hooks.wants_store(req_id):
                     continue
-                if holes is not None and i in holes:
-                    take, reason = [], "prefix_hole"
-                else:
-                    take = keys[: max(0, self._pin_limit - pins[i])] if pins[i] else keys
-                    reason = "pin_limit"  # why what is not taken is dropped
-                    # Asked even when over budget: a tier that refuses (open breaker, backlog)
-                    # counts its own drops, so the cause stays visible whatever the pin budget did.
-                    refusal = tier.store_refusal(len(take) or len(keys))
-                    if refusal is not None:
-                        take, reason = [], refusal
-                dropped = len(keys) - len(take)
-                if dropped:
-                    self.stats.dropped_stores[tier.name] += dropped
-                    self.refusals.tier_store(tier.name, reason, dropped, pins[i])
-                    if req_id and not all(map(tier.known_present, keys[len(take) :])):
-                        holes = self._hole(req_id, i)
-                if not take:
-                    continue
-                pins[i] += len(take)
-                slots = host.pin(take)
-                meta = JobMetadata(
-                    job_id=self._job_id(),
-                    keys=list(take),
-                    slots=slots,
-                    is_promotion=False,
-                    req_id=req_id,
-                )
-                self._jobs[meta.job_id] = _Job(i, meta)
-                tier.submit_store(meta)
+                self._store_to(i, tier, keys, req_id)
+
+    def _store_to(self, i: int, tier: SecondaryTierManager, keys: list[bytes], req_id: str) -> None:
+        """One store job of the READY ``keys`` (or of their longest prefix its pin budget allows,
+        none past a hole of ``req_id``'s prefix) to tier ``i``; the rest is dropped and counted
+        (:meth:`write_through`)."""
+        pins = self._store_pins
+        holes = self._holes.get(req_id) if req_id else None
+        if holes is not None and i in holes:
+            take, reason = [], "prefix_hole"
+        else:
+            take = keys[: max(0, self._pin_limit - pins[i])] if pins[i] else keys
+            reason = "pin_limit"  # why what is not taken is dropped
+            # Asked even when over budget: a tier that refuses (open breaker, backlog) counts its
+            # own drops, so the cause stays visible whatever the pin budget did.
+            refusal = tier.store_refusal(len(take) or len(keys))
+            if refusal is not None:
+                take, reason = [], refusal
+        dropped = len(keys) - len(take)
+        if dropped:
+            self.stats.dropped_stores[tier.name] += dropped
+            self.refusals.tier_store(tier.name, reason, dropped, pins[i])
+            if req_id and not all(map(tier.known_present, keys[len(take) :])):
+                self._hole(req_id, i)
+        if not take:
+            return
+        pins[i] += len(take)
+        slots = self.host.pin(take)
+        meta = JobMetadata(
+            job_id=self._job_id(), keys=list(take), slots=slots, is_promotion=False, req_id=req_id
+        )
+        self._jobs[meta.job_id] = _Job(i, meta)
+        tier.submit_store(meta)
 
     def _hole(self, req_id: str, tier_idx: int) -> set[int]:
         """``req_id``'s prefix has a hole in tier ``tier_idx`` (C48); returns its holes."""

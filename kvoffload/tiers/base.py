@@ -203,6 +203,13 @@ class SecondaryTierManager(ABC):
     def touch(self, keys: Iterable[bytes]) -> None:
         """The keys were used: refresh them in the tier's own eviction order."""
 
+    def holds_covered(self, req_id: str) -> bool:
+        """True when the tier keeps, for ``req_id``, every chunk the request covers, not only those
+        it stores: chunks it found in the host tier (or had promoted) and loads are then submitted
+        to the tier as a store job too (the p2p tier holds them for a remote decoder, CASES C49).
+        Asked at each load of a request, only of tiers that override it. Default: False."""
+        return False
+
     def request_finished(self, req_id: str) -> None:
         """The request finished (every tier is told; :meth:`RoutedTier.on_request_finished` is
         the routing's own): a tier that ranks its chunks by request for eviction (CASES C47)

@@ -385,6 +385,54 @@ def test_lease_holds_for_a_remote_decoder_until_fetched_then_ends(world):
     assert pins_consistent(a)
 
 
+def test_c49_a_repeat_prefill_holds_the_chunks_it_found_for_its_own_decoder(world):
+    """CASES C49: two prefill requests with the same prefix, each naming its decoder. The first
+    stores the chunks (held for decoder 1); the second finds them stored and loads them (held for
+    decoder 2 too). Decoder 1 reads, the prefiller's host tier is refilled, and decoder 2 still
+    reads every chunk (it got MISS x4: nothing was held for it)."""
+    pa = free_port()
+    a = world.rig(p2p("tcp", pa, hold_s=3600.0), num_slots=16)
+    b = world.rig(p2p("tcp", free_port(), allowed_peers=[f"127.0.0.1:{pa}"]))
+    keys = keys_for(4, seed=49)
+    a.tm.on_request("prefill-1", {"remote_decoder": {"kv_request_id": "kvr-1"}})
+    a.store(keys, wait=False, request="prefill-1")
+    a.tm.on_request_finished("prefill-1")
+    a.tm.on_request("prefill-2", {"remote_decoder": {"kv_request_id": "kvr-2"}})
+    assert [a.tm.lookup(k, "prefill-2") for k in keys] == [HIT] * 4
+    a.tm.prepare_load(keys, "prefill-2")
+    a.tm.complete_load(keys, "prefill-2")
+    a.tm.on_request_finished("prefill-2")
+    port = int(tier(a).advertise.rsplit(":", 1)[1])
+
+    def decoder(kvr: str) -> dict:
+        return {
+            "remote_prefiller": {
+                "kv_request_id": kvr,
+                "remote_host": "127.0.0.1",
+                "remote_port": port,
+            }
+        }
+
+    assert_serves(b, keys, "decode-1", decoder("kvr-1"))
+    b.tm.on_request_finished("decode-1")
+    wait_until(lambda: b.tm.wait_idle(1) or None, PATIENCE_S, "B's load done")
+    b.tm.host.remove(keys)  # decoder 2 has none of them
+    wait_until(  # decoder 1's hold ends; decoder 2's stays
+        lambda: len(a.tm.jobs_in_flight()) == 1 or None, PATIENCE_S, "hold 1 ended", step=a.tm.step
+    )
+    a.store(keys_for(12, seed=490), wait=False)  # the prefiller's host tier refilled (16 slots)
+    assert all(a.tm.host.lookup(k) is HIT for k in keys), "a held chunk was evicted"
+    assert_serves(b, keys, "decode-2", decoder("kvr-2"))
+    wait_until(
+        lambda: not a.tm.jobs_in_flight() or None, PATIENCE_S, "hold 2 ended", step=a.tm.step
+    )
+    assert a.tm.stats.cascaded[tier(a).name] == 8  # each decoder read the 4 chunks held for it
+    wait_until(
+        lambda: a.tm.host.num_pinned == 0 or None, PATIENCE_S, "A's pins released", step=a.tm.step
+    )
+    assert pins_consistent(a)
+
+
 def test_a_hold_nobody_fetches_expires_and_releases_its_slots(world):
     a = world.rig(p2p("tcp", free_port(), hold_s=0.5))
     keys = keys_for(3, seed=10)

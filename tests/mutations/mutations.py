@@ -1178,4 +1178,12 @@ MUTATIONS: list[Mutation] = [
         "                pass\n",
         (BP + "test_c48_a_request_whose_chunk_was_dropped_or_failed_writes_nothing_past_it",),
     ),
+    Mutation(
+        "C49",
+        "a prefill's chunks found stored are not held for its decoder",
+        "kvoffload/tiering.py",
+        "            if req_id and self._hold_covered:\n",
+        "            if False:\n",
+        (TIER + "test_c49_a_repeat_prefill_holds_the_chunks_it_found_for_its_own_decoder",),
+    ),
 ]

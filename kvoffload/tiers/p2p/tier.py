@@ -462,6 +462,13 @@ class P2PTier(SecondaryTierManager):
         return node is not None and node.client.can_push()
 
     @override
+    def holds_covered(self, req_id: str) -> bool:
+        """A prefill request naming a remote decoder: the chunks it found stored are held for
+        that decoder as well as those it stores (CASES C49)."""
+        route = self._routes.get(req_id)
+        return route is not None and bool(route.decoder_id)
+
+    @override
     def submit_store(self, job: JobMetadata) -> None:
         route = self._routes.get(job.req_id)
         if route is not None and route.decoder_id:

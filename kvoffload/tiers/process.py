@@ -235,7 +235,7 @@ class ProcessTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
 
 
 class _Job:
-    __slots__ = ("meta", "pending", "failed", "status", "nbytes", "t0", "is_load")
+    __slots__ = ("meta", "pending", "failed", "status", "nbytes", "t0", "is_load", "free_bytes")
 
     def __init__(self, meta: JobMetadata, is_load: bool):
         self.meta = meta
@@ -245,6 +245,9 @@ class _Job:
         self.nbytes = 0
         self.t0 = time.monotonic()
         self.is_load = is_load
+        #: Stores: the least free space (bytes) a worker measured after a NO_SPACE; None: no
+        #: NO_SPACE yet; -1: one was not measured (the medium is then taken as full).
+        self.free_bytes: int | None = None
 
 
 class _TaskRec:
@@ -258,6 +261,15 @@ class _TaskRec:
         self.job = job
         self.keys = keys
         self.t0 = time.monotonic()
+
+
+def _least_free(was: int | None, free_bytes: int) -> int:
+    """The free space (bytes) a store job's ``NO_SPACE`` answers show, given what the earlier ones
+    showed (``was``; None: none yet) and this one's: the least measured, or -1 once one of them was
+    not measured (the medium is then taken as full)."""
+    if was is None:
+        return free_bytes
+    return -1 if -1 in (was, free_bytes) else min(was, free_bytes)
 
 
 def summarize(codes: Iterable[int]) -> str:
@@ -452,19 +464,26 @@ class ProcessTierManager(SecondaryTierManager):
         return admitted, rejected
 
     def _on_stores_done(
-        self, keys: list[bytes], failed: dict[bytes, int], removed: Collection[bytes] = ()
+        self,
+        keys: list[bytes],
+        failed: dict[bytes, int],
+        removed: Collection[bytes] = (),
+        free_bytes: int = -1,
     ) -> None:
         """A store job finished: ``failed`` maps the keys that failed to their codes;
-        ``removed``: keys this tier removed while it ran (stored, not counted)."""
+        ``removed``: keys this tier removed while it ran (stored, not counted); ``free_bytes``:
+        the least free space a worker measured after a ``NO_SPACE`` (bytes; -1: none)."""
         unconfirmed, full = self.capacity.stores_done(keys, failed, removed)
         if unconfirmed:
             self._remove_unconfirmed_stores(unconfirmed)
         if full:
-            self._medium_full(full)
+            self._medium_full(full, free_bytes)
 
-    def _medium_full(self, chunks: int) -> None:
+    def _medium_full(self, chunks: int, free_bytes: int = -1) -> None:
         """Writes of ``chunks`` chunks found the medium full (``NO_SPACE`` from a worker) before
-        the cap: the fs tier lowers its cap (CASES C33); others do nothing."""
+        the cap; ``free_bytes``: what the medium showed free just after (bytes; 0: the shortage
+        does not show there; -1: not measured). The fs tier lowers its cap as far as the real
+        shortage needs (CASES C33, C52); others do nothing."""
 
     def _refresh_capacity(self) -> None:
         """Before a store is admitted and at each :meth:`flush`: a tier whose medium filled
@@ -804,7 +823,8 @@ class ProcessTierManager(SecondaryTierManager):
             if failed:
                 self.count("load_failures", len(failed))
         else:
-            self._on_stores_done(meta.keys, failed, gone)
+            free = -1 if job.free_bytes is None else job.free_bytes
+            self._on_stores_done(meta.keys, failed, gone, free)
             if ok_keys and self.record_events:
                 self._events.append(TierEvent(list(ok_keys), False))
             self.count("store_chunks", len(ok_keys))
@@ -837,7 +857,14 @@ class ProcessTierManager(SecondaryTierManager):
         self.count("bytes_read" if job.is_load else "bytes_written", job.nbytes)
         self._finished.append(result)
 
-    def _apply(self, rec: _TaskRec, codes: list[int], nbytes: int, status: list[int]) -> None:
+    def _apply(
+        self,
+        rec: _TaskRec,
+        codes: list[int],
+        nbytes: int,
+        status: list[int],
+        free_bytes: int = -1,
+    ) -> None:
         kind = rec.kind
         if kind in _VERDICT_KINDS:
             self._on_task_codes(rec, codes, status)
@@ -856,6 +883,8 @@ class ProcessTierManager(SecondaryTierManager):
             job.nbytes += nbytes
             if kind is TaskKind.STORE:
                 self._pending_store_chunks -= len(rec.keys)
+                if m.NO_SPACE in codes:
+                    job.free_bytes = _least_free(job.free_bytes, free_bytes)
             job.pending -= 1
             if job.pending == 0:
                 self._finish(job)
@@ -926,7 +955,8 @@ class ProcessTierManager(SecondaryTierManager):
                 rec = task.owner
                 if rec.kind is TaskKind.SCAN:
                     self._on_scan(res.entries)
-                self._apply(rec, self._checked_codes(rec, res), res.nbytes, res.status)
+                codes = self._checked_codes(rec, res)
+                self._apply(rec, codes, res.nbytes, res.status, res.free_bytes)
                 return
         # A task this tier never sent, already answered, or held by a worker since replaced:
         # nothing waits for it and nothing may act on it (CASES C24, C17).

@@ -148,6 +148,7 @@ class FsTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True):
             Problems: each ``"<key>: <why>"``.
         """
         problems = self.io_thread_problems(self.read_workers, self.write_workers)
+        problems += self.breaker_problems()
         if not self.root_dir:
             problems.append("root_dir: must be a directory path")
         elif "\0" in self.root_dir:

@@ -59,7 +59,7 @@ from kvoffload.tiers.base import (
     SecondaryTierManager,
     TierEvent,
 )
-from kvoffload.tiers.breaker import HALF_OPEN, OPEN, STATES, CircuitBreaker
+from kvoffload.tiers.breaker import HALF_OPEN, MAX_COOLDOWN_FACTOR, OPEN, STATES, CircuitBreaker
 from kvoffload.tiers.capacity import MEDIUM_FULL, Capacity
 from kvoffload.tiers.resources import TierResources, weak_callback
 from kvoffload.tiers.verdicts import VerdictCache
@@ -144,8 +144,13 @@ class ProcessTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
             MISS and stores are dropped (and counted) for ``breaker_cooldown_s``, after which it is
             half-open: ``breaker_trial_requests`` requests try the tier again. None disables the
             breaker.
-        breaker_cooldown_s: how long the breaker stays open (seconds; doubles while the tier keeps
-            failing, up to 16 times).
+        breaker_cooldown_s: how long the breaker stays open the first time (seconds); doubled
+            each time a trial fails, up to ``breaker_max_cooldown_s``.
+        breaker_max_cooldown_s: the longest the breaker stays open (seconds, at least
+            ``breaker_cooldown_s``; equal: no back-off), however long the outage: the bound of
+            recovery (CASES C51). Once the endpoint answers again the tier serves within it, plus
+            the time a trial request takes to answer (at most ``job_timeout_s``). None (default):
+            4 × ``breaker_cooldown_s`` (20 s with its default).
         breaker_trial_requests: requests (a lookup that needs the tier, a store job) let through
             at once while the breaker is half-open; the others are refused as while open until
             a trial answers (success closes the breaker, failure reopens it).
@@ -188,6 +193,7 @@ class ProcessTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     worker_nice: Annotated[int, msgspec.Meta(ge=0, le=19)] = 10
     breaker_failures: Positive | None = None
     breaker_cooldown_s: Seconds = 5.0
+    breaker_max_cooldown_s: Seconds | None = None
     breaker_trial_requests: Positive = 2
     read_io_threads: Positive | None = None
     write_io_threads: Positive | None = None
@@ -218,6 +224,18 @@ class ProcessTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     def io_threads_for(self, total: int | None, workers: int) -> int:
         """I/O threads per worker of one side: ``ceil(total / workers)``, or ``io_threads``."""
         return self.io_threads if total is None else -(-total // workers)
+
+    def breaker_problems(self) -> list[str]:
+        """``["breaker_max_cooldown_s: <why and the fix>"]`` when the cap of the breaker's
+        back-off is below its first cooldown; else empty."""
+        cap, first = self.breaker_max_cooldown_s, self.breaker_cooldown_s
+        if cap is None or cap >= first:
+            return []
+        return [
+            f"breaker_max_cooldown_s: {cap:g} s is below breaker_cooldown_s ({first:g} s), the "
+            f"first cooldown; set it to at least {first:g} (equal: no back-off), or lower "
+            f"breaker_cooldown_s"
+        ]
 
     def io_thread_problems(self, read_workers: int, write_workers: int) -> list[str]:
         """``"<key>: <why>"`` for each side that needs over 64 threads a worker."""
@@ -358,6 +376,7 @@ class ProcessTierManager(SecondaryTierManager):
                 cfg.breaker_cooldown_s,
                 cfg.breaker_trial_requests,
                 trial_timeout_s=cfg.job_timeout_s,
+                max_cooldown_s=cfg.breaker_max_cooldown_s,
             )
             if cfg.breaker_failures is not None
             else None
@@ -589,9 +608,10 @@ class ProcessTierManager(SecondaryTierManager):
     @classmethod
     @override
     def effective_config(cls, config: Any) -> Any:
-        """``config`` with ``locality`` (None: the tier class's own) and the total
+        """``config`` with ``locality`` (None: the tier class's own), the total
         ``read_io_threads`` / ``write_io_threads`` (None: ``io_threads`` per worker, so workers x
-        ``io_threads``) filled in; the workers run ``ceil(total / workers)`` threads each either
+        ``io_threads``) and ``breaker_max_cooldown_s`` (None: 4 x ``breaker_cooldown_s``, at
+        most a day) filled in; the workers run ``ceil(total / workers)`` threads each either
         way. ``chunks_per_task`` stays None: it depends on the chunk size."""
         c: ProcessTierConfig = config
         return msgspec.structs.replace(
@@ -599,6 +619,8 @@ class ProcessTierManager(SecondaryTierManager):
             locality=c.locality or cls.locality,
             read_io_threads=c.read_io_threads or c.read_workers * c.io_threads,
             write_io_threads=c.write_io_threads or c.write_workers * c.io_threads,
+            breaker_max_cooldown_s=c.breaker_max_cooldown_s
+            or min(_MAX_SECONDS, MAX_COOLDOWN_FACTOR * c.breaker_cooldown_s),
         )
 
     def _io_threads(self, kind: str) -> int:

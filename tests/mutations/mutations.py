@@ -54,6 +54,7 @@ COT = "tests/integration/test_cotenant_fs.py::"
 P2PS = "tests/integration/test_p2p_server.py::"
 P2PC = "tests/integration/test_p2p_client.py::"
 ATT = "tests/integration/test_p2p_attacks.py::"
+BRK = "tests/unit/test_refusal_metrics.py::"
 CAPU = "tests/unit/test_capacity.py::"
 # files split between tests/unit, tests/integration and tests/netns by what their tests do
 POL_RIG = "tests/integration/test_policies.py::"
@@ -1141,7 +1142,18 @@ MUTATIONS: list[Mutation] = [
         "        host.access(used, holder)\n",
         (POL_RIG + "test_c47_a_peers_leases_take_no_place_among_the_engines_requests",),
     ),
-    # -- C52: recovery after faults, measured -------------------------------------------------------
+    # -- C51, C52: recovery after faults, measured --------------------------------------------------
+    Mutation(
+        "C51",
+        "the breaker's back-off ignores breaker_max_cooldown_s",
+        "kvoffload/tiers/breaker.py",
+        "        return min(self.max_cooldown_s, self.cooldown_s * 2.0 ** min(self.open_count, 64))\n",
+        "        return self.cooldown_s * 2.0 ** min(self.open_count, 4)\n",
+        (
+            OBJ + "test_c51_after_an_outage_the_breaker_closes_within_its_max_cooldown_of_recovery",
+            BRK + "test_c51_the_cooldown_never_exceeds_max_cooldown_s_so_recovery_is_bounded",
+        ),
+    ),
     Mutation(
         "C52",
         "an ENOSPC with room on the disk lowers the cap all the same",

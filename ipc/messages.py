@@ -122,6 +122,9 @@ class TaskResult(msgspec.Struct, tag="result", array_like=True, gc=False):
         status: optional per-key protocol status (e.g. HTTP status; for a failed delete, the
             errno), 0 where not applicable.
         counters: the worker's own counts since its previous result (:mod:`kvoffload.workers.counters`).
+        free_bytes: a store task with ``NO_SPACE`` verdicts: the least free space (bytes) its
+            medium showed just after one of them (``IOOutcome.free_bytes``; 0: the shortage does
+            not show there); -1 when one of them was not measured, or there is none (CASES C52).
     """
 
     task_id: int
@@ -133,6 +136,7 @@ class TaskResult(msgspec.Struct, tag="result", array_like=True, gc=False):
     entries: list[tuple[bytes, int, float]] = []
     status: list[int] = []
     counters: dict[str, float] = {}
+    free_bytes: int = -1
 
 
 _task_encoder = msgspec.msgpack.Encoder()

@@ -49,9 +49,11 @@ FAILED: dict[str, Reason] = {
     ),
     "no_space": Reason(
         "the tier is full (ENOSPC, a quota, or its min_free_fraction floor); it evicts its own "
-        "oldest chunks to make room",
+        "oldest chunks for the shortage the disk shows, nothing when statvfs shows room "
+        "(counted as no_space_with_room)",
         "none if occasional; if steady, give the tier room (free disk, max_bytes, "
-        "min_free_fraction)",
+        "min_free_fraction); if no_space_with_room keeps rising, the storage reports ENOSPC "
+        "with room: look at it",
     ),
     "timeout": Reason(
         "a task ran past job_timeout_s (or a peer transfer past transfer_deadline_s); its worker "

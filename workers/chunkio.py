@@ -49,12 +49,18 @@ class IOOutcome(msgspec.Struct, frozen=True, gc=False):
         nbytes: bytes moved to or from storage, header included (bytes; 0 on failure).
         detail: why it failed, for logs and the job's reason (empty on success).
         status: the storage protocol's status where there is one (an HTTP status), else 0.
+        free_bytes: ``NO_SPACE`` only: the bytes the medium had free for this writer just after
+            the failure (fs: ``statvfs`` ``f_bavail * f_frsize``), so the engine frees only what a
+            real shortage needs (CASES C52); 0 when the shortage does not show there (a quota,
+            no inode left); -1 (default) when not measured (the engine then takes the medium
+            as full).
     """
 
     code: int
     nbytes: int = 0
     detail: str = ""
     status: int = 0
+    free_bytes: int = -1
 
     def problem(self) -> str | None:
         """What makes this outcome invalid (a wrong type, an unknown code), or None when valid.
@@ -68,6 +74,8 @@ class IOOutcome(msgspec.Struct, frozen=True, gc=False):
             return f"detail {self.detail!r} is not a string"
         if type(self.status) is not int:
             return f"status {self.status!r} is not an integer"
+        if type(self.free_bytes) is not int or self.free_bytes < -1:
+            return f"free_bytes {self.free_bytes!r} is not a byte count (or -1: not measured)"
         return None
 
 

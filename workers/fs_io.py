@@ -378,12 +378,31 @@ class FsIO:
         except UnsafePath as e:
             return self._unsafe("store", key, e)
         except OSError as e:
-            code = m.NO_SPACE if e.errno in _NO_SPACE_ERRNOS else m.IO_ERROR
-            return IOOutcome(code, 0, f"store {key.hex()[:16]}: {e}")
+            if e.errno in _NO_SPACE_ERRNOS:
+                return self._no_space(e.errno, f"store {key.hex()[:16]}: {e}")
+            return IOOutcome(m.IO_ERROR, 0, f"store {key.hex()[:16]}: {e}")
         try:
             return self._store_in(d, key, src)
         finally:
             os.close(d)
+
+    def _no_space(self, err: int | None, detail: str) -> IOOutcome:
+        """``NO_SPACE`` for a store that found no room (``err``: its errno; None: the free-space
+        floor), with the bytes the filesystem shows free now, once the store's temporary file is
+        gone (``f_bavail``: what an unprivileged writer may use), so the engine frees only what a
+        real shortage needs and nothing for a transient error (CASES C52). 0 where the shortage
+        does not show in ``statvfs``: a quota (EDQUOT), no inode left; -1 when ``statvfs``
+        fails."""
+        free = 0
+        if err != errno.EDQUOT:
+            try:
+                st = os.statvfs(self.root)
+            except OSError:
+                free = -1
+            else:
+                out_of_inodes = st.f_files > 0 and st.f_favail == 0  # f_files 0: no inode limit
+                free = 0 if out_of_inodes else st.f_bavail * st.f_frsize
+        return IOOutcome(m.NO_SPACE, 0, detail, free_bytes=free)
 
     def _store_in(self, d: int, key: bytes, src: memoryview) -> IOOutcome:
         """:meth:`store` in the chunk's open directory ``d``."""
@@ -404,14 +423,10 @@ class FsIO:
                 return self._unsafe("store", key, e)
         if self.cfg.min_free_bytes and self._below_floor():
             counters.count(names.BELOW_FREE_FLOOR)
-            return IOOutcome(
-                m.NO_SPACE,
-                0,
-                (
-                    f"store {key.hex()[:16]}: free space on "
-                    f"{self.cfg.root_dir} below the tier's floor "
-                    f"({self.cfg.min_free_bytes} bytes)"
-                ),
+            return self._no_space(
+                None,
+                f"store {key.hex()[:16]}: free space on {self.cfg.root_dir} below the tier's "
+                f"floor ({self.cfg.min_free_bytes} bytes)",
             )
         tmp = None
         try:
@@ -431,8 +446,9 @@ class FsIO:
                     os.unlink(tmp, dir_fd=d)
                 except OSError:
                     pass
-            code = m.NO_SPACE if e.errno in _NO_SPACE_ERRNOS else m.IO_ERROR
-            return IOOutcome(code, 0, f"store {key.hex()[:16]}: {e}")
+            if e.errno in _NO_SPACE_ERRNOS:
+                return self._no_space(e.errno, f"store {key.hex()[:16]}: {e}")
+            return IOOutcome(m.IO_ERROR, 0, f"store {key.hex()[:16]}: {e}")
 
     def _write_new_file(self, d: int, tmp: str, key: bytes, header: bytes, src: memoryview) -> None:
         """Create ``tmp`` (O_EXCL, O_NOFOLLOW, in directory ``d``, ``file_mode``) holding

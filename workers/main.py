@@ -527,6 +527,7 @@ def _first_key(task: m.Task) -> bytes | None:
 
 def _result(task_id: int, wid: int, outcomes: list[IOOutcome], seconds: float) -> m.TaskResult:
     status = [o.status for o in outcomes]
+    free = [o.free_bytes for o in outcomes if o.code == m.NO_SPACE]  # -1 (not measured) wins
     return m.TaskResult(
         task_id,
         wid,
@@ -535,6 +536,7 @@ def _result(task_id: int, wid: int, outcomes: list[IOOutcome], seconds: float) -
         sum(o.nbytes for o in outcomes),
         seconds,
         status=status if any(status) else [],
+        free_bytes=(-1 if -1 in free else min(free)) if free else -1,
     )
 
 

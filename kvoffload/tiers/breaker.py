@@ -5,7 +5,7 @@ with a few trial requests before letting everything through.
 
                failures consecutive failed tasks
     CLOSED ─────────────────────────────────────▶ OPEN ◀──────────── a trial failed
-      ▲  ▲                                        │ cooldown_s (× 2 each reopening, up to × 16)
+      ▲  ▲                                        │ cooldown_s (×2 each reopening, ≤ max_cooldown_s)
       │  └── any task succeeded ──────────────────┤                      │
       │                                           ▼                      │
       └──── a task succeeded ─────────────── HALF_OPEN ── at most trial_requests admitted at once
@@ -20,6 +20,12 @@ with a few trial requests before letting everything through.
   gives its place back (:meth:`CircuitBreaker.release`); one admitted but never answered gives it
   back after ``trial_timeout_s``, so a lost trial never keeps the tier shut.
 
+Recovery bound (CASES C51): however long the outage, no cooldown is longer than
+``max_cooldown_s``, so once the endpoint answers again the breaker turns half-open within
+``max_cooldown_s`` and closes on the first trial that answers (at most ``trial_timeout_s`` later,
+counted from the first request after the cooldown). An uncapped back-off kept a tier shut for
+seconds after its endpoint came back, storing nothing meanwhile.
+
 The clock is injected (``clock``: seconds, monotonic), so the machine is tested without processes or
 sleeps. Not thread-safe: one engine thread drives it (the scrape thread only reads :attr:`state`).
 """
@@ -33,6 +39,8 @@ from collections.abc import Callable
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
 #: Every state, in the order the ``kvoffload_tier_breaker_state`` gauge exports them.
 STATES = (CLOSED, OPEN, HALF_OPEN)
+MAX_COOLDOWN_FACTOR = 4
+"""Without ``max_cooldown_s`` the cooldown stops doubling at this many times ``cooldown_s``."""
 
 
 class CircuitBreaker:
@@ -41,15 +49,18 @@ class CircuitBreaker:
     Args:
         failures: consecutive failed tasks that open it (≥ 1).
         cooldown_s: seconds it stays open the first time; doubled each time it reopens without
-            having closed in between, up to ``2 ** max_doublings`` times.
+            having closed in between, up to ``max_cooldown_s``.
         trial_requests: requests admitted at once while half-open (≥ 1).
         trial_timeout_s: seconds after which an admitted trial with no answer gives its place back
             (the tier's job timeout: a task sent is answered, or failed, within it).
-        max_doublings: bound of the cooldown's back-off (16× by default).
+        max_cooldown_s: the longest cooldown (seconds, ≥ ``cooldown_s``; equal: no back-off),
+            which bounds how long the breaker stays open after the endpoint recovered. None:
+            :data:`MAX_COOLDOWN_FACTOR` × ``cooldown_s``.
         clock: monotonic seconds (``time.monotonic``; tests pass a fake).
 
     Raises:
-        ValueError: a count below 1 or a non-positive duration.
+        ValueError: a count below 1, a non-positive duration, or ``max_cooldown_s`` below
+            ``cooldown_s``.
     """
 
     def __init__(
@@ -58,7 +69,7 @@ class CircuitBreaker:
         cooldown_s: float,
         trial_requests: int = 1,
         trial_timeout_s: float = 30.0,
-        max_doublings: int = 4,
+        max_cooldown_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         if failures < 1 or trial_requests < 1:
@@ -70,11 +81,17 @@ class CircuitBreaker:
                 f"cooldown_s ({cooldown_s}) and trial_timeout_s ({trial_timeout_s}) "
                 f"must be positive"
             )
+        if max_cooldown_s is None:
+            max_cooldown_s = MAX_COOLDOWN_FACTOR * cooldown_s
+        if not max_cooldown_s >= cooldown_s:  # NaN too
+            raise ValueError(
+                f"max_cooldown_s ({max_cooldown_s}) must be at least cooldown_s ({cooldown_s})"
+            )
         self.failures = failures
         self.cooldown_s = cooldown_s
         self.trial_requests = trial_requests
         self.trial_timeout_s = trial_timeout_s
-        self.max_doublings = max_doublings
+        self.max_cooldown_s = max_cooldown_s
         self.clock = clock
         #: True unless closed: the one check the hot paths make.
         self.tripped = False
@@ -162,5 +179,6 @@ class CircuitBreaker:
         self._trials.clear()
 
     def current_cooldown_s(self) -> float:
-        """The cooldown the next opening gets (seconds)."""
-        return self.cooldown_s * (2 ** min(self.open_count, self.max_doublings))
+        """The cooldown the next opening gets (seconds): ``cooldown_s`` doubled once per opening
+        since the breaker last closed, at most ``max_cooldown_s``."""
+        return min(self.max_cooldown_s, self.cooldown_s * 2.0 ** min(self.open_count, 64))

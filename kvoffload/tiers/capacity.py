@@ -176,14 +176,17 @@ class Capacity:
         """Bytes reserved for chunks being written (``unit_bytes`` each)."""
         return len(self.reserved) * self.unit_bytes
 
-    def lower_cap(self, chunks: int) -> int:
-        """Writes of ``chunks`` chunks found the medium full: the cap becomes the bytes counted now
-        (never raised by this), and the ledger evicts ahead for as many chunks. Returns the bytes
-        held."""
-        held = self.used_bytes
-        self.lowered_cap = held if self.lowered_cap is None else min(self.lowered_cap, held)
-        self.headroom = max(self.headroom, min(chunks * self.unit_bytes, held // 2))
-        return held
+    def lower_cap(self, chunks: int, room: int = 0) -> int:
+        """Writes of ``chunks`` chunks found the medium full while it had ``room`` bytes free for
+        this tier (less than they need; 0: none, or not known): the cap becomes the bytes counted
+        now plus that room (never raised by this), and the ledger evicts ahead so that as many
+        chunks would fit: the shortage, ``chunks * unit_bytes - room``, never more (CASES C52),
+        and never below half of what it holds. Returns the lowered cap (bytes)."""
+        held, room = self.used_bytes, max(0, room)
+        cap = held + room
+        self.lowered_cap = cap if self.lowered_cap is None else min(self.lowered_cap, cap)
+        self.headroom = max(self.headroom, min(chunks * self.unit_bytes, room + held // 2))
+        return self.lowered_cap
 
     def raise_cap(self, room: int) -> bool:
         """The medium has ``room`` bytes free for this tier (a sample): raise the lowered cap to

@@ -18,11 +18,16 @@ started are not counted here.
     store ─▶ admission: room under the cap? ── no ─▶ evict LRU chunks (delete tasks) ─┐
                │ yes                                                                 │
                ▼                                                                     ▼
-         writer: free space above the floor? ── no / ENOSPC ─▶ NO_SPACE ─▶ effective cap lowered
-               │ yes                                                   to what the disk holds
-               ▼
-         chunk file written, counted                     delete failed (EPERM, EBUSY, EROFS...)
-                                                         ─▶ the file stays counted, retried later
+         writer: free space above the floor? ── no / ENOSPC ─▶ NO_SPACE, with the free space
+               │ yes                                             statvfs shows just after
+               ▼                                                            │
+         chunk file written, counted       room there for the failed stores? ── yes ─▶ nothing
+                                                       │ no                  evicted (C52)
+                                                       ▼
+                                effective cap lowered to what the disk holds;
+                                LRU chunks evicted for the shortage only (C33)
+
+    delete failed (EPERM, EBUSY, EROFS...) ─▶ the file stays counted, retried later
 
 Permissions and links (CASES C43): the root (when the tier creates it), the namespace and shard
 directories are created 0700 and chunk files and ``config.json`` 0600, whatever the umask, so no
@@ -42,11 +47,16 @@ chunks (the checksums are unkeyed).
 
 Whatever the cap, a writer refuses (``no_space``) a store that would leave less than
 ``min_free_fraction`` of the filesystem free, and a full disk (ENOSPC, quota) fails the store the
-same way; the tier then lowers its effective cap to the bytes it holds, evicts its own least
-recently used chunks to make room, and raises the cap again as a background sample of the free space
-shows room (CASES C33). A chunk file whose removal fails stays in the index and in the accounting
-(it is still on disk), counted by errno in ``kvoffload_tier_eviction_errors``, and is retried when it
-next comes up for eviction; the next least recently used chunk is evicted instead (CASES C32).
+same way; the writer then reports the free space it sees (``statvfs``; none for a quota or a
+filesystem out of inodes, which ``statvfs`` does not show). When the room above the floor holds
+the failed chunks and the stores in flight, the error was not a full disk: nothing is evicted and
+the cap stays (``no_space_with_room``; CASES C52, where five transient ENOSPC emptied the tier).
+Otherwise the tier lowers its effective cap to the bytes it holds plus that room, evicts its own
+least recently used chunks for the shortage only (never more than the failed stores need), and
+raises the cap again as a background sample of the free space shows room (CASES C33). A chunk file
+whose removal fails stays in the index and in the accounting (it is still on disk), counted by
+errno in ``kvoffload_tier_eviction_errors``, and is retried when it next comes up for eviction; the
+next least recently used chunk is evicted instead (CASES C32).
 A store that fails once a worker has it may still have published its file (the worker died or timed
 out after the rename): that file is removed, so the disk holds what is counted.
 While some removal has failed or the disk is full, space is reused only once a removal is confirmed:
@@ -138,6 +148,7 @@ class FsTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True):
             Problems: each ``"<key>: <why>"``.
         """
         problems = self.io_thread_problems(self.read_workers, self.write_workers)
+        problems += self.breaker_problems()
         if not self.root_dir:
             problems.append("root_dir: must be a directory path")
         elif "\0" in self.root_dir:
@@ -428,20 +439,36 @@ class FsTier(ProcessTierManager):
 
     # -- capacity: the default bound, chunks found at start, a full disk ------------------------
 
-    def _medium_full(self, chunks: int) -> None:
-        """Writes of ``chunks`` chunks found the filesystem full: the cap becomes what the disk
-        holds (the bytes counted now), the tier evicts ahead for as many chunks, and a background
-        sample of the free space raises the cap again when room comes back (CASES C33)."""
+    def _medium_full(self, chunks: int, free_bytes: int = -1) -> None:
+        """Writes of ``chunks`` chunks found the filesystem full (ENOSPC, a quota, the free-space
+        floor), and a worker measured ``free_bytes`` free just after (-1: not measured, taken
+        as none). The room above the floor is checked against what these chunks and the stores
+        still in flight need (CASES C52): with room for them the error was not a full disk, so
+        nothing is evicted and the cap stays (counted as ``no_space_with_room``). Otherwise
+        the cap becomes what the disk holds (the bytes counted now plus that room), the tier
+        evicts ahead only the shortage, and a background sample of the free space raises the
+        cap again when room comes back (CASES C33)."""
+        cap = self.capacity
+        room = max(0, free_bytes - self.min_free_bytes)
+        if free_bytes >= 0 and room >= chunks * self.file_bytes + cap.reserved_bytes():
+            self.count("no_space_with_room", chunks)
+            self._warn(
+                f"{chunks} store(s) failed with no_space while {self.config.root_dir} had "
+                f"{free_bytes} bytes free (room for them above the floor of "
+                f"{self.min_free_bytes} bytes): not a full disk; nothing evicted"
+            )
+            return
         self.count("disk_full_stores", chunks)
-        held = self.capacity.lower_cap(chunks)
+        lowered = cap.lower_cap(chunks, room)
         if self._sampler is None:
             self._sampler = _FreeSpaceSampler(self.root)
             self.resources.on_close(self._sampler.close)
         self._sampler.want(True)
         self._warn(
-            f"the filesystem of {self.config.root_dir} is full (ENOSPC or below the "
-            f"free-space floor of {self.min_free_bytes} bytes): cap lowered to {held} "
-            f"bytes; evicting this tier's least recently used chunks to make room"
+            f"the filesystem of {self.config.root_dir} is full (ENOSPC, a quota or below the "
+            f"free-space floor of {self.min_free_bytes} bytes): cap lowered to {lowered} "
+            f"bytes; evicting this tier's least recently used chunks to make room for "
+            f"{chunks} chunk(s)"
         )
         self._enforce_cap()
 

@@ -246,6 +246,7 @@ class ObjTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True)
             ("http://", "https://")
         ):
             problems.append(f"endpoint_override: {self.endpoint_override!r} is not an http(s) URL")
+        problems += self.breaker_problems()
         problems += integrity_key_env_problems(self.integrity_key_env)
         raise_problems(problems)
 

@@ -59,7 +59,7 @@ from kvoffload.tiers.base import (
     SecondaryTierManager,
     TierEvent,
 )
-from kvoffload.tiers.breaker import HALF_OPEN, OPEN, STATES, CircuitBreaker
+from kvoffload.tiers.breaker import HALF_OPEN, MAX_COOLDOWN_FACTOR, OPEN, STATES, CircuitBreaker
 from kvoffload.tiers.capacity import MEDIUM_FULL, Capacity
 from kvoffload.tiers.resources import TierResources, weak_callback
 from kvoffload.tiers.verdicts import VerdictCache
@@ -144,8 +144,13 @@ class ProcessTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
             MISS and stores are dropped (and counted) for ``breaker_cooldown_s``, after which it is
             half-open: ``breaker_trial_requests`` requests try the tier again. None disables the
             breaker.
-        breaker_cooldown_s: how long the breaker stays open (seconds; doubles while the tier keeps
-            failing, up to 16 times).
+        breaker_cooldown_s: how long the breaker stays open the first time (seconds); doubled
+            each time a trial fails, up to ``breaker_max_cooldown_s``.
+        breaker_max_cooldown_s: the longest the breaker stays open (seconds, at least
+            ``breaker_cooldown_s``; equal: no back-off), however long the outage: the bound of
+            recovery (CASES C51). Once the endpoint answers again the tier serves within it, plus
+            the time a trial request takes to answer (at most ``job_timeout_s``). None (default):
+            4 × ``breaker_cooldown_s`` (20 s with its default).
         breaker_trial_requests: requests (a lookup that needs the tier, a store job) let through
             at once while the breaker is half-open; the others are refused as while open until
             a trial answers (success closes the breaker, failure reopens it).
@@ -188,6 +193,7 @@ class ProcessTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     worker_nice: Annotated[int, msgspec.Meta(ge=0, le=19)] = 10
     breaker_failures: Positive | None = None
     breaker_cooldown_s: Seconds = 5.0
+    breaker_max_cooldown_s: Seconds | None = None
     breaker_trial_requests: Positive = 2
     read_io_threads: Positive | None = None
     write_io_threads: Positive | None = None
@@ -219,6 +225,18 @@ class ProcessTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
         """I/O threads per worker of one side: ``ceil(total / workers)``, or ``io_threads``."""
         return self.io_threads if total is None else -(-total // workers)
 
+    def breaker_problems(self) -> list[str]:
+        """``["breaker_max_cooldown_s: <why and the fix>"]`` when the cap of the breaker's
+        back-off is below its first cooldown; else empty."""
+        cap, first = self.breaker_max_cooldown_s, self.breaker_cooldown_s
+        if cap is None or cap >= first:
+            return []
+        return [
+            f"breaker_max_cooldown_s: {cap:g} s is below breaker_cooldown_s ({first:g} s), the "
+            f"first cooldown; set it to at least {first:g} (equal: no back-off), or lower "
+            f"breaker_cooldown_s"
+        ]
+
     def io_thread_problems(self, read_workers: int, write_workers: int) -> list[str]:
         """``"<key>: <why>"`` for each side that needs over 64 threads a worker."""
         problems = []
@@ -235,7 +253,7 @@ class ProcessTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
 
 
 class _Job:
-    __slots__ = ("meta", "pending", "failed", "status", "nbytes", "t0", "is_load")
+    __slots__ = ("meta", "pending", "failed", "status", "nbytes", "t0", "is_load", "free_bytes")
 
     def __init__(self, meta: JobMetadata, is_load: bool):
         self.meta = meta
@@ -245,6 +263,9 @@ class _Job:
         self.nbytes = 0
         self.t0 = time.monotonic()
         self.is_load = is_load
+        #: Stores: the least free space (bytes) a worker measured after a NO_SPACE; None: no
+        #: NO_SPACE yet; -1: one was not measured (the medium is then taken as full).
+        self.free_bytes: int | None = None
 
 
 class _TaskRec:
@@ -258,6 +279,15 @@ class _TaskRec:
         self.job = job
         self.keys = keys
         self.t0 = time.monotonic()
+
+
+def _least_free(was: int | None, free_bytes: int) -> int:
+    """The free space (bytes) a store job's ``NO_SPACE`` answers show, given what the earlier ones
+    showed (``was``; None: none yet) and this one's: the least measured, or -1 once one of them was
+    not measured (the medium is then taken as full)."""
+    if was is None:
+        return free_bytes
+    return -1 if -1 in (was, free_bytes) else min(was, free_bytes)
 
 
 def summarize(codes: Iterable[int]) -> str:
@@ -346,6 +376,7 @@ class ProcessTierManager(SecondaryTierManager):
                 cfg.breaker_cooldown_s,
                 cfg.breaker_trial_requests,
                 trial_timeout_s=cfg.job_timeout_s,
+                max_cooldown_s=cfg.breaker_max_cooldown_s,
             )
             if cfg.breaker_failures is not None
             else None
@@ -457,18 +488,23 @@ class ProcessTierManager(SecondaryTierManager):
         failed: dict[bytes, int],
         removed: Collection[bytes] = (),
         request: str = "",
+        free_bytes: int = -1,
     ) -> None:
         """A store job of ``request`` ("" for none) finished: ``failed`` maps the keys that failed
-        to their codes; ``removed``: keys this tier removed while it ran (stored, not counted)."""
+        to their codes; ``removed``: keys this tier removed while it ran (stored, not counted);
+        ``free_bytes``: the least free space a worker measured after a ``NO_SPACE`` (bytes; -1:
+        none)."""
         unconfirmed, full = self.capacity.stores_done(keys, failed, removed, request)
         if unconfirmed:
             self._remove_unconfirmed_stores(unconfirmed)
         if full:
-            self._medium_full(full)
+            self._medium_full(full, free_bytes)
 
-    def _medium_full(self, chunks: int) -> None:
+    def _medium_full(self, chunks: int, free_bytes: int = -1) -> None:
         """Writes of ``chunks`` chunks found the medium full (``NO_SPACE`` from a worker) before
-        the cap: the fs tier lowers its cap (CASES C33); others do nothing."""
+        the cap; ``free_bytes``: what the medium showed free just after (bytes; 0: the shortage
+        does not show there; -1: not measured). The fs tier lowers its cap as far as the real
+        shortage needs (CASES C33, C52); others do nothing."""
 
     def _refresh_capacity(self) -> None:
         """Before a store is admitted and at each :meth:`flush`: a tier whose medium filled
@@ -574,9 +610,10 @@ class ProcessTierManager(SecondaryTierManager):
     @classmethod
     @override
     def effective_config(cls, config: Any) -> Any:
-        """``config`` with ``locality`` (None: the tier class's own) and the total
+        """``config`` with ``locality`` (None: the tier class's own), the total
         ``read_io_threads`` / ``write_io_threads`` (None: ``io_threads`` per worker, so workers x
-        ``io_threads``) filled in; the workers run ``ceil(total / workers)`` threads each either
+        ``io_threads``) and ``breaker_max_cooldown_s`` (None: 4 x ``breaker_cooldown_s``, at
+        most a day) filled in; the workers run ``ceil(total / workers)`` threads each either
         way. ``chunks_per_task`` stays None: it depends on the chunk size."""
         c: ProcessTierConfig = config
         return msgspec.structs.replace(
@@ -584,6 +621,8 @@ class ProcessTierManager(SecondaryTierManager):
             locality=c.locality or cls.locality,
             read_io_threads=c.read_io_threads or c.read_workers * c.io_threads,
             write_io_threads=c.write_io_threads or c.write_workers * c.io_threads,
+            breaker_max_cooldown_s=c.breaker_max_cooldown_s
+            or min(_MAX_SECONDS, MAX_COOLDOWN_FACTOR * c.breaker_cooldown_s),
         )
 
     def _io_threads(self, kind: str) -> int:
@@ -808,7 +847,8 @@ class ProcessTierManager(SecondaryTierManager):
             if failed:
                 self.count("load_failures", len(failed))
         else:
-            self._on_stores_done(meta.keys, failed, gone, meta.request)
+            free = -1 if job.free_bytes is None else job.free_bytes
+            self._on_stores_done(meta.keys, failed, gone, meta.request, free)
             if ok_keys and self.record_events:
                 self._events.append(TierEvent(list(ok_keys), False))
             self.count("store_chunks", len(ok_keys))
@@ -841,7 +881,14 @@ class ProcessTierManager(SecondaryTierManager):
         self.count("bytes_read" if job.is_load else "bytes_written", job.nbytes)
         self._finished.append(result)
 
-    def _apply(self, rec: _TaskRec, codes: list[int], nbytes: int, status: list[int]) -> None:
+    def _apply(
+        self,
+        rec: _TaskRec,
+        codes: list[int],
+        nbytes: int,
+        status: list[int],
+        free_bytes: int = -1,
+    ) -> None:
         kind = rec.kind
         if kind in _VERDICT_KINDS:
             self._on_task_codes(rec, codes, status)
@@ -860,6 +907,8 @@ class ProcessTierManager(SecondaryTierManager):
             job.nbytes += nbytes
             if kind is TaskKind.STORE:
                 self._pending_store_chunks -= len(rec.keys)
+                if m.NO_SPACE in codes:
+                    job.free_bytes = _least_free(job.free_bytes, free_bytes)
             job.pending -= 1
             if job.pending == 0:
                 self._finish(job)
@@ -930,7 +979,8 @@ class ProcessTierManager(SecondaryTierManager):
                 rec = task.owner
                 if rec.kind is TaskKind.SCAN:
                     self._on_scan(res.entries)
-                self._apply(rec, self._checked_codes(rec, res), res.nbytes, res.status)
+                codes = self._checked_codes(rec, res)
+                self._apply(rec, codes, res.nbytes, res.status, res.free_bytes)
                 return
         # A task this tier never sent, already answered, or held by a worker since replaced:
         # nothing waits for it and nothing may act on it (CASES C24, C17).

@@ -8,6 +8,7 @@ import os
 import subprocess
 import time
 
+import numpy as np
 import pytest
 from helpers import (
     HIT,
@@ -17,6 +18,7 @@ from helpers import (
     Rig,
     fs_tier,
     keys_for,
+    payload,
     serve_prefix,
     wait_paused,
     wait_until,
@@ -25,7 +27,7 @@ from unit.test_fs_capacity import FB, _refused
 
 from kvoffload.workers.chunkfile import relative_name
 
-EPERM, EBUSY, EROFS, EIO = 1, 16, 30, 5
+EPERM, EBUSY, EROFS, EIO, ENOSPC = 1, 16, 30, 5, 28
 
 
 def chunk_path(rig: Rig, root, key: bytes) -> str:
@@ -266,6 +268,47 @@ def test_c33_disk_full_before_the_cap_evicts_own_lru_chunks_and_stores_go_on(tmp
             )
             assert fs.capacity.used_bytes == disk_bytes(root)
             assert not temp_files(root)
+
+
+def test_c52_a_burst_of_enospc_on_a_disk_with_room_evicts_nothing_and_every_chunk_is_served(
+    tmp_path,
+):
+    """An fs tier holding 20 chunks; its writer then fails five stores with ENOSPC (a fault
+    injected in the worker's write, while ``statvfs`` shows the disk has room for them): the tier
+    evicts nothing and keeps its cap, the stores after the burst are written, and the 20 chunks
+    are still on disk, found by lookups and loaded with their own bytes."""
+    root = tmp_path / "fs"
+    held, burst, after = keys_for(20, seed=1), keys_for(5, seed=2), keys_for(5, seed=3)
+    faults = [
+        {"point": "before_read_slot", "action": "raise", "arg": ENOSPC, "key_hex": k.hex()}
+        for k in burst
+    ]
+    cap = 100 * FB
+    with Rig([fs_tier(root, max_bytes=cap, faults=faults)], num_slots=32) as rig:
+        tm, fs = rig.tm, rig.fs
+        for i in range(0, 20, 4):
+            rig.store(held[i : i + 4])
+        assert tm.stats.cascaded["fs"] == 20 and fs.capacity.used_bytes == disk_bytes(root)
+        st = os.statvfs(root)
+        assert st.f_bavail * st.f_frsize > 100 * FB, "the premise: a disk with room"
+        for k in burst:
+            rig.store([k])
+        assert no_space_failures(rig) == 5 and tm.stats.cascaded["fs"] == 20
+        assert fs.counters["no_space_with_room"] == 5
+        assert fs.counters.get("disk_full_stores", 0) == 0  # the disk was never full
+        for k in after:
+            rig.store([k])
+        assert tm.stats.cascaded["fs"] == 25 and no_space_failures(rig) == 5
+        assert fs.counters.get("evictions", 0) == 0
+        assert fs.capacity.capacity_bytes == cap and not fs.capacity.cautious()
+        assert all(os.path.exists(chunk_path(rig, root, k)) for k in held + after)
+        assert fs.capacity.used_bytes == disk_bytes(root) == 25 * FB
+        tm.host.remove(held)  # only the fs tier holds them now
+        assert rig.resolve(held) == [HIT] * 20  # promoted from the fs tier
+        for k, row in zip(held, rig.read(held)):
+            assert np.array_equal(row, payload(k))
+        assert tm.stats.promotion_failures.get("fs", 0) == 0
+        assert not temp_files(root)
 
 
 def test_fs_tier_without_max_bytes_is_bounded_by_half_the_free_space_and_logs_it(caplog):

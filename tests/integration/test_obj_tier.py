@@ -1,6 +1,8 @@
 """Object-store tier against real S3-compatible servers on loopback (moto; nanio with SigV4)."""
 
+import itertools
 import time
+import urllib.request
 
 import botocore.exceptions
 import numpy as np
@@ -20,8 +22,10 @@ from helpers import (
     serve_prefix,
     wait_until,
 )
+from prometheus_client.parser import text_string_to_metric_families
 from s3 import FaultProxy, Nanio, Rule, client, new_bucket, obj_tier, start_moto
 
+from kvoffload import metrics
 from kvoffload.config import ConfigError
 from kvoffload.workers import chunkfile as cf
 from kvoffload.workers.chunkfile import HEADER_BYTES, relative_name
@@ -239,6 +243,101 @@ def test_c09_a_burst_of_failures_opens_the_breaker_once_for_its_base_cooldown(mo
             rig.store(keys_for(1, seed=40))
             assert tier.breaker_state == "closed"
     finally:
+        proxy.stop()
+
+
+def breaker_gauge(url: str, instance: str, tier: str) -> str:
+    """The state whose ``kvoffload_tier_breaker_state`` gauge is 1 on the real ``/metrics`` (the
+    other two must be 0)."""
+    text = urllib.request.urlopen(url, timeout=30).read().decode()
+    values = {
+        s.labels["state"]: s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == "kvoffload_tier_breaker_state"
+        and s.labels.get("instance") == instance
+        and s.labels.get("tier") == tier
+    }
+    on = [state for state, v in values.items() if v == 1]
+    assert len(values) == 3 and len(on) == 1 and sum(values.values()) == 1, values
+    return on[0]
+
+
+def test_c51_after_an_outage_the_breaker_closes_within_its_max_cooldown_of_recovery(moto, bucket):
+    """An obj tier behind the fault proxy; its endpoint dies (every connection refused) under
+    steady traffic (a store each step) until the breaker has opened four times, each failed trial
+    doubling the cooldown from 0.5 s but never past ``breaker_max_cooldown_s`` (1.2 s; uncapped,
+    the fourth cooldown would be 4 s). Then the endpoint comes back: the breaker turns half-open
+    within 1.2 s of that (its own schedule, no timing of this machine in it), the next store is
+    its trial and closes it, and that store's object is in the bucket, within the documented
+    bound (the max cooldown plus one trial's round trip, at most ``job_timeout_s``). Whenever
+    the real ``/metrics`` is read, its state gauge shows the state the breaker is in: open
+    during the outage, half_open once the cooldown after recovery has passed (it stays so until
+    a request comes), closed after the trial."""
+    first, cap = 0.5, 1.2
+    proxy = FaultProxy(moto)
+    url = f"http://127.0.0.1:{metrics.serve(0)}/metrics"
+    try:
+        cfg = obj_tier(
+            proxy.endpoint,
+            bucket,
+            max_attempts=1,
+            connect_timeout_s=0.5,
+            breaker_failures=2,
+            breaker_cooldown_s=first,
+            breaker_max_cooldown_s=cap,
+            breaker_trial_requests=1,
+            chunks_per_task=1,
+        )
+        with Rig([cfg], num_slots=16) as rig:
+            tm, tier = rig.tm, rig.fs
+            br = tier.breaker
+            rig.wait_workers_ready()
+            fresh = (keys_for(1, seed=5100 + i)[0] for i in itertools.count())
+            seen: list[str] = []  # the gauge's states, each once per run of it
+            cooldowns: list[float] = []  # each opening's cooldown left just after it
+
+            def observe() -> str:
+                while True:  # again if it turned half-open while scraped (the clock's one move)
+                    before = tier.breaker_state
+                    shown = breaker_gauge(url, tm.instance, "obj")
+                    if tier.breaker_state == before:
+                        break
+                assert shown == before
+                if not seen or seen[-1] != shown:
+                    seen.append(shown)
+                return shown
+
+            def store_one() -> bytes:
+                observe()
+                opens = br.opens
+                key = next(fresh)
+                rig.store([key])
+                if br.opens > opens:
+                    cooldowns.append(br.reopens_at - time.monotonic())
+                return key
+
+            store_one()
+            assert tm.stats.cascaded["obj"] == 1 and seen == ["closed"]
+            proxy.stop()  # the endpoint is dead: every connection is refused
+            wait_until(lambda: br.opens >= 4, what="four openings", step=store_one)
+            assert max(cooldowns) <= cap  # however long the outage
+            assert tier.counters["breaker_dropped_stores"] > 0
+            assert tm.stats.cascaded["obj"] == 1 and "open" in seen
+            assert br.trials_in_flight == 0  # the last trial failed: nothing of the outage is out
+            proxy.start()  # the endpoint answers again
+            recovered_at = time.monotonic()
+            assert br.reopens_at - recovered_at <= cap  # half-open within the cap of recovery
+            wait_until(lambda: observe() == "half_open", what="the gauge to show half_open")
+            served = store_one()  # the trial
+            served_in = time.monotonic() - recovered_at
+            assert tm.stats.cascaded["obj"] == 2 and observe() == "closed"
+            assert br.opens == 4 and br.closes == 1
+            assert served_in <= cap + cfg["job_timeout_s"], served_in
+            client(moto).head_object(Bucket=bucket, Key=object_name(rig, served))
+            assert seen[0] == "closed" and seen[-2:] == ["half_open", "closed"], seen
+    finally:
+        metrics.stop_serving()
         proxy.stop()
 
 

@@ -54,6 +54,8 @@ COT = "tests/integration/test_cotenant_fs.py::"
 P2PS = "tests/integration/test_p2p_server.py::"
 P2PC = "tests/integration/test_p2p_client.py::"
 ATT = "tests/integration/test_p2p_attacks.py::"
+BRK = "tests/unit/test_refusal_metrics.py::"
+CAPU = "tests/unit/test_capacity.py::"
 # files split between tests/unit, tests/integration and tests/netns by what their tests do
 POL_RIG = "tests/integration/test_policies.py::"
 ATT_NS = "tests/netns/test_p2p_attacks.py::"
@@ -667,7 +669,7 @@ MUTATIONS: list[Mutation] = [
         "C33",
         "a full disk does not lower the tier's cap",
         "kvoffload/tiers/process.py",
-        "            self._medium_full(full)\n",
+        "            self._medium_full(full, free_bytes)\n",
         "            pass\n",
         (CAP + "test_c33_disk_full_before_the_cap_evicts_own_lru_chunks_and_stores_go_on",),
     ),
@@ -1185,5 +1187,50 @@ MUTATIONS: list[Mutation] = [
         "            if req_id and self._hold_covered:\n",
         "            if False:\n",
         (TIER + "test_c49_a_repeat_prefill_holds_the_chunks_it_found_for_its_own_decoder",),
+    ),
+    # -- C51, C52: recovery after faults, measured --------------------------------------------------
+    Mutation(
+        "C51",
+        "the breaker's back-off ignores breaker_max_cooldown_s",
+        "kvoffload/tiers/breaker.py",
+        "        return min(self.max_cooldown_s, self.cooldown_s * 2.0 ** min(self.open_count, 64))\n",
+        "        return self.cooldown_s * 2.0 ** min(self.open_count, 4)\n",
+        (
+            OBJ + "test_c51_after_an_outage_the_breaker_closes_within_its_max_cooldown_of_recovery",
+            BRK + "test_c51_the_cooldown_never_exceeds_max_cooldown_s_so_recovery_is_bounded",
+        ),
+    ),
+    Mutation(
+        "C52",
+        "an ENOSPC with room on the disk lowers the cap all the same",
+        "kvoffload/tiers/fs.py",
+        "        if free_bytes >= 0 and room >= chunks * self.file_bytes + cap.reserved_bytes():\n",
+        "        if False:\n",
+        (
+            CAP
+            + "test_c52_a_burst_of_enospc_on_a_disk_with_room_evicts_nothing_and_every_chunk_is_served",
+        ),
+    ),
+    Mutation(
+        "C52",
+        "the fs worker does not measure the free space after ENOSPC",
+        "workers/fs_io.py",
+        "        return IOOutcome(m.NO_SPACE, 0, detail, free_bytes=free)\n",
+        "        return IOOutcome(m.NO_SPACE, 0, detail)\n",
+        (
+            CAP
+            + "test_c52_a_burst_of_enospc_on_a_disk_with_room_evicts_nothing_and_every_chunk_is_served",
+        ),
+    ),
+    Mutation(
+        "C52",
+        "a short disk's room is ignored: the cap falls to what the tier holds",
+        "kvoffload/tiers/capacity.py",
+        "        cap = held + room\n",
+        "        cap = held\n",
+        (
+            CAPU
+            + "test_c52_a_short_medium_frees_only_its_shortage_never_more_than_the_failed_stores",
+        ),
     ),
 ]

@@ -171,6 +171,24 @@ def test_c33_a_full_medium_lowers_the_cap_until_a_sample_shows_room():
     assert cap.raise_cap(100 * U) and cap.capacity_bytes == 10 * U and cap.lowered_cap is None
 
 
+def test_c52_a_short_medium_frees_only_its_shortage_never_more_than_the_failed_stores():
+    """Three chunks failed on a medium with room for 1.5 of them: the cap is what it holds plus
+    that room, and two chunks are evicted (the shortage, rounded up to whole chunks), not three;
+    five failed chunks on a ledger of six evict no more than three (half of what it holds)."""
+    led = Ledger(max_bytes=20 * U)
+    cap = led.cap
+    led.store(*(bytes([i]) for i in range(10)))
+    assert cap.lower_cap(3, room=U + U // 2) == 11 * U + U // 2
+    cap.enforce()
+    assert cap.take_deletes() == [b"\x00", b"\x01"] and cap.used_bytes == 8 * U
+    led = Ledger(max_bytes=20 * U)
+    cap = led.cap
+    led.store(*(bytes([i]) for i in range(6)))
+    assert cap.lower_cap(5, room=0) == 6 * U
+    cap.enforce()
+    assert len(cap.take_deletes()) == 3 and cap.used_bytes == 3 * U
+
+
 def test_chunks_found_at_start_are_adopted_oldest_first_and_older_than_new_ones():
     led = Ledger(max_bytes=10 * U)
     cap = led.cap

@@ -49,6 +49,28 @@ def test_settings_out_of_their_range_are_refused_naming_the_key(tmp_path, key, v
     assert expected in _refused(tmp_path, key, value)
 
 
+def test_c51_a_breaker_max_cooldown_below_the_first_cooldown_is_refused_with_the_fix(tmp_path):
+    """The bound of a breaker's recovery cannot be shorter than its first cooldown: the fs and obj
+    tiers refuse it at parse, naming the key and what to set; unset, it is 4 times the first
+    cooldown (what the tier runs with, and ``kvoffload check`` shows)."""
+    from kvoffload.config import effective_config, parse_tier_config
+
+    tier = {"type": "fs", "root_dir": str(tmp_path), "breaker_cooldown_s": 2.0}
+    with pytest.raises(ConfigError) as e:
+        parse_config({**BASE, "secondary_tiers": [{**tier, "breaker_max_cooldown_s": 1.5}]})
+    assert (
+        "secondary_tiers[0].breaker_max_cooldown_s: 1.5 s is below breaker_cooldown_s (2 s), the "
+        "first cooldown; set it to at least 2 (equal: no back-off), or lower breaker_cooldown_s"
+    ) in str(e.value)
+    with pytest.raises(ConfigError, match=r"\.breaker_max_cooldown_s: 0\.5 s is below"):
+        parse_tier_config(
+            {"type": "obj", "bucket": "b", "breaker_max_cooldown_s": 0.5}, "secondary_tiers[0]"
+        )
+    for extra, expected in (({}, 8.0), ({"breaker_max_cooldown_s": 2.0}, 2.0)):
+        cfg = effective_config(parse_config({**BASE, "secondary_tiers": [{**tier, **extra}]}))
+        assert cfg.secondary_tiers[0].config.breaker_max_cooldown_s == expected
+
+
 def test_a_root_dir_that_cannot_be_made_is_refused_with_the_reason(tmp_path):
     """``kvoffload check`` and the tier's start agree on a ``root_dir`` the tier cannot use, and
     the message names why: a file where a directory of the path must be (an executable file too:

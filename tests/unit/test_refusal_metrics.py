@@ -60,23 +60,54 @@ def test_half_open_admits_only_the_trial_requests_until_one_answers():
     assert all(br.admit() for _ in range(100))
 
 
-def test_a_failed_trial_reopens_with_a_doubled_cooldown_up_to_16_times():
-    clock = FakeClock()
-    br = CircuitBreaker(failures=1, cooldown_s=1.0, trial_requests=1, clock=clock)
+def cooldowns_of_failed_trials(br: CircuitBreaker, clock: FakeClock, trials: int) -> list[float]:
+    """Open ``br``, then fail ``trials`` trials, each as soon as the cooldown allows one: the
+    cooldown of each opening (seconds)."""
     br.record(False, clock())
     cooldowns = []
-    for _ in range(7):
+    for _ in range(trials):
         opened_at = clock()
         cooldowns.append(br.reopens_at - opened_at)
         clock.t = br.reopens_at
         assert br.state == HALF_OPEN and br.admit() and not br.admit()
         assert br.record(False, clock()) == "opened"
         assert br.state == OPEN
-    assert cooldowns == [1.0, 2.0, 4.0, 8.0, 16.0, 16.0, 16.0]
+    return cooldowns
+
+
+def test_a_failed_trial_reopens_with_a_doubled_cooldown_up_to_max_cooldown_s():
+    clock = FakeClock()
+    br = CircuitBreaker(
+        failures=1, cooldown_s=1.0, trial_requests=1, max_cooldown_s=16.0, clock=clock
+    )
+    assert cooldowns_of_failed_trials(br, clock, 7) == [1.0, 2.0, 4.0, 8.0, 16.0, 16.0, 16.0]
     clock.t = br.reopens_at
     assert br.admit() and br.record(True, clock()) == "closed"
     br.record(False, clock())  # closed again: the back-off starts over
     assert br.reopens_at - clock() == 1.0
+
+
+def test_c51_the_cooldown_never_exceeds_max_cooldown_s_so_recovery_is_bounded():
+    """However many trials fail, no cooldown is longer than ``max_cooldown_s`` (not a power of
+    two of the first here), nor 4 times the first cooldown without it; equal to the first: no
+    back-off. The endpoint recovering at any moment of the outage is tried again within
+    ``max_cooldown_s``, and the first trial that answers closes the breaker."""
+    clock = FakeClock()
+    br = CircuitBreaker(
+        failures=1, cooldown_s=0.25, trial_requests=1, max_cooldown_s=0.6, clock=clock
+    )
+    assert cooldowns_of_failed_trials(br, clock, 6) == pytest.approx([0.25, 0.5] + [0.6] * 4)
+    recovered_at = clock()  # just after the last reopening: the longest wait there is
+    assert br.reopens_at - recovered_at == pytest.approx(0.6)
+    clock.t = br.reopens_at
+    assert br.state == HALF_OPEN
+    assert br.admit() and br.record(True, clock()) == "closed"
+    for cap, first, expected in ((None, 1.0, [1.0, 2.0, 4.0, 4.0]), (2.0, 2.0, [2.0] * 4)):
+        clock = FakeClock()
+        br = CircuitBreaker(
+            failures=1, cooldown_s=first, trial_requests=1, max_cooldown_s=cap, clock=clock
+        )
+        assert cooldowns_of_failed_trials(br, clock, 4) == pytest.approx(expected)
 
 
 def test_late_failures_of_tasks_sent_before_the_cooldown_ended_do_not_reopen():
@@ -114,6 +145,8 @@ def test_a_trial_that_never_answers_gives_its_place_back_after_the_trial_timeout
         dict(failures=1, cooldown_s=0.0),
         dict(failures=1, cooldown_s=1.0, trial_requests=0),
         dict(failures=1, cooldown_s=1.0, trial_timeout_s=-1.0),
+        dict(failures=1, cooldown_s=1.0, max_cooldown_s=0.5),
+        dict(failures=1, cooldown_s=1.0, max_cooldown_s=float("nan")),
     ],
 )
 def test_breaker_refuses_settings_that_cannot_work(kwargs):

@@ -215,6 +215,8 @@ def test_the_built_in_io_modules_implement_the_chunk_io_protocol(tmp_path):
         (chunkio.IOOutcome(m.OK, -1), "nbytes"),
         (chunkio.IOOutcome(m.OK, 0, None), "detail"),
         (chunkio.IOOutcome(m.OK, 0, "", "200"), "status"),
+        (chunkio.IOOutcome(m.NO_SPACE, 0, "", 0, -2), "free_bytes"),
+        (chunkio.IOOutcome(m.NO_SPACE, 0, "", 0, 1.5), "free_bytes"),
     ],
 )
 def test_an_outcome_outside_the_contract_is_named(outcome, problem):

@@ -318,7 +318,9 @@ def test_an_interrupted_server_start_stops_the_server(tmp_path, monkeypatch):
     import httpx
     import psutil
 
-    srv = _FakeServer.make(tmp_path, "import time; time.sleep(600)")
+    # a sleep of its own: other tests' processes, beside this one under xdist, sleep 600 s too
+    sleeper = f"import time; time.sleep(600)  # {tmp_path}"
+    srv = _FakeServer.make(tmp_path, sleeper)
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -327,7 +329,7 @@ def test_an_interrupted_server_start_stops_the_server(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         srv.start()
     assert srv.proc is None and srv._rpc_dir is None
-    assert not [p for p in psutil.process_iter(["cmdline"]) if "time.sleep(600)" in
+    assert not [p for p in psutil.process_iter(["cmdline"]) if sleeper in
                 " ".join(p.info["cmdline"] or [])]  # fmt: skip
 
 

@@ -8,7 +8,7 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
-from helpers import HIT, MISS, PENDING, ROW, Rig, fs_tier, keys_for, payload, replay
+from helpers import HIT, MISS, PENDING, ROW, Rig, fs_tier, keys_for, patience, payload, replay
 from prometheus_client.parser import text_string_to_metric_families
 from s3 import free_port
 
@@ -394,8 +394,14 @@ def test_c20_offloaded_copies_emit_kv_events(tmp_path):
                 assert rig.tm.wait_idle(120)
                 rig.tm.step()
             pub.flush()  # everything published so far has been sent
+            # every batch sent comes, however slowly: a quiet spell on a loaded machine is no
+            # proof that none is still on its way
+            sent = pub.published["engine"]
             batches = []
-            while sub.poll(5000 if not batches else 500):
+            while len(batches) < sent:
+                assert sub.poll(patience(120.0) * 1000), (
+                    f"{len(batches)} of the {sent} batches sent came"
+                )
                 frames = sub.recv_multipart()
                 if frames[0] == b"kv-events":  # (a probe sent just before the unsubscribe)
                     batches.append(frames)

@@ -181,8 +181,11 @@ def settle(rig: Rig, keys: list[bytes], req_id: str = "req") -> list[LookupResul
 
 def pins_consistent(rig: Rig) -> bool:
     host = rig.tm.host
-    refs = {s: int(r) for s, r in enumerate(host.refs) if r}
-    return rig.tm.pins_held() == refs
+    # the node thread's serving role pins and unpins under the manager's lock (a peer's lease,
+    # its release acknowledged): both sides are read under it, or an unpin between them tears
+    with rig.tm.lock:
+        refs = {s: int(r) for s, r in enumerate(host.refs) if r}
+        return rig.tm.pins_held() == refs
 
 
 @pytest.mark.parametrize("kind", KINDS)

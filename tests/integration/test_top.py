@@ -38,6 +38,13 @@ def test_feed_counts_lost_and_malformed_messages_and_ignores_other_topics():
             pub.send_multipart([TOPIC, (0).to_bytes(8, "big"), payload])
             time.sleep(0.05)
             feed.poll()
+        # probes sent before the feed joined may still be on their way: a last one of another
+        # route marks the end (ZMQ keeps one connection's messages in order)
+        pub.send_multipart([TOPIC, (0).to_bytes(8, "big"), _movements_payload("host", "fs")])
+        deadline = time.monotonic() + 30
+        while not any(m.route == "host→fs" for m in feed.poll()):
+            assert time.monotonic() < deadline, "the last probe never came"
+            time.sleep(0.05)
         joined = feed.messages
         pub.send_multipart([TOPIC + b"-other", (0).to_bytes(8, "big"), b"not msgpack"])
         for seq in (1, 2, 5):

@@ -463,17 +463,30 @@ class Worker:
             )
         raise TypeError(f"unknown task {type(task).__name__}")
 
-    def close(self) -> None:
-        """Release the I/O threads, sockets and the arena mapping."""
+    def close(self, join_s: float = 5.0) -> None:
+        """Release the I/O threads, sockets and the arena mapping.
+
+        The I/O threads write to the wake pipe and read or write arena rows until they exit, so
+        the pipe and the arena are closed only once every one of them has (waiting at most
+        ``join_s`` seconds in all, after the chunks queued before): a write into a pipe closed
+        under it would land in whatever descriptor took its number next. A thread still in I/O
+        past that (a hung mount) keeps them open until the process exits."""
         for _ in self._threads:
             self._chunks.put(None)
-        if self._wake_r >= 0:
-            os.close(self._wake_r)
-            os.close(self._wake_w)
+        deadline = time.monotonic() + join_s
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
         self.chans.close()
         self.ctx.term()
+        if any(t.is_alive() for t in self._threads):
+            return  # the pipe and the arena stay open for them (the process is ending)
+        if self._wake_r >= 0:
+            r, w = self._wake_r, self._wake_w
+            self._wake_r = self._wake_w = -1
+            os.close(r)
+            os.close(w)
         self.arena.close()
-        # The task marker stays mapped until the process ends: an I/O thread may still mark.
+        # The task marker stays mapped until the process ends.
 
 
 class _Running:

@@ -277,3 +277,55 @@ def test_c31_a_filesystem_refusing_direct_io_half_way_stores_everything_buffered
         lines = [ln for ln in err.splitlines() if f"refuses O_DIRECT {transfers}" in ln]
         assert len(lines) == 1, err
         assert fs_desc in lines[0] and str(root) in lines[0] and "Invalid argument" in lines[0]
+
+
+def test_a_worker_closing_while_an_io_thread_still_moves_a_chunk_writes_into_no_reused_descriptor(
+    tmp_path,
+):
+    """Issue 25 item 6: a worker's I/O thread wakes the loop through a pipe when it ends a task.
+    Closed while a thread is still storing a chunk (held at a gate), the worker keeps the pipe (and
+    the arena) open for it: a pipe opened afterwards, which would take the closed pipe's numbers,
+    gets nothing when the thread finishes, and the thread ends without an error. The worker is the
+    real worker loop, in this process, attached to a real tier's arena and sockets."""
+    import threading
+
+    import msgspec
+
+    from kvoffload.ipc import messages as m
+    from kvoffload.workers.main import Worker
+
+    gate = tmp_path / "publish-may-run"
+    held = {"point": "before_publish", "action": "wait_file", "arg": str(gate), "count": 1}
+    with Rig([fs_tier(tmp_path / "fs")], num_slots=4) as rig:
+        spec = msgspec.structs.replace(
+            rig.fs._spec(99, b"in-process", "stores"),
+            io_threads=2,
+            faults=[msgspec.convert(held, m.Fault)],
+        )
+        errors: list[BaseException] = []
+        hook, threading.excepthook = threading.excepthook, lambda a: errors.append(a.exc_value)
+        worker = Worker(spec)
+        try:
+            key = keys_for(1, seed=250)[0]
+            rig.arena.rows[0] = payload(key, ROW)
+            assert worker._start(m.StoreTask(1, [0], [key])) == 1
+            wait_until(lambda: os.path.exists(f"{gate}.reached") or None, what="the held chunk")
+            worker.close(join_s=0.2)  # the thread is still in the store
+            r, w = os.pipe()  # takes the lowest free numbers: the wake pipe's, had it closed
+            try:
+                gate.touch()
+                wait_until(lambda: not any(t.is_alive() for t in worker._threads) or None)
+                os.set_blocking(r, False)
+                with pytest.raises(BlockingIOError):
+                    os.read(r, 1)  # nothing was written into the new pipe
+            finally:
+                os.close(r)
+                os.close(w)
+            assert not errors, errors
+            assert (tmp_path / "fs" / rig.ns.id() / relative_name(key)).exists()
+        finally:
+            threading.excepthook = hook
+            if worker._wake_r >= 0:  # the threads are gone: what close() left open for them
+                os.close(worker._wake_r)
+                os.close(worker._wake_w)
+                worker.arena.close()

@@ -51,6 +51,7 @@ from kvoffload.tools.bench.harness import (
     print_header,
 )
 from kvoffload.tools.extras import require
+from kvoffload.workers.chunkfile import HEADER_BYTES
 
 _ROW = 64 << 10
 
@@ -279,8 +280,10 @@ def run_case(
     policy: str = "lru",
     hold_steps: int = 64,
     settle: bool = False,
+    fs_chunks: int = 0,
 ) -> dict:
-    """One run: an fs tier holding the first round's chunks of every request, an empty host tier
+    """One run: an fs tier holding the first round's chunks of every request (capped at
+    ``fs_chunks`` chunk files with ``max_bytes``; 0: uncapped), an empty host tier
     of ``host_slots`` (64 KiB rows), then :class:`SchedulerModel` steps (each followed by a
     ``step_s`` sleep, the step's compute) until every request has run ``rounds`` times or
     ``max_seconds`` pass. ``hold_steps``: the tiering manager's ``promotion_hold_steps`` (0: no
@@ -304,7 +307,13 @@ def run_case(
             "cpu_bytes_to_use": host_slots * _ROW,
             "eviction_policy": policy,
             "promotion_hold_steps": hold_steps,
-            "secondary_tiers": [scratch_fs_tier(root, max_pending_store_chunks=n_keys + 1)],
+            "secondary_tiers": [
+                scratch_fs_tier(
+                    root,
+                    max_pending_store_chunks=n_keys + 1,
+                    **({"max_bytes": fs_chunks * (HEADER_BYTES + _ROW)} if fs_chunks else {}),
+                )
+            ],
         }
     )
     with Arena.create(arena_name("thrash"), host_slots, _ROW) as arena:
@@ -382,7 +391,8 @@ def run_case(
 #: The cases of ``kvoffload bench thrash`` (name -> :func:`run_case` arguments): the three
 #: requests of 18 chunks through a 10-slot host tier (device room for all three, then
 #: for one at a time), and multi-turn conversations whose prompts each fit the host tier but not
-#: all together (with and without preemption).
+#: all together (with and without preemption; and with an fs tier capped below their 160 chunks,
+#: which then evicts too: what it keeps of each prefix is served only from its head).
 CASES: dict[str, dict] = {
     "3x18 chunks, host 10, device 54": dict(host_slots=10, requests=3, chunks=18, device_chunks=54),
     "3x18 chunks, host 10, device 18": dict(host_slots=10, requests=3, chunks=18, device_chunks=18),
@@ -391,6 +401,9 @@ CASES: dict[str, dict] = {
     ),
     "8x(8+2/turn), host 24, device 30, preempt/9 steps": dict(
         host_slots=24, requests=8, chunks=8, grow=2, device_chunks=30, preempt_every=9
+    ),
+    "16x(6+2/turn) chunks, host 24, fs 112, device 24": dict(
+        host_slots=24, requests=16, chunks=6, grow=2, device_chunks=24, fs_chunks=112
     ),
 }
 _COLUMNS = (

@@ -306,17 +306,25 @@ def serve_prefix(rig: Rig, rid: str, keys: list, batch: int) -> int:
         tm.touch(found, rid)
         tm.prepare_load(found, rid)
         tm.complete_load(found, rid)
-    rest = keys[len(found) :]
-    for i in range(0, len(rest), batch):
-        plan = tm.prepare_store(rest[i : i + batch], rid)
+    store_steps(rig, rid, keys[len(found) :], batch, settle=True)
+    tm.on_request_finished(rid)
+    assert tm.wait_idle(120)
+    return len(found)
+
+
+def store_steps(rig: Rig, rid: str, keys: list, batch: int, settle: bool = False) -> None:
+    """Store ``keys`` for request ``rid``, ``batch`` chunks a step, as vLLM offloads a request's
+    new blocks (their payloads written into the slots); with ``settle``, each step's
+    write-through ends before the next."""
+    tm = rig.tm
+    for i in range(0, len(keys), batch):
+        plan = tm.prepare_store(keys[i : i + batch], rid)
         assert plan is not None
         for k, s in zip(plan.keys, plan.slots):
             rig.arena.rows[s] = payload(k, rig.row_bytes)
         tm.complete_store(plan.keys, True, rid)
-        assert tm.wait_idle(120)
-    tm.on_request_finished(rid)
-    assert tm.wait_idle(120)
-    return len(found)
+        if settle:
+            assert tm.wait_idle(120)
 
 
 def replay(

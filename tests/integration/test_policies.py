@@ -71,7 +71,7 @@ def test_store_batch_that_does_not_fit_keeps_its_longest_prefix(tmp_path):
 def _one_request(rig, rid: str, keys: list, batch: int) -> int:
     """One request as vLLM makes it: look up its prefix, load the host hits, store the rest
     ``batch`` chunks a step, finish. Returns the chunks it found."""
-    from helpers import HIT, payload
+    from helpers import HIT, store_steps
 
     tm = rig.tm
     hits = []
@@ -83,13 +83,7 @@ def _one_request(rig, rid: str, keys: list, batch: int) -> int:
         tm.touch(hits, rid)
         tm.prepare_load(hits, rid)
         tm.complete_load(hits, rid)
-    rest = keys[len(hits) :]
-    for i in range(0, len(rest), batch):
-        plan = tm.prepare_store(rest[i : i + batch], rid)
-        assert plan is not None
-        for k, s in zip(plan.keys, plan.slots):
-            rig.arena.rows[s] = payload(k, rig.row_bytes)
-        tm.complete_store(plan.keys, True, rid)
+    store_steps(rig, rid, keys[len(hits) :], batch)
     tm.on_request_finished(rid)
     return len(hits)
 

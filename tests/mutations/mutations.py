@@ -216,8 +216,8 @@ MUTATIONS: list[Mutation] = [
         "C08",
         "the index entry of a missing file is kept",
         "kvoffload/tiers/capacity.py",
-        "            elif code in (m.MISSING, m.CORRUPT, m.FORGED, m.UNSAFE_PATH) and key in index:\n",
-        "            elif code in (m.CORRUPT, m.FORGED, m.UNSAFE_PATH) and key in index:\n",
+        "            if failed.get(key, m.OK) in (m.MISSING, m.CORRUPT, m.FORGED, m.UNSAFE_PATH):\n",
+        "            if failed.get(key, m.OK) in (m.CORRUPT, m.FORGED, m.UNSAFE_PATH):\n",
         (FS + "test_c08_file_deleted_outside_the_library_is_a_clean_miss",),
     ),
     Mutation(
@@ -318,8 +318,8 @@ MUTATIONS: list[Mutation] = [
         "C14",
         "chunks of earlier runs not counted",
         "kvoffload/tiers/capacity.py",
-        "            self.used_bytes += size\n",
-        "",
+        "            ident = self._count(key, size)\n",
+        "            ident = self._count(key, 0)\n",
         (FS + "test_c14_chunks_from_earlier_runs_are_adopted_and_counted",),
     ),
     Mutation(
@@ -508,8 +508,8 @@ MUTATIONS: list[Mutation] = [
         "C22",
         "a store's source slot not pinned while the writer reads it",
         "kvoffload/tiering.py",
-        "                slots = host.pin(take)\n",
-        "                slots = [host.index[k] for k in take]\n",
+        "        slots = self.host.pin(take)\n",
+        "        slots = [self.host.index[k] for k in take]\n",
         (FS + "test_c22_store_source_slot_is_not_reused_while_the_writer_reads_it",),
     ),
     Mutation(
@@ -661,7 +661,9 @@ MUTATIONS: list[Mutation] = [
         "C32",
         "a chunk file whose removal failed is forgotten",
         "kvoffload/tiers/capacity.py",
-        "            index[k] = nbytes\n",
+        "            ident = self._count(k, nbytes)\n"
+        "            self.ranks.fresh((ident,))\n"
+        "            self._evictable((ident,))\n",
         "            pass\n",
         (CAP + "test_c32_undeletable_chunk_file_stays_counted_and_the_next_lru_is_evicted[fault]",),
     ),
@@ -1168,8 +1170,8 @@ MUTATIONS: list[Mutation] = [
         "C48",
         "a request's later chunks are written to a tier past one dropped there",
         "kvoffload/tiering.py",
-        "                if holes is not None and i in holes:\n",
-        "                if False:\n",
+        "        if holes is not None and i in holes:\n",
+        "        if False:\n",
         (BP + "test_c48_a_request_whose_chunk_was_dropped_or_failed_writes_nothing_past_it",),
     ),
     Mutation(

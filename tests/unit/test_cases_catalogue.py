@@ -244,3 +244,24 @@ def test_every_test_the_readmes_security_model_names_exists():
         rel, _, func = name.rpartition("::")
         found = [t for r, t in everywhere if (not rel or r == rel) and fnmatch.fnmatch(t, func)]
         assert found, f"README's Security model names {name}, which is no test"
+
+
+def test_every_mutation_applies_to_the_code_as_it_is():
+    """Each mutation's text to replace occurs exactly once in its file and the patched file
+    compiles (``tests/mutations/run.py``'s own check, which only the mutation stage ran): a
+    refactor that moves the code a mutation names fails here, not minutes into CI."""
+    import sys
+
+    path = os.path.join(REPO, "tests", "mutations", "run.py")
+    spec = importlib.util.spec_from_file_location("_catalogue_mutation_runner", path)
+    assert spec is not None and spec.loader is not None
+    runner = importlib.util.module_from_spec(spec)
+    saved = list(sys.path)
+    sys.modules[spec.name] = runner  # its dataclasses look their module up there
+    try:
+        spec.loader.exec_module(runner)  # it puts tests/mutations on sys.path: put back after
+    finally:
+        sys.path[:] = saved
+        del sys.modules[spec.name]
+    problems = runner.check_patches(mutations(), REPO)
+    assert not problems, "\n".join(problems)

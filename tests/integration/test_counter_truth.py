@@ -167,3 +167,41 @@ def test_obj_tier_byte_counters_match_the_objects_in_the_bucket(moto, endpoint):
         assert r.moved("obj", "load") == (in_bucket, 6)
         assert r.moved("obj", "store") == (in_bucket, 6)
         assert r.deduplicated("obj") == {"known_present": 6, "found_present": 0}
+
+
+def test_fs_tier_used_bytes_and_evictions_match_the_chunk_files_on_disk(tmp_path, endpoint):
+    """A capped fs tier (4 chunk files) takes 10 chunks: once its deletes are answered, its used
+    bytes are the bytes of the chunk files on disk, its evictions the chunks no longer there, and
+    its store bytes the bytes of every file it wrote (10)."""
+    root = tmp_path / "capped"
+    file_bytes = HEADER_BYTES + 16384
+    with Rig([fs_tier(root, max_bytes=4 * file_bytes)], num_slots=16) as rig:
+        keys = keys_for(10, seed=54)
+        for i in range(0, 10, 2):
+            rig.store(keys[i : i + 2])
+        files = chunk_files(root)
+        r = Readings(endpoint, rig.tm.instance)
+        assert r("kvoffload_tier_used_bytes", tier="fs") == sum(st.st_size for st in files.values())
+        assert r("kvoffload_tier_evictions_total", tier="fs") == 10 - len(files) > 0
+        assert r.moved("fs", "store") == (10 * file_bytes, 10)
+
+
+def test_host_gauges_match_the_arena_and_the_slots_in_flight(tmp_path, endpoint):
+    """The host tier's gauges against the arena: its slots and row bytes; slots used, the chunks
+    the host tier serves; slots pinned, the slots of the store jobs a paused writer holds."""
+    gate = tmp_path / "go"
+    pause = [{"point": "store", "action": "wait_file", "arg": str(gate)}]
+    with Rig([fs_tier(tmp_path / "fs", faults=pause)], num_slots=12) as rig:
+        keys = keys_for(5, seed=55)
+        rig.store(keys, wait=False)
+        in_flight = {s for _, _, job in rig.tm.jobs_in_flight() for s in job.slots}
+        r = Readings(endpoint, rig.tm.instance)
+        assert r("kvoffload_host_slots") == rig.arena.num_slots == 12
+        assert r("kvoffload_host_slot_bytes") == rig.arena.row_bytes
+        assert r("kvoffload_host_slots_used") == sum(rig.tm.host.is_present(k) for k in keys) == 5
+        assert r("kvoffload_host_slots_pinned") == len(in_flight) == 5
+        gate.touch()
+        assert rig.tm.wait_idle(120)
+        r = Readings(endpoint, rig.tm.instance)
+        assert r("kvoffload_host_slots_pinned") == 0
+        assert r("kvoffload_host_usage_ratio") == pytest.approx(5 / 12)

@@ -116,7 +116,8 @@ class TaskResult(msgspec.Struct, tag="result", array_like=True, gc=False):
         worker_id: the worker that ran it.
         codes: one outcome code per key of the task, in task order.
         detail: first error message, empty on success.
-        nbytes: payload bytes moved (bytes).
+        nbytes: bytes the worker moved between arena and storage: file or object bytes written
+            or read, headers included (bytes); 0 for a key that failed or was not written.
         seconds: time spent in I/O (seconds).
         entries: ``ScanTask`` only: ``(key, stored bytes, mtime seconds)`` per chunk found.
         status: optional per-key protocol status (e.g. HTTP status; for a failed delete, the
@@ -125,6 +126,8 @@ class TaskResult(msgspec.Struct, tag="result", array_like=True, gc=False):
         free_bytes: a store task with ``NO_SPACE`` verdicts: the least free space (bytes) its
             medium showed just after one of them (``IOOutcome.free_bytes``; 0: the shortage does
             not show there); -1 when one of them was not measured, or there is none (CASES C52).
+        present: a store task: its keys found already stored and not written again (chunks;
+            ``IOOutcome.present``, CASES C50); counted among the ``OK`` codes.
     """
 
     task_id: int
@@ -137,6 +140,7 @@ class TaskResult(msgspec.Struct, tag="result", array_like=True, gc=False):
     status: list[int] = []
     counters: dict[str, float] = {}
     free_bytes: int = -1
+    present: int = 0
 
 
 _task_encoder = msgspec.msgpack.Encoder()

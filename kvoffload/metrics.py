@@ -138,9 +138,24 @@ CORE_METRICS: tuple[MetricDef, ...] = (
         D,
     ),
     Counter("kvoffload_device_transfer_seconds", "Accelerator <-> host copy time in seconds.", D),
-    Counter("kvoffload_tier_transfer_bytes", "Host <-> tier bytes moved by the tier's workers.", R),
     Counter(
-        "kvoffload_tier_transfer_chunks", "Chunks moved successfully between host and tier.", R
+        "kvoffload_tier_transfer_bytes",
+        "Host <-> tier bytes the tier moved, as its workers report them (fs: file bytes, obj: "
+        "object bytes, headers included); nothing for a chunk it did not write.",
+        R,
+    ),
+    Counter(
+        "kvoffload_tier_transfer_chunks",
+        "Chunks moved successfully between host and tier (stores: chunks written, not those "
+        "the tier already held: kvoffload_tier_deduplicated_chunks).",
+        R,
+    ),
+    Counter(
+        "kvoffload_tier_deduplicated_chunks",
+        "Chunks stored to a tier that already held them, so nothing was written, by reason: "
+        "known_present (its index knew it held them: nothing sent), found_present (a worker "
+        "found them stored, e.g. by another instance sharing the root).",
+        ("tier", "reason"),
     ),
     Histogram(
         "kvoffload_tier_transfer_latency_seconds",
@@ -420,7 +435,19 @@ class CounterReadings(Protocol):
 
     @property
     def cascaded(self) -> Mapping[str, int]:
-        """Tier name -> chunks stored into it."""
+        """Tier name -> chunks stored into it (written, or already held)."""
+
+    @property
+    def written(self) -> Mapping[str, int]:
+        """Tier name -> chunks it wrote (stored, less those it already held)."""
+
+    @property
+    def deduplicated(self) -> Mapping[tuple[str, str], int]:
+        """``(tier, reason)`` -> chunks stored to it that it already held (nothing written)."""
+
+    @property
+    def transfer_bytes(self) -> Mapping[tuple[str, str], int]:
+        """``(tier, direction)`` -> bytes it reported moved (``JobResult.transfer_bytes``)."""
 
     @property
     def dropped_stores(self) -> Mapping[str, int]:
@@ -563,18 +590,22 @@ def refresh(tm: MetricSource) -> MetricSet:
             m.set_total("kvoffload_tier_failed_chunks", v, tname, direction, reason)
         for (tname, direction, reason), v in list(st.refused.items()):
             m.set_total("kvoffload_refused_chunks", v, tname, direction, reason)
-        row = r.slot_bytes
+        for (tname, reason), v in list(st.deduplicated.items()):
+            m.set_total("kvoffload_tier_deduplicated_chunks", v, tname, reason)
+        moved = st.transfer_bytes
         for tier in r.tiers:
             name = tier.name
             c = dict(tier.counters)
             m.set_total("kvoffload_tier_queries", tier_queries[name], name)
             m.set_total("kvoffload_tier_hits", tier_hits[name], name)
-            # payload bytes (chunks x row bytes); the workers' own byte counts, with headers,
-            # are the tier events bytes_read / bytes_written
-            m.set_total("kvoffload_tier_transfer_bytes", st.promotions[name] * row, name, "load")
-            m.set_total("kvoffload_tier_transfer_bytes", st.cascaded[name] * row, name, "store")
+            # what the tier reports it moved, never chunks x row bytes (CASES C50): a store of
+            # a chunk the tier already held wrote nothing
+            m.set_total("kvoffload_tier_transfer_bytes", moved.get((name, "load"), 0), name, "load")
+            m.set_total(
+                "kvoffload_tier_transfer_bytes", moved.get((name, "store"), 0), name, "store"
+            )
             m.set_total("kvoffload_tier_transfer_chunks", st.promotions[name], name, "load")
-            m.set_total("kvoffload_tier_transfer_chunks", st.cascaded[name], name, "store")
+            m.set_total("kvoffload_tier_transfer_chunks", st.written[name], name, "store")
             m.set_total("kvoffload_tier_worker_restarts", c.get(names.WORKER_RESTARTS, 0), name)
             m.set_total("kvoffload_tier_evictions", c.get(names.EVICTIONS, 0), name)
             m.set_total("kvoffload_dropped_stores", st.dropped_stores[name], name)

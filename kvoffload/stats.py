@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from kvoffload.tiers.base import DEDUP_REASONS
+
 HOST = "host"
 """The host tier's name wherever tiers are named (stats, metrics labels, events)."""
 
@@ -50,7 +52,17 @@ class Stats:
         self.promotions = {n: 0 for n in tier_names}
         self.promotion_failures = {n: 0 for n in tier_names}
         self.promotion_alloc_failures = 0
+        # cascaded: chunks a tier took (its store succeeded), of which ``written`` it wrote and
+        # ``deduplicated`` (tier, reason) it already held (CASES C50); ``transfer_bytes``
+        # (tier, direction): bytes the tier reported moved (JobResult.transfer_bytes)
         self.cascaded = {n: 0 for n in tier_names}
+        self.written = {n: 0 for n in tier_names}
+        self.deduplicated: dict[tuple[str, str], int] = {
+            (n, r): 0 for n in tier_names for r in DEDUP_REASONS
+        }
+        self.transfer_bytes: dict[tuple[str, str], int] = {
+            (n, d): 0 for n in tier_names for d in ("load", "store")
+        }
         self.cascade_failures = {n: 0 for n in tier_names}
         self.dropped_stores = {n: 0 for n in tier_names}
         self.store_rejections = 0

@@ -863,13 +863,17 @@ class TieringManager:
     def _transfer_done(
         self, tier: SecondaryTierManager, direction: str, meta: JobMetadata, res: Any
     ) -> None:
-        """Count a finished job's time and, when it failed, its failed chunks by reason."""
+        """Count a finished job's time, the bytes the tier moved for it (as the tier reports
+        them, CASES C50) and, when it failed, its failed chunks by reason."""
         self.metrics.observe(
             "kvoffload_tier_transfer_latency_seconds", res.transfer_seconds, tier.name, direction
         )
+        stats = self.stats
+        if res.transfer_bytes:
+            k = (tier.name, direction)
+            stats.transfer_bytes[k] = stats.transfer_bytes.get(k, 0) + res.transfer_bytes
         if res.success:
             return
-        stats = self.stats
         k2 = (tier.name, direction)
         stats.failed_jobs[k2] = stats.failed_jobs.get(k2, 0) + 1
         failed_stats = stats.failed
@@ -934,15 +938,23 @@ class TieringManager:
         self.host.unpin_slots(meta.slots)
         self._store_pins[job.tier] -= len(meta.slots)
         if res.success:
-            stats.cascaded[tier.name] += len(meta.keys)
             stored = meta.keys
         else:
             ok_set = set(res.successful_keys or ())
             stored = [k for k in meta.keys if k in ok_set]
-            stats.cascaded[tier.name] += len(stored)
             stats.cascade_failures[tier.name] += len(meta.keys) - len(stored)
             if meta.request and len(stored) < len(meta.keys):
                 self._hole(meta.req_id, job.tier)  # its later chunks are not written there
+        # chunks the tier already held are counted apart from those it wrote (CASES C50)
+        held = 0
+        if res.deduplicated:
+            dedup = stats.deduplicated
+            for reason, n in res.deduplicated.items():
+                k2 = (tier.name, reason)
+                dedup[k2] = dedup.get(k2, 0) + n
+                held += n
+        stats.written[tier.name] += max(0, len(stored) - held)
+        stats.cascaded[tier.name] += len(stored)
         if stored:
             self.events.moved(stored, HOST, tier.name, tier=tier)
 

@@ -54,6 +54,10 @@ class IOOutcome(msgspec.Struct, frozen=True, gc=False):
             real shortage needs (CASES C52); 0 when the shortage does not show there (a quota,
             no inode left); -1 (default) when not measured (the engine then takes the medium
             as full).
+        present: a store answered ``OK`` without writing: the chunk was already stored (by
+            another instance sharing the medium, or earlier), so ``nbytes`` is 0 (answer
+            :data:`OK_PRESENT`). The engine counts such stores apart from chunks written
+            (``kvoffload_tier_deduplicated_chunks_total{reason="found_present"}``, CASES C50).
     """
 
     code: int
@@ -61,6 +65,7 @@ class IOOutcome(msgspec.Struct, frozen=True, gc=False):
     detail: str = ""
     status: int = 0
     free_bytes: int = -1
+    present: bool = False
 
     def problem(self) -> str | None:
         """What makes this outcome invalid (a wrong type, an unknown code), or None when valid.
@@ -76,12 +81,18 @@ class IOOutcome(msgspec.Struct, frozen=True, gc=False):
             return f"status {self.status!r} is not an integer"
         if type(self.free_bytes) is not int or self.free_bytes < -1:
             return f"free_bytes {self.free_bytes!r} is not a byte count (or -1: not measured)"
+        if type(self.present) is not bool:
+            return f"present {self.present!r} is not a bool"
+        if self.present and (self.code != m.OK or self.nbytes):
+            return "present (nothing written) goes only with code OK and nbytes 0"
         return None
 
 
 OK_EMPTY = IOOutcome(m.OK)
-"""Success that moved no bytes (a probe that found the chunk, a delete, a store that found the chunk
-already there)."""
+"""Success that moved no bytes (a probe that found the chunk, a delete)."""
+OK_PRESENT = IOOutcome(m.OK, present=True)
+"""A store that found the chunk already stored and wrote nothing (counted apart from chunks
+written, CASES C50)."""
 
 
 @runtime_checkable
@@ -91,7 +102,8 @@ class ChunkIO(Protocol):
 
     def store(self, key: bytes, src: memoryview) -> IOOutcome:
         """Copy arena row ``src`` to storage under chunk ``key`` (atomically: whole or nothing).
-        ``nbytes``: bytes written."""
+        ``nbytes``: bytes written (header included); a chunk already stored and not written
+        again answers :data:`OK_PRESENT`."""
         ...
 
     def load(self, key: bytes, dst: memoryview) -> IOOutcome:

@@ -57,7 +57,7 @@ from kvoffload.ipc import messages as m
 from kvoffload.ipc import names
 from kvoffload.workers import chunkfile as cf
 from kvoffload.workers import counters
-from kvoffload.workers.chunkio import OK_EMPTY, IOOutcome
+from kvoffload.workers.chunkio import OK_EMPTY, OK_PRESENT, IOOutcome
 from kvoffload.workers.faults import Faults
 from kvoffload.workers.ioconfig import STALE_TEMP_AGE_S, FsIOConfig
 
@@ -416,7 +416,7 @@ class FsIO:
         if found is not None:
             if stat.S_ISREG(found):
                 counters.count(names.STORE_ALREADY_PRESENT)
-                return OK_EMPTY
+                return OK_PRESENT
             try:
                 _refuse(d, final, self.path(key), "chunk file", remove_links=True)
             except UnsafePath as e:

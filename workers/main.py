@@ -550,6 +550,7 @@ def _result(task_id: int, wid: int, outcomes: list[IOOutcome], seconds: float) -
         seconds,
         status=status if any(status) else [],
         free_bytes=(-1 if -1 in free else min(free)) if free else -1,
+        present=sum(o.present for o in outcomes),
     )
 
 

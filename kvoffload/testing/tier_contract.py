@@ -126,6 +126,9 @@ class TierUnderTest:
         counts_events: the tier counts named events (:meth:`~SecondaryTierManager.count`) on a
             healthy run; False for one that counts only trouble (the p2p tier: peers down,
             refused messages), whose healthy-run counts are its own metrics.
+        chunk_bytes: the bytes the tier moves to store or load one chunk, as its storage holds
+            it (fs and obj: the chunk file's header page plus the row); None: ``row_bytes``.
+            ``kvoffload_tier_transfer_bytes_total`` must count exactly that per chunk moved.
     """
 
     config: Callable[..., dict[str, Any]]
@@ -138,6 +141,7 @@ class TierUnderTest:
     row_bytes: int = ROW_BYTES
     ready: Callable[[SecondaryTierManager], bool] | None = None
     counts_events: bool = True
+    chunk_bytes: int | None = None
 
 
 # -- the engine the suite drives -------------------------------------------------------------------
@@ -620,9 +624,11 @@ class TierContract:
                 chunks = "kvoffload_tier_transfer_chunks_total"
                 assert value(chunks, tier=name, direction="store") == 4
                 assert value(chunks, tier=name, direction="load") == served
-                assert value(
-                    "kvoffload_tier_transfer_bytes_total", tier=name, direction="load"
-                ) == (served * e.row_bytes)
+                # what the tier moved, as its storage holds a chunk (CASES C50)
+                per_chunk = tut.chunk_bytes or e.row_bytes
+                moved = "kvoffload_tier_transfer_bytes_total"
+                assert value(moved, tier=name, direction="load") == served * per_chunk
+                assert value(moved, tier=name, direction="store") == 4 * per_chunk
                 assert (value("kvoffload_tier_hits_total", tier=name) or 0) >= served
                 if tut.lose is not None:
                     failed = "kvoffload_tier_failed_chunks_total"

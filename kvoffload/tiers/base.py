@@ -66,6 +66,16 @@ PEER_PROMOTION = "\x00peer"
 peers."""
 
 
+KNOWN_PRESENT = "known_present"
+"""Why a store did not write a chunk: the tier's own index knew it held it (nothing was sent to
+storage): a chunk stored again after the host tier evicted it."""
+FOUND_PRESENT = "found_present"
+"""Why a store did not write a chunk: the tier found it already stored (an fs worker saw its file:
+written by another instance sharing the root, or by this one earlier)."""
+DEDUP_REASONS = (KNOWN_PRESENT, FOUND_PRESENT)
+"""The ``reason`` values of ``kvoffload_tier_deduplicated_chunks_total``."""
+
+
 class JobResult(msgspec.Struct, kw_only=True, gc=False):
     """The one result of a submitted job.
 
@@ -78,9 +88,17 @@ class JobResult(msgspec.Struct, kw_only=True, gc=False):
         failed: per failed key, its cause (``missing``, ``corrupt``, ``io_error``, ``no_space``,
             ``timeout``, ``worker_died``, ``cancelled``, ``rejected``, ...: the keys of
             :data:`kvoffload.reasons.FAILED`, which says what each means).
-        transfer_bytes: bytes moved (bytes).
+        transfer_bytes: bytes the tier actually moved between the host tier and its medium for
+            this job (bytes): what its workers wrote or read (fs: file bytes, obj: object bytes,
+            headers included; memory, p2p: the rows copied or sent), never chunks x row bytes
+            assumed; 0 for chunks it did not write. Exported as
+            ``kvoffload_tier_transfer_bytes_total`` (CASES C50).
         transfer_seconds: wall time from submit to completion (seconds).
         status: protocol status per failed key where one exists (e.g. HTTP status), else empty.
+        deduplicated: a store: chunks of the job the tier already held and did not write, by
+            reason (:data:`KNOWN_PRESENT`, :data:`FOUND_PRESENT`); they count among the
+            successful keys, and as ``kvoffload_tier_deduplicated_chunks_total``, not as chunks
+            moved (CASES C50).
     """
 
     job_id: int
@@ -91,6 +109,7 @@ class JobResult(msgspec.Struct, kw_only=True, gc=False):
     transfer_bytes: int = 0
     transfer_seconds: float = 0.0
     status: dict[bytes, int] = {}
+    deduplicated: dict[str, int] = {}
 
 
 class TierEvent(msgspec.Struct, array_like=True, gc=False):

@@ -17,6 +17,7 @@ from typing_extensions import override
 
 from kvoffload.config import Bytes
 from kvoffload.tiers.base import (
+    KNOWN_PRESENT,
     JobMetadata,
     JobResult,
     LookupResult,
@@ -89,7 +90,15 @@ class MemoryTier(SecondaryTierManager):
             if evicted:
                 self._events.append(TierEvent(evicted, True))
         self.count("store_chunks", len(stored))
-        self._finished.append(JobResult(job_id=job.job_id, success=True, transfer_bytes=nbytes))
+        known = len(job.keys) - len(stored)
+        self._finished.append(
+            JobResult(
+                job_id=job.job_id,
+                success=True,
+                transfer_bytes=nbytes,
+                deduplicated={KNOWN_PRESENT: known} if known else {},
+            )
+        )
 
     @override
     def submit_load(self, job: JobMetadata) -> None:

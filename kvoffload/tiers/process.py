@@ -53,6 +53,8 @@ from kvoffload.ipc.channels import LOADS, STORES
 from kvoffload.ipc.ratelimit import RateLimitedLog
 from kvoffload.metrics import Gauge, MetricSet
 from kvoffload.tiers.base import (
+    FOUND_PRESENT,
+    KNOWN_PRESENT,
     JobMetadata,
     JobResult,
     LookupResult,
@@ -253,7 +255,18 @@ class ProcessTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
 
 
 class _Job:
-    __slots__ = ("meta", "pending", "failed", "status", "nbytes", "t0", "is_load", "free_bytes")
+    __slots__ = (
+        "meta",
+        "pending",
+        "failed",
+        "status",
+        "nbytes",
+        "t0",
+        "is_load",
+        "free_bytes",
+        "known",
+        "found",
+    )
 
     def __init__(self, meta: JobMetadata, is_load: bool):
         self.meta = meta
@@ -266,6 +279,10 @@ class _Job:
         #: Stores: the least free space (bytes) a worker measured after a NO_SPACE; None: no
         #: NO_SPACE yet; -1: one was not measured (the medium is then taken as full).
         self.free_bytes: int | None = None
+        #: Stores: chunks not written because the tier's index held them (no task sent) /
+        #: because a worker found them already stored (CASES C50).
+        self.known = 0
+        self.found = 0
 
 
 class _TaskRec:
@@ -279,6 +296,19 @@ class _TaskRec:
         self.job = job
         self.keys = keys
         self.t0 = time.monotonic()
+
+
+def _deduplicated(job: _Job) -> dict[str, int]:
+    """A store job's chunks the tier already held and did not write, by reason
+    (:attr:`JobResult.deduplicated`); empty for a load or when every chunk was written."""
+    if not (job.known or job.found):
+        return {}
+    out = {}
+    if job.known:
+        out[KNOWN_PRESENT] = job.known
+    if job.found:
+        out[FOUND_PRESENT] = job.found
+    return out
 
 
 def _least_free(was: int | None, free_bytes: int) -> int:
@@ -791,6 +821,7 @@ class ProcessTierManager(SecondaryTierManager):
         todo = [i for i, k in enumerate(keys) if k not in present]
         if len(todo) < len(keys):
             self.verdicts.touch(keys)
+            rec_job.known = len(keys) - len(todo)
         if todo:
             sub_keys = [keys[i] for i in todo]
             admitted, rejected = self._admit_store(sub_keys)
@@ -851,7 +882,7 @@ class ProcessTierManager(SecondaryTierManager):
             self._on_stores_done(meta.keys, failed, gone, meta.request, free)
             if ok_keys and self.record_events:
                 self._events.append(TierEvent(list(ok_keys), False))
-            self.count("store_chunks", len(ok_keys))
+            self.count("store_chunks", len(ok_keys) - job.known - job.found)
             if failed:
                 self.count("store_failures", len(failed))
         for code in failed.values():
@@ -870,6 +901,7 @@ class ProcessTierManager(SecondaryTierManager):
                 transfer_bytes=job.nbytes,
                 transfer_seconds=time.monotonic() - job.t0,
                 status=dict(job.status),
+                deduplicated=_deduplicated(job),
             )
         else:
             result = JobResult(
@@ -877,6 +909,7 @@ class ProcessTierManager(SecondaryTierManager):
                 success=True,
                 transfer_bytes=job.nbytes,
                 transfer_seconds=time.monotonic() - job.t0,
+                deduplicated=_deduplicated(job),
             )
         self.count("bytes_read" if job.is_load else "bytes_written", job.nbytes)
         self._finished.append(result)
@@ -888,6 +921,7 @@ class ProcessTierManager(SecondaryTierManager):
         nbytes: int,
         status: list[int],
         free_bytes: int = -1,
+        present: int = 0,
     ) -> None:
         kind = rec.kind
         if kind in _VERDICT_KINDS:
@@ -909,6 +943,8 @@ class ProcessTierManager(SecondaryTierManager):
                 self._pending_store_chunks -= len(rec.keys)
                 if m.NO_SPACE in codes:
                     job.free_bytes = _least_free(job.free_bytes, free_bytes)
+                if present:  # never more than the task's keys that succeeded
+                    job.found += min(present, codes.count(m.OK))
             job.pending -= 1
             if job.pending == 0:
                 self._finish(job)
@@ -980,7 +1016,7 @@ class ProcessTierManager(SecondaryTierManager):
                 if rec.kind is TaskKind.SCAN:
                     self._on_scan(res.entries)
                 codes = self._checked_codes(rec, res)
-                self._apply(rec, codes, res.nbytes, res.status, res.free_bytes)
+                self._apply(rec, codes, res.nbytes, res.status, res.free_bytes, res.present)
                 return
         # A task this tier never sent, already answered, or held by a worker since replaced:
         # nothing waits for it and nothing may act on it (CASES C24, C17).

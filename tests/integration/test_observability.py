@@ -14,6 +14,7 @@ from s3 import free_port
 
 from kvoffload import metrics
 from kvoffload.metrics import CORE_METRICS
+from kvoffload.workers.chunkfile import HEADER_BYTES
 
 
 @pytest.fixture
@@ -91,7 +92,10 @@ def test_c19_hit_rate_counts_every_lookup_not_only_hits(tmp_path, endpoint):
             "kvoffload_tier_queries_total", tier="fs"
         ) == pytest.approx(0.4)
         assert delta("kvoffload_tier_transfer_chunks_total", tier="fs", direction="load") == 4
-        assert delta("kvoffload_tier_transfer_bytes_total", tier="fs", direction="load") == 4 * ROW
+        # the chunk files' bytes read (header page and row each: CASES C50)
+        assert delta("kvoffload_tier_transfer_bytes_total", tier="fs", direction="load") == 4 * (
+            HEADER_BYTES + ROW
+        )
         assert (
             delta("kvoffload_tier_transfer_latency_seconds_count", tier="fs", direction="load") >= 1
         )
@@ -202,7 +206,8 @@ def test_every_metric_is_exported_with_plausible_values(tmp_path, endpoint):
         )
     assert (
         v("kvoffload_tier_transfer_bytes_total", tier="fs", direction="store")
-        == v("kvoffload_tier_transfer_chunks_total", tier="fs", direction="store") * ROW
+        == v("kvoffload_tier_transfer_chunks_total", tier="fs", direction="store")
+        * (HEADER_BYTES + ROW)
         > 0
     )
     assert v("kvoffload_device_transfer_bytes_total", direction="load") == rep.chunks_loaded * ROW

@@ -66,6 +66,7 @@ def fs_tier(root) -> TierUnderTest:
         runs_workers=True,
         evicts=True,
         lose=lose,
+        chunk_bytes=HEADER_BYTES + 16384,  # a chunk file: header page and row
     )
 
 
@@ -87,6 +88,7 @@ def obj_tier_under_test(endpoint: str, bucket: str) -> TierUnderTest:
         runs_workers=True,
         evicts=True,
         lose=lose,
+        chunk_bytes=HEADER_BYTES + 16384,  # an object: header page and row
     )
 
 

@@ -55,6 +55,7 @@ P2PS = "tests/integration/test_p2p_server.py::"
 P2PC = "tests/integration/test_p2p_client.py::"
 ATT = "tests/integration/test_p2p_attacks.py::"
 BRK = "tests/unit/test_refusal_metrics.py::"
+TRUTH = "tests/integration/test_counter_truth.py::"
 CAPU = "tests/unit/test_capacity.py::"
 # files split between tests/unit, tests/integration and tests/netns by what their tests do
 POL_RIG = "tests/integration/test_policies.py::"
@@ -1189,6 +1190,34 @@ MUTATIONS: list[Mutation] = [
         "            if req_id and self._hold_covered:\n",
         "            if False:\n",
         (TIER + "test_c49_a_repeat_prefill_holds_the_chunks_it_found_for_its_own_decoder",),
+    ),
+    # -- C50: counters count what a tier did ---------------------------------------------------------
+    Mutation(
+        "C50",
+        "a tier's store bytes are its chunks stored times the row bytes",
+        "kvoffload/metrics.py",
+        '                "kvoffload_tier_transfer_bytes", moved.get((name, "store"), 0), name, "store"\n',
+        '                "kvoffload_tier_transfer_bytes", st.cascaded[name] * r.slot_bytes, name, "store"\n',
+        (TRUTH + "test_c50_stores_of_chunks_already_stored_write_no_bytes_and_are_counted_apart",),
+    ),
+    Mutation(
+        "C50",
+        "stores of chunks a tier already held count as chunks moved",
+        "kvoffload/tiering.py",
+        "        stats.written[tier.name] += max(0, len(stored) - held)\n",
+        "        stats.written[tier.name] += len(stored)\n",
+        (
+            TRUTH + "test_c50_stores_of_chunks_already_stored_write_no_bytes_and_are_counted_apart",
+            TRUTH + "test_c50_the_memory_tier_counts_a_chunk_it_holds_as_deduplicated",
+        ),
+    ),
+    Mutation(
+        "C50",
+        "the fs worker answers a chunk found stored as an ordinary store",
+        "workers/fs_io.py",
+        "                return OK_PRESENT\n",
+        "                return OK_EMPTY\n",
+        (TRUTH + "test_c50_stores_of_chunks_already_stored_write_no_bytes_and_are_counted_apart",),
     ),
     # -- C51, C52: recovery after faults, measured --------------------------------------------------
     Mutation(

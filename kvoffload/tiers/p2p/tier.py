@@ -582,15 +582,17 @@ class P2PTier(SecondaryTierManager):
                             self._peer_of[k] = (r.peer, self._down_seq)
                         if r.ok and self.record_events:  # held at a peer now: medium PEER
                             self._events.append(TierEvent(list(r.ok), False))
+                    pulled = len(r.ok) * self.arena.row_bytes  # the rows the peer read
                     self._finished.append(
                         JobResult(
                             job_id=r.job_id,
                             success=False,
                             successful_keys=r.ok,
                             failed=r.failed,
+                            transfer_bytes=pulled,
                         )
                         if r.failed
-                        else JobResult(job_id=r.job_id, success=True)
+                        else JobResult(job_id=r.job_id, success=True, transfer_bytes=pulled)
                     )
                 case PeerDown():
                     self._down_seq += 1
@@ -608,7 +610,10 @@ class P2PTier(SecondaryTierManager):
         for meta, deadline, fetched in holds:
             fetched.update(k for k in meta.keys if k in keys)
             if len(fetched) == len(set(meta.keys)):
-                self._finished.append(JobResult(job_id=meta.job_id, success=True))
+                read = len(fetched) * self.arena.row_bytes  # the rows the decoder read
+                self._finished.append(
+                    JobResult(job_id=meta.job_id, success=True, transfer_bytes=read)
+                )
             else:
                 keep.append((meta, deadline, fetched))
         if keep:
@@ -633,6 +638,7 @@ class P2PTier(SecondaryTierManager):
                         successful_keys=ok,
                         reason="not_fetched",
                         failed={k: "not_fetched" for k in meta.keys if k not in fetched},
+                        transfer_bytes=len(fetched) * self.arena.row_bytes,
                     )
                 )
             if keep:

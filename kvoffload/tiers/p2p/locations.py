@@ -667,7 +667,9 @@ class PeerLocations:
             log.info("kvoffload p2p: cannot ask %s for a replay: %s", feed.peer, e)
             return False
         self.counts["replays"] += 1
-        feed.next_seq = start
+        # from 0: whatever the publisher still buffers, its first batch included (a run's
+        # numbers start where kvoffload.events.first_seq says, not at 0): no hole before it
+        feed.next_seq = start or None
         feed.replay = _Replay(now + self.replay_timeout_s)
         return True
 

@@ -1,7 +1,11 @@
 """KV events for cache-aware routers (llm-d, Dynamo) on a ZMQ PUB socket.
 
 Two streams on one socket, each message three frames ``(topic, seq, payload)`` with ``seq`` an
-8-byte big-endian counter from 0, gap-free per topic:
+8-byte big-endian counter, gap-free per topic, from the run's :func:`first_seq` (below the numbers
+of every earlier run on the endpoint: a restart is a sequence that goes back, a gap one that
+jumps forward; CASES C54). A run's first engine batch is ``[AllBlocksCleared]``: whatever an
+earlier run announced is gone; chunks persistent tiers still hold are announced again as the
+tiers report them.
 
 - ``topic``: vLLM's own wire format. ``payload`` is the msgpack of a ``KVEventBatch``
   (array-like ``[ts, events, data_parallel_rank]``) whose events are ``BlockStored`` /
@@ -10,9 +14,10 @@ Two streams on one socket, each message three frames ``(topic, seq, payload)`` w
   store or a peer) and ``ownership`` (the secondary tier's name). The structs below mirror
   ``vllm/distributed/kv_events.py`` (vLLM 0.32) field for field, so a consumer built for vLLM's
   events decodes ours with vLLM's own decoder. A chunk stored with a :class:`ChunkEventInfo`
-  gets one ``BlockStored`` of its own carrying the engine's block hashes, the parent hash of its
-  first block, its token ids and the engine block size: the values of the engine's own
-  (``GPU``) event for those blocks.
+  gets one ``BlockStored`` of its own, chunk-granular (CASES C53): the engine's hash of its last
+  block (what a lookup finds it by), the parent hash of its first block, its token ids and
+  ``block_size`` the chunk's token count; with one block per chunk, the values of the engine's
+  own (``GPU``) event for that block.
 - ``movements_topic``: one :class:`Movement` per chunk moved between tiers (``device`` → ``host``
   offload, ``host`` → tier write-through, tier → ``host`` promotion, ``host`` → ``device`` reload,
   tier → ``none`` eviction), in a :class:`MovementBatch` msgpack map: the one definition of that
@@ -130,6 +135,22 @@ class ChunkEventInfo(msgspec.Struct, gc=False):
     group_idx: int | None = None
 
 
+#: Where a run's sequence numbers start below: 2**62, well inside the 8-byte signed range vLLM's
+#: replay protocol uses (its end marker is -1).
+SEQ_CEILING = 1 << 62
+
+
+def first_seq(now_ns: int | None = None) -> int:
+    """The first sequence number of a publisher started at ``now_ns`` (``time.time_ns()``):
+    :data:`SEQ_CEILING` minus the microseconds since the Unix epoch. Each run starts below the
+    previous one on the same endpoint (a run's numbers grow by one a batch, a microsecond at a
+    time at most), so a restart is a sequence that goes back and a gap one that jumps forward
+    (CASES C54); a wall clock stepped back by more than the time between the two starts breaks
+    that, and the ``AllBlocksCleared`` each run opens with still tells the restart."""
+    ns = time.time_ns() if now_ns is None else now_ns
+    return SEQ_CEILING - ns // 1000
+
+
 @overload
 def offset_endpoint(endpoint: str, data_parallel_rank: int) -> str: ...
 @overload
@@ -238,7 +259,11 @@ class EventPublisher:
         self._topics = (config.topic.encode(), config.movements_topic.encode())
         self.published = {"engine": 0, "movements": 0}
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._seq = {t: 0 for t in self._topics}
+        #: This run's first sequence number, on both topics (CASES C54): below every number an
+        #: earlier run on the same endpoint used, so a subscriber sees a restart as its
+        #: sequence going back, never as a gap or a batch already seen. :func:`first_seq`.
+        self.first_seq = first_seq()
+        self._seq = {t: self.first_seq for t in self._topics}
         self._buffers: dict[bytes, deque[tuple[int, bytes]]] = {
             t: deque(maxlen=config.buffer_steps) for t in self._topics
         }
@@ -265,6 +290,10 @@ class EventPublisher:
         except zmq.ZMQError:
             self._close_sockets()
             raise
+        # A run starts by saying that whatever an earlier run on this endpoint announced is gone
+        # (a router drops the pod's entries); what persistent tiers still hold is announced
+        # again as they report it (CASES C54).
+        self.publish([AllBlocksCleared()], [])
         self._thread: threading.Thread | None = threading.Thread(
             target=self._run, name="kvoffload-events", daemon=True
         )

@@ -79,9 +79,14 @@ class KVEventTranslator:
         self, got: Sequence[tuple[str, TierEvent]], held: Collection[bytes]
     ) -> list[BlockStored | BlockRemoved]:
         """The vLLM events of ``(tier name, event)`` pairs, in order. A key with a chunk info gets
-        its own event with the engine's values; the keys of one tier event without one share a
-        plain event (the key's block hash, no parent, no tokens). ``held``: the host tier's keys
-        after these events (the infos of chunks that left it are dropped)."""
+        its own event, chunk-granular (CASES C53): one hash, the engine's hash of the chunk's
+        last block (what a lookup finds the chunk by), the parent hash of its first block, its
+        token ids and ``block_size`` the chunk's token count (blocks per chunk x the engine
+        block size), so no router credits a part of a chunk; with one block per chunk this is
+        the engine's own event for the block. The keys of one tier event without an info share a
+        plain event (the key's block hash, no parent, no tokens, ``block_size`` the chunk's
+        token count). ``held``: the host tier's keys after these events (the infos of chunks
+        that left it are dropped)."""
         infos = self.infos
         hash_of = self.block_hash
         out: list[BlockStored | BlockRemoved] = []
@@ -100,7 +105,7 @@ class KVEventTranslator:
                     elif ev.removed:
                         out.append(
                             BlockRemoved(
-                                block_hashes=list(info.block_hashes),
+                                block_hashes=info.block_hashes[-1:],
                                 medium=medium,
                                 group_idx=info.group_idx,
                                 locality=locality,
@@ -110,10 +115,10 @@ class KVEventTranslator:
                     else:
                         out.append(
                             BlockStored(
-                                block_hashes=list(info.block_hashes),
+                                block_hashes=info.block_hashes[-1:],
                                 parent_block_hash=info.parent_block_hash,
                                 token_ids=info.token_ids,
-                                block_size=info.block_size,
+                                block_size=info.block_size * len(info.block_hashes),
                                 lora_id=None,
                                 medium=medium,
                                 lora_name=None,

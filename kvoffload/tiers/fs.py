@@ -498,7 +498,8 @@ class FsTier(ProcessTierManager):
         cap = self.capacity
         if not cap.bounded:
             return
-        adopted_bytes = cap.adopt(entries)
+        fresh = self._adopt(entries)
+        adopted_bytes = sum(cap.index[k] for k in fresh)
         if self._default_free is not None and adopted_bytes:
             cap.max_bytes = int(DEFAULT_FREE_FRACTION * (self._default_free + adopted_bytes))
             log.info(
@@ -507,4 +508,5 @@ class FsTier(ProcessTierManager):
                 adopted_bytes,
                 cap.max_bytes,
             )
-        self._enforce_cap()
+        self._enforce_cap(unannounced=fresh)
+        self._announce_adopted(fresh)

@@ -104,6 +104,9 @@ TASK_TYPES: dict[
 }
 _JOB_KINDS = (TaskKind.LOAD, TaskKind.STORE)
 _VERDICT_KINDS = (TaskKind.PROBE, TaskKind.LOAD, TaskKind.STORE)  # answers that feed the breaker
+#: A load's codes that say the chunk is no longer on the medium (:meth:`Capacity.loads_done`
+#: stops counting it): missing, or corrupt, forged or behind a link (the worker removed it).
+_GONE = frozenset((m.MISSING, m.CORRUPT, m.FORGED, m.UNSAFE_PATH))
 
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -572,19 +575,41 @@ class ProcessTierManager(SecondaryTierManager):
 
     def _on_scan(self, entries: list[tuple[bytes, int, float]]) -> None:
         """A scan listed ``(key, bytes, mtime)`` of the chunks stored: a bounded tier counts
-        them (oldest first) and evicts down to its cap."""
+        them (oldest first), evicts down to its cap and announces those it keeps."""
+        fresh = self._adopt(entries)
+        self._enforce_cap(unannounced=fresh)
+        self._announce_adopted(fresh)
+
+    def _adopt(self, entries: list[tuple[bytes, int, float]]) -> set[bytes]:
+        """Count the chunks a scan listed (:meth:`Capacity.adopt`); returns the keys newly
+        counted (not stored by this instance since it started: never announced by it)."""
+        index = self.capacity.index
+        known = {k for k, _, _ in entries if k in index}
         self.capacity.adopt(entries)
-        self._enforce_cap()
+        return {k for k, _, _ in entries if k in index and k not in known}
 
-    def _enforce_cap(self) -> None:
-        """Evict until the counted bytes fit under the cap; send the deletes."""
+    def _announce_adopted(self, fresh: set[bytes]) -> None:
+        """A stored event for the adopted chunks still counted (CASES C54: after a restart,
+        what this tier still serves is announced again). Those the cap evicted at once were
+        never announced and get no removal either (C55)."""
+        if fresh and self.record_events:
+            index = self.capacity.index
+            kept = [k for k in fresh if k in index]
+            if kept:
+                self._events.append(TierEvent(kept, False))
+
+    def _enforce_cap(self, unannounced: Collection[bytes] = ()) -> None:
+        """Evict until the counted bytes fit under the cap; send the deletes (``unannounced``:
+        chunks this instance never announced, whose eviction is not published)."""
         self.capacity.enforce()
-        self._flush_deletes()
+        self._flush_deletes(unannounced)
 
-    def _flush_deletes(self) -> None:
+    def _flush_deletes(self, unannounced: Collection[bytes] = ()) -> None:
         keys = self.capacity.take_deletes()
         if keys and self.record_events:
-            self._events.append(TierEvent(list(keys), True))
+            told = [k for k in keys if k not in unannounced] if unannounced else list(keys)
+            if told:
+                self._events.append(TierEvent(told, True))
         keys += self.capacity.due_retries()  # removal events were published at the first try
         for start in range(0, len(keys), _DELETE_BATCH):
             batch = keys[start : start + _DELETE_BATCH]
@@ -870,7 +895,12 @@ class ProcessTierManager(SecondaryTierManager):
         else:
             self.verdicts.mark_present(ok_keys)
         if job.is_load:
+            vanished = [k for k, c in failed.items() if c in _GONE and k in cap.index]
             cap.loads_done(meta.keys, failed, meta.request)
+            if vanished and self.record_events:
+                # announced here (stored or adopted), gone now (another instance on a shared
+                # root removed it): say so, as no other instance will (CASES C55)
+                self._events.append(TierEvent([k for k in vanished if k not in cap.index], True))
             for k in failed:
                 self.verdicts.mark_absent(k, self.config.failed_load_ttl_s)
                 self.verdicts.owe_miss(k, (meta.req_id,))
@@ -964,10 +994,24 @@ class ProcessTierManager(SecondaryTierManager):
                 self.verdicts.settle(key, False, min(neg, 1.0))
             else:
                 self.verdicts.settle(key, False, neg if code == m.MISSING else min(neg, 1.0))
+                if code == m.MISSING and key in self.capacity.index:
+                    self._vanished(key)
         self.count("probes", len(rec.keys))
         self.metrics.observe(
             "kvoffload_lookup_latency_seconds", time.monotonic() - rec.t0, self.name
         )
+
+    def _vanished(self, key: bytes) -> None:
+        """A lookup found a chunk this tier counts missing: another instance sharing the medium
+        removed it. It is no longer counted (as a load finding it missing does) and its removal
+        is published: this instance announced it, and no other will say it is gone (CASES
+        C55)."""
+        cap = self.capacity
+        if key in cap.loading:
+            return  # the load's own answer says it
+        cap.loads_done([key], {key: m.MISSING})  # no load of it in flight: only uncounted
+        if self.record_events and key not in cap.index:
+            self._events.append(TierEvent([key], True))
 
     @override
     def get_finished_jobs(self) -> list[JobResult]:

@@ -338,7 +338,8 @@ def _wait_subscribed(pub, sub, topic: bytes) -> None:
     """Until ``sub``'s subscription to ``topic`` has reached the publisher (ZMQ drops what a PUB
     sends before it knows of a subscriber). ``sub`` also subscribes to the movements topic, after
     ``topic``: a probe movement arriving proves both subscriptions arrived, in order. Probes are
-    movement batches, so the engine topic's sequence numbers still start at 0."""
+    movement batches, so the engine topic's sequence numbers still follow the run's opening
+    clear without a gap."""
     from kvoffload.events import Movement
 
     moves = pub.config.movements_topic.encode()
@@ -401,7 +402,8 @@ def test_c20_offloaded_copies_emit_kv_events(tmp_path):
             pub.flush()  # everything published so far has been sent
             # every batch sent comes, however slowly: a quiet spell on a loaded machine is no
             # proof that none is still on its way
-            sent = pub.published["engine"]
+            # the run's opening AllBlocksCleared went out before the subscription (C54)
+            sent = pub.published["engine"] - 1
             batches = []
             while len(batches) < sent:
                 assert sub.poll(patience(120.0) * 1000), (
@@ -414,9 +416,12 @@ def test_c20_offloaded_copies_emit_kv_events(tmp_path):
         finally:
             sub.close()
             ctx.term()
-    assert [int.from_bytes(s, "big") for _, s, _ in batches] == list(range(len(batches)))
-    assert [s for s, _ in replayed] == list(range(len(batches)))
-    assert [p for _, p in replayed] == [p for _, _, p in batches]
+    first = pub.first_seq  # the opening clear's number: the batches follow it, gap-free
+    assert [int.from_bytes(s, "big") for _, s, _ in batches] == [
+        first + 1 + i for i in range(len(batches))
+    ]
+    assert [s for s, _ in replayed] == [first + i for i in range(len(batches) + 1)]
+    assert [p for _, p in replayed[1:]] == [p for _, _, p in batches]
     dec = msgspec.msgpack.Decoder(KVEventBatch)
     seen = []
     seen_bad = []
@@ -482,9 +487,10 @@ def test_movement_events_match_the_movements_the_manager_made(tmp_path):
         publisher.flush()  # the publisher thread has sent (and buffered) all that was queued
         assert publisher.published["movements"] < publisher.config.buffer_steps
         batches = replay(publisher.replay_endpoint, 0, b"kvoffload-movements")
+        first = publisher.first_seq
     finally:
         run.close()
-    assert [s for s, _ in batches] == list(range(len(batches)))
+    assert [s for s, _ in batches] == [first + i for i in range(len(batches))]
     moves: dict[tuple[str, str], int] = {}
     for _, body in batches:
         batch = msgspec.msgpack.decode(body)

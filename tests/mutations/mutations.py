@@ -38,6 +38,7 @@ SPEC = "tests/integration/test_vllm_spec.py::"
 WB = "tests/integration/test_wrong_bytes.py::"
 WC = "tests/integration/test_worker_containment.py::"
 P2PH = "tests/integration/test_p2p_host_access.py::"
+RV = "tests/integration/test_router_view.py::"
 CAP = "tests/integration/test_fs_capacity.py::"
 EV = "tests/integration/test_event_content.py::"
 P2PW = "tests/integration/test_p2p_worker.py::"
@@ -1262,6 +1263,64 @@ MUTATIONS: list[Mutation] = [
         (
             CAPU
             + "test_c52_a_short_medium_frees_only_its_shortage_never_more_than_the_failed_stores",
+        ),
+    ),
+    Mutation(
+        "C53",
+        "a chunk's stored event names every block with the engine block size",
+        "kvoffload/kv_events.py",
+        "                                block_hashes=info.block_hashes[-1:],\n"
+        "                                parent_block_hash=info.parent_block_hash,\n"
+        "                                token_ids=info.token_ids,\n"
+        "                                block_size=info.block_size * len(info.block_hashes),\n",
+        "                                block_hashes=list(info.block_hashes),\n"
+        "                                parent_block_hash=info.parent_block_hash,\n"
+        "                                token_ids=info.token_ids,\n"
+        "                                block_size=info.block_size,\n",
+        (RV + "test_c53_chunk_events_credit_whole_chunks_only_as_the_engine_serves_them",),
+    ),
+    Mutation(
+        "C54",
+        "a run does not open with AllBlocksCleared",
+        "kvoffload/events.py",
+        "        self.publish([AllBlocksCleared()], [])\n",
+        "",
+        (
+            RV
+            + "test_c54_after_a_sigkill_and_restart_in_place_the_router_sees_what_the_instance_serves",
+        ),
+    ),
+    Mutation(
+        "C54",
+        "chunks adopted at start are not announced",
+        "kvoffload/tiers/process.py",
+        "        if fresh and self.record_events:\n            index = self.capacity.index\n",
+        "        if False:\n            index = self.capacity.index\n",
+        (
+            RV
+            + "test_c54_after_a_sigkill_and_restart_in_place_the_router_sees_what_the_instance_serves",
+        ),
+    ),
+    Mutation(
+        "C55",
+        "the fs tier publishes the removal of adopted chunks it never announced",
+        "kvoffload/tiers/fs.py",
+        "        self._enforce_cap(unannounced=fresh)\n",
+        "        self._enforce_cap()\n",
+        (
+            RV
+            + "test_c55_on_a_shared_root_removals_come_from_the_instances_that_announced_the_chunks",
+        ),
+    ),
+    Mutation(
+        "C55",
+        "a load that finds an announced chunk gone publishes no removal",
+        "kvoffload/tiers/process.py",
+        "            if vanished and self.record_events:\n",
+        "            if False:\n",
+        (
+            RV
+            + "test_c55_on_a_shared_root_removals_come_from_the_instances_that_announced_the_chunks",
         ),
     ),
 ]

@@ -29,19 +29,19 @@ fallback to asking the configured peers in order, never wrong bytes.
 :class:`kvoffload.kv_events.KVEventTranslator`):
 
 - for a chunk stored with a :class:`~kvoffload.events.ChunkEventInfo` (under vLLM, a chunk of a
-  request): the engine's hashes of the chunk's blocks, one event per chunk, ``block_size`` the
-  engine block size, ``group_idx`` the KV group. The chunk key is the engine's hash of the
-  chunk's *last* block plus the 4-byte big-endian group index, so the chunk's published hash is
-  ``block_hashes[-1]`` (and, for an event naming several whole chunks, every
-  ``blocks_per_chunk``-th hash, ``blocks_per_chunk = tokens_per_chunk // block_size``);
+  request): one event per chunk naming the engine's hash of the chunk's *last* block,
+  ``block_size == tokens_per_chunk`` (CASES C53), ``group_idx`` the KV group. The chunk key is
+  that hash plus the 4-byte big-endian group index. Earlier publishers named every block of the
+  chunk with the engine block size: the chunk's hash is then every
+  ``blocks_per_chunk``-th one (``blocks_per_chunk = tokens_per_chunk // block_size``), which is
+  still read;
 - for a chunk stored without one (a promotion, a standalone tool): one hash per chunk,
   ``block_size == tokens_per_chunk``, no ``group_idx``: the publisher's ``event_block_hash`` of
   the key, which is the key itself for a standalone manager and, under vLLM, vLLM's
   ``maybe_convert_block_hash`` of the key without its group suffix: the hash's low 64 bits as an
   int (vLLM's default, ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``) or the bytes (set to 0). The
   engine hashes of a chunk with a chunk info come through the same converter;
-- in a ``BlockRemoved``: the same hashes as the chunk's ``BlockStored`` (all of its blocks', with
-  a chunk info), and no ``block_size``: every hash listed is cleared (a hash of a block inside a
+- in a ``BlockRemoved``: the same hashes as the chunk's ``BlockStored``, and no ``block_size``: every hash listed is cleared (a hash of a block inside a
   chunk never names a chunk of the same namespace, so clearing it is a no-op).
 
 So the index is keyed by the published hash of the chunk's last block, and :meth:`where` turns a
@@ -64,8 +64,10 @@ An event whose ``block_size`` cannot describe this namespace's chunks (it does n
 removed from one place stays located while another place of the same peer holds it (C18);
 ``AllBlocksCleared`` forgets everything the feed said.
 
-**Sequence numbers.** Each publisher numbers its batches from 0 without gaps, and one PUB
-connection delivers them in order. A feed keeps the last number received live and the next one
+**Sequence numbers.** Each publisher numbers its batches without gaps from a first number below
+every earlier run's on its endpoint (:func:`kvoffload.events.first_seq`; it opens with
+``AllBlocksCleared``), and one PUB connection delivers them in order. A replay from 0 returns the
+whole buffer, its first batch taken as the start. A feed keeps the last number received live and the next one
 it expects. A live number not above the last live one is a new publisher (the peer restarted):
 the feed's locations are dropped and it starts over. A number above the expected one is a gap
 (batches the SUB socket lost: high-water mark, reconnection): with a ``replay_endpoint`` the feed
@@ -667,7 +669,9 @@ class PeerLocations:
             log.info("kvoffload p2p: cannot ask %s for a replay: %s", feed.peer, e)
             return False
         self.counts["replays"] += 1
-        feed.next_seq = start
+        # from 0: whatever the publisher still buffers, its first batch included (a run's
+        # numbers start where kvoffload.events.first_seq says, not at 0): no hole before it
+        feed.next_seq = start or None
         feed.replay = _Replay(now + self.replay_timeout_s)
         return True
 

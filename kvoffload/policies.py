@@ -166,13 +166,15 @@ class PrefixRanks:
 
     def finished(self, request: str) -> list[int]:
         """``request`` is done: every chunk it ranked that is still stored is ranked afresh,
-        tail first (its head the most recent). Returns their slots."""
+        tail first (its head the most recent). Returns their slots. A request that ranked
+        nothing yet is recorded as done all the same: a store of it that completes later (a
+        secondary tier hears of a request only then) does not bring it back."""
         req = self.requests.pop(request, None)
-        if req is None:
-            return []
         if len(self.done) >= MAX_REQUESTS:
             self.done.popitem(last=False)
         self.done[request] = None
+        if req is None:
+            return []
         gen = self.gen
         mine = [s for s, g in req.slots if gen[s] == g]
         self.fresh(mine)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -245,6 +246,8 @@ class TieringManager:
         # dropped or failed there, so later ones are not written to them (CASES C48). Dropped when
         # it finishes; at most _MAX_COUNTED_REQUESTS requests kept, the oldest forgotten first.
         self._holes: dict[str, set[int]] = {}
+        # The requests finished lately (at most _MAX_COUNTED_REQUESTS): no hole is kept for them.
+        self._ended: OrderedDict[str, None] = OrderedDict()
         # The tiers that keep every chunk a request covers, loaded as well as stored (C49).
         self._hold_covered = [
             (i, t)
@@ -491,7 +494,7 @@ class TieringManager:
                 # request covers gets them as a store of its own (CASES C49)
                 for i, tier in self._hold_covered:
                     if tier.holds_covered(req_id):
-                        self._store_to(i, tier, list(keys), req_id)
+                        self._store_to(i, tier, list(keys), req_id, whole_when_idle=False)
             return slots
 
     def complete_load(self, keys: Iterable[bytes], req_id: str = "") -> None:
@@ -761,16 +764,26 @@ class TieringManager:
                     continue
                 self._store_to(i, tier, keys, req_id)
 
-    def _store_to(self, i: int, tier: SecondaryTierManager, keys: list[bytes], req_id: str) -> None:
+    def _store_to(
+        self,
+        i: int,
+        tier: SecondaryTierManager,
+        keys: list[bytes],
+        req_id: str,
+        whole_when_idle: bool = True,
+    ) -> None:
         """One store job of the READY ``keys`` (or of their longest prefix its pin budget allows,
         none past a hole of ``req_id``'s prefix) to tier ``i``; the rest is dropped and counted
-        (:meth:`write_through`)."""
+        (:meth:`write_through`). ``whole_when_idle``: a tier with nothing in flight takes the
+        whole batch, past its budget (a write-through's; a hold of chunks a request found stored
+        never does: a request that computes nothing must not pin more, C49 review)."""
         pins = self._store_pins
         holes = self._holes.get(req_id) if req_id else None
         if holes is not None and i in holes:
             take, reason = [], "prefix_hole"
         else:
-            take = keys[: max(0, self._pin_limit - pins[i])] if pins[i] else keys
+            whole = whole_when_idle and not pins[i]
+            take = keys if whole else keys[: max(0, self._pin_limit - pins[i])]
             reason = "pin_limit"  # why what is not taken is dropped
             # Asked even when over budget: a tier that refuses (open breaker, backlog) counts its
             # own drops, so the cause stays visible whatever the pin budget did.
@@ -793,15 +806,17 @@ class TieringManager:
         self._jobs[meta.job_id] = _Job(i, meta)
         tier.submit_store(meta)
 
-    def _hole(self, req_id: str, tier_idx: int) -> set[int]:
-        """``req_id``'s prefix has a hole in tier ``tier_idx`` (C48); returns its holes."""
+    def _hole(self, req_id: str, tier_idx: int) -> None:
+        """``req_id``'s prefix has a hole in tier ``tier_idx`` (C48). Nothing is kept for a
+        request that has finished (a store of it ending after its finish, a hold that expired)."""
+        if req_id in self._ended:
+            return
         holes = self._holes.get(req_id)
         if holes is None:
             if len(self._holes) >= _MAX_COUNTED_REQUESTS:  # requests never finished
                 del self._holes[next(iter(self._holes))]
             holes = self._holes[req_id] = set()
         holes.add(tier_idx)
-        return holes
 
     def _job_id(self) -> int:
         self._next_job += 1
@@ -1046,6 +1061,10 @@ class TieringManager:
             self._load_source.pop(req_id, None)
             self._counted.pop(req_id, None)
             self._holes.pop(req_id, None)
+            ended = self._ended
+            if len(ended) >= _MAX_COUNTED_REQUESTS:
+                ended.popitem(last=False)
+            ended[req_id] = None
             self.holds.forget(req_id)
             self.host.request_finished(req_id)
             for tier in self.tiers:

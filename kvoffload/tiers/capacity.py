@@ -42,6 +42,7 @@ from __future__ import annotations
 import errno as errno_mod
 import os
 import time
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Sequence
 
@@ -121,6 +122,7 @@ class Capacity:
         self._ids: dict[bytes, int] = {}
         self._keys: list[bytes | None] = []
         self._free: list[int] = []
+        self._counted_at = array("d")  # by id: when its key was counted (``clock`` seconds)
         self._adopted = 0
         #: Bytes of the chunks in :attr:`index`.
         self.used_bytes = 0
@@ -344,11 +346,19 @@ class Capacity:
                 n = max(64, 2 * ident)
                 self.ranks.grow(n)
                 self._heap.grow(n)
+                self._counted_at.frombytes(bytes(8 * (n - len(self._counted_at))))
+        self._counted_at[ident] = self.clock()
         self._keys[ident] = key
         self._ids[key] = ident
         self.ranks.admitted(ident)
         self._heap.reranked(ident)  # an entry of the id's previous key is not its
         return ident
+
+    def counted_before(self, key: bytes, t: float) -> bool:
+        """True when ``key`` is counted and was counted before monotonic time ``t`` (what a
+        worker saw of it after ``t`` is about this copy)."""
+        ident = self._ids.get(key)
+        return ident is not None and self._counted_at[ident] < t
 
     def _uncount(self, key: bytes) -> int:
         """Stop counting ``key`` (in the index); returns its bytes."""
@@ -606,6 +616,8 @@ class Capacity:
         for key, size, _mtime in sorted(entries, key=lambda e: e[2]):
             if key in index or key in self.reserved or key in self.unconfirmed:
                 continue  # counted already, being written, or being deleted
+            if key in self.deleting:
+                continue  # its removal is in flight: the listing may predate it
             ident = self._count(key, size)
             self._adopted += 1
             major[ident], minor[ident] = 0, self._adopted  # below every rank a use gives (>= 1)

@@ -994,7 +994,9 @@ class ProcessTierManager(SecondaryTierManager):
                 self.verdicts.settle(key, False, min(neg, 1.0))
             else:
                 self.verdicts.settle(key, False, neg if code == m.MISSING else min(neg, 1.0))
-                if code == m.MISSING and key in self.capacity.index:
+                if code == m.MISSING and self.capacity.counted_before(key, rec.t0):
+                    # counted before the probe went out (one stored since: the worker may have
+                    # looked before it was written, review of C55)
                     self._vanished(key)
         self.count("probes", len(rec.keys))
         self.metrics.observe(

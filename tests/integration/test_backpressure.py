@@ -124,3 +124,5 @@ def test_c48_a_request_whose_chunk_was_dropped_or_failed_writes_nothing_past_it(
         assert tm.stats.cascade_failures["fs"] == 1
         assert refused[("fs", "store", "prefix_hole")] == 12 + 4
         assert not tm._holes  # nothing kept once the requests finished
+        tm._hole("r3", 0)  # a store of r3 failing now (it ended after r3 finished) keeps none
+        assert not tm._holes

@@ -436,6 +436,25 @@ def test_c49_a_repeat_prefill_holds_the_chunks_it_found_for_its_own_decoder(worl
     assert pins_consistent(a)
 
 
+def test_c49_a_hold_of_chunks_a_prefill_found_stored_stays_within_the_pin_budget(world):
+    """A prefill that computes nothing (every chunk found stored) holds what it loads for its
+    decoder only within the tier's pin budget (half the host tier's 8 slots), even with nothing
+    else in flight: a request naming a decoder cannot pin the host tier by loading (review of
+    C49)."""
+    a = world.rig(p2p("tcp", free_port(), hold_s=3600.0), num_slots=8)
+    keys = keys_for(6, seed=491)
+    a.store(keys)  # no request: nothing held
+    a.tm.on_request("prefill-3", {"remote_decoder": {"kv_request_id": "kvr-3"}})
+    a.tm.prepare_load(keys, "prefill-3")
+    a.tm.complete_load(keys, "prefill-3")
+    a.tm.step()
+    held = [j for j in a.tm.jobs_in_flight() if j[0] == tier(a).name]
+    assert len(held) == 1 and len(held[0][2].keys) == 4, held
+    assert a.tm.stats.refused[(tier(a).name, "store", "pin_limit")] == 2
+    assert a.tm.host.num_pinned == 4
+    a.tm.on_request_finished("prefill-3")
+
+
 def test_a_hold_nobody_fetches_expires_and_releases_its_slots(world):
     a = world.rig(p2p("tcp", free_port(), hold_s=0.5))
     keys = keys_for(3, seed=10)

@@ -341,3 +341,37 @@ def test_c48_new_chunks_after_one_refused_in_a_store_are_refused_too():
     assert admitted == [0, 1, 2] and rejected == {b"h": m.NO_SPACE, b"i": m.NO_SPACE}
     assert led.counters["store_refused_no_room"] == 1
     assert led.counters["store_refused_after_hole"] == 3
+
+
+def test_a_store_ending_after_its_request_finished_keeps_no_request_in_the_ledger():
+    """A capped tier hears of a request only when a job of it ends, which can be after vLLM
+    finished it (the last store's write-through): the request is not kept as running (its table
+    grew by one request per prefill, review of C47)."""
+    led = Ledger(max_bytes=10 * U)
+    cap = led.cap
+    for i in range(50):
+        rid = f"r{i}"
+        admitted, _ = cap.admit([b"%d" % i])
+        cap.request_finished(rid)
+        cap.stores_done([b"%d" % i], {}, request=rid)
+    assert not cap.ranks.requests and len(cap.ranks.done) == 50
+
+
+def test_a_chunk_counted_after_a_probe_went_out_is_not_taken_as_gone_by_its_answer():
+    """What a worker saw of a key before it was counted says nothing of the copy counted since:
+    ``counted_before`` tells a probe's MISSING that raced a store (review of C55)."""
+    led = Ledger()
+    cap = led.cap
+    t_probe = led.now
+    led.now += 1.0
+    led.store(b"a")
+    assert not cap.counted_before(b"a", t_probe) and cap.counted_before(b"a", led.now + 1)
+    assert not cap.counted_before(b"b", led.now + 1)
+
+
+def test_a_listing_of_a_chunk_whose_delete_is_in_flight_does_not_count_it():
+    """A scan's listing may predate a removal in flight: that chunk is not adopted."""
+    cap = Ledger().cap
+    cap.remove([b"a"])  # not counted: its delete queued, then sent
+    cap.take_deletes()
+    assert cap.adopt([(b"a", U, 1.0), (b"b", U, 2.0)]) == U and list(cap.index) == [b"b"]

@@ -1315,10 +1315,12 @@ class TcpTransport(Transport):
                 now = time.monotonic()
                 # Still queued behind another transfer to the same peer: its thread never touched
                 # this one's slots and will skip it.
-                if now > x.deadline:
-                    x.status = TransferStatus(TransferState.FAILED, "deadline passed while queued")
-                elif x.not_after and now > x.not_after:
+                # the lease first, as the transfer thread does (its deadline is the lease's when
+                # the lease ends first): a read of slots the server may reuse now is said so
+                if x.not_after and now > x.not_after:
                     x.status = TransferStatus(TransferState.FAILED, LEASE_EXPIRED)
+                elif now > x.deadline:
+                    x.status = TransferStatus(TransferState.FAILED, "deadline passed while queued")
             st = x.status
             if st.state is not TransferState.PENDING:
                 del self._xfers[handle]

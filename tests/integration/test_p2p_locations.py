@@ -379,10 +379,15 @@ class LossyForwarder:
         assert self.pub.recv()[0] == 1
 
     def pump(self, drop: bytes | None = None) -> None:
-        """Forward every batch received, except the one storing chunk ``drop``."""
+        """Forward every batch received, except the one storing chunk ``drop`` (the run's
+        opening ``AllBlocksCleared``, which names no chunk, is forwarded when it is received)."""
         while self.sub.poll(0):
             frames = self.sub.recv_multipart()
-            key = msgspec.msgpack.decode(frames[2], type=KVEventBatch).events[0].block_hashes[0]
+            first = msgspec.msgpack.decode(frames[2], type=KVEventBatch).events[0]
+            if not hasattr(first, "block_hashes"):
+                self.pub.send_multipart(frames)
+                continue
+            key = first.block_hashes[0]
             self.seen.add(key)
             if key != drop:
                 self.pub.send_multipart(frames)

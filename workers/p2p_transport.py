@@ -800,9 +800,10 @@ _reply_decoder = msgspec.msgpack.Decoder(TcpReply)
 class _Refused(Exception):
     """The data server refuses a connection or request (``reason``, counted)."""
 
-    def __init__(self, reason: str, detail: str = ""):
+    def __init__(self, reason: str, detail: str = "", counted: bool = False):
         super().__init__(detail or reason)
         self.reason = reason
+        self.counted = counted  # counted already (before the client was answered)
 
 
 def _recv_exact_into(
@@ -957,7 +958,8 @@ class _TcpServer:
                 self._authenticate(c)
                 self._requests(c)
             except _Refused as r:
-                self._refuse(r.reason)
+                if not r.counted:
+                    self._refuse(r.reason)
             except (OSError, ValueError, msgspec.DecodeError):
                 return  # a connection lost, stalled or cut off mid-frame: nothing to answer
         finally:
@@ -1021,6 +1023,13 @@ class _TcpServer:
             reply = TcpReply(xfer_id, error[:_MAX_ERROR_CHARS])
             _send_frame(conn, reply, time.monotonic() + self.stall_s)
 
+    def _deny(self, conn: socket.socket, xfer_id: int, message: str, reason: str) -> NoReturn:
+        """Refuse a request: counted first (whoever reads the answer sees the count), answered
+        with ``message``, then the connection ends."""
+        self._refuse(reason)
+        self._answer(conn, xfer_id, message)
+        raise _Refused(reason, counted=True)
+
     def _requests(self, c: _Conn) -> None:
         conn = c.sock
         rows = self.arena.rows
@@ -1039,23 +1048,18 @@ class _TcpServer:
             try:
                 req = _request_decoder.decode(body)
             except msgspec.DecodeError as e:
-                self._answer(conn, 0, f"malformed request: {e}")
-                raise _Refused("malformed") from None
+                self._deny(conn, 0, f"malformed request: {e}", "malformed")
             if req.op != "read":
-                self._answer(conn, req.xfer_id, "only reads are served")
-                raise _Refused("write")
+                self._deny(conn, req.xfer_id, "only reads are served", "write")
             slots = req.slots
             if not slots or len(slots) > MAX_PAIRS:
-                self._answer(conn, req.xfer_id, f"a request names 1..{MAX_PAIRS} slots")
-                raise _Refused("malformed")
+                self._deny(conn, req.xfer_id, f"a request names 1..{MAX_PAIRS} slots", "malformed")
             bad = next((s for s in slots if not 0 <= s < n_slots), None)
             if bad is not None:
-                self._answer(conn, req.xfer_id, f"slot {bad} is outside the arena")
-                raise _Refused("malformed")
+                self._deny(conn, req.xfer_id, f"slot {bad} is outside the arena", "malformed")
             held = self.grants.acquire(c.sid, slots, time.monotonic())
             if isinstance(held, str):
-                self._answer(conn, req.xfer_id, f"{held}: no live grant of this session")
-                raise _Refused(held)
+                self._deny(conn, req.xfer_id, f"{held}: no live grant of this session", held)
             try:
                 until = min((g.until for g in held), default=float("inf"))
                 _send_frame(conn, TcpReply(req.xfer_id), time.monotonic() + self.stall_s)

@@ -1003,11 +1003,11 @@ MUTATIONS: list[Mutation] = [
         "the p2p data server serves reads no live grant of the session covers",
         "workers/p2p_transport.py",
         "            if isinstance(held, str):\n"
-        '                self._answer(conn, req.xfer_id, f"{held}: no live grant of this session")\n',
+        '                self._deny(conn, req.xfer_id, f"{held}: no live grant of this session", held)\n',
         "            if isinstance(held, str):\n"
         "                held = []\n"
         "            if False:\n"
-        '                self._answer(conn, req.xfer_id, f"{held}: no live grant of this session")\n',
+        '                self._deny(conn, req.xfer_id, f"{held}: no live grant of this session", held)\n',
         (
             P2PT
             + "test_c39_the_tcp_data_server_serves_only_reads_a_live_grant_of_the_session_covers",

@@ -605,15 +605,22 @@ class Capacity:
 
     def adopt(self, entries: list[tuple[bytes, int, float]]) -> int:
         """Count chunks found stored at start (``(key, bytes, mtime)``), ranked below anything
-        this instance stored, the oldest lowest. Returns the bytes adopted; counts
-        ``adopted_chunks``. Unbounded: nothing is counted."""
+        this instance stored, the oldest lowest; an entry whose size is not ``unit_bytes`` is
+        not a chunk this tier wrote and is left uncounted (``scan_odd_sizes``). Returns the bytes
+        adopted; counts ``adopted_chunks``. Unbounded: nothing is counted."""
         if not self.bounded:
             return 0
         index, major, minor = self.index, self.ranks.major, self.ranks.minor
         adopted = 0
         adopted_bytes = 0
         new: list[int] = []
+        unit, odd = self.unit_bytes, 0
         for key, size, _mtime in sorted(entries, key=lambda e: e[2]):
+            if size != unit:
+                # not a chunk of this namespace's size (planted, or a sparse file claiming any
+                # size): its claimed size would skew the cap; a load of it fails as corrupt
+                odd += 1
+                continue
             if key in index or key in self.reserved or key in self.unconfirmed:
                 continue  # counted already, being written, or being deleted
             if key in self.deleting:
@@ -626,4 +633,6 @@ class Capacity:
             adopted_bytes += size
         self._evictable(new)
         self.count("adopted_chunks", adopted)
+        if odd:
+            self.count("scan_odd_sizes", odd)
         return adopted_bytes

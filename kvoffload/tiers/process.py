@@ -420,7 +420,7 @@ class ProcessTierManager(SecondaryTierManager):
 
     def bound_capacity(self, max_bytes: int, unit_bytes: int, full_why: str = MEDIUM_FULL) -> None:
         """Count stored chunks (``unit_bytes`` each, payload plus header) against ``max_bytes``
-        and evict the least recently used by deleting them through the writer workers. Call it
+        and evict the lowest-ranked by deleting them through the writer workers. Call it
         before :meth:`start`. ``full_why``: how a refusal while the medium is full explains
         itself (see :class:`~kvoffload.tiers.capacity.Capacity`).
 

@@ -375,3 +375,13 @@ def test_a_listing_of_a_chunk_whose_delete_is_in_flight_does_not_count_it():
     cap.remove([b"a"])  # not counted: its delete queued, then sent
     cap.take_deletes()
     assert cap.adopt([(b"a", U, 1.0), (b"b", U, 2.0)]) == U and list(cap.index) == [b"b"]
+
+
+def test_a_listed_entry_of_another_size_than_a_chunk_is_not_counted():
+    """A scan entry whose size is not one chunk's (a file a co-tenant planted on a shared root,
+    a sparse file claiming terabytes) is not adopted: its claimed size would move the cap."""
+    led = Ledger(max_bytes=10 * U)
+    cap = led.cap
+    assert cap.adopt([(b"a", U, 1.0), (b"huge", 1 << 40, 2.0), (b"short", U - 1, 3.0)]) == U
+    assert list(cap.index) == [b"a"] and cap.used_bytes == U
+    assert led.counters["scan_odd_sizes"] == 2 and led.counters["adopted_chunks"] == 1

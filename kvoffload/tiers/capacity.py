@@ -577,16 +577,19 @@ class Capacity:
             if not n and k in ids:
                 discard(ids[k])
 
-    def loads_done(self, keys: list[bytes], failed: dict[bytes, int], request: str = "") -> None:
+    def loads_done(
+        self, keys: list[bytes], failed: dict[bytes, int], request: str = ""
+    ) -> list[bytes]:
         """A load job of ``keys`` (prefix order) finished for ``request`` ("" for none): the
         chunks read are ranked as used by it (a successful read does not prove a chunk is still
         there, so only chunks already counted); a chunk found missing, corrupt or forged (and
         removed by the worker), or out of reach behind a symbolic link (removed), is no longer
-        counted."""
+        counted. Returns those it stopped counting."""
         if not self.bounded:
-            return
+            return []
         index, loading, ids = self.index, self.loading, self._ids
         ended: list[int] = []
+        gone: list[bytes] = []
         for key in keys:
             n = loading.get(key, 0) - 1
             if n > 0:
@@ -596,12 +599,19 @@ class Capacity:
             if key not in index:
                 continue
             if failed.get(key, m.OK) in (m.MISSING, m.CORRUPT, m.FORGED, m.UNSAFE_PATH):
-                self._uncount(key)
-                self.undeletable.discard(key)
+                self.gone(key)
+                gone.append(key)
             elif n <= 0:
                 ended.append(ids[key])  # no other load of it in flight
         self._rank([k for k in keys if k not in failed] if failed else keys, request, True)
         self._evictable(ended)
+        return gone
+
+    def gone(self, key: bytes) -> None:
+        """``key``, counted, is no longer on the medium (a load or a probe found it missing, or
+        the worker removed it as corrupt): it is no longer counted."""
+        self._uncount(key)
+        self.undeletable.discard(key)
 
     def adopt(self, entries: list[tuple[bytes, int, float]]) -> int:
         """Count chunks found stored at start (``(key, bytes, mtime)``), ranked below anything

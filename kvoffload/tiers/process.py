@@ -104,9 +104,6 @@ TASK_TYPES: dict[
 }
 _JOB_KINDS = (TaskKind.LOAD, TaskKind.STORE)
 _VERDICT_KINDS = (TaskKind.PROBE, TaskKind.LOAD, TaskKind.STORE)  # answers that feed the breaker
-#: A load's codes that say the chunk is no longer on the medium (:meth:`Capacity.loads_done`
-#: stops counting it): missing, or corrupt, forged or behind a link (the worker removed it).
-_GONE = frozenset((m.MISSING, m.CORRUPT, m.FORGED, m.UNSAFE_PATH))
 
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -895,12 +892,11 @@ class ProcessTierManager(SecondaryTierManager):
         else:
             self.verdicts.mark_present(ok_keys)
         if job.is_load:
-            vanished = [k for k, c in failed.items() if c in _GONE and k in cap.index]
-            cap.loads_done(meta.keys, failed, meta.request)
+            vanished = cap.loads_done(meta.keys, failed, meta.request)
             if vanished and self.record_events:
                 # announced here (stored or adopted), gone now (another instance on a shared
                 # root removed it): say so, as no other instance will (CASES C55)
-                self._events.append(TierEvent([k for k in vanished if k not in cap.index], True))
+                self._events.append(TierEvent(vanished, True))
             for k in failed:
                 self.verdicts.mark_absent(k, self.config.failed_load_ttl_s)
                 self.verdicts.owe_miss(k, (meta.req_id,))
@@ -1011,8 +1007,8 @@ class ProcessTierManager(SecondaryTierManager):
         cap = self.capacity
         if key in cap.loading:
             return  # the load's own answer says it
-        cap.loads_done([key], {key: m.MISSING})  # no load of it in flight: only uncounted
-        if self.record_events and key not in cap.index:
+        cap.gone(key)
+        if self.record_events:
             self._events.append(TierEvent([key], True))
 
     @override

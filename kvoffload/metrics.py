@@ -166,7 +166,7 @@ CORE_METRICS: tuple[MetricDef, ...] = (
         "kvoffload_tier_failed_chunks",
         "Chunks of failed host <-> tier jobs, by reason (missing, corrupt, io_error, no_space, "
         "timeout, worker_died, cancelled, rejected, error, bad_reply; p2p: busy, peer_down, "
-        "transfer_failed, deadline, not_fetched, no_peer; docs/observability.md says what each "
+        "transfer_failed, deadline, not_fetched, hold_displaced, no_peer; docs/observability.md says what each "
         "means).",
         ("tier", "direction", "reason"),
     ),

@@ -135,6 +135,15 @@ FAILED: dict[str, Reason] = {
         "chunks stay in the host tier",
         "none if the decoder was rerouted; else check the decoder's p2p tier and routing",
     ),
+    "hold_displaced": Reason(
+        "p2p store held for a remote decoder: no decoder had begun to read it when a newer "
+        "request's hold needed its pins (the tier's in-flight stores may pin at most "
+        "tier_pin_fraction of the host slots); the oldest unread holds go first and the chunks "
+        "stay in the host tier",
+        "none if rare; if steady, decoders read late or never (check their routing), or "
+        "requests name decoders that never come (kv_transfer_params from API users): raise "
+        "tier_pin_fraction or lower hold_s",
+    ),
     "no_peer": Reason(
         "p2p push: no peer was up to offer the chunks to", "none; check peers if it persists"
     ),

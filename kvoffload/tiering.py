@@ -254,6 +254,13 @@ class TieringManager:
             for i, t in enumerate(self.tiers)
             if type(t).holds_covered is not SecondaryTierManager.holds_covered
         ]
+        # The tiers (indices) whose in-flight stores may only keep slots pinned, and give them
+        # up for a newer store that would not fit their pin budget (``yield_pins``).
+        self._yielding = frozenset(
+            i
+            for i, t in enumerate(self.tiers)
+            if type(t).yield_pins is not SecondaryTierManager.yield_pins
+        )
         #: The promotion-hold policy (docs/profiles/thrash.md). Holds take at most what one
         #: tier's in-flight stores may leave (tier_pin_fraction), so write-through keeps room
         #: without evicting held chunks (CASES C37).
@@ -783,6 +790,9 @@ class TieringManager:
             take, reason = [], "prefix_hole"
         else:
             whole = whole_when_idle and not pins[i]
+            over = pins[i] + len(keys) - self._pin_limit
+            if not whole and over > 0 and i in self._yielding:
+                self._apply_results(tier, tier.yield_pins(over, req_id))
             take = keys if whole else keys[: max(0, self._pin_limit - pins[i])]
             reason = "pin_limit"  # why what is not taken is dropped
             # Asked even when over budget: a tier that refuses (open breaker, backlog) counts its
@@ -847,19 +857,24 @@ class TieringManager:
                 self.submit_promotions()
             for tier in self.tiers:
                 tier.flush()
-                for res in tier.get_finished_jobs():
-                    job = self._finished_job(tier, res)
-                    if job is None:
-                        continue
-                    self.holds.unblock()  # a result may free or publish slots
-                    if not job.meta.is_promotion:
-                        self._store_done(tier, job, res)
-                    elif job.orphaned:
-                        self._orphaned_promotion_done(job)
-                    else:
-                        self._promotion_done(tier, job, res)
+                self._apply_results(tier, tier.get_finished_jobs())
         finally:
             lock.release()
+
+    def _apply_results(self, tier: SecondaryTierManager, results: Iterable[Any]) -> None:
+        """Apply ``tier``'s finished jobs (:class:`~kvoffload.tiers.base.JobResult`): pins drop,
+        loaded chunks are published, what failed is counted. Under :attr:`lock`."""
+        for res in results:
+            job = self._finished_job(tier, res)
+            if job is None:
+                continue
+            self.holds.unblock()  # a result may free or publish slots
+            if not job.meta.is_promotion:
+                self._store_done(tier, job, res)
+            elif job.orphaned:
+                self._orphaned_promotion_done(job)
+            else:
+                self._promotion_done(tier, job, res)
 
     def _finished_job(self, tier: SecondaryTierManager, res: Any) -> _Job | None:
         """The job ``res`` (a :class:`~kvoffload.tiers.base.JobResult`) answers, no longer in

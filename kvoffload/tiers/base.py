@@ -229,6 +229,17 @@ class SecondaryTierManager(ABC):
         Asked at each load of a request, only of tiers that override it. Default: False."""
         return False
 
+    def yield_pins(self, num_chunks: int, req_id: str) -> list[JobResult]:
+        """Give up store jobs that only keep host slots pinned (nothing left to write), so that a
+        store of ``req_id`` that would not fit the tier's pin budget fits: end such jobs, oldest
+        first, until at least ``num_chunks`` pins are freed or none is left to give, and return
+        their results (the manager applies them at once, not at the next poll). Asked only of
+        tiers that override it, only when a store of ``req_id`` would be cut by the budget.
+        Default: nothing to yield. The p2p tier yields the holds nobody has begun to read for
+        a newer request's remote decoder (a flood of requests naming decoders cannot keep the
+        tier from holding the chunks of the next honest one)."""
+        return []
+
     def request_finished(self, req_id: str) -> None:
         """The request finished (every tier is told; :meth:`RoutedTier.on_request_finished` is
         the routing's own): a tier that ranks its chunks by request for eviction (CASES C47)

@@ -455,6 +455,88 @@ def test_c49_a_hold_of_chunks_a_prefill_found_stored_stays_within_the_pin_budget
     a.tm.on_request_finished("prefill-3")
 
 
+def _prefiller_port(rig: Rig) -> int:
+    return int(tier(rig).advertise.rsplit(":", 1)[1])
+
+
+def _decoder_params(port: int, kvr: str) -> dict:
+    """A decoder request's routing: pull ``kvr``'s chunks from the prefiller at ``port``."""
+    return {
+        "remote_prefiller": {"kv_request_id": kvr, "remote_host": "127.0.0.1", "remote_port": port}
+    }
+
+
+def _hold_for(rig: Rig, req: str, kvr: str, keys: list[bytes]) -> None:
+    """A prefill request naming the remote decoder ``kvr`` stores ``keys`` (held for it)."""
+    rig.tm.on_request(req, {"remote_decoder": {"kv_request_id": kvr}})
+    rig.store(keys, wait=False, request=req)
+
+
+def test_requests_naming_decoders_that_never_come_keep_no_honest_hold_out(world):
+    """``remote_decoder`` comes from whoever sends the API request. Requests naming made-up
+    decoders fill the p2p tier's pin budget (half of 16 host slots) with holds for an hour; the
+    next honest prefill's chunks are still held for its decoder, which reads every one: the
+    oldest unread holds give their pins up (``hold_displaced``). Before, the honest store was
+    cut to nothing (``pin_limit``) and its decoder found no chunk for ``hold_s``."""
+    pa = free_port()
+    a = world.rig(p2p("tcp", pa, hold_s=3600.0), num_slots=16)
+    b = world.rig(p2p("tcp", free_port(), allowed_peers=[f"127.0.0.1:{pa}"]))
+    name = tier(a).name
+    for i in range(4):  # 4 x 2 chunks: the budget of 8 pins is full
+        _hold_for(a, f"flood-{i}", f"made-up-{i}", keys_for(2, seed=700 + i))
+    assert a.tm.host.num_pinned == 8
+    honest = keys_for(4, seed=710)
+    _hold_for(a, "prefill-h", "kvr-h", honest)
+    assert a.tm.stats.refused.get((name, "store", "pin_limit"), 0) == 0
+    assert a.tm.stats.failed[(name, "store", "hold_displaced")] == 4  # the two oldest floods
+    held = sorted(len(j[2].keys) for j in a.tm.jobs_in_flight() if j[0] == name)
+    assert held == [2, 2, 4], held
+    assert a.tm.host.num_pinned == 8 and pins_consistent(a)
+    assert_serves(b, honest, "decode-h", _decoder_params(_prefiller_port(a), "kvr-h"))
+    wait_until(  # the honest hold ends as read; the floods' stay until hold_s
+        lambda: len(a.tm.jobs_in_flight()) == 2 or None,
+        PATIENCE_S,
+        "the honest hold ended",
+        step=a.tm.step,
+    )
+    assert a.tm.stats.cascaded[name] == len(honest)
+
+
+def test_a_hold_its_decoder_has_begun_to_read_is_never_displaced(world):
+    """A hold whose decoder has read part of it keeps its pins while newer holds, for decoders
+    that never come, take each other's places: its decoder then reads the rest."""
+    pa = free_port()
+    a = world.rig(p2p("tcp", pa, hold_s=3600.0), num_slots=16)
+    b = world.rig(p2p("tcp", free_port(), allowed_peers=[f"127.0.0.1:{pa}"]))
+    name = tier(a).name
+    honest = keys_for(4, seed=720)
+    _hold_for(a, "prefill-h", "kvr-h", honest)
+    params = _decoder_params(_prefiller_port(a), "kvr-h")
+    assert_serves(b, honest[:2], "decode-h", params)
+    wait_until(  # the decoder released its lease: A knows the first two were read
+        lambda: b.tm.wait_idle(1) or None, PATIENCE_S, "the decoder's first load done"
+    )
+    wait_until(
+        lambda: next(iter(tier(a)._holds.values())).fetched or None,
+        PATIENCE_S,
+        "the prefiller to learn of the read",
+        step=a.tm.step,
+    )
+    for i in range(3):  # 3 x 4 chunks for made-up decoders: each displaces the one before
+        _hold_for(a, f"flood-{i}", f"made-up-{i}", keys_for(4, seed=730 + i))
+    assert a.tm.stats.failed[(name, "store", "hold_displaced")] == 8
+    assert a.tm.stats.refused.get((name, "store", "pin_limit"), 0) == 0
+    assert_serves(b, honest[2:], "decode-h", params)
+    wait_until(
+        lambda: len(a.tm.jobs_in_flight()) == 1 or None,
+        PATIENCE_S,
+        "the honest hold ended",
+        step=a.tm.step,
+    )
+    assert a.tm.stats.cascaded[name] == len(honest)
+    assert pins_consistent(a)
+
+
 def test_a_hold_nobody_fetches_expires_and_releases_its_slots(world):
     a = world.rig(p2p("tcp", free_port(), hold_s=0.5))
     keys = keys_for(3, seed=10)

@@ -39,6 +39,7 @@ import signal
 import sys
 import time
 import traceback
+from collections import OrderedDict
 from typing import Any
 
 import zmq
@@ -101,6 +102,19 @@ class _DownLog(LRUCache[str, int]):
         """The sequence number of ``peer``'s last going down (0: never, as far as known)."""
         seq = self.get(peer)
         return self.floor if seq is None else seq
+
+
+class _Hold:
+    """A store job held for the remote decoder of ``kvr`` until ``deadline`` (monotonic seconds):
+    its slots stay pinned; ``fetched``: the keys that decoder has read so far."""
+
+    __slots__ = ("kvr", "meta", "deadline", "fetched")
+
+    def __init__(self, kvr: str, meta: JobMetadata, deadline: float):
+        self.kvr = kvr
+        self.meta = meta
+        self.deadline = deadline
+        self.fetched: set[bytes] = set()
 
 
 class _LoadJob:
@@ -230,8 +244,10 @@ class P2PTier(SecondaryTierManager):
         self._routes: dict[str, Route] = {}
         self._loads: dict[int, _LoadJob] = {}
         self._pushes: dict[int, JobMetadata] = {}
-        # kv_request_id -> the store jobs held for its decoder: (job, deadline, keys fetched so far)
-        self._holds: dict[str, list[tuple[JobMetadata, float, set[bytes]]]] = {}
+        # The store jobs held for remote decoders, by job id, oldest first (so also in deadline
+        # order: every hold lasts hold_s), and the ids held for each kv_request_id.
+        self._holds: OrderedDict[int, _Hold] = OrderedDict()
+        self._holds_of: dict[str, set[int]] = {}
         self._finished: list[JobResult] = []
         self._events: list[TierEvent] = []  # chunks peers took from our pushes
         self._peers = tuple(config.peers)
@@ -472,9 +488,9 @@ class P2PTier(SecondaryTierManager):
     def submit_store(self, job: JobMetadata) -> None:
         route = self._routes.get(job.req_id)
         if route is not None and route.decoder_id:
-            self._holds.setdefault(route.decoder_id, []).append(
-                (job, time.monotonic() + self.config.hold_s, set())
-            )
+            kvr = route.decoder_id
+            self._holds[job.job_id] = _Hold(kvr, job, time.monotonic() + self.config.hold_s)
+            self._holds_of.setdefault(kvr, set()).add(job.job_id)
             return
         if self._node is None or self.config.push == "off":
             self._finished.append(
@@ -603,48 +619,67 @@ class P2PTier(SecondaryTierManager):
     def _fetched(self, kvr: str, keys: set[bytes]) -> None:
         """The decoder of ``kvr`` has read ``keys`` (one of its leases ended): a held job whose
         every key has been read ends."""
-        holds = self._holds.get(kvr)
-        if not holds:
-            return
-        keep = []
-        for meta, deadline, fetched in holds:
-            fetched.update(k for k in meta.keys if k in keys)
-            if len(fetched) == len(set(meta.keys)):
-                read = len(fetched) * self.arena.row_bytes  # the rows the decoder read
-                self._finished.append(
-                    JobResult(job_id=meta.job_id, success=True, transfer_bytes=read)
-                )
-            else:
-                keep.append((meta, deadline, fetched))
-        if keep:
-            self._holds[kvr] = keep
-        else:
-            del self._holds[kvr]
+        for job_id in list(self._holds_of.get(kvr, ())):
+            hold = self._holds[job_id]
+            hold.fetched.update(k for k in hold.meta.keys if k in keys)
+            if len(hold.fetched) == len(set(hold.meta.keys)):
+                self._end_hold(job_id)
+                read = len(hold.fetched) * self.arena.row_bytes  # the rows the decoder read
+                self._finished.append(JobResult(job_id=job_id, success=True, transfer_bytes=read))
+
+    def _end_hold(self, job_id: int) -> _Hold:
+        """Forget the held job ``job_id``; its result is the caller's to give."""
+        hold = self._holds.pop(job_id)
+        ids = self._holds_of[hold.kvr]
+        ids.discard(job_id)
+        if not ids:
+            del self._holds_of[hold.kvr]
+        return hold
+
+    def _unfetched(self, hold: _Hold, reason: str) -> JobResult:
+        """The result of a held job that ends before its decoder read all of it: the keys it
+        read succeeded, the others failed ``reason``."""
+        fetched, keys = hold.fetched, hold.meta.keys
+        return JobResult(
+            job_id=hold.meta.job_id,
+            success=False,
+            successful_keys=[k for k in keys if k in fetched],
+            reason=reason,
+            failed={k: reason for k in keys if k not in fetched},
+            transfer_bytes=len(fetched) * self.arena.row_bytes,
+        )
 
     def _expire_holds(self, now: float | None) -> None:
-        """End the held jobs past their deadline (all of them with ``now`` None): the keys the
-        decoder read succeeded, the others failed ``not_fetched``."""
-        for kvr in list(self._holds):
-            keep = []
-            for meta, deadline, fetched in self._holds[kvr]:
-                if now is not None and deadline > now:
-                    keep.append((meta, deadline, fetched))
-                    continue
-                ok = [k for k in meta.keys if k in fetched]
-                self._finished.append(
-                    JobResult(
-                        job_id=meta.job_id,
-                        success=False,
-                        successful_keys=ok,
-                        reason="not_fetched",
-                        failed={k: "not_fetched" for k in meta.keys if k not in fetched},
-                        transfer_bytes=len(fetched) * self.arena.row_bytes,
-                    )
-                )
-            if keep:
-                self._holds[kvr] = keep
-            else:
-                del self._holds[kvr]
+        """End the held jobs past their deadline (all of them with ``now`` None), oldest first:
+        the keys the decoder read succeeded, the others failed ``not_fetched``."""
+        holds = self._holds
+        while holds:
+            job_id, hold = next(iter(holds.items()))
+            if now is not None and hold.deadline > now:
+                return  # the others are younger
+            self._end_hold(job_id)
+            self._finished.append(self._unfetched(hold, "not_fetched"))
+
+    @override
+    def yield_pins(self, num_chunks: int, req_id: str) -> list[JobResult]:
+        """A store held for ``req_id``'s remote decoder that does not fit the pin budget takes
+        the place of holds of other decoders that none has begun to read, oldest first (they
+        fail ``hold_displaced``). A hold being read, or one of the same decoder, is never given
+        up; nothing is yielded for a store that is not a hold (a push)."""
+        route = self._routes.get(req_id)
+        if route is None or not route.decoder_id or not self._holds:
+            return []
+        out: list[JobResult] = []
+        freed = 0
+        for job_id, hold in list(self._holds.items()):
+            if freed >= num_chunks:
+                break
+            if hold.fetched or hold.kvr == route.decoder_id:
+                continue
+            self._end_hold(job_id)
+            out.append(self._unfetched(hold, "hold_displaced"))
+            freed += len(hold.meta.keys)
+        return out
 
     @override
     def get_finished_jobs(self) -> list[JobResult]:

@@ -324,7 +324,6 @@ class WorkerSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     arena_name: str
     arena_nonce: bytes
     jobs_endpoint: str
-    results_endpoint: str
     parent_pid: int
     nice: int = 10
     io_threads: int = 1

@@ -33,7 +33,6 @@ from collections import deque
 
 import msgspec
 import psutil
-import zmq
 
 from kvoffload.ipc import messages as m
 from kvoffload.ipc.arena import Arena, ArenaError
@@ -116,10 +115,7 @@ class Worker:
                 f"lacks {', '.join(missing)} (see kvoffload.workers.chunkio.ChunkIO)"
             )
         self.marker = _open_marker(1 + max(1, spec.io_threads))
-        self.ctx = zmq.Context(1)
-        self.chans = WorkerChannels(
-            self.ctx, spec.jobs_endpoint, spec.results_endpoint, spec.identity
-        )
+        self.chans = WorkerChannels(spec.jobs_endpoint, spec.identity)
         # Chunks in flight at once, of this task and of the next ones: the I/O calls release the
         # GIL, so threads give the disk a deeper queue without more processes.
         self._chunks: queue.SimpleQueue[tuple[_Running, int] | None] = queue.SimpleQueue()
@@ -477,7 +473,6 @@ class Worker:
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
         self.chans.close()
-        self.ctx.term()
         if any(t.is_alive() for t in self._threads):
             return  # the pipe and the arena stay open for them (the process is ending)
         if self._wake_r >= 0:

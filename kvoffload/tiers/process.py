@@ -442,6 +442,8 @@ class ProcessTierManager(SecondaryTierManager):
         self._resources = res
         self._finalizer = weakref.finalize(self, res.close)
         self._chans = res.channels
+        # another local user's connection to the workers' sockets (refused there), counted here
+        res.channels.on_refused = weak_callback(self._worker_connection_refused)
         # The pools must not refer to the tier (the finalizer would keep it alive): they get
         # the worker specs made now, and reach the tier's counters through a weak reference.
         specs = {kind: self._spec(0, b"", kind) for kind in (LOADS, STORES)}
@@ -650,7 +652,6 @@ class ProcessTierManager(SecondaryTierManager):
             arena_name=self.arena.name,
             arena_nonce=self.arena.nonce,
             jobs_endpoint=self._chans.endpoints[kind],
-            results_endpoint=self._chans.endpoints["results"],
             parent_pid=os.getpid(),
             nice=self.config.worker_nice,
             io_threads=self._io_threads(kind),
@@ -682,6 +683,11 @@ class ProcessTierManager(SecondaryTierManager):
         if kind == LOADS:
             return c.io_threads_for(c.read_io_threads, c.read_workers)
         return c.io_threads_for(c.write_io_threads, c.write_workers)
+
+    def _worker_connection_refused(self, why: str) -> None:
+        """The tier's worker sockets refused a connection (``other_user``: another local user's
+        process; ``bad_frame``, ``duplicate``: not one of our workers): counted."""
+        self.count(f"refused_worker_connections_{why}")
 
     def _on_pool_event(self, what: str) -> None:
         self.count({"restart": names.WORKER_RESTARTS, "timeout": names.JOB_TIMEOUTS}[what])

@@ -1,11 +1,11 @@
-"""What a worker-backed tier holds outside the engine's memory: its ZMQ context and sockets
+"""What a worker-backed tier holds outside the engine's memory: its sockets
 (:class:`~kvoffload.ipc.channels.TierChannels`), its worker processes
 (:class:`~kvoffload.tiers.workerpool.WorkerPool`, one per direction) and helper threads, in one
 object that closes them all.
 
 ::
 
-    ProcessTierManager ──owns──▶ TierResources ──▶ zmq.Context ─▶ TierChannels (ROUTER ×2, PULL)
+    ProcessTierManager ──owns──▶ TierResources ──▶ TierChannels (a listening socket per kind)
            │                          ├──▶ WorkerPool loads  ─▶ reader processes
            │ weakref.finalize         ├──▶ WorkerPool stores ─▶ writer processes
            └──────────────────────────┴──▶ closers (the fs tier's free-space sampler thread)
@@ -23,8 +23,6 @@ import logging
 import weakref
 from collections.abc import Callable
 from typing import Any
-
-import zmq
 
 from kvoffload.ipc.channels import TierChannels
 from kvoffload.tiers.workerpool import PoolTask, WorkerPool
@@ -52,22 +50,16 @@ class TierResources:
         tier_name: names the sockets' endpoints.
 
     Attributes:
-        ctx: the tier's own ZMQ context (one I/O thread).
         channels: its engine-side sockets.
         pools: its worker pools, as added (:meth:`add_pool`).
         closed: True once :meth:`close` ran.
 
     Raises:
-        zmq.ZMQError: a socket could not be bound (the context is terminated first).
+        OSError: a socket could not be made or bound.
     """
 
     def __init__(self, tier_name: str):
-        self.ctx = zmq.Context(1)
-        try:
-            self.channels = TierChannels(self.ctx, tier_name)
-        except BaseException:
-            self.ctx.term()
-            raise
+        self.channels = TierChannels(tier_name)
         self.pools: tuple[WorkerPool, ...] = ()
         self._closers: list[Callable[[], None]] = []
         self.closed = False
@@ -105,5 +97,4 @@ class TierResources:
                     log.exception("kvoffload: closing a tier helper failed")
         finally:
             self.channels.close()
-            self.ctx.term()
         return leftover

@@ -10,7 +10,6 @@ import numpy as np
 import psutil
 import pytest
 import xxhash
-import zmq
 from helpers import (
     HIT,
     MISS,
@@ -30,6 +29,7 @@ from helpers import (
 )
 
 from kvoffload.ipc import messages as m
+from kvoffload.ipc.channels import WorkerChannels
 from kvoffload.workers import chunkfile as cf
 from kvoffload.workers.chunkfile import HEADER_BYTES, relative_name, shard_dirs
 from kvoffload.workers.fs_io import STALE_TEMP_AGE_S
@@ -400,25 +400,22 @@ def test_c17_worker_that_dies_or_goes_silent_fails_or_reruns_its_jobs(tmp_path, 
                 rig.tm.stats.cascade_failures["fs"],
                 len(rig.tm._jobs),
             )
-            ctx = zmq.Context()
-            late = ctx.socket(zmq.PUSH)
-            late.setsockopt(zmq.LINGER, 5000)
-            late.connect(rig.fs._chans.endpoints["results"])
+            late = WorkerChannels(rig.fs._chans.endpoints["stores"], b"late")
+            late.say_hello(m.encode(m.Hello(victim_wid, os.getpid())))
             for tid in victim_tasks:
-                late.send(
+                late.send_result(
                     m.encode(
                         m.TaskResult(
                             tid, victim_wid, [m.OK], nbytes=ROW, counters={"late_replies": 1}
                         )
                     )
                 )
-            late.close()
-            ctx.term()
             wait_until(
                 lambda: rig.fs.counters.get("late_replies") == len(victim_tasks),
                 what="the late replies received",
                 step=rig.tm.poll,
             )
+            late.close()
             assert (
                 writers.inflight_count,
                 rig.tm.host.num_pinned,

@@ -45,20 +45,24 @@ def worker_processes(tier: FsTier) -> list[psutil.Process]:
 
 
 def sockets(res) -> list:
-    return [*res.channels.jobs.values(), res.channels.results]
+    """The tier's sockets open now: its two listening sockets and one per worker."""
+    socks = res.channels.sockets()
+    assert len(socks) == 4
+    return socks
 
 
 def test_a_tier_dropped_without_shutdown_leaves_no_worker_and_no_socket(arena, tmp_path):
     tier = start_tier(arena, tmp_path)
     procs = worker_processes(tier)
     res = tier.resources
+    socks = sockets(res)
     key = keys_for(1)[0]
     tier.submit_store(JobMetadata(job_id=1, keys=[key], slots=[0], is_promotion=False))
     dropped = weakref.ref(tier)
     del tier
     gc.collect()
     assert dropped() is None  # nothing the tier owns keeps it alive
-    assert res.closed and res.ctx.closed and all(s.closed for s in sockets(res))
+    assert res.closed and all(s.fileno() == -1 for s in socks) and not res.channels.sockets()
     _, alive = psutil.wait_procs(procs, timeout=60)
     assert not alive, f"workers left running: {[p.pid for p in alive]}"
 
@@ -67,8 +71,9 @@ def test_shutdown_closes_the_resources_once_and_disarms_the_finalizer(arena, tmp
     tier = start_tier(arena, tmp_path)
     procs = worker_processes(tier)
     res = tier.resources
+    socks = sockets(res)
     tier.shutdown()
-    assert res.closed and res.ctx.closed and all(s.closed for s in sockets(res))
+    assert res.closed and all(s.fileno() == -1 for s in socks) and not res.channels.sockets()
     assert not tier._finalizer.alive
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs)
     assert res.close() == []  # closing again does nothing

@@ -7,14 +7,20 @@ tests/unit/test_worker_containment.py."""
 
 import os
 import pathlib
+import socket
 
 import numpy as np
 import psutil
 import pytest
+from cotenant import as_cotenant
 from helpers import HIT, MISS, ROW, TESTS_DIR, Rig, fs_tier, keys_for, payload, wait_until
 
+from kvoffload.ipc import messages as m
+from kvoffload.ipc.channels import frame, hello_frame
 from kvoffload.workers.chunkfile import HEADER_BYTES, relative_name
 from kvoffload.workers.fs_io import filesystem_of
+
+_PATIENCE_S = 120.0
 
 
 def _store_failures(rig: Rig) -> dict[str, int]:
@@ -329,3 +335,47 @@ def test_a_worker_closing_while_an_io_thread_still_moves_a_chunk_writes_into_no_
                 os.close(worker._wake_r)
                 os.close(worker._wake_w)
                 worker.arena.close()
+
+
+# -- the workers' sockets: another local user ---------------------------------------------------
+
+
+def _connect_and_forge(endpoint: str, wid: int) -> None:
+    """As another local user: connect to a tier's worker socket, say hello as a worker and answer
+    task 1 as done (the bytes wait in the socket for the engine to read them, or not)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(_PATIENCE_S)
+    sock.connect("\0" + endpoint[1:])
+    forged = m.TaskResult(1, wid, [m.OK], nbytes=ROW, counters={"forged_by_cotenant": 1})
+    sock.sendall(hello_frame(b"s0-forger", m.encode(m.Hello(wid, os.getpid()))))
+    sock.sendall(frame(m.encode(forged)))
+    sock.close()
+
+
+def test_another_local_user_cannot_connect_to_a_tiers_worker_sockets(tmp_path):
+    """The workers' sockets live in the abstract namespace, which has no file permissions: the
+    engine closes a connection from another user at once, counts it, and reads nothing from it
+    (no Hello taken, no result applied)."""
+    rig = Rig([fs_tier(tmp_path)])
+    try:
+        pools = rig.fs.resources.pools
+        wait_until(
+            lambda: not any(p.awaiting_hello for p in pools) or None,
+            what="every worker connected",
+            step=rig.tm.poll,
+        )
+        ours = 2 + sum(len(p.workers) for p in pools)  # the listening sockets, one per worker
+        assert len(rig.fs._chans.sockets()) == ours
+        endpoint = rig.fs._chans.endpoints["stores"]
+        as_cotenant(_connect_and_forge, endpoint, 0)
+        wait_until(
+            lambda: rig.fs.counters.get("refused_worker_connections_other_user") or None,
+            what="the refusal counted",
+            step=rig.tm.poll,
+        )
+        assert rig.fs.counters["refused_worker_connections_other_user"] == 1
+        assert len(rig.fs._chans.sockets()) == ours
+        rig.store(keys_for(2, seed=77))  # the tier still works; the forged result was never read
+        assert "forged_by_cotenant" not in rig.fs.counters
+    finally:
+        rig.close()

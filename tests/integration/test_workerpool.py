@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 
 import msgspec
@@ -125,7 +126,11 @@ def test_workers_that_never_say_hello_are_killed_and_their_pool_fails_its_tasks(
     res = tier.resources
     base = tier._spec(0, b"", "stores")
     events: list[str] = []
-    # Its workers say hello on a socket no one reads: the pool never hears them.
+    # Its workers connect and say hello to a socket no one accepts or reads: the pool never hears
+    # them.
+    nobody = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    nobody.bind(f"\0kvoffload-test-nobody-{os.getpid()}")
+    nobody.listen(8)
     pool = WorkerPool(
         tier_name="fs",
         kind="stores",
@@ -135,7 +140,7 @@ def test_workers_that_never_say_hello_are_killed_and_their_pool_fails_its_tasks(
             base,
             worker_id=100 + wid,
             identity=ident,
-            jobs_endpoint=f"ipc://@kvoffload-test-nobody-{os.getpid()}",
+            jobs_endpoint=f"@kvoffload-test-nobody-{os.getpid()}",
         ),
         task_timeout_s=PATIENCE_S,
         on_event=events.append,
@@ -158,6 +163,7 @@ def test_workers_that_never_say_hello_are_killed_and_their_pool_fails_its_tasks(
     finally:
         assert pool.shutdown() == []
         tier.shutdown()
+        nobody.close()
     assert not pool.workers and pool.pids() == []
 
 

@@ -47,6 +47,7 @@ benchmarks).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -55,14 +56,10 @@ import socket
 import struct
 from collections.abc import Callable
 
-import zmq
-
 log = logging.getLogger("kvoffload.ipc")
 
 LOADS = "loads"
 STORES = "stores"
-# Plain ints: an IntFlag operation per send or recv is a Python-level enum call.
-_NOBLOCK = int(zmq.NOBLOCK)
 
 _LEN = struct.Struct("<I")
 _IDENT = struct.Struct("<H")
@@ -74,16 +71,6 @@ MAX_FRAME_BYTES = 1 << 30
 _RECV_BYTES = 1 << 18
 _IN = select.POLLIN | select.POLLPRI
 _GONE = select.POLLHUP | select.POLLERR | select.POLLNVAL
-
-
-def _readable(sock: zmq.Socket) -> bool:
-    """A message is waiting on ``sock`` (one getsockopt, no exception when there is none)."""
-    events: int = sock.getsockopt(zmq.EVENTS)  # type: ignore[assignment]  # int for EVENTS
-    return bool(events & zmq.POLLIN)
-
-
-def _endpoint(tag: str) -> str:
-    return f"ipc://@kvoffload-{os.getpid()}-{secrets.token_hex(6)}-{tag}"
 
 
 def _address(endpoint: str) -> str:
@@ -496,78 +483,137 @@ class WorkerChannels:
 
 
 class PeerWorkerChannel:
-    """The socket pair between the p2p tier's engine side and its peer worker process: one ZMQ PAIR
-    socket each end over an abstract-namespace IPC endpoint, bound by the engine (:meth:`bind`),
-    connected by the worker (:meth:`connect`). One frame per message, unlimited queues (the engine
-    bounds what it sends). Not thread-safe: each end is used by one thread.
+    """The stream between the p2p tier's engine side and its peer worker process: one end of a
+    ``socketpair`` each (:meth:`pair`), the worker's inherited as a file descriptor
+    (:meth:`from_fd`). Frames as :class:`TierChannels`'s. The engine's end never blocks (what the
+    kernel will not take yet waits here, :attr:`pending_out`, sent by later calls); the worker's
+    sends block. Not thread-safe: each end is used by one thread.
+
+    It was a ZMQ PAIR socket until issue 26: each message then woke the sending process's ZMQ I/O
+    thread before the receiver (section 7 of docs/profiles/engine.md), on each of the hand-offs a
+    p2p fetch makes between the node thread and the worker.
     """
 
-    def __init__(self, sock: zmq.Socket, endpoint: str):
+    def __init__(self, sock: socket.socket, blocking: bool):
         self.sock = sock
-        self.endpoint = endpoint
+        sock.setblocking(blocking)
+        self._frames = _Frames()
+        self._buf = bytearray(_RECV_BYTES)
+        self._out = bytearray()
+        self._poller: select.poll | None = None  # recv_all's
+        self._polled_wake: int | None = None
+        self.closed_by_peer = False
 
     @classmethod
-    def bind(cls, ctx: zmq.Context, tag: str = "p2p-worker") -> PeerWorkerChannel:
-        """The engine's end, bound to a fresh endpoint (a restarted worker gets a new one)."""
-        sock = ctx.socket(zmq.PAIR)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        ep = _endpoint(tag)
-        sock.bind(ep)
-        return cls(sock, ep)
+    def pair(cls) -> tuple[PeerWorkerChannel, int]:
+        """The engine's end, and the worker's end as a file descriptor to pass to the worker
+        process (inheritable; close it in the engine once the worker has started)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        fd = theirs.detach()
+        os.set_inheritable(fd, True)
+        return cls(ours, blocking=False), fd
 
     @classmethod
-    def connect(cls, ctx: zmq.Context, endpoint: str) -> PeerWorkerChannel:
-        """The worker's end. Messages sent before the connection completes are queued; on close,
-        unsent ones get up to 2 s to leave (a worker's last report)."""
-        sock = ctx.socket(zmq.PAIR)
-        sock.setsockopt(zmq.LINGER, 2000)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.connect(endpoint)
-        return cls(sock, endpoint)
+    def from_fd(cls, fd: int) -> PeerWorkerChannel:
+        """The worker's end, from the descriptor the engine passed."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=fd)
+        os.set_inheritable(fd, False)
+        return cls(sock, blocking=True)
 
     @property
     def fd(self) -> int:
-        """The socket's ZMQ_FD: readable when its events *may* have changed (edge-like: check
-        :meth:`readable` after it fires, and after every send)."""
-        fd: int = self.sock.getsockopt(zmq.FD)  # type: ignore[assignment]  # int for FD
-        return fd
+        """The socket's descriptor: readable when a frame (or part of one) waits."""
+        return self.sock.fileno()
 
-    def readable(self) -> bool:
-        """A message is waiting (one getsockopt, no exception when there is none)."""
-        return _readable(self.sock)
+    @property
+    def pending_out(self) -> bool:
+        """Bytes wait here for the kernel to take them (watch :attr:`fd` for writing)."""
+        return bool(self._out)
 
     def send(self, payload: bytes) -> bool:
-        """Send one frame without blocking. False when it cannot be queued (the engine's end: no
-        worker connected yet)."""
+        """Send one frame. False when the other end is gone. The engine's end queues what the
+        kernel will not take now and sends it with the next call (or :meth:`flush`)."""
+        data = _LEN.pack(len(payload)) + payload
+        sock = self.sock
         try:
-            self.sock.send(payload, flags=zmq.NOBLOCK)
-            return True
-        except zmq.Again:
+            if sock.getblocking():
+                sock.sendall(data)
+                return True
+            if self._out:
+                self._out += data
+                return self.flush()
+            n = sock.send(data)
+        except BlockingIOError:
+            n = 0
+        except OSError:
+            self.closed_by_peer = True
             return False
+        if n < len(data):
+            self._out += data[n:]
+        return True
+
+    def flush(self) -> bool:
+        """Send what waited (the engine's end). False when the other end is gone."""
+        if not self._out:
+            return True
+        try:
+            n = self.sock.send(self._out)
+        except BlockingIOError:
+            return True
+        except OSError:
+            self.closed_by_peer = True
+            return False
+        del self._out[:n]
+        return True
 
     def recv_ready(self) -> list[bytes]:
-        """Drain the frames waiting now. Never blocks."""
+        """The frames complete now, in order. Never blocks."""
+        if self._out:
+            self.flush()
         out: list[bytes] = []
-        sock = self.sock
-        while _readable(sock):
-            out.append(sock.recv(flags=zmq.NOBLOCK))
+        buf = self._buf
+        while not self.closed_by_peer:
+            try:
+                n = self.sock.recv_into(buf, 0, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                n = 0
+            if n == 0:
+                self._hung_up()
+                break
+            try:
+                out += self._frames.feed(memoryview(buf)[:n])
+            except FrameError as e:
+                log.error("kvoffload p2p: the peer worker channel carried %s; closed", e)
+                self._hung_up()
+                break
+            if n < len(buf):
+                break
         return out
 
     def recv_all(self, timeout_s: float, wake_fd: int | None = None) -> list[bytes]:
         """Wait up to ``timeout_s`` seconds for a frame, or with ``wake_fd`` until that file
-        descriptor is readable (the worker's transport finished something), then drain every
-        waiting frame (none when woken by ``wake_fd`` alone)."""
-        if not self.readable():
-            ms = max(1, round(timeout_s * 1000))
-            if wake_fd is None:
-                self.sock.poll(ms)
-            else:
-                zmq.zmq_poll([(self.sock, zmq.POLLIN), (wake_fd, zmq.POLLIN)], ms)
+        descriptor is readable (the worker's transport finished something), then take every
+        complete frame (none when woken by ``wake_fd`` alone)."""
+        if self._poller is None or self._polled_wake != wake_fd:
+            self._poller = select.poll()
+            self._polled_wake = wake_fd
+            if not self.closed_by_peer:
+                self._poller.register(self.fd, _IN)
+            if wake_fd is not None:
+                self._poller.register(wake_fd, _IN)
+        self._poller.poll(max(1, round(timeout_s * 1000)))
         return self.recv_ready()
 
+    def _hung_up(self) -> None:
+        """The other end is gone: :meth:`recv_all` stops watching the socket (a hang-up would
+        wake it at once, every time)."""
+        self.closed_by_peer = True
+        if self._poller is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self._poller.unregister(self.fd)
+
     def close(self) -> None:
-        """Close the socket (the worker's end lingers as :meth:`connect` says)."""
+        """Close this end (the other sees the end of the stream after what was sent)."""
         self.sock.close()

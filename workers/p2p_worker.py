@@ -4,7 +4,7 @@ keeps the grants of its arena's slots to peers' sessions.
 ::
 
     engine (PeerWorkerHandle, node thread)                          peer worker (this module)
-      PAIR ──AddPeer / RemovePeer / Transfer ─────────────────▶ PAIR ─▶ Transport (p2p_transport.py)
+    stream ──AddPeer / RemovePeer / Transfer ───────────────▶ stream ▶ Transport (p2p_transport.py)
            ──AddSession / DropSession / Grant / Revoke / Stop ─▶         │ NIXL agent (the arena's rows
            ◀──Ready / PeerAdded / Settled / Granted / Revoked ──         │ registered) or TCP data
            ◀──Refusals / StartFailed                                     │ server: serves peers' READs
@@ -35,7 +35,7 @@ A :class:`Revoke` is answered by :class:`Revoked` once no row of the grant will 
 (at once, or when the row being sent ends): only then may the engine reuse the slots.
 
 The messages are private to this process and its handle: msgpack of a tagged union of
-``msgspec.Struct`` (``array_like``), one ZMQ frame each. The process imports no torch (NIXL is
+``msgspec.Struct`` (``array_like``), one frame each (``ipc/channels.py``). The process imports no torch (NIXL is
 imported through its back-end wheel's API, see ``p2p_transport.py``).
 """
 
@@ -46,7 +46,6 @@ import sys
 from typing import Literal
 
 import msgspec
-import zmq
 
 from kvoffload.ipc.arena import Arena, ArenaError
 from kvoffload.ipc.channels import PeerWorkerChannel
@@ -81,7 +80,7 @@ class PeerWorkerSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, f
     Attributes:
         arena_name: the host arena's /dev/shm name.
         arena_nonce: its header nonce (16 bytes): a recreated arena of that name is refused.
-        endpoint: the engine's PAIR socket (``ipc://@...``).
+        channel_fd: this process's end of the stream to the engine (a descriptor it inherited).
         parent_pid: the engine process; the worker exits once it is no longer its parent.
         transport: which transport to run and how (:class:`TransportConfig`).
         nice: CPU niceness increment (0: none).
@@ -89,7 +88,7 @@ class PeerWorkerSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, f
 
     arena_name: str
     arena_nonce: bytes
-    endpoint: str
+    channel_fd: int
     parent_pid: int
     transport: TransportConfig
     nice: int = 0
@@ -242,7 +241,7 @@ _report_decoder = msgspec.msgpack.Decoder(Report)
 
 
 def encode(msg: Command | Report) -> bytes:
-    """msgpack bytes of one message (one ZMQ frame)."""
+    """msgpack bytes of one message (one frame)."""
     return _encoder.encode(msg)
 
 
@@ -419,8 +418,7 @@ def main() -> int:
         return EXIT_NO_SPEC
     spec = msgspec.json.decode(raw, type=PeerWorkerSpec)
     _lower_priority(spec.nice)
-    ctx = zmq.Context(1)
-    chan = PeerWorkerChannel.connect(ctx, spec.endpoint)
+    chan = PeerWorkerChannel.from_fd(spec.channel_fd)
     try:
         try:
             arena = Arena.attach(spec.arena_name, nonce=spec.arena_nonce)
@@ -442,7 +440,6 @@ def main() -> int:
         return 0
     finally:
         chan.close()
-        ctx.term()
 
 
 if __name__ == "__main__":

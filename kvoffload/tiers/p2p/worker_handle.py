@@ -2,7 +2,7 @@
 
 ::
 
-    node thread ── add_peer / remove_peer / read ─────────────▶ PeerWorkerHandle ──PAIR──▶ peer worker
+    node thread ── add_peer / remove_peer / read ─────────────▶ PeerWorkerHandle ─stream─▶ peer worker
                 ── add_session / drop_session / grant / revoke ▶
                 ◀── poll(): [Result(tid, DONE | FAILED, reason, bad)] ┘  fileno(): one fd that is
                 ◀── take_granted(): [(gid, digests | None)]              readable when poll() has
@@ -29,8 +29,8 @@ None when the worker refused it or died first); :meth:`revoke` once, by :meth:`t
 no row of the grant will be sent any more (a dead worker sends none: its grants are revoked once it
 has exited). Only then may the caller release the slots.
 
-Threads. A handle is used by ONE thread, the p2p tier's node thread (it owns the ZMQ socket; ZMQ
-sockets are not thread-safe): create it there, or hand it over before its first use. Another thread
+Threads. A handle is used by ONE thread, the p2p tier's node thread (it owns the socket to the
+worker, and its buffers): create it there, or hand it over before its first use. Another thread
 must not call any method; to wait, the node registers :meth:`PeerWorkerHandle.fileno` with its
 ``zmq.Poller`` (``POLLIN``) and calls :meth:`PeerWorkerHandle.poll` when it is readable, and at least
 once a second (for the settle timeout).
@@ -51,7 +51,6 @@ from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 import msgspec
-import zmq
 
 from kvoffload.ipc.arena import ArenaError, list_arenas
 from kvoffload.ipc.channels import PeerWorkerChannel
@@ -119,7 +118,6 @@ class PeerWorkerHandle:
         settle_timeout_s: seconds after a transfer's deadline before an unsettled transfer (or a
             revocation unanswered that long) gets the worker killed (None: never).
         start_timeout_s: seconds a new worker has to say hello before it is killed (None: never).
-        ctx: the ZMQ context for the socket (default: one of the handle's own, ended by close()).
 
     Raises:
         ArenaError: no arena named ``arena_name``.
@@ -134,7 +132,6 @@ class PeerWorkerHandle:
         env: Mapping[str, str] | None = None,
         settle_timeout_s: float | None = DEFAULT_SETTLE_TIMEOUT_S,
         start_timeout_s: float | None = DEFAULT_START_TIMEOUT_S,
-        ctx: zmq.Context | None = None,
     ):
         info = next((a for a in list_arenas(arena_name) if a.name == arena_name), None)
         if info is None or not info.ready:
@@ -151,10 +148,6 @@ class PeerWorkerHandle:
         self.env = dict(env or {})
         self.settle_timeout_s = settle_timeout_s
         self.start_timeout_s = start_timeout_s
-        self._own_ctx = ctx is None
-        self._ctx = ctx if ctx is not None else zmq.Context(1)
-        if self._own_ctx:
-            self._ctx.setsockopt(zmq.LINGER, 0)  # closing never waits on unsent messages
         self._ep = select.epoll()
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._ep.register(self._wake, select.EPOLLIN)
@@ -187,18 +180,16 @@ class PeerWorkerHandle:
         except BaseException:
             self._ep.close()
             os.close(self._wake)
-            if self._own_ctx:
-                self._ctx.term()
             raise
 
     # -- lifecycle --------------------------------------------------------------------------------
 
     def _spawn(self) -> None:
-        chan = PeerWorkerChannel.bind(self._ctx)
+        chan, theirs = PeerWorkerChannel.pair()
         spec = pw.PeerWorkerSpec(
             arena_name=self.arena_name,
             arena_nonce=self.arena_nonce,
-            endpoint=chan.endpoint,
+            channel_fd=theirs,
             parent_pid=os.getpid(),
             transport=self.config,
             nice=self.nice,
@@ -210,13 +201,17 @@ class PeerWorkerHandle:
                 env_allow=WORKER_ENV,
                 env_set={**self.env, PEER_WORKER_SPEC_ENV: msgspec.json.encode(spec).decode()},
                 hello_timeout_s=self.start_timeout_s,
+                pass_fds=(theirs,),
             )
         except BaseException:
             chan.close()
             raise
+        finally:
+            os.close(theirs)  # the worker's end is the worker's
         self._chan, self._sup = chan, sup
         self._descriptor, self.kind, self.start_error, self.returncode = None, None, None, None
         self._ep.register(chan.fd, select.EPOLLIN)
+        self._watching_out = False
         self._ep.register(sup.fileno(), select.EPOLLIN)  # readable once the worker has exited
 
     @property
@@ -292,8 +287,6 @@ class PeerWorkerHandle:
         self._sup = None
         self._ep.close()
         os.close(self._wake)
-        if self._own_ctx:
-            self._ctx.term()
 
     def __enter__(self) -> PeerWorkerHandle:
         return self
@@ -540,7 +533,7 @@ class PeerWorkerHandle:
             self._sent(tid)
         else:
             self._outbox.append((frame, tid))
-        self._signal_if_readable()
+        self._watch_out(chan)
 
     def _sent(self, tid: int) -> None:
         p = self._pending.get(tid) if tid else None
@@ -549,12 +542,24 @@ class PeerWorkerHandle:
 
     def _flush(self) -> None:
         chan = self._chan
-        while chan is not None and self._outbox:
+        if chan is None:
+            return
+        chan.flush()
+        while self._outbox:
             frame, tid = self._outbox[0]
             if not chan.send(frame):
-                return
+                break
             self._outbox.popleft()
             self._sent(tid)
+        self._watch_out(chan)
+
+    def _watch_out(self, chan: PeerWorkerChannel) -> None:
+        """Watch the socket for room to write while bytes wait for the kernel (so that
+        :meth:`fileno` wakes the caller to send them), and only then."""
+        want = chan.pending_out
+        if want != self._watching_out:
+            self._watching_out = want
+            self._ep.modify(chan.fd, select.EPOLLIN | (select.EPOLLOUT if want else 0))
 
     # -- results ----------------------------------------------------------------------------------
 
@@ -665,11 +670,7 @@ class PeerWorkerHandle:
         os.eventfd_write(self._wake, 1)
 
     def _signal_if_readable(self) -> None:
-        # A send can consume the socket's ZMQ_FD edge while a message waits: make fileno() readable.
-        if (
-            self._results
-            or self._granted
-            or self._revoked
-            or (self._chan is not None and self._chan.readable())
-        ):
+        # results taken from the socket but not yet given out: make fileno() readable (the socket's
+        # own readiness is level-triggered in the epoll set)
+        if self._results or self._granted or self._revoked:
             self._signal()

@@ -70,6 +70,7 @@ MAX_FRAME_BYTES = 1 << 30
 #: Bytes asked of one ``recv``: results are small; a long scan listing takes several.
 _RECV_BYTES = 1 << 18
 _IN = select.POLLIN | select.POLLPRI
+_ACCEPTS_PER_PUMP = 16
 _GONE = select.POLLHUP | select.POLLERR | select.POLLNVAL
 
 
@@ -198,7 +199,7 @@ class TierChannels:
         except BlockingIOError:
             n = 0
         except OSError:
-            self._drop(conn)
+            self._read_then_drop(conn)
             return False
         if n < len(data):
             conn.out += data[n:]
@@ -269,7 +270,9 @@ class TierChannels:
                 self._read(conn)
 
     def _accept(self, listener: socket.socket, kind: str) -> None:
-        while True:
+        # At most _ACCEPTS_PER_PUMP a call: a flood of connections from another user costs the
+        # engine thread a bounded time per step (the rest wait in the backlog).
+        for _ in range(_ACCEPTS_PER_PUMP):
             try:
                 sock, _ = listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -353,12 +356,19 @@ class TierChannels:
         except BlockingIOError:
             return True
         except OSError:
-            self._drop(conn)
+            self._read_then_drop(conn)
             return False
         del conn.out[:n]
         if not conn.out:
             self._poller.modify(conn.fd, _IN)
         return True
+
+    def _read_then_drop(self, conn: _Conn) -> None:
+        """A send to ``conn`` failed (its worker is gone): take the results it sent before it went
+        (its last answers, still in the socket), then forget it."""
+        if conn.fd in self._conns:
+            self._read(conn)
+        self._drop(conn)
 
     def _drop(self, conn: _Conn) -> None:
         if self._conns.pop(conn.fd, None) is None:
@@ -502,7 +512,10 @@ class PeerWorkerChannel:
         self._out = bytearray()
         self._poller: select.poll | None = None  # recv_all's
         self._polled_wake: int | None = None
+        #: The other end is gone and everything it sent has been read (the end of the stream).
         self.closed_by_peer = False
+        #: A send failed (the other end is gone); what it sent before is still read.
+        self.send_failed = False
 
     @classmethod
     def pair(cls) -> tuple[PeerWorkerChannel, int]:
@@ -546,7 +559,7 @@ class PeerWorkerChannel:
         except BlockingIOError:
             n = 0
         except OSError:
-            self.closed_by_peer = True
+            self.send_failed = True
             return False
         if n < len(data):
             self._out += data[n:]
@@ -561,14 +574,15 @@ class PeerWorkerChannel:
         except BlockingIOError:
             return True
         except OSError:
-            self.closed_by_peer = True
+            self.send_failed = True
             return False
         del self._out[:n]
         return True
 
     def recv_ready(self) -> list[bytes]:
-        """The frames complete now, in order. Never blocks."""
-        if self._out:
+        """The frames complete now, in order, those the other end sent before it went away
+        included. Never blocks."""
+        if self._out and not self.send_failed:
             self.flush()
         out: list[bytes] = []
         buf = self._buf
@@ -588,7 +602,7 @@ class PeerWorkerChannel:
                 log.error("kvoffload p2p: the peer worker channel carried %s; closed", e)
                 self._hung_up()
                 break
-            if n < len(buf):
+            if n < len(buf) and not self.send_failed:  # (the other end gone: read to its end)
                 break
         return out
 

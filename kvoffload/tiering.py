@@ -791,7 +791,9 @@ class TieringManager:
         else:
             whole = whole_when_idle and not pins[i]
             over = pins[i] + len(keys) - self._pin_limit
-            if not whole and over > 0 and i in self._yielding:
+            if whole_when_idle and not whole and over > 0 and i in self._yielding:
+                # only chunks the request computed may take others' places: a hold of chunks it
+                # found stored (C49) costs it nothing and takes only the room there is
                 self._apply_results(tier, tier.yield_pins(over, req_id))
             take = keys if whole else keys[: max(0, self._pin_limit - pins[i])]
             reason = "pin_limit"  # why what is not taken is dropped

@@ -234,7 +234,9 @@ class SecondaryTierManager(ABC):
         store of ``req_id`` that would not fit the tier's pin budget fits: end such jobs, oldest
         first, until at least ``num_chunks`` pins are freed or none is left to give, and return
         their results (the manager applies them at once, not at the next poll). Asked only of
-        tiers that override it, only when a store of ``req_id`` would be cut by the budget.
+        tiers that override it, only when a write-through store of ``req_id`` (chunks it
+        computed, never those it found stored: :meth:`holds_covered`) would be cut by the
+        budget.
         Default: nothing to yield. The p2p tier yields the holds nobody has begun to read for
         a newer request's remote decoder (a flood of requests naming decoders cannot keep the
         tier from holding the chunks of the next honest one)."""

@@ -4,11 +4,15 @@ at once (queued, then sent as the worker reads), a result of many megabytes (a s
 worker that goes away, and a connection that names a live worker."""
 
 import os
+import subprocess
+import sys
+import textwrap
 import threading
+import time
 
 import pytest
 
-from kvoffload.ipc.channels import LOADS, STORES, TierChannels, WorkerChannels
+from kvoffload.ipc.channels import LOADS, STORES, PeerWorkerChannel, TierChannels, WorkerChannels
 
 PATIENCE_S = 120.0
 
@@ -125,3 +129,69 @@ def test_a_worker_whose_engine_is_gone_waits_quietly_and_drops_its_results(ends)
     assert w.engine_gone
     assert w.wait(0.05) == {}  # no busy loop on a closed stream
     w.send_result(b"late")  # dropped, no error
+
+
+def _worker_process(endpoint: str) -> subprocess.Popen:
+    """A worker in its own process: says hello, answers its one task, exits."""
+    code = textwrap.dedent(
+        """
+        import sys
+        from kvoffload.ipc.channels import WorkerChannels
+        w = WorkerChannels(sys.argv[1], b"l0")
+        w.say_hello(b"hi")
+        assert w.next_task(120) == b"task-1"
+        w.send_result(b"result-of-task-1")
+        """
+    )
+    return subprocess.Popen([sys.executable, "-c", code, endpoint])
+
+
+@pytest.mark.parametrize("then", ["read", "send"])
+def test_a_workers_last_result_is_read_after_it_exits_even_past_a_failed_send(ends, then):
+    """A worker answers and exits: its answer is read whether the engine next reads, or first
+    sends it another task (which fails: the worker is gone). Review: a failed send dropped the
+    connection with the answer unread, and the pool re-ran a finished task."""
+    p = _worker_process(ends.chans.endpoints[LOADS])
+    try:
+        assert ends.hellos(LOADS) == [(b"l0", b"hi")]
+        assert ends.chans.send_task(LOADS, b"l0", b"task-1")
+        assert p.wait(PATIENCE_S) == 0
+        if then == "send":
+            ends.until(
+                lambda: not ends.chans.send_task(LOADS, b"l0", b"task-2"), "a send to it failing"
+            )
+        assert ends.results(1) == [b"result-of-task-1"]
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_the_peer_workers_last_reports_are_read_after_a_failed_send():
+    """The p2p peer worker reports and exits; a command sent to it then fails, and its report is
+    still read (review: a failed send stopped reading, and a settled transfer was failed
+    worker_died)."""
+    ours, theirs = PeerWorkerChannel.pair()
+    worker = PeerWorkerChannel.from_fd(theirs)
+    worker.send(b"settled 1")
+    worker.close()
+    assert not ours.send(b"transfer 2")
+    assert ours.recv_ready() == [b"settled 1"]
+    assert ours.closed_by_peer
+    ours.close()
+
+
+def test_a_peer_channel_whose_other_end_is_gone_waits_instead_of_spinning():
+    """After its engine's end is gone (seen by a failed send), the worker's ``recv_all`` still
+    waits its timeout (review: it returned at once, 130,000 times in 0.5 s)."""
+    ours, theirs = PeerWorkerChannel.pair()
+    worker = PeerWorkerChannel.from_fd(theirs)
+    ours.close()
+    assert not worker.send(b"x")
+    assert worker.recv_all(0.01) == []  # reads the end of the stream
+    t0 = time.monotonic()
+    calls = 0
+    while time.monotonic() - t0 < 0.5:
+        worker.recv_all(0.2)
+        calls += 1
+    worker.close()
+    assert calls <= 4, f"recv_all(0.2) returned {calls} times in 0.5 s"

@@ -537,6 +537,27 @@ def test_a_hold_its_decoder_has_begun_to_read_is_never_displaced(world):
     assert pins_consistent(a)
 
 
+def test_a_request_that_computes_nothing_displaces_no_honest_hold(world):
+    """A prompt already stored, sent again naming a made-up decoder, computes nothing: its hold
+    of the chunks it found (C49) takes only the room the budget has left and displaces no
+    honest hold (review: one such request displaced every unread one)."""
+    a = world.rig(p2p("tcp", free_port(), hold_s=3600.0), num_slots=16)
+    name = tier(a).name
+    bait = keys_for(8, seed=900)
+    a.store(bait)  # computed once, naming no decoder: nothing held
+    honest = keys_for(4, seed=901)
+    _hold_for(a, "prefill-h", "kvr-h", honest)
+    a.tm.on_request("again", {"remote_decoder": {"kv_request_id": "made-up"}})
+    assert [a.tm.lookup(k, "again") for k in bait] == [HIT] * 8
+    a.tm.prepare_load(bait, "again")
+    a.tm.complete_load(bait, "again")
+    a.tm.on_request_finished("again")
+    assert a.tm.stats.failed.get((name, "store", "hold_displaced"), 0) == 0
+    held = {j[2].req_id: len(j[2].keys) for j in a.tm.jobs_in_flight() if j[0] == name}
+    assert held == {"prefill-h": 4, "again": 4}, held  # the budget's other half
+    assert pins_consistent(a)
+
+
 def test_a_hold_nobody_fetches_expires_and_releases_its_slots(world):
     a = world.rig(p2p("tcp", free_port(), hold_s=0.5))
     keys = keys_for(3, seed=10)

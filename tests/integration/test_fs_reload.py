@@ -97,10 +97,11 @@ def test_a_capped_tier_reloads_what_its_start_scan_found_in_one_round_trip(tmp_p
     stored_root(tmp_path, keys, **cap)
     with Rig([fs_tier(tmp_path, **cap)], num_slots=16) as rig:
         wait_until(lambda: counter(rig, "adopted_chunks") == N, what="the scan", step=rig.tm.poll)
+        assert all(rig.fs.known_present(k) for k in keys)  # the ledger's word, no verdict
+        assert not any(rig.fs.verdicts.is_present(k) for k in keys)
         passes, answers = reload(rig, keys)
         assert answers == [HIT] * N and passes == 2
         assert counter(rig, "probes") == 0 and counter(rig, "speculative_loads") == 0
-        assert all(rig.fs.known_present(k) for k in keys)
         assert_bytes(rig, keys)
 
 

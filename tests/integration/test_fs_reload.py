@@ -10,7 +10,9 @@ whatever the machine's speed; a reload of N chunks from a root the tier knew not
 three passes and N probes before this change (a probe per chunk, then the load, then the hits).
 """
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -48,6 +50,15 @@ def stored_root(root, keys: list[bytes], **tier) -> None:
         rig.store(keys)
 
 
+@contextlib.contextmanager
+def restarted(root, keys: list[bytes], **tier) -> Iterator[Rig]:
+    """An instance with an unbounded fs tier (``tier``: its other keys) on ``root``, started
+    after another stored ``keys`` there: it has no record of them."""
+    stored_root(root, keys, max_bytes="unbounded")
+    with Rig([fs_tier(root, max_bytes="unbounded", **tier)], num_slots=16) as rig:
+        yield rig
+
+
 def counter(rig: Rig, name: str) -> int:
     return int(rig.fs.counters.get(name, 0))
 
@@ -67,8 +78,7 @@ def test_a_reload_unknown_to_the_tier_costs_one_probe_not_one_per_chunk(tmp_path
     """After a restart of an unbounded tier (no ledger, no verdict) the first chunk is probed;
     the others wait for that probe and are then loaded, unasked, in the same job."""
     keys = keys_for(N)
-    stored_root(tmp_path, keys, max_bytes="unbounded")
-    with Rig([fs_tier(tmp_path, max_bytes="unbounded")], num_slots=16) as rig:
+    with restarted(tmp_path, keys) as rig:
         passes, answers = reload(rig, keys)
         assert answers == [HIT] * N
         assert passes == 3  # probe, load, hits: as before, with one probe instead of N
@@ -81,9 +91,7 @@ def test_a_reload_unknown_to_the_tier_costs_one_probe_not_one_per_chunk(tmp_path
 def test_the_same_reload_without_speculation_probes_every_chunk(tmp_path):
     """``max_speculative_chunks: 0`` is the behaviour before: a probe per chunk."""
     keys = keys_for(N)
-    stored_root(tmp_path, keys, max_bytes="unbounded")
-    tier = fs_tier(tmp_path, max_bytes="unbounded", max_speculative_chunks=0)
-    with Rig([tier], num_slots=16) as rig:
+    with restarted(tmp_path, keys, max_speculative_chunks=0) as rig:
         passes, answers = reload(rig, keys)
         assert answers == [HIT] * N and passes == 3
         assert counter(rig, "probes") == N and counter(rig, "speculative_loads") == 0
@@ -153,8 +161,7 @@ def test_a_missing_middle_file_serves_the_chunks_before_it_and_nothing_after(tmp
     counted as speculative_miss), the chunks before it are served with their bytes, it and
     those after it are not (the engine recomputes them)."""
     keys = keys_for(N)
-    stored_root(tmp_path, keys, max_bytes="unbounded")
-    with Rig([fs_tier(tmp_path, max_bytes="unbounded")], num_slots=16) as rig:
+    with restarted(tmp_path, keys) as rig:
         os.unlink(chunk_file(rig, tmp_path, keys[5]))
         passes, answers = reload(rig, keys)
         assert answers == [HIT] * 5 + [MISS] and passes == 3
@@ -170,8 +177,7 @@ def test_a_missing_middle_file_serves_the_chunks_before_it_and_nothing_after(tmp
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
 def test_a_corrupt_file_loaded_on_expectation_is_a_corrupt_miss_and_removed(tmp_path, damage):
     keys = keys_for(N)
-    stored_root(tmp_path, keys, max_bytes="unbounded")
-    with Rig([fs_tier(tmp_path, max_bytes="unbounded")], num_slots=16) as rig:
+    with restarted(tmp_path, keys) as rig:
         path = chunk_file(rig, tmp_path, keys[3])
         if damage == "flip":
             with open(path, "r+b") as f:
@@ -192,9 +198,7 @@ def test_a_corrupt_file_loaded_on_expectation_is_a_corrupt_miss_and_removed(tmp_
 def test_expectations_stop_at_max_speculative_chunks(tmp_path):
     """Past the cap a request's unknown chunks are probed again (one probe each), then loaded."""
     keys = keys_for(N)
-    stored_root(tmp_path, keys, max_bytes="unbounded")
-    tier = fs_tier(tmp_path, max_bytes="unbounded", max_speculative_chunks=2)
-    with Rig([tier], num_slots=16) as rig:
+    with restarted(tmp_path, keys, max_speculative_chunks=2) as rig:
         passes, answers = reload(rig, keys)
         assert answers == [HIT] * N and passes == 4
         assert counter(rig, "speculative_loads") == 2
@@ -207,8 +211,7 @@ def test_a_window_scans_lookup_is_never_answered_on_expectation(tmp_path):
     from absent ones) gets the tier's verdict: its unknown chunk is probed, even for a request
     whose chunks are expected."""
     keys = keys_for(N)
-    stored_root(tmp_path, keys, max_bytes="unbounded")
-    with Rig([fs_tier(tmp_path, max_bytes="unbounded")], num_slots=16) as rig:
+    with restarted(tmp_path, keys) as rig:
         reload(rig, keys[:2])  # the first found by its probe, the second loaded unasked
         assert counter(rig, "speculative_loads") == 1
         probes = counter(rig, "probes")
@@ -221,8 +224,7 @@ def test_a_window_scans_lookup_is_never_answered_on_expectation(tmp_path):
 
 def test_a_finished_request_expects_nothing_more(tmp_path):
     keys = keys_for(N)
-    stored_root(tmp_path, keys, max_bytes="unbounded")
-    with Rig([fs_tier(tmp_path, max_bytes="unbounded")], num_slots=16) as rig:
+    with restarted(tmp_path, keys) as rig:
         reload(rig, keys[:2])
         rig.tm.on_request_finished("req")
         assert len(rig.fs.speculation) == 0

@@ -80,22 +80,16 @@ def test_at_most_max_chunks_are_expected_per_request_each_counted_once():
     assert found(spec, "r2").expects("r2", b"c")  # per request
 
 
-def test_zero_max_chunks_turns_it_off():
-    spec = Speculation(0)
-    spec.probed("r", SCOUT)
-    assert not spec.defers("r", NEXT, probing={SCOUT})
-    spec.answered("r", SCOUT, True)
-    assert not spec.expects("r", NEXT)
-    spec.answered("r", NEXT, False)
-    assert len(spec) == 0  # nothing kept
-
-
-def test_a_lookup_naming_no_request_is_never_expected_or_deferred():
-    spec = Speculation(8)
-    spec.probed("", SCOUT)
-    assert not spec.defers("", NEXT, probing={SCOUT})
-    spec.answered("", SCOUT, True)
-    assert not spec.expects("", NEXT)
+@pytest.mark.parametrize("max_chunks, req", [(0, "r"), (8, "")], ids=["max_chunks_0", "no_request"])
+def test_off_or_for_a_lookup_naming_no_request_nothing_is_expected_deferred_or_kept(
+    max_chunks, req
+):
+    spec = Speculation(max_chunks)
+    spec.probed(req, SCOUT)
+    assert not spec.defers(req, NEXT, probing={SCOUT})
+    spec.answered(req, SCOUT, True)
+    assert not spec.expects(req, NEXT)
+    spec.answered(req, NEXT, False)
     assert len(spec) == 0
 
 

@@ -955,6 +955,7 @@ class ProcessTierManager(SecondaryTierManager):
         meta = job.meta
         failed = job.failed
         ok_keys = [k for k in meta.keys if k not in failed] if failed else meta.keys
+        reasons = {k: _failure(job, k, c) for k, c in failed.items()}
         gone: Collection[bytes] = ()
         cap = self.capacity
         if not job.is_load and cap.removals_since(job.t0):
@@ -970,11 +971,11 @@ class ProcessTierManager(SecondaryTierManager):
                 # announced here (stored or adopted), gone now (another instance on a shared
                 # root removed it): say so, as no other instance will (CASES C55)
                 self._events.append(TierEvent(vanished, True))
-            cfg = self.config
-            for k, code in failed.items():
-                # a chunk expected and not there: what a probe would have found
-                guess = code == m.MISSING and k in job.expected
-                self.verdicts.mark_absent(k, cfg.negative_ttl_s if guess else cfg.failed_load_ttl_s)
+            ttl = self.config.failed_load_ttl_s
+            # a chunk expected and not there: what a probe would have found
+            guessed = self.config.negative_ttl_s
+            for k, why in reasons.items():
+                self.verdicts.mark_absent(k, guessed if why == SPECULATIVE_MISS else ttl)
                 self.verdicts.owe_miss(k, (meta.req_id,))
             self.count("load_chunks", len(ok_keys))
             if failed:
@@ -995,7 +996,6 @@ class ProcessTierManager(SecondaryTierManager):
             self.count(f"failures_http_{status}")
         if failed:
             ok_keys = [k for k in meta.keys if k not in failed]
-            reasons = {k: _failure(job, k, c) for k, c in failed.items()}
             result = JobResult(
                 job_id=meta.job_id,
                 success=False,

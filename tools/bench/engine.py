@@ -123,9 +123,10 @@ class _Engine:
 
     writes_through = True  # a store is done once the tier's completion is applied
 
-    def __init__(self, arena: Arena, n: int, root: Path):
+    def __init__(self, arena: Arena, n: int, root: Path, fs: dict[str, Any] | None = None):
         self._vllm_contexts()
-        self._kvoffload_manager(arena, [scratch_fs_tier(root, chunks_per_task=_TASK_CHUNKS)])
+        tier = scratch_fs_tier(root, chunks_per_task=_TASK_CHUNKS, **(fs or {}))
+        self._kvoffload_manager(arena, [tier])
         tier = self.tm.tiers[0]
         assert isinstance(tier, ProcessTierManager)
         self.tier = tier
@@ -164,6 +165,10 @@ class _Engine:
     def new_keys(self, count: int) -> list[bytes]:
         self._tag += 1
         return [_key(j, self._tag) for j in range(count)]
+
+    def probes(self) -> int:
+        """Chunks whose existence the fs tier has asked its storage so far."""
+        return int(self.tier.counters.get("probes", 0))
 
     def tier_done(self) -> int:
         st, name = self.tm.stats, self.tier.name
@@ -239,6 +244,9 @@ class _HostOnly(_Engine):
         self._tag = 10
 
     def tier_done(self) -> int:
+        return 0
+
+    def probes(self) -> int:
         return 0
 
     def check(self) -> None:
@@ -389,7 +397,9 @@ def all_in(
                 eng.tier.verdicts.forget(k)
         gc.collect()
         m = _Meter(by_call, busy_iters)
+        probes = eng.probes()
         run(m)
+        probes = eng.probes() - probes
         total = sum(v for c, v in m.spent.items() if c != "idle")
         out[name] = {
             "us_per_chunk": total / len(keys) * 1e6,
@@ -399,6 +409,7 @@ def all_in(
             "idle_steps": m.idle_steps,
             "steps": m.steps,
             "steps_to_load": statistics.median(m.waits) if m.waits else None,
+            "probes_per_job": probes / n_jobs,
         }
     return out
 
@@ -446,8 +457,10 @@ def engine_cost(
     workdir: Path,
     by_call: bool = False,
     profile: str | None = None,
+    fs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Lookup and all-in figures with ``n_chunks`` stored (see the module docstring)."""
+    """Lookup and all-in figures with ``n_chunks`` stored (see the module docstring); ``fs``:
+    more settings of the fs tier."""
     out: dict[str, Any] = {"stored_chunks": n_chunks, "all_in": []}
     with Arena.create(arena_name("engine"), max(n_chunks, 4 * run_chunks), _ROW) as arena:
         out.update(lookup_cost(n_chunks, arena))
@@ -455,7 +468,7 @@ def engine_cost(
         if missing_modules(("vllm",)):
             return out
         root = workdir / "fs-engine"
-        eng = _Engine(arena, n_chunks, root)
+        eng = _Engine(arena, n_chunks, root, fs)
         try:
             prof = cProfile.Profile() if profile else None
             for k in job_sizes:
@@ -542,10 +555,24 @@ _FLOWS = (
     is_flag=True,
     help="Break each flow down by manager call (more clock readings: noisier).",
 )
+@click.option(
+    "--fs-unbounded",
+    is_flag=True,
+    help='The fs tier with max_bytes "unbounded" (no ledger: after a restart, or with its verdicts '
+    "forgotten, it has no record of its chunks).",
+)
 @click.option("--profile", "profile_path", default=None, help="cProfile output of the first N.")
 @plot_option("docs/bench/engine.png")
 def bench_engine(
-    chunks, job_chunks, run_chunks, jobs_per_step, step_ms, by_call, profile_path, plot_path
+    chunks,
+    job_chunks,
+    run_chunks,
+    jobs_per_step,
+    step_ms,
+    by_call,
+    fs_unbounded,
+    profile_path,
+    plot_path,
 ) -> None:
     """Engine-thread µs per host-hit lookup and per chunk of whole jobs (all-in: lookup,
     hand-off, completion, metrics, through vLLM's manager interface), as the number of stored
@@ -582,6 +609,7 @@ def bench_engine(
                     wd,
                     by_call,
                     profile_path if i == 0 else None,
+                    {"max_bytes": "unbounded"} if fs_unbounded else None,
                 )
             )
     finally:
@@ -600,7 +628,8 @@ def bench_engine(
         f"\nAll-in engine-thread CPU, µs per chunk ({jobs_per_step} job(s) a step, "
         f"{step_ms:g} ms steps, {run_chunks} chunks per flow):\n"
         "\n| stored chunks | chunks/job | store | fs load | host load | fs reload | store µs/job | "
-        "fs load µs/job | steps to load: fs load / fs reload |\n|---|---|---|---|---|---|---|---|---|"
+        "fs load µs/job | steps to load: fs load / fs reload | fs reload probes/job |"
+        "\n|---|---|---|---|---|---|---|---|---|---|"
     )
     for r in rows:
         for a in r["all_in"]:
@@ -608,7 +637,8 @@ def bench_engine(
                 f"| {r['stored_chunks']:,} | {a['chunks_per_job']} | "
                 + " | ".join(f"{a[f]['us_per_chunk']:.2f}" for f, _ in _FLOWS)
                 + f" | {a['store']['us_per_job']:.1f} | {a['fs_load']['us_per_job']:.1f} | "
-                f"{a['fs_load']['steps_to_load']:g} / {a['fs_reload']['steps_to_load']:g} |"
+                f"{a['fs_load']['steps_to_load']:g} / {a['fs_reload']['steps_to_load']:g} | "
+                f"{a['fs_reload']['probes_per_job']:g} |"
             )
     _host_only_table(rows, jobs_per_step, step_ms, run_chunks)
     if not by_call:

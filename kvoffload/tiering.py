@@ -6,9 +6,10 @@
          │  host WRITING ─ poll ─▶ HIT_PENDING  (a store or promotion is in flight; a poll, at
          │                                      most every poll_interval_s while tier jobs are
          │                                      out, first applies a promotion that landed: HIT)
-         └─ host miss: poll completions, then ask tiers in order (lookup_for_load: a tier may
-            │  answer HIT for a chunk it expects, a request's chunks after one a probe found)
+         └─ host miss: poll completions, then ask tiers in order (lookup_for_load)
                tier HIT  ─▶ reserve a host slot now (WRITING), queue a promotion ─▶ HIT_PENDING
+                            (the tier may expect the chunk: a request's chunks after one its
+                            probe found; tiers/speculation.py)
                tier RETRY ─▶ RETRY (probe in flight)          all MISS ─▶ MISS
     step()  ─▶ submit queued promotions (one load job per tier and request), flush probes, poll
     prepare_store ─▶ poll first (completions free pins before eviction decisions), allocate slots

@@ -836,6 +836,9 @@ class ProcessTierManager(SecondaryTierManager):
         if verdict is not None:
             spec.answered(req_id, key, verdict)
             return _HIT if verdict else _MISS
+        scout = spec.open_scout(req_id)
+        if scout is not None and scout not in self._probing and self._on_record(scout):
+            spec.answered(req_id, scout, True)  # found since the request asked
         if spec.expects(req_id, key):
             return _HIT
         if spec.defers(req_id, key, self._probing):

@@ -117,6 +117,15 @@ class Speculation:
         expected.add(key)
         return True
 
+    def open_scout(self, req_id: str) -> bytes | None:
+        """``req_id``'s scout while it decides nothing yet (neither found nor missed): the tier
+        settles it with :meth:`answered` when its probe has found the chunk since the request
+        last asked (its answer landed in the middle of the request's lookups)."""
+        state = self._requests.get(req_id)
+        if state is None or state.found or state.missed:
+            return None
+        return state.scout
+
     def defers(self, req_id: str, key: bytes, probing: Container[bytes]) -> bool:
         """Whether ``req_id``'s lookup of ``key`` (unknown to the tier) waits for the request's
         scout instead of a probe of its own: the scout is another key, still being probed

@@ -88,6 +88,22 @@ def test_a_reload_unknown_to_the_tier_costs_one_probe_not_one_per_chunk(tmp_path
         assert_bytes(rig, keys)
 
 
+def test_a_chunk_asked_after_the_first_probe_found_its_chunk_is_loaded_unasked(tmp_path):
+    """The first probe's answer may land in the middle of a request's lookups (a lookup polls):
+    the request's next unknown chunk is then expected, though the request has not asked the
+    first chunk again."""
+    keys = keys_for(N)
+    with restarted(tmp_path, keys) as rig:
+        assert rig.tm.lookup(keys[0], "req") is RETRY
+        rig.tm.step()
+        assert rig.tm.wait_idle(120)  # the probe answered and was applied
+        assert rig.tm.lookup(keys[1], "req") is PENDING
+        assert counter(rig, "probes") == 1
+        passes, answers = reload(rig, keys)
+        assert answers == [HIT] * N and counter(rig, "probes") == 1
+        assert_bytes(rig, keys)
+
+
 def test_the_same_reload_without_speculation_probes_every_chunk(tmp_path):
     """``max_speculative_chunks: 0`` is the behaviour before: a probe per chunk."""
     keys = keys_for(N)

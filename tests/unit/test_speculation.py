@@ -48,6 +48,18 @@ def test_while_the_scout_is_probed_the_other_unknown_chunks_wait_for_it():
     assert not spec.defers("someone else", NEXT, probing={SCOUT})
 
 
+def test_the_open_scout_is_the_one_that_decided_nothing_yet():
+    spec = Speculation(8)
+    assert spec.open_scout("r") is None
+    spec.probed("r", SCOUT)
+    assert spec.open_scout("r") == SCOUT
+    spec.answered("r", SCOUT, True)
+    assert spec.open_scout("r") is None  # found
+    spec.probed("r2", SCOUT)
+    spec.answered("r2", b"absent", False)
+    assert spec.open_scout("r2") is None  # missed
+
+
 @pytest.mark.parametrize("how", ["miss_verdict", "failed_load"])
 def test_after_a_miss_nothing_is_expected_or_deferred_again(how):
     spec = found(Speculation(8))

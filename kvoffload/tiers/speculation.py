@@ -16,11 +16,12 @@ trip). No I/O.
   each: a reload of N unknown chunks, or a new prompt's N chunks, costs one probe, not N. The
   engine looks a prefix up in order and stops at its first MISS, so when the scout is missing the
   chunks after it are never asked about again.
-- *Found*: the request's lookup of its scout answered HIT: the chunk is on the medium though this
-  tier had no record of it (stored by another instance sharing the root, or before a restart of
-  an unbounded tier), and the chunks after it in the prefix, stored with it and evicted after it
-  (tail first, CASES C47), almost always are too. From then on the request's unknown chunks are
-  expected. A chunk found from the tier's own records (it stored it, or counted it at start) says
+- *Found*: the request's lookup of its scout answered HIT, or its probe found it while the
+  request went on with its other chunks (:meth:`Speculation.open_scout`): the chunk is on the
+  medium though this tier had no record of it (stored by another instance sharing the root, or
+  before a restart of an unbounded tier), and the chunks after it in the prefix, stored with it
+  and evicted after it (tail first, CASES C47), almost always are too. From then on the
+  request's unknown chunks are expected. A chunk found from the tier's own records (it stored it, or counted it at start) says
   nothing of the unknown chunks after it: the tier would know them if it held them, and they are
   nearly always a new turn's tail, stored nowhere; they are probed.
 - *Missed*: any MISS the request got from this tier (an absent verdict, a miss owed to it), or a

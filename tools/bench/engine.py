@@ -125,8 +125,8 @@ class _Engine:
 
     def __init__(self, arena: Arena, n: int, root: Path, fs: dict[str, Any] | None = None):
         self._vllm_contexts()
-        tier = scratch_fs_tier(root, chunks_per_task=_TASK_CHUNKS, **(fs or {}))
-        self._kvoffload_manager(arena, [tier])
+        entry = scratch_fs_tier(root, chunks_per_task=_TASK_CHUNKS, **(fs or {}))
+        self._kvoffload_manager(arena, [entry])
         tier = self.tm.tiers[0]
         assert isinstance(tier, ProcessTierManager)
         self.tier = tier
@@ -393,8 +393,8 @@ def all_in(
             removed = eng.tm.host.remove(keys)
             assert len(removed) == len(keys), "stored chunks still pinned"
         if name == "fs_reload":  # ...and the tier has no verdict on them, as after a restart
-            for k in keys:
-                eng.tier.verdicts.forget(k)
+            for key in keys:
+                eng.tier.verdicts.forget(key)
         gc.collect()
         m = _Meter(by_call, busy_iters)
         probes = eng.probes()

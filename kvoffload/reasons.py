@@ -36,6 +36,15 @@ FAILED: dict[str, Reason] = {
         "or a cleaner, after the lookup): a miss",
         "none, unless it rises steadily on a shared root: then something else deletes chunks",
     ),
+    "speculative_miss": Reason(
+        "a chunk loaded without an existence probe, because an earlier chunk of the same "
+        "request was found on the medium where the tier had no record of it (written by "
+        "another instance, or before a restart), was not there: a miss like missing (it and the "
+        "chunks after it are recomputed), never wrong bytes; counted among the tier's hits at "
+        "its lookup",
+        "none: a prefix that goes on past what was stored (a new turn) ends so; "
+        "max_speculative_chunks bounds it per request, 0 probes every chunk first",
+    ),
     "corrupt": Reason(
         "the stored copy failed its header or checksum check and was removed: a miss, never "
         "wrong bytes",

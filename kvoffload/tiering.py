@@ -6,8 +6,10 @@
          │  host WRITING ─ poll ─▶ HIT_PENDING  (a store or promotion is in flight; a poll, at
          │                                      most every poll_interval_s while tier jobs are
          │                                      out, first applies a promotion that landed: HIT)
-         └─ host miss: poll completions, then ask tiers in order
+         └─ host miss: poll completions, then ask tiers in order (lookup_for_load)
                tier HIT  ─▶ reserve a host slot now (WRITING), queue a promotion ─▶ HIT_PENDING
+                            (the tier may expect the chunk: a request's chunks after one its
+                            probe found; tiers/speculation.py)
                tier RETRY ─▶ RETRY (probe in flight)          all MISS ─▶ MISS
     step()  ─▶ submit queued promotions (one load job per tier and request), flush probes, poll
     prepare_store ─▶ poll first (completions free pins before eviction decisions), allocate slots
@@ -16,7 +18,9 @@
 
 Reserving the host slot at lookup time means concurrent requests never promote the same chunk twice:
 the second one finds it WRITING. A failed promotion frees the slot and the tier answers MISS for the
-chunk afterwards, so the request goes on with a shorter prefix instead of waiting forever.
+chunk afterwards, so the request goes on with a shorter prefix instead of waiting forever: also
+when the tier answered HIT on expectation and the chunk was not there (``speculative_miss``; the
+engine's prefix ends at that chunk, so nothing after it is served).
 
 The manager routes: chunks between tiers, pins to holders, results to jobs. Its parts, each in its
 own module and each reset by itself: the promotion-hold policy (:class:`~kvoffload.holds
@@ -54,6 +58,7 @@ from kvoffload.stats import HOST, HOST_REFUSALS, TIER_REFUSALS, Stats
 from kvoffload.tiers import create_tier
 from kvoffload.tiers.base import (
     PEER_PROMOTION,
+    SPECULATIVE_MISS,
     JobMetadata,
     LookupResult,
     RoutedTier,
@@ -329,7 +334,9 @@ class TieringManager:
                 self.poll()
             any_retry = False
             for i, tier in enumerate(self.tiers):
-                r = tier.lookup(key, req_id)
+                # a chunk to promote when found may be loaded on the tier's expectation; one a
+                # window scan may not choose needs the tier's verdict (present or absent)
+                r = tier.lookup_for_load(key, req_id) if promote else tier.lookup(key, req_id)
                 if r is _HIT:
                     if not promote:
                         return _RETRY
@@ -949,8 +956,14 @@ class TieringManager:
                 for k in failed:
                     src.pop(k, None)
             stats.promotion_failures[tier.name] += len(failed)
-            log.info(
-                "promotion from %s failed for %d chunk(s): %s", tier.name, len(failed), res.reason
+            # chunks loaded on the tier's expectation and not there are a plain miss
+            expected = all(r == SPECULATIVE_MISS for r in res.failed.values()) and res.failed
+            log.log(
+                logging.DEBUG if expected else logging.INFO,
+                "promotion from %s failed for %d chunk(s): %s",
+                tier.name,
+                len(failed),
+                res.reason,
             )
         stats.promotions[tier.name] += len(ok)
         if log.isEnabledFor(logging.DEBUG):

@@ -74,6 +74,10 @@ FOUND_PRESENT = "found_present"
 written by another instance sharing the root, or by this one earlier)."""
 DEDUP_REASONS = (KNOWN_PRESENT, FOUND_PRESENT)
 """The ``reason`` values of ``kvoffload_tier_deduplicated_chunks_total``."""
+SPECULATIVE_MISS = "speculative_miss"
+"""Why a load failed for a chunk (:attr:`JobResult.failed`): it was loaded without asking the tier
+first (:meth:`SecondaryTierManager.lookup_for_load` answered HIT on expectation) and the tier did
+not hold it: a miss, as ``missing`` is, but one the tier took the risk of."""
 
 
 class JobResult(msgspec.Struct, kw_only=True, gc=False):
@@ -185,6 +189,15 @@ class SecondaryTierManager(ABC):
     @abstractmethod
     def lookup(self, key: bytes, req_id: str = "") -> LookupResult:
         """HIT, MISS or RETRY for one chunk. Never blocks, never raises."""
+
+    def lookup_for_load(self, key: bytes, req_id: str = "") -> LookupResult:
+        """:meth:`lookup` of a chunk whose HIT the caller promotes at once (a load job of
+        ``req_id`` follows): the tiering manager asks this way for an engine request's prefix,
+        in order. A tier may then answer HIT for a chunk it expects to hold without asking its
+        storage first, provided a load that finds nothing is a clean miss
+        (:data:`SPECULATIVE_MISS`; the worker-backed tiers, :mod:`kvoffload.tiers.speculation`).
+        Never blocks, never raises. Default: :meth:`lookup`."""
+        return self.lookup(key, req_id)
 
     @abstractmethod
     def submit_store(self, job: JobMetadata) -> None:

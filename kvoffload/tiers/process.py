@@ -3,8 +3,12 @@ that name an ``io_module``): jobs split into tasks, tasks sent to workers, resul
 
 ::
 
-    lookup(key) ─▶ verdicts (verdicts.py) ── known ──▶ HIT / MISS
+    lookup(key) ─▶ verdicts (verdicts.py), the ledger (capacity.py) ── known ──▶ HIT / MISS
                         └─ unknown ─▶ queue an existence probe, answer RETRY
+    lookup_for_load(key, req) ─▶ known ──▶ HIT / MISS
+                        └─ unknown ─▶ speculation.py: expected ──▶ HIT (loaded unasked)
+                                          deferred (req's probe out) ──▶ RETRY
+                                          else ──▶ probe, RETRY
     flush() ──────▶ ProbeTask batches ─────────▶ reader workers ─┐
     submit_load ──▶ LoadTask(s) ───────────────▶ reader workers ─┤ results socket
     submit_store ─▶ capacity.admit ─▶ StoreTask(s) ─▶ writer workers ─┤
@@ -13,9 +17,11 @@ that name an ``io_module``): jobs split into tasks, tasks sent to workers, resul
 
 The pieces, one module each: :mod:`.verdicts` (what the tier believes it holds: present / absent
 verdicts, owed misses), :mod:`.capacity` (bytes counted against ``max_bytes``, LRU eviction, the
-bookkeeping of deletes), :mod:`.breaker` (the circuit breaker), :mod:`.workerpool` (the worker
-processes of one direction) and :mod:`.resources` (sockets, pools and threads, closed by
-``shutdown()`` or, for a tier dropped without one, by ``weakref.finalize``).
+bookkeeping of deletes), :mod:`.speculation` (which chunks of a request are loaded without a probe,
+and which wait for the request's one probe), :mod:`.breaker` (the circuit breaker),
+:mod:`.workerpool` (the worker processes of one direction) and :mod:`.resources` (sockets, pools
+and threads, closed by ``shutdown()`` or, for a tier dropped without one, by
+``weakref.finalize``).
 
 Nothing here blocks: tasks are encoded and handed to ZMQ, results are drained with non-blocking
 reads (only while tasks are in flight, else at the health checks' pace: an idle step reads no
@@ -23,12 +29,15 @@ socket), and worker health is checked at most every 20 ms (each worker's
 :class:`~kvoffload.supervisor.Supervisor` looks at its exit descriptor, a pidfd, and reaps a worker
 that has exited). A job is split into tasks of ``chunks_per_task`` chunks spread over the workers;
 its one :class:`JobResult` comes when the last task answers. Verdicts: a probe or a successful store
-makes a key present; a probe that finds nothing makes it absent for ``negative_ttl_s``; a failed
-load makes it absent for ``failed_load_ttl_s``, so a request never spins on a chunk that cannot be
-read (CASES C07). However short those lifetimes (0 included), a request told RETRY while a probe was
+makes a key present, and so does the ledger counting it (a capped tier's chunks, those its start
+scan found included); a probe that finds nothing makes it absent for ``negative_ttl_s``; a failed
+load makes it absent for ``failed_load_ttl_s`` (``negative_ttl_s`` for an expected chunk that was
+not there: what a probe would have found), so a request never spins on a chunk that cannot be read
+(CASES C07). However short those lifetimes (0 included), a request told RETRY while a probe was
 out, or whose load of the key failed, is owed the verdict: its next lookup of that key answers MISS,
 so it waits at most one probe round trip (bounded by ``job_timeout_s``), never a probe after probe
-(CASES C36).
+(CASES C36); a chunk that waited for its request's first probe (its scout) instead of a probe of
+its own waits at most two.
 """
 
 from __future__ import annotations
@@ -55,6 +64,7 @@ from kvoffload.metrics import Gauge, MetricSet
 from kvoffload.tiers.base import (
     FOUND_PRESENT,
     KNOWN_PRESENT,
+    SPECULATIVE_MISS,
     JobMetadata,
     JobResult,
     LookupResult,
@@ -64,6 +74,7 @@ from kvoffload.tiers.base import (
 from kvoffload.tiers.breaker import HALF_OPEN, MAX_COOLDOWN_FACTOR, OPEN, STATES, CircuitBreaker
 from kvoffload.tiers.capacity import MEDIUM_FULL, Capacity
 from kvoffload.tiers.resources import TierResources, weak_callback
+from kvoffload.tiers.speculation import Speculation
 from kvoffload.tiers.verdicts import VerdictCache
 from kvoffload.tiers.workerpool import PoolTask, WorkerPool
 from kvoffload.validation import ConfigIssue, RenamedWithErrors
@@ -138,6 +149,12 @@ class ProcessTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
         failed_load_ttl_s: how long a key whose load failed answers MISS (seconds, 0 to 86400;
             with 0, the request whose load failed still gets one MISS).
         lookup_cache_entries: bound on remembered "present" verdicts.
+        max_speculative_chunks: chunks of one request loaded without an existence probe once
+            the first chunk it waited for a probe of was found (:mod:`kvoffload.tiers
+            .speculation`: the reload of a prefix this tier has no record of, written by another
+            instance or before a restart, costs one probe and one load); one that is not there
+            is a clean miss (``speculative_miss``). 0: every chunk the tier has no record of is
+            probed first, one probe each.
         io_threads: chunks each worker moves at once, of one task or of several (threads inside
             the worker; store and load tasks start as they arrive).
         worker_nice: niceness added to worker processes (0-19).
@@ -191,6 +208,7 @@ class ProcessTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     negative_ttl_s: TTLSeconds = 2.0
     failed_load_ttl_s: TTLSeconds = 60.0
     lookup_cache_entries: Positive = 1_000_000
+    max_speculative_chunks: Annotated[int, msgspec.Meta(ge=0)] = 4096
     io_threads: Annotated[int, msgspec.Meta(ge=1, le=64)] = 8
     worker_nice: Annotated[int, msgspec.Meta(ge=0, le=19)] = 10
     breaker_failures: Positive | None = None
@@ -266,6 +284,7 @@ class _Job:
         "free_bytes",
         "known",
         "found",
+        "expected",
     )
 
     def __init__(self, meta: JobMetadata, is_load: bool):
@@ -283,6 +302,8 @@ class _Job:
         #: because a worker found them already stored (CASES C50).
         self.known = 0
         self.found = 0
+        #: Loads: the chunks loaded on expectation, never probed (:mod:`.speculation`).
+        self.expected: Collection[bytes] = ()
 
 
 class _TaskRec:
@@ -320,13 +341,20 @@ def _least_free(was: int | None, free_bytes: int) -> int:
     return -1 if -1 in (was, free_bytes) else min(was, free_bytes)
 
 
-def summarize(codes: Iterable[int]) -> str:
-    """``"corrupt=1 missing=2"``: how many of ``codes`` (per-key outcome codes) have each name."""
+def summarize(names: Iterable[str]) -> str:
+    """``"corrupt=1 missing=2"``: how many of ``names`` (per-key failure reasons) are each."""
     counts: dict[str, int] = {}
-    for c in codes:
-        name = m.CODE_NAMES.get(c, str(c))
+    for name in names:
         counts[name] = counts.get(name, 0) + 1
     return " ".join(f"{k}={v}" for k, v in sorted(counts.items()))
+
+
+def _failure(job: _Job, key: bytes, code: int) -> str:
+    """The reason ``key`` of ``job`` failed with ``code`` (:data:`kvoffload.reasons.FAILED`): its
+    code's name, or :data:`SPECULATIVE_MISS` for a chunk loaded on expectation and not found."""
+    if code == m.MISSING and key in job.expected:
+        return SPECULATIVE_MISS
+    return m.CODE_NAMES.get(code, str(code))
 
 
 class ProcessTierManager(SecondaryTierManager):
@@ -386,6 +414,7 @@ class ProcessTierManager(SecondaryTierManager):
         cfg = config
         self.chunks_per_task = cfg.chunks_per_task or max(1, min(64, (8 << 20) // self.row_bytes))
         self.verdicts = VerdictCache(cfg.lookup_cache_entries)
+        self.speculation = Speculation(cfg.max_speculative_chunks)
         self.capacity = Capacity(
             None, self.row_bytes, count=self.count, forget=self.verdicts.forget
         )
@@ -780,22 +809,65 @@ class ProcessTierManager(SecondaryTierManager):
                 br.trial_requests,
             )
 
+    def _verdict(self, key: bytes, req_id: str) -> bool | None:
+        """What the tier knows of ``key`` for ``req_id``'s lookup: True (a present verdict, or
+        its ledger counts it: stored here, or found by the start scan of a capped tier), False
+        (absent, or a miss owed to the request, which this pays), None (unknown)."""
+        verdict = self.verdicts.verdict(key, req_id)
+        if verdict is None and key in self.capacity.index:
+            return True
+        return verdict
+
     @override
     def lookup(self, key: bytes, req_id: str = "") -> LookupResult:
         br = self.breaker
         if br is not None and br.tripped:
             return self._lookup_tripped(key, br)
-        verdict = self.verdicts.lookup(key, req_id)
+        verdict = self._verdict(key, req_id)
         if verdict is not None:
             return _HIT if verdict else _MISS
+        self._probe_for(key, req_id)
+        return _RETRY
+
+    @override
+    def lookup_for_load(self, key: bytes, req_id: str = "") -> LookupResult:
+        """:meth:`lookup`, and for a chunk the tier knows nothing of: HIT when the request
+        expects it (its load is then the only round trip; a missing file is a clean miss), RETRY
+        without a probe while the request's first probe is out (:mod:`.speculation`)."""
+        br = self.breaker
+        if br is not None and br.tripped:
+            return self._lookup_tripped(key, br)
+        verdict = self._verdict(key, req_id)
+        spec = self.speculation
+        if verdict is not None:
+            spec.answered(req_id, key, verdict)
+            return _HIT if verdict else _MISS
+        scout = spec.open_scout(req_id)
+        if scout is not None and scout not in self._probing and self._on_record(scout):
+            spec.answered(req_id, scout, True)  # found since the request asked
+        if spec.expects(req_id, key):
+            return _HIT
+        if spec.defers(req_id, key, self._probing):
+            return _RETRY
+        self._probe_for(key, req_id)
+        spec.probed(req_id, key)
+        return _RETRY
+
+    def _probe_for(self, key: bytes, req_id: str) -> None:
+        """``req_id`` waits for a probe of ``key`` (queued unless one is out) and is owed its
+        verdict."""
+        self.verdicts.wait(key, req_id)
         if key not in self._probing:
             self._probe(key)
-        return _RETRY
 
     @override
     def known_present(self, key: bytes) -> bool:
         br = self.breaker
-        return (br is None or not br.tripped) and self.verdicts.is_present(key)
+        return (br is None or not br.tripped) and self._on_record(key)
+
+    def _on_record(self, key: bytes) -> bool:
+        """Whether a present verdict or the ledger says the tier holds ``key``."""
+        return self.verdicts.is_present(key) or key in self.capacity.index
 
     def _lookup_tripped(self, key: bytes, br: CircuitBreaker) -> LookupResult:
         """Lookup while the breaker is open or half-open: MISS, unless this lookup is one of the
@@ -863,9 +935,13 @@ class ProcessTierManager(SecondaryTierManager):
     @override
     def submit_load(self, job: JobMetadata) -> None:
         self.capacity.loads_started(job.keys)
-        self._dispatch(
-            _Job(job, is_load=True), list(range(len(job.keys))), self._readers, TaskKind.LOAD
-        )
+        rec = _Job(job, is_load=True)
+        expected = self.speculation.expected_keys(job.req_id, job.keys)
+        if expected:
+            # still unknown: one found (a probe, a store) since is no longer a guess
+            rec.expected = {k for k in expected if not self._on_record(k)}
+            self.count("speculative_loads", len(rec.expected))
+        self._dispatch(rec, list(range(len(job.keys))), self._readers, TaskKind.LOAD)
 
     def _dispatch(self, job: _Job, positions: list[int], pool: WorkerPool, kind: TaskKind) -> None:
         self._job_count += 1
@@ -888,6 +964,7 @@ class ProcessTierManager(SecondaryTierManager):
         meta = job.meta
         failed = job.failed
         ok_keys = [k for k in meta.keys if k not in failed] if failed else meta.keys
+        reasons = {k: _failure(job, k, c) for k, c in failed.items()}
         gone: Collection[bytes] = ()
         cap = self.capacity
         if not job.is_load and cap.removals_since(job.t0):
@@ -903,12 +980,16 @@ class ProcessTierManager(SecondaryTierManager):
                 # announced here (stored or adopted), gone now (another instance on a shared
                 # root removed it): say so, as no other instance will (CASES C55)
                 self._events.append(TierEvent(vanished, True))
-            for k in failed:
-                self.verdicts.mark_absent(k, self.config.failed_load_ttl_s)
+            ttl = self.config.failed_load_ttl_s
+            # a chunk expected and not there: what a probe would have found
+            guessed = self.config.negative_ttl_s
+            for k, why in reasons.items():
+                self.verdicts.mark_absent(k, guessed if why == SPECULATIVE_MISS else ttl)
                 self.verdicts.owe_miss(k, (meta.req_id,))
             self.count("load_chunks", len(ok_keys))
             if failed:
                 self.count("load_failures", len(failed))
+                self.speculation.load_failed(meta.req_id)
         else:
             free = -1 if job.free_bytes is None else job.free_bytes
             self._on_stores_done(meta.keys, failed, gone, meta.request, free)
@@ -928,8 +1009,8 @@ class ProcessTierManager(SecondaryTierManager):
                 job_id=meta.job_id,
                 success=False,
                 successful_keys=ok_keys,
-                reason=summarize(failed.values()),
-                failed={k: m.CODE_NAMES.get(c, str(c)) for k, c in failed.items()},
+                reason=summarize(reasons.values()),
+                failed=reasons,
                 transfer_bytes=job.nbytes,
                 transfer_seconds=time.monotonic() - job.t0,
                 status=dict(job.status),
@@ -1130,6 +1211,7 @@ class ProcessTierManager(SecondaryTierManager):
 
     @override
     def request_finished(self, req_id: str) -> None:
+        self.speculation.finished(req_id)
         if self.capacity.bounded:
             self.capacity.request_finished(req_id)
 

@@ -80,6 +80,14 @@ class VerdictCache:
         """The verdict for ``req_id``'s lookup of ``key``: True (present), False (absent, or a MISS
         owed to this request, which this answer pays), or None (unknown: ``req_id`` now waits for
         the probe the caller sends, and is owed its verdict)."""
+        verdict = self.verdict(key, req_id)
+        if verdict is None:
+            self.wait(key, req_id)
+        return verdict
+
+    def verdict(self, key: bytes, req_id: str) -> bool | None:
+        """:meth:`lookup` without the wait: None leaves ``req_id`` owed nothing (the caller sends
+        no probe for it, or calls :meth:`wait` when it does)."""
         if key in self.present:
             return True
         if key in self.absent:
@@ -90,12 +98,15 @@ class VerdictCache:
             if not owed:
                 del self.owed[key]
             return False
+        return None
+
+    def wait(self, key: bytes, req_id: str) -> None:
+        """``req_id`` waits for the probe of ``key`` the caller sends: it is owed its verdict."""
         waiting = self.waiting.get(key)
         if waiting is None:
             self.waiting[key] = {req_id}
         else:
             waiting.add(req_id)
-        return None
 
     def is_present(self, key: bytes) -> bool:
         """True while a present verdict for ``key`` is held (LRU, no expiry)."""

@@ -195,7 +195,7 @@ MUTATIONS: list[Mutation] = [
         "C07",
         "a failed load leaves the key's verdict as it was",
         "kvoffload/tiers/process.py",
-        "                self.verdicts.mark_absent(k, self.config.failed_load_ttl_s)\n",
+        "                self.verdicts.mark_absent(k, guessed if why == SPECULATIVE_MISS else ttl)\n",
         "",
         (FS + "test_c07_failed_load_does_not_livelock_the_request",),
     ),

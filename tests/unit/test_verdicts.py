@@ -30,6 +30,18 @@ def test_an_unknown_key_waits_for_its_probe_and_the_waiters_are_owed_a_miss():
     assert v.lookup(b"k", "r1") is None  # ...then the key is unknown again: probe again
 
 
+def test_a_request_that_asked_without_waiting_for_the_probe_is_owed_nothing():
+    """``verdict`` answers without making the request a waiter (it waits for another probe of
+    its own request instead, kvoffload.tiers.speculation); ``wait`` makes it one."""
+    v, _ = cache()
+    assert v.verdict(b"k", "deferred") is None
+    v.wait(b"k", "waiter")
+    assert v.waiting == {b"k": {"waiter"}}
+    v.settle(b"k", False, ttl_s=0.0)
+    assert v.verdict(b"k", "deferred") is None  # not owed: asked again, it is probed
+    assert v.verdict(b"k", "waiter") is False
+
+
 def test_a_probe_that_finds_the_key_makes_it_present_and_owes_nothing():
     v, _ = cache()
     assert v.lookup(b"k", "r") is None

@@ -13,6 +13,10 @@ jobs, as the number of stored chunks grows.
         fs load   on_new_request, lookups (fs hit: a promotion), on_schedule_end (its hand-off),
                   the steps until the promotion landed, lookups again (host hits), prepare_load,
                   get_load_source, (next step) complete_load, on_request_finished
+        fs reload the fs load of chunks the fs tier holds but has no verdict on, as after a
+                  restart (its present verdicts forgotten; a capped tier's ledger still counts
+                  them): a lookup that asks the tier's storage first (a probe, RETRY) is asked
+                  again the next step, as vLLM's scheduler does
         host load on_new_request, lookups (host hits), prepare_load, get_load_source, (next step)
                   complete_load, on_request_finished
       host only   the store and host-load flows with no secondary tier, kvoffload's manager and,
@@ -47,7 +51,6 @@ import click
 from kvoffload.config import parse_config
 from kvoffload.ipc.arena import Arena
 from kvoffload.tiering import TieringManager
-from kvoffload.tiers.base import LookupResult
 from kvoffload.tiers.process import ProcessTierManager
 from kvoffload.tools import scratch_fs_tier
 from kvoffload.tools.bench.harness import (
@@ -102,6 +105,8 @@ class _Meter:
         self.spent: dict[str, float] = defaultdict(float)
         self.steps = 0
         self.idle_steps = 0
+        #: Load flows: per job, the scheduler steps from its first lookup to its prepare_load.
+        self.waits: list[int] = []
 
     def lap(self, kind: str, t0: float) -> float:
         if not self.by_call:
@@ -118,9 +123,10 @@ class _Engine:
 
     writes_through = True  # a store is done once the tier's completion is applied
 
-    def __init__(self, arena: Arena, n: int, root: Path):
+    def __init__(self, arena: Arena, n: int, root: Path, fs: dict[str, Any] | None = None):
         self._vllm_contexts()
-        self._kvoffload_manager(arena, [scratch_fs_tier(root, chunks_per_task=_TASK_CHUNKS)])
+        entry = scratch_fs_tier(root, chunks_per_task=_TASK_CHUNKS, **(fs or {}))
+        self._kvoffload_manager(arena, [entry])
         tier = self.tm.tiers[0]
         assert isinstance(tier, ProcessTierManager)
         self.tier = tier
@@ -159,6 +165,10 @@ class _Engine:
     def new_keys(self, count: int) -> list[bytes]:
         self._tag += 1
         return [_key(j, self._tag) for j in range(count)]
+
+    def probes(self) -> int:
+        """Chunks whose existence the fs tier has asked its storage so far."""
+        return int(self.tier.counters.get("probes", 0))
 
     def tier_done(self) -> int:
         st, name = self.tm.stats, self.tier.name
@@ -236,6 +246,9 @@ class _HostOnly(_Engine):
     def tier_done(self) -> int:
         return 0
 
+    def probes(self) -> int:
+        return 0
+
     def check(self) -> None:
         pass
 
@@ -281,17 +294,20 @@ def _store_flow(eng: _Engine, jobs: list[list[bytes]], per_step: int, m: _Meter)
 def _load_flow(
     eng: _Engine, jobs: list[list[bytes]], per_step: int, m: _Meter, from_fs: bool
 ) -> None:
-    """Load ``jobs``: from the fs tier (``from_fs``: each job's keys are looked up, promoted, and
-    looked up again once they landed) or from the host tier."""
+    """Load ``jobs``: from the fs tier (``from_fs``: each job's keys are looked up, every step
+    while one is RETRY, promoted, and looked up again once they landed) or from the host tier."""
     mgr, tm, ctx_of = eng.mgr, eng.tm, eng.ReqContext
-    want = LookupResult.HIT_PENDING if from_fs else LookupResult.HIT
+    # a job's first answers: promotions started (or landed already), or a tier still asking
+    want = {"HIT_PENDING", "HIT"} if from_fs else {"HIT"}
     index, state, ready = (tm.host.index, tm.host.state, 2) if from_fs else ({}, [], 2)
+    asking: list[tuple[list[bytes], Any]] = []  # a tier answered RETRY: looked up again
     promoting: list[tuple[list[bytes], Any]] = []
     landed: list[tuple[list[bytes], Any]] = []
     copying: list[tuple[list[bytes], Any]] = []
+    first_step: dict[int, int] = {}  # id(ctx) -> the step of the job's first lookup
     i = 0
-    while i < len(jobs) or promoting or landed or copying:
-        active = bool(landed or copying) or i < len(jobs)
+    while i < len(jobs) or asking or promoting or landed or copying:
+        active = bool(asking or landed or copying) or i < len(jobs)
         ctxs = [ctx_of(req_id=f"l{j}") for j in range(i, min(i + per_step, len(jobs)))]
         t = t_step = m.clock()
         for keys, ctx in copying:
@@ -304,20 +320,26 @@ def _load_flow(
         t = m.lap("requests", t)
         copying = []
         starting = []
+        asked, asking = asking, []
         for ctx in ctxs:
-            keys = jobs[i]
+            asked.append((jobs[i], ctx))
+            first_step[id(ctx)] = m.steps
             i += 1
-            for k in keys:
-                r = mgr.lookup(k, ctx)
-                if r.name != want.name:
-                    raise AssertionError(f"bench engine: lookup answered {r}, not {want}")
-            starting.append((keys, ctx))
+        for keys, ctx in asked:
+            answers = {mgr.lookup(k, ctx).name for k in keys}
+            if from_fs and "RETRY" in answers:
+                asking.append((keys, ctx))
+            elif answers <= want:
+                starting.append((keys, ctx))
+            else:
+                raise AssertionError(f"bench engine: lookups answered {answers}, not {want}")
         for keys, ctx in landed:
             for k in keys:
                 if mgr.lookup(k, ctx).name != "HIT":
                     raise AssertionError("bench engine: a landed chunk is not a host hit")
         t = m.lap("lookup", t)
         loading = landed if from_fs else starting
+        m.waits.extend(m.steps - first_step.pop(id(ctx)) for _, ctx in loading)
         for keys, ctx in loading:
             mgr.prepare_load(keys, ctx)
         t = m.lap("prepare_load", t)
@@ -361,17 +383,23 @@ def all_in(
         ("store", lambda m: _store_flow(eng, jobs, per_step, m)),
         ("fs_load", lambda m: _load_flow(eng, jobs, per_step, m, True)),
         ("host_load", lambda m: _load_flow(eng, jobs, per_step, m, False)),
+        ("fs_reload", lambda m: _load_flow(eng, jobs, per_step, m, True)),
     )
     for name, run in flows:
-        if name == "fs_load" and not eng.writes_through:
+        if name.startswith("fs_") and not eng.writes_through:
             continue
-        if name == "fs_load":  # the stored chunks leave the host tier: they load from fs
+        if name.startswith("fs_"):  # the stored chunks leave the host tier: they load from fs
             assert eng.tm.wait_idle(120)
             removed = eng.tm.host.remove(keys)
             assert len(removed) == len(keys), "stored chunks still pinned"
+        if name == "fs_reload":  # ...and the tier has no verdict on them, as after a restart
+            for key in keys:
+                eng.tier.verdicts.forget(key)
         gc.collect()
         m = _Meter(by_call, busy_iters)
+        probes = eng.probes()
         run(m)
+        probes = eng.probes() - probes
         total = sum(v for c, v in m.spent.items() if c != "idle")
         out[name] = {
             "us_per_chunk": total / len(keys) * 1e6,
@@ -380,6 +408,8 @@ def all_in(
             "idle_step_us": m.spent["idle"] / max(1, m.idle_steps) * 1e6,
             "idle_steps": m.idle_steps,
             "steps": m.steps,
+            "steps_to_load": statistics.median(m.waits) if m.waits else None,
+            "probes_per_job": probes / n_jobs,
         }
     return out
 
@@ -427,8 +457,10 @@ def engine_cost(
     workdir: Path,
     by_call: bool = False,
     profile: str | None = None,
+    fs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Lookup and all-in figures with ``n_chunks`` stored (see the module docstring)."""
+    """Lookup and all-in figures with ``n_chunks`` stored (see the module docstring); ``fs``:
+    more settings of the fs tier."""
     out: dict[str, Any] = {"stored_chunks": n_chunks, "all_in": []}
     with Arena.create(arena_name("engine"), max(n_chunks, 4 * run_chunks), _ROW) as arena:
         out.update(lookup_cost(n_chunks, arena))
@@ -436,7 +468,7 @@ def engine_cost(
         if missing_modules(("vllm",)):
             return out
         root = workdir / "fs-engine"
-        eng = _Engine(arena, n_chunks, root)
+        eng = _Engine(arena, n_chunks, root, fs)
         try:
             prof = cProfile.Profile() if profile else None
             for k in job_sizes:
@@ -472,7 +504,12 @@ def host_only_cost(
     return out
 
 
-_FLOWS = (("store", "store"), ("fs_load", "fs load"), ("host_load", "host load"))
+_FLOWS = (
+    ("store", "store"),
+    ("fs_load", "fs load"),
+    ("host_load", "host load"),
+    ("fs_reload", "fs reload"),
+)
 
 
 @click.command("engine")
@@ -518,10 +555,24 @@ _FLOWS = (("store", "store"), ("fs_load", "fs load"), ("host_load", "host load")
     is_flag=True,
     help="Break each flow down by manager call (more clock readings: noisier).",
 )
+@click.option(
+    "--fs-unbounded",
+    is_flag=True,
+    help='The fs tier with max_bytes "unbounded" (no ledger: after a restart, or with its verdicts '
+    "forgotten, it has no record of its chunks).",
+)
 @click.option("--profile", "profile_path", default=None, help="cProfile output of the first N.")
 @plot_option("docs/bench/engine.png")
 def bench_engine(
-    chunks, job_chunks, run_chunks, jobs_per_step, step_ms, by_call, profile_path, plot_path
+    chunks,
+    job_chunks,
+    run_chunks,
+    jobs_per_step,
+    step_ms,
+    by_call,
+    fs_unbounded,
+    profile_path,
+    plot_path,
 ) -> None:
     """Engine-thread µs per host-hit lookup and per chunk of whole jobs (all-in: lookup,
     hand-off, completion, metrics, through vLLM's manager interface), as the number of stored
@@ -558,6 +609,7 @@ def bench_engine(
                     wd,
                     by_call,
                     profile_path if i == 0 else None,
+                    {"max_bytes": "unbounded"} if fs_unbounded else None,
                 )
             )
     finally:
@@ -575,15 +627,18 @@ def bench_engine(
     click.echo(
         f"\nAll-in engine-thread CPU, µs per chunk ({jobs_per_step} job(s) a step, "
         f"{step_ms:g} ms steps, {run_chunks} chunks per flow):\n"
-        "\n| stored chunks | chunks/job | store | fs load | host load | store µs/job | "
-        "fs load µs/job |\n|---|---|---|---|---|---|---|"
+        "\n| stored chunks | chunks/job | store | fs load | host load | fs reload | store µs/job | "
+        "fs load µs/job | steps to load: fs load / fs reload | fs reload probes/job |"
+        "\n|---|---|---|---|---|---|---|---|---|---|"
     )
     for r in rows:
         for a in r["all_in"]:
             click.echo(
                 f"| {r['stored_chunks']:,} | {a['chunks_per_job']} | "
                 + " | ".join(f"{a[f]['us_per_chunk']:.2f}" for f, _ in _FLOWS)
-                + f" | {a['store']['us_per_job']:.1f} | {a['fs_load']['us_per_job']:.1f} |"
+                + f" | {a['store']['us_per_job']:.1f} | {a['fs_load']['us_per_job']:.1f} | "
+                f"{a['fs_load']['steps_to_load']:g} / {a['fs_reload']['steps_to_load']:g} | "
+                f"{a['fs_reload']['probes_per_job']:g} |"
             )
     _host_only_table(rows, jobs_per_step, step_ms, run_chunks)
     if not by_call:

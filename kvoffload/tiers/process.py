@@ -23,10 +23,10 @@ and which wait for the request's one probe), :mod:`.breaker` (the circuit breake
 and threads, closed by ``shutdown()`` or, for a tier dropped without one, by
 ``weakref.finalize``).
 
-Nothing here blocks: tasks are encoded and handed to ZMQ, results are drained with non-blocking
-reads (only while tasks are in flight, else at the health checks' pace: an idle step reads no
-socket), and worker health is checked at most every 20 ms (each worker's
-:class:`~kvoffload.supervisor.Supervisor` looks at its exit descriptor, a pidfd, and reaps a worker
+Nothing here blocks: tasks are encoded and sent without waiting (``ipc/channels.py`` queues what
+the kernel will not take yet), results are drained with non-blocking reads (only while tasks are in
+flight, else at the health checks' pace: an idle step reads no socket), and worker health is
+checked at most every 20 ms (each worker's :class:`~kvoffload.supervisor.Supervisor` looks at its exit descriptor, a pidfd, and reaps a worker
 that has exited). A job is split into tasks of ``chunks_per_task`` chunks spread over the workers;
 its one :class:`JobResult` comes when the last task answers. Verdicts: a probe or a successful store
 makes a key present, and so does the ledger counting it (a capped tier's chunks, those its start

@@ -2,7 +2,7 @@
 
 ::
 
-    tier load job ends ──▶ TierLoadCost.observe(bytes, seconds)   (a store's until the first load)
+    tier load job ends ──▶ TierLoadCost.loads.observe(bytes, seconds)  (stores: .stores)
     engine step ends ────▶ RateEstimate.observe(tokens, seconds)  (vLLM: tokens the step scheduled)
     lookup, tier HIT ────▶ load_beats_recompute(expected load s, expected recompute s, margin)
                              False ─▶ MISS: the engine recomputes from this chunk
@@ -82,9 +82,11 @@ class TierLoadCost:
     queueing those jobs met is in it) and the bytes of the loads it has been given and not
     finished (in flight, or queued this step).
 
-    Before the tier's first load, its stores' throughput stands in (the only evidence there is;
-    a store is rarely slower than a load of the same chunk, so the stand-in leans towards serving
-    from the tier, never away from it).
+    Before the tier's first load, its stores' throughput stands in for the deadlines of its
+    first promotions (the only evidence there is; a deadline is never shorter than the recompute
+    it guards, so a slow stand-in only waits longer, as before). A lookup judges a tier on its
+    loads only (the tiering manager): stores queued behind a write-through backlog say nothing
+    of what a load costs.
     """
 
     __slots__ = ("loads", "outstanding_bytes", "stores")

@@ -87,6 +87,9 @@ _OVERRUN_STEPS = 2
 """A promotion overruns no sooner than this many scheduler steps after its submission: the one
 it was submitted at the end of, and one more for its result to be polled and its request asked
 again (however fast the estimates say it should have been)."""
+_PROBE_INTERVAL_S = 5.0
+"""A tier judged slower than recompute is given one load now and then all the same (a probe),
+at most this often (seconds): with no load, its estimate would never learn that it recovered."""
 
 
 class _Job:
@@ -303,6 +306,7 @@ class TieringManager:
         self._margin = config.recompute_margin
         self._promoting: dict[bytes, _Job] = {}
         self._recompute: dict[str, set[bytes]] = {}
+        self._probed_at = [float("-inf")] * len(self.tiers)
         self._poll_interval = poll_interval_s
         self._last_poll = 0.0
         self._closed = False
@@ -372,6 +376,7 @@ class TieringManager:
                     if self._gating and self._slower_than_recompute(i, req_id):
                         self._count_verdict(key, req_id, i + 1, -1)
                         self._give_way(req_id, i, [key], "slower_than_recompute")
+                        self._probe(i, key)
                         return _MISS
                     result = self._start_promotion(i, key, req_id)
                     if result is _RETRY:  # no room yet: held for requests that asked earlier
@@ -404,8 +409,8 @@ class TieringManager:
         recomputed from its first MISS, so the chunks are weighed together). False while an
         estimate is missing."""
         cost = self.load_costs[tier_idx]
-        if cost.bytes_per_s is None or self.prefill.rate is None:
-            return False
+        if cost.loads.rate is None or self.prefill.rate is None:
+            return False  # a tier is judged on its loads only (its stores' queueing is no load's)
         mine, others = 1, 0
         queued = self._promotions.get(tier_idx)
         if queued:
@@ -418,6 +423,21 @@ class TieringManager:
         load_s = cost.expected_s(mine * row, others * row)
         recompute_s = self.prefill.seconds_for(mine * self.namespace.tokens_per_chunk)
         return not load_beats_recompute(load_s, recompute_s, self._margin)
+
+    def _probe(self, tier_idx: int, key: bytes) -> None:
+        """Tier ``tier_idx`` was judged slower than recompute for ``key``: promote ``key`` all the
+        same, for no request (none waits for it: the chunk lands in the host tier for later
+        ones), when the tier has no load outstanding or queued and was not probed in the last
+        :data:`_PROBE_INTERVAL_S` seconds, so that its estimate follows it when it recovers."""
+        now = self.clock()
+        if (
+            self.load_costs[tier_idx].outstanding_bytes
+            or tier_idx in self._promotions
+            or now - self._probed_at[tier_idx] < _PROBE_INTERVAL_S
+        ):
+            return
+        self._probed_at[tier_idx] = now
+        self._start_promotion(tier_idx, key, PEER_PROMOTION, True)
 
     def _overran(self, key: bytes, req_id: str) -> bool:
         """Whether ``key`` (host WRITING) is being promoted by a job past its deadline
@@ -583,15 +603,21 @@ class TieringManager:
     def _promotion_submitted(self, job: _Job) -> None:
         """Account a promotion about to be submitted: its bytes are outstanding on its tier, and
         it gets its deadline (:func:`~kvoffload.costs.promotion_deadline`; none without both
-        estimates, or with ``slower_than_recompute: serve``)."""
+        estimates, or with ``slower_than_recompute: serve``). A promotion no request asked for
+        (a peer's, a probe's: :meth:`_probe`) is waited for by requests that find its chunks at
+        most as long as their recompute (``recompute_margin`` times), whatever its load's
+        expected time."""
         meta = job.meta
         cost = self.load_costs[job.tier]
         job.nbytes = len(meta.keys) * self.arena.row_bytes
         if self._gating:
             job.step = self.holds.step_no
+            load_s = cost.expected_s(job.nbytes)
+            if load_s is not None and meta.req_id == PEER_PROMOTION:
+                load_s = 0.0
             job.deadline = promotion_deadline(
                 self.clock(),
-                cost.expected_s(job.nbytes),
+                load_s,
                 self.prefill.seconds_for(len(meta.keys) * self.namespace.tokens_per_chunk),
                 self._margin,
             )
@@ -602,7 +628,8 @@ class TieringManager:
 
     def _promotion_ended(self, job: _Job, res: Any) -> None:
         """A promotion's result came: its bytes are no longer outstanding, its chunks no longer
-        promoting, and a successful load is a sample of its tier's throughput."""
+        promoting, and a successful load (or one that timed out) is a sample of its tier's
+        throughput."""
         cost = self.load_costs[job.tier]
         cost.outstanding_bytes -= job.nbytes
         promoting = self._promoting
@@ -610,8 +637,14 @@ class TieringManager:
             for k in job.meta.keys:
                 if promoting.get(k) is job:
                     del promoting[k]
-        if res.success and not job.orphaned:
+        if job.orphaned:
+            return
+        if res.success:
             cost.loads.observe(res.transfer_bytes, res.transfer_seconds)
+        elif res.failed and "timeout" in res.failed.values():
+            # a load that timed out took at least that long for its bytes: evidence of a slow
+            # tier (a fast failure, a missing chunk, says nothing of its speed)
+            cost.loads.observe(job.nbytes, res.transfer_seconds)
 
     def source_of(self, key: bytes, req_id: str = "") -> str:
         """The tier that served ``key`` for this request: ``"host"`` or a secondary tier's name."""
@@ -732,7 +765,8 @@ class TieringManager:
 
     def serving_promotions(self) -> int:
         """Chunks :meth:`serve_lookup` is promoting for peers that have not landed yet (queued or
-        loading, or loading into slots a reset quarantined). While this is not 0 the caller keeps
+        loading, or loading into slots a reset quarantined; probes of a tier judged slower than
+        recompute, :meth:`_probe`, count too). While this is not 0 the caller keeps
         calling :meth:`poll`: an idle engine is not stepped, and a promotion's result is applied
         only by a poll."""
         with self.lock:

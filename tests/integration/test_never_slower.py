@@ -135,28 +135,48 @@ def test_a_promotion_past_its_deadline_gives_way_to_recompute_and_still_lands(tm
         assert tm.pins_held() == refs_of(tm) == {}
 
 
-def test_a_tier_expected_slower_than_recompute_is_not_asked_to_load(tmp_path):
+def test_a_tier_expected_slower_than_recompute_is_not_waited_for_and_is_probed_now_and_then(
+    tmp_path,
+):
     keys = keys_for(3)
     with Rig([fs_tier(tmp_path / "fs")], num_slots=16, recompute_tokens_per_s=1e6) as rig:
         tm = rig.tm
-        tm.clock = Clock()
+        clock = tm.clock = Clock()
         offloaded(rig, keys)
         # the tier's estimate: one chunk in 1000 s (a configured estimate, not a measured one);
         # 16 tokens recompute in 16 us
         tm.load_costs[0].loads = RateEstimate(fixed=ROW / 1000.0)
         queries = tm.stats.tier_queries["fs"]
-        assert tm.lookup(keys[0], "r") is MISS  # at once: no promotion
-        assert tm.jobs_in_flight() == [] and not tm.has_pending_work()
-        assert tm.lookup(keys[0], "r") is MISS  # and it stays MISS for this request
+        assert tm.lookup(keys[0], "r") is MISS  # at once: the request waits for nothing
         st = tm.stats
         assert st.recomputed[("fs", "slower_than_recompute")] == TOKENS
         assert st.tier_queries["fs"] == queries + 1 and st.tier_hits["fs"] == 0
-        tm.on_request_finished("r")
+        # the tier is probed all the same, for no request: one load, which lands for later ones
+        tm.step()
+        ((_name, direction, job),) = tm.jobs_in_flight()
+        assert direction == "load" and job.keys == [keys[0]] and job.request == ""
+        wait_until(lambda: tm.host.lookup(keys[0]) is HIT, step=tm.step, what="the probe")
+        assert tm.source_of(keys[0], "r") == "host" and tm.promotion_holds == 0
+        assert tm.lookup(keys[0], "r") is MISS  # still recomputed by the request told MISS
+        # within the probe interval, no other probe: nothing is loaded
+        promoted = st.promotions["fs"]
+        assert tm.lookup(keys[1], "s") is MISS
+        tm.step()
+        assert tm.jobs_in_flight() == [] and st.promotions["fs"] == promoted
+        clock.now += 60
+        assert tm.lookup(keys[1], "t") is MISS
+        tm.step()
+        assert [j.keys for _n, _d, j in tm.jobs_in_flight()] in ([[keys[1]]], [])
+        assert tm.wait_idle(120)
+        assert st.recomputed[("fs", "slower_than_recompute")] == 3 * TOKENS
+        for rid in ("r", "s", "t"):
+            tm.on_request_finished(rid)
         # the tier is fast again: served as before
         tm.load_costs[0].loads = RateEstimate(fixed=ROW * 1e9)
-        assert serve(tm, "s", keys) == 3
-        tm.on_request_finished("s")
-        assert st.recomputed[("fs", "slower_than_recompute")] == TOKENS
+        assert serve(tm, "u", keys) == 3
+        tm.on_request_finished("u")
+        assert st.recomputed[("fs", "slower_than_recompute")] == 3 * TOKENS
+        assert tm.pins_held() == refs_of(tm) == {}
 
 
 def test_the_serve_policy_waits_for_the_slowest_tier(tmp_path):
@@ -230,3 +250,61 @@ def test_the_vllm_manager_takes_an_idle_gap_for_no_prefill_sample():
     m._observe_step(100, now=1.0)  # 100 tokens/s
     m._observe_step(10, now=1000.0)  # the engine went idle after the step: 0.1 tokens/s
     assert tm.samples == [(100, 1.0)]
+
+
+def test_the_load_estimate_counts_what_the_tier_has_outstanding(tmp_path):
+    gate = tmp_path / "loads-may-run"
+    stalled = fs_tier(
+        tmp_path / "fs",
+        job_timeout_s=600.0,
+        faults=[{"point": "load", "action": "wait_file", "arg": str(gate), "count": -1}],
+    )
+    keys = keys_for(3)
+    # a chunk loads in 1 s and recomputes in 1 s: served alone (1 s <= 2.5 x 1 s) or behind one
+    # more (2 s), not behind two (3 s)
+    prefill = {"recompute_tokens_per_s": float(TOKENS), "recompute_margin": 2.5}
+    with Rig([stalled], num_slots=16, **prefill) as rig:
+        tm = rig.tm
+        tm.clock = Clock()
+        offloaded(rig, keys)
+        tm.load_costs[0].loads = RateEstimate(fixed=float(ROW))
+        try:
+            assert tm.lookup(keys[0], "a") is PENDING
+            assert tm.lookup(keys[1], "b") is PENDING  # behind a's queued chunk: 2 s, served
+            tm.step()
+            assert tm.load_costs[0].outstanding_bytes == 2 * ROW
+            assert tm.lookup(keys[2], "c") is MISS  # behind both, in flight: 3 s
+            assert tm.stats.recomputed[("fs", "slower_than_recompute")] == TOKENS
+        finally:
+            gate.touch()
+        assert tm.wait_idle(120)
+        assert tm.load_costs[0].outstanding_bytes == 0
+        for rid in "abc":
+            tm.on_request_finished(rid)
+
+
+def test_a_load_that_timed_out_is_a_sample_of_a_slow_tier(tmp_path):
+    gate = tmp_path / "never"
+    stalled = fs_tier(
+        tmp_path / "fs",
+        job_timeout_s=1.0,
+        faults=[{"point": "load", "action": "wait_file", "arg": str(gate), "count": 1}],
+    )
+    keys = keys_for(1)
+    with Rig([stalled], num_slots=16) as rig:
+        tm = rig.tm
+        offloaded(rig, keys)
+        assert tm.load_costs[0].loads.rate is None
+        assert tm.lookup(keys[0], "r") is PENDING
+        try:
+            wait_until(
+                lambda: tm.lookup(keys[0], "r") is not PENDING,
+                step=tm.step,
+                what="the stalled load to time out",
+            )
+        finally:
+            gate.touch()
+        assert tm.stats.failed[("fs", "load", "timeout")] == 1
+        loads = tm.load_costs[0].loads
+        assert loads.samples == 1 and loads.rate <= ROW / 1.0  # one chunk in at least 1 s
+        tm.on_request_finished("r")

@@ -157,10 +157,14 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             before its first prefill step) or while loads beat recompute, so a healthy tier
             serves what it always served. Counted: ``kvoffload_recomputed_tokens``.
         recompute_margin: how much slower than recomputing a load may be expected to be and
-            still be served, as a ratio (>= 1; default 1.5); a promotion has overrun once it
-            has been in flight this many times the longer of its expected load and the
-            recompute of its chunks (and at least two scheduler steps). Above 1 leans to the
-            tier: the estimates are noisy, and a load spares the engine's compute for others.
+            still be served, as a ratio (>= 1; default 1.5). Above 1 leans to the tier: the
+            estimates are noisy, and a load spares the engine's compute for other requests.
+        promotion_overrun_factor: a promotion has overrun (its request recomputes) once it has
+            been in flight this many times its expected load time (>= 1; default 3.0), or
+            ``recompute_margin`` times the recompute of its chunks if that comes first, and at
+            least two scheduler steps. Lower gives up on a stalled tier sooner (a stall costs a
+            request about this many expected loads); higher tolerates more jitter in a healthy
+            tier's loads.
         recompute_tokens_per_s: the engine's prefill throughput in tokens per second, instead of
             the live estimate taken from its own steps (tokens scheduled per step over the
             step's time; None, the default: live).
@@ -213,6 +217,7 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     promotion_hold_steps: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 64
     slower_than_recompute: Literal["recompute", "serve"] = "recompute"
     recompute_margin: Annotated[float, msgspec.Meta(ge=1.0, le=1000.0)] = 1.5
+    promotion_overrun_factor: Annotated[float, msgspec.Meta(ge=1.0, le=1000.0)] = 3.0
     recompute_tokens_per_s: Annotated[float, msgspec.Meta(gt=0.0, le=1e12)] | None = None
     canonical_layout: bool = False
     self_describing_kv_events: bool = True

@@ -6,8 +6,8 @@
     engine step ends ────▶ RateEstimate.observe(tokens, seconds)  (vLLM: tokens the step scheduled)
     lookup, tier HIT ────▶ load_beats_recompute(expected load s, expected recompute s, margin)
                              False ─▶ MISS: the engine recomputes from this chunk
-    promotion submitted ─▶ promotion_deadline(...): past it (and past a step), lookups of its
-                           chunks answer MISS; the load goes on and publishes when it lands
+    promotion submitted ─▶ promotion_deadline(...): past it (and past two steps), lookups of
+                           its chunks answer MISS; the load goes on and publishes when it lands
 
 "Never slower than recompute" (issue 26): a tier serves only the part of a prefix whose load is
 expected to beat recomputing it, and a promotion that overruns gives way to a recompute. Every
@@ -124,14 +124,18 @@ def load_beats_recompute(load_s: float | None, recompute_s: float | None, margin
 
 
 def promotion_deadline(
-    submitted_at: float, load_s: float | None, recompute_s: float | None, margin: float
+    submitted_at: float,
+    load_s: float | None,
+    recompute_s: float | None,
+    overrun: float,
+    margin: float,
 ) -> float | None:
     """When a promotion submitted at ``submitted_at`` (seconds, any monotonic clock) has overrun:
-    ``margin`` times the longer of its expected load (``load_s``) and the recompute of the
-    chunks it brings (``recompute_s``) after it was submitted. Waiting for it until then costs
-    at most ``margin`` recomputes of those chunks; a load expected to be slower than the
-    recompute (served because ``margin`` allowed it) gets its own expected time, ``margin``
-    times. None (never overruns) while either estimate is unknown."""
+    once it has taken ``overrun`` times its expected load (``load_s``), or ``margin`` times the
+    recompute of the chunks it brings (``recompute_s``) if that comes first: a request never
+    waits for a load longer than a lookup would have let it (:func:`load_beats_recompute`), and
+    a stalled healthy tier costs it a fraction of a recompute. None (never overruns) while
+    either estimate is unknown."""
     if load_s is None or recompute_s is None:
         return None
-    return submitted_at + margin * max(load_s, recompute_s)
+    return submitted_at + min(overrun * load_s, margin * recompute_s)

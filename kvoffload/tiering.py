@@ -304,6 +304,7 @@ class TieringManager:
         self.prefill = RateEstimate(fixed=config.recompute_tokens_per_s)
         self._gating = config.slower_than_recompute == "recompute"
         self._margin = config.recompute_margin
+        self._overrun = config.promotion_overrun_factor
         self._promoting: dict[bytes, _Job] = {}
         self._recompute: dict[str, set[bytes]] = {}
         self._probed_at = [float("-inf")] * len(self.tiers)
@@ -603,22 +604,17 @@ class TieringManager:
     def _promotion_submitted(self, job: _Job) -> None:
         """Account a promotion about to be submitted: its bytes are outstanding on its tier, and
         it gets its deadline (:func:`~kvoffload.costs.promotion_deadline`; none without both
-        estimates, or with ``slower_than_recompute: serve``). A promotion no request asked for
-        (a peer's, a probe's: :meth:`_probe`) is waited for by requests that find its chunks at
-        most as long as their recompute (``recompute_margin`` times), whatever its load's
-        expected time."""
+        estimates, or with ``slower_than_recompute: serve``)."""
         meta = job.meta
         cost = self.load_costs[job.tier]
         job.nbytes = len(meta.keys) * self.arena.row_bytes
         if self._gating:
             job.step = self.holds.step_no
-            load_s = cost.expected_s(job.nbytes)
-            if load_s is not None and meta.req_id == PEER_PROMOTION:
-                load_s = 0.0
             job.deadline = promotion_deadline(
                 self.clock(),
-                load_s,
+                cost.expected_s(job.nbytes),
                 self.prefill.seconds_for(len(meta.keys) * self.namespace.tokens_per_chunk),
+                self._overrun,
                 self._margin,
             )
             promoting = self._promoting

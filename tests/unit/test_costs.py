@@ -79,8 +79,8 @@ def test_a_load_is_served_unless_expected_slower_than_recompute_by_the_margin(
     assert load_beats_recompute(load_s, recompute_s, margin) is served
 
 
-def test_a_promotion_deadline_is_the_margin_times_the_longer_of_load_and_recompute():
-    assert promotion_deadline(100.0, 0.001, 2.0, 1.5) == pytest.approx(103.0)
-    assert promotion_deadline(100.0, 4.0, 2.0, 1.5) == pytest.approx(106.0)
-    assert promotion_deadline(100.0, None, 2.0, 1.5) is None
-    assert promotion_deadline(100.0, 1.0, None, 1.5) is None
+def test_a_promotion_overruns_a_multiple_of_its_expected_load_or_of_the_recompute_if_sooner():
+    assert promotion_deadline(100.0, 0.5, 20.0, 3.0, 1.5) == pytest.approx(101.5)  # 3 x load
+    assert promotion_deadline(100.0, 4.0, 2.0, 3.0, 1.5) == pytest.approx(103.0)  # 1.5 x recompute
+    assert promotion_deadline(100.0, None, 2.0, 3.0, 1.5) is None
+    assert promotion_deadline(100.0, 1.0, None, 3.0, 1.5) is None

@@ -89,13 +89,26 @@ class TierLoadCost:
     of what a load costs.
     """
 
-    __slots__ = ("loads", "outstanding_bytes", "stores")
+    __slots__ = ("job_seconds", "loads", "outstanding_bytes", "smoothing", "stores")
 
     def __init__(self, smoothing: float = SMOOTHING):
+        self.smoothing = smoothing
         self.loads = RateEstimate(smoothing)
         self.stores = RateEstimate(smoothing)
         #: Bytes of load jobs submitted to the tier and not finished.
         self.outstanding_bytes = 0
+        #: Seconds a load job takes whatever its size (exponentially weighted; None: no load
+        #: yet): the floor of any job's expected time, for a tier whose jobs cost round trips
+        #: and scheduler steps before their bytes move (p2p: a lease, then the transfer).
+        self.job_seconds: float | None = None
+
+    def load_done(self, nbytes: float, seconds: float) -> None:
+        """A load job moved ``nbytes`` bytes in ``seconds`` (submit to result)."""
+        if seconds <= 0:
+            return
+        self.loads.observe(nbytes, seconds)
+        j = self.job_seconds
+        self.job_seconds = seconds if j is None else j + self.smoothing * (seconds - j)
 
     @property
     def bytes_per_s(self) -> float | None:
@@ -105,12 +118,13 @@ class TierLoadCost:
 
     def expected_s(self, nbytes: float, queued_bytes: float = 0.0) -> float | None:
         """Seconds a load of ``nbytes`` is expected to take behind what the tier already has
-        (:attr:`outstanding_bytes`) and ``queued_bytes`` more (queued, not yet submitted); None
-        while the throughput is unknown."""
+        (:attr:`outstanding_bytes`) and ``queued_bytes`` more (queued, not yet submitted), and
+        at least a job's usual time (:attr:`job_seconds`); None while the throughput is
+        unknown."""
         r = self.bytes_per_s
         if r is None:
             return None
-        return (self.outstanding_bytes + queued_bytes + nbytes) / r
+        return max((self.outstanding_bytes + queued_bytes + nbytes) / r, self.job_seconds or 0.0)
 
 
 def load_beats_recompute(load_s: float | None, recompute_s: float | None, margin: float) -> bool:

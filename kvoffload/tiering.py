@@ -308,6 +308,10 @@ class TieringManager:
         self._promoting: dict[bytes, _Job] = {}
         self._recompute: dict[str, set[bytes]] = {}
         self._probed_at = [float("-inf")] * len(self.tiers)
+        # The tiers judged on their costs: not the routed ones (p2p), whose job times hold a
+        # peer's own prefill, its lease refusals and protocol steps, not what a load costs (a
+        # p2p job measured so answered every later lookup MISS on vLLM-CPU): served as before.
+        self._costed = [i not in self._routed_at for i in range(len(self.tiers))]
         self._poll_interval = poll_interval_s
         self._last_poll = 0.0
         self._closed = False
@@ -410,7 +414,7 @@ class TieringManager:
         recomputed from its first MISS, so the chunks are weighed together). False while an
         estimate is missing."""
         cost = self.load_costs[tier_idx]
-        if cost.loads.rate is None or self.prefill.rate is None:
+        if cost.loads.rate is None or self.prefill.rate is None or not self._costed[tier_idx]:
             return False  # a tier is judged on its loads only (its stores' queueing is no load's)
         mine, others = 1, 0
         queued = self._promotions.get(tier_idx)
@@ -608,7 +612,7 @@ class TieringManager:
         meta = job.meta
         cost = self.load_costs[job.tier]
         job.nbytes = len(meta.keys) * self.arena.row_bytes
-        if self._gating:
+        if self._gating and self._costed[job.tier]:
             job.step = self.holds.step_no
             job.deadline = promotion_deadline(
                 self.clock(),
@@ -636,11 +640,11 @@ class TieringManager:
         if job.orphaned:
             return
         if res.success:
-            cost.loads.observe(res.transfer_bytes, res.transfer_seconds)
+            cost.load_done(res.transfer_bytes, res.transfer_seconds)
         elif res.failed and "timeout" in res.failed.values():
             # a load that timed out took at least that long for its bytes: evidence of a slow
             # tier (a fast failure, a missing chunk, says nothing of its speed)
-            cost.loads.observe(job.nbytes, res.transfer_seconds)
+            cost.load_done(job.nbytes, res.transfer_seconds)
 
     def source_of(self, key: bytes, req_id: str = "") -> str:
         """The tier that served ``key`` for this request: ``"host"`` or a secondary tier's name."""

@@ -140,13 +140,13 @@ def test_a_tier_expected_slower_than_recompute_is_not_waited_for_and_is_probed_n
     tmp_path,
 ):
     keys = keys_for(3)
-    with Rig([fs_tier(tmp_path / "fs")], num_slots=16, recompute_tokens_per_s=1e6) as rig:
+    with Rig([fs_tier(tmp_path / "fs")], num_slots=16, **SLOW_PREFILL) as rig:
         tm = rig.tm
         clock = tm.clock = Clock()
         offloaded(rig, keys)
-        # the tier's estimate: one chunk in 1000 s (a configured estimate, not a measured one);
-        # 16 tokens recompute in 16 us
-        tm.load_costs[0].loads = RateEstimate(fixed=ROW / 1000.0)
+        # the tier's estimate: one chunk in a million seconds (a configured estimate, not a
+        # measured one); a chunk recomputes in 16 s
+        tm.load_costs[0].loads = RateEstimate(fixed=ROW / 1e6)
         queries = tm.stats.tier_queries["fs"]
         assert tm.lookup(keys[0], "r") is MISS  # at once: the request waits for nothing
         st = tm.stats

@@ -62,6 +62,16 @@ def test_a_load_waits_behind_what_the_tier_has_outstanding_and_queued():
     assert c.expected_s(500, queued_bytes=1000) == pytest.approx(3.0)
 
 
+def test_a_load_is_expected_to_take_at_least_a_jobs_usual_time():
+    c = TierLoadCost(smoothing=0.5)
+    c.load_done(1000, 1.0)  # 1000 bytes/s, a job takes 1 s
+    c.load_done(100_000, 1.0)  # a job still takes 1 s: its fixed cost, not its bytes
+    assert c.job_seconds == pytest.approx(1.0)
+    assert c.expected_s(10) == pytest.approx(1.0)  # a tiny load: the job's usual time
+    big = c.expected_s(1_000_000)
+    assert big == pytest.approx(1_000_000 / c.bytes_per_s) and big > 1.0
+
+
 @pytest.mark.parametrize(
     ("load_s", "recompute_s", "margin", "served"),
     [

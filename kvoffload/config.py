@@ -33,7 +33,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 
@@ -147,6 +147,27 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             Holds take at most the host slots ``tier_pin_fraction`` leaves to them. 0: no holds
             (every promoted chunk is evictable at once, a promotion with no room is a MISS), the
             behaviour before holds (docs/profiles/thrash.md, BENCHMARKS.md §6b).
+        slower_than_recompute: what a lookup does with a chunk found in a secondary tier whose
+            load is expected to be slower than recomputing it (issue 26, "never slower than
+            recompute"; :mod:`kvoffload.costs`): ``recompute`` (default) answers MISS for it, so
+            the engine recomputes from there, and abandons a promotion that overran (its
+            lookups answer MISS; the load goes on and publishes the chunk when it lands);
+            ``serve`` waits for the tier, the behaviour before. Either way nothing changes
+            while an estimate is missing (a tier before its first finished job, an engine
+            before its first prefill step) or while loads beat recompute, so a healthy tier
+            serves what it always served. Counted: ``kvoffload_recomputed_tokens``.
+        recompute_margin: how much slower than recomputing a load may be expected to be and
+            still be served, as a ratio (>= 1; default 1.5). Above 1 leans to the tier: the
+            estimates are noisy, and a load spares the engine's compute for other requests.
+        promotion_overrun_factor: a promotion has overrun (its request recomputes) once it has
+            been in flight this many times its expected load time (>= 1; default 3.0), or
+            ``recompute_margin`` times the recompute of its chunks if that comes first, and at
+            least two scheduler steps. Lower gives up on a stalled tier sooner (a stall costs a
+            request about this many expected loads); higher tolerates more jitter in a healthy
+            tier's loads.
+        recompute_tokens_per_s: the engine's prefill throughput in tokens per second, instead of
+            the live estimate taken from its own steps (tokens scheduled per step over the
+            step's time; None, the default: live).
         canonical_layout: store rows in vLLM's canonical (parallelism-free) layout.
         self_describing_kv_events: vLLM's own KV events for offloaded chunks carry the request's
             parent hash and token ids (vLLM's tracker; default on here, off in vLLM's own spec).
@@ -174,6 +195,7 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "model_revision": "auto: the revision vLLM reports for the model",
         "kv_events": "off",
         "instance_id": "auto: process id and a counter",
+        "recompute_tokens_per_s": "auto: measured from the engine's own steps",
         **dict.fromkeys(("lock", "config_info", "expedited"), "none (vLLM 0.33's key; unused)"),
         **dict.fromkeys(
             ("tier_poll_interval_s", "backpressure", "max_tracker_size"),
@@ -193,6 +215,10 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     offload_prompt_only: bool = True
     tier_pin_fraction: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.5
     promotion_hold_steps: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 64
+    slower_than_recompute: Literal["recompute", "serve"] = "recompute"
+    recompute_margin: Annotated[float, msgspec.Meta(ge=1.0, le=1000.0)] = 1.5
+    promotion_overrun_factor: Annotated[float, msgspec.Meta(ge=1.0, le=1000.0)] = 3.0
+    recompute_tokens_per_s: Annotated[float, msgspec.Meta(gt=0.0, le=1e12)] | None = None
     canonical_layout: bool = False
     self_describing_kv_events: bool = True
     kv_events: KVEventsConfig | None = None

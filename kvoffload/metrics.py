@@ -207,6 +207,15 @@ CORE_METRICS: tuple[MetricDef, ...] = (
         "scheduler steps without being chosen for promotion: nonzero means a scan the manager "
         "could not resolve (a defect to report).",
     ),
+    Counter(
+        "kvoffload_recomputed_tokens",
+        "Tokens of chunks a secondary tier held that were recomputed instead, because the tier "
+        "was slower than recompute (config slower_than_recompute), by reason: "
+        "slower_than_recompute (at lookup, its load was expected to be slower), "
+        "promotion_overran (its promotion overran its expected time; the request gave up the "
+        "chunk and the later ones it was promoting).",
+        ("tier", "reason"),
+    ),
     Counter("kvoffload_tier_evictions", "Chunks evicted from a capacity-bounded tier.", T),
     Counter(
         "kvoffload_dropped_stores",
@@ -470,6 +479,10 @@ class CounterReadings(Protocol):
         """Sliding-window chunks answered MISS after too many RETRYs."""
 
     @property
+    def recomputed(self) -> Mapping[tuple[str, str], int]:
+        """``(tier, reason)`` -> tokens it held that were recomputed because it was slower."""
+
+    @property
     def failed_jobs(self) -> Mapping[tuple[str, str], int]:
         """``(tier, direction)`` -> jobs that failed for at least one chunk."""
 
@@ -592,6 +605,8 @@ def refresh(tm: MetricSource) -> MetricSet:
             m.set_total("kvoffload_refused_chunks", v, tname, direction, reason)
         for (tname, reason), v in list(st.deduplicated.items()):
             m.set_total("kvoffload_tier_deduplicated_chunks", v, tname, reason)
+        for (tname, reason), v in list(st.recomputed.items()):
+            m.set_total("kvoffload_recomputed_tokens", v, tname, reason)
         moved = st.transfer_bytes
         for tier in r.tiers:
             name = tier.name

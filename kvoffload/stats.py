@@ -29,6 +29,11 @@ TIER_REFUSALS = (
     ("store", "prefix_hole"),
 )
 
+#: Why tokens a tier holds were recomputed instead (``kvoffload_recomputed_tokens``, config
+#: ``slower_than_recompute``): the tier's load was expected to be slower than the recompute at
+#: lookup, or its promotion overran its expected time and its chunks were answered MISS.
+RECOMPUTE_REASONS = ("slower_than_recompute", "promotion_overran")
+
 
 class Stats:
     """Counters of one tiering manager (chunks unless named otherwise). ``per_tier`` maps a tier
@@ -82,6 +87,11 @@ class Stats:
         # Sliding-window chunks answered MISS after max_retry_steps steps of RETRY unchosen
         # (kvoffload.hybrid.WindowScans): a recompute instead of a request that never runs.
         self.window_retry_giveups = 0
+        # (tier, reason) -> tokens of chunks a tier held that were answered MISS (recomputed)
+        # because the tier was slower than recompute (RECOMPUTE_REASONS), once per request and chunk
+        self.recomputed: dict[tuple[str, str], int] = {
+            (n, r): 0 for n in tier_names for r in RECOMPUTE_REASONS
+        }
         # The p2p serving side, counted apart from this instance's own lookups and loads:
         # keys peers looked up, found READY / PENDING, promotions started for them, chunks
         # leased, slots admitted for their pushes, pushes published / failed, and completions

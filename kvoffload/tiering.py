@@ -46,6 +46,7 @@ from typing import Any
 
 from kvoffload import metrics as _metrics
 from kvoffload.config import OffloadConfig, secret_env_names
+from kvoffload.costs import RateEstimate, TierLoadCost, load_beats_recompute, promotion_deadline
 from kvoffload.events import EventPublisher
 from kvoffload.holds import NO_RANK, PromotionHolds
 from kvoffload.host import READY, HostTier, StorePlan
@@ -54,7 +55,7 @@ from kvoffload.kv_events import EventStream
 from kvoffload.policies import make_policy
 from kvoffload.refusals import Refusals
 from kvoffload.serving import PEER_MEDIUM, PeerServing
-from kvoffload.stats import HOST, HOST_REFUSALS, TIER_REFUSALS, Stats
+from kvoffload.stats import HOST, HOST_REFUSALS, RECOMPUTE_REASONS, TIER_REFUSALS, Stats
 from kvoffload.tiers import create_tier
 from kvoffload.tiers.base import (
     PEER_PROMOTION,
@@ -67,7 +68,15 @@ from kvoffload.tiers.base import (
     routed,
 )
 
-__all__ = ["HOST", "HOST_REFUSALS", "PEER_MEDIUM", "TIER_REFUSALS", "Stats", "TieringManager"]
+__all__ = [
+    "HOST",
+    "HOST_REFUSALS",
+    "PEER_MEDIUM",
+    "RECOMPUTE_REASONS",
+    "TIER_REFUSALS",
+    "Stats",
+    "TieringManager",
+]
 
 log = logging.getLogger("kvoffload")
 
@@ -79,15 +88,25 @@ _HIT, _MISS, _PENDING, _RETRY = (
 )
 _MAX_COUNTED_REQUESTS = 65_536
 """Requests whose counted lookup verdicts are kept (see :meth:`TieringManager._first_verdict`)."""
+_OVERRUN_STEPS = 2
+"""A promotion overruns no sooner than this many scheduler steps after its submission: the one
+it was submitted at the end of, and one more for its result to be polled and its request asked
+again (however fast the estimates say it should have been)."""
+_PROBE_INTERVAL_S = 5.0
+"""A tier judged slower than recompute is given one load now and then all the same (a probe),
+at most this often (seconds): with no load, its estimate would never learn that it recovered."""
 
 
 class _Job:
-    __slots__ = ("tier", "meta", "orphaned")
+    __slots__ = ("tier", "meta", "orphaned", "nbytes", "deadline", "step")
 
     def __init__(self, tier: int, meta: JobMetadata):
         self.tier = tier
         self.meta = meta
         self.orphaned = False  # a reset forgot its chunks; its result only ends a quarantine
+        self.nbytes = 0  # a promotion: the bytes it was expected to load (outstanding until done)
+        self.deadline: float | None = None  # a promotion: when it has overrun (kvoffload.costs)
+        self.step = 0  # a promotion: the scheduler step it was submitted in
 
 
 class TieringManager:
@@ -277,6 +296,27 @@ class TieringManager:
         )
         #: The serving side of the p2p tier: peers' leases and admitted writes.
         self.serving = PeerServing(self)
+        # Never slower than recompute (kvoffload.costs, config slower_than_recompute): what a
+        # load from each tier costs, what prefill costs, the promotions in flight by chunk (for
+        # their deadlines) and, per request, the chunks answered MISS for it because a tier was
+        # slower (MISS for the rest of its life: vLLM recomputes from the first one).
+        #: The clock of the cost estimates and deadlines (seconds; tests replace it).
+        self.clock = time.monotonic
+        #: Per secondary tier (in order): its load throughput and the loads it has outstanding.
+        self.load_costs = [TierLoadCost() for _ in self.tiers]
+        #: The engine's prefill throughput (tokens/s): ``recompute_tokens_per_s``, else fed by
+        #: :meth:`observe_prefill`.
+        self.prefill = RateEstimate(fixed=config.recompute_tokens_per_s)
+        self._gating = config.slower_than_recompute == "recompute"
+        self._margin = config.recompute_margin
+        self._overrun = config.promotion_overrun_factor
+        self._promoting: dict[bytes, _Job] = {}
+        self._recompute: dict[str, set[bytes]] = {}
+        self._probed_at = [float("-inf")] * len(self.tiers)
+        # The tiers judged on their costs: not the routed ones (p2p), whose job times hold a
+        # peer's own prefill, its lease refusals and protocol steps, not what a load costs (a
+        # p2p job measured so answered every later lookup MISS on vLLM-CPU): served as before.
+        self._costed = [i not in self._routed_at for i in range(len(self.tiers))]
         self._poll_interval = poll_interval_s
         self._last_poll = 0.0
         self._closed = False
@@ -303,6 +343,9 @@ class TieringManager:
         lock = self.lock
         lock.acquire()
         try:
+            recompute = self._recompute
+            if recompute and key in recompute.get(req_id, ()):
+                return _MISS  # a tier was slower: this request recomputes it (never HIT later)
             host = self.host
             slot = host.index.get(key)
             if slot is not None and host.state[slot] != READY and (self._jobs or self._promotions):
@@ -311,6 +354,8 @@ class TieringManager:
                 if time.monotonic() - self._last_poll >= self._poll_interval:
                     self.poll()
                     slot = host.index.get(key)  # a failed promotion freed it: ask the tiers
+                if slot is not None and host.state[slot] != READY and self._overran(key, req_id):
+                    return _MISS
             stats = self.stats
             if slot is not None:
                 if self._first_verdict(key, req_id):
@@ -340,6 +385,11 @@ class TieringManager:
                 if r is _HIT:
                     if not promote:
                         return _RETRY
+                    if self._gating and self._slower_than_recompute(i, req_id):
+                        self._count_verdict(key, req_id, i + 1, -1)
+                        self._give_way(req_id, i, [key], "slower_than_recompute")
+                        self._probe(i, key)
+                        return _MISS
                     result = self._start_promotion(i, key, req_id)
                     if result is _RETRY:  # no room yet: held for requests that asked earlier
                         return result
@@ -353,6 +403,109 @@ class TieringManager:
             return _MISS
         finally:
             lock.release()
+
+    # -- never slower than recompute (kvoffload.costs) ------------------------------------------
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """The engine computed ``tokens`` tokens of prefill in ``seconds``: a sample of the live
+        prefill estimate (ignored with ``recompute_tokens_per_s`` set). The vLLM plug-in feeds
+        its scheduler's steps (:class:`~kvoffload.vllm.manager.KVOffloadManager`)."""
+        with self.lock:
+            self.prefill.observe(tokens, seconds)
+
+    def _slower_than_recompute(self, tier_idx: int, req_id: str) -> bool:
+        """Whether one more chunk of ``req_id`` found in tier ``tier_idx`` is expected to load
+        slower than it would be recomputed, by more than ``recompute_margin``: the request's
+        chunks promoted from that tier this step, this one included, behind everything else the
+        tier has to load, against recomputing those chunks' tokens (a prefix is loaded whole or
+        recomputed from its first MISS, so the chunks are weighed together). False while an
+        estimate is missing."""
+        cost = self.load_costs[tier_idx]
+        if cost.loads.rate is None or self.prefill.rate is None or not self._costed[tier_idx]:
+            return False  # a tier is judged on its loads only (its stores' queueing is no load's)
+        mine, others = 1, 0
+        queued = self._promotions.get(tier_idx)
+        if queued:
+            for r, (keys, _slots) in queued.items():
+                if r == req_id:
+                    mine += len(keys)
+                else:
+                    others += len(keys)
+        row = self.arena.row_bytes
+        load_s = cost.expected_s(mine * row, others * row)
+        recompute_s = self.prefill.seconds_for(mine * self.namespace.tokens_per_chunk)
+        return not load_beats_recompute(load_s, recompute_s, self._margin)
+
+    def _probe(self, tier_idx: int, key: bytes) -> None:
+        """Tier ``tier_idx`` was judged slower than recompute for ``key``: promote ``key`` all the
+        same, for no request (none waits for it: the chunk lands in the host tier for later
+        ones), when the tier has no load outstanding or queued and was not probed in the last
+        :data:`_PROBE_INTERVAL_S` seconds, so that its estimate follows it when it recovers."""
+        now = self.clock()
+        if (
+            self.load_costs[tier_idx].outstanding_bytes
+            or tier_idx in self._promotions
+            or now - self._probed_at[tier_idx] < _PROBE_INTERVAL_S
+        ):
+            return
+        self._probed_at[tier_idx] = now
+        self._start_promotion(tier_idx, key, PEER_PROMOTION, True)
+
+    def _overran(self, key: bytes, req_id: str) -> bool:
+        """Whether ``key`` (host WRITING) is being promoted by a job past its deadline
+        (:func:`~kvoffload.costs.promotion_deadline`, and at least :data:`_OVERRUN_STEPS` steps
+        after it was submitted): then ``req_id`` gives way (:meth:`_give_way`) and is answered
+        MISS. The load goes on: its chunk is published when it lands."""
+        if not self._gating or not self._promoting:
+            return False
+        job = self._promoting.get(key)
+        if job is None or job.deadline is None or job.orphaned:
+            return False
+        if self.holds.step_no - job.step < _OVERRUN_STEPS or self.clock() < job.deadline:
+            return False
+        keys = [key]
+        meta = job.meta
+        if req_id and meta.req_id == req_id:
+            # its own promotion: it gives up this job's chunks from this one on, and those of
+            # its later jobs (later chunks of its prefix, which its lookups no longer reach)
+            keys = meta.keys[meta.keys.index(key) :]
+            for other in self._jobs.values():
+                m = other.meta
+                if m.is_promotion and m.req_id == req_id and m.job_id > meta.job_id:
+                    keys.extend(m.keys)
+        self._give_way(req_id, job.tier, keys, "promotion_overran")
+        return True
+
+    def _give_way(self, req_id: str, tier_idx: int, keys: list[bytes], reason: str) -> None:
+        """``req_id`` recomputes ``keys`` (its first one answered MISS now) instead of waiting
+        for tier ``tier_idx``: they are MISS for it from now on, their tokens counted once
+        (``Stats.recomputed``), and what it held on them ends: promotion holds and load
+        sources (it never loads them; no pin was taken: pins come with prepare_load)."""
+        if req_id:
+            mine = self._recompute.get(req_id)
+            if mine is None:
+                if len(self._recompute) >= _MAX_COUNTED_REQUESTS:  # requests never finished
+                    del self._recompute[next(iter(self._recompute))]
+                mine = self._recompute[req_id] = set()
+            new = [k for k in keys if k not in mine]
+            mine.update(new)
+            self.holds.loaded(req_id, new)  # its holds end: the chunks are evictable once landed
+            src = self._load_source.get(req_id)
+            if src:
+                for k in new:
+                    src.pop(k, None)
+        else:
+            new = keys
+        k2 = (self.tier_names[tier_idx], reason)
+        self.stats.recomputed[k2] += len(new) * self.namespace.tokens_per_chunk
+        if new:
+            log.debug(
+                "kvoffload: %d chunk(s) of request %s recomputed: %s %s",
+                len(new),
+                req_id,
+                self.tier_names[tier_idx],
+                reason,
+            )
 
     @property
     def promotion_holds(self) -> int:
@@ -455,8 +608,50 @@ class TieringManager:
                             tier.name,
                             req_id,
                         )
-                    self._jobs[meta.job_id] = _Job(tier_idx, meta)
+                    job = self._jobs[meta.job_id] = _Job(tier_idx, meta)
+                    self._promotion_submitted(job)
                     tier.submit_load(meta)
+
+    def _promotion_submitted(self, job: _Job) -> None:
+        """Account a promotion about to be submitted: its bytes are outstanding on its tier, and
+        it gets its deadline (:func:`~kvoffload.costs.promotion_deadline`; none without both
+        estimates, or with ``slower_than_recompute: serve``)."""
+        meta = job.meta
+        cost = self.load_costs[job.tier]
+        job.nbytes = len(meta.keys) * self.arena.row_bytes
+        if self._gating and self._costed[job.tier]:
+            job.step = self.holds.step_no
+            job.deadline = promotion_deadline(
+                self.clock(),
+                cost.expected_s(job.nbytes),
+                self.prefill.seconds_for(len(meta.keys) * self.namespace.tokens_per_chunk),
+                self._overrun,
+                self._margin,
+            )
+            promoting = self._promoting
+            for k in meta.keys:
+                promoting[k] = job
+        cost.outstanding_bytes += job.nbytes
+
+    def _promotion_ended(self, job: _Job, res: Any) -> None:
+        """A promotion's result came: its bytes are no longer outstanding, its chunks no longer
+        promoting, and a successful load (or one that timed out) is a sample of its tier's
+        throughput."""
+        cost = self.load_costs[job.tier]
+        cost.outstanding_bytes -= job.nbytes
+        promoting = self._promoting
+        if promoting:
+            for k in job.meta.keys:
+                if promoting.get(k) is job:
+                    del promoting[k]
+        if job.orphaned:
+            return
+        if res.success:
+            cost.load_done(res.transfer_bytes, res.transfer_seconds)
+        elif res.failed and "timeout" in res.failed.values():
+            # a load that timed out took at least that long for its bytes: evidence of a slow
+            # tier (a fast failure, a missing chunk, says nothing of its speed)
+            cost.load_done(job.nbytes, res.transfer_seconds)
 
     def source_of(self, key: bytes, req_id: str = "") -> str:
         """The tier that served ``key`` for this request: ``"host"`` or a secondary tier's name."""
@@ -577,7 +772,8 @@ class TieringManager:
 
     def serving_promotions(self) -> int:
         """Chunks :meth:`serve_lookup` is promoting for peers that have not landed yet (queued or
-        loading, or loading into slots a reset quarantined). While this is not 0 the caller keeps
+        loading, or loading into slots a reset quarantined; probes of a tier judged slower than
+        recompute, :meth:`_probe`, count too). While this is not 0 the caller keeps
         calling :meth:`poll`: an idle engine is not stepped, and a promotion's result is applied
         only by a poll."""
         with self.lock:
@@ -880,7 +1076,9 @@ class TieringManager:
             self.holds.unblock()  # a result may free or publish slots
             if not job.meta.is_promotion:
                 self._store_done(tier, job, res)
-            elif job.orphaned:
+                continue
+            self._promotion_ended(job, res)
+            if job.orphaned:
                 self._orphaned_promotion_done(job)
             else:
                 self._promotion_done(tier, job, res)
@@ -984,6 +1182,8 @@ class TieringManager:
         self._store_pins[job.tier] -= len(meta.slots)
         if res.success:
             stored = meta.keys
+            # the tier's throughput until its first load (kvoffload.costs.TierLoadCost)
+            self.load_costs[job.tier].stores.observe(res.transfer_bytes, res.transfer_seconds)
         else:
             ok_set = set(res.successful_keys or ())
             stored = [k for k in meta.keys if k in ok_set]
@@ -1091,6 +1291,7 @@ class TieringManager:
             self._load_source.pop(req_id, None)
             self._counted.pop(req_id, None)
             self._holes.pop(req_id, None)
+            self._recompute.pop(req_id, None)
             ended = self._ended
             if len(ended) >= _MAX_COUNTED_REQUESTS:
                 ended.popitem(last=False)
@@ -1140,6 +1341,7 @@ class TieringManager:
                 self.host.complete_write(keys, False)
         self._promotions.clear()
         self._load_source.clear()
+        self._promoting.clear()  # the orphans' chunks are forgotten: nothing waits for them
         for job in self._jobs.values():
             job.orphaned = True
 

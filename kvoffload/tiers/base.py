@@ -44,7 +44,8 @@ class JobMetadata(msgspec.Struct, kw_only=True, gc=False):
         slots: host-arena slot indices (rows of the arena), same order as ``keys``.
         is_promotion: True for tier → host loads, False for host → tier stores.
         req_id: the request that caused it ("" when none; :data:`PEER_PROMOTION` for a promotion
-            a peer's lookup started).
+            a peer's lookup started, or a probe of a tier judged slower than recompute: no
+            request of this engine waits for it).
     """
 
     job_id: int

@@ -326,6 +326,21 @@ def calling_request(req_id: str) -> Any:
     return None
 
 
+def calling_scheduled_tokens() -> int | None:
+    """The tokens vLLM's scheduler scheduled in the step being ended: the
+    ``total_num_scheduled_tokens`` of the ``SchedulerOutput`` held by the scheduler connector's
+    ``build_connector_meta`` that called the manager's ``on_schedule_end`` (0.32 and 0.33); None
+    when no caller holds one. ``ScheduleEndContext`` names the step's new and preempted requests
+    only; the live prefill estimate (:mod:`kvoffload.costs`) needs the step's tokens. Call it
+    directly from ``on_schedule_end``."""
+    try:
+        from vllm.v1.core.sched.output import SchedulerOutput
+    except ImportError:  # pragma: no cover - a vLLM without v1 scheduler outputs
+        return None
+    out = _calling_local("scheduler_output", SchedulerOutput, 2)
+    return None if out is None else int(out.total_num_scheduled_tokens)
+
+
 def calling_kv_cache_config() -> Any:
     """vLLM's ``KVCacheConfig`` held by the ``OffloadingConnector`` that is creating this spec
     (its ``kv_cache_config`` argument, in 0.32 and 0.33), read from the calling frames; None when

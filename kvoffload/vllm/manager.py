@@ -33,6 +33,7 @@ from kvoffload.vllm.compat import (
     ReqContext,
     RequestOffloadingContext,
     calling_request,
+    calling_scheduled_tokens,
     convert_block_hash,
     drop_tolerated,
     hit_source,
@@ -41,6 +42,10 @@ from kvoffload.vllm.compat import (
 log = logging.getLogger("kvoffload.vllm")
 _giveups = RateLimitedLog(log)
 _STATS_INTERVAL_S = 0.5
+_IDLE_GAP = 10.0
+"""A step sample more than this many times slower than the prefill estimate is taken for an
+engine that went idle after the step (no requests: no step until the next one arrives), not for
+prefill: it is ignored."""
 
 _TO_VLLM = {
     KVLookup.HIT: LookupResult.HIT,
@@ -123,6 +128,11 @@ class KVOffloadManager(OffloadingManager):
             **{t.name: _LOCALITY.get(t.locality, Locality.LOCAL) for t in tiering.tiers},
         }
         self._geometry = event_geometry if tiering.publishes_events else None
+        # the live prefill estimate (kvoffload.costs): the previous step's scheduled tokens and
+        # when it ended; a step of at least one chunk's tokens is a prefill sample
+        self._step_tokens = 0
+        self._step_at: float | None = None
+        self._prefill_min_tokens = max(1, tiering.namespace.tokens_per_chunk)
 
     @override
     def lookup(self, key, req_context: ReqContext, **kwargs) -> LookupResult:
@@ -207,10 +217,28 @@ class KVOffloadManager(OffloadingManager):
 
     @override
     def on_schedule_end(self, context) -> None:
+        self._observe_step(calling_scheduled_tokens())
         if self._scans is not None:
             for req_id, key in self._scans.chosen():  # windowed chunks the hit can end with
                 self.tm.lookup(key, req_id)
         self.tm.step()
+
+    def _observe_step(self, tokens: int | None, now: float | None = None) -> None:
+        """A scheduler step ended having scheduled ``tokens`` tokens (None: unknown). The time
+        since the previous step ended is what the engine took to compute that step's tokens
+        (and schedule this one: the estimate errs slow, towards serving from the tiers): a
+        sample of the prefill estimate when that step scheduled at least one chunk's tokens,
+        unless it is an idle gap (:data:`_IDLE_GAP`)."""
+        now = time.monotonic() if now is None else now
+        prev, at = self._step_tokens, self._step_at
+        self._step_tokens, self._step_at = tokens or 0, now
+        if prev < self._prefill_min_tokens or at is None or now <= at:
+            return
+        seconds = now - at
+        rate = self.tm.prefill.rate
+        if rate is not None and prev / seconds * _IDLE_GAP < rate:
+            return
+        self.tm.observe_prefill(prev, seconds)
 
     @override
     def has_pending_work(self) -> bool:

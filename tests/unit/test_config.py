@@ -209,3 +209,24 @@ def test_a_wrongly_typed_value_is_repeated_in_its_error_unless_it_may_be_a_secre
         {**BASE, "secondary_tiers": [{"type": "p2p", "secret": 918273645546372819}]}, "secret"
     )
     assert "918273645546372819" not in msg and "given" not in msg, msg
+
+
+def test_never_slower_than_recompute_settings_default_to_recompute_with_live_estimates():
+    cfg = parse_config(BASE)
+    assert cfg.slower_than_recompute == "recompute"
+    assert cfg.recompute_margin == 1.5 and cfg.promotion_overrun_factor == 3.0
+    assert cfg.recompute_tokens_per_s is None  # measured from the engine's steps
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "why"),
+    [
+        ("slower_than_recompute", "wait", "allowed: recompute, serve"),
+        ("recompute_margin", 0.9, ">= 1.0"),
+        ("promotion_overrun_factor", 0.5, ">= 1.0"),
+        ("recompute_tokens_per_s", 0, "> 0.0"),
+        ("recompute_tokens_per_s", "fast", "Expected `float | null`"),
+    ],
+)
+def test_never_slower_than_recompute_settings_are_checked(key, value, why):
+    fails({**BASE, key: value}, f"kv_connector_extra_config.{key}", why)

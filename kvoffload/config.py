@@ -149,10 +149,11 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             behaviour before holds (docs/profiles/thrash.md, BENCHMARKS.md §6b).
         slower_than_recompute: what a lookup does with a chunk found in a secondary tier whose
             load is expected to be slower than recomputing it (issue 26, "never slower than
-            recompute"; :mod:`kvoffload.costs`): ``recompute`` (default) answers MISS for it, so
-            the engine recomputes from there, and abandons a promotion that overran (its
-            lookups answer MISS; the load goes on and publishes the chunk when it lands);
-            ``serve`` waits for the tier, the behaviour before. Either way nothing changes
+            recompute"; :mod:`kvoffload.costs`): ``recompute`` answers MISS for it, so the engine
+            recomputes from there, and abandons a promotion that overran (its lookups answer
+            MISS; the load goes on and publishes the chunk when it lands); ``serve`` (default
+            for now: what ``recompute`` does to hit rates on a busy host is not measured yet)
+            waits for the tier, the behaviour before. With ``recompute`` nothing changes
             while an estimate is missing (a tier before its first finished job, an engine
             before its first prefill step) or while loads beat recompute, so a healthy tier
             serves what it always served. Counted: ``kvoffload_recomputed_tokens``.
@@ -215,7 +216,7 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     offload_prompt_only: bool = True
     tier_pin_fraction: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.5
     promotion_hold_steps: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 64
-    slower_than_recompute: Literal["recompute", "serve"] = "recompute"
+    slower_than_recompute: Literal["recompute", "serve"] = "serve"
     recompute_margin: Annotated[float, msgspec.Meta(ge=1.0, le=1000.0)] = 1.5
     promotion_overrun_factor: Annotated[float, msgspec.Meta(ge=1.0, le=1000.0)] = 3.0
     recompute_tokens_per_s: Annotated[float, msgspec.Meta(gt=0.0, le=1e12)] | None = None

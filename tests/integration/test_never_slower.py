@@ -13,7 +13,8 @@ from helpers import HIT, MISS, PENDING, ROW, Rig, fs_tier, keys_for, vllm_instal
 from kvoffload.costs import RateEstimate
 
 TOKENS = 16  # tokens per chunk of the helpers' namespace
-SLOW_PREFILL = {"recompute_tokens_per_s": 1.0}  # a chunk recomputes in 16 s: any load beats it
+# a chunk recomputes in 16 s: any load beats it; the policy under test asked for (not the default)
+SLOW_PREFILL = {"recompute_tokens_per_s": 1.0, "slower_than_recompute": "recompute"}
 
 
 class Clock:
@@ -64,7 +65,9 @@ def serve(tm, rid: str, keys: list) -> int:
 def test_a_healthy_tier_serves_every_chunk_it_served_before(tmp_path, policy):
     keys = keys_for(6)
     with Rig(
-        [fs_tier(tmp_path / "fs")], num_slots=16, slower_than_recompute=policy, **SLOW_PREFILL
+        [fs_tier(tmp_path / "fs")],
+        num_slots=16,
+        **{**SLOW_PREFILL, "slower_than_recompute": policy},
     ) as rig:
         tm = rig.tm
         tm.clock = Clock()  # frozen: no promotion ever overruns
@@ -263,7 +266,11 @@ def test_the_load_estimate_counts_what_the_tier_has_outstanding(tmp_path):
     keys = keys_for(3)
     # a chunk loads in 1 s and recomputes in 1 s: served alone (1 s <= 2.5 x 1 s) or behind one
     # more (2 s), not behind two (3 s)
-    prefill = {"recompute_tokens_per_s": float(TOKENS), "recompute_margin": 2.5}
+    prefill = {
+        "recompute_tokens_per_s": float(TOKENS),
+        "recompute_margin": 2.5,
+        "slower_than_recompute": "recompute",
+    }
     with Rig([stalled], num_slots=16, **prefill) as rig:
         tm = rig.tm
         tm.clock = Clock()

@@ -127,6 +127,32 @@ class _Frames:
         return out
 
 
+def _recv_frames(
+    sock: socket.socket, frames: _Frames, buf: bytearray, to_end: bool = False
+) -> tuple[list[bytes], str | None]:
+    """Read what waits on ``sock`` now (never waiting), cut into ``frames``. Returns the bodies
+    complete now and why the stream ended: ``"closed"`` (the other end is gone, all it sent read),
+    a :class:`FrameError`'s message (bytes no frame of ours has), or None while it is open. One
+    ``recv`` unless it filled ``buf``, or with ``to_end`` (the other end is known gone: read to its
+    end)."""
+    out: list[bytes] = []
+    while True:
+        try:
+            n = sock.recv_into(buf, 0, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return out, None
+        except OSError:
+            n = 0
+        if n == 0:
+            return out, "closed"
+        try:
+            out += frames.feed(memoryview(buf)[:n])
+        except FrameError as e:
+            return out, str(e)
+        if n < len(buf) and not to_end:
+            return out, None
+
+
 class _Conn:
     """One worker's connection, engine side."""
 
@@ -303,33 +329,20 @@ class TierChannels:
             self._poller.register(conn.fd, _IN)
 
     def _read(self, conn: _Conn) -> None:
-        buf = self._buf
-        while True:
-            try:
-                n = conn.sock.recv_into(buf)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                n = 0
-            if n == 0:  # the worker is gone (its death is the pool's to handle)
-                self._drop(conn)
-                return
-            try:
-                bodies = conn.frames.feed(memoryview(buf)[:n])
-            except FrameError as e:
-                log.warning("kvoffload: a worker connection sent %s; closed", e)
-                self._refuse("bad_frame")
-                self._drop(conn)
-                return
-            for body in bodies:
-                if conn.identity is None:
-                    self._on_hello(conn, body)
-                    if conn.fd not in self._conns:
-                        return
-                else:
-                    self._results.append(body)
-            if n < len(buf):
-                return
+        bodies, ended = _recv_frames(conn.sock, conn.frames, self._buf)
+        for body in bodies:
+            if conn.identity is None:
+                self._on_hello(conn, body)
+                if conn.fd not in self._conns:
+                    return
+            else:
+                self._results.append(body)
+        if ended is None:
+            return
+        if ended != "closed":
+            log.warning("kvoffload: a worker connection sent %s; closed", ended)
+            self._refuse("bad_frame")
+        self._drop(conn)  # (a worker's death is the pool's to handle)
 
     def _on_hello(self, conn: _Conn, body: bytes) -> None:
         if len(body) < _IDENT.size:
@@ -464,25 +477,10 @@ class WorkerChannels:
         """Read what the engine sent, without waiting."""
         if self.engine_gone:
             return
-        flags = socket.MSG_DONTWAIT
-        buf = self._buf
-        while True:
-            try:
-                n = self.jobs.recv_into(buf, 0, flags)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                n = 0
-            if n == 0:
-                self._gone()
-                return
-            try:
-                self._tasks.extend(self._frames.feed(memoryview(buf)[:n]))
-            except FrameError:
-                self._gone()
-                return
-            if n < len(buf):
-                return
+        bodies, ended = _recv_frames(self.jobs, self._frames, self._buf)
+        self._tasks.extend(bodies)
+        if ended is not None:
+            self._gone()
 
     def _gone(self) -> None:
         """The engine closed its end: no more tasks; :meth:`wait` stops watching the socket (its
@@ -584,27 +582,14 @@ class PeerWorkerChannel:
         included. Never blocks."""
         if self._out and not self.send_failed:
             self.flush()
-        out: list[bytes] = []
-        buf = self._buf
-        while not self.closed_by_peer:
-            try:
-                n = self.sock.recv_into(buf, 0, socket.MSG_DONTWAIT)
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError:
-                n = 0
-            if n == 0:
-                self._hung_up()
-                break
-            try:
-                out += self._frames.feed(memoryview(buf)[:n])
-            except FrameError as e:
-                log.error("kvoffload p2p: the peer worker channel carried %s; closed", e)
-                self._hung_up()
-                break
-            if n < len(buf) and not self.send_failed:  # (the other end gone: read to its end)
-                break
-        return out
+        if self.closed_by_peer:
+            return []
+        bodies, ended = _recv_frames(self.sock, self._frames, self._buf, self.send_failed)
+        if ended is not None:
+            if ended != "closed":
+                log.error("kvoffload p2p: the peer worker channel carried %s; closed", ended)
+            self._hung_up()
+        return bodies
 
     def recv_all(self, timeout_s: float, wake_fd: int | None = None) -> list[bytes]:
         """Wait up to ``timeout_s`` seconds for a frame, or with ``wake_fd`` until that file

@@ -87,6 +87,20 @@ _HIT, _MISS, _PENDING, _RETRY = (
     LookupResult.RETRY,
 )
 _MAX_COUNTED_REQUESTS = 65_536
+
+
+def _request_set(per_request: dict[str, set[Any]], req_id: str) -> set[Any]:
+    """``req_id``'s set in ``per_request`` (made empty if missing): at most
+    :data:`_MAX_COUNTED_REQUESTS` requests are kept, the oldest forgotten first (requests that
+    never finished)."""
+    s = per_request.get(req_id)
+    if s is None:
+        if len(per_request) >= _MAX_COUNTED_REQUESTS:
+            del per_request[next(iter(per_request))]
+        s = per_request[req_id] = set()
+    return s
+
+
 """Requests whose counted lookup verdicts are kept (see :meth:`TieringManager._first_verdict`)."""
 _OVERRUN_STEPS = 2
 """A promotion overruns no sooner than this many scheduler steps after its submission: the one
@@ -482,11 +496,7 @@ class TieringManager:
         (``Stats.recomputed``), and what it held on them ends: promotion holds and load
         sources (it never loads them; no pin was taken: pins come with prepare_load)."""
         if req_id:
-            mine = self._recompute.get(req_id)
-            if mine is None:
-                if len(self._recompute) >= _MAX_COUNTED_REQUESTS:  # requests never finished
-                    del self._recompute[next(iter(self._recompute))]
-                mine = self._recompute[req_id] = set()
+            mine = _request_set(self._recompute, req_id)
             new = [k for k in keys if k not in mine]
             mine.update(new)
             self.holds.loaded(req_id, new)  # its holds end: the chunks are evictable once landed
@@ -1026,12 +1036,7 @@ class TieringManager:
         request that has finished (a store of it ending after its finish, a hold that expired)."""
         if req_id in self._ended:
             return
-        holes = self._holes.get(req_id)
-        if holes is None:
-            if len(self._holes) >= _MAX_COUNTED_REQUESTS:  # requests never finished
-                del self._holes[next(iter(self._holes))]
-            holes = self._holes[req_id] = set()
-        holes.add(tier_idx)
+        _request_set(self._holes, req_id).add(tier_idx)
 
     def _job_id(self) -> int:
         self._next_job += 1

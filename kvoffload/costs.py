@@ -2,7 +2,7 @@
 
 ::
 
-    tier load job ends ──▶ TierLoadCost.loads.observe(bytes, seconds)  (stores: .stores)
+    tier load job ends ──▶ TierLoadCost.ended: bytes over the tier's busy time  (stores: .stores)
     engine step ends ────▶ RateEstimate.observe(tokens, seconds)  (vLLM: tokens the step scheduled)
     lookup, tier HIT ────▶ load_beats_recompute(expected load s, expected recompute s, margin)
                              False ─▶ MISS: the engine recomputes from this chunk
@@ -77,10 +77,17 @@ class RateEstimate:
 
 
 class TierLoadCost:
-    """What a load from one secondary tier costs: its load throughput (bytes/s, from finished
-    load jobs: ``JobResult.transfer_bytes`` over ``transfer_seconds``, submit to result, so the
-    queueing those jobs met is in it) and the bytes of the loads it has been given and not
-    finished (in flight, or queued this step).
+    """What a load from one secondary tier costs: its load throughput (bytes/s) and the bytes of
+    the loads it has been given and not finished (in flight, or queued this step).
+
+    The throughput is the tier's, not a job's: bytes finished over the time the tier was busy
+    with loads (from the moment it had one outstanding, then from one completion to the next),
+    so jobs that overlap are not each charged the time they spent queued behind the others. (A
+    job's own submit-to-result rate falls with every job queued beside it: taken as the tier's
+    rate, and with the queue added on top, a busy healthy tier was judged many times slower than
+    it is and a healthy fs tier stopped serving under load: ``bench scaling``, BENCHMARKS §6c.)
+    The fixed cost of a job (round trips and scheduler steps before its bytes move) is learnt
+    from jobs started while the tier had none outstanding, whose time held no queue.
 
     Before the tier's first load, its stores' throughput stands in for the deadlines of its
     first promotions (the only evidence there is; a deadline is never shorter than the recompute
@@ -89,7 +96,15 @@ class TierLoadCost:
     of what a load costs.
     """
 
-    __slots__ = ("job_seconds", "loads", "outstanding_bytes", "smoothing", "stores")
+    __slots__ = (
+        "_busy_from",
+        "_unsampled",
+        "job_seconds",
+        "loads",
+        "outstanding_bytes",
+        "smoothing",
+        "stores",
+    )
 
     def __init__(self, smoothing: float = SMOOTHING):
         self.smoothing = smoothing
@@ -97,18 +112,48 @@ class TierLoadCost:
         self.stores = RateEstimate(smoothing)
         #: Bytes of load jobs submitted to the tier and not finished.
         self.outstanding_bytes = 0
-        #: Seconds a load job takes whatever its size (exponentially weighted; None: no load
-        #: yet): the floor of any job's expected time, for a tier whose jobs cost round trips
-        #: and scheduler steps before their bytes move (p2p: a lease, then the transfer).
+        #: Seconds a load job takes on an idle tier whatever its size (exponentially weighted;
+        #: None: none yet): the floor of any job's expected time, for a tier whose jobs cost
+        #: round trips and scheduler steps before their bytes move (p2p: a lease, then the
+        #: transfer).
         self.job_seconds: float | None = None
+        self._busy_from = 0.0  # when the interval the next completion is charged for began
+        self._unsampled = 0.0  # bytes finished at the instant the interval began (same poll)
 
-    def load_done(self, nbytes: float, seconds: float) -> None:
-        """A load job moved ``nbytes`` bytes in ``seconds`` (submit to result)."""
-        if seconds <= 0:
-            return
-        self.loads.observe(nbytes, seconds)
-        j = self.job_seconds
-        self.job_seconds = seconds if j is None else j + self.smoothing * (seconds - j)
+    def started(self, nbytes: float, now: float) -> bool:
+        """A load job of ``nbytes`` bytes was submitted at ``now`` (seconds, monotonic). Returns
+        whether the tier had none outstanding: the job's time is then the tier's latency, with
+        nothing queued ahead of it (pass it back to :meth:`ended`)."""
+        alone = self.outstanding_bytes <= 0
+        if alone:
+            self._busy_from = now
+        self.outstanding_bytes += nbytes
+        return alone
+
+    def ended(
+        self,
+        nbytes: float,
+        now: float,
+        moved: float | None = None,
+        seconds: float = 0.0,
+        alone: bool = False,
+    ) -> None:
+        """A load job :meth:`started` with ``nbytes`` ended at ``now``. ``moved``: the bytes it
+        is evidence for (a success: the bytes it loaded; a timeout: its bytes took at least that
+        long), None when it says nothing of the tier's speed (a fast failure, a missing chunk,
+        a job a reset forgot). ``seconds``: its submit-to-result time; ``alone``: what
+        :meth:`started` returned for it."""
+        self.outstanding_bytes -= nbytes
+        if moved is not None:
+            self._unsampled += moved
+            if alone and seconds > 0:
+                j = self.job_seconds
+                self.job_seconds = seconds if j is None else j + self.smoothing * (seconds - j)
+        if now > self._busy_from:
+            if self._unsampled > 0:
+                self.loads.observe(self._unsampled, now - self._busy_from)
+                self._unsampled = 0.0
+            self._busy_from = now
 
     @property
     def bytes_per_s(self) -> float | None:

@@ -112,7 +112,7 @@ at most this often (seconds): with no load, its estimate would never learn that 
 
 
 class _Job:
-    __slots__ = ("tier", "meta", "orphaned", "nbytes", "deadline", "step")
+    __slots__ = ("tier", "meta", "orphaned", "nbytes", "deadline", "step", "alone")
 
     def __init__(self, tier: int, meta: JobMetadata):
         self.tier = tier
@@ -121,6 +121,7 @@ class _Job:
         self.nbytes = 0  # a promotion: the bytes it was expected to load (outstanding until done)
         self.deadline: float | None = None  # a promotion: when it has overrun (kvoffload.costs)
         self.step = 0  # a promotion: the scheduler step it was submitted in
+        self.alone = False  # a promotion started on a tier with no load outstanding
 
 
 class TieringManager:
@@ -314,7 +315,8 @@ class TieringManager:
         # load from each tier costs, what prefill costs, the promotions in flight by chunk (for
         # their deadlines) and, per request, the chunks answered MISS for it because a tier was
         # slower (MISS for the rest of its life: vLLM recomputes from the first one).
-        #: The clock of the cost estimates and deadlines (seconds; tests replace it).
+        #: The clock of the deadlines (seconds; tests replace it). A tier's throughput is
+        #: measured in real time (time.monotonic) whatever this clock says.
         self.clock = time.monotonic
         #: Per secondary tier (in order): its load throughput and the loads it has outstanding.
         self.load_costs = [TierLoadCost() for _ in self.tiers]
@@ -322,6 +324,9 @@ class TieringManager:
         #: :meth:`observe_prefill`.
         self.prefill = RateEstimate(fixed=config.recompute_tokens_per_s)
         self._gating = config.slower_than_recompute == "recompute"
+        #: Per request (while judging): the tokens of its prompt past the chunk it last asked a
+        #: tier for (``lookup``'s ``tokens_after``, from vLLM's key positions).
+        self._prompt_rest: dict[str, int] = {}
         self._margin = config.recompute_margin
         self._overrun = config.promotion_overrun_factor
         self._promoting: dict[bytes, _Job] = {}
@@ -345,14 +350,18 @@ class TieringManager:
 
     # -- lookup ---------------------------------------------------------------------------------
 
-    def lookup(self, key: bytes, req_id: str = "", promote: bool = True) -> LookupResult:
+    def lookup(
+        self, key: bytes, req_id: str = "", promote: bool = True, tokens_after: int | None = None
+    ) -> LookupResult:
         """Where is ``key``? HIT (host, readable now), HIT_PENDING (host, being written or promoted),
         RETRY (a tier is still looking) or MISS. Never blocks (beyond :attr:`lock`).
 
         A tier's HIT starts the key's promotion into the host tier (HIT_PENDING); with ``promote``
         False it starts none and answers RETRY (the caller may not need the key: a chunk outside
         every window a sliding-window lookup can still choose, :class:`kvoffload.hybrid.WindowScans`);
-        a later lookup with ``promote`` promotes it."""
+        a later lookup with ``promote`` promotes it. ``tokens_after``: the tokens of the request's
+        prompt past ``key``'s chunk, when the caller knows them (used only with
+        ``slower_than_recompute: recompute``: the request's prefix is judged whole)."""
         # acquire/release rather than ``with``: half the cost on the hot path (BENCHMARKS.md)
         lock = self.lock
         lock.acquire()
@@ -399,7 +408,7 @@ class TieringManager:
                 if r is _HIT:
                     if not promote:
                         return _RETRY
-                    if self._gating and self._slower_than_recompute(i, req_id):
+                    if self._gating and self._slower_than_recompute(i, req_id, tokens_after):
                         self._count_verdict(key, req_id, i + 1, -1)
                         self._give_way(req_id, i, [key], "slower_than_recompute")
                         self._probe(i, key)
@@ -420,6 +429,13 @@ class TieringManager:
 
     # -- never slower than recompute (kvoffload.costs) ------------------------------------------
 
+    @property
+    def judging(self) -> bool:
+        """Whether loads are judged against recompute (``slower_than_recompute: recompute``):
+        callers that can tell a lookup the rest of its request's prompt (``tokens_after``) need
+        to only then."""
+        return self._gating
+
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """The engine computed ``tokens`` tokens of prefill in ``seconds``: a sample of the live
         prefill estimate (ignored with ``recompute_tokens_per_s`` set). The vLLM plug-in feeds
@@ -427,17 +443,29 @@ class TieringManager:
         with self.lock:
             self.prefill.observe(tokens, seconds)
 
-    def _slower_than_recompute(self, tier_idx: int, req_id: str) -> bool:
+    def _slower_than_recompute(
+        self, tier_idx: int, req_id: str, tokens_after: int | None = None
+    ) -> bool:
         """Whether one more chunk of ``req_id`` found in tier ``tier_idx`` is expected to load
         slower than it would be recomputed, by more than ``recompute_margin``: the request's
-        chunks promoted from that tier this step, this one included, behind everything else the
-        tier has to load, against recomputing those chunks' tokens (a prefix is loaded whole or
-        recomputed from its first MISS, so the chunks are weighed together). False while an
-        estimate is missing."""
+        chunks promoted from that tier this step, this one included, and the rest of its prompt
+        (``tokens_after``; as if the tier held it: prefixes are stored whole), behind everything
+        else the tier has to load, against recomputing those chunks' tokens (a prefix is loaded
+        whole or recomputed from its first MISS, so the chunks are weighed together: judged
+        alone, a long prefix's first chunk behind other requests' loads would always lose to
+        its own recompute). False while an estimate is missing."""
         cost = self.load_costs[tier_idx]
         if cost.loads.rate is None or self.prefill.rate is None or not self._costed[tier_idx]:
             return False  # a tier is judged on its loads only (its stores' queueing is no load's)
-        mine, others = 1, 0
+        tpc = self.namespace.tokens_per_chunk
+        rest = 0
+        if tokens_after is not None and req_id:
+            rest = max(0, tokens_after) // tpc
+            rests = self._prompt_rest
+            if req_id not in rests and len(rests) >= _MAX_COUNTED_REQUESTS:
+                del rests[next(iter(rests))]  # requests that never finished: the oldest goes
+            rests[req_id] = rest
+        mine, others = 1 + rest, 0
         queued = self._promotions.get(tier_idx)
         if queued:
             for r, (keys, _slots) in queued.items():
@@ -447,7 +475,7 @@ class TieringManager:
                     others += len(keys)
         row = self.arena.row_bytes
         load_s = cost.expected_s(mine * row, others * row)
-        recompute_s = self.prefill.seconds_for(mine * self.namespace.tokens_per_chunk)
+        recompute_s = self.prefill.seconds_for(mine * tpc)
         return not load_beats_recompute(load_s, recompute_s, self._margin)
 
     def _probe(self, tier_idx: int, key: bytes) -> None:
@@ -631,37 +659,42 @@ class TieringManager:
         job.nbytes = len(meta.keys) * self.arena.row_bytes
         if self._gating and self._costed[job.tier]:
             job.step = self.holds.step_no
+            # its request recomputes the rest of its prompt (judged with it) if this job is
+            # given up: a one-chunk job of a long prompt is not held to one chunk's recompute
+            chunks = len(meta.keys) + self._prompt_rest.get(meta.req_id, 0)
             job.deadline = promotion_deadline(
                 self.clock(),
                 cost.expected_s(job.nbytes),
-                self.prefill.seconds_for(len(meta.keys) * self.namespace.tokens_per_chunk),
+                self.prefill.seconds_for(chunks * self.namespace.tokens_per_chunk),
                 self._overrun,
                 self._margin,
             )
             promoting = self._promoting
             for k in meta.keys:
                 promoting[k] = job
-        cost.outstanding_bytes += job.nbytes
+        # the tier's throughput is real elapsed time (clock is for deadlines: tests hold it)
+        job.alone = cost.started(job.nbytes, time.monotonic())
 
     def _promotion_ended(self, job: _Job, res: Any) -> None:
         """A promotion's result came: its bytes are no longer outstanding, its chunks no longer
         promoting, and a successful load (or one that timed out) is a sample of its tier's
         throughput."""
         cost = self.load_costs[job.tier]
-        cost.outstanding_bytes -= job.nbytes
         promoting = self._promoting
         if promoting:
             for k in job.meta.keys:
                 if promoting.get(k) is job:
                     del promoting[k]
+        moved = None
         if job.orphaned:
-            return
-        if res.success:
-            cost.load_done(res.transfer_bytes, res.transfer_seconds)
+            pass
+        elif res.success:
+            moved = res.transfer_bytes
         elif res.failed and "timeout" in res.failed.values():
             # a load that timed out took at least that long for its bytes: evidence of a slow
             # tier (a fast failure, a missing chunk, says nothing of its speed)
-            cost.load_done(job.nbytes, res.transfer_seconds)
+            moved = job.nbytes
+        cost.ended(job.nbytes, time.monotonic(), moved, res.transfer_seconds, job.alone)
 
     def source_of(self, key: bytes, req_id: str = "") -> str:
         """The tier that served ``key`` for this request: ``"host"`` or a secondary tier's name."""
@@ -1297,6 +1330,7 @@ class TieringManager:
             self._counted.pop(req_id, None)
             self._holes.pop(req_id, None)
             self._recompute.pop(req_id, None)
+            self._prompt_rest.pop(req_id, None)
             ended = self._ended
             if len(ended) >= _MAX_COUNTED_REQUESTS:
                 ended.popitem(last=False)

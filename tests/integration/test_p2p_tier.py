@@ -211,6 +211,16 @@ def test_two_instances_serve_each_other_bit_exact(world, kind):
     wait_until(lambda: a.ok("state")["pinned"] == 0 or None, PATIENCE_S, "A's leases released")
 
 
+def test_the_peer_worker_runs_at_the_configured_niceness(world):
+    """The peer worker yields to the scheduler's thread (nice 10 by default, as the fs tier's
+    workers), at ``worker_nice`` when the operator asks (0: none)."""
+    me = psutil.Process().nice()
+    plain = world.rig(p2p("tcp", free_port()))
+    unniced = world.rig(p2p("tcp", free_port(), worker_nice=0))
+    assert psutil.Process(tier(plain).worker_pid).nice() == min(19, me + 10)
+    assert psutil.Process(tier(unniced).worker_pid).nice() == me
+
+
 def xxh(row) -> str:
     import xxhash
 

@@ -283,6 +283,7 @@ class P2PTier(SecondaryTierManager):
                 advertise_host=cfg.advertise_host or "",
                 deadline_s=cfg.transfer_deadline_s,
             ),
+            nice=cfg.worker_nice,
         )
         port = cfg.port + manager.data_parallel_rank if cfg.port else 0
         worker_port = WorkerPort(self._worker)

@@ -111,7 +111,7 @@ class TierLoadCost:
         self.loads = RateEstimate(smoothing)
         self.stores = RateEstimate(smoothing)
         #: Bytes of load jobs submitted to the tier and not finished.
-        self.outstanding_bytes = 0
+        self.outstanding_bytes = 0.0
         #: Seconds a load job takes on an idle tier whatever its size (exponentially weighted;
         #: None: none yet): the floor of any job's expected time, for a tier whose jobs cost
         #: round trips and scheduler steps before their bytes move (p2p: a lease, then the

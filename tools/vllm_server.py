@@ -349,6 +349,20 @@ def metric_delta(before: Mapping, after: Mapping, name: str, labels: Mapping[str
     return total
 
 
+def recomputed_by_reason(before: dict, after: dict) -> dict[str, int]:
+    """Tokens a secondary tier held that were recomputed instead between two
+    :meth:`VLLMServer.metrics` scrapes, by reason (``kvoffload_recomputed_tokens_total``:
+    ``slower_than_recompute``, ``promotion_overran``; only with ``slower_than_recompute:
+    recompute``)."""
+    out: dict[str, int] = {}
+    for (name, labels), value in after.items():
+        if name != "kvoffload_recomputed_tokens_total":
+            continue
+        reason = dict(labels).get("reason", "?")
+        out[reason] = out.get(reason, 0) + int(value - before.get((name, labels), 0.0))
+    return out
+
+
 def cached_by_source(before: dict, after: dict) -> dict[str, int]:
     """Prompt tokens served from each cache tier between two :meth:`VLLMServer.metrics` scrapes,
     from vLLM's ``vllm:prompt_tokens_cached_by_source`` counter."""

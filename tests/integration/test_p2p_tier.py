@@ -212,13 +212,14 @@ def test_two_instances_serve_each_other_bit_exact(world, kind):
 
 
 def test_the_peer_worker_runs_at_the_configured_niceness(world):
-    """The peer worker yields to the scheduler's thread (nice 10 by default, as the fs tier's
-    workers), at ``worker_nice`` when the operator asks (0: none)."""
+    """The peer worker's transfers are loads requests wait for while vLLM's engine loop spins: at
+    the engine's priority by default (a niced worker was starved by that loop, BENCHMARKS 10e),
+    at ``worker_nice`` when the operator asks."""
     me = psutil.Process().nice()
     plain = world.rig(p2p("tcp", free_port()))
-    unniced = world.rig(p2p("tcp", free_port(), worker_nice=0))
-    assert psutil.Process(tier(plain).worker_pid).nice() == min(19, me + 10)
-    assert psutil.Process(tier(unniced).worker_pid).nice() == me
+    niced = world.rig(p2p("tcp", free_port(), worker_nice=7))
+    assert psutil.Process(tier(plain).worker_pid).nice() == me
+    assert psutil.Process(tier(niced).worker_pid).nice() == min(19, me + 7)
 
 
 def xxh(row) -> str:

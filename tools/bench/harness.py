@@ -161,11 +161,17 @@ def server_workdir() -> Iterator[Path]:
 
 
 def p2p_tier_instance(
-    kind: str, num_slots: int, row_bytes: int, peers: list[str], secret: str
+    kind: str,
+    num_slots: int,
+    row_bytes: int,
+    peers: list[str],
+    secret: str,
+    worker_nice: int | None = None,
 ) -> tuple:
     """An arena of ``num_slots`` rows of ``row_bytes`` and a TieringManager with one p2p tier on
     loopback (transport ``kind``: ``nixl`` or ``tcp``) naming ``peers``, authenticated with
-    ``secret`` (CurveZMQ on its control sockets, as deployed), its peer worker ready.
+    ``secret`` (CurveZMQ on its control sockets, as deployed), its peer worker ready (at the
+    tier's ``worker_nice``: its default, or ``worker_nice``).
 
     Raises:
         RuntimeError: the peer worker did not start within 120 s.
@@ -183,6 +189,8 @@ def p2p_tier_instance(
         "transfer_deadline_s": 60.0,
         "lease_ttl_s": 600.0,
     }
+    if worker_nice is not None:
+        tier["worker_nice"] = worker_nice
     config = parse_config({"cpu_bytes_to_use": num_slots * row_bytes, "secondary_tiers": [tier]})
     ns = Namespace(
         model="kvoffload/bench-p2p",

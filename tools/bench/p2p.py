@@ -127,9 +127,16 @@ def _bench_keys(n: int) -> list[bytes]:
 
 
 @ends_process
-def _serve_tier(kind: str, num_slots: int, row_bytes: int, secret: str, conn: Any) -> None:
+def _serve_tier(
+    kind: str,
+    num_slots: int,
+    row_bytes: int,
+    secret: str,
+    conn: Any,
+    worker_nice: int | None = None,
+) -> None:
     """Serving instance: an arena whose every slot holds a chunk, served by its p2p tier."""
-    arena, tm = p2p_tier_instance(kind, num_slots, row_bytes, [], secret)
+    arena, tm = p2p_tier_instance(kind, num_slots, row_bytes, [], secret, worker_nice)
     keys = _bench_keys(num_slots)
     plan = tm.prepare_store(keys)
     assert plan is not None and len(plan.keys) == num_slots
@@ -141,19 +148,29 @@ def _serve_tier(kind: str, num_slots: int, row_bytes: int, secret: str, conn: An
     arena.close()
 
 
-def tier_fetch(kind: str, chunk_bytes: int, num_slots: int, reps: int, latency_n: int) -> dict:
+def tier_fetch(
+    kind: str,
+    chunk_bytes: int,
+    num_slots: int,
+    reps: int,
+    latency_n: int,
+    worker_nice: int | None = None,
+) -> dict:
     """The whole p2p tier on loopback: chunks fetched through two instances' tiering managers
     (lookup at the peer, lease, the peer worker's READ into reserved host slots, release), timed
-    from the lookups to the last chunk READY in the reader's host tier."""
+    from the lookups to the last chunk READY in the reader's host tier; both peer workers at
+    ``worker_nice`` (None: the tier's default)."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     secret = secrets.token_hex(32)
-    server = ctx.Process(target=_serve_tier, args=(kind, num_slots, chunk_bytes, secret, child))
+    server = ctx.Process(
+        target=_serve_tier, args=(kind, num_slots, chunk_bytes, secret, child, worker_nice)
+    )
     server.start()
     arena = tm = None
     try:
         addr = parent.recv()
-        arena, tm = p2p_tier_instance(kind, num_slots, chunk_bytes, [addr], secret)
+        arena, tm = p2p_tier_instance(kind, num_slots, chunk_bytes, [addr], secret, worker_nice)
         tier = tm.tiers[0]
         keys = _bench_keys(num_slots)
         deadline = time.monotonic() + 120
@@ -377,8 +394,10 @@ def run(
     batch_mib: int = 16,
     reps: int = 5,
     latency_n: int = 200,
+    worker_nice: int | None = None,
 ) -> list[dict]:
-    """Every (kind, chunk size) measurement; NIXL is left out, with a note, when it cannot import."""
+    """Every (kind, chunk size) measurement; NIXL is left out, with a note, when it cannot import.
+    The whole tier's peer workers run at ``worker_nice`` (None: the tier's default)."""
     out: list[dict] = []
     for kib in chunk_kib:
         for kind in kinds:
@@ -388,7 +407,7 @@ def run(
             batch = max(1, (batch_mib << 10) // kib)
             out.extend(run_one(kind, kib * 1024, total_mib, batch, reps, latency_n))
             num_slots = max(batch, (total_mib << 10) // kib)
-            out.append(tier_fetch(kind, kib * 1024, num_slots, reps, latency_n))
+            out.append(tier_fetch(kind, kib * 1024, num_slots, reps, latency_n, worker_nice))
         out.append(digest_row(kib * 1024, max(1, (total_mib << 10) // kib), reps))
     return out
 
@@ -401,13 +420,21 @@ def run(
 @click.option("--reps", default=5, show_default=True)
 @click.option("--latency-n", default=200, show_default=True, help="one-chunk transfers timed")
 @click.option("--ucx-tls", default="", help="UCX_TLS for both processes (e.g. tcp); default UCX's")
+@click.option(
+    "--worker-nice",
+    type=click.IntRange(0, 19),
+    default=None,
+    help="the whole tier's peer workers' niceness (default: the tier's, 10)",
+)
 @click.option("--json-out", type=click.Path(dir_okay=False), default=None)
 @ends_process
-def main(chunk_kib, kinds, total_mib, batch_mib, reps, latency_n, ucx_tls, json_out) -> None:
+def main(
+    chunk_kib, kinds, total_mib, batch_mib, reps, latency_n, ucx_tls, worker_nice, json_out
+) -> None:
     """p2p READ throughput and per-chunk latency on loopback, with raw baselines."""
     if ucx_tls:
         os.environ["UCX_TLS"] = ucx_tls  # read by UCX when each process creates its agent
-    rows = run(tuple(chunk_kib), tuple(kinds), total_mib, batch_mib, reps, latency_n)
+    rows = run(tuple(chunk_kib), tuple(kinds), total_mib, batch_mib, reps, latency_n, worker_nice)
     click.echo(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} (1, 5, 15 min)")
     click.echo(
         f"{'path':<36} {'chunk':>7} {'GB/s':>7} {'p50 us':>9} {'p99 us':>9} {'verify cost':>12}"

@@ -83,6 +83,7 @@ def run_sweep(
         ServerSpec,
         VLLMServer,
         cached_by_source,
+        recomputed_by_reason,
     )
 
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -117,7 +118,10 @@ def run_sweep(
                 before = server.metrics()
                 row = _point(server.url, tokenizer, c, doc_tokens, turns, max_tokens)
                 time.sleep(0.5)
-                src = cached_by_source(before, server.metrics())
+                after = server.metrics()
+                src = cached_by_source(before, after)
+                if name == JUDGED:  # what the judge sent back to prefill, and why
+                    row["recomputed"] = recomputed_by_reason(before, after)
                 row["tokens_from"] = {
                     "device": src.get("device", 0),
                     "host": src.get("host", 0),
@@ -126,6 +130,7 @@ def run_sweep(
                 echo(
                     f"[{name}] c={c}: {row['prompt_tok_per_s']:.0f} prompt tok/s, TTFT mean "
                     f"{row['ttft_mean_s']:.2f} s, tokens from {row['tokens_from']}"
+                    + (f", recomputed {row['recomputed']}" if "recomputed" in row else "")
                 )
                 rows.append(row)
         out[name] = rows
@@ -291,6 +296,11 @@ def bench_scaling(
                 f"{r['ttft_p90_s']:.2f} | {r['cached_share']:.2f} | "
                 f"{tf['device']} / {tf['host']} / {tf['fs']} |"
             )
+    for r in results.get(JUDGED, ()):
+        click.echo(
+            f"{JUDGED} c={r['concurrency']}: tokens the fs tier held, recomputed instead: "
+            + (", ".join(f"{k} {v}" for k, v in sorted(r["recomputed"].items())) or "none")
+        )
     if ceiling_tokens and "host+fs" in results:
         click.echo(
             "\nagainst the ceiling (prompt tok/s): what a tier could add at most is "

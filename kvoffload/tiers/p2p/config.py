@@ -138,10 +138,13 @@ class P2PTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         peer_timeout_s: a peer silent this long is down: its jobs fail, it is reconnected with
             backoff (seconds, default 2).
         transfer_deadline_s: a bulk transfer not done by then fails (seconds, default 2).
-        worker_nice: CPU niceness added to the peer worker process (0-19; default 10, as the
-            fs tier's workers, so that its copies and digests do not stretch the scheduler's
-            step). Its transfers are loads requests wait for while vLLM's engine loop spins; on
-            2 vCPUs nice 0 measured no better in the whole-tier bench (BENCHMARKS §10e).
+        worker_nice: CPU niceness added to the peer worker process (0-19; default 0). Its
+            transfers are loads a request waits for, while vLLM's engine loop steps without
+            pause (it does so whenever a request waits for KV), and vLLM's own p2p tier moves its
+            bytes in the scheduler's process at nice 0: at nice 10 (the fs workers' default) the
+            whole tier moved 1.10-1.57 GB/s on 2 vCPUs against 1.57-2.15 at 0, every size and
+            transport, alternated in one session (BENCHMARKS §10e). Raise it on a host with no
+            core to spare where the scheduler's step time matters more than a load's.
         lease_ttl_s: how long a serving instance keeps a lease's slots pinned at most (seconds;
             at least 5x ``transfer_deadline_s``, so a transfer reported done always ran while
             its lease held).
@@ -187,7 +190,7 @@ class P2PTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     heartbeat_s: Seconds = 0.5
     peer_timeout_s: Seconds = 2.0
     transfer_deadline_s: Seconds = 2.0
-    worker_nice: Annotated[int, msgspec.Meta(ge=0, le=19)] = 10
+    worker_nice: Annotated[int, msgspec.Meta(ge=0, le=19)] = 0
     lease_ttl_s: Seconds = 30.0
     negative_ttl_s: TTLSeconds = 1.0
     failed_load_ttl_s: TTLSeconds = 10.0

@@ -149,11 +149,14 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             behaviour before holds (docs/profiles/thrash.md, BENCHMARKS.md §6b).
         slower_than_recompute: what a lookup does with a chunk found in a secondary tier whose
             load is expected to be slower than recomputing it (issue 26, "never slower than
-            recompute"; :mod:`kvoffload.costs`): ``recompute`` answers MISS for it, so the engine
-            recomputes from there, and abandons a promotion that overran (its lookups answer
-            MISS; the load goes on and publishes the chunk when it lands); ``serve`` (default
-            for now: what ``recompute`` does to hit rates on a busy host is not measured yet)
-            waits for the tier, the behaviour before. With ``recompute`` nothing changes
+            recompute"; :mod:`kvoffload.costs`): ``recompute`` answers MISS for a chunk of a tier
+            that moves a chunk slower than the engine recomputes it, so the engine recomputes
+            from there; gives way for a request whose chunks from a tier, behind what the tier
+            has queued, are expected to load slower than their recompute when its promotion is
+            submitted; and abandons a promotion that overran (in both, its lookups answer MISS;
+            the load goes on and publishes the chunks when it lands); ``serve`` (default: on a
+            busy 2-vCPU host ``recompute`` still sent some chunks a healthy fs tier held to
+            prefill, BENCHMARKS §6) waits for the tier, the behaviour before. With ``recompute`` nothing changes
             while an estimate is missing (a tier before its first finished job, an engine
             before its first prefill step) or while loads beat recompute, so a healthy tier
             serves what it always served. Counted: ``kvoffload_recomputed_tokens``.

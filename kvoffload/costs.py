@@ -2,11 +2,15 @@
 
 ::
 
-    tier load job ends ──▶ TierLoadCost.ended: bytes over the tier's busy time  (stores: .stores)
+    tier load jobs end ──▶ TierLoadCost.ended, .sample per poll: bytes over the tier's busy time
     engine step ends ────▶ RateEstimate.observe(tokens, seconds)  (vLLM: tokens the step scheduled)
-    lookup, tier HIT ────▶ load_beats_recompute(expected load s, expected recompute s, margin)
-                             False ─▶ MISS: the engine recomputes from this chunk
-    promotion submitted ─▶ promotion_deadline(...): past it (and past two steps), lookups of
+    lookup, tier HIT ────▶ load_beats_recompute(the chunk's bytes at the tier's rate, its recompute)
+                             False ─▶ MISS: the tier is slower than prefill; the engine recomputes
+    promotion submitted ─▶ load_beats_recompute(the request's chunks from the tier this step,
+                           behind what it has outstanding, at least a job's fixed cost, against
+                           their recompute): False ─▶ the request gives way (MISS from its first
+                           chunk; the load goes on and lands in the host tier);
+                           promotion_deadline(...): past it (and past two steps), lookups of
                            its chunks answer MISS; the load goes on and publishes when it lands
 
 "Never slower than recompute" (issue 26): a tier serves only the part of a prefix whose load is
@@ -77,17 +81,23 @@ class RateEstimate:
 
 
 class TierLoadCost:
-    """What a load from one secondary tier costs: its load throughput (bytes/s) and the bytes of
-    the loads it has been given and not finished (in flight, or queued this step).
+    """What a load from one secondary tier costs: its load throughput (bytes/s), a job's fixed
+    cost, and the bytes of the loads it has been given and not finished (in flight, or queued
+    this step).
 
-    The throughput is the tier's, not a job's: bytes finished over the time the tier was busy
-    with loads (from the moment it had one outstanding, then from one completion to the next),
-    so jobs that overlap are not each charged the time they spent queued behind the others. (A
-    job's own submit-to-result rate falls with every job queued beside it: taken as the tier's
-    rate, and with the queue added on top, a busy healthy tier was judged many times slower than
-    it is and a healthy fs tier stopped serving under load: ``bench scaling``, BENCHMARKS §6c.)
-    The fixed cost of a job (round trips and scheduler steps before its bytes move) is learnt
-    from jobs started while the tier had none outstanding, whose time held no queue.
+    The throughput is the tier's, not a job's: the bytes finished over the time the tier was busy
+    with loads, sampled once per poll of its results (:meth:`sample`): from the moment it had a
+    load outstanding, then from one poll that read a result to the next, so jobs that overlap
+    are not each charged the time they spent queued behind the others, results read in the same
+    poll are one sample, and idle time is never charged. (A job's own submit-to-result rate falls
+    with every job queued beside it: taken as the tier's rate, with the queue added on top, a
+    busy healthy tier was judged many times slower than it is and a healthy fs tier stopped
+    serving under load: ``bench scaling``, BENCHMARKS §6.) Results are read once per scheduler
+    step, so a tier fed one small job per step is measured no faster than the steps that feed
+    it (its jobs' time as the engine sees them). A load that timed out is a sample of its own:
+    its bytes over its own time (at least the timeout). The fixed cost of a job (round trips and
+    scheduler steps before its bytes move) is learnt from jobs started while the tier had none
+    outstanding, whose time held no queue.
 
     Before the tier's first load, its stores' throughput stands in for the deadlines of its
     first promotions (the only evidence there is; a deadline is never shorter than the recompute
@@ -98,6 +108,7 @@ class TierLoadCost:
 
     __slots__ = (
         "_busy_from",
+        "_ended",
         "_unsampled",
         "job_seconds",
         "loads",
@@ -117,8 +128,9 @@ class TierLoadCost:
         #: round trips and scheduler steps before their bytes move (p2p: a lease, then the
         #: transfer).
         self.job_seconds: float | None = None
-        self._busy_from = 0.0  # when the interval the next completion is charged for began
-        self._unsampled = 0.0  # bytes finished at the instant the interval began (same poll)
+        self._busy_from = 0.0  # when the interval the next sample covers began
+        self._unsampled = 0.0  # bytes finished since the last sample
+        self._ended = False  # a job ended since the last sample
 
     def started(self, nbytes: float, now: float) -> bool:
         """A load job of ``nbytes`` bytes was submitted at ``now`` (seconds, monotonic). Returns
@@ -127,28 +139,43 @@ class TierLoadCost:
         alone = self.outstanding_bytes <= 0
         if alone:
             self._busy_from = now
+            self._unsampled = 0.0
         self.outstanding_bytes += nbytes
         return alone
 
     def ended(
         self,
         nbytes: float,
-        now: float,
         moved: float | None = None,
         seconds: float = 0.0,
         alone: bool = False,
+        timed_out: bool = False,
     ) -> None:
-        """A load job :meth:`started` with ``nbytes`` ended at ``now``. ``moved``: the bytes it
-        is evidence for (a success: the bytes it loaded; a timeout: its bytes took at least that
-        long), None when it says nothing of the tier's speed (a fast failure, a missing chunk,
-        a job a reset forgot). ``seconds``: its submit-to-result time; ``alone``: what
-        :meth:`started` returned for it."""
+        """A load job :meth:`started` with ``nbytes`` ended (its result was read; call
+        :meth:`sample` once the poll's results are applied). ``moved``: the bytes it is
+        evidence for (a success: the bytes it loaded; a timeout: its bytes), None when it says
+        nothing of the tier's speed (a fast failure, a missing chunk, a job a reset forgot).
+        ``seconds``: its submit-to-result time; ``alone``: what :meth:`started` returned for it;
+        ``timed_out``: its bytes took at least ``seconds`` (a sample of their own)."""
         self.outstanding_bytes -= nbytes
-        if moved is not None:
-            self._unsampled += moved
-            if alone and seconds > 0:
-                j = self.job_seconds
-                self.job_seconds = seconds if j is None else j + self.smoothing * (seconds - j)
+        self._ended = True
+        if moved is None:
+            return
+        if timed_out:
+            self.loads.observe(moved, seconds)
+            return
+        self._unsampled += moved
+        if alone and seconds > 0:
+            j = self.job_seconds
+            self.job_seconds = seconds if j is None else j + self.smoothing * (seconds - j)
+
+    def sample(self, now: float) -> None:
+        """The results of one poll have been applied (at ``now``): the bytes they finished over
+        the time since the previous sample (or since the tier became busy) are one sample of the
+        throughput."""
+        if not self._ended:
+            return
+        self._ended = False
         if now > self._busy_from:
             if self._unsampled > 0:
                 self.loads.observe(self._unsampled, now - self._busy_from)

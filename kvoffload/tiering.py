@@ -324,9 +324,6 @@ class TieringManager:
         #: :meth:`observe_prefill`.
         self.prefill = RateEstimate(fixed=config.recompute_tokens_per_s)
         self._gating = config.slower_than_recompute == "recompute"
-        #: Per request (while judging): the tokens of its prompt past the chunk it last asked a
-        #: tier for (``lookup``'s ``tokens_after``, from vLLM's key positions).
-        self._prompt_rest: dict[str, int] = {}
         self._margin = config.recompute_margin
         self._overrun = config.promotion_overrun_factor
         self._promoting: dict[bytes, _Job] = {}
@@ -350,18 +347,14 @@ class TieringManager:
 
     # -- lookup ---------------------------------------------------------------------------------
 
-    def lookup(
-        self, key: bytes, req_id: str = "", promote: bool = True, tokens_after: int | None = None
-    ) -> LookupResult:
+    def lookup(self, key: bytes, req_id: str = "", promote: bool = True) -> LookupResult:
         """Where is ``key``? HIT (host, readable now), HIT_PENDING (host, being written or promoted),
         RETRY (a tier is still looking) or MISS. Never blocks (beyond :attr:`lock`).
 
         A tier's HIT starts the key's promotion into the host tier (HIT_PENDING); with ``promote``
         False it starts none and answers RETRY (the caller may not need the key: a chunk outside
         every window a sliding-window lookup can still choose, :class:`kvoffload.hybrid.WindowScans`);
-        a later lookup with ``promote`` promotes it. ``tokens_after``: the tokens of the request's
-        prompt past ``key``'s chunk, when the caller knows them (used only with
-        ``slower_than_recompute: recompute``: the request's prefix is judged whole)."""
+        a later lookup with ``promote`` promotes it."""
         # acquire/release rather than ``with``: half the cost on the hot path (BENCHMARKS.md)
         lock = self.lock
         lock.acquire()
@@ -408,7 +401,7 @@ class TieringManager:
                 if r is _HIT:
                     if not promote:
                         return _RETRY
-                    if self._gating and self._slower_than_recompute(i, req_id, tokens_after):
+                    if self._gating and self._slower_than_recompute(i):
                         self._count_verdict(key, req_id, i + 1, -1)
                         self._give_way(req_id, i, [key], "slower_than_recompute")
                         self._probe(i, key)
@@ -429,13 +422,6 @@ class TieringManager:
 
     # -- never slower than recompute (kvoffload.costs) ------------------------------------------
 
-    @property
-    def judging(self) -> bool:
-        """Whether loads are judged against recompute (``slower_than_recompute: recompute``):
-        callers that can tell a lookup the rest of its request's prompt (``tokens_after``) need
-        to only then."""
-        return self._gating
-
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """The engine computed ``tokens`` tokens of prefill in ``seconds``: a sample of the live
         prefill estimate (ignored with ``recompute_tokens_per_s`` set). The vLLM plug-in feeds
@@ -443,40 +429,37 @@ class TieringManager:
         with self.lock:
             self.prefill.observe(tokens, seconds)
 
-    def _slower_than_recompute(
-        self, tier_idx: int, req_id: str, tokens_after: int | None = None
-    ) -> bool:
-        """Whether one more chunk of ``req_id`` found in tier ``tier_idx`` is expected to load
-        slower than it would be recomputed, by more than ``recompute_margin``: the request's
-        chunks promoted from that tier this step, this one included, and the rest of its prompt
-        (``tokens_after``; as if the tier held it: prefixes are stored whole), behind everything
-        else the tier has to load, against recomputing those chunks' tokens (a prefix is loaded
-        whole or recomputed from its first MISS, so the chunks are weighed together: judged
-        alone, a long prefix's first chunk behind other requests' loads would always lose to
-        its own recompute). False while an estimate is missing."""
+    def _slower_than_recompute(self, tier_idx: int) -> bool:
+        """Whether tier ``tier_idx`` moves a chunk slower than the engine recomputes it, by more
+        than ``recompute_margin``: its bytes at the tier's throughput against its tokens at the
+        prefill rate. What the tier has queued and a job's fixed cost are weighed when the
+        request's promotions are submitted, together (:meth:`_judged_at_submission`): judged at
+        its first chunk, a long prefix behind other requests' loads would always lose to that
+        one chunk's recompute. False while an estimate is missing."""
         cost = self.load_costs[tier_idx]
-        if cost.loads.rate is None or self.prefill.rate is None or not self._costed[tier_idx]:
+        rate = cost.loads.rate
+        if rate is None or self.prefill.rate is None or not self._costed[tier_idx]:
             return False  # a tier is judged on its loads only (its stores' queueing is no load's)
-        tpc = self.namespace.tokens_per_chunk
-        rest = 0
-        if tokens_after is not None and req_id:
-            rest = max(0, tokens_after) // tpc
-            rests = self._prompt_rest
-            if req_id not in rests and len(rests) >= _MAX_COUNTED_REQUESTS:
-                del rests[next(iter(rests))]  # requests that never finished: the oldest goes
-            rests[req_id] = rest
-        mine, others = 1 + rest, 0
-        queued = self._promotions.get(tier_idx)
-        if queued:
-            for r, (keys, _slots) in queued.items():
-                if r == req_id:
-                    mine += len(keys)
-                else:
-                    others += len(keys)
-        row = self.arena.row_bytes
-        load_s = cost.expected_s(mine * row, others * row)
-        recompute_s = self.prefill.seconds_for(mine * tpc)
+        load_s = self.arena.row_bytes / rate
+        recompute_s = self.prefill.seconds_for(self.namespace.tokens_per_chunk)
         return not load_beats_recompute(load_s, recompute_s, self._margin)
+
+    def _judged_at_submission(self, job: _Job) -> bool:
+        """Whether a promotion about to be submitted serves its request: its chunks (the
+        request's found prefix from that tier this step, vLLM looks a request's chunks up
+        together), behind everything the tier has outstanding and at least a job's fixed cost,
+        are expected to load within ``recompute_margin`` times their recompute. False: the
+        request gives way (:meth:`_give_way`, reason ``slower_than_recompute``): MISS from the
+        job's first chunk, the load goes on and lands in the host tier for later requests."""
+        cost = self.load_costs[job.tier]
+        meta = job.meta
+        if meta.req_id in ("", PEER_PROMOTION) or cost.loads.rate is None:
+            return True  # no request waits for it (a probe, a peer's): nobody to give way
+        if self.prefill.rate is None:
+            return True
+        load_s = cost.expected_s(len(meta.keys) * self.arena.row_bytes)
+        recompute_s = self.prefill.seconds_for(len(meta.keys) * self.namespace.tokens_per_chunk)
+        return load_beats_recompute(load_s, recompute_s, self._margin)
 
     def _probe(self, tier_idx: int, key: bytes) -> None:
         """Tier ``tier_idx`` was judged slower than recompute for ``key``: promote ``key`` all the
@@ -647,8 +630,13 @@ class TieringManager:
                             req_id,
                         )
                     job = self._jobs[meta.job_id] = _Job(tier_idx, meta)
+                    serves = not (self._gating and self._costed[tier_idx]) or (
+                        self._judged_at_submission(job)
+                    )
                     self._promotion_submitted(job)
                     tier.submit_load(meta)
+                    if not serves:
+                        self._give_way(req_id, tier_idx, list(keys), "slower_than_recompute")
 
     def _promotion_submitted(self, job: _Job) -> None:
         """Account a promotion about to be submitted: its bytes are outstanding on its tier, and
@@ -659,13 +647,10 @@ class TieringManager:
         job.nbytes = len(meta.keys) * self.arena.row_bytes
         if self._gating and self._costed[job.tier]:
             job.step = self.holds.step_no
-            # its request recomputes the rest of its prompt (judged with it) if this job is
-            # given up: a one-chunk job of a long prompt is not held to one chunk's recompute
-            chunks = len(meta.keys) + self._prompt_rest.get(meta.req_id, 0)
             job.deadline = promotion_deadline(
                 self.clock(),
                 cost.expected_s(job.nbytes),
-                self.prefill.seconds_for(chunks * self.namespace.tokens_per_chunk),
+                self.prefill.seconds_for(len(meta.keys) * self.namespace.tokens_per_chunk),
                 self._overrun,
                 self._margin,
             )
@@ -685,7 +670,7 @@ class TieringManager:
             for k in job.meta.keys:
                 if promoting.get(k) is job:
                     del promoting[k]
-        moved = None
+        moved, timed_out = None, False
         if job.orphaned:
             pass
         elif res.success:
@@ -693,8 +678,8 @@ class TieringManager:
         elif res.failed and "timeout" in res.failed.values():
             # a load that timed out took at least that long for its bytes: evidence of a slow
             # tier (a fast failure, a missing chunk, says nothing of its speed)
-            moved = job.nbytes
-        cost.ended(job.nbytes, time.monotonic(), moved, res.transfer_seconds, job.alone)
+            moved, timed_out = job.nbytes, True
+        cost.ended(job.nbytes, moved, res.transfer_seconds, job.alone, timed_out)
 
     def source_of(self, key: bytes, req_id: str = "") -> str:
         """The tier that served ``key`` for this request: ``"host"`` or a secondary tier's name."""
@@ -1120,6 +1105,10 @@ class TieringManager:
                 self._orphaned_promotion_done(job)
             else:
                 self._promotion_done(tier, job, res)
+        # the poll's results as one sample of each tier's throughput (real elapsed time)
+        now = time.monotonic()
+        for cost in self.load_costs:
+            cost.sample(now)
 
     def _finished_job(self, tier: SecondaryTierManager, res: Any) -> _Job | None:
         """The job ``res`` (a :class:`~kvoffload.tiers.base.JobResult`) answers, no longer in
@@ -1330,7 +1319,6 @@ class TieringManager:
             self._counted.pop(req_id, None)
             self._holes.pop(req_id, None)
             self._recompute.pop(req_id, None)
-            self._prompt_rest.pop(req_id, None)
             ended = self._ended
             if len(ended) >= _MAX_COUNTED_REQUESTS:
                 ended.popitem(last=False)

@@ -57,11 +57,6 @@ _MEDIUM = {"CPU": Medium.CPU, "STORAGE": Medium.STORAGE}
 _LOCALITY = {"LOCAL": Locality.LOCAL, "REMOTE": Locality.REMOTE}
 
 
-class _PromptTokens(int):
-    """A request's prompt length (tokens), kept in its ``ReqContext`` while loads are judged
-    against recompute (:attr:`~kvoffload.tiering.TieringManager.judging`)."""
-
-
 class _RequestChunks:
     """One request's chunks as :class:`~kvoffload.events.ChunkEventInfo`, computed per key when
     asked (:meth:`~kvoffload.tiering.TieringManager.prepare_store`'s ``chunk_info``): the
@@ -103,13 +98,6 @@ class _RequestChunks:
             block_size=block,
             group_idx=group,
         )
-
-
-def _after(req_context: ReqContext, key: Any) -> int | None:
-    """The tokens of the request's prompt past ``key``'s chunk (None: not known)."""
-    prompt = req_context.get_state(_PromptTokens)
-    end = req_context.get_offload_key_position(key)
-    return None if prompt is None or end is None else max(0, prompt - end)
 
 
 class KVOffloadManager(OffloadingManager):
@@ -168,12 +156,7 @@ class KVOffloadManager(OffloadingManager):
                     )
                 scans.record(req_id, group, key, end, r.name)
                 return _TO_VLLM[r]
-        tm = self.tm
-        if tm.judging:
-            return _TO_VLLM[
-                tm.lookup(key, req_context.req_id, tokens_after=_after(req_context, key))
-            ]
-        return _TO_VLLM[tm.lookup(key, req_context.req_id)]
+        return _TO_VLLM[self.tm.lookup(key, req_context.req_id)]
 
     @override
     def get_load_source(self, key, req_context: ReqContext):
@@ -213,13 +196,10 @@ class KVOffloadManager(OffloadingManager):
 
     @override
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        if self._geometry or self.tm.judging:
+        if self._geometry:
             req = calling_request(req_context.req_id)
             if req is not None:
-                if self._geometry:
-                    req_context.set_state(_RequestChunks(req, req_context, self._geometry))
-                if self.tm.judging:
-                    req_context.set_state(_PromptTokens(req.num_prompt_tokens))
+                req_context.set_state(_RequestChunks(req, req_context, self._geometry))
         params = getattr(req_context, "kv_transfer_params", None)
         if params:  # the orchestrator's routing (p2p: which peer, what to hold for a decoder)
             self.tm.on_request(req_context.req_id, params)

@@ -263,10 +263,10 @@ def test_the_load_estimate_counts_what_the_tier_has_outstanding(tmp_path):
         job_timeout_s=600.0,
         faults=[{"point": "load", "action": "wait_file", "arg": str(gate), "count": -1}],
     )
-    keys = keys_for(4)
+    keys = keys_for(3)
     # a chunk loads in 1 s and recomputes in 1 s: served alone (1 s <= 2.5 x 1 s) or behind one
-    # more (2 s), not behind two (3 s); a prompt with two chunks after it is judged whole: its
-    # three behind two (5 s) against recomputing three (7.5 s with the margin) is served
+    # more (2 s), not behind two (3 s). Lookups judge the tier's speed alone (1 s: served); the
+    # queue is weighed when the step submits the requests' promotions, in order
     prefill = {
         "recompute_tokens_per_s": float(TOKENS),
         "recompute_margin": 2.5,
@@ -278,23 +278,49 @@ def test_the_load_estimate_counts_what_the_tier_has_outstanding(tmp_path):
         offloaded(rig, keys)
         tm.load_costs[0].loads = RateEstimate(fixed=float(ROW))
         try:
+            assert [tm.lookup(k, r) for k, r in zip(keys, "abc")] == [PENDING] * 3
+            tm.step()
+            assert tm.load_costs[0].outstanding_bytes == 3 * ROW  # c's load goes on
             assert tm.lookup(keys[0], "a") is PENDING
-            assert tm.lookup(keys[1], "b") is PENDING  # behind a's queued chunk: 2 s, served
-            tm.step()
-            assert tm.load_costs[0].outstanding_bytes == 2 * ROW
-            assert tm.lookup(keys[2], "c") is MISS  # behind both, in flight: 3 s
-            assert tm.stats.recomputed[("fs", "slower_than_recompute")] == TOKENS
-            assert tm.lookup(keys[3], "d", tokens_after=2 * TOKENS) is PENDING
-            assert tm.lookup(keys[3], "e", tokens_after=0) is PENDING  # d's promotion: shared
-            tm.step()
-            assert tm.load_costs[0].outstanding_bytes == 3 * ROW
+            assert tm.lookup(keys[1], "b") is PENDING  # behind a's chunk: 2 s, served
+            assert tm.lookup(keys[2], "c") is MISS  # behind both: 3 s, recomputed
             assert tm.stats.recomputed[("fs", "slower_than_recompute")] == TOKENS
         finally:
             gate.touch()
         assert tm.wait_idle(120)
         assert tm.load_costs[0].outstanding_bytes == 0
-        for rid in "abcde":
+        assert tm.host.lookup(keys[2]) is HIT  # c's chunk landed for later requests
+        for rid in "abc":
             tm.on_request_finished(rid)
+
+
+def test_a_requests_found_prefix_is_judged_whole_when_its_promotion_is_submitted(tmp_path):
+    """A tier whose every job costs 30 s (its fixed cost; its bytes are fast) against 16 s of
+    recompute a chunk (24 s with the margin): a request that found three chunks there waits for
+    them (30 s against 72 s), one that found a single chunk recomputes it (30 s against 24 s).
+    Judged at its first chunk, the three-chunk prefix would have lost too; judged with the rest
+    of its prompt, the one-chunk request would have waited for a prompt the tier does not hold."""
+    keys = keys_for(4)
+    with Rig([fs_tier(tmp_path / "fs")], num_slots=16, **SLOW_PREFILL) as rig:
+        tm = rig.tm
+        tm.clock = Clock()
+        offloaded(rig, keys)
+        cost = tm.load_costs[0]
+        cost.loads = RateEstimate(fixed=ROW * 1e6)
+        cost.job_seconds = 30.0
+        assert [tm.lookup(k, "r") for k in keys[:3]] == [PENDING] * 3  # the tier is fast
+        assert tm.lookup(keys[3], "s") is PENDING
+        tm.step()
+        assert [tm.lookup(k, "r") for k in keys[:3]] != [MISS] * 3
+        assert tm.lookup(keys[3], "s") is MISS
+        st = tm.stats
+        assert st.recomputed[("fs", "slower_than_recompute")] == TOKENS
+        assert tm.wait_idle(120)
+        assert serve(tm, "r", keys[:3]) == 3
+        assert tm.host.lookup(keys[3]) is HIT  # s's load went on and landed
+        for rid in "rs":
+            tm.on_request_finished(rid)
+        assert tm.pins_held() == refs_of(tm) == {}
 
 
 def test_a_load_that_timed_out_is_a_sample_of_a_slow_tier(tmp_path):
@@ -322,38 +348,3 @@ def test_a_load_that_timed_out_is_a_sample_of_a_slow_tier(tmp_path):
         loads = tm.load_costs[0].loads
         assert loads.samples == 1 and loads.rate <= ROW / 1.0  # one chunk in at least 1 s
         tm.on_request_finished("r")
-
-
-@needs_vllm
-def test_the_vllm_manager_tells_a_judged_lookup_the_rest_of_its_prompt(tmp_path):
-    """vLLM's scheduler records each of a request's keys' end positions before it looks them up;
-    with the request's prompt length (kept at ``on_new_request``) a judged lookup learns how much
-    of the prompt follows the chunk, and the prefix is weighed whole: a tier whose every job
-    costs 30 s loses to a lone chunk's recompute (16 s, 24 s with the margin) but not to four's."""
-    from kvoffload.vllm.compat import LookupResult, ReqContext
-    from kvoffload.vllm.manager import KVOffloadManager, _after, _PromptTokens
-
-    keys = keys_for(2)
-    ctx = ReqContext(req_id="r")
-    assert _after(ctx, keys[0]) is None  # nothing known: judged on its own chunks
-    ctx.set_offload_key_position(keys[0], 2 * TOKENS)
-    assert _after(ctx, keys[0]) is None
-    ctx.set_state(_PromptTokens(5 * TOKENS + 3))
-    assert _after(ctx, keys[0]) == 3 * TOKENS + 3
-    alone = ReqContext(req_id="s")
-    alone.set_offload_key_position(keys[1], 2 * TOKENS)
-    with Rig([fs_tier(tmp_path / "fs")], num_slots=16, **SLOW_PREFILL) as rig:
-        tm = rig.tm
-        tm.clock = Clock()
-        offloaded(rig, keys)
-        m = KVOffloadManager(tm)
-        assert tm.judging
-        cost = tm.load_costs[0]
-        cost.loads = RateEstimate(fixed=ROW * 1e6)
-        cost.job_seconds = 30.0
-        assert m.lookup(keys[0], ctx) is LookupResult.HIT_PENDING  # 30 s against 4 chunks' 64 s
-        assert m.lookup(keys[1], alone) is LookupResult.MISS  # 30 s against 16 s
-        assert tm.stats.recomputed[("fs", "slower_than_recompute")] == TOKENS
-        assert tm.wait_idle(120)
-        for rid in "rs":
-            tm.on_request_finished(rid)

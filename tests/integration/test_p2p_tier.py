@@ -216,6 +216,8 @@ def test_the_peer_worker_runs_at_the_configured_niceness(world):
     the engine's priority by default (a niced worker was starved by that loop, BENCHMARKS 10e),
     at ``worker_nice`` when the operator asks."""
     me = psutil.Process().nice()
+    if me > 12:
+        pytest.skip(f"the tests run at nice {me}: a worker 7 nicer cannot be told apart")
     plain = world.rig(p2p("tcp", free_port()))
     niced = world.rig(p2p("tcp", free_port(), worker_nice=7))
     assert psutil.Process(tier(plain).worker_pid).nice() == me

@@ -67,56 +67,77 @@ def test_a_load_is_expected_to_take_at_least_a_jobs_usual_time():
     for t0, nbytes in ((0.0, 1000), (10.0, 100_000)):  # each alone on an idle tier, 1 s each
         alone = c.started(nbytes, t0)
         assert alone
-        c.ended(nbytes, t0 + 1.0, nbytes, 1.0, alone)
+        c.ended(nbytes, nbytes, 1.0, alone)
+        c.sample(t0 + 1.0)
     assert c.job_seconds == pytest.approx(1.0)  # its fixed cost, not its bytes
     assert c.expected_s(10) == pytest.approx(1.0)  # a tiny load: the job's usual time
     big = c.expected_s(1_000_000)
     assert big == pytest.approx(1_000_000 / c.bytes_per_s) and big > 1.0
 
 
+MB = 1_000_000
+
+
 def test_overlapping_jobs_measure_the_tiers_throughput_not_each_jobs_wait():
-    """Ten 1 MB jobs submitted together to a tier that moves 1 MB per 10 ms: the last ends after
-    100 ms, so each job's own rate is 10-100 MB/s; the tier's is 100 MB/s, and a job queued
-    behind them is expected to take what the tier needs for them and it, not ten times that.
-    (Before, the per-job rate with the queue added on top judged a busy fs tier slower than
-    recomputing and it stopped serving: BENCHMARKS 6c.)"""
+    """Ten 1 MB jobs submitted together to a tier that moves 1 MB per 10 ms, each result read by
+    its own poll: the last ends after 100 ms, so each job's own rate is 10-100 MB/s; the tier's
+    is 100 MB/s, and a job queued behind nine more in flight is expected to take what the tier
+    needs for them and it. (Before, the per-job rate with the queue added on top judged a busy
+    fs tier slower than recomputing and it stopped serving: BENCHMARKS 6.)"""
     c = TierLoadCost()
-    mb = 1_000_000
-    flags = [c.started(mb, 0.0) for _ in range(10)]
+    flags = [c.started(MB, 0.0) for _ in range(10)]
     assert flags == [True] + [False] * 9  # only the first found the tier idle
     for i in range(10):
-        c.ended(mb, 0.01 * (i + 1), mb, 0.01 * (i + 1), flags[i])
-    assert c.bytes_per_s == pytest.approx(100 * mb)
+        c.ended(MB, MB, 0.01 * (i + 1), flags[i])
+        c.sample(0.01 * (i + 1))
+    assert c.bytes_per_s == pytest.approx(100 * MB)
     assert c.job_seconds == pytest.approx(0.01)  # the job that ran alone: no queue in it
-    c.started(9 * mb, 1.0)  # nine more in flight
-    assert c.expected_s(mb) == pytest.approx(0.1)
+    c.started(9 * MB, 1.0)  # nine more in flight
+    assert c.expected_s(MB) == pytest.approx(0.1)
 
 
-def test_completions_seen_at_one_instant_and_idle_gaps_keep_the_rate_true():
+def test_results_read_in_one_poll_are_one_sample_and_idle_time_is_never_charged():
     c = TierLoadCost(smoothing=1.0)  # the newest sample alone
-    mb = 1_000_000
     for _ in range(4):
-        c.started(mb, 0.0)
-    c.ended(mb, 0.04, mb)  # four jobs' results read in the same poll, 40 ms after
-    c.ended(mb, 0.04, mb)
-    c.ended(mb, 0.04, mb)
-    assert c.bytes_per_s == pytest.approx(25 * mb)  # the first: 1 MB in 40 ms
-    c.ended(mb, 0.05, mb)  # the other two carried into the next interval: 3 MB in 10 ms
-    assert c.bytes_per_s == pytest.approx(300 * mb)
+        c.started(MB, 0.0)
+    for _ in range(4):  # four jobs' results read in the same poll, 40 ms after
+        c.ended(MB, MB)
+    c.sample(0.04)
+    assert c.bytes_per_s == pytest.approx(100 * MB)  # 4 MB in 40 ms
     assert c.outstanding_bytes == 0
+    c.sample(30.0)  # a poll that read nothing: no sample, the interval is not moved
+    assert c.bytes_per_s == pytest.approx(100 * MB)
     # an idle minute is not the tier's time: the next job's interval starts at its submission
-    c.started(mb, 60.0)
-    c.ended(mb, 60.01, mb)
-    assert c.bytes_per_s == pytest.approx(100 * mb)
+    c.started(MB, 60.0)
+    c.ended(MB, MB)
+    c.sample(60.02)
+    assert c.bytes_per_s == pytest.approx(50 * MB)
+
+
+def test_a_load_that_timed_out_is_a_sample_of_its_own_time():
+    """Ten jobs time out together after 10 s while others keep finishing: each timeout is its
+    bytes over its own 10 s, never over the moment since the last result."""
+    c = TierLoadCost(smoothing=1.0)
+    for _ in range(2):
+        c.started(MB, 0.0)
+    c.ended(MB, MB, 10.0, timed_out=True)
+    c.sample(10.0)
+    assert c.bytes_per_s == pytest.approx(0.1 * MB)
+    c.ended(MB, MB, 0.01)  # a fast one read in the same poll as the timeout
+    c.sample(10.0)
+    assert c.bytes_per_s == pytest.approx(0.1 * MB)  # the timeout's sample stands
+    assert c.outstanding_bytes == 0
 
 
 def test_a_job_that_says_nothing_of_speed_leaves_the_rate_but_not_the_outstanding_bytes():
     c = TierLoadCost(smoothing=1.0)
     c.started(100, 0.0)
-    c.ended(100, 0.01, 100)
+    c.ended(100, 100)
+    c.sample(0.01)
     rate = c.bytes_per_s
     c.started(100, 1.0)
-    c.ended(100, 5.0)  # failed fast or forgotten after a reset: no sample
+    c.ended(100)  # failed fast or forgotten after a reset: no sample
+    c.sample(5.0)
     assert c.bytes_per_s == rate and c.outstanding_bytes == 0
 
 

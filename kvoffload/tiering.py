@@ -1092,6 +1092,7 @@ class TieringManager:
     def _apply_results(self, tier: SecondaryTierManager, results: Iterable[Any]) -> None:
         """Apply ``tier``'s finished jobs (:class:`~kvoffload.tiers.base.JobResult`): pins drop,
         loaded chunks are published, what failed is counted. Under :attr:`lock`."""
+        promotions = False
         for res in results:
             job = self._finished_job(tier, res)
             if job is None:
@@ -1100,15 +1101,16 @@ class TieringManager:
             if not job.meta.is_promotion:
                 self._store_done(tier, job, res)
                 continue
+            promotions = True
             self._promotion_ended(job, res)
             if job.orphaned:
                 self._orphaned_promotion_done(job)
             else:
                 self._promotion_done(tier, job, res)
-        # the poll's results as one sample of each tier's throughput (real elapsed time)
-        now = time.monotonic()
-        for cost in self.load_costs:
-            cost.sample(now)
+        if promotions:  # the poll's results: one sample of the tier's throughput (real time)
+            now = time.monotonic()
+            for cost in self.load_costs:
+                cost.sample(now)
 
     def _finished_job(self, tier: SecondaryTierManager, res: Any) -> _Job | None:
         """The job ``res`` (a :class:`~kvoffload.tiers.base.JobResult`) answers, no longer in

@@ -652,10 +652,18 @@ def test_c45_lying_and_endless_frames_on_the_data_port_close_it_and_memory_stays
     c.authenticate(token)
     assert b"malformed" in endless(c, struct.pack("<I", pt.MAX_REQUEST_BYTES))
     assert vmhwm_kib(b.handle.pid) - before < 16 * 1024  # KiB; the frames claimed GiBs
+    # the worker reports its refusals as they change: wait for all of them (under load the last
+    # "malformed" came after "too_large" reached 2; waiting for that alone was flaky)
     refused = wait_for(
-        [b], lambda: b.handle.refused.get("too_large") == 2 and b.handle.refused, "the refusals"
+        [b],
+        lambda: (
+            b.handle.refused.get("too_large") == 2
+            and b.handle.refused.get("malformed", 0) >= 4
+            and b.handle.refused
+        ),
+        "the refusals",
     )
-    assert refused["malformed"] >= 4, refused
+    assert refused["too_large"] == 2 and refused["malformed"] >= 4, refused
     # the worker still serves the session, bit-exact
     c = DataClient(desc)
     c.authenticate(token)

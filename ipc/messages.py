@@ -128,6 +128,10 @@ class TaskResult(msgspec.Struct, tag="result", array_like=True, gc=False):
             not show there); -1 when one of them was not measured, or there is none (CASES C52).
         present: a store task: its keys found already stored and not written again (chunks;
             ``IOOutcome.present``, CASES C50); counted among the ``OK`` codes.
+        done_at: ``time.monotonic()`` in the worker when the task's I/O ended (seconds;
+            CLOCK_MONOTONIC is one clock for every process of the machine); 0.0: not given.
+            The engine reads results once per scheduler step: this says when the tier was done,
+            for its throughput estimate (:mod:`kvoffload.costs`), clamped to the task's life.
     """
 
     task_id: int
@@ -141,6 +145,7 @@ class TaskResult(msgspec.Struct, tag="result", array_like=True, gc=False):
     counters: dict[str, float] = {}
     free_bytes: int = -1
     present: int = 0
+    done_at: float = 0.0
 
 
 _task_encoder = msgspec.msgpack.Encoder()

@@ -108,6 +108,7 @@ class TierLoadCost:
 
     __slots__ = (
         "_busy_from",
+        "_done_at",
         "_ended",
         "_unsampled",
         "job_seconds",
@@ -131,6 +132,7 @@ class TierLoadCost:
         self._busy_from = 0.0  # when the interval the next sample covers began
         self._unsampled = 0.0  # bytes finished since the last sample
         self._ended = False  # a job ended since the last sample
+        self._done_at = 0.0  # the latest end the tier reported since (-1.0: one did not say)
 
     def started(self, nbytes: float, now: float) -> bool:
         """A load job of ``nbytes`` bytes was submitted at ``now`` (seconds, monotonic). Returns
@@ -150,15 +152,22 @@ class TierLoadCost:
         seconds: float = 0.0,
         alone: bool = False,
         timed_out: bool = False,
+        done_at: float = 0.0,
     ) -> None:
         """A load job :meth:`started` with ``nbytes`` ended (its result was read; call
         :meth:`sample` once the poll's results are applied). ``moved``: the bytes it is
         evidence for (a success: the bytes it loaded; a timeout: its bytes), None when it says
         nothing of the tier's speed (a fast failure, a missing chunk, a job a reset forgot).
         ``seconds``: its submit-to-result time; ``alone``: what :meth:`started` returned for it;
-        ``timed_out``: its bytes took at least ``seconds`` (a sample of their own)."""
+        ``timed_out``: its bytes took at least ``seconds`` (a sample of their own); ``done_at``:
+        when the tier says it finished (same clock as :meth:`started`; 0.0: not known), so
+        the sample ends then rather than when the engine read the result (once per scheduler
+        step: a tier fed one small job per step would look no faster than the steps)."""
         self.outstanding_bytes -= nbytes
-        self._ended = True
+        if not self._ended:
+            self._ended, self._done_at = True, 0.0
+        if self._done_at >= 0.0:
+            self._done_at = max(self._done_at, done_at) if done_at > 0.0 else -1.0
         if moved is None:
             return
         if timed_out:
@@ -171,16 +180,19 @@ class TierLoadCost:
 
     def sample(self, now: float) -> None:
         """The results of one poll have been applied (at ``now``): the bytes they finished over
-        the time since the previous sample (or since the tier became busy) are one sample of the
-        throughput."""
+        the time since the previous sample (or since the tier became busy) up to when the tier
+        said the last of them ended (``done_at``; ``now`` when one did not say) are one sample
+        of the throughput."""
         if not self._ended:
             return
         self._ended = False
-        if now > self._busy_from:
+        end = self._done_at if self._done_at > self._busy_from else now
+        end = min(end, now)
+        if end > self._busy_from:
             if self._unsampled > 0:
-                self.loads.observe(self._unsampled, now - self._busy_from)
+                self.loads.observe(self._unsampled, end - self._busy_from)
                 self._unsampled = 0.0
-            self._busy_from = now
+            self._busy_from = end
 
     @property
     def bytes_per_s(self) -> float | None:

@@ -112,7 +112,7 @@ at most this often (seconds): with no load, its estimate would never learn that 
 
 
 class _Job:
-    __slots__ = ("tier", "meta", "orphaned", "nbytes", "deadline", "step", "alone")
+    __slots__ = ("tier", "meta", "orphaned", "nbytes", "deadline", "step", "alone", "started")
 
     def __init__(self, tier: int, meta: JobMetadata):
         self.tier = tier
@@ -122,6 +122,7 @@ class _Job:
         self.deadline: float | None = None  # a promotion: when it has overrun (kvoffload.costs)
         self.step = 0  # a promotion: the scheduler step it was submitted in
         self.alone = False  # a promotion started on a tier with no load outstanding
+        self.started = 0.0  # a promotion: time.monotonic() at its submission
 
 
 class TieringManager:
@@ -658,7 +659,8 @@ class TieringManager:
             for k in meta.keys:
                 promoting[k] = job
         # the tier's throughput is real elapsed time (clock is for deadlines: tests hold it)
-        job.alone = cost.started(job.nbytes, time.monotonic())
+        job.started = time.monotonic()
+        job.alone = cost.started(job.nbytes, job.started)
 
     def _promotion_ended(self, job: _Job, res: Any) -> None:
         """A promotion's result came: its bytes are no longer outstanding, its chunks no longer
@@ -679,7 +681,10 @@ class TieringManager:
             # a load that timed out took at least that long for its bytes: evidence of a slow
             # tier (a fast failure, a missing chunk, says nothing of its speed)
             moved, timed_out = job.nbytes, True
-        cost.ended(job.nbytes, moved, res.transfer_seconds, job.alone, timed_out)
+        # when the tier says it finished (a timeout's time is its own: at least the timeout)
+        done_at = 0.0 if timed_out else res.done_at
+        seconds = done_at - job.started if done_at > job.started else res.transfer_seconds
+        cost.ended(job.nbytes, moved, seconds, job.alone, timed_out, done_at)
 
     def source_of(self, key: bytes, req_id: str = "") -> str:
         """The tier that served ``key`` for this request: ``"host"`` or a secondary tier's name."""

@@ -546,6 +546,7 @@ def _result(task_id: int, wid: int, outcomes: list[IOOutcome], seconds: float) -
         status=status if any(status) else [],
         free_bytes=(-1 if -1 in free else min(free)) if free else -1,
         present=sum(o.present for o in outcomes),
+        done_at=time.monotonic(),
     )
 
 

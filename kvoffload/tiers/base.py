@@ -104,6 +104,9 @@ class JobResult(msgspec.Struct, kw_only=True, gc=False):
             reason (:data:`KNOWN_PRESENT`, :data:`FOUND_PRESENT`); they count among the
             successful keys, and as ``kvoffload_tier_deduplicated_chunks_total``, not as chunks
             moved (CASES C50).
+        done_at: ``time.monotonic()`` when the tier finished the job's I/O, as its workers report
+            it (seconds, at most the time its result was taken); 0.0: not known (the engine's
+            reading of the result stands in).
     """
 
     job_id: int
@@ -115,6 +118,7 @@ class JobResult(msgspec.Struct, kw_only=True, gc=False):
     transfer_seconds: float = 0.0
     status: dict[bytes, int] = {}
     deduplicated: dict[str, int] = {}
+    done_at: float = 0.0
 
 
 class TierEvent(msgspec.Struct, array_like=True, gc=False):

@@ -285,6 +285,7 @@ class _Job:
         "known",
         "found",
         "expected",
+        "done_at",
     )
 
     def __init__(self, meta: JobMetadata, is_load: bool):
@@ -294,6 +295,7 @@ class _Job:
         self.status: dict[bytes, int] = {}
         self.nbytes = 0
         self.t0 = time.monotonic()
+        self.done_at = 0.0  # the latest done_at its tasks reported (-1.0: one did not say)
         self.is_load = is_load
         #: Stores: the least free space (bytes) a worker measured after a NO_SPACE; None: no
         #: NO_SPACE yet; -1: one was not measured (the medium is then taken as full).
@@ -1015,6 +1017,7 @@ class ProcessTierManager(SecondaryTierManager):
                 transfer_seconds=time.monotonic() - job.t0,
                 status=dict(job.status),
                 deduplicated=_deduplicated(job),
+                done_at=max(job.done_at, 0.0),
             )
         else:
             result = JobResult(
@@ -1023,6 +1026,7 @@ class ProcessTierManager(SecondaryTierManager):
                 transfer_bytes=job.nbytes,
                 transfer_seconds=time.monotonic() - job.t0,
                 deduplicated=_deduplicated(job),
+                done_at=max(job.done_at, 0.0),
             )
         self.count("bytes_read" if job.is_load else "bytes_written", job.nbytes)
         self._finished.append(result)
@@ -1145,6 +1149,13 @@ class ProcessTierManager(SecondaryTierManager):
                 if rec.kind is TaskKind.SCAN:
                     self._on_scan(res.entries)
                 codes = self._checked_codes(rec, res)
+                job = rec.job
+                if job is not None and job.done_at >= 0.0:
+                    if res.done_at > 0.0:  # a worker's claim, bounded by the job's life
+                        at = min(max(res.done_at, job.t0), time.monotonic())
+                        job.done_at = max(job.done_at, at)
+                    else:
+                        job.done_at = -1.0  # a task that did not say: the job's end is not known
                 self._apply(rec, codes, res.nbytes, res.status, res.free_bytes, res.present)
                 return
         # A task this tier never sent, already answered, or held by a worker since replaced:

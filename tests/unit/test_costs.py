@@ -163,3 +163,26 @@ def test_a_promotion_overruns_a_multiple_of_its_expected_load_or_of_the_recomput
     assert promotion_deadline(100.0, 4.0, 2.0, 3.0, 1.5) == pytest.approx(103.0)  # 1.5 x recompute
     assert promotion_deadline(100.0, None, 2.0, 3.0, 1.5) is None
     assert promotion_deadline(100.0, 1.0, None, 3.0, 1.5) is None
+
+
+def test_the_tiers_own_end_times_make_a_tier_fed_one_job_per_step_as_fast_as_it_is():
+    """One 1 MB job per scheduler step of 1 s, each done 10 ms after its submission: read at the
+    next step, the tier would look like 1 MB/s; by the end times its workers report it moves 100
+    MB/s. A batch in which one result does not say when it ended falls back to the reading."""
+    c = TierLoadCost(smoothing=1.0)
+    for step in range(5):
+        t = float(step)
+        c.started(MB, t)
+        c.ended(MB, MB, 0.01, done_at=t + 0.01)
+        c.sample(t + 1.0)  # read at the next step
+        assert c.bytes_per_s == pytest.approx(100 * MB)
+    c.started(MB, 10.0)
+    c.started(MB, 10.0)
+    c.ended(MB, MB, done_at=10.01)
+    c.ended(MB, MB)  # did not say
+    c.sample(10.04)
+    assert c.bytes_per_s == pytest.approx(50 * MB)  # 2 MB up to the reading, 40 ms
+    c.started(MB, 20.0)
+    c.ended(MB, MB, done_at=99.0)  # a claim past the reading is bounded by it
+    c.sample(20.02)
+    assert c.bytes_per_s == pytest.approx(50 * MB)

@@ -154,9 +154,9 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             from there; gives way for a request whose chunks from a tier, behind what the tier
             has queued, are expected to load slower than their recompute when its promotion is
             submitted; and abandons a promotion that overran (in both, its lookups answer MISS;
-            the load goes on and publishes the chunks when it lands); ``serve`` (default: on a
-            busy 2-vCPU host ``recompute`` still sent some chunks a healthy fs tier held to
-            prefill, BENCHMARKS §6) waits for the tier, the behaviour before. With ``recompute`` nothing changes
+            the load goes on and publishes the chunks when it lands); ``serve`` (default until
+            a repeated sweep confirms one run in which ``recompute`` sent nothing a healthy fs
+            tier held to prefill, BENCHMARKS §6) waits for the tier, the behaviour before. With ``recompute`` nothing changes
             while an estimate is missing (a tier before its first finished job, an engine
             before its first prefill step) or while loads beat recompute, so a healthy tier
             serves what it always served. Counted: ``kvoffload_recomputed_tokens``.

@@ -92,9 +92,10 @@ class TierLoadCost:
     poll are one sample, and idle time is never charged. (A job's own submit-to-result rate falls
     with every job queued beside it: taken as the tier's rate, with the queue added on top, a
     busy healthy tier was judged many times slower than it is and a healthy fs tier stopped
-    serving under load: ``bench scaling``, BENCHMARKS §6.) Results are read once per scheduler
-    step, so a tier fed one small job per step is measured no faster than the steps that feed
-    it (its jobs' time as the engine sees them). A load that timed out is a sample of its own:
+    serving under load: ``bench scaling``, BENCHMARKS §6.) A sample ends when the tier says the
+    last of its results ended (``JobResult.done_at``), else when the engine read them: results
+    are read once per scheduler step, and a tier fed one small job per long prefill step would
+    look as slow as the steps. A load that timed out is a sample of its own:
     its bytes over its own time (at least the timeout). The fixed cost of a job (round trips and
     scheduler steps before its bytes move) is learnt from jobs started while the tier had none
     outstanding, whose time held no queue.

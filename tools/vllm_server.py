@@ -349,27 +349,27 @@ def metric_delta(before: Mapping, after: Mapping, name: str, labels: Mapping[str
     return total
 
 
+def counter_increase(before: dict, after: dict, name: str, label: str) -> dict[str, int]:
+    """How much counter ``name`` rose between two :meth:`VLLMServer.metrics` scrapes, by the
+    value of its label ``label``."""
+    out: dict[str, int] = {}
+    for (n, labels), value in after.items():
+        if n != name:
+            continue
+        k = dict(labels).get(label, "?")
+        out[k] = out.get(k, 0) + int(value - before.get((n, labels), 0.0))
+    return out
+
+
 def recomputed_by_reason(before: dict, after: dict) -> dict[str, int]:
     """Tokens a secondary tier held that were recomputed instead between two
     :meth:`VLLMServer.metrics` scrapes, by reason (``kvoffload_recomputed_tokens_total``:
     ``slower_than_recompute``, ``promotion_overran``; only with ``slower_than_recompute:
     recompute``)."""
-    out: dict[str, int] = {}
-    for (name, labels), value in after.items():
-        if name != "kvoffload_recomputed_tokens_total":
-            continue
-        reason = dict(labels).get("reason", "?")
-        out[reason] = out.get(reason, 0) + int(value - before.get((name, labels), 0.0))
-    return out
+    return counter_increase(before, after, "kvoffload_recomputed_tokens_total", "reason")
 
 
 def cached_by_source(before: dict, after: dict) -> dict[str, int]:
     """Prompt tokens served from each cache tier between two :meth:`VLLMServer.metrics` scrapes,
     from vLLM's ``vllm:prompt_tokens_cached_by_source`` counter."""
-    out: dict[str, int] = {}
-    for (name, labels), value in after.items():
-        if name != "vllm:prompt_tokens_cached_by_source_total":
-            continue
-        source = dict(labels).get("source", "?")
-        out[source] = out.get(source, 0) + int(value - before.get((name, labels), 0.0))
-    return out
+    return counter_increase(before, after, "vllm:prompt_tokens_cached_by_source_total", "source")

@@ -16,8 +16,6 @@ steps while a request waits for KV.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
-import secrets
 import threading
 import time
 
@@ -25,7 +23,6 @@ import psutil
 
 from kvoffload.tiers.base import LookupResult
 from kvoffload.tools.bench import p2p
-from kvoffload.tools.bench.harness import p2p_tier_instance
 
 
 def _cpu(p: psutil.Process) -> float:
@@ -44,22 +41,7 @@ def run(kind: str, chunk_bytes: int, num_slots: int, passes: int, step_s: float)
     """Fetch ``num_slots`` chunks of ``chunk_bytes`` bytes through the ``kind`` (``nixl`` or
     ``tcp``) p2p tier ``passes`` times, the reader's loop sleeping ``step_s`` seconds per step;
     print GB/s and each process's CPU seconds per GB moved."""
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    secret = secrets.token_hex(32)
-    server = ctx.Process(target=p2p._serve_tier, args=(kind, num_slots, chunk_bytes, secret, child))
-    server.start()
-    arena = tm = None
-    try:
-        addr = parent.recv()
-        arena, tm = p2p_tier_instance(kind, num_slots, chunk_bytes, [addr], secret)
-        tier = tm.tiers[0]
-        keys = p2p._bench_keys(num_slots)
-        deadline = time.monotonic() + 120
-        while not tier.peers_up():
-            if time.monotonic() > deadline:
-                raise RuntimeError("the reader's session never came up")
-            time.sleep(0.01)
+    with p2p.tier_pair(kind, chunk_bytes, num_slots) as (tm, keys, server_pid):
 
         def fetch() -> None:
             pending = list(keys)
@@ -71,10 +53,10 @@ def run(kind: str, chunk_bytes: int, num_slots: int, passes: int, step_s: float)
             tm.host.remove(keys)
 
         fetch()  # learns where every key is
-        me, srv = psutil.Process(), psutil.Process(server.pid)
+        me, srv = psutil.Process(), psutil.Process(server_pid)
         procs = {
             "reader engine process": me,
-            "reader peer worker": psutil.Process(tier.worker_pid),
+            "reader peer worker": psutil.Process(tm.tiers[0].worker_pid),
             "serving engine process": srv,
         }
         for c in srv.children(recursive=True):
@@ -86,29 +68,19 @@ def run(kind: str, chunk_bytes: int, num_slots: int, passes: int, step_s: float)
             fetch()
         wall = time.perf_counter() - t0
         c1, th1 = {k: _cpu(p) for k, p in procs.items()}, _threads(me)
-        gb = passes * num_slots * chunk_bytes / 1e9
-        print(f"{kind}, {chunk_bytes >> 10} KiB chunks, step {step_s} s: {gb / wall:.2f} GB/s")
-        total = 0.0
-        for k in procs:
-            d = (c1[k] - c0[k]) / gb
-            total += d
-            print(f"  {k:24s} {d:.3f} CPU s/GB")
-        print(f"  {'total':24s} {total:.3f} CPU s/GB ({total * gb / wall:.2f} cores busy)")
-        main = threading.main_thread().native_id
-        for tid, v in sorted(th1.items(), key=lambda kv: kv[1] - th0.get(kv[0], 0.0), reverse=True):
-            d = (v - th0.get(tid, 0.0)) / gb
-            if d >= 0.01:
-                print(f"    reader thread {tid}{' (main)' if tid == main else ''}: {d:.3f}")
-    finally:
-        if tm is not None:
-            tm.shutdown()
-        if arena is not None:
-            arena.close()
-        parent.send("done")
-        server.join(60)
-        if server.is_alive():
-            server.kill()
-            server.join()
+    gb = passes * num_slots * chunk_bytes / 1e9
+    print(f"{kind}, {chunk_bytes >> 10} KiB chunks, step {step_s} s: {gb / wall:.2f} GB/s")
+    total = 0.0
+    for k in procs:
+        d = (c1[k] - c0[k]) / gb
+        total += d
+        print(f"  {k:24s} {d:.3f} CPU s/GB")
+    print(f"  {'total':24s} {total:.3f} CPU s/GB ({total * gb / wall:.2f} cores busy)")
+    main = threading.main_thread().native_id
+    for tid, v in sorted(th1.items(), key=lambda kv: kv[1] - th0.get(kv[0], 0.0), reverse=True):
+        d = (v - th0.get(tid, 0.0)) / gb
+        if d >= 0.01:
+            print(f"    reader thread {tid}{' (main)' if tid == main else ''}: {d:.3f}")
 
 
 if __name__ == "__main__":

@@ -148,18 +148,18 @@ def _serve_tier(
     arena.close()
 
 
-def tier_fetch(
-    kind: str,
-    chunk_bytes: int,
-    num_slots: int,
-    reps: int,
-    latency_n: int,
-    worker_nice: int | None = None,
-) -> dict:
-    """The whole p2p tier on loopback: chunks fetched through two instances' tiering managers
-    (lookup at the peer, lease, the peer worker's READ into reserved host slots, release), timed
-    from the lookups to the last chunk READY in the reader's host tier; both peer workers at
-    ``worker_nice`` (None: the tier's default)."""
+@contextlib.contextmanager
+def tier_pair(
+    kind: str, chunk_bytes: int, num_slots: int, worker_nice: int | None = None
+) -> Iterator[tuple[Any, list[bytes], int]]:
+    """Two instances on loopback, their p2p tiers' session up: a serving one (spawned) whose
+    host tier holds ``num_slots`` chunks of ``chunk_bytes``, and a reader here whose p2p tier
+    names it; both peer workers at ``worker_nice`` (None: the tier's default). Yields the
+    reader's TieringManager, the chunks' keys and the serving process's pid; both end after.
+
+    Raises:
+        RuntimeError: the session did not come up within 120 s.
+    """
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     secret = secrets.token_hex(32)
@@ -172,12 +172,37 @@ def tier_fetch(
         addr = parent.recv()
         arena, tm = p2p_tier_instance(kind, num_slots, chunk_bytes, [addr], secret, worker_nice)
         tier = tm.tiers[0]
-        keys = _bench_keys(num_slots)
         deadline = time.monotonic() + 120
         while not tier.peers_up():  # type: ignore[attr-defined]
             if time.monotonic() > deadline:
                 raise RuntimeError("the reader's session with the serving instance never came up")
             time.sleep(0.01)
+        yield tm, _bench_keys(num_slots), server.pid
+    finally:
+        if tm is not None:
+            tm.shutdown()
+        if arena is not None:
+            arena.close()
+        parent.send("done")
+        server.join(timeout=60)
+        if server.is_alive():
+            server.kill()
+            server.join()
+
+
+def tier_fetch(
+    kind: str,
+    chunk_bytes: int,
+    num_slots: int,
+    reps: int,
+    latency_n: int,
+    worker_nice: int | None = None,
+) -> dict:
+    """The whole p2p tier on loopback: chunks fetched through two instances' tiering managers
+    (lookup at the peer, lease, the peer worker's READ into reserved host slots, release), timed
+    from the lookups to the last chunk READY in the reader's host tier; both peer workers at
+    ``worker_nice`` (None: the tier's default)."""
+    with tier_pair(kind, chunk_bytes, num_slots, worker_nice) as (tm, keys, _pid):
         host = tm.host
 
         def fetch(ks: list[bytes]) -> None:
@@ -195,16 +220,6 @@ def tier_fetch(
         gbps = _measure(lambda: fetch(keys), num_slots * chunk_bytes, reps)
         p50, p99 = _latency(lambda: fetch(keys[:1]), latency_n)
         return _row(f"kvoffload p2p tier ({kind})", chunk_bytes, gbps, p50, p99)
-    finally:
-        if tm is not None:
-            tm.shutdown()
-        if arena is not None:
-            arena.close()
-        parent.send("done")
-        server.join(timeout=60)
-        if server.is_alive():
-            server.kill()
-            server.join()
 
 
 def _wait(transport: pt.Transport, handle: int) -> None:

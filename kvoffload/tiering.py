@@ -87,6 +87,14 @@ _HIT, _MISS, _PENDING, _RETRY = (
     LookupResult.RETRY,
 )
 _MAX_COUNTED_REQUESTS = 65_536
+"""Requests whose counted lookup verdicts are kept (see :meth:`TieringManager._first_verdict`)."""
+_OVERRUN_STEPS = 2
+"""A promotion overruns no sooner than this many scheduler steps after its submission: the one
+it was submitted at the end of, and one more for its result to be polled and its request asked
+again (however fast the estimates say it should have been)."""
+_PROBE_INTERVAL_S = 5.0
+"""A tier judged slower than recompute is given one load now and then all the same (a probe),
+at most this often (seconds): with no load, its estimate would never learn that it recovered."""
 
 
 def _request_set(per_request: dict[str, set[Any]], req_id: str) -> set[Any]:
@@ -99,16 +107,6 @@ def _request_set(per_request: dict[str, set[Any]], req_id: str) -> set[Any]:
             del per_request[next(iter(per_request))]
         s = per_request[req_id] = set()
     return s
-
-
-"""Requests whose counted lookup verdicts are kept (see :meth:`TieringManager._first_verdict`)."""
-_OVERRUN_STEPS = 2
-"""A promotion overruns no sooner than this many scheduler steps after its submission: the one
-it was submitted at the end of, and one more for its result to be polled and its request asked
-again (however fast the estimates say it should have been)."""
-_PROBE_INTERVAL_S = 5.0
-"""A tier judged slower than recompute is given one load now and then all the same (a probe),
-at most this often (seconds): with no load, its estimate would never learn that it recovered."""
 
 
 class _Job:
@@ -454,10 +452,10 @@ class TieringManager:
         job's first chunk, the load goes on and lands in the host tier for later requests."""
         cost = self.load_costs[job.tier]
         meta = job.meta
-        if meta.req_id in ("", PEER_PROMOTION) or cost.loads.rate is None:
-            return True  # no request waits for it (a probe, a peer's): nobody to give way
-        if self.prefill.rate is None:
-            return True
+        if not (self._gating and self._costed[job.tier]) or meta.req_id in ("", PEER_PROMOTION):
+            return True  # not judged, or no request waits for it (a probe, a peer's)
+        if cost.loads.rate is None or self.prefill.rate is None:
+            return True  # no evidence, no change
         load_s = cost.expected_s(len(meta.keys) * self.arena.row_bytes)
         recompute_s = self.prefill.seconds_for(len(meta.keys) * self.namespace.tokens_per_chunk)
         return load_beats_recompute(load_s, recompute_s, self._margin)
@@ -631,9 +629,7 @@ class TieringManager:
                             req_id,
                         )
                     job = self._jobs[meta.job_id] = _Job(tier_idx, meta)
-                    serves = not (self._gating and self._costed[tier_idx]) or (
-                        self._judged_at_submission(job)
-                    )
+                    serves = self._judged_at_submission(job)
                     self._promotion_submitted(job)
                     tier.submit_load(meta)
                     if not serves:
@@ -672,7 +668,7 @@ class TieringManager:
             for k in job.meta.keys:
                 if promoting.get(k) is job:
                     del promoting[k]
-        moved, timed_out = None, False
+        moved, timed_out = None, False  # a job a reset forgot says nothing of the tier's speed
         if job.orphaned:
             pass
         elif res.success:

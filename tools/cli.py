@@ -111,9 +111,14 @@ def exit_on_signals() -> None:
     them running. Only the first signal (SIGINT included: Ctrl-C raises ``KeyboardInterrupt``
     once) interrupts; while the command cleans up, later ones are ignored with one note on
     stderr, so a second Ctrl-C or a supervisor's repeated SIGTERM cannot cut the cleanup short
-    (SIGKILL still can). A handler some caller installed before is kept."""
+    (SIGKILL still can). A handler some caller installed before is kept, and so is a signal the
+    caller chose to ignore (``nohup`` ignores SIGHUP). The three signals are unblocked: a blocked
+    mask is inherited across ``exec``, and a command started by a thread that held them blocked
+    (Python's multiprocessing resource tracker blocks SIGINT and SIGTERM while it spawns) would
+    otherwise keep every one pending and never clean up."""
     global _signals_seen
     _signals_seen = 0
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGHUP, signal.SIGINT})
     for signum in (signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(signum) is signal.SIG_DFL:
             signal.signal(signum, _exit_for_signal)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 
@@ -223,27 +224,54 @@ main(["hold-child"])
 """
 
 
-def test_sigterm_ends_a_command_through_its_cleanup():
+def _signal_state(pid: int) -> str:
+    """The signal lines of /proc/PID/status (blocked, ignored, caught, pending masks)."""
+    with open(f"/proc/{pid}/status") as f:
+        return ", ".join(
+            line.strip()
+            for line in f
+            if line.startswith(("SigBlk", "SigIgn", "SigCgt", "SigPnd", "ShdPnd"))
+        )
+
+
+@pytest.mark.parametrize(
+    "started_blocked", [False, True], ids=["plain", "started-with-signals-blocked"]
+)
+def test_sigterm_ends_a_command_through_its_cleanup(started_blocked: bool):
     """SIGTERM to a kvoffload command runs its cleanup (the servers it started are stopped):
     killed by the default action, ``bench scaling`` left its vLLM server running. Signals that
     arrive during the cleanup (a second Ctrl-C, a supervisor's repeated SIGTERM) do not cut it
-    short: they are ignored, with one note."""
-    import os
+    short: they are ignored, with one note. Also when the command is started by a thread that held
+    the signals blocked (the mask is inherited across exec; multiprocessing's resource tracker
+    blocks SIGINT and SIGTERM while it spawns): the command unblocks what it handles."""
     import signal
 
     import psutil
 
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _KILLED_COMMAND],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    held = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+    if started_blocked:
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _KILLED_COMMAND],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    finally:
+        if started_blocked:
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
     child = None
     try:
         child = int(proc.stdout.readline())
         proc.send_signal(signal.SIGTERM)
+        # Bounded (it takes ~0.2 s): a hang reports the signal state of both processes at once
+        # instead of at pytest's 600 s timeout.
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        assert ready, f"no cleanup 120 s after SIGTERM: {_signal_state(proc.pid)}; " + (
+            f"the test's own: {_signal_state(os.getpid())}"
+        )
         assert proc.stdout.readline() == "cleaning\n"
         for again in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             proc.send_signal(again)

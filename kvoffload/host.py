@@ -153,13 +153,14 @@ class HostTier:
             if self._events is not None:
                 self._events.append(TierEvent(evicted, True))
         slots = []
+        free, keys_of, state = self._free, self.keys, self.state
         for k in new:
-            slot = self._free.pop()
+            slot = free.pop()
             index[k] = slot
-            self.keys[slot] = k
-            self.state[slot] = WRITING
-            self.policy.admit(slot, k)
+            keys_of[slot] = k
+            state[slot] = WRITING
             slots.append(slot)
+        self.policy.admit_many(slots, new)
         self.num_writing += len(new)
         return StorePlan(new, slots, evicted)
 
@@ -208,12 +209,12 @@ class HostTier:
                 self._release(slot)
             done.append(k)
         if ready:
-            policy, refs = self.policy, self.refs
-            policy.rank_prefix(ready, req_id, False)
-            for slot in reversed(ready):  # tail first (an out-of-tree policy's recency)
-                if refs[slot] == 0:
-                    self.num_evictable += 1
-                    policy.make_evictable(slot)
+            self.policy.rank_prefix(ready, req_id, False)
+            refs = self.refs
+            # tail first (an out-of-tree policy's recency)
+            evictable = [slot for slot in reversed(ready) if refs[slot] == 0]
+            self.num_evictable += len(evictable)
+            self.policy.make_evictable_many(evictable)
         if success and done and self._events is not None:
             self._events.append(TierEvent(done, False))
         return done
@@ -299,9 +300,8 @@ class HostTier:
                     evictable.append(slot)
         if evictable:
             self.num_evictable += len(evictable)
-            make_evictable = self.policy.make_evictable
-            for slot in reversed(evictable):  # tail first (an out-of-tree policy's recency)
-                make_evictable(slot)
+            evictable.reverse()  # tail first (an out-of-tree policy's recency)
+            self.policy.make_evictable_many(evictable)
 
     def unpin_slot(self, slot: int) -> None:
         """Drop one pin of ``slot``; an unpinned slot is ignored."""

@@ -36,6 +36,11 @@ Protocol (called by :class:`~kvoffload.host.HostTier`):
                           (``protected`` is a set for out-of-tree policies; the built-in ones get
                           a container read by ``slot in protected`` alone)
 
+The host tier tells a store batch's new chunks in one ``admit_many(slots, keys)`` and the slots
+that became evictable together in one ``make_evictable_many(slots)``; their defaults call ``admit``
+and ``make_evictable`` per slot, in order (the built-in policies do the batch in one loop: per chunk,
+the engine thread pays for no Python call of its own).
+
 Out-of-tree policies subclass :class:`EvictionPolicy` and are named by ``module.path:ClassName``.
 What they are told: every call above. :meth:`EvictionPolicy.rank_prefix` calls :meth:`access`
 once per slot for a use, tail first, and nothing for a store, whose slots
@@ -51,7 +56,7 @@ import importlib
 from abc import ABC, abstractmethod
 from array import array
 from collections import OrderedDict
-from collections.abc import Container, Sequence
+from collections.abc import Container, Iterable, Sequence
 
 from typing_extensions import override
 
@@ -99,12 +104,14 @@ class PrefixRanks:
             for a in (self.major, self.minor, self.placed_by, self.gen):
                 a.frombytes(zeros)
 
-    def admitted(self, slot: int) -> None:
-        """A new chunk took ``slot``: no rank yet (the lowest), no request has ranked it."""
-        self.major[slot] = 0
-        self.minor[slot] = 0
-        self.placed_by[slot] = 0
-        self.gen[slot] += 1
+    def admitted(self, slots: Sequence[int]) -> None:
+        """New chunks took ``slots``: no rank yet (the lowest), no request has ranked them."""
+        major, minor, placed_by, gen = self.major, self.minor, self.placed_by, self.gen
+        for slot in slots:
+            major[slot] = 0
+            minor[slot] = 0
+            placed_by[slot] = 0
+            gen[slot] += 1
 
     def fresh(self, slots: Sequence[int]) -> None:
         """Rank ``slots`` (head first) as used now, tail first: the head highest."""
@@ -194,12 +201,22 @@ class RankHeap:
         self.heap: list[tuple[int, int, int]] = []
         self.queued = bytearray(n)  # 1: the heap holds an entry with the slot's current rank
 
-    def add(self, slot: int) -> None:
-        """``slot`` may be popped from now on (with its current rank)."""
-        if slot not in self.members:
-            self.members.add(slot)
-            if not self.queued[slot]:
-                self._push(slot)
+    def add(self, slots: Iterable[int]) -> None:
+        """``slots`` may be popped from now on (with their current ranks)."""
+        members, queued, heap = self.members, self.queued, self.heap
+        major, minor = self.ranks.major, self.ranks.minor
+        for slot in slots:
+            if slot in members:
+                continue
+            members.add(slot)
+            if queued[slot]:
+                continue
+            if len(heap) >= 2 * len(members) + 64:
+                self._rebuild()  # the slot's entry included
+                queued = self.queued
+            else:
+                heapq.heappush(heap, (major[slot], minor[slot], slot))
+                queued[slot] = 1
 
     def discard(self, slot: int) -> None:
         """``slot`` may not be popped until :meth:`add` (its entry is skipped when popped)."""
@@ -210,25 +227,29 @@ class RankHeap:
         if n > len(self.queued):
             self.queued.extend(bytes(n - len(self.queued)))
 
-    def reranked(self, slot: int) -> None:
-        """``slot``'s rank changed (its entries are stale)."""
-        self.queued[slot] = 0
-        if slot in self.members:
-            self._push(slot)
+    def reranked(self, slots: Iterable[int]) -> None:
+        """``slots``' ranks changed (their entries are stale)."""
+        members, queued, heap = self.members, self.queued, self.heap
+        major, minor = self.ranks.major, self.ranks.minor
+        for slot in slots:
+            if slot not in members:
+                queued[slot] = 0
+            elif len(heap) >= 2 * len(members) + 64:
+                self._rebuild()  # the slot's entry included
+                queued = self.queued
+            else:
+                heapq.heappush(heap, (major[slot], minor[slot], slot))
+                queued[slot] = 1
 
-    def _push(self, slot: int) -> None:
+    def _rebuild(self) -> None:
+        """The heap anew from the members, one entry each (the stale ones dropped)."""
         heap, members = self.heap, self.members
-        if len(heap) >= 2 * len(members) + 64:
-            major, minor = self.ranks.major, self.ranks.minor
-            heap[:] = [(major[s], minor[s], s) for s in members]  # slot's included
-            heapq.heapify(heap)
-            queued = self.queued = bytearray(len(self.queued))
-            for s in members:
-                queued[s] = 1
-        else:
-            ranks = self.ranks
-            heapq.heappush(heap, (ranks.major[slot], ranks.minor[slot], slot))
-            self.queued[slot] = 1
+        major, minor = self.ranks.major, self.ranks.minor
+        heap[:] = [(major[s], minor[s], s) for s in members]
+        heapq.heapify(heap)
+        queued = self.queued = bytearray(len(self.queued))
+        for s in members:
+            queued[s] = 1
 
     def pop(self, protected: Container[int], deferred: list[tuple[int, int, int]]) -> int:
         """Take the lowest-ranked member outside ``protected`` (-1: none); entries of protected
@@ -253,8 +274,7 @@ class RankHeap:
 
     def restore(self, taken: Sequence[int], deferred: Sequence[tuple[int, int, int]]) -> None:
         """Undo :meth:`pop`: ``taken`` are members again, ``deferred`` entries back."""
-        for slot in taken:
-            self.add(slot)
+        self.add(taken)
         for e in deferred:
             heapq.heappush(self.heap, e)
 
@@ -280,6 +300,12 @@ class EvictionPolicy(ABC):
         """A new chunk ``key`` took ``slot`` (0 <= slot < num_slots); it is still being written, so
         not evictable until :meth:`make_evictable`."""
 
+    def admit_many(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
+        """:meth:`admit` of each ``(slots[i], keys[i])``, in order: a store batch's new chunks.
+        The built-in policies do it in one call (the host tier calls this one)."""
+        for slot, key in zip(slots, keys):
+            self.admit(slot, key)
+
     def rank_prefix(self, slots: Sequence[int], request: str, use: bool) -> None:
         """A batch of chunks in ``slots`` (prefix order: head first) was stored (``use`` False:
         they are ready, and those unpinned are made evictable next) or used (``use`` True), for
@@ -294,6 +320,12 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def make_evictable(self, slot: int) -> None:
         """``slot`` became ready and unpinned: it may be chosen by :meth:`evict` from now on."""
+
+    def make_evictable_many(self, slots: Sequence[int]) -> None:
+        """:meth:`make_evictable` of each of ``slots``, in order (the host tier calls this one,
+        a batch's tail first)."""
+        for slot in slots:
+            self.make_evictable(slot)
 
     @abstractmethod
     def make_pinned(self, slot: int) -> None:
@@ -339,24 +371,28 @@ class LRUPolicy(EvictionPolicy):
 
     @override
     def admit(self, slot: int, key: bytes) -> None:
-        self.ranks.admitted(slot)
-        self._heap.reranked(slot)  # an entry of the slot's previous chunk is not its
+        self.admit_many((slot,), (key,))
+
+    @override
+    def admit_many(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
+        self.ranks.admitted(slots)
+        self._heap.reranked(slots)  # an entry of a slot's previous chunk is not its
 
     @override
     def rank_prefix(self, slots: Sequence[int], request: str, use: bool) -> None:
-        reranked = self._heap.reranked
-        for slot in self.ranks.rank(request, slots, use):
-            reranked(slot)
+        self._heap.reranked(self.ranks.rank(request, slots, use))
 
     @override
     def request_finished(self, request: str) -> None:
-        reranked = self._heap.reranked
-        for slot in self.ranks.finished(request):
-            reranked(slot)
+        self._heap.reranked(self.ranks.finished(request))
 
     @override
     def make_evictable(self, slot: int) -> None:
-        self._heap.add(slot)
+        self._heap.add((slot,))
+
+    @override
+    def make_evictable_many(self, slots: Sequence[int]) -> None:
+        self._heap.add(slots)
 
     @override
     def make_pinned(self, slot: int) -> None:
@@ -365,7 +401,7 @@ class LRUPolicy(EvictionPolicy):
     @override
     def access(self, slot: int) -> None:
         self.ranks.fresh((slot,))
-        self._heap.reranked(slot)
+        self._heap.reranked((slot,))
 
     @override
     def remove(self, slot: int) -> None:
@@ -444,14 +480,14 @@ class ARCPolicy(EvictionPolicy):
         lst = _T2 if key in self._ghost_hits else _T1
         self._member[slot] = lst + 1
         self._sizes[lst] += 1
-        self.ranks.admitted(slot)
-        self._reranked(slot)
+        self.ranks.admitted((slot,))
+        self._reranked((slot,))
 
-    def _reranked(self, slot: int) -> None:
-        """``slot``'s rank changed: entries of it in either list's heap are stale."""
+    def _reranked(self, slots: Sequence[int]) -> None:
+        """``slots``' ranks changed: entries of them in either list's heap are stale."""
         t1, t2 = self._heaps
-        t1.reranked(slot)
-        t2.reranked(slot)
+        t1.reranked(slots)
+        t2.reranked(slots)
 
     def _used_again(self, slot: int) -> None:
         """A member of T1 seen again moves to T2 (evictable or not)."""
@@ -462,7 +498,7 @@ class ARCPolicy(EvictionPolicy):
             t1, t2 = self._heaps
             if slot in t1.members:
                 t1.discard(slot)
-                t2.add(slot)
+                t2.add((slot,))
 
     @override
     def rank_prefix(self, slots: Sequence[int], request: str, use: bool) -> None:
@@ -471,18 +507,16 @@ class ARCPolicy(EvictionPolicy):
         if use:
             for slot in slots:
                 self._used_again(slot)
-        for slot in self.ranks.rank(request, slots, use):
-            self._reranked(slot)
+        self._reranked(self.ranks.rank(request, slots, use))
 
     @override
     def request_finished(self, request: str) -> None:
-        for slot in self.ranks.finished(request):
-            self._reranked(slot)
+        self._reranked(self.ranks.finished(request))
 
     @override
     def make_evictable(self, slot: int) -> None:
         if self._member[slot]:
-            self._heaps[self._member[slot] - 1].add(slot)
+            self._heaps[self._member[slot] - 1].add((slot,))
 
     @override
     def make_pinned(self, slot: int) -> None:
@@ -495,7 +529,7 @@ class ARCPolicy(EvictionPolicy):
             return
         self._used_again(slot)
         self.ranks.fresh((slot,))
-        self._reranked(slot)
+        self._reranked((slot,))
 
     @override
     def remove(self, slot: int) -> None:

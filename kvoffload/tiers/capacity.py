@@ -350,8 +350,8 @@ class Capacity:
         self._counted_at[ident] = self.clock()
         self._keys[ident] = key
         self._ids[key] = ident
-        self.ranks.admitted(ident)
-        self._heap.reranked(ident)  # an entry of the id's previous key is not its
+        self.ranks.admitted((ident,))
+        self._heap.reranked((ident,))  # an entry of the id's previous key is not its
         return ident
 
     def counted_before(self, key: bytes, t: float) -> bool:
@@ -372,10 +372,8 @@ class Capacity:
 
     def _evictable(self, idents: Iterable[int]) -> None:
         """Counted chunks (by id) that may be evicted now, unless loading."""
-        keys, loading, add = self._keys, self.loading, self._heap.add
-        for ident in idents:
-            if keys[ident] not in loading:
-                add(ident)
+        keys, loading = self._keys, self.loading
+        self._heap.add([ident for ident in idents if keys[ident] not in loading])
 
     def _rank(self, keys: Sequence[bytes], request: str, use: bool) -> None:
         """Rank the counted ones of ``keys`` (prefix order, head first) as ``request``'s, or as
@@ -383,15 +381,11 @@ class Capacity:
         ids = self._ids
         batch = [ids[k] for k in keys if k in ids]
         if batch:
-            reranked = self._heap.reranked
-            for ident in self.ranks.rank(request, batch, use):
-                reranked(ident)
+            self._heap.reranked(self.ranks.rank(request, batch, use))
 
     def request_finished(self, request: str) -> None:
         """``request`` is done: the chunks its jobs ranked are ranked afresh, tail first."""
-        reranked = self._heap.reranked
-        for ident in self.ranks.finished(request):
-            reranked(ident)
+        self._heap.reranked(self.ranks.finished(request))
 
     def eviction_order(self) -> list[bytes]:
         """The counted chunks, the next to be evicted first (loading ones included); for tests and

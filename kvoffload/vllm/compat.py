@@ -326,6 +326,12 @@ def calling_request(req_id: str) -> Any:
     return None
 
 
+try:  # imported once: on_schedule_end asks every step
+    from vllm.v1.core.sched.output import SchedulerOutput as _SchedulerOutput
+except ImportError:  # pragma: no cover - a vLLM without v1 scheduler outputs
+    _SchedulerOutput = None  # type: ignore[assignment,misc]
+
+
 def calling_scheduled_tokens() -> int | None:
     """The tokens vLLM's scheduler scheduled in the step being ended: the
     ``total_num_scheduled_tokens`` of the ``SchedulerOutput`` held by the scheduler connector's
@@ -333,11 +339,9 @@ def calling_scheduled_tokens() -> int | None:
     when no caller holds one. ``ScheduleEndContext`` names the step's new and preempted requests
     only; the live prefill estimate (:mod:`kvoffload.costs`) needs the step's tokens. Call it
     directly from ``on_schedule_end``."""
-    try:
-        from vllm.v1.core.sched.output import SchedulerOutput
-    except ImportError:  # pragma: no cover - a vLLM without v1 scheduler outputs
+    if _SchedulerOutput is None:  # pragma: no cover - a vLLM without v1 scheduler outputs
         return None
-    out = _calling_local("scheduler_output", SchedulerOutput, 2)
+    out = _calling_local("scheduler_output", _SchedulerOutput, 2)
     return None if out is None else int(out.total_num_scheduled_tokens)
 
 
@@ -370,6 +374,9 @@ def _calling_local(name: str, cls: type, depth: int) -> Any:
             frame = frame.f_back
             if frame is None:
                 return None
+            code = frame.f_code
+            if name not in code.co_varnames and name not in code.co_cellvars + code.co_freevars:
+                continue  # not one of its variables (f_locals would copy them all)
             found = frame.f_locals.get(name)
             if isinstance(found, cls):
                 return found

@@ -86,3 +86,60 @@ def test_the_vllm_pinning_backend_calls_host_register_with_arguments_it_accepts(
     # HostRegistration: register(address, nbytes) per piece, unregister(address)
     inspect.signature(register).bind(1 << 20, 4096)
     inspect.signature(unregister).bind(1 << 20)
+
+
+def test_a_callers_local_is_found_as_argument_closure_cell_or_plain_local_and_others_passed_over():
+    """``_calling_local`` (how the plug-in reads vLLM's ``SchedulerOutput`` each step and its
+    ``KVCacheConfig`` at start) reads a frame's locals only when the name is one of its variables
+    (argument, plain local, or one a closure captures): a frame without it is passed over without
+    copying its locals; a local of that name but another type is passed over too."""
+
+    class Wanted:
+        pass
+
+    def manager_method():  # as the manager's on_schedule_end: the frame the search starts above
+        return compat._calling_local("wanted", Wanted, 3)
+
+    def relay():  # no such variable: passed over
+        other = 1
+        return manager_method(), other
+
+    def as_argument(wanted):
+        return relay()[0]
+
+    def as_plain_local():
+        wanted = Wanted()
+        assert relay()[0] is wanted
+        return wanted
+
+    def as_cell():
+        wanted = Wanted()
+
+        def inner():
+            return wanted
+
+        assert "wanted" not in as_cell.__code__.co_varnames  # a cell, not a plain local
+        assert relay()[0] is inner()
+
+    def of_another_type():
+        wanted = "not a Wanted"
+        return relay()[0], wanted
+
+    def hop():
+        return relay()[0]
+
+    def hop2():
+        return hop()
+
+    def hop3():
+        return hop2()
+
+    def too_far(wanted):  # hop, hop2, hop3 searched: its frame is the fourth above relay
+        return hop3()
+
+    w = Wanted()
+    assert as_argument(w) is w
+    as_plain_local()
+    as_cell()
+    assert of_another_type()[0] is None
+    assert too_far(w) is None  # beyond the frames searched

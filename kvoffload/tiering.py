@@ -367,7 +367,7 @@ class TieringManager:
                 # being written: a promotion that landed since the last poll answers HIT now,
                 # not one scheduler step later (docs/profiles/ttft.md)
                 if time.monotonic() - self._last_poll >= self._poll_interval:
-                    self.poll()
+                    self.poll(submit=False)
                     slot = host.index.get(key)  # a failed promotion freed it: ask the tiers
                 if slot is not None and host.state[slot] != READY and self._overran(key, req_id):
                     return _MISS
@@ -391,7 +391,7 @@ class TieringManager:
                 return _HIT if host.state[slot] == READY else _PENDING
             now = time.monotonic()
             if now - self._last_poll >= self._poll_interval:
-                self.poll()
+                self.poll(submit=False)  # results only: a request's promotions go out together
             any_retry = False
             for i, tier in enumerate(self.tiers):
                 # a chunk to promote when found may be loaded on the tier's expectation; one a
@@ -441,7 +441,15 @@ class TieringManager:
             return False  # a tier is judged on its loads only (its stores' queueing is no load's)
         load_s = self.arena.row_bytes / rate
         recompute_s = self.prefill.seconds_for(self.namespace.tokens_per_chunk)
-        return not load_beats_recompute(load_s, recompute_s, self._margin)
+        slower = not load_beats_recompute(load_s, recompute_s, self._margin)
+        if slower and log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "kvoffload: %s judged slower than recompute at lookup: a chunk %.2f ms to load "
+                "(%.1f MB/s) against %.2f ms to recompute (%.0f prefill tokens/s), margin %g",
+                self.tier_names[tier_idx], load_s * 1e3, rate / 1e6,
+                (recompute_s or 0.0) * 1e3, self.prefill.rate or 0.0, self._margin,
+            )  # fmt: skip
+        return slower
 
     def _judged_at_submission(self, job: _Job) -> bool:
         """Whether a promotion about to be submitted serves its request: its chunks (the
@@ -458,7 +466,18 @@ class TieringManager:
             return True  # no evidence, no change
         load_s = cost.expected_s(len(meta.keys) * self.arena.row_bytes)
         recompute_s = self.prefill.seconds_for(len(meta.keys) * self.namespace.tokens_per_chunk)
-        return load_beats_recompute(load_s, recompute_s, self._margin)
+        serves = load_beats_recompute(load_s, recompute_s, self._margin)
+        if not serves and log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "kvoffload: request %s gives way to recompute at submission: %d chunk(s) from %s "
+                "expected in %.1f ms (%.1f MB/s, %.0f KiB outstanding, a job at least %.1f ms) "
+                "against %.1f ms to recompute (%.0f prefill tokens/s), margin %g",
+                meta.req_id, len(meta.keys), self.tier_names[job.tier], (load_s or 0.0) * 1e3,
+                (cost.bytes_per_s or 0.0) / 1e6, cost.outstanding_bytes / 1024,
+                (cost.job_seconds or 0.0) * 1e3, (recompute_s or 0.0) * 1e3,
+                self.prefill.rate or 0.0, self._margin,
+            )  # fmt: skip
+        return serves
 
     def _probe(self, tier_idx: int, key: bytes) -> None:
         """Tier ``tier_idx`` was judged slower than recompute for ``key``: promote ``key`` all the
@@ -489,6 +508,13 @@ class TieringManager:
             return False
         keys = [key]
         meta = job.meta
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "kvoffload: promotion job %d (%d chunk(s) from %s) overran: %.1f ms past its "
+                "deadline, %d steps in flight",
+                meta.job_id, len(meta.keys), self.tier_names[job.tier],
+                (self.clock() - job.deadline) * 1e3, self.holds.step_no - job.step,
+            )  # fmt: skip
         if req_id and meta.req_id == req_id:
             # its own promotion: it gives up this job's chunks from this one on, and those of
             # its later jobs (later chunks of its prefix, which its lookups no longer reach)
@@ -1067,8 +1093,17 @@ class TieringManager:
         """Whether ``poll_interval_s`` has passed since the last :meth:`poll`."""
         return time.monotonic() - self._last_poll >= self._poll_interval
 
-    def poll(self) -> None:
-        """Submit queued promotions and probes, and apply every finished tier job. Never blocks.
+    def poll(self, submit: bool = True) -> None:
+        """Submit queued promotions and probes (unless not ``submit``), and apply every finished
+        tier job. Never blocks.
+
+        A lookup polls with ``submit`` False: vLLM looks a request's chunks up one by one within
+        a scheduler step, and a poll between two of them would split the request's found prefix
+        into jobs of a chunk or two. Its promotions go out together at the step's end (or at the
+        next store's poll, after the step's lookups): one job per request and tier, one hand-off
+        per job, and the request's prefix judged whole (``slower_than_recompute``); measured, a
+        request split so gave way for one chunk at a time behind the whole queue
+        (BENCHMARKS.md §6).
 
         Safe from another thread than the engine's (the p2p tier's node polls while promotions
         it started are in flight, :meth:`serving_promotions`): it runs under :attr:`lock`, which
@@ -1082,7 +1117,7 @@ class TieringManager:
             if self._tiers_stopped:
                 return
             self._last_poll = time.monotonic()
-            if self._promotions:
+            if submit and self._promotions:
                 self.submit_promotions()
             for tier in self.tiers:
                 tier.flush()

@@ -65,8 +65,10 @@ def test_lookup_never_blocks_retry_while_probing(tmp_path):
 
 
 def _lookups_until_settled(rig: Rig, keys: list[bytes]) -> list:
-    """A request's lookups of ``keys`` repeated, with no scheduler step in between, until none is
-    HIT_PENDING; the last answers."""
+    """The end of the scheduler step of a request's first lookups of ``keys`` (which submits
+    their promotions, one job), then its lookups repeated with no scheduler step in between
+    until none is HIT_PENDING; the last answers."""
+    rig.tm.step()
     last: list = []
 
     def settled() -> bool:
@@ -93,6 +95,24 @@ def test_a_promotion_that_landed_is_a_hit_at_its_requests_next_lookup_without_a_
             assert np.array_equal(row, payload(k))
         assert rig.tm.stats.promotions["fs"] == 4
         assert rig.tm.stats.promotion_failures["fs"] == 0
+
+
+def test_a_requests_chunks_looked_up_one_by_one_go_out_as_one_promotion_job(tmp_path):
+    """vLLM looks a request's chunks up one by one within a scheduler step; a lookup applies
+    finished jobs but submits no promotion, so the request's found prefix goes out as one job at
+    the step's end however much time passes between its lookups (a poll between two of them split
+    it into jobs of a chunk, each judged alone behind the tier's queue: BENCHMARKS.md §6)."""
+    with Rig([fs_tier(tmp_path)], num_slots=8) as rig:
+        rig.tm._poll_interval = 0.0  # every lookup polls
+        keys = keys_for(4)
+        rig.store(keys)
+        rig.evict_all()
+        assert [rig.tm.lookup(k, "r") for k in keys] == [PENDING] * 4  # a poll before each
+        assert not rig.tm._jobs  # nothing submitted yet
+        rig.tm.step()
+        (job,) = rig.tm._jobs.values()
+        assert job.meta.is_promotion and job.meta.keys == keys
+        assert _lookups_until_settled(rig, keys) == [HIT] * 4
 
 
 def test_a_promotion_that_failed_is_a_miss_at_its_requests_next_lookup_never_a_hit(tmp_path):

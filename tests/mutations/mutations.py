@@ -1151,8 +1151,8 @@ MUTATIONS: list[Mutation] = [
         "C47",
         "a capped tier ranks each job's chunks as used one by one, head first (plain LRU)",
         "kvoffload/tiers/capacity.py",
-        "            for ident in self.ranks.rank(request, batch, use):\n",
-        "            for ident in self.ranks.rank('', batch[::-1], use):\n",
+        "            self._heap.reranked(self.ranks.rank(request, batch, use))\n",
+        "            self._heap.reranked(self.ranks.rank('', batch[::-1], use))\n",
         (
             CAP
             + "test_c47_the_fs_tier_evicts_a_prefix_tail_first_and_a_prefix_read_back_keeps_its_head",
@@ -1162,8 +1162,8 @@ MUTATIONS: list[Mutation] = [
         "C47",
         "a capped tier's finished request keeps its running rank",
         "kvoffload/tiers/capacity.py",
-        "        for ident in self.ranks.finished(request):\n",
-        "        for ident in self.ranks.finished(request)[:0]:\n",
+        "        self._heap.reranked(self.ranks.finished(request))\n",
+        "        self._heap.reranked(self.ranks.finished(request)[:0])\n",
         (
             CAP
             + "test_c47_the_fs_tier_evicts_a_prefix_tail_first_and_a_prefix_read_back_keeps_its_head",

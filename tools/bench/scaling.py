@@ -28,7 +28,8 @@ from kvoffload.tools.extras import EXTRA_MODULES, require
 CONFIGS = ("recompute", "host", "host+fs")
 CEILING = "ceiling"
 # host + fs with ``slower_than_recompute: recompute`` (kvoffload/costs.py): a load expected to take
-# longer than recomputing its tokens is not served, an overrun promotion is given up (issue 26, 4)
+# longer than recomputing its tokens is not served, an overrun promotion is given up (issue 26, 4);
+# host and host+fs always wait for the tier (``serve``, said whatever the default), its baseline
 JUDGED = "host+fs-judged"
 KNOWN = CONFIGS + (JUDGED,)
 MAX_MODEL_LEN = 4096  # SmolLM2's max_position_embeddings is 8192; a conversation is ~1.5k tokens
@@ -101,8 +102,7 @@ def run_sweep(
                 "cpu_bytes_to_use": host_tokens * BLOCK_BYTES_PER_TOKEN_F32,
                 "secondary_tiers": tiers,
             }
-            if name == JUDGED:
-                offload["slower_than_recompute"] = "recompute"
+            offload["slower_than_recompute"] = "recompute" if name == JUDGED else "serve"
         spec = ServerSpec(
             model=model,
             kv_cache_tokens=device,
@@ -223,7 +223,8 @@ def _configs(ctx, param, value: str) -> tuple[str, ...]:
     show_default=True,
     callback=_configs,
     help=f"Configurations to run, of {', '.join(KNOWN)} (must include recompute); "
-    f"{JUDGED} is host+fs with slower_than_recompute: recompute.",
+    f"{JUDGED} is host+fs with slower_than_recompute: recompute; host and host+fs always serve "
+    "from their tiers (slower_than_recompute: serve).",
 )
 @click.option("--model-dir", default=None, help="Prepared model directory (default: the cache).")
 @plot_option("docs/bench/scaling.png")

@@ -38,8 +38,9 @@ Protocol (called by :class:`~kvoffload.host.HostTier`):
 
 The host tier tells a store batch's new chunks in one ``admit_many(slots, keys)`` and the slots
 that became evictable together in one ``make_evictable_many(slots)``; their defaults call ``admit``
-and ``make_evictable`` per slot, in order (the built-in policies do the batch in one loop: per chunk,
-the engine thread pays for no Python call of its own).
+and ``make_evictable`` per slot, in order (LRU does the batch in one loop: per chunk, the engine
+thread pays for no Python call of its own; a subclass of it that overrides ``admit`` or
+``make_evictable`` is told each slot, as the defaults do; ARC keeps the defaults).
 
 Out-of-tree policies subclass :class:`EvictionPolicy` and are named by ``module.path:ClassName``.
 What they are told: every call above. :meth:`EvictionPolicy.rank_prefix` calls :meth:`access`
@@ -301,8 +302,8 @@ class EvictionPolicy(ABC):
         not evictable until :meth:`make_evictable`."""
 
     def admit_many(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
-        """:meth:`admit` of each ``(slots[i], keys[i])``, in order: a store batch's new chunks.
-        The built-in policies do it in one call (the host tier calls this one)."""
+        """:meth:`admit` of each ``(slots[i], keys[i])``, in order: a store batch's new chunks
+        (the host tier calls this one; LRU does the batch in one loop)."""
         for slot, key in zip(slots, keys):
             self.admit(slot, key)
 
@@ -371,12 +372,16 @@ class LRUPolicy(EvictionPolicy):
 
     @override
     def admit(self, slot: int, key: bytes) -> None:
-        self.admit_many((slot,), (key,))
+        self.ranks.admitted((slot,))
+        self._heap.reranked((slot,))  # an entry of the slot's previous chunk is not its
 
     @override
     def admit_many(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
+        if type(self).admit is not LRUPolicy.admit:  # a subclass's own admit is told each one
+            super().admit_many(slots, keys)
+            return
         self.ranks.admitted(slots)
-        self._heap.reranked(slots)  # an entry of a slot's previous chunk is not its
+        self._heap.reranked(slots)
 
     @override
     def rank_prefix(self, slots: Sequence[int], request: str, use: bool) -> None:
@@ -392,6 +397,9 @@ class LRUPolicy(EvictionPolicy):
 
     @override
     def make_evictable_many(self, slots: Sequence[int]) -> None:
+        if type(self).make_evictable is not LRUPolicy.make_evictable:  # as admit_many
+            super().make_evictable_many(slots)
+            return
         self._heap.add(slots)
 
     @override

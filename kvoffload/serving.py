@@ -53,8 +53,9 @@ class ServingParent(Protocol):
         """Whether ``poll_interval_s`` has passed since the last :meth:`poll`."""
         ...
 
-    def poll(self) -> None:
-        """Apply finished tier jobs (a promotion that landed is READY after it)."""
+    def poll(self, submit: bool = True, peers: bool = False) -> None:
+        """Apply finished tier jobs (a promotion that landed is READY after it); submit the
+        queued promotions (``submit``), or only those for no request (``peers``)."""
         ...
 
     def promote_for_peer(self, tier_idx: int, key: bytes) -> bool:
@@ -62,8 +63,8 @@ class ServingParent(Protocol):
         (False: no host slot)."""
         ...
 
-    def submit_promotions(self) -> None:
-        """Submit the queued promotions."""
+    def submit_promotions(self, peers_only: bool = False) -> None:
+        """Submit the queued promotions (``peers_only``: those for no request)."""
         ...
 
     def serving_promotions(self) -> int:
@@ -110,7 +111,9 @@ class PeerServing:
             len(keys) if max_promotions is None else max_promotions - parent.serving_promotions()
         )
         if parent.poll_due() and any(k not in index for k in keys):
-            parent.poll()  # a promotion that just landed answers HIT
+            # a promotion that just landed answers HIT; the engine's own queued promotions wait
+            # for its step's end (a request's prefix goes out whole, TieringManager.poll)
+            parent.poll(submit=False, peers=True)
         for j, key in enumerate(keys):
             slot = index.get(key)
             if slot is not None:
@@ -147,7 +150,7 @@ class PeerServing:
         stats.peer_pending += pending
         stats.peer_promotions += promoted
         if promoted:
-            parent.submit_promotions()
+            parent.submit_promotions(peers_only=True)
         return out
 
     def lease(self, keys: Sequence[bytes], holder: str) -> list[int]:

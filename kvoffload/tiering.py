@@ -628,14 +628,25 @@ class TieringManager:
         self.refusals.promotion(self.tier_names[tier_idx])
         return _MISS
 
-    def submit_promotions(self) -> None:
+    def submit_promotions(self, peers_only: bool = False) -> None:
         """Submit the promotions queued by lookups since the last call: one load job per tier and
         request (the first thing :meth:`poll`, and so :meth:`step`, does; benchmarks call it
-        alone to time the hand-off). Never blocks."""
+        alone to time the hand-off). ``peers_only``: only those for no request (peers', probes),
+        as the p2p node thread does between the engine's lookups, which must not split a
+        request's found prefix (:meth:`poll`). Never blocks."""
         with self.lock:
             if not self._promotions:
                 return
-            pending, self._promotions = self._promotions, {}
+            if peers_only:
+                pending = {}
+                for tier_idx, per_req in list(self._promotions.items()):
+                    peers = per_req.pop(PEER_PROMOTION, None)
+                    if peers is not None:
+                        pending[tier_idx] = {PEER_PROMOTION: peers}
+                    if not per_req:
+                        del self._promotions[tier_idx]
+            else:
+                pending, self._promotions = self._promotions, {}
             for tier_idx, per_req in pending.items():
                 tier = self.tiers[tier_idx]
                 for req_id, (keys, slots) in per_req.items():
@@ -1093,9 +1104,9 @@ class TieringManager:
         """Whether ``poll_interval_s`` has passed since the last :meth:`poll`."""
         return time.monotonic() - self._last_poll >= self._poll_interval
 
-    def poll(self, submit: bool = True) -> None:
-        """Submit queued promotions and probes (unless not ``submit``), and apply every finished
-        tier job. Never blocks.
+    def poll(self, submit: bool = True, peers: bool = False) -> None:
+        """Submit queued promotions and probes (unless not ``submit``; with ``peers``, those
+        for no request still), and apply every finished tier job. Never blocks.
 
         A lookup polls with ``submit`` False: vLLM looks a request's chunks up one by one within
         a scheduler step, and a poll between two of them would split the request's found prefix
@@ -1117,8 +1128,8 @@ class TieringManager:
             if self._tiers_stopped:
                 return
             self._last_poll = time.monotonic()
-            if submit and self._promotions:
-                self.submit_promotions()
+            if self._promotions and (submit or peers):
+                self.submit_promotions(peers_only=not submit)
             for tier in self.tiers:
                 tier.flush()
                 self._apply_results(tier, tier.get_finished_jobs())

@@ -118,12 +118,13 @@ def exit_on_signals() -> None:
     otherwise keep every one pending and never clean up."""
     global _signals_seen
     _signals_seen = 0
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGHUP, signal.SIGINT})
     for signum in (signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(signum) is signal.SIG_DFL:
             signal.signal(signum, _exit_for_signal)
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _exit_for_signal)
+    # after the handlers: one already pending is handled, not the default action
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGHUP, signal.SIGINT})
 
 
 _signals_seen = 0

@@ -412,9 +412,8 @@ class TierContract:
         tut = tier_under_test
         if tut.lose is None:
             pytest.skip("no lose hook for this tier")
-        # Lookups poll only at engine steps here: a lookup's poll (due every 0.5 ms by default,
-        # so on a busy machine between two lookups) submits the promotions queued so far, and
-        # an in-process tier would load the chunk before it is lost.
+        # Lookups poll only at engine steps here (a lookup's poll submits no promotion, but it
+        # may apply a finished one: the chunk must be lost before anything is loaded).
         with self.engine(tut, poll_interval_s=3600.0) as e:
             keys = keys_for(4)
             lost = keys[1]

@@ -293,8 +293,10 @@ class ServedHost(Protocol):
     host: Any
     data_parallel_rank: int
 
-    def poll(self) -> None:
-        """Apply finished tier jobs (a promotion that landed is READY after it)."""
+    def poll(self, submit: bool = True, peers: bool = False) -> None:
+        """Apply finished tier jobs (a promotion that landed is READY after it); submit the
+        queued promotions (``submit``), or only those for no request (``peers``: the p2p node
+        thread, between the engine's lookups)."""
         ...
 
     def serving_promotions(self) -> int:

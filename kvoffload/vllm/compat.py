@@ -326,10 +326,9 @@ def calling_request(req_id: str) -> Any:
     return None
 
 
-try:  # imported once: on_schedule_end asks every step
-    from vllm.v1.core.sched.output import SchedulerOutput as _SchedulerOutput
-except ImportError:  # pragma: no cover - a vLLM without v1 scheduler outputs
-    _SchedulerOutput = None  # type: ignore[assignment,misc]
+_scheduler_output: Any = None
+"""vLLM's ``SchedulerOutput`` class, imported at the first :func:`calling_scheduled_tokens` (it
+asks every step)."""
 
 
 def calling_scheduled_tokens() -> int | None:
@@ -339,9 +338,14 @@ def calling_scheduled_tokens() -> int | None:
     when no caller holds one. ``ScheduleEndContext`` names the step's new and preempted requests
     only; the live prefill estimate (:mod:`kvoffload.costs`) needs the step's tokens. Call it
     directly from ``on_schedule_end``."""
-    if _SchedulerOutput is None:  # pragma: no cover - a vLLM without v1 scheduler outputs
-        return None
-    out = _calling_local("scheduler_output", _SchedulerOutput, 2)
+    global _scheduler_output
+    if _scheduler_output is None:
+        try:
+            from vllm.v1.core.sched.output import SchedulerOutput
+        except ImportError:  # pragma: no cover - a vLLM without v1 scheduler outputs
+            return None
+        _scheduler_output = SchedulerOutput
+    out = _calling_local("scheduler_output", _scheduler_output, 2)
     return None if out is None else int(out.total_num_scheduled_tokens)
 
 

@@ -115,6 +115,28 @@ def test_a_requests_chunks_looked_up_one_by_one_go_out_as_one_promotion_job(tmp_
         assert _lookups_until_settled(rig, keys) == [HIT] * 4
 
 
+def test_a_poll_between_an_engines_lookups_submits_peers_promotions_only(tmp_path):
+    """The p2p node thread polls while promotions for peers are in flight, between the engine's
+    lookups: it submits those (no request waits on the engine's step for them) and leaves the
+    engine's request's queued promotions for its step's end, one job."""
+    with Rig([fs_tier(tmp_path)], num_slots=8) as rig:
+        rig.tm._poll_interval = 3600.0  # only the polls below
+        keys = keys_for(5)
+        rig.store(keys)
+        rig.evict_all()
+        assert [rig.tm.lookup(k, "r") for k in keys[:2]] == [PENDING] * 2
+        assert rig.tm.promote_for_peer(0, keys[4])
+        rig.tm.poll(submit=False, peers=True)  # as the node thread does
+        (peer_job,) = rig.tm._jobs.values()
+        assert peer_job.meta.keys == [keys[4]] and peer_job.meta.req_id != "r"
+        assert [rig.tm.lookup(k, "r") for k in keys[2:4]] == [PENDING] * 2
+        rig.tm.step()
+        jobs = [j.meta for j in rig.tm._jobs.values() if j.meta.req_id == "r"]
+        assert [m.keys for m in jobs] == [keys[:4]]
+        rig.tm._poll_interval = 0.0  # the lookups below apply what lands
+        assert _lookups_until_settled(rig, keys[:4]) == [HIT] * 4
+
+
 def test_a_promotion_that_failed_is_a_miss_at_its_requests_next_lookup_never_a_hit(tmp_path):
     """A lookup that applies a finished promotion whose read failed (EIO on one chunk) answers
     MISS for that chunk (its slot is freed, the fs tier's verdict is the failed load), never HIT;

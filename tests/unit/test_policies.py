@@ -262,3 +262,34 @@ def test_c47_arc_evicts_a_tail_counted_as_used_before_its_new_head():
     store([k0, k1, k2], "s")
     victims = h.allocate(keys_for(1, seed=3)).evicted + h.allocate(keys_for(1, seed=4)).evicted
     assert k2 in victims and k1 not in victims, victims
+
+
+def test_a_subclass_of_lru_is_told_each_slot_through_the_hooks_it_overrides():
+    """The host tier tells a batch in one call (``admit_many``, ``make_evictable_many``); an
+    out-of-tree subclass of LRU that overrides the per-slot ``admit`` or ``make_evictable`` (here:
+    one slot kept from eviction for good) is still told each slot through them, in order."""
+
+    class Sticky(LRUPolicy):
+        keep: set[int] = set()
+        admitted: list[int] = []
+
+        def admit(self, slot: int, key: bytes) -> None:
+            self.admitted.append(slot)
+            super().admit(slot, key)
+
+        def make_evictable(self, slot: int) -> None:
+            if slot not in self.keep:
+                super().make_evictable(slot)
+
+    policy = Sticky(4)
+    h = HostTier(4, policy)
+    k = keys_for(8)
+    plan = put(h, k[:4])
+    assert policy.admitted == plan.slots  # each slot, in order
+    policy.keep.add(plan.slots[0])
+    h.pin(k[:1])
+    h.unpin(k[:1])  # evictable again: not to Sticky
+    h.access(k[1:4])  # k[0] the least recently used
+    put(h, k[4:7])
+    assert h.lookup(k[0]) is LookupResult.HIT  # kept; the other three made room
+    assert all(h.lookup(key) is LookupResult.MISS for key in k[1:4])

@@ -941,7 +941,8 @@ class PeerServer:
             if self._waiters:
                 out.extend(self._serve_waiters(now))
             if self.manager.serving_promotions():
-                self.manager.poll()
+                # the engine's queued promotions wait for its step (TieringManager.poll)
+                self.manager.poll(submit=False, peers=True)
             return out
         except Exception:
             log.exception("kvoffload p2p: expiring peer state failed")

@@ -204,20 +204,15 @@ class RankHeap:
 
     def add(self, slots: Iterable[int]) -> None:
         """``slots`` may be popped from now on (with their current ranks)."""
-        members, queued, heap = self.members, self.queued, self.heap
-        major, minor = self.ranks.major, self.ranks.minor
+        members, queued = self.members, self.queued
+        new = []
         for slot in slots:
-            if slot in members:
-                continue
-            members.add(slot)
-            if queued[slot]:
-                continue
-            if len(heap) >= 2 * len(members) + 64:
-                self._rebuild()  # the slot's entry included
-                queued = self.queued
-            else:
-                heapq.heappush(heap, (major[slot], minor[slot], slot))
-                queued[slot] = 1
+            if slot not in members:
+                members.add(slot)
+                if not queued[slot]:
+                    new.append(slot)
+        if new:
+            self._push(new)
 
     def discard(self, slot: int) -> None:
         """``slot`` may not be popped until :meth:`add` (its entry is skipped when popped)."""
@@ -230,13 +225,25 @@ class RankHeap:
 
     def reranked(self, slots: Iterable[int]) -> None:
         """``slots``' ranks changed (their entries are stale)."""
-        members, queued, heap = self.members, self.queued, self.heap
+        members, queued = self.members, self.queued
+        mine = []
+        for slot in slots:
+            queued[slot] = 0
+            if slot in members:
+                mine.append(slot)
+        if mine:
+            self._push(mine)
+
+    def _push(self, slots: list[int]) -> None:
+        """An entry with its current rank for each of ``slots`` (members without one); the heap
+        rebuilt instead once stale entries outnumber the members."""
+        heap, members, queued = self.heap, self.members, self.queued
         major, minor = self.ranks.major, self.ranks.minor
         for slot in slots:
-            if slot not in members:
-                queued[slot] = 0
-            elif len(heap) >= 2 * len(members) + 64:
-                self._rebuild()  # the slot's entry included
+            if queued[slot]:
+                continue  # a rebuild gave it one
+            if len(heap) >= 2 * len(members) + 64:
+                self._rebuild()
                 queued = self.queued
             else:
                 heapq.heappush(heap, (major[slot], minor[slot], slot))

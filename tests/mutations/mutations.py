@@ -1105,11 +1105,8 @@ MUTATIONS: list[Mutation] = [
         "C47",
         "a pin drops a chunk's rank and an unpin ranks it as just used",
         "kvoffload/policies.py",
-        "    def make_evictable_many(self, slots: Sequence[int]) -> None:\n"
-        "        self._heap.add(slots)\n",
-        "    def make_evictable_many(self, slots: Sequence[int]) -> None:\n"
-        "        self.ranks.fresh(slots)\n"
-        "        self._heap.add(slots)\n",
+        "            return\n        self._heap.add(slots)\n",
+        "            return\n        self.ranks.fresh(slots)\n        self._heap.add(slots)\n",
         (
             POL + "test_c47_a_pin_keeps_a_chunks_rank_and_a_request_ranks_its_tail_lowest",
             POL_RIG + "test_c47_a_write_through_does_not_move_chunks_in_the_eviction_order",

@@ -53,9 +53,9 @@ class ServingParent(Protocol):
         """Whether ``poll_interval_s`` has passed since the last :meth:`poll`."""
         ...
 
-    def poll(self, submit: bool = True, peers: bool = False) -> None:
+    def poll(self, submit: bool = True) -> None:
         """Apply finished tier jobs (a promotion that landed is READY after it); submit the
-        queued promotions (``submit``), or only those for no request (``peers``)."""
+        queued promotions unless not ``submit``."""
         ...
 
     def promote_for_peer(self, tier_idx: int, key: bytes) -> bool:
@@ -113,7 +113,8 @@ class PeerServing:
         if parent.poll_due() and any(k not in index for k in keys):
             # a promotion that just landed answers HIT; the engine's own queued promotions wait
             # for its step's end (a request's prefix goes out whole, TieringManager.poll)
-            parent.poll(submit=False, peers=True)
+            parent.submit_promotions(peers_only=True)
+            parent.poll(submit=False)
         for j, key in enumerate(keys):
             slot = index.get(key)
             if slot is not None:

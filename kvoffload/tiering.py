@@ -1104,9 +1104,9 @@ class TieringManager:
         """Whether ``poll_interval_s`` has passed since the last :meth:`poll`."""
         return time.monotonic() - self._last_poll >= self._poll_interval
 
-    def poll(self, submit: bool = True, peers: bool = False) -> None:
-        """Submit queued promotions and probes (unless not ``submit``; with ``peers``, those
-        for no request still), and apply every finished tier job. Never blocks.
+    def poll(self, submit: bool = True) -> None:
+        """Submit queued promotions and probes (unless not ``submit``), and apply every finished
+        tier job. Never blocks.
 
         A lookup polls with ``submit`` False: vLLM looks a request's chunks up one by one within
         a scheduler step, and a poll between two of them would split the request's found prefix
@@ -1128,8 +1128,8 @@ class TieringManager:
             if self._tiers_stopped:
                 return
             self._last_poll = time.monotonic()
-            if self._promotions and (submit or peers):
-                self.submit_promotions(peers_only=not submit)
+            if submit and self._promotions:
+                self.submit_promotions()
             for tier in self.tiers:
                 tier.flush()
                 self._apply_results(tier, tier.get_finished_jobs())

@@ -293,10 +293,15 @@ class ServedHost(Protocol):
     host: Any
     data_parallel_rank: int
 
-    def poll(self, submit: bool = True, peers: bool = False) -> None:
+    def poll(self, submit: bool = True) -> None:
         """Apply finished tier jobs (a promotion that landed is READY after it); submit the
-        queued promotions (``submit``), or only those for no request (``peers``: the p2p node
-        thread, between the engine's lookups)."""
+        queued promotions unless not ``submit`` (the p2p node thread, between the engine's
+        lookups, submits peers' only: :meth:`submit_promotions`)."""
+        ...
+
+    def submit_promotions(self, peers_only: bool = False) -> None:
+        """Submit the queued promotions (``peers_only``: those for no request, peers' and
+        probes)."""
         ...
 
     def serving_promotions(self) -> int:

@@ -126,7 +126,8 @@ def test_a_poll_between_an_engines_lookups_submits_peers_promotions_only(tmp_pat
         rig.evict_all()
         assert [rig.tm.lookup(k, "r") for k in keys[:2]] == [PENDING] * 2
         assert rig.tm.promote_for_peer(0, keys[4])
-        rig.tm.poll(submit=False, peers=True)  # as the node thread does
+        rig.tm.submit_promotions(peers_only=True)  # as the node thread does
+        rig.tm.poll(submit=False)
         (peer_job,) = rig.tm._jobs.values()
         assert peer_job.meta.keys == [keys[4]] and peer_job.meta.req_id != "r"
         assert [rig.tm.lookup(k, "r") for k in keys[2:4]] == [PENDING] * 2

@@ -942,7 +942,8 @@ class PeerServer:
                 out.extend(self._serve_waiters(now))
             if self.manager.serving_promotions():
                 # the engine's queued promotions wait for its step (TieringManager.poll)
-                self.manager.poll(submit=False, peers=True)
+                self.manager.submit_promotions(peers_only=True)
+                self.manager.poll(submit=False)
             return out
         except Exception:
             log.exception("kvoffload p2p: expiring peer state failed")

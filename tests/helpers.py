@@ -6,6 +6,7 @@ import contextlib
 import importlib.util
 import itertools
 import os
+import signal
 import time
 from collections.abc import Iterator
 
@@ -90,6 +91,32 @@ def wait_until(
             return value
         assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
         time.sleep(interval_s)
+
+
+def stop_process(pid: int, timeout_s: float | None = None) -> None:
+    """SIGSTOP ``pid`` and wait until every thread of it is stopped. ``kill`` only makes the signal
+    pending: one thread is woken to take it and stop the group, and until it has run the others go
+    on (seen in CI: a NIXL worker's busy-polling UCX thread served a READ after its process was
+    sent SIGSTOP, on a loaded machine). ``timeout_s`` is a generous bound (default: patience of
+    60 s)."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped() -> bool:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except FileNotFoundError:
+            return True  # gone: it cannot run either
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except (FileNotFoundError, ProcessLookupError):
+                continue  # that thread has exited
+            if state not in ("T", "t", "Z", "X"):
+                return False
+        return True
+
+    wait_until(stopped, 60.0 if timeout_s is None else timeout_s, f"process {pid} to stop")
 
 
 def wait_paused(gate, count: int = 1, timeout_s: float | None = None, step=None) -> list[int]:

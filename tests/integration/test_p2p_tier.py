@@ -21,7 +21,7 @@ import numpy as np
 import psutil
 import pytest
 import zmq
-from helpers import TESTS_DIR, Rig, arena_name, namespace, patience, wait_until
+from helpers import TESTS_DIR, Rig, arena_name, namespace, patience, stop_process, wait_until
 from p2p_raw import RawClient as _RawClient
 from pipe_commands import PipeClient
 
@@ -312,7 +312,7 @@ def test_a_peer_sigkilled_mid_transfer_fails_the_job_no_hang_no_leak(world, kind
                 os.environ["UCX_TLS"] = old
     # B learns where the keys are, then A's data plane stops: the load's transfer hangs.
     wait_found(b, keys)
-    os.kill(a.worker_pid, signal.SIGSTOP)
+    stop_process(a.worker_pid)
     res = [b.tm.lookup(k, "r") for k in keys]
     assert all(r is LookupResult.HIT_PENDING for r in res), res
     b.tm.step()
@@ -765,7 +765,7 @@ def test_a_reader_sigkilled_mid_transfer_leaks_no_slot_on_the_serving_side(world
     a.store(keys)
     b = world.instance(p2p(kind, free_port(), [tier(a).advertise], **slow), env=env)
     wait_until(lambda: b.ok("state")["peers_up"] or None, PATIENCE_S, "B's session with A")
-    os.kill(b.worker_pid, signal.SIGSTOP)  # B's reads will hang, holding A's lease
+    stop_process(b.worker_pid)  # B's reads will hang, holding A's lease
     hexkeys = [k.hex() for k in keys]
     wait_until(
         lambda: (b.ok("lookup_once", keys=hexkeys), a.tm.host.num_pinned == len(keys))[1] or None,
@@ -1160,7 +1160,7 @@ def test_c40_a_serving_slot_refilled_while_the_read_is_in_flight_is_a_miss_never
     b = world.rig(p2p(kind, free_port(), [a.addr], lease_ttl_s=50.0, transfer_deadline_s=10.0))
     wait_found(b, keys)
     node = tier(b)._node
-    os.kill(tier(b).worker_pid, signal.SIGSTOP)  # B's READ waits, its lease granted
+    stop_process(tier(b).worker_pid)  # B's READ waits, its lease granted
     try:
         assert all(r is LookupResult.HIT_PENDING for r in [b.tm.lookup(k, "r") for k in keys])
         b.tm.step()
@@ -1190,13 +1190,13 @@ def test_c40_a_lease_that_lapses_while_the_server_is_stalled_is_never_served(wor
     wait_found(b, keys)
     node = tier(b)._node
     own = tier(b).worker_pid
-    os.kill(own, signal.SIGSTOP)  # B's READ waits until A's worker stalls
+    stop_process(own)  # B's READ waits until A's worker stalls
     stalled = False
     try:
         assert all(r is LookupResult.HIT_PENDING for r in [b.tm.lookup(k, "r") for k in keys])
         b.tm.step()
         wait_until(lambda: leased(node) >= set(keys) or None, PATIENCE_S, "every key leased")
-        os.kill(a.worker_pid, signal.SIGSTOP)
+        stop_process(a.worker_pid)
         stalled = True
         os.kill(own, signal.SIGCONT)
         assert b.tm.wait_idle(PATIENCE_S), "the load never ended"

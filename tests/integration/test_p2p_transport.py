@@ -24,7 +24,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import xxhash
-from helpers import TESTS_DIR, patience
+from helpers import TESTS_DIR, patience, stop_process
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from p2p_data import DataClient, frame
@@ -405,7 +405,7 @@ def test_c40_a_read_not_over_by_the_end_of_its_lease_fails_lease_expired(peers, 
     s = _pair_up(a, b)[0, 1]
     pairs = [(i, i) for i in range(SLOTS)]
     _, digests = b.grant(s.token, list(range(SLOTS)))
-    os.kill(b.proc.pid, signal.SIGSTOP)  # B cannot serve: the read outlives its lease
+    stop_process(b.proc.pid)  # B cannot serve: the read outlives its lease
     h = a.ok(
         "read",
         peer="b",
@@ -461,7 +461,7 @@ def test_peer_killed_mid_transfer_fails_within_deadline_without_delaying_others(
     pairs = [(i, i) for i in range(SLOTS)]
     _, dead_digests = b.grant(s[0, 1].token, list(range(SLOTS)))
 
-    os.kill(b.proc.pid, signal.SIGSTOP)
+    stop_process(b.proc.pid)
     # A long deadline, so only the kill can end this transfer early.
     h_dead = a.ok("read", peer="b", pairs=pairs, digests=dead_digests, deadline_s=PATIENCE_S)[
         "handle"
@@ -499,7 +499,7 @@ def test_silent_peer_fails_at_its_deadline_and_the_transport_recovers_on_re_add(
     sess = _pair_up(a, b)[0, 1]
     rb = b.rows()
     _, digests = b.grant(sess.token, list(range(SLOTS)))
-    os.kill(b.proc.pid, signal.SIGSTOP)
+    stop_process(b.proc.pid)
     pairs = [(i, i) for i in range(SLOTS)]
     h = a.ok("read", peer="b", pairs=pairs, digests=digests, deadline_s=DEADLINE_S)["handle"]
     t0 = time.monotonic()

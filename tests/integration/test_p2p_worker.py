@@ -29,7 +29,7 @@ import numpy as np
 import psutil
 import pytest
 import zmq
-from helpers import patience
+from helpers import patience, stop_process
 
 from kvoffload.ipc.arena import Arena, ArenaError, list_arenas
 from kvoffload.tiers.p2p.worker_handle import WORKER_DIED, PeerWorkerHandle
@@ -222,7 +222,7 @@ def test_transfer_to_a_killed_peer_fails_and_one_to_a_live_peer_beside_it_comple
     pair_up(a, b, c)
     rc = c.rows()
     _, digests = grant(b, a.tokens["b"], list(range(16)))
-    os.kill(b.handle.pid, signal.SIGSTOP)
+    stop_process(b.handle.pid)
     # A deadline longer than the wait below: only the kill can end this transfer in time.
     dead = a.handle.read("b", [(i, i) for i in range(16)], 4 * PATIENCE_S, digests=digests)
     live = read(a, c, [(16 + i, i) for i in range(16)])
@@ -252,7 +252,7 @@ def test_c22_a_transfer_past_its_deadline_is_reported_only_once_settled(instance
     a, b = instances("a", kind, env), instances("b", kind, env)
     pair_up(a, b)
     _, digests = grant(b, a.tokens["b"], list(range(8)))
-    os.kill(b.handle.pid, signal.SIGSTOP)
+    stop_process(b.handle.pid)
     late = a.handle.read("b", [(i, i) for i in range(8)], DEADLINE_S, digests=digests)
 
     # Probe until the worker has marked B down (the late transfer's deadline passed): a transfer
@@ -295,7 +295,7 @@ def test_c17_own_worker_killed_mid_transfer_reports_worker_died_after_exit_and_r
     pair_up(a, b)
     old = a.handle.descriptor
     _, digests = grant(b, a.tokens["b"], list(range(16)))
-    os.kill(b.handle.pid, signal.SIGSTOP)  # holds A's transfer in flight
+    stop_process(b.handle.pid)  # holds A's transfer in flight
     half = 8 * pt.DIGEST_BYTES
     tids = [
         a.handle.read("b", [(i, i) for i in range(8)], 4 * PATIENCE_S, digests=digests[:half]),
@@ -485,10 +485,10 @@ def test_c17_a_hung_peer_worker_is_killed_so_its_transfers_settle(instances):
     a.handle.settle_timeout_s = DEADLINE_S
     pair_up(a, b)
     _, digests = grant(b, a.tokens["b"], [0])
-    os.kill(b.handle.pid, signal.SIGSTOP)  # the transfer cannot finish...
+    stop_process(b.handle.pid)  # the transfer cannot finish...
     t = a.handle.read("b", [(0, 0)], DEADLINE_S, digests=digests)
     pid = a.handle.pid
-    os.kill(pid, signal.SIGSTOP)  # ...and A's worker cannot report it: only a kill settles it
+    stop_process(pid)  # ...and A's worker cannot report it: only a kill settles it
     # The node polls at least once a second (the settle timeout has no fd of its own).
     deadline = time.monotonic() + PATIENCE_S
     while t not in a.reported:
@@ -520,7 +520,7 @@ def test_c40_a_read_that_may_outlive_its_lease_fails_lease_expired(instances, ki
     a, b = instances("a", kind, env), instances("b", kind, env)
     pair_up(a, b)
     _, digests = grant(b, a.tokens["b"], list(range(8)))
-    os.kill(b.handle.pid, signal.SIGSTOP)  # B's worker stalls past the lease
+    stop_process(b.handle.pid)  # B's worker stalls past the lease
     not_after = time.monotonic() + DEADLINE_S
     t = a.handle.read(
         "b",

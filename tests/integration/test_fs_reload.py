@@ -246,3 +246,31 @@ def test_a_finished_request_expects_nothing_more(tmp_path):
         assert len(rig.fs.speculation) == 0
         reload(rig, keys[:4])  # the same id again: a new request, its first unknown chunk probed
         assert counter(rig, "probes") == 2 and counter(rig, "speculative_loads") == 2
+
+
+def test_bench_ttfts_probe_column_counts_the_tiers_probe_round_trips(tmp_path):
+    """`kvoffload bench ttft --restart` reports probes from the metrics endpoint's
+    ``kvoffload_lookup_latency_seconds`` count (`fs_probes`): what the tier itself counted, one
+    for a reload unknown to an unbounded tier, none once its chunks are known."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvoffload import metrics
+    from kvoffload.tools.bench.ttft import fs_probes
+
+    def scrape() -> dict:
+        text = generate_latest(metrics.registry()).decode()
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+        }
+
+    keys = keys_for(N)
+    with restarted(tmp_path, keys) as rig:
+        before = scrape()
+        assert reload(rig, keys)[1] == [HIT] * N
+        after = scrape()
+        assert fs_probes(before, after) == counter(rig, "probes") == 1
+        assert reload(rig, keys, "again")[1] == [HIT] * N
+        assert fs_probes(after, scrape()) == 0

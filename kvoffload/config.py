@@ -149,17 +149,18 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             behaviour before holds (docs/profiles/thrash.md, BENCHMARKS.md §6b).
         slower_than_recompute: what a lookup does with a chunk found in a secondary tier whose
             load is expected to be slower than recomputing it (issue 26, "never slower than
-            recompute"; :mod:`kvoffload.costs`): ``recompute`` answers MISS for a chunk of a tier
-            that moves a chunk slower than the engine recomputes it, so the engine recomputes
-            from there; gives way for a request whose chunks from a tier, behind what the tier
-            has queued, are expected to load slower than their recompute when its promotion is
-            submitted; and abandons a promotion that overran (in both, its lookups answer MISS;
-            the load goes on and publishes the chunks when it lands); ``serve`` (default until
-            a repeated sweep confirms one run in which ``recompute`` sent nothing a healthy fs
-            tier held to prefill, BENCHMARKS §6) waits for the tier, the behaviour before. With ``recompute`` nothing changes
-            while an estimate is missing (a tier before its first finished job, an engine
-            before its first prefill step) or while loads beat recompute, so a healthy tier
-            serves what it always served. Counted: ``kvoffload_recomputed_tokens``.
+            recompute"; :mod:`kvoffload.costs`). ``recompute`` (default) answers MISS for a chunk
+            of a tier that moves a chunk slower than the engine recomputes it, so the engine
+            recomputes from there; gives way for a request whose chunks from a tier, behind what
+            the tier has queued, are expected to load slower than their recompute when its
+            promotion is submitted; and abandons a promotion that overran (in both, its lookups
+            answer MISS; the load goes on and publishes the chunks when it lands). Nothing
+            changes while an estimate is missing (a tier before its first finished job, an
+            engine before its first prefill step) or while loads beat recompute, so a healthy
+            tier serves what it always served: in three three-point ``bench scaling`` sweeps it
+            sent nothing a healthy fs tier held to prefill and served as much as ``serve``
+            (BENCHMARKS §6). ``serve`` always waits for the tier. Not applied to the p2p tier.
+            Counted: ``kvoffload_recomputed_tokens``.
         recompute_margin: how much slower than recomputing a load may be expected to be and
             still be served, as a ratio (>= 1; default 1.5). Above 1 leans to the tier: the
             estimates are noisy, and a load spares the engine's compute for other requests.
@@ -219,7 +220,7 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     offload_prompt_only: bool = True
     tier_pin_fraction: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.5
     promotion_hold_steps: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 64
-    slower_than_recompute: Literal["recompute", "serve"] = "serve"
+    slower_than_recompute: Literal["recompute", "serve"] = "recompute"
     recompute_margin: Annotated[float, msgspec.Meta(ge=1.0, le=1000.0)] = 1.5
     promotion_overrun_factor: Annotated[float, msgspec.Meta(ge=1.0, le=1000.0)] = 3.0
     recompute_tokens_per_s: Annotated[float, msgspec.Meta(gt=0.0, le=1e12)] | None = None

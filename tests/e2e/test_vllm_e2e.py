@@ -72,6 +72,9 @@ def server(model_dir, tmp_path_factory):
         "cpu_bytes_to_use": HOST_TOKENS * BLOCK_BYTES_PER_TOKEN_F32,
         "secondary_tiers": [{"type": "fs", "root_dir": str(root), **NO_FLOOR}],
         "kv_events": ours,
+        # the tier's mechanics, not the judge: a give-way depends on the machine's speed
+        # (tests/e2e/test_vllm_never_slower_e2e.py tests the default, `recompute`)
+        "slower_than_recompute": "serve",
     }
     spec = ServerSpec(
         model=model_dir,

@@ -60,7 +60,7 @@ def stalled(model_dir, tmp_path_factory):
         "spec_module_path": "kvoffload.vllm",
         "cpu_bytes_to_use": (MAX_MODEL_LEN - 32) * BLOCK_BYTES_PER_TOKEN_F32,
         "secondary_tiers": [fs],
-        "slower_than_recompute": "recompute",  # opt-in (the default serves: waits for the tier)
+        "slower_than_recompute": "recompute",  # the default, stated: this test is about it
     }
     spec = ServerSpec(
         model=model_dir,

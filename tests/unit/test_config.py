@@ -211,9 +211,9 @@ def test_a_wrongly_typed_value_is_repeated_in_its_error_unless_it_may_be_a_secre
     assert "918273645546372819" not in msg and "given" not in msg, msg
 
 
-def test_never_slower_than_recompute_is_opt_in_with_live_estimates():
+def test_never_slower_than_recompute_is_the_default_with_live_estimates():
     cfg = parse_config(BASE)
-    assert cfg.slower_than_recompute == "serve"
+    assert cfg.slower_than_recompute == "recompute"
     assert cfg.recompute_margin == 1.5 and cfg.promotion_overrun_factor == 3.0
     assert cfg.recompute_tokens_per_s is None  # measured from the engine's steps
 

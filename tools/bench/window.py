@@ -182,6 +182,8 @@ def run_model(kind: str, reps: int, doc_tokens: int, workdir: Path, max_tokens: 
         # is dropped; the turns after a conversation evict it.
         "cpu_bytes_to_use": 2 * max_len * KV_BYTES_PER_TOKEN,
         "secondary_tiers": [scratch_fs_tier(root)],
+        # what a reload moves, measured: always from the tier, never given way to recompute
+        "slower_than_recompute": "serve",
     }
     # The device cache: about one conversation, not two. Gemma-3 style: what the end-to-end test
     # runs with a 1024-token limit (~110 blocks of one layer: the global group's prefix plus the

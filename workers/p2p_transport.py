@@ -1774,7 +1774,10 @@ class NixlTransport(Transport):
                 except Exception as e:  # nixlRemoteDisconnectError and kin
                     state = "ERR"
                     x.failed = x.failed or f"{type(e).__name__}: {e}"
-                done, ended = self._settle(x, part, state, now)
+                # the time UCX answered, not the pass's start: a thread starved between the two
+                # (seen on one busy core) would otherwise take a READ finished after the lease's
+                # end for one finished before it
+                done, ended = self._settle(x, part, state, max(now, time.monotonic()))
                 if done is not None:
                     finished.append((x, done))
                 settled = settled or ended

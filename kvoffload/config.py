@@ -159,8 +159,11 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             engine before its first prefill step) or while loads beat recompute, so a healthy
             tier serves what it always served: in three three-point ``bench scaling`` sweeps it
             sent nothing a healthy fs tier held to prefill and served as much as ``serve``
-            (BENCHMARKS §6). ``serve`` always waits for the tier. Not applied to the p2p tier.
-            Counted: ``kvoffload_recomputed_tokens``.
+            (BENCHMARKS §6). ``serve`` always waits for the tier. Not applied to the p2p tier,
+            nor yet to probes: a request whose chunks a tier must probe (unknown to this
+            instance, on a shared root) still waits behind that tier's queue, an abandoned slow
+            load included (measured: 3x its recompute once, BENCHMARKS §6 "Item 4 on a slow
+            tier"). Counted: ``kvoffload_recomputed_tokens``.
         recompute_margin: how much slower than recomputing a load may be expected to be and
             still be served, as a ratio (>= 1; default 1.5). Above 1 leans to the tier: the
             estimates are noisy, and a load spares the engine's compute for other requests.

@@ -116,7 +116,11 @@ def stop_process(pid: int, timeout_s: float | None = None) -> None:
                 return False
         return True
 
-    wait_until(stopped, 60.0 if timeout_s is None else timeout_s, f"process {pid} to stop")
+    try:
+        wait_until(stopped, 60.0 if timeout_s is None else timeout_s, f"process {pid} to stop")
+    except BaseException:
+        os.kill(pid, signal.SIGCONT)  # never leave it stopped: its teardown must be able to run
+        raise
 
 
 def wait_paused(gate, count: int = 1, timeout_s: float | None = None, step=None) -> list[int]:

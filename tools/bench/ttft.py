@@ -16,6 +16,7 @@ against the same follow-up on a fresh history of the same length, recomputed, on
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import mmap
@@ -159,7 +160,8 @@ def ttft(pairs: int, doc_tokens: int, workdir: Path, restart: bool = False) -> d
     if restart:
         # A second server on the same fs root: each pair's history reloaded by an instance that
         # did not store it (its host tier is empty; the device cache holds one history at a time).
-        with VLLMServer(spec) as server:
+        restarted = dataclasses.replace(spec, log_path=str(workdir / "ttft-restart-server.log"))
+        with VLLMServer(restarted) as server:
             chat(server.url, doc_question(docs[-1], "Name one date."), 4)  # warm-up (from fs)
             for i, row in enumerate(rows):
                 a = docs[2 * i]
@@ -293,6 +295,8 @@ def bench_ttft(pairs, doc_tokens, restart, slow_fs) -> None:
     require("bench ttft", "demo")
     print_header()
     if slow_fs is not None:
+        if restart:
+            raise click.UsageError("--restart and --slow-fs measure different things: pick one")
         with server_workdir() as wd:
             r = slow_tier_ttft(pairs, doc_tokens, wd, slow_fs)
         click.echo(

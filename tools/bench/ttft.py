@@ -91,43 +91,55 @@ def fs_probes(before: dict, after: dict) -> int:
     )
 
 
+def _model_docs(doc_tokens: int, seeds: list[range]) -> tuple[str, list[list[str]]]:
+    """The converted SmolLM2 model's directory and, per range of ``seeds``, maintenance logs of
+    ``doc_tokens`` tokens (the tokenizer loaded once)."""
+    from transformers import AutoTokenizer
+
+    from kvoffload.tools.model import prepare_model
+    from kvoffload.tools.workload import maintenance_log
+
+    model = str(prepare_model())
+    tok = AutoTokenizer.from_pretrained(model)
+    return model, [[maintenance_log(tok, i, doc_tokens) for i in r] for r in seeds]
+
+
+def _server_spec(model: str, doc_tokens: int, fs_tier: dict, slower: str, log_path: Path):
+    """The bench's vLLM-CPU server: a device cache of one history, a host tier of one history
+    plus 512 tokens, ``fs_tier`` behind it, ``slower_than_recompute: slower``."""
+    from kvoffload.tools.vllm_server import BLOCK_BYTES_PER_TOKEN_F32, ServerSpec
+
+    max_len = -(-(doc_tokens + 256) // 32) * 32
+    offload = {
+        "spec_name": "KVOffloadSpec",
+        "spec_module_path": "kvoffload.vllm",
+        "cpu_bytes_to_use": (doc_tokens + 512) * BLOCK_BYTES_PER_TOKEN_F32,
+        "secondary_tiers": [fs_tier],
+        "slower_than_recompute": slower,
+    }
+    return ServerSpec(
+        model=model,
+        kv_cache_tokens=max_len + 32,
+        block_size=32,
+        max_model_len=max_len,
+        offload=offload,
+        log_path=str(log_path),
+    )
+
+
 def ttft(pairs: int, doc_tokens: int, workdir: Path, restart: bool = False) -> dict:
     """Time to first token (seconds) of ``pairs`` conversations' second turns on vLLM-CPU: a
     device-cache hit, a reload from the fs tier, and recompute; with ``restart``, also each
     history's reload by a second server on the same fs root and a device hit right after it
     (``restart_*`` keys; ``*_probes``: the fs tier's existence probes during the reloads).
     """
-    from transformers import AutoTokenizer
+    from kvoffload.tools.vllm_server import VLLMServer, cached_by_source
+    from kvoffload.tools.workload import chat, doc_question
 
-    from kvoffload.tools.model import prepare_model
-    from kvoffload.tools.vllm_server import (
-        BLOCK_BYTES_PER_TOKEN_F32,
-        ServerSpec,
-        VLLMServer,
-        cached_by_source,
-    )
-    from kvoffload.tools.workload import chat, doc_question, maintenance_log
-
-    model = str(prepare_model())
-    tok = AutoTokenizer.from_pretrained(model)
-    docs = [maintenance_log(tok, 1000 + i, doc_tokens) for i in range(2 * pairs + 2)]
-    offload = {
-        "spec_name": "KVOffloadSpec",
-        "spec_module_path": "kvoffload.vllm",
-        "cpu_bytes_to_use": (doc_tokens + 512) * BLOCK_BYTES_PER_TOKEN_F32,
-        "secondary_tiers": [scratch_fs_tier(workdir / "fs-ttft")],
-        # what a reload costs, measured: always from the tier, never given way to recompute
-        "slower_than_recompute": "serve",
-    }
-    max_len = -(-(doc_tokens + 256) // 32) * 32
-    spec = ServerSpec(
-        model=model,
-        kv_cache_tokens=max_len + 32,
-        block_size=32,
-        max_model_len=max_len,
-        offload=offload,
-        log_path=str(workdir / "ttft-server.log"),
-    )
+    model, [docs] = _model_docs(doc_tokens, [range(1000, 1000 + 2 * pairs + 2)])
+    # what a reload costs, measured: always from the tier, never given way to recompute
+    fs = scratch_fs_tier(workdir / "fs-ttft")
+    spec = _server_spec(model, doc_tokens, fs, "serve", workdir / "ttft-server.log")
 
     rows = []
     with VLLMServer(spec) as server:
@@ -208,41 +220,19 @@ def slow_tier_ttft(pairs: int, doc_tokens: int, workdir: Path, sleep_s: float) -
     median ratio, ...}}``; each row has the follow-up's TTFT, its tokens from the fs tier
     (``from_fs``; 0: it gave way to recompute) and the recompute's TTFT.
     """
-    from transformers import AutoTokenizer
+    from kvoffload.tools.vllm_server import VLLMServer, cached_by_source
+    from kvoffload.tools.workload import chat, doc_question
 
-    from kvoffload.tools.model import prepare_model
-    from kvoffload.tools.vllm_server import (
-        BLOCK_BYTES_PER_TOKEN_F32,
-        ServerSpec,
-        VLLMServer,
-        cached_by_source,
-    )
-    from kvoffload.tools.workload import chat, doc_question, maintenance_log
-
-    model = str(prepare_model())
-    tok = AutoTokenizer.from_pretrained(model)
-    max_len = -(-(doc_tokens + 256) // 32) * 32
     out: dict[str, dict] = {}
-    for n, setting in enumerate(("serve", "recompute")):
-        # fresh documents for each server: nothing of the first run is in the second's fs root
-        base = 3000 + 100 * n
-        docs = [maintenance_log(tok, base + i, doc_tokens) for i in range(2 * pairs + 2)]
-        slow = {"point": "read_payload", "action": "sleep", "arg": sleep_s, "count": -1}
-        offload = {
-            "spec_name": "KVOffloadSpec",
-            "spec_module_path": "kvoffload.vllm",
-            "cpu_bytes_to_use": (doc_tokens + 512) * BLOCK_BYTES_PER_TOKEN_F32,
-            "secondary_tiers": [scratch_fs_tier(workdir / f"fs-{setting}", faults=[slow])],
-            "slower_than_recompute": setting,
-        }
-        spec = ServerSpec(
-            model=model,
-            kv_cache_tokens=max_len + 32,
-            block_size=32,
-            max_model_len=max_len,
-            offload=offload,
-            log_path=str(workdir / f"ttft-{setting}-server.log"),
-        )
+    slow = {"point": "read_payload", "action": "sleep", "arg": sleep_s, "count": -1}
+    settings = ("serve", "recompute")
+    # fresh documents for each server: nothing of the first run is in the second's fs root
+    model, doc_sets = _model_docs(
+        doc_tokens, [range(3000 + 100 * n, 3000 + 100 * n + 2 * pairs + 2) for n in range(2)]
+    )
+    for setting, docs in zip(settings, doc_sets):
+        fs = scratch_fs_tier(workdir / f"fs-{setting}", faults=[slow])
+        spec = _server_spec(model, doc_tokens, fs, setting, workdir / f"ttft-{setting}-server.log")
         rows = []
         with VLLMServer(spec) as server:
             chat(server.url, doc_question(docs[-1]), 4)  # warm-up

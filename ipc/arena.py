@@ -23,6 +23,14 @@ header of this version with a live owner lock, and the nonce (tier workers) or t
 (:meth:`Arena.open_or_create`) the caller expects; anything else is refused with
 :class:`ArenaForeignError`, naming the segment's owner uid and mode, and nothing is mapped.
 
+A warm restart (:meth:`Arena.create` with ``table`` and ``keep_s``) adds a slot table after the rows
+(:mod:`kvoffload.ipc.slot_table`) and makes the janitor the segment's *keeper*
+(:mod:`kvoffload.ipc.janitor`): once the owner is dead it holds the segment (``keeping``, then
+``kept``) for a successor of this user, which claims it and adopts the table. Every process that
+maps a segment holds a shared OFD lock on its byte 0 (the *mapped lock*) while its mapping lives;
+the keeper takes it exclusively before it keeps a dead engine's segment, so no process of that
+engine can still write it (DESIGN.md "Warm restart").
+
 Views (:attr:`Arena.rows`, :meth:`Arena.torch_rows`, :meth:`Arena.memoryview`) are zero-copy and keep the
 mapping alive: they are built with ``np.frombuffer`` on the ``mmap`` object (``torch.frombuffer`` does
 not keep an mmap alive). This module imports nothing of the project outside :mod:`kvoffload.ipc`, and no
@@ -40,6 +48,7 @@ import mmap
 import os
 import re
 import secrets
+import signal
 import stat
 import struct
 import threading
@@ -51,6 +60,7 @@ import numpy as np
 import posix_ipc
 
 from kvoffload.ipc.childenv import child_environment
+from kvoffload.ipc.slot_table import SlotTable, table_bytes
 
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "kvoffload"
@@ -67,10 +77,53 @@ _MAGIC = b"KVOARENA"
 _VERSION = 1
 _STATE_INIT = 0
 _STATE_READY = 1
+#: Kept by its keeper for a successor after its engine died (warm restart): not attachable.
+_STATE_KEPT = 2
+#: Its engine died and its keeper, holding the lock, is making it kept: it waits for every
+#: process of the old engine to unmap it, then seals the last chunks. A claimant waits.
+_STATE_KEEPING = 3
+_STATE_NAMES = {
+    _STATE_INIT: "init",
+    _STATE_READY: "ready",
+    _STATE_KEPT: "kept",
+    _STATE_KEEPING: "keeping",
+}
 # magic, version, state, owner pid, created (ns), num_slots, row_bytes, nonce, engine id
 _HEADER = struct.Struct("<8sIIQQQQ16s128s")
+#: Warm-restart fields in the header page: the slot table's bytes after the rows (0: none), the
+#: keeper's pid, and a claimant's pid and start time (psutil seconds since the epoch).
+_WARM_OFFSET = 512
+_WARM = struct.Struct("<QQQd")
+_CLAIM_OFFSET = _WARM_OFFSET + 16
+_CLAIM = struct.Struct("<Qd")
+#: 1 from a take-over (:meth:`Arena._claim`) until the process that builds the host tier's index
+#: adopts the slot table (:meth:`Arena.take_adoption`); under vLLM the model runner may claim the
+#: segment and the scheduler adopt it.
+_ADOPT_OFFSET = _WARM_OFFSET + _WARM.size
+_ADOPT = struct.Struct("<Q")
+#: Every process that maps a segment holds a shared OFD lock on this byte for as long as its
+#: mapping lives (the *mapped lock*; independent of the owner's ``flock``). The lock belongs to
+#: the open file description, which the mapping itself keeps open, so it goes with the last
+#: mapping of the process, however that process ends. A keeper takes it exclusively before it
+#: treats a dead engine's segment as nobody's: then no process of the old engine can write it.
+_MAPPED_LOCK_AT = 0
+_FLOCK = struct.Struct("hhqqi4x")  # struct flock (64-bit Linux): type, whence, start, len, pid
+#: The keeper's take-over of a dead engine's segment lasts at most this long (seconds), from the
+#: moment it sees the owner gone to KEPT: it waits for the old engine's processes to let go (the
+#: owner's lock, then every mapped lock) until ``HANDOVER_S - FINAL_SEAL_S``, giving the segment
+#: up (unlinking it) past that, then seals the last chunks for at most :data:`FINAL_SEAL_S`. A
+#: claimant waits for a keeper this long plus :data:`HANDOVER_SLACK_S`.
+HANDOVER_S = 60.0
+#: The keeper's final seal, after the old engine's last process let go (seconds).
+FINAL_SEAL_S = 15.0
+#: What a claimant waits beyond :data:`HANDOVER_S`: the keeper notices its owner's death after at
+#: most one seal pass and one poll (seconds).
+HANDOVER_SLACK_S = 10.0
 # A segment that never reached the ready state is presumed abandoned after this long (seconds).
 _STALE_INIT_AGE_S = 30.0
+#: How long a start asks again for an owner lock that is held (seconds): another process's look
+#: at the segment (a sweep, a listing) holds it for a moment (:func:`_take_flock`).
+_PROBE_PATIENCE_S = 0.1
 _NAME_RE = re.compile(r"[^A-Za-z0-9_.-]")
 #: The only mode an attachable segment may have: what :meth:`Arena.create` gives it.
 ARENA_MODE = 0o600
@@ -117,6 +170,9 @@ class ArenaInfo:
     ours: bool = True
     """False for a segment of another user (or not a regular file): its header is not read, and
     sweeping leaves it alone."""
+    state: str = ""
+    """``init``, ``ready`` (an engine's), ``keeping`` (its engine died and its keeper is taking
+    it over), ``kept`` (held for a successor: a warm restart); empty when not read."""
 
 
 @dataclass(frozen=True)
@@ -185,16 +241,143 @@ def _read_header(fd: int) -> tuple[bytes, int, int, int, int, int, int, bytes, s
     )
 
 
-def _owner_alive(fd: int) -> bool:
-    """True when some process holds the owner lock on this segment."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+def _take_flock(fd: int, patience_s: float = 0.0) -> bool:
+    """Take the owner lock (``flock``, exclusive) on ``fd`` without waiting in the kernel: True
+    once held, False when another process holds it. Every look at a segment's liveness
+    (:func:`_owner_alive`: sweeps of every engine start, listings, claimants) takes the lock for
+    a moment, so with ``patience_s`` (seconds) a held lock is asked again every millisecond for
+    that long before it counts as an owner's."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return True
-        raise
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.001)
+
+
+def _owner_alive(fd: int, patience_s: float = 0.0) -> bool:
+    """True when some process holds the owner lock on this segment (for ``patience_s`` seconds:
+    :func:`_take_flock`)."""
+    if not _take_flock(fd, patience_s):
+        return True
     fcntl.flock(fd, fcntl.LOCK_UN)
     return False
+
+
+def _live_engine(name: str) -> bool:
+    """True when segment ``name``'s header reads as a live engine's: ready, its owner's process
+    alive (:func:`_pid_alive`, started before the segment was made)."""
+    try:
+        fd = _open_segment(name)
+    except (OSError, ArenaError):
+        return False
+    try:
+        header = _read_header(fd)
+    finally:
+        os.close(fd)
+    return header is not None and header[2] == _STATE_READY and _pid_alive(header[3], header[4])
+
+
+def _write_header(
+    mm: mmap.mmap, num_slots: int, row_bytes: int, engine_id: str, tbytes: int
+) -> bytes:
+    """Write a new owner's header into ``mm`` (state INIT, this process, a fresh nonce; the warm
+    fields: a slot table of ``tbytes`` bytes, no keeper, no claim). Returns the nonce."""
+    nonce = secrets.token_bytes(16)
+    mm[: _HEADER.size] = _HEADER.pack(
+        _MAGIC,
+        _VERSION,
+        _STATE_INIT,
+        os.getpid(),
+        time.time_ns(),
+        num_slots,
+        row_bytes,
+        nonce,
+        engine_id.encode("utf-8")[:128],
+    )
+    _WARM.pack_into(mm, _WARM_OFFSET, tbytes, 0, 0, 0.0)
+    return nonce
+
+
+def _mapped_lock(fd: int, exclusive: bool, wait_s: float = 0.0) -> bool:
+    """Take the mapped lock (:data:`_MAPPED_LOCK_AT`) on ``fd``'s open file description: shared
+    (a process that maps the segment) or ``exclusive`` (a keeper: no other process maps it).
+    Waits in the kernel up to ``wait_s`` seconds (0: not at all; a timer, so only from the main
+    thread when ``wait_s`` > 0). Returns True once held, False when another holds it still."""
+    kind = fcntl.F_WRLCK if exclusive else fcntl.F_RDLCK
+    request = _FLOCK.pack(kind, os.SEEK_SET, _MAPPED_LOCK_AT, 1, 0)
+
+    def _try() -> bool:
+        try:
+            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, request)
+            return True
+        except OSError as e:
+            if e.errno in (errno.EAGAIN, errno.EACCES):
+                return False
+            raise
+
+    if _try():
+        return True
+    if wait_s <= 0:
+        return False
+
+    def _expired(signum: int, frame: object) -> None:
+        raise TimeoutError
+
+    old = signal.signal(signal.SIGALRM, _expired)
+    signal.setitimer(signal.ITIMER_REAL, wait_s)
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLKW, request)  # a waiter /proc/locks shows ("->")
+        return True
+    except TimeoutError:
+        return _try()  # the timer may have fired just after the lock was granted
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _pid_alive(pid: int, born_by_ns: int | None = None) -> bool:
+    """True while process ``pid`` exists and is not a zombie. With ``born_by_ns`` (a
+    ``time.time_ns()`` at which that process already ran: when it created a segment), a process
+    started later (psutil's start time, within 1 s: it is that coarse) is another that reuses the
+    pid and reads as gone; without it a reused pid reads as alive."""
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        if born_by_ns is not None and p.create_time() > born_by_ns / 1e9 + 1.0:
+            return False
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _keeper_alive(fd: int) -> bool:
+    """True when the segment has a slot table and its keeper (the janitor that holds it for a
+    successor, a process of this user) lives: the owner's death does not make it stale then."""
+    import psutil
+
+    tbytes, kpid, _, _ = _WARM.unpack(os.pread(fd, _WARM.size, _WARM_OFFSET))
+    header = _read_header(fd)
+    if not tbytes or not kpid or header is None:
+        return False
+    nonce_hex = header[7].hex()
+    try:
+        p = psutil.Process(kpid)
+        cmd = p.cmdline()
+        return (
+            p.status() != psutil.STATUS_ZOMBIE
+            and p.uids().effective == os.geteuid()
+            and "kvoffload.ipc.janitor" in cmd
+            and nonce_hex in cmd  # this arena's keeper, not another's that took its pid
+        )
+    except psutil.Error:
+        return False
 
 
 def _same_inode(name: str, fd: int) -> bool:
@@ -325,8 +508,9 @@ def _report_skipped(skipped: SkippedSegment) -> None:
     )
 
 
-def _remove_if_stale(name: str) -> bool | SkippedSegment:
-    """Unlink arena segment ``name`` if it is ours and its owner is dead.
+def _remove_if_stale(name: str, patience_s: float = 0.0) -> bool | SkippedSegment:
+    """Unlink arena segment ``name`` if it is ours and its owner is dead (its lock asked for
+    ``patience_s`` seconds: :func:`_take_flock`).
 
     Returns True if it was removed, False if it stays (a live owner, a segment still being
     created, gone meanwhile), or a :class:`SkippedSegment` for one this process may not touch.
@@ -344,18 +528,21 @@ def _remove_if_stale(name: str) -> bool | SkippedSegment:
         why = _not_ours(st)
         if why is not None:
             return SkippedSegment(name, st.st_uid, stat.S_IMODE(st.st_mode), why)
-        if _owner_alive(fd):
+        if _owner_alive(fd, patience_s) or _keeper_alive(fd):
             return False
         header = _read_header(fd)
-        if header is None or header[2] != _STATE_READY:
+        # KEEPING with no lock and no keeper: its keeper died taking it over (it holds the lock
+        # from before it writes KEEPING), maybe before every process of the old engine let go;
+        # nobody may adopt it, so it is stale at once.
+        if header is None or header[2] not in (_STATE_READY, _STATE_KEEPING):
             # A creator between shm_open and flock looks unlocked for a few microseconds: only a
-            # segment that stayed unready for a long time is abandoned.
+            # segment that stayed unready for a long time is abandoned (a KEPT one nobody holds
+            # too: a claimant the keeper let go to takes its lock a moment later).
             age = time.time() - st.st_mtime
             if age < _STALE_INIT_AGE_S:
                 return False
         # Hold the lock while unlinking so a concurrent sweeper cannot race us onto a new segment.
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        if not _same_inode(name, fd):
+        if not _take_flock(fd, patience_s) or not _same_inode(name, fd):
             return False
         with contextlib.suppress(posix_ipc.ExistentialError):
             posix_ipc.unlink_shared_memory(_posix_name(name))
@@ -443,6 +630,7 @@ def list_arenas(prefix: str = NAME_PREFIX) -> list[ArenaInfo]:
                 owner_alive=alive,
                 uid=st.st_uid,
                 mode=mode,
+                state=_STATE_NAMES.get(state, str(state)),
             )
         )
     return out
@@ -474,6 +662,45 @@ def sweep_report(prefix: str = NAME_PREFIX) -> SweepReport:
     return report
 
 
+def published_chunks(name: str) -> int:
+    """Chunks the slot table of arena ``name`` (a warm restart's) lists as complete: READY,
+    stable and intact entries, what a successor may adopt once its keeper has sealed them. Read
+    with ``pread`` from a read-only descriptor: nothing is mapped, so no mapped lock is taken (a
+    keeper waiting for a dead engine's last mapping is not held up by a look). 0 when the
+    segment has no slot table. For tests and tools (tests/e2e/test_vllm_warm_restart.py,
+    ``kvoffload bench warm``).
+
+    Raises:
+        ArenaError: no such segment, not this user's, or not an arena of this version.
+    """
+    try:
+        fd = os.open(
+            os.path.join(SHM_DIR, _posix_name(name)[1:]),
+            os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+        )
+    except OSError as e:
+        raise ArenaError(f"arena {name!r}: {os.strerror(e.errno or 0)}") from None
+    try:
+        why = _not_ours(os.fstat(fd))
+        if why is not None:
+            raise ArenaError(f"arena {name!r} is not ours to read ({why})")
+        header = _read_header(fd)
+        if header is None:
+            raise ArenaError(f"arena {name!r} has no arena header of version {_VERSION}")
+        num_slots, row_bytes = header[5], header[6]
+        tbytes = _WARM.unpack(os.pread(fd, _WARM.size, _WARM_OFFSET))[0]
+        if tbytes != table_bytes(num_slots):
+            return 0
+        buf = bytearray(os.pread(fd, tbytes, HEADER_BYTES + num_slots * row_bytes))
+    finally:
+        os.close(fd)
+    if len(buf) < tbytes:
+        raise ArenaError(f"arena {name!r} is truncated")
+    # a stand-in of the rows' shape: counting entries reads no row
+    rows = np.lib.stride_tricks.as_strided(np.zeros(1, np.uint8), (num_slots, row_bytes), (0, 0))
+    return SlotTable(buf, rows).ready_entries()
+
+
 def sweep(prefix: str = NAME_PREFIX) -> list[str]:
     """Remove every arena segment under ``prefix`` whose owner process is dead, as
     :func:`sweep_report` does (skipping, with a log line, those not ours).
@@ -501,18 +728,34 @@ class Arena:
         row_bytes: int,
         nonce: bytes,
         owner: bool,
+        table_bytes: int = 0,
+        adopted: bool = False,
     ):
         self.name = name
         self.num_slots = num_slots
         self.row_bytes = row_bytes
         self.nonce = nonce
         self.owner = owner
+        self.adopted = adopted
+        """True when this owner took the segment over from its keeper (a warm restart): its
+        slot table may hold chunks to adopt (:meth:`slot_table`)."""
+        self.table_bytes = table_bytes
+        self.keep_s = 0.0
+        """Seconds the keeper holds the segment for a successor after this owner is gone (a
+        warm restart; 0: none). Such an owner's :meth:`close` leaves the segment to the keeper."""
         self._fd: int | None = shm_fd if owner else None
         self._mmap: mmap.mmap | None = mm
         self.rows: np.ndarray = np.frombuffer(
             mm, dtype=np.uint8, count=num_slots * row_bytes, offset=HEADER_BYTES
         ).reshape(num_slots, row_bytes)
         """Zero-copy ``(num_slots, row_bytes)`` uint8 view of the slots; keeps the mapping alive."""
+        self._table: np.ndarray | None = (
+            np.frombuffer(
+                mm, dtype=np.uint8, count=table_bytes, offset=HEADER_BYTES + num_slots * row_bytes
+            )
+            if table_bytes
+            else None
+        )
         self.device_stats: np.ndarray = np.frombuffer(
             mm,
             dtype=np.float64,
@@ -534,11 +777,16 @@ class Arena:
         engine_id: str = "",
         size_hint_key: str = "cpu_bytes_to_use",
         janitor: bool = True,
+        table: bool = False,
+        keep_s: float = 0.0,
     ) -> Arena:
-        """Create and own a new arena, reserving ``HEADER_BYTES + num_slots * row_bytes`` bytes.
+        """Create and own a new arena, reserving ``HEADER_BYTES + num_slots * row_bytes`` bytes
+        (plus its slot table's, with ``table``).
 
         A segment of the same name whose owner is dead is removed first; one whose owner lives
-        raises :class:`ArenaBusyError`.
+        raises :class:`ArenaBusyError`. With ``table``, one that a keeper holds for a successor
+        (warm restart) is taken over when it has this shape (:attr:`adopted`), and removed and
+        created anew when it has another.
 
         Args:
             name: /dev/shm file name (no slash).
@@ -548,6 +796,10 @@ class Arena:
             size_hint_key: the configuration key to name when /dev/shm is too small.
             janitor: start a detached janitor process (``kvoffload.ipc.janitor``) that removes
                 the segment if this process dies without closing it, SIGKILL included.
+            table: give the arena a slot table (:mod:`kvoffload.ipc.slot_table`, a warm restart).
+            keep_s: with ``table``, the janitor keeps the segment this many seconds after this
+                process died for a successor to take over, sealing the table meanwhile (0: it
+                removes it at once).
 
         Raises:
             ArenaSpaceError: /dev/shm cannot hold the arena (checked before any byte is written).
@@ -561,7 +813,8 @@ class Arena:
             raise ArenaError(
                 f"arena {name!r}: row_bytes must be a positive multiple of {PAGE_BYTES}, got {row_bytes}"
             )
-        total = HEADER_BYTES + num_slots * row_bytes
+        tbytes = table_bytes(num_slots) if table else 0
+        total = HEADER_BYTES + num_slots * row_bytes + tbytes
         pname = _posix_name(name)
         _remove_if_stale(name)
         st = os.statvfs(SHM_DIR)
@@ -575,6 +828,24 @@ class Arena:
             shm = posix_ipc.SharedMemory(pname, posix_ipc.O_CREX, mode=ARENA_MODE)
         except posix_ipc.ExistentialError:
             _refuse_foreign(name)
+            if table:
+                taken = cls._claim(name, num_slots, row_bytes, engine_id, keep_s, janitor)
+                if taken is not None:
+                    return taken
+                # the kept segment may have gone while we claimed it (its keeper's deadline) and
+                # another user's taken the name: that is refused as such, never reported busy
+                _refuse_foreign(name)
+                if not os.path.exists(os.path.join(SHM_DIR, name)):  # reclaimed: another shape
+                    return cls.create(
+                        name, num_slots, row_bytes, engine_id, size_hint_key, janitor, table, keep_s
+                    )
+            # not a live engine's by its header: the lock that kept it here may have been another
+            # process's look at it (a sweep, a listing), held for a moment; look again before
+            # failing the start
+            if not _live_engine(name) and _remove_if_stale(name, _PROBE_PATIENCE_S) is True:
+                return cls.create(
+                    name, num_slots, row_bytes, engine_id, size_hint_key, janitor, table, keep_s
+                )
             info = next((a for a in list_arenas(name) if a.name == name), None)
             pid = info.owner_pid if info else "?"
             raise ArenaBusyError(
@@ -584,7 +855,9 @@ class Arena:
         fd = shm.fd
         try:
             os.fchmod(fd, ARENA_MODE)  # exactly 0600 whatever the umask: what attachers require
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if not _take_flock(fd, _PROBE_PATIENCE_S):  # a sweep may be looking at it already
+                raise ArenaBusyError(f"arena {name!r}: its new segment's lock is held by another")
+            _mapped_lock(fd, exclusive=False)  # a new inode: nobody else holds it
             try:
                 os.posix_fallocate(fd, 0, total)
             except OSError as e:
@@ -595,19 +868,7 @@ class Arena:
                     ) from None
                 raise
             mm = mmap.mmap(fd, total, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            nonce = secrets.token_bytes(16)
-            header = _HEADER.pack(
-                _MAGIC,
-                _VERSION,
-                _STATE_INIT,
-                os.getpid(),
-                time.time_ns(),
-                num_slots,
-                row_bytes,
-                nonce,
-                engine_id.encode("utf-8")[:128],
-            )
-            mm[: _HEADER.size] = header
+            nonce = _write_header(mm, num_slots, row_bytes, engine_id, tbytes)
             # Publish readiness last: attachers wait for it.
             mm[8:16] = struct.pack("<II", _VERSION, _STATE_READY)
         except BaseException:
@@ -615,8 +876,13 @@ class Arena:
                 posix_ipc.unlink_shared_memory(pname)
             os.close(fd)
             raise
-        arena = cls(name, fd, mm, num_slots, row_bytes, nonce, owner=True)
-        ref = weakref.ref(arena)
+        arena = cls(name, fd, mm, num_slots, row_bytes, nonce, owner=True, table_bytes=tbytes)
+        return arena._owned(janitor, keep_s)
+
+    def _owned(self, janitor: bool, keep_s: float) -> Arena:
+        """Close at exit, and start the janitor (a keeper with ``keep_s``), for a new owner."""
+        self.keep_s = keep_s if (self.table_bytes and janitor) else 0.0
+        ref = weakref.ref(self)
 
         def _close_at_exit() -> None:
             a = ref()
@@ -625,8 +891,140 @@ class Arena:
 
         atexit.register(_close_at_exit)
         if janitor:
-            _spawn_janitor(name, nonce)
-        return arena
+            _spawn_janitor(self.name, self.nonce, keep_s if self.table_bytes else 0.0)
+        return self
+
+    @classmethod
+    def _claim(
+        cls,
+        name: str,
+        num_slots: int,
+        row_bytes: int,
+        engine_id: str,
+        keep_s: float,
+        janitor: bool,
+        wait_s: float = HANDOVER_S + HANDOVER_SLACK_S,
+    ) -> Arena | None:
+        """Take segment ``name`` over from the keeper that holds it for a successor: wait while
+        the keeper takes a dead engine's segment (its owner gone, or KEEPING), ask it (a claim
+        with this process's pid and start time), wait for its lock, and become the owner with a
+        new nonce, this ``engine_id`` and the table as left, its adoption pending
+        (:meth:`take_adoption`). A kept segment nobody holds (its keeper died, or a claimant it
+        let go to died before taking it) is taken all the same. Returns None, taking nothing,
+        when no keeper holds or takes the segment (a live engine has it, or nobody), when another
+        claimant got it, or when the name stopped naming it meanwhile; a segment of another shape
+        is removed (returns None).
+
+        Raises:
+            ArenaBusyError: the keeper did not let go within ``wait_s`` seconds (default: the
+                longest a keeper's take-over lasts, :data:`HANDOVER_S`, and the slack).
+        """
+        import psutil
+
+        try:
+            fd = _open_segment(name)
+        except (OSError, ArenaError):
+            return None
+        try:
+            _check_attachable(name, fd)
+            deadline = time.monotonic() + wait_s
+            while True:  # its owner just died: its keeper is taking it
+                header = _read_header(fd)
+                if header is None:
+                    os.close(fd)
+                    return None
+                state, owner_pid, created_ns = header[2], header[3], header[4]
+                if state == _STATE_KEPT:
+                    # its keeper holds it for a claimant, or nobody does (its keeper gone, or a
+                    # claimant it let go to died before taking the lock): nothing writes a kept
+                    # segment, and the lock below decides between claimants
+                    break
+                # READY and locked is a live engine's, unless its owner process is gone (its pid
+                # free, or taken by a process started after the segment): then the lock is the
+                # keeper's, a moment before it writes KEEPING
+                taking = state == _STATE_KEEPING or (
+                    state == _STATE_READY
+                    and (not _owner_alive(fd) or not _pid_alive(owner_pid, created_ns))
+                )
+                if not taking or not _keeper_alive(fd):
+                    os.close(fd)
+                    return None  # a live engine's, or nobody's
+                if time.monotonic() > deadline:
+                    raise ArenaBusyError(
+                        f"arena {name!r}: its keeper did not take it over within {wait_s:.0f} s"
+                    )
+                time.sleep(0.01)
+            os.pwrite(fd, _CLAIM.pack(os.getpid(), psutil.Process().create_time()), _CLAIM_OFFSET)
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    header = _read_header(fd)
+                    if header is None or header[2] != _STATE_KEPT:  # another claimant has it
+                        os.close(fd)
+                        return None
+                    if time.monotonic() > deadline:
+                        raise ArenaBusyError(
+                            f"arena {name!r}: its keeper did not hand it over within {wait_s:.0f} s"
+                        ) from None
+                    time.sleep(0.01)
+            header = _read_header(fd)
+            tbytes = _WARM.unpack(os.pread(fd, _WARM.size, _WARM_OFFSET))[0]
+            shape = None if header is None else (header[5], header[6], tbytes)
+            if not _same_inode(name, fd) or header is None or header[2] != _STATE_KEPT:
+                os.close(fd)
+                return None
+            # the keeper's exclusive mapped lock went with its lock (one open file description)
+            if not _mapped_lock(fd, exclusive=False):
+                os.close(fd)
+                return None
+            total = HEADER_BYTES + num_slots * row_bytes + tbytes
+            if (
+                shape != (num_slots, row_bytes, table_bytes(num_slots))
+                or os.fstat(fd).st_size < total
+            ):
+                log.info(
+                    "arena %s: the kept segment has another shape %s; removing it", name, shape
+                )
+                with contextlib.suppress(posix_ipc.ExistentialError):
+                    posix_ipc.unlink_shared_memory(_posix_name(name))
+                os.close(fd)
+                return None
+            mm = mmap.mmap(fd, total, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        nonce = _write_header(mm, num_slots, row_bytes, engine_id, tbytes)
+        _ADOPT.pack_into(mm, _ADOPT_OFFSET, 1)  # before READY: every attacher sees it
+        mm[8:16] = struct.pack("<II", _VERSION, _STATE_READY)
+        arena = cls(name, fd, mm, num_slots, row_bytes, nonce, True, tbytes, adopted=True)
+        log.info("arena %s: taken over from its keeper (warm restart)", name)
+        return arena._owned(janitor, keep_s)
+
+    def keeper_pid(self) -> int:
+        """The pid of the keeper that seals this arena's slot table (0: none, or not started
+        yet)."""
+        mm = self._mmap
+        return 0 if mm is None else _WARM.unpack_from(mm, _WARM_OFFSET)[1]
+
+    def take_adoption(self) -> bool:
+        """True once for the arena's segment after a take-over from its keeper (a warm restart),
+        whichever process claimed it: the caller adopts the slot table's chunks into the host
+        tier's index it owns (:class:`kvoffload.tiering.TieringManager`, built once per engine:
+        under vLLM in the scheduler, while a model runner may have claimed the segment). The
+        pending mark is cleared, so every later call, in any process, returns False."""
+        mm = self._mmap
+        if mm is None or not self.table_bytes or not _ADOPT.unpack_from(mm, _ADOPT_OFFSET)[0]:
+            return False
+        _ADOPT.pack_into(mm, _ADOPT_OFFSET, 0)
+        return True
+
+    def slot_table(self) -> SlotTable | None:
+        """The arena's slot table (warm restart), or None when it was created without one."""
+        if self._table is None:
+            return None
+        return SlotTable(self._table, self.rows)
 
     @classmethod
     def attach(
@@ -635,6 +1033,7 @@ class Arena:
         nonce: bytes | None = None,
         timeout_s: float = 30.0,
         engine_id: str | None = None,
+        keeper: bool = False,
     ) -> Arena:
         """Map an existing arena by name, only if it is provably this engine's (CASES C44).
 
@@ -649,6 +1048,12 @@ class Arena:
             timeout_s: how long to wait for a segment that is still being initialized (seconds).
             engine_id: when given (and not empty), the header must name this engine: another
                 engine of this user that uses the same ``arena_name`` is not attached.
+            keeper: the keeper's own mapping (a warm restart): map it even when its owner has
+                died (a keeper may start after a quick crash), and take no mapped lock (the
+                keeper takes it exclusively once the owner is gone).
+
+        Every other attacher holds the segment's mapped lock, shared, for as long as its mapping
+        lives, so a keeper knows when the last process of a dead engine has let go.
 
         Raises:
             ArenaForeignError: another user's segment, one not mode 0600, or another engine's
@@ -680,17 +1085,22 @@ class Arena:
                             f"each engine its own (or leave arena_name unset: it is derived from "
                             f"the engine id)"
                         )
-                    if not _owner_alive(fd):
+                    # the mapped lock before the owner's: a keeper that finds the owner dead after
+                    # this sees the lock and waits for this mapping to go
+                    if not keeper and not _mapped_lock(fd, exclusive=False):
+                        raise ArenaError(f"arena {name!r}: its keeper holds it; not attaching")
+                    if not keeper and not _owner_alive(fd):
                         raise ArenaError(
                             f"arena {name!r}: its owner (pid {pid}) is dead; not attaching"
                         )
-                    total = HEADER_BYTES + num_slots * row_bytes
-                    if os.fstat(fd).st_size < total:
+                    tbytes = _WARM.unpack(os.pread(fd, _WARM.size, _WARM_OFFSET))[0]
+                    total = HEADER_BYTES + num_slots * row_bytes + tbytes
+                    if tbytes not in (0, table_bytes(num_slots)) or os.fstat(fd).st_size < total:
                         raise ArenaError(f"arena {name!r} is truncated")
                     mm = mmap.mmap(
                         fd, total, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
                     )
-                    return cls(name, fd, mm, num_slots, row_bytes, hnonce, owner=False)
+                    return cls(name, fd, mm, num_slots, row_bytes, hnonce, False, tbytes)
             finally:
                 os.close(fd)
             if time.monotonic() > deadline:
@@ -705,9 +1115,12 @@ class Arena:
         row_bytes: int,
         engine_id: str = "",
         size_hint_key: str = "cpu_bytes_to_use",
+        table: bool = False,
+        keep_s: float = 0.0,
     ) -> Arena:
         """Attach to ``name`` if a live owner of this engine has it, else create it (the caller
-        becomes owner).
+        becomes owner; with ``table`` and ``keep_s``, as :meth:`create` does: a kept segment is
+        taken over).
 
         Used where several processes of one engine race to open the engine's arena and any of them
         may come first (vLLM: the model runner creates it, the scheduler attaches). The shape must
@@ -720,7 +1133,9 @@ class Arena:
         """
         for _ in range(50):
             try:
-                arena = cls.create(name, num_slots, row_bytes, engine_id, size_hint_key)
+                arena = cls.create(
+                    name, num_slots, row_bytes, engine_id, size_hint_key, table=table, keep_s=keep_s
+                )
                 return arena
             except ArenaBusyError:
                 pass
@@ -779,14 +1194,22 @@ class Arena:
 
     # -- lifetime -----------------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Unmap; the owner also unlinks the name and releases its lock. Idempotent."""
-        if self.owner and self._fd is not None:
+    def close(self, keep: bool | None = None) -> None:
+        """Unmap; the owner also unlinks the name and releases its lock. Idempotent.
+
+        Args:
+            keep: leave the segment to its keeper for a successor instead of unlinking it
+                (default: when :attr:`keep_s` is set, a warm restart).
+        """
+        if keep is None:
+            keep = self.keep_s > 0
+        if self.owner and self._fd is not None and not keep:
             if _same_inode(self.name, self._fd):
                 with contextlib.suppress(posix_ipc.ExistentialError):
                     posix_ipc.unlink_shared_memory(_posix_name(self.name))
         mm, self._mmap = self._mmap, None
         self.rows = np.empty((0, self.row_bytes), dtype=np.uint8)
+        self._table = None
         self.device_stats = np.zeros((DEVICE_STATS_RANKS, DEVICE_STATS_FIELDS))
         if mm is not None:
             try:
@@ -846,7 +1269,7 @@ def unlink_if_orphaned(name: str, nonce: bytes, wait_s: float = 0.0) -> bool:
         time.sleep(0.1)
 
 
-def _spawn_janitor(name: str, nonce: bytes) -> None:
+def _spawn_janitor(name: str, nonce: bytes, keep_s: float = 0.0) -> None:
     """Start the detached process that unlinks arena ``name`` once this process (its owner) is
     gone. Returns when the janitor has detached (its first process exits at once). It gets only
     :data:`kvoffload.ipc.childenv.BASE_ENV` of this process's environment: no secret."""
@@ -865,6 +1288,7 @@ def _spawn_janitor(name: str, nonce: bytes) -> None:
             nonce.hex(),
             str(me.pid),
             repr(me.create_time()),
+            repr(float(keep_s)),
         ],
         env=child_environment(),
         stdin=subprocess.DEVNULL,

@@ -36,6 +36,8 @@ BAD_REPLY = 10  # the worker's reply did not answer this key (set by the engine,
 FORGED = 11  # the tier has an integrity key and the chunk's MAC is missing or wrong (removed; C43)
 UNSAFE_PATH = 12  # a symbolic link (removed) or a special file where the tier's layout has its own
 #                   directory or file: nothing was followed or written there (CASES C43)
+TENANT_QUOTA = 13  # refused at admission: past its tenant's quota in the tier, and none of that
+#                    tenant's own chunks could be evicted for it (set by the engine)
 
 CODE_NAMES = {
     OK: "ok",
@@ -51,6 +53,7 @@ CODE_NAMES = {
     BAD_REPLY: "bad_reply",
     FORGED: "forged",
     UNSAFE_PATH: "unsafe_path",
+    TENANT_QUOTA: "tenant_quota",
 }
 
 
@@ -60,6 +63,9 @@ class StoreTask(msgspec.Struct, tag="store", array_like=True, gc=False):
     task_id: int
     slots: list[int]
     keys: list[bytes]
+    tenant: str = ""
+    """The tenant whose chunks these are (a tenant id, 32 hex digits: their directory or prefix
+    ``t-<tenant id>/`` below the namespace's, ``kvoffload.tenants``); "" for none."""
 
 
 class LoadTask(msgspec.Struct, tag="load", array_like=True, gc=False):
@@ -68,6 +74,9 @@ class LoadTask(msgspec.Struct, tag="load", array_like=True, gc=False):
     task_id: int
     slots: list[int]
     keys: list[bytes]
+    tenant: str = ""
+    """The tenant whose chunks these are (a tenant id, 32 hex digits: their directory or prefix
+    ``t-<tenant id>/`` below the namespace's, ``kvoffload.tenants``); "" for none."""
 
 
 class ProbeTask(msgspec.Struct, tag="probe", array_like=True, gc=False):
@@ -75,6 +84,9 @@ class ProbeTask(msgspec.Struct, tag="probe", array_like=True, gc=False):
 
     task_id: int
     keys: list[bytes]
+    tenant: str = ""
+    """The tenant whose chunks these are (a tenant id, 32 hex digits: their directory or prefix
+    ``t-<tenant id>/`` below the namespace's, ``kvoffload.tenants``); "" for none."""
 
 
 class DeleteTask(msgspec.Struct, tag="delete", array_like=True, gc=False):
@@ -82,6 +94,9 @@ class DeleteTask(msgspec.Struct, tag="delete", array_like=True, gc=False):
 
     task_id: int
     keys: list[bytes]
+    tenant: str = ""
+    """The tenant whose chunks these are (a tenant id, 32 hex digits: their directory or prefix
+    ``t-<tenant id>/`` below the namespace's, ``kvoffload.tenants``); "" for none."""
 
 
 class ScanTask(msgspec.Struct, tag="scan", array_like=True, gc=False):
@@ -146,6 +161,7 @@ class TaskResult(msgspec.Struct, tag="result", array_like=True, gc=False):
     free_bytes: int = -1
     present: int = 0
     done_at: float = 0.0
+    tenants: list[str] = []
 
 
 _task_encoder = msgspec.msgpack.Encoder()

@@ -51,6 +51,10 @@ CORRUPT_REMOVED = "corrupt_removed"
 """Chunks found corrupt on load and removed."""
 FORGED_REMOVED = "forged_removed"
 """Chunks whose integrity MAC was missing or wrong on load (the tier has a key), removed."""
+DECRYPT_FAILURES = "decrypt_failures"
+"""Chunks whose AES-GCM tag did not verify on load (the tier encrypts: ``encryption_key_env``):
+changed on the medium, or moved from another tenant's, key's or namespace's place; a miss,
+removed and counted among ``forged_removed`` too."""
 SYMLINKS_REMOVED = "symlinks_removed"
 """Symbolic links an fs worker met inside its root, where a shard directory, a chunk file or a
 temporary file belongs, and removed without following them (CASES C43)."""

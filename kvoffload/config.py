@@ -59,12 +59,14 @@ from kvoffload.validation import (
     convert,
     convert_all,
     import_user_module,
+    tenant_quota_problems,
 )
 
 __all__ = [
     "BUILTIN_TIERS",
     "Bytes",
     "BytesOrZero",
+    "CanaryConfig",
     "VLLM_ONLY_KEYS",
     "VLLM_ONLY_TIER_KEYS",
     "ConfigError",
@@ -116,6 +118,53 @@ class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     hwm: Positive = 100_000
 
 
+class CanaryConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The online correctness canary (``canary`` in ``kv_connector_extra_config``; off without
+    it). Every ``every_s`` seconds a thread of the scheduler's process sends one fixed prompt
+    twice through the server's OpenAI API: once able to reuse offloaded KV, once with a fresh
+    ``cache_salt`` (recomputed), and compares the greedy tokens (:mod:`kvoffload.canary`,
+    DESIGN.md "Online canary").
+
+    Attributes:
+        url: the server's base URL as the scheduler's process reaches it
+            (``http://127.0.0.1:8000``): ``http`` or ``https``, no path. Required: the engine
+            process is not told where vLLM's HTTP front end listens.
+        model: the served model name to ask for (None: the first of ``/v1/models``).
+        every_s: seconds between checks (>= 1); the first check starts one interval after
+            the engine's start.
+        max_tokens: tokens generated per run (1-64): the cost of a check, with ``prompt_chunks``.
+        prompt_chunks: full chunks in the fixed prompt (1-64): what a reuse run can load.
+        timeout_s: the most one HTTP request of a check may take (seconds); a slower one is an
+            ``error``, never a pass.
+        salt: the ``cache_salt`` of the reuse run: the canary's chunks are kept apart from every
+            user's (a user who sends this salt shares only the canary's own chunks).
+        api_key_env: the environment variable holding the server's API key (vLLM's
+            ``--api-key``), sent as ``Authorization: Bearer``; the key itself is never in the
+            configuration or a log, and no child process of the engine gets the variable. None:
+            no key sent.
+        fail_closed: on a mismatch, stop loading from the tiers that served the reused chunks
+            until the engine restarts (their lookups answer MISS, counted as recomputed with
+            reason ``canary``). Default False: count and log only.
+    """
+
+    unset_means: ClassVar[dict[str, str]] = {
+        "model": "auto: the first model of /v1/models",
+        "api_key_env": "none: no API key sent",
+    }
+
+    url: Annotated[str, msgspec.Meta(pattern=r"^https?://[^/\s?#]+/?$")]
+    model: str | None = None
+    every_s: Annotated[float, msgspec.Meta(ge=1.0, le=7 * 86400.0)] = 300.0
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=64)] = 8
+    prompt_chunks: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4
+    timeout_s: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)] = 60.0
+    salt: Annotated[str, msgspec.Meta(min_length=1, max_length=200)] = "kvoffload-canary"
+    api_key_env: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")] | None = (
+        None
+    )
+    fail_closed: bool = False
+
+
 class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Top-level settings (``kv_connector_extra_config``).
 
@@ -130,7 +179,27 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             and parsed into :class:`~kvoffload.tiers.registry.TierSpec` (name, type, the tier's
             typed config); lookups ask them in this order, stores go to all of them.
         arena_name: fixed /dev/shm name for the host arena (default: derived from the engine id).
+        warm_restart_s: seconds the host arena outlives its engine for a successor with the same
+            ``arena_name`` and namespace to adopt the chunks it holds (DESIGN.md "Warm restart";
+            0, the default: off, the arena goes with its engine). Needs ``arena_name``.
         cache_salt: part of the namespace: instances with different salts never share chunks.
+            (A request's own ``cache_salt`` makes its chunks its tenant's: DESIGN.md "Tenants".)
+        tenant_key_env: name of an environment variable holding a secret (at least 16 bytes)
+            that keys tenant ids (:func:`kvoffload.tenants.tenant_id`), so nobody without it can
+            test a guessed salt against a tenant directory's name; every instance sharing tiers,
+            and ``kvoffload purge``, needs the same. None: ids keyed by a constant.
+        host_tenant_quota_bytes: the most bytes of host-tier slots one tenant (a request's
+            ``cache_salt``, DESIGN.md "Tenants") may hold; a store past it evicts that tenant's
+            own least-recently-used chunks first, and what they cannot make room for is refused
+            (``kvoffload_refused_chunks{reason="tenant_quota"}``). Counted in whole slots (at
+            least one). Unsalted requests are no tenant: no quota applies to them. None (the
+            default): no per-tenant quota, nothing counted. Needs ``eviction_policy`` lru or arc.
+        host_tenant_quotas: a tenant's own host-tier quota in bytes, by tenant id (32 hex
+            digits: ``kvoffload tenant-id`` prints a salt's), in place of
+            ``host_tenant_quota_bytes`` (set alone: only the tenants named are limited).
+        tenant_metrics_top: how many tenants, the largest by bytes held, get their own series of
+            ``kvoffload_tenant_bytes`` per tier with quotas (the rest are summed under
+            ``tenant="other"``): at most this plus one series a tier (0-1000, default 10).
         model_revision: model revision for the namespace when the engine does not report one.
         offload_prompt_only: offload prompt blocks only (vLLM's setting, default True).
         tier_pin_fraction: at most this fraction of the host slots may be pinned by one secondary
@@ -159,11 +228,14 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             engine before its first prefill step) or while loads beat recompute, so a healthy
             tier serves what it always served: in three three-point ``bench scaling`` sweeps it
             sent nothing a healthy fs tier held to prefill and served as much as ``serve``
-            (BENCHMARKS §6). ``serve`` always waits for the tier. Not applied to the p2p tier,
-            nor yet to probes: a request whose chunks a tier must probe (unknown to this
-            instance, on a shared root) still waits behind that tier's queue, an abandoned slow
-            load included (measured: 3x its recompute once, BENCHMARKS §6 "Item 4 on a slow
-            tier"). Counted: ``kvoffload_recomputed_tokens``.
+            (BENCHMARKS §6). A request kept at RETRY by a tier's lookup (a probe of a chunk
+            this instance has no record of, queued behind the tier's loads) is not kept waiting
+            by a tier slower than recompute, and gives way once the wait has overrun
+            (``promotion_overrun_factor`` times the tier's expected lookup, its queue of loads
+            included; at least one chunk's recompute, at most ``recompute_margin`` times that
+            of the chunks it asks; and two steps).
+            ``serve`` always waits for the tier. Not applied to the p2p tier. Counted:
+            ``kvoffload_recomputed_tokens``.
         recompute_margin: how much slower than recomputing a load may be expected to be and
             still be served, as a ratio (>= 1; default 1.5). Above 1 leans to the tier: the
             estimates are noisy, and a load spares the engine's compute for other requests.
@@ -172,7 +244,9 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             ``recompute_margin`` times the recompute of its chunks if that comes first, and at
             least two scheduler steps. Lower gives up on a stalled tier sooner (a stall costs a
             request about this many expected loads); higher tolerates more jitter in a healthy
-            tier's loads.
+            tier's loads. The same factor bounds a request's wait for a tier's lookup (a probe):
+            this many times the tier's expected lookup (its usual round trip
+            behind the loads it has outstanding).
         recompute_tokens_per_s: the engine's prefill throughput in tokens per second, instead of
             the live estimate taken from its own steps (tokens scheduled per step over the
             step's time; None, the default: live).
@@ -181,6 +255,8 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             parent hash and token ids (vLLM's tracker; default on here, off in vLLM's own spec).
         kv_events: publish KV events and chunk movements on a ZMQ PUB socket (see
             :class:`KVEventsConfig`; None: off). Independent of vLLM's own ``--kv-events-config``.
+        canary: the online correctness canary (:class:`CanaryConfig`; None, the default: off,
+            nothing runs and nothing is checked on the hot path).
         instance_id: the ``instance`` label of standalone metrics and movement events (default:
             process id and a counter).
         spec_name, spec_module_path: how vLLM found this spec.
@@ -202,8 +278,13 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "arena_name": "auto: derived from the engine id at start",
         "model_revision": "auto: the revision vLLM reports for the model",
         "kv_events": "off",
+        "canary": "off",
         "instance_id": "auto: process id and a counter",
         "recompute_tokens_per_s": "auto: measured from the engine's own steps",
+        "tenant_key_env": "off: tenant ids are keyed by a constant (a salt anyone could guess "
+        "can be tested against them)",
+        "host_tenant_quota_bytes": "off: no per-tenant quota in the host tier (unless "
+        "host_tenant_quotas names the tenant)",
         **dict.fromkeys(("lock", "config_info", "expedited"), "none (vLLM 0.33's key; unused)"),
         **dict.fromkeys(
             ("tier_poll_interval_s", "backpressure", "max_tracker_size"),
@@ -218,7 +299,12 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     cache_policy_module_path: str | None = None
     secondary_tiers: list[TierSpec] = []
     arena_name: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,200}$")] | None = None
+    warm_restart_s: Annotated[float, msgspec.Meta(ge=0.0, le=7 * 86400.0)] = 0.0
     cache_salt: str = ""
+    tenant_key_env: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")] | None = None
+    host_tenant_quota_bytes: Bytes | None = None
+    host_tenant_quotas: dict[str, Bytes] = {}
+    tenant_metrics_top: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 10
     model_revision: str | None = None
     offload_prompt_only: bool = True
     tier_pin_fraction: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.5
@@ -230,6 +316,7 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     canonical_layout: bool = False
     self_describing_kv_events: bool = True
     kv_events: KVEventsConfig | None = None
+    canary: CanaryConfig | None = None
     instance_id: str | None = None
     spec_name: str = "KVOffloadSpec"
     spec_module_path: str = "kvoffload.vllm"
@@ -340,6 +427,21 @@ def parse_config_all(extra_config: Any, *, this_machine: bool = True) -> ParsedC
                     "cache_policy_module_path",
                 )
             )
+    errors += [
+        ConfigIssue(f"{where}.{p.split(':', 1)[0]}", p.split(": ", 1)[1])
+        for p in tenant_quota_problems("host_tenant_quotas", cfg.host_tenant_quotas)
+    ]
+    if (
+        cfg.host_tenant_quota_bytes is not None or cfg.host_tenant_quotas
+    ) and cfg.cache_policy_module_path is not None:
+        errors.append(
+            ConfigIssue(
+                f"{where}.host_tenant_quota_bytes",
+                "per-tenant quotas need the lru or arc eviction_policy (an out-of-tree policy "
+                "keeps no ranks to order a tenant's own chunks by): use lru or arc, or drop "
+                "host_tenant_quota_bytes and host_tenant_quotas",
+            )
+        )
     ev = cfg.kv_events
     if (
         ev is not None and ev.replay_endpoint == ev.endpoint and not ev.endpoint.endswith(":0")
@@ -436,14 +538,16 @@ def effective_config(cfg: OffloadConfig) -> OffloadConfig:
 
 def secret_env_names(cfg: OffloadConfig) -> list[str]:
     """The environment variables the configuration names with its tiers' ``*_env`` keys (the p2p
-    tier's ``secret_env``): they hold secrets, so no child process of the engine gets them
-    (:func:`kvoffload.ipc.childenv.withhold`)."""
-    out: list[str] = []
+    tier's ``secret_env``), ``tenant_key_env`` and the canary's ``api_key_env``: they hold
+    secrets, so no child process of the engine gets them (:func:`kvoffload.ipc.childenv.withhold`)."""
+    out: list[str] = [cfg.tenant_key_env] if cfg.tenant_key_env else []
     for spec in cfg.secondary_tiers:
         for f in msgspec.structs.fields(spec.config):
             value = getattr(spec.config, f.name)
             if f.name.endswith("_env") and isinstance(value, str) and value:
                 out.append(value)
+    if cfg.canary is not None and cfg.canary.api_key_env:
+        out.append(cfg.canary.api_key_env)
     return out
 
 

@@ -15,30 +15,74 @@ transfer ends (:meth:`HostTier.complete_write`, :meth:`HostTier.unpin_slot`), so
 never land in a slot that already holds another chunk (CASES C26). Per stored chunk
 the table costs one dict entry and one reference to the key, plus 13 bytes in flat columns
 (``array``/``bytearray``), so the engine-side footprint stays small (BENCHMARKS.md).
+
+With a warm restart configured, the table is mirrored into the arena's own slot table
+(:mod:`kvoffload.ipc.slot_table`, :meth:`HostTier.mirror_to`): a slot is published there when it
+becomes READY and retracted when it stops holding that chunk (evicted, removed, cleared), always
+before the slot can be given to another write; a successor engine adopts what it finds sealed
+(:meth:`HostTier.adopt`). Without one, nothing of this runs (one ``None`` test per batch).
+
+With per-tenant quotas (:meth:`HostTier.limit_tenants`, :mod:`kvoffload.quotas`), each slot
+holding a tenant's chunk (writing, ready or pinned) counts one slot's bytes for that tenant, from
+its allocation until it is freed (evicted, removed, a failed write, a reset). A store that would
+take a tenant past its quota first evicts that tenant's own lowest-ranked evictable chunks (never
+another's for this reason); new chunks it cannot make room for are refused (the batch's longest
+prefix that fits is kept, :attr:`StorePlan.refused`). Without quotas, nothing of this runs (one
+``None`` test per allocation and per freed slot).
 """
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Container, Iterable, Sequence
+from bisect import bisect_left
+from collections.abc import Callable, Container, Iterable, Sequence
 
-from kvoffload.policies import ARCPolicy, EvictionPolicy, LRUPolicy
+from kvoffload.ipc.slot_table import SlotTable
+from kvoffload.policies import ARCPolicy, EvictionPolicy, LRUPolicy, PrefixRanks
+from kvoffload.quotas import TenantQuotas
 from kvoffload.tiers.base import LookupResult, TierEvent
 
 FREE, WRITING, READY = 0, 1, 2
 _HIT, _MISS, _PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
 
 
+def _no_tenant(key: bytes) -> str:
+    """No tenant for any key (a host tier without quotas asks none)."""
+    return ""
+
+
 class StorePlan:
-    """Result of :meth:`HostTier.allocate`: the keys that need writing, their slots, and the keys
-    evicted to make room."""
+    """Result of :meth:`HostTier.allocate`: the keys that need writing, their slots, the keys
+    evicted to make room, and how many new keys were refused because their tenant's quota could
+    not make room (``refused``: the batch's tail past the first one refused)."""
 
-    __slots__ = ("keys", "slots", "evicted")
+    __slots__ = ("keys", "slots", "evicted", "refused")
 
-    def __init__(self, keys: list[bytes], slots: list[int], evicted: list[bytes]):
+    def __init__(self, keys: list[bytes], slots: list[int], evicted: list[bytes], refused: int = 0):
         self.keys = keys
         self.slots = slots
         self.evicted = evicted
+        self.refused = refused
+
+
+class _Evictable:
+    """``may_evict(slot)`` for a tenant's quota victims: READY, unpinned, not quarantined, and
+    neither a slot of the batch nor one the caller protects."""
+
+    __slots__ = ("host", "protected", "protect")
+
+    def __init__(self, host: HostTier, protected: Container[int], protect: Container[int]):
+        self.host, self.protected, self.protect = host, protected, protect
+
+    def __call__(self, slot: int) -> bool:
+        host = self.host
+        return (
+            host.state[slot] == READY
+            and not host.refs[slot]
+            and not host.quarantined[slot]
+            and slot not in self.protected
+            and slot not in self.protect
+        )
 
 
 class _Union:
@@ -83,6 +127,60 @@ class HostTier:
         self.quarantined = bytearray(num_slots)
         self._qwrites: dict[bytes, int] = {}
         self._events: list[TierEvent] | None = [] if record_events else None
+        self.table: SlotTable | None = None  # the arena's slot table, with a warm restart
+        #: Per-tenant quotas (:meth:`limit_tenants`), None: none (the default).
+        self.quotas: TenantQuotas | None = None
+        self._slot_bytes = 0
+        self._tenant_of: Callable[[bytes], str] = _no_tenant
+
+    def limit_tenants(
+        self,
+        default: int | None,
+        overrides: dict[str, int],
+        slot_bytes: int,
+        tenant_of: Callable[[bytes], str],
+    ) -> TenantQuotas:
+        """Hold each tenant to its quota from now on (call before the first store; chunks held
+        already count for no tenant until :meth:`attribute`).
+
+        Args:
+            default: every tenant's quota (bytes), None: only ``overrides``.
+            overrides: tenant id -> its quota (bytes).
+            slot_bytes: bytes one slot counts (the arena's row bytes).
+            tenant_of: the tenant of a key being stored ("" for none: not counted).
+
+        Raises:
+            ValueError: the policy keeps no :class:`~kvoffload.policies.PrefixRanks` (an
+                out-of-tree one), or a quota is smaller than one slot; the message names the
+                setting.
+        """
+        if not isinstance(getattr(self.policy, "ranks", None), PrefixRanks):
+            raise ValueError(
+                "host_tenant_quota_bytes: per-tenant quotas need the lru or arc eviction_policy "
+                f"(the tenant's own chunks go in its ranks); {type(self.policy).__name__} keeps "
+                "none: use lru or arc, or drop the host tier's tenant quotas"
+            )
+        policy = self.policy
+        self.quotas = TenantQuotas(
+            default,
+            overrides,
+            lambda: policy.ranks,  # type: ignore[attr-defined]
+            unit=(slot_bytes, "host slot", "host_tenant_quota"),
+        )
+        self._slot_bytes = slot_bytes
+        self._tenant_of = tenant_of
+        return self.quotas
+
+    def attribute(self, key: bytes, tenant: str) -> None:
+        """Count ``key``'s slot for ``tenant`` if it counts for none (a chunk adopted by a warm
+        restart, or pushed by a peer, whose tenant a request named later). Nothing without
+        quotas."""
+        q = self.quotas
+        if q is None or not tenant:
+            return
+        slot = self.index.get(key)
+        if slot is not None and not q.tenant(slot):
+            q.count(slot, tenant, self._slot_bytes)
 
     # -- queries --------------------------------------------------------------------------------
 
@@ -123,23 +221,47 @@ class HostTier:
                 seen.add(k)
         if not new:
             return StorePlan([], [], [])
+        quotas = self.quotas
+        tenants: list[str] = []
+        mine: list[int] = []  # quota victims: the batch's tenants' own chunks
+        refused = 0
+        if quotas is not None:
+            tenants, mine, refused = self._quota_room(new, keys, protect)
+            if refused:
+                new = new[: len(new) - refused]
+                tenants = tenants[: len(new)]
+                if not new:
+                    quotas.refusals += refused
+                    return StorePlan([], [], [], refused)
         self.policy.prepare(new)
-        need = len(new) - len(self._free)
+        need = len(new) - len(self._free) - len(mine)
         evicted: list[bytes] = []
+        victims: list[int] = []
         if need > 0:
-            if need > self.num_evictable:
+            if need > self.num_evictable - len(mine):
                 return None
             protected = {index[k] for k in keys if k in index}
             outside: Container[int] = protected
+            if mine:
+                protected.update(mine)
             if protect and self._builtin_policy:
                 # the caller's container as it is (a promotion's: no key of the batch holds a
                 # slot); copying it would cost one step per protected slot
                 outside = _Union(protected, protect) if protected else protect
             elif protect:  # an out-of-tree policy gets a set, as the protocol always gave it
                 protected.update(protect)  # type: ignore[arg-type]  # iterable too
-            victims = self.policy.evict(need, outside, self.keys)
-            if victims is None:
+            chosen = self.policy.evict(need, outside, self.keys)
+            if chosen is None:
                 return None
+            victims = chosen
+        if mine:
+            assert quotas is not None
+            for slot in mine:
+                self.policy.remove(slot)  # out of its order: evicted here, not by the policy
+            quotas.evictions += len(mine)
+            victims = mine + victims
+        if victims:
+            table = self.table
             for slot in victims:
                 key = self.keys[slot]
                 assert key is not None  # the policy picks only slots that hold a chunk
@@ -148,6 +270,10 @@ class HostTier:
                 self.state[slot] = FREE
                 self._free.append(slot)
                 evicted.append(key)
+                if table is not None:  # before the slot is given to this batch's writes
+                    table.retract(slot)
+                if quotas is not None:
+                    quotas.uncount(slot)
             self.num_evictable -= len(victims)
             self.evictions += len(victims)
             if self._events is not None:
@@ -162,7 +288,53 @@ class HostTier:
             slots.append(slot)
         self.policy.admit_many(slots, new)
         self.num_writing += len(new)
-        return StorePlan(new, slots, evicted)
+        if quotas is not None:  # after admit_many: counted at a new chunk's rank, the lowest
+            quotas.count_many(slots, tenants, self._slot_bytes)
+            quotas.refusals += refused
+        return StorePlan(new, slots, evicted, refused)
+
+    def _quota_room(
+        self, new: list[bytes], keys: Sequence[bytes], protect: Container[int]
+    ) -> tuple[list[str], list[int], int]:
+        """For a batch whose ``new`` keys are about to be allocated: the tenant of each, the
+        slots of their tenants' own chunks to evict so that each stays within its quota, and how
+        many of ``new``'s tail are refused (from the first new key whose tenant could not make
+        room: nothing past a hole could be served, CASES C48)."""
+        quotas = self.quotas
+        assert quotas is not None
+        tenant_of, unit = self._tenant_of, self._slot_bytes
+        tenants = [tenant_of(k) for k in new]
+        positions: dict[str, list[int]] = {}  # each limited tenant's positions in new
+        for i, t in enumerate(tenants):
+            if t and quotas.limit(t) is not None:
+                positions.setdefault(t, []).append(i)
+        if not positions:
+            return tenants, [], 0
+        may_evict: _Evictable | None = None
+        cut = len(new)
+        fits: dict[str, tuple[int, list[int]]] = {}
+        for t, pos in positions.items():
+            # new chunks that fit under its quota now (negative: it holds more, e.g. adopted
+            # chunks attributed to it since), and its own chunks to evict for the rest
+            fit_now = -quotas.over(t, 0) // unit
+            short = len(pos) - fit_now
+            found: list[int] = []
+            if short > 0:
+                if may_evict is None:
+                    index = self.index
+                    may_evict = _Evictable(self, {index[k] for k in keys if k in index}, protect)
+                found = quotas.victims(t, short, may_evict)
+            fits[t] = (fit_now, found)
+            allowed = fit_now + len(found)
+            if allowed < len(pos):
+                cut = min(cut, pos[max(0, allowed)])
+        mine: list[int] = []
+        for t, pos in positions.items():
+            fit_now, found = fits[t]
+            before = bisect_left(pos, cut)  # its new chunks the batch keeps
+            if before:
+                mine += found[: max(0, before - fit_now)]
+        return tenants, mine, len(new) - cut
 
     def has_victim(self, protect: Container[int]) -> bool | None:
         """Whether an evictable slot lies outside ``protect``, from the policy's eviction order
@@ -209,6 +381,10 @@ class HostTier:
                 self._release(slot)
             done.append(k)
         if ready:
+            if self.table is not None:
+                publish, keys_of = self.table.publish, self.keys
+                for slot in ready:
+                    publish(slot, keys_of[slot])  # READY: it has a key
             self.policy.rank_prefix(ready, req_id, False)
             refs = self.refs
             # tail first (an out-of-tree policy's recency)
@@ -241,6 +417,10 @@ class HostTier:
     def _release(self, slot: int) -> None:
         key = self.keys[slot]
         assert key is not None  # only a slot holding a chunk is released
+        if self.quotas is not None:
+            self.quotas.uncount(slot)
+        if self.table is not None and self.state[slot] == READY:
+            self.table.retract(slot)
         del self.index[key]
         self.keys[slot] = None
         self.state[slot] = FREE
@@ -366,6 +546,8 @@ class HostTier:
                 continue
             if state[slot] == READY:
                 removed.append(key)
+                if self.table is not None:  # forgotten, whether or not a load still reads it
+                    self.table.retract(slot)
             if state[slot] == WRITING or refs[slot] > 0:
                 self.quarantined[slot] = 1
                 if state[slot] == WRITING:
@@ -379,9 +561,55 @@ class HostTier:
         self._free.extend(free)
         self.num_evictable = 0
         self.policy.clear()
+        if self.quotas is not None:  # quarantined slots hold no chunk: no tenant's either
+            self.quotas.clear()
         if removed and self._events is not None:
             self._events.append(TierEvent(removed, True))
         return busy
+
+    # -- warm restart -------------------------------------------------------------------------
+
+    def mirror_to(self, table: SlotTable) -> None:
+        """Publish every READY chunk in ``table`` from now on, and retract each slot that stops
+        holding one (DESIGN.md "Warm restart"). Call before the first store, after
+        :meth:`adopt` if there is something to adopt."""
+        self.table = table
+
+    def adopt(self, slots: dict[bytes, int]) -> list[bytes]:
+        """Take ``slots`` (key -> slot, oldest first: :attr:`SlotTable.adopt`'s order) as READY,
+        unpinned chunks, before anything else was stored; the policy learns them oldest first,
+        and each is published as stored (KV events). Returns the keys adopted.
+
+        Raises:
+            ValueError: the host tier already holds a chunk, or a slot is out of range or given
+                twice.
+        """
+        if self.index or self.num_writing:
+            raise ValueError("adopt: the host tier already holds chunks")
+        if len(set(slots.values())) != len(slots) or any(
+            not 0 <= s < self.num_slots for s in slots.values()
+        ):
+            raise ValueError("adopt: slots out of range or given twice")
+        keys = list(slots)
+        order = list(slots.values())
+        for k, slot in slots.items():
+            self.index[k] = slot
+            self.keys[slot] = k
+            self.state[slot] = READY
+        taken = set(order)
+        self._free = [s for s in self._free if s not in taken]
+        self.policy.admit_many(order, keys)
+        if self.quotas is not None:
+            # a tenant key's tenant is not known until a request names it (attribute)
+            for k, slot in slots.items():
+                t = self._tenant_of(k)
+                if t:
+                    self.quotas.count(slot, t, self._slot_bytes)
+        self.num_evictable += len(order)
+        self.policy.make_evictable_many(order)
+        if keys and self._events is not None:
+            self._events.append(TierEvent(keys, False))
+        return keys
 
     def take_events(self) -> list[TierEvent]:
         """The host tier's store/removal events since the last call (oldest first); empties the list."""

@@ -212,6 +212,10 @@ class EventStream:
         self.row_bytes = row_bytes
         self._keep = keep
         self._taken: list[tuple[str, TierEvent]] = []
+        #: What the events kept for :meth:`take` name instead of the tiers' keys, applied as they
+        #: are collected (the tiering manager's: a tenant key's engine key, or left out when
+        #: unknown): ``(keys, tier or None for the host tier) -> keys``; None keeps them.
+        self.to_engine: Callable[[list[bytes], Any], list[bytes]] | None = None
         self._engine: list[BlockStored | BlockRemoved] = []
         #: The publisher (None when nothing is published): ``endpoint``, ``replay_endpoint``,
         #: ``published`` batch counts per stream, ``flush()``.
@@ -300,7 +304,15 @@ class EventStream:
         if not got:
             return
         if self._keep:
-            self._taken.extend(got)
+            to_engine = self.to_engine
+            if to_engine is None:
+                self._taken.extend(got)
+            else:
+                by_name = {t.name: t for t in self.tiers}
+                for name, ev in got:
+                    keys = to_engine(ev.keys, by_name.get(name))
+                    if keys:
+                        self._taken.append((name, TierEvent(keys, ev.removed)))
         if self._translator is None:
             return
         self._engine.extend(self._translator.translate(got, self.host.index))

@@ -23,12 +23,13 @@ workers add theirs to the arena's header page (:meth:`kvoffload.ipc.arena.Arena.
 from __future__ import annotations
 
 import bisect
+import heapq
 import itertools
 import logging
 import threading
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
@@ -213,7 +214,8 @@ CORE_METRICS: tuple[MetricDef, ...] = (
         "was slower than recompute (config slower_than_recompute), by reason: "
         "slower_than_recompute (at lookup, its load was expected to be slower), "
         "promotion_overran (its promotion overran its expected time; the request gave up the "
-        "chunk and the later ones it was promoting).",
+        "chunk and the later ones it was promoting), lookup_overran (a probe kept the request "
+        "waiting past its deadline; the chunk waited for, which the tier may not hold).",
         ("tier", "reason"),
     ),
     Counter("kvoffload_tier_evictions", "Chunks evicted from a capacity-bounded tier.", T),
@@ -228,7 +230,9 @@ CORE_METRICS: tuple[MetricDef, ...] = (
         "Chunks a tier refused to take, by direction and reason. host store: "
         "no_evictable_slot (the whole batch), batch_truncated (the tail of a batch that did "
         "not fit), in_tier (chunks a secondary tier holds, left there so as not to evict "
-        "chunks promoted for waiting requests); host load: no_evictable_slot (a promotion); "
+        "chunks promoted for waiting requests), tenant_quota (chunks of a tenant at its quota "
+        "whose own chunks could not make room); host load: no_evictable_slot, tenant_quota (a "
+        "promotion); "
         "secondary tier store: pin_limit, queue_full, breaker_open.",
         ("tier", "direction", "reason"),
     ),
@@ -239,6 +243,51 @@ CORE_METRICS: tuple[MetricDef, ...] = (
     ),
     Counter("kvoffload_tier_events", "A tier's own named counters (engine or worker side).", E),
     Counter("kvoffload_kv_events_published", "KV event batches published, per stream.", S),
+    Counter(
+        "kvoffload_warm_restart_chunks",
+        "Chunks a warm restart found in the host arena its predecessor left (warm_restart_s), "
+        "by outcome: adopted, or dropped_<reason>: torn (entry cut by the crash), unsealed (no "
+        "seal of that entry), digest (row changed after its seal), duplicate (key in two "
+        "slots), key (empty key), namespace (another namespace's table), table (table header "
+        "torn). Counted once, at start.",
+        ("outcome",),
+    ),
+    Counter(
+        "kvoffload_canary_checks",
+        "Checks of the online canary (config canary), by outcome: match (the reuse run loaded "
+        "offloaded chunks and its tokens equal a recompute's), mismatch (they differ, and a second "
+        "recompute agrees with the first: wrong KV), not_exercised (no chunk was loaded from a "
+        "tier: nothing tested), unstable (two recomputes differ: the engine is not deterministic "
+        "for the canary's prompt), error (a request failed or timed out). No series without it.",
+        ("outcome",),
+    ),
+    Gauge(
+        "kvoffload_tenant_bytes",
+        "Bytes a tenant (a request's cache_salt, named by its tenant id, never the salt) holds "
+        "in a tier with per-tenant quotas (host_tenant_quota_bytes, a tier's "
+        "tenant_quota_bytes): the tenant_metrics_top tenants holding the most, and the rest "
+        'summed under tenant="other" (at most tenant_metrics_top + 1 series a tier). On '
+        "kvoffload's own metrics endpoint only, not through vLLM's /metrics (its exporter keeps "
+        "every label set it saw). No series without quotas.",
+        ("tier", "tenant"),
+    ),
+    Counter(
+        "kvoffload_tenant_quota_evictions",
+        "Chunks a tier evicted to keep a tenant within its quota (that tenant's own "
+        "least-recently-used chunks).",
+        T,
+    ),
+    Counter(
+        "kvoffload_tenant_quota_refusals",
+        "Chunks a tier refused because their tenant was at its quota and none of its own "
+        "chunks could be evicted (pinned, being written, loading, or part of the same store).",
+        T,
+    ),
+    Counter(
+        "kvoffload_canary_seconds",
+        "Wall time the online canary's checks took (its HTTP requests; seconds): the cost per "
+        "check is this over kvoffload_canary_checks.",
+    ),
 )
 
 CORE_NAMES = frozenset(d.name for d in CORE_METRICS)
@@ -338,6 +387,11 @@ class MetricSet:
         """Add one observation to a histogram."""
         self.histogram(name, *labels).observe(value)
 
+    def forget(self, name: str, labels: tuple[str, ...]) -> None:
+        """Drop what :meth:`take_stats` remembers of series ``labels`` of ``name`` (a series
+        removed for good)."""
+        self._taken.pop((name, labels), None)
+
     def get(self, name: str, *labels: str) -> float:
         """Current value of a counter or gauge series (0 when never set)."""
         v = self.values[name].get(labels, 0)
@@ -383,11 +437,14 @@ class MetricSet:
     def take_stats(self) -> dict[str, Any] | None:
         """What changed since the last call, in vLLM's ``OffloadingConnectorStats`` data layout:
         ``{"types": {name: kind}, "data": {name: {labels: value}}}``: counter increments, gauge
-        values, histogram samples. None when nothing changed."""
+        values, histogram samples. None when nothing changed. The metrics of
+        :data:`NOT_THROUGH_VLLM` are left out."""
         types: dict[str, str] = {}
         data: dict[str, dict[tuple[str, ...], Any]] = {}
         taken = self._taken
         for name, d in self.defs.items():
+            if name in NOT_THROUGH_VLLM:
+                continue
             for labels, v in list(self.values[name].items()):
                 if d.kind == COUNTER:
                     key = (name, labels)
@@ -529,6 +586,13 @@ class ManagerReadings:
         stats: the manager's counters, read in place.
         tiers: the secondary tiers, in order.
         published: KV-event batches published per stream (empty without a publisher).
+        warm_restart: chunks a warm restart found at start, by outcome (``adopted``,
+            ``dropped_<reason>``; empty without a slot table).
+        canary: the online canary's checks by outcome (empty without a canary).
+        canary_seconds: the wall time its checks took (seconds).
+        tenants: per tier with per-tenant quotas, its :class:`TenantReadings` (empty without
+            quotas).
+        tenant_top: tenants with a ``kvoffload_tenant_bytes`` series of their own per tier.
     """
 
     host_tier: str
@@ -542,6 +606,26 @@ class ManagerReadings:
     stats: CounterReadings
     tiers: Sequence[TierReadings]
     published: Mapping[str, int]
+    warm_restart: Mapping[str, int] = field(default_factory=dict)
+    canary: Mapping[str, int] = field(default_factory=dict)
+    canary_seconds: float = 0.0
+    tenants: Mapping[str, TenantReadings] = field(default_factory=dict)
+    tenant_top: int = 10
+
+
+@dataclass(frozen=True)
+class TenantReadings:
+    """One tier's per-tenant quota accounting, as :func:`refresh` reads it.
+
+    Attributes:
+        held: bytes held per tenant id (tenants holding none absent).
+        evictions: chunks evicted so far to keep a tenant within its quota.
+        refusals: chunks refused so far for a tenant's quota.
+    """
+
+    held: Mapping[str, int]
+    evictions: int
+    refusals: int
 
 
 class MetricSource(Protocol):
@@ -564,7 +648,8 @@ def refresh(tm: MetricSource) -> MetricSet:
     ``<family>.<value>`` ones of :data:`TIER_COUNTER_FAMILIES` as that metric, the others as
     ``kvoffload_tier_events``) and its
     :meth:`~kvoffload.tiers.base.SecondaryTierManager.report_metrics`, the accelerator workers'
-    byte and second counts in the arena header, and the KV-event batches published. Totals kept
+    byte and second counts in the arena header, the KV-event batches published, and what a warm
+    restart adopted and dropped. Totals kept
     elsewhere only ever raise a counter (:meth:`MetricSet.set_total`). Safe from another thread
     than the engine's (it only reads engine state, under ``tm.metrics.lock``).
     """
@@ -634,7 +719,59 @@ def refresh(tm: MetricSource) -> MetricSet:
             tier.report_metrics(m)
         for stream, v in r.published.items():
             m.set_total("kvoffload_kv_events_published", v, stream)
+        for outcome, v in r.warm_restart.items():
+            m.set_total("kvoffload_warm_restart_chunks", v, outcome)
+        if r.tenants:
+            _tenant_series(m, r.tenants, r.tenant_top)
+        if r.canary:
+            for outcome, v in list(r.canary.items()):
+                m.set_total("kvoffload_canary_checks", v, outcome)
+            m.set_total("kvoffload_canary_seconds", r.canary_seconds)
     return m
+
+
+NOT_THROUGH_VLLM = frozenset({"kvoffload_tenant_bytes"})
+"""Metrics :meth:`MetricSet.take_stats` leaves out of vLLM's stats: series labelled by tenant.
+vLLM's exporter keeps every label set it ever bound, for the life of the process, so tenants
+passing through the top N (or an attacker rotating salts) would grow its series without bound,
+and with two readers (a standalone endpoint beside vLLM's) a tenant's last value could stay. They
+are on kvoffload's own endpoint (:func:`serve`); the quota counters (no tenant label) go through
+vLLM too."""
+
+OTHER_TENANTS = "other"
+"""The ``tenant`` label value of the bytes of every tenant outside the top N
+(``kvoffload_tenant_bytes``)."""
+
+
+def top_tenants(held: Mapping[str, int], n: int) -> tuple[list[tuple[str, int]], int]:
+    """The ``n`` tenants holding the most bytes (most first; ties by id) and the bytes of all the
+    others together: what ``kvoffload_tenant_bytes`` exports (at most ``n + 1`` series a tier)."""
+    top = heapq.nsmallest(n, held.items(), key=lambda kv: (-kv[1], kv[0])) if n > 0 else []
+    return top, sum(held.values()) - sum(b for _, b in top)
+
+
+def _tenant_series(m: MetricSet, tenants: Mapping[str, TenantReadings], top: int) -> None:
+    """Set ``kvoffload_tenant_bytes`` for each tier's ``top`` tenants holding the most bytes and
+    ``other`` for the rest (:func:`top_tenants`), and the quota counters. A
+    tenant that left the top is set to 0 once (so vLLM's copy of the gauge drops too), then its
+    series is removed: a tier never has more than ``2 * top + 1`` series, whatever the tenants."""
+    series = m.values["kvoffload_tenant_bytes"]
+    now: set[tuple[str, str]] = set()
+    for tier, r in tenants.items():
+        best, rest = top_tenants(r.held, top)
+        for tenant, nbytes in best:
+            m.set("kvoffload_tenant_bytes", nbytes, tier, tenant)
+            now.add((tier, tenant))
+        m.set("kvoffload_tenant_bytes", rest, tier, OTHER_TENANTS)
+        now.add((tier, OTHER_TENANTS))
+        m.set_total("kvoffload_tenant_quota_evictions", r.evictions, tier)
+        m.set_total("kvoffload_tenant_quota_refusals", r.refusals, tier)
+    for labels in [k for k in series if k not in now]:
+        if series[labels]:
+            series[labels] = 0
+        else:
+            del series[labels]
+            m.forget("kvoffload_tenant_bytes", labels)
 
 
 # -- the standalone endpoint --------------------------------------------------------------------

@@ -137,6 +137,44 @@ def for_integrity_key(namespace: Namespace, env_name: str | None) -> Namespace:
     return KeyedNamespace(**fields, integrity_key_id=cf.key_id(secret))
 
 
+class EncryptedNamespace(Namespace, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """A :class:`Namespace` whose chunks are stored encrypted (a tier's ``encryption_key_env``):
+    the same fields, the integrity key's id when the tier has one, and the encryption master
+    key's id, so encrypting and plain instances (or two master keys) never share a directory or
+    prefix, where each would take the other's chunks for forged or corrupt.
+
+    Attributes:
+        integrity_key_id: as :class:`KeyedNamespace`'s; "" when the tier has no integrity key.
+        encryption_key_id: :func:`kvoffload.workers.chunkseal.key_id` of the master key (16 hex
+            digits, an HMAC of a constant).
+    """
+
+    integrity_key_id: str = ""
+    encryption_key_id: str
+
+
+def for_encryption_key(namespace: Namespace, env_name: str | None) -> Namespace:
+    """``namespace`` as a tier with encryption master key ``env_name`` (an environment
+    variable's name, None: no encryption) stores it: unchanged without one, else its
+    :class:`EncryptedNamespace`.
+
+    Raises:
+        ValueError: the variable is unset, empty or holds too short a key; the message names the
+            setting and the variable, never the key.
+    """
+    if env_name is None:
+        return namespace
+    from kvoffload.workers.chunkseal import key_id
+
+    try:
+        secret = cf.secret_from_env(env_name, "encryption_key_env")
+    except cf.IntegrityKeyError as e:
+        raise ValueError(str(e)) from None
+    fields = msgspec.structs.asdict(namespace)
+    fields.pop("encryption_key_id", None)
+    return EncryptedNamespace(**fields, encryption_key_id=key_id(secret))
+
+
 def model_fingerprint(model_path: str) -> str | None:
     """Digest of a local model directory's ``config.json`` contents and its weight files' names and
     sizes; None when ``model_path`` is not a directory."""

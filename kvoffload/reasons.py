@@ -97,7 +97,11 @@ FAILED: dict[str, Reason] = {
     "forged": Reason(
         "the tier has an integrity key (integrity_key_env) and the stored chunk's keyed MAC was "
         "missing or wrong: it was written without the key (instances with another key or none "
-        "use another namespace); removed, a miss, never its bytes",
+        "use another namespace); or the tier encrypts (encryption_key_env) and the chunk's "
+        "AES-GCM tag did not verify under a good checksum (damage to any stored byte is "
+        "corrupt): written without this master key, or moved from another tenant's, key's or "
+        "namespace's place (counted in kvoffload_tier_events_total{event='decrypt_failures'}); "
+        "removed, a miss, never its bytes",
         "something without the key writes the root or bucket prefix: find it (file owners, the "
         "bucket's access logs) and take its write access away",
     ),
@@ -107,6 +111,14 @@ FAILED: dict[str, Reason] = {
         "store, or a miss",
         "someone else writes the root: check its owners and modes (the tier creates it 0700, or "
         "2770 with share_with_group) and who is in its group",
+    ),
+    "tenant_quota": Reason(
+        "a capped fs or obj tier refused the chunk at admission: its tenant (a request's "
+        "cache_salt) held its quota there (tenant_quota_bytes, tenant_quotas) and none of its "
+        "own chunks could be evicted for it (each was loading or part of the same store); "
+        "never written, as a no_space refusal",
+        "none if occasional; if steady for one tenant, raise its quota in that tier "
+        "(tenant_quotas) or look at why its chunks are all in use",
     ),
     "busy": Reason(
         "p2p load: the peer had leased as many chunks as it allows at once (half its host "
@@ -174,6 +186,13 @@ REFUSED: dict[str, Reason] = {
         "host tier: chunks a secondary tier already holds were left there rather than evict "
         "chunks promoted for waiting requests (a recomputed tail offered again)",
         NO_ACTION,
+    ),
+    "tenant_quota": Reason(
+        "host tier: a store's or a promotion's chunks whose tenant (a request's cache_salt) "
+        "held its quota (host_tenant_quota_bytes, host_tenant_quotas) and none of whose own "
+        "chunks could be evicted (pinned, being written, held for a load); a store keeps the "
+        "longest prefix that fits",
+        "none if occasional; if steady for one tenant, raise its quota (host_tenant_quotas)",
     ),
     "pin_limit": Reason(
         "a secondary tier's stores in flight already pin tier_pin_fraction of the host slots: "

@@ -118,6 +118,30 @@ class Refusals:
             self._occupancy(),
         )
 
+    def tenant_quota(self, direction: str, refused: int, tenant: str) -> None:
+        """The host tier refused ``refused`` chunks of a ``direction`` (``store``: a store or a
+        peer's push; ``load``: a promotion) because their tenant (``tenant``, "" when not known
+        here) was at its quota and none of its own chunks could be evicted (all pinned, being
+        written or held)."""
+        quotas = self.host.quotas
+        limit = quotas.limit(tenant) if quotas is not None and tenant else None
+        held = quotas.held.get(tenant, 0) if quotas is not None and tenant else 0
+        self._refuse(
+            HOST,
+            direction,
+            "tenant_quota",
+            refused,
+            logging.INFO,
+            "kvoffload: host tier refused %d chunk(s) (%s) of tenant %s: it holds %d bytes of "
+            "its quota of %s and none of its own chunks could be evicted (pinned, being "
+            "written or held for a load); raise its quota (host_tenant_quotas) if it needs more",
+            refused,
+            direction,
+            tenant or "(not known here)",
+            held,
+            limit if limit is not None else "?",
+        )
+
     def tier_store(self, tier_name: str, reason: str, dropped: int, pinned: int) -> None:
         """``dropped`` chunks are not written to ``tier_name`` (``reason``: ``pin_limit`` with
         ``pinned`` host slots pinned by its stores, or the tier's own refusal)."""

@@ -25,6 +25,7 @@ from typing import Protocol
 from kvoffload.holds import NO_RANK, PromotionHolds
 from kvoffload.host import READY, WRITING, HostTier
 from kvoffload.kv_events import EventStream
+from kvoffload.refusals import Refusals
 from kvoffload.stats import HOST, Stats
 from kvoffload.tiers.base import LookupResult, SecondaryTierManager
 
@@ -48,6 +49,7 @@ class ServingParent(Protocol):
     stats: Stats
     holds: PromotionHolds
     events: EventStream
+    refusals: Refusals
 
     def poll_due(self) -> bool:
         """Whether ``poll_interval_s`` has passed since the last :meth:`poll`."""
@@ -223,6 +225,8 @@ class PeerServing:
         take = list(new)[: max(0, room)]
         present = [k for k in keys if k not in new]
         plan = host.allocate(take + present, protect) if take else None
+        if plan is not None and plan.refused:  # a tenant's quota (a tenant this instance knows)
+            self.parent.refusals.tenant_quota("store", plan.refused, "")
         if plan is None or not plan.slots:
             return out
         admitted = self._admits.setdefault(holder, {})

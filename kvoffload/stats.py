@@ -20,7 +20,9 @@ HOST_REFUSALS = (
     ("store", "no_evictable_slot"),
     ("store", "batch_truncated"),
     ("store", "in_tier"),
+    ("store", "tenant_quota"),
     ("load", "no_evictable_slot"),
+    ("load", "tenant_quota"),
 )
 TIER_REFUSALS = (
     ("store", "pin_limit"),
@@ -31,8 +33,11 @@ TIER_REFUSALS = (
 
 #: Why tokens a tier holds were recomputed instead (``kvoffload_recomputed_tokens``, config
 #: ``slower_than_recompute``): the tier's load was expected to be slower than the recompute at
-#: lookup, or its promotion overran its expected time and its chunks were answered MISS.
-RECOMPUTE_REASONS = ("slower_than_recompute", "promotion_overran")
+#: lookup, or its promotion overran its expected time and its chunks were answered MISS, or its
+#: lookup (a probe) kept the request waiting past its deadline and the chunk was answered MISS;
+#: or the online canary found wrong KV served by the tier and closed its loads (``canary``, with
+#: the canary's ``fail_closed``; the host tier's series too: :mod:`kvoffload.canary`).
+RECOMPUTE_REASONS = ("slower_than_recompute", "promotion_overran", "lookup_overran", "canary")
 
 
 class Stats:
@@ -92,6 +97,7 @@ class Stats:
         self.recomputed: dict[tuple[str, str], int] = {
             (n, r): 0 for n in tier_names for r in RECOMPUTE_REASONS
         }
+        self.recomputed[(HOST, "canary")] = 0
         # The p2p serving side, counted apart from this instance's own lookups and loads:
         # keys peers looked up, found READY / PENDING, promotions started for them, chunks
         # leased, slots admitted for their pushes, pushes published / failed, and completions

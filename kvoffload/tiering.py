@@ -51,11 +51,13 @@ from kvoffload.events import EventPublisher
 from kvoffload.holds import NO_RANK, PromotionHolds
 from kvoffload.host import READY, HostTier, StorePlan
 from kvoffload.ipc.childenv import withhold
+from kvoffload.ipc.slot_table import OUTCOMES, SlotTableError
 from kvoffload.kv_events import EventStream
 from kvoffload.policies import make_policy
 from kvoffload.refusals import Refusals
 from kvoffload.serving import PEER_MEDIUM, PeerServing
 from kvoffload.stats import HOST, HOST_REFUSALS, RECOMPUTE_REASONS, TIER_REFUSALS, Stats
+from kvoffload.tenants import TENANT_KEY_BYTES, tenant_id, tenant_key, tenant_secret
 from kvoffload.tiers import create_tier
 from kvoffload.tiers.base import (
     PEER_PROMOTION,
@@ -88,6 +90,9 @@ _HIT, _MISS, _PENDING, _RETRY = (
 )
 _MAX_COUNTED_REQUESTS = 65_536
 """Requests whose counted lookup verdicts are kept (see :meth:`TieringManager._first_verdict`)."""
+_ENGINE_KEYS_SWEEP_MIN = 4096
+"""The tenant keys' engine keys are swept (:meth:`TieringManager._sweep_engine_keys`) once the map
+holds at least this many, and twice as many as the last sweep kept."""
 _OVERRUN_STEPS = 2
 """A promotion overruns no sooner than this many scheduler steps after its submission: the one
 it was submitted at the end of, and one more for its result to be polled and its request asked
@@ -109,6 +114,20 @@ def _request_set(per_request: dict[str, set[Any]], req_id: str) -> set[Any]:
     return s
 
 
+class _EngineKeyInfo:
+    """A store's ``chunk_info`` asked with tenant keys: it answers for their engine keys."""
+
+    __slots__ = ("info", "known")
+
+    def __init__(self, info: Any, known: dict[bytes, tuple[bytes, str]]):
+        self.info = info
+        self.known = known
+
+    def get(self, key: bytes) -> Any:
+        e = self.known.get(key)
+        return self.info.get(key if e is None else e[0])
+
+
 class _Job:
     __slots__ = ("tier", "meta", "orphaned", "nbytes", "deadline", "step", "alone", "started")
 
@@ -121,6 +140,22 @@ class _Job:
         self.step = 0  # a promotion: the scheduler step it was submitted in
         self.alone = False  # a promotion started on a tier with no load outstanding
         self.started = 0.0  # a promotion: time.monotonic() at its submission
+
+
+class _Wait:
+    """A request kept at RETRY by a tier's lookup (:meth:`TieringManager._wait`): the chunk it
+    waits for, since when (deadline clock) and which step, the step it was last asked in, its
+    deadline (None: no estimate yet; only ever raised), and the most chunks the request asked
+    in one step while waiting (what a verdict may serve: vLLM asks every chunk each step)."""
+
+    __slots__ = ("key", "since", "first", "last", "deadline", "seen_step", "seen", "stake")
+
+    def __init__(self, key: bytes, since: float, step: int):
+        self.key = key
+        self.since = since
+        self.first = self.last = self.seen_step = step
+        self.deadline: float | None = None
+        self.seen = self.stake = 0
 
 
 class TieringManager:
@@ -187,9 +222,27 @@ class TieringManager:
             make_policy(config.eviction_policy, arena.num_slots, config.cache_policy_module_path),
             record_events=record_events,
         )
+        #: A warm restart (the arena has a slot table): chunks by outcome, adopted or dropped by
+        #: reason (:data:`~kvoffload.ipc.slot_table.OUTCOMES`, the ``outcome`` label of
+        #: ``kvoffload_warm_restart_chunks_total``); None without one.
+        # warm-restart adopted tenant keys whose engine keys are not known yet (_warm_start)
+        self._unconfirmed: set[bytes] = set()
+        self.warm_restart: dict[str, int] | None = self._warm_start(arena, namespace)
         # The variables holding this engine's secrets (a p2p tier's secret_env) never reach a
         # child process (tier workers, janitors), whatever allow-list admits them.
         withhold(*secret_env_names(config))
+        # before any tier starts: an unset tenant_key_env stops the start with nothing to undo
+        self._tenant_secret = tenant_secret(config.tenant_key_env)
+        if config.host_tenant_quota_bytes is not None or config.host_tenant_quotas:
+            # a quota smaller than a slot stops the start here, with nothing to undo; chunks a
+            # warm restart adopted count for no tenant until a request names their tenant
+            self.host.limit_tenants(
+                config.host_tenant_quota_bytes,
+                config.host_tenant_quotas,
+                arena.row_bytes,
+                self._tenant_of_key,
+            )
+        self.tenant_metrics_top = config.tenant_metrics_top
         self.tiers: list[SecondaryTierManager] = []
         if tiers is not None:
             self.tiers = list(tiers)
@@ -327,11 +380,43 @@ class TieringManager:
         self._overrun = config.promotion_overrun_factor
         self._promoting: dict[bytes, _Job] = {}
         self._recompute: dict[str, set[bytes]] = {}
+        # per request, the wait a tier's lookup keeps it in (_wait)
+        self._waiting: dict[str, _Wait] = {}
         self._probed_at = [float("-inf")] * len(self.tiers)
         # The tiers judged on their costs: not the routed ones (p2p), whose job times hold a
         # peer's own prefill, its lease refusals and protocol steps, not what a load costs (a
         # p2p job measured so answered every later lookup MISS on vLLM-CPU): served as before.
         self._costed = [i not in self._routed_at for i in range(len(self.tiers))]
+        # Tenants (kvoffload.tenants): the tenant id of each request with a cache_salt. A live
+        # request's is never forgotten (its keys must not change mid-request: its reserved
+        # writes and pins are held under its tenant keys); once it finishes it is kept for its
+        # late completions among the last _MAX_COUNTED_REQUESTS finished (_tenants_ended).
+        # The engine key and tenant of each tenant key (_engine_keys) are kept while anything
+        # holds the chunk (the host tier, a bounded tier's count, a write, pin, job, promotion
+        # or untaken event: _sweep_engine_keys drops the rest once the map doubles), so every
+        # exit names the engine's key. A tenant's chunk whose engine key was never known here
+        # (found by a tier's start scan, adopted by a warm restart: _unconfirmed) gets no
+        # event rather than a wrong hash. All empty while no request has a salt: every entry
+        # point then costs one truthiness test.
+        self._tenants: dict[str, str] = {}
+        self._tenants_ended: OrderedDict[str, None] = OrderedDict()
+        self._engine_keys: dict[bytes, tuple[bytes, str]] = {}
+        self._sweep_at = _ENGINE_KEYS_SWEEP_MIN
+        # each running salted request's tenant keys by engine key (_request_tenant_key)
+        self._req_tenant_keys: dict[str, dict[bytes, bytes]] = {}
+        self.events.to_engine = self._events_to_engine
+        for t in self.tiers:
+            t.tenant_of = self._tenant_of_key  # type: ignore[method-assign]
+            t.engine_key_of = self._engine_key_of_key  # type: ignore[method-assign]
+        # The online canary (kvoffload.canary; empty without it): tiers (indices) whose loads a
+        # mismatch closed (fail_closed; swapped whole, so another thread's closing is atomic),
+        # and the one tier (or none, -1) each canary run may load from.
+        self._closed_loads: frozenset[int] = frozenset()
+        self._only: dict[str, int] = {}
+        #: The canary's checks by outcome (:data:`kvoffload.canary.OUTCOMES`) and the wall time
+        #: they took (seconds); empty and 0 without a canary.
+        self.canary_checks: dict[str, int] = {}
+        self.canary_seconds = 0.0
         self._poll_interval = poll_interval_s
         self._last_poll = 0.0
         self._closed = False
@@ -358,6 +443,14 @@ class TieringManager:
         lock = self.lock
         lock.acquire()
         try:
+            if self._tenants:
+                tenant = self._tenants.get(req_id)
+                if tenant is not None:
+                    key = self._request_tenant_key(req_id, key, tenant)
+                elif self._unconfirmed:
+                    self._unconfirmed.discard(key)  # an unsalted request's: an engine key
+            elif self._unconfirmed:
+                self._unconfirmed.discard(key)
             recompute = self._recompute
             if recompute and key in recompute.get(req_id, ()):
                 return _MISS  # a tier was slower: this request recomputes it (never HIT later)
@@ -373,6 +466,8 @@ class TieringManager:
                     return _MISS
             stats = self.stats
             if slot is not None:
+                if self._waiting:
+                    self._answered(key, req_id)
                 if self._first_verdict(key, req_id):
                     stats.host_queries += 1
                     stats.host_hits += 1
@@ -392,32 +487,54 @@ class TieringManager:
             now = time.monotonic()
             if now - self._last_poll >= self._poll_interval:
                 self.poll(submit=False)  # results only: a request's promotions go out together
-            any_retry = False
-            for i, tier in enumerate(self.tiers):
-                # a chunk to promote when found may be loaded on the tier's expectation; one a
-                # window scan may not choose needs the tier's verdict (present or absent)
-                r = tier.lookup_for_load(key, req_id) if promote else tier.lookup(key, req_id)
-                if r is _HIT:
-                    if not promote:
-                        return _RETRY
-                    if self._gating and self._slower_than_recompute(i):
-                        self._count_verdict(key, req_id, i + 1, -1)
-                        self._give_way(req_id, i, [key], "slower_than_recompute")
-                        self._probe(i, key)
-                        return _MISS
-                    result = self._start_promotion(i, key, req_id)
-                    if result is _RETRY:  # no room yet: held for requests that asked earlier
-                        return result
-                    self._count_verdict(key, req_id, i + 1, i if result is _PENDING else -1)
-                    return result
-                if r is _RETRY:
-                    any_retry = True
-            if any_retry:
-                return _RETRY
-            self._count_verdict(key, req_id, len(self.tiers), -1)
-            return _MISS
+            r = self._ask_tiers(key, req_id, promote)
+            if self._waiting and r is not _RETRY:
+                self._answered(key, req_id)
+            return r
         finally:
             lock.release()
+
+    def _ask_tiers(self, key: bytes, req_id: str, promote: bool) -> LookupResult:
+        """:meth:`lookup` of a host miss: the tiers in order (under :attr:`lock`)."""
+        retrying: list[int] = []
+        # the canary's: tiers closed by a mismatch, the one tier a canary run may load from
+        closed = self._closed_loads
+        only = self._only.get(req_id) if self._only else None
+        for i, tier in enumerate(self.tiers):
+            if only is not None and i != only:
+                continue
+            if closed and i in closed:
+                if tier.lookup(key, req_id) is _HIT:  # held there, not loaded: recomputed
+                    self._count_verdict(key, req_id, i + 1, -1)
+                    self._give_way(req_id, i, [key], "canary")
+                    return _MISS
+                continue
+            # a chunk to promote when found may be loaded on the tier's expectation; one a
+            # window scan may not choose needs the tier's verdict (present or absent)
+            r = tier.lookup_for_load(key, req_id) if promote else tier.lookup(key, req_id)
+            if r is _HIT:
+                if self._waiting:
+                    self._answered(key, req_id)  # found: whatever follows is no tier's wait
+                if not promote:
+                    return _RETRY
+                if self._gating and self._slower_than_recompute(i):
+                    self._count_verdict(key, req_id, i + 1, -1)
+                    self._give_way(req_id, i, [key], "slower_than_recompute")
+                    self._probe(i, key)
+                    return _MISS
+                result = self._start_promotion(i, key, req_id)
+                if result is _RETRY:  # no room yet: held for requests that asked earlier
+                    return result
+                self._count_verdict(key, req_id, i + 1, i if result is _PENDING else -1)
+                return result
+            if r is _RETRY:
+                retrying.append(i)
+        if retrying:
+            if self._gating and req_id and promote:
+                return self._wait(key, req_id, retrying)
+            return _RETRY
+        self._count_verdict(key, req_id, len(self.tiers), -1)
+        return _MISS
 
     # -- never slower than recompute (kvoffload.costs) ------------------------------------------
 
@@ -526,6 +643,101 @@ class TieringManager:
         self._give_way(req_id, job.tier, keys, "promotion_overran")
         return True
 
+    def _wait(self, key: bytes, req_id: str, retrying: list[int]) -> LookupResult:
+        """``req_id``'s lookup of ``key`` was answered RETRY by tiers ``retrying`` (a probe is
+        out): RETRY while the request may wait. It gives way (:meth:`_give_way`; MISS, vLLM
+        recomputes from this chunk) at once when each of those tiers is slower than recompute
+        (reason ``slower_than_recompute``: a HIT from it would be answered MISS), else when the
+        chunk it waits for is asked past its deadline (``lookup_overran``).
+
+        The wait is the request's, from its first RETRY until that chunk gets a verdict (vLLM
+        0.32 asks every chunk of a prompt each step, each RETRY while the request's probe is
+        out; only the chunk waited for is judged, so a deadline passing in the middle of a pass
+        cuts nothing after it). A wait whose chunk was not asked in this step or the one before
+        is over (the request went on, or was preempted): the next RETRY begins a new one. Its
+        deadline, from its start: ``promotion_overrun_factor`` times the longest of those tiers'
+        expected lookups (:meth:`_expected_lookup_s`: a usual lookup behind the loads the tier
+        has outstanding), never less than one chunk's recompute (a hiccup does not cost a
+        prefix) and never more than ``recompute_margin`` times the recompute of the most chunks
+        the request asked in one step (what the verdict may serve); only ever raised (the
+        queue it waits behind drains as it waits), and at least :data:`_OVERRUN_STEPS` steps.
+        A probe queued behind another request's abandoned slow loads kept a fresh request
+        waiting for them (BENCHMARKS.md §6, item 4 on a slow tier). Not judged while an
+        estimate is missing (the tier's lookups or throughput, the engine's prefill), nor for
+        a tier not costed (p2p)."""
+        if not all(self._costed[i] for i in retrying):
+            return _RETRY
+        if all(self._slower_than_recompute(i) for i in retrying):
+            self._count_verdict(key, req_id, len(self.tiers), -1)
+            self._give_way(req_id, retrying[0], [key], "slower_than_recompute")
+            self._answered(key, req_id)
+            return _MISS
+        now, step = self.clock(), self.holds.step_no
+        waiting = self._waiting
+        w = waiting.get(req_id)
+        if w is None or (w.key != key and w.last < step - 1):
+            if w is None and len(waiting) >= _MAX_COUNTED_REQUESTS:  # never finished
+                del waiting[next(iter(waiting))]
+            w = waiting[req_id] = _Wait(key, now, step)
+        if w.seen_step != step:
+            w.seen_step, w.seen = step, 0
+        w.seen += 1
+        w.stake = max(w.stake, w.seen)
+        if w.key != key:
+            return _RETRY  # only the chunk waited for is judged
+        w.last = step
+        tokens = self.namespace.tokens_per_chunk
+        chunk_s = self.prefill.seconds_for(tokens)
+        if chunk_s is None:
+            return _RETRY  # no evidence: no change
+        expected = 0.0
+        for i in retrying:
+            e = self._expected_lookup_s(i)
+            if e is None:
+                return _RETRY
+            expected = max(expected, e)
+        wait_s = min(
+            max(self._overrun * expected, chunk_s), self._margin * chunk_s * max(1, w.stake)
+        )
+        if w.deadline is None or w.since + wait_s > w.deadline:
+            w.deadline = w.since + wait_s
+        if step - w.first < _OVERRUN_STEPS or now < w.deadline:
+            return _RETRY
+        del waiting[req_id]
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "kvoffload: request %s waited %.1f ms and %d steps for %s to look a chunk up "
+                "(expected %.1f ms, %d chunk(s) at stake): gives way to recompute",
+                req_id, (now - w.since) * 1e3, step - w.first,
+                "/".join(self.tier_names[i] for i in retrying), expected * 1e3, w.stake,
+            )  # fmt: skip
+        self._count_verdict(key, req_id, len(self.tiers), -1)
+        self._give_way(req_id, retrying[0], [key], "lookup_overran")
+        return _MISS
+
+    def _expected_lookup_s(self, tier_idx: int) -> float | None:
+        """What a lookup of tier ``tier_idx`` answered RETRY is expected to take (seconds): its
+        usual lookup (:attr:`~kvoffload.tiers.base.SecondaryTierManager.lookup_seconds`;
+        before its first answered lookup, one chunk's load at the tier's known throughput, at
+        least a job's usual time: a generous stand-in, a probe moves no bytes) plus the loads
+        it has outstanding at its throughput (its probes queue behind them: the same
+        readers). None without either estimate."""
+        cost = self.load_costs[tier_idx]
+        rate = cost.bytes_per_s
+        usual = self.tiers[tier_idx].lookup_seconds
+        if rate is None:
+            return usual
+        if usual is None:
+            usual = max(self.arena.row_bytes / rate, cost.job_seconds or 0.0)
+        return usual + cost.outstanding_bytes / rate
+
+    def _answered(self, key: bytes, req_id: str) -> None:
+        """``req_id``'s lookup of ``key`` got a verdict: if it is the chunk the request waited
+        for, its wait ends (:meth:`_wait`; one whose chunk is no longer asked ends there)."""
+        w = self._waiting.get(req_id)
+        if w is not None and w.key == key:
+            del self._waiting[req_id]
+
     def _give_way(self, req_id: str, tier_idx: int, keys: list[bytes], reason: str) -> None:
         """``req_id`` recomputes ``keys`` (its first one answered MISS now) instead of waiting
         for tier ``tier_idx``: they are MISS for it from now on, their tokens counted once
@@ -608,6 +820,10 @@ class TieringManager:
             if holds.wait(req_id, rank):  # chunks held for requests that asked earlier
                 return _RETRY
             return self._refuse_promotion(tier_idx)
+        if plan is not None and plan.refused:  # its tenant's quota: none of its chunks may go
+            self.stats.promotion_alloc_failures += 1
+            self.refusals.tenant_quota("load", 1, self._tenant_of_key(key))
+            return _MISS
         if plan is None or not plan.slots:  # no room, or a write a reset quarantined holds the key
             return self._refuse_promotion(tier_idx)
         if plan.evicted:
@@ -649,13 +865,14 @@ class TieringManager:
                 pending, self._promotions = self._promotions, {}
             for tier_idx, per_req in pending.items():
                 tier = self.tiers[tier_idx]
-                for req_id, (keys, slots) in per_req.items():
+                for req_id, keys, slots, tenant in self._promotion_jobs(per_req, tier):
                     meta = JobMetadata(
                         job_id=self._job_id(),
                         keys=keys,
                         slots=slots,
                         is_promotion=True,
                         req_id=req_id,
+                        tenant=tenant,
                     )
                     if log.isEnabledFor(logging.DEBUG):
                         log.debug(
@@ -671,6 +888,26 @@ class TieringManager:
                     tier.submit_load(meta)
                     if not serves:
                         self._give_way(req_id, tier_idx, list(keys), "slower_than_recompute")
+
+    def _promotion_jobs(
+        self, per_req: dict[str, tuple[list[bytes], list[int]]], tier: SecondaryTierManager
+    ) -> list[tuple[str, list[bytes], list[int], str]]:
+        """``tier``'s queued promotions as jobs ``(req_id, keys, slots, tenant)``: one per
+        request; the peers' (no request) one per tenant, so that a job names one tenant
+        (:attr:`JobMetadata.tenant`): the tier's own (a chunk its scan found, whose engine key
+        nobody here knows), else this manager's."""
+        out = []
+        for req_id, (keys, slots) in per_req.items():
+            if req_id != PEER_PROMOTION or not (self._engine_keys or tier.holds_tenants()):
+                out.append((req_id, keys, slots, self._tenant_of_job(keys, req_id)))
+                continue
+            groups: dict[str, tuple[list[bytes], list[int]]] = {}
+            for k, slot in zip(keys, slots):
+                g = groups.setdefault(tier.held_tenant(k) or self._tenant_of_key(k), ([], []))
+                g[0].append(k)
+                g[1].append(slot)
+            out.extend((req_id, ks, ss, t) for t, (ks, ss) in groups.items())
+        return out
 
     def _promotion_submitted(self, job: _Job) -> None:
         """Account a promotion about to be submitted: its bytes are outstanding on its tier, and
@@ -719,9 +956,81 @@ class TieringManager:
         seconds = done_at - job.started if done_at > job.started else res.transfer_seconds
         cost.ended(job.nbytes, moved, seconds, job.alone, timed_out, done_at)
 
+    # -- the online canary (kvoffload.canary) ---------------------------------------------------
+
+    def restrict_loads(self, req_id: str, tier: str | None) -> None:
+        """Request ``req_id`` (a canary run) may load a chunk the host tier does not hold from
+        secondary tier ``tier`` only (None: from none). Forgotten when the request finishes.
+
+        Raises:
+            ValueError: ``tier`` names no secondary tier of this manager.
+        """
+        idx = -1 if tier is None else self.tier_names.index(tier)
+        with self.lock:
+            self._only[req_id] = idx
+
+    def close_loads(self, tiers: Iterable[str]) -> list[str]:
+        """Stop loading from ``tiers`` (names; ``"host"`` for the host tier) until this manager
+        is rebuilt: the canary's ``fail_closed``. A closed secondary tier's chunks are answered
+        MISS and counted as recomputed (``kvoffload_recomputed_tokens{reason="canary"}``); with
+        the host tier closed, every lookup is a MISS (every load passes through it). Takes effect
+        at the next lookup; chunks already promoted into the host tier from a closed tier stay
+        there until evicted (:meth:`remove_host_copies` removes named ones). Safe from any
+        thread. Returns the names closed now (not closed before).
+
+        Raises:
+            ValueError: a name is neither ``"host"`` nor a secondary tier of this manager.
+        """
+        names = list(tiers)
+        bad = [n for n in names if n != HOST and n not in self.tier_names]
+        if bad:
+            raise ValueError(f"close_loads: no tier named {bad}; tiers: {[HOST, *self.tier_names]}")
+        with self.lock:
+            new = [
+                n for n in names if n != HOST and self.tier_names.index(n) not in self._closed_loads
+            ]
+            self._closed_loads = self._closed_loads | {self.tier_names.index(n) for n in new}
+            if HOST in names and "lookup" not in self.__dict__:
+                self.lookup = self._lookup_host_closed  # type: ignore[method-assign]
+                new.append(HOST)
+            return new
+
+    @property
+    def closed_loads(self) -> list[str]:
+        """The tiers :meth:`close_loads` closed (``"host"`` first when it is closed)."""
+        host = [HOST] if "lookup" in self.__dict__ else []
+        return host + [self.tier_names[i] for i in sorted(self._closed_loads)]
+
+    def _lookup_host_closed(
+        self, key: bytes, req_id: str = "", promote: bool = True
+    ) -> LookupResult:
+        """:meth:`lookup` once the host tier's loads are closed: MISS, a chunk the host tier
+        held counted as recomputed (once per request and chunk)."""
+        with self.lock:
+            held = self._for_request([key], req_id)[0] if self._tenants else key
+            if held in self.host.index and self._first_verdict(key, req_id):
+                self.stats.host_queries += 1
+                self.stats.recomputed[(HOST, "canary")] += self.namespace.tokens_per_chunk
+            return _MISS
+
+    def remove_host_copies(self, keys: Iterable[bytes], cache_salt: str = "") -> list[bytes]:
+        """Remove ``keys`` (the engine's keys of chunks stored by requests with ``cache_salt``;
+        "" for none) from the host tier where they are READY and unpinned (the canary's own
+        chunks, before a check that must load them from a secondary tier, or after they were
+        found wrong). Returns the engine's keys removed. Safe from any thread."""
+        keys = list(keys)
+        with self.lock:
+            if not cache_salt:
+                return self.host.remove(keys)
+            tenant = tenant_id(cache_salt, self._tenant_secret)
+            held = {self._tenant_key(k, tenant): k for k in keys}
+            return [held[q] for q in self.host.remove(list(held))]
+
     def source_of(self, key: bytes, req_id: str = "") -> str:
         """The tier that served ``key`` for this request: ``"host"`` or a secondary tier's name."""
         with self.lock:
+            if self._tenants:
+                key = self._for_request([key], req_id)[0]
             idx = self._load_source.get(req_id, {}).get(key)
             return HOST if idx is None else self.tier_names[idx]
 
@@ -747,6 +1056,8 @@ class TieringManager:
                 nothing is pinned then.
         """
         with self.lock:
+            if self._tenants:
+                keys = self._for_request(keys, req_id)
             slots = self.host.pin(keys)
             holds = self._load_pins.get(req_id)
             if holds is None:
@@ -778,6 +1089,8 @@ class TieringManager:
         request's key) is ignored and counted (``Stats.unheld_completions``): it never releases
         someone else's pin (CASES C28)."""
         with self.lock:
+            if self._tenants:
+                keys = self._for_request(list(keys), req_id)
             holds = self._load_pins.get(req_id) or {}
             host = self.host
             for k in keys:
@@ -901,6 +1214,8 @@ class TieringManager:
     def touch(self, keys: Sequence[bytes], req_id: str = "") -> None:
         """Mark ``keys`` recently used in every tier."""
         with self.lock:
+            if self._tenants:
+                keys = self._for_request(keys, req_id)
             self.host.access(keys, req_id)
             for tier in self.tiers:
                 tier.touch(keys)
@@ -923,6 +1238,11 @@ class TieringManager:
         writes belong to ``req_id``: only its :meth:`complete_store` ends them.
         """
         with self.lock:
+            tenant = self._tenants.get(req_id) if self._tenants else None
+            if tenant is not None:
+                keys = self._for_request(keys, req_id)
+                if chunk_info is not None:
+                    chunk_info = _EngineKeyInfo(chunk_info, self._engine_keys)
             polled = self.poll_due()
             if polled:
                 self.poll()
@@ -955,6 +1275,8 @@ class TieringManager:
                     self.refusals.store_rejected(len(new))
             if plan is not None and plan.evicted:
                 holds.evicted(plan.evicted)
+            if plan is not None and plan.refused:
+                self.refusals.tenant_quota("store", plan.refused, tenant or "")
             if plan is not None and req_id:
                 # the batch is the request's prefix, the chunks it found stored included (C47):
                 # ranked in its order, those found ready counted as used (as vLLM does)
@@ -970,6 +1292,15 @@ class TieringManager:
                     writes[k] = req_id
             if chunk_info is not None and plan is not None:
                 self.events.remember(plan.keys, chunk_info)
+            if plan is not None and (self._engine_keys or self._unconfirmed):
+                known = self._engine_keys
+                plan = StorePlan(
+                    # one engine key per reserved slot (never left out: they pair with slots)
+                    [known[k][0] if k in known else k for k in plan.keys],
+                    plan.slots,
+                    self._engine_keys_of(plan.evicted),
+                    plan.refused,
+                )
             return plan
 
     def _spare_holds(self, keys: Sequence[bytes]) -> Sequence[bytes]:
@@ -997,6 +1328,8 @@ class TieringManager:
         writer's slot before its copy ended nor free it under the writer.
         """
         with self.lock:
+            if self._tenants:
+                keys = self._for_request(list(keys), req_id)
             writes = self._writes
             mine = []
             for k in keys:
@@ -1082,7 +1415,12 @@ class TieringManager:
         pins[i] += len(take)
         slots = self.host.pin(take)
         meta = JobMetadata(
-            job_id=self._job_id(), keys=list(take), slots=slots, is_promotion=False, req_id=req_id
+            job_id=self._job_id(),
+            keys=list(take),
+            slots=slots,
+            is_promotion=False,
+            req_id=req_id,
+            tenant=self._tenant_of_job(take, req_id),
         )
         self._jobs[meta.job_id] = _Job(i, meta)
         tier.submit_store(meta)
@@ -1286,6 +1624,8 @@ class TieringManager:
             self.holds.next_step()
             self.poll()
             batch = self.events.take_batch()
+            if len(self._engine_keys) >= self._sweep_at:
+                self._sweep_engine_keys()
         if batch is not None:
             self.events.publish(batch)
 
@@ -1354,6 +1694,136 @@ class TieringManager:
 
     # -- requests, events, lifecycle ----------------------------------------------------------
 
+    # -- tenants (kvoffload.tenants) -------------------------------------------------------------
+
+    def set_cache_salt(self, req_id: str, cache_salt: str | None) -> None:
+        """Request ``req_id`` carries ``cache_salt`` (vLLM's per-request field; None or "":
+        none): its chunks are its tenant's. Every key the engine names for it at this manager's
+        entry points (:meth:`lookup`, :meth:`prepare_store`, :meth:`complete_store`,
+        :meth:`prepare_load`, :meth:`complete_load`, :meth:`touch`, :meth:`source_of`) is its
+        tenant key (:func:`~kvoffload.tenants.tenant_key`) inside, in the host tier and in every
+        secondary tier, and the engine's key again at the exits (a store plan's keys and
+        evictions, :meth:`take_events`). Call it before the request's first lookup. The salt is
+        not kept: only its tenant id (:func:`~kvoffload.tenants.tenant_id`)."""
+        if not cache_salt:
+            if req_id in self._tenants:  # a reused request id: its old tenant is not its own
+                with self.lock:
+                    self._tenants.pop(req_id, None)
+                    self._tenants_ended.pop(req_id, None)
+                    self._req_tenant_keys.pop(req_id, None)
+            return
+        tenant = tenant_id(cache_salt, self._tenant_secret)
+        with self.lock:
+            if self._tenants.get(req_id) != tenant:
+                self._req_tenant_keys.pop(req_id, None)
+            self._tenants[req_id] = tenant
+            self._tenants_ended.pop(req_id, None)  # live again: never forgotten while it runs
+
+    def tenant_of_request(self, req_id: str) -> str:
+        """The tenant id of ``req_id`` (:meth:`set_cache_salt`), "" for none."""
+        return self._tenants.get(req_id, "")
+
+    def _tenant_key(self, key: bytes, tenant: str) -> bytes:
+        """``key``'s tenant key for ``tenant``, remembered (under :attr:`lock`)."""
+        qkey = tenant_key(key, tenant)
+        known = self._engine_keys
+        if qkey not in known:
+            known[qkey] = (key, tenant)
+            if self._unconfirmed:
+                self._unconfirmed.discard(qkey)
+            if self.host.quotas is not None:  # adopted or pushed before its tenant was known
+                self.host.attribute(qkey, tenant)
+        return qkey
+
+    def _for_request(self, keys: Sequence[bytes], req_id: str) -> list[bytes]:
+        """``keys`` as tiers hold them for ``req_id``: its tenant keys, or the keys unchanged
+        when it has no tenant."""
+        tenant = self._tenants.get(req_id)
+        if tenant is None:
+            return list(keys)
+        return [self._request_tenant_key(req_id, k, tenant) for k in keys]
+
+    def _request_tenant_key(self, req_id: str, key: bytes, tenant: str) -> bytes:
+        """:meth:`_tenant_key` for request ``req_id`` (of ``tenant``), computed once per key
+        while it runs (a keyed hash costs about 3 µs; a long prompt's lookups ask again each
+        step): its cache goes when it finishes or its tenant changes (under :attr:`lock`)."""
+        cache = self._req_tenant_keys.get(req_id)
+        if cache is None:
+            if req_id in self._tenants_ended:  # a late completion: nothing kept for it
+                return self._tenant_key(key, tenant)
+            cache = self._req_tenant_keys[req_id] = {}
+        qkey = cache.get(key)
+        if qkey is None or qkey not in self._engine_keys:  # new, or swept since: known again
+            qkey = cache[key] = self._tenant_key(key, tenant)
+        return qkey
+
+    def _engine_keys_of(
+        self, keys: Iterable[bytes], tier: SecondaryTierManager | None = None
+    ) -> list[bytes]:
+        """The engine's key of each of ``keys`` held by ``tier`` (None: the host tier): a tenant
+        key's engine key, an engine key unchanged. A tenant's chunk whose engine key is not
+        known here (``tier`` counts it as a tenant's: found by its start scan; or adopted by a
+        warm restart and named by no request since: :attr:`_unconfirmed`) is left out: no
+        event rather than one naming a hash the engine never made."""
+        known = self._engine_keys
+        unconfirmed = self._unconfirmed
+        out = []
+        for k in keys:
+            e = known.get(k)
+            if e is not None:
+                out.append(e[0])
+            elif k in unconfirmed or (tier is not None and tier.held_tenant(k)):
+                continue
+            else:
+                out.append(k)
+        return out
+
+    def _sweep_engine_keys(self) -> None:
+        """Forget the engine keys of tenant keys nothing holds any more (under :attr:`lock`):
+        kept are those of chunks in the host tier or counted by a bounded tier, of writes,
+        pins, jobs and promotions in flight, and of events not taken yet. Run once the map has
+        doubled since the last sweep (amortized O(1) per entry); what it keeps is bounded by
+        the chunks held."""
+        known = self._engine_keys
+        self.events.drain()  # the tiers' events, translated while their chunks are known
+        held: set[bytes] = set(self._writes)
+        held.update(self._promoting)
+        for job in self._jobs.values():
+            held.update(job.meta.keys)
+        for per_req in self._promotions.values():
+            for keys, _slots in per_req.values():
+                held.update(keys)
+        for pins in self._load_pins.values():
+            held.update(pins)
+        index = self.host.index
+        tiers = self.tiers
+        for k in [k for k in known if k not in held and k not in index]:
+            if not any(t.held_tenant(k) for t in tiers):
+                del known[k]
+        if self._unconfirmed:
+            self._unconfirmed.intersection_update(index)
+        self._sweep_at = max(_ENGINE_KEYS_SWEEP_MIN, 2 * len(known))
+
+    def _engine_key_of_key(self, key: bytes) -> bytes:
+        """The engine key of a key tiers hold (a tenant key's; ``key`` itself otherwise)."""
+        e = self._engine_keys.get(key) if self._engine_keys else None
+        return key if e is None else e[0]
+
+    def _tenant_of_key(self, key: bytes) -> str:
+        """The tenant of a key tiers hold ("" for an engine key, or a tenant key forgotten)."""
+        e = self._engine_keys.get(key) if self._engine_keys else None
+        return "" if e is None else e[1]
+
+    def _tenant_of_job(self, keys: Sequence[bytes], req_id: str) -> str:
+        """The tenant of a job of ``keys`` for ``req_id``: the request's, else (a peer's
+        promotion, a request forgotten) its first key's."""
+        if not self._tenants:
+            return self._tenant_of_key(keys[0]) if keys and self._engine_keys else ""
+        tenant = self._tenants.get(req_id)
+        if tenant is not None:
+            return tenant
+        return self._tenant_of_key(keys[0]) if keys else ""
+
     def on_request(self, req_id: str, kv_transfer_params: Any = None) -> None:
         """A request arrived with the orchestrator's routing (``kv_transfer_params``, a dict or
         None): each tier takes what it reads from it (the p2p tier: which peer to ask, what to
@@ -1368,10 +1838,20 @@ class TieringManager:
             self._counted.pop(req_id, None)
             self._holes.pop(req_id, None)
             self._recompute.pop(req_id, None)
+            self._waiting.pop(req_id, None)
+            if self._only:
+                self._only.pop(req_id, None)
             ended = self._ended
             if len(ended) >= _MAX_COUNTED_REQUESTS:
                 ended.popitem(last=False)
             ended[req_id] = None
+            if req_id in self._tenants:
+                self._req_tenant_keys.pop(req_id, None)
+                # kept for its late completions among the last finished, then forgotten
+                tended = self._tenants_ended
+                tended[req_id] = None
+                if len(tended) > _MAX_COUNTED_REQUESTS:
+                    self._tenants.pop(tended.popitem(last=False)[0], None)
             self.holds.forget(req_id)
             self.host.request_finished(req_id)
             for tier in self.tiers:
@@ -1380,9 +1860,18 @@ class TieringManager:
                 hooks.on_request_finished(req_id)
 
     def take_events(self) -> list[tuple[str, TierEvent]]:
-        """``(tier name, event)`` pairs since the last call, host first (tier name ``"host"``)."""
+        """``(tier name, event)`` pairs since the last call, host first (tier name ``"host"``);
+        a tenant's chunks under the engine's keys (:meth:`_engine_keys_of`)."""
         with self.lock:
             return self.events.take()
+
+    def _events_to_engine(self, keys: list[bytes], tier: Any) -> list[bytes]:
+        """:attr:`EventStream.to_engine`: the events' keys as the engine names them, as they are
+        collected from the tiers (a tier still knows then which chunks it counted as a
+        tenant's)."""
+        if self._engine_keys or self._unconfirmed or (tier is not None and tier.holds_tenants()):
+            return self._engine_keys_of(keys, tier)
+        return keys
 
     def reset_cache(self) -> None:
         """Forget every host-tier chunk now, without waiting for tier jobs (never blocks the
@@ -1420,6 +1909,51 @@ class TieringManager:
         self._promoting.clear()  # the orphans' chunks are forgotten: nothing waits for them
         for job in self._jobs.values():
             job.orphaned = True
+
+    def _warm_start(self, arena: Any, namespace: Any) -> dict[str, int] | None:
+        """Adopt what a predecessor left in the arena's slot table when a take-over from its
+        keeper left an adoption pending (whichever process of this engine claimed the segment:
+        this one owns the host tier's index), else start the table empty; then mirror the host
+        tier into it (DESIGN.md "Warm restart"). Returns the chunks by outcome
+        (:data:`~kvoffload.ipc.slot_table.OUTCOMES`), or None when the arena has no slot
+        table."""
+        slot_table = getattr(arena, "slot_table", None)
+        table = slot_table() if slot_table is not None else None
+        if table is None:
+            return None
+        counts = dict.fromkeys(OUTCOMES, 0)
+        ns_id = namespace.id()
+        found = None
+        if arena.take_adoption():
+            try:
+                found = table.adopt(ns_id)
+            except SlotTableError as e:
+                why = "namespace" if table.namespace_id() is not None else "table"
+                counts[f"dropped_{why}"] = table.ready_entries()
+                log.warning(
+                    "kvoffload: warm restart: nothing adopted from arena %s (%d chunks dropped): %s",
+                    arena.name,
+                    counts[f"dropped_{why}"],
+                    e,
+                )
+        if found is None:
+            table.format(ns_id)
+        else:
+            adopted = self.host.adopt(found.slots)
+            counts["adopted"] = len(adopted)
+            # a tenant key (TENANT_KEY_BYTES long) whose engine key is unknown until a request
+            # of its tenant names it: no event until then (an engine key of that length too)
+            self._unconfirmed = {k for k in adopted if len(k) == TENANT_KEY_BYTES}
+            for reason, n in found.dropped.items():
+                counts[f"dropped_{reason}"] = n
+            log.info(
+                "kvoffload: warm restart: adopted %d chunks from arena %s; dropped %s",
+                counts["adopted"],
+                arena.name,
+                ", ".join(f"{n} {r}" for r, n in found.dropped.items() if n) or "none",
+            )
+        self.host.mirror_to(table)
+        return counts
 
     def shutdown(self) -> None:
         """Stop every tier (failing what is still in flight). Idempotent.
@@ -1461,4 +1995,19 @@ class TieringManager:
             stats=self.stats,
             tiers=self.tiers,
             published=self.events.published,
+            warm_restart=self.warm_restart or {},
+            canary=self.canary_checks,
+            canary_seconds=self.canary_seconds,
+            tenants=self._tenant_readings(),
+            tenant_top=self.tenant_metrics_top,
         )
+
+    def _tenant_readings(self) -> dict[str, _metrics.TenantReadings]:
+        """Per tier with per-tenant quotas (the host tier's and the secondary tiers'): the
+        bytes each tenant holds, and the chunks evicted and refused for a tenant's quota."""
+        held = [(HOST, self.host.quotas)] + [(t.name, t.tenant_quotas()) for t in self.tiers]
+        return {
+            name: _metrics.TenantReadings(dict(q.held), q.evictions, q.refusals)
+            for name, q in held
+            if q is not None
+        }

@@ -121,6 +121,25 @@ def raise_problems(problems: list[str]) -> None:
         raise Problems(problems)
 
 
+_TENANT_ID_RE = re.compile(r"[0-9a-f]{32}")  # fullmatch: no trailing newline
+
+
+def tenant_quota_problems(overrides_key: str, overrides: dict[str, int]) -> list[str]:
+    """Problems of a per-tenant quota overrides setting (``<overrides_key>``: tenant id -> its
+    quota in bytes), each ``"<key>: <why and the fix>"``:
+    an override keyed by something that is not a tenant id (the key is not echoed back: it may
+    be a salt written where its id belongs)."""
+    problems = []
+    for i, tenant in enumerate(overrides):
+        if not isinstance(tenant, str) or not _TENANT_ID_RE.fullmatch(tenant):
+            problems.append(
+                f"{overrides_key}: key #{i + 1} is not a tenant id (32 lowercase hex digits); "
+                "write the id, never the salt: `kvoffload tenant-id` prints a salt's id (the "
+                "salt read from stdin or KVOFFLOAD_TENANT_SALT)"
+            )
+    return problems
+
+
 def problems_of(e: BaseException) -> list[str]:
     """The ``"<key>: <why>"`` messages a struct's check raised (one for a plain ValueError)."""
     return list(e.problems) if isinstance(e, Problems) else [str(e)]
@@ -414,14 +433,21 @@ def _value_problem(root: type[msgspec.Struct], parts: list, msg: str, value: Any
     values = _literal_values(root, sub) if "Invalid enum value" in msg else None
     if values:
         detail += f"; allowed: {', '.join(map(str, values))}"
-    elif not SECRET_KEY_RE.search(str(name)):  # msgspec's message names the type, not the value
+    elif not NOT_REPEATED_RE.search(str(name)) and not (parts and parts[-1] is None):
+        # msgspec's message names the type, not the value (a dict entry's value, ``[...]``, is
+        # not known here: said as "one of its entries" instead of a wrong "given: null")
         detail += f" (given: {_given(value)})"
+    elif parts and parts[-1] is None:
+        detail += " (in one of its entries)"
     return detail
 
 
-SECRET_KEY_RE = re.compile(r"secret|token|password|credential", re.IGNORECASE)
+SECRET_KEY_RE = re.compile(r"secret|token|password|credential|api_key", re.IGNORECASE)
 """Setting names that hold a secret: their values are masked in the effective config
 (``kvoffload.config.describe``) and never repeated in an error."""
+NOT_REPEATED_RE = re.compile(SECRET_KEY_RE.pattern + r"|salt|key", re.IGNORECASE)
+"""Setting names whose wrongly typed values an error never repeats: the secrets, a
+``cache_salt`` (a tenant's isolation: guessable from its words), anything named a key."""
 
 
 def _given(value: Any, limit: int = 60) -> str:

@@ -89,12 +89,31 @@ def _present() -> tuple[set[str], set[str]]:
 
 
 _SESSION_BEFORE: tuple[set[str], set[str]] | None = None
+_SEMAPHORES_BEFORE: set[str] = set()
 
 
 def pytest_sessionstart(session):
-    global _SESSION_BEFORE
+    global _SESSION_BEFORE, _SEMAPHORES_BEFORE
     if not _xdist_worker():
         _SESSION_BEFORE = _present()
+        _SEMAPHORES_BEFORE = _semaphores()
+
+
+def _semaphores() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("sem.mp-")}
+
+
+def _remove_semaphores_killed_servers_left() -> None:
+    """vLLM servers the tests SIGKILL (a crash, a warm restart) leave a semaphore in /dev/shm
+    that their resource tracker, killed with them, would have removed: at the run's end, those
+    made during it that nobody maps and that are old enough not to be another run's server's in
+    its start window (:func:`~kvoffload.tools.vllm_server.remove_stale_semaphores`; it needs
+    the demo extra, which every env that starts vLLM servers has)."""
+    try:
+        from kvoffload.tools.vllm_server import remove_stale_semaphores
+    except ImportError:
+        return
+    remove_stale_semaphores(_SEMAPHORES_BEFORE)
 
 
 @pytest.hookimpl(trylast=True)
@@ -105,6 +124,7 @@ def pytest_sessionfinish(session, exitstatus):
     _exit_status = int(exitstatus)
     if _SESSION_BEFORE is None or _xdist_worker():
         return
+    _remove_semaphores_killed_servers_left()
     if not session.config.pluginmanager.hasplugin("dsession"):
         return  # no xdist: the session fixture checked everything
     problems = _leftovers(_SESSION_BEFORE, dead=True)
@@ -169,9 +189,13 @@ def pytest_unconfigure(config):
         pt.exit_process(_exit_status)
 
 
-#: Test files that start vLLM engines, in two groups of about five minutes each on an idle 2-core
-#: machine. Under pytest-xdist each group is one unit of work, run by one worker, one test after
-#: another: at most two engines start at once (each takes a core or more for tens of seconds).
+#: Test files that start vLLM engines, in two groups. Under pytest-xdist each group is one unit of
+#: work, run by one worker, one test after another: at most two engines start at once (each takes
+#: a core or more for tens of seconds). Every file with the ``vllm`` marker must be in one
+#: (:func:`pytest_collection_modifyitems` refuses a run otherwise): three files left out ran
+#: beside both groups, four engine tests at once on 2 cores, and CI's suite took 54 minutes.
+#: Balanced by a run of the suite here (2026-12-03, load 6-12): group a about 1,700 s of tests,
+#: group b about 1,850 s; the rest of the suite runs on the other two workers meanwhile.
 ENGINE_GROUPS = {
     "tests/e2e/test_vllm_e2e.py": "vllm-engines-a",
     "tests/e2e/test_readme.py": "vllm-engines-a",
@@ -179,6 +203,10 @@ ENGINE_GROUPS = {
     "tests/e2e/test_vllm_hybrid_e2e.py": "vllm-engines-b",
     "tests/e2e/test_bench_window.py": "vllm-engines-b",
     "tests/e2e/test_gpu.py": "vllm-engines-b",
+    "tests/e2e/test_vllm_canary.py": "vllm-engines-b",
+    "tests/e2e/test_vllm_fs_restart.py": "vllm-engines-b",
+    "tests/e2e/test_vllm_never_slower_e2e.py": "vllm-engines-b",
+    "tests/e2e/test_vllm_warm_restart.py": "vllm-engines-b",
 }
 
 
@@ -199,8 +227,27 @@ def pytest_xdist_make_scheduler(config, log):
     return EngineGroups(config, log)
 
 
+#: pytest-timeout's limit for a test that runs vLLM servers (``vllm`` marker) and names none:
+#: a hang guard only. Engine starts take 30-40 s on a quiet 2-core machine and 5-10x that beside
+#: other servers (a run took 1,218 s for a test of six starts at load 20); pyproject's 600 s, meant
+#: for everything else, cut such tests on a busy machine.
+VLLM_TIMEOUT_S = 1800
+
+
 def pytest_collection_modifyitems(config, items):
-    """``soak`` tests run only when the marker expression names them (``pytest -m soak``)."""
+    """``vllm`` tests get :data:`VLLM_TIMEOUT_S` unless they name a limit; ``soak`` tests run
+    only when the marker expression names them (``pytest -m soak``)."""
+    for item in items:
+        if item.get_closest_marker("vllm") is None:
+            continue
+        path = item.nodeid.split("::")[0]
+        if path not in ENGINE_GROUPS:
+            raise pytest.UsageError(
+                f"{path} starts vLLM engines (marker vllm) but is in no group of ENGINE_GROUPS "
+                "(tests/conftest.py): add it to one, or it runs beside both groups under xdist"
+            )
+        if not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(VLLM_TIMEOUT_S))
     if "soak" in (config.option.markexpr or ""):
         return
     keep = [i for i in items if i.get_closest_marker("soak") is None]

@@ -230,8 +230,14 @@ class Rig:
         ns: Namespace | None = None,
         name: str | None = None,
         request_chunks: int = 0,
+        warm_restart_s: float = 0.0,
+        arena: Arena | None = None,
         **cfg,
     ):
+        """``warm_restart_s``: the arena gets a slot table and a keeper that holds it that long
+        after this process is gone (:meth:`close` unlinks it all the same: ``keep=True`` keeps).
+        ``arena``: an arena opened already (attached, as vLLM's scheduler attaches the one a
+        model runner created) instead of a new one; :meth:`close` unmaps it."""
         self.row_bytes = row_bytes
         self.config = parse_config(
             {
@@ -241,7 +247,13 @@ class Rig:
                 **cfg,
             }
         )
-        self.arena = Arena.create(name or arena_name(), num_slots, row_bytes)
+        self.arena = arena or Arena.create(
+            name or arena_name(),
+            num_slots,
+            row_bytes,
+            table=warm_restart_s > 0,
+            keep_s=warm_restart_s,
+        )
         self.ns = ns or namespace(row_bytes=row_bytes)
         try:
             self.tm = TieringManager(
@@ -257,9 +269,9 @@ class Rig:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def close(self) -> None:
+    def close(self, keep: bool = False) -> None:
         self.tm.shutdown()
-        self.arena.close()
+        self.arena.close(keep=keep)
 
     @property
     def fs(self):
@@ -383,3 +395,13 @@ def replay(
     finally:
         dealer.close()
         ctx.term()
+
+
+def keepers(name: str) -> list[int]:
+    """Pids of the keepers (arena janitors) of arena ``name``."""
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "kvoffload.ipc.janitor" in cmd and name in cmd:
+            out.append(p.pid)
+    return out

@@ -9,7 +9,9 @@ stdout). Commands (``op`` plus arguments):
   ``kv_connector_extra_config`` keys, e.g. ``kv_events``; ``model``: its namespace's model, which
   peers must share); answers ``advertise`` (``host:port`` peers reach it at) and the peer worker's
   ``worker_pid``.
-- ``store(keys)``: accelerator → host store of hex ``keys`` with their :func:`payload` bytes.
+- ``store(keys, salt)``: accelerator → host store of hex ``keys`` with their :func:`payload` bytes
+  (``salt``: as a request with that ``cache_salt`` under vLLM: held under its tenant keys, with
+  chunk infos naming the engine's block hash of each chunk, which its KV events then carry).
 - ``resolve(keys, req_id, params)``: look ``keys`` up every step until settled; answers the results.
 - ``lookup_once(keys, req_id)``: one round of lookups and one step; answers the results.
 - ``digest(keys)``: xxh3 of the host rows of READY ``keys`` (None where not READY).
@@ -37,6 +39,7 @@ import xxhash  # noqa: E402
 from pipe_commands import serve  # noqa: E402
 
 from kvoffload.config import parse_config  # noqa: E402
+from kvoffload.events import ChunkEventInfo  # noqa: E402
 from kvoffload.ipc.arena import Arena  # noqa: E402
 from kvoffload.namespace import Namespace  # noqa: E402
 from kvoffload.testing.tier_contract import payload  # noqa: E402
@@ -85,14 +88,23 @@ class Instance:
             time.sleep(0.01)
         return {"advertise": tier.advertise, "worker_pid": tier.worker_pid}
 
-    def store(self, keys: list[str]) -> dict:
+    def store(self, keys: list[str], salt: str | None = None) -> dict:
         assert self.tm is not None and self.arena is not None
         ks = [bytes.fromhex(k) for k in keys]
-        plan = self.tm.prepare_store(ks)
+        req = "store"
+        self.tm.set_cache_salt(req, salt)
+        info = None
+        if salt is not None:  # as vLLM's scheduler: a chunk (one block) named by its engine hash
+            tpc = self.tm.namespace.tokens_per_chunk
+            info = {
+                k: ChunkEventInfo([k[:-4]], None, [0] * tpc, tpc, int.from_bytes(k[-4:], "big"))
+                for k in ks
+            }
+        plan = self.tm.prepare_store(ks, req, info)
         assert plan is not None
         for k, s in zip(plan.keys, plan.slots):
             self.arena.rows[s] = payload(k, self.arena.row_bytes)
-        self.tm.complete_store(plan.keys, True)
+        self.tm.complete_store(plan.keys, True, req)
         self.tm.step()  # publishes the step's KV events, when configured
         return {"stored": len(plan.keys)}
 

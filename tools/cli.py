@@ -7,6 +7,7 @@
     kvoffload sweep    remove host arenas of dead engines from /dev/shm (``--list`` to show them),
                        and orphaned temporary files of fs tier roots (``--fs-root``)
     kvoffload check    validate a kv_connector_extra_config JSON file and print the resolved config
+    kvoffload doctor   why instances share nothing or fail at start: configs compared, peers reached
     kvoffload inspect  what an fs tier root or an s3://bucket/prefix holds, per namespace
     kvoffload stress   the tiering manager under generated load and injected faults, loads verified
     kvoffload top      live monitor of a running engine or stress run
@@ -203,10 +204,17 @@ def sweep(list_only: bool, fs_roots: tuple[str, ...], older_than: float | None) 
                 )
                 continue
             state = "live" if a.owner_alive else "owner dead (sweep removes it)"
+            kept = a.state in ("keeping", "kept")
+            if kept and a.owner_alive:  # the lock is its keeper's: sweep leaves it
+                state = (
+                    "dead; kept for a warm restart"
+                    if a.state == "kept"
+                    else "dead; its keeper is taking it over for a warm restart"
+                )
             click.echo(
                 f"{a.name}  owner pid {a.owner_pid} ({state})  engine {a.engine_id or '-'}  "
                 f"{a.num_slots} x {a.row_bytes} B  {a.size_bytes / 2**20:.1f} MiB"
-                f"{'' if a.ready else '  (not initialized)'}"
+                f"{'' if a.ready or kept else '  (not initialized)'}"
             )
     else:
         report = sweep_report()
@@ -378,6 +386,139 @@ def check(
     raise click.ClickException("\n".join(lines))
 
 
+@main.command(
+    epilog="Files: kv_connector_extra_config or the whole --kv-transfer-config (JSON), or a vLLM "
+    "serve configuration (vllm serve --config FILE.yaml: its model, dtype, kv-cache-dtype, "
+    "block-size and prefix-caching-hash-algo are compared too).\n\n"
+    "Checks: each file as `kvoffload check` checks it on this machine (its errors and "
+    "warnings); the namespace fields the files decide, side by side (model and KV dtype, "
+    "cache_salt, chunk size, layout, each shared tier's integrity key, the hash seed given with "
+    "--hash-seed); the p2p tiers' auth and whether they name each other; the "
+    "fs roots and obj buckets each instance uses (shared or not, tmpfs, max_bytes against the "
+    "free space, the namespaces a root already holds and the fields that tell them apart); each "
+    "p2p peer (TCP, then the tier's own handshake: a wrong secret is an auth failure); KV-event "
+    "endpoints bound to a concrete address and --events (something listens, the replay and a "
+    "subscriber see the expected topic); --metrics endpoints, and clock skew from their HTTP "
+    "Date and from event timestamps (the p2p protocol carries no time). Read-only.\n\n"
+    "Exit status: 0 nothing failed (warnings do not change it); 1 at least one check failed; "
+    "2 a usage error (no such file, not a regular file of at most 1 MiB, not JSON or YAML, more "
+    "--hash-seed values than files, an --events or --metrics address of another form)."
+)
+@click.argument("config_files", nargs=-1, required=True, metavar="CONFIG [OTHER]...")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead.")
+@click.option(
+    "--hash-seed",
+    "hash_seeds",
+    multiple=True,
+    metavar="SEED",
+    help="Each instance's PYTHONHASHSEED, once per file in the files' order ('unset' for a "
+    "server started without it) [default: not known].",
+)
+@click.option(
+    "--hash-algo",
+    "hash_algos",
+    multiple=True,
+    metavar="ALGO",
+    help="Each instance's vLLM --prefix-caching-hash-algo, once per file in order "
+    "[default: the file's prefix-caching-hash-algo, else sha256].",
+)
+@click.option(
+    "--block-size",
+    "engine_block_size",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="TOKENS",
+    help="The engines' --block-size, where a file does not give it: compares block_size with "
+    "blocks_per_chunk.",
+)
+@click.option(
+    "--namespace-id",
+    default=None,
+    metavar="HEX",
+    help="The namespace id the engine logs at start ('namespace <id>'): p2p peers are asked "
+    "whether they serve it.",
+)
+@click.option(
+    "--metrics",
+    multiple=True,
+    metavar="URL",
+    help="A running instance's metrics endpoint (HOST:PORT or an http(s) URL; repeatable): it "
+    "answers, "
+    "with kvoffload's metrics; its clock.",
+)
+@click.option(
+    "--events",
+    multiple=True,
+    metavar="ENDPOINT",
+    help="A KV-events PUB endpoint to subscribe to (tcp://HOST:PORT or ipc://PATH; "
+    "repeatable), besides those the configurations bind to a concrete address.",
+)
+@click.option(
+    "--same-host",
+    is_flag=True,
+    help="Every file is an instance of this machine (else only the first): each is checked "
+    "against it, their host arenas together against /dev/shm.",
+)
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=click.FloatRange(min=0, min_open=True, max=600),
+    default=3.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="Limit of each reach of a peer or endpoint.",
+)
+@click.option(
+    "--events-wait",
+    "events_wait_s",
+    type=click.FloatRange(min=0, min_open=True, max=600),
+    default=2.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="How long a subscriber waits for an event batch.",
+)
+def doctor(
+    config_files: tuple[str, ...],
+    as_json: bool,
+    hash_seeds: tuple[str, ...],
+    hash_algos: tuple[str, ...],
+    engine_block_size: int | None,
+    namespace_id: str | None,
+    metrics: tuple[str, ...],
+    events: tuple[str, ...],
+    same_host: bool,
+    timeout_s: float,
+    events_wait_s: float,
+) -> None:
+    """Why instances share nothing, or would fail at start: CONFIG (this machine's instance) and
+    the OTHER instances' configurations, in the forms `kvoffload check` reads, checked and
+    compared, their peers and endpoints reached. A table names each check, its status (ok, warn,
+    fail), what was found and the fix."""
+    from kvoffload.tools import doctor as doc
+
+    options = doc.Options(
+        hash_seeds=list(hash_seeds),
+        hash_algos=list(hash_algos),
+        engine_block_size=engine_block_size,
+        namespace_id=namespace_id,
+        metrics=list(metrics),
+        events=list(events),
+        same_host=same_host,
+        timeout_s=timeout_s,
+        events_wait_s=events_wait_s,
+    )
+    try:
+        report = doc.diagnose(list(config_files), options)
+    except doc.DoctorInputError as e:
+        _bad_input(str(e))
+    if as_json:
+        click.echo(doc.to_json(report))
+    else:
+        doc.render(report, stdout_console())
+    if report.failed:
+        sys.exit(1)
+
+
 @main.command("inspect")
 @click.argument("target", metavar="ROOT_OR_S3_URL")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of tables.")
@@ -402,6 +543,92 @@ def inspect_tier(target: str, as_json: bool, endpoint_url: str | None, region: s
         click.echo(tier_inspect.to_json(report))
         return
     tier_inspect.render(report, stdout_console())
+
+
+@main.command("purge")
+@click.argument("config_file", type=click.File("r"))
+@click.option(
+    "--salt",
+    default=None,
+    metavar="S",
+    help="Remove the chunks of requests with this cache_salt (read from KVOFFLOAD_PURGE_SALT "
+    "when not given: a salt on a command line is in the shell's history).",
+    envvar="KVOFFLOAD_PURGE_SALT",
+    show_envvar=True,
+)
+@click.option(
+    "--namespace", default=None, metavar="ID", help="Remove this namespace (its id) instead."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of a table.")
+def purge_cmd(config_file, salt: str | None, namespace: str | None, as_json: bool) -> None:
+    """Remove a tenant's chunks (--salt), or a namespace's (--namespace), from every fs root and
+    obj bucket of CONFIG_FILE (kv_connector_extra_config's JSON, or the whole
+    --kv-transfer-config), and report what was removed per tier: namespaces, chunks, bytes.
+    Safe while engines run: they get a clean miss for a removed chunk, never a torn read. The salt
+    is used only to compute its tenant id, which names the tenant's directories; it is never
+    printed. Exit status 1 when something could not be removed."""
+    from kvoffload.tools import purge
+
+    try:
+        extra = purge.extra_config_of(config_file.read(), config_file.name)
+        report = purge.purge(extra, salt=salt, namespace=namespace, name=config_file.name)
+    except purge.PurgeError as e:
+        _bad_input(str(e))
+    if as_json:
+        click.echo(purge.to_json(report))
+    else:
+        purge.render(report, stdout_console())
+    if any(t.errors for t in report.tiers):
+        sys.exit(1)
+
+
+TENANT_SALT_ENV = "KVOFFLOAD_TENANT_SALT"
+"""Where ``kvoffload tenant-id`` reads a salt from before stdin (never from its command line)."""
+
+
+@main.command("tenant-id")
+@click.argument("config_file", type=click.File("r"))
+def tenant_id_cmd(config_file) -> None:
+    """Print the tenant id of a cache_salt: the id that names its directories (t-<id>/) and that
+    per-tenant quotas (host_tenant_quotas, a tier's tenant_quotas) and kvoffload_tenant_bytes
+    use. The salt is read from KVOFFLOAD_TENANT_SALT, else from stdin, one salt a line (one id
+    a line out, in order); never from the command line (it would be in the shell's history and
+    in every process listing), and never printed. CONFIG_FILE (kv_connector_extra_config's JSON,
+    or the whole --kv-transfer-config) says whether ids are keyed by tenant_key_env's secret,
+    which must then be set here as for the engines."""
+    from kvoffload.config import parse_config_all
+    from kvoffload.tenants import tenant_id, tenant_secret
+    from kvoffload.tools import purge
+
+    try:
+        extra = purge.extra_config_of(config_file.read(), config_file.name)
+    except purge.PurgeError as e:
+        _bad_input(str(e))
+    parsed = parse_config_all(extra, this_machine=False)
+    if parsed.config is None:
+        _bad_input(f"{config_file.name}: expected a JSON object (kv_connector_extra_config)")
+    key_env = parsed.config.tenant_key_env
+    if any(i.path.endswith(".tenant_key_env") for i in parsed.errors):
+        _bad_input(f"{config_file.name}: tenant_key_env is not a valid variable name")
+    try:
+        secret = tenant_secret(key_env)
+    except ValueError as e:
+        _bad_input(f"{config_file.name}: {e} (tenant ids depend on it)")
+    salt = os.environ.get(TENANT_SALT_ENV)
+    if salt is not None:
+        salts = [salt]
+    elif sys.stdin.isatty():
+        salts = [click.prompt("cache_salt", hide_input=True, err=True)]
+    else:
+        salts = [line.rstrip("\r\n") for line in sys.stdin]
+        salts = [x for x in salts if x]
+    if not salts or not all(salts):
+        _bad_input(
+            f"no salt: set {TENANT_SALT_ENV} or give one salt a line on stdin (an unsalted "
+            "request has no tenant)"
+        )
+    for x in salts:
+        click.echo(tenant_id(x, secret))
 
 
 def _bad_input(message: str):

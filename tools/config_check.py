@@ -92,6 +92,9 @@ DTYPE_BYTES = {
     "fp8_e4m3": 1,
     "fp8_e5m2": 1,
 }
+#: vLLM's other names of a dtype (``--dtype half``, ``--kv-cache-dtype fp8``: e4m3 where not
+#: said), by the name each resolves to.
+DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp8": "fp8_e4m3"}
 
 SYNTAX, MACHINE, MODEL, ONLINE, NOT_CHECKED = (
     "syntax",
@@ -1144,16 +1147,26 @@ def _head_bucket(c: Any, at: str, timeout_s: float) -> Check:
     )
 
 
+def tcp_unreachable(host: str, port: int, timeout_s: float) -> str | None:
+    """Why no TCP connection to ``host:port`` opens within ``timeout_s`` seconds (``no
+    answer``, ``Connection refused``, a name that does not resolve...); None when one does (it is
+    closed at once)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return None
+    except OSError as e:
+        return "no answer" if isinstance(e, socket.timeout) else e.strerror or str(e)
+    except (ValueError, UnicodeError) as e:  # a host name the resolver refuses
+        return str(e)
+
+
 def _connect_peer(peer: str, at: str, options: Options) -> Check:
     from kvoffload.tiers.p2p import parse_peer
 
     host, port = parse_peer(peer, at)
     only = "only reachability is checked, not the shared secret"
-    try:
-        with socket.create_connection((host, port), timeout=options.timeout_s):
-            pass
-    except OSError as e:
-        why = "no answer" if isinstance(e, socket.timeout) else e.strerror or str(e)
+    why = tcp_unreachable(host, port, options.timeout_s)
+    if why is not None:
         return Check(
             check="peer answers",
             path=at,

@@ -109,7 +109,7 @@ class TierReport(msgspec.Struct, kw_only=True):
 def _check_identity(ns_id: str, raw: bytes) -> tuple[dict[str, Any] | None, str | None]:
     """Decode a namespace's ``config.json``; a problem when it is not the namespace's own. A
     keyed namespace's (``integrity_key_id``: its tier has an integrity key) is decoded as such."""
-    from kvoffload.namespace import KeyedNamespace, Namespace
+    from kvoffload.namespace import EncryptedNamespace, KeyedNamespace, Namespace
 
     try:
         fields = json.loads(raw)
@@ -117,7 +117,13 @@ def _check_identity(ns_id: str, raw: bytes) -> tuple[dict[str, Any] | None, str 
         return None, f"config.json is not JSON: {e}"
     if not isinstance(fields, dict):
         return None, "config.json is not a JSON object"
-    kind = KeyedNamespace if "integrity_key_id" in fields else Namespace
+    kind = (
+        EncryptedNamespace
+        if "encryption_key_id" in fields
+        else KeyedNamespace
+        if "integrity_key_id" in fields
+        else Namespace
+    )
     try:
         ns = msgspec.convert(fields, kind)
     except msgspec.ValidationError as e:
@@ -175,7 +181,7 @@ def _scan_fs_namespace(entry: os.DirEntry, stale_age_s: float, now: float) -> Na
             rep.other_files += 1
 
     has_config = False
-    for f in fs_io.namespace_files(entry.path):
+    for f in fs_io.namespace_files(entry.path, tenants=True):
         if f.name == _CONFIG:
             has_config = True
         else:

@@ -75,7 +75,7 @@ def sweep_fs_root(
     now = time.time()
     for ns in namespace_dirs(root):
         try:
-            for f in fs_io.namespace_files(ns.path):
+            for f in fs_io.namespace_files(ns.path, tenants=True):
                 if not fs_io.is_temp_name(f.name):
                     continue
                 try:

@@ -54,11 +54,14 @@ def vllm_shm_names() -> set[str]:
 
 def shm_in_use(pids: Iterable[int] | None = None) -> set[str]:
     """Names in :data:`SHM_DIR` that a live process (of ``pids``; None: any) maps or holds open
-    (from ``/proc/<pid>/maps`` and ``/proc/<pid>/fd``). Processes whose entries cannot be read
-    (another user's, when not root) are skipped: they cannot map this user's segments, which are
-    created mode 0600."""
+    (from ``/proc/<pid>/maps`` and ``/proc/<pid>/fd``). A mapping counts by the file's inode as
+    well as by its name: glibc makes a named semaphore under a temporary name and links it to its
+    own, so its creator's mapping names the temporary (``sem.<six random characters> (deleted)``). Processes whose
+    entries cannot be read (another user's, when not root) are skipped: they cannot map this
+    user's segments, which are created mode 0600."""
     prefix = SHM_DIR + "/"
     held: set[str] = set()
+    inodes: set[int] = set()
     for pid in (str(p) for p in pids) if pids is not None else os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -68,13 +71,45 @@ def shm_in_use(pids: Iterable[int] | None = None) -> set[str]:
                     i = line.find(prefix)
                     if i >= 0:
                         held.add(line[i + len(prefix) :].split(" (deleted)")[0].strip())
+                        fields = line.split(maxsplit=5)
+                        if len(fields) > 4 and fields[4].isdigit():
+                            inodes.add(int(fields[4]))
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 target = os.readlink(f"/proc/{pid}/fd/{fd}")
                 if target.startswith(prefix):
                     held.add(target[len(prefix) :].split(" (deleted)")[0])
         except OSError:  # exited, or not ours to read
             continue
+    if inodes:
+        try:
+            with os.scandir(SHM_DIR) as entries:
+                held.update(e.name for e in entries if e.inode() in inodes)
+        except OSError:
+            pass
     return held
+
+
+def remove_stale_semaphores(before: set[str], min_age_s: float = 180.0) -> list[str]:
+    """Remove ``sem.mp-*`` semaphores made since ``before`` (a :func:`vllm_shm_names` listing)
+    that belong to this user, that no live process maps or holds open, and that were made at
+    least ``min_age_s`` seconds ago: what SIGKILLed vLLM servers left (their resource tracker died
+    with them), which :meth:`VLLMServer.kill` cannot tell from another server's semaphore made in
+    its start window and not yet opened. The age rule keeps those: a semaphore is opened by the
+    process it is for within seconds of being made.
+
+    Returns:
+        The names removed.
+    """
+    stale = {n for n in vllm_shm_names() - before if n.startswith("sem.mp-")}
+    now = time.time()
+    old = set()
+    for name in stale:
+        try:
+            if now - os.stat(os.path.join(SHM_DIR, name)).st_mtime >= min_age_s:
+                old.add(name)
+        except OSError:
+            continue
+    return remove_orphaned_shm(old)
 
 
 def remove_orphaned_shm(candidates: set[str]) -> list[str]:
@@ -143,6 +178,13 @@ class VLLMServer:
         self.proc: subprocess.Popen | None = None
         self._log = None
         self._shm_before: set[str] = set()
+        self.start_semaphores: set[str] = set()
+        """Semaphores (``sem.mp-*``) made while the server started that its processes held once
+        it was healthy: removed after a SIGKILL (:meth:`kill`) if nobody holds them then (its
+        ``multiprocessing`` resource tracker, killed with it, would have). One vLLM makes and
+        leaves unmapped is not among them: it cannot be told from another server's semaphore
+        made in the same window and not yet opened by the process it is for; a SIGKILL leaves it
+        (a few bytes; removing another server's failed that server's start under pytest-xdist)."""
         # Names in /dev/shm the server's processes held when :meth:`stop` began, and those of
         # them it removed after they exited (what the stopped server left there).
         self.held_shm: set[str] = set()
@@ -190,7 +232,7 @@ class VLLMServer:
             ]
         return cmd
 
-    def start(self, timeout_s: float = 300.0) -> VLLMServer:
+    def start(self, timeout_s: float = 600.0) -> VLLMServer:
         """Start and wait until ``/health`` answers.
 
         Raises:
@@ -222,7 +264,14 @@ class VLLMServer:
             start_new_session=True,
         )
         try:
-            return self._wait_healthy(timeout_s)
+            self._wait_healthy(timeout_s)
+            # only those this server's processes hold: a semaphore another server made in the
+            # same window may not be opened yet by the process it is for (vLLM hands them over
+            # by name), and removing it would fail that server's start (SemLock._rebuild)
+            self.start_semaphores = shm_in_use(p.pid for p in self._group()) & {
+                n for n in vllm_shm_names() - self._shm_before if n.startswith("sem.mp-")
+            }
+            return self
         except BaseException:
             # a start that fails or is interrupted (Ctrl-C, SIGTERM) stops what it started: the
             # server runs in a session of its own, which a terminal's signals never reach
@@ -280,18 +329,22 @@ class VLLMServer:
                 pass
         return out
 
-    def stop(self, timeout_s: float = 40.0) -> None:
-        """SIGTERM the process group and wait for all of it to exit (kvoffload's tier workers stay
-        until the engine is gone, then remove its arena); SIGKILL what is left after
-        ``timeout_s``; then remove the shared memory it left in /dev/shm
-        (:func:`remove_orphaned_shm`)."""
+    def stop(self, timeout_s: float = 40.0, sig: signal.Signals = signal.SIGTERM) -> None:
+        """Send ``sig`` (SIGTERM: a clean stop) to the process group and wait for all of it to
+        exit (kvoffload's tier workers stay until the engine is gone, then remove its arena);
+        SIGKILL what is left after ``timeout_s``; then remove the shared memory vLLM left in
+        /dev/shm (:func:`remove_orphaned_shm`). kvoffload's arena janitor (and a warm restart's
+        keeper) runs in a session of its own: no signal to the group reaches it."""
         if self.proc is None:
             return
         # this server's segments: those its processes hold now (made since it started)
         ours = shm_in_use(p.pid for p in self._group()) & (vllm_shm_names() - self._shm_before)
         self.held_shm = ours
+        if sig == signal.SIGKILL:
+            # the resource tracker that would remove them dies with the group
+            ours = ours | self.start_semaphores
         try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+            os.killpg(self.proc.pid, sig)
         except ProcessLookupError:
             pass
         deadline = time.monotonic() + timeout_s
@@ -314,6 +367,15 @@ class VLLMServer:
         if self._log:
             self._log.close()
             self._log = None
+
+    def kill(self, timeout_s: float = 40.0) -> None:
+        """SIGKILL the whole process group at once (a crash: front end, engine core, model runner
+        and tier workers end mid-step, nothing of theirs cleans up), wait for all of it to exit
+        (at most ``timeout_s`` seconds), then remove vLLM's shared memory as :meth:`stop` does,
+        and the semaphores of :attr:`start_semaphores` that no process maps any more (vLLM's
+        resource tracker, killed with the group, would have removed them). What kvoffload keeps for a warm restart
+        (the arena and its keeper) stays."""
+        self.stop(timeout_s, sig=signal.SIGKILL)
 
     def __enter__(self) -> VLLMServer:
         return self.start()

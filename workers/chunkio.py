@@ -126,6 +126,14 @@ class ChunkIO(Protocol):
         ...
 
 
+# Optional, for tenants (kvoffload.tenants): an I/O module that keeps tenants apart gives its
+# ChunkIO two more methods. ``for_tenant(tenant_id: str) -> ChunkIO``: the same I/O for that
+# tenant's chunks (fs and obj: below ``<namespace>/t-<tenant id>/``; ValueError for a string that
+# is no tenant id), which the worker uses for a task naming a tenant; ``tenant_ids() -> list[str]``:
+# the tenants holding chunks of the namespace, whose chunks a scan then lists too. A module
+# without ``for_tenant`` fails a tenant's tasks with ``ERROR``: never the namespace's own storage.
+
+
 class MakeIO(Protocol):
     """The ``make_io`` entry point of an I/O module."""
 

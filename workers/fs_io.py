@@ -28,7 +28,8 @@
   is never read: CASES C45), read the header and the payload straight into the arena slot and
   verify both. Verified corruption (wrong size, wrong header, bad checksum) removes the file;
   transient errors (EIO, EINTR, ...) leave it alone. With an integrity key, a chunk whose MAC is
-  missing or wrong is ``FORGED`` and removed.
+  missing or wrong is ``FORGED`` and removed; with an encryption key, so is one whose AES-GCM tag
+  fails under a good checksum (the checksum covers the seal record too: damage there is corrupt).
 - Scans list the namespace's chunks for capacity accounting and remove orphaned temporary files.
   A temporary file is an orphan when it was last written more than ``stale_temp_age_s`` ago (default
   one hour, at least 10x the job deadline): a live writer renames or removes its file within its job
@@ -39,6 +40,7 @@
 
 from __future__ import annotations
 
+import copy
 import errno
 import itertools
 import mmap
@@ -58,6 +60,7 @@ from kvoffload.ipc import names
 from kvoffload.workers import chunkfile as cf
 from kvoffload.workers import counters
 from kvoffload.workers.chunkio import OK_EMPTY, OK_PRESENT, IOOutcome
+from kvoffload.workers.chunkseal import TAG_BYTES, Sealer, unseal
 from kvoffload.workers.faults import Faults
 from kvoffload.workers.ioconfig import STALE_TEMP_AGE_S, FsIOConfig
 
@@ -261,9 +264,10 @@ def filesystem_of(path: str) -> str:
     return f"{best.fstype} on {best.mountpoint} ({best.device})"
 
 
-def namespace_files(ns_dir: str) -> Iterator[NsFile]:
+def namespace_files(ns_dir: str, tenants: bool = False) -> Iterator[NsFile]:
     """Every file of one namespace directory, streamed (``os.scandir``; nothing is collected): its
-    own files (``config.json``, temporary files), then those of each shard directory ``<hh>/<hh>/``.
+    own files (``config.json``, temporary files), then those of each shard directory ``<hh>/<hh>/``;
+    with ``tenants``, also those of each tenant directory's (``t-<tenant id>/<hh>/<hh>/``).
     Directories are opened with ``O_NOFOLLOW`` and listed by descriptor: a symbolic link is listed
     as a file, never entered. A file may be gone by the time the caller stats it.
 
@@ -274,25 +278,31 @@ def namespace_files(ns_dir: str) -> Iterator[NsFile]:
     """
     fd = os.open(ns_dir, DIR_FLAGS)
     try:
-        yield from _files_below(fd, ns_dir, shard_levels=2)
+        yield from _files_below(fd, ns_dir, shard_levels=2, tenants=tenants)
     finally:
         os.close(fd)
 
 
-def _files_below(dir_fd: int, path: str, shard_levels: int) -> Iterator[NsFile]:
+def _files_below(
+    dir_fd: int, path: str, shard_levels: int, tenants: bool = False
+) -> Iterator[NsFile]:
     """The files in directory ``dir_fd`` (at ``path``) and, ``shard_levels`` directories deep,
-    below it; a shard directory removed or replaced meanwhile is skipped."""
+    below it (``tenants``: a tenant directory here holds shard directories of its own); a shard
+    directory removed or replaced meanwhile is skipped."""
     with os.scandir(dir_fd) as entries:
         for e in entries:
             if not e.is_dir(follow_symlinks=False):
                 yield NsFile(e, dir_fd, os.path.join(path, e.name))
             elif shard_levels > 0:
+                levels = shard_levels - 1
+                if tenants and cf.tenant_from_dir(e.name) is not None:
+                    levels = shard_levels
                 try:
                     sub = os.open(e.name, DIR_FLAGS, dir_fd=dir_fd)
                 except (FileNotFoundError, NotADirectoryError):
                     continue
                 try:
-                    yield from _files_below(sub, os.path.join(path, e.name), shard_levels - 1)
+                    yield from _files_below(sub, os.path.join(path, e.name), levels)
                 finally:
                     os.close(sub)
 
@@ -306,6 +316,9 @@ class FsIO:
         self.ns_bytes = bytes.fromhex(config.namespace_id)
         self.root = config.root_dir  # resolved by the engine: no link of its own to follow
         self.ns_dir = os.path.join(config.root_dir, config.namespace_id)
+        #: The directories from the root to the chunks' shard directories: the namespace's, and
+        #: for a tenant's I/O (:meth:`for_tenant`) the tenant's below it.
+        self._ns_parts: tuple[str, ...] = (config.namespace_id,)
         self.file_bytes = cf.HEADER_BYTES + config.row_bytes
         self._tmp_counter = itertools.count()
         self._tmp_tag = temp_tag()
@@ -315,6 +328,14 @@ class FsIO:
             None
             if config.integrity_key_env is None
             else cf.mac_key(cf.secret_from_env(config.integrity_key_env))
+        )
+        self._sealer = (
+            None
+            if config.encryption_key_env is None
+            else Sealer(
+                cf.secret_from_env(config.encryption_key_env, "encryption_key_env"),
+                config.namespace_id,
+            )
         )
         # Page-aligned scratch for headers (O_DIRECT needs aligned buffers), one per I/O thread.
         self._local = threading.local()
@@ -332,6 +353,15 @@ class FsIO:
             pages = self._local.pages = (view[: cf.HEADER_BYTES], view[cf.HEADER_BYTES :])
         return pages
 
+    def _sealed(self) -> memoryview:
+        """This thread's page-aligned scratch for a sealed chunk: the row's ciphertext, then its
+        tag (``row_bytes + TAG_BYTES`` bytes, in whole pages)."""
+        buf = getattr(self._local, "sealed", None)
+        if buf is None:
+            size = -(-(self.cfg.row_bytes + TAG_BYTES) // cf.HEADER_BYTES) * cf.HEADER_BYTES
+            buf = self._local.sealed = memoryview(mmap.mmap(-1, size))
+        return buf
+
     def path(self, key: bytes) -> str:
         """The chunk file of ``key`` (under the namespace directory, fanned out by key prefix), for
         messages: the file is reached through :meth:`_chunk_dir`, never by this path."""
@@ -348,11 +378,12 @@ class FsIO:
             OSError: otherwise.
         """
         a, b = cf.shard_dirs(key)
-        ns = self.cfg.namespace_id
         mode = self.cfg.dir_mode if create else None
         fd = os.open(self.root, DIR_FLAGS)
         try:
-            for name, where in ((ns, ns), (a, f"{ns}/{a}"), (b, f"{ns}/{a}/{b}")):
+            where = ""
+            for name in (*self._ns_parts, a, b):
+                where = f"{where}/{name}" if where else name
                 sub = open_dir(fd, name, where=where, create_mode=mode)
                 os.close(fd)
                 fd = sub
@@ -431,9 +462,15 @@ class FsIO:
         tmp = None
         try:
             self.faults.hit("before_read_slot", key)
-            header = cf.build_header(self.ns_bytes, key, src, self._mac_key)
+            payload: memoryview = src
+            seal: bytes | None = None
+            if self._sealer is not None:  # encrypted from the row into this thread's scratch
+                out = self._sealed()
+                seal = self._sealer.seal(key, src, out)
+                payload = out[: self.cfg.row_bytes]
+            header = cf.build_header(self.ns_bytes, key, payload, self._mac_key, seal)
             tmp = f".{key.hex()}.{self._tmp_tag}.{next(self._tmp_counter)}{cf.TMP_SUFFIX}"
-            self._write_new_file(d, tmp, key, header, src)
+            self._write_new_file(d, tmp, key, header, payload)
             self.faults.hit("before_publish", key)
             os.rename(tmp, final, src_dir_fd=d, dst_dir_fd=d)
             tmp = None
@@ -609,7 +646,12 @@ class FsIO:
         self.faults.hit("after_metadata_before_read", key)
         self.faults.hit("read_payload", key)
         head, tail = self._scratch()
-        n = os.preadv(fd, [head, memoryview(dst).cast("B"), tail], 0)
+        sealer = self._sealer
+        row = self.cfg.row_bytes
+        sealed = self._sealed() if sealer is not None else None
+        # an encrypted chunk's ciphertext lands in the scratch, decrypted into the row below
+        into = memoryview(dst).cast("B") if sealed is None else sealed[:row]
+        n = os.preadv(fd, [head, into, tail], 0)
         if n != self.file_bytes:
             size = os.fstat(fd).st_size
             if size == self.file_bytes:  # a short read of a whole file: not the file's fault
@@ -623,14 +665,22 @@ class FsIO:
         except cf.ChunkFormatError as e:
             self._remove_bad(d, name, fd)
             return IOOutcome(m.CORRUPT, 0, f"{key.hex()[:16]}: {e}")
-        if cf.payload_checksum(dst) != checksum:
+        if cf.record_checksum(head, into) != checksum:
             self._remove_bad(d, name, fd)
             return IOOutcome(m.CORRUPT, 0, f"{key.hex()[:16]}: checksum mismatch")
         if self._mac_key is not None:
-            why = cf.mac_problem(head, dst, self._mac_key)
+            why = cf.mac_problem(head, into, self._mac_key)
             if why is not None:
                 self._remove_bad(d, name, fd, names.FORGED_REMOVED)
                 return IOOutcome(m.FORGED, 0, f"{key.hex()[:16]}: {why}")
+        why = unseal(sealer, head, key, sealed, dst)
+        if why is not None:
+            if why.startswith("encrypted"):  # a chunk this tier cannot read: not served
+                self._remove_bad(d, name, fd)
+                return IOOutcome(m.CORRUPT, 0, f"{key.hex()[:16]}: {why}")
+            self._remove_bad(d, name, fd, names.FORGED_REMOVED)
+            counters.count(names.DECRYPT_FAILURES)
+            return IOOutcome(m.FORGED, 0, f"{key.hex()[:16]}: {why}")
         return IOOutcome(m.OK, self.file_bytes)
 
     @staticmethod
@@ -705,6 +755,38 @@ class FsIO:
         except (FileNotFoundError, NotADirectoryError):
             pass
         return entries
+
+    def for_tenant(self, tenant: str) -> FsIO:
+        """This I/O for tenant ``tenant``'s chunks (a tenant id): the same files, in
+        ``<namespace>/t-<tenant id>/`` (``chunkfile.tenant_dir``).
+
+        Raises:
+            ValueError: ``tenant`` is not a tenant id.
+        """
+        sub = copy.copy(self)
+        name = cf.tenant_dir(tenant)
+        sub._ns_parts = (*self._ns_parts[:1], name)
+        if self._sealer is not None:  # the tenant's own key
+            sub._sealer = self._sealer.for_tenant(tenant)
+        sub.ns_dir = os.path.join(self.root, self.cfg.namespace_id, name)
+        return sub
+
+    def tenant_ids(self) -> list[str]:
+        """The tenants with a directory in the namespace (their ids), for a scan."""
+        try:
+            fd = os.open(os.path.join(self.root, self.cfg.namespace_id), DIR_FLAGS)
+        except OSError:
+            return []
+        try:
+            with os.scandir(fd) as entries:
+                return [
+                    t
+                    for e in entries
+                    if e.is_dir(follow_symlinks=False)
+                    and (t := cf.tenant_from_dir(e.name)) is not None
+                ]
+        finally:
+            os.close(fd)
 
     def _scan_file(self, f: NsFile, now: float, entries: list) -> None:
         name = f.name

@@ -66,6 +66,9 @@ class FsIOConfig(IOConfig, kw_only=True, tag="fs"):
             for a root shared with a group (``share_with_group``).
         integrity_key_env: the environment variable holding the integrity key (chunks are written
             with, and must carry, a keyed MAC; see ``kvoffload.workers.chunkfile``); None: none.
+        encryption_key_env: the environment variable holding the encryption master key (chunks
+            are stored AES-GCM encrypted, a key per chunk; ``kvoffload.workers.chunkseal``);
+            None: stored as they are.
     """
 
     root_dir: str
@@ -78,6 +81,7 @@ class FsIOConfig(IOConfig, kw_only=True, tag="fs"):
     dir_mode: int = 0o700
     file_mode: int = 0o600
     integrity_key_env: str | None = None
+    encryption_key_env: str | None = None
 
 
 class ObjIOConfig(IOConfig, kw_only=True, tag="obj"):
@@ -96,6 +100,8 @@ class ObjIOConfig(IOConfig, kw_only=True, tag="obj"):
         addressing_style: ``auto``, ``path`` or ``virtual``.
         max_connections: the client's connection pool size.
         integrity_key_env: the environment variable holding the integrity key (as for
+            :class:`FsIOConfig`); None: none.
+        encryption_key_env: the environment variable holding the encryption master key (as for
             :class:`FsIOConfig`); None: none.
         worker_env: (class attribute) :data:`kvoffload.ipc.childenv.CLOUD_ENV`: boto3's
             credentials chain and settings, proxies and CA bundles.
@@ -120,6 +126,7 @@ class ObjIOConfig(IOConfig, kw_only=True, tag="obj"):
     addressing_style: Literal["auto", "path", "virtual"] = "auto"
     max_connections: int = 16
     integrity_key_env: str | None = None
+    encryption_key_env: str | None = None
 
 
 BUILTIN_IO_CONFIGS: tuple[type[IOConfig], ...] = (FsIOConfig, ObjIOConfig)

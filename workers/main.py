@@ -114,6 +114,7 @@ class Worker:
                 f"{spec.io_module}.make_io returned {type(self.io).__name__}, which "
                 f"lacks {', '.join(missing)} (see kvoffload.workers.chunkio.ChunkIO)"
             )
+        self._tenant_io: dict[str, ChunkIO] = {}
         self.marker = _open_marker(1 + max(1, spec.io_threads))
         self.chans = WorkerChannels(spec.jobs_endpoint, spec.identity)
         # Chunks in flight at once, of this task and of the next ones: the I/O calls release the
@@ -315,16 +316,15 @@ class Worker:
             slot, key = task.slots[i], task.keys[i]
             mark(marker_slot, task.task_id)
             try:
+                io = self.io if not task.tenant else self.io_for(task.tenant)
                 if not 0 <= slot < nrows:
                     run.outcomes[i] = IOOutcome(m.REJECTED, 0, f"slot {slot} out of range")
+                elif isinstance(io, IOOutcome):
+                    run.outcomes[i] = io
                 elif run.store:
-                    run.outcomes[i] = self.contained(
-                        "store", key, self.io.store, memoryview(rows[slot])
-                    )
+                    run.outcomes[i] = self.contained("store", key, io.store, memoryview(rows[slot]))
                 else:
-                    run.outcomes[i] = self.contained(
-                        "load", key, self.io.load, memoryview(rows[slot])
-                    )
+                    run.outcomes[i] = self.contained("load", key, io.load, memoryview(rows[slot]))
             except DropTask:
                 run.dropped = True
             except BaseException as e:
@@ -428,12 +428,15 @@ class Worker:
             self.faults.hit(type(task).__name__.removesuffix("Task").lower(), first)
         t0 = time.perf_counter()
         wid = self.spec.worker_id
+        if isinstance(task, m.ScanTask):
+            return self._scan(task, t0)
+        if isinstance(task, m.StopTask):
+            raise TypeError("a stop task is no work to answer")
+        io = self.io if not task.tenant else self.io_for(task.tenant)
+        if isinstance(io, IOOutcome):  # a tenant this I/O cannot serve: every key fails
+            return _result(task.task_id, wid, [io] * len(task.keys), time.perf_counter() - t0)
         if isinstance(task, (m.StoreTask, m.LoadTask)):
-            what, op = (
-                ("store", self.io.store)
-                if isinstance(task, m.StoreTask)
-                else ("load", self.io.load)
-            )
+            what, op = ("store", io.store) if isinstance(task, m.StoreTask) else ("load", io.load)
             rows = self.rows
             outcomes = []
             for slot, key in zip(task.slots, task.keys):
@@ -443,21 +446,56 @@ class Worker:
                     outcomes.append(self.contained(what, key, op, memoryview(rows[slot])))
             return _result(task.task_id, wid, outcomes, time.perf_counter() - t0)
         if isinstance(task, m.ProbeTask):
-            outcomes = [self.contained("probe", key, self.io.probe) for key in task.keys]
+            outcomes = [self.contained("probe", key, io.probe) for key in task.keys]
             return _result(task.task_id, wid, outcomes, time.perf_counter() - t0)
-        if isinstance(task, m.DeleteTask):
-            outcomes = [self.contained("delete", key, self.io.delete) for key in task.keys]
-            return _result(task.task_id, wid, outcomes, time.perf_counter() - t0)
-        if isinstance(task, m.ScanTask):
-            entries = self.io.scan()
-            return m.TaskResult(
-                task.task_id,
-                wid,
-                [],
-                entries=entries if task.list_entries else [],
-                seconds=time.perf_counter() - t0,
+        outcomes = [self.contained("delete", key, io.delete) for key in task.keys]
+        return _result(task.task_id, wid, outcomes, time.perf_counter() - t0)
+
+    def _scan(self, task: m.ScanTask, t0: float) -> m.TaskResult:
+        """Answer a scan: the namespace's chunks, then each tenant's (``TaskResult.tenants``
+        names the tenant of each entry when any is a tenant's)."""
+        entries = list(self.io.scan())
+        tenants: list[str] = []
+        list_tenants = getattr(self.io, "tenant_ids", None)
+        for tenant in list_tenants() if callable(list_tenants) else ():
+            io = self.io_for(tenant)
+            if isinstance(io, IOOutcome):
+                continue
+            found = io.scan()
+            if found and not tenants:
+                tenants = [""] * len(entries)
+            entries.extend(found)
+            tenants.extend([tenant] * len(found))
+        return m.TaskResult(
+            task.task_id,
+            self.spec.worker_id,
+            [],
+            entries=entries if task.list_entries else [],
+            tenants=tenants if task.list_entries else [],
+            seconds=time.perf_counter() - t0,
+        )
+
+    def io_for(self, tenant: str) -> ChunkIO | IOOutcome:
+        """The I/O of tenant ``tenant``'s chunks (the I/O module's ``for_tenant``, kept for the
+        worker's life, at most :data:`_MAX_TENANT_IOS` at once), or the ``ERROR`` outcome every
+        key of the task gets when the module keeps no tenants apart or ``tenant`` is no tenant
+        id: never the namespace's own I/O, where another tenant's chunks would be."""
+        io = self._tenant_io.get(tenant)
+        if io is not None:
+            return io
+        make = getattr(self.io, "for_tenant", None)
+        if not callable(make):
+            return IOOutcome(
+                m.ERROR, 0, f"{self.spec.io_module} keeps no tenants apart (no for_tenant)"
             )
-        raise TypeError(f"unknown task {type(task).__name__}")
+        try:
+            io = make(tenant)
+        except ValueError as e:
+            return IOOutcome(m.REJECTED, 0, str(e))
+        if len(self._tenant_io) >= _MAX_TENANT_IOS:
+            self._tenant_io.clear()
+        self._tenant_io[tenant] = io
+        return io
 
     def close(self, join_s: float = 5.0) -> None:
         """Release the I/O threads, sockets and the arena mapping.
@@ -482,6 +520,10 @@ class Worker:
             os.close(w)
         self.arena.close()
         # The task marker stays mapped until the process ends.
+
+
+_MAX_TENANT_IOS = 4096
+"""Tenants' I/O objects a worker keeps at once (:meth:`Worker.io_for`); more start afresh."""
 
 
 class _Running:

@@ -11,7 +11,8 @@
   the payload into the arena slot. A bad object is verified corruption: it is deleted and the load is
   a miss. A missing object is a miss; anything else (throttling, 5xx, timeouts, refused connections)
   is an I/O error that leaves the object alone. With an integrity key, an object whose MAC is
-  missing or wrong is ``FORGED``, deleted, a miss.
+  missing or wrong is ``FORGED``, deleted, a miss; with an encryption key, so is one whose
+  AES-GCM tag fails under a good checksum (which covers the seal record: damage there is corrupt).
 - Sizes from the endpoint are untrusted (CASES C45): a response whose Content-Length is not exactly
   header plus row is corrupt and its body is never read (the connection is closed, not drained); a
   body without a Content-Length (chunked, or ended by closing) is read at most one byte past that
@@ -28,6 +29,7 @@ Credentials come from explicit config fields or the standard boto3 chain; they a
 
 from __future__ import annotations
 
+import copy
 import io
 
 from kvoffload.ipc import messages as m
@@ -35,6 +37,7 @@ from kvoffload.ipc import names
 from kvoffload.workers import chunkfile as cf
 from kvoffload.workers import counters
 from kvoffload.workers.chunkio import OK_EMPTY, IOOutcome
+from kvoffload.workers.chunkseal import TAG_BYTES, Sealer, unseal
 from kvoffload.workers.faults import Faults
 from kvoffload.workers.ioconfig import ObjIOConfig
 
@@ -168,6 +171,14 @@ class ObjIO:
             if config.integrity_key_env is None
             else cf.mac_key(cf.secret_from_env(config.integrity_key_env))
         )
+        self._sealer = (
+            None
+            if config.encryption_key_env is None
+            else Sealer(
+                cf.secret_from_env(config.encryption_key_env, "encryption_key_env"),
+                config.namespace_id,
+            )
+        )
         self._client = make_client(config)
         from botocore.exceptions import BotoCoreError, ClientError
 
@@ -184,9 +195,15 @@ class ObjIO:
         """PUT one chunk; ``nbytes``: object bytes sent, ``status``: the HTTP status."""
         try:
             self.faults.hit("before_read_slot", key)
-            header = cf.build_header(self.ns_bytes, key, src, self._mac_key)
+            payload: memoryview = src
+            seal: bytes | None = None
+            if self._sealer is not None:  # encrypted in the worker, off the engine's threads
+                out = memoryview(bytearray(len(src) + TAG_BYTES))
+                seal = self._sealer.seal(key, src, out)
+                payload = out[: len(src)]
+            header = cf.build_header(self.ns_bytes, key, payload, self._mac_key, seal)
             self.faults.hit("before_publish", key)
-            body = _Body(header, src)
+            body = _Body(header, payload)
             resp = self._client.put_object(
                 Bucket=self.cfg.bucket, Key=self.name(key), Body=body, ContentLength=len(body)
             )
@@ -259,14 +276,25 @@ class ObjIO:
         except cf.ChunkFormatError as e:
             return str(e), m.CORRUPT
         payload = memoryview(data)[cf.HEADER_BYTES :]
-        if cf.payload_checksum(payload) != checksum:
+        if cf.record_checksum(header, payload) != checksum:
             return "checksum mismatch", m.CORRUPT
         if self._mac_key is not None:
             why = cf.mac_problem(header, payload, self._mac_key)
             if why is not None:
                 return why, m.FORGED
-        memoryview(dst).cast("B")[:] = payload
-        return None, m.OK
+        if self._sealer is None and not cf.header_flags(header) & cf.FLAG_SEALED:
+            memoryview(dst).cast("B")[:] = payload
+            return None, m.OK
+        row = len(payload)
+        sealed = memoryview(bytearray(row + TAG_BYTES))
+        sealed[:row] = payload
+        why = unseal(self._sealer, header, key, sealed, dst)
+        if why is None:
+            return None, m.OK
+        if why.startswith("encrypted"):
+            return why, m.CORRUPT
+        counters.count(names.DECRYPT_FAILURES)
+        return why, m.FORGED
 
     def _delete_quietly(self, name: str) -> None:
         try:
@@ -301,12 +329,42 @@ class ObjIO:
         pages = self._client.get_paginator("list_objects_v2").paginate(
             Bucket=self.cfg.bucket, Prefix=self.base
         )
+        base = self.base
         for page in pages:
             for obj in page.get("Contents", []):
-                key = cf.key_from_name(obj["Key"].rsplit("/", 1)[-1])
+                name = obj["Key"]
+                if name[len(base) :].count("/") != 2:
+                    continue  # not <hh>/<hh>/<key>.kv: a tenant's (t-<id>/...), config.json
+                key = cf.key_from_name(name.rsplit("/", 1)[-1])
                 if key is not None:
                     entries.append((key, int(obj["Size"]), obj["LastModified"].timestamp()))
         return entries
+
+    def for_tenant(self, tenant: str) -> ObjIO:
+        """This I/O for tenant ``tenant``'s chunks (a tenant id): the same objects, below
+        ``<prefix><namespace>/t-<tenant id>/`` (``chunkfile.tenant_dir``).
+
+        Raises:
+            ValueError: ``tenant`` is not a tenant id.
+        """
+        sub = copy.copy(self)
+        sub.base = self.base + cf.tenant_dir(tenant) + "/"
+        if self._sealer is not None:  # the tenant's own key
+            sub._sealer = self._sealer.for_tenant(tenant)
+        return sub
+
+    def tenant_ids(self) -> list[str]:
+        """The tenants with objects in the namespace (their ids), for a scan."""
+        out = []
+        pages = self._client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.cfg.bucket, Prefix=self.base, Delimiter="/"
+        )
+        for page in pages:
+            for p in page.get("CommonPrefixes", []):
+                t = cf.tenant_from_dir(p["Prefix"][len(self.base) :].rstrip("/"))
+                if t is not None:
+                    out.append(t)
+        return out
 
 
 def make_io(config: ObjIOConfig, faults: Faults) -> ObjIO:  # a chunkio.MakeIO

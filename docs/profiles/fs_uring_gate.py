@@ -191,7 +191,7 @@ class UringFs:
             checksum = cf.parse_header(head.tobytes(), io.ns_bytes, key, io.cfg.row_bytes)
         except cf.ChunkFormatError:
             return -1001
-        if cf.payload_checksum(row) != checksum:
+        if cf.record_checksum(head.tobytes(), row) != checksum:
             return -1002
         return 2
 

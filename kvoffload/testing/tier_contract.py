@@ -30,7 +30,10 @@ What it checks (DESIGN.md §4, "Secondary tiers"):
 - deadlines: a hung worker task fails after the tier's ``job_timeout_s`` and the tier serves again;
 - events: stores (and, for bounded tiers, evictions) publish ``BlockStored`` / ``BlockRemoved``
   with the tier's medium, locality and name, and movement events with its locality;
-- metrics: the tier's transfers, failures and own counters reach kvoffload's ``/metrics``.
+- metrics: the tier's transfers, failures and own counters reach kvoffload's ``/metrics``;
+- tenants: requests with different ``cache_salt`` values (and none) store the same engine keys
+  with different bytes; no lookup under one salt ever hits a chunk stored under another, each
+  reads back its own bytes (from a fresh engine too, for a persistent tier).
 
 Tests that need kvoffload's worker pool (worker death, deadlines, injected faults) are skipped for a
 tier whose :attr:`TierUnderTest.runs_workers` is False (the memory tier); the removal-event test
@@ -66,6 +69,7 @@ from kvoffload.config import parse_config
 from kvoffload.events import END_SEQ
 from kvoffload.ipc.arena import Arena
 from kvoffload.namespace import Namespace, chunk_keys
+from kvoffload.tenants import tenant_key
 from kvoffload.tiering import TieringManager
 from kvoffload.tiers.base import JobMetadata, JobResult, LookupResult, SecondaryTierManager
 
@@ -129,6 +133,12 @@ class TierUnderTest:
         chunk_bytes: the bytes the tier moves to store or load one chunk, as its storage holds
             it (fs and obj: the chunk file's header page plus the row); None: ``row_bytes``.
             ``kvoffload_tier_transfer_bytes_total`` must count exactly that per chunk moved.
+        persistent: a second engine built from ``config()`` (the same storage) finds what the
+            first stored (fs, obj; p2p: the same peer): the tenant test then checks a fresh
+            engine too, which knows nothing of the chunks and must ask the storage.
+        in_live_engines: the tier's storage is other live engines' host tiers (p2p: its
+            peers'), which ``kvoffload purge`` cannot reach; a persistent tier without it must
+            be purged by its class's ``purge_storage``.
     """
 
     config: Callable[..., dict[str, Any]]
@@ -142,6 +152,8 @@ class TierUnderTest:
     ready: Callable[[SecondaryTierManager], bool] | None = None
     counts_events: bool = True
     chunk_bytes: int | None = None
+    persistent: bool = False
+    in_live_engines: bool = False
 
 
 # -- the engine the suite drives -------------------------------------------------------------------
@@ -231,14 +243,21 @@ class ContractEngine:
         self.tm.shutdown()
         self.arena.close()
 
-    def store(self, keys: Sequence[bytes], wait: bool = True) -> None:
-        """Accelerator → host store of ``keys`` (their :func:`payload`), then write-through to
-        the tier; with ``wait``, until the tier's store job has ended."""
-        plan = self.tm.prepare_store(list(keys))
+    def store(
+        self,
+        keys: Sequence[bytes],
+        wait: bool = True,
+        req_id: str = "",
+        row: Callable[[bytes], np.ndarray] | None = None,
+    ) -> None:
+        """Accelerator → host store of ``keys`` (their :func:`payload`, or ``row(key)``) by
+        ``req_id``, then write-through to the tier; with ``wait``, until the tier's store job
+        has ended."""
+        plan = self.tm.prepare_store(list(keys), req_id)
         assert plan is not None and list(plan.keys) == list(keys), "host tier refused the store"
         for k, s in zip(plan.keys, plan.slots):
-            self.arena.rows[s] = payload(k, self.row_bytes)
-        self.tm.complete_store(plan.keys, True)
+            self.arena.rows[s] = payload(k, self.row_bytes) if row is None else row(k)
+        self.tm.complete_store(plan.keys, True, req_id)
         if wait:
             assert self.tm.wait_idle(WAIT_S), "the tier's store job did not end"
 
@@ -270,6 +289,13 @@ class ContractEngine:
             assert np.array_equal(row, payload(k, self.row_bytes)), "wrong bytes served"
             assert self.tm.source_of(k, "req") == self.name
 
+    def drop_tenant_from_host(self, keys: Sequence[bytes], req_id: str) -> None:
+        """Remove ``req_id``'s chunks of ``keys`` (its tenant keys, :func:`~kvoffload.tenants
+        .tenant_key`, when it has a ``cache_salt``) from the host tier."""
+        tenant = self.tm.tenant_of_request(req_id)
+        held = [tenant_key(k, tenant) if tenant else k for k in keys]
+        self.drop_from_host([k for k in held if self.tm.host.lookup(k) is not MISS])
+
     def worker_pids(self, kind: str) -> list[int]:
         """PIDs of the tier's ``"loads"`` or ``"stores"`` worker processes."""
         return list(self.tier.worker_pids()[kind])  # type: ignore[attr-defined]
@@ -298,9 +324,13 @@ def replay(endpoint: str, topic: bytes) -> list[Any]:
 
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """``(sample name, sorted labels) -> value`` of a Prometheus text endpoint."""
+    return samples(urllib.request.urlopen(url, timeout=30).read().decode())
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """``(sample name, sorted labels) -> value`` of a Prometheus text exposition."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = urllib.request.urlopen(url, timeout=30).read().decode()
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for fam in text_string_to_metric_families(text)
@@ -309,6 +339,29 @@ def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 # -- the suite ----------------------------------------------------------------------------------
+
+
+class _Tenants:
+    """Tenants ``a`` and ``b`` (each a fresh ``cache_salt``) and ``""`` (unsalted requests), each
+    storing the same engine keys with its own bytes (``row_bytes`` bytes a chunk)."""
+
+    def __init__(self, row_bytes: int):
+        self.salts = {
+            "a": "tenant-a-" + os.urandom(8).hex(),
+            "b": "tenant-b-" + os.urandom(8).hex(),
+        }
+        self.row_bytes = row_bytes
+        self._turn = itertools.count()
+
+    def request(self, e: ContractEngine, who: str) -> str:
+        """A new request of ``who`` on engine ``e`` (its salt set); returns its id."""
+        req = f"{who or 'unsalted'}-{next(self._turn)}"
+        e.tm.set_cache_salt(req, self.salts.get(who))
+        return req
+
+    def row_of(self, who: str) -> Callable[[bytes], np.ndarray]:
+        """``who``'s bytes of a chunk, by key: ``(row_bytes,)`` uint8."""
+        return lambda k: payload(xxhash.xxh3_128_digest(k + who.encode()), self.row_bytes)
 
 
 class TierContract:
@@ -362,6 +415,134 @@ class TierContract:
             e.assert_serves(keys)
             assert e.tm.stats.promotions[e.name] == 6
             assert e.tm.stats.promotion_failures[e.name] == 0
+
+    # tenants ----------------------------------------------------------------------------------
+
+    def test_no_lookup_under_one_salt_hits_a_chunk_stored_under_another(self, tier_under_test):
+        """Requests with ``cache_salt`` A, B and none store the same engine keys, each with
+        its own bytes. Before the others store, B's and the unsalted lookups of A's keys miss
+        (host tier, then the tier alone); afterwards each reads back exactly its own bytes,
+        served by the tier, and so does a fresh engine over the same storage."""
+        tut = tier_under_test
+        keys = keys_for(2, seed=27)
+        tenants = _Tenants(tut.row_bytes)
+        salts, request, row_of = tenants.salts, tenants.request, tenants.row_of
+
+        def reads_own(e: ContractEngine, who: str) -> None:
+            req = request(e, who)
+            assert e.resolve(keys, req) == [HIT] * len(keys), f"{who or 'unsalted'} lost its chunks"
+            for k, row in zip(keys, e.read(keys, req)):
+                assert np.array_equal(row, row_of(who)(k)), f"{who or 'unsalted'}: wrong bytes"
+                assert e.tm.source_of(k, req) == e.name
+
+        with self.engine(tut) as e:
+            writer = request(e, "a")
+            e.store(keys, req_id=writer, row=row_of("a"))
+            for who in ("b", ""):  # A's chunks in the host tier and the tier
+                assert e.resolve(keys, request(e, who)) == [MISS] * len(keys)
+            e.drop_tenant_from_host(keys, writer)
+            for who in ("b", ""):  # A's chunks in the tier alone
+                assert e.resolve(keys, request(e, who)) == [MISS] * len(keys)
+            assert e.tm.stats.promotions[e.name] == 0
+            for who in ("b", ""):
+                req = request(e, who)
+                e.store(keys, req_id=req, row=row_of(who))
+                e.drop_tenant_from_host(keys, req)
+            for who in ("a", "b", ""):
+                reads_own(e, who)
+        if not tut.persistent:
+            return
+        salts["c"] = "tenant-c-" + os.urandom(8).hex()  # stored nothing
+        with self.engine(tut) as fresh:  # nothing known: every verdict comes from the storage
+            assert fresh.resolve(keys, request(fresh, "c")) == [MISS] * len(keys)
+            for who in ("b", "a", ""):
+                reads_own(fresh, who)
+
+    def test_a_purge_leaves_nothing_of_the_tenant(self, tier_under_test):
+        """``kvoffload purge --salt A`` (:func:`kvoffload.tools.purge.purge`) over a config
+        holding the tier, while an engine uses it. A tier whose storage outlives its engines
+        (its class's :meth:`~kvoffload.tiers.base.SecondaryTierManager.purge_storage` answers)
+        removes A's chunks and nothing else: the running engine and a fresh one miss A's
+        chunks, read B's and the unsalted ones with their own bytes, and the report counts
+        A's chunks. For a tier that keeps nothing beyond its engine the command says there is
+        nothing persistent to purge; then nothing of A's outlives the engine (a fresh engine finds none), unless the tier's
+        storage is another live engine's (the p2p tier: its peers' host tiers, erased when
+        those engines end)."""
+        from kvoffload.tools.purge import PurgeError, purge
+
+        tut = tier_under_test
+        cfg = tut.config()
+        keys = keys_for(2, seed=28)
+        tenants = _Tenants(tut.row_bytes)
+        salts, request, row_of = tenants.salts, tenants.request, tenants.row_of
+
+        def after_purge(e: ContractEngine) -> None:
+            assert e.resolve(keys, request(e, "a")) == [MISS] * len(keys), "A's chunks served"
+            for who in ("b", ""):
+                req = request(e, who)
+                assert e.resolve(keys, req) == [HIT] * len(keys), f"{who or 'unsalted'} lost"
+                for k, row in zip(keys, e.read(keys, req)):
+                    assert np.array_equal(row, row_of(who)(k)), f"{who or 'unsalted'}: bytes"
+                e.drop_tenant_from_host(keys, req)
+
+        with self.engine(tut, cfg) as e:
+            for who in ("a", "b", ""):
+                req = request(e, who)
+                e.store(keys, req_id=req, row=row_of(who))
+                e.drop_tenant_from_host(keys, req)
+            try:
+                report = purge(
+                    {"cpu_bytes_to_use": 8 * tut.row_bytes, "secondary_tiers": [cfg]},
+                    salt=salts["a"],
+                )
+            except PurgeError as err:  # the tier keeps nothing beyond its engine: told so
+                assert "no persistent tier" in str(err), err
+                assert not tut.persistent or tut.in_live_engines, (
+                    "the tier's storage outlives its engines, and kvoffload purge skips it: "
+                    "define purge_storage on its class"
+                )
+                report = None
+            if report is not None:
+                (done,) = report.tiers
+                assert done.errors == [] and done.chunks == len(keys), done
+                after_purge(e)
+        if report is not None:
+            with self.engine(tut, cfg) as fresh:  # nothing known: the storage answers
+                after_purge(fresh)
+        elif not tut.persistent:
+            with self.engine(tut, cfg) as fresh:
+                assert fresh.resolve(keys, request(fresh, "a")) == [MISS] * len(keys)
+
+    def test_a_tenant_past_its_quota_loses_only_its_own_oldest_chunks(self, tier_under_test):
+        """A capped worker-backed tier (its capacity ledger counts each tenant's bytes) with
+        ``tenant_quota_bytes`` of two chunks: tenant A stores four chunks one request at a time,
+        B two; A's two oldest are evicted from the tier, its newest two and all of B's are
+        served by it (DESIGN.md "Tenants", quotas)."""
+        tut = tier_under_test
+        if not (tut.evicts and tut.runs_workers):
+            pytest.skip("per-tenant quotas need a worker-backed tier's capacity ledger")
+        chunk = tut.chunk_bytes or tut.row_bytes
+        cfg = {**tut.config(capacity_chunks=16), "tenant_quota_bytes": 2 * chunk}
+        a_keys, b_keys = keys_for(4, seed=31), keys_for(2, seed=32)
+        salts = {"a": "tenant-a-" + os.urandom(8).hex(), "b": "tenant-b-" + os.urandom(8).hex()}
+        with self.engine(tut, cfg) as e:
+            tm = e.tm
+            tm.set_cache_salt("b", salts["b"])
+            e.store(b_keys, req_id="b")
+            tm.on_request_finished("b")
+            for i, k in enumerate(a_keys):  # each its own request: the oldest ranks lowest
+                tm.set_cache_salt(f"a{i}", salts["a"])
+                e.store([k], req_id=f"a{i}")
+                tm.on_request_finished(f"a{i}")
+            assert e.tier.counters.get("tenant_quota_evictions") == 2
+            for who, keys, want in (
+                ("a", a_keys, [MISS, MISS, HIT, HIT]),
+                ("b", b_keys, [HIT, HIT]),
+            ):
+                req = f"read-{who}"
+                tm.set_cache_salt(req, salts[who])
+                e.drop_tenant_from_host(keys, req)
+                assert e.resolve(keys, req) == want, who
 
     # missing keys -----------------------------------------------------------------------------
 

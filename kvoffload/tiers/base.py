@@ -19,11 +19,15 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from typing import Any, ClassVar, Protocol, TypeGuard, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeGuard, runtime_checkable
 
 import msgspec
 
+from kvoffload.costs import SMOOTHING
 from kvoffload.metrics import CORE_METRICS, MetricDef, MetricSet
+
+if TYPE_CHECKING:
+    from kvoffload.quotas import TenantQuotas
 
 
 class LookupResult(enum.Enum):
@@ -46,6 +50,10 @@ class JobMetadata(msgspec.Struct, kw_only=True, gc=False):
         req_id: the request that caused it ("" when none; :data:`PEER_PROMOTION` for a promotion
             a peer's lookup started, or a probe of a tier judged slower than recompute: no
             request of this engine waits for it).
+        tenant: the tenant whose chunks ``keys`` are (a tenant id of
+            :func:`kvoffload.tenants.tenant_id`; the keys are then tenant keys,
+            :func:`kvoffload.tenants.tenant_key`), "" for none. A persistent tier keeps them in
+            that tenant's directory or prefix (``t-<tenant id>/`` below the namespace's).
     """
 
     job_id: int
@@ -53,6 +61,7 @@ class JobMetadata(msgspec.Struct, kw_only=True, gc=False):
     slots: list[int]
     is_promotion: bool
     req_id: str = ""
+    tenant: str = ""
 
     @property
     def request(self) -> str:
@@ -157,6 +166,12 @@ class SecondaryTierManager(ABC):
     locality: str = "LOCAL"  # a class default; a tier may set its own (config `locality`)
     shared: ClassVar[bool] = False
     metric_definitions: ClassVar[tuple[MetricDef, ...]] = ()
+    #: What a lookup this tier answered RETRY takes until its verdict with nothing queued ahead
+    #: of it (seconds: a probe's round trip; exponentially weighted by
+    #: :data:`kvoffload.costs.SMOOTHING`), None until one is measured (:meth:`lookup_answered`):
+    #: a request waits at RETRY no longer than a few of them behind the tier's outstanding loads
+    #: (reason ``lookup_overran``, :meth:`kvoffload.tiering.TieringManager._wait`).
+    lookup_seconds: float | None = None
 
     def __init__(
         self, *, name: str, arena_view: memoryview, namespace: Any, config: msgspec.Struct
@@ -170,6 +185,12 @@ class SecondaryTierManager(ABC):
         self.metrics = MetricSet(CORE_METRICS + type(self).metric_definitions)
         self._own_counters = {d.name for d in type(self).metric_definitions if d.kind == "counter"}
 
+    def lookup_answered(self, seconds: float) -> None:
+        """A lookup answered RETRY got its verdict after ``seconds``, with nothing queued ahead
+        of it (a sample of :attr:`lookup_seconds`; a timeout is no sample)."""
+        ls = self.lookup_seconds
+        self.lookup_seconds = seconds if ls is None else ls + SMOOTHING * (seconds - ls)
+
     @classmethod
     def effective_config(cls, config: Any) -> Any:
         """``config`` (an instance of ``config_class``) with every default that this tier decides
@@ -179,6 +200,27 @@ class SecondaryTierManager(ABC):
         ``unset_means`` (``{field: words}``, optional) says which. This base: ``config``
         unchanged."""
         return config
+
+    @classmethod
+    def purge_storage(
+        cls, name: str, config: Any, *, tenant: str | None, namespace: str | None
+    ) -> Any:
+        """``kvoffload purge``: remove tenant ``tenant``'s chunks (a tenant id,
+        :func:`kvoffload.tenants.tenant_id`) or namespace ``namespace``'s (a namespace id) from
+        the storage ``config`` (an instance of ``config_class``) names, safely while engines use
+        it, and say what was removed: a :class:`kvoffload.tiers.purging.TierPurge`. Exactly one of
+        ``tenant`` and ``namespace`` is given.
+
+        This base answers None: the tier keeps nothing that outlives its engine (the memory tier;
+        the p2p tier, whose chunks are its peers' host tiers'), and the command lists it as
+        skipped. A tier whose storage outlives its engines (fs, obj, a persistent out-of-tree
+        tier) overrides it; the tier contract suite checks that it leaves nothing of the tenant.
+
+        Raises:
+            kvoffload.tiers.purging.PurgeError: the storage cannot be reached; the command reports
+                it as this tier's error and purges the others all the same.
+        """
+        return None
 
     def count(self, counter: str, n: float = 1) -> None:
         """Add ``n`` to one of this tier's counters: a declared counter of ``metric_definitions``
@@ -190,6 +232,39 @@ class SecondaryTierManager(ABC):
 
     def report_metrics(self, metrics: MetricSet) -> None:
         """Set this tier's gauges (called at each scrape, from the scraping thread: read only)."""
+
+    def tenant_of(self, key: bytes) -> str:
+        """The tenant (a tenant id, "" for none) of chunk ``key`` as the tiering manager knows
+        it: a lookup's or a delete's key, where no job names one (the manager replaces this
+        with its own when the tier joins it). Jobs name theirs (:attr:`JobMetadata.tenant`).
+        This base: "" (no tenant)."""
+        return ""
+
+    def engine_key_of(self, key: bytes) -> bytes:
+        """The engine's key of chunk ``key`` as the tiering manager knows it: a tenant key's
+        engine key (:mod:`kvoffload.tenants`), ``key`` itself for an engine key or a key the
+        manager does not know. For a tier whose hints are kept by engine key (the p2p tier's
+        locations, learnt from peers' KV events, which name engine keys) asked for a tenant key
+        (the manager replaces this with its own when the tier joins it; engine thread, under
+        the manager's lock). This base: ``key``."""
+        return key
+
+    def held_tenant(self, key: bytes) -> str:
+        """The tenant of chunk ``key`` as this tier's own count holds it ("" for none, or a
+        chunk it does not count): a bounded tier's stored and scanned chunks. The tiering
+        manager keeps the engine key of what a tier holds so, and leaves out the events of a
+        tenant's chunk whose engine key it never knew (found by a start scan). This base: ""."""
+        return ""
+
+    def holds_tenants(self) -> bool:
+        """Whether :meth:`held_tenant` may answer a tenant for some chunk. This base: False."""
+        return False
+
+    def tenant_quotas(self) -> TenantQuotas | None:
+        """The tier's per-tenant quotas and the bytes each tenant holds in it
+        (:class:`~kvoffload.quotas.TenantQuotas`, read by metrics scrapes), None when it holds
+        no tenant to a quota. This base: None."""
+        return None
 
     @abstractmethod
     def lookup(self, key: bytes, req_id: str = "") -> LookupResult:

@@ -32,6 +32,12 @@ written are reserved (``unit_bytes`` each) on top of it; chunks whose delete has
 medium is full), space is reused only once a removal is confirmed (:meth:`cautious`): a store that
 finds no such room is refused at once and the ledger evicts ahead (``headroom``) for the next one.
 
+Per-tenant quotas (:meth:`Capacity.limit_tenants`, :mod:`kvoffload.quotas`): each counted chunk
+of a tenant counts for it, and a chunk admitted for a tenant at its quota first evicts that
+tenant's own lowest-ranked chunk (``tenant_quota_evictions``), or is refused (``TENANT_QUOTA``,
+``tenant_quota_refusals``) when none may go. A tenant's bytes are those counted plus those
+reserved for its writes; chunks evicted whose delete has not answered count for nobody.
+
 Counters go to ``count`` (the tier's :meth:`~kvoffload.tiers.base.SecondaryTierManager.count`);
 an evicted chunk's present verdict is dropped through ``forget``. The clock is injected (``clock``:
 monotonic seconds). Not thread-safe: the engine thread drives it.
@@ -49,6 +55,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from kvoffload.ipc import messages as m
 from kvoffload.ipc import names
 from kvoffload.policies import PrefixRanks, RankHeap
+from kvoffload.quotas import TenantQuotas
 
 EVICTED_MEMORY = 65536
 """Evictions remembered to spot probes that saw a chunk just before it was deleted."""
@@ -152,6 +159,46 @@ class Capacity:
         self.lowered_cap: int | None = None
         #: Bytes evicted ahead while space is reused only once confirmed.
         self.headroom = 0
+        #: Per-tenant quotas (:meth:`limit_tenants`), None: none (the default).
+        self.quotas: TenantQuotas | None = None
+        self._tenant_of: Callable[[bytes], str] = lambda key: ""
+        self._reserved_for: dict[bytes, str] = {}  # a reserved chunk -> its tenant (quotas)
+        self._pending: dict[str, int] = {}  # a tenant -> bytes reserved for its writes
+
+    def limit_tenants(
+        self, default: int | None, overrides: dict[str, int], tenant_of: Callable[[bytes], str]
+    ) -> TenantQuotas:
+        """Hold each tenant to its quota from now on (call before the first store).
+
+        Args:
+            default: every tenant's quota (bytes), None: only ``overrides``.
+            overrides: tenant id -> its quota (bytes).
+            tenant_of: the tenant of a chunk being counted ("" for none: not counted).
+
+        Raises:
+            ValueError: the ledger is unbounded (``max_bytes``), or a quota is smaller than one
+                chunk; the message names the setting and the fix.
+        """
+        if not self.bounded:
+            raise ValueError(
+                "tenant_quota_bytes: a per-tenant quota needs the tier's capacity ledger "
+                "(max_bytes): set max_bytes"
+            )
+        self.quotas = TenantQuotas(
+            default,
+            overrides,
+            lambda: self.ranks,
+            unit=(self.unit_bytes, "chunk", "tenant_quota"),
+        )
+        self._tenant_of = tenant_of
+        return self.quotas
+
+    def tenant_bytes(self, tenant: str) -> int:
+        """Bytes ``tenant`` holds against its quota: counted plus reserved for its writes."""
+        q = self.quotas
+        if q is None:
+            return 0
+        return q.held.get(tenant, 0) + self._pending.get(tenant, 0)
 
     # -- the cap --------------------------------------------------------------------------------
 
@@ -206,23 +253,28 @@ class Capacity:
 
     # -- admission and eviction -----------------------------------------------------------------
 
-    def admit(self, keys: list[bytes]) -> tuple[list[int], dict[bytes, int]]:
-        """Reserve room for a store of ``keys``, evicting the lowest-ranked chunks (never one
-        loading or of this store). Returns the positions to write and the keys refused with their
-        codes: ``REJECTED`` for a chunk whose delete is pending (a writer would find the old copy,
-        skip the write, and the delete would remove the chunk counted as stored), ``NO_SPACE`` when
-        no room can be made; every new chunk after a refused one with the same code (``keys`` are
-        a prefix: nothing past a hole could be served, C48). Counts ``store_skipped_deleting``,
-        ``store_refused_no_room`` and ``store_refused_after_hole``.
+    def admit(self, keys: list[bytes], tenant: str = "") -> tuple[list[int], dict[bytes, int]]:
+        """Reserve room for a store of ``keys`` (``tenant``'s chunks, "" for none), evicting the
+        lowest-ranked chunks (never one loading or of this store). Returns the positions to write
+        and the keys refused with their codes: ``REJECTED`` for a chunk whose delete is pending (a
+        writer would find the old copy, skip the write, and the delete would remove the chunk
+        counted as stored), ``TENANT_QUOTA`` when the tenant is at its quota and none of its own
+        chunks may be evicted, ``NO_SPACE`` when no room can be made; every new chunk after a
+        refused one with the same code (``keys`` are a prefix: nothing past a hole could be
+        served, C48). Counts ``store_skipped_deleting``, ``store_refused_no_room``,
+        ``store_refused_after_hole``, ``tenant_quota_evictions`` and ``tenant_quota_refusals``.
         Unbounded: every position, nothing reserved."""
         cap = self.capacity_bytes
         if cap is None:
             return list(range(len(keys))), {}
         index = self.index
         protect = set(keys)
+        quotas = self.quotas
+        limited = quotas is not None and quotas.limit(tenant) is not None
         admitted: list[int] = []
         rejected: dict[bytes, int] = {}
         hole = after = 0  # the code of the first chunk refused; new chunks refused after it
+        ahead = sum(k not in index and k not in self.reserved for k in keys) if limited else 0
         for i, k in enumerate(keys):
             if k in index:
                 admitted.append(i)  # the worker sees the chunk and skips the write (ranked then)
@@ -243,19 +295,76 @@ class Capacity:
                 self.refused[k] = self.refused.get(k, 0) + 1
                 self.count("store_skipped_deleting", 1)
                 continue
+            if limited:
+                ahead -= 1
+            if limited and not self._tenant_room(tenant, protect, ahead):
+                rejected[k] = hole = m.TENANT_QUOTA
+                self.refused[k] = self.refused.get(k, 0) + 1
+                continue
             if not self.make_room(protect):
                 rejected[k] = hole = m.NO_SPACE
                 self.refused[k] = self.refused.get(k, 0) + 1
                 continue
             self.reserved[k] = self.unit_bytes
+            if limited:
+                self._reserved_for[k] = tenant
+                self._pending[tenant] = self._pending.get(tenant, 0) + self.unit_bytes
             admitted.append(i)
         if after:
             self.count("store_refused_after_hole", after)
+        if hole == m.TENANT_QUOTA:
+            assert quotas is not None
+            quotas.refusals += 1 + after
+            self.count("tenant_quota_refusals", 1 + after)
         if hole == m.NO_SPACE:
             self.count("store_refused_no_room", 1)
             if self.cautious():  # evict ahead for them all, so the next store finds room
                 self.headroom = max(self.headroom, min((1 + after) * self.unit_bytes, cap // 2))
         return admitted, rejected
+
+    def _tenant_room(self, tenant: str, protect: set[bytes], ahead: int = 0) -> bool:
+        """Evict ``tenant``'s own lowest-ranked chunks (never one loading or of this store)
+        until one more of its chunks fits under its quota; True when it fits. Once it must
+        evict, it makes room for the ``ahead`` new chunks of the store after this one too, in
+        one :meth:`~kvoffload.quotas.TenantQuotas.victims` call: each call walks past the
+        tenant's chunks that may not go (loading, of this store), so one call per chunk cost a
+        store O(chunks x those)."""
+        quotas = self.quotas
+        assert quotas is not None
+        limit = quotas.limit(tenant)
+        assert limit is not None
+        unit, keys, members = self.unit_bytes, self._keys, self._heap.members
+        if self.tenant_bytes(tenant) + unit <= limit:
+            return True
+
+        def may_evict(ident: int) -> bool:
+            return ident in members and keys[ident] not in protect
+
+        want = -(-(self.tenant_bytes(tenant) + (1 + ahead) * unit - limit) // unit)
+        self._evict_for_quota(quotas.victims(tenant, want, may_evict))
+        return self.tenant_bytes(tenant) + unit <= limit
+
+    def enforce_quotas(self) -> None:
+        """Evict each tenant's own lowest-ranked chunks (never one loading) until it is within
+        its quota (after a start scan counted what earlier runs stored)."""
+        quotas = self.quotas
+        if quotas is None:
+            return
+        members = self._heap.members
+        for tenant in [t for t in quotas.held if quotas.over(t, self._pending.get(t, 0)) > 0]:
+            over = quotas.over(tenant, self._pending.get(tenant, 0))
+            short = -(-over // self.unit_bytes)
+            self._evict_for_quota(quotas.victims(tenant, short, members.__contains__))
+
+    def _evict_for_quota(self, idents: list[int]) -> None:
+        """Evict a tenant's own chunks ``idents`` for its quota, counted as such."""
+        assert self.quotas is not None
+        for ident in idents:
+            self._heap.discard(ident)
+            self._evict(ident)
+        self.quotas.evictions += len(idents)
+        if idents:
+            self.count("tenant_quota_evictions", len(idents))
 
     def make_room(self, protect: set[bytes]) -> bool:
         """Evict the lowest-ranked chunks until one more fits under the cap; True when it fits.
@@ -293,6 +402,12 @@ class Capacity:
             self._heap.restore((), deferred)
         if ident < 0:
             return False
+        self._evict(ident)
+        return True
+
+    def _evict(self, ident: int) -> None:
+        """Evict counted chunk ``ident`` (out of the heap already): no longer counted, its
+        delete queued."""
         k = self._keys[ident]
         assert k is not None
         nbytes = self._uncount(k)
@@ -302,7 +417,6 @@ class Capacity:
         self.delete_queue.append(k)
         self._remember_eviction(k, self.clock())
         self.count(names.EVICTIONS, 1)
-        return True
 
     def enforce(self) -> None:
         """Evict (never retrying a failed removal) until the counted bytes fit under the cap, less
@@ -352,6 +466,10 @@ class Capacity:
         self._ids[key] = ident
         self.ranks.admitted((ident,))
         self._heap.reranked((ident,))  # an entry of the id's previous key is not its
+        if self.quotas is not None:  # at the lowest rank it will have (ranks only rise)
+            tenant = self._tenant_of(key)
+            if tenant:
+                self.quotas.count(ident, tenant, nbytes)
         return ident
 
     def counted_before(self, key: bytes, t: float) -> bool:
@@ -366,6 +484,8 @@ class Capacity:
         self.used_bytes -= nbytes
         ident = self._ids.pop(key)
         self._heap.discard(ident)
+        if self.quotas is not None:
+            self.quotas.uncount(ident)
         self._keys[ident] = None
         self._free.append(ident)
         return nbytes
@@ -531,12 +651,20 @@ class Capacity:
         new: list[int] = []
         for key in keys:
             code = failed.get(key)
-            if code in (m.NO_SPACE, m.REJECTED) and key in self.refused:
+            if code in (m.NO_SPACE, m.REJECTED, m.TENANT_QUOTA) and key in self.refused:
                 n = self.refused.pop(key) - 1  # refused at admission, never written
                 if n:
                     self.refused[key] = n
                 continue
             nbytes = self.reserved.pop(key, None)
+            if self._reserved_for and nbytes is not None:
+                t = self._reserved_for.pop(key, None)
+                if t is not None:
+                    left = self._pending[t] - nbytes
+                    if left:
+                        self._pending[t] = left
+                    else:
+                        del self._pending[t]
             if code is None:
                 if key not in index and key not in removed:
                     new.append(self._count(key, nbytes or self.unit_bytes))

@@ -78,10 +78,11 @@ import msgspec
 from typing_extensions import override
 
 from kvoffload.config import Bytes
-from kvoffload.namespace import for_integrity_key
+from kvoffload.namespace import for_encryption_key, for_integrity_key
 from kvoffload.tiers.process import (
     ProcessTierConfig,
     ProcessTierManager,
+    encryption_key_env_problems,
     integrity_key_env_problems,
 )
 from kvoffload.validation import raise_problems
@@ -123,6 +124,13 @@ class FsTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True):
             and a chunk whose MAC is missing or wrong is a miss (``forged``) and removed. The
             key's id is part of the namespace. None: no MAC; anyone who can write the root can
             forge chunks.
+        encryption_key_env: name of an environment variable holding an encryption master key
+            (at least 16 bytes; never the key itself here). Chunks are stored AES-256-GCM
+            encrypted by the workers, each under a key of its own derived from it (HKDF of the
+            master key, namespace, tenant and a random per-write salt), a random nonce per write and the namespace, tenant and chunk key bound as associated
+            data; a chunk whose tag does not verify is a miss (``forged``, counted
+            ``decrypt_failures``) and removed. The key's id is part of the namespace. None:
+            chunks are stored as they are.
     """
 
     unset_means: ClassVar[dict[str, str]] = {
@@ -131,6 +139,8 @@ class FsTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True):
         "filesystem at start, plus this namespace's chunks there",
         "integrity_key_env": "off: chunks carry no keyed MAC; anyone who can write root_dir can "
         "forge them",
+        "encryption_key_env": "off: chunks are stored as they are; anyone who can read root_dir "
+        "reads them",
     }
 
     root_dir: str
@@ -140,6 +150,7 @@ class FsTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True):
     direct_io: Literal["none", "writes", "reads", "both"] = "both"
     share_with_group: bool = False
     integrity_key_env: str | None = None
+    encryption_key_env: str | None = None
 
     def validate(self) -> None:
         """Checks of the settings themselves.
@@ -156,6 +167,12 @@ class FsTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True):
                 f"root_dir: {self.root_dir!r} holds a NUL character, which no path can: remove it"
             )
         problems += integrity_key_env_problems(self.integrity_key_env)
+        problems += encryption_key_env_problems(self.encryption_key_env)
+        problems += self.tenant_quota_problems(
+            'max_bytes is "unbounded": set max_bytes (or leave it unset for the default bound)'
+            if self.max_bytes == "unbounded"
+            else None
+        )
         raise_problems(problems)
 
     def check_on_this_machine(self) -> list[str]:
@@ -256,10 +273,21 @@ class FsTier(ProcessTierManager):
     medium = "STORAGE"
     shared = True
 
+    @classmethod
+    @override
+    def purge_storage(
+        cls, name: str, config: Any, *, tenant: str | None, namespace: str | None
+    ) -> Any:
+        from kvoffload.tiers.purging import purge_fs
+
+        return purge_fs(name, config.root_dir, tenant=tenant, namespace=namespace)
+
     def __init__(
         self, *, name: str, arena_view: memoryview, namespace: Any, config: FsTierConfig, arena: Any
     ):
-        namespace = for_integrity_key(namespace, config.integrity_key_env)
+        namespace = for_encryption_key(
+            for_integrity_key(namespace, config.integrity_key_env), config.encryption_key_env
+        )
         super().__init__(
             name=name, arena_view=arena_view, namespace=namespace, config=config, arena=arena
         )
@@ -344,6 +372,7 @@ class FsTier(ProcessTierManager):
             dir_mode=self.dir_mode,
             file_mode=self.file_mode,
             integrity_key_env=c.integrity_key_env,
+            encryption_key_env=c.encryption_key_env,
         )
 
     def _write_namespace_config(self) -> None:
@@ -494,12 +523,13 @@ class FsTier(ProcessTierManager):
                 self.capacity.max_bytes,
             )
 
-    def _on_scan(self, entries: list[tuple[bytes, int, float]]) -> None:
+    def _on_scan(self, entries: list[tuple[bytes, int, float]], tenants: list[str]) -> None:
         cap = self.capacity
         if not cap.bounded:
             return
-        fresh = self._adopt(entries)
-        adopted_bytes = sum(cap.index[k] for k in fresh)
+        fresh = self._adopt(entries, tenants)
+        # found there, whether still counted or evicted at once for a tenant's quota
+        adopted_bytes = sum(size for k, size, _ in entries if k in fresh)
         if self._default_free is not None and adopted_bytes:
             cap.max_bytes = int(DEFAULT_FREE_FRACTION * (self._default_free + adopted_bytes))
             log.info(

@@ -40,11 +40,12 @@ from typing_extensions import override
 
 from kvoffload.config import Bytes, Positive, apply_aliases, closest
 from kvoffload.ipc.channels import LOADS, STORES
-from kvoffload.namespace import for_integrity_key
+from kvoffload.namespace import for_encryption_key, for_integrity_key
 from kvoffload.tiers.process import (
     ProcessTierConfig,
     ProcessTierManager,
     Seconds,
+    encryption_key_env_problems,
     integrity_key_env_problems,
 )
 from kvoffload.validation import ConfigIssue, RenamedWithErrors, raise_problems
@@ -79,6 +80,10 @@ class ObjTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True)
             bytes; never the key itself here): objects carry a keyed MAC (HMAC-SHA256), and one
             whose MAC is missing or wrong is a miss (``forged``) and deleted; the key's id is part
             of the namespace. None: no MAC; anyone who can write the prefix can forge chunks.
+        encryption_key_env: name of an environment variable holding an encryption master key
+            (as for the fs tier): objects are stored AES-256-GCM encrypted, a key per namespace
+            and tenant; a tag that does not verify is a miss (``forged``) and the object deleted.
+            None: objects are stored as they are.
 
     vLLM 0.33's obj-tier keys are accepted too (see :meth:`from_vllm_keys`): its nested
     ``store_config`` (``bucket``, ``endpoint_override`` as a bare host, ``scheme``, ``access_key``,
@@ -103,6 +108,8 @@ class ObjTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True)
         "max_bytes": "unbounded: nothing is deleted",
         "integrity_key_env": "off: objects carry no keyed MAC; anyone who can write the "
         "prefix can forge them",
+        "encryption_key_env": "off: objects are stored as they are; anyone who can read the "
+        "prefix reads them",
     }
     # vLLM's ObjStoreConfig fields (vllm/v1/kv_offload/tiering/obj/config.py); "" means unset there.
     store_config_keys: ClassVar[tuple[str, ...]] = (
@@ -134,6 +141,7 @@ class ObjTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True)
     breaker_failures: Positive | None = 5
     job_timeout_s: Seconds = 60.0
     integrity_key_env: str | None = None
+    encryption_key_env: str | None = None
 
     @classmethod
     def from_vllm_keys(cls, body: dict[str, Any], where: str) -> tuple[dict, dict[str, str]]:
@@ -247,7 +255,11 @@ class ObjTierConfig(ProcessTierConfig, forbid_unknown_fields=True, kw_only=True)
         ):
             problems.append(f"endpoint_override: {self.endpoint_override!r} is not an http(s) URL")
         problems += self.breaker_problems()
+        problems += self.tenant_quota_problems(
+            "max_bytes is not set: set max_bytes" if self.max_bytes is None else None
+        )
         problems += integrity_key_env_problems(self.integrity_key_env)
+        problems += encryption_key_env_problems(self.encryption_key_env)
         raise_problems(problems)
 
 
@@ -270,6 +282,7 @@ def io_config_of(c: ObjTierConfig, **fields: Any) -> ObjIOConfig:
         ca_bundle=c.ca_bundle,
         addressing_style=c.addressing_style,
         integrity_key_env=c.integrity_key_env,
+        encryption_key_env=c.encryption_key_env,
     )
     base.update(fields)
     return ObjIOConfig(**base)
@@ -314,6 +327,16 @@ class ObjTier(ProcessTierManager):
     locality = "REMOTE"
     shared = True
 
+    @classmethod
+    @override
+    def purge_storage(
+        cls, name: str, config: Any, *, tenant: str | None, namespace: str | None
+    ) -> Any:
+        from kvoffload.tiers.purging import purge_obj
+
+        client = make_client(io_config_of(config, namespace_id="", row_bytes=0, max_connections=4))
+        return purge_obj(name, config, client, tenant=tenant, namespace=namespace)
+
     def __init__(
         self,
         *,
@@ -323,7 +346,9 @@ class ObjTier(ProcessTierManager):
         config: ObjTierConfig,
         arena: Any,
     ):
-        namespace = for_integrity_key(namespace, config.integrity_key_env)
+        namespace = for_encryption_key(
+            for_integrity_key(namespace, config.integrity_key_env), config.encryption_key_env
+        )
         super().__init__(
             name=name, arena_view=arena_view, namespace=namespace, config=config, arena=arena
         )

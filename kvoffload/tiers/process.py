@@ -55,12 +55,13 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 from typing_extensions import override
 
-from kvoffload.config import Positive, apply_aliases
+from kvoffload.config import Bytes, Positive, apply_aliases
 from kvoffload.ipc import messages as m
 from kvoffload.ipc import names
 from kvoffload.ipc.channels import LOADS, STORES
 from kvoffload.ipc.ratelimit import RateLimitedLog
 from kvoffload.metrics import Gauge, MetricSet
+from kvoffload.quotas import TenantQuotas
 from kvoffload.tiers.base import (
     FOUND_PRESENT,
     KNOWN_PRESENT,
@@ -77,7 +78,7 @@ from kvoffload.tiers.resources import TierResources, weak_callback
 from kvoffload.tiers.speculation import Speculation
 from kvoffload.tiers.verdicts import VerdictCache
 from kvoffload.tiers.workerpool import PoolTask, WorkerPool
-from kvoffload.validation import ConfigIssue, RenamedWithErrors
+from kvoffload.validation import ConfigIssue, RenamedWithErrors, tenant_quota_problems
 from kvoffload.workers.ioconfig import IOConfig, encode_io_config
 
 log = logging.getLogger("kvoffload.tiers")
@@ -120,15 +121,22 @@ _VERDICT_KINDS = (TaskKind.PROBE, TaskKind.LOAD, TaskKind.STORE)  # answers that
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-def integrity_key_env_problems(value: str | None) -> list[str]:
-    """``["integrity_key_env: <why>"]`` when ``value`` is not the name of an environment variable
-    (a key pasted in by mistake, say); the value is never repeated, since it may be the key."""
+def integrity_key_env_problems(
+    value: str | None, setting: str = "integrity_key_env", what: str = "the integrity key"
+) -> list[str]:
+    """``["<setting>: <why>"]`` when ``value`` is not the name of an environment variable (a key
+    pasted in by mistake, say); the value is never repeated, since it may be the key."""
     if value is None or _ENV_NAME.fullmatch(value):
         return []
     return [
-        "integrity_key_env: must name the environment variable that holds the integrity key "
+        f"{setting}: must name the environment variable that holds {what} "
         "(letters, digits and _, not starting with a digit), never hold the key itself"
     ]
+
+
+def encryption_key_env_problems(value: str | None) -> list[str]:
+    """:func:`integrity_key_env_problems` of ``encryption_key_env``."""
+    return integrity_key_env_problems(value, "encryption_key_env", "the encryption master key")
 
 
 class ProcessTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -179,6 +187,14 @@ class ProcessTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
         locality: ``LOCAL`` or ``REMOTE`` (vLLM's key): where this tier's storage is, relative
             to this instance, as reported in KV events; None: the tier type's own (fs local,
             obj remote).
+        tenant_quota_bytes: the most bytes (headers included) one tenant (a request's
+            ``cache_salt``, DESIGN.md "Tenants") may hold in this tier; a store past it evicts
+            that tenant's own oldest chunks here first, and what they cannot make room for is
+            refused (``tenant_quota``). Needs the tier's capacity ledger (its ``max_bytes``
+            bound: the fs tier's default bound counts; obj needs ``max_bytes``). Unsalted
+            requests are no tenant: no quota applies to them. None (default): no quota.
+        tenant_quotas: a tenant's own quota in this tier (bytes), by tenant id (``kvoffload
+            tenant-id`` prints a salt's), in place of ``tenant_quota_bytes``.
         enable_kv_events, backpressure: vLLM's keys, accepted and not acted on (see
             :data:`kvoffload.config.VLLM_ONLY_TIER_KEYS`).
         faults: fault injection for tests (see ``Fault``).
@@ -197,6 +213,8 @@ class ProcessTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
         "write_io_threads": "auto: write_workers x io_threads",
         "locality": "auto: the tier type's own",
         "backpressure": "none (vLLM's key; no effect here)",
+        "tenant_quota_bytes": "off: no per-tenant quota in this tier (unless tenant_quotas "
+        "names the tenant)",
     }
 
     read_workers: Positive = 2
@@ -218,9 +236,29 @@ class ProcessTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     read_io_threads: Positive | None = None
     write_io_threads: Positive | None = None
     locality: Literal["LOCAL", "REMOTE"] | None = None
+    tenant_quota_bytes: Bytes | None = None
+    tenant_quotas: dict[str, Bytes] = {}
     enable_kv_events: bool = False
     backpressure: dict[str, Any] | None = None
     faults: list[m.Fault] = []
+
+    @property
+    def has_tenant_quotas(self) -> bool:
+        """Whether some tenant has a quota in this tier."""
+        return self.tenant_quota_bytes is not None or bool(self.tenant_quotas)
+
+    def tenant_quota_problems(self, bound: str | None) -> list[str]:
+        """``"<key>: <why and the fix>"`` for the per-tenant quota settings: an override not
+        keyed by a tenant id, and a quota on a tier without a capacity ledger (``bound``: why it
+        has none and how to give it one, None: it has one)."""
+        problems = tenant_quota_problems("tenant_quotas", self.tenant_quotas)
+        if bound is not None and self.has_tenant_quotas:
+            key = "tenant_quota_bytes" if self.tenant_quota_bytes is not None else "tenant_quotas"
+            problems.append(
+                f"{key}: a per-tenant quota needs the tier's capacity ledger, which counts each "
+                f"tenant's bytes; {bound}"
+            )
+        return problems
 
     @classmethod
     def from_vllm_keys(cls, body: dict[str, Any], where: str) -> tuple[dict, dict[str, str]]:
@@ -309,16 +347,17 @@ class _Job:
 
 
 class _TaskRec:
-    """The engine's record of one task: its kind, the job it belongs to (loads and stores) and its
-    keys."""
+    """The engine's record of one task: its kind, the job it belongs to (loads and stores), its
+    keys, and (a probe) whether its pool had nothing else queued or in flight when it was sent."""
 
-    __slots__ = ("kind", "job", "keys", "t0")
+    __slots__ = ("kind", "job", "keys", "t0", "alone")
 
-    def __init__(self, kind: TaskKind, job: _Job | None, keys: list[bytes]):
+    def __init__(self, kind: TaskKind, job: _Job | None, keys: list[bytes], alone: bool = False):
         self.kind = kind
         self.job = job
         self.keys = keys
         self.t0 = time.monotonic()
+        self.alone = alone
 
 
 def _deduplicated(job: _Job) -> dict[str, int]:
@@ -422,6 +461,13 @@ class ProcessTierManager(SecondaryTierManager):
         )
         self._probing: set[bytes] = set()
         self._probe_queue: list[bytes] = []
+        #: The tenant of each tenant's chunk this bounded tier counts (stored, or found by its
+        #: scan), for the deletes its evictions send (:meth:`_tenant`); dropped when removed.
+        self._key_tenants: dict[bytes, str] = {}
+        # those it stopped counting since the events were last taken, and before that: their
+        # events, recorded before, are taken (and translated) with the tenant still known
+        self._gone_tenants: dict[bytes, str] = {}
+        self._gone_taken: dict[bytes, str] = {}
         self._finished: list[JobResult] = []
         self._events: list[TierEvent] = []
         self._task_ids = 0
@@ -469,6 +515,8 @@ class ProcessTierManager(SecondaryTierManager):
         ``weakref.finalize`` when the tier is dropped without it. Subclasses call it last in their
         constructor, once their own checks passed (nothing is left to clean up before)."""
         cfg = self.config
+        if cfg.has_tenant_quotas:  # before any process starts: nothing to undo
+            self.capacity.limit_tenants(cfg.tenant_quota_bytes, cfg.tenant_quotas, self._tenant)
         res = TierResources(self.name)
         self._resources = res
         self._finalizer = weakref.finalize(self, res.close)
@@ -483,8 +531,14 @@ class ProcessTierManager(SecondaryTierManager):
         env_allow = type(io).worker_env  # e.g. an obj worker's credentials
         # The integrity key is withheld from every child (its variable is a tier's *_env key)
         # but these workers', which compute the chunks' MACs.
-        key_env = getattr(io, "integrity_key_env", None)
-        env_set = {key_env: os.environ[key_env]} if key_env and key_env in os.environ else {}
+        env_set = {
+            name: os.environ[name]
+            for name in (
+                getattr(io, "integrity_key_env", None),
+                getattr(io, "encryption_key_env", None),  # they encrypt and decrypt chunks
+            )
+            if name and name in os.environ
+        }
 
         def pool(kind: str, count: int) -> WorkerPool:
             base = specs[kind]
@@ -529,18 +583,29 @@ class ProcessTierManager(SecondaryTierManager):
         """The I/O config handed to worker processes: an instance of ``io_module``'s
         ``IO_CONFIG`` (:mod:`kvoffload.workers.ioconfig`)."""
 
-    def _admit_store(self, keys: list[bytes]) -> tuple[list[int], dict[bytes, int]]:
-        """Which positions of ``keys`` to write; the rest fail with the returned codes. With a
-        cap, room is made by evicting its lowest-ranked chunks."""
+    def _admit_store(
+        self, keys: list[bytes], tenant: str = ""
+    ) -> tuple[list[int], dict[bytes, int]]:
+        """Which positions of ``keys`` (``tenant``'s chunks, "" for none) to write; the rest
+        fail with the returned codes. With a cap, room is made by evicting its lowest-ranked
+        chunks (with a tenant quota, that tenant's own first)."""
         cap = self.capacity
         self._refresh_capacity()
-        admitted, rejected = cap.admit(keys)
+        admitted, rejected = cap.admit(keys, tenant)
         if cap.bounded:
             refused = sum(1 for c in rejected.values() if c == m.NO_SPACE)
             if refused:
                 self._warn(
                     f"store of {refused} chunk(s) refused (no_space): no room under the cap "
                     f"({cap.capacity_bytes} bytes) {cap.why_no_room()}"
+                )
+            over = sum(1 for c in rejected.values() if c == m.TENANT_QUOTA)
+            if over and cap.quotas is not None:
+                self._warn(
+                    f"store of {over} chunk(s) of tenant {tenant} refused (tenant_quota): it "
+                    f"holds {cap.tenant_bytes(tenant)} bytes of its quota of "
+                    f"{cap.quotas.limit(tenant)} (every chunk of it here is being loaded or "
+                    "part of this store)"
                 )
             self._enforce_cap()
         return admitted, rejected
@@ -560,6 +625,8 @@ class ProcessTierManager(SecondaryTierManager):
         unconfirmed, full = self.capacity.stores_done(keys, failed, removed, request)
         if unconfirmed:
             self._remove_unconfirmed_stores(unconfirmed)
+        if self._key_tenants and (failed or removed):
+            self._forget_tenants(keys)  # not stored, or removed while it ran: not counted
         if full:
             self._medium_full(full, free_bytes)
 
@@ -580,13 +647,14 @@ class ProcessTierManager(SecondaryTierManager):
         not counted, so what is stored stays what the cap accounts. No event: the chunk was never
         reported stored."""
         self.capacity.unconfirmed_stores(keys)
-        self._send(
-            self._writers,
-            TaskKind.DELETE,
-            None,
-            keys,
-            m.DeleteTask(self._next_task_id(), keys),
-        )
+        for tenant, part in self._by_tenant(keys):
+            self._send(
+                self._writers,
+                TaskKind.DELETE,
+                None,
+                part,
+                m.DeleteTask(self._next_task_id(), part, tenant),
+            )
 
     def _on_deletes_done(self, keys: list[bytes], codes: list[int], status: list[int]) -> None:
         """A delete task answered: ``codes[i]`` is ``keys[i]``'s outcome (``OK``: removed or
@@ -594,6 +662,8 @@ class ProcessTierManager(SecondaryTierManager):
         Deletes with no answer are sent again after a wait (:meth:`flush`); chunks whose
         removal failed stay counted (CASES C32)."""
         kept = self.capacity.deletes_answered(keys, codes, status)
+        if self._key_tenants:
+            self._forget_tenants(keys)
         if kept:
             if self.record_events:
                 self._events.append(TierEvent(kept, False))
@@ -603,20 +673,29 @@ class ProcessTierManager(SecondaryTierManager):
             )
             self._enforce_cap()
 
-    def _on_scan(self, entries: list[tuple[bytes, int, float]]) -> None:
-        """A scan listed ``(key, bytes, mtime)`` of the chunks stored: a bounded tier counts
-        them (oldest first), evicts down to its cap and announces those it keeps."""
-        fresh = self._adopt(entries)
+    def _on_scan(self, entries: list[tuple[bytes, int, float]], tenants: list[str]) -> None:
+        """A scan listed ``(key, bytes, mtime)`` of the chunks stored (``tenants``: the tenant
+        of each, or empty when none is a tenant's): a bounded tier counts them (oldest first),
+        evicts down to its cap and announces those it keeps."""
+        fresh = self._adopt(entries, tenants)
         self._enforce_cap(unannounced=fresh)
         self._announce_adopted(fresh)
 
-    def _adopt(self, entries: list[tuple[bytes, int, float]]) -> set[bytes]:
-        """Count the chunks a scan listed (:meth:`Capacity.adopt`); returns the keys newly
-        counted (not stored by this instance since it started: never announced by it)."""
+    def _adopt(self, entries: list[tuple[bytes, int, float]], tenants: list[str]) -> set[bytes]:
+        """Count the chunks a scan listed (:meth:`Capacity.adopt`; ``tenants``: the tenant of
+        each, or empty when none is a tenant's); returns the keys newly counted (not stored by
+        this instance since it started: never announced by it)."""
+        if tenants and len(tenants) == len(entries):
+            kt = self._key_tenants
+            for (k, _, _), t in zip(entries, tenants):
+                if t:
+                    kt[k] = t
         index = self.capacity.index
         known = {k for k, _, _ in entries if k in index}
         self.capacity.adopt(entries)
-        return {k for k, _, _ in entries if k in index and k not in known}
+        fresh = {k for k, _, _ in entries if k in index and k not in known}
+        self.capacity.enforce_quotas()  # what earlier runs left a tenant past its quota
+        return fresh
 
     def _announce_adopted(self, fresh: set[bytes]) -> None:
         """A stored event for the adopted chunks still counted (CASES C54: after a restart,
@@ -641,10 +720,65 @@ class ProcessTierManager(SecondaryTierManager):
             if told:
                 self._events.append(TierEvent(told, True))
         keys += self.capacity.due_retries()  # removal events were published at the first try
-        for start in range(0, len(keys), _DELETE_BATCH):
-            batch = keys[start : start + _DELETE_BATCH]
-            tid = self._next_task_id()
-            self._send(self._writers, TaskKind.DELETE, None, batch, m.DeleteTask(tid, batch))
+        for tenant, part in self._by_tenant(keys):
+            for start in range(0, len(part), _DELETE_BATCH):
+                batch = part[start : start + _DELETE_BATCH]
+                tid = self._next_task_id()
+                self._send(
+                    self._writers, TaskKind.DELETE, None, batch, m.DeleteTask(tid, batch, tenant)
+                )
+
+    @override
+    def tenant_quotas(self) -> TenantQuotas | None:
+        return self.capacity.quotas
+
+    @override
+    def held_tenant(self, key: bytes) -> str:
+        kt = self._key_tenants
+        t = kt.get(key) if kt else None
+        if t is None and self._gone_taken:
+            t = self._gone_taken.get(key)
+        return t or ""
+
+    @override
+    def holds_tenants(self) -> bool:
+        return bool(self._key_tenants or self._gone_tenants or self._gone_taken)
+
+    def _forget_tenants(self, keys: Iterable[bytes]) -> None:
+        """Drop the tenants of those of ``keys`` this tier no longer counts (kept in
+        :attr:`_gone_tenants` until the events are taken twice more)."""
+        kt, held, gone = self._key_tenants, self.capacity.index, self._gone_tenants
+        for k in keys:
+            if k not in held:
+                t = kt.pop(k, None)
+                if t is not None:
+                    gone[k] = t
+
+    def _tenant(self, key: bytes) -> str:
+        """The tenant of chunk ``key`` ("" for none): from this tier's own count, else the
+        tiering manager's knowledge (:meth:`~kvoffload.tiers.base.SecondaryTierManager
+        .tenant_of`)."""
+        kt = self._key_tenants
+        t = kt.get(key) if kt else None
+        if t is None and (self._gone_tenants or self._gone_taken):
+            # no longer counted, a delete of it may still be sent again
+            t = self._gone_tenants.get(key) or self._gone_taken.get(key)
+        return self.tenant_of(key) if t is None else t
+
+    def _by_tenant(self, keys: list[bytes]) -> list[tuple[str, list[bytes]]]:
+        """``keys`` grouped by tenant (:meth:`_tenant`), in order within each group: one task
+        goes to one tenant's directory."""
+        if not keys:
+            return []
+        groups: dict[str, list[bytes]] = {}
+        for k in keys:
+            t = self._tenant(k)
+            g = groups.get(t)
+            if g is None:
+                groups[t] = [k]
+            else:
+                g.append(k)
+        return list(groups.items())
 
     def _warn(self, msg: str) -> None:
         now = time.monotonic()
@@ -735,8 +869,10 @@ class ProcessTierManager(SecondaryTierManager):
         keys: list[bytes],
         msg: m.StoreTask | m.LoadTask | m.ProbeTask | m.DeleteTask | m.ScanTask,
         timeout_s: float | None = None,
+        alone: bool = False,
     ) -> None:
-        pool.submit(PoolTask(msg.task_id, m.encode(msg), _TaskRec(kind, job, keys), timeout_s))
+        rec = _TaskRec(kind, job, keys, alone)
+        pool.submit(PoolTask(msg.task_id, m.encode(msg), rec, timeout_s))
 
     def worker_pids(self) -> dict[str, list[int]]:
         """PIDs of the live worker processes, by kind."""
@@ -845,8 +981,15 @@ class ProcessTierManager(SecondaryTierManager):
             spec.answered(req_id, key, verdict)
             return _HIT if verdict else _MISS
         scout = spec.open_scout(req_id)
-        if scout is not None and scout not in self._probing and self._on_record(scout):
-            spec.answered(req_id, scout, True)  # found since the request asked
+        if scout is not None and scout not in self._probing:
+            if self._on_record(scout):
+                spec.answered(req_id, scout, True)  # found since the request asked
+            elif self.verdicts.absent_for(scout, req_id):
+                # not there, answered since the request asked (a lookup polled it in the
+                # middle of the request's lookups): its prefix ends at the scout, before this
+                # chunk (asked in prefix order), so no probe for this one; the scout's own
+                # verdict is paid when the request asks it again
+                return _MISS
         if spec.expects(req_id, key):
             return _HIT
         if spec.defers(req_id, key, self._probing):
@@ -898,10 +1041,21 @@ class ProcessTierManager(SecondaryTierManager):
     def flush(self) -> None:
         self._refresh_capacity()
         queue = self._probe_queue
-        while queue:
-            batch, queue[:] = queue[:_PROBE_BATCH], queue[_PROBE_BATCH:]
-            tid = self._next_task_id()
-            self._send(self._readers, TaskKind.PROBE, None, batch, m.ProbeTask(tid, batch))
+        if queue:
+            self._probe_queue = []
+            for tenant, part in self._by_tenant(queue):
+                while part:
+                    batch, part = part[:_PROBE_BATCH], part[_PROBE_BATCH:]
+                    tid = self._next_task_id()
+                    alone = not self._readers.busy()  # its round trip holds no queue
+                    self._send(
+                        self._readers,
+                        TaskKind.PROBE,
+                        None,
+                        batch,
+                        m.ProbeTask(tid, batch, tenant),
+                        alone=alone,
+                    )
         self._flush_deletes()
 
     # -- jobs -----------------------------------------------------------------------------------
@@ -926,10 +1080,14 @@ class ProcessTierManager(SecondaryTierManager):
             rec_job.known = len(keys) - len(todo)
         if todo:
             sub_keys = [keys[i] for i in todo]
-            admitted, rejected = self._admit_store(sub_keys)
+            admitted, rejected = self._admit_store(sub_keys, job.tenant)
             for k, code in rejected.items():
                 rec_job.failed[k] = code
             todo = [todo[i] for i in admitted]
+            if job.tenant and self.capacity.bounded:
+                kt = self._key_tenants
+                for i in todo:
+                    kt[keys[i]] = job.tenant
         if not todo and self.breaker is not None and self.breaker.tripped:
             self.breaker.release()  # a trial store with nothing to write
         self._dispatch(rec_job, todo, self._writers, TaskKind.STORE)
@@ -957,7 +1115,8 @@ class ProcessTierManager(SecondaryTierManager):
             job.pending += 1
             if kind is TaskKind.STORE:
                 self._pending_store_chunks += len(tkeys)
-            self._send(pool, kind, job, tkeys, task_type(tid, [int(slots[i]) for i in part], tkeys))
+            task = task_type(tid, [int(slots[i]) for i in part], tkeys, job.meta.tenant)
+            self._send(pool, kind, job, tkeys, task)
         if job.pending == 0:
             self._finish(job)
 
@@ -978,6 +1137,8 @@ class ProcessTierManager(SecondaryTierManager):
             self.verdicts.mark_present(ok_keys)
         if job.is_load:
             vanished = cap.loads_done(meta.keys, failed, meta.request)
+            if vanished and self._key_tenants:
+                self._forget_tenants(vanished)
             if vanished and self.record_events:
                 # announced here (stored or adopted), gone now (another instance on a shared
                 # root removed it): say so, as no other instance will (CASES C55)
@@ -1086,9 +1247,13 @@ class ProcessTierManager(SecondaryTierManager):
                     # looked before it was written, review of C55)
                     self._vanished(key)
         self.count("probes", len(rec.keys))
-        self.metrics.observe(
-            "kvoffload_lookup_latency_seconds", time.monotonic() - rec.t0, self.name
-        )
+        seconds = time.monotonic() - rec.t0
+        if rec.alone and all(c in (m.OK, m.MISSING) for c in codes):
+            # a sample of what a lookup costs: answered, and sent to readers with nothing
+            # queued (a queue is added by the tiering manager from the loads outstanding; a
+            # timeout or a dead worker says how long it waited, not what a lookup costs)
+            self.lookup_answered(seconds)
+        self.metrics.observe("kvoffload_lookup_latency_seconds", seconds, self.name)
 
     def _vanished(self, key: bytes) -> None:
         """A lookup found a chunk this tier counts missing: another instance sharing the medium
@@ -1099,6 +1264,8 @@ class ProcessTierManager(SecondaryTierManager):
         if key in cap.loading:
             return  # the load's own answer says it
         cap.gone(key)
+        if self._key_tenants:
+            self._forget_tenants((key,))
         if self.record_events:
             self._events.append(TierEvent([key], True))
 
@@ -1147,7 +1314,7 @@ class ProcessTierManager(SecondaryTierManager):
             if task is not None:
                 rec = task.owner
                 if rec.kind is TaskKind.SCAN:
-                    self._on_scan(res.entries)
+                    self._on_scan(res.entries, res.tenants)
                 codes = self._checked_codes(rec, res)
                 job = rec.job
                 if job is not None and job.done_at >= 0.0:
@@ -1228,6 +1395,9 @@ class ProcessTierManager(SecondaryTierManager):
 
     @override
     def take_events(self) -> list[TierEvent]:
+        if self._gone_tenants or self._gone_taken:
+            # gone before the last take: their events are out; since: with these
+            self._gone_taken, self._gone_tenants = self._gone_tenants, {}
         if not self._events:
             return []
         out, self._events = self._events, []

@@ -112,6 +112,14 @@ class VerdictCache:
         """True while a present verdict for ``key`` is held (LRU, no expiry)."""
         return key in self.present
 
+    def absent_for(self, key: bytes, req_id: str) -> bool:
+        """Whether ``req_id``'s next lookup of ``key`` will be answered MISS (an absent verdict,
+        or a MISS owed to it), without paying what is owed."""
+        if key in self.absent:
+            return True
+        owed = self.owed.get(key)
+        return owed is not None and req_id in owed
+
     def is_absent(self, key: bytes) -> bool:
         """True while an absent verdict for ``key`` has not expired."""
         return key in self.absent

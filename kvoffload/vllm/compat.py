@@ -302,7 +302,7 @@ def event_block_hash(key: bytes) -> Any:
     return convert_block_hash(key[:-4])
 
 
-def calling_request(req_id: str) -> Any:
+def calling_request(req_id: str, depth: int = 2) -> Any:
     """vLLM's ``Request`` being added, read from the scheduler connector's frame that called the
     manager's ``on_new_request`` (its ``request`` argument, in 0.32 and 0.33); None when it is not
     there or is another request.
@@ -310,7 +310,7 @@ def calling_request(req_id: str) -> Any:
     The manager interface passes only a ``ReqContext`` (request id, transfer params, key
     positions): a chunk's token ids and its parent hash live on the ``Request``, which the
     scheduler connector holds for the request's lifetime. Call it directly from
-    ``on_new_request``.
+    ``on_new_request`` (``depth`` 2; 3 from a method it calls).
     """
     import sys
 
@@ -318,12 +318,62 @@ def calling_request(req_id: str) -> Any:
         from vllm.v1.request import Request
     except ImportError:  # pragma: no cover - a vLLM without v1 requests
         return None
-    frame = sys._getframe(2)  # 0: here, 1: the manager's on_new_request, 2: vLLM's caller
+    frame = sys._getframe(depth)  # 0: here, 1: the manager's on_new_request, 2: vLLM's caller
     req = frame.f_locals.get("request")
     del frame
     if isinstance(req, Request) and req.request_id == req_id:
         return req
     return None
+
+
+def evict_device_prefix(req: Any) -> int | None:
+    """Evict ``req``'s prefix from vLLM's device prefix cache, so that its lookups reach the
+    connector (the online canary's reuse run, :mod:`kvoffload.canary`): the blocks the
+    scheduler would find cached for it lose their hashes (``KVCacheManager.evict_blocks``, which
+    vLLM uses for blocks a connector failed to load); blocks in use stay allocated to their
+    holders. The scheduler is the ``self`` of vLLM's ``Scheduler.add_request`` frame that called
+    the manager's ``on_new_request`` (0.32). Call it directly from ``on_new_request``, on the
+    scheduler's thread.
+
+    Returns:
+        The blocks evicted (0: nothing was cached), or None when no scheduler is found in the
+        calling frames (another vLLM release; the reuse run may then hit the device cache, and
+        the canary says ``not_exercised``).
+    """
+    try:
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
+    except ImportError:  # pragma: no cover - a vLLM without v1's KV-cache manager
+        return None
+    import sys
+
+    frame: Any = sys._getframe(1)
+    manager = None
+    try:
+        for _ in range(8):
+            frame = frame.f_back
+            if frame is None:
+                break
+            owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
+            found = getattr(owner, "kv_cache_manager", None)
+            if isinstance(found, KVCacheManager):
+                manager = found
+                break
+    finally:
+        del frame
+    if manager is None:
+        return None
+    evicted = 0
+    # a hash may be cached in several blocks (vLLM does not deduplicate): look again until none
+    for _ in range(4):
+        blocks, _tokens = manager.coordinator.find_longest_cache_hit(
+            req.block_hashes, req.num_tokens - 1
+        )[:2]
+        ids = {b.block_id for group in blocks for b in group if not b.is_null}
+        if not ids:
+            break
+        manager.evict_blocks(ids)
+        evicted += len(ids)
+    return evicted
 
 
 _scheduler_output: Any = None

@@ -16,6 +16,7 @@ from typing import Any
 
 from typing_extensions import override
 
+from kvoffload.canary import RECOMPUTE, REUSE, Canary
 from kvoffload.events import ChunkEventInfo
 from kvoffload.hybrid import WindowScans
 from kvoffload.ipc.ratelimit import RateLimitedLog
@@ -36,6 +37,7 @@ from kvoffload.vllm.compat import (
     calling_scheduled_tokens,
     convert_block_hash,
     drop_tolerated,
+    evict_device_prefix,
     hit_source,
 )
 
@@ -111,6 +113,11 @@ class KVOffloadManager(OffloadingManager):
         window_scans: the engine's windowed groups: a chunk of one is promoted from a secondary
             tier only when the window the hit can end with includes it
             (:class:`~kvoffload.hybrid.WindowScans`).
+
+    With ``tiering.config.canary`` set, the online canary's thread starts here
+    (:class:`~kvoffload.canary.Canary`) and this manager marks its runs: a reuse run's prefix
+    leaves the device prefix cache when it arrives and its loads are counted by source; a
+    recompute run loads and stores nothing.
     """
 
     def __init__(
@@ -122,6 +129,7 @@ class KVOffloadManager(OffloadingManager):
         self.tm = tiering
         self._scans = window_scans or None
         self._stats_at = 0.0
+        self._warned_no_request = False  # calling_request found nothing (logged once)
         self._medium = {HOST: "CPU", **{t.name: t.medium for t in tiering.tiers}}
         self._locality = {
             HOST: Locality.LOCAL,
@@ -133,6 +141,13 @@ class KVOffloadManager(OffloadingManager):
         self._step_tokens = 0
         self._step_at: float | None = None
         self._prefill_min_tokens = max(1, tiering.namespace.tokens_per_chunk)
+        #: The online canary (None: off; then no request is checked for its marker).
+        self.canary: Canary | None = None
+        self._canary_runs: dict = {}
+        if tiering.config.canary is not None:
+            self.canary = Canary(tiering.config.canary, tiering)
+            self._canary_runs = self.canary.board.running
+            self.canary.start()
 
     @override
     def lookup(self, key, req_context: ReqContext, **kwargs) -> LookupResult:
@@ -166,7 +181,15 @@ class KVOffloadManager(OffloadingManager):
     @override
     def prepare_load(self, keys: Collection, req_context: ReqContext, **kwargs):
         drop_tolerated(kwargs)
-        return CPULoadStoreSpec(self.tm.prepare_load(list(keys), req_context.req_id))
+        keys = list(keys)
+        slots = self.tm.prepare_load(keys, req_context.req_id)
+        if self._canary_runs:
+            run = self._canary_runs.get(req_context.req_id)
+            if run is not None:  # a canary run: which tier served each chunk it loads
+                for k in keys:
+                    run.sources[self.tm.source_of(k, req_context.req_id)] += 1
+                run.keys.update(keys)
+        return CPULoadStoreSpec(slots)
 
     @override
     def touch(self, keys: Collection, req_context: ReqContext, **kwargs):
@@ -179,6 +202,12 @@ class KVOffloadManager(OffloadingManager):
     @override
     def prepare_store(self, keys: Collection, req_context: ReqContext, **kwargs):
         info = req_context.get_state(_RequestChunks) if self._geometry else None
+        if self._canary_runs:
+            run = self._canary_runs.get(req_context.req_id)
+            if run is not None:
+                if run.role == RECOMPUTE:  # its fresh salt's chunks would never be asked again
+                    return None
+                run.keys.update(keys)
         plan = self.tm.prepare_store(list(keys), req_context.req_id, info)
         if plan is None:
             return None
@@ -196,14 +225,45 @@ class KVOffloadManager(OffloadingManager):
 
     @override
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        if self._geometry:
-            req = calling_request(req_context.req_id)
-            if req is not None:
-                req_context.set_state(_RequestChunks(req, req_context, self._geometry))
+        req = calling_request(req_context.req_id)
+        if req is None and not self._warned_no_request:
+            # fails open: no salt (the request's chunks are stored as an unsalted request's,
+            # vLLM's keys still differ per salt), no chunk infos for KV events
+            self._warned_no_request = True
+            log.warning(
+                "kvoffload: vLLM's Request was not found in the caller's frame (a vLLM this "
+                "version does not know?): requests' cache_salt is not read, so their chunks get "
+                "no tenant directory and `kvoffload purge --salt` finds none of them"
+            )
+        salt = getattr(req, "cache_salt", None) if req is not None else None
+        # its tenant's chunks, apart from everyone else's (kvoffload.tenants); no salt clears
+        # what a reused request id had
+        self.tm.set_cache_salt(req_context.req_id, salt)
+        if self._geometry and req is not None:
+            req_context.set_state(_RequestChunks(req, req_context, self._geometry))
         params = getattr(req_context, "kv_transfer_params", None)
         if params:  # the orchestrator's routing (p2p: which peer, what to hold for a decoder)
+            if self.canary is not None:
+                self._canary_request(req_context.req_id, params)
             self.tm.on_request(req_context.req_id, params)
         return RequestOffloadingContext()
+
+    def _canary_request(self, req_id: str, params: Any) -> None:
+        """A request with ``kv_transfer_params``: if it is a run the canary waits for, a reuse
+        run's prefix leaves the device prefix cache (its lookups must reach the tiers) and may
+        load only from its target tier; a recompute run may load from none. Called from
+        :meth:`on_new_request` only (it reads vLLM's scheduler from the calling frames)."""
+        assert self.canary is not None
+        run = self.canary.board.claim(req_id, params)
+        if run is None:
+            return
+        if run.role == REUSE:
+            req = calling_request(req_id, depth=3)
+            run.device_evicted = None if req is None else evict_device_prefix(req)
+            if run.target is not None:
+                self.tm.restrict_loads(req_id, run.target)
+        else:
+            self.tm.restrict_loads(req_id, None)
 
     @override
     def on_request_finished(self, req_context: ReqContext) -> None:
@@ -214,6 +274,9 @@ class KVOffloadManager(OffloadingManager):
         if self._scans is not None:
             self._scans.forget(req_context.req_id)
         self.tm.on_request_finished(req_context.req_id)
+        if self._canary_runs:
+            assert self.canary is not None
+            self.canary.board.finished(req_context.req_id)
 
     @override
     def on_schedule_end(self, context) -> None:
@@ -278,5 +341,7 @@ class KVOffloadManager(OffloadingManager):
 
     @override
     def shutdown(self) -> None:
+        if self.canary is not None:
+            self.canary.stop()
         self.tm.shutdown()
         self.tm.arena.close()

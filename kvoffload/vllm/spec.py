@@ -275,6 +275,11 @@ class KVOffloadSpec(OffloadingSpec):
         )
         if self.row_bytes and self.num_slots == 0:
             raise ConfigError(self._too_small_for_one_chunk(num_copies))
+        if s.warm_restart_s and not s.arena_name:
+            raise ConfigError(
+                "kv_connector_extra_config.warm_restart_s needs a fixed arena_name (one per "
+                "instance, e.g. its port: the restarted engine finds its arena by that name)"
+            )
         self.arena_name = s.arena_name or default_name(config.engine_id)
         self._arena: Arena | None = None
         self._manager: KVOffloadManager | None = None
@@ -353,8 +358,14 @@ class KVOffloadSpec(OffloadingSpec):
         if self._arena is None:
             if self.num_slots == 0:
                 raise ConfigError("kvoffload: the engine reported no KV cache to offload")
+            warm = self.settings.warm_restart_s
             self._arena = Arena.open_or_create(
-                self.arena_name, self.num_slots, self.row_bytes, self.config.engine_id
+                self.arena_name,
+                self.num_slots,
+                self.row_bytes,
+                self.config.engine_id,
+                table=warm > 0,
+                keep_s=warm,
             )
         return self._arena
 
@@ -392,7 +403,7 @@ class KVOffloadSpec(OffloadingSpec):
                 )
             except BaseException:
                 if owned:  # a rank that cannot start leaves no segment (CASES C30)
-                    arena.close()
+                    arena.close(keep=False)  # nor one for a keeper to hold (a warm restart)
                     self._arena = None
                 raise
             log.info(

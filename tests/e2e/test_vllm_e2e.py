@@ -255,14 +255,65 @@ SMALL_DEMO = [
 
 
 def run_demo(*args: str) -> subprocess.CompletedProcess:
-    """``kvoffload demo ARGS`` in a fresh interpreter (three vLLM servers, one after another)."""
-    return subprocess.run(
+    """``kvoffload demo ARGS`` in a fresh interpreter (three vLLM servers, one after another).
+
+    However this ends (pytest-timeout's hang guard included), the demo is stopped as a user's
+    SIGTERM stops it: it stops its servers (each in a session of its own, which a SIGKILL of the
+    demo would leave running with their shared memory) before it exits."""
+    proc = subprocess.Popen(
         [sys.executable, "-m", "kvoffload.tools.cli", "demo", *args],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=3600,
         stdin=subprocess.DEVNULL,
     )
+    try:
+        out, err = proc.communicate()
+    except BaseException:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+            proc.wait()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def test_a_salted_conversation_stays_in_its_tenants_directory_and_reloads_identically(
+    server, tokenizer
+):
+    """A request with a ``cache_salt`` (the API field): its chunks are written below its tenant's
+    directory (``t-<tenant id>``, never the salt), reloaded from the fs tier token-identical once
+    the device and host caches have moved on, and a request with another salt finds none of
+    them."""
+    import secrets
+
+    from kvoffload.tenants import tenant_id
+
+    salt = {"cache_salt": "tenant-" + secrets.token_hex(16)}
+    doc = maintenance_log(tokenizer, 400, DOC_TOKENS)
+    first = chat(server.url, conversation(doc), 12, salt)
+    assert first.cached_tokens == 0
+    for i in range(3):  # push it out of the device cache and the host tier
+        chat(server.url, conversation(maintenance_log(tokenizer, 500 + i, DOC_TOKENS)), 4)
+    before = server.metrics()
+    again = chat(server.url, conversation(doc), 12, salt)
+    after = server.metrics()
+    assert again.token_ids == first.token_ids
+    assert again.cached_tokens >= 0.9 * again.prompt_tokens
+    assert cached_by_source(before, after).get("disk", 0) > 0
+    tenant = "t-" + tenant_id(salt["cache_salt"])
+    dirs = [d for d, subdirs, _ in os.walk(server.fs_root) if os.path.basename(d) == tenant]
+    assert len(dirs) == 1, dirs
+    files = [f for _, _, fs in os.walk(dirs[0]) for f in fs if f.endswith(".kv")]
+    assert len(files) >= (DOC_TOKENS // 32) * 0.9
+    assert not any(salt["cache_salt"] in d for d, _, _ in os.walk(server.fs_root))
+    other = chat(
+        server.url, conversation(doc), 12, {"cache_salt": "other-" + secrets.token_hex(16)}
+    )
+    assert other.cached_tokens == 0
+    assert other.token_ids == first.token_ids
 
 
 def test_demo_that_reloads_nothing_exits_3_naming_each_configuration(model_dir, tmp_path):

@@ -18,7 +18,7 @@ import pytest
 from helpers import vllm_or_skip
 
 # the first test also waits for the module's two engines (minutes on a busy 2-core machine)
-pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 vllm_or_skip()
 
 from kvoffload.ipc.arena import list_arenas  # noqa: E402

@@ -93,6 +93,7 @@ def test_base_commands_run_without_the_demo_and_bench_extras(args):
         (["bench", "ttft"], "extra [demo]"),
         (["bench", "scaling"], "extra [demo,bench]"),
         (["bench", "window"], "extra [demo]"),
+        (["bench", "warm"], "extra [demo]"),
         (["stress", "--obj", "--duration", "1"], "extra [stress]"),
     ],
 )
@@ -103,6 +104,7 @@ def test_a_command_whose_extra_is_missing_exits_2_and_names_it(args, extra):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.timeout(1200)  # imports vLLM and starts fs workers: 200 s at load 20 (a hang guard)
 def test_a_bench_told_to_draw_no_plot_runs_without_matplotlib(tmp_path):
     """``--plot ''`` draws none, so the bench needs no matplotlib and writes no file (it used
     to stop for the missing extra, and with it, write ``.png``)."""
@@ -113,7 +115,7 @@ def test_a_bench_told_to_draw_no_plot_runs_without_matplotlib(tmp_path):
         + ["--run-chunks", "64", "--step-ms", "0"],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=1100,
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr
@@ -322,6 +324,50 @@ def test_a_stopped_servers_shared_memory_is_removed_and_live_segments_stay():
                 os.unlink(f"/dev/shm/{shm.name}")
             except FileNotFoundError:
                 pass
+
+
+def test_semaphores_killed_servers_left_are_removed_once_old_and_unmapped():
+    """What a SIGKILLed vLLM server leaves (a ``multiprocessing`` semaphore its resource tracker,
+    killed with it, would have removed) goes at the test run's end
+    (:func:`remove_stale_semaphores`): only a semaphore made since the given listing, that no
+    process maps, and older than the start window of another server (whose child may not have
+    opened it yet). A live one, a young one and one that was there before all stay."""
+    import secrets
+    import time
+    from _multiprocessing import SemLock  # what multiprocessing's locks are made of
+
+    from kvoffload.tools.vllm_server import remove_stale_semaphores, vllm_shm_names
+
+    def semaphore() -> tuple[SemLock, str]:
+        # a named POSIX semaphore in /dev/shm (sem.mp-*) as the spawn start method makes one,
+        # without multiprocessing's finalizer and resource tracker, which a SIGKILL takes away
+        name = "mp-" + secrets.token_hex(4)
+        return SemLock(1, 1, 1, "/" + name, False), "sem." + name
+
+    before_lock, before_name = semaphore()
+    listing = vllm_shm_names()
+    held, held_name = semaphore()
+    young, young_name = semaphore()
+    left, left_name = semaphore()
+    assert {before_name, held_name, young_name, left_name} <= vllm_shm_names()
+    del left, young  # unmapped and never unlinked: what a killed server leaves
+    long_ago = time.time() - 3600
+    for name in (left_name, held_name, before_name):
+        os.utime(f"/dev/shm/{name}", (long_ago, long_ago))
+    try:
+        removed = remove_stale_semaphores(listing, min_age_s=180.0)
+        assert removed == [left_name]
+        names = vllm_shm_names()
+        assert {held_name, before_name, young_name} <= names and left_name not in names
+        assert held.acquire(timeout=1)  # the live one still works
+        held.release()
+    finally:
+        for name in (before_name, held_name, young_name, left_name):
+            try:
+                os.unlink(f"/dev/shm/{name}")
+            except FileNotFoundError:
+                pass
+        del before_lock, held
 
 
 class _FakeServer:

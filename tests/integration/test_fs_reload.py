@@ -172,6 +172,27 @@ def test_a_new_turn_after_a_known_prefix_probes_its_first_new_chunk_and_loads_no
         assert not rig.tm.stats.failed
 
 
+def test_a_chunk_asked_after_its_requests_first_probe_found_nothing_is_not_probed(tmp_path):
+    """The request's first probe (its scout) answers absent in the middle of its lookups (a
+    lookup polls results; on a loaded machine the answer can land between two of them): the
+    chunks after it are MISS without a probe each, since the prefix ends at the scout (the
+    previous test probed twice once in a while under load)."""
+    keys = keys_for(N)
+    with Rig([fs_tier(tmp_path)], num_slots=16) as rig:
+        tm = rig.tm
+        rig.store(keys[:5])
+        rig.evict_all()
+        assert [tm.lookup(k, "req") for k in keys[:6]] == [PENDING] * 5 + [RETRY]
+        tm.step()
+        assert tm.wait_idle(120)  # the probe of keys[5] answered (absent) and applied
+        assert tm.lookup(keys[6], "req") is MISS  # asked before keys[5] again: no probe
+        assert tm.lookup(keys[7], "req") is MISS
+        assert counter(rig, "probes") == 1
+        passes, answers = reload(rig, keys)
+        assert answers == [HIT] * 5 + [MISS] and counter(rig, "probes") == 1
+        assert_bytes(rig, keys[:5])
+
+
 def test_a_missing_middle_file_serves_the_chunks_before_it_and_nothing_after(tmp_path):
     """Chunks loaded on expectation where one file is gone: the prefix ends at it (a MISS,
     counted as speculative_miss), the chunks before it are served with their bytes, it and
@@ -253,18 +274,13 @@ def test_bench_ttfts_probe_column_counts_the_tiers_probe_round_trips(tmp_path):
     ``kvoffload_lookup_latency_seconds`` count (`fs_probes`): what the tier itself counted, one
     for a reload unknown to an unbounded tier, none once its chunks are known."""
     from prometheus_client import generate_latest
-    from prometheus_client.parser import text_string_to_metric_families
 
     from kvoffload import metrics
+    from kvoffload.testing.tier_contract import samples
     from kvoffload.tools.bench.ttft import fs_probes
 
     def scrape() -> dict:
-        text = generate_latest(metrics.registry()).decode()
-        return {
-            (s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text)
-            for s in fam.samples
-        }
+        return samples(generate_latest(metrics.registry()).decode())
 
     keys = keys_for(N)
     with restarted(tmp_path, keys) as rig:

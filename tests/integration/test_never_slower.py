@@ -8,7 +8,18 @@ one's are once the test moves the clock on."""
 import types
 
 import pytest
-from helpers import HIT, MISS, PENDING, ROW, Rig, fs_tier, keys_for, vllm_installed, wait_until
+from helpers import (
+    HIT,
+    MISS,
+    PENDING,
+    RETRY,
+    ROW,
+    Rig,
+    fs_tier,
+    keys_for,
+    vllm_installed,
+    wait_until,
+)
 
 from kvoffload.costs import RateEstimate
 
@@ -186,6 +197,151 @@ def test_a_tier_expected_slower_than_recompute_is_not_waited_for_and_is_probed_n
         assert tm.pins_held() == refs_of(tm) == {}
 
 
+def _stalled_probe_rig(tmp_path, keys: list[bytes], stalled_key: bytes, **tier) -> Rig:
+    """An instance with an unbounded fs tier on a root where another stored ``keys`` (it has no
+    record of them: each is probed), whose probes of ``stalled_key`` wait for the file
+    ``tmp_path / "probe-may-run"`` (two readers: the other probes go to the one it leaves)."""
+    root = tmp_path / "fs"
+    with Rig([fs_tier(root, max_bytes="unbounded")], num_slots=16) as other:
+        other.store(keys)
+    gate = tmp_path / "probe-may-run"
+    fault = {
+        "point": "probe",
+        "action": "wait_file",
+        "arg": str(gate),
+        "key_hex": stalled_key.hex(),
+    }
+    cfg = {"read_workers": 2, "job_timeout_s": 600.0, "faults": [fault], **tier}
+    return Rig([fs_tier(root, max_bytes="unbounded", **cfg)], num_slots=16, **SLOW_PREFILL)
+
+
+def test_a_request_kept_waiting_by_a_probe_past_its_deadline_gives_way(tmp_path):
+    """A fresh request's chunk the tier knows nothing of is probed; its probe is stalled (as one
+    queued behind another request's abandoned loads: BENCHMARKS.md §6). The request waits at
+    RETRY while an estimate is missing (no evidence, no change), at least two steps, and until
+    its deadline (3 x the tier's expected lookup, its queue of loads included, at least one
+    chunk's recompute, at most 1.5 x the recompute of the chunks it asks); then MISS
+    (``lookup_overran``) and it never waits for that chunk again. The wait is the request's,
+    whichever chunks it asks each step (as vLLM 0.32 asks: all of them); only the chunk waited
+    for is judged; the deadline is never lowered as the tier's queue drains; a wait whose
+    chunk is no longer asked ends. A tier slower than recompute is not waited for at all. The
+    probe's answer serves later requests."""
+    keys = keys_for(4)
+    stored, absent = keys[:3], keys[3]
+    chunk_s = TOKENS / 1.0  # a chunk's recompute at SLOW_PREFILL's 1 token/s
+    gate = tmp_path / "probe-may-run"
+    with _stalled_probe_rig(tmp_path, stored, stored[0]) as rig:
+        tm = rig.tm
+        clock = tm.clock = Clock()
+        tier, cost, st = tm.tiers[0], tm.load_costs[0], tm.stats
+        wait_until(tier.workers_ready, step=tm.step, what="both readers")
+
+        def ask(rid: str) -> list:  # as vLLM 0.32's scheduler: every chunk, every step
+            return [tm.lookup(k, rid) for k in stored]
+
+        try:
+            # a probe sent to idle readers and answered: the tier's usual lookup, measured
+            assert tier.lookup_seconds is None
+            assert tm.lookup(absent, "m") is RETRY
+            wait_until(lambda: tm.lookup(absent, "m") is MISS, step=tm.step, what="a probe")
+            assert tier.lookup_seconds is not None
+            # before it, a chunk's load at the tier's throughput stands in (none known here)
+            assert cost.bytes_per_s is None
+            assert tm._expected_lookup_s(0) == tier.lookup_seconds
+            # no prefill estimate: no deadline, however long the wait
+            tm.prefill = RateEstimate()
+            assert tm.lookup(stored[0], "q") is RETRY  # its probe goes out at the step's end
+            for _ in range(3):
+                tm.step()
+                clock.now += 1000.0
+                assert tm.lookup(stored[0], "q") is RETRY
+            tm.prefill = RateEstimate(fixed=1.0)
+            assert tm.lookup(stored[0], "q") is MISS  # q has waited past any deadline
+            assert st.recomputed[("fs", "lookup_overran")] == TOKENS
+
+            # r: three chunks asked each step; its deadline is one chunk's recompute (its
+            # expected lookup is milliseconds), and two steps at least
+            assert ask("r") == [RETRY] * 3
+            began = clock.now
+            clock.now += 1000.0
+            assert ask("r") == [RETRY] * 3  # within two steps, however late the clock
+            tm.step()
+            assert ask("r") == [RETRY] * 3
+            tm.step()
+            clock.now = began + chunk_s - 0.001
+            assert ask("r") == [RETRY] * 3
+            clock.now = began + chunk_s + 0.001
+            assert tm.lookup(stored[1], "r") is RETRY  # not the chunk it waits for
+            assert tm.lookup(stored[0], "r") is MISS  # vLLM's prefix ends at its first chunk
+            assert tm.lookup(stored[0], "r") is MISS  # and it never waits for it again
+            assert st.recomputed[("fs", "lookup_overran")] == 2 * TOKENS
+
+            # w: waits behind 40 s of the tier's loads (3 x = 120 s; 1.5 x the recompute of
+            # its 3 chunks, 72 s, is the most); the loads drain: its deadline stays
+            cost.loads = RateEstimate(fixed=ROW * 1e3)  # a chunk in 1 ms
+            cost.outstanding_bytes += ROW * 4e4
+            try:
+                assert ask("w") == [RETRY] * 3
+                began = clock.now
+                tm.step()
+                tm.step()
+                assert ask("w") == [RETRY] * 3
+            finally:
+                cost.outstanding_bytes -= ROW * 4e4
+            clock.now = began + 1.5 * 3 * chunk_s - 0.001
+            assert ask("w") == [RETRY] * 3  # drained: 3 x its expected lookup is long past
+            clock.now = began + 1.5 * 3 * chunk_s + 0.001
+            assert tm.lookup(stored[0], "w") is MISS
+
+            # x: a wait whose chunk is no longer asked is over; the next RETRY begins anew
+            assert tm.lookup(stored[0], "x") is RETRY
+            for _ in range(3):
+                tm.step()
+            clock.now += 1000.0
+            assert tm.lookup(stored[1], "x") is RETRY
+            assert tm._waiting["x"].key == stored[1]
+
+            # a tier slower than recompute is not waited for: its HIT would be a MISS
+            cost.loads = RateEstimate(fixed=ROW / 1e6)  # a chunk in 11.6 days
+            assert tm.lookup(stored[0], "v") is MISS
+            assert st.recomputed[("fs", "slower_than_recompute")] == TOKENS
+            cost.loads = RateEstimate()
+            assert st.recomputed[("fs", "lookup_overran")] == 3 * TOKENS
+            m = tm.refresh_metrics()
+            assert m.get("kvoffload_recomputed_tokens", "fs", "lookup_overran") == 3 * TOKENS
+            assert tm.promotion_holds == 0 and tm.pins_held() == refs_of(tm) == {}
+        finally:
+            gate.touch()
+        # the probe is answered: a later request is served every chunk (the others unasked)
+        assert serve(tm, "t", stored) == 3
+        assert tm.lookup(stored[0], "r") is MISS  # still recomputed by the request that gave way
+        for rid in ("m", "q", "r", "t", "v", "w", "x"):
+            tm.on_request_finished(rid)
+        assert not tm._waiting and not tm._recompute
+        assert tm.pins_held() == refs_of(tm) == {}
+
+
+def test_a_probe_that_timed_out_is_no_sample_of_the_tiers_lookups(tmp_path):
+    """Only probes answered (present or absent) with nothing queued ahead of them teach the tier
+    what a lookup costs: one that timed out says how long it waited, not what a lookup costs
+    (taken as a sample, a stalled tier would lengthen its own deadlines)."""
+    keys = keys_for(2)
+    with _stalled_probe_rig(tmp_path, keys, keys[0], job_timeout_s=0.5) as rig:
+        tm = rig.tm
+        tier = tm.tiers[0]
+        try:
+            assert tm.lookup(keys[0], "r") is RETRY
+            wait_until(lambda: tm.lookup(keys[0], "r") is not RETRY, step=tm.step, what="timeout")
+            assert tier.lookup_seconds is None
+        finally:
+            (tmp_path / "probe-may-run").touch()
+        assert tm.lookup(keys[1], "s") is RETRY
+        wait_until(lambda: tm.lookup(keys[1], "s") is not RETRY, step=tm.step, what="a probe")
+        assert tier.lookup_seconds is not None
+        for rid in ("r", "s"):
+            tm.on_request_finished(rid)
+
+
 def test_the_serve_policy_waits_for_the_slowest_tier(tmp_path):
     gate = tmp_path / "loads-may-run"
     stalled = fs_tier(
@@ -221,6 +377,7 @@ class _Tiering:
         self.tiers = []
         self.publishes_events = False
         self.namespace = types.SimpleNamespace(tokens_per_chunk=16)
+        self.config = types.SimpleNamespace(canary=None)  # no online canary
         self.prefill = RateEstimate()
         self.samples = []
 

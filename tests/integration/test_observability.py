@@ -185,8 +185,18 @@ def test_every_metric_is_exported_with_plausible_values(tmp_path, endpoint):
         run.close()
     names = {n for (n, labels) in got if dict(labels).get("instance") == inst}
     for d in CORE_METRICS:
-        if d.name == "kvoffload_kv_events_published":
-            continue  # only with kv_events configured (see the events tests)
+        if d.name in (
+            "kvoffload_kv_events_published",
+            "kvoffload_warm_restart_chunks",
+            "kvoffload_canary_checks",
+            "kvoffload_canary_seconds",
+            "kvoffload_tenant_bytes",
+            "kvoffload_tenant_quota_evictions",
+            "kvoffload_tenant_quota_refusals",
+        ):
+            # only with kv_events (the events tests), warm_restart_s (test_warm_restart), canary
+            # (tests/e2e/test_vllm_canary.py), tenant quotas (test_tenant_quotas)
+            continue
         exposed = {"counter": d.name + "_total", "gauge": d.name, "histogram": d.name + "_count"}
         if d.name in (
             "kvoffload_tier_failed_chunks",
@@ -591,11 +601,19 @@ def test_a_real_prometheus_scrapes_a_stress_run(tmp_path):
             for d in CORE_METRICS:
                 if d.name in (
                     "kvoffload_kv_events_published",
+                    "kvoffload_warm_restart_chunks",
+                    "kvoffload_canary_checks",
+                    "kvoffload_canary_seconds",
+                    "kvoffload_tenant_bytes",
+                    "kvoffload_tenant_quota_evictions",
+                    "kvoffload_tenant_quota_refusals",
                     "kvoffload_tier_failed_chunks",
                     "kvoffload_tier_failed_jobs",
                     "kvoffload_tier_eviction_errors",
                 ):
-                    continue  # no KV events configured, no failure in a clean run
+                    # no KV events, warm restart, canary or tenant quotas configured, no failure
+                    # in a clean run
+                    continue
                 want = {
                     "counter": d.name + "_total",
                     "gauge": d.name,

@@ -710,6 +710,26 @@ def test_a_probe_asks_its_peers_in_order_and_skips_those_that_are_down(rig):
     assert h.results_of(Verdict)[-1] == Verdict(held[1], HONEST)
 
 
+def test_a_probe_is_located_by_its_engine_key_and_asks_for_its_tenant_key_only(rig):
+    """A salted request's chunk: the KV-event locations (which name engine keys) are asked with
+    the Probe's ``located_as``; the peer they name is asked first, for the tenant key; the engine
+    key never leaves this instance (no message to any peer carries it)."""
+    held = keys_for(1, seed=43)  # what the honest peer holds: the tenant key
+    rig.store(held)
+    engine_key = bytes(range(32))
+    h = Harness(rig)
+    h.add_honest(HONEST)
+    h.up(HOSTILE)
+    asked_with = []
+    h.client.where = lambda key: asked_with.append(key) or ([HONEST] if key == engine_key else [])
+    h.command(Probe(held[0], (), (HOSTILE, HONEST), engine_key))
+    assert asked_with == [engine_key]
+    assert h.last(HOSTILE, pm.Lookup) is None  # the configured order was not followed
+    assert h.last(HONEST, pm.Lookup).keys == held
+    assert h.results_of(Verdict) == [Verdict(held[0], HONEST)]
+    assert not any(engine_key in pm.encode(m) for sent in h.sent.values() for m in sent)
+
+
 def test_a_pending_key_is_asked_again_until_the_peer_timeout(rig):
     h = Harness(rig)
     h.up(HOSTILE)

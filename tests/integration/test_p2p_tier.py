@@ -89,8 +89,8 @@ class Instance(PipeClient):
         self.addr: str = reply["advertise"]
         self.worker_pid: int = reply["worker_pid"]
 
-    def store(self, keys: list[bytes]) -> None:
-        self.ok("store", keys=[k.hex() for k in keys])
+    def store(self, keys: list[bytes], salt: str | None = None) -> None:
+        self.ok("store", keys=[k.hex() for k in keys], salt=salt)
 
     def stop(self) -> None:
         self.stop_process()
@@ -169,12 +169,20 @@ def assert_serves(rig: Rig, keys: list[bytes], req_id: str = "req", params=None)
 
 
 def settle(rig: Rig, keys: list[bytes], req_id: str = "req") -> list[LookupResult]:
-    """Look ``keys`` up every engine step until none is RETRY or HIT_PENDING."""
+    """Look ``keys`` up every engine step until none is RETRY or HIT_PENDING; a key that has
+    settled keeps its verdict and is not asked again (as a request's scheduler keeps a MISS: with
+    ``negative_ttl_s=0`` a MISS is given once, so asking it again would probe it anew and, when
+    the verdicts of several keys arrive in different steps, never settle them all at once)."""
     unsettled = (LookupResult.RETRY, LookupResult.HIT_PENDING)
+    verdicts: dict[bytes, LookupResult] = {}
 
     def settled():
-        res = [rig.tm.lookup(k, req_id) for k in keys]
-        return None if any(r in unsettled for r in res) else res
+        for k in keys:
+            if k not in verdicts:
+                r = rig.tm.lookup(k, req_id)
+                if r not in unsettled:
+                    verdicts[k] = r
+        return [verdicts[k] for k in keys] if len(verdicts) == len(set(keys)) else None
 
     return wait_until(settled, PATIENCE_S, f"{len(keys)} lookup(s) to settle", step=rig.tm.step)
 
@@ -801,9 +809,9 @@ def test_an_instance_over_its_host_capacity_pushes_to_an_underused_peer_and_read
     assert_serves(a, back, "reread")
 
 
-def test_a_lookup_asks_the_peer_whose_kv_events_show_the_chunk_first(world):
-    """C subscribes to A's and B's KV events: a chunk only B holds is asked of B alone, though A
-    comes first in C's peer list; a chunk no event names is asked of the peers in order."""
+def located_world(world) -> tuple[Instance, Instance, Rig]:
+    """A and B, each publishing its KV events, and C (a rig), whose p2p tier has both as peers
+    (A first) and follows both's events; every session up."""
     ev = {}
     inst = {}
     for name in "ab":
@@ -834,6 +842,13 @@ def test_a_lookup_asks_the_peer_whose_kv_events_show_the_chunk_first(world):
     wait_until(
         lambda: len(tier(c).peers_up()) == 2 or None, PATIENCE_S, "C's sessions", step=c.tm.step
     )
+    return a, b, c
+
+
+def test_a_lookup_asks_the_peer_whose_kv_events_show_the_chunk_first(world):
+    """C subscribes to A's and B's KV events: a chunk only B holds is asked of B alone, though A
+    comes first in C's peer list; a chunk no event names is asked of the peers in order."""
+    a, b, c = located_world(world)
     only_b = keys_for(3, seed=17)
     b.store(only_b)
     node = tier(c)._node
@@ -852,6 +867,33 @@ def test_a_lookup_asks_the_peer_whose_kv_events_show_the_chunk_first(world):
     assert settle(c, nowhere, "r3") == [MISS, MISS]
     asked = dict(node.client.peer_stats)
     assert asked.get((a.addr, "lookup_chunks"), 0) == len(nowhere)
+
+
+def test_c18_a_salted_lookup_asks_the_peer_whose_kv_events_show_the_chunk_first(world):
+    """The salted variant (review of issue 27): B holds a tenant's chunks under their tenant
+    keys, and its KV events name their engine keys (as vLLM's do). C's salted request looks them
+    up by tenant key; before, the locations were asked with the tenant key, matched nothing,
+    and A (first in C's list) was asked first. Now they are asked with the engine key: B alone
+    is asked, for the tenant key, and serves the tenant's bytes. An unsalted lookup of the same
+    engine keys (B first: its events name them) misses: B holds no unsalted chunk of them."""
+    a, b, c = located_world(world)
+    salt = "tenant-" + secrets.token_hex(8)
+    only_b = keys_for(3, seed=23)
+    b.store(only_b, salt=salt)
+    node = tier(c)._node
+    wait_until(
+        lambda: all(node.locations.where(k) == [b.addr] for k in only_b) or None,
+        PATIENCE_S,
+        "C to learn B's chunks (by engine key) from its events",
+    )
+    c.tm.set_cache_salt("salted", salt)
+    assert_serves(c, only_b, "salted")
+    asked = dict(node.client.peer_stats)
+    assert asked.get((a.addr, "lookup_chunks"), 0) == 0, asked
+    assert asked[(b.addr, "lookup_chunks")] >= len(only_b)
+    # the same engine keys without the salt: B's hint is tried first, but B holds no unsalted
+    # chunk of them: a miss everywhere, never the tenant's bytes
+    assert settle(c, only_b, "unsalted") == [MISS] * len(only_b)
 
 
 def test_a_request_naming_a_peer_no_socket_can_reach_leaves_the_tier_serving(world):

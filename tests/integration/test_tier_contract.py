@@ -67,6 +67,7 @@ def fs_tier(root) -> TierUnderTest:
         evicts=True,
         lose=lose,
         chunk_bytes=HEADER_BYTES + 16384,  # a chunk file: header page and row
+        persistent=True,
     )
 
 
@@ -89,6 +90,7 @@ def obj_tier_under_test(endpoint: str, bucket: str) -> TierUnderTest:
         evicts=True,
         lose=lose,
         chunk_bytes=HEADER_BYTES + 16384,  # an object: header page and row
+        persistent=True,
     )
 
 
@@ -144,6 +146,8 @@ def p2p_tier(peer: PeerInstance) -> TierUnderTest:
         lose=lose,
         ready=lambda tier: bool(tier.peers_up()),  # type: ignore[attr-defined]
         counts_events=False,
+        persistent=True,
+        in_live_engines=True,
     )
 
 

@@ -58,9 +58,11 @@ ATT = "tests/integration/test_p2p_attacks.py::"
 BRK = "tests/unit/test_refusal_metrics.py::"
 TRUTH = "tests/integration/test_counter_truth.py::"
 CAPU = "tests/unit/test_capacity.py::"
+ENC = "tests/integration/test_encryption.py::"
 # files split between tests/unit, tests/integration and tests/netns by what their tests do
 POL_RIG = "tests/integration/test_policies.py::"
 ATT_NS = "tests/netns/test_p2p_attacks.py::"
+WA = "tests/integration/test_warm_restart_attacks.py::"
 
 _ID = "        return xxhash.xxh3_128_digest(msgspec.json.encode(self))"
 
@@ -179,9 +181,22 @@ MUTATIONS: list[Mutation] = [
         "C06",
         "payload checksum not verified on load",
         "workers/fs_io.py",
-        "        if cf.payload_checksum(dst) != checksum:\n",
+        "        if cf.record_checksum(head, into) != checksum:\n",
         "        if False:\n",
         (FS + "test_c06_same_length_corruption_is_a_miss_and_the_file_is_removed",),
+    ),
+    Mutation(
+        "C06",
+        "an encrypted chunk's checksum leaves its salt, nonce and tag out",
+        "workers/chunkfile.py",
+        "    h = xxhash.xxh3_64(record)\n",
+        "    h = xxhash.xxh3_64()\n",
+        (
+            ENC
+            + "test_c06_damage_to_the_salt_nonce_or_tag_is_a_checksum_failure_not_a_forgery[fs]",
+            ENC
+            + "test_c06_damage_to_the_salt_nonce_or_tag_is_a_checksum_failure_not_a_forgery[obj]",
+        ),
     ),
     Mutation(
         "C06",
@@ -337,8 +352,10 @@ MUTATIONS: list[Mutation] = [
         "C15",
         "a dead owner's segment is not reclaimed at start",
         "ipc/arena.py",
-        "        _remove_if_stale(name)\n",
-        "",
+        # both reclaims of a start: before creating, and after a failed create when the header
+        # does not read as a live engine's (warm restart's second look, C56)
+        "        _remove_if_stale(name)\n        st = os.statvfs(SHM_DIR)\n        free = st.f_bavail * st.f_frsize\n        if total > free:\n            raise ArenaSpaceError(\n                f\"{size_hint_key}: the host arena needs {total / 2**30:.2f} GiB but {SHM_DIR} has \"\n                f\"{free / 2**30:.2f} GiB free; lower {size_hint_key} or enlarge {SHM_DIR}\"\n            )\n        try:\n            shm = posix_ipc.SharedMemory(pname, posix_ipc.O_CREX, mode=ARENA_MODE)\n        except posix_ipc.ExistentialError:\n            _refuse_foreign(name)\n            if table:\n                taken = cls._claim(name, num_slots, row_bytes, engine_id, keep_s, janitor)\n                if taken is not None:\n                    return taken\n                # the kept segment may have gone while we claimed it (its keeper's deadline) and\n                # another user's taken the name: that is refused as such, never reported busy\n                _refuse_foreign(name)\n                if not os.path.exists(os.path.join(SHM_DIR, name)):  # reclaimed: another shape\n                    return cls.create(\n                        name, num_slots, row_bytes, engine_id, size_hint_key, janitor, table, keep_s\n                    )\n            # not a live engine's by its header: the lock that kept it here may have been another\n            # process's look at it (a sweep, a listing), held for a moment; look again before\n            # failing the start\n            if not _live_engine(name) and _remove_if_stale(name, _PROBE_PATIENCE_S) is True:\n",
+        "        st = os.statvfs(SHM_DIR)\n        free = st.f_bavail * st.f_frsize\n        if total > free:\n            raise ArenaSpaceError(\n                f\"{size_hint_key}: the host arena needs {total / 2**30:.2f} GiB but {SHM_DIR} has \"\n                f\"{free / 2**30:.2f} GiB free; lower {size_hint_key} or enlarge {SHM_DIR}\"\n            )\n        try:\n            shm = posix_ipc.SharedMemory(pname, posix_ipc.O_CREX, mode=ARENA_MODE)\n        except posix_ipc.ExistentialError:\n            _refuse_foreign(name)\n            if table:\n                taken = cls._claim(name, num_slots, row_bytes, engine_id, keep_s, janitor)\n                if taken is not None:\n                    return taken\n                # the kept segment may have gone while we claimed it (its keeper's deadline) and\n                # another user's taken the name: that is refused as such, never reported busy\n                _refuse_foreign(name)\n                if not os.path.exists(os.path.join(SHM_DIR, name)):  # reclaimed: another shape\n                    return cls.create(\n                        name, num_slots, row_bytes, engine_id, size_hint_key, janitor, table, keep_s\n                    )\n            # not a live engine's by its header: the lock that kept it here may have been another\n            # process's look at it (a sweep, a listing), held for a moment; look again before\n            # failing the start\n            if False:\n",
         (ARENA + "test_c15_instance_killed_with_its_workers_leaves_no_segment_behind",),
     ),
     Mutation(
@@ -451,6 +468,22 @@ MUTATIONS: list[Mutation] = [
             "every_tier",
         ),
     ),
+    Mutation(
+        "C18",
+        "a salted lookup is located by its tenant key",
+        "kvoffload/tiers/p2p/tier.py",
+        "        self._node.submit(Probe(key, head, tail, None if located_as == key else located_as))\n",
+        "        self._node.submit(Probe(key, head, tail))\n",
+        (TIER + "test_c18_a_salted_lookup_asks_the_peer_whose_kv_events_show_the_chunk_first",),
+    ),
+    Mutation(
+        "C18",
+        "the node asks the locations with the key peers are asked for",
+        "kvoffload/tiers/p2p/client.py",
+        "                        located = where(cmd.located_as or cmd.key) if where is not None else ()\n",
+        "                        located = where(cmd.key) if where is not None else ()\n",
+        (P2PC + "test_a_probe_is_located_by_its_engine_key_and_asks_for_its_tenant_key_only",),
+    ),
     # -- C19-C23: metrics, events, config, buffer lifetime, performance ---------------------------
     Mutation(
         "C19",
@@ -518,7 +551,7 @@ MUTATIONS: list[Mutation] = [
         "C23",
         "a full, fully pinned host tier asks the policy anyway",
         "kvoffload/host.py",
-        "            if need > self.num_evictable:\n                return None\n",
+        "            if need > self.num_evictable - len(mine):\n                return None\n",
         "",
         (POL + "test_c23_full_tier_with_everything_pinned_answers_at_once",),
     ),
@@ -595,13 +628,13 @@ MUTATIONS: list[Mutation] = [
         "a reset drops the events queued before it",
         "kvoffload/host.py",
         (
-            "        self.policy.clear()\n"
+            "            self.quotas.clear()\n"
             "        if removed and self._events is not None:\n"
             "            self._events.append(TierEvent(removed, True))\n"
             "        return busy\n"
         ),
         (
-            "        self.policy.clear()\n"
+            "            self.quotas.clear()\n"
             "        if self._events is not None:\n"
             "            self._events = [TierEvent(removed, True)] if removed else []\n"
             "        return busy\n"
@@ -832,8 +865,8 @@ MUTATIONS: list[Mutation] = [
         "C43",
         "the fs worker serves a chunk whose MAC it does not check",
         "workers/fs_io.py",
-        "        if self._mac_key is not None:\n            why = cf.mac_problem(head, dst, self._mac_key)\n",
-        "        if False:\n            why = cf.mac_problem(head, dst, self._mac_key)\n",
+        "        if self._mac_key is not None:\n            why = cf.mac_problem(head, into, self._mac_key)\n",
+        "        if False:\n            why = cf.mac_problem(head, into, self._mac_key)\n",
         (
             FS
             + "test_c43_with_an_integrity_key_a_chunk_written_without_it_is_a_forged_miss_and_removed",
@@ -1319,6 +1352,75 @@ MUTATIONS: list[Mutation] = [
         (
             RV
             + "test_c55_on_a_shared_root_removals_come_from_the_instances_that_announced_the_chunks",
+        ),
+    ),
+    Mutation(
+        "C44",
+        "a squatter that takes the name during a warm-restart claim is reported busy, not foreign",
+        "ipc/arena.py",
+        "                _refuse_foreign(name)\n                if not os.path.exists",
+        "                if not os.path.exists",
+        (WA + "test_c44_a_squatter_that_takes_the_name_while_a_successor_claims_it_is_refused",),
+    ),
+    Mutation(
+        "C44",
+        "the keeper takes over another user's segment under its arena's name",
+        "ipc/janitor.py",
+        "        if am._not_ours(os.fstat(fd)) is not None:\n",
+        "        if False:\n",
+        (WA + "test_c44_a_keeper_never_takes_over_another_users_segment_under_its_arenas_name",),
+    ),
+    Mutation(
+        "C56",
+        "a kept arena nobody holds is not claimed",
+        "ipc/arena.py",
+        "                if state == _STATE_KEPT:\n",
+        "                if state == _STATE_KEPT and _owner_alive(fd):\n",
+        (
+            WA
+            + "test_c56_a_claimant_that_dies_after_the_keeper_let_go_leaves_the_arena_to_the_next",
+        ),
+    ),
+    Mutation(
+        "C56",
+        "a reused owner pid reads as the live owner",
+        "ipc/arena.py",
+        "not _pid_alive(owner_pid, created_ns)",
+        "not _pid_alive(owner_pid)",
+        (WA + "test_c56_a_claimant_waits_for_the_keeper_when_the_dead_owners_pid_was_reused",),
+    ),
+    Mutation(
+        "C56",
+        "an arena left keeping by a dead keeper waits for the age of an unready one",
+        "ipc/arena.py",
+        "header[2] not in (_STATE_READY, _STATE_KEEPING)",
+        "header[2] != _STATE_READY",
+        (
+            WA
+            + "test_c56_a_keeper_killed_while_taking_over_leaves_nothing_to_adopt_and_the_successor_starts_cold",
+        ),
+    ),
+    Mutation(
+        "C56",
+        "another user's process with the keeper's command line counts as the keeper",
+        "ipc/arena.py",
+        "            and p.uids().effective == os.geteuid()\n",
+        "",
+        (
+            WA
+            + "test_a_dead_engines_arena_whose_keeper_pid_names_another_live_process_is_not_kept"
+            + "[another_users_lookalike]",
+        ),
+    ),
+    Mutation(
+        "C56",
+        "a start fails on an owner lock that another process's sweep holds for a moment",
+        "ipc/arena.py",
+        "            if not _live_engine(name) and _remove_if_stale(name, _PROBE_PATIENCE_S) is True:\n",
+        "            if False:\n",
+        (
+            WA
+            + "test_c56_a_sweep_looking_at_a_stale_arena_as_the_successor_starts_does_not_fail_it",
         ),
     ),
 ]

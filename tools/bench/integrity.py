@@ -1,7 +1,8 @@
 """``kvoffload bench integrity``: what an integrity key (``integrity_key_env``, CASES C43) costs
 the fs tier: stores and loads of the same chunks through a real fs tier without and with a key,
 repetitions interleaved in one run, and the MAC alone (HMAC-SHA256 against keyed BLAKE2b) on one
-core.
+core. With ``--encryption``, the same against encryption at rest (``encryption_key_env``:
+AES-256-GCM in the workers) instead of the key, and the cipher alone.
 
 The tier runs with ``direct_io: none`` by default, on the directory given (``/dev/shm`` keeps the
 disk out of it): the MAC is CPU work, one more pass over each chunk when it is stored and when it
@@ -19,6 +20,7 @@ import secrets
 import shutil
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -39,15 +41,24 @@ from kvoffload.tools.bench.harness import (
 )
 
 KEY_ENV = "KVOFFLOAD_BENCH_INTEGRITY_KEY"
+ENCRYPTION_ENV = "KVOFFLOAD_BENCH_ENCRYPTION_KEY"
 
 
 def store_and_load(
-    arena: Arena, payloads: Payloads, root: Path, keyed: bool, direct_io: str
+    arena: Arena,
+    payloads: Payloads,
+    root: Path,
+    keyed: bool,
+    direct_io: str,
+    encrypted: bool = False,
 ) -> tuple[float, float]:
     """Seconds to store every row of ``arena`` through a fresh fs tier at ``root`` and to load
-    them all back (``keyed``: with ``integrity_key_env``)."""
+    them all back (``keyed``: with ``integrity_key_env``; ``encrypted``: with
+    ``encryption_key_env``)."""
     n, row_bytes = arena.num_slots, arena.row_bytes
-    extra = {"integrity_key_env": KEY_ENV} if keyed else {}
+    extra: dict[str, str] = {"integrity_key_env": KEY_ENV} if keyed else {}
+    if encrypted:
+        extra["encryption_key_env"] = ENCRYPTION_ENV
     cfg = parse_config(
         {
             "cpu_bytes_to_use": n * row_bytes,
@@ -98,6 +109,11 @@ def mac_alone(nbytes: int, reps: int = 20) -> dict[str, float]:
         "blake2b_keyed": lambda: hashlib.blake2b(data, key=key).digest(),
         "xxh3_64": lambda: xxhash.xxh3_64_intdigest(data),
     }
+    return _best_ms(fns, reps)
+
+
+def _best_ms(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
+    """Milliseconds, best of ``reps`` after one warm-up call, of each of ``fns`` by name."""
     out = {}
     for name, fn in fns.items():
         fn()
@@ -108,6 +124,34 @@ def mac_alone(nbytes: int, reps: int = 20) -> dict[str, float]:
             best = min(best, time.perf_counter() - t0)
         out[name] = best * 1e3
     return out
+
+
+def cipher_alone(nbytes: int, reps: int = 20) -> dict[str, float]:
+    """Milliseconds (best of ``reps``) to encrypt and to decrypt ``nbytes`` on one core as the
+    workers do (AES-256-GCM into a buffer under a key derived for the chunk,
+    :class:`~kvoffload.workers.chunkseal.Sealer`), and to derive a chunk's key and cipher alone
+    (``derive``: what a chunk pays besides the cipher's pass over its bytes)."""
+    import mmap
+
+    from kvoffload.workers.chunkseal import SALT_BYTES, TAG_BYTES, Sealer
+
+    sealer = Sealer(os.urandom(32), "0" * 32)
+    src = memoryview(bytearray(os.urandom(nbytes)))
+    sealed = memoryview(mmap.mmap(-1, nbytes + TAG_BYTES))
+    dst = memoryview(bytearray(nbytes))
+    record = b""
+
+    def enc() -> None:
+        nonlocal record
+        record = sealer.seal(b"k" * 20, src, sealed)
+
+    def dec() -> None:
+        assert sealer.open(b"k" * 20, record, sealed, dst)
+
+    def derive() -> None:
+        sealer._aead(os.urandom(SALT_BYTES))
+
+    return _best_ms({"encrypt": enc, "decrypt": dec, "derive": derive}, reps)
 
 
 @click.command("integrity")
@@ -129,16 +173,24 @@ def mac_alone(nbytes: int, reps: int = 20) -> dict[str, float]:
     help="Directory for the tier's root (default: a new directory under the current one; "
     "/dev/shm keeps the disk out of the figures).",
 )
-def bench_integrity(chunk_kib, total_mib, reps, direct_io, workdir) -> None:
-    """fs tier store/load GB/s with an integrity key against without, and the MAC alone."""
-    os.environ[KEY_ENV] = secrets.token_hex(32)  # the workers inherit it; never printed
+@click.option(
+    "--encryption",
+    is_flag=True,
+    help="Measure encryption at rest (encryption_key_env) against none instead of the key.",
+)
+def bench_integrity(chunk_kib, total_mib, reps, direct_io, workdir, encryption) -> None:
+    """fs tier store/load GB/s with an integrity key (or, --encryption, encryption at rest)
+    against without, and the MAC (or the cipher) alone."""
+    os.environ[KEY_ENV] = secrets.token_hex(32)  # the workers inherit them; never printed
+    os.environ[ENCRYPTION_ENV] = secrets.token_hex(32)
     wd = make_workdir(workdir)
     print_header()
     load1, _, _ = os.getloadavg()
     click.echo(f"load average at start: {load1:.2f}")
+    on, off = ("encrypted", "plain") if encryption else ("key", "no key")
     click.echo(
-        "\n| chunk | store GB/s, no key | store GB/s, key | key / no key | load GB/s, no key | "
-        "load GB/s, key | key / no key |\n|---|---|---|---|---|---|---|"
+        f"\n| chunk | store GB/s, {off} | store GB/s, {on} | {on} / {off} | load GB/s, {off} | "
+        f"load GB/s, {on} | {on} / {off} |\n|---|---|---|---|---|---|---|"
     )
     try:
         for kib in chunk_kib:
@@ -150,7 +202,12 @@ def bench_integrity(chunk_kib, total_mib, reps, direct_io, workdir) -> None:
                 for _ in range(reps):
                     for keyed in (False, True):
                         store_s, load_s = store_and_load(
-                            arena, payloads, wd / "fs", keyed, direct_io
+                            arena,
+                            payloads,
+                            wd / "fs",
+                            keyed and not encryption,
+                            direct_io,
+                            encrypted=keyed and encryption,
                         )
                         runs.setdefault((keyed, "store"), []).append(n * row_bytes / store_s / 1e9)
                         runs.setdefault((keyed, "load"), []).append(n * row_bytes / load_s / 1e9)
@@ -165,6 +222,18 @@ def bench_integrity(chunk_kib, total_mib, reps, direct_io, workdir) -> None:
             shutil.rmtree(wd, ignore_errors=True)
     load1, _, _ = os.getloadavg()
     click.echo(f"load average at the end: {load1:.2f}")
+    if encryption:
+        click.echo(
+            "\nThe cipher alone, one core (ms, best of 20; encrypt and decrypt include the "
+            "chunk's key derivation):\n\n| chunk | AES-256-GCM encrypt | AES-256-GCM decrypt | "
+            "key derivation |\n|---|---|---|---|"
+        )
+        for kib in chunk_kib:
+            c = cipher_alone(kib << 10)
+            click.echo(
+                f"| {kib} KiB | {c['encrypt']:.3f} | {c['decrypt']:.3f} | {c['derive']:.4f} |"
+            )
+        return
     click.echo(
         "\nThe MAC alone, one core (ms, best of 20):\n\n| chunk | HMAC-SHA256 | keyed BLAKE2b | "
         "xxh3-64 |\n|---|---|---|---|"

@@ -19,11 +19,13 @@ inside, so it is tested and fuzzed alone (``tests/integration/test_p2p_client.py
 
 **Commands in.** The node hands over the engine's commands as it pops them. A Probe's peers are
 its ``head``, then (unless ``tail`` is None) the peers the KV-event locations show holding the key
-(``where``), then ``tail``; the probe asks them one at a time, skipping a peer whose session is
-down, until one answers READY; probes bound for one peer in one call share Lookup messages. A Load
-is leased and read in parts of at most :data:`LEASE_CHUNKS` keys, at most
-:data:`MAX_INFLIGHT_CHUNKS` chunks in flight per peer (the rest wait). A Push goes, as an Offer,
-to the peer whose session is up with the most free quota.
+(``where``, asked with the Probe's ``located_as``: the engine's key of a salted request's tenant
+key, which peers' events name; the Lookups still name the tenant key alone), then ``tail``; the
+probe asks them one at a time, skipping a peer whose session is down, until one answers READY;
+probes bound for one peer in one call share Lookup messages. A Load is leased and read in parts
+of at most :data:`LEASE_CHUNKS` keys, at most :data:`MAX_INFLIGHT_CHUNKS` chunks in flight per
+peer (the rest wait). A Push goes, as an Offer, to the peer whose session is up with the most free
+quota.
 
 **Frames in.** One frame from a peer's socket. A link goes ``down`` → ``hello`` (Hello sent, naming
 the address dialed) → ``auth`` (the peer's Challenge is of our protocol version, is not our own
@@ -483,7 +485,9 @@ class PeerClient:
                 case Probe():
                     peers = cmd.head
                     if cmd.tail is not None:
-                        located = self.where(cmd.key) if self.where is not None else ()
+                        # by the engine's key: peers' KV events name it, not a tenant key
+                        where = self.where
+                        located = where(cmd.located_as or cmd.key) if where is not None else ()
                         peers = tuple(dict.fromkeys((*cmd.head, *located, *cmd.tail)))
                     self._probe_next(_Probe(cmd.key, peers, now), batches, now)
                 case Load():

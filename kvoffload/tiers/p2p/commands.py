@@ -3,7 +3,7 @@
 ::
 
     engine thread (P2PTier)                              node thread (PeerNode, its PeerClient)
-      lookup: unknown key ── Probe(key, head, tail) ──────▶ Lookup at each peer in turn
+      lookup: unknown key ── Probe(key, head, tail, ...) ─▶ Lookup at each peer in turn
       submit_load ────────── Load(job_id, peer, keys, ...) ▶ Lease, READ, Release (in parts)
       submit_store ───────── Push(job_id, keys, slots) ───▶ Offer to the peer with most quota
       attach, on_request ─── Connect(peer) ───────────────▶ open that peer's session now
@@ -49,15 +49,19 @@ class Probe(msgspec.Struct, frozen=True, gc=False):
     """Which peer has ``key`` READY? Answered by one :class:`Verdict`.
 
     Attributes:
-        key: the chunk key.
+        key: the chunk key, as peers hold it and are asked for it (a tenant key for a salted
+            request's chunk).
         head: peers to ask first, in order (the request's named peer).
         tail: peers to ask after ``head`` and after the peers whose KV events show the key
             (the configured ``peers``); None: ask ``head`` only (``remote_prefiller``).
+        located_as: the key the KV-event locations are asked with: the engine's key of a
+            tenant key (peers' events name engine keys); None: ``key``. Never sent to a peer.
     """
 
     key: bytes
     head: tuple[str, ...]
     tail: tuple[str, ...] | None
+    located_as: bytes | None = None
 
 
 class Load(msgspec.Struct, frozen=True, gc=False):

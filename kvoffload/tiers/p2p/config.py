@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 from typing import Annotated, Any, ClassVar, Literal, NamedTuple
 
@@ -202,6 +203,15 @@ class P2PTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     peer_events: dict[str, Any] = {}
     max_located_chunks: Positive = 262_144
     replay_timeout_s: Seconds = 5.0
+
+    def shared_secret(self) -> str | None:
+        """The secret the tier authenticates with, as it reads it at start: ``""`` under
+        ``auth: none``, else ``secret`` or the environment variable ``secret_env`` names (in this
+        process's environment); None where neither holds one (the tier refuses to start)."""
+        if self.auth == "none":
+            return ""
+        secret = self.secret if self.secret is not None else os.environ.get(self.secret_env)
+        return secret or None
 
     def __post_init__(self) -> None:
         problems = []

@@ -133,6 +133,36 @@ _MONITOR_EVENTS = (
 )
 
 
+def open_dealer(ctx: zmq.Context, out: Open, curve: tuple[bytes, bytes] | None) -> zmq.Socket:
+    """The client role's DEALER for an :class:`~.client.Open`, connected to the peer: its
+    routing id, ``MAXMSGSIZE``, ``LINGER`` 0 and, with ``curve`` (the shared secret's
+    ``(public, secret)`` keypair, :func:`~kvoffload.ipc.peer_messages.curve_keypair`), a CURVE
+    client expecting that server key. ``kvoffload doctor`` opens its probes with it too.
+
+    Raises:
+        zmq.ZMQError: an address ZMQ refuses to connect to (``*``); the socket is closed.
+    """
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.ROUTING_ID, out.routing_id)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.MAXMSGSIZE, pm.MAX_MESSAGE_BYTES + pm.CURVE_OVERHEAD_BYTES)
+    s.setsockopt(zmq.SNDHWM, 10_000)
+    # ZMQ's own reconnects stay slow: the link's handshake deadline and backoff decide when to
+    # try again (a peer that is not there costs few connects)
+    s.setsockopt(zmq.RECONNECT_IVL, 500)
+    s.setsockopt(zmq.RECONNECT_IVL_MAX, 10_000)
+    if curve is not None:
+        s.setsockopt(zmq.CURVE_SERVERKEY, curve[0])
+        s.setsockopt(zmq.CURVE_PUBLICKEY, curve[0])
+        s.setsockopt(zmq.CURVE_SECRETKEY, curve[1])
+    try:
+        s.connect(f"tcp://{out.host}:{out.port}")
+    except zmq.ZMQError:
+        s.close(linger=0)
+        raise
+    return s
+
+
 class WorkerPort:
     """The peer worker as the roles use it (the client role's
     :class:`~kvoffload.tiers.p2p.client.Transfers`, through :meth:`role`): one worker name per
@@ -513,23 +543,9 @@ class PeerNode(threading.Thread):
                             pass  # the send queue is full: the request's deadline handles it
                 case Open():
                     self._close(out.peer)
-                    s = self.ctx.socket(zmq.DEALER)
-                    s.setsockopt(zmq.ROUTING_ID, out.routing_id)
-                    s.setsockopt(zmq.LINGER, 0)
-                    s.setsockopt(zmq.MAXMSGSIZE, pm.MAX_MESSAGE_BYTES + pm.CURVE_OVERHEAD_BYTES)
-                    s.setsockopt(zmq.SNDHWM, 10_000)
-                    # ZMQ's own reconnects stay slow: the link's handshake deadline and backoff
-                    # decide when to try again (a peer that is not there costs few connects)
-                    s.setsockopt(zmq.RECONNECT_IVL, 500)
-                    s.setsockopt(zmq.RECONNECT_IVL_MAX, 10_000)
-                    if self._curve is not None:
-                        s.setsockopt(zmq.CURVE_SERVERKEY, self._curve[0])
-                        s.setsockopt(zmq.CURVE_PUBLICKEY, self._curve[0])
-                        s.setsockopt(zmq.CURVE_SECRETKEY, self._curve[1])
                     try:
-                        s.connect(f"tcp://{out.host}:{out.port}")
+                        s = open_dealer(self.ctx, out, self._curve)
                     except zmq.ZMQError as e:  # an address ZMQ refuses ("*", a request's)
-                        s.close(linger=0)
                         self._apply(self.client.unreachable(out.peer, str(e), now), now)
                         continue
                     self.socks[out.peer] = s

@@ -6,7 +6,8 @@
          │                                        leased slots into the reserved host slots ─▶ Release
          ├─ known absent ─▶ MISS                  (one JobResult when every peer's part has settled)
          └─ unknown ─▶ RETRY; the node asks the request's named peer, then the peers whose KV events
-                       show the key, then the configured peers in order (Lookup), until one has it
+                       show the key (a salted request's: its engine key), then the configured peers
+                       in order (Lookup, of the key as asked), until one has it
     submit_store(job) ─ the request names a remote decoder ─▶ held (slots pinned) until that decoder
          │              has fetched the chunks (its lease released) or ``hold_s`` passes
          └─ push ─▶ Offer to the peer with the most free quota; it pulls the chunks itself; Pulled
@@ -210,15 +211,14 @@ class P2PTier(SecondaryTierManager):
         if arena is None:
             raise ValueError("type: the p2p tier needs the host arena (build it with create_tier)")
         self.locality = config.locality
-        secret = config.secret if config.secret is not None else os.environ.get(config.secret_env)
-        if config.auth == "none":
-            secret = ""  # no CurveZMQ, no proof: allowed only on loopback for trusted users
-        elif not secret:
+        # auth none: "", no CurveZMQ, no proof (allowed only on loopback for trusted users)
+        secret = config.shared_secret()
+        if secret is None:
             raise ValueError(
                 f"secret: the p2p tier needs a shared secret (the secret key, or the "
                 f"{config.secret_env} environment variable), or auth: none on a loopback host"
             )
-        self._secret = (secret or "").encode()
+        self._secret = secret.encode()
         self.arena = arena
         self.incarnation = os.urandom(16)
         self._manager: ServedHost | None = None
@@ -444,7 +444,10 @@ class P2PTier(SecondaryTierManager):
         if self._node is None or not (head or tail or (tail is not None and self._located)):
             return _MISS
         self._waiting[key] = {req_id}
-        self._node.submit(Probe(key, head, tail))
+        # peers' KV events name engine keys: a salted request's tenant key is located by its
+        # engine key (only where the events are followed), and asked for as the tenant key
+        located_as = self.engine_key_of(key) if self._located and tail is not None else None
+        self._node.submit(Probe(key, head, tail, None if located_as == key else located_as))
         return _RETRY
 
     def origin(self, key: bytes) -> str:

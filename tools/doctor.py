@@ -1085,20 +1085,26 @@ def probe_peer(addr: str, secret: bytes, namespace_id: str | None, timeout_s: fl
         while time.monotonic() < deadline:
             for out in pending:
                 if isinstance(out, Open) and sock is None:
+
+                    def watch(s: zmq.Socket) -> None:
+                        # before the connect: ZMQ does not try a failed handshake again, so a
+                        # monitor attached after it would never hear of it
+                        nonlocal monitor
+                        monitor = s.get_monitor_socket(
+                            zmq.EVENT_HANDSHAKE_SUCCEEDED
+                            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                            | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                        )
+
                     try:
-                        sock = open_dealer(ctx, out, curve)
+                        sock = open_dealer(ctx, out, curve, before_connect=watch)
                     except zmq.ZMQError as e:
                         return PeerProbe(
                             outcome="bad_address",
                             detail=f"not an address ZMQ can dial (tcp://{out.host}:{out.port}: "
                             f"{e.strerror})",
                         )
-                    monitor = sock.get_monitor_socket(
-                        zmq.EVENT_HANDSHAKE_SUCCEEDED
-                        | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                        | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-                        | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-                    )
                 elif isinstance(out, Send) and sock is not None:
                     sock.send(out.frame, zmq.NOBLOCK)
                 elif isinstance(out, Close):
@@ -1123,9 +1129,15 @@ def probe_peer(addr: str, secret: bytes, namespace_id: str | None, timeout_s: fl
                 pending = client.on_frame(addr, sock.recv(), time.monotonic())
             else:
                 pending = client.tick(time.monotonic())
+        if sock is not None:
+            # no monitor event, yet a greeting that names another mechanism is the mismatch, not
+            # a peer too busy to answer (the event is belt; this is braces)
+            mechanism = zmtp_mechanism(host, port, timeout_s)
+            if mechanism not in (None, "CURVE"):
+                return _not_curve(mechanism)
         return PeerProbe(outcome="no_answer", detail=f"no answer to Hello within {timeout_s:g} s")
     finally:
-        if sock is not None:
+        if sock is not None and monitor is not None:
             sock.disable_monitor()
         if monitor is not None:
             monitor.close(linger=0)
@@ -1169,6 +1181,11 @@ def _dropped_handshake(host: str, port: int, timeout_s: float) -> PeerProbe:
         )
     if mechanism is None:
         return PeerProbe(outcome="not_zmtp", detail="it sends no ZMQ greeting")
+    return _not_curve(mechanism)
+
+
+def _not_curve(mechanism: str) -> PeerProbe:
+    """A peer whose ZMTP greeting names ``mechanism``, not ``CURVE``."""
     return PeerProbe(
         outcome="not_curve",
         detail=f"it speaks ZMQ without CurveZMQ (mechanism {mechanism}: a peer with auth none, "

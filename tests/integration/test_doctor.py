@@ -697,6 +697,47 @@ def test_a_zmq_peer_without_curve_is_not_called_another_secret(tmp_path):
     assert "auth failure" not in f["found"], f
 
 
+@pytest.mark.parametrize("monitor", ["before the connect", "none"])
+def test_a_zmq_peer_without_curve_is_named_when_the_probe_looks_after_its_handshake(
+    tmp_path, monkeypatch, monitor
+):
+    """CI stop 33: the probe's monitor was attached after the connect; ZMQ's I/O thread had
+    already failed the handshake (mechanism mismatch), which it never tries again, so no event
+    came and the doctor said 'no answer to Hello'. Here the probe's socket is handed back only
+    once the peer has failed the handshake (the peer's own monitor says so): the doctor's monitor,
+    attached before the connect, heard it; and without one (as a libzmq that reports no event),
+    the peer's greeting names the mismatch."""
+    import zmq
+    from zmq.utils.monitor import recv_monitor_message
+
+    from kvoffload.tiers.p2p import node
+
+    real = node.open_dealer
+    ctx = zmq.Context()
+    plain = ctx.socket(zmq.ROUTER)  # a ZMQ socket without CurveZMQ
+    plain.setsockopt(zmq.LINGER, 0)
+    failed = plain.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+    port = plain.bind_to_random_port("tcp://127.0.0.1")
+
+    def open_late(ctx, out, curve, before_connect=None):
+        s = real(ctx, out, curve, before_connect if monitor == "before the connect" else None)
+        assert failed.poll(60_000), "the peer did not fail the handshake within 60 s"
+        recv_monitor_message(failed)
+        return s
+
+    monkeypatch.setattr(node, "open_dealer", open_late)
+    try:
+        c = config(secondary_tiers=[p2p("tcp", free_port(), [f"127.0.0.1:{port}"])])
+        status, found = doctor(tmp_path, [c], "--timeout", "5")
+    finally:
+        plain.disable_monitor()
+        failed.close(linger=0)
+        plain.close(linger=0)
+        ctx.term()
+    f = one(found, "p2p peer")
+    assert status == 1 and "without CurveZMQ" in f["found"], f
+
+
 def test_kv_event_messages_that_are_no_batch_or_carry_no_time_are_named(tmp_path):
     import zmq
 

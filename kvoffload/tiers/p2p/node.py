@@ -133,11 +133,19 @@ _MONITOR_EVENTS = (
 )
 
 
-def open_dealer(ctx: zmq.Context, out: Open, curve: tuple[bytes, bytes] | None) -> zmq.Socket:
+def open_dealer(
+    ctx: zmq.Context,
+    out: Open,
+    curve: tuple[bytes, bytes] | None,
+    before_connect: Callable[[zmq.Socket], None] | None = None,
+) -> zmq.Socket:
     """The client role's DEALER for an :class:`~.client.Open`, connected to the peer: its
     routing id, ``MAXMSGSIZE``, ``LINGER`` 0 and, with ``curve`` (the shared secret's
     ``(public, secret)`` keypair, :func:`~kvoffload.ipc.peer_messages.curve_keypair`), a CURVE
-    client expecting that server key. ``kvoffload doctor`` opens its probes with it too.
+    client expecting that server key. ``kvoffload doctor`` opens its probes with it too, with
+    ``before_connect`` attaching a monitor to the socket before it connects (ZMQ's I/O thread
+    may finish the handshake before a monitor attached later exists, and a failed one is not
+    tried again: its event would be lost).
 
     Raises:
         zmq.ZMQError: an address ZMQ refuses to connect to (``*``); the socket is closed.
@@ -156,6 +164,8 @@ def open_dealer(ctx: zmq.Context, out: Open, curve: tuple[bytes, bytes] | None) 
         s.setsockopt(zmq.CURVE_PUBLICKEY, curve[0])
         s.setsockopt(zmq.CURVE_SECRETKEY, curve[1])
     try:
+        if before_connect is not None:
+            before_connect(s)
         s.connect(f"tcp://{out.host}:{out.port}")
     except zmq.ZMQError:
         s.close(linger=0)

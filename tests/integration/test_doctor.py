@@ -701,7 +701,7 @@ def test_a_zmq_peer_without_curve_is_not_called_another_secret(tmp_path):
 def test_a_zmq_peer_without_curve_is_named_when_the_probe_looks_after_its_handshake(
     tmp_path, monkeypatch, monitor
 ):
-    """CI stop 33: the probe's monitor was attached after the connect; ZMQ's I/O thread had
+    """.ci/run on a clean clone (2026-12-04): the probe's monitor was attached after the connect; ZMQ's I/O thread had
     already failed the handshake (mechanism mismatch), which it never tries again, so no event
     came and the doctor said 'no answer to Hello'. Here the probe's socket is handed back only
     once the peer has failed the handshake (the peer's own monitor says so): the doctor's monitor,

@@ -198,8 +198,10 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             digits: ``kvoffload tenant-id`` prints a salt's), in place of
             ``host_tenant_quota_bytes`` (set alone: only the tenants named are limited).
         tenant_metrics_top: how many tenants, the largest by bytes held, get their own series of
-            ``kvoffload_tenant_bytes`` per tier with quotas (the rest are summed under
-            ``tenant="other"``): at most this plus one series a tier (0-1000, default 10).
+            ``kvoffload_tenant_bytes`` per tier with quotas beside those its quota overrides
+            name (the rest are summed under ``tenant="other"``): at most this plus one series a
+            tier and the named ones (0-1000, default 10). Under vLLM its ``/metrics`` has the
+            named tenants' series only (its exporter never drops a label set).
         model_revision: model revision for the namespace when the engine does not report one.
         offload_prompt_only: offload prompt blocks only (vLLM's setting, default True).
         tier_pin_fraction: at most this fraction of the host slots may be pinned by one secondary

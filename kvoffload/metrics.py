@@ -265,10 +265,11 @@ CORE_METRICS: tuple[MetricDef, ...] = (
         "kvoffload_tenant_bytes",
         "Bytes a tenant (a request's cache_salt, named by its tenant id, never the salt) holds "
         "in a tier with per-tenant quotas (host_tenant_quota_bytes, a tier's "
-        "tenant_quota_bytes): the tenant_metrics_top tenants holding the most, and the rest "
-        'summed under tenant="other" (at most tenant_metrics_top + 1 series a tier). On '
-        "kvoffload's own metrics endpoint only, not through vLLM's /metrics (its exporter keeps "
-        "every label set it saw). No series without quotas.",
+        "tenant_quota_bytes): the tenants named in the tier's quota overrides, the "
+        "tenant_metrics_top others holding the most, and the rest summed under "
+        'tenant="other". Through vLLM\'s /metrics (whose exporter keeps every label set it saw) '
+        "only the named tenants; every series on kvoffload's own endpoint. No series without "
+        "quotas.",
         ("tier", "tenant"),
     ),
     Counter(
@@ -338,6 +339,8 @@ class MetricSet:
         self.values: dict[str, dict[tuple[str, ...], Any]] = {n: {} for n in self.defs}
         self.keep_samples = keep_samples
         self._taken: dict[tuple[str, tuple[str, ...]], float] = {}
+        # the series of the metrics of NAMED_THROUGH_VLLM that take_stats hands vLLM
+        self.through_vllm: dict[str, set[tuple[str, ...]]] = {n: set() for n in NAMED_THROUGH_VLLM}
         self.lock = threading.Lock()
 
     def _check(self, name: str, labels: tuple[str, ...]) -> MetricDef:
@@ -437,15 +440,16 @@ class MetricSet:
     def take_stats(self) -> dict[str, Any] | None:
         """What changed since the last call, in vLLM's ``OffloadingConnectorStats`` data layout:
         ``{"types": {name: kind}, "data": {name: {labels: value}}}``: counter increments, gauge
-        values, histogram samples. None when nothing changed. The metrics of
-        :data:`NOT_THROUGH_VLLM` are left out."""
+        values, histogram samples. None when nothing changed. Of the metrics of
+        :data:`NAMED_THROUGH_VLLM`, only the series in :attr:`through_vllm`."""
         types: dict[str, str] = {}
         data: dict[str, dict[tuple[str, ...], Any]] = {}
         taken = self._taken
         for name, d in self.defs.items():
-            if name in NOT_THROUGH_VLLM:
-                continue
+            only = self.through_vllm.get(name)
             for labels, v in list(self.values[name].items()):
+                if only is not None and labels not in only:
+                    continue
                 if d.kind == COUNTER:
                     key = (name, labels)
                     delta = v - taken.get(key, 0)
@@ -621,11 +625,14 @@ class TenantReadings:
         held: bytes held per tenant id (tenants holding none absent).
         evictions: chunks evicted so far to keep a tenant within its quota.
         refusals: chunks refused so far for a tenant's quota.
+        named: the tenants the tier's quota overrides name: a series each, always (0 when
+            they hold nothing), and the only ones through vLLM.
     """
 
     held: Mapping[str, int]
     evictions: int
     refusals: int
+    named: frozenset[str] = frozenset()
 
 
 class MetricSource(Protocol):
@@ -730,13 +737,14 @@ def refresh(tm: MetricSource) -> MetricSet:
     return m
 
 
-NOT_THROUGH_VLLM = frozenset({"kvoffload_tenant_bytes"})
-"""Metrics :meth:`MetricSet.take_stats` leaves out of vLLM's stats: series labelled by tenant.
-vLLM's exporter keeps every label set it ever bound, for the life of the process, so tenants
-passing through the top N (or an attacker rotating salts) would grow its series without bound,
-and with two readers (a standalone endpoint beside vLLM's) a tenant's last value could stay. They
-are on kvoffload's own endpoint (:func:`serve`); the quota counters (no tenant label) go through
-vLLM too."""
+NAMED_THROUGH_VLLM = frozenset({"kvoffload_tenant_bytes"})
+"""Metrics of which :meth:`MetricSet.take_stats` hands vLLM only the series in
+:attr:`MetricSet.through_vllm`: per-tenant bytes, of the tenants the configuration names (quota
+overrides), a set the operator bounds. vLLM's exporter keeps every label set it ever bound, for
+the life of the process, so tenants passing through the top N (or an attacker rotating salts)
+would grow its series without bound, and with two readers (a standalone endpoint beside vLLM's) a
+tenant's last value could stay. The top N and ``other`` are on kvoffload's own endpoint
+(:func:`serve`); the quota counters (no tenant label) go through vLLM too."""
 
 OTHER_TENANTS = "other"
 """The ``tenant`` label value of the bytes of every tenant outside the top N
@@ -751,14 +759,20 @@ def top_tenants(held: Mapping[str, int], n: int) -> tuple[list[tuple[str, int]],
 
 
 def _tenant_series(m: MetricSet, tenants: Mapping[str, TenantReadings], top: int) -> None:
-    """Set ``kvoffload_tenant_bytes`` for each tier's ``top`` tenants holding the most bytes and
-    ``other`` for the rest (:func:`top_tenants`), and the quota counters. A
-    tenant that left the top is set to 0 once (so vLLM's copy of the gauge drops too), then its
-    series is removed: a tier never has more than ``2 * top + 1`` series, whatever the tenants."""
+    """Set ``kvoffload_tenant_bytes`` for each tier's named tenants (its quota overrides'), its
+    ``top`` other tenants holding the most bytes and ``other`` for the rest (:func:`top_tenants`),
+    and the quota counters; only the named tenants' series go through vLLM. A tenant that left the
+    top is set to 0 once, then its series is removed: a tier never has more than
+    ``named + 2 * top + 1`` series, whatever the tenants."""
     series = m.values["kvoffload_tenant_bytes"]
+    to_vllm = m.through_vllm["kvoffload_tenant_bytes"]
     now: set[tuple[str, str]] = set()
     for tier, r in tenants.items():
-        best, rest = top_tenants(r.held, top)
+        best, rest = top_tenants({t: b for t, b in r.held.items() if t not in r.named}, top)
+        for tenant in r.named:
+            m.set("kvoffload_tenant_bytes", r.held.get(tenant, 0), tier, tenant)
+            now.add((tier, tenant))
+            to_vllm.add((tier, tenant))
         for tenant, nbytes in best:
             m.set("kvoffload_tenant_bytes", nbytes, tier, tenant)
             now.add((tier, tenant))

@@ -2007,7 +2007,9 @@ class TieringManager:
         bytes each tenant holds, and the chunks evicted and refused for a tenant's quota."""
         held = [(HOST, self.host.quotas)] + [(t.name, t.tenant_quotas()) for t in self.tiers]
         return {
-            name: _metrics.TenantReadings(dict(q.held), q.evictions, q.refusals)
+            name: _metrics.TenantReadings(
+                dict(q.held), q.evictions, q.refusals, frozenset(q.overrides)
+            )
             for name, q in held
             if q is not None
         }

@@ -168,3 +168,21 @@ def test_obj_quota_evicts_the_tenants_own_objects(moto):
         rig.tm.on_request_finished("req")
         rig.tm.set_cache_salt("req", "salt-b")
         assert rig.resolve(keys_for(2, seed=2)) == [HIT] * 2
+
+
+def test_under_vllm_the_named_tenants_bytes_reach_its_stats_and_no_other_tenants():
+    """vLLM's ``get_stats`` path (its own ``OffloadingConnectorStats`` aggregates what the
+    manager hands it): the tenant a quota override names has its bytes there; a tenant only the
+    default quota limits does not (vLLM's exporter never drops a label set), though it is on
+    kvoffload's own endpoint."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+        OffloadingConnectorStats,
+    )
+
+    with Rig(num_slots=16, host_tenant_quota_bytes=4 * ROW, host_tenant_quotas={A: 6 * ROW}) as rig:
+        salted(rig, "a", "salt-a", keys_for(5, seed=1))
+        salted(rig, "b", "salt-b", keys_for(3, seed=2))
+        own = rig.tm.refresh_metrics()
+        assert own.get("kvoffload_tenant_bytes", "host", B) == 3 * ROW
+        got = OffloadingConnectorStats(data=rig.tm.take_metric_stats())
+        assert got.data["data"]["kvoffload_tenant_bytes"] == {("host", A): 5 * ROW}

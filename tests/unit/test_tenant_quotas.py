@@ -352,9 +352,9 @@ def test_tenant_bytes_series_are_the_top_n_and_other_whatever_the_tenants():
 
 def test_tenant_series_stay_off_vllms_stats_and_the_quota_counters_go():
     """vLLM's exporter keeps every label set it binds for the life of the process: series
-    labelled by tenant never go into the stats vLLM takes (review: tenants passing through the
-    top, or a salt-rotating attacker, grew vLLM's /metrics without bound); the per-tier quota
-    counters do, and kvoffload's own endpoint has both."""
+    labelled by a tenant no quota override names never go into the stats vLLM takes (review:
+    tenants passing through the top, or a salt-rotating attacker, grew vLLM's /metrics without
+    bound); the per-tier quota counters do, and kvoffload's own endpoint has both."""
     held = {tenant_id(f"t{i}"): (i + 1) * SLOT for i in range(20)}
     src = _Readings({"host": TenantReadings(held, 7, 3)}, 3)
     mset = refresh(src)
@@ -364,6 +364,33 @@ def test_tenant_series_stay_off_vllms_stats_and_the_quota_counters_go():
     assert stats["data"]["kvoffload_tenant_quota_refusals"] == {("host",): 3}
     own = {f.name for f in mset.families()}
     assert "kvoffload_tenant_bytes" in own
+
+
+def test_the_tenants_a_quota_override_names_have_series_and_only_they_go_through_vllm():
+    """Under vLLM per-tenant bytes were not exported at all: now the tenants the tier's quota
+    overrides name (a set the operator bounds) each have a series, 0 when they hold nothing,
+    on both endpoints; the top N and ``other`` (the rest, named ones apart) only on kvoffload's
+    own; and however many salts come and go, vLLM is handed no other tenant's series."""
+    named = frozenset({tenant_id("named-big"), tenant_id("named-idle")})
+    held = {tenant_id(f"t{i}"): (i + 1) * SLOT for i in range(20)}
+    held[tenant_id("named-big")] = 10**9
+    src = _Readings({"host": TenantReadings(held, 0, 0, named)}, 3)
+    mset = refresh(src)
+    series = mset.values["kvoffload_tenant_bytes"]
+    others = {t: b for t, b in held.items() if t not in named}
+    best = sorted(others, key=others.get, reverse=True)[:3]
+    assert set(series) == {("host", t) for t in [*named, *best, OTHER_TENANTS]}
+    assert series[("host", tenant_id("named-big"))] == 10**9
+    assert series[("host", tenant_id("named-idle"))] == 0
+    assert series[("host", OTHER_TENANTS)] == sum(others.values()) - sum(others[t] for t in best)
+    to_vllm = set()
+    for round_ in range(30):  # salts rotating through the top
+        src.tenants = {
+            "host": TenantReadings({**held, tenant_id(f"new{round_}"): 10**10}, 0, 0, named)
+        }
+        stats = refresh(src).take_stats() or {"data": {}}
+        to_vllm |= set(stats["data"].get("kvoffload_tenant_bytes", {}))
+    assert to_vllm == {("host", t) for t in named}
 
 
 def test_a_tenants_heap_rebuild_walks_its_own_chunks_only():

@@ -72,6 +72,9 @@ MAC_OFFSET = HEADER_BYTES - MAC_BYTES
 FLAG_SEALED = 2
 """Header flag: the payload is AES-GCM ciphertext (:mod:`kvoffload.workers.chunkseal`); its seal
 record (salt, nonce, tag) is the :data:`SEAL_BYTES` bytes at :data:`SEAL_OFFSET` (format 2)."""
+KNOWN_FLAGS = FLAG_MAC | FLAG_SEALED
+"""Every header flag this version reads: a header with any other is refused (ChunkFormatError),
+not read as if the flag meant nothing."""
 SEAL_BYTES = 16 + 12 + 16
 """Bytes of an encrypted chunk's seal record: key-derivation salt, nonce, tag."""
 SEAL_OFFSET = MAC_OFFSET - SEAL_BYTES
@@ -233,6 +236,11 @@ def parse_header(header: bytes, namespace_id: bytes, key: bytes, payload_len: in
     (hcheck,) = _HCHECK.unpack_from(header, _FIXED.size)
     if hcheck != xxhash.xxh3_64_intdigest(fixed):
         raise ChunkFormatError("header checksum mismatch")
+    if flags & ~KNOWN_FLAGS:
+        raise ChunkFormatError(
+            f"unknown header flags {flags & ~KNOWN_FLAGS:#x} (written by a newer format this "
+            "version cannot read)"
+        )
     if bool(flags & FLAG_SEALED) != (version == SEALED_FORMAT_VERSION):
         raise ChunkFormatError(
             "encrypted in format 1 (a key per tenant, nonce and tag outside the checksum), "

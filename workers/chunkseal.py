@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import hmac
 import os
+from typing import NamedTuple
 
 from kvoffload.workers import chunkfile as cf
 
@@ -127,28 +128,45 @@ class Sealer:
         return True
 
 
+class Unsealable(NamedTuple):
+    """Why :func:`unseal` served no bytes.
+
+    Attributes:
+        why: the reason, for the worker's log (never a key or plaintext).
+        forged: True for a chunk this tier's key does not open (a tag that does not verify, or a
+            chunk in the clear where the tier encrypts: written without this master key, or
+            moved from another tenant, key or namespace; counted ``forged`` and
+            ``decrypt_failures``); False for an encrypted chunk and a tier without a key (not
+            this tier's to read: counted ``corrupt``).
+    """
+
+    why: str
+    forged: bool
+
+
+NO_KEY = Unsealable("encrypted chunk, and this tier has no encryption key", forged=False)
+IN_THE_CLEAR = Unsealable("written without the encryption key", forged=True)
+TAG_MISMATCH = Unsealable(
+    "encryption tag mismatch (not this master key's, tenant's, key's or namespace's)", forged=True
+)
+
+
 def unseal(
     sealer: Sealer | None, header, key: bytes, sealed: memoryview | None, dst: memoryview
-) -> str | None:
+) -> Unsealable | None:
     """Decrypt a checked chunk (its checksum, over the seal record and the ciphertext, already
     verified) into ``dst`` when the tier encrypts (``sealer``; ``sealed``: its ciphertext in the
-    scratch, ``TAG_BYTES`` to spare); None when ``dst`` now holds the chunk, else why not:
-    ``encrypted ...`` (an encrypted chunk and no key: never served as bytes) or a tag that does
-    not verify (written without this master key, or moved from another tenant, key or
-    namespace)."""
+    scratch, ``TAG_BYTES`` to spare); None when ``dst`` now holds the chunk, else why not
+    (:class:`Unsealable`: :data:`NO_KEY`, :data:`IN_THE_CLEAR` or :data:`TAG_MISMATCH`)."""
     flags = cf.header_flags(header)
     if sealer is None:
-        return (
-            "encrypted chunk, and this tier has no encryption key"
-            if flags & cf.FLAG_SEALED
-            else None
-        )
+        return NO_KEY if flags & cf.FLAG_SEALED else None
     if not flags & cf.FLAG_SEALED:
-        return "written without the encryption key"
+        return IN_THE_CLEAR
     assert sealed is not None
     row = memoryview(dst).nbytes
     record = bytes(memoryview(header)[SEAL_OFFSET : SEAL_OFFSET + SEAL_BYTES])
     sealed[row : row + TAG_BYTES] = record[SALT_BYTES + NONCE_BYTES :]
     if not sealer.open(key, record, sealed[: row + TAG_BYTES], memoryview(dst).cast("B")):
-        return "encryption tag mismatch (not this master key's, tenant's, key's or namespace's)"
+        return TAG_MISMATCH
     return None

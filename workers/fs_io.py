@@ -673,14 +673,14 @@ class FsIO:
             if why is not None:
                 self._remove_bad(d, name, fd, names.FORGED_REMOVED)
                 return IOOutcome(m.FORGED, 0, f"{key.hex()[:16]}: {why}")
-        why = unseal(sealer, head, key, sealed, dst)
-        if why is not None:
-            if why.startswith("encrypted"):  # a chunk this tier cannot read: not served
+        failed = unseal(sealer, head, key, sealed, dst)
+        if failed is not None:
+            if not failed.forged:  # an encrypted chunk this tier cannot read: not served
                 self._remove_bad(d, name, fd)
-                return IOOutcome(m.CORRUPT, 0, f"{key.hex()[:16]}: {why}")
+                return IOOutcome(m.CORRUPT, 0, f"{key.hex()[:16]}: {failed.why}")
             self._remove_bad(d, name, fd, names.FORGED_REMOVED)
             counters.count(names.DECRYPT_FAILURES)
-            return IOOutcome(m.FORGED, 0, f"{key.hex()[:16]}: {why}")
+            return IOOutcome(m.FORGED, 0, f"{key.hex()[:16]}: {failed.why}")
         return IOOutcome(m.OK, self.file_bytes)
 
     @staticmethod

@@ -288,13 +288,13 @@ class ObjIO:
         row = len(payload)
         sealed = memoryview(bytearray(row + TAG_BYTES))
         sealed[:row] = payload
-        why = unseal(self._sealer, header, key, sealed, dst)
-        if why is None:
+        failed = unseal(self._sealer, header, key, sealed, dst)
+        if failed is None:
             return None, m.OK
-        if why.startswith("encrypted"):
-            return why, m.CORRUPT
+        if not failed.forged:
+            return failed.why, m.CORRUPT
         counters.count(names.DECRYPT_FAILURES)
-        return why, m.FORGED
+        return failed.why, m.FORGED
 
     def _delete_quietly(self, name: str) -> None:
         try:

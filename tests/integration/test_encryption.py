@@ -252,13 +252,14 @@ class Stored:
             )
 
 
-def rig_and_stored(kind: str, tmp_path, request) -> tuple[Rig, Stored]:
+def rig_and_stored(kind: str, tmp_path, request, encrypts: bool = True) -> tuple[Rig, Stored]:
+    key_env = {"encryption_key_env": ENV} if encrypts else {}
     if kind == "fs":
-        rig = Rig([fs_tier(tmp_path / "fs", encryption_key_env=ENV)])
+        rig = Rig([fs_tier(tmp_path / "fs", **key_env)])
         return rig, Stored(kind, rig, root=tmp_path / "fs")
     endpoint = request.getfixturevalue("moto")
     bucket = new_bucket(endpoint)
-    rig = Rig([obj_tier(endpoint, bucket, encryption_key_env=ENV)])
+    rig = Rig([obj_tier(endpoint, bucket, **key_env)])
     return rig, Stored(kind, rig, endpoint=endpoint, bucket=bucket)
 
 
@@ -412,3 +413,38 @@ def test_a_chunk_with_a_valid_checksum_under_another_master_key_is_forged(
         assert not c.get("checksum_failures") and not c.get("corrupt_removed"), c
         assert stored.get(KEYS[0]) is None
         assert not any(np.array_equal(row, evil) for row in rig.arena.rows)
+
+
+@pytest.mark.parametrize("kind", ["fs", "obj"])
+@pytest.mark.parametrize("tier_encrypts", [False, True])
+def test_a_chunk_on_the_wrong_side_of_the_key_is_a_miss_counted_as_what_it_is(
+    kind, tier_encrypts, tmp_path, master_key, request
+):
+    """Instances with and without an encryption key never share a place (the key's id is in the
+    namespace), so such a chunk was put there by hand or by someone else. An encrypted chunk in
+    a tier without a key: not this tier's to read, counted corrupt (no decrypt failure); a chunk
+    in the clear in a tier that encrypts: written without the key, counted forged and a decrypt
+    failure. Either way a miss, removed, its bytes never served."""
+    rig, stored = rig_and_stored(kind, tmp_path, request, encrypts=tier_encrypts)
+    with rig:
+        rig.wait_workers_ready()
+        ns = bytes.fromhex(stored.ns_id)
+        row = np.full(ROW, 0x3C, dtype=np.uint8)
+        if tier_encrypts:  # in the clear, with a good checksum
+            chunk = cf.build_header(ns, KEYS[0], row) + row.tobytes()
+        else:  # encrypted under the master key the test holds
+            sealed = memoryview(bytearray(ROW + TAG))
+            record = Sealer(os.environb[ENV.encode()], stored.ns_id).seal(KEYS[0], row, sealed)
+            chunk = cf.build_header(ns, KEYS[0], sealed[:ROW], None, record) + bytes(sealed[:ROW])
+        stored.put(KEYS[0], chunk)
+        rig.arena.rows[:] = 0
+        assert resolve(rig, "r", KEYS[:1]) == [MISS]
+        c = counts(rig)
+        if tier_encrypts:
+            assert c.get("decrypt_failures") == 1 and c.get("forged_removed") == 1, c
+            assert not c.get("corrupt_removed"), c
+        else:
+            assert c.get("corrupt_removed") == 1, c
+            assert not c.get("decrypt_failures") and not c.get("forged_removed"), c
+        assert stored.get(KEYS[0]) is None
+        assert not any(np.array_equal(r, row) for r in rig.arena.rows)

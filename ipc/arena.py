@@ -60,7 +60,7 @@ import numpy as np
 import posix_ipc
 
 from kvoffload.ipc.childenv import child_environment
-from kvoffload.ipc.slot_table import SlotTable, table_bytes
+from kvoffload.ipc.slot_table import TABLE_HEADER_BYTES, SlotTable, header_namespace, table_bytes
 
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "kvoffload"
@@ -919,62 +919,17 @@ class Arena:
             ArenaBusyError: the keeper did not let go within ``wait_s`` seconds (default: the
                 longest a keeper's take-over lasts, :data:`HANDOVER_S`, and the slack).
         """
-        import psutil
-
         try:
             fd = _open_segment(name)
         except (OSError, ArenaError):
             return None
         try:
-            _check_attachable(name, fd)
-            deadline = time.monotonic() + wait_s
-            while True:  # its owner just died: its keeper is taking it
-                header = _read_header(fd)
-                if header is None:
-                    os.close(fd)
-                    return None
-                state, owner_pid, created_ns = header[2], header[3], header[4]
-                if state == _STATE_KEPT:
-                    # its keeper holds it for a claimant, or nobody does (its keeper gone, or a
-                    # claimant it let go to died before taking the lock): nothing writes a kept
-                    # segment, and the lock below decides between claimants
-                    break
-                # READY and locked is a live engine's, unless its owner process is gone (its pid
-                # free, or taken by a process started after the segment): then the lock is the
-                # keeper's, a moment before it writes KEEPING
-                taking = state == _STATE_KEEPING or (
-                    state == _STATE_READY
-                    and (not _owner_alive(fd) or not _pid_alive(owner_pid, created_ns))
-                )
-                if not taking or not _keeper_alive(fd):
-                    os.close(fd)
-                    return None  # a live engine's, or nobody's
-                if time.monotonic() > deadline:
-                    raise ArenaBusyError(
-                        f"arena {name!r}: its keeper did not take it over within {wait_s:.0f} s"
-                    )
-                time.sleep(0.01)
-            os.pwrite(fd, _CLAIM.pack(os.getpid(), psutil.Process().create_time()), _CLAIM_OFFSET)
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    header = _read_header(fd)
-                    if header is None or header[2] != _STATE_KEPT:  # another claimant has it
-                        os.close(fd)
-                        return None
-                    if time.monotonic() > deadline:
-                        raise ArenaBusyError(
-                            f"arena {name!r}: its keeper did not hand it over within {wait_s:.0f} s"
-                        ) from None
-                    time.sleep(0.01)
+            if not _take_kept(name, fd, wait_s):
+                os.close(fd)
+                return None
             header = _read_header(fd)
             tbytes = _WARM.unpack(os.pread(fd, _WARM.size, _WARM_OFFSET))[0]
             shape = None if header is None else (header[5], header[6], tbytes)
-            if not _same_inode(name, fd) or header is None or header[2] != _STATE_KEPT:
-                os.close(fd)
-                return None
             # the keeper's exclusive mapped lock went with its lock (one open file description)
             if not _mapped_lock(fd, exclusive=False):
                 os.close(fd)
@@ -1267,6 +1222,118 @@ def unlink_if_orphaned(name: str, nonce: bytes, wait_s: float = 0.0) -> bool:
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.1)
+
+
+def _take_kept(name: str, fd: int, wait_s: float) -> bool:
+    """Take kept segment ``name`` (open as ``fd``) from the keeper that holds it for a successor,
+    as a claimant (:meth:`Arena._claim`, :func:`discard_kept`): wait while the keeper takes a
+    dead engine's segment (its owner gone, or KEEPING), ask it (a claim with this process's pid
+    and start time), and wait for its lock. True when this process holds the segment's lock, the
+    segment still KEPT and still named ``name``: nothing else writes or claims it until ``fd``
+    is closed. False, holding nothing, when no keeper holds or takes it (a live engine has it, or
+    nobody), when another claimant got it, or when the name stopped naming it meanwhile.
+
+    Raises:
+        ArenaForeignError: not this user's, or not mode 0600.
+        ArenaBusyError: the keeper did not let go within ``wait_s`` seconds.
+    """
+    import psutil
+
+    _check_attachable(name, fd)
+    deadline = time.monotonic() + wait_s
+    while True:  # its owner just died: its keeper is taking it
+        header = _read_header(fd)
+        if header is None:
+            return False
+        state, owner_pid, created_ns = header[2], header[3], header[4]
+        if state == _STATE_KEPT:
+            # its keeper holds it for a claimant, or nobody does (its keeper gone, or a
+            # claimant it let go to died before taking the lock): nothing writes a kept
+            # segment, and the lock below decides between claimants
+            break
+        # READY and locked is a live engine's, unless its owner process is gone (its pid
+        # free, or taken by a process started after the segment): then the lock is the
+        # keeper's, a moment before it writes KEEPING
+        taking = state == _STATE_KEEPING or (
+            state == _STATE_READY
+            and (not _owner_alive(fd) or not _pid_alive(owner_pid, created_ns))
+        )
+        if not taking or not _keeper_alive(fd):
+            return False  # a live engine's, or nobody's
+        if time.monotonic() > deadline:
+            raise ArenaBusyError(
+                f"arena {name!r}: its keeper did not take it over within {wait_s:.0f} s"
+            )
+        time.sleep(0.01)
+    os.pwrite(fd, _CLAIM.pack(os.getpid(), psutil.Process().create_time()), _CLAIM_OFFSET)
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            header = _read_header(fd)
+            if header is None or header[2] != _STATE_KEPT:  # another claimant has it
+                return False
+            if time.monotonic() > deadline:
+                raise ArenaBusyError(
+                    f"arena {name!r}: its keeper did not hand it over within {wait_s:.0f} s"
+                ) from None
+            time.sleep(0.01)
+    header = _read_header(fd)
+    if _same_inode(name, fd) and header is not None and header[2] == _STATE_KEPT:
+        return True
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+
+
+def _table_namespace(fd: int) -> str | None:
+    """The namespace id of the slot table of the segment open as ``fd``, read with ``pread`` (no
+    mapping); None without a valid table."""
+    header = _read_header(fd)
+    if header is None:
+        return None
+    num_slots, row_bytes = header[5], header[6]
+    if _WARM.unpack(os.pread(fd, _WARM.size, _WARM_OFFSET))[0] != table_bytes(num_slots):
+        return None
+    head = os.pread(fd, TABLE_HEADER_BYTES, HEADER_BYTES + num_slots * row_bytes)
+    return header_namespace(head, num_slots, row_bytes)
+
+
+def discard_kept(
+    name: str, namespace_id: str | None = None, wait_s: float = HANDOVER_S + HANDOVER_SLACK_S
+) -> str:
+    """Remove arena ``name`` when it is kept for a warm restart (its engine gone, its keeper
+    holding it): taken from the keeper as a successor takes it (:func:`_take_kept`), then
+    unlinked, so no successor adopts what it held (``kvoffload purge``: a tenant's chunks in a
+    kept arena; the slot table names no tenant, so the whole arena goes). With ``namespace_id``,
+    only a kept arena whose slot table is of that namespace. Returns ``removed``, ``absent`` (no
+    such segment), ``live`` (an engine has it: its host tier is its own, left alone; or another
+    successor claimed it first) or ``other_namespace``.
+
+    Raises:
+        ArenaError: an invalid name, or a segment that cannot be opened (e.g. another user's).
+        ArenaForeignError: not this user's, or not mode 0600.
+        ArenaBusyError: its keeper did not let go within ``wait_s`` seconds.
+    """
+    try:
+        fd = _open_segment(name)
+    except FileNotFoundError:
+        return "absent"
+    except OSError as e:
+        raise ArenaError(f"arena {name!r}: {os.strerror(e.errno or 0)}") from None
+    try:
+        # the namespace before the claim: a claim makes its keeper let go, and a kept segment
+        # nobody holds would then outlive its deadline
+        if namespace_id is not None and _table_namespace(fd) != namespace_id:
+            return "other_namespace"
+        if not _take_kept(name, fd, wait_s):
+            return "live"
+        with contextlib.suppress(posix_ipc.ExistentialError):
+            posix_ipc.unlink_shared_memory(_posix_name(name))
+        log.info("arena %s: the kept segment removed (purge)", name)
+        return "removed"
+    finally:
+        os.close(fd)
 
 
 def _spawn_janitor(name: str, nonce: bytes, keep_s: float = 0.0) -> None:

@@ -91,6 +91,23 @@ def _h(b) -> int:
     return xxhash.xxh3_64_intdigest(b)
 
 
+def header_namespace(head, num_slots: int, row_bytes: int) -> str | None:
+    """The namespace id a table header (``head``: the table's first bytes, at least
+    ``TABLE_HEADER_BYTES``) was formatted for, None when it is not a valid header of a table of
+    ``num_slots`` rows of ``row_bytes``."""
+    mv = memoryview(head).cast("B")
+    if len(mv) < _TABLE.size + 8:
+        return None
+    raw = bytes(mv[: _TABLE.size])
+    (check,) = struct.unpack_from("<Q", mv, _TABLE.size)
+    if check != _h(raw):
+        return None
+    magic, version, n, r, ns = _TABLE.unpack(raw)
+    if (magic, version, n, r) != (_MAGIC, _VERSION, num_slots, row_bytes):
+        return None
+    return ns.rstrip(b"\0").decode("ascii", "replace")
+
+
 class SlotTableError(Exception):
     """The table region does not hold a table of this shape and namespace (it is not adopted)."""
 
@@ -153,19 +170,7 @@ class SlotTable:
     def namespace_id(self) -> str | None:
         """The namespace id the table was formatted for, or None when the header is not a valid
         table header of this shape."""
-        raw = bytes(self.mv[: _TABLE.size])
-        (check,) = struct.unpack_from("<Q", self.mv, _TABLE.size)
-        if check != _h(raw):
-            return None
-        magic, version, num_slots, row_bytes, ns = _TABLE.unpack(raw)
-        if (magic, version, num_slots, row_bytes) != (
-            _MAGIC,
-            _VERSION,
-            self.num_slots,
-            self.row_bytes,
-        ):
-            return None
-        return ns.rstrip(b"\0").decode("ascii", "replace")
+        return header_namespace(self.mv[:TABLE_HEADER_BYTES], self.num_slots, self.row_bytes)
 
     # -- the engine's writes ------------------------------------------------------------------
 

@@ -563,8 +563,10 @@ def inspect_tier(target: str, as_json: bool, endpoint_url: str | None, region: s
 def purge_cmd(config_file, salt: str | None, namespace: str | None, as_json: bool) -> None:
     """Remove a tenant's chunks (--salt), or a namespace's (--namespace), from every fs root and
     obj bucket of CONFIG_FILE (kv_connector_extra_config's JSON, or the whole
-    --kv-transfer-config), and report what was removed per tier: namespaces, chunks, bytes.
-    Safe while engines run: they get a clean miss for a removed chunk, never a torn read. The salt
+    --kv-transfer-config), and report what was removed per tier: namespaces, chunks, bytes; and
+    with warm_restart_s, the host arena this machine keeps for a successor (removed whole; a
+    running engine's is left). Safe while engines run: they get a clean miss for a removed chunk,
+    never a torn read. The salt
     is used only to compute its tenant id, which names the tenant's directories; it is never
     printed. Exit status 1 when something could not be removed."""
     from kvoffload.tools import purge
@@ -578,7 +580,7 @@ def purge_cmd(config_file, salt: str | None, namespace: str | None, as_json: boo
         click.echo(purge.to_json(report))
     else:
         purge.render(report, stdout_console())
-    if any(t.errors for t in report.tiers):
+    if report.failed():
         sys.exit(1)
 
 

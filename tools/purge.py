@@ -36,7 +36,34 @@ from kvoffload.tiers.purging import (
     purge_obj,
 )
 
-__all__ = ["PurgeError", "PurgeReport", "TierPurge", "purge", "purge_fs", "purge_obj"]
+__all__ = [
+    "ArenaPurge",
+    "PurgeError",
+    "PurgeReport",
+    "TierPurge",
+    "purge",
+    "purge_fs",
+    "purge_obj",
+]
+
+
+class ArenaPurge(msgspec.Struct, kw_only=True):
+    """The host arena a warm restart keeps on this machine (``arena_name`` with
+    ``warm_restart_s``), as the purge left it.
+
+    Attributes:
+        name: the arena's name (``/dev/shm/<name>``).
+        outcome: ``removed`` (it was kept for a successor: removed whole, its slot table names
+            no tenant, so every chunk in it went; the next start of that engine is cold),
+            ``absent`` (none on this machine), ``live`` (an engine has it: a running engine's
+            host tier is not purged; stop it with warm restart off to erase it), ``other_namespace``
+            (a ``--namespace`` purge: the kept arena is another namespace's, left), ``error``.
+        error: why it could not be looked at (``error`` only).
+    """
+
+    name: str
+    outcome: str
+    error: str = ""
 
 
 class PurgeReport(msgspec.Struct, kw_only=True):
@@ -48,12 +75,21 @@ class PurgeReport(msgspec.Struct, kw_only=True):
         tiers: one entry per persistent tier of the config, in order.
         skipped: the config's other tiers (``name (type)``): nothing of theirs outlives an engine
             (their class's ``purge_storage`` answers None).
+        host_arena: the host arena kept for a warm restart on this machine, with
+            ``warm_restart_s`` (None without).
     """
 
     what: str
     id: str
     tiers: list[TierPurge]
     skipped: list[str] = []
+    host_arena: ArenaPurge | None = None
+
+    def failed(self) -> bool:
+        """Something could not be removed or looked at (exit status 1)."""
+        return any(t.errors for t in self.tiers) or (
+            self.host_arena is not None and self.host_arena.outcome == "error"
+        )
 
 
 def extra_config_of(text: str, name: str) -> dict[str, Any]:
@@ -86,11 +122,14 @@ def purge(
     """Remove tenant ``salt``'s chunks, or namespace ``namespace``'s, from every persistent tier
     of ``extra_config`` (exactly one of the two): each tier's
     :meth:`~kvoffload.tiers.base.SecondaryTierManager.purge_storage` (fs, obj, out-of-tree ones
-    that define it); the others are listed as skipped.
+    that define it); the others are listed as skipped. With ``warm_restart_s``, the host arena
+    kept on this machine for a successor is removed whole (:func:`kvoffload.ipc.arena.discard_kept`;
+    a ``--namespace`` purge: only if it is that namespace's); a running engine's is left.
 
     Raises:
         PurgeError: both or neither given, a namespace id that is not 32 lowercase hex digits, a
-            config with errors, or no persistent tier in it.
+            config with errors, or nothing in it that outlives an engine (no persistent tier, no
+            warm restart).
     """
     from kvoffload.config import parse_config_all
 
@@ -134,12 +173,25 @@ def purge(
             )
         else:
             report.tiers.append(done)
-    if not report.tiers:
+    c = parsed.config
+    if c.warm_restart_s > 0 and c.arena_name:
+        report.host_arena = _purge_kept_arena(c.arena_name, namespace)
+    if not report.tiers and report.host_arena is None:
         raise PurgeError(
             f"{name}: no persistent tier in secondary_tiers (fs, obj, or an out-of-tree tier "
-            "with purge_storage): nothing outlives an engine"
+            "with purge_storage) and no warm restart (warm_restart_s): nothing outlives an engine"
         )
     return report
+
+
+def _purge_kept_arena(name: str, namespace: str | None) -> ArenaPurge:
+    """The host arena ``name`` removed if it is kept for a warm restart (:class:`ArenaPurge`)."""
+    from kvoffload.ipc import arena
+
+    try:
+        return ArenaPurge(name=name, outcome=arena.discard_kept(name, namespace))
+    except arena.ArenaError as e:  # another user's, a bad mode, a keeper that did not let go
+        return ArenaPurge(name=name, outcome="error", error=str(e))
 
 
 def _target(spec: Any) -> str:
@@ -187,3 +239,13 @@ def render(report: PurgeReport, console: Any) -> None:
         console.print(
             "not persistent, nothing to purge: " + ", ".join(report.skipped), highlight=False
         )
+    a = report.host_arena
+    if a is not None:
+        said = {
+            "removed": "kept for a warm restart: removed whole (the next start is cold)",
+            "absent": "no kept arena on this machine",
+            "live": "held by a running engine: not purged (stop it with warm_restart_s 0)",
+            "other_namespace": "kept for another namespace: left",
+            "error": a.error,
+        }[a.outcome]
+        console.print(f"host arena {a.name}: {said}", highlight=False)

@@ -315,3 +315,39 @@ def test_adopted_tenant_chunks_get_no_event_until_a_request_names_them(name):
         removed = [k for _n, ev in tm.take_events() if ev.removed for k in ev.keys]
         assert sorted(removed) == sorted(keys)
         assert not tkeys & set(removed)
+
+
+def test_purge_removes_a_kept_arena_and_leaves_a_running_engines(name):
+    """``kvoffload purge`` erased a tenant from the persistent tiers but not from an arena kept
+    for a warm restart, whose successor then served the tenant's chunks again. Now a kept arena
+    is removed whole (its slot table names no tenant), taken from its keeper as a successor
+    takes it, so no successor adopts it; a running engine's host tier is its own, left alone;
+    a namespace purge removes only a kept arena of that namespace."""
+    from kvoffload.tools.purge import purge
+
+    config = {"cpu_bytes_to_use": 1 << 20, "arena_name": name, "warm_restart_s": KEEP_S}
+    owner = started_engine(name, salt="tenant-a")
+    try:
+        got = purge(config, salt="tenant-a")
+        assert got.host_arena is not None and got.host_arena.outcome == "live"
+        assert not got.failed() and state(name) == "ready"
+    finally:
+        kill(owner)
+    wait_until(lambda: state(name) == "kept", patience(60), "the keeper's take-over")
+    other = namespace(cache_salt="b").id()
+    assert purge(config, namespace=other).host_arena.outcome == "other_namespace"
+    assert state(name) == "kept" and keepers(name)  # still kept for its successor
+    got = purge(config, namespace=namespace(cache_salt="tenant-a").id())
+    assert got.host_arena.outcome == "removed" and not got.failed()
+    assert not os.path.exists(os.path.join(SHM_DIR, name))
+    wait_until(lambda: not keepers(name), patience(60), "the keeper's exit")
+    assert purge(config, salt="tenant-a").host_arena.outcome == "absent"
+    with Rig(
+        name=name, num_slots=16, warm_restart_s=KEEP_S, ns=namespace(cache_salt="tenant-a")
+    ) as rig:
+        assert not rig.arena.adopted and len(rig.tm.host) == 0
+    # a salt purge removes a kept arena whatever its namespace
+    killed_engine(name, salt="tenant-a")
+    wait_until(lambda: state(name) == "kept", patience(60), "the keeper's take-over")
+    assert purge(config, salt="tenant-b").host_arena.outcome == "removed"
+    assert not os.path.exists(os.path.join(SHM_DIR, name))

@@ -194,7 +194,7 @@ def test_c44_a_squatter_that_takes_the_name_while_a_successor_claims_it_is_refus
     real = arena_mod._read_header
 
     def read_header(fd: int):
-        if not squatted and sys._getframe(1).f_code.co_name == "_claim":
+        if not squatted and sys._getframe(1).f_code.co_name == "_take_kept":
             os.unlink(path(name))  # the keeper's deadline
             wait_until(lambda: not keepers(name), patience(60), "the keeper's exit")
             squatted.append(

@@ -924,7 +924,7 @@ class Arena:
         except (OSError, ArenaError):
             return None
         try:
-            if not _take_kept(name, fd, wait_s):
+            if _take_kept(name, fd, wait_s) is not None:
                 os.close(fd)
                 return None
             header = _read_header(fd)
@@ -1224,14 +1224,16 @@ def unlink_if_orphaned(name: str, nonce: bytes, wait_s: float = 0.0) -> bool:
         time.sleep(0.1)
 
 
-def _take_kept(name: str, fd: int, wait_s: float) -> bool:
+def _take_kept(name: str, fd: int, wait_s: float) -> str | None:
     """Take kept segment ``name`` (open as ``fd``) from the keeper that holds it for a successor,
     as a claimant (:meth:`Arena._claim`, :func:`discard_kept`): wait while the keeper takes a
     dead engine's segment (its owner gone, or KEEPING), ask it (a claim with this process's pid
     and start time), and wait for its lock. True when this process holds the segment's lock, the
-    segment still KEPT and still named ``name``: nothing else writes or claims it until ``fd``
-    is closed. False, holding nothing, when no keeper holds or takes it (a live engine has it, or
-    nobody), when another claimant got it, or when the name stopped naming it meanwhile.
+    segment still KEPT and still named ``name``: None, and nothing else writes or claims it until
+    ``fd`` is closed. Otherwise, holding nothing, why not: ``live`` (a live engine has it),
+    ``stale`` (nobody: its engine and keeper are gone, not KEPT), ``claimed`` (another claimant
+    took it, after this one's claim too) or ``gone`` (the name stopped naming it meanwhile, or
+    it is no arena).
 
     Raises:
         ArenaForeignError: not this user's, or not mode 0600.
@@ -1244,7 +1246,7 @@ def _take_kept(name: str, fd: int, wait_s: float) -> bool:
     while True:  # its owner just died: its keeper is taking it
         header = _read_header(fd)
         if header is None:
-            return False
+            return "gone"
         state, owner_pid, created_ns = header[2], header[3], header[4]
         if state == _STATE_KEPT:
             # its keeper holds it for a claimant, or nobody does (its keeper gone, or a
@@ -1258,8 +1260,10 @@ def _take_kept(name: str, fd: int, wait_s: float) -> bool:
             state == _STATE_READY
             and (not _owner_alive(fd) or not _pid_alive(owner_pid, created_ns))
         )
-        if not taking or not _keeper_alive(fd):
-            return False  # a live engine's, or nobody's
+        if not taking:
+            return "live"
+        if not _keeper_alive(fd):
+            return "stale"
         if time.monotonic() > deadline:
             raise ArenaBusyError(
                 f"arena {name!r}: its keeper did not take it over within {wait_s:.0f} s"
@@ -1273,7 +1277,7 @@ def _take_kept(name: str, fd: int, wait_s: float) -> bool:
         except BlockingIOError:
             header = _read_header(fd)
             if header is None or header[2] != _STATE_KEPT:  # another claimant has it
-                return False
+                return "claimed"
             if time.monotonic() > deadline:
                 raise ArenaBusyError(
                     f"arena {name!r}: its keeper did not hand it over within {wait_s:.0f} s"
@@ -1281,9 +1285,9 @@ def _take_kept(name: str, fd: int, wait_s: float) -> bool:
             time.sleep(0.01)
     header = _read_header(fd)
     if _same_inode(name, fd) and header is not None and header[2] == _STATE_KEPT:
-        return True
+        return None
     fcntl.flock(fd, fcntl.LOCK_UN)
-    return False
+    return "gone" if not _same_inode(name, fd) else "claimed"
 
 
 def _table_namespace(fd: int) -> str | None:
@@ -1295,7 +1299,10 @@ def _table_namespace(fd: int) -> str | None:
     num_slots, row_bytes = header[5], header[6]
     if _WARM.unpack(os.pread(fd, _WARM.size, _WARM_OFFSET))[0] != table_bytes(num_slots):
         return None
-    head = os.pread(fd, TABLE_HEADER_BYTES, HEADER_BYTES + num_slots * row_bytes)
+    at = HEADER_BYTES + num_slots * row_bytes
+    if at + TABLE_HEADER_BYTES > os.fstat(fd).st_size:  # a header that lies about its shape
+        return None
+    head = os.pread(fd, TABLE_HEADER_BYTES, at)
     return header_namespace(head, num_slots, row_bytes)
 
 
@@ -1307,12 +1314,14 @@ def discard_kept(
     unlinked, so no successor adopts what it held (``kvoffload purge``: a tenant's chunks in a
     kept arena; the slot table names no tenant, so the whole arena goes). With ``namespace_id``,
     only a kept arena whose slot table is of that namespace. Returns ``removed``, ``absent`` (no
-    such segment), ``live`` (an engine has it: its host tier is its own, left alone; or another
-    successor claimed it first) or ``other_namespace``.
+    such segment, or it went meanwhile), ``live`` (an engine has it: its host tier is its own,
+    left alone), ``stale`` (nobody's: its engine and keeper died before it was kept; no
+    successor adopts it, ``kvoffload sweep`` removes it), ``claimed`` (a successor took it
+    between this claim and the lock: it adopted what the arena held) or ``other_namespace``.
 
     Raises:
-        ArenaError: an invalid name, or a segment that cannot be opened (e.g. another user's).
-        ArenaForeignError: not this user's, or not mode 0600.
+        ArenaError: an invalid name, a segment that cannot be opened or read (e.g. another
+            user's: :class:`ArenaForeignError`, also for a mode other than 0600).
         ArenaBusyError: its keeper did not let go within ``wait_s`` seconds.
     """
     try:
@@ -1320,14 +1329,19 @@ def discard_kept(
     except FileNotFoundError:
         return "absent"
     except OSError as e:
-        raise ArenaError(f"arena {name!r}: {os.strerror(e.errno or 0)}") from None
+        raise ArenaError(f"arena {name!r}: {_unopenable(name, e).reason}") from None
     try:
+        _check_attachable(name, fd)  # another user's, or a mode others may write: not read
         # the namespace before the claim: a claim makes its keeper let go, and a kept segment
         # nobody holds would then outlive its deadline
-        if namespace_id is not None and _table_namespace(fd) != namespace_id:
-            return "other_namespace"
-        if not _take_kept(name, fd, wait_s):
-            return "live"
+        try:
+            if namespace_id is not None and _table_namespace(fd) != namespace_id:
+                return "other_namespace"
+        except (OSError, ValueError, OverflowError) as e:
+            raise ArenaError(f"arena {name!r}: its slot table cannot be read ({e})") from None
+        why = _take_kept(name, fd, wait_s)
+        if why is not None:
+            return "absent" if why == "gone" else why
         with contextlib.suppress(posix_ipc.ExistentialError):
             posix_ipc.unlink_shared_memory(_posix_name(name))
         log.info("arena %s: the kept segment removed (purge)", name)

@@ -1079,6 +1079,7 @@ def probe_peer(addr: str, secret: bytes, namespace_id: str | None, timeout_s: fl
     ctx = zmq.Context()
     sock: zmq.Socket | None = None
     monitor: zmq.Socket | None = None
+    shook_hands = False  # the monitor saw the ZMQ handshake succeed
     try:
         pending = client.commands([Connect(addr)], time.monotonic())
         deadline = time.monotonic() + timeout_s
@@ -1119,6 +1120,7 @@ def probe_peer(addr: str, secret: bytes, namespace_id: str | None, timeout_s: fl
             while monitor is not None and monitor.poll(0):
                 failed_how = _handshake_failure(recv_monitor_message(monitor))
                 if failed_how is None:
+                    shook_hands = True
                     continue
                 if failed_how.outcome != "curve_failed":
                     return failed_how
@@ -1129,9 +1131,10 @@ def probe_peer(addr: str, secret: bytes, namespace_id: str | None, timeout_s: fl
                 pending = client.on_frame(addr, sock.recv(), time.monotonic())
             else:
                 pending = client.tick(time.monotonic())
-        if sock is not None:
+        if sock is not None and curve is not None and not shook_hands:
             # no monitor event, yet a greeting that names another mechanism is the mismatch, not
-            # a peer too busy to answer (the event is belt; this is braces)
+            # a peer too busy to answer (the event is belt; this is braces). Without CurveZMQ
+            # (auth none) the probe speaks NULL itself: a NULL peer that does not answer is busy
             mechanism = zmtp_mechanism(host, port, timeout_s)
             if mechanism not in (None, "CURVE"):
                 return _not_curve(mechanism)

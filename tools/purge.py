@@ -56,8 +56,11 @@ class ArenaPurge(msgspec.Struct, kw_only=True):
         outcome: ``removed`` (it was kept for a successor: removed whole, its slot table names
             no tenant, so every chunk in it went; the next start of that engine is cold),
             ``absent`` (none on this machine), ``live`` (an engine has it: a running engine's
-            host tier is not purged; stop it with warm restart off to erase it), ``other_namespace``
-            (a ``--namespace`` purge: the kept arena is another namespace's, left), ``error``.
+            host tier is not purged; stop it with warm restart off to erase it), ``stale``
+            (nobody's and never kept: no successor adopts it; ``kvoffload sweep`` removes it),
+            ``claimed`` (a successor started at that moment took it first and adopted what it
+            held: stop that engine with warm restart off; a failure), ``other_namespace`` (a
+            ``--namespace`` purge: the kept arena is another namespace's, left), ``error``.
         error: why it could not be looked at (``error`` only).
     """
 
@@ -88,7 +91,7 @@ class PurgeReport(msgspec.Struct, kw_only=True):
     def failed(self) -> bool:
         """Something could not be removed or looked at (exit status 1)."""
         return any(t.errors for t in self.tiers) or (
-            self.host_arena is not None and self.host_arena.outcome == "error"
+            self.host_arena is not None and self.host_arena.outcome in ("error", "claimed")
         )
 
 
@@ -192,6 +195,8 @@ def _purge_kept_arena(name: str, namespace: str | None) -> ArenaPurge:
         return ArenaPurge(name=name, outcome=arena.discard_kept(name, namespace))
     except arena.ArenaError as e:  # another user's, a bad mode, a keeper that did not let go
         return ArenaPurge(name=name, outcome="error", error=str(e))
+    except OSError as e:  # a look at the segment failed: this tier's error, not a traceback
+        return ArenaPurge(name=name, outcome="error", error=f"arena {name!r}: {e}")
 
 
 def _target(spec: Any) -> str:
@@ -245,6 +250,10 @@ def render(report: PurgeReport, console: Any) -> None:
             "removed": "kept for a warm restart: removed whole (the next start is cold)",
             "absent": "no kept arena on this machine",
             "live": "held by a running engine: not purged (stop it with warm_restart_s 0)",
+            "stale": "left by an engine and keeper that both died: nobody adopts it "
+            "(`kvoffload sweep` removes it)",
+            "claimed": "a successor started at that moment and adopted it first: stop that "
+            "engine with warm_restart_s 0 to erase it",
             "other_namespace": "kept for another namespace: left",
             "error": a.error,
         }[a.outcome]

@@ -801,3 +801,23 @@ def test_events_endpoints_no_subscriber_reaches_and_unknown_seeds_are_warnings(t
     assert all(f["status"] == "warn" for f in rows.values()), rows
     seed = one(found, "namespace: hash seed")  # no --hash-seed: not known, not "the same"
     assert seed["status"] == "warn" and "the same" not in seed["found"], seed
+
+
+def test_a_silent_peer_without_auth_is_not_called_without_curvezmq():
+    """Review: the greeting fallback ran for an ``auth: none`` probe too, which speaks NULL
+    itself: a NULL peer too busy to answer Hello was called 'without CurveZMQ' (pointing at
+    the secret) where both sides are right; it is 'no answer'."""
+    import zmq
+
+    from kvoffload.tools.doctor import probe_peer
+
+    ctx = zmq.Context()
+    plain = ctx.socket(zmq.ROUTER)  # speaks ZMTP with NULL, never answers Hello
+    plain.setsockopt(zmq.LINGER, 0)
+    port = plain.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        got = probe_peer(f"127.0.0.1:{port}", b"", None, 2.0)
+    finally:
+        plain.close(linger=0)
+        ctx.term()
+    assert got.outcome == "no_answer", got

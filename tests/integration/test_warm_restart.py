@@ -351,3 +351,57 @@ def test_purge_removes_a_kept_arena_and_leaves_a_running_engines(name):
     wait_until(lambda: state(name) == "kept", patience(60), "the keeper's take-over")
     assert purge(config, salt="tenant-b").host_arena.outcome == "removed"
     assert not os.path.exists(os.path.join(SHM_DIR, name))
+
+
+def test_purge_says_claimed_when_a_successor_takes_the_kept_arena_between_its_claim_and_lock(
+    name, monkeypatch
+):
+    """Review: a successor already waiting could take the kept arena after the purge's claim
+    made the keeper let go, and adopt the tenant's chunks; the purge called it 'live' and exited
+    0. Here the successor's claim lands while the purge waits for the lock: the purge reports
+    ``claimed``, a failure."""
+    from kvoffload.ipc import arena as arena_mod
+    from kvoffload.tools.purge import purge
+
+    killed_engine(name, salt="tenant-a")
+    wait_until(lambda: state(name) == "kept", patience(60), "the keeper's take-over")
+    real_sleep = arena_mod.time.sleep
+    successor = contextlib.ExitStack()
+    said: list[str] = []
+
+    def sleep(s: float) -> None:
+        if not said and sys._getframe(1).f_code.co_name == "_take_kept":
+            said.append(successor.enter_context(peer("claim", name, "16", str(KEEP_S))))
+        real_sleep(s)
+
+    monkeypatch.setattr(arena_mod.time, "sleep", sleep)
+    with successor:
+        got = purge(
+            {"cpu_bytes_to_use": 1 << 20, "arena_name": name, "warm_restart_s": KEEP_S},
+            salt="tenant-a",
+        )
+        monkeypatch.undo()
+        assert said == ["claimed 1"], said
+        assert got.host_arena is not None and got.host_arena.outcome == "claimed", got
+        assert got.failed()
+        assert state(name) == "ready"  # the successor's
+
+
+def test_purge_reports_what_squats_the_arenas_name_without_a_traceback(name, tmp_path):
+    """Review: a FIFO (or a file whose header lies about its shape) under the arena's name made
+    the purge's look raise OSError / OverflowError past its report; each is now the host
+    arena's error (exit 1), the tiers' reports kept."""
+    from kvoffload.tools.purge import purge
+
+    config = {
+        "cpu_bytes_to_use": 1 << 20,
+        "arena_name": name,
+        "warm_restart_s": KEEP_S,
+        "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path / "fs")}],
+    }
+    os.mkfifo(os.path.join(SHM_DIR, name), 0o600)
+    for ns in (None, namespace().id()):
+        got = purge(config, salt="tenant-a") if ns is None else purge(config, namespace=ns)
+        assert got.host_arena is not None and got.host_arena.outcome == "error", got
+        assert "not a regular file" in got.host_arena.error and got.failed()
+        assert [t.type for t in got.tiers] == ["fs"] and not got.tiers[0].errors

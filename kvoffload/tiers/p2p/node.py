@@ -167,7 +167,7 @@ def open_dealer(
         if before_connect is not None:
             before_connect(s)
         s.connect(f"tcp://{out.host}:{out.port}")
-    except zmq.ZMQError:
+    except BaseException:
         s.close(linger=0)
         raise
     return s

@@ -749,8 +749,11 @@ MUTATIONS: list[Mutation] = [
         "C36",
         "a request waiting on a probe is not owed its MISS",
         "kvoffload/tiers/verdicts.py",
-        "        if owed is not None and req_id in owed:\n",
-        "        if False:\n",
+        # where a probe's absent answer makes the waiting requests owed (a lookup reads the debt
+        # in two places: verdict(), which pays it, and absent_for(), which a request's scout
+        # checks: mutating one of them alone left the other answering MISS)
+        "        if waiting:\n            self.owe_miss(key, waiting)\n",
+        "        if False:\n            self.owe_miss(key, waiting)\n",
         (CAP + "test_c36_zero_negative_ttl_lookup_answers_miss_once_the_probe_answered",),
     ),
     Mutation(

@@ -1261,7 +1261,9 @@ def _take_kept(name: str, fd: int, wait_s: float) -> str | None:
             and (not _owner_alive(fd) or not _pid_alive(owner_pid, created_ns))
         )
         if not taking:
-            return "live"
+            # a live engine's (its owner holds the lock), or one left by an owner that died
+            # before it was ready, or with a header of a state this version does not know
+            return "live" if state == _STATE_READY or _owner_alive(fd) else "stale"
         if not _keeper_alive(fd):
             return "stale"
         if time.monotonic() > deadline:

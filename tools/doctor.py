@@ -1122,6 +1122,9 @@ def probe_peer(addr: str, secret: bytes, namespace_id: str | None, timeout_s: fl
                 if failed_how is None:
                     shook_hands = True
                     continue
+                if curve is None and failed_how.outcome in ("not_curve", "curve_failed"):
+                    # the probe speaks NULL (auth: none): a mismatch is the peer's mechanism
+                    return _dropped_handshake(host, port, timeout_s, curve=False)
                 if failed_how.outcome != "curve_failed":
                     return failed_how
                 # a connection dropped in the handshake: a server of another key drops it, and
@@ -1131,12 +1134,17 @@ def probe_peer(addr: str, secret: bytes, namespace_id: str | None, timeout_s: fl
                 pending = client.on_frame(addr, sock.recv(), time.monotonic())
             else:
                 pending = client.tick(time.monotonic())
-        if sock is not None and curve is not None and not shook_hands:
-            # no monitor event, yet a greeting that names another mechanism is the mismatch, not
-            # a peer too busy to answer (the event is belt; this is braces). Without CurveZMQ
-            # (auth none) the probe speaks NULL itself: a NULL peer that does not answer is busy
+        if sock is not None and not shook_hands:
+            # no monitor event (libzmq reports none for bytes that are not ZMTP, nor for a
+            # handshake failed before a monitor existed): the peer's greeting says which it is,
+            # not a peer too busy to answer. Without CurveZMQ (auth: none) the probe speaks NULL
+            # itself: a NULL peer that does not answer is busy
             mechanism = zmtp_mechanism(host, port, timeout_s)
-            if mechanism not in (None, "CURVE"):
+            if mechanism == NOT_ZMTP:
+                return _no_greeting(mechanism)
+            if curve is None and mechanism not in (None, "NULL"):
+                return _mechanism_of_null_peer(mechanism)
+            if curve is not None and mechanism not in (None, "CURVE"):
                 return _not_curve(mechanism)
         return PeerProbe(outcome="no_answer", detail=f"no answer to Hello within {timeout_s:g} s")
     finally:
@@ -1150,11 +1158,16 @@ def probe_peer(addr: str, secret: bytes, namespace_id: str | None, timeout_s: fl
         p2p_log.setLevel(level)
 
 
+NOT_ZMTP = ""
+"""What :func:`zmtp_mechanism` answers for a peer that sent bytes which are no ZMTP 3 greeting."""
+
+
 def zmtp_mechanism(host: str, port: int, timeout_s: float) -> str | None:
     """The security mechanism a ZMQ peer's greeting names (``CURVE``, ``NULL``, ``PLAIN``), read
     over a plain TCP connection that sends only the start of a greeting (signature and major
     version: the peer answers with its whole greeting and waits for the rest, so it has judged
-    nothing yet); None when no ZMTP 3 greeting comes within ``timeout_s`` seconds."""
+    nothing yet); :data:`NOT_ZMTP` when it sent bytes that are no ZMTP 3 greeting; None when it
+    sent nothing within ``timeout_s`` seconds (or the connection failed)."""
     import socket
 
     try:
@@ -1169,22 +1182,52 @@ def zmtp_mechanism(host: str, port: int, timeout_s: float) -> str | None:
                     break
                 got += chunk
     except OSError:
+        pass
+    if not got:
         return None
     if len(got) < ZMTP_GREETING_BYTES or got[0] != 0xFF or got[9] != 0x7F or got[10] < 3:
-        return None
+        return NOT_ZMTP
     return got[12:32].rstrip(b"\0").decode("ascii", "replace")
 
 
-def _dropped_handshake(host: str, port: int, timeout_s: float) -> PeerProbe:
-    """Why a peer dropped the probe's CurveZMQ handshake, from the mechanism its greeting names."""
+def _dropped_handshake(host: str, port: int, timeout_s: float, curve: bool = True) -> PeerProbe:
+    """Why a peer dropped the probe's handshake (a CurveZMQ one unless ``curve`` is False: the
+    probe of an ``auth: none`` tier speaks NULL), from the mechanism its greeting names."""
     mechanism = zmtp_mechanism(host, port, timeout_s)
+    if mechanism is None or mechanism == NOT_ZMTP:
+        return _no_greeting(mechanism)
+    if not curve:
+        return _mechanism_of_null_peer(mechanism)
     if mechanism == "CURVE":
         return PeerProbe(
             outcome="curve_failed", detail="the CurveZMQ handshake failed (the peer dropped it)"
         )
-    if mechanism is None:
-        return PeerProbe(outcome="not_zmtp", detail="it sends no ZMQ greeting")
     return _not_curve(mechanism)
+
+
+def _no_greeting(mechanism: str | None) -> PeerProbe:
+    """A peer whose answer is no ZMTP greeting (``NOT_ZMTP``) or nothing (None)."""
+    if mechanism == NOT_ZMTP:
+        return PeerProbe(
+            outcome="not_zmtp", detail="it answers with bytes that are no ZMQ greeting"
+        )
+    return PeerProbe(outcome="not_zmtp", detail="it sends no ZMQ greeting")
+
+
+def _mechanism_of_null_peer(mechanism: str) -> PeerProbe:
+    """What a peer greeting with ``mechanism`` is to a probe without CurveZMQ (``auth: none``)."""
+    if mechanism == "CURVE":
+        return PeerProbe(
+            outcome="needs_curve",
+            detail="it requires CurveZMQ (a peer with auth: secret) and this instance has "
+            "auth: none",
+        )
+    if mechanism == "NULL":
+        return PeerProbe(outcome="no_answer", detail="no answer to Hello")
+    return PeerProbe(
+        outcome="not_zmtp",
+        detail=f"it speaks ZMQ with mechanism {mechanism}: not a kvoffload p2p port",
+    )
 
 
 def _not_curve(mechanism: str) -> PeerProbe:
@@ -1349,6 +1392,8 @@ _HANDSHAKE_FIXES = {
     "peer_timeout_s",
     "refused_not_ready": "the peer is starting: run again when it serves",
     "auth_refused": "add this host to the peer's allowed_peers",
+    "needs_curve": "give every instance the same auth setting (auth: secret with the same "
+    "secret, or auth: none on all)",
     "bad_address": "give the peer's concrete host:port (not *), as it advertises it",
 }
 

@@ -405,3 +405,37 @@ def test_purge_reports_what_squats_the_arenas_name_without_a_traceback(name, tmp
         assert got.host_arena is not None and got.host_arena.outcome == "error", got
         assert "not a regular file" in got.host_arena.error and got.failed()
         assert [t.type for t in got.tiers] == ["fs"] and not got.tiers[0].errors
+
+
+def test_purge_calls_an_arena_whose_owner_died_before_it_was_ready_stale_not_live(name):
+    """Fresh user's attack (helper): a segment left in state INIT by an owner that died, no
+    lock held, was reported ``live`` ("held by a running engine", exit 0) where ``kvoffload
+    sweep --list`` calls it an owner dead; it is ``stale``, and left for the sweep."""
+    from kvoffload.ipc import arena as arena_mod
+    from kvoffload.tools.purge import purge
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid that no process has now
+    header = arena_mod._HEADER.pack(
+        arena_mod._MAGIC,
+        arena_mod._VERSION,
+        arena_mod._STATE_INIT,
+        gone.pid,
+        0,
+        16,
+        ROW,
+        bytes(16),
+        b"",
+    )
+    path = os.path.join(SHM_DIR, name)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, arena_mod.HEADER_BYTES)
+        os.pwrite(fd, header, 0)
+    finally:
+        os.close(fd)
+    got = purge(
+        {"cpu_bytes_to_use": 1 << 20, "arena_name": name, "warm_restart_s": KEEP_S}, salt="tenant-a"
+    )
+    assert got.host_arena is not None and got.host_arena.outcome == "stale", got
+    assert not got.failed() and os.path.exists(path)

@@ -1377,8 +1377,8 @@ MUTATIONS: list[Mutation] = [
         "C56",
         "a kept arena nobody holds is not claimed",
         "ipc/arena.py",
-        "                if state == _STATE_KEPT:\n",
-        "                if state == _STATE_KEPT and _owner_alive(fd):\n",
+        "        if state == _STATE_KEPT:\n",
+        "        if state == _STATE_KEPT and _owner_alive(fd):\n",
         (
             WA
             + "test_c56_a_claimant_that_dies_after_the_keeper_let_go_leaves_the_arena_to_the_next",

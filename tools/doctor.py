@@ -1181,6 +1181,8 @@ def zmtp_mechanism(host: str, port: int, timeout_s: float) -> str | None:
                 if not chunk:
                     break
                 got += chunk
+                if got[0] != 0xFF or (len(got) > 9 and got[9] != 0x7F):
+                    break  # no ZMTP signature: nothing more to wait for
     except OSError:
         pass
     if not got:

@@ -852,14 +852,16 @@ def test_a_peer_that_answers_with_bytes_that_are_not_zmq_is_named_so(auth):
     t.start()
     try:
         secret = os.urandom(32) if auth == "secret" else b""
-        got = probe_peer(f"127.0.0.1:{srv.getsockname()[1]}", secret, None, 2.0)
+        got = probe_peer(f"127.0.0.1:{srv.getsockname()[1]}", secret, None, 5.0)
     finally:
         stop.set()
         t.join()
         for c in conns:
             c.close()
         srv.close()
-    assert got.outcome == "not_zmtp" and "no ZMQ greeting" in got.detail, got
+    # from the greeting read ("no ZMQ greeting"), or from a protocol error libzmq reports at
+    # times ("breaks ZMQ's protocol"): either way named not ZMQ, never "no answer"
+    assert got.outcome == "not_zmtp" and "ZMQ" in got.detail, got
 
 
 def test_a_curvezmq_peer_probed_without_auth_is_named_as_needing_it():

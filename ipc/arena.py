@@ -1228,12 +1228,12 @@ def _take_kept(name: str, fd: int, wait_s: float) -> str | None:
     """Take kept segment ``name`` (open as ``fd``) from the keeper that holds it for a successor,
     as a claimant (:meth:`Arena._claim`, :func:`discard_kept`): wait while the keeper takes a
     dead engine's segment (its owner gone, or KEEPING), ask it (a claim with this process's pid
-    and start time), and wait for its lock. True when this process holds the segment's lock, the
-    segment still KEPT and still named ``name``: None, and nothing else writes or claims it until
-    ``fd`` is closed. Otherwise, holding nothing, why not: ``live`` (a live engine has it),
-    ``stale`` (nobody: its engine and keeper are gone, not KEPT), ``claimed`` (another claimant
-    took it, after this one's claim too) or ``gone`` (the name stopped naming it meanwhile, or
-    it is no arena).
+    and start time), and wait for its lock. None when this process holds the segment's lock, the
+    segment still KEPT and still named ``name``: nothing else writes or claims it until ``fd`` is
+    closed. Otherwise, holding nothing, why not: ``live`` (a live engine has it, or one starting),
+    ``stale`` (nobody's: its owner died before it was ready, or it was never kept and its keeper is
+    gone), ``claimed`` (another claimant took it, after this one's claim too) or ``gone`` (the name
+    stopped naming it meanwhile, or it is no arena).
 
     Raises:
         ArenaForeignError: not this user's, or not mode 0600.

@@ -232,6 +232,31 @@ def test_the_peer_worker_runs_at_the_configured_niceness(world):
     assert psutil.Process(tier(niced).worker_pid).nice() == min(19, me + 7)
 
 
+def test_the_engine_process_switch_interval_is_lowered_while_a_tier_runs_and_given_back(world):
+    """The node thread needs the GIL for each hop of a load; while vLLM's scheduler thread ran
+    pure-Python steps it got it only after CPython's 5 ms switch interval, so loads crawled
+    while the scheduler was busy (BENCHMARKS 9b). A running tier lowers it to
+    ``engine_switch_interval_s`` (0.5 ms by default; null leaves it) and its shutdown gives it
+    back."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)
+    try:
+        untouched = world.rig(p2p("tcp", free_port(), engine_switch_interval_s=None))
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+        plain = world.rig(p2p("tcp", free_port()))
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        lower = world.rig(p2p("tcp", free_port(), engine_switch_interval_s=0.0002))
+        assert sys.getswitchinterval() == pytest.approx(0.0002)
+        tier(lower).shutdown()
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        tier(plain).shutdown()
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+        tier(untouched).shutdown()
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+    finally:
+        sys.setswitchinterval(before)
+
+
 def xxh(row) -> str:
     import xxhash
 

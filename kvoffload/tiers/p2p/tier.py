@@ -70,7 +70,7 @@ from kvoffload.tiers.p2p.commands import (
 )
 from kvoffload.tiers.p2p.config import P2PTierConfig
 from kvoffload.tiers.p2p.locations import PeerLocations
-from kvoffload.tiers.p2p.node import PeerNode
+from kvoffload.tiers.p2p.node import SWITCH_INTERVAL, PeerNode
 from kvoffload.tiers.p2p.routing import ROUTE_REFUSALS, PeerPolicy, Route, parse_route
 
 log = logging.getLogger("kvoffload.p2p")
@@ -223,6 +223,7 @@ class P2PTier(SecondaryTierManager):
         self.incarnation = os.urandom(16)
         self._manager: ServedHost | None = None
         self._node: PeerNode | None = None
+        self._switch_interval: float | None = None  # held in SWITCH_INTERVAL while it runs
         self._worker: Any = None
         self._server: Any = None
         self._ctx: zmq.Context | None = None
@@ -356,6 +357,9 @@ class P2PTier(SecondaryTierManager):
         self._server.addresses = tuple(dict.fromkeys(own))  # a Hello must have dialed one
         self._policy.own = frozenset(own)
         self._node.start()
+        if cfg.engine_switch_interval_s is not None:
+            SWITCH_INTERVAL.hold(cfg.engine_switch_interval_s)
+            self._switch_interval = cfg.engine_switch_interval_s
         for p in dict.fromkeys([*cfg.peers, *cfg.peer_events]):  # a session confirms its events
             self._node.submit(Connect(p))
         log.info(
@@ -778,6 +782,9 @@ class P2PTier(SecondaryTierManager):
     @override
     def shutdown(self) -> None:
         node, self._node = self._node, None
+        if self._switch_interval is not None:
+            SWITCH_INTERVAL.release(self._switch_interval)
+            self._switch_interval = None
         stuck = False
         if node is not None:
             node.stop()

@@ -211,6 +211,23 @@ def test_a_wrongly_typed_value_is_repeated_in_its_error_unless_it_may_be_a_secre
     assert "918273645546372819" not in msg and "given" not in msg, msg
 
 
+def test_the_p2p_engine_switch_interval_is_bounded_and_may_be_left_alone():
+    def p2p(**kw):
+        return {**BASE, "secondary_tiers": [{"type": "p2p", **kw}]}
+
+    assert parse_config(p2p()).secondary_tiers[0].config.engine_switch_interval_s == 0.0005
+    assert (
+        parse_config(p2p(engine_switch_interval_s=None))
+        .secondary_tiers[0]
+        .config.engine_switch_interval_s
+        is None
+    )
+    msg = fails(p2p(engine_switch_interval_s=0.00001), "engine_switch_interval_s")
+    assert ">= 0.0001" in msg, msg
+    msg = fails(p2p(engine_switch_interval_s=1), "engine_switch_interval_s")
+    assert "<= 0.1" in msg, msg
+
+
 def test_never_slower_than_recompute_is_the_default_with_live_estimates():
     cfg = parse_config(BASE)
     assert cfg.slower_than_recompute == "recompute"

@@ -147,11 +147,11 @@ class P2PTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             transport, alternated in one session (BENCHMARKS §10e). Raise it on a host with no
             core to spare where the scheduler's step time matters more than a load's.
         engine_switch_interval_s: the interpreter's thread switch interval in the engine's
-            process while the tier runs (seconds, :func:`sys.setswitchinterval`; only ever
-            lowered, given back at shutdown; null leaves it). The node thread needs the GIL for
-            each hop of a load, and while vLLM's scheduler runs pure-Python steps it gets it only
-            after this interval: at CPython's 5 ms loads moved 0.16-0.24 GB/s during 2 ms steps
-            on 2 vCPUs, at 0.5 ms 1.0-2.0 (BENCHMARKS §9b).
+            process while the tier runs (seconds, 0.0001-0.1, :func:`sys.setswitchinterval`;
+            only ever lowered, given back at shutdown; null leaves it). The node thread needs
+            the GIL for each hop of a load, and while vLLM's scheduler runs pure-Python steps it
+            gets it only after this interval: at CPython's 5 ms loads moved 0.16-0.24 GB/s
+            during 2 ms steps on 2 vCPUs, at 0.5 ms 1.0-2.0 (BENCHMARKS §9b).
         lease_ttl_s: how long a serving instance keeps a lease's slots pinned at most (seconds;
             at least 5x ``transfer_deadline_s``, so a transfer reported done always ran while
             its lease held).
@@ -176,6 +176,7 @@ class P2PTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "advertise_host": "auto: host's value",
         "data_host": "auto: host's value",
         "secret": "auto: from the environment variable secret_env names",
+        "engine_switch_interval_s": "the interpreter's, left as it is (sys.getswitchinterval)",
     }
 
     host: str = "127.0.0.1"
@@ -198,7 +199,7 @@ class P2PTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     peer_timeout_s: Seconds = 2.0
     transfer_deadline_s: Seconds = 2.0
     worker_nice: Annotated[int, msgspec.Meta(ge=0, le=19)] = 0
-    engine_switch_interval_s: Annotated[float, msgspec.Meta(gt=0, le=0.1)] | None = 0.0005
+    engine_switch_interval_s: Annotated[float, msgspec.Meta(ge=0.0001, le=0.1)] | None = 0.0005
     lease_ttl_s: Seconds = 30.0
     negative_ttl_s: TTLSeconds = 1.0
     failed_load_ttl_s: TTLSeconds = 10.0

@@ -248,9 +248,13 @@ class VLLMServer:
         env["VLLM_CPU_OMP_THREADS_BIND"] = self.spec.threads
         env.update(self.spec.env)
         self._shm_before = vllm_shm_names()
-        # vLLM's IPC sockets go in a directory of this server's, removed at stop (not in /tmp).
+        # vLLM's IPC sockets and temporary files go in a directory of this server's, removed at
+        # stop (not in /tmp): each start's torch FileStore (/tmp/vllm_dist_<uuid>, which vLLM
+        # never removes) among them. A TMPDIR the spec gives is kept.
         self._rpc_dir = tempfile.mkdtemp(prefix="kvoffload-vllm-rpc-")
         env["VLLM_RPC_BASE_PATH"] = self._rpc_dir
+        if "TMPDIR" not in self.spec.env:
+            env["TMPDIR"] = self._rpc_dir
         if self.spec.log_path:
             Path(self.spec.log_path).parent.mkdir(parents=True, exist_ok=True)
             self._log = open(self.spec.log_path, "wb")

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import secrets
 import select
 import subprocess
 import sys
+import tempfile
 
 import pytest
 from helpers import vllm_or_skip
@@ -417,6 +420,27 @@ def test_a_server_that_exits_during_its_start_leaves_nothing(tmp_path):
         srv.start()
     assert "Error: no model" in str(e.value)
     assert srv.proc is None and srv._rpc_dir is None
+
+
+def test_a_servers_temporary_files_are_its_own_and_removed_with_it(tmp_path):
+    """vLLM makes a torch FileStore per start in the temporary directory
+    (``/tmp/vllm_dist_<uuid>``) and never removes it: the suite's dozens of servers left one each.
+    A server's TMPDIR is its own directory, removed when it stops (here: a start that fails)."""
+    mark = secrets.token_hex(6)
+    code = (
+        "import os, sys, tempfile; "
+        f"p = os.path.join(tempfile.gettempdir(), 'vllm_dist_{mark}'); "
+        "open(p, 'w').write('x'); print('made', p, flush=True); sys.exit(3)"
+    )
+    srv = _FakeServer.make(tmp_path, code)
+    with pytest.raises(RuntimeError, match="exited with code 3") as e:
+        srv.start()
+    made = re.search(r"made (\S+)", str(e.value))
+    assert made, str(e.value)
+    path = made.group(1)
+    assert os.path.dirname(path).startswith(os.path.join(tempfile.gettempdir(), "kvoffload-vllm-"))
+    assert not os.path.exists(path) and not os.path.exists(os.path.dirname(path))
+    assert not os.path.exists(os.path.join(tempfile.gettempdir(), f"vllm_dist_{mark}"))
 
 
 # -- kvoffload demo: what --help promises ------------------------------------------------------------

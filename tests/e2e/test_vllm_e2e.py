@@ -18,7 +18,6 @@ vllm_or_skip()
 
 from helpers import NO_FLOOR, replay  # noqa: E402
 
-from kvoffload.tools.model import prepare_model  # noqa: E402
 from kvoffload.tools.vllm_server import (  # noqa: E402
     BLOCK_BYTES_PER_TOKEN_F32,
     ServerSpec,
@@ -33,18 +32,6 @@ DOC_TOKENS = 1200
 MAX_MODEL_LEN = 2016  # the device cache's 2,048 tokens, less the block vLLM keeps back
 HOST_TOKENS = MAX_MODEL_LEN - 32  # one chunk less than a request of max_model_len
 OUR_LOG_LINE = r" kvoffload (DEBUG|INFO|WARNING|ERROR|CRITICAL) "  # kvoffload.logs' format
-
-
-@pytest.fixture(scope="session")
-def model_dir(tmp_path_factory):
-    return str(prepare_model(os.environ.get("KVOFFLOAD_MODEL_DIR")))
-
-
-@pytest.fixture(scope="session")
-def tokenizer(model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
 
 
 @pytest.fixture(scope="session")

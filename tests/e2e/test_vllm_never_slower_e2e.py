@@ -14,7 +14,6 @@ from helpers import NO_FLOOR, vllm_or_skip  # noqa: E402
 
 vllm_or_skip()
 
-from kvoffload.tools.model import prepare_model  # noqa: E402
 from kvoffload.tools.vllm_server import (  # noqa: E402
     BLOCK_BYTES_PER_TOKEN_F32,
     ServerSpec,
@@ -26,18 +25,6 @@ from kvoffload.tools.workload import SYSTEM, chat, maintenance_log  # noqa: E402
 
 DOC_TOKENS = 1200
 MAX_MODEL_LEN = 2016
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return str(prepare_model(os.environ.get("KVOFFLOAD_MODEL_DIR")))
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
 
 
 @pytest.fixture(scope="module")

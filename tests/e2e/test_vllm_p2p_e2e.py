@@ -93,13 +93,6 @@ def pair(tmp_path_factory):
     assert not ours & {a.name for a in list_arenas()}
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(prepare_model(os.environ.get("KVOFFLOAD_MODEL_DIR"))))
-
-
 def served_then_continued(first: VLLMServer, tokenizer, seed: int, extra: dict) -> tuple:
     """``first`` serves a conversation's opening turn (with ``extra`` request fields); returns that
     turn and the continuation's messages (history, the reply, a follow-up question)."""

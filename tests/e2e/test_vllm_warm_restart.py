@@ -27,7 +27,6 @@ vllm_or_skip()
 
 from kvoffload.ipc.arena import SHM_DIR, list_arenas, published_chunks  # noqa: E402
 from kvoffload.ipc.slot_table import OUTCOMES  # noqa: E402
-from kvoffload.tools.model import prepare_model  # noqa: E402
 from kvoffload.tools.vllm_server import (  # noqa: E402
     BLOCK_BYTES_PER_TOKEN_F32,
     ServerSpec,
@@ -44,18 +43,6 @@ HOST_TOKENS = 6144  # the host tier holds every prompt of a test: nothing is evi
 PREFILL_STEP = 256  # tokens per step (vLLM's chunked prefill): a long prompt is stored in parts
 KEEP_S = 300.0
 REPLY = 12
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return str(prepare_model(os.environ.get("KVOFFLOAD_MODEL_DIR")))
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
 
 
 @pytest.fixture

@@ -63,3 +63,28 @@ def test_releasing_what_was_never_held_raises(interval):
     with pytest.raises(ValueError):
         si.release(0.0005)
     assert now() == pytest.approx(0.005)
+
+
+def test_a_setting_made_by_someone_else_is_given_back_even_when_nothing_was_lowered(interval):
+    """A process already below the held interval: nothing is set; a change the host makes while
+    it is held is still the one given back (not the value from before the hold)."""
+    sys.setswitchinterval(0.0001)
+    si = SwitchInterval()
+    si.hold(0.0005)
+    sys.setswitchinterval(0.002)
+    si.release(0.0005)
+    assert now() == pytest.approx(0.002)
+
+
+def test_hold_and_release_cycles_give_back_the_interval_to_the_microsecond(interval):
+    """CPython keeps the interval in whole µs, truncating: reading it back and setting it again
+    must not creep down a µs a cycle."""
+    for start in (0.0002, 0.003, 0.005):
+        sys.setswitchinterval(start)
+        want = round(sys.getswitchinterval() * 1e6)
+        si = SwitchInterval()
+        for lower in (0.0001, 0.0003, 0.0007) * 5:
+            si.hold(lower)
+            assert round(now() * 1e6) == min(want, round(lower * 1e6))
+            si.release(lower)
+            assert round(now() * 1e6) == want

@@ -150,8 +150,9 @@ class P2PTierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             process while the tier runs (seconds, 0.0001-0.1, :func:`sys.setswitchinterval`;
             only ever lowered, given back at shutdown; null leaves it). The node thread needs
             the GIL for each hop of a load, and while vLLM's scheduler runs pure-Python steps it
-            gets it only after this interval: at CPython's 5 ms loads moved 0.16-0.24 GB/s
-            during 2 ms steps on 2 vCPUs, at 0.5 ms 1.0-2.0 (BENCHMARKS §9b).
+            gets it only after this interval: during 2 ms steps on 2 vCPUs, 256 KiB loads moved
+            0.16-0.39 GB/s (all submitted at once) and 0.19-0.25 (one a step) at CPython's
+            5 ms, 0.58-2.04 and 0.32-0.41 at 0.5 ms (BENCHMARKS §9b).
         lease_ttl_s: how long a serving instance keeps a lease's slots pinned at most (seconds;
             at least 5x ``transfer_deadline_s``, so a transfer reported done always ran while
             its lease held).

@@ -142,7 +142,8 @@ class SwitchInterval:
     to the worker, its settlement); while vLLM's scheduler thread runs pure-Python steps it gets
     the GIL only when the holder is made to drop it, after the switch interval (CPython's 5 ms
     by default), so each hop waited up to 5 ms and loads crawled while the scheduler was busy:
-    0.16-0.24 GB/s at 256 KiB with 2 ms steps, against 1.0-2.0 GB/s at 0.5 ms (BENCHMARKS §9b).
+    at 256 KiB with 2 ms steps, 0.16-0.39 GB/s (every load submitted at once) and 0.19-0.25 (one
+    a step), against 0.58-2.04 and 0.32-0.41 at 0.5 ms (BENCHMARKS §9b).
     A lower interval costs only when threads contend for the GIL (a thread that waits for it asks
     the holder to drop it sooner); an idle node thread waits in poll(2) without it.
 
@@ -153,32 +154,45 @@ class SwitchInterval:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._held: list[float] = []
-        self._before = 0.0  # the process's interval when the first holder came
-        self._ours: float | None = None  # what we last set (read back), None: nothing set
+        self._held: list[int] = []  # the holders' intervals (µs)
+        self._before = 0  # the process's interval when the first holder came, or set since (µs)
+        self._seen = 0  # the interval as this object last left it (µs)
 
     def hold(self, seconds: float) -> None:
         """Lower the interval to at most ``seconds`` (> 0) until :meth:`release` (seconds)."""
         with self._lock:
             if not self._held:
-                self._before, self._ours = sys.getswitchinterval(), None
-            self._held.append(seconds)
+                self._before = self._seen = _now_us()
+            self._held.append(_us(seconds))
             self._apply()
 
     def release(self, seconds: float) -> None:
-        """Let go of a :meth:`hold` of ``seconds``; the last one gives the interval back."""
+        """Let go of a :meth:`hold` of ``seconds``; the last one gives the interval back.
+
+        Raises:
+            ValueError: no hold of ``seconds`` is held.
+        """
         with self._lock:
-            self._held.remove(seconds)
+            self._held.remove(_us(seconds))
             self._apply()
 
     def _apply(self) -> None:
-        now = sys.getswitchinterval()
-        if self._ours is not None and now != self._ours:  # set by someone else meanwhile: theirs
-            self._before, self._ours = now, None
+        now = _now_us()
+        if now != self._seen:  # set by someone else meanwhile: theirs is the one to give back
+            self._before = now
         target = min([self._before, *self._held])
         if target != now:
-            sys.setswitchinterval(target)
-            self._ours = sys.getswitchinterval()
+            # CPython truncates 1e6 x seconds to whole µs: half a µs more lands on target
+            sys.setswitchinterval((target + 0.5) / 1e6)
+        self._seen = _now_us()
+
+
+def _us(seconds: float) -> int:
+    return round(seconds * 1e6)
+
+
+def _now_us() -> int:
+    return _us(sys.getswitchinterval())
 
 
 SWITCH_INTERVAL = SwitchInterval()

@@ -405,3 +405,30 @@ def keepers(name: str) -> list[int]:
         if "kvoffload.ipc.janitor" in cmd and name in cmd:
             out.append(p.pid)
     return out
+
+
+def fs_server_spec(model_dir: str, root, log: str):
+    """A vLLM-CPU server (:class:`~kvoffload.tools.vllm_server.ServerSpec`) whose device cache
+    and host tier each hold one prompt of up to 2,016 tokens (blocks of 32), over an unbounded
+    fs tier on ``root``; its log at ``log``. The tier's mechanics, not the judge: a give-way
+    depends on the machine's speed (tests/e2e/test_vllm_never_slower_e2e.py tests the default,
+    ``recompute``)."""
+    from kvoffload.tools.vllm_server import BLOCK_BYTES_PER_TOKEN_F32, ServerSpec
+
+    offload = {
+        "spec_name": "KVOffloadSpec",
+        "spec_module_path": "kvoffload.vllm",
+        "cpu_bytes_to_use": 1984 * BLOCK_BYTES_PER_TOKEN_F32,
+        "secondary_tiers": [
+            {"type": "fs", "root_dir": str(root), "max_bytes": "unbounded", **NO_FLOOR}
+        ],
+        "slower_than_recompute": "serve",
+    }
+    return ServerSpec(
+        model=model_dir,
+        kv_cache_tokens=2048,
+        block_size=32,
+        max_model_len=2016,
+        offload=offload,
+        log_path=log,
+    )

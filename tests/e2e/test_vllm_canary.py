@@ -13,14 +13,11 @@ from pathlib import Path
 import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
-from helpers import NO_FLOOR, vllm_or_skip  # noqa: E402
+from helpers import fs_server_spec, vllm_or_skip  # noqa: E402
 
 vllm_or_skip()
 
-from kvoffload.tools.model import prepare_model  # noqa: E402
 from kvoffload.tools.vllm_server import (  # noqa: E402
-    BLOCK_BYTES_PER_TOKEN_F32,
-    ServerSpec,
     VLLMServer,
     counter_increase,
 )
@@ -28,27 +25,6 @@ from kvoffload.workers import chunkfile as cf  # noqa: E402
 
 BLOCK = 32
 DEADLINE_S = 240.0  # a generous bound on checks every second: behaviour, not speed
-
-
-def _spec(model_dir: str, root: Path, log: str) -> ServerSpec:
-    offload = {
-        "spec_name": "KVOffloadSpec",
-        "spec_module_path": "kvoffload.vllm",
-        "cpu_bytes_to_use": 1984 * BLOCK_BYTES_PER_TOKEN_F32,
-        "secondary_tiers": [
-            {"type": "fs", "root_dir": str(root), "max_bytes": "unbounded", **NO_FLOOR}
-        ],
-        # the tier's mechanics, not the judge (tests/e2e/test_vllm_never_slower_e2e.py)
-        "slower_than_recompute": "serve",
-    }
-    return ServerSpec(
-        model=model_dir,
-        kv_cache_tokens=2048,
-        block_size=BLOCK,
-        max_model_len=2016,
-        offload=offload,
-        log_path=log,
-    )
 
 
 def _checks(server: VLLMServer) -> dict[str, int]:
@@ -105,11 +81,10 @@ def _rewrite_behind_the_tiers_back(root: Path) -> int:
     return len(files)
 
 
-def test_the_canary_matches_then_names_a_tier_serving_wrong_kv_and_closes_it(tmp_path):
-    model_dir = str(prepare_model(os.environ.get("KVOFFLOAD_MODEL_DIR")))
+def test_the_canary_matches_then_names_a_tier_serving_wrong_kv_and_closes_it(tmp_path, model_dir):
     root = tmp_path / "fs"
     log = tmp_path / "server.log"
-    server = VLLMServer(_spec(model_dir, root, str(log)))
+    server = VLLMServer(fs_server_spec(model_dir, root, str(log)))
     server.spec.offload["canary"] = {
         "url": server.url,
         "every_s": 1,

@@ -439,7 +439,45 @@ def _value_problem(root: type[msgspec.Struct], parts: list, msg: str, value: Any
         detail += f" (given: {_given(value)})"
     elif parts and parts[-1] is None:
         detail += " (in one of its entries)"
+    allowed = _allowed_numbers(field.type) if field is not None else None
+    # msgspec names the type, or the one bound the value broke: say the whole range where that
+    # is more (a wrong type; a range with two ends)
+    if allowed and ("got `" in msg or " from " in allowed or " and " in allowed):
+        detail += f"; allowed: {allowed}"
     return detail
+
+
+_NO_BOUND = 2**63 - 1  # an integer setting's upper "bound" that only says it fits in 64 bits
+
+
+def _allowed_numbers(t: Any) -> str | None:
+    """A bounded number field's allowed values, e.g. ``a number from 0.0001 to 0.1, or null``
+    (None for a field that is not a number with a bound, or that takes other forms too)."""
+    nullable = False
+    said = None
+    for x in _types(t):
+        if isinstance(x, msgspec.inspect.Metadata):
+            x = x.type
+        if isinstance(x, msgspec.inspect.NoneType):
+            nullable = True
+        elif not isinstance(x, (msgspec.inspect.IntType, msgspec.inspect.FloatType)):
+            return None  # a string, a literal, a list...: the number's range is not all it takes
+        elif said is None:
+            kind = "an integer" if isinstance(x, msgspec.inspect.IntType) else "a number"
+            le = None if x.le == _NO_BOUND else x.le
+            if x.ge is not None and le is not None:
+                said = f"{kind} from {x.ge} to {le}"
+                continue
+            bounds = [
+                f"{op} {v}"
+                for op, v in ((">=", x.ge), (">", x.gt), ("<=", le), ("<", x.lt))
+                if v is not None
+            ]
+            if bounds:
+                said = f"{kind} {' and '.join(bounds)}"
+    if said is None:
+        return None
+    return f"{said}, or null" if nullable else said
 
 
 SECRET_KEY_RE = re.compile(r"secret|token|password|credential|api_key", re.IGNORECASE)

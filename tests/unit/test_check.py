@@ -109,7 +109,7 @@ def test_every_error_of_a_config_is_listed_at_once_each_with_its_key_path(tmp_pa
         f"{t}[0].max_bytes: a size in bytes, as an integer, not the string '1GB' (1 GiB is "
         '1073741824, 1 GB is 1000000000); also allowed: "unbounded", null (auto: 50% of the free '
         "space on root_dir's filesystem at start, plus this namespace's chunks there)",
-        f"{t}[0].io_threads: Expected `int` >= 1 (given: 0)",
+        f"{t}[0].io_threads: Expected `int` >= 1 (given: 0); allowed: an integer from 1 to 64",
         f"{t}[2].peers[0]: 'node-b' is not host:port (port 1-65535)",
         f"{t}[2].heartbeat_s: heartbeat_s (5.0) must be below peer_timeout_s (2.0)",
     ]
@@ -136,14 +136,18 @@ def test_parse_config_at_engine_start_raises_one_error_listing_all_first_first(t
     t = f"{EXTRA}.secondary_tiers"
     assert [(i.path, i.message) for i in e.value.errors] == [
         (f"{EXTRA}.cpu_bytes_to_use", "Expected `int` >= 1 (given: 0)"),
-        (f"{EXTRA}.tier_pin_fraction", "Expected `float` <= 1.0 (given: 2)"),
+        (
+            f"{EXTRA}.tier_pin_fraction",
+            "Expected `float` <= 1.0 (given: 2); allowed: a number > 0.0 and <= 1.0",
+        ),
         (f"{t}[0].root_dir", "required, and missing"),
         (f"{t}[1].io_workers", "Expected `int` >= 1 (given: 0)"),
     ]
     assert str(e.value).splitlines() == [
         f"{EXTRA}.cpu_bytes_to_use: Expected `int` >= 1 (given: 0)",
         "and 3 more errors:",
-        f"  {EXTRA}.tier_pin_fraction: Expected `float` <= 1.0 (given: 2)",
+        f"  {EXTRA}.tier_pin_fraction: Expected `float` <= 1.0 (given: 2); allowed: a number > 0.0 "
+        "and <= 1.0",
         f"  {t}[0].root_dir: required, and missing",
         f"  {t}[1].io_workers: Expected `int` >= 1 (given: 0)",
     ]

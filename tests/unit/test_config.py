@@ -81,7 +81,7 @@ def test_c21_unknown_tier_type():
             "a size in bytes, as an integer (e.g. 1073741824 for 1 GiB), not the string 'lots'",
         ),
         ("4096", "a size in bytes, as an integer: write 4096 without quotes"),
-        (1.5, "Expected `int`, got `float` (given: 1.5)"),
+        (1.5, "Expected `int`, got `float` (given: 1.5); allowed: an integer > 0"),
     ],
 )
 def test_c21_wrong_unit_or_type_for_sizes(value, why):
@@ -202,7 +202,8 @@ def test_tier_entries_are_parsed_once_into_typed_specs(tmp_path):
 def test_a_wrongly_typed_value_is_repeated_in_its_error_unless_it_may_be_a_secret():
     msg = fails({**BASE, "block_size": [16]})
     assert msg == (
-        "kv_connector_extra_config.block_size: Expected `int | null`, got `array` (given: [16])"
+        "kv_connector_extra_config.block_size: Expected `int | null`, got `array` (given: [16]); "
+        "allowed: an integer > 0, or null"
     )
     # a secret given as a number by mistake is still the secret: not echoed into logs
     msg = fails(
@@ -223,7 +224,9 @@ def test_the_p2p_engine_switch_interval_is_bounded_and_may_be_left_alone():
         is None
     )
     msg = fails(p2p(engine_switch_interval_s=0.00001), "engine_switch_interval_s")
-    assert ">= 0.0001" in msg, msg
+    assert ">= 0.0001" in msg and "allowed: a number from 0.0001 to 0.1, or null" in msg, msg
+    msg = fails(p2p(engine_switch_interval_s="fast"), "engine_switch_interval_s")
+    assert msg.endswith("allowed: a number from 0.0001 to 0.1, or null"), msg
     msg = fails(p2p(engine_switch_interval_s=1), "engine_switch_interval_s")
     assert "<= 0.1" in msg, msg
 

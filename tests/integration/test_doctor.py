@@ -5,6 +5,7 @@ read-only tmpfs, a real KV-event publisher with its replay socket, a real metric
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -679,19 +680,29 @@ def test_other_machines_instances_are_not_judged_by_this_machine(tmp_path):
     assert one(found, "shared fs root")["status"] == "ok"
 
 
-def test_a_zmq_peer_without_curve_is_not_called_another_secret(tmp_path):
+@contextlib.contextmanager
+def zmq_peer(curve_secret: bytes | None = None):
+    """A ZMQ ROUTER on a free loopback port that never answers (a CurveZMQ server with
+    ``curve_secret``, else NULL: a socket without CurveZMQ); yields its port, closed after."""
     import zmq
 
     ctx = zmq.Context()
-    plain = ctx.socket(zmq.ROUTER)  # a ZMQ socket without CurveZMQ: auth none, or no p2p port
-    plain.setsockopt(zmq.LINGER, 0)
-    port = plain.bind_to_random_port("tcp://127.0.0.1")
+    peer = ctx.socket(zmq.ROUTER)
+    peer.setsockopt(zmq.LINGER, 0)
+    if curve_secret is not None:
+        peer.curve_server = True
+        peer.curve_secretkey = curve_secret
     try:
+        yield peer.bind_to_random_port("tcp://127.0.0.1")
+    finally:
+        peer.close(linger=0)
+        ctx.term()
+
+
+def test_a_zmq_peer_without_curve_is_not_called_another_secret(tmp_path):
+    with zmq_peer() as port:  # a ZMQ socket without CurveZMQ: auth none, or no p2p port
         c = config(secondary_tiers=[p2p("tcp", free_port(), [f"127.0.0.1:{port}"])])
         status, found = doctor(tmp_path, [c], "--timeout", "60")
-    finally:
-        plain.close(linger=0)
-        ctx.term()
     f = one(found, "p2p peer")
     assert status == 1 and "without CurveZMQ" in f["found"], f
     assert "auth failure" not in f["found"], f
@@ -809,19 +820,10 @@ def test_a_silent_peer_without_auth_is_not_called_without_curvezmq():
     """Review: the greeting fallback ran for an ``auth: none`` probe too, which speaks NULL
     itself: a NULL peer too busy to answer Hello was called 'without CurveZMQ' (pointing at
     the secret) where both sides are right; it is 'no answer'."""
-    import zmq
-
     from kvoffload.tools.doctor import probe_peer
 
-    ctx = zmq.Context()
-    plain = ctx.socket(zmq.ROUTER)  # speaks ZMTP with NULL, never answers Hello
-    plain.setsockopt(zmq.LINGER, 0)
-    port = plain.bind_to_random_port("tcp://127.0.0.1")
-    try:
+    with zmq_peer() as port:  # speaks ZMTP with NULL, never answers Hello
         got = probe_peer(f"127.0.0.1:{port}", b"", None, 2.0)
-    finally:
-        plain.close(linger=0)
-        ctx.term()
     assert got.outcome == "no_answer", got
 
 
@@ -872,16 +874,6 @@ def test_a_curvezmq_peer_probed_without_auth_is_named_as_needing_it():
 
     from kvoffload.tools.doctor import probe_peer
 
-    ctx = zmq.Context()
-    curve = ctx.socket(zmq.ROUTER)
-    curve.setsockopt(zmq.LINGER, 0)
-    _, secret = zmq.curve_keypair()
-    curve.curve_server = True
-    curve.curve_secretkey = secret
-    port = curve.bind_to_random_port("tcp://127.0.0.1")
-    try:
+    with zmq_peer(curve_secret=zmq.curve_keypair()[1]) as port:
         got = probe_peer(f"127.0.0.1:{port}", b"", None, 2.0)
-    finally:
-        curve.close(linger=0)
-        ctx.term()
     assert got.outcome == "needs_curve", got

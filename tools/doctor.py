@@ -1107,7 +1107,12 @@ def probe_peer(addr: str, secret: bytes, namespace_id: str | None, timeout_s: fl
                             f"{e.strerror})",
                         )
                 elif isinstance(out, Send) and sock is not None:
-                    sock.send(out.frame, zmq.NOBLOCK)
+                    try:
+                        sock.send(out.frame, zmq.NOBLOCK)
+                    except zmq.Again:
+                        # no connection to queue it on (the peer dropped ours): as the node
+                        # does, the frame is dropped; the events or the greeting say why
+                        pass
                 elif isinstance(out, Close):
                     failed = {k: v for k, v in client.handshake_failures.items() if v}
                     reason = next(iter(failed), "closed")
